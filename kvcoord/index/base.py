@@ -1,0 +1,122 @@
+"""The index protocol every backend implements, and the value types it speaks.
+
+Semantics (DESIGN.md): keys are ``(model, uint64 block hash)``; locations are
+``(node_id, dp_rank, tier)``; a match is, per ``(node_id, dp_rank)``, the longest gap-free
+leading run of the query that the node holds on any tier, with per-tier counts. Events are
+idempotent, and a batch is validated whole before any of it is applied, so a bad event never
+leaves a half-applied batch behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias, runtime_checkable
+
+from kvcoord.events import KVEvent, Tier
+from kvcoord.hashing import BlockHash64
+
+NodeKey: TypeAlias = tuple[str, int]
+"""``(node_id, dp_rank)``: the unit a match is reported for."""
+
+SnapshotEntry: TypeAlias = tuple[BlockHash64, Tier]
+"""One (block, tier) a node holds; a node's snapshot is a list of these."""
+
+
+class InvalidEvent(ValueError):
+    """An event that cannot be applied (bad hash, unknown medium, wrong type). Nothing was applied."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMatch:
+    """How much of a query one ``(node_id, dp_rank)`` holds."""
+
+    node_id: str
+    dp_rank: int
+    matched_blocks: int
+    tiers: tuple[int, ...]
+    """Blocks of the matched run per tier, indexed by ``Tier`` value (GPU, CPU, STORAGE)."""
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """Block-level counts of what one ``apply`` did."""
+
+    stored: int = 0
+    removed: int = 0
+    removed_unknown: int = 0
+    cleared: int = 0
+    skipped_group: int = 0
+
+    def add(self, other: ApplyResult) -> None:
+        self.stored += other.stored
+        self.removed += other.removed
+        self.removed_unknown += other.removed_unknown
+        self.cleared += other.cleared
+        self.skipped_group += other.skipped_group
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """Size of the index. ``entries`` counts (block, location) pairs; ``blocks`` distinct keys."""
+
+    entries: int
+    blocks: int
+    nodes: int
+    bytes: int
+    entries_by_model_tier: dict[tuple[str, Tier], int] = field(default_factory=dict)
+    blocks_by_model: dict[str, int] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Index(Protocol):
+    """A global block index. All methods are coroutines so that remote backends fit the same shape."""
+
+    backend: str
+    """Short backend name for logs and metrics (``memory``, ``redis``, ``redis-cluster``)."""
+
+    async def apply(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
+        """Apply one node's events in order. Raises ``InvalidEvent`` (and applies nothing) on bad input."""
+        ...
+
+    async def match(
+        self,
+        model: str,
+        hashes: Sequence[BlockHash64],
+        candidates: Collection[NodeKey] | None = None,
+    ) -> list[NodeMatch]:
+        """Nodes holding a non-empty leading run of ``hashes``, longest first (ties by node id, rank)."""
+        ...
+
+    async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
+        """Drop every entry of ``(node_id, dp_rank)`` for ``model`` (AllBlocksCleared)."""
+        ...
+
+    async def remove_node(self, node_id: str) -> None:
+        """Make ``node_id`` vanish from matches at once, for every model and rank.
+
+        Its entries are reclaimed in the background or lazily; re-adding the id later starts empty.
+        """
+        ...
+
+    async def export_node(self, model: str, node_id: str, dp_rank: int) -> list[SnapshotEntry]:
+        """Every (block, tier) that ``(node_id, dp_rank)`` holds for ``model``, sorted."""
+        ...
+
+    async def replace_node(
+        self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
+    ) -> None:
+        """Atomically for readers, make ``(node_id, dp_rank)`` hold exactly ``entries`` for ``model``."""
+        ...
+
+    async def stats(self) -> IndexStats:
+        """Counts of entries, blocks, nodes, and an estimate of bytes held."""
+        ...
+
+    async def ping(self) -> bool:
+        """True when the backend can serve; remote backends check their connection."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and background tasks."""
+        ...
