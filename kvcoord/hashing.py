@@ -1,11 +1,34 @@
 """vLLM-exact prefix-cache block hashing.
 
-(Skeleton: the types below are the stable API other modules build on.)
+A block hash is ``H((parent_digest or NONE_HASH, tuple(block_token_ids), extra_keys or None))``
+chained over full blocks, where ``H`` is one of vLLM's four functions (``sha256`` = SHA-256 of
+pickle protocol 5, ``sha256_cbor`` = SHA-256 of canonical CBOR, ``xxhash`` / ``xxhash_cbor`` =
+XXH3-128 of the same) and ``NONE_HASH = H(seed)``. Everything here reproduces the bytes vLLM
+hashes, including its pitfalls: the parent is the raw digest, an empty key set is ``None``, the
+seed is hashed as a string, and pickle's memo makes object identity part of the input (so the
+repeated ``"mm"`` tag of the tagged style is one shared literal, as in vLLM).
+
+Two paths compute the same digests. The *reference* builds vLLM's tuples and calls
+``cbor2``/``pickle`` plus ``hashlib``/``xxhash``. The *fast* path writes the serialised bytes
+directly from per-token encoding caches; it covers every CBOR input and the pickle inputs without
+extra keys, and the property tests prove it identical to the reference. Routing is automatic.
 """
 
 from __future__ import annotations
 
-from typing import NewType
+import functools
+import hashlib
+import os
+import pickle
+import re
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import chain, pairwise, repeat
+from typing import Any, Final, Literal, NewType, TypeAlias, TypeVar, get_args
+
+import cbor2
+import xxhash as _xxhash
 
 BlockDigest = NewType("BlockDigest", bytes)
 """A full block digest as the engine computes it: 32 bytes (sha256*) or 16 bytes (xxh3-128)."""
@@ -14,6 +37,29 @@ BlockHash64 = NewType("BlockHash64", int)
 """vLLM's ``ExternalBlockHash`` in int form: the digest's last 8 bytes, big-endian, unsigned."""
 
 UINT64_MASK = (1 << 64) - 1
+
+HashAlgo: TypeAlias = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+ExtraKeyStyle: TypeAlias = Literal["untagged", "tagged"]
+ExternalForm: TypeAlias = Literal["int", "bytes"]
+HASH_ALGOS: Final[tuple[HashAlgo, ...]] = get_args(HashAlgo)
+EXTRA_KEY_STYLES: Final[tuple[ExtraKeyStyle, ...]] = get_args(ExtraKeyStyle)
+EXTERNAL_FORMS: Final[tuple[ExternalForm, ...]] = get_args(ExternalForm)
+
+DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
+"""The seed vLLM >= 0.29 uses for sha256/sha256_cbor when ``PYTHONHASHSEED`` is unset."""
+
+_DEFAULT_SEED_SINCE: Final = (0, 29)
+_TAGGED_SINCE: Final = (0, 31)
+_SEEDED_BY_DEFAULT: Final[frozenset[str]] = frozenset({"sha256", "sha256_cbor"})
+
+# Tags of the tagged style. One module-level object each, exactly like vLLM's literals: pickle
+# writes the second "mm" of a block as a memo reference to the first, so identity matters.
+_TAG_LORA: Final = "lora"
+_TAG_MM: Final = "mm"
+_TAG_SALT: Final = "cache_salt"
+_TAG_EMBEDS: Final = "prompt_embeds"
+
+T = TypeVar("T")
 
 
 def to_block_hash64(value: int | bytes) -> BlockHash64:
@@ -28,3 +74,651 @@ def to_block_hash64(value: int | bytes) -> BlockHash64:
     if value < 0 or value > UINT64_MASK:
         raise ValueError(f"block hash {value} is outside uint64")
     return BlockHash64(value)
+
+
+# --- the four reference hash functions (vllm/utils/hashing.py) ----------------------------------
+def hash_sha256(obj: object) -> bytes:
+    """vLLM ``sha256``: SHA-256 of ``pickle.dumps(obj, protocol=5)`` (CPython-specific)."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+
+
+def hash_sha256_cbor(obj: object) -> bytes:
+    """vLLM ``sha256_cbor``: SHA-256 of canonical CBOR (reproducible in any language)."""
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def hash_xxhash(obj: object) -> bytes:
+    """vLLM ``xxhash``: XXH3-128 digest of pickle protocol 5."""
+    return _xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=5))
+
+
+def hash_xxhash_cbor(obj: object) -> bytes:
+    """vLLM ``xxhash_cbor``: XXH3-128 digest of canonical CBOR."""
+    return _xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+
+
+HASH_FUNCTIONS: Final[dict[str, Callable[[object], bytes]]] = {
+    "sha256": hash_sha256,
+    "sha256_cbor": hash_sha256_cbor,
+    "xxhash": hash_xxhash,
+    "xxhash_cbor": hash_xxhash_cbor,
+}
+
+
+def check_algo(algo: str) -> HashAlgo:
+    """Return ``algo`` as a :data:`HashAlgo`, or raise ``ValueError`` naming the valid ones."""
+    if algo not in HASH_FUNCTIONS:
+        raise ValueError(f"unknown hash algorithm {algo!r} (expected one of {', '.join(HASH_ALGOS)})")
+    return algo  # type: ignore[return-value]
+
+
+def get_hash_fn(algo: str) -> Callable[[object], bytes]:
+    """The reference hash function named ``algo`` (vLLM's ``get_hash_fn_by_name``)."""
+    return HASH_FUNCTIONS[check_algo(algo)]
+
+
+def parse_release(release: str) -> tuple[int, int]:
+    """``"0.31"``, ``"v0.33.1"``, ``"0.31.0rc1"`` → ``(major, minor)``; ``ValueError`` otherwise."""
+    m = re.match(r"^v?(\d+)\.(\d+)(?:[.+\-a-z0-9]*)$", release.strip())
+    if m is None:
+        raise ValueError(f"bad engine release {release!r} (expected e.g. 0.31 or 0.33.1)")
+    return int(m.group(1)), int(m.group(2))
+
+
+@functools.lru_cache(maxsize=64)
+def _none_hash(algo: str, seed: str) -> bytes:
+    # vLLM's init_none_hash: NONE_HASH = hash_fn(seed), the seed as a *string*, same H as blocks.
+    return HASH_FUNCTIONS[algo](seed)
+
+
+# --- profiles ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class HashProfile:
+    """Everything that decides an engine's block hashes (DESIGN.md "Hash profiles").
+
+    ``seed`` None means: ``PYTHONHASHSEED`` at hashing time, else the default of
+    ``engine_release`` (vLLM >= 0.29, sha256 family), else an error. ``external`` is the form the
+    engine publishes (``int``: uint64; ``bytes``: raw digest).
+    """
+
+    algo: HashAlgo
+    block_size: int
+    seed: str | None = None
+    style: ExtraKeyStyle = "untagged"
+    external: ExternalForm = "int"
+    engine_release: str | None = None
+
+    def __post_init__(self) -> None:
+        check_algo(self.algo)
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block size must be a positive integer, not {self.block_size!r}")
+        if self.seed is not None and not isinstance(self.seed, str):
+            raise ValueError(f"seed must be a string (it is hashed as one), not {type(self.seed).__name__}")
+        if self.style not in EXTRA_KEY_STYLES:
+            raise ValueError(f"unknown extra-key style {self.style!r} (expected untagged or tagged)")
+        if self.external not in EXTERNAL_FORMS:
+            raise ValueError(f"unknown external hash form {self.external!r} (expected int or bytes)")
+        if self.engine_release is not None:
+            parse_release(self.engine_release)
+
+    @classmethod
+    def for_release(
+        cls,
+        release: str,
+        algo: HashAlgo,
+        block_size: int,
+        seed: str | None = None,
+        external: ExternalForm = "int",
+    ) -> HashProfile:
+        """The profile of a vLLM release: tagged extra keys from 0.31, default seed from 0.29."""
+        style: ExtraKeyStyle = "tagged" if parse_release(release) >= _TAGGED_SINCE else "untagged"
+        return cls(algo, block_size, seed, style, external, release)
+
+    @property
+    def digest_size(self) -> int:
+        """32 for the sha256 family, 16 for xxh3-128."""
+        return 32 if self.algo.startswith("sha256") else 16
+
+    def resolved_seed(self) -> str:
+        """The seed NONE_HASH derives from; ``ValueError`` with the fix when it cannot be known."""
+        if self.seed is not None:
+            return self.seed
+        env = os.environ.get("PYTHONHASHSEED")
+        if env is not None:
+            return env
+        how = "pass the engine's PYTHONHASHSEED as the seed (CLI: --seed S) or set PYTHONHASHSEED"
+        if self.engine_release is None:
+            raise ValueError(
+                f"no NONE_HASH seed: {how}, or name the engine release (vLLM >= 0.29 uses "
+                f"{DEFAULT_NONE_HASH_SEED!r} for sha256/sha256_cbor)"
+            )
+        if parse_release(self.engine_release) < _DEFAULT_SEED_SINCE:
+            raise ValueError(
+                f"vLLM {self.engine_release} seeds NONE_HASH randomly when PYTHONHASHSEED is unset, so its "
+                f"hashes cannot be reproduced: start the engine with PYTHONHASHSEED set and {how}"
+            )
+        if self.algo not in _SEEDED_BY_DEFAULT:
+            raise ValueError(
+                f"vLLM seeds {self.algo} randomly when PYTHONHASHSEED is unset, so its hashes cannot be "
+                f"reproduced: start the engine with PYTHONHASHSEED set and {how}"
+            )
+        return DEFAULT_NONE_HASH_SEED
+
+    def none_hash(self) -> BlockDigest:
+        """NONE_HASH = H(seed): the parent of every request's first block."""
+        return BlockDigest(_none_hash(self.algo, self.resolved_seed()))
+
+    def fingerprint(self) -> str:
+        """Hex SHA-256 of NONE_HASH: lets peers compare seeds without revealing them."""
+        return hashlib.sha256(self.none_hash()).hexdigest()
+
+    def external_hash(self, digest: bytes) -> int | bytes:
+        """A digest in the form this engine publishes (uint64 int or the raw digest)."""
+        return to_block_hash64(digest) if self.external == "int" else bytes(digest)
+
+
+# --- request extra keys -----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class MultiModalItem:
+    """A multimodal placeholder: its identifier (vLLM's mm hash) and token range in the prompt."""
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str):
+            raise ValueError(f"multimodal identifier must be a string, not {type(self.identifier).__name__}")
+        for name, value, low in (("offset", self.offset, 0), ("length", self.length, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"multimodal {name} must be an integer >= {low}, not {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKeys:
+    """The request-level inputs of vLLM's extra keys.
+
+    ``mm_items`` must be sorted by offset (vLLM assumes it). ``prompt_embeds_digests`` holds one
+    digest per block (vLLM: SHA-256 of the block's embedding tensor), supplied by the caller.
+    """
+
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    mm_items: tuple[MultiModalItem, ...] = field(default=())
+    prompt_embeds_digests: tuple[bytes, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("lora_name", "lora_path", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, not {type(value).__name__}")
+        items = tuple(self.mm_items)
+        object.__setattr__(self, "mm_items", items)
+        for item in items:
+            if not isinstance(item, MultiModalItem):
+                raise ValueError(f"mm_items must be MultiModalItem, not {type(item).__name__}")
+        if any(a.offset > b.offset for a, b in pairwise(items)):
+            raise ValueError("multimodal items must be sorted by offset, as vLLM requires")
+        if self.prompt_embeds_digests is not None:
+            digests = tuple(self.prompt_embeds_digests)
+            if not all(type(d) is bytes for d in digests):
+                raise ValueError("prompt-embeds digests must be bytes")
+            object.__setattr__(self, "prompt_embeds_digests", digests)
+
+    @property
+    def empty(self) -> bool:
+        """True when no block of the request gets extra keys."""
+        return (
+            self.lora_name is None
+            and not self.cache_salt
+            and not self.mm_items
+            and self.prompt_embeds_digests is None
+        )
+
+
+def _mm_items_in_block(
+    items: tuple[MultiModalItem, ...], start: int, end: int, idx: int
+) -> tuple[list[MultiModalItem], int]:
+    """The items overlapping tokens ``[start, end)``, walked as vLLM's ``_gen_mm_extra_hash_keys``.
+
+    ``idx`` is the item to start from (-1: the last one, as vLLM does for blocks completed after
+    the first hashing call); returns the overlapping items and the next start index.
+    """
+    found: list[MultiModalItem] = []
+    if not items:
+        return found, idx
+    last = items[-1]
+    if last.offset + last.length <= start:
+        return found, idx
+    if idx < 0:
+        idx += len(items)
+    while idx < len(items):
+        item = items[idx]
+        if end <= item.offset:
+            break  # the block has not reached this item yet
+        if start >= item.offset + item.length:
+            idx += 1  # the block is past this item
+            continue
+        found.append(item)
+        if end >= item.offset + item.length:
+            idx += 1  # the item ends in this block; the next one may start here too
+        else:
+            break
+    return found, idx
+
+
+def _extra_keys_range(
+    keys: RequestKeys | None,
+    style: ExtraKeyStyle,
+    block_size: int,
+    first_block: int,
+    count: int,
+    mm_idx: int,
+) -> list[tuple[Any, ...] | None]:
+    """Extra keys of blocks ``first_block .. first_block+count-1`` in ``style``, in vLLM's order.
+
+    Order: LoRA, multimodal items, cache salt (first block only), prompt-embeds digest.
+    Raises ``ValueError`` (before anything is hashed) when a block lacks its embeds digest.
+    """
+    if keys is None or keys.empty:
+        return [None] * count
+    tagged = style == "tagged"
+    lora: list[Any] = []
+    if keys.lora_name is not None:
+        if tagged:
+            if keys.lora_path is None:
+                raise ValueError("tagged extra keys (vLLM >= 0.31) hash the LoRA path too: give lora_path")
+            lora = [(_TAG_LORA, keys.lora_name, keys.lora_path)]
+        else:
+            lora = [keys.lora_name]
+    digests = keys.prompt_embeds_digests
+    if digests is not None and len(digests) < first_block + count:
+        raise ValueError(
+            f"{len(digests)} prompt-embeds digests for {first_block + count} full blocks: give one per block"
+        )
+    out: list[tuple[Any, ...] | None] = []
+    for b in range(first_block, first_block + count):
+        start = b * block_size
+        items, mm_idx = _mm_items_in_block(keys.mm_items, start, start + block_size, mm_idx)
+        if tagged:
+            mm: list[Any] = [(_TAG_MM, it.identifier, it.offset - start) for it in items]
+        else:
+            mm = [(it.identifier, it.offset - start) for it in items]
+        salt: list[Any] = []
+        if start == 0 and keys.cache_salt:
+            salt = [(_TAG_SALT, keys.cache_salt)] if tagged else [keys.cache_salt]
+        embeds: list[Any] = []
+        if digests is not None:
+            embeds = [(_TAG_EMBEDS, digests[b])] if tagged else [digests[b]]
+        extra = lora + mm + salt + embeds
+        out.append(tuple(extra) if extra else None)
+    return out
+
+
+def block_extra_keys(
+    keys: RequestKeys | None,
+    block_size: int,
+    num_tokens: int,
+    *,
+    style: ExtraKeyStyle = "untagged",
+) -> list[tuple[Any, ...] | None]:
+    """Per full block, the extra keys that enter the hash in ``style`` (None for a block without)."""
+    return _extra_keys_range(keys, style, block_size, 0, num_tokens // block_size, 0)
+
+
+def published_extra_keys(
+    keys: RequestKeys | None, block_size: int, num_tokens: int
+) -> list[tuple[Any, ...] | None]:
+    """Per full block, the extra keys as vLLM's ``BlockStored.extra_keys`` carry them.
+
+    Every release publishes the untagged form (LoRA name, ``(mm_id, offset)`` pairs, cache salt
+    on block 0, embeds digest), even those (>= 0.31) that hash the tagged form.
+    """
+    return block_extra_keys(keys, block_size, num_tokens, style="untagged")
+
+
+# --- token validation and the fast serialisers --------------------------------------------------
+def _as_tokens(token_ids: Iterable[int]) -> tuple[Sequence[int], array[int]]:
+    """Validate token ids in C before any hashing: ``(ids for lookups, the same as a uint64 array)``.
+
+    Non-integers raise ``ValueError``, as do ids outside 0..2**64-1 (no tokenizer has them). A
+    list or tuple is kept for lookups (its int objects already exist); anything else is read once.
+    """
+    if isinstance(token_ids, array) and token_ids.typecode == "Q":
+        return token_ids, token_ids
+    if isinstance(token_ids, str | bytes | bytearray):
+        raise ValueError("token ids must be a sequence of integers")
+    try:
+        arr = array("Q", token_ids)
+    except OverflowError:
+        raise ValueError("token ids must be integers in 0..2**64-1") from None
+    except TypeError:
+        raise ValueError("token ids must be integers") from None
+    return (token_ids if isinstance(token_ids, list | tuple) else arr), arr
+
+
+def _cbor_head(major: int, n: int) -> bytes:
+    m = major << 5
+    if n < 24:
+        return bytes((m | n,))
+    if n < 0x100:
+        return bytes((m | 24, n))
+    if n < 0x10000:
+        return bytes((m | 25,)) + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return bytes((m | 26,)) + n.to_bytes(4, "big")
+    return bytes((m | 27,)) + n.to_bytes(8, "big")
+
+
+class _Repeat:
+    """An endless, re-iterable repetition of one value (``itertools.repeat`` is single-use)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: bytes) -> None:
+        self._value = value
+
+    def __iter__(self) -> Iterator[bytes]:
+        return repeat(self._value)
+
+
+class _TokenCodec:
+    """Per-token canonical CBOR, looked up from a table and joined per block.
+
+    The table covers ids below the largest seen (up to ``table_limit``, 2**18: every common
+    vocabulary) and is filled eagerly when it grows, so lookups never miss; larger ids go through
+    a bounded dict.
+    """
+
+    __slots__ = ("_big", "_table")
+
+    table_limit: Final = 1 << 18
+    big_limit: Final = 1 << 16
+
+    def __init__(self) -> None:
+        self._table: list[bytes] = []
+        self._big: dict[int, bytes] = {}
+
+    def blocks(
+        self, seq: Sequence[int], arr: array[int], bs: int, count: int, head: bytes, tails: Iterable[bytes]
+    ) -> list[bytes]:
+        """``head + encoded tokens + tails[i]`` for each of the first ``count`` blocks of ``bs`` ids."""
+        if bs == 0:
+            return [head + tail for _, tail in zip(range(count), tails, strict=False)]
+        n = count * bs
+        if len(seq) != n:
+            seq = seq[:n]
+        table = self._table
+        try:
+            tokens = iter(map(table.__getitem__, seq))
+            return list(map(b"".join, zip(repeat(head), *([tokens] * bs), tails, strict=False)))
+        except IndexError:  # an id beyond the table
+            top = max(arr[:n])
+            if top < self.table_limit:
+                self._grow(top)
+                return self.blocks(seq, arr, bs, count, head, tails)
+        big = self._big
+        if len(big) > self.big_limit:
+            big.clear()
+        out = []
+        for i, tail in zip(range(count), tails, strict=False):
+            parts = [head]
+            for t in arr[i * bs : (i + 1) * bs]:
+                b = big.get(t)
+                if b is None:
+                    b = big[t] = table[t] if t < len(table) else _cbor_head(0, t)
+                parts.append(b)
+            parts.append(tail)
+            out.append(b"".join(parts))
+        return out
+
+    def _grow(self, top: int) -> None:
+        end = min(self.table_limit, (top | 0xFFF) + 1)
+        start = len(self._table)
+        self._table.extend(
+            bytes((t,)) if t < 24 else bytes((24, t)) if t < 0x100 else
+            b"\x19" + t.to_bytes(2, "big") if t < 0x10000 else b"\x1a" + t.to_bytes(4, "big")
+            for t in range(start, end)
+        )
+
+
+_CBOR_TOKENS: Final = _TokenCodec()
+
+
+def _cbor_encode_into(out: list[bytes], value: object) -> bool:
+    """Append canonical CBOR of ``value`` for the shapes extra keys take; False if unsupported."""
+    kind = type(value)
+    if value is None:
+        out.append(b"\xf6")
+    elif kind is int:
+        n: int = value  # type: ignore[assignment]
+        if 0 <= n <= UINT64_MASK:
+            out.append(_cbor_head(0, n))
+        elif -(1 << 64) <= n < 0:
+            out.append(_cbor_head(1, -1 - n))
+        else:
+            return False
+    elif kind is str:
+        try:
+            raw = value.encode("utf-8")  # type: ignore[attr-defined]
+        except UnicodeEncodeError:
+            return False
+        out.append(_cbor_head(3, len(raw)))
+        out.append(raw)
+    elif kind is bytes:
+        out.append(_cbor_head(2, len(value)))  # type: ignore[arg-type]
+        out.append(value)  # type: ignore[arg-type]
+    elif kind is tuple or kind is list:
+        seq: Sequence[object] = value  # type: ignore[assignment]
+        out.append(_cbor_head(4, len(seq)))
+        return all(_cbor_encode_into(out, v) for v in seq)
+    else:
+        return False
+    return True
+
+
+def _cbor_encode(value: object) -> bytes:
+    """Canonical CBOR of ``value``, built directly where possible (CBOR is compositional)."""
+    out: list[bytes] = []
+    if _cbor_encode_into(out, value):
+        return b"".join(out)
+    result: bytes = cbor2.dumps(value, canonical=True)
+    return result
+
+
+def _chain(
+    algo: HashAlgo,
+    none_hash: bytes,
+    parent: bytes | None,
+    seq: Sequence[int],
+    arr: array[int],
+    block_size: int,
+    extras: Sequence[tuple[Any, ...] | None],
+    fast: bool = True,
+) -> list[BlockDigest]:
+    """Hash ``len(extras)`` full blocks of the tokens chained from ``parent`` (None: NONE_HASH)."""
+    count = len(extras)
+    prev: bytes = parent or none_hash
+    if count == 0:
+        return []
+    if not fast or not algo.endswith("_cbor"):
+        # pickle's memo makes identity part of the input, and pickle.dumps is already C-fast.
+        return _chain_reference(algo, prev, arr, block_size, extras)
+    sha = algo.startswith("sha256")
+    size = 32 if sha else 16
+    if extras.count(None) == count:
+        tails: Iterable[bytes] = _Repeat(b"\xf6")
+    else:
+        tails = []
+        last: tuple[Any, ...] | None = None
+        last_tail = b"\xf6"
+        for e in extras:
+            if e is not last and e != last:
+                last, last_tail = e, _cbor_encode(e)
+            tails.append(last_tail)
+    bodies = _CBOR_TOKENS.blocks(seq, arr, block_size, count, _cbor_head(4, block_size), tails)
+    first = b"\x83" + _cbor_head(2, len(prev))  # (parent, tokens, keys): array of 3, byte string
+    heads: Iterable[bytes] = chain((first,), repeat(b"\x83" + _cbor_head(2, size)))
+    out: list[BlockDigest] = []
+    append = out.append
+    if sha:
+        sha256 = hashlib.sha256
+        for head, body in zip(heads, bodies, strict=False):
+            prev = sha256(head + prev + body).digest()
+            append(BlockDigest(prev))
+    else:
+        xxh = _xxhash.xxh3_128_digest
+        for head, body in zip(heads, bodies, strict=False):
+            prev = xxh(head + prev + body)
+            append(BlockDigest(prev))
+    return out
+
+
+def _chain_reference(
+    algo: HashAlgo,
+    prev: bytes,
+    arr: array[int],
+    block_size: int,
+    extras: Sequence[tuple[Any, ...] | None],
+) -> list[BlockDigest]:
+    """The straightforward chain: vLLM's tuple, serialised by cbor2/pickle, then hashed."""
+    fn = HASH_FUNCTIONS[algo]
+    tokens = arr[: len(extras) * block_size].tolist()  # plain ints, created once
+    out: list[BlockDigest] = []
+    for i, extra in enumerate(extras):
+        block = tuple(tokens[i * block_size : (i + 1) * block_size])
+        prev = fn((prev, block, extra))
+        out.append(BlockDigest(prev))
+    return out
+
+
+# --- public hashing API -------------------------------------------------------------------------
+def hash_block_tokens(
+    profile: HashProfile,
+    parent: bytes | None,
+    token_ids: Iterable[int],
+    extra_keys: tuple[Any, ...] | None = None,
+    *,
+    fast: bool = True,
+) -> BlockDigest:
+    """One block's digest: ``H((parent or NONE_HASH, tuple(token_ids), extra_keys or None))``.
+
+    ``parent`` is the previous block's raw digest (never its uint64 form). An empty
+    ``extra_keys`` is hashed as None, as vLLM's key generator returns it.
+    """
+    seq, arr = _as_tokens(token_ids)
+    if parent is not None and type(parent) is not bytes:
+        parent = bytes(parent)
+    extras = [extra_keys or None]
+    return _chain(profile.algo, profile.none_hash(), parent, seq, arr, len(arr), extras, fast)[0]
+
+
+def hash_request_tokens(
+    profile: HashProfile,
+    token_ids: Iterable[int],
+    keys: RequestKeys | None = None,
+    *,
+    fast: bool = True,
+) -> list[BlockDigest]:
+    """Digests of every *full* block of a request, as vLLM hashes a prompt in one call."""
+    seq, arr = _as_tokens(token_ids)
+    count = len(arr) // profile.block_size
+    extras = _extra_keys_range(keys, profile.style, profile.block_size, 0, count, 0)
+    return _chain(profile.algo, profile.none_hash(), None, seq, arr, profile.block_size, extras, fast)
+
+
+def block_hashes64(
+    profile: HashProfile, token_ids: Iterable[int], keys: RequestKeys | None = None
+) -> list[BlockHash64]:
+    """The uint64 keys (vLLM's int ``ExternalBlockHash``) of a request's full blocks."""
+    return [to_block_hash64(d) for d in hash_request_tokens(profile, token_ids, keys)]
+
+
+def coarsen(hashes: Sequence[T], factor: int) -> list[T]:
+    """The hashes of blocks ``factor`` times larger: each is the hash of its last sub-block.
+
+    Valid because hashes chain over the whole prefix, so the last sub-block's hash already
+    identifies everything up to the coarse block's end (vLLM's ``BlockHashListWithBlockSize``).
+    """
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"coarsening factor must be a positive integer, not {factor!r}")
+    return list(hashes[factor - 1 :: factor])
+
+
+class RequestBlockHasher:
+    """Incremental hashing of one request: append tokens, get the digests of new full blocks.
+
+    Mirrors vLLM's ``get_request_block_hasher``: each ``append`` is one hashing call, and a call
+    that starts after the first block walks multimodal items from the last one, as vLLM does.
+    """
+
+    __slots__ = ("_digests", "_keys", "_none", "_pending", "_profile")
+
+    def __init__(self, profile: HashProfile, keys: RequestKeys | None = None) -> None:
+        self._profile = profile
+        self._keys = keys
+        _extra_keys_range(keys, profile.style, profile.block_size, 0, 0, 0)  # fail early on bad keys
+        self._none = profile.none_hash()
+        self._pending: array[int] = array("Q")
+        self._digests: list[BlockDigest] = []
+
+    @property
+    def digests(self) -> tuple[BlockDigest, ...]:
+        """All full-block digests so far."""
+        return tuple(self._digests)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens appended so far, including the partial last block."""
+        return len(self._digests) * self._profile.block_size + len(self._pending)
+
+    def append(self, token_ids: Iterable[int]) -> list[BlockDigest]:
+        """Add tokens; return the digests of the blocks they complete (validated before any change)."""
+        _, tokens = _as_tokens(token_ids)
+        bs = self._profile.block_size
+        pending = self._pending + tokens
+        count = len(pending) // bs
+        if count == 0:
+            self._pending = pending
+            return []
+        first = len(self._digests)
+        extras = _extra_keys_range(self._keys, self._profile.style, bs, first, count, 0 if first == 0 else -1)
+        parent = self._digests[-1] if self._digests else None
+        new = _chain(self._profile.algo, self._none, parent, pending, pending, bs, extras)
+        self._digests.extend(new)
+        self._pending = pending[count * bs :]
+        return new
+
+
+__all__ = [
+    "DEFAULT_NONE_HASH_SEED",
+    "EXTERNAL_FORMS",
+    "EXTRA_KEY_STYLES",
+    "HASH_ALGOS",
+    "HASH_FUNCTIONS",
+    "UINT64_MASK",
+    "BlockDigest",
+    "BlockHash64",
+    "ExternalForm",
+    "ExtraKeyStyle",
+    "HashAlgo",
+    "HashProfile",
+    "MultiModalItem",
+    "RequestBlockHasher",
+    "RequestKeys",
+    "block_extra_keys",
+    "block_hashes64",
+    "check_algo",
+    "coarsen",
+    "get_hash_fn",
+    "hash_block_tokens",
+    "hash_request_tokens",
+    "hash_sha256",
+    "hash_sha256_cbor",
+    "hash_xxhash",
+    "hash_xxhash_cbor",
+    "parse_release",
+    "published_extra_keys",
+    "to_block_hash64",
+]

@@ -1,0 +1,730 @@
+"""The agent side of the ``Ingest`` stream: batch, number, stream, resend, and answer snapshot requests.
+
+Stream semantics (the coordinator implements the same):
+
+- The agent opens ``Ingest`` and sends ``Hello{node_id, model, dp_ranks, epoch, hash_profile, next_seq}``;
+  a token travels as ``authorization: Bearer <token>`` metadata.
+- The coordinator answers ``Welcome{epoch, acked_seq, lease_seconds, snapshot_required}``. When a snapshot
+  is required (or the agent knows it lost batches the coordinator never saw), the agent sends a
+  ``Snapshot`` taken at the last seq it assigned, chunked, ``final`` on the very last chunk; batches up to
+  that seq are superseded. Otherwise it resends its unacked batches after ``acked_seq``.
+- Batch seqs start at 1 per epoch and grow by one per batch, across dp ranks. ``Ack{seq}`` is cumulative.
+  ``SnapshotRequest`` is answered like a required snapshot. ``AgentHeartbeat`` goes out every lease/3.
+
+The engine never waits for the network: :meth:`Reporter.submit` only converts and queues. Each
+coordinator has its own stream and bounded unacked queue; when a queue overflows it is dropped and the
+coordinator gets a fresh snapshot instead (counted in ``overflows``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import grpc.aio
+
+from kvcoord.events import BlockRemoved, BlockStored, KVEvent, Tier
+from kvcoord.events_proto import events_to_proto
+from kvcoord.hashing import to_block_hash64
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
+
+__all__ = [
+    "AGENT_VERSION",
+    "ChannelSecurity",
+    "CoordinatorEndpoint",
+    "LinkStats",
+    "LoadProvider",
+    "NodeLoad",
+    "Reporter",
+    "ReporterOptions",
+    "ReporterStats",
+    "SnapshotProvider",
+    "hash_profile_to_proto",
+    "open_aio_channel",
+    "open_channel",
+]
+
+log = logging.getLogger(__name__)
+
+AGENT_VERSION = "kvcoord-reporter/1"
+INGEST_METHOD = "/kvcoord.v1.Coordinator/Ingest"
+
+
+# --- channels (shared with kvcoord.router.client) ------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ChannelSecurity:
+    """How to reach a coordinator: bearer token and TLS material (PEM file paths).
+
+    TLS is on when ``tls`` is set or any of ``root_ca``/``client_cert`` is given; without ``root_ca``
+    the system roots are used. ``client_cert``+``client_key`` enable mutual TLS.
+    """
+
+    token: str | None = None
+    tls: bool = False
+    root_ca: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    server_name: str | None = None
+    """Override the name checked against the server certificate (``ssl_target_name_override``)."""
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.root_ca is not None or self.client_cert is not None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def credentials(self) -> Any:
+        """``grpc.ChannelCredentials`` for TLS; reads the PEM files now so a bad path fails early."""
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key must be given together")
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                return Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.root_ca),
+            private_key=read(self.client_key),
+            certificate_chain=read(self.client_cert),
+        )
+
+    def channel_options(self, max_message_bytes: int) -> list[tuple[str, Any]]:
+        opts: list[tuple[str, Any]] = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.enable_retries", 0),
+        ]
+        if self.server_name:
+            opts.append(("grpc.ssl_target_name_override", self.server_name))
+        return opts
+
+
+def open_aio_channel(address: str, security: ChannelSecurity, max_message_bytes: int = 64 << 20) -> Any:
+    """A ``grpc.aio.Channel`` to ``address`` with ``security`` (token metadata is added per call)."""
+    opts = security.channel_options(max_message_bytes)
+    if security.uses_tls:
+        return grpc.aio.secure_channel(address, security.credentials(), options=opts)
+    return grpc.aio.insecure_channel(address, options=opts)
+
+
+def open_channel(address: str, security: ChannelSecurity, max_message_bytes: int = 64 << 20) -> Any:
+    """A blocking ``grpc.Channel``, same options as :func:`open_aio_channel`."""
+    opts = security.channel_options(max_message_bytes)
+    if security.uses_tls:
+        return grpc.secure_channel(address, security.credentials(), options=opts)
+    return grpc.insecure_channel(address, options=opts)
+
+
+# --- public value types ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """A node's load as reported for placement."""
+
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_usage: float = 0.0
+
+    def to_proto(self) -> pb.Load:
+        return pb.Load(running_requests=self.running_requests, waiting_requests=self.waiting_requests,
+                       kv_usage=self.kv_usage)
+
+    @classmethod
+    def from_proto(cls, msg: pb.Load) -> NodeLoad:
+        return cls(msg.running_requests, msg.waiting_requests, msg.kv_usage)
+
+
+SnapshotProvider = Callable[[int], Iterable[tuple[int, Tier]]]
+"""dp_rank -> every (block hash, tier) the node holds on that rank. Called in the event loop; must
+describe the state after every event submitted so far (the pool or relay mirror, read synchronously)."""
+
+LoadProvider = Callable[[], NodeLoad | None]
+
+
+class _ProfileLike(Protocol):
+    @property
+    def algo(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def style(self) -> str: ...
+    @property
+    def engine_release(self) -> str | None: ...
+    def fingerprint(self) -> str: ...
+
+
+def hash_profile_to_proto(profile: _ProfileLike) -> pb.HashProfile:
+    """A :class:`kvcoord.hashing.HashProfile` as the Hello carries it (fingerprint, never the seed)."""
+    return pb.HashProfile(algo=profile.algo, block_size=profile.block_size, style=profile.style,
+                          none_hash_fingerprint=profile.fingerprint(),
+                          engine_release=profile.engine_release or "")
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorEndpoint:
+    address: str
+    security: ChannelSecurity | None = None
+    """None: the reporter's default security."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReporterOptions:
+    max_batch_events: int = 512
+    max_batch_blocks: int = 1024
+    flush_interval: float = 0.01
+    """Seconds a partial batch may wait for more events."""
+    max_unacked_batches: int = 8192
+    """Per coordinator; beyond it the queue is dropped and a snapshot replaces it."""
+    snapshot_chunk_entries: int = 65536
+    backoff_initial: float = 0.05
+    backoff_max: float = 5.0
+    welcome_timeout: float = 5.0
+    default_lease_seconds: float = 10.0
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_events", "max_batch_blocks", "max_unacked_batches", "snapshot_chunk_entries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.flush_interval < 0 or self.backoff_initial <= 0 or self.backoff_max < self.backoff_initial:
+            raise ValueError("flush_interval must be >= 0 and 0 < backoff_initial <= backoff_max")
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """Counters of one coordinator stream."""
+
+    address: str
+    connected: bool = False
+    batches_sent: int = 0
+    batches_acked: int = 0
+    batches_resent: int = 0
+    snapshots_sent: int = 0
+    snapshot_requests: int = 0
+    heartbeats_sent: int = 0
+    reconnects: int = 0
+    overflows: int = 0
+    unacked: int = 0
+    acked_seq: int = 0
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class ReporterStats:
+    node_id: str
+    epoch: int
+    last_seq: int
+    events_submitted: int
+    batches_sealed: int
+    links: list[LinkStats] = field(default_factory=list)
+
+    def total(self, name: str) -> int:
+        return sum(int(getattr(link, name)) for link in self.links)
+
+
+# --- internals -------------------------------------------------------------------------------
+class _Sealed:
+    """A numbered batch, serialized once and shared by every coordinator's queue."""
+
+    __slots__ = ("blocks", "data", "seq")
+
+    def __init__(self, seq: int, data: bytes, blocks: int) -> None:
+        self.seq = seq
+        self.data = data
+        self.blocks = blocks
+
+
+class _Pending:
+    __slots__ = ("blocks", "events", "timer", "ts")
+
+    def __init__(self, ts: float) -> None:
+        self.ts = ts
+        self.events: list[pb.KVEvent] = []
+        self.blocks = 0
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class _Link:
+    """One coordinator: its stream task, unacked queue (contiguous seqs) and counters."""
+
+    __slots__ = ("endpoint", "force_snapshot", "high_sent", "security", "snap_wait", "snapshot_requested",
+                 "stats", "task", "unacked", "wakeup")
+
+    def __init__(self, endpoint: CoordinatorEndpoint, security: ChannelSecurity) -> None:
+        self.endpoint = endpoint
+        self.security = security
+        self.unacked: deque[_Sealed] = deque()
+        self.stats = LinkStats(endpoint.address)
+        self.wakeup = asyncio.Event()
+        self.snapshot_requested = False
+        self.force_snapshot = False
+        self.high_sent = 0
+        self.snap_wait = -1
+        """Seq of a snapshot sent but not yet acked (-1: none)."""
+        self.task: asyncio.Task[None] | None = None
+
+    def settled(self) -> bool:
+        """Nothing sealed or snapshotted is waiting for this coordinator's ack."""
+        return (not self.unacked and not self.force_snapshot and not self.snapshot_requested
+                and self.snap_wait < 0)
+
+    def on_ack(self, seq: int) -> None:
+        self.stats.batches_acked += self.drop_through(seq)
+        self.stats.acked_seq = max(self.stats.acked_seq, seq)
+        if seq >= self.snap_wait:
+            self.snap_wait = -1
+
+    def drop_through(self, seq: int) -> int:
+        n = 0
+        q = self.unacked
+        while q and q[0].seq <= seq:
+            q.popleft()
+            n += 1
+        return n
+
+    def next_after(self, cursor: int) -> _Sealed | None:
+        q = self.unacked
+        if not q:
+            return None
+        pos = cursor - q[0].seq + 1
+        if pos < 0:
+            pos = 0
+        return q[pos] if pos < len(q) else None
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
+def _blocks_of(ev: KVEvent) -> int:
+    """Size of an event for batching: its block count (a clear counts as one)."""
+    return max(1, len(ev.block_hashes)) if isinstance(ev, BlockStored | BlockRemoved) else 1
+
+
+class _StreamClosed(Exception):
+    pass
+
+
+# --- the reporter ----------------------------------------------------------------------------
+class Reporter:
+    """Streams one node's KV events to one or more coordinators. Use inside a running asyncio loop:
+    ``await start()``, ``submit(...)`` from the loop or any thread, ``await close()``."""
+
+    def __init__(
+        self,
+        coordinators: Sequence[str | CoordinatorEndpoint],
+        *,
+        node_id: str,
+        model: str,
+        snapshot: SnapshotProvider,
+        dp_ranks: Sequence[int] = (0,),
+        epoch: int | None = None,
+        hash_profile: pb.HashProfile | _ProfileLike | None = None,
+        load: LoadProvider | None = None,
+        security: ChannelSecurity | None = None,
+        options: ReporterOptions | None = None,
+    ) -> None:
+        if not coordinators:
+            raise ValueError("at least one coordinator address is needed")
+        if not node_id or not model:
+            raise ValueError("node_id and model must be non-empty")
+        if not dp_ranks or any(r < 0 for r in dp_ranks) or len(set(dp_ranks)) != len(dp_ranks):
+            raise ValueError(f"dp_ranks must be distinct non-negative ints, got {list(dp_ranks)}")
+        self.node_id = node_id
+        self.model = model
+        self.dp_ranks: tuple[int, ...] = tuple(dp_ranks)
+        self.epoch = int(epoch) if epoch is not None else time.time_ns()
+        if not 0 < self.epoch < 1 << 64:
+            raise ValueError(f"epoch must be a positive uint64, got {self.epoch}")
+        if hash_profile is None or isinstance(hash_profile, pb.HashProfile):
+            self._profile = hash_profile
+        else:
+            self._profile = hash_profile_to_proto(hash_profile)
+        self._snapshot = snapshot
+        self._load = load
+        self.options = options or ReporterOptions()
+        default_sec = security or ChannelSecurity()
+        self._endpoints = [c if isinstance(c, CoordinatorEndpoint) else CoordinatorEndpoint(c)
+                           for c in coordinators]
+        self._default_security = default_sec
+        self._links: list[_Link] = []
+        self._pending: dict[int, _Pending] = {}
+        self._last_seq = 0
+        self._events_submitted = 0
+        self._batches_sealed = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._closing = False
+        self._closed = False
+        self._ack_event: asyncio.Event | None = None
+
+    # -- lifecycle --
+    async def start(self) -> None:
+        """Open one stream per coordinator (they connect, and reconnect, in the background)."""
+        if self._loop is not None:
+            raise RuntimeError("reporter already started")
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._ack_event = asyncio.Event()
+        for ep in self._endpoints:
+            link = _Link(ep, ep.security or self._default_security)
+            self._links.append(link)
+            link.task = asyncio.create_task(self._run_link(link), name=f"kvcoord-reporter-{ep.address}")
+
+    async def __aenter__(self) -> Reporter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self, timeout: float = 1.0) -> None:
+        """Flush, give connected coordinators up to half of ``timeout`` to ack, then stop everything."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is None:
+            return
+        self._seal_all()
+        grace = timeout / 2
+        if any(link.stats.connected for link in self._links):
+            with contextlib.suppress(TimeoutError):
+                await self.wait_acked(grace, connected_only=True)
+        self._closing = True
+        tasks = [link.task for link in self._links if link.task is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.05, timeout - grace))
+
+    # -- engine side --
+    def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float | None = None) -> None:
+        """Queue one dp rank's events (engine timestamp ``ts``, default now). Never blocks on the network.
+
+        Raises ``ValueError`` (queueing nothing) for an unknown rank or an event the wire cannot carry.
+        Thread-safe: from another thread the events are handed to the reporter's loop.
+        """
+        if self._loop is None or self._closed:
+            raise RuntimeError("reporter is not running")
+        if dp_rank not in self.dp_ranks:
+            raise ValueError(f"dp_rank {dp_rank} is not one of this node's ranks {list(self.dp_ranks)}")
+        if not events:
+            return
+        converted = events_to_proto(events)
+        blocks = [_blocks_of(ev) for ev in events]
+        stamp = time.time() if ts is None else float(ts)
+        if threading.get_ident() == self._loop_thread:
+            self._add(dp_rank, converted, blocks, stamp)
+        else:
+            self._loop.call_soon_threadsafe(self._add, dp_rank, converted, blocks, stamp)
+
+    async def flush(self) -> None:
+        """Seal every partial batch now (their seqs are assigned; sending follows)."""
+        self._seal_all()
+
+    async def wait_acked(self, timeout: float, *, connected_only: bool = False) -> None:
+        """Until every coordinator acked everything sealed so far (``TimeoutError`` after ``timeout``)."""
+        assert self._ack_event is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        self._seal_all()
+        while True:
+            links = [lk for lk in self._links if lk.stats.connected or not connected_only]
+            if all(lk.settled() for lk in links):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("coordinators did not ack in time")
+            self._ack_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ack_event.wait(), min(left, 0.05))
+
+    async def wait_connected(self, timeout: float) -> None:
+        """Until every coordinator has welcomed the stream and acked everything (``TimeoutError``)."""
+        deadline = time.monotonic() + timeout
+        while not all(lk.stats.connected for lk in self._links):
+            if time.monotonic() > deadline:
+                raise TimeoutError("coordinators did not welcome the stream in time")
+            await asyncio.sleep(0.005)
+        await self.wait_acked(max(0.0, deadline - time.monotonic()))
+
+    def stats(self) -> ReporterStats:
+        links = []
+        for lk in self._links:
+            s = lk.stats
+            s.unacked = len(lk.unacked)
+            links.append(dataclasses.replace(s))
+        return ReporterStats(self.node_id, self.epoch, self._last_seq, self._events_submitted,
+                             self._batches_sealed, links)
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    # -- batching (event loop only) --
+    def _add(self, rank: int, events: list[pb.KVEvent], blocks: list[int], ts: float) -> None:
+        if self._closing:
+            return
+        opts = self.options
+        self._events_submitted += len(events)
+        for ev, n in zip(events, blocks, strict=True):
+            p = self._pending.get(rank)
+            if p is None:
+                p = self._pending[rank] = _Pending(ts)
+            p.events.append(ev)
+            p.blocks += n
+            if len(p.events) >= opts.max_batch_events or p.blocks >= opts.max_batch_blocks:
+                self._seal(rank)
+            elif p.timer is None:
+                assert self._loop is not None
+                p.timer = self._loop.call_later(opts.flush_interval, self._seal, rank)
+
+    def _seal(self, rank: int) -> None:
+        p = self._pending.pop(rank, None)
+        if p is None:
+            return
+        if p.timer is not None:
+            p.timer.cancel()
+        if not p.events:
+            return
+        self._last_seq += 1
+        self._batches_sealed += 1
+        seq = self._last_seq
+        msg = pb.AgentMessage(batch=pb.EventBatch(seq=seq, ts=p.ts, dp_rank=rank, events=p.events))
+        sealed = _Sealed(seq, msg.SerializeToString(), p.blocks)
+        limit = self.options.max_unacked_batches
+        for link in self._links:
+            if len(link.unacked) >= limit:
+                link.unacked.clear()
+                link.stats.overflows += 1
+                link.force_snapshot = True
+                if link.stats.overflows == 1:
+                    log.warning("coordinator %s: %d unacked batches; dropping them, a snapshot will follow",
+                                link.endpoint.address, limit)
+            link.unacked.append(sealed)
+            link.wakeup.set()
+
+    def _seal_all(self) -> None:
+        for rank in list(self._pending):
+            self._seal(rank)
+
+    # -- snapshot --
+    def _take_snapshot(self) -> list[pb.Snapshot]:
+        """Seal pending batches, then read the whole state synchronously (atomic in the loop)."""
+        self._seal_all()
+        seq = self._last_seq
+        chunk = self.options.snapshot_chunk_entries
+        out: list[pb.Snapshot] = []
+        for rank in self.dp_ranks:
+            hashes: list[int] = []
+            tiers: list[int] = []
+            for h, tier in self._snapshot(rank):
+                hashes.append(to_block_hash64(h))
+                tiers.append(int(Tier(tier)))
+            start = 0
+            while True:
+                out.append(pb.Snapshot(epoch=self.epoch, seq=seq, dp_rank=rank,
+                                       block_hashes=hashes[start:start + chunk],
+                                       tiers=tiers[start:start + chunk]))  # type: ignore[arg-type]
+                start += chunk
+                if start >= len(hashes):
+                    break
+        out[-1].final = True
+        return out
+
+    async def _send_snapshot(self, link: _Link, call: Any) -> int:
+        link.force_snapshot = True  # until the final chunk is written
+        chunks = self._take_snapshot()
+        seq = chunks[0].seq
+        link.drop_through(seq)
+        for c in chunks:
+            await call.write(pb.AgentMessage(snapshot=c).SerializeToString())
+        link.force_snapshot = False
+        link.snap_wait = seq
+        link.stats.snapshots_sent += 1
+        return seq
+
+    # -- streams --
+    def _hello(self, link: _Link) -> bytes:
+        next_seq = link.unacked[0].seq if link.unacked else self._last_seq + 1
+        hello = pb.Hello(node_id=self.node_id, model=self.model, dp_ranks=self.dp_ranks, epoch=self.epoch,
+                         agent_version=AGENT_VERSION, next_seq=next_seq)
+        if self._profile is not None:
+            hello.hash_profile.CopyFrom(self._profile)
+        return pb.AgentMessage(hello=hello).SerializeToString()
+
+    async def _run_link(self, link: _Link) -> None:
+        opts = self.options
+        backoff = opts.backoff_initial
+        last_logged = ""
+        while not self._closing:
+            welcomed = False
+            try:
+                welcomed = await self._session(link)
+            except asyncio.CancelledError:
+                link.stats.connected = False
+                raise
+            except grpc.aio.AioRpcError as exc:
+                link.stats.last_error = f"{exc.code().name}: {exc.details()}"
+            except (_StreamClosed, TimeoutError, OSError, ValueError) as exc:
+                link.stats.last_error = str(exc) or type(exc).__name__
+            except Exception as exc:  # a bug or a snapshot provider failure: keep the engine running
+                link.stats.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("coordinator %s: stream failed", link.endpoint.address)
+            link.stats.connected = False
+            if self._closing:
+                return
+            if link.stats.last_error != last_logged:
+                last_logged = link.stats.last_error
+                log.warning("coordinator %s: %s; reconnecting", link.endpoint.address, last_logged)
+            if welcomed:
+                backoff = opts.backoff_initial
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, opts.backoff_max)
+            link.stats.reconnects += 1
+
+    async def _session(self, link: _Link) -> bool:
+        """One stream's life. Returns True if it got as far as a Welcome."""
+        opts = self.options
+        channel = open_aio_channel(link.endpoint.address, link.security, opts.max_message_bytes)
+        call: Any = None
+        reader: asyncio.Task[None] | None = None
+        try:
+            ingest = channel.stream_stream(INGEST_METHOD, request_serializer=_raw,
+                                           response_deserializer=pb.CoordinatorMessage.FromString)
+            call = ingest(metadata=link.security.metadata() or None)
+            await call.write(self._hello(link))
+            first = await asyncio.wait_for(call.read(), opts.welcome_timeout)
+            if first is grpc.aio.EOF:
+                await self._raise_status(call)
+                raise _StreamClosed("stream closed before Welcome")
+            if first.WhichOneof("msg") != "welcome":
+                raise _StreamClosed(f"expected Welcome, got {first.WhichOneof('msg')}")
+            w = first.welcome
+            lease = w.lease_seconds if w.lease_seconds > 0 else opts.default_lease_seconds
+            cursor = self._on_welcome(link, w)
+            link.stats.connected = True
+            link.stats.last_error = ""
+            reader = asyncio.create_task(self._read_loop(link, call))
+            await self._write_loop(link, call, reader, cursor, lease / 3.0)
+            return True
+        finally:
+            link.stats.connected = False
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await reader
+            if call is not None:
+                call.cancel()
+            with contextlib.suppress(BaseException):
+                await channel.close(grace=None)
+
+    async def _raise_status(self, call: Any) -> None:
+        code = await call.code()
+        if code is not None and code != grpc.StatusCode.OK:
+            raise _StreamClosed(f"{code.name}: {await call.details()}")
+
+    def _on_welcome(self, link: _Link, w: pb.Welcome) -> int:
+        """Apply the coordinator's view; returns the cursor (last seq it has) for the writer."""
+        acked = w.acked_seq if w.epoch in (0, self.epoch) else 0
+        if w.epoch not in (0, self.epoch):
+            log.warning("coordinator %s welcomed epoch %d, ours is %d",
+                        link.endpoint.address, w.epoch, self.epoch)
+        if w.snapshot_required:
+            link.snap_wait = -1  # it is lost with the old stream; a fresh one follows
+        else:
+            link.on_ack(acked)
+        need = w.snapshot_required or link.force_snapshot
+        if not need and acked < self._last_seq:
+            first = link.unacked[0].seq if link.unacked else None
+            if first is None or first > acked + 1:
+                need = True  # batches it never saw are gone from our queue
+        if acked > self._last_seq:
+            log.warning("coordinator %s acked seq %d beyond ours (%d); resyncing",
+                        link.endpoint.address, acked, self._last_seq)
+            need = True
+        link.snapshot_requested = need
+        return acked
+
+    async def _write_loop(self, link: _Link, call: Any, reader: asyncio.Task[None], cursor: int,
+                          hb_interval: float) -> None:
+        next_hb = time.monotonic() + hb_interval
+        stats = link.stats
+        while True:
+            link.wakeup.clear()
+            if reader.done():
+                reader.result()  # raises the stream's error
+                await self._raise_status(call)
+                raise _StreamClosed("coordinator closed the stream")
+            if link.snapshot_requested or (link.force_snapshot and not link.unacked):
+                link.snapshot_requested = False
+                cursor = await self._send_snapshot(link, call)
+                continue
+            if link.force_snapshot:
+                link.snapshot_requested = True  # overflowed while connected: resync now
+                continue
+            b = link.next_after(cursor)
+            if b is not None:
+                await call.write(b.data)
+                cursor = b.seq
+                stats.batches_sent += 1
+                if b.seq <= link.high_sent:
+                    stats.batches_resent += 1
+                else:
+                    link.high_sent = b.seq
+                continue
+            now = time.monotonic()
+            if now >= next_hb:
+                load = self._load() if self._load is not None else None
+                hb = pb.AgentHeartbeat(load=load.to_proto() if load is not None else None)
+                await call.write(pb.AgentMessage(heartbeat=hb).SerializeToString())
+                stats.heartbeats_sent += 1
+                next_hb = now + hb_interval
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(link.wakeup.wait(), next_hb - now)
+
+    async def _read_loop(self, link: _Link, call: Any) -> None:
+        assert self._ack_event is not None
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    return
+                kind = msg.WhichOneof("msg")
+                if kind == "ack":
+                    if msg.ack.epoch in (0, self.epoch):
+                        link.on_ack(msg.ack.seq)
+                        self._ack_event.set()
+                elif kind == "snapshot_request":
+                    link.stats.snapshot_requests += 1
+                    log.info("coordinator %s asks for a snapshot: %s", link.endpoint.address,
+                             msg.snapshot_request.reason)
+                    link.snapshot_requested = True
+                else:
+                    log.debug("coordinator %s: ignoring %s", link.endpoint.address, kind)
+        finally:
+            link.wakeup.set()
+
+
+def snapshot_from_mapping(state: Mapping[int, Iterable[tuple[int, Tier]]]) -> SnapshotProvider:
+    """A snapshot provider over a live ``{dp_rank: entries}`` mapping (handy for mirrors and tests)."""
+
+    def provide(rank: int) -> Iterable[tuple[int, Tier]]:
+        return list(state.get(rank, ()))
+
+    return provide

@@ -1,0 +1,291 @@
+"""vLLM's ZMQ KV-event transport, both ends.
+
+The publisher reproduces ``vllm.distributed.kv_events.ZmqEventPublisher`` frame for frame, so
+anything that consumes a vLLM engine (our relay, Dynamo, llm-d) can consume ours:
+
+- PUB socket, multipart ``[topic, seq (8 bytes big-endian), msgpack KVEventBatch]``, seq counting
+  0, 1, 2, ... per publisher instance; high-water mark ``hwm``;
+- ROUTER replay socket: a request ``[identity, b"", start_seq (8 bytes BE)]`` is answered with
+  ``[identity, b"", seq, payload]`` for every buffered batch with ``seq >= start_seq`` (the last
+  ``buffer_steps`` batches), then the end marker ``[identity, b"", (-1 as 8 signed bytes), b""]``;
+- endpoints are bound when they contain ``*``/``::`` or are ``ipc://``/``inproc://``, connected
+  otherwise; a DP rank offsets a tcp port by the rank (``inproc`` gets a ``_dp<rank>`` suffix);
+- encoding and sending happen on one background thread fed by a queue.
+
+The subscriber side (:class:`ReplayClient`, :func:`parse_pub_frames`) is what the relay uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Any, Literal
+
+import zmq
+import zmq.asyncio
+
+from kvcoord.events import KVEventBatch, encode_vllm_batch
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The replay end marker's sequence frame."""
+
+SEQ_BYTES = 8
+
+
+def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
+    """vLLM's per-DP-rank endpoint: tcp port + rank, ``inproc://x`` -> ``inproc://x_dp<rank>``."""
+    if not endpoint or dp_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{dp_rank}"
+    if "tcp" in endpoint:
+        if ":" in endpoint:
+            cut = endpoint.rfind(":")
+            return f"{endpoint[:cut]}:{int(endpoint[cut + 1:]) + dp_rank}"
+        return endpoint
+    raise ValueError(f"invalid endpoint {endpoint!r}: must contain 'inproc' or 'tcp'")
+
+
+def _binds(endpoint: str) -> bool:
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """Reliable PUB/ROUTER publisher with an in-memory replay buffer (vLLM-exact).
+
+    ``publish`` only enqueues; a daemon thread encodes (``form``: ``map`` like vLLM >= 0.24,
+    ``array`` like <= 0.23), sends and buffers. ``_send`` is the single point where a frame
+    leaves, so a test can subclass it to drop frames and force gaps.
+    """
+
+    SHUTDOWN_TIMEOUT = 1.0
+
+    def __init__(
+        self,
+        data_parallel_rank: int = 0,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        *,
+        form: Literal["map", "array"] = "map",
+        ctx: zmq.Context[Any] | None = None,
+        poll_interval: float = 0.02,
+    ) -> None:
+        self._dp_rank = data_parallel_rank
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._form: Literal["map", "array"] = form
+        self._topic = topic.encode("utf-8")
+        self._poll_interval = poll_interval
+        self._ctx = ctx if ctx is not None else zmq.Context.instance()
+        self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
+        self.replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
+        assert self.endpoint is not None
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._replay: zmq.Socket[Any] | None = None
+        try:
+            if _binds(self.endpoint):
+                self._pub.bind(self.endpoint)
+            else:
+                self._pub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(self.replay_endpoint)
+        except zmq.ZMQError:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            raise
+        self._next_seq = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="zmq-publisher")
+        self._thread.start()
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next sent batch will carry."""
+        return self._next_seq
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Queue a batch; a batch without a DP rank gets the publisher's (as vLLM does)."""
+        if not self._running:
+            raise RuntimeError("publisher is closed")
+        if batch.data_parallel_rank is None:
+            batch = replace(batch, data_parallel_rank=self._dp_rank)
+        self._queue.put(batch)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued batch has been sent; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def shutdown(self) -> None:
+        """Send what is queued (up to ``SHUTDOWN_TIMEOUT``), stop the thread, close the sockets."""
+        if not self._running:
+            return
+        self._running = False
+        self._queue.put(None)
+        self._thread.join(timeout=self.SHUTDOWN_TIMEOUT + 1.0)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    # -------------------------------------------------------------- thread side
+
+    def _send(self, topic: bytes, seq_bytes: bytes, payload: bytes) -> None:
+        self._pub.send_multipart((topic, seq_bytes, payload))
+
+    def _loop(self) -> None:
+        while True:
+            if self._replay is not None:
+                try:
+                    while self._replay.poll(0):
+                        self._service_replay()
+                except zmq.ZMQError:  # pragma: no cover - socket closed under us
+                    log.exception("replay socket failed")
+            try:
+                batch = self._queue.get(timeout=self._poll_interval)
+            except queue.Empty:
+                continue
+            if batch is None:
+                self._queue.task_done()
+                return
+            try:
+                seq = self._next_seq
+                payload = encode_vllm_batch(batch, form=self._form)
+                self._send(self._topic, seq.to_bytes(SEQ_BYTES, "big"), payload)
+                self._buffer.append((seq, payload))
+                self._next_seq = seq + 1
+            except Exception:
+                log.exception("publishing a KV event batch failed")
+                time.sleep(0.1)
+            finally:
+                self._queue.task_done()
+
+    def _service_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("invalid replay request with %d frames", len(frames))
+            return
+        client_id, _, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                self._replay.send_multipart((client_id, b"", seq.to_bytes(SEQ_BYTES, "big"), payload))
+        self._replay.send_multipart((client_id, b"", END_SEQ, b""))
+
+
+# ------------------------------------------------------------------ subscriber side
+
+
+class FrameError(ValueError):
+    """A multipart message that is not ``[topic, seq, payload]``; ``kind`` labels a counter."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def parse_pub_frames(frames: list[bytes]) -> tuple[int, bytes]:
+    """``[topic, seq, payload]`` -> ``(seq, payload)``; raises :class:`FrameError`."""
+    if len(frames) != 3:
+        raise FrameError("frames", f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    seq_bytes = frames[1]
+    if len(seq_bytes) != SEQ_BYTES:
+        raise FrameError("seq", f"sequence frame must be {SEQ_BYTES} bytes, got {len(seq_bytes)}")
+    return int.from_bytes(seq_bytes, "big"), frames[2]
+
+
+class ReplayError(RuntimeError):
+    """The replay endpoint did not answer in time, or answered nonsense."""
+
+
+class ReplayClient:
+    """Asks a vLLM replay ROUTER for batches from a sequence number on, with a DEALER socket.
+
+    vLLM's example uses REQ, which can receive only the first reply of the stream; a DEALER
+    reads them all. Replies are accepted with or without a topic frame (``[b"", seq, payload]``
+    as vLLM sends, ``[b"", topic, seq, payload]``, or without the empty delimiter): the last two
+    frames are always ``seq, payload``. The stream ends at the ``-1`` marker.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, timeout: float = 2.0) -> None:
+        self._ctx = ctx
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._sock: zmq.asyncio.Socket | None = None
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def fetch(self, start_seq: int) -> list[tuple[int, bytes]]:
+        """Every buffered ``(seq, payload)`` with ``seq >= start_seq``, in order.
+
+        Raises :class:`ReplayError` on timeout (the socket is then replaced, so a late answer
+        cannot be mistaken for the next request's).
+        """
+        sock = self._socket()
+        await sock.send_multipart((b"", start_seq.to_bytes(SEQ_BYTES, "big")))
+        out: list[tuple[int, bytes]] = []
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        try:
+            while True:
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0 or not await sock.poll(timeout=int(remaining * 1000) + 1):
+                    raise ReplayError(f"replay from {self.endpoint} timed out after {self.timeout}s")
+                frames = await sock.recv_multipart()
+                if len(frames) < 2 or len(frames[-2]) != SEQ_BYTES:
+                    raise ReplayError(f"malformed replay reply ({len(frames)} frames)")
+                seq_bytes, payload = frames[-2], frames[-1]
+                if seq_bytes == END_SEQ:
+                    return out
+                out.append((int.from_bytes(seq_bytes, "big"), payload))
+        except BaseException:
+            self.close()
+            raise
+
+
+def subscribe_socket(ctx: zmq.asyncio.Context, endpoint: str, topic: str, *, hwm: int = 100_000
+                     ) -> zmq.asyncio.Socket:
+    """A SUB socket on ``endpoint`` filtered by ``topic`` (connect, or bind for wildcard endpoints)."""
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.set_hwm(hwm)
+    sock.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+    try:
+        if _binds(endpoint):
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    except zmq.ZMQError:
+        with contextlib.suppress(Exception):
+            sock.close(linger=0)
+        raise
+    return sock

@@ -1,0 +1,504 @@
+"""Coordinator configuration: a TOML file, then ``KVCOORD_*`` environment variables, then flags.
+
+Later sources win. Unknown keys are errors, so a typo never silently falls back to a default.
+The file format is documented in :data:`EXAMPLE_TOML`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from kvcoord.events import Tier
+from kvcoord.hashing import EXTRA_KEY_STYLES, HASH_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
+
+EXAMPLE_TOML = """\
+listen = "127.0.0.1:50051"          # gRPC HOST:PORT
+metrics_listen = "127.0.0.1:9400"   # Prometheus HOST:PORT; "" disables
+index = "memory"                    # memory | redis://host:port/db | redis+cluster://h:p,...
+index_key_prefix = "kvcoord"
+lease_seconds = 10.0                # a node silent this long vanishes from lookups
+strict_models = false               # true: only the models below may ingest or be queried
+
+[tier_weights]                      # orders lookup answers: sum of per-tier matched blocks x weight
+GPU = 1.0
+CPU = 0.8
+STORAGE = 0.5
+
+[limits]
+max_message_bytes = 16777216
+max_events_per_batch = 4096
+max_query_blocks = 8192
+max_snapshot_blocks = 16777216
+
+[verify]                            # engine hash verification on a sample of BlockStored chains
+enabled = true
+first = 4                           # always verify a node's first N verifiable chains
+sample_every = 32                   # then 1 in N
+lru_size = 65536                    # uint64 -> digest of recently verified blocks (to verify continuations)
+
+[tls]                               # all optional; client_ca turns on mutual TLS
+cert = "/etc/kvcoord/server.crt"
+key = "/etc/kvcoord/server.key"
+client_ca = "/etc/kvcoord/ca.crt"
+
+[[auth.agent_tokens]]               # any token configured turns auth on for every RPC
+token = "secret-a"                  # or token_env = "VAR" or token_file = "/path"
+nodes = ["node-a", "node-b"]        # node ids this token may publish for ("*" = any)
+
+[[auth.router_tokens]]              # query only: Lookup, ListNodes, Stats, Ping
+token_env = "KVCOORD_ROUTER_TOKEN"
+
+[[auth.admin_tokens]]               # everything, including DrainNode/RemoveNode of any node
+token_file = "/etc/kvcoord/admin.token"
+
+[models."Qwen/Qwen3-0.6B"]
+algo = "sha256_cbor"                # sha256 | sha256_cbor | xxhash | xxhash_cbor
+block_size = 16
+seed = "42"                         # NONE_HASH seed; default: $PYTHONHASHSEED (or the release default)
+style = "untagged"                  # untagged | tagged; default from engine_release, else untagged
+engine_release = "0.30"             # optional: vLLM release whose defaults apply
+"""
+
+ENV_VARS: dict[str, str] = {
+    "KVCOORD_CONFIG": "config",
+    "KVCOORD_LISTEN": "listen",
+    "KVCOORD_METRICS_LISTEN": "metrics_listen",
+    "KVCOORD_INDEX": "index",
+    "KVCOORD_INDEX_KEY_PREFIX": "index_key_prefix",
+    "KVCOORD_LEASE_SECONDS": "lease_seconds",
+    "KVCOORD_STRICT_MODELS": "strict_models",
+    "KVCOORD_MAX_MESSAGE_BYTES": "max_message_bytes",
+    "KVCOORD_MAX_EVENTS_PER_BATCH": "max_events_per_batch",
+    "KVCOORD_MAX_QUERY_BLOCKS": "max_query_blocks",
+    "KVCOORD_TLS_CERT": "tls_cert",
+    "KVCOORD_TLS_KEY": "tls_key",
+    "KVCOORD_TLS_CLIENT_CA": "tls_client_ca",
+}
+"""Environment variable -> override key (same keys as :func:`load_config`'s ``overrides``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One model's hash profile, as configured."""
+
+    name: str
+    profile: HashProfile
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_events_per_batch: int = 4096
+    max_query_blocks: int = 8192
+    max_snapshot_blocks: int = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyConfig:
+    enabled: bool = True
+    first: int = 4
+    sample_every: int = 32
+    lru_size: int = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    cert: str | None = None
+    key: str | None = None
+    client_ca: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Bearer tokens by role. Empty everywhere means auth is off."""
+
+    agent_tokens: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    router_tokens: frozenset[str] = frozenset()
+    admin_tokens: frozenset[str] = frozenset()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.agent_tokens or self.router_tokens or self.admin_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    listen: str = "127.0.0.1:50051"
+    metrics_listen: str = "127.0.0.1:9400"
+    index: str = "memory"
+    index_key_prefix: str = "kvcoord"
+    lease_seconds: float = 10.0
+    strict_models: bool = False
+    models: Mapping[str, ModelConfig] = field(default_factory=dict)
+    tier_weights: tuple[float, float, float] = (1.0, 0.8, 0.5)
+    limits: Limits = field(default_factory=Limits)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    stats_interval: float = 2.0
+    """Seconds between index stats / ping refreshes (gauges and health)."""
+
+    def profile(self, model: str) -> HashProfile | None:
+        m = self.models.get(model)
+        return m.profile if m is not None else None
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the source and the key."""
+
+
+def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(sorted(allowed))})"
+        )
+
+
+def _as_table(where: str, value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a table")
+    return cast(dict[str, Any], value)
+
+
+def _as_int(where: str, value: object, *, minimum: int = 1) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConfigError(f"{where}: {value!r} is not an integer") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{where}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_float(where: str, value: object, *, positive: bool = True) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{where}: {value!r} is not a number") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if positive and not value > 0:
+        raise ConfigError(f"{where}: must be > 0, got {value}")
+    if not positive and value < 0:
+        raise ConfigError(f"{where}: must be >= 0, got {value}")
+    return float(value)
+
+
+def _as_bool(where: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+def _as_str(where: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def check_hostport(where: str, value: str, *, allow_empty: bool = False) -> str:
+    """Validate ``HOST:PORT`` (``[v6]:PORT`` too); port 0 means any free port."""
+    if allow_empty and value == "":
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{where}: expected HOST:PORT, got {value!r}")
+    return value
+
+
+def env_seed() -> str | None:
+    """``$PYTHONHASHSEED`` as a NONE_HASH seed, or None when unset or ``random``."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None or seed == "" or seed == "random":
+        return None
+    return seed
+
+
+def build_profile(where: str, table: Mapping[str, Any], default_seed: str | None) -> HashProfile:
+    """A hash profile from a ``[models.NAME]`` table (or the equivalent ``--model`` spec)."""
+    _check_keys(where, table, {"algo", "block_size", "seed", "style", "engine_release"})
+    if "algo" not in table or "block_size" not in table:
+        raise ConfigError(f"{where}: 'algo' and 'block_size' are required")
+    algo_s = _as_str(f"{where}.algo", table["algo"])
+    if algo_s not in HASH_ALGOS:
+        raise ConfigError(f"{where}.algo: {algo_s!r} is not one of {', '.join(HASH_ALGOS)}")
+    algo: HashAlgo = algo_s
+    block_size = _as_int(f"{where}.block_size", table["block_size"])
+    seed_v = table.get("seed", default_seed)
+    if seed_v is not None and (isinstance(seed_v, bool) or not isinstance(seed_v, str | int)):
+        raise ConfigError(f"{where}.seed: expected a string, got {seed_v!r}")
+    seed = None if seed_v is None else str(seed_v)
+    style: ExtraKeyStyle | None = None
+    if "style" in table:
+        style_s = _as_str(f"{where}.style", table["style"])
+        if style_s not in EXTRA_KEY_STYLES:
+            raise ConfigError(f"{where}.style: {style_s!r} is not one of {', '.join(EXTRA_KEY_STYLES)}")
+        style = style_s
+    release = table.get("engine_release")
+    try:
+        if release is not None:
+            rel = _as_str(f"{where}.engine_release", release)
+            profile = HashProfile.for_release(rel, algo, block_size, seed=seed)
+            if style is not None:
+                profile = dataclasses.replace(profile, style=style)
+        else:
+            profile = HashProfile(algo, block_size, seed=seed, style=style or "untagged")
+        profile.none_hash()  # the seed must be known now, not at the first lookup
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return profile
+
+
+def parse_model_spec(spec: str, default_seed: str | None) -> ModelConfig:
+    """``NAME,algo=sha256_cbor,block_size=16[,seed=S][,style=tagged][,engine_release=0.31]``."""
+    name, _, rest = spec.partition(",")
+    name = name.strip()
+    if not name or not rest:
+        raise ConfigError(
+            f"--model {spec!r}: expected NAME,algo=ALGO,block_size=N[,seed=S][,style=S][,engine_release=R]"
+        )
+    table: dict[str, Any] = {}
+    for part in rest.split(","):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise ConfigError(f"--model {spec!r}: {part!r} is not key=value")
+        table[key.strip()] = value.strip()
+    return ModelConfig(name, build_profile(f"--model {name}", table, default_seed))
+
+
+def _read_token(where: str, item: Mapping[str, Any], base: Path, env: Mapping[str, str]) -> str:
+    sources = [k for k in ("token", "token_env", "token_file") if k in item]
+    if len(sources) != 1:
+        raise ConfigError(f"{where}: give exactly one of token, token_env, token_file")
+    if "token" in item:
+        token = _as_str(f"{where}.token", item["token"])
+    elif "token_env" in item:
+        var = _as_str(f"{where}.token_env", item["token_env"])
+        if var not in env:
+            raise ConfigError(f"{where}.token_env: environment variable {var} is not set")
+        token = env[var]
+    else:
+        path = base / _as_str(f"{where}.token_file", item["token_file"])
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{where}.token_file: {exc}") from None
+    if not token:
+        raise ConfigError(f"{where}: empty token")
+    return token
+
+
+def _parse_auth(where: str, table: Mapping[str, Any], base: Path, env: Mapping[str, str]) -> AuthConfig:
+    _check_keys(where, table, {"agent_tokens", "router_tokens", "admin_tokens"})
+    agents: dict[str, frozenset[str]] = {}
+    routers: set[str] = set()
+    admins: set[str] = set()
+    for role in ("agent_tokens", "router_tokens", "admin_tokens"):
+        items = table.get(role, [])
+        if not isinstance(items, list):
+            raise ConfigError(f"{where}.{role}: expected an array of tables ([[{where}.{role}]])")
+        for i, raw in enumerate(items):
+            w = f"{where}.{role}[{i}]"
+            item = _as_table(w, raw)
+            allowed = {"token", "token_env", "token_file", "name"} | (
+                {"nodes"} if role == "agent_tokens" else set()
+            )
+            _check_keys(w, item, allowed)
+            token = _read_token(w, item, base, env)
+            if token in agents or token in routers or token in admins:
+                raise ConfigError(f"{w}: the same token is configured twice")
+            if role == "agent_tokens":
+                nodes = item.get("nodes")
+                if (
+                    not isinstance(nodes, list)
+                    or not nodes
+                    or not all(isinstance(n, str) and n for n in nodes)
+                ):
+                    raise ConfigError(f'{w}.nodes: expected a non-empty list of node ids (or ["*"])')
+                agents[token] = frozenset(nodes)
+            elif role == "router_tokens":
+                routers.add(token)
+            else:
+                admins.add(token)
+    return AuthConfig(agents, frozenset(routers), frozenset(admins))
+
+
+def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> None:
+    if key in ("listen",):
+        values[key] = check_hostport(where, _as_str(where, raw))
+    elif key == "metrics_listen":
+        values[key] = check_hostport(where, _as_str(where, raw), allow_empty=True)
+    elif key in ("index", "index_key_prefix"):
+        values[key] = _as_str(where, raw)
+    elif key == "lease_seconds" or key == "stats_interval":
+        values[key] = _as_float(where, raw)
+    elif key == "strict_models":
+        values[key] = _as_bool(where, raw)
+    else:  # pragma: no cover - guarded by the callers' key lists
+        raise ConfigError(f"{where}: unknown key")
+
+
+_TOP_SCALARS = {
+    "listen",
+    "metrics_listen",
+    "index",
+    "index_key_prefix",
+    "lease_seconds",
+    "strict_models",
+    "stats_interval",
+}
+_TOP_TABLES = {"tier_weights", "limits", "verify", "tls", "auth", "models"}
+_LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> CoordinatorConfig:
+    """Defaults, then the TOML file, then ``KVCOORD_*`` env vars, then ``overrides`` (flags; None = unset).
+
+    Override keys: the top-level scalars, the limit names, ``tls_cert``/``tls_key``/``tls_client_ca``,
+    ``models`` (a list of ``--model`` specs, added to/replacing the file's) and ``agent_tokens``
+    (``TOKEN=node1,node2`` strings), ``router_tokens``/``admin_tokens`` (token strings).
+    """
+    env = os.environ if env is None else env
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if path is None:
+        path = overrides.get("config") or env.get("KVCOORD_CONFIG") or None
+    default_seed = env_seed()
+    values: dict[str, Any] = {}
+    limits: dict[str, int] = {}
+    tls: dict[str, str | None] = {}
+    models: dict[str, ModelConfig] = {}
+    weights = list(CoordinatorConfig().tier_weights)
+    verify = VerifyConfig()
+    auth = AuthConfig()
+
+    if path:
+        where0 = str(path)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"config {where0}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {where0}: {exc}") from None
+        base = Path(path).resolve().parent
+        _check_keys(f"config {where0}", data, _TOP_SCALARS | _TOP_TABLES)
+        for key in _TOP_SCALARS & set(data):
+            _apply_scalar(values, key, data[key], f"config {where0}: {key}")
+        if "tier_weights" in data:
+            tw = _as_table("tier_weights", data["tier_weights"])
+            _check_keys("tier_weights", tw, {t.name for t in Tier})
+            for t in Tier:
+                if t.name in tw:
+                    weights[t.value] = _as_float(f"tier_weights.{t.name}", tw[t.name], positive=False)
+        if "limits" in data:
+            lt = _as_table("limits", data["limits"])
+            _check_keys("limits", lt, _LIMIT_KEYS)
+            for k, v in lt.items():
+                limits[k] = _as_int(f"limits.{k}", v)
+        if "verify" in data:
+            vt = _as_table("verify", data["verify"])
+            dv = VerifyConfig()
+            _check_keys("verify", vt, {f.name for f in dataclasses.fields(VerifyConfig)})
+            verify = VerifyConfig(
+                enabled=_as_bool("verify.enabled", vt.get("enabled", True)),
+                first=_as_int("verify.first", vt.get("first", dv.first), minimum=0),
+                sample_every=_as_int("verify.sample_every", vt.get("sample_every", dv.sample_every)),
+                lru_size=_as_int("verify.lru_size", vt.get("lru_size", dv.lru_size)),
+            )
+        if "tls" in data:
+            tt = _as_table("tls", data["tls"])
+            _check_keys("tls", tt, {"cert", "key", "client_ca"})
+            for k, v in tt.items():
+                tls[k] = str(base / _as_str(f"tls.{k}", v))
+        if "auth" in data:
+            auth = _parse_auth("auth", _as_table("auth", data["auth"]), base, env)
+        if "models" in data:
+            for name, raw in _as_table("models", data["models"]).items():
+                where = f'models."{name}"'
+                models[name] = ModelConfig(name, build_profile(where, _as_table(where, raw), default_seed))
+
+    merged: dict[str, Any] = {}
+    for var, key in ENV_VARS.items():
+        if key != "config" and env.get(var):
+            merged[key] = (env[var], var)
+    for key, value in overrides.items():
+        if key != "config":
+            merged[key] = (value, f"--{key.replace('_', '-')}")
+    for key, (raw, where) in merged.items():
+        if key in _TOP_SCALARS:
+            _apply_scalar(values, key, raw, where)
+        elif key in _LIMIT_KEYS:
+            limits[key] = _as_int(where, raw)
+        elif key in ("tls_cert", "tls_key", "tls_client_ca"):
+            tls[key.removeprefix("tls_")] = _as_str(where, raw)
+        elif key == "models":
+            for spec in raw:
+                m = parse_model_spec(spec, default_seed)
+                models[m.name] = m
+        elif key in ("agent_tokens", "router_tokens", "admin_tokens"):
+            auth = _merge_flag_tokens(auth, key, raw)
+        else:
+            raise ConfigError(f"{where}: unknown setting")
+
+    tls_cfg = TlsConfig(**tls)
+    if (tls_cfg.cert is None) != (tls_cfg.key is None):
+        raise ConfigError("tls: cert and key must be given together")
+    if tls_cfg.client_ca is not None and tls_cfg.cert is None:
+        raise ConfigError("tls: client_ca (mutual TLS) needs cert and key")
+    if values.get("strict_models") and not models:
+        raise ConfigError("strict_models is set but no [models] are configured")
+    return CoordinatorConfig(
+        **values,
+        models=models,
+        tier_weights=(weights[0], weights[1], weights[2]),
+        limits=Limits(**limits),
+        verify=verify,
+        tls=tls_cfg,
+        auth=auth,
+    )
+
+
+def _merge_flag_tokens(auth: AuthConfig, key: str, raw: object) -> AuthConfig:
+    items = [raw] if isinstance(raw, str) else list(cast(list[str], raw))
+    if key == "agent_tokens":
+        agents = dict(auth.agent_tokens)
+        for item in items:
+            token, eq, nodes = item.partition("=")
+            if not eq or not token or not nodes:
+                raise ConfigError(f"--agent-token {item!r}: expected TOKEN=NODE[,NODE...]")
+            agents[token] = frozenset(n.strip() for n in nodes.split(",") if n.strip())
+        return dataclasses.replace(auth, agent_tokens=agents)
+    if key == "router_tokens":
+        return dataclasses.replace(auth, router_tokens=auth.router_tokens | frozenset(items))
+    return dataclasses.replace(auth, admin_tokens=auth.admin_tokens | frozenset(items))

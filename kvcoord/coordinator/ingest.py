@@ -1,0 +1,382 @@
+"""One agent ingest stream: Hello, then numbered batches, snapshots and heartbeats.
+
+Ordering contract (shared with kvcoord.agent.reporter):
+
+1. The agent opens with Hello; the coordinator answers Welcome. ``snapshot_required`` is false only
+   when the coordinator still holds this exact (node, epoch) in sync (a reconnect after a blip);
+   then ``acked_seq`` tells the agent what to resend.
+2. Batch seqs count 1, 2, 3, ... per (node, epoch) across dp ranks. ``seq == last+1`` is applied and
+   acked; ``seq <= last`` is a duplicate (dropped, last re-acked); ``seq > last+1`` is a gap: the
+   coordinator sends SnapshotRequest and discards batches until the snapshot arrives.
+3. Snapshot chunks accumulate per dp rank until one has ``final``; then every rank of the Hello is
+   replaced (ranks absent from the snapshot become empty), ``last = seq`` and Ack(seq).
+4. An invalid batch is not applied: counted, logged once per kind, answered with SnapshotRequest.
+   Protocol violations abort the stream with a precise status; nothing of the offending message
+   is applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvcoord.coordinator.auth import Principal
+from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.registry import AnnouncedProfile, Load, NodeRecord
+from kvcoord.coordinator.verify import compare_announced
+from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcoord.events_proto import event_from_proto
+from kvcoord.hashing import BlockHash64
+from kvcoord.index.base import InvalidEvent, SnapshotEntry
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
+
+log = logging.getLogger("kvcoord.coordinator.ingest")
+
+MAX_ID_LEN = 256
+MAX_DP_RANKS = 1024
+_TIERS = tuple(Tier)
+
+
+class IngestAbort(Exception):
+    """End the stream with this status; raised before anything of the message is applied."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def event_kind(ev: KVEvent) -> str:
+    if isinstance(ev, BlockStored):
+        return "block_stored"
+    if isinstance(ev, BlockRemoved):
+        return "block_removed"
+    if isinstance(ev, AllBlocksCleared):
+        return "all_blocks_cleared"
+    return "unknown"
+
+
+def proto_event_kind(ev: pb.KVEvent) -> str:
+    which = ev.WhichOneof("event")
+    return {"stored": "block_stored", "removed": "block_removed", "cleared": "all_blocks_cleared"}.get(
+        which or "", "unknown"
+    )
+
+
+def load_from_proto(load: pb.Load) -> Load:
+    kv = float(load.kv_usage)
+    return Load(int(load.running_requests), int(load.waiting_requests), kv if 0.0 <= kv <= 1.0 else 0.0)
+
+
+@dataclass(slots=True)
+class _PendingSnapshot:
+    epoch: int
+    seq: int
+    entries: dict[int, list[SnapshotEntry]]
+    count: int = 0
+
+
+def _msg(**kw: object) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(**kw)  # type: ignore[arg-type]
+
+
+class IngestSession:
+    """State of one ingest stream. ``handle`` returns the messages to send back, or raises IngestAbort."""
+
+    def __init__(self, state: CoordinatorState, principal: Principal) -> None:
+        self.state = state
+        self.principal = principal
+        self.rec: NodeRecord | None = None
+        self.gen = 0
+        self.model = ""
+        self.node_id = ""
+        self.dp_ranks: tuple[int, ...] = ()
+        self.epoch = 0
+        self._pending: _PendingSnapshot | None = None
+
+    async def handle(self, msg: pb.AgentMessage) -> list[pb.CoordinatorMessage]:
+        which = msg.WhichOneof("msg")
+        if which == "hello":
+            return await self._hello(msg.hello)
+        if self.rec is None:
+            raise IngestAbort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"'{which or 'empty message'}' before Hello: the first message must be Hello",
+            )
+        rec = self._owned()
+        self.state.registry.heard(rec)
+        if which == "batch":
+            return await self._batch(rec, msg.batch)
+        if which == "snapshot":
+            return await self._snapshot(rec, msg.snapshot)
+        if which == "heartbeat":
+            if msg.heartbeat.HasField("load"):
+                rec.load = load_from_proto(msg.heartbeat.load)
+            return []
+        raise IngestAbort(
+            grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage (no hello/batch/snapshot/heartbeat)"
+        )
+
+    def _owned(self) -> NodeRecord:
+        rec = self.rec
+        assert rec is not None
+        if not self.state.registry.owns(rec, self.gen):
+            current = self.state.registry.get(rec.node_id)
+            if current is None or current.expired or rec.expired:
+                raise IngestAbort(
+                    grpc.StatusCode.ABORTED,
+                    f"node {rec.node_id} expired or was removed; reconnect with Hello and a snapshot",
+                )
+            raise IngestAbort(
+                grpc.StatusCode.ABORTED, f"node {rec.node_id}: superseded by a newer ingest stream"
+            )
+        return rec
+
+    # --- hello ------------------------------------------------------------------------------
+    async def _hello(self, hello: pb.Hello) -> list[pb.CoordinatorMessage]:
+        cfg = self.state.config
+        if self.rec is not None:
+            raise IngestAbort(grpc.StatusCode.FAILED_PRECONDITION, "second Hello on one stream")
+        if not hello.node_id or len(hello.node_id) > MAX_ID_LEN:
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"Hello.node_id must be 1..{MAX_ID_LEN} characters"
+            )
+        if not hello.model or len(hello.model) > MAX_ID_LEN:
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"Hello.model must be 1..{MAX_ID_LEN} characters"
+            )
+        ranks = tuple(sorted(set(hello.dp_ranks))) or (0,)
+        if len(ranks) != len(hello.dp_ranks) and hello.dp_ranks:
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, "Hello.dp_ranks has duplicates")
+        if len(ranks) > MAX_DP_RANKS:
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"Hello.dp_ranks: more than {MAX_DP_RANKS} ranks"
+            )
+        if not self.principal.may_publish(hello.node_id):
+            raise IngestAbort(
+                grpc.StatusCode.PERMISSION_DENIED, f"this token may not publish for node {hello.node_id!r}"
+            )
+        profile = cfg.profile(hello.model)
+        if profile is None and cfg.strict_models:
+            raise IngestAbort(
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown model {hello.model!r} (strict_models; configured: "
+                f"{', '.join(sorted(cfg.models)) or 'none'})",
+            )
+        reg = self.state.registry
+        rec, resume = reg.hello(
+            hello.node_id,
+            hello.model,
+            ranks,
+            hello.epoch,
+            index_ok=self.state.index_up,
+            next_seq=hello.next_seq,
+        )
+        self.rec, self.gen = rec, rec.stream_gen
+        self.node_id, self.model, self.dp_ranks, self.epoch = hello.node_id, hello.model, ranks, hello.epoch
+        if hello.HasField("hash_profile"):
+            hp = hello.hash_profile
+            rec.announced = AnnouncedProfile(
+                hp.algo, hp.block_size, hp.style, hp.none_hash_fingerprint, hp.engine_release
+            )
+            if profile is not None:
+                reason = compare_announced(rec.announced, profile)
+                if reason is not None:
+                    self.state.mark_hash_mismatch(rec, reason)
+        else:
+            rec.announced = None
+        out = [
+            _msg(
+                welcome=pb.Welcome(
+                    epoch=hello.epoch,
+                    acked_seq=rec.last_seq if resume else 0,
+                    lease_seconds=cfg.lease_seconds,
+                    snapshot_required=not resume,
+                )
+            )
+        ]
+        if not resume:
+            self.state.metrics.snapshot_requested("hello")
+        log.info(
+            "node %s (model %s, ranks %s) epoch %d: %s",
+            hello.node_id,
+            hello.model,
+            list(ranks),
+            hello.epoch,
+            f"resumed after seq {rec.last_seq}" if resume else "snapshot required",
+        )
+        return out
+
+    # --- batches ----------------------------------------------------------------------------
+    def _request_snapshot(self, rec: NodeRecord, reason: str, detail: str) -> list[pb.CoordinatorMessage]:
+        rec.resyncing = True
+        self._pending = None
+        self.state.metrics.snapshot_requested(reason)
+        return [_msg(snapshot_request=pb.SnapshotRequest(epoch=self.epoch, reason=f"{reason}: {detail}"))]
+
+    def _reject(
+        self, rec: NodeRecord, batch: pb.EventBatch, reason: str, detail: str
+    ) -> list[pb.CoordinatorMessage]:
+        m = self.state.metrics
+        m.batches.labels("rejected").inc()
+        for ev in batch.events:
+            m.rejected(proto_event_kind(ev), reason)
+        if not batch.events:
+            m.rejected("none", reason, 0)
+        self.state.log_once(
+            f"reject:{reason}",
+            logging.WARNING,
+            "node %s: batch %d rejected (%s): %s; asking for a snapshot (logged once per kind)",
+            rec.node_id,
+            batch.seq,
+            reason,
+            detail,
+        )
+        return self._request_snapshot(rec, "invalid_batch", f"batch {batch.seq} {reason}: {detail}")
+
+    async def _batch(self, rec: NodeRecord, batch: pb.EventBatch) -> list[pb.CoordinatorMessage]:
+        st = self.state
+        limit = st.config.limits.max_events_per_batch
+        if len(batch.events) > limit:
+            st.metrics.batches.labels("too_large").inc()
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"batch {batch.seq} has {len(batch.events)} events; max_events_per_batch is {limit}",
+            )
+        async with st.registry.lock(rec.node_id):
+            rec = self._owned()
+            if rec.resyncing:
+                st.metrics.batches.labels("awaiting_snapshot").inc()
+                return []
+            last = rec.last_seq
+            if batch.seq <= last:
+                st.metrics.batches.labels("duplicate").inc()
+                return [_msg(ack=pb.Ack(epoch=self.epoch, seq=last))]
+            if batch.seq > last + 1:
+                st.metrics.batches.labels("gap").inc()
+                st.log_once(
+                    f"gap:{rec.node_id}:{self.epoch}",
+                    logging.INFO,
+                    "node %s: gap (expected seq %d, got %d); asking for a snapshot",
+                    rec.node_id,
+                    last + 1,
+                    batch.seq,
+                )
+                return self._request_snapshot(rec, "gap", f"expected seq {last + 1}, got {batch.seq}")
+            if batch.dp_rank not in self.dp_ranks:
+                return self._reject(
+                    rec,
+                    batch,
+                    "unknown_dp_rank",
+                    f"dp_rank {batch.dp_rank} is not in the Hello's {list(self.dp_ranks)}",
+                )
+            try:
+                events = [event_from_proto(ev) for ev in batch.events]
+            except (ValueError, TypeError, KeyError, OverflowError) as exc:
+                kind = getattr(exc, "kind", None)
+                return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
+            try:
+                await st.index.apply(self.model, rec.node_id, batch.dp_rank, events)
+            except InvalidEvent as exc:
+                return self._reject(rec, batch, "invalid_event", str(exc))
+            except Exception as exc:
+                log.exception("node %s: index apply failed", rec.node_id)
+                raise IngestAbort(grpc.StatusCode.UNAVAILABLE, f"index backend failed: {exc}") from exc
+            rec.last_seq = batch.seq
+            rec.indexed.add((self.model, batch.dp_rank))
+        self._account(batch, events)
+        profile = st.config.profile(self.model)
+        if profile is not None and not rec.hash_mismatch:
+            reason = st.verifier.check(rec, self.model, profile, events)
+            if reason is not None:
+                st.mark_hash_mismatch(rec, reason)
+        return [_msg(ack=pb.Ack(epoch=self.epoch, seq=batch.seq))]
+
+    def _account(self, batch: pb.EventBatch, events: Sequence[KVEvent]) -> None:
+        m = self.state.metrics
+        m.batches.labels("applied").inc()
+        counts: dict[str, int] = {}
+        for ev in events:
+            k = event_kind(ev)
+            counts[k] = counts.get(k, 0) + 1
+        for k, n in counts.items():
+            m.applied(k, n)
+        if batch.ts > 0:
+            m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
+
+    # --- snapshots --------------------------------------------------------------------------
+    async def _snapshot(self, rec: NodeRecord, snap: pb.Snapshot) -> list[pb.CoordinatorMessage]:
+        st = self.state
+        if snap.epoch != self.epoch:
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"snapshot epoch {snap.epoch} does not match the Hello's epoch {self.epoch}",
+            )
+        if snap.dp_rank not in self.dp_ranks:
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"snapshot dp_rank {snap.dp_rank} is not in the Hello's {list(self.dp_ranks)}",
+            )
+        n = len(snap.block_hashes)
+        if snap.tiers and len(snap.tiers) != n:
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"snapshot has {n} block_hashes but {len(snap.tiers)} tiers"
+            )
+        if snap.tiers and (max(snap.tiers) >= len(_TIERS) or min(snap.tiers) < 0):
+            bad = next(t for t in snap.tiers if not 0 <= t < len(_TIERS))
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, f"snapshot has an unknown tier {bad}")
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = _PendingSnapshot(snap.epoch, snap.seq, {})
+        elif pending.seq != snap.seq:
+            self._pending = None
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"snapshot chunks disagree on seq ({pending.seq} then {snap.seq})",
+            )
+        pending.count += n
+        limit = st.config.limits.max_snapshot_blocks
+        if pending.count > limit:
+            self._pending = None
+            raise IngestAbort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"snapshot exceeds max_snapshot_blocks ({limit})"
+            )
+        entries = pending.entries.setdefault(snap.dp_rank, [])
+        if snap.tiers:
+            entries.extend(
+                (BlockHash64(h), _TIERS[t]) for h, t in zip(snap.block_hashes, snap.tiers, strict=True)
+            )
+        else:
+            entries.extend((BlockHash64(h), Tier.GPU) for h in snap.block_hashes)
+        if not snap.final:
+            return []
+        self._pending = None
+        async with st.registry.lock(rec.node_id):
+            rec = self._owned()
+            await st.registry.wait_removal(rec.node_id)
+            try:
+                for rank in self.dp_ranks:
+                    await st.index.replace_node(self.model, rec.node_id, rank, pending.entries.get(rank, []))
+                keep = {(self.model, r) for r in self.dp_ranks}
+                for model, rank in sorted(rec.indexed - keep):
+                    await st.index.clear(model, rec.node_id, rank)
+            except Exception as exc:
+                log.exception("node %s: snapshot replace failed", rec.node_id)
+                raise IngestAbort(grpc.StatusCode.UNAVAILABLE, f"index backend failed: {exc}") from exc
+            rec.indexed = keep
+            rec.last_seq = pending.seq
+            rec.resyncing = False
+        st.metrics.snapshots_applied.inc()
+        log.info(
+            "node %s epoch %d: snapshot applied at seq %d (%d blocks over %d ranks)",
+            rec.node_id,
+            self.epoch,
+            pending.seq,
+            pending.count,
+            len(self.dp_ranks),
+        )
+        return [_msg(ack=pb.Ack(epoch=self.epoch, seq=pending.seq))]

@@ -1,0 +1,147 @@
+"""Prometheus metrics of one coordinator, in its own registry so several servers fit one process."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as PyCounter
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvcoord.events import Tier
+from kvcoord.index.base import IndexStats
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """Every ``kvcoord_*`` series, plus plain counters the Stats RPC reports."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.events_applied = Counter(
+            "kvcoord_events_applied", "KV events applied to the index", ["type"], registry=r
+        )
+        self.events_rejected = Counter(
+            "kvcoord_events_rejected", "KV events not applied, by reason", ["type", "reason"], registry=r
+        )
+        self.batches = Counter(
+            "kvcoord_batches", "Event batches received, by outcome", ["outcome"], registry=r
+        )
+        self.entries = Gauge(
+            "kvcoord_index_entries",
+            "(block, location) entries by model and tier",
+            ["model", "tier"],
+            registry=r,
+        )
+        self.blocks = Gauge("kvcoord_index_blocks", "Distinct blocks by model", ["model"], registry=r)
+        self.index_bytes = Gauge("kvcoord_index_bytes", "Estimated bytes held by the index", registry=r)
+        self.index_up = Gauge(
+            "kvcoord_index_up", "1 when the index backend answers its ping", ["backend"], registry=r
+        )
+        self.nodes = Gauge("kvcoord_nodes", "Registered nodes by state", ["state"], registry=r)
+        self.streams = Gauge("kvcoord_ingest_streams", "Open agent ingest streams", registry=r)
+        self.lookup_latency = Histogram(
+            "kvcoord_lookup_latency_seconds",
+            "Lookup handling time",
+            ["query"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.matched_fraction = Histogram(
+            "kvcoord_lookup_matched_fraction",
+            "Best node's matched blocks / query blocks",
+            buckets=_FRACTION_BUCKETS,
+            registry=r,
+        )
+        self.ingest_lag = Histogram(
+            "kvcoord_ingest_lag_seconds",
+            "Engine event timestamp to applied",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.hash_mismatches = Counter(
+            "kvcoord_hash_mismatches", "Engine hashes that did not verify", ["model"], registry=r
+        )
+        self.hash_verifications = Counter(
+            "kvcoord_hash_verifications", "Sampled block chains verified", ["result"], registry=r
+        )
+        self.snapshots_requested = Counter(
+            "kvcoord_snapshots_requested", "Snapshot requests sent to agents", ["reason"], registry=r
+        )
+        self.snapshots_applied = Counter(
+            "kvcoord_snapshots_applied", "Snapshots that replaced a node's entries", registry=r
+        )
+        self.leases_expired = Counter(
+            "kvcoord_leases_expired", "Nodes dropped for missing their lease", registry=r
+        )
+        # Plain totals for the Stats RPC (prometheus counters are not meant to be read back).
+        self.applied_by_type: PyCounter[str] = PyCounter()
+        self.rejected_by_reason: PyCounter[str] = PyCounter()
+        self.hash_mismatch_total = 0
+        self.snapshots_requested_total = 0
+        self.leases_expired_total = 0
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self._known_series: set[tuple[str, str]] = set()
+        self._known_models: set[str] = set()
+
+    def applied(self, kind: str, n: int = 1) -> None:
+        self.events_applied.labels(kind).inc(n)
+        self.applied_by_type[kind] += n
+
+    def rejected(self, kind: str, reason: str, n: int = 1) -> None:
+        self.events_rejected.labels(kind, reason).inc(n)
+        self.rejected_by_reason[reason] += n
+
+    def snapshot_requested(self, reason: str) -> None:
+        self.snapshots_requested.labels(reason).inc()
+        self.snapshots_requested_total += 1
+
+    def lease_expired(self) -> None:
+        self.leases_expired.inc()
+        self.leases_expired_total += 1
+
+    def hash_mismatch(self, model: str) -> None:
+        self.hash_mismatches.labels(model).inc()
+        self.hash_mismatch_total += 1
+
+    def set_index_stats(self, stats: IndexStats) -> None:
+        """Refresh the size gauges; series that went to zero are set to 0, not left stale."""
+        self.index_bytes.set(stats.bytes)
+        seen: set[tuple[str, str]] = set()
+        for (model, tier), n in stats.entries_by_model_tier.items():
+            key = (model, Tier(tier).name)
+            seen.add(key)
+            self.entries.labels(*key).set(n)
+        for key in self._known_series - seen:
+            self.entries.labels(*key).set(0)
+        self._known_series |= seen
+        models = set(stats.blocks_by_model)
+        for model, n in stats.blocks_by_model.items():
+            self.blocks.labels(model).set(n)
+        for model in self._known_models - models:
+            self.blocks.labels(model).set(0)
+        self._known_models |= models
+
+    def set_nodes(self, by_state: dict[str, int]) -> None:
+        for state in ("active", "draining", "resyncing", "hash_mismatch", "expired"):
+            self.nodes.labels(state).set(by_state.get(state, 0))
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP server on a daemon thread; returns the bound port."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http, self._thread = server, thread
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self._thread = None

@@ -1,0 +1,223 @@
+"""Node registry: who is connected, at which epoch and seq, their load, their lease and their state.
+
+The registry is the coordinator's authority on liveness. Lookups drop any node the registry does
+not consider live *at answer time*, so an expired lease takes effect immediately, while the index
+reclaims the node's entries in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+ACTIVE = "active"
+DRAINING = "draining"
+RESYNCING = "resyncing"
+HASH_MISMATCH = "hash_mismatch"
+EXPIRED = "expired"
+STATES = (ACTIVE, DRAINING, RESYNCING, HASH_MISMATCH, EXPIRED)
+
+
+@dataclass(slots=True)
+class Load:
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(slots=True)
+class AnnouncedProfile:
+    """The hash profile an agent announced in its Hello (never a seed)."""
+
+    algo: str = ""
+    block_size: int = 0
+    style: str = ""
+    none_hash_fingerprint: str = ""
+    engine_release: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class NodeRecord:
+    """One node as the coordinator knows it. Mutated only on the event loop."""
+
+    node_id: str
+    model: str
+    dp_ranks: tuple[int, ...]
+    epoch: int
+    last_seq: int = 0
+    last_heard: float = field(default_factory=time.monotonic)
+    load: Load = field(default_factory=Load)
+    announced: AnnouncedProfile | None = None
+    resyncing: bool = True
+    """Waiting for a snapshot: the node's entries are not trustworthy and it is left out of lookups."""
+    draining: bool = False
+    expired: bool = False
+    expired_at: float = 0.0
+    hash_mismatch: bool = False
+    hash_mismatch_reason: str = ""
+    stream_gen: int = 0
+    """Generation of the ingest stream that owns this node; older streams are refused."""
+    indexed: set[tuple[str, int]] = field(default_factory=set)
+    """(model, dp_rank) pairs the index may hold entries for, so a changed model/rank set is cleaned up."""
+    verify_seen: int = 0
+    """Verifiable BlockStored chains seen, for sampling."""
+
+    @property
+    def state(self) -> str:
+        if self.expired:
+            return EXPIRED
+        if self.draining:
+            return DRAINING
+        if self.resyncing:
+            return RESYNCING
+        if self.hash_mismatch:
+            return HASH_MISMATCH
+        return ACTIVE
+
+    def live(self, now: float, lease: float) -> bool:
+        """Served in lookups: heard from within the lease, in sync, and not draining."""
+        return not (self.expired or self.resyncing or self.draining) and now - self.last_heard <= lease
+
+
+class NodeRegistry:
+    """Nodes by id, per-node locks that serialise index writes, and background entry removals."""
+
+    def __init__(self, lease_seconds: float, *, retain_expired: float | None = None) -> None:
+        self.lease = lease_seconds
+        self.retain_expired = retain_expired if retain_expired is not None else max(60.0, 10 * lease_seconds)
+        self._nodes: dict[str, NodeRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._removals: dict[str, asyncio.Task[None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[NodeRecord]:
+        return iter(list(self._nodes.values()))
+
+    def get(self, node_id: str) -> NodeRecord | None:
+        return self._nodes.get(node_id)
+
+    def lock(self, node_id: str) -> asyncio.Lock:
+        """The lock every index write for ``node_id`` holds (it outlives records: a new record after
+        expiry must not interleave with a stale stream's write)."""
+        lk = self._locks.get(node_id)
+        if lk is None:
+            lk = self._locks[node_id] = asyncio.Lock()
+        return lk
+
+    def is_live(self, node_id: str, model: str, now: float | None = None) -> bool:
+        rec = self._nodes.get(node_id)
+        if rec is None or rec.model != model:
+            return False
+        return rec.live(time.monotonic() if now is None else now, self.lease)
+
+    def has_live(self, model: str) -> bool:
+        now = time.monotonic()
+        return any(r.model == model and r.live(now, self.lease) for r in self._nodes.values())
+
+    def hello(
+        self,
+        node_id: str,
+        model: str,
+        dp_ranks: tuple[int, ...],
+        epoch: int,
+        *,
+        index_ok: bool,
+        next_seq: int = 0,
+    ) -> tuple[NodeRecord, bool]:
+        """Register a (re)connecting node. Returns the record and whether the stream resumes where
+        the node left off (same epoch, model and ranks, in sync, not expired, index reachable, and the
+        agent can resend everything after the last applied seq: ``next_seq`` 0 = unknown)."""
+        now = time.monotonic()
+        rec = self._nodes.get(node_id)
+        resume = (
+            rec is not None
+            and not rec.expired
+            and not rec.resyncing
+            and rec.epoch == epoch
+            and rec.model == model
+            and rec.dp_ranks == dp_ranks
+            and index_ok
+            and now - rec.last_heard <= self.lease
+            and (next_seq == 0 or next_seq <= rec.last_seq + 1)
+        )
+        if rec is None or rec.expired:
+            # Expired entries are being reclaimed by remove_node (see wait_removal): start clean.
+            rec = NodeRecord(node_id=node_id, model=model, dp_ranks=dp_ranks, epoch=epoch, last_heard=now)
+            self._nodes[node_id] = rec
+        elif not resume:
+            if rec.epoch != epoch:
+                rec.hash_mismatch = False
+                rec.hash_mismatch_reason = ""
+                rec.verify_seen = 0
+            rec.model, rec.dp_ranks, rec.epoch = model, dp_ranks, epoch
+            rec.last_seq = 0
+            rec.resyncing = True
+        rec.last_heard = now
+        rec.stream_gen += 1
+        return rec, resume
+
+    def owns(self, rec: NodeRecord, gen: int) -> bool:
+        """True while stream generation ``gen`` still owns ``rec`` (not superseded, removed, expired)."""
+        return rec.stream_gen == gen and not rec.expired and self._nodes.get(rec.node_id) is rec
+
+    def heard(self, rec: NodeRecord) -> None:
+        rec.last_heard = time.monotonic()
+
+    def drain(self, node_id: str) -> bool:
+        rec = self._nodes.get(node_id)
+        if rec is None:
+            return False
+        rec.draining = True
+        return True
+
+    def remove(self, node_id: str) -> NodeRecord | None:
+        """Forget the node entirely (its stream, if any, is refused on its next message)."""
+        rec = self._nodes.pop(node_id, None)
+        if rec is not None:
+            rec.expired = True
+            rec.stream_gen += 1
+        return rec
+
+    def expire_due(self, now: float | None = None) -> list[NodeRecord]:
+        """Mark nodes past their lease expired; forget long-expired ones. Returns the newly expired."""
+        now = time.monotonic() if now is None else now
+        out: list[NodeRecord] = []
+        for rec in list(self._nodes.values()):
+            if rec.expired:
+                if now - rec.expired_at > self.retain_expired:
+                    del self._nodes[rec.node_id]
+            elif now - rec.last_heard > self.lease:
+                rec.expired = True
+                rec.expired_at = now
+                rec.stream_gen += 1
+                out.append(rec)
+        return out
+
+    def track_removal(self, node_id: str, task: asyncio.Task[None]) -> None:
+        self._removals[node_id] = task
+        task.add_done_callback(
+            lambda t: self._removals.pop(node_id, None) if self._removals.get(node_id) is t else None
+        )
+
+    async def wait_removal(self, node_id: str) -> None:
+        """Wait for a pending background removal of ``node_id`` so it cannot wipe a fresh snapshot."""
+        task = self._removals.get(node_id)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def pending_removals(self) -> list[asyncio.Task[None]]:
+        return list(self._removals.values())
+
+    def by_state(self) -> dict[str, int]:
+        out = dict.fromkeys(STATES, 0)
+        now = time.monotonic()
+        for rec in self._nodes.values():
+            state = rec.state
+            if state != EXPIRED and now - rec.last_heard > self.lease:
+                state = EXPIRED  # past its lease; the sweeper has not run yet
+            out[state] += 1
+        return out

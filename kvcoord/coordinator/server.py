@@ -1,0 +1,219 @@
+"""Run the coordinator: in-process (:class:`CoordinatorServer`) or as ``kvcoord serve``.
+
+The index object is passed in (or opened from ``config.index`` at start), never chosen at import.
+Stopping is bounded: gRPC gets a short grace period, background tasks are cancelled, the metrics
+HTTP server is shut down and (when the server opened it) the index is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvcoord.coordinator.auth import Authenticator
+from kvcoord.coordinator.config import ConfigError, CoordinatorConfig, load_config
+from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
+from kvcoord.coordinator.tls import server_credentials
+from kvcoord.index import Index, open_index
+
+log = logging.getLogger("kvcoord.coordinator")
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class CoordinatorServer:
+    """One coordinator instance: ``await start()``, use ``port``/``metrics_port``, ``await stop()``."""
+
+    def __init__(
+        self, config: CoordinatorConfig, index: Index | None = None, *, close_index: bool | None = None
+    ) -> None:
+        self.config = config
+        self._index = index
+        self._close_index = close_index if close_index is not None else index is None
+        self.state: CoordinatorState | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        host, _ = split_hostport(self.config.listen)
+        host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        cfg = self.config
+        index = (
+            self._index if self._index is not None else open_index(cfg.index, key_prefix=cfg.index_key_prefix)
+        )
+        self._index = index
+        state = self.state = CoordinatorState(cfg, index)
+        opts = [
+            ("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
+            ("grpc.max_send_message_length", max(cfg.limits.max_message_bytes, 4 * 1024 * 1024)),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        server = grpc.aio.server(options=opts)
+        servicer = CoordinatorServicer(state, Authenticator(cfg.auth))
+        server.add_generic_rpc_handlers((servicer.generic_handler(),))
+        hs = self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            if cfg.tls.enabled:
+                self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls))
+            else:
+                self.port = server.add_insecure_port(cfg.listen)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on {cfg.listen}: {exc}") from None
+        if not self.port:
+            raise ConfigError(f"cannot listen on {cfg.listen}")
+        await server.start()
+        self._server = server
+
+        async def on_health(up: bool) -> None:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await hs.set("", status)
+            await hs.set(SERVICE, status)
+
+        state.on_health = on_health
+        up = False
+        with contextlib.suppress(Exception):
+            up = bool(await asyncio.wait_for(index.ping(), timeout=2.0))
+        state.index_up = up
+        state.metrics.index_up.labels(index.backend).set(1 if up else 0)
+        await on_health(up)
+        if not up:
+            log.warning("index backend %s does not answer; serving NOT_SERVING until it does", index.backend)
+        await state.refresh()
+        if cfg.metrics_listen:
+            host, port = split_hostport(cfg.metrics_listen)
+            try:
+                self.metrics_port = state.metrics.serve(host, port)
+            except OSError as exc:
+                await self.stop()
+                raise ConfigError(
+                    f"cannot serve metrics on {cfg.metrics_listen}: {exc.strerror or exc}"
+                ) from None
+        state.start_background()
+
+    async def stop(self, grace: float = 0.5) -> None:
+        """Stop serving within ``grace`` plus a little: streams are cancelled after the grace period."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._health is not None:
+            with contextlib.suppress(Exception):
+                await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self.state is not None:
+            await self.state.stop_background()
+            self.state.metrics.close()
+        if self._close_index and self._index is not None:
+            try:
+                await asyncio.wait_for(self._index.close(), timeout=1.0)
+            except Exception:
+                log.warning("closing the index did not finish cleanly", exc_info=True)
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def __aenter__(self) -> CoordinatorServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    """Flags win over env vars, which win over the config file."""
+    keys = (
+        "listen",
+        "metrics_listen",
+        "index",
+        "lease_seconds",
+        "strict_models",
+        "max_message_bytes",
+        "max_events_per_batch",
+        "max_query_blocks",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+    )
+    overrides: dict[str, object] = {k: getattr(args, k, None) for k in keys}
+    if getattr(args, "model", None):
+        overrides["models"] = args.model
+    for k in ("agent_token", "router_token", "admin_token"):
+        if getattr(args, k, None):
+            overrides[k + "s"] = getattr(args, k)
+    return load_config(getattr(args, "config", None), overrides=overrides)
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    """Run until SIGTERM or SIGINT, then stop within about a second."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before listening, so an early signal still stops cleanly
+        loop.add_signal_handler(sig, stop.set)
+    server = CoordinatorServer(config)
+    try:
+        await server.start()
+    except BaseException:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await server.stop(grace=0)
+        raise
+    assert server.state is not None
+    metrics = (
+        f"http://{split_hostport(config.metrics_listen)[0]}:{server.metrics_port}/metrics"
+        if server.metrics_port
+        else "off"
+    )
+    security = "mTLS" if config.tls.client_ca else "TLS" if config.tls.enabled else "plaintext"
+    if config.auth.enabled:
+        security += ", token auth"
+    print(
+        f"kvcoord serve: grpc {server.address} ({security}), metrics {metrics}, "
+        f"index {server.state.index.backend}, models: {', '.join(sorted(config.models)) or 'any'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        print("kvcoord serve: stopping", file=sys.stderr, flush=True)
+        await server.stop(grace=0.5)
+    print("kvcoord serve: stopped", file=sys.stderr, flush=True)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Body of ``kvcoord serve``."""
+    config = config_from_args(args)
+    asyncio.run(serve(config))
+    return 0

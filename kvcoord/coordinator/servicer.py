@@ -1,0 +1,377 @@
+"""The ``kvcoord.v1.Coordinator`` gRPC service.
+
+Requests are deserialised by the handlers here rather than by gRPC, so that a malformed message
+gets ``INVALID_ARGUMENT`` with the parser's reason instead of a generic internal error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from kvcoord.coordinator.auth import ROUTER, Authenticator, AuthError, Principal
+from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.ingest import IngestAbort, IngestSession, load_from_proto
+from kvcoord.coordinator.registry import Load, NodeRecord
+from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys, block_hashes64
+from kvcoord.index.base import NodeKey, NodeMatch
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
+
+log = logging.getLogger("kvcoord.coordinator")
+
+SERVICE = "kvcoord.v1.Coordinator"
+M = TypeVar("M", bound=Message)
+
+
+class Malformed:
+    """Stands in for a request that failed to parse; handlers answer INVALID_ARGUMENT."""
+
+    __slots__ = ("reason", "type_name")
+
+    def __init__(self, type_name: str, reason: str) -> None:
+        self.type_name = type_name
+        self.reason = reason
+
+
+def _parser(cls: type[M]) -> Callable[[bytes], M | Malformed]:
+    def parse(data: bytes) -> M | Malformed:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            return Malformed(cls.__name__, str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def _load_pb(load: Load) -> pb.Load:
+    return pb.Load(
+        running_requests=load.running_requests, waiting_requests=load.waiting_requests, kv_usage=load.kv_usage
+    )
+
+
+def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
+    state = rec.state
+    if state != "expired" and now - rec.last_heard > lease:
+        state = "expired"
+    info = pb.NodeInfo(
+        node_id=rec.node_id,
+        model=rec.model,
+        dp_ranks=list(rec.dp_ranks),
+        state=state,
+        epoch=rec.epoch,
+        last_seq=rec.last_seq,
+        last_heartbeat_age_seconds=max(0.0, now - rec.last_heard),
+        load=_load_pb(rec.load),
+        hash_mismatch=rec.hash_mismatch,
+        hash_mismatch_reason=rec.hash_mismatch_reason,
+    )
+    if rec.announced is not None:
+        a = rec.announced
+        info.hash_profile.CopyFrom(
+            pb.HashProfile(
+                algo=a.algo,
+                block_size=a.block_size,
+                style=a.style,
+                none_hash_fingerprint=a.none_hash_fingerprint,
+                engine_release=a.engine_release,
+            )
+        )
+    return info
+
+
+class CoordinatorServicer:
+    """RPC handlers over a :class:`CoordinatorState`."""
+
+    def __init__(self, state: CoordinatorState, auth: Authenticator) -> None:
+        self.state = state
+        self.auth = auth
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        handlers = {
+            "Ingest": grpc.stream_stream_rpc_method_handler(
+                self.Ingest,
+                request_deserializer=_parser(pb.AgentMessage),
+                response_serializer=pb.CoordinatorMessage.SerializeToString,
+            ),
+        }
+        unary: dict[str, tuple[Any, type[Message], type[Message]]] = {
+            "Lookup": (self.Lookup, pb.LookupRequest, pb.LookupResponse),
+            "ListNodes": (self.ListNodes, pb.ListNodesRequest, pb.ListNodesResponse),
+            "Heartbeat": (self.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatResponse),
+            "DrainNode": (self.DrainNode, pb.DrainNodeRequest, pb.DrainNodeResponse),
+            "RemoveNode": (self.RemoveNode, pb.RemoveNodeRequest, pb.RemoveNodeResponse),
+            "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
+            "Ping": (self.Ping, pb.PingRequest, pb.PingResponse),
+        }
+        for name, (fn, req, resp) in unary.items():
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=_parser(req), response_serializer=resp.SerializeToString
+            )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    # --- helpers ----------------------------------------------------------------------------
+    async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
+        if not self.auth.enabled:
+            return self.auth.principal(None)
+        try:
+            return self.auth.principal(context.invocation_metadata())
+        except AuthError as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # unreachable: abort raises
+
+    @staticmethod
+    async def _check(request: object, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, Malformed):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request.type_name}: {request.reason}"
+            )
+
+    async def _manage(self, request: Any, context: grpc.aio.ServicerContext, what: str) -> NodeRecord:
+        await self._check(request, context)
+        principal = await self._principal(context)
+        if principal.role == ROUTER or not principal.may_manage(request.node_id):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, f"this token may not {what} node {request.node_id!r}"
+            )
+        rec = self.state.registry.get(request.node_id)
+        if rec is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id!r}")
+        assert rec is not None
+        return rec
+
+    # --- ingest -----------------------------------------------------------------------------
+    async def Ingest(
+        self, request_iterator: AsyncIterator[pb.AgentMessage | Malformed], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CoordinatorMessage]:
+        principal = await self._principal(context)
+        if principal.role == ROUTER:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "a router token may only query (not Ingest)"
+            )
+        session = IngestSession(self.state, principal)
+        self.state.metrics.streams.inc()
+        try:
+            async for msg in request_iterator:
+                if isinstance(msg, Malformed):
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"malformed {msg.type_name}: {msg.reason}"
+                    )
+                    return
+                try:
+                    out = await session.handle(msg)
+                except IngestAbort as exc:
+                    log.info(
+                        "ingest stream of %s aborted: %s %s",
+                        session.node_id or context.peer(),
+                        exc.code.name,
+                        exc.message,
+                    )
+                    await context.abort(exc.code, exc.message)
+                    return
+                for reply in out:
+                    yield reply
+        finally:
+            self.state.metrics.streams.dec()
+
+    # --- lookup -----------------------------------------------------------------------------
+    async def Lookup(
+        self, request: pb.LookupRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
+        t0 = time.perf_counter()
+        await self._check(request, context)
+        assert isinstance(request, pb.LookupRequest)
+        await self._principal(context)
+        st, cfg = self.state, self.state.config
+        model = request.model
+        if not model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LookupRequest.model is required")
+        profile = cfg.profile(model)
+        if profile is None and cfg.strict_models:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown model {model!r} (strict_models; configured: {', '.join(sorted(cfg.models))})",
+            )
+        limit = cfg.limits.max_query_blocks
+        which = request.WhichOneof("query")
+        hashes: list[BlockHash64]
+        if which == "tokens":
+            if profile is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"model {model!r} has no hash profile configured, so token ids cannot be "
+                    f'hashed: query by block hashes, or configure [models."{model}"]',
+                )
+            assert profile is not None
+            q = request.tokens
+            nblocks = len(q.token_ids) // profile.block_size
+            if nblocks > limit:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"query has {nblocks} blocks ({len(q.token_ids)} tokens); max_query_blocks is {limit}",
+                )
+            try:
+                keys = RequestKeys(
+                    lora_name=q.lora_name if q.HasField("lora_name") else None,
+                    lora_path=q.lora_path if q.HasField("lora_path") else None,
+                    cache_salt=q.cache_salt if q.HasField("cache_salt") else None,
+                    mm_items=tuple(MultiModalItem(m.identifier, m.offset, m.length) for m in q.mm_items),
+                    prompt_embeds_digests=tuple(q.prompt_embeds_digests) if q.prompt_embeds_digests else None,
+                )
+                hashes = block_hashes64(profile, q.token_ids, None if keys.empty else keys)
+            except (ValueError, TypeError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot hash the query: {exc}")
+        elif which == "hashes":
+            if len(request.hashes.block_hashes) > limit:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"query has {len(request.hashes.block_hashes)} blocks; max_query_blocks is {limit}",
+                )
+            hashes = [BlockHash64(h) for h in request.hashes.block_hashes]
+        else:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "LookupRequest needs either tokens or hashes"
+            )
+        candidates: set[NodeKey] | None = {(c.node_id, c.dp_rank) for c in request.candidates} or None
+        matches: list[NodeMatch] = []
+        if hashes and st.registry.has_live(model):
+            try:
+                matches = await st.index.match(model, hashes, candidates)
+            except Exception as exc:
+                log.exception("index match failed")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"index backend failed: {exc}")
+        resp = self._answer(model, profile.block_size if profile is not None else 0, len(hashes), matches)
+        st.metrics.lookup_latency.labels(which).observe(time.perf_counter() - t0)
+        if hashes:
+            best = resp.nodes[0].matched_blocks if resp.nodes else 0
+            st.metrics.matched_fraction.observe(best / len(hashes))
+        return resp
+
+    def _answer(
+        self, model: str, block_size: int, num_blocks: int, matches: list[NodeMatch]
+    ) -> pb.LookupResponse:
+        reg = self.state.registry
+        now = time.monotonic()
+        w = self.state.config.tier_weights
+        live: list[tuple[float, NodeMatch, NodeRecord]] = []
+        for m in matches:
+            if m.matched_blocks <= 0 or not reg.is_live(m.node_id, model, now):
+                continue
+            rec = reg.get(m.node_id)
+            assert rec is not None
+            score = sum(n * w[t] for t, n in enumerate(m.tiers[:3]))
+            live.append((score, m, rec))
+        live.sort(key=lambda x: (-x[0], -x[1].matched_blocks, x[1].node_id, x[1].dp_rank))
+        nodes = []
+        for _, m, rec in live:
+            t = (*tuple(m.tiers), 0, 0, 0)
+            nodes.append(
+                pb.NodeMatch(
+                    node_id=m.node_id,
+                    dp_rank=m.dp_rank,
+                    matched_blocks=m.matched_blocks,
+                    tiers=pb.TierCounts(gpu=t[0], cpu=t[1], storage=t[2]),
+                    load=_load_pb(rec.load),
+                )
+            )
+        return pb.LookupResponse(model=model, block_size=block_size, num_blocks=num_blocks, nodes=nodes)
+
+    # --- nodes ------------------------------------------------------------------------------
+    async def ListNodes(
+        self, request: pb.ListNodesRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.ListNodesResponse:
+        await self._check(request, context)
+        assert isinstance(request, pb.ListNodesRequest)
+        await self._principal(context)
+        return pb.ListNodesResponse(nodes=self._nodes(request.model))
+
+    def _nodes(self, model: str = "") -> list[pb.NodeInfo]:
+        now, lease = time.monotonic(), self.state.registry.lease
+        recs = sorted(self.state.registry, key=lambda r: r.node_id)
+        return [node_info(r, now, lease) for r in recs if not model or r.model == model]
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        await self._check(request, context)
+        assert isinstance(request, pb.HeartbeatRequest)
+        principal = await self._principal(context)
+        if principal.role == ROUTER or not principal.may_publish(request.node_id):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this token may not heartbeat for node {request.node_id!r}",
+            )
+        reg = self.state.registry
+        rec = reg.get(request.node_id)
+        now = time.monotonic()
+        known = (
+            rec is not None
+            and not rec.expired
+            and rec.epoch == request.epoch
+            and now - rec.last_heard <= reg.lease
+        )
+        if known:
+            assert rec is not None
+            reg.heard(rec)
+            if request.HasField("load"):
+                rec.load = load_from_proto(request.load)
+        return pb.HeartbeatResponse(lease_seconds=reg.lease, known=known)
+
+    async def DrainNode(
+        self, request: pb.DrainNodeRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.DrainNodeResponse:
+        rec = await self._manage(request, context, "drain")
+        self.state.registry.drain(rec.node_id)
+        log.info("node %s: draining (left out of lookups)", rec.node_id)
+        self.state.metrics.set_nodes(self.state.registry.by_state())
+        return pb.DrainNodeResponse()
+
+    async def RemoveNode(
+        self, request: pb.RemoveNodeRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.RemoveNodeResponse:
+        rec = await self._manage(request, context, "remove")
+        self.state.registry.remove(rec.node_id)
+        self.state.remove_in_background(rec.node_id)
+        log.info("node %s: removed", rec.node_id)
+        self.state.metrics.set_nodes(self.state.registry.by_state())
+        return pb.RemoveNodeResponse()
+
+    # --- stats ------------------------------------------------------------------------------
+    async def Stats(
+        self, request: pb.StatsRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        await self._check(request, context)
+        await self._principal(context)
+        st = self.state
+        stats = st.last_stats
+        try:
+            stats = await st.index.stats()
+            st.last_stats = stats
+        except Exception:
+            log.debug("index stats failed", exc_info=True)
+        m = st.metrics
+        resp = pb.StatsResponse(
+            index_backend=st.index.backend,
+            events_applied=dict(m.applied_by_type),
+            events_rejected=dict(m.rejected_by_reason),
+            nodes=self._nodes(),
+            nodes_by_state=st.registry.by_state(),
+            hash_mismatches=m.hash_mismatch_total,
+            snapshots_requested=m.snapshots_requested_total,
+            leases_expired=m.leases_expired_total,
+        )
+        if stats is not None:
+            resp.entries, resp.blocks, resp.index_bytes = stats.entries, stats.blocks, stats.bytes
+        return resp
+
+    async def Ping(
+        self, request: pb.PingRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.PingResponse:
+        await self._check(request, context)
+        if self.auth.enabled:
+            await self._principal(context)
+        return pb.PingResponse()

@@ -1,0 +1,225 @@
+"""Engine hash verification: recompute a sample of BlockStored chains with the model's profile.
+
+A wrong seed, algorithm, block size or extra-key style does not make an engine's events invalid;
+it makes every token lookup silently miss. So the coordinator recomputes what it can (a chain
+head, or a chain whose parent digest it computed recently, or digest-form events that carry their
+parent digest) and reports a mismatch loudly, naming the likely cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from kvcoord.coordinator.config import VerifyConfig, env_seed
+from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
+from kvcoord.events import BlockStored, KVEvent
+from kvcoord.hashing import BlockDigest, HashProfile, hash_block_tokens, to_block_hash64
+
+log = logging.getLogger("kvcoord.coordinator.verify")
+_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+_RELEASE_DEFAULT_SEED = "vllm-none-hash"
+
+
+def _tuplify(value: Any) -> Any:
+    """msgpack gives lists where vLLM hashed tuples (pickle tells them apart)."""
+    if isinstance(value, list | tuple):
+        return tuple(_tuplify(v) for v in value)
+    return value
+
+
+def _same(published: int | bytes, digest: bytes) -> bool:
+    if isinstance(published, bytes | bytearray):
+        return bytes(published) == digest
+    return bool(to_block_hash64(digest) == published)
+
+
+def compare_announced(announced: AnnouncedProfile, profile: HashProfile) -> str | None:
+    """The likely cause of a mismatch, from the profile an agent announced in its Hello (None: agrees)."""
+    try:
+        ours = profile.fingerprint()
+    except ValueError:
+        ours = ""
+    theirs = announced.none_hash_fingerprint
+    if theirs and ours and theirs != ours:
+        return (
+            f"seed: the engine's NONE_HASH fingerprint {theirs[:12]}… differs from the coordinator's "
+            f"{ours[:12]}… (set the model's seed, or PYTHONHASHSEED, to the engine's)"
+        )
+    if announced.algo and announced.algo != profile.algo:
+        return f"algorithm: the engine hashes with {announced.algo}, the profile says {profile.algo}"
+    if announced.block_size and announced.block_size != profile.block_size:
+        return (
+            f"block size: the engine uses {announced.block_size}-token blocks, the profile says "
+            f"{profile.block_size}"
+        )
+    if announced.style and announced.style != profile.style:
+        return f"extra-key style: the engine uses {announced.style}, the profile says {profile.style}"
+    return None
+
+
+class HashVerifier:
+    """Samples BlockStored chains and recomputes them; remembers recently verified digests by uint64."""
+
+    def __init__(self, cfg: VerifyConfig) -> None:
+        self.cfg = cfg
+        self._lru: OrderedDict[tuple[str, int], BlockDigest] = OrderedDict()
+        self.verified = 0
+        self.skipped = 0
+
+    def _remember(self, model: str, h64: int, digest: BlockDigest) -> None:
+        key = (model, h64)
+        self._lru[key] = digest
+        self._lru.move_to_end(key)
+        while len(self._lru) > self.cfg.lru_size:
+            self._lru.popitem(last=False)
+
+    def _parent_digest(self, model: str, ev: BlockStored) -> tuple[bool, BlockDigest | None]:
+        """(known, digest): a chain head has parent None; a digest-form parent is itself."""
+        parent = ev.parent_block_hash
+        if parent is None:
+            return True, None
+        if isinstance(parent, bytes | bytearray):
+            return True, BlockDigest(bytes(parent))
+        digest = self._lru.get((model, parent))
+        if digest is None:
+            return False, None
+        self._lru.move_to_end((model, parent))
+        return True, digest
+
+    def _block_extra(self, profile: HashProfile, ev: BlockStored, i: int) -> tuple[bool, Any]:
+        """(usable, extra_keys) for block ``i`` as the engine hashed it, when that is recoverable."""
+        if ev.extra_keys is None:
+            # Releases that do not publish extra keys: only requests without LoRA are recoverable.
+            return ev.lora_name is None, None
+        if i >= len(ev.extra_keys):
+            return False, None
+        ek = ev.extra_keys[i]
+        if ek is None:
+            return True, None
+        if profile.style != "untagged":
+            return False, None  # published untagged, hashed tagged: LoRA path is not published
+        return True, _tuplify(ek)
+
+    def check(
+        self,
+        rec: NodeRecord,
+        model: str,
+        profile: HashProfile,
+        events: Sequence[KVEvent],
+    ) -> str | None:
+        """Verify a sample of ``events``; returns a mismatch reason (with the likely cause) or None."""
+        if not self.cfg.enabled:
+            return None
+        for ev in events:
+            if not isinstance(ev, BlockStored) or not ev.is_prefix_indexable() or not ev.block_hashes:
+                continue
+            if ev.block_size != profile.block_size:
+                return (
+                    f"block size: the engine publishes blocks of {ev.block_size} tokens, the model's "
+                    f"profile says {profile.block_size}"
+                )
+            n = len(ev.block_hashes)
+            if len(ev.token_ids) != n * ev.block_size:
+                continue
+            known, parent = self._parent_digest(model, ev)
+            if not known:
+                continue
+            rec.verify_seen += 1
+            if rec.verify_seen > self.cfg.first and rec.verify_seen % self.cfg.sample_every:
+                self.skipped += 1
+                continue
+            try:
+                reason = self._verify_chain(rec, model, profile, ev, parent)
+            except Exception:  # verification is advisory: never let it break ingest
+                log.warning("hash verification of a BlockStored from %s failed", rec.node_id, exc_info=True)
+                self.skipped += 1
+                continue
+            if reason is not None:
+                return reason
+        return None
+
+    def _verify_chain(
+        self, rec: NodeRecord, model: str, profile: HashProfile, ev: BlockStored, parent: BlockDigest | None
+    ) -> str | None:
+        bs = ev.block_size
+        for i, published in enumerate(ev.block_hashes):
+            usable, extra = self._block_extra(profile, ev, i)
+            if not usable:
+                return None
+            tokens = ev.token_ids[i * bs : (i + 1) * bs]
+            digest = hash_block_tokens(profile, parent, tokens, extra)
+            if not _same(published, digest):
+                return self._diagnose(
+                    rec.announced, profile, parent, ev.parent_block_hash, tokens, extra, published, i
+                )
+            self.verified += 1
+            self._remember(model, to_block_hash64(digest), digest)
+            parent = digest
+        return None
+
+    def _diagnose(
+        self,
+        announced: AnnouncedProfile | None,
+        profile: HashProfile,
+        parent: BlockDigest | None,
+        published_parent: object,
+        tokens: Sequence[int],
+        extra: Any,
+        published: int | bytes,
+        index: int,
+    ) -> str:
+        if announced is not None:
+            reason = compare_announced(announced, profile)
+            if reason is not None:
+                return reason
+        if index > 0 or (parent is not None and not isinstance(published_parent, bytes | bytearray)):
+            return (
+                f"token ids or extra keys: block {index} of a chain whose parent verified does not; the "
+                "event's token ids or extra keys (LoRA, multimodal, cache_salt) differ from what the engine "
+                "hashed"
+            )
+        # Only a chain head (or a digest-form parent) can be recomputed under other profiles.
+        if parent is None or isinstance(published_parent, bytes | bytearray):
+            for algo in _ALGOS:
+                if algo == profile.algo:
+                    continue
+                alt = self._try(profile, {"algo": algo}, parent, tokens, extra, published)
+                if alt:
+                    return f"algorithm: the engine's hashes match {algo}, the profile says {profile.algo}"
+            if parent is None:
+                seeds = {
+                    _RELEASE_DEFAULT_SEED: "the vLLM >= 0.29 default seed",
+                    env_seed() or "": "this coordinator's PYTHONHASHSEED",
+                }
+                for seed, label in seeds.items():
+                    if (
+                        seed
+                        and seed != profile.seed
+                        and self._try(profile, {"seed": seed}, None, tokens, extra, published)
+                    ):
+                        return f"seed: the engine's hashes match {label}, not the model's configured seed"
+        where = "chain head" if parent is None else f"block {index} of a chain"
+        return (
+            f"seed (most likely): the {where} does not hash to the engine's value with algo={profile.algo}, "
+            f"block_size={profile.block_size}, style={profile.style}; an engine started without "
+            "PYTHONHASHSEED uses a random seed"
+        )
+
+    @staticmethod
+    def _try(
+        profile: HashProfile,
+        change: dict[str, Any],
+        parent: BlockDigest | None,
+        tokens: Sequence[int],
+        extra: Any,
+        published: int | bytes,
+    ) -> bool:
+        try:
+            alt = dataclasses.replace(profile, **change)
+            return _same(published, hash_block_tokens(alt, parent, tokens, extra))
+        except (TypeError, ValueError):
+            return False

@@ -1,0 +1,805 @@
+"""The in-memory index: one dict per model from block hash to a bitmask of locations.
+
+Layout (why it is small and fast):
+
+- Every ``(node_id, dp_rank)`` of a model gets a small integer *slot*; slot ``s`` is bit ``1 << s``.
+- ``blocks`` maps the uint64 block hash to an ``int``: the slots holding the block on any tier. A block
+  held by one slot stores that slot's shared ``bit`` object, so a single-holder entry costs only its
+  dict slot and its key int (about 70-100 bytes at millions of entries, measured by the benchmark).
+- ``tiered`` holds ``(gpu, cpu, storage)`` slot masks only for blocks that some slot keeps off-GPU;
+  a block absent from it is GPU-only. GPU-only fleets never touch it.
+- Stores of new blocks go through C-level dict operations (``dict.fromkeys`` + ``update``); a match
+  ANDs the masks along the query in C (``itertools.accumulate`` over ``map(blocks.get, ...)``) in
+  chunks that double in size, so it stops soon after the candidate mask is empty; tier counts are
+  only computed for surviving slots over positions found in ``tiered``.
+
+Removing a node, clearing a ``(node, dp_rank)`` and replacing it with a snapshot *retire* its slot:
+the bit leaves the live mask at once (O(1) for readers) and is never handed out again until a sweep
+has stripped it from every value, so re-adding the node id starts from an empty slot. The sweep runs
+as a background task under the async API, in small steps piggy-backed on ``apply_sync`` otherwise,
+or all at once via ``reclaim_sync``.
+
+Group handling: ``BlockStored`` events of non-full-attention groups (sliding window, Mamba, ...) are
+counted in ``skipped_group`` and not indexed. A ``BlockRemoved`` has no kind, and in hybrid models the
+same hash value is published by several groups, so applying a sliding-window removal would wrongly drop
+the full-attention entry. The index therefore remembers, per ``(model, node, dp_rank)``, which
+``group_idx`` values were seen on non-indexable stores, and skips (counts) removals of those groups.
+Removals without ``group_idx`` or of a group not yet seen are applied; if the block is not held they
+are the usual counted no-op. ``remove_node`` forgets what it learnt about the node's groups.
+
+Not thread-safe: use it from one thread (the coordinator's event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import sys
+from array import array
+from collections.abc import Collection, Iterable, Sequence
+from operator import and_
+from typing import TypeAlias
+
+from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier, normalize_medium
+from kvcoord.hashing import BlockHash64, to_block_hash64
+from kvcoord.index.base import (
+    ApplyResult,
+    IndexStats,
+    InvalidEvent,
+    NodeKey,
+    NodeMatch,
+    SnapshotEntry,
+)
+
+__all__ = ["MemoryIndex", "RawMatch"]
+
+_NTIERS = len(Tier)
+
+_Tiers: TypeAlias = tuple[int, int, int]
+"""``(gpu, cpu, storage)`` slot masks of one block."""
+
+RawMatch: TypeAlias = tuple[str, int, int, tuple[int, ...]]
+"""``(node_id, dp_rank, matched_blocks, tiers)``: a ``NodeMatch`` without the object cost."""
+
+_STORE, _REMOVE, _CLEAR = 0, 1, 2
+_Op: TypeAlias = tuple[int, int, Sequence[int], "int | None", bool]
+"""``(kind, tier, hashes, group_idx, indexable)`` after validation."""
+
+_EMPTY: tuple[int, ...] = ()
+_BITS01 = bytes.maketrans(b"01", b"\x00\x01")
+_FIRST_CHUNK = 8
+_MAX_CHUNK = 512
+
+
+def _slots_of(mask: int) -> list[int]:
+    """Bit positions set in ``mask``, ascending (C-level for dense masks)."""
+    if mask & (mask - 1) == 0:
+        return [mask.bit_length() - 1] if mask else []
+    return list(itertools.compress(itertools.count(), bin(mask)[:1:-1].encode().translate(_BITS01)))
+
+
+def _join(g: int, c: int, s: int) -> int:
+    return g | c | s
+
+
+class _Model:
+    """Everything one model's keyspace holds: the block maps and the slot registry."""
+
+    __slots__ = (
+        "bits",
+        "blocks",
+        "counts",
+        "dead",
+        "dps",
+        "free",
+        "live",
+        "names",
+        "order",
+        "skip_groups",
+        "slot_key",
+        "slot_of",
+        "sweep_keys",
+        "sweep_mask",
+        "sweep_pos",
+        "tiered",
+    )
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, int] = {}
+        self.tiered: dict[int, _Tiers] = {}
+        self.slot_of: dict[NodeKey, int] = {}
+        self.slot_key: list[NodeKey | None] = []
+        self.names: list[str] = []
+        self.dps: list[int] = []
+        self.order: list[int] | None = None
+        self.bits: list[int] = []
+        self.counts: list[list[int]] = []
+        self.live = 0
+        self.dead = 0
+        self.free: list[int] = []
+        self.skip_groups: dict[NodeKey, set[int]] = {}
+        self.sweep_keys: list[int] | None = None
+        self.sweep_mask = 0
+        self.sweep_pos = 0
+
+    def new_slot(self) -> int:
+        """A slot id that no value mentions (never one still waiting for a sweep)."""
+        if self.free:
+            slot = heapq.heappop(self.free)
+            self.counts[slot] = [0] * _NTIERS
+            return slot
+        slot = len(self.bits)
+        self.bits.append(1 << slot)
+        self.slot_key.append(None)
+        self.names.append("")
+        self.dps.append(0)
+        self.counts.append([0] * _NTIERS)
+        return slot
+
+    def bind(self, slot: int, key: NodeKey) -> None:
+        self.slot_of[key] = slot
+        self.slot_key[slot] = key
+        self.names[slot], self.dps[slot] = key
+        self.live |= self.bits[slot]
+        self.order = None
+
+    def slot_for_store(self, key: NodeKey) -> int:
+        slot = self.slot_of.get(key)
+        if slot is None:
+            slot = self.new_slot()
+            self.bind(slot, key)
+        return slot
+
+    def sort_order(self) -> list[int]:
+        """``order[slot]``: rank of the slot's ``(node_id, dp_rank)`` among live slots (for tie-breaks)."""
+        order = self.order
+        if order is None:
+            order = [0] * len(self.slot_key)
+            ranked = sorted((k, s) for s, k in enumerate(self.slot_key) if k is not None)
+            for rank, (_k, s) in enumerate(ranked):
+                order[s] = rank
+            self.order = order
+        return order
+
+    def retire(self, slot: int) -> int:
+        """Take ``slot`` out of answers now; returns how many entries it held. O(1)."""
+        key = self.slot_key[slot]
+        if key is not None and self.slot_of.get(key) == slot:
+            del self.slot_of[key]
+        self.slot_key[slot] = None
+        bit = self.bits[slot]
+        self.live &= ~bit
+        held = sum(self.counts[slot])
+        self.counts[slot] = [0] * _NTIERS
+        if held:
+            self.dead |= bit
+        else:
+            heapq.heappush(self.free, slot)
+        return held
+
+    def sweep(self, budget: int) -> tuple[int, bool]:
+        """Strip dead slot bits from up to ``budget`` keys. Returns (keys visited, sweep finished)."""
+        if self.sweep_keys is None:
+            if not self.dead:
+                return 0, True
+            self.sweep_mask = self.dead
+            self.sweep_keys = list(self.blocks)
+            self.sweep_pos = 0
+        keys = self.sweep_keys
+        start = self.sweep_pos
+        end = min(start + budget, len(keys))
+        keep = ~self.sweep_mask
+        blocks = self.blocks
+        tiered = self.tiered
+        get = blocks.get
+        for h in keys[start:end]:
+            v = get(h)
+            if v is None:
+                continue
+            tv = tiered.get(h) if tiered else None
+            if tv is not None:
+                g, c, s = tv[0] & keep, tv[1] & keep, tv[2] & keep
+                if c or s:
+                    tiered[h] = (g, c, s)
+                    blocks[h] = g | c | s
+                    continue
+                del tiered[h]
+                v = g
+            nv = v & keep
+            if nv:
+                if nv != v or tv is not None:
+                    blocks[h] = nv
+            else:
+                del blocks[h]
+        self.sweep_pos = end
+        if end < len(keys):
+            return end - start, False
+        done = self.sweep_mask
+        self.sweep_keys = None
+        self.sweep_mask = 0
+        self.dead &= ~done
+        for slot in _slots_of(done):
+            heapq.heappush(self.free, slot)
+        return end - start, not self.dead
+
+
+class MemoryIndex:
+    """The embedded default backend. Async methods wrap the ``*_sync`` ones, which never block on I/O."""
+
+    backend = "memory"
+
+    def __init__(self, *, sweep_chunk: int = 20_000) -> None:
+        self._models: dict[str, _Model] = {}
+        self._pending: set[str] = set()
+        self._sweep_chunk = sweep_chunk
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ validation
+
+    @staticmethod
+    def _hashes(raw: object, where: str) -> Sequence[int]:
+        """The event's hashes as uint64 ints; raises InvalidEvent. Fast path: all ints in range."""
+        if not isinstance(raw, tuple | list):
+            raise InvalidEvent(f"{where}: block_hashes must be a list, not {type(raw).__name__}")
+        if not raw:
+            return _EMPTY
+        try:
+            array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
+        except (TypeError, OverflowError, ValueError):
+            pass
+        else:
+            # array() accepts bools (True == 1, False == 0): only then take the strict path.
+            if 0 not in raw and 1 not in raw:
+                return raw
+        out: list[int] = []
+        for i, h in enumerate(raw):
+            if isinstance(h, bytes | bytearray | memoryview) and len(h) == 0:
+                raise InvalidEvent(f"{where}: block_hashes[{i}] is an empty digest")
+            try:
+                out.append(to_block_hash64(h))
+            except (TypeError, ValueError) as e:
+                raise InvalidEvent(f"{where}: block_hashes[{i}]: {e}") from None
+        return out
+
+    @staticmethod
+    def _tier(medium: object, where: str) -> int:
+        if medium is None:
+            return 0
+        if not isinstance(medium, str):
+            raise InvalidEvent(f"{where}: medium must be a string, not {type(medium).__name__}")
+        try:
+            return int(normalize_medium(medium))
+        except ValueError as e:
+            raise InvalidEvent(f"{where}: {e}") from None
+
+    @staticmethod
+    def _group(group_idx: object, where: str) -> int | None:
+        if group_idx is None:
+            return None
+        if isinstance(group_idx, bool) or not isinstance(group_idx, int) or group_idx < 0:
+            raise InvalidEvent(f"{where}: group_idx must be a non-negative int, not {group_idx!r}")
+        return group_idx
+
+    @staticmethod
+    def _check_target(model: object, node_id: object, dp_rank: object) -> None:
+        if not isinstance(model, str):
+            raise InvalidEvent(f"model must be a string, not {type(model).__name__}")
+        if not isinstance(node_id, str) or not node_id:
+            raise InvalidEvent(f"node_id must be a non-empty string, not {node_id!r}")
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+            raise InvalidEvent(f"dp_rank must be a non-negative int, not {dp_rank!r}")
+
+    def _prepare(self, events: Sequence[KVEvent]) -> list[_Op]:
+        """Validate the whole batch before anything is mutated."""
+        if not isinstance(events, Sequence) or isinstance(events, str | bytes):
+            raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
+        ops: list[_Op] = []
+        for i, ev in enumerate(events):
+            where = f"event {i}"
+            if isinstance(ev, BlockStored):
+                kind = ev.kv_cache_spec_kind
+                if kind is not None and not isinstance(kind, str):
+                    raise InvalidEvent(f"{where}: kv_cache_spec_kind must be a string")
+                ops.append(
+                    (
+                        _STORE,
+                        self._tier(ev.medium, where),
+                        self._hashes(ev.block_hashes, where),
+                        self._group(ev.group_idx, where),
+                        ev.is_prefix_indexable(),
+                    )
+                )
+            elif isinstance(ev, BlockRemoved):
+                ops.append(
+                    (
+                        _REMOVE,
+                        self._tier(ev.medium, where),
+                        self._hashes(ev.block_hashes, where),
+                        self._group(ev.group_idx, where),
+                        True,
+                    )
+                )
+            elif isinstance(ev, AllBlocksCleared):
+                ops.append((_CLEAR, 0, _EMPTY, None, True))
+            else:
+                raise InvalidEvent(f"{where}: not a KV event: {type(ev).__name__}")
+        return ops
+
+    # ------------------------------------------------------------------ mutation
+
+    def apply_sync(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
+        """Apply one node's events in order; all-or-nothing on bad input (``InvalidEvent``).
+
+        ``stored``/``removed`` count entries actually added/dropped (a repeated store adds nothing),
+        ``removed_unknown`` removals of blocks the location did not hold, ``cleared`` entries dropped by
+        ``AllBlocksCleared``, ``skipped_group`` blocks of non-full-attention groups.
+        """
+        self._check_target(model, node_id, dp_rank)
+        ops = self._prepare(events)
+        res = ApplyResult()
+        key = (node_id, dp_rank)
+        mi = self._models.get(model)
+        work = 0
+        for kind, tier, hashes, group, indexable in ops:
+            if kind == _STORE:
+                if not indexable:
+                    res.skipped_group += len(hashes)
+                    if group is not None:
+                        if mi is None:
+                            mi = self._models[model] = _Model()
+                        mi.skip_groups.setdefault(key, set()).add(group)
+                    continue
+                if not hashes:
+                    continue
+                if mi is None:
+                    mi = self._models[model] = _Model()
+                res.stored += self._store(mi, mi.slot_for_store(key), tier, hashes)
+                work += len(hashes)
+            elif kind == _REMOVE:
+                if mi is None:
+                    res.removed_unknown += len(hashes)
+                    continue
+                if group is not None and group in mi.skip_groups.get(key, ()):
+                    res.skipped_group += len(hashes)
+                    continue
+                slot = mi.slot_of.get(key)
+                if slot is None:
+                    res.removed_unknown += len(hashes)
+                    continue
+                done = self._remove(mi, slot, tier, hashes)
+                res.removed += done
+                res.removed_unknown += len(hashes) - done
+                work += len(hashes)
+            elif mi is not None:
+                slot = mi.slot_of.get(key)
+                if slot is not None:
+                    res.cleared += mi.retire(slot)
+                    if mi.dead:
+                        self._pending.add(model)
+        if self._pending:
+            self._sweep_some(2 * work + 256)
+        return res
+
+    @staticmethod
+    def _store(mi: _Model, slot: int, tier: int, hashes: Sequence[int]) -> int:
+        """Add ``hashes`` on ``tier`` for ``slot``; returns entries actually added."""
+        bit = mi.bits[slot]
+        blocks = mi.blocks
+        tiered = mi.tiered
+        added = 0
+        if tier == 0 and (not tiered or tiered.keys().isdisjoint(hashes)):
+            # GPU-only blocks: insert new keys in C, then fix up the few that other slots already hold.
+            new = dict.fromkeys(hashes, bit)
+            added = len(new)
+            existing = blocks.keys() & new.keys()
+            for h in existing:
+                v = blocks[h]
+                if v & bit:
+                    added -= 1
+                    new[h] = v
+                else:
+                    new[h] = v | bit
+            blocks.update(new)
+        else:
+            get = blocks.get
+            for h in hashes:
+                tv = tiered.get(h)
+                if tv is None:
+                    cur = get(h)
+                    if tier == 0:
+                        if cur is None:
+                            blocks[h] = bit
+                        elif cur & bit:
+                            continue
+                        else:
+                            blocks[h] = cur | bit
+                        added += 1
+                        continue
+                    g, c, st = cur or 0, 0, 0
+                else:
+                    g, c, st = tv
+                if tier == 0:
+                    if g & bit:
+                        continue
+                    g |= bit
+                elif tier == 1:
+                    if c & bit:
+                        continue
+                    c |= bit
+                else:
+                    if st & bit:
+                        continue
+                    st |= bit
+                tiered[h] = (g, c, st)
+                blocks[h] = g | c | st
+                added += 1
+        mi.counts[slot][tier] += added
+        return added
+
+    @staticmethod
+    def _remove(mi: _Model, slot: int, tier: int, hashes: Sequence[int]) -> int:
+        """Drop ``hashes`` on ``tier`` for ``slot``; returns entries actually removed."""
+        bit = mi.bits[slot]
+        blocks = mi.blocks
+        tiered = mi.tiered
+        get = blocks.get
+        done = 0
+        for h in hashes:
+            v = get(h)
+            if v is None or not v & bit:
+                continue
+            tv = tiered.get(h) if tiered else None
+            if tv is None:
+                if tier:
+                    continue
+                v ^= bit
+                if v:
+                    blocks[h] = v
+                else:
+                    del blocks[h]
+            else:
+                t = list(tv)
+                if not t[tier] & bit:
+                    continue
+                t[tier] ^= bit
+                g, c, st = t
+                if c or st:
+                    tiered[h] = (g, c, st)
+                    blocks[h] = g | c | st
+                else:
+                    del tiered[h]
+                    if g:
+                        blocks[h] = g
+                    else:
+                        del blocks[h]
+            done += 1
+        mi.counts[slot][tier] -= done
+        return done
+
+    def clear_sync(self, model: str, node_id: str, dp_rank: int) -> int:
+        """Drop ``(node_id, dp_rank)`` of ``model`` from answers now; returns the entries it held."""
+        mi = self._models.get(model)
+        if mi is None:
+            return 0
+        slot = mi.slot_of.get((node_id, dp_rank))
+        if slot is None:
+            return 0
+        held = mi.retire(slot)
+        if mi.dead:
+            self._pending.add(model)
+        return held
+
+    def remove_node_sync(self, node_id: str) -> None:
+        """Retire every slot of ``node_id`` in every model (O(slots), independent of block count)."""
+        for name, mi in self._models.items():
+            keys = [k for k in mi.slot_of if k[0] == node_id]
+            for k in keys:
+                mi.retire(mi.slot_of[k])
+            for k in [k for k in mi.skip_groups if k[0] == node_id]:
+                del mi.skip_groups[k]
+            if mi.dead:
+                self._pending.add(name)
+
+    def replace_node_sync(
+        self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
+    ) -> None:
+        """Fill a fresh slot with ``entries`` then swap it in, so readers see old or new, never a mix."""
+        self._check_target(model, node_id, dp_rank)
+        per_tier: list[list[int]] = [[] for _ in range(_NTIERS)]
+        try:
+            items = list(entries)
+        except TypeError as e:
+            raise InvalidEvent(f"snapshot entries must be iterable: {e}") from None
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise InvalidEvent(f"snapshot entry {i} must be (hash, tier), not {item!r}")
+            h, t = item
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _NTIERS:
+                raise InvalidEvent(f"snapshot entry {i}: tier must be a Tier, not {t!r}")
+            per_tier[t].extend(self._hashes((h,), f"snapshot entry {i}"))
+        mi = self._models.get(model)
+        if mi is None:
+            mi = self._models[model] = _Model()
+        key = (node_id, dp_rank)
+        slot = mi.new_slot()
+        for tier, hashes in enumerate(per_tier):
+            if hashes:
+                self._store(mi, slot, tier, hashes)
+        old = mi.slot_of.get(key)
+        if old is not None:
+            mi.retire(old)
+        mi.bind(slot, key)
+        if mi.dead:
+            self._pending.add(model)
+
+    # ------------------------------------------------------------------ reclamation
+
+    def _sweep_some(self, budget: int) -> None:
+        for name in list(self._pending):
+            mi = self._models[name]
+            visited, finished = mi.sweep(budget)
+            if finished:
+                self._pending.discard(name)
+            budget -= visited
+            if budget <= 0:
+                return
+
+    def reclaim_sync(self) -> None:
+        """Finish every pending sweep now (dead slot bits stripped, their ids reusable)."""
+        while self._pending:
+            self._sweep_some(1 << 62)
+
+    @property
+    def reclaim_pending(self) -> bool:
+        """True while retired slots still have bits in some values."""
+        return bool(self._pending)
+
+    def _kick(self) -> None:
+        if not self._pending or (self._sweeper is not None and not self._sweeper.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._sweeper = loop.create_task(self._sweep_loop(), name="kvcoord-index-sweep")
+
+    async def _sweep_loop(self) -> None:
+        while self._pending:
+            self._sweep_some(self._sweep_chunk)
+            await asyncio.sleep(0)
+
+    # ------------------------------------------------------------------ reads
+
+    def match_raw_sync(
+        self, model: str, hashes: Sequence[int], candidates: Collection[NodeKey] | None = None
+    ) -> list[RawMatch]:
+        """Like ``match_sync`` but returns plain tuples (the hot path avoids frozen-dataclass cost)."""
+        mi = self._models.get(model)
+        if mi is None:
+            return []
+        m = mi.live
+        if candidates is not None:
+            cand = 0
+            slot_of = mi.slot_of
+            bits = mi.bits
+            for nk in candidates:
+                s = slot_of.get(nk)
+                if s is not None:
+                    cand |= bits[s]
+            m &= cand
+        if not m:
+            return []
+        get = mi.blocks.get
+        total = len(hashes)
+        runs: list[tuple[int, int]] = []  # (length, slots whose run ends there), lengths ascending
+        n = 0
+        step = _FIRST_CHUNK
+        zeros = itertools.repeat(0)
+        while n < total:
+            chunk = hashes[n : n + step]
+            acc = list(itertools.accumulate(map(get, chunk, zeros), and_, initial=m))
+            if acc[-1] == m:
+                n += len(chunk)
+                step = min(step * 2, _MAX_CHUNK)
+                continue
+            for i in range(1, len(acc)):
+                a = acc[i]
+                if a != m:
+                    if n + i > 1:
+                        runs.append((n + i - 1, m ^ a))
+                    m = a
+                    if not m:
+                        break
+            n += len(chunk)
+            if not m:
+                break
+        if m and n:
+            runs.append((n, m))
+        if not runs:
+            return []
+        names, dps = mi.names, mi.dps
+        order = mi.sort_order() if len(runs) > 1 or runs[0][1] & (runs[0][1] - 1) else mi.order
+        tiered = mi.tiered
+        odd: list[tuple[int, _Tiers]] = []
+        if tiered:
+            longest = runs[-1][0]
+            tget = tiered.get
+            odd = [(p, t) for p, t in enumerate(map(tget, hashes[:longest])) if t is not None]
+        out: list[RawMatch] = []
+        for length, mask in reversed(runs):
+            slots = _slots_of(mask)
+            if len(slots) > 1:
+                assert order is not None
+                slots.sort(key=order.__getitem__)
+            if not odd or odd[0][0] >= length:
+                tiers: tuple[int, ...] = (length, 0, 0)
+                out.extend(
+                    zip(
+                        map(names.__getitem__, slots),
+                        map(dps.__getitem__, slots),
+                        itertools.repeat(length),
+                        itertools.repeat(tiers),
+                        strict=False,
+                    )
+                )
+                continue
+            for slot in slots:
+                bit = 1 << slot
+                g, c, st = length, 0, 0
+                for p, t in odd:
+                    if p >= length:
+                        break
+                    if t[0] & bit:
+                        continue
+                    g -= 1
+                    if t[1] & bit:
+                        c += 1
+                    else:
+                        st += 1
+                out.append((names[slot], dps[slot], length, (g, c, st)))
+        return out
+
+    def match_sync(
+        self, model: str, hashes: Sequence[int], candidates: Collection[NodeKey] | None = None
+    ) -> list[NodeMatch]:
+        """Per live ``(node, dp_rank)``: the gap-free leading run of ``hashes`` held on any tier.
+
+        Longest first, ties by node id then rank. ``tiers`` counts each matched block once, in its
+        fastest tier (GPU, then CPU, then STORAGE), so ``sum(tiers) == matched_blocks`` and a router
+        can weight the counts directly.
+        """
+        return list(itertools.starmap(NodeMatch, self.match_raw_sync(model, hashes, candidates)))
+
+    def export_node_sync(self, model: str, node_id: str, dp_rank: int) -> list[SnapshotEntry]:
+        """Every (block, tier) of ``(node_id, dp_rank)``, sorted. O(blocks of the model): rare path."""
+        mi = self._models.get(model)
+        if mi is None:
+            return []
+        slot = mi.slot_of.get((node_id, dp_rank))
+        if slot is None:
+            return []
+        bit = mi.bits[slot]
+        out: list[SnapshotEntry] = []
+        tget = mi.tiered.get
+        tiers = list(Tier)
+        for h, v in mi.blocks.items():
+            if not v & bit:
+                continue
+            tv = tget(h)
+            if tv is None:
+                out.append((BlockHash64(h), Tier.GPU))
+            else:
+                out.extend((BlockHash64(h), t) for t in tiers if tv[t] & bit)
+        out.sort()
+        return out
+
+    def stats_sync(self) -> IndexStats:
+        """Exact counts (finishing any pending sweep first) and a sampled estimate of bytes held."""
+        self.reclaim_sync()
+        entries = 0
+        blocks = 0
+        total_bytes = sys.getsizeof(self._models)
+        nodes: set[str] = set()
+        by_tier: dict[tuple[str, Tier], int] = {}
+        by_model: dict[str, int] = {}
+        for name, mi in self._models.items():
+            for slot, key in enumerate(mi.slot_key):
+                if key is None:
+                    continue
+                counts = mi.counts[slot]
+                held = sum(counts)
+                if not held:
+                    continue
+                nodes.add(key[0])
+                entries += held
+                for t, n in enumerate(counts):
+                    if n:
+                        by_tier[(name, Tier(t))] = by_tier.get((name, Tier(t)), 0) + n
+            if mi.blocks:
+                blocks += len(mi.blocks)
+                by_model[name] = len(mi.blocks)
+            total_bytes += self._model_bytes(mi)
+        return IndexStats(
+            entries=entries,
+            blocks=blocks,
+            nodes=len(nodes),
+            bytes=total_bytes,
+            entries_by_model_tier=by_tier,
+            blocks_by_model=by_model,
+        )
+
+    @staticmethod
+    def _model_bytes(mi: _Model, sample: int = 512) -> int:
+        """Dict tables + a sample of keys/values extrapolated (shared slot-bit objects count as free)."""
+        size = sys.getsizeof(mi.blocks) + sys.getsizeof(mi.tiered) + sys.getsizeof(mi.slot_of)
+        size += sum(sys.getsizeof(b) for b in mi.bits) + 200 * len(mi.slot_key)
+        n = len(mi.blocks)
+        if n:
+            per = 0
+            seen = 0
+            bits = mi.bits
+            for h, v in itertools.islice(mi.blocks.items(), sample):
+                seen += 1
+                per += sys.getsizeof(h)
+                if not (v <= 256 or (v & (v - 1) == 0 and bits[v.bit_length() - 1] is v)):
+                    per += sys.getsizeof(v)
+            size += per * n // seen
+        if mi.tiered:
+            per = 0
+            seen = 0
+            for tv in itertools.islice(mi.tiered.values(), sample):
+                seen += 1
+                per += sys.getsizeof(tv) + sum(sys.getsizeof(x) for x in tv if x > 256)
+            size += per * len(mi.tiered) // seen
+        return size
+
+    # ------------------------------------------------------------------ Index protocol (async)
+
+    async def apply(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
+        res = self.apply_sync(model, node_id, dp_rank, events)
+        self._kick()
+        return res
+
+    async def match(
+        self,
+        model: str,
+        hashes: Sequence[BlockHash64],
+        candidates: Collection[NodeKey] | None = None,
+    ) -> list[NodeMatch]:
+        return self.match_sync(model, hashes, candidates)
+
+    async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
+        self.clear_sync(model, node_id, dp_rank)
+        self._kick()
+
+    async def remove_node(self, node_id: str) -> None:
+        self.remove_node_sync(node_id)
+        self._kick()
+
+    async def export_node(self, model: str, node_id: str, dp_rank: int) -> list[SnapshotEntry]:
+        return self.export_node_sync(model, node_id, dp_rank)
+
+    async def replace_node(
+        self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
+    ) -> None:
+        self.replace_node_sync(model, node_id, dp_rank, entries)
+        self._kick()
+
+    async def stats(self) -> IndexStats:
+        # Finish sweeps cooperatively so a big reclaim does not stall the event loop in one go.
+        while self._pending:
+            self._sweep_some(self._sweep_chunk)
+            await asyncio.sleep(0)
+        return self.stats_sync()
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        task, self._sweeper = self._sweeper, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

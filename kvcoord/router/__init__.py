@@ -1,0 +1,1 @@
+"""Routing: the coordinator client and placement policies."""

@@ -1,0 +1,483 @@
+"""Python client of the coordinator, for routers: ``CoordinatorClient`` (blocking) and
+``AsyncCoordinatorClient`` (asyncio), with typed results; plus the ``kvcoord lookup`` / ``kvcoord stats``
+command bodies.
+
+Errors from the coordinator surface as :class:`CoordinatorError` carrying the gRPC status code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import grpc.aio
+
+from kvcoord.agent.reporter import ChannelSecurity, NodeLoad, open_aio_channel, open_channel
+from kvcoord.events import Tier
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
+
+__all__ = [
+    "AsyncCoordinatorClient",
+    "ChannelSecurity",
+    "CoordinatorClient",
+    "CoordinatorError",
+    "CoordinatorStats",
+    "HeartbeatResult",
+    "LookupResult",
+    "NodeLoad",
+    "NodeLookup",
+    "NodeStatus",
+    "run_lookup",
+    "run_stats",
+]
+
+_UINT64_MAX = (1 << 64) - 1
+_TIER_NAMES = tuple(t.name for t in Tier)
+
+
+class CoordinatorError(RuntimeError):
+    """An RPC failed; ``code`` is the ``grpc.StatusCode``, ``details`` the coordinator's message."""
+
+    def __init__(self, code: Any, details: str) -> None:
+        self.code = code
+        self.details = details
+        super().__init__(f"{getattr(code, 'name', code)}: {details}")
+
+    @classmethod
+    def from_rpc(cls, exc: Any) -> CoordinatorError:
+        return cls(exc.code(), exc.details() or "")
+
+
+# --- results -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class NodeLookup:
+    """How much of the query one ``(node_id, dp_rank)`` holds."""
+
+    node_id: str
+    dp_rank: int
+    matched_blocks: int
+    tiers: dict[str, int]
+    """Matched blocks per tier name (``GPU``, ``CPU``, ``STORAGE``)."""
+    load: NodeLoad
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "dp_rank": self.dp_rank, "matched_blocks": self.matched_blocks,
+                "tiers": dict(self.tiers),
+                "load": {"running_requests": self.load.running_requests,
+                         "waiting_requests": self.load.waiting_requests, "kv_usage": self.load.kv_usage}}
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The coordinator's answer: query size and the live nodes holding a prefix of it, best first."""
+
+    model: str
+    block_size: int
+    num_blocks: int
+    nodes: list[NodeLookup]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "block_size": self.block_size, "num_blocks": self.num_blocks,
+                "nodes": [n.to_json() for n in self.nodes]}
+
+    @classmethod
+    def from_proto(cls, msg: pb.LookupResponse) -> LookupResult:
+        nodes = [
+            NodeLookup(n.node_id, n.dp_rank, n.matched_blocks,
+                       {"GPU": n.tiers.gpu, "CPU": n.tiers.cpu, "STORAGE": n.tiers.storage},
+                       NodeLoad.from_proto(n.load))
+            for n in msg.nodes
+        ]
+        return cls(msg.model, msg.block_size, msg.num_blocks, nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    node_id: str
+    model: str
+    dp_ranks: tuple[int, ...]
+    state: str
+    epoch: int
+    last_seq: int
+    last_heartbeat_age_seconds: float
+    load: NodeLoad
+    hash_mismatch: bool
+    hash_mismatch_reason: str
+    hash_profile: dict[str, Any] | None
+
+    @classmethod
+    def from_proto(cls, n: pb.NodeInfo) -> NodeStatus:
+        hp = n.hash_profile
+        profile = ({"algo": hp.algo, "block_size": hp.block_size, "style": hp.style,
+                    "none_hash_fingerprint": hp.none_hash_fingerprint, "engine_release": hp.engine_release}
+                   if n.HasField("hash_profile") else None)
+        return cls(n.node_id, n.model, tuple(n.dp_ranks), n.state, n.epoch, n.last_seq,
+                   n.last_heartbeat_age_seconds, NodeLoad.from_proto(n.load), n.hash_mismatch,
+                   n.hash_mismatch_reason, profile)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "model": self.model, "dp_ranks": list(self.dp_ranks),
+                "state": self.state, "epoch": self.epoch, "last_seq": self.last_seq,
+                "last_heartbeat_age_seconds": round(self.last_heartbeat_age_seconds, 3),
+                "load": {"running_requests": self.load.running_requests,
+                         "waiting_requests": self.load.waiting_requests, "kv_usage": self.load.kv_usage},
+                "hash_mismatch": self.hash_mismatch, "hash_mismatch_reason": self.hash_mismatch_reason,
+                "hash_profile": self.hash_profile}
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorStats:
+    index_backend: str
+    entries: int
+    blocks: int
+    index_bytes: int
+    events_applied: dict[str, int]
+    events_rejected: dict[str, int]
+    nodes: list[NodeStatus]
+    nodes_by_state: dict[str, int]
+    hash_mismatches: int
+    snapshots_requested: int
+    leases_expired: int
+
+    @classmethod
+    def from_proto(cls, m: pb.StatsResponse) -> CoordinatorStats:
+        return cls(m.index_backend, m.entries, m.blocks, m.index_bytes, dict(m.events_applied),
+                   dict(m.events_rejected), [NodeStatus.from_proto(n) for n in m.nodes],
+                   dict(m.nodes_by_state), m.hash_mismatches, m.snapshots_requested, m.leases_expired)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index_backend": self.index_backend, "entries": self.entries, "blocks": self.blocks,
+                "index_bytes": self.index_bytes, "events_applied": dict(sorted(self.events_applied.items())),
+                "events_rejected": dict(sorted(self.events_rejected.items())),
+                "nodes": [n.to_json() for n in self.nodes],
+                "nodes_by_state": dict(sorted(self.nodes_by_state.items())),
+                "hash_mismatches": self.hash_mismatches, "snapshots_requested": self.snapshots_requested,
+                "leases_expired": self.leases_expired}
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    lease_seconds: float
+    known: bool
+    """False: the coordinator no longer knows the node; it must reconnect with Hello and a snapshot."""
+
+
+# --- requests --------------------------------------------------------------------------------
+class _MMItem(Protocol):
+    @property
+    def identifier(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+
+
+MMItemLike = _MMItem | tuple[str, int, int]
+
+
+def _u64_list(values: Iterable[int], what: str) -> list[int]:
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _UINT64_MAX:
+            raise ValueError(f"{what}[{i}] = {v!r} is not a uint64")
+        out.append(v)
+    return out
+
+
+def build_lookup_request(
+    model: str,
+    *,
+    tokens: Sequence[int] | None = None,
+    hashes: Sequence[int] | None = None,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    cache_salt: str | None = None,
+    mm_items: Sequence[MMItemLike] = (),
+    prompt_embeds_digests: Sequence[bytes] | None = None,
+    candidates: Iterable[tuple[str, int]] | None = None,
+) -> pb.LookupRequest:
+    """Validate locally (exactly one of tokens/hashes; uint64 values) and build the request."""
+    if not model:
+        raise ValueError("model must be non-empty")
+    if (tokens is None) == (hashes is None):
+        raise ValueError("give exactly one of tokens or hashes")
+    req = pb.LookupRequest(model=model)
+    if tokens is not None:
+        q = req.tokens
+        q.token_ids.extend(_u64_list(tokens, "tokens"))
+        if lora_name is not None:
+            q.lora_name = lora_name
+        if lora_path is not None:
+            q.lora_path = lora_path
+        if cache_salt is not None:
+            q.cache_salt = cache_salt
+        for item in mm_items:
+            if isinstance(item, tuple):
+                ident, off, length = item
+            else:
+                ident, off, length = item.identifier, item.offset, item.length
+            if off < 0 or length < 0:
+                raise ValueError(f"multimodal item {ident!r}: offset and length must be >= 0")
+            q.mm_items.add(identifier=ident, offset=off, length=length)
+        if prompt_embeds_digests is not None:
+            q.prompt_embeds_digests.extend(prompt_embeds_digests)
+        if not len(q.token_ids):
+            req.tokens.SetInParent()
+    else:
+        assert hashes is not None
+        if lora_name or lora_path or cache_salt or mm_items or prompt_embeds_digests:
+            raise ValueError("lora/cache_salt/multimodal keys apply to token queries only "
+                             "(block hashes already include them)")
+        req.hashes.block_hashes.extend(_u64_list(hashes, "hashes"))
+        req.hashes.SetInParent()
+    for node_id, rank in candidates or ():
+        req.candidates.add(node_id=node_id, dp_rank=rank)
+    return req
+
+
+# --- clients ---------------------------------------------------------------------------------
+class CoordinatorClient:
+    """Blocking client. ``timeout`` (seconds) bounds every call."""
+
+    def __init__(self, address: str, *, security: ChannelSecurity | None = None, timeout: float = 5.0,
+                 max_message_bytes: int = 64 << 20) -> None:
+        self.address = address
+        self.security = security or ChannelSecurity()
+        self.timeout = timeout
+        self._channel = open_channel(address, self.security, max_message_bytes)
+        self._stub = pbg.CoordinatorStub(self._channel)
+        self._md = self.security.metadata() or None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout, metadata=self._md)
+        except grpc.RpcError as exc:
+            raise CoordinatorError.from_rpc(exc) from None
+
+    def lookup(self, model: str, **query: Any) -> LookupResult:
+        """See :func:`build_lookup_request` for the query keywords (tokens= or hashes=, keys, candidates)."""
+        return LookupResult.from_proto(self._call(self._stub.Lookup, build_lookup_request(model, **query)))
+
+    def stats(self) -> CoordinatorStats:
+        return CoordinatorStats.from_proto(self._call(self._stub.Stats, pb.StatsRequest()))
+
+    def list_nodes(self, model: str = "") -> list[NodeStatus]:
+        resp = self._call(self._stub.ListNodes, pb.ListNodesRequest(model=model))
+        return [NodeStatus.from_proto(n) for n in resp.nodes]
+
+    def heartbeat(self, node_id: str, epoch: int, load: NodeLoad | None = None) -> HeartbeatResult:
+        req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=(load or NodeLoad()).to_proto())
+        resp = self._call(self._stub.Heartbeat, req)
+        return HeartbeatResult(resp.lease_seconds, resp.known)
+
+    def drain(self, node_id: str) -> None:
+        self._call(self._stub.DrainNode, pb.DrainNodeRequest(node_id=node_id))
+
+    def remove(self, node_id: str) -> None:
+        self._call(self._stub.RemoveNode, pb.RemoveNodeRequest(node_id=node_id))
+
+    def ping(self) -> None:
+        self._call(self._stub.Ping, pb.PingRequest())
+
+
+class AsyncCoordinatorClient:
+    """asyncio client; same methods as :class:`CoordinatorClient`, as coroutines."""
+
+    def __init__(self, address: str, *, security: ChannelSecurity | None = None, timeout: float = 5.0,
+                 max_message_bytes: int = 64 << 20) -> None:
+        self.address = address
+        self.security = security or ChannelSecurity()
+        self.timeout = timeout
+        self._channel = open_aio_channel(address, self.security, max_message_bytes)
+        self._stub = pbg.CoordinatorStub(self._channel)
+        self._md = self.security.metadata() or None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncCoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout, metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            raise CoordinatorError.from_rpc(exc) from None
+
+    async def lookup(self, model: str, **query: Any) -> LookupResult:
+        resp = await self._call(self._stub.Lookup, build_lookup_request(model, **query))
+        return LookupResult.from_proto(resp)
+
+    async def lookup_raw(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        """A prebuilt request, without result conversion (for hot paths and benchmarks)."""
+        resp: pb.LookupResponse = await self._call(self._stub.Lookup, request)
+        return resp
+
+    async def stats(self) -> CoordinatorStats:
+        return CoordinatorStats.from_proto(await self._call(self._stub.Stats, pb.StatsRequest()))
+
+    async def list_nodes(self, model: str = "") -> list[NodeStatus]:
+        resp = await self._call(self._stub.ListNodes, pb.ListNodesRequest(model=model))
+        return [NodeStatus.from_proto(n) for n in resp.nodes]
+
+    async def heartbeat(self, node_id: str, epoch: int, load: NodeLoad | None = None) -> HeartbeatResult:
+        req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=(load or NodeLoad()).to_proto())
+        resp = await self._call(self._stub.Heartbeat, req)
+        return HeartbeatResult(resp.lease_seconds, resp.known)
+
+    async def drain(self, node_id: str) -> None:
+        await self._call(self._stub.DrainNode, pb.DrainNodeRequest(node_id=node_id))
+
+    async def remove(self, node_id: str) -> None:
+        await self._call(self._stub.RemoveNode, pb.RemoveNodeRequest(node_id=node_id))
+
+    async def ping(self) -> None:
+        await self._call(self._stub.Ping, pb.PingRequest())
+
+
+# --- CLI bodies ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Query:
+    tokens: list[int] | None = None
+    hashes: list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _parse_int_list(text: str, what: str) -> list[int]:
+    out = []
+    for i, part in enumerate(p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            v = int(part, 0)
+        except ValueError:
+            raise ValueError(f"{what}: item {i} {part!r} is not an integer") from None
+        if not 0 <= v <= _UINT64_MAX:
+            raise ValueError(f"{what}: item {i} {v} is not a uint64")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{what}: empty list")
+    return out
+
+
+def _read_tokens_file(path: str) -> list[int]:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--tokens-file: cannot read {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--tokens-file: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in data):
+        raise ValueError("--tokens-file: expected a JSON list of integers")
+    return _u64_list(data, "--tokens-file")
+
+
+def _security(args: argparse.Namespace) -> ChannelSecurity:
+    return ChannelSecurity(
+        token=getattr(args, "token", None) or None,
+        tls=bool(getattr(args, "tls", False)),
+        root_ca=getattr(args, "tls_ca", None),
+        client_cert=getattr(args, "tls_cert", None),
+        client_key=getattr(args, "tls_key", None),
+        server_name=getattr(args, "tls_server_name", None),
+    )
+
+
+def _query(args: argparse.Namespace) -> _Query:
+    q = _Query()
+    if args.tokens is not None:
+        q.tokens = _parse_int_list(args.tokens, "--tokens")
+    elif args.tokens_file is not None:
+        q.tokens = _read_tokens_file(args.tokens_file)
+    else:
+        q.hashes = _parse_int_list(args.hashes, "--hashes")
+    if q.tokens is not None:
+        mm = []
+        for spec in getattr(args, "mm", None) or []:
+            parts = spec.rsplit(":", 2)
+            if len(parts) != 3:
+                raise ValueError(f"--mm {spec!r}: expected ID:OFFSET:LENGTH")
+            try:
+                mm.append((parts[0], int(parts[1]), int(parts[2])))
+            except ValueError:
+                raise ValueError(f"--mm {spec!r}: OFFSET and LENGTH must be integers") from None
+        digests = None
+        if getattr(args, "prompt_embeds_digests", None):
+            try:
+                digests = [bytes.fromhex(h.strip()) for h in args.prompt_embeds_digests.split(",")]
+            except ValueError:
+                raise ValueError("--prompt-embeds-digests: expected comma separated hex") from None
+        q.extra = {"lora_name": args.lora_name, "lora_path": args.lora_path, "cache_salt": args.cache_salt,
+                   "mm_items": mm, "prompt_embeds_digests": digests}
+    elif args.lora_name or args.lora_path or args.cache_salt:
+        raise ValueError("--lora-name/--lora-path/--cache-salt apply to token queries only")
+    candidates = []
+    for spec in getattr(args, "candidate", None) or []:
+        node, _, rank = spec.partition(":") if ":" in spec else (spec, "", "0")
+        if not node or not rank.isdigit():
+            raise ValueError(f"--candidate {spec!r}: expected NODE_ID[:DP_RANK]")
+        candidates.append((node, int(rank)))
+    if candidates:
+        q.extra["candidates"] = candidates
+    return q
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _rpc_failed(command: str, exc: CoordinatorError) -> int:
+    print(f"kvcoord {command}: {exc}", file=sys.stderr)
+    return 1
+
+
+def run_lookup(args: argparse.Namespace) -> int:
+    """``kvcoord lookup``: print the coordinator's answer as JSON, best node first."""
+    q = _query(args)
+    query: dict[str, Any] = dict(q.extra)
+    if q.tokens is not None:
+        query["tokens"] = q.tokens
+    else:
+        query["hashes"] = q.hashes
+    build_lookup_request(args.model, **query)  # validate before connecting
+    with CoordinatorClient(args.coordinator, security=_security(args), timeout=args.timeout) as client:
+        try:
+            result = client.lookup(args.model, **query)
+        except CoordinatorError as exc:
+            return _rpc_failed("lookup", exc)
+    _print_json(result.to_json())
+    return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    """``kvcoord stats``: print the coordinator's state as JSON."""
+    with CoordinatorClient(args.coordinator, security=_security(args), timeout=args.timeout) as client:
+        try:
+            stats = client.stats()
+        except CoordinatorError as exc:
+            return _rpc_failed("stats", exc)
+    _print_json(stats.to_json())
+    return 0
+

@@ -1,0 +1,464 @@
+"""Placement policies: pick a ``(node, dp_rank)`` for a request from a lookup answer and node loads.
+
+A policy sees one :class:`RouteRequest` (prompt length, block hashes, the clock) and one
+:class:`Candidate` per routable ``(node, dp_rank)``: how many leading blocks of the prompt that node
+holds (per tier, from the coordinator's lookup) and its current load. It returns a
+:class:`Decision` whose ``why`` explains the choice in one line, so an operator can audit a route.
+
+Policies:
+
+- :class:`PrefixAwarePolicy`: minimises the expected time to first token (formula in its docstring),
+  with a load-imbalance cap so that a prefix every request shares (a system prompt) cannot pull the
+  whole fleet onto the node that first cached it.
+- :class:`ApproximatePolicy`: the same cost over the router's own memory of what it routed where
+  (a TTL'd prefix map), for fleets whose engines publish no KV events.
+- Baselines: :class:`RoundRobinPolicy`, :class:`LeastLoadedPolicy`, :class:`RandomPolicy`.
+
+Every policy owns a seedable ``random.Random`` (used for tie-breaks), so a simulation with a fixed
+seed makes the same decisions every run.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from kvcoord.events import Tier
+from kvcoord.hashing import BlockHash64
+from kvcoord.index.base import NodeKey, NodeMatch
+
+DEFAULT_TIER_WEIGHTS: tuple[float, float, float] = (1.0, 0.8, 0.5)
+"""Fraction of a block's prefill a hit on each tier saves (GPU, CPU, STORAGE).
+
+A GPU hit is free; a CPU hit costs a PCIe copy (about a fifth of recomputing it for an 8B model);
+a storage hit costs a disk or network read, about half of recomputing it."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """What a router knows about one node's current work."""
+
+    running: int = 0
+    """Requests admitted (prefilling or decoding)."""
+    waiting: int = 0
+    """Requests queued on the node, not yet admitted."""
+    kv_usage: float = 0.0
+    """Fraction of the node's KV blocks in use by running requests (0..1)."""
+    prefill_tokens: int = 0
+    """Prompt tokens the node still has to prefill before it can start a new request's prefill
+    (queued requests' uncached tokens plus the unfinished part of the current prefill)."""
+
+    @property
+    def in_flight(self) -> int:
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One routable ``(node, dp_rank)`` with its prefix match for this request and its load."""
+
+    node_id: str
+    dp_rank: int = 0
+    matched_blocks: int = 0
+    tiers: tuple[int, ...] = ()
+    """Matched blocks per tier, indexed by ``Tier`` value; empty means all on GPU."""
+    load: NodeLoad = field(default_factory=NodeLoad)
+
+    @property
+    def key(self) -> NodeKey:
+        return (self.node_id, self.dp_rank)
+
+    def tier_counts(self) -> tuple[int, int, int]:
+        """``(gpu, cpu, storage)`` matched blocks; an empty ``tiers`` counts every block as GPU."""
+        if not self.tiers:
+            return (self.matched_blocks, 0, 0)
+        t = (*self.tiers, 0, 0, 0)
+        return (t[Tier.GPU], t[Tier.CPU], t[Tier.STORAGE])
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """The request being placed."""
+
+    num_tokens: int
+    block_size: int
+    block_hashes: Sequence[BlockHash64] = ()
+    """Full-block hashes of the prompt (needed by :class:`ApproximatePolicy`)."""
+    now: float = 0.0
+    """Router clock in seconds (simulation time in the simulator); drives TTLs."""
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where to send a request, and why."""
+
+    node_id: str
+    dp_rank: int
+    why: str
+    matched_blocks: int = 0
+    cost: float | None = None
+    """The policy's cost for the chosen node (seconds for the prefix-aware policies)."""
+
+    @property
+    def key(self) -> NodeKey:
+        return (self.node_id, self.dp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyModel:
+    """The service-time estimate a cost-based policy uses, and the simulator's default hardware.
+
+    Defaults describe one H100-80GB serving a dense ~8B model (Llama-3.1-8B, bf16) with vLLM:
+
+    - ``prefill_s_per_token`` 50 µs: about 20k prompt tokens/s of prefill; 16 GFLOP/token of dense
+      matmuls plus attention at ~12k context is ~19 GFLOP/token, at ~40% of the 989 TFLOP/s bf16
+      peak that is ~21k tokens/s, in line with published vLLM prefill throughput for 8B on H100.
+    - ``decode_s_per_token`` 15 ms: inter-token latency of a batch of a few dozen long-context
+      sequences (weights 16 GB plus ~0.1 MB of KV per context token read every step, at 3.35 TB/s).
+    - ``max_running`` 32: ~400k tokens of KV fit next to the weights (128 KiB/token), i.e. about 32
+      requests of Mooncake's ~12k-token prompts.
+    """
+
+    prefill_s_per_token: float = 50e-6
+    decode_s_per_token: float = 15e-3
+    max_running: int = 32
+    mean_output_tokens: float = 350.0
+    """Expected decode length of a running request, for the wait-for-a-slot estimate."""
+
+    def __post_init__(self) -> None:
+        if self.prefill_s_per_token < 0 or self.decode_s_per_token < 0:
+            raise ValueError("latency model times must be >= 0")
+        if self.max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        if self.mean_output_tokens < 0:
+            raise ValueError("mean_output_tokens must be >= 0")
+
+    def queue_seconds(self, load: NodeLoad) -> float:
+        """Expected wait before a new request's prefill can start on a node with ``load``.
+
+        ``t_p * prefill_tokens`` for the prefill work ahead of it, plus, when every slot is taken, the
+        time for enough running requests to finish: slots free up about every
+        ``mean_output_tokens * t_d / max_running`` seconds.
+        """
+        over = load.running + load.waiting + 1 - self.max_running
+        slot_wait = (
+            over * self.mean_output_tokens * self.decode_s_per_token / self.max_running if over > 0 else 0.0
+        )
+        return self.prefill_s_per_token * load.prefill_tokens + slot_wait
+
+
+class Policy(Protocol):
+    """A placement policy. ``uses_index`` says whether candidates need the index's prefix matches."""
+
+    name: str
+    uses_index: ClassVar[bool]
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Pick one of ``candidates`` (non-empty). May update the policy's own state."""
+        ...
+
+
+def candidates_from_matches(
+    loads: Mapping[NodeKey, NodeLoad], matches: Sequence[NodeMatch]
+) -> list[Candidate]:
+    """One candidate per routable node in ``loads``, with its match (zero when the index omitted it).
+
+    Matches for nodes not in ``loads`` (not routable, e.g. draining) are dropped.
+    """
+    by_key = {(m.node_id, m.dp_rank): m for m in matches}
+    out: list[Candidate] = []
+    for key, load in loads.items():
+        m = by_key.get(key)
+        if m is None:
+            out.append(Candidate(key[0], key[1], 0, (), load))
+        else:
+            out.append(Candidate(key[0], key[1], m.matched_blocks, m.tiers, load))
+    return out
+
+
+def _require(candidates: Sequence[Candidate]) -> None:
+    if not candidates:
+        raise ValueError("no candidate nodes to route to")
+
+
+def _name(c: Candidate) -> str:
+    return c.node_id if c.dp_rank == 0 else f"{c.node_id}/{c.dp_rank}"
+
+
+class RoundRobinPolicy:
+    """Cycles through candidates in ``(node_id, dp_rank)`` order; ignores cache and load."""
+
+    uses_index: ClassVar[bool] = False
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.name = "round-robin"
+        self.rng = random.Random(seed)
+        self._next = 0
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        _require(candidates)
+        ordered = sorted(candidates, key=lambda c: c.key)
+        c = ordered[self._next % len(ordered)]
+        self._next += 1
+        return Decision(c.node_id, c.dp_rank, f"round-robin: turn {self._next - 1} -> {_name(c)}")
+
+
+class RandomPolicy:
+    """Uniformly random candidate from the seeded source."""
+
+    uses_index: ClassVar[bool] = False
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.name = "random"
+        self.rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        _require(candidates)
+        c = sorted(candidates, key=lambda c: c.key)[self.rng.randrange(len(candidates))]
+        return Decision(c.node_id, c.dp_rank, f"random: {_name(c)} of {len(candidates)}")
+
+
+class LeastLoadedPolicy:
+    """Fewest requests in flight (running + waiting); ties broken at random so no node is favoured."""
+
+    uses_index: ClassVar[bool] = False
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.name = "least-loaded"
+        self.rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        _require(candidates)
+        low = min(c.load.in_flight for c in candidates)
+        ties = sorted((c for c in candidates if c.load.in_flight == low), key=lambda c: c.key)
+        c = ties[self.rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+        return Decision(
+            c.node_id,
+            c.dp_rank,
+            f"least-loaded: {_name(c)} has {low} in flight ({len(ties)} tied)",
+            c.matched_blocks,
+        )
+
+
+class PrefixAwarePolicy:
+    """Minimise expected time to first token, without hot-spotting a shared prefix.
+
+    For a prompt of ``T`` tokens in blocks of ``B`` tokens, candidate ``n`` holding ``g_n``, ``c_n``,
+    ``s_n`` leading blocks on GPU, CPU and storage, with load ``L_n``::
+
+        saved_n   = min(T, B * (w_gpu * g_n + w_cpu * c_n + w_sto * s_n))     # prefill tokens saved
+        cost_n    = t_p * (T - saved_n)                                        # its own prefill
+                  + t_p * L_n.prefill_tokens                                   # prefill queued ahead
+                  + t_d * out * max(0, running_n + waiting_n + 1 - R) / R       # wait for a free slot
+
+    with tier weights ``w`` (default 1.0 / 0.8 / 0.5: the fraction of a block's prefill a hit saves),
+    ``t_p``/``t_d`` the prefill/decode seconds per token, ``out`` the expected output length and
+    ``R`` the node's max running requests (:class:`LatencyModel`). Cache benefit and load are both
+    in seconds, so neither needs a hand-tuned exchange rate: a hit of 2,000 tokens is worth exactly
+    as much as 2,000 tokens less queued prefill.
+
+    Hot-spotting guards (a system prompt every request shares is cached on every node that served
+    it, so ties are common and the load term decides them; these handle the rest):
+
+    1. **Balance cap** (like SGLang's cache-aware router thresholds): a node whose in-flight count
+       exceeds ``balance_rel * min + balance_abs`` (min over candidates) is not eligible, whatever it
+       holds. This bounds max/min in-flight imbalance under any prefix popularity.
+    2. **Replication**: when the holder of a hot prefix is loaded, the queue term makes a less-loaded
+       node cheaper even though it must recompute the prefix; that node then caches it too, and the
+       prefix is spread across the fleet in proportion to its demand. ``why`` says when this happens.
+    3. **Random tie-break** among equal costs (seeded), so equal nodes share the work evenly.
+    """
+
+    uses_index: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        seed: int | None = None,
+        *,
+        latency: LatencyModel | None = None,
+        tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS,
+        balance_abs: int = 8,
+        balance_rel: float = 1.5,
+    ) -> None:
+        if any(not 0.0 <= w <= 1.0 for w in tier_weights) or len(tier_weights) != 3:
+            raise ValueError(f"tier weights must be three numbers in [0, 1], got {tier_weights}")
+        if balance_abs < 0 or balance_rel < 1.0:
+            raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
+        self.name = "prefix-aware"
+        self.rng = random.Random(seed)
+        self.latency = latency or LatencyModel()
+        self.tier_weights = tier_weights
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+
+    def saved_tokens(self, request: RouteRequest, c: Candidate) -> float:
+        g, cpu, sto = c.tier_counts()
+        w = self.tier_weights
+        return min(float(request.num_tokens), request.block_size * (w[0] * g + w[1] * cpu + w[2] * sto))
+
+    def cost(self, request: RouteRequest, c: Candidate) -> float:
+        """Expected TTFT on ``c`` in seconds (the formula in the class docstring)."""
+        own = self.latency.prefill_s_per_token * (request.num_tokens - self.saved_tokens(request, c))
+        return own + self.latency.queue_seconds(c.load)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        _require(candidates)
+        low = min(c.load.in_flight for c in candidates)
+        cap = self.balance_rel * low + self.balance_abs
+        eligible = [c for c in candidates if c.load.in_flight <= cap]
+        scored = sorted(((self.cost(request, c), c.key, c) for c in eligible), key=lambda t: (t[0], t[1]))
+        best_cost = scored[0][0]
+        ties = [c for cost, _, c in scored if cost <= best_cost * (1 + 1e-9) + 1e-12]
+        chosen = ties[self.rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+        saved = self.saved_tokens(request, chosen)
+        queue = self.latency.queue_seconds(chosen.load)
+        why = (
+            f"prefix-aware: {_name(chosen)} saves {saved:.0f}/{request.num_tokens} tokens "
+            f"({chosen.matched_blocks} blocks), cost {best_cost * 1e3:.1f} ms = prefill "
+            f"{(best_cost - queue) * 1e3:.1f} + queue {queue * 1e3:.1f}"
+        )
+        if len(ties) > 1:
+            why += f"; {len(ties)} tied, picked at random"
+        top = max(sorted(candidates, key=lambda c: c.key), key=lambda c: c.matched_blocks)
+        if top.matched_blocks > chosen.matched_blocks:
+            if top.load.in_flight > cap:
+                why += (
+                    f"; replicating: best holder {_name(top)} ({top.matched_blocks} blocks) over the balance "
+                    f"cap ({top.load.in_flight} in flight > {cap:.1f})"
+                )
+            else:
+                why += (
+                    f"; replicating: best holder {_name(top)} ({top.matched_blocks} blocks) is busier "
+                    f"(cost {self.cost(request, top) * 1e3:.1f} ms)"
+                )
+        return Decision(chosen.node_id, chosen.dp_rank, why, chosen.matched_blocks, best_cost)
+
+
+class RoutedPrefixMemory:
+    """What a router without KV events believes nodes cache: the blocks it routed there, for ``ttl`` s.
+
+    One ``hash -> expiry`` map per node. A node "holds" a block until ``ttl`` seconds after the last
+    request containing it was routed there (like Dynamo's approximate indexer). A match walks each
+    node's map until the first missing or expired block, so it costs the matched length, not the
+    prompt length times the node count. Expired entries are pruned every ``sweep_every`` insertions,
+    so memory stays proportional to the last ``ttl`` seconds of traffic.
+    """
+
+    __slots__ = ("_inserts", "_nodes", "sweep_every", "ttl")
+
+    def __init__(self, ttl: float = 120.0, sweep_every: int = 200_000) -> None:
+        if ttl <= 0:
+            raise ValueError("ttl must be > 0")
+        self.ttl = ttl
+        self.sweep_every = sweep_every
+        self._nodes: dict[NodeKey, dict[int, float]] = {}
+        self._inserts = 0
+
+    def __len__(self) -> int:
+        """(block, node) entries held, expired or not yet swept."""
+        return sum(len(m) for m in self._nodes.values())
+
+    def record(self, key: NodeKey, hashes: Sequence[BlockHash64], now: float) -> None:
+        m = self._nodes.get(key)
+        if m is None:
+            m = self._nodes[key] = {}
+        m.update(dict.fromkeys(hashes, now + self.ttl))
+        self._inserts += len(hashes)
+        if self._inserts >= self.sweep_every:
+            self._inserts = 0
+            self.sweep(now)
+
+    def sweep(self, now: float) -> None:
+        """Drop every expired (block, node) entry."""
+        for key, m in list(self._nodes.items()):
+            alive = {h: exp for h, exp in m.items() if exp > now}
+            if alive:
+                self._nodes[key] = alive
+            else:
+                del self._nodes[key]
+
+    def match(
+        self, hashes: Sequence[BlockHash64], now: float, nodes: Collection[NodeKey]
+    ) -> dict[NodeKey, int]:
+        """Leading blocks of ``hashes`` each of ``nodes`` is believed to hold (gap-free, unexpired)."""
+        out: dict[NodeKey, int] = {}
+        for key in nodes:
+            m = self._nodes.get(key)
+            n = 0
+            if m is not None:
+                get = m.get
+                for h in hashes:
+                    exp = get(h)
+                    if exp is None or exp <= now:
+                        break
+                    n += 1
+            out[key] = n
+        return out
+
+
+class ApproximatePolicy:
+    """Prefix-aware cost over the router's own routing memory instead of the index (no KV events).
+
+    The matches in the candidates are ignored; each candidate's match is replaced by what
+    :class:`RoutedPrefixMemory` says this router sent there within ``ttl``, counted as GPU blocks.
+    The decision is then recorded in that memory.
+    """
+
+    uses_index: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        seed: int | None = None,
+        *,
+        ttl: float = 120.0,
+        latency: LatencyModel | None = None,
+        tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS,
+        balance_abs: int = 8,
+        balance_rel: float = 1.5,
+    ) -> None:
+        self.name = "approximate"
+        self.inner = PrefixAwarePolicy(
+            seed, latency=latency, tier_weights=tier_weights, balance_abs=balance_abs, balance_rel=balance_rel
+        )
+        self.rng = self.inner.rng
+        self.memory = RoutedPrefixMemory(ttl)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        _require(candidates)
+        believed = self.memory.match(request.block_hashes, request.now, [c.key for c in candidates])
+        guessed = [
+            Candidate(c.node_id, c.dp_rank, believed[c.key], (believed[c.key],), c.load) for c in candidates
+        ]
+        d = self.inner.choose(request, guessed)
+        self.memory.record(d.key, request.block_hashes, request.now)
+        label = f"approximate (routed-prefix memory, ttl {self.memory.ttl:g}s):"
+        why = d.why.replace("prefix-aware:", label, 1)
+        return Decision(d.node_id, d.dp_rank, why, d.matched_blocks, d.cost)
+
+
+POLICY_NAMES: tuple[str, ...] = ("prefix-aware", "approximate", "least-loaded", "round-robin", "random")
+
+
+def make_policy(
+    name: str,
+    seed: int | None = None,
+    *,
+    latency: LatencyModel | None = None,
+    tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS,
+    ttl: float = 120.0,
+) -> Policy:
+    """Build a policy by name (one of ``POLICY_NAMES``)."""
+    if name == "prefix-aware":
+        return PrefixAwarePolicy(seed, latency=latency, tier_weights=tier_weights)
+    if name == "approximate":
+        return ApproximatePolicy(seed, ttl=ttl, latency=latency, tier_weights=tier_weights)
+    if name == "least-loaded":
+        return LeastLoadedPolicy(seed)
+    if name == "round-robin":
+        return RoundRobinPolicy(seed)
+    if name == "random":
+        return RandomPolicy(seed)
+    raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})")

@@ -1,0 +1,1 @@
+"""The cluster simulator: workloads, simulated nodes running real block pools, reports."""

@@ -1,0 +1,155 @@
+"""Body of ``kvcoord simulate``: build the workload once, replay it under each policy, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from kvcoord.hashing import HashProfile
+from kvcoord.index import open_index
+from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
+from kvcoord.sim.cluster import ClusterConfig, simulate
+from kvcoord.sim.report import plot, summarize, table
+from kvcoord.sim.workload import SyntheticSpec, Workload, load_mooncake, synthetic
+
+
+def _policies(raw: str) -> list[str]:
+    names = [p.strip() for p in raw.split(",") if p.strip()]
+    if not names:
+        raise ValueError("--policies is empty")
+    for p in names:
+        if p not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {p!r} (known: {', '.join(POLICY_NAMES)})")
+    if len(set(names)) != len(names):
+        raise ValueError("--policies lists a policy twice")
+    return names
+
+
+def _workload(args: argparse.Namespace, profile: HashProfile) -> Workload:
+    if args.trace is not None and args.synthetic:
+        raise ValueError("give --trace or --synthetic, not both")
+    if args.trace is not None:
+        if not os.path.exists(args.trace):
+            raise ValueError(f"trace {args.trace!r} not found")
+        return load_mooncake(args.trace, profile, limit=args.limit, time_scale=args.time_scale)
+    spec = SyntheticSpec(
+        requests=args.limit if args.limit is not None else args.requests,
+        groups=args.groups,
+        prompts_per_group=args.prompts_per_group,
+        system_tokens=args.system_tokens,
+        question_tokens=args.question_tokens,
+        output_tokens=args.output_tokens,
+        turns=args.turns,
+        zipf=args.zipf,
+        rate=args.rate / args.time_scale,
+    )
+    return synthetic(spec, profile, seed=args.seed)
+
+
+_SHARED: tuple[Workload, HashProfile, ClusterConfig, int, float, str] | None = None
+"""What :func:`_run_policy` needs, set before worker processes fork."""
+
+
+def _run_policy(name: str) -> dict[str, Any]:
+    assert _SHARED is not None
+    workload, profile, config, seed, ttl, index_uri = _SHARED
+    policy = make_policy(name, seed, latency=config.latency, ttl=ttl)
+    index = open_index(index_uri, key_prefix=f"kvcoord-sim-{os.getpid()}-{name}")
+    t1 = time.perf_counter()
+    result = simulate(workload, policy, profile, config, index)
+    row = summarize(result)
+    row["wall_s"] = round(time.perf_counter() - t1, 2)
+    print(
+        f"  {name}: hit {row['token_hit_rate']:.1%}, TTFT p99 {row['ttft_p99_s']:.3f} s "
+        f"({row['wall_s']:.1f} s wall)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Replay the workload under every requested policy; table on stderr, JSON/PNG when asked."""
+    if args.coordinator is not None:
+        raise ValueError(
+            "--coordinator is not supported yet: the simulator drives an in-process index (--index)"
+        )
+    if args.jobs < 1:
+        raise ValueError("--jobs must be >= 1")
+    if args.time_scale <= 0:
+        raise ValueError("--time-scale must be > 0")
+    names = _policies(args.policies)
+    profile = HashProfile(args.hash_algo, args.block_size, seed=args.hash_seed)
+    t0 = time.perf_counter()
+    workload = _workload(args, profile)
+    if not workload.requests:
+        raise ValueError("the workload has no requests")
+    load_s = time.perf_counter() - t0
+    mean_out = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
+    latency = LatencyModel(
+        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+        decode_s_per_token=args.decode_ms_per_token * 1e-3,
+        max_running=args.max_running,
+        mean_output_tokens=mean_out,
+    )
+    config = ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency)
+    print(
+        f"workload {workload.name}: {len(workload.requests)} requests over {workload.duration:.0f} s, "
+        f"{sum(r.num_tokens for r in workload.requests):,} prompt tokens (built in {load_s:.1f} s); "
+        f"{config.nodes} nodes x {config.blocks_per_node} blocks of {profile.block_size}",
+        file=sys.stderr,
+    )
+    global _SHARED
+    _SHARED = (workload, profile, config, args.seed, args.ttl, args.index)
+    try:
+        if args.jobs > 1 and len(names) > 1:
+            import multiprocessing
+
+            # fork: the children share the (large) workload copy-on-write instead of pickling it
+            with multiprocessing.get_context("fork").Pool(min(args.jobs, len(names))) as workers:
+                rows = workers.map(_run_policy, names)
+        else:
+            rows = [_run_policy(name) for name in names]
+    finally:
+        _SHARED = None
+    print(table(rows), file=sys.stderr)
+    report: dict[str, Any] = {
+        "workload": {
+            "name": workload.name,
+            "source": args.trace or "synthetic",
+            "requests": len(workload.requests),
+            "duration_s": round(workload.duration, 3),
+            "limit": args.limit,
+            "time_scale": args.time_scale,
+        },
+        "cluster": {
+            "nodes": config.nodes,
+            "blocks_per_node": config.blocks_per_node,
+            "block_size": profile.block_size,
+            "hash_algo": profile.algo,
+            "max_running": latency.max_running,
+            "prefill_us_per_token": args.prefill_us_per_token,
+            "decode_ms_per_token": args.decode_ms_per_token,
+        },
+        "seed": args.seed,
+        "policies": rows,
+    }
+    if args.json is not None:
+        text = json.dumps(report, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+    if args.plot is not None:
+        title = (
+            f"{workload.name}: {len(workload.requests)} requests, {config.nodes} nodes, "
+            f"{config.blocks_per_node} blocks/node"
+        )
+        plot(rows, args.plot, title)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,304 @@
+"""A simulated cluster: N nodes, each a real :class:`~kvcoord.agent.pool.BlockPool`, whose KV events
+feed a real index, and a router that places every request with a :class:`~kvcoord.router.policy.Policy`.
+
+Cost model (per node; :class:`~kvcoord.router.policy.LatencyModel` holds the numbers):
+
+- at most ``max_running`` requests run at once; the rest wait in a FIFO queue. A request is admitted
+  when a slot is free *and* its pool can hold its prompt (the queue head blocks the rest, as in vLLM);
+- admission looks the prompt up in the node's pool: the leading cached blocks are hits, the rest is
+  allocated (evicting least recently used cached blocks) and cached at once, emitting the same
+  ``BlockStored``/``BlockRemoved`` events vLLM does. The events go straight to the index;
+- prefill is compute bound, so one node prefills one request at a time, FIFO:
+  ``prefill = uncached_tokens * prefill_s_per_token``;
+- ``TTFT = queue wait (for a slot and for the prefill lane) + prefill``;
+  ``completion = TTFT + output_tokens * decode_s_per_token``, after which the request's blocks are
+  freed (they stay cached until evicted).
+
+Decode-time KV growth is not allocated (outputs are ~3% of Mooncake prompts), and prefill does not
+slow the running decodes. Everything but the measured routing overhead is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcoord.agent.pool import BlockPool, KVCacheBlock
+from kvcoord.events import KVEvent
+from kvcoord.hashing import BlockHash64, HashProfile
+from kvcoord.index.base import Index, NodeKey, NodeMatch
+from kvcoord.router.policy import (
+    LatencyModel,
+    NodeLoad,
+    Policy,
+    RouteRequest,
+    candidates_from_matches,
+)
+from kvcoord.sim.workload import SimRequest, Workload
+
+MODEL = "sim-model"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Shape and speed of the simulated fleet."""
+
+    nodes: int = 8
+    blocks_per_node: int = 25_000
+    """KV blocks per node (block size from the hash profile): 25k x 16 tokens = 400k tokens, what an
+    H100-80GB holds for Llama-3.1-8B next to its weights (128 KiB per token)."""
+    latency: LatencyModel = field(default_factory=LatencyModel)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError("nodes must be >= 1")
+        if self.blocks_per_node < 2:
+            raise ValueError("blocks per node must be >= 2")
+
+
+class IndexAdapter:
+    """Synchronous apply/match over an index: ``apply_sync``/``match_sync`` when the backend has them
+    (the in-process memory index), else its coroutines run on a private event loop."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._apply: Callable[[str, str, int, Sequence[KVEvent]], Any] | None = getattr(
+            index, "apply_sync", None
+        )
+        self._match: Callable[[str, Sequence[BlockHash64]], list[NodeMatch]] | None = getattr(
+            index, "match_sync", None
+        )
+
+    def _run(self, coro: Any) -> Any:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    def apply(self, node_id: str, events: Sequence[KVEvent]) -> None:
+        if self._apply is not None:
+            self._apply(MODEL, node_id, 0, events)
+        else:
+            self._run(self.index.apply(MODEL, node_id, 0, events))
+
+    def match(self, hashes: Sequence[BlockHash64]) -> list[NodeMatch]:
+        if self._match is not None:
+            return self._match(MODEL, hashes)
+        result: list[NodeMatch] = self._run(self.index.match(MODEL, hashes))
+        return result
+
+    def close(self) -> None:
+        self._run(self.index.close())
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+
+class _Node:
+    __slots__ = (
+        "area",
+        "hit_tokens",
+        "idx",
+        "in_system",
+        "key",
+        "last_change",
+        "node_id",
+        "pool",
+        "prefill_free_at",
+        "prefill_tokens",
+        "queue",
+        "queued_estimate",
+        "running",
+        "served",
+    )
+
+    def __init__(self, idx: int, pool: BlockPool) -> None:
+        self.idx = idx
+        node_id = f"node-{idx}"
+        self.node_id = node_id
+        self.key: NodeKey = (node_id, 0)
+        self.pool = pool
+        self.queue: deque[tuple[SimRequest, int]] = deque()
+        """Waiting requests with the router's estimate of their uncached tokens."""
+        self.queued_estimate = 0
+        self.running = 0
+        self.prefill_free_at = 0.0
+        self.in_system = 0
+        self.area = 0.0
+        self.last_change = 0.0
+        self.served = 0
+        self.prefill_tokens = 0
+        self.hit_tokens = 0
+
+    def change_in_system(self, now: float, delta: int) -> None:
+        self.area += self.in_system * (now - self.last_change)
+        self.last_change = now
+        self.in_system += delta
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    """What one policy did on one workload. ``overhead_*`` are wall clock; everything else is modelled."""
+
+    policy: str
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    prefill_tokens: int
+    ttft: list[float]
+    completion: list[float]
+    node_requests: list[int]
+    node_prefill_tokens: list[int]
+    node_mean_in_system: list[float]
+    makespan: float
+    overhead_us: list[float]
+    sample_decisions: list[str]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+_FINISH = 0
+
+
+def simulate(
+    workload: Workload,
+    policy: Policy,
+    profile: HashProfile,
+    config: ClusterConfig,
+    index: Index,
+    *,
+    keep_decisions: int = 5,
+) -> PolicyResult:
+    """Replay ``workload`` on a fresh cluster under ``policy``; ``index`` must start empty."""
+    lat = config.latency
+    bs = profile.block_size
+    max_blocks = max((-(-r.num_tokens // bs) for r in workload.requests), default=0)
+    if max_blocks > config.blocks_per_node - 1:
+        raise ValueError(
+            f"a prompt needs {max_blocks} blocks but a node has {config.blocks_per_node - 1}; "
+            "raise --blocks-per-node"
+        )
+    adapter = IndexAdapter(index)
+    nodes = [
+        _Node(i, BlockPool(config.blocks_per_node, profile, removal_events="vllm"))
+        for i in range(config.nodes)
+    ]
+    heap: list[tuple[float, int, int, int, list[KVCacheBlock]]] = []
+    seq = 0
+    ttft: list[float] = []
+    completion: list[float] = []
+    overhead: list[float] = []
+    decisions: list[str] = []
+    hit_total = prefill_total = prompt_total = 0
+    t_p, t_d = lat.prefill_s_per_token, lat.decode_s_per_token
+    max_running = lat.max_running
+    uses_index = policy.uses_index
+
+    def try_start(node: _Node, now: float) -> None:
+        nonlocal seq, hit_total, prefill_total
+        pool = node.pool
+        while node.queue and node.running < max_running:
+            req, estimate = node.queue[0]
+            n = req.num_tokens
+            hits = pool.find_longest_cache_hit(req.digests, (n - 1) // bs)
+            num_new = -(-n // bs) - len(hits)
+            evictable = sum(1 for b in hits if b.ref_cnt == 0)
+            if num_new + evictable > pool.num_free_blocks:
+                return  # the head waits for blocks to be freed, and so does everything behind it
+            node.queue.popleft()
+            node.queued_estimate -= estimate
+            pool.touch(hits)
+            blocks = hits + pool.get_new_blocks(num_new)
+            pool.cache_full_blocks(blocks, req.digests, len(hits), n // bs, req.tokens)
+            events = pool.take_events()
+            if events:
+                adapter.apply(node.node_id, events)
+            node.running += 1
+            cached = len(hits) * bs
+            uncached = n - cached
+            node.hit_tokens += cached
+            node.prefill_tokens += uncached
+            hit_total += cached
+            prefill_total += uncached
+            start = max(now, node.prefill_free_at)
+            end = start + uncached * t_p
+            node.prefill_free_at = end
+            ttft.append(end - req.arrival)
+            done = end + req.output_tokens * t_d
+            completion.append(done - req.arrival)
+            seq += 1
+            heapq.heappush(heap, (done, seq, _FINISH, node.idx, blocks))
+
+    def finish(node: _Node, now: float, blocks: list[KVCacheBlock]) -> None:
+        node.pool.free_blocks(reversed(blocks))
+        node.running -= 1
+        node.change_in_system(now, -1)
+        try_start(node, now)
+
+    def loads(now: float) -> dict[NodeKey, NodeLoad]:
+        return {
+            nd.key: NodeLoad(
+                running=nd.running,
+                waiting=len(nd.queue),
+                kv_usage=nd.pool.usage,
+                prefill_tokens=int(max(0.0, nd.prefill_free_at - now) / t_p if t_p > 0 else 0)
+                + nd.queued_estimate,
+            )
+            for nd in nodes
+        }
+
+    by_key = {nd.key: nd for nd in nodes}
+    now = 0.0
+    for req in workload.requests:
+        while heap and heap[0][0] <= req.arrival:
+            now, _, _, ni, blocks = heapq.heappop(heap)
+            finish(nodes[ni], now, blocks)
+        now = req.arrival
+        prompt_total += req.num_tokens
+        node_loads = loads(now)
+        route = RouteRequest(req.num_tokens, bs, req.hashes, now, req.request_id)
+        t0 = time.perf_counter()
+        matches = adapter.match(req.hashes) if uses_index else []
+        decision = policy.choose(route, candidates_from_matches(node_loads, matches))
+        overhead.append((time.perf_counter() - t0) * 1e6)
+        if len(decisions) < keep_decisions:
+            decisions.append(f"{req.request_id}: {decision.why}")
+        node = by_key[decision.key]
+        node.served += 1
+        node.change_in_system(now, +1)
+        estimate = max(0, req.num_tokens - decision.matched_blocks * bs)
+        node.queue.append((req, estimate))
+        node.queued_estimate += estimate
+        try_start(node, now)
+    while heap:
+        now, _, _, ni, blocks = heapq.heappop(heap)
+        finish(nodes[ni], now, blocks)
+    stuck = [nd.node_id for nd in nodes if nd.queue]
+    if stuck:
+        raise RuntimeError(f"requests never admitted on {stuck}")
+    adapter.close()
+    span = max(now, 1e-9)
+    for nd in nodes:
+        nd.change_in_system(span, 0)
+    return PolicyResult(
+        policy=policy.name,
+        requests=len(workload.requests),
+        prompt_tokens=prompt_total,
+        hit_tokens=hit_total,
+        prefill_tokens=prefill_total,
+        ttft=ttft,
+        completion=completion,
+        node_requests=[nd.served for nd in nodes],
+        node_prefill_tokens=[nd.prefill_tokens for nd in nodes],
+        node_mean_in_system=[nd.area / span for nd in nodes],
+        makespan=span,
+        overhead_us=overhead,
+        sample_decisions=decisions,
+    )

@@ -1,0 +1,123 @@
+"""Summaries of simulation results: the comparison table, its JSON form, and an optional PNG plot."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from kvcoord.sim.cluster import PolicyResult
+
+WALL_CLOCK_KEYS = ("overhead_us_mean", "overhead_us_p99", "wall_s")
+"""Summary keys measured on the host (not modelled): excluded from determinism comparisons."""
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def _ratio_max_mean(xs: Sequence[float]) -> float:
+    mean = sum(xs) / len(xs) if xs else 0.0
+    return max(xs) / mean if mean > 0 else 1.0
+
+
+def summarize(r: PolicyResult) -> dict[str, Any]:
+    """The per-policy row: modelled metrics (deterministic) plus measured routing overhead."""
+    return {
+        "policy": r.policy,
+        "requests": r.requests,
+        "prompt_tokens": r.prompt_tokens,
+        "hit_tokens": r.hit_tokens,
+        "token_hit_rate": round(r.hit_rate, 6),
+        "prefill_tokens": r.prefill_tokens,
+        "ttft_p50_s": round(percentile(r.ttft, 50), 6),
+        "ttft_p99_s": round(percentile(r.ttft, 99), 6),
+        "ttft_mean_s": round(sum(r.ttft) / len(r.ttft), 6) if r.ttft else 0.0,
+        "completion_p50_s": round(percentile(r.completion, 50), 6),
+        "completion_p99_s": round(percentile(r.completion, 99), 6),
+        "load_imbalance": round(_ratio_max_mean(r.node_mean_in_system), 6),
+        "request_imbalance": round(_ratio_max_mean([float(x) for x in r.node_requests]), 6),
+        "node_requests": r.node_requests,
+        "node_prefill_tokens": r.node_prefill_tokens,
+        "node_mean_in_system": [round(x, 6) for x in r.node_mean_in_system],
+        "makespan_s": round(r.makespan, 6),
+        "overhead_us_mean": round(sum(r.overhead_us) / len(r.overhead_us), 2) if r.overhead_us else 0.0,
+        "overhead_us_p99": round(percentile(r.overhead_us, 99), 2),
+        "sample_decisions": r.sample_decisions,
+    }
+
+
+def deterministic_view(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows without the wall-clock columns: equal across runs with the same seed."""
+    return [{k: v for k, v in row.items() if k not in WALL_CLOCK_KEYS} for row in rows]
+
+
+_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("policy", "policy", "{}"),
+    ("token_hit_rate", "hit rate", "{:.1%}"),
+    ("prefill_tokens", "prefill tokens", "{:,}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
+    ("load_imbalance", "imbalance", "{:.3f}"),
+    ("overhead_us_mean", "route us", "{:.0f}"),
+)
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    """A fixed-width text table (also valid Markdown)."""
+    cells = [[fmt.format(row[key]) for key, _, fmt in _COLUMNS] for row in rows]
+    heads = [head for _, head, _ in _COLUMNS]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+
+    def line(values: Sequence[str]) -> str:
+        pairs = enumerate(zip(values, widths, strict=True))
+        parts = [v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in pairs]
+        return "| " + " | ".join(parts) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(heads), sep, *(line(c) for c in cells)])
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
+    """Four bar charts (hit rate, TTFT p50/p99, load imbalance, routing overhead) in one PNG.
+
+    Needs matplotlib (the ``plot`` extra); raises ``ValueError`` saying so when it is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError("--plot needs matplotlib: pip install 'kvcoord[plot]'") from exc
+    names = [str(r["policy"]) for r in rows]
+    xs = list(range(len(names)))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    ax = axes[0]
+    ax.bar(xs, [100 * float(r["token_hit_rate"]) for r in rows], color="tab:green")
+    ax.set_title("token hit rate (%)")
+    ax = axes[1]
+    w = 0.38
+    ax.bar([x - w / 2 for x in xs], [float(r["ttft_p50_s"]) for r in rows], w, label="p50")
+    ax.bar([x + w / 2 for x in xs], [float(r["ttft_p99_s"]) for r in rows], w, label="p99")
+    ax.set_title("TTFT (s, modelled)")
+    ax.legend()
+    ax = axes[2]
+    ax.bar(xs, [float(r["load_imbalance"]) for r in rows], color="tab:orange")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_title("load imbalance (max/mean in flight)")
+    ax = axes[3]
+    ax.bar(xs, [float(r["overhead_us_mean"]) for r in rows], color="tab:purple")
+    ax.set_title("routing overhead (µs/request, measured)")
+    for ax in axes:
+        ax.set_xticks(xs)
+        ax.set_xticklabels(names, rotation=30, ha="right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,45 @@
+"""Shared fixtures. ``index`` runs every backend test once per entry of ``INDEX_FACTORIES``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from kvcoord.index import Index
+from kvcoord.index.memory import MemoryIndex
+from tests.redis_servers import redis_index_factory, redis_session_fixtures
+
+redis_server, redis_cluster = redis_session_fixtures()
+
+IndexFactory = Callable[[pytest.FixtureRequest], Awaitable[Index]]
+"""Makes a fresh, empty index. Gets the pytest request so it can pull in e.g. a redis-server fixture
+(``request.getfixturevalue("redis_server")``). The caller closes the index."""
+
+
+async def _memory(request: pytest.FixtureRequest) -> Index:
+    return MemoryIndex()
+
+
+INDEX_FACTORIES: dict[str, IndexFactory] = {
+    "memory": _memory,
+    # Other backends register here, one line each, e.g. "redis": _redis.
+    "redis": redis_index_factory("redis_server"),
+    "redis-cluster": redis_index_factory("redis_cluster"),
+}
+
+
+@pytest.fixture(params=list(INDEX_FACTORIES))
+def index_backend(request: pytest.FixtureRequest) -> str:
+    """The backend name under test (for tests that build indexes themselves, e.g. state machines)."""
+    return str(request.param)
+
+
+@pytest.fixture
+async def index(index_backend: str, request: pytest.FixtureRequest) -> AsyncIterator[Index]:
+    """A fresh backend per test, closed afterwards."""
+    idx = await INDEX_FACTORIES[index_backend](request)
+    try:
+        yield idx
+    finally:
+        await idx.close()

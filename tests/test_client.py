@@ -1,0 +1,81 @@
+"""The router client: local validation of queries, and the blocking client against an in-process server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvcoord.agent.reporter import Reporter
+from kvcoord.coordinator.config import CoordinatorConfig
+from kvcoord.coordinator.server import CoordinatorServer
+from kvcoord.events import BlockStored, Tier
+from kvcoord.router.client import CoordinatorClient, CoordinatorError, build_lookup_request
+from tests.procs import free_port
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({}, "exactly one of tokens or hashes"),
+        ({"tokens": [1], "hashes": [2]}, "exactly one of tokens or hashes"),
+        ({"hashes": [-1]}, r"hashes\[0\] = -1 is not a uint64"),
+        ({"tokens": [1, 2**64]}, r"tokens\[1\]"),
+        ({"hashes": [1], "lora_name": "x"}, "token queries only"),
+        ({"tokens": [1], "mm_items": [("img", -1, 4)]}, "offset and length"),
+    ],
+)
+def test_bad_queries_fail_before_any_rpc(kw: dict[str, object], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        build_lookup_request("m", **kw)  # type: ignore[arg-type]
+
+
+def test_request_carries_every_key() -> None:
+    req = build_lookup_request("m", tokens=[1, 2], lora_name="A", lora_path="/p", cache_salt="s",
+                               mm_items=[("img", 0, 2)], prompt_embeds_digests=[b"\x01"],
+                               candidates=[("n1", 1)])
+    q = req.tokens
+    assert (list(q.token_ids), q.lora_name, q.lora_path, q.cache_salt) == ([1, 2], "A", "/p", "s")
+    assert [(m.identifier, m.offset, m.length) for m in q.mm_items] == [("img", 0, 2)]
+    assert list(q.prompt_embeds_digests) == [b"\x01"]
+    assert [(c.node_id, c.dp_rank) for c in req.candidates] == [("n1", 1)]
+    assert build_lookup_request("m", hashes=[]).WhichOneof("query") == "hashes"
+
+
+async def test_sync_client_against_a_server() -> None:
+    cfg = CoordinatorConfig(listen=f"127.0.0.1:{free_port()}", metrics_listen="")
+    async with CoordinatorServer(cfg) as server:
+        held: dict[int, Tier] = {7: Tier.CPU}  # the engine's state, as its snapshot reports it
+        rep = Reporter([server.address], node_id="n1", model="m", epoch=3,
+                       snapshot=lambda rank: sorted(held.items()))
+        await rep.start()
+        try:
+            await rep.wait_connected(10)
+            rep.submit(0, [BlockStored(block_hashes=(8, 9), parent_block_hash=7, token_ids=(), block_size=4)])
+            held.update({8: Tier.GPU, 9: Tier.GPU})
+            await rep.wait_acked(10)
+
+            def sync_part() -> None:
+                with CoordinatorClient(server.address) as c:
+                    c.ping()
+                    r = c.lookup("m", hashes=[7, 8, 9, 10])
+                    assert (r.num_blocks, len(r.nodes)) == (4, 1)
+                    n = r.nodes[0]
+                    assert (n.node_id, n.dp_rank, n.matched_blocks, n.tiers) == (
+                        "n1", 0, 3, {"GPU": 2, "CPU": 1, "STORAGE": 0})
+                    assert c.lookup("m", hashes=[7], candidates=[("other", 0)]).nodes == []
+                    assert [x.node_id for x in c.list_nodes()] == ["n1"]
+                    assert c.heartbeat("n1", 3).known
+                    with pytest.raises(CoordinatorError) as err:
+                        c.lookup("m", tokens=[1] * 4)  # no hash profile configured for "m"
+                    assert err.value.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                                              grpc.StatusCode.INVALID_ARGUMENT)
+                    c.drain("n1")
+                    assert c.lookup("m", hashes=[7]).nodes == []
+                    c.remove("n1")
+                    assert c.stats().nodes == []
+
+            await asyncio.to_thread(sync_part)
+        finally:
+            await rep.close()

@@ -1,0 +1,727 @@
+"""The coordinator in-process over real gRPC: ingest ordering, snapshots, leases, auth, bad input, lookup.
+
+Every test talks to a real ``CoordinatorServer`` through the generated stubs, against the ``index``
+fixture (every backend), and checks the index itself where a rule says "nothing applied".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+
+from kvcoord.coordinator import CoordinatorServer, load_config
+from kvcoord.events import BlockStored, Tier
+from kvcoord.events_proto import event_to_proto
+from kvcoord.hashing import HashProfile
+from kvcoord.index import Index
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
+from tests.procs import FIXTURES
+
+MODEL = "m"
+QWEN = "Qwen/Qwen3-0.6B"
+TIMEOUT = 5.0
+
+
+@dataclass
+class Coord:
+    server: CoordinatorServer
+    channel: grpc.aio.Channel
+    stub: pbg.CoordinatorStub
+    index: Index
+
+    async def lookup_hashes(self, hashes: Sequence[int], model: str = MODEL, **kw: Any) -> pb.LookupResponse:
+        metadata = kw.pop("metadata", None)
+        req = pb.LookupRequest(model=model, hashes=pb.HashQuery(block_hashes=list(hashes)), **kw)
+        return await self.stub.Lookup(req, timeout=TIMEOUT, metadata=metadata)
+
+    async def stats(self, metadata: Any = None) -> pb.StatsResponse:
+        return await self.stub.Stats(pb.StatsRequest(), timeout=TIMEOUT, metadata=metadata)
+
+    async def node(self, node_id: str) -> pb.NodeInfo:
+        resp = await self.stub.ListNodes(pb.ListNodesRequest(), timeout=TIMEOUT)
+        return next(n for n in resp.nodes if n.node_id == node_id)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    index: Index, toml: str | None = None, tmp_path: Any = None, **overrides: Any
+) -> AsyncIterator[Coord]:
+    path = None
+    if toml is not None:
+        path = tmp_path / "kvcoord.toml"
+        path.write_text(toml)
+    ov: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", **overrides}
+    ov.setdefault("models", [f"{MODEL},algo=sha256_cbor,block_size=4,seed=42"])
+    cfg = load_config(path, env={}, overrides=ov)
+    server = CoordinatorServer(cfg, index=index)
+    await server.start()
+    channel = grpc.aio.insecure_channel(server.address)
+    try:
+        yield Coord(server, channel, pbg.CoordinatorStub(channel), index)
+    finally:
+        await channel.close()
+        await server.stop()
+
+
+def stored(
+    hashes: Sequence[int],
+    parent: int | None = None,
+    medium: str = "",
+    block_size: int = 4,
+    tokens: Sequence[int] = (),
+) -> pb.KVEvent:
+    s = pb.BlockStored(
+        block_hashes=list(hashes), block_size=block_size, medium=medium, token_ids=list(tokens)
+    )
+    if parent is not None:
+        s.parent_block_hash = parent
+    return pb.KVEvent(stored=s)
+
+
+def removed(hashes: Sequence[int], medium: str = "") -> pb.KVEvent:
+    return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=list(hashes), medium=medium))
+
+
+class Agent:
+    """A hand-driven ingest stream, so each test controls every message."""
+
+    def __init__(
+        self,
+        coord: Coord,
+        node: str = "n1",
+        *,
+        epoch: int = 1,
+        ranks: Sequence[int] = (0,),
+        model: str = MODEL,
+        token: str | None = None,
+    ) -> None:
+        self.node, self.epoch, self.ranks, self.model = node, epoch, list(ranks), model
+        md = (("authorization", f"Bearer {token}"),) if token else None
+        self.call = coord.stub.Ingest(metadata=md)
+
+    async def send(self, **msg: Any) -> None:
+        await self.call.write(pb.AgentMessage(**msg))
+
+    async def recv(self) -> pb.CoordinatorMessage:
+        msg = await asyncio.wait_for(self.call.read(), TIMEOUT)
+        assert msg is not grpc.aio.EOF, "stream ended"
+        return msg
+
+    async def hello(self, next_seq: int = 1, profile: pb.HashProfile | None = None) -> pb.Welcome:
+        h = pb.Hello(
+            node_id=self.node, model=self.model, dp_ranks=self.ranks, epoch=self.epoch, next_seq=next_seq
+        )
+        if profile is not None:
+            h.hash_profile.CopyFrom(profile)
+        await self.send(hello=h)
+        msg = await self.recv()
+        assert msg.WhichOneof("msg") == "welcome", msg
+        return msg.welcome
+
+    async def batch(self, seq: int, events: Sequence[pb.KVEvent], rank: int = 0) -> pb.CoordinatorMessage:
+        await self.send(batch=pb.EventBatch(seq=seq, dp_rank=rank, events=list(events), ts=time.time()))
+        return await self.recv()
+
+    async def snapshot(
+        self, seq: int, per_rank: dict[int, Sequence[tuple[int, int]]] | None = None
+    ) -> pb.Ack:
+        per_rank = per_rank or {}
+        ranks = list(per_rank) or [self.ranks[0]]
+        for i, rank in enumerate(ranks):
+            entries = per_rank.get(rank, ())
+            await self.send(
+                snapshot=pb.Snapshot(
+                    epoch=self.epoch,
+                    seq=seq,
+                    dp_rank=rank,
+                    block_hashes=[h for h, _ in entries],
+                    tiers=[t for _, t in entries],
+                    final=i == len(ranks) - 1,
+                )
+            )
+        msg = await self.recv()
+        assert msg.WhichOneof("msg") == "ack", msg
+        assert msg.ack.seq == seq
+        return msg.ack
+
+    async def start(self, next_seq: int = 1) -> None:
+        """Hello and an empty snapshot: the node is live with nothing cached."""
+        welcome = await self.hello(next_seq)
+        assert welcome.snapshot_required
+        await self.snapshot(next_seq - 1)
+
+    async def aborted(self) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            for _ in range(10):
+                await asyncio.wait_for(self.call.read(), TIMEOUT)
+        return info.value
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.call.done_writing()
+        self.call.cancel()
+
+
+def ack_seq(msg: pb.CoordinatorMessage) -> int:
+    assert msg.WhichOneof("msg") == "ack", msg
+    return int(msg.ack.seq)
+
+
+async def until(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if await pred():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        await asyncio.sleep(0.02)
+
+
+async def export(index: Index, node: str = "n1", rank: int = 0, model: str = MODEL) -> list[tuple[int, Tier]]:
+    return [(int(h), Tier(t)) for h, t in await index.export_node(model, node, rank)]
+
+
+# --- ordering ---------------------------------------------------------------------------------
+async def test_hello_batches_ack_and_lookup(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c)
+        welcome = await a.hello()
+        assert welcome.snapshot_required and welcome.epoch == 1 and welcome.lease_seconds == 10
+        await a.snapshot(0)
+        assert ack_seq(await a.batch(1, [stored([1, 2, 3])])) == 1
+        assert ack_seq(await a.batch(2, [removed([3]), stored([4], parent=2, medium="CPU")])) == 2
+        resp = await c.lookup_hashes([1, 2, 4, 9])
+        assert resp.num_blocks == 4 and resp.block_size == 4
+        assert [(n.node_id, n.matched_blocks, n.tiers.gpu, n.tiers.cpu) for n in resp.nodes] == [
+            ("n1", 3, 2, 1)
+        ]
+        stats = await c.stats()
+        assert stats.events_applied == {"block_stored": 2, "block_removed": 1}
+        assert stats.nodes[0].state == "active" and stats.nodes[0].last_seq == 2
+        await a.close()
+
+
+async def test_duplicate_is_dropped_and_reacked(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c)
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2])])) == 1
+        assert ack_seq(await a.batch(2, [stored([3])])) == 2
+        assert ack_seq(await a.batch(1, [stored([99])])) == 2  # duplicate: re-ack last, not applied
+        assert await export(index) == [(1, Tier.GPU), (2, Tier.GPU), (3, Tier.GPU)]
+        await a.close()
+
+
+async def test_gap_requests_snapshot_then_snapshot_replaces(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c)
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2])])) == 1
+        msg = await a.batch(3, [stored([5])])
+        assert msg.WhichOneof("msg") == "snapshot_request"
+        assert (
+            msg.snapshot_request.reason.startswith("gap") and "expected seq 2" in msg.snapshot_request.reason
+        )
+        assert (await c.lookup_hashes([1, 2])).nodes == []  # resyncing: not served
+        assert (await c.node("n1")).state == "resyncing"
+        await a.send(batch=pb.EventBatch(seq=4, events=[stored([6])]))  # discarded until the snapshot
+        await a.snapshot(4, {0: [(7, Tier.GPU), (8, Tier.CPU)]})
+        assert await export(index) == [(7, Tier.GPU), (8, Tier.CPU)]
+        assert ack_seq(await a.batch(4, [stored([66])])) == 4  # superseded by the snapshot
+        assert ack_seq(await a.batch(5, [stored([9], parent=8)])) == 5
+        assert [n.matched_blocks for n in (await c.lookup_hashes([7, 8])).nodes] == [2]
+        assert (await c.stats()).snapshots_requested >= 2  # hello + gap
+        await a.close()
+
+
+async def test_snapshot_chunks_over_ranks_and_absent_rank_emptied(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c, ranks=(0, 1, 2))
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([20, 21])], rank=2)) == 1
+        assert await export(index, rank=2) == [(20, Tier.GPU), (21, Tier.GPU)]
+        # A resync snapshot in three chunks; rank 2 is absent from it and must end up empty.
+        await a.send(snapshot=pb.Snapshot(epoch=1, seq=1, dp_rank=0, block_hashes=[1, 2], final=False))
+        await a.send(
+            snapshot=pb.Snapshot(epoch=1, seq=1, dp_rank=0, block_hashes=[3], tiers=[pb.TIER_STORAGE])
+        )
+        await a.send(
+            snapshot=pb.Snapshot(
+                epoch=1, seq=1, dp_rank=1, block_hashes=[10], tiers=[pb.TIER_CPU], final=True
+            )
+        )
+        assert ack_seq(await a.recv()) == 1
+        assert await export(index, rank=0) == [(1, Tier.GPU), (2, Tier.GPU), (3, Tier.STORAGE)]
+        assert await export(index, rank=1) == [(10, Tier.CPU)]
+        assert await export(index, rank=2) == []
+        await a.close()
+
+
+async def test_reconnect_same_epoch_resumes_else_snapshot(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c)
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1])])) == 1
+        assert ack_seq(await a.batch(2, [stored([2], parent=1)])) == 2
+        await a.close()
+        b = Agent(c)
+        welcome = await b.hello(next_seq=3)
+        assert not welcome.snapshot_required and welcome.acked_seq == 2
+        assert ack_seq(await b.batch(3, [stored([3], parent=2)])) == 3
+        await b.close()
+        # The agent lost batches 4..5 (its next is 6): it cannot resend them, so a snapshot is required.
+        d = Agent(c)
+        welcome = await d.hello(next_seq=6)
+        assert welcome.snapshot_required and welcome.acked_seq == 0
+        await d.close()
+
+
+async def test_new_epoch_requires_snapshot_that_replaces_entries(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c, epoch=1)
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2, 3])])) == 1
+        b = Agent(c, epoch=2)  # the agent restarted
+        welcome = await b.hello()
+        assert welcome.snapshot_required and welcome.epoch == 2
+        assert (await c.lookup_hashes([1])).nodes == []  # old-epoch entries are not served
+        await a.send(batch=pb.EventBatch(seq=2, events=[stored([50])]))
+        err = await a.aborted()
+        assert err.code() == grpc.StatusCode.ABORTED and "superseded" in (err.details() or "")
+        await b.snapshot(0, {0: [(5, Tier.GPU)]})
+        assert await export(index) == [(5, Tier.GPU)]
+        assert ack_seq(await b.batch(1, [stored([6], parent=5)])) == 1
+        assert [n.matched_blocks for n in (await c.lookup_hashes([5, 6])).nodes] == [2]
+        await b.close()
+
+
+# --- leases -----------------------------------------------------------------------------------
+async def test_lease_expiry_hides_node_at_once_and_reclaims(index: Index) -> None:
+    async with serving(index, lease_seconds=0.4) as c:
+        a = Agent(c)
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2])])) == 1
+        keep = Agent(c, "n2")
+        await keep.start()
+        assert ack_seq(await keep.batch(1, [stored([1])])) == 1
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.8:  # n2 heartbeats (stream and unary), n1 stays silent
+            await keep.send(heartbeat=pb.AgentHeartbeat(load=pb.Load(running_requests=3)))
+            hb = await c.stub.Heartbeat(pb.HeartbeatRequest(node_id="n2", epoch=1), timeout=TIMEOUT)
+            assert hb.known
+            await asyncio.sleep(0.05)
+        resp = await c.lookup_hashes([1, 2])
+        assert [(n.node_id, n.load.running_requests) for n in resp.nodes] == [("n2", 3)]
+
+        async def reclaimed() -> bool:
+            return await export(index) == []
+
+        await until(reclaimed)
+        info = await c.node("n1")
+        assert info.state == "expired"
+        stats = await c.stats()
+        assert stats.leases_expired == 1 and stats.nodes_by_state["expired"] == 1
+        hb = await c.stub.Heartbeat(pb.HeartbeatRequest(node_id="n1", epoch=1), timeout=TIMEOUT)
+        assert not hb.known
+        await a.send(batch=pb.EventBatch(seq=2, events=[stored([3])]))
+        err = await a.aborted()
+        assert err.code() == grpc.StatusCode.ABORTED and "expired" in (err.details() or "")
+        assert await export(index) == []
+        # It comes back only through a new hello and a snapshot.
+        b = Agent(c)
+        welcome = await b.hello(next_seq=2)
+        assert welcome.snapshot_required
+        await b.snapshot(1, {0: [(1, Tier.GPU)]})
+        assert {n.node_id for n in (await c.lookup_hashes([1])).nodes} == {"n1", "n2"}
+        await b.close()
+        await keep.close()
+
+
+# --- bad input: clear status AND index unchanged ----------------------------------------------
+async def test_invalid_batch_is_rejected_and_snapshot_requested(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c)
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1])])) == 1
+        msg = await a.batch(2, [stored([2]), stored([3], medium="FLOPPY")])
+        assert msg.WhichOneof("msg") == "snapshot_request" and "invalid_event" in msg.snapshot_request.reason
+        assert await export(index) == [(1, Tier.GPU)]
+        # Undecodable: an event with both hash forms.
+        bad = pb.KVEvent(stored=pb.BlockStored(block_hashes=[4], block_digests=[b"x" * 32], block_size=4))
+        await a.snapshot(1, {0: [(1, Tier.GPU)]})
+        msg = await a.batch(2, [bad])
+        assert msg.WhichOneof("msg") == "snapshot_request" and "undecodable" in msg.snapshot_request.reason
+        assert await export(index) == [(1, Tier.GPU)]
+        stats = await c.stats()
+        assert stats.events_rejected["invalid_event"] == 2
+        assert sum(v for k, v in stats.events_rejected.items() if k.startswith("undecodable")) == 1
+        await a.snapshot(1, {0: [(1, Tier.GPU)]})  # the stream stayed up and recovers
+        assert ack_seq(await a.batch(2, [stored([2], parent=1)])) == 2
+        await a.close()
+
+
+async def test_events_before_hello_fail_precondition(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c)
+        await a.send(batch=pb.EventBatch(seq=1, events=[stored([1])]))
+        err = await a.aborted()
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "before Hello" in (err.details() or "")
+        assert (await index.stats()).entries == 0 and len((await c.stats()).nodes) == 0
+
+
+async def test_batch_over_max_events_is_invalid_argument(index: Index) -> None:
+    async with serving(index, max_events_per_batch=3) as c:
+        a = Agent(c)
+        await a.start()
+        await a.send(batch=pb.EventBatch(seq=1, events=[stored([i]) for i in range(1, 5)]))
+        err = await a.aborted()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_events_per_batch" in (
+            err.details() or ""
+        )
+        assert await export(index) == []
+
+
+async def test_oversized_message_is_resource_exhausted(index: Index) -> None:
+    async with serving(index, max_message_bytes=64 * 1024) as c:
+        a = Agent(c)
+        await a.start()
+        await a.send(
+            batch=pb.EventBatch(seq=1, events=[stored([2**63 + i for i in range(20_000)])])
+        )  # ~200 KB
+        err = await a.aborted()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await export(index) == []
+
+
+async def test_malformed_messages_are_invalid_argument(index: Index) -> None:
+    async with serving(index) as c:
+        raw_stream = c.channel.stream_stream("/kvcoord.v1.Coordinator/Ingest")
+        call = raw_stream()
+        await call.write(b"\x0a\xff\xff\xff")  # field 1, length-delimited, truncated
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(call.read(), TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "malformed AgentMessage" in (info.value.details() or "")
+        raw_unary = c.channel.unary_unary("/kvcoord.v1.Coordinator/Lookup")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw_unary(b"\x12\x05\x0a", timeout=TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (await index.stats()).entries == 0 and len((await c.stats()).nodes) == 0
+
+
+async def test_unknown_model_when_strict(index: Index) -> None:
+    async with serving(index, strict_models=True) as c:
+        a = Agent(c, model="other")
+        await a.send(hello=pb.Hello(node_id="n1", model="other", epoch=1))
+        err = await a.aborted()
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "unknown model 'other'" in (err.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.lookup_hashes([1], model="other")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert (await index.stats()).entries == 0 and len((await c.stats()).nodes) == 0
+
+
+async def test_bad_snapshots_abort_and_apply_nothing(index: Index) -> None:
+    async with serving(index) as c:
+        cases = [
+            (pb.Snapshot(epoch=9, seq=0, dp_rank=0, block_hashes=[1], final=True), "epoch"),
+            (pb.Snapshot(epoch=1, seq=0, dp_rank=5, block_hashes=[1], final=True), "dp_rank"),
+            (pb.Snapshot(epoch=1, seq=0, dp_rank=0, block_hashes=[1, 2], tiers=[0], final=True), "tiers"),
+            (pb.Snapshot(epoch=1, seq=0, dp_rank=0, block_hashes=[1], tiers=[7], final=True), "unknown tier"),
+        ]
+        for snap, words in cases:
+            a = Agent(c)
+            await a.hello()
+            await a.send(snapshot=snap)
+            err = await a.aborted()
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and words in (err.details() or ""), err
+            assert await export(index) == []
+
+
+# --- auth -------------------------------------------------------------------------------------
+AUTH_TOML = """
+[[auth.agent_tokens]]
+token = "agent-1"
+nodes = ["n1"]
+[[auth.router_tokens]]
+token = "router"
+[[auth.admin_tokens]]
+token = "admin"
+"""
+
+
+async def test_auth_tokens_and_roles(index: Index, tmp_path: Any) -> None:
+    async with serving(index, AUTH_TOML, tmp_path) as c:
+        router = (("authorization", "Bearer router"),)
+        for md, code in (
+            (None, grpc.StatusCode.UNAUTHENTICATED),
+            ((("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await c.stub.Lookup(
+                    pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=[1])),
+                    metadata=md,
+                    timeout=TIMEOUT,
+                )
+            assert info.value.code() == code
+        # A token bound to n1 publishing for n2: PERMISSION_DENIED and nothing applied.
+        a = Agent(c, "n2", token="agent-1")
+        await a.send(hello=pb.Hello(node_id="n2", model=MODEL, epoch=1))
+        await a.send(batch=pb.EventBatch(seq=1, events=[stored([1])]))
+        err = await a.aborted()
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "'n2'" in (err.details() or "")
+        assert (await index.stats()).entries == 0 and len((await c.stats(router)).nodes) == 0
+        # The router may query but not publish or manage.
+        r = Agent(c, "n1", token="router")
+        await r.send(hello=pb.Hello(node_id="n1", model=MODEL, epoch=1))
+        assert (await r.aborted()).code() == grpc.StatusCode.PERMISSION_DENIED
+        ok = Agent(c, "n1", token="agent-1")
+        await ok.start()
+        assert ack_seq(await ok.batch(1, [stored([1])])) == 1
+        resp = await c.stub.Lookup(
+            pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=[1])),
+            metadata=router,
+            timeout=TIMEOUT,
+        )
+        assert [n.node_id for n in resp.nodes] == ["n1"]
+        for rpc in (
+            c.stub.DrainNode(pb.DrainNodeRequest(node_id="n1"), metadata=router, timeout=TIMEOUT),
+            c.stub.RemoveNode(pb.RemoveNodeRequest(node_id="n1"), metadata=router, timeout=TIMEOUT),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await rpc
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.stub.Heartbeat(
+                pb.HeartbeatRequest(node_id="n1", epoch=1), metadata=router, timeout=TIMEOUT
+            )
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert await export(index) == [(1, Tier.GPU)]
+        # The admin drains, then removes (the stream is refused afterwards).
+        admin = (("authorization", "Bearer admin"),)
+        await c.stub.DrainNode(pb.DrainNodeRequest(node_id="n1"), metadata=admin, timeout=TIMEOUT)
+        assert (
+            await c.stub.Lookup(
+                pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=[1])),
+                metadata=admin,
+                timeout=TIMEOUT,
+            )
+        ).nodes == []
+        await c.stub.RemoveNode(pb.RemoveNodeRequest(node_id="n1"), metadata=admin, timeout=TIMEOUT)
+        await ok.send(batch=pb.EventBatch(seq=2, events=[stored([2])]))
+        assert (await ok.aborted()).code() == grpc.StatusCode.ABORTED
+
+        async def gone() -> bool:
+            return await export(index) == []
+
+        await until(gone)
+
+
+# --- lookup -----------------------------------------------------------------------------------
+async def test_lookup_bad_input(index: Index) -> None:
+    async with serving(index, max_query_blocks=4) as c:
+        bad = [
+            (pb.LookupRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT, "either tokens or hashes"),
+            (
+                pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=list(range(5)))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "max_query_blocks",
+            ),
+            (
+                pb.LookupRequest(model=MODEL, tokens=pb.TokenQuery(token_ids=list(range(20)))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "max_query_blocks",
+            ),
+            (
+                pb.LookupRequest(hashes=pb.HashQuery(block_hashes=[1])),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "model",
+            ),
+            (
+                pb.LookupRequest(model="unconfigured", tokens=pb.TokenQuery(token_ids=[1, 2, 3, 4])),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no hash profile",
+            ),
+        ]
+        for req, code, words in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await c.stub.Lookup(req, timeout=TIMEOUT)
+            assert info.value.code() == code and words in (info.value.details() or ""), info.value
+
+
+async def test_lookup_orders_by_tier_weights_filters_candidates_and_carries_load(index: Index) -> None:
+    async with serving(index) as c:
+        a, b = Agent(c, "a"), Agent(c, "b", ranks=(0, 1))
+        await a.start()
+        await b.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2, 3], medium="DISK")])) == 1
+        assert ack_seq(await b.batch(1, [stored([1, 2])])) == 1
+        assert ack_seq(await b.batch(2, [stored([1])], rank=1)) == 2
+        await c.stub.Heartbeat(
+            pb.HeartbeatRequest(node_id="b", epoch=1, load=pb.Load(waiting_requests=7)), timeout=TIMEOUT
+        )
+        resp = await c.lookup_hashes([1, 2, 3])
+        # b/0: 2 GPU blocks = 2.0; a: 3 STORAGE blocks x 0.5 = 1.5; b/1: 1.0.
+        assert [(n.node_id, n.dp_rank, n.matched_blocks) for n in resp.nodes] == [
+            ("b", 0, 2),
+            ("a", 0, 3),
+            ("b", 1, 1),
+        ]
+        assert resp.nodes[0].load.waiting_requests == 7 and resp.nodes[2].tiers.gpu == 1
+        assert resp.nodes[1].tiers.storage == 3
+        resp = await c.lookup_hashes([1, 2, 3], candidates=[pb.NodeRef(node_id="a", dp_rank=0)])
+        assert [n.node_id for n in resp.nodes] == ["a"]
+        await a.close()
+        await b.close()
+
+
+def _fixture(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((FIXTURES / "vllm-engine" / name).read_text())
+    return data
+
+
+def _qwen_event(data: dict[str, Any], *, extra_keys: bool) -> pb.KVEvent:
+    n = len(data["block_hashes"])
+    lora = data.get("lora_name")
+    ev = BlockStored(
+        block_hashes=tuple(data["block_hashes"]),
+        parent_block_hash=data["parent_block_hash"],
+        token_ids=tuple(data["token_ids"][: n * data["block_size"]]),
+        block_size=data["block_size"],
+        medium=data["medium"],
+        lora_name=lora,
+        extra_keys=tuple(((lora,) if lora else None) for _ in range(n)) if extra_keys else None,
+    )
+    return event_to_proto(ev)
+
+
+async def test_lookup_by_tokens_matches_real_engine_hashes(index: Index) -> None:
+    base, lora = _fixture("kv_event_base.json"), _fixture("kv_event_lora.json")
+    async with serving(index, models=[f"{QWEN},algo=sha256_cbor,block_size=16,seed=42"]) as c:
+        a = Agent(c, "gpu-0", model=QWEN)
+        await a.start()
+        b = Agent(c, "gpu-1", model=QWEN)
+        await b.start()
+        assert ack_seq(await a.batch(1, [_qwen_event(base, extra_keys=False)])) == 1
+        assert ack_seq(await b.batch(1, [_qwen_event(lora, extra_keys=True)])) == 1
+        n = len(base["block_hashes"])
+        tokens = base["token_ids"]
+        resp = await c.stub.Lookup(
+            pb.LookupRequest(model=QWEN, tokens=pb.TokenQuery(token_ids=tokens)), timeout=TIMEOUT
+        )
+        assert resp.num_blocks == n == len(tokens) // 16 and resp.block_size == 16
+        assert [(x.node_id, x.matched_blocks) for x in resp.nodes] == [("gpu-0", n)]
+        # The LoRA prompt is the same text; only a query with the adapter's name finds gpu-1's blocks.
+        q = pb.TokenQuery(token_ids=lora["token_ids"], lora_name="Alice")
+        resp = await c.stub.Lookup(pb.LookupRequest(model=QWEN, tokens=q), timeout=TIMEOUT)
+        assert [(x.node_id, x.matched_blocks) for x in resp.nodes] == [("gpu-1", n)]
+        # Both verified (first chains are always checked): no mismatch.
+        stats = await c.stats()
+        assert stats.hash_mismatches == 0 and {x.state for x in stats.nodes} == {"active"}
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize(
+    ("model_spec", "profile", "cause"),
+    [
+        ("algo=sha256_cbor,block_size=16,seed=43", None, "seed"),
+        ("algo=sha256,block_size=16,seed=42", None, "algorithm: the engine's hashes match sha256_cbor"),
+        ("algo=sha256_cbor,block_size=32,seed=42", None, "block size"),
+        (
+            "algo=sha256_cbor,block_size=16,seed=43",
+            pb.HashProfile(
+                algo="sha256_cbor",
+                block_size=16,
+                style="untagged",
+                none_hash_fingerprint=HashProfile("sha256_cbor", 16, seed="42").fingerprint(),
+            ),
+            "seed: the engine's NONE_HASH fingerprint",
+        ),
+    ],
+)
+async def test_hash_mismatch_is_reported_with_its_cause(
+    index: Index, model_spec: str, profile: pb.HashProfile | None, cause: str
+) -> None:
+    base = _fixture("kv_event_base.json")
+    async with serving(index, models=[f"{QWEN},{model_spec}"]) as c:
+        a = Agent(c, "gpu-0", model=QWEN)
+        welcome = await a.hello(profile=profile)
+        assert welcome.snapshot_required
+        await a.snapshot(0)
+        assert ack_seq(await a.batch(1, [_qwen_event(base, extra_keys=False)])) == 1  # still applied
+        info = await c.node("gpu-0")
+        assert info.state == "hash_mismatch" and info.hash_mismatch
+        assert (
+            info.hash_mismatch_reason.startswith(cause.split(":")[0]) and cause in info.hash_mismatch_reason
+        )
+        assert (await c.stats()).hash_mismatches == 1
+        # Hash lookups still see the node (it is live), so nothing silently scores zero.
+        assert [
+            n.matched_blocks for n in (await c.lookup_hashes(base["block_hashes"][:3], model=QWEN)).nodes
+        ] == [3]
+        await a.close()
+
+
+async def test_verification_continues_chains_from_verified_parents(index: Index) -> None:
+    base = _fixture("kv_event_base.json")
+    async with serving(index, models=[f"{QWEN},algo=sha256_cbor,block_size=16,seed=42"]) as c:
+        a = Agent(c, "gpu-0", model=QWEN)
+        await a.start()
+        hashes, tokens = base["block_hashes"], base["token_ids"]
+        head = BlockStored(
+            block_hashes=tuple(hashes[:2]),
+            parent_block_hash=None,
+            token_ids=tuple(tokens[:32]),
+            block_size=16,
+        )
+        assert ack_seq(await a.batch(1, [event_to_proto(head)])) == 1
+        # A continuation whose parent the coordinator verified, with a forged hash: caught.
+        forged = BlockStored(
+            block_hashes=(hashes[2] ^ 1,),
+            parent_block_hash=hashes[1],
+            token_ids=tuple(tokens[32:48]),
+            block_size=16,
+        )
+        assert ack_seq(await a.batch(2, [event_to_proto(forged)])) == 2
+        info = await c.node("gpu-0")
+        assert info.state == "hash_mismatch" and "parent verified" in info.hash_mismatch_reason
+        await a.close()
+
+
+# --- health follows the index backend ----------------------------------------------------------
+async def test_health_follows_index_ping(tmp_path: Any) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvcoord.index import open_index
+    from tests.redis_servers import start_server, stop_server
+
+    redis = start_server()
+    try:
+        idx = open_index(redis.url, key_prefix=f"kvc-health-{redis.port}")
+        try:
+            async with serving(idx, 'stats_interval = 0.1\n', tmp_path) as c:
+                health = health_pb2_grpc.HealthStub(c.channel)
+
+                async def status_is(want: int) -> bool:
+                    req = health_pb2.HealthCheckRequest(service="kvcoord.v1.Coordinator")
+                    return bool((await health.Check(req, timeout=TIMEOUT)).status == want)
+
+                await until(lambda: status_is(health_pb2.HealthCheckResponse.SERVING))
+                redis.kill()
+                await until(lambda: status_is(health_pb2.HealthCheckResponse.NOT_SERVING), timeout=10)
+                redis.restart()
+                await until(lambda: status_is(health_pb2.HealthCheckResponse.SERVING), timeout=10)
+        finally:
+            await idx.close()
+    finally:
+        stop_server(redis)

@@ -1,0 +1,321 @@
+"""``kvcoord serve`` as a real subprocess: health, reflection, metrics, TLS/mTLS, config, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvcoord.coordinator.config import ConfigError, load_config
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
+from tests.procs import free_port, kvcoord_cmd, running, stop, wait_for_port
+
+TIMEOUT = 5.0
+
+
+def _serve(
+    tmp_path: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[list[str], int, int, Path]:
+    port, mport = free_port(), free_port()
+    cmd = kvcoord_cmd(
+        "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}", *extra
+    )
+    return cmd, port, mport, tmp_path / "serve.log"
+
+
+def _metrics(mport: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=TIMEOUT) as r:
+        return str(r.read().decode())
+
+
+def _ingest_one(stub: pbg.CoordinatorStub, node: str = "n1") -> list[pb.CoordinatorMessage]:
+    msgs = [
+        pb.AgentMessage(hello=pb.Hello(node_id=node, model="m", epoch=1, next_seq=1)),
+        pb.AgentMessage(snapshot=pb.Snapshot(epoch=1, seq=0, final=True)),
+        pb.AgentMessage(
+            batch=pb.EventBatch(
+                seq=1,
+                ts=time.time(),
+                events=[pb.KVEvent(stored=pb.BlockStored(block_hashes=[1, 2], block_size=4))],
+            )
+        ),
+    ]
+    return list(stub.Ingest(iter(msgs), timeout=TIMEOUT))
+
+
+def test_serve_health_reflection_metrics_and_sigterm(tmp_path: Path) -> None:
+    cmd, port, mport, log = _serve(tmp_path, "--model", "m,algo=sha256_cbor,block_size=4,seed=1")
+    with running(cmd, log=log) as proc:
+        wait_for_port(port)
+        wait_for_port(mport)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for service in ("", "kvcoord.v1.Coordinator"):
+                resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            answer = next(
+                iter(
+                    refl.ServerReflectionInfo(
+                        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT
+                    )
+                )
+            )
+            names = {s.name for s in answer.list_services_response.service}
+            assert {"kvcoord.v1.Coordinator", "grpc.health.v1.Health"} <= names
+            stub = pbg.CoordinatorStub(ch)
+            replies = _ingest_one(stub)
+            assert [r.WhichOneof("msg") for r in replies] == ["welcome", "ack", "ack"]
+            resp = stub.Lookup(
+                pb.LookupRequest(model="m", hashes=pb.HashQuery(block_hashes=[1, 2, 3])), timeout=TIMEOUT
+            )
+            assert [(n.node_id, n.matched_blocks) for n in resp.nodes] == [("n1", 2)]
+        text = _metrics(mport)
+        for line in (
+            'kvcoord_events_applied_total{type="block_stored"} 1.0',
+            'kvcoord_lookup_latency_seconds_count{query="hashes"} 1.0',
+            "kvcoord_lookup_matched_fraction_count 1.0",
+            "kvcoord_ingest_lag_seconds_count 1.0",
+            'kvcoord_index_up{backend="memory"} 1.0',
+        ):
+            assert line in text, line
+        for name in (
+            "hash_mismatches",
+            "snapshots_requested",
+            "leases_expired",
+            "nodes",
+            "index_entries",
+            "index_blocks",
+            "events_rejected",
+            "index_bytes",
+        ):
+            assert f"# HELP kvcoord_{name}" in text, name
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=2.0) == 0
+        assert time.monotonic() - t0 < 2.0
+    out = log.read_text()
+    assert f"grpc 127.0.0.1:{port}" in out and f"http://127.0.0.1:{mport}/metrics" in out
+    assert "Traceback" not in out
+
+
+def test_sigterm_with_open_streams_stops_within_2s(tmp_path: Path) -> None:
+    cmd, port, _, log = _serve(tmp_path, "--metrics-listen", "")
+    with running(cmd, log=log) as proc:
+        wait_for_port(port)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pbg.CoordinatorStub(ch)
+            # An agent stream that stays open (a generator that blocks until the server goes away).
+            stop_flag: list[bool] = []
+
+            def messages() -> Iterator[pb.AgentMessage]:
+                yield pb.AgentMessage(hello=pb.Hello(node_id="n1", model="m", epoch=1))
+                while not stop_flag:
+                    time.sleep(0.05)
+
+            call = stub.Ingest(messages())
+            assert next(call).WhichOneof("msg") == "welcome"
+            t0 = time.monotonic()
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=2.0) == 0
+            assert time.monotonic() - t0 < 2.0
+            stop_flag.append(True)
+            call.cancel()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A CA, a server cert for 127.0.0.1/localhost and a client cert, made with the openssl CLI."""
+    d = tmp_path_factory.mktemp("certs")
+
+    def ossl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=30)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ossl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvcoord-test-ca",
+    )
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        ossl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        ossl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        )
+    return {p.stem + p.suffix.replace(".", "_"): p for p in d.iterdir()}
+
+
+def _ping(target: str, creds: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+    ch = grpc.secure_channel(target, creds) if creds is not None else grpc.insecure_channel(target)
+    with ch:
+        try:
+            pbg.CoordinatorStub(ch).Ping(pb.PingRequest(), timeout=3.0)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def test_tls_and_mutual_tls(tmp_path: Path, certs: dict[str, Path]) -> None:
+    ca = certs["ca_crt"].read_bytes()
+    client = (certs["client_key"].read_bytes(), certs["client_crt"].read_bytes())
+    cmd, port, _, log = _serve(
+        tmp_path,
+        "--metrics-listen",
+        "",
+        "--tls-cert",
+        str(certs["server_crt"]),
+        "--tls-key",
+        str(certs["server_key"]),
+    )
+    with running(cmd, log=log):
+        wait_for_port(port)
+        target = f"127.0.0.1:{port}"
+        assert _ping(target, grpc.ssl_channel_credentials(root_certificates=ca)) == grpc.StatusCode.OK
+        assert _ping(target, None) == grpc.StatusCode.UNAVAILABLE
+    # Mutual TLS from the config file: a client without a certificate is refused.
+    toml = tmp_path / "mtls.toml"
+    toml.write_text(
+        f'[tls]\ncert = "{certs["server_crt"]}"\nkey = "{certs["server_key"]}"\n'
+        f'client_ca = "{certs["ca_crt"]}"\n'
+    )
+    cmd, port, _, log = _serve(tmp_path, "--metrics-listen", "", "--config", str(toml))
+    with running(cmd, log=log):
+        wait_for_port(port)
+        target = f"127.0.0.1:{port}"
+        with_cert = grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=client[0], certificate_chain=client[1]
+        )
+        assert _ping(target, with_cert) == grpc.StatusCode.OK
+        assert (
+            _ping(target, grpc.ssl_channel_credentials(root_certificates=ca)) == grpc.StatusCode.UNAVAILABLE
+        )
+
+
+def test_config_file_env_and_flags(tmp_path: Path) -> None:
+    port_file, port_env, port_flag = free_port(), free_port(), free_port()
+    toml = tmp_path / "c.toml"
+    toml.write_text(
+        f'listen = "127.0.0.1:{port_file}"\nmetrics_listen = ""\nstrict_models = true\n'
+        '[models.m]\nalgo = "xxhash"\nblock_size = 8\nseed = "7"\n'
+        "[limits]\nmax_query_blocks = 2\n"
+    )
+    env = {"KVCOORD_LISTEN": f"127.0.0.1:{port_env}", "KVCOORD_CONFIG": str(toml)}
+    with running(kvcoord_cmd("serve"), env=env, log=tmp_path / "a.log"):
+        wait_for_port(port_env)  # env beats the file
+        with grpc.insecure_channel(f"127.0.0.1:{port_env}") as ch:
+            stub = pbg.CoordinatorStub(ch)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Lookup(
+                    pb.LookupRequest(model="x", hashes=pb.HashQuery(block_hashes=[1])), timeout=TIMEOUT
+                )
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND  # strict_models from the file
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Lookup(
+                    pb.LookupRequest(model="m", tokens=pb.TokenQuery(token_ids=list(range(24)))),
+                    timeout=TIMEOUT,
+                )
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            resp = stub.Lookup(
+                pb.LookupRequest(model="m", tokens=pb.TokenQuery(token_ids=list(range(16)))), timeout=TIMEOUT
+            )
+            assert resp.block_size == 8 and resp.num_blocks == 2
+    with running(kvcoord_cmd("serve", "--listen", f"127.0.0.1:{port_flag}"), env=env, log=tmp_path / "b.log"):
+        wait_for_port(port_flag)  # the flag beats env and file
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ("bogus = 1\n", "unknown key(s) 'bogus'"),
+        ("[limits]\nmax_events_per_batch = 0\n", "limits.max_events_per_batch: must be >= 1"),
+        ('[models.m]\nalgo = "md5"\nblock_size = 16\n', "algo: 'md5' is not one of"),
+        ('[tls]\ncert = "a.pem"\n', "cert and key must be given together"),
+        ('[[auth.agent_tokens]]\ntoken = "t"\n', "nodes: expected a non-empty list"),
+        ('listen = "nope"\n', "expected HOST:PORT"),
+        ("strict_models = true\n", "no [models]"),
+        ("lease = [\n", "config"),
+    ],
+)
+def test_bad_config_is_a_one_line_error(tmp_path: Path, body: str, words: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert words in str(info.value)
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("bogus = 1\n")
+    out = subprocess.run(
+        kvcoord_cmd("serve", "--config", str(path)), capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown key(s) 'bogus'" in lines[0]
+
+
+def test_config_tokens_models_and_precedence(tmp_path: Path) -> None:
+    (tmp_path / "admin.token").write_text("adm\n")
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'lease_seconds = 3\n[models."Qwen/Qwen3-0.6B"]\nalgo = "sha256_cbor"\nblock_size = 16\n'
+        'engine_release = "0.31"\n'
+        '[[auth.agent_tokens]]\ntoken_env = "MY_AGENT_TOKEN"\nnodes = ["a", "b"]\n'
+        '[[auth.admin_tokens]]\ntoken_file = "admin.token"\n[tier_weights]\nCPU = 0.25\n'
+    )
+    env = {"MY_AGENT_TOKEN": "sekrit", "KVCOORD_LEASE_SECONDS": "4"}
+    cfg = load_config(path, env=env, overrides={"lease_seconds": None})
+    assert cfg.lease_seconds == 4.0  # env beats the file (a None flag is unset)
+    profile = cfg.profile("Qwen/Qwen3-0.6B")
+    assert profile is not None and profile.style == "tagged" and profile.block_size == 16
+    assert cfg.tier_weights == (1.0, 0.25, 0.5)
+    assert cfg.auth.admin_tokens == frozenset({"adm"})
+    assert cfg.auth.agent_tokens == {"sekrit": frozenset({"a", "b"})}
+    cfg = load_config(path, env=env, overrides={"lease_seconds": 5.0})
+    assert cfg.lease_seconds == 5.0  # the flag beats env
+
+
+def test_serve_stops_on_sigint_and_frees_port(tmp_path: Path) -> None:
+    cmd, port, _, log = _serve(tmp_path, "--metrics-listen", "")
+    with running(cmd, log=log) as proc:
+        wait_for_port(port)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=2.0) == 0
+        assert stop(proc) == 0
+    # The port is free again: a second server binds it.
+    with running(cmd, log=tmp_path / "again.log"):
+        wait_for_port(port)

@@ -1,0 +1,219 @@
+"""Placement policies on hand-built lookup answers and loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcoord.events import Tier
+from kvcoord.hashing import BlockHash64
+from kvcoord.index.base import NodeMatch
+from kvcoord.router.policy import (
+    POLICY_NAMES,
+    ApproximatePolicy,
+    Candidate,
+    LatencyModel,
+    LeastLoadedPolicy,
+    NodeLoad,
+    PrefixAwarePolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    RoutedPrefixMemory,
+    candidates_from_matches,
+    make_policy,
+)
+
+BS = 16
+
+
+def req(tokens: int, hashes: int = 0, now: float = 0.0) -> RouteRequest:
+    return RouteRequest(tokens, BS, [BlockHash64(1000 + i) for i in range(hashes)], now)
+
+
+def nodes(n: int, **loads: NodeLoad) -> list[Candidate]:
+    return [Candidate(f"n{i}", 0, 0, (), loads.get(f"n{i}", NodeLoad())) for i in range(n)]
+
+
+def test_round_robin_cycles_in_key_order_and_ignores_cache() -> None:
+    p = RoundRobinPolicy(seed=1)
+    cands = list(reversed(nodes(3)))
+    cands[0] = Candidate("n2", 0, 100, (), NodeLoad())
+    picks = [p.choose(req(64), cands).node_id for _ in range(6)]
+    assert picks == ["n0", "n1", "n2", "n0", "n1", "n2"]
+
+
+def test_random_is_reproducible_from_its_seed_and_covers_nodes() -> None:
+    a = [RandomPolicy(seed=7).choose(req(64), nodes(4)).node_id for _ in range(1)]
+    p1, p2 = RandomPolicy(seed=7), RandomPolicy(seed=7)
+    s1 = [p1.choose(req(64), nodes(4)).node_id for _ in range(50)]
+    s2 = [p2.choose(req(64), nodes(4)).node_id for _ in range(50)]
+    assert s1 == s2 and s1[0] == a[0]
+    assert set(s1) == {"n0", "n1", "n2", "n3"}
+
+
+def test_least_loaded_picks_fewest_in_flight_and_breaks_ties_at_random() -> None:
+    p = LeastLoadedPolicy(seed=3)
+    cands = nodes(3, n0=NodeLoad(running=4), n1=NodeLoad(running=1, waiting=1), n2=NodeLoad(running=1))
+    d = p.choose(req(64), cands)
+    assert d.node_id == "n2" and "1 in flight" in d.why
+    tied = nodes(4)
+    assert {LeastLoadedPolicy(seed=s).choose(req(64), tied).node_id for s in range(20)} == {
+        "n0", "n1", "n2", "n3"
+    }
+
+
+def test_prefix_aware_prefers_the_longest_hit_at_equal_load() -> None:
+    p = PrefixAwarePolicy(seed=0)
+    cands = nodes(4)
+    cands[1] = Candidate("n1", 0, 10, (10, 0, 0), NodeLoad())
+    cands[3] = Candidate("n3", 0, 60, (60, 0, 0), NodeLoad())
+    d = p.choose(req(64 * BS), cands)
+    assert d.key == ("n3", 0) and d.matched_blocks == 60
+    assert "saves 960/1024 tokens" in d.why
+    assert d.cost == pytest.approx(4 * BS * 50e-6)
+
+
+def test_tier_weights_rank_gpu_over_cpu_over_storage() -> None:
+    p = PrefixAwarePolicy(seed=0)
+    r = req(64 * BS)
+    gpu = Candidate("gpu", 0, 40, (40, 0, 0))
+    cpu = Candidate("cpu", 0, 40, (0, 40, 0))
+    sto = Candidate("sto", 0, 40, (0, 0, 40))
+    assert p.choose(r, [sto, cpu, gpu]).node_id == "gpu"
+    assert p.choose(r, [sto, cpu]).node_id == "cpu"
+    # A storage hit of 40 blocks saves 20 blocks' prefill: a GPU hit of 21 blocks beats it, 19 does not.
+    assert p.choose(r, [sto, Candidate("g21", 0, 21, (21, 0, 0))]).node_id == "g21"
+    assert p.choose(r, [sto, Candidate("g19", 0, 19, (19, 0, 0))]).node_id == "sto"
+    assert p.saved_tokens(r, Candidate("mixed", 0, 30, (10, 10, 10))) == pytest.approx(BS * (10 + 8 + 5))
+
+
+def test_load_outweighs_a_small_hit_in_the_same_unit() -> None:
+    lat = LatencyModel(prefill_s_per_token=1e-4)
+    p = PrefixAwarePolicy(seed=0, latency=lat)
+    holder = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running=1, prefill_tokens=500))
+    idle = Candidate("idle", 0, 0, (), NodeLoad())
+    # The hit saves 128 tokens of prefill but 500 tokens are queued ahead of it.
+    d = p.choose(req(1024), [holder, idle])
+    assert d.node_id == "idle" and "replicating" in d.why and "busier" in d.why
+    holder_light = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running=1, prefill_tokens=100))
+    assert p.choose(req(1024), [holder_light, idle]).node_id == "holder"
+
+
+def test_balance_cap_excludes_an_overloaded_holder_whatever_it_holds() -> None:
+    p = PrefixAwarePolicy(seed=0, balance_abs=4, balance_rel=1.5)
+    full = Candidate("holder", 0, 128, (128, 0, 0), NodeLoad(running=5))
+    others = [Candidate(f"n{i}", 0, 0, (), NodeLoad(running=0)) for i in range(3)]
+    d = p.choose(req(128 * BS + 8), [full, *others])
+    assert d.node_id != "holder"
+    assert "over the balance cap" in d.why
+    # At 4 in flight (= 1.5 * 0 + 4) it is still eligible, and its hit wins.
+    ok = Candidate("holder", 0, 128, (128, 0, 0), NodeLoad(running=4))
+    assert p.choose(req(128 * BS + 8), [ok, *others]).node_id == "holder"
+
+
+def test_shared_system_prompt_spreads_once_the_holder_is_loaded() -> None:
+    """Every request has the same 2048-token system prompt and its own 128-token question.
+
+    Nothing finishes, so load only grows: the first holder attracts requests while its hit is worth
+    more than its queue, then other nodes take the prompt too (replication), and no node ends up with
+    much more than its share."""
+    lat = LatencyModel(prefill_s_per_token=50e-6, decode_s_per_token=15e-3, max_running=32)
+    p = PrefixAwarePolicy(seed=42, latency=lat)
+    n_nodes, system_blocks, q_tokens = 8, 128, 128
+    held: dict[str, int] = {}
+    running = dict.fromkeys((f"n{i}" for i in range(n_nodes)), 0)
+    pending = dict.fromkeys(running, 0)
+    picks: list[str] = []
+    first_spread = None
+    for i in range(400):
+        cands = [
+            Candidate(n, 0, held.get(n, 0), (held.get(n, 0), 0, 0), NodeLoad(running[n], 0, 0.0, pending[n]))
+            for n in running
+        ]
+        d = p.choose(req(system_blocks * BS + q_tokens), cands)
+        picks.append(d.node_id)
+        running[d.node_id] += 1
+        pending[d.node_id] += system_blocks * BS + q_tokens - d.matched_blocks * BS
+        held[d.node_id] = system_blocks
+        if first_spread is None and len(set(picks)) > 1:
+            first_spread = i
+        # prefill drains a little between arrivals (a 20 ms gap at 50 µs/token = 400 tokens)
+        for n in pending:
+            pending[n] = max(0, pending[n] - 400)
+    assert first_spread is not None and first_spread > 1, "the holder should take the first few repeats"
+    counts = [picks.count(n) for n in running]
+    assert min(counts) > 0, counts
+    assert max(counts) <= 1.5 * min(counts) + 8, counts
+    assert len(held) == n_nodes  # the prompt was replicated everywhere
+
+
+def test_prefix_aware_ties_are_broken_at_random_not_by_node_id() -> None:
+    picks = {PrefixAwarePolicy(seed=s).choose(req(256), nodes(4)).node_id for s in range(30)}
+    assert picks == {"n0", "n1", "n2", "n3"}
+
+
+def test_approximate_remembers_what_it_routed_until_the_ttl() -> None:
+    p = ApproximatePolicy(seed=5, ttl=10.0)
+    first = p.choose(req(64 * BS, hashes=64, now=0.0), nodes(4))
+    # The index answer (candidates' matches) is ignored: only the routing memory counts.
+    decoy = [Candidate(c.node_id, 0, 64 if c.node_id != first.node_id else 0, (), c.load) for c in nodes(4)]
+    again = p.choose(req(64 * BS, hashes=64, now=5.0), decoy)
+    assert again.node_id == first.node_id and again.matched_blocks == 64
+    assert "approximate" in again.why
+    # A shorter prompt sharing 32 blocks matches 32 there.
+    assert p.memory.match([BlockHash64(1000 + i) for i in range(32)], 6.0, [first.key]) == {first.key: 32}
+    # Past the TTL (refreshed at t=5) the belief is gone.
+    assert p.memory.match([BlockHash64(1000 + i) for i in range(64)], 15.5, [first.key]) == {first.key: 0}
+
+
+def test_routed_memory_sweep_drops_only_expired_entries() -> None:
+    m = RoutedPrefixMemory(ttl=1.0)
+    m.record(("a", 0), [BlockHash64(1), BlockHash64(2)], now=0.0)
+    m.record(("b", 0), [BlockHash64(1)], now=5.0)
+    assert len(m) == 3
+    m.sweep(now=2.0)
+    assert len(m) == 1
+    assert m.match([BlockHash64(1), BlockHash64(2)], 5.5, [("a", 0), ("b", 0)]) == {("a", 0): 0, ("b", 0): 1}
+    with pytest.raises(ValueError):
+        RoutedPrefixMemory(ttl=0)
+
+
+def test_candidates_from_matches_fills_missing_nodes_and_drops_unroutable() -> None:
+    loads = {("a", 0): NodeLoad(running=1), ("b", 0): NodeLoad(), ("b", 1): NodeLoad(waiting=2)}
+    matches = [
+        NodeMatch("b", 1, 7, (3, 4, 0)),
+        NodeMatch("gone", 0, 9, (9, 0, 0)),
+    ]
+    cands = {c.key: c for c in candidates_from_matches(loads, matches)}
+    assert set(cands) == set(loads)
+    assert cands[("b", 1)].matched_blocks == 7 and cands[("b", 1)].tier_counts() == (3, 4, 0)
+    assert cands[("a", 0)].matched_blocks == 0 and cands[("a", 0)].load.running == 1
+    assert Candidate("x", 0, 5).tier_counts() == (5, 0, 0)
+    assert Candidate("x", 0, 5, (1, 2, 2)).tier_counts()[Tier.STORAGE] == 2
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_explains_itself_and_rejects_no_candidates(name: str) -> None:
+    p = make_policy(name, seed=1)
+    d = p.choose(req(100, hashes=6), nodes(3))
+    assert d.node_id in {"n0", "n1", "n2"} and d.why.strip()
+    with pytest.raises(ValueError, match="no candidate"):
+        p.choose(req(100), [])
+
+
+def test_bad_configuration_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nearest")
+    with pytest.raises(ValueError, match="tier weights"):
+        PrefixAwarePolicy(tier_weights=(1.0, 1.5, 0.5))
+    with pytest.raises(ValueError, match="balance"):
+        PrefixAwarePolicy(balance_rel=0.5)
+    with pytest.raises(ValueError, match="max_running"):
+        LatencyModel(max_running=0)
+
+
+def test_queue_estimate_counts_prefill_backlog_and_slot_wait() -> None:
+    lat = LatencyModel(prefill_s_per_token=1e-4, decode_s_per_token=1e-2, max_running=2, mean_output_tokens=100)
+    assert lat.queue_seconds(NodeLoad(running=1, prefill_tokens=1000)) == pytest.approx(0.1)
+    # 2 running + 1 waiting + this one = 2 over the 2 slots: 2 * 100 * 0.01 / 2 = 1.0 s
+    assert lat.queue_seconds(NodeLoad(running=2, waiting=1)) == pytest.approx(1.0)

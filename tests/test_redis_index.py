@@ -1,0 +1,311 @@
+"""Redis-only behaviour of ``kvcoord.index.redis``: key layout, no-scan removal, memory, outages, replicas.
+
+The semantics are covered by the shared backend suite (tests/test_index_backends.py), which runs on
+the ``redis`` and ``redis-cluster`` params; these tests look at what only Redis has.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+
+from kvcoord.events import BlockStored, Tier
+from kvcoord.hashing import BlockHash64
+from kvcoord.index import open_index
+from kvcoord.index.memory import MemoryIndex
+from kvcoord.index.redis import IndexUnavailable, RedisIndex
+from tests.redis_servers import RedisCluster, RedisServer, start_server, stop_server
+
+M = "m"
+
+
+def stored(*hashes: int, medium: str | None = None) -> BlockStored:
+    return BlockStored(
+        block_hashes=tuple(hashes), parent_block_hash=None, token_ids=(), block_size=16, medium=medium
+    )
+
+
+def H(*xs: int) -> list[BlockHash64]:
+    return [BlockHash64(x) for x in xs]
+
+
+def keys_of(server: RedisServer) -> list[bytes]:
+    with redis.Redis(port=server.port) as r:
+        return sorted(r.keys("*"))
+
+
+@pytest.fixture
+async def rindex(redis_server: RedisServer) -> AsyncIterator[RedisIndex]:
+    redis_server.flushall()
+    idx = RedisIndex.from_uri(redis_server.url, key_prefix="kvt")
+    try:
+        yield idx
+    finally:
+        await idx.close()
+
+
+@pytest.fixture
+async def cindex(redis_cluster: RedisCluster) -> AsyncIterator[RedisIndex]:
+    redis_cluster.flushall()
+    idx = RedisIndex.from_uri(redis_cluster.url, key_prefix="kvt")
+    try:
+        yield idx
+    finally:
+        await idx.close()
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server of this test alone (it gets killed and restarted)."""
+    server = start_server()
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+# ------------------------------------------------------------------------------------------- URIs
+
+
+async def test_open_index_picks_the_backend(redis_server: RedisServer, redis_cluster: RedisCluster) -> None:
+    a = open_index(redis_server.url)
+    b = open_index(redis_cluster.url + "?buckets=6")
+    try:
+        assert isinstance(a, RedisIndex) and (a.backend, a.buckets) == ("redis", 1)
+        assert isinstance(b, RedisIndex) and (b.backend, b.buckets) == ("redis-cluster", 6)
+        assert await a.ping() and await b.ping()
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["redis+cluster://", "redis+cluster://hostonly", "redis+cluster://h:1,h:x", "redis+cluster://h:1?nope=1"],
+)
+def test_bad_cluster_uris(uri: str) -> None:
+    with pytest.raises(ValueError):
+        RedisIndex.from_uri(uri)
+
+
+async def test_clients_with_other_bucket_counts_cannot_share_a_keyspace(redis_server: RedisServer) -> None:
+    redis_server.flushall()
+    a = RedisIndex.from_uri(redis_server.url + "?buckets=4", key_prefix="kvt")
+    b = RedisIndex.from_uri(redis_server.url + "?buckets=2", key_prefix="kvt")
+    try:
+        await a.apply(M, "n1", 0, [stored(1)])
+        before = keys_of(redis_server)
+        with pytest.raises(ValueError, match="buckets"):
+            await b.apply(M, "n1", 0, [stored(2)])
+        assert keys_of(redis_server) == before
+        assert [m.matched_blocks for m in await a.match(M, H(1, 2))] == [1]
+    finally:
+        await a.close()
+        await b.close()
+
+
+# ------------------------------------------------------------------------------------- key layout
+
+
+async def test_every_key_is_namespaced_and_tagged(rindex: RedisIndex, redis_server: RedisServer) -> None:
+    await rindex.apply(M, "n1", 0, [stored(1, 2)])
+    await rindex.apply("other", "n2", 3, [stored(1)])
+    ks = keys_of(redis_server)
+    assert ks and all(k.startswith(b"{kvt:0}:") or k == b"{kvt}:conf" for k in ks)
+    assert {b"{kvt:0}:inv:m", b"{kvt:0}:inv:other", b"{kvt:0}:node:n1", b"{kvt:0}:node:n2"} <= set(ks)
+
+
+async def test_cluster_keeps_a_node_on_one_slot_and_spreads_nodes(
+    cindex: RedisIndex, redis_cluster: RedisCluster
+) -> None:
+    nodes = [f"node-{i}" for i in range(24)]
+    for n in nodes:
+        await cindex.apply(M, n, 0, [stored(1, 2, 3)])
+    with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.servers[0].port) as rc:
+        for n in nodes[:4]:
+            tag = cindex.tag_of(n)
+            pattern = tag.replace("{", "\\{").replace("}", "\\}") + "*"
+            slots = {rc.keyslot(k) for k in rc.scan_iter(match=pattern)}
+            assert len(slots) == 1
+    shards_with_data = [s for s in redis_cluster.servers if int(s.cli("DBSIZE").strip()) > 0]
+    assert len(shards_with_data) == len(redis_cluster.servers)
+    got = await cindex.match(M, H(1, 2, 3))
+    assert sorted(m.node_id for m in got) == sorted(nodes)
+    assert {m.matched_blocks for m in got} == {3}
+
+
+# ------------------------------------------------------------------------------- removal, reclaim
+
+
+def commandstats(server: RedisServer) -> set[str]:
+    return {
+        line.split(":", 1)[0].removeprefix("cmdstat_")
+        for line in server.cli("INFO", "commandstats").splitlines()
+        if line.startswith("cmdstat_")
+    }
+
+
+async def test_remove_and_clear_never_scan_keyspace(rindex: RedisIndex, redis_server: RedisServer) -> None:
+    await rindex.apply(M, "keep", 0, [stored(*range(500))])
+    baseline = keys_of(redis_server)
+    await rindex.apply(M, "gone", 0, [stored(*range(5000)), stored(*range(100), medium="CPU")])
+    await rindex.apply(M, "gone", 1, [stored(*range(3000))])
+    await rindex.apply(M, "cleared", 0, [stored(*range(2500))])
+    redis_server.cli("CONFIG", "RESETSTAT")
+    await rindex.remove_node("gone")
+    await rindex.clear(M, "cleared", 0)
+    assert [m.node_id for m in await rindex.match(M, H(*range(10)))] == ["keep"]
+    await rindex.reclaim()  # the background task may have done some of it already
+    assert rindex.metrics.reclaimed_entries == 5100 + 3000 + 2500
+    cmds = commandstats(redis_server)
+    assert not cmds & {"scan", "keys", "flushdb", "flushall"}
+    # reclaim walked only the retired locations' own hashes (HSCAN), in chunks, and left nothing behind
+    assert "hscan" in cmds
+    assert sorted(k for k in keys_of(redis_server) if b":node:" not in k) == sorted(
+        k for k in baseline if b":node:" not in k
+    )
+    st = await rindex.stats()
+    assert (st.entries, st.blocks, st.nodes) == (500, 500, 1)
+
+
+async def test_background_reclaim_runs_unasked(rindex: RedisIndex, redis_server: RedisServer) -> None:
+    await rindex.apply(M, "a", 0, [stored(*range(3000))])
+    await rindex.remove_node("a")
+    deadline = time.monotonic() + 10
+    while any(b":fwd:" in k or b":inv:" in k for k in keys_of(redis_server)):
+        assert time.monotonic() < deadline, "background reclaim did not finish"
+        await _sleep_a_tick()
+    assert rindex.metrics.reclaimed_entries == 3000
+
+
+async def _sleep_a_tick() -> None:
+    import asyncio
+
+    await asyncio.sleep(0.02)
+
+
+async def test_replace_larger_than_one_script_call_is_atomic_for_readers(rindex: RedisIndex) -> None:
+    await rindex.apply(M, "n1", 0, [stored(1, 2, 3)])
+    entries = [(BlockHash64(h), Tier.GPU) for h in range(10, 45_010)]
+    await rindex.replace_node(M, "n1", 0, entries)
+    assert await rindex.match(M, H(1)) == []
+    [m] = await rindex.match(M, H(*range(10, 200)))
+    assert m.matched_blocks == 190
+    st = await rindex.stats()
+    assert (st.entries, st.blocks) == (45_000, 45_000)
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+async def test_memory_per_entry_on_real_redis(rindex: RedisIndex, redis_server: RedisServer) -> None:
+    """INFO used_memory before/after loading (the benchmark reports the figure; this keeps it sane)."""
+    await rindex.apply(M, "warm", 0, [stored(1)])
+    before = redis_server.used_memory()
+    n_nodes, per_node = 8, 5000
+    rng = random.Random(7)
+    shared = [rng.getrandbits(64) for _ in range(per_node // 2)]
+    for i in range(n_nodes):
+        own = [rng.getrandbits(64) for _ in range(per_node - len(shared))]
+        await rindex.apply(M, f"n{i}", 0, [stored(*shared), stored(*own)])
+    per_entry = (redis_server.used_memory() - before) / (n_nodes * per_node)
+    assert 20 < per_entry < 250, per_entry
+
+
+# ------------------------------------------------------------------------------- equivalence
+
+
+async def test_many_nodes_match_like_the_memory_backend(cindex: RedisIndex) -> None:
+    """Long shared prefixes over many nodes and tiers: the cluster walk equals the memory walk."""
+    mem = MemoryIndex()
+    rng = random.Random(11)
+    chain = [rng.getrandbits(64) for _ in range(120)]
+    for i in range(40):
+        depth = rng.randrange(1, len(chain))
+        held = [h for h in chain[:depth] if rng.random() > 0.03]
+        tiers = {"GPU": held[: depth // 2], "CPU": held[depth // 3 :], None: held[::7]}
+        for medium, hs in tiers.items():
+            for idx in (cindex, mem):
+                await idx.apply(M, f"node-{i % 29}", i % 3, [stored(*hs, medium=medium)])
+    for q in (chain, chain[:10], chain[5:], [chain[0], 12345]):
+        assert await cindex.match(M, H(*q)) == await mem.match(M, H(*q))
+        cands = [(f"node-{i}", r) for i in range(0, 29, 3) for r in range(3)]
+        assert await cindex.match(M, H(*q), cands) == await mem.match(M, H(*q), cands)
+    await mem.close()
+
+
+async def test_two_replicas_on_one_redis_answer_alike(redis_server: RedisServer) -> None:
+    redis_server.flushall()
+    a = RedisIndex.from_uri(redis_server.url, key_prefix="kvt")
+    b = RedisIndex.from_uri(redis_server.url, key_prefix="kvt")
+    try:
+        await a.apply(M, "n1", 0, [stored(1, 2, 3)])
+        await b.apply(M, "n2", 0, [stored(1, 2)])
+        await a.remove_node("n2")
+        await b.apply(M, "n2", 0, [stored(1)])
+        for q in (H(1, 2, 3), H(1)):
+            assert await a.match(M, q) == await b.match(M, q)
+        assert [(m.node_id, m.matched_blocks) for m in await b.match(M, H(1, 2, 3))] == [("n1", 3), ("n2", 1)]
+    finally:
+        await a.close()
+        await b.close()
+
+
+# ------------------------------------------------------------------------------------- outages
+
+
+async def test_ping_apply_and_reconnect_across_a_redis_restart(own_server: RedisServer) -> None:
+    idx = RedisIndex.from_uri(own_server.url + "?timeout=1")
+    try:
+        await idx.apply(M, "n1", 0, [stored(1, 2)])
+        epoch = await idx.data_epoch()
+        assert await idx.data_epoch() == epoch
+        own_server.kill()
+        assert await idx.ping() is False
+        assert not idx.metrics.up
+        errors = idx.metrics.errors
+        with pytest.raises(IndexUnavailable):
+            await idx.apply(M, "n1", 0, [stored(3)])
+        with pytest.raises(IndexUnavailable):
+            await idx.match(M, H(1, 2))
+        assert idx.metrics.errors > errors and idx.metrics.connection_errors >= 2
+        own_server.start()  # same port, empty: persistence is off
+        deadline = time.monotonic() + 10
+        while not await idx.ping():
+            assert time.monotonic() < deadline
+        assert idx.metrics.up and idx.metrics.reconnects >= 1
+        assert await idx.data_epoch() != epoch  # the coordinator's cue to ask agents for snapshots
+        assert await idx.match(M, H(1, 2)) == []
+        await idx.apply(M, "n1", 0, [stored(1, 2)])
+        assert [m.matched_blocks for m in await idx.match(M, H(1, 2))] == [2]
+        assert idx.metrics.round_trips > 0 and sum(idx.metrics.latency_counts) == idx.metrics.round_trips
+    finally:
+        await idx.close()
+
+
+async def test_ping_is_false_when_nothing_listens() -> None:
+    from tests.procs import free_port
+
+    idx = RedisIndex.from_uri(f"redis://127.0.0.1:{free_port()}/0?timeout=0.5")
+    try:
+        assert await idx.ping() is False
+    finally:
+        await idx.close()
+
+
+# Coordinator-level fault test (issue 6, "Faults"), to be written once `kvcoord serve --index redis://…`,
+# the sim-engine and the agent run end to end:
+#   1. start own_server; `kvcoord serve --index <url>`; a `kvcoord sim-engine` publishing a steady
+#      workload; a `kvcoord agent` relaying it to the coordinator.
+#   2. poll gRPC health until SERVING and the index is non-empty;
+#   3. own_server.kill(): poll health until NOT_SERVING (the agent's batches stay unacked);
+#   4. own_server.start() (empty): poll until SERVING again; the coordinator sees data_epoch() change
+#      and asks every agent for a snapshot;
+#   5. stop the engine's workload, wait until the agent's acked seq reaches the engine's last seq, then
+#      compare `export_node` for the node with the engine pool's own block set (the sim-engine's
+#      mirror): equal, tier by tier. Repeat step 3-5 with a restart that keeps data (SIGSTOP/SIGCONT
+#      the server) to prove "back intact -> resume without snapshot".

@@ -1,0 +1,362 @@
+"""The relay against real ZMQ sockets: a vLLM-exact publisher on free ports, gaps, restarts, bad frames."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvcoord.agent.relay import BlockMirror, Relay
+from kvcoord.agent.zmq_wire import END_SEQ, ReplayClient, ZmqEventPublisher, offset_endpoint_port
+from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from tests.procs import free_port
+
+DEADLINE = 10.0
+
+
+class RecordingSink:
+    """A real consumer: keeps every batch the relay forwards, in order."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, tuple[KVEvent, ...], float]] = []
+
+    def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float) -> None:
+        self.batches.append((dp_rank, tuple(events), ts))
+
+
+class DroppingPublisher(ZmqEventPublisher):
+    """Never puts the given sequence numbers on the PUB socket (they stay in the replay buffer)."""
+
+    def __init__(self, *args: Any, drop: set[int], **kwargs: Any) -> None:
+        self.drop = drop
+        super().__init__(*args, **kwargs)
+
+    def _send(self, topic: bytes, seq_bytes: bytes, payload: bytes) -> None:
+        if int.from_bytes(seq_bytes, "big") not in self.drop:
+            super()._send(topic, seq_bytes, payload)
+
+
+class TopicReplayPublisher(ZmqEventPublisher):
+    """A replay server that puts the topic frame in its replies: ``[id, b"", topic, seq, payload]``."""
+
+    def _service_replay(self) -> None:
+        assert self._replay is not None
+        client, _, start = self._replay.recv_multipart()
+        for seq, payload in list(self._buffer):
+            if seq >= int.from_bytes(start, "big"):
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", self._topic, END_SEQ, b""))
+
+
+class CorruptingPublisher(ZmqEventPublisher):
+    """Replaces what goes on the wire for chosen sequence numbers with broken frames."""
+
+    def __init__(self, *args: Any, corrupt: dict[int, Callable[[bytes, bytes, bytes], list[bytes]]],
+                 **kwargs: Any) -> None:
+        self.corrupt = corrupt
+        super().__init__(*args, **kwargs)
+
+    def _send(self, topic: bytes, seq_bytes: bytes, payload: bytes) -> None:
+        make = self.corrupt.get(int.from_bytes(seq_bytes, "big"))
+        if make is None:
+            super()._send(topic, seq_bytes, payload)
+        else:
+            self._pub.send_multipart(make(topic, seq_bytes, payload))
+
+
+def make_batches(n: int, seed: int, dp: int | None = None, base: int = 0) -> list[KVEventBatch]:
+    """Stores and removals over a small hash space, like an engine's prefix cache churning."""
+    rng = random.Random(seed)
+    held: list[int] = []
+    out = []
+    for i in range(n):
+        events: list[KVEvent] = []
+        new = [base + rng.randrange(1, 2**64 - 1) for _ in range(rng.randint(1, 4))]
+        events.append(BlockStored(tuple(new), held[-1] if held else None, tuple(range(4 * len(new))), 4,
+                                  None, rng.choice(["GPU", "CPU", None]), None))
+        held.extend(new)
+        if held and rng.random() < 0.4:
+            gone = held.pop(rng.randrange(len(held)))
+            events.append(BlockRemoved((gone,), "GPU"))
+        out.append(KVEventBatch(1000.0 + i, tuple(events), dp))
+    return out
+
+
+def expected_mirror(batches: Sequence[KVEventBatch], dp_default: int = 0) -> dict[int, list[Any]]:
+    m = BlockMirror()
+    for b in batches:
+        m.apply(b.data_parallel_rank if b.data_parallel_rank is not None else dp_default, b.events)
+    return {k: sorted(v) for k, v in m.snapshot().items()}
+
+
+def snapshot_of(relay: Relay) -> dict[int, list[Any]]:
+    return {k: sorted(v) for k, v in relay.snapshot().items()}
+
+
+async def wait_for(cond: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class Ports:
+    def __init__(self) -> None:
+        self.pub = free_port()
+        self.replay = free_port()
+
+    def publisher(self, cls: type[ZmqEventPublisher] = ZmqEventPublisher, **kw: Any) -> ZmqEventPublisher:
+        return cls(0, f"tcp://*:{self.pub}", f"tcp://127.0.0.1:{self.replay}", **kw)
+
+
+async def rebind(ports: Ports) -> ZmqEventPublisher:
+    """A new publisher on the same ports, once libzmq has released them (it closes asynchronously)."""
+    deadline = asyncio.get_running_loop().time() + DEADLINE
+    while True:
+        try:
+            return ports.publisher()
+        except zmq.ZMQError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def ports() -> Ports:
+    return Ports()
+
+
+@contextlib.asynccontextmanager
+async def running_relay(ports: Ports, sink: RecordingSink, **kw: Any) -> AsyncIterator[Relay]:
+    relay = Relay(f"tcp://127.0.0.1:{ports.pub}", sink, replay_endpoint=f"tcp://127.0.0.1:{ports.replay}",
+                  replay_timeout=0.5, idle_probe=0.2, **kw)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        await wait_for(relay.ready.is_set, "relay ready")
+        yield relay
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 2.0)
+
+
+async def publish_all(pub: ZmqEventPublisher, batches: Sequence[KVEventBatch]) -> None:
+    for b in batches:
+        pub.publish(b)
+    await asyncio.to_thread(pub.flush)
+
+
+def test_offset_endpoint_port() -> None:
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint_port("inproc://cache", 2) == "inproc://cache_dp2"
+    assert offset_endpoint_port(None, 2) is None
+    with pytest.raises(ValueError, match="tcp"):
+        offset_endpoint_port("ipc:///tmp/x", 1)
+
+
+async def test_wire_frames_and_replay_are_vllm_exact(ports: Ports) -> None:
+    """Frames on PUB and on replay, seen by plain sockets: [topic, seq BE, payload]; replay ends at -1."""
+    ctx = zmq.asyncio.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{ports.pub}")
+    pub = ports.publisher(topic="kv", buffer_steps=3)
+    try:
+        batches = make_batches(5, seed=1)
+        # Publish until the subscription is live, then check frames of what follows.
+        for _ in range(200):
+            pub.publish(batches[0])
+            if await sub.poll(timeout=50):
+                break
+        frames = await sub.recv_multipart()
+        assert frames[0] == b"kv" and len(frames[1]) == 8 and len(frames) == 3
+        client = ReplayClient(ctx, f"tcp://127.0.0.1:{ports.replay}", timeout=2.0)
+        items = await client.fetch(0)
+        # buffer_steps=3: only the last three batches are kept.
+        seqs = [s for s, _ in items]
+        assert len(seqs) == min(3, pub.next_seq) and seqs == sorted(seqs) and seqs[-1] == pub.next_seq - 1
+        assert await client.fetch(pub.next_seq) == []
+        client.close()
+    finally:
+        pub.shutdown()
+        sub.close(linger=0)
+
+
+async def test_steady_stream_and_late_join(ports: Ports) -> None:
+    """Batches published before the agent joined come from replay; the rest live; mirror is exact."""
+    pub = ports.publisher()
+    sink = RecordingSink()
+    try:
+        early, late = make_batches(20, seed=2), make_batches(200, seed=3)
+        await publish_all(pub, early)
+        async with running_relay(ports, sink) as relay:
+            await publish_all(pub, late)
+            await wait_for(lambda: relay.expected_seq == 220, "all batches")
+            assert snapshot_of(relay) == expected_mirror(early + late)
+            assert [b[1] for b in sink.batches] == [b.events for b in early + late]
+            assert relay.stats.lost_batches == 0 and not relay.stats.malformed
+            assert relay.stats.replayed_batches >= 20
+            assert relay.stats.block_events == sum(len(e.block_hashes) for b in early + late
+                                                   for e in b.events if not isinstance(e, AllBlocksCleared))
+    finally:
+        pub.shutdown()
+
+
+@pytest.mark.parametrize("cls", [ZmqEventPublisher, TopicReplayPublisher], ids=["vllm_reply", "topic_reply"])
+async def test_dropped_frames_healed_by_replay(ports: Ports, cls: type[ZmqEventPublisher]) -> None:
+    batches = make_batches(60, seed=4)
+    drop = {5, 6, 7, 30, 59}
+    pub: ZmqEventPublisher
+    if cls is ZmqEventPublisher:
+        pub = ports.publisher(DroppingPublisher, drop=drop, topic="t")
+    else:
+        class DropTopic(TopicReplayPublisher, DroppingPublisher):
+            pass
+        pub = ports.publisher(DropTopic, drop=drop, topic="t")
+    sink = RecordingSink()
+    try:
+        async with running_relay(ports, sink, topic="t") as relay:
+            await publish_all(pub, batches)
+            # 59 is the last one: only the idle probe can find it.
+            await wait_for(lambda: relay.expected_seq == 60, "healed stream")
+            assert snapshot_of(relay) == expected_mirror(batches)
+            assert [b[1] for b in sink.batches] == [b.events for b in batches]
+            assert relay.stats.gaps >= 1 and relay.stats.lost_batches == 0
+    finally:
+        pub.shutdown()
+
+
+async def test_paused_subscriber_with_tiny_hwm(ports: Ports) -> None:
+    """A subscriber that stops reading while a tiny-HWM publisher floods: drops, then replay heals."""
+    batches = make_batches(400, seed=5)
+    pub = ports.publisher(hwm=2)
+    sink = RecordingSink()
+    try:
+        async with running_relay(ports, sink, hwm=2) as relay:
+            await publish_all(pub, batches[:10])
+            await wait_for(lambda: relay.expected_seq == 10, "first batches")
+            # Block the relay's event loop (the "paused" agent) while the engine keeps publishing.
+            for b in batches[10:]:
+                pub.publish(b)
+            pub.flush()
+            await wait_for(lambda: relay.expected_seq == 400, "healed stream")
+            assert relay.stats.gaps >= 1  # frames were really dropped
+            assert snapshot_of(relay) == expected_mirror(batches)
+            assert relay.stats.lost_batches == 0
+    finally:
+        pub.shutdown()
+
+
+async def test_engine_restart_clears_then_resyncs(ports: Ports) -> None:
+    first, second = make_batches(30, seed=6), make_batches(8, seed=7)
+    sink = RecordingSink()
+    pub = ports.publisher()
+    try:
+        async with running_relay(ports, sink) as relay:
+            await publish_all(pub, first)
+            await wait_for(lambda: relay.expected_seq == 30, "first engine's batches")
+            assert snapshot_of(relay) == expected_mirror(first)
+            pub.shutdown()
+            pub = await rebind(ports)  # same ports, sequence starts at 0 again
+            await publish_all(pub, second)
+            await wait_for(lambda: relay.stats.restarts == 1 and relay.expected_seq == 8, "resync")
+            assert snapshot_of(relay) == expected_mirror(second)
+            cleared = [i for i, (_, evs, _) in enumerate(sink.batches) if evs == (AllBlocksCleared(),)]
+            assert cleared == [30]
+            assert [b[1] for b in sink.batches[31:]] == [b.events for b in second]
+    finally:
+        pub.shutdown()
+
+
+async def test_malformed_frames_counted_and_skipped(ports: Ports, caplog: pytest.LogCaptureFixture) -> None:
+    batches = make_batches(40, seed=8)
+    garbage = msgspec.msgpack.encode([1.0, [["BlockMoved", [1]]], 0])
+    corrupt: dict[int, Callable[[bytes, bytes, bytes], list[bytes]]] = {
+        10: lambda t, s, p: [t, s, p[:-3]],                 # truncated msgpack: skipped
+        11: lambda t, s, p: [t, s, garbage],                # unknown event type: skipped
+        12: lambda t, s, p: [t, s, garbage],                # same kind again: logged once
+        20: lambda t, s, p: [t, s],                         # frame missing: the good one comes by replay
+        25: lambda t, s, p: [t, s[:4], p],                  # short seq frame: the good one comes by replay
+    }
+    pub = ports.publisher(CorruptingPublisher, corrupt=corrupt)
+    sink = RecordingSink()
+    try:
+        async with running_relay(ports, sink) as relay:
+            await publish_all(pub, batches)
+            await wait_for(lambda: relay.expected_seq == 40, "stream end")
+            skipped = {10, 11, 12}
+            kept = [b for i, b in enumerate(batches) if i not in skipped]
+            assert snapshot_of(relay) == expected_mirror(kept)
+            assert [b[1] for b in sink.batches] == [b.events for b in kept]
+            assert relay.stats.malformed == {"truncated": 1, "unknown_event": 2, "frames": 1, "seq": 1}
+            logged = [r for r in caplog.records if "malformed" in r.getMessage()]
+            assert len(logged) == 4
+    finally:
+        pub.shutdown()
+
+
+async def test_unknown_medium_batch_rejected_whole(ports: Ports) -> None:
+    """A batch with one bad event changes nothing (validated whole before the mirror is touched)."""
+    good = make_batches(3, seed=9)
+    bad = KVEventBatch(5.0, (BlockStored((77,), None, (1,), 1, None, "GPU", None),
+                             BlockStored((78,), None, (1,), 1, None, "QUANTUM", None)), 0)
+    pub = ports.publisher()
+    sink = RecordingSink()
+    try:
+        async with running_relay(ports, sink) as relay:
+            await publish_all(pub, [*good[:2], bad, good[2]])
+            await wait_for(lambda: relay.expected_seq == 4, "stream end")
+            assert snapshot_of(relay) == expected_mirror(good)
+            assert relay.stats.malformed == {"bad_event": 1}
+    finally:
+        pub.shutdown()
+
+
+def test_mirror_tiers_groups_and_idempotence() -> None:
+    m = BlockMirror()
+    m.apply(0, [BlockStored((1, 2), None, (), 0, None, "GPU", None),
+                BlockStored((1,), None, (), 0, None, "CPU", None),
+                BlockStored((1,), None, (), 0, None, "GPU", None)])
+    assert sorted(m.snapshot()[0]) == [(1, 0), (1, 1), (2, 0)]
+    m.apply(0, [BlockRemoved((1,), "CPU"), BlockRemoved((99,), None)])  # unknown removal: no-op
+    assert sorted(m.snapshot()[0]) == [(1, 0), (2, 0)]
+    # A sliding-window group's events never reach the mirror, nor do its removals touch group 0.
+    m.apply(0, [BlockStored((5, 1), None, (), 0, None, "GPU", None, group_idx=1,
+                            kv_cache_spec_kind="sliding_window"),
+                BlockRemoved((1,), "GPU", group_idx=1)])
+    assert sorted(m.snapshot()[0]) == [(1, 0), (2, 0)]
+    m.apply(1, [BlockStored((bytes(24) + (9).to_bytes(8, "big"),), None, (), 0, None, None, None)])
+    assert m.snapshot()[1] == [(9, 0)]
+    with pytest.raises(ValueError, match="unknown medium"):
+        m.apply(0, [BlockRemoved((2,), "GPU"), BlockRemoved((1,), "TAPE")])
+    assert sorted(m.snapshot()[0]) == [(1, 0), (2, 0)]  # nothing applied
+    m.apply(0, [AllBlocksCleared()])
+    assert m.snapshot()[0] == [] and m.num_blocks() == 1
+
+
+async def test_restart_detected_when_new_engine_is_already_ahead(ports: Ports) -> None:
+    """The restarted engine published past our position before we noticed: the replay anchor tells."""
+    first, second = make_batches(5, seed=10), make_batches(40, seed=11)
+    sink = RecordingSink()
+    pub = ports.publisher()
+    try:
+        async with running_relay(ports, sink) as relay:
+            await publish_all(pub, first)
+            await wait_for(lambda: relay.expected_seq == 5, "first engine's batches")
+            pub.shutdown()
+            pub = await rebind(ports)
+            await publish_all(pub, second)
+            await wait_for(lambda: relay.stats.restarts >= 1 and relay.expected_seq == 40, "resync")
+            assert relay.stats.restarts == 1
+            assert snapshot_of(relay) == expected_mirror(second)
+    finally:
+        pub.shutdown()

@@ -1,0 +1,323 @@
+"""The reporter against a scripted coordinator (a real grpc.aio server on a free port) whose answers
+each test controls: acks, resends after a restart, snapshots, chunking, overflow, heartbeats, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+
+from kvcoord.agent.reporter import (
+    ChannelSecurity,
+    NodeLoad,
+    Reporter,
+    ReporterOptions,
+    snapshot_from_mapping,
+)
+from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcoord.events_proto import batch_from_proto
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from tests.procs import free_port
+
+FAST = ReporterOptions(flush_interval=0.005, backoff_initial=0.02, backoff_max=0.1, welcome_timeout=2.0)
+
+
+@dataclass
+class Script:
+    """What the scripted coordinator answers; tests flip these between phases."""
+
+    acked_seq: int = 0
+    snapshot_required: bool = False
+    lease_seconds: float = 10.0
+    ack: bool = True
+    received: list[pb.AgentMessage] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    streams: list[Any] = field(default_factory=list)
+
+
+class Scripted:
+    def __init__(self, script: Script) -> None:
+        self.s = script
+
+    async def ingest(self, request_iterator: AsyncIterator[pb.AgentMessage], context: Any) -> None:
+        s = self.s
+        s.metadata.append({k: v for k, v in context.invocation_metadata()})
+        s.streams.append(context)
+        async for msg in request_iterator:
+            s.received.append(msg)
+            kind = msg.WhichOneof("msg")
+            if kind == "hello":
+                await context.write(pb.CoordinatorMessage(welcome=pb.Welcome(
+                    epoch=msg.hello.epoch, acked_seq=s.acked_seq, lease_seconds=s.lease_seconds,
+                    snapshot_required=s.snapshot_required)))
+            elif kind == "batch" and s.ack:
+                s.acked_seq = max(s.acked_seq, msg.batch.seq)
+                await context.write(pb.CoordinatorMessage(ack=pb.Ack(seq=msg.batch.seq)))
+            elif kind == "snapshot" and msg.snapshot.final:
+                s.acked_seq = msg.snapshot.seq
+                s.snapshot_required = False
+                await context.write(pb.CoordinatorMessage(ack=pb.Ack(seq=msg.snapshot.seq)))
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(script: Script, port: int) -> AsyncIterator[grpc.aio.Server]:
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        Scripted(script).ingest, request_deserializer=pb.AgentMessage.FromString,
+        response_serializer=pb.CoordinatorMessage.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvcoord.v1.Coordinator",
+                                                                          {"Ingest": handler}),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=None)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def batches(s: Script) -> list[pb.EventBatch]:
+    return [m.batch for m in s.received if m.WhichOneof("msg") == "batch"]
+
+
+def snapshots(s: Script) -> list[pb.Snapshot]:
+    return [m.snapshot for m in s.received if m.WhichOneof("msg") == "snapshot"]
+
+
+def stored(*hashes: int) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=(), block_size=16)
+
+
+State = dict[int, dict[int, Tier]]
+
+
+def provider(state: State) -> Callable[[int], list[tuple[int, Tier]]]:
+    return lambda rank: sorted(state.get(rank, {}).items())
+
+
+async def reporter(port: int, state: State | None = None, **kw: Any) -> Reporter:
+    kw.setdefault("options", FAST)
+    r = Reporter([f"127.0.0.1:{port}"], node_id="n1", model="m", epoch=7,
+                 snapshot=provider(state if state is not None else {}), **kw)
+    await r.start()
+    return r
+
+
+async def test_batches_are_numbered_acked_and_lossless() -> None:
+    port = free_port()
+    s = Script()
+    async with scripted_server(s, port):
+        r = await reporter(port, dp_ranks=(0, 1))
+        try:
+            evs: list[KVEvent] = [stored(1, 2), BlockRemoved(block_hashes=(2,), medium="CPU"),
+                                  AllBlocksCleared()]
+            r.submit(0, evs[:2], ts=123.5)
+            await r.flush()
+            r.submit(1, evs[2:])
+            await r.wait_acked(5)
+            hello = s.received[0].hello
+            assert (hello.node_id, hello.model, list(hello.dp_ranks), hello.epoch, hello.next_seq) == (
+                "n1", "m", [0, 1], 7, 1)
+            got = batches(s)
+            assert [b.seq for b in got] == [1, 2]
+            assert batch_from_proto(got[0]).events == tuple(evs[:2])
+            assert got[0].ts == 123.5 and got[0].dp_rank == 0
+            assert got[1].dp_rank == 1 and batch_from_proto(got[1]).events == (AllBlocksCleared(),)
+            st = r.stats()
+            totals = (st.total("batches_sent"), st.total("batches_acked"), st.total("unacked"))
+            assert st.last_seq == 2 and totals == (2, 2, 0)
+        finally:
+            await r.close()
+
+
+async def test_size_limits_split_batches() -> None:
+    port = free_port()
+    s = Script()
+    async with scripted_server(s, port):
+        opts = ReporterOptions(max_batch_events=2, max_batch_blocks=5, flush_interval=0.005)
+        r = await reporter(port, options=opts)
+        try:
+            r.submit(0, [stored(1), stored(2), stored(3)])  # 2 events, then 1
+            r.submit(0, [stored(10, 11, 12, 13, 14, 15)])  # 6 blocks >= 5: its own batch with the pending one
+            await r.wait_acked(5)
+            sizes = [len(b.events) for b in batches(s)]
+            assert sizes == [2, 2]
+            assert [b.seq for b in batches(s)] == [1, 2]
+        finally:
+            await r.close()
+
+
+async def test_resend_after_coordinator_restart_on_same_port() -> None:
+    port = free_port()
+    s1 = Script(ack=False)
+    r: Reporter | None = None
+    try:
+        async with scripted_server(s1, port):
+            r = await reporter(port)
+            for i in range(3):
+                r.submit(0, [stored(100 + i)])
+                await r.flush()
+            await until(lambda: len(batches(s1)) == 3, what="3 batches")
+            assert r.stats().total("unacked") == 3
+        # a new coordinator on the same port that had applied seq 1 (e.g. a replica sharing the index)
+        s2 = Script(acked_seq=1)
+        async with scripted_server(s2, port):
+            await r.wait_acked(5)
+            assert s2.received[0].hello.next_seq == 1
+            assert [b.seq for b in batches(s2)] == [2, 3]
+            assert [b.events[0].stored.block_hashes[0] for b in batches(s2)] == [101, 102]
+            st = r.stats().links[0]
+            assert st.batches_resent == 2 and st.reconnects >= 1 and st.batches_acked == 3
+    finally:
+        if r is not None:
+            await r.close()
+
+
+async def test_restarted_empty_coordinator_gets_a_snapshot_then_new_batches() -> None:
+    port = free_port()
+    state: State = {0: {}}
+    s1 = Script()
+    r: Reporter | None = None
+    try:
+        async with scripted_server(s1, port):
+            r = await reporter(port, state)
+            for h in (1, 2, 3):
+                r.submit(0, [stored(h)])
+                state[0][h] = Tier.GPU
+            await r.wait_acked(5)
+        s2 = Script(snapshot_required=True)
+        async with scripted_server(s2, port):
+            await until(lambda: bool(snapshots(s2)), what="snapshot")
+            snap = snapshots(s2)
+            assert len(snap) == 1 and snap[0].final and snap[0].seq == r.last_seq and snap[0].epoch == 7
+            assert list(snap[0].block_hashes) == [1, 2, 3] and list(snap[0].tiers) == [0, 0, 0]
+            r.submit(0, [stored(4)])
+            await r.wait_acked(5)
+            kinds = [m.WhichOneof("msg") for m in s2.received]
+            assert kinds[:3] == ["hello", "snapshot", "batch"]
+            assert batches(s2)[0].seq == snap[0].seq + 1
+            assert r.stats().links[0].snapshots_sent == 1
+    finally:
+        if r is not None:
+            await r.close()
+
+
+async def test_snapshot_request_flushes_pending_and_chunks() -> None:
+    port = free_port()
+    state: State = {0: {i: Tier.GPU for i in range(7)}, 1: {50: Tier.CPU}}
+    s = Script()
+    async with scripted_server(s, port):
+        opts = ReporterOptions(flush_interval=30.0, snapshot_chunk_entries=3)
+        r = await reporter(port, state, dp_ranks=(0, 1), options=opts)
+        try:
+            await until(lambda: bool(s.streams), what="stream")
+            r.submit(0, [stored(6)])  # pending: the long flush interval keeps it unsealed
+            assert r.last_seq == 0
+            await s.streams[0].write(pb.CoordinatorMessage(snapshot_request=pb.SnapshotRequest(epoch=7,
+                                                                                                 reason="gap")))
+            await until(lambda: any(c.final for c in snapshots(s)), what="final chunk")
+            chunks = snapshots(s)
+            assert r.last_seq == 1  # the pending batch was sealed first, and the snapshot is as of it
+            assert [(c.dp_rank, len(c.block_hashes), c.final) for c in chunks] == [
+                (0, 3, False), (0, 3, False), (0, 1, False), (1, 1, True)]
+            assert {c.seq for c in chunks} == {1}
+            assert list(chunks[3].tiers) == [pb.TIER_CPU]
+            assert batches(s) == [] or batches(s)[0].seq == 1  # it may have gone out before the request
+            await r.wait_acked(5)
+            assert r.stats().links[0].snapshot_requests == 1
+        finally:
+            await r.close()
+
+
+async def test_overflow_drops_queue_and_resyncs_with_snapshot_without_blocking() -> None:
+    port = free_port()
+    state: State = {0: {}}
+    opts = ReporterOptions(flush_interval=0.001, max_unacked_batches=2, backoff_initial=0.02,
+                           backoff_max=0.05)
+    r = await reporter(port, state, options=opts)  # nothing listens yet
+    try:
+        for h in range(5):
+            t0 = time.monotonic()
+            r.submit(0, [stored(h)])
+            state[0][h] = Tier.GPU
+            await r.flush()
+            assert time.monotonic() - t0 < 0.5
+        await until(lambda: r.stats().links[0].last_error != "", what="a failed connect")
+        st = r.stats().links[0]
+        assert st.overflows == 2 and st.unacked == 1 and not st.connected
+        s = Script(acked_seq=0)
+        async with scripted_server(s, port):
+            await r.wait_acked(5)
+            kinds = [m.WhichOneof("msg") for m in s.received]
+            assert kinds == ["hello", "snapshot"]
+            assert list(snapshots(s)[0].block_hashes) == [0, 1, 2, 3, 4] and snapshots(s)[0].seq == 5
+    finally:
+        await r.close()
+
+
+async def test_heartbeats_token_and_thread_submit() -> None:
+    port = free_port()
+    s = Script(lease_seconds=0.15)
+    async with scripted_server(s, port):
+        r = await reporter(port, load=lambda: NodeLoad(3, 1, 0.5), security=ChannelSecurity(token="tok-1"))
+        try:
+            await until(lambda: sum(m.WhichOneof("msg") == "heartbeat" for m in s.received) >= 2,
+                        what="heartbeats")
+            hb = next(m.heartbeat for m in s.received if m.WhichOneof("msg") == "heartbeat")
+            assert (hb.load.running_requests, hb.load.waiting_requests, hb.load.kv_usage) == (3, 1, 0.5)
+            assert s.metadata[0]["authorization"] == "Bearer tok-1"
+            th = threading.Thread(target=r.submit, args=(0, [stored(9)]))
+            th.start()
+            th.join()
+            await until(lambda: len(batches(s)) == 1, what="batch from thread")
+        finally:
+            await r.close()
+
+
+async def test_bad_input_is_rejected_and_queues_nothing() -> None:
+    port = free_port()
+    r = await reporter(port)
+    try:
+        with pytest.raises(ValueError, match="dp_rank 3 is not one of"):
+            r.submit(3, [stored(1)])
+        with pytest.raises(ValueError, match=r"event 1: .*outside uint64"):
+            r.submit(0, [stored(1), stored(-1)])
+        await r.flush()
+        assert r.last_seq == 0 and r.stats().events_submitted == 0
+    finally:
+        await r.close()
+    with pytest.raises(RuntimeError):
+        r.submit(0, [stored(1)])
+    with pytest.raises(ValueError, match="dp_ranks"):
+        Reporter(["x:1"], node_id="n", model="m", snapshot=snapshot_from_mapping({}), dp_ranks=(0, 0))
+
+
+@pytest.mark.parametrize("listening", [False, True])
+async def test_close_is_prompt(listening: bool) -> None:
+    port = free_port()
+    s = Script(ack=False)
+    async with contextlib.AsyncExitStack() as stack:
+        if listening:
+            await stack.enter_async_context(scripted_server(s, port))
+        r = await reporter(port)
+        r.submit(0, [stored(1)])
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await r.close()
+        assert time.monotonic() - t0 < 1.2
+        assert all(t.done() for t in asyncio.all_tasks() if t.get_name().startswith("kvcoord-reporter"))

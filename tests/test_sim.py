@@ -1,0 +1,134 @@
+"""The cluster simulator: workloads hash for real, runs are deterministic, the CLI prints JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvcoord.hashing import HashProfile, block_hashes64, hash_request_tokens
+from kvcoord.index.memory import MemoryIndex
+from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
+from kvcoord.sim.cluster import ClusterConfig, simulate
+from kvcoord.sim.report import deterministic_view, summarize, table
+from kvcoord.sim.workload import SyntheticSpec, load_mooncake, synthetic
+from tests.procs import REPO, TRACES, kvcoord_cmd
+
+PROFILE = HashProfile("xxhash_cbor", 16, seed="test-sim")
+SPEC = SyntheticSpec(requests=150, groups=4, prompts_per_group=6, system_tokens=512, question_tokens=64,
+                     output_tokens=32, turns=3, rate=40.0)
+CONFIG = ClusterConfig(nodes=4, blocks_per_node=600, latency=LatencyModel(max_running=4))
+
+
+@pytest.fixture()
+def tiny_trace(tmp_path: Path) -> Path:
+    src = TRACES / "mooncake_conversation.jsonl"
+    if not src.exists():
+        pytest.skip("shared traces not present")
+    out = tmp_path / "tiny.jsonl"
+    with open(src, encoding="utf-8") as f:
+        lines = [next(f) for _ in range(40)]
+    out.write_text("".join(lines), encoding="utf-8")
+    return out
+
+
+def run_all(seed: int) -> list[dict[str, object]]:
+    w = synthetic(SPEC, PROFILE, seed=seed)
+    rows = []
+    for name in POLICY_NAMES:
+        rows.append(summarize(simulate(w, make_policy(name, seed), PROFILE, CONFIG, MemoryIndex())))
+    return rows
+
+
+def test_same_seed_gives_the_same_table() -> None:
+    a, b = run_all(3), run_all(3)
+    assert deterministic_view(a) == deterministic_view(b)
+    assert deterministic_view(a) != deterministic_view(run_all(4))
+    text = table(a)
+    assert text.count("\n") == len(POLICY_NAMES) + 1 and "prefix-aware" in text
+
+
+def test_small_synthetic_run_accounts_every_token_and_prefix_aware_hits_more() -> None:
+    w = synthetic(SPEC, PROFILE, seed=1)
+    total = sum(r.num_tokens for r in w.requests)
+    rows = {}
+    for name in ("prefix-aware", "round-robin"):
+        r = simulate(w, make_policy(name, 1), PROFILE, CONFIG, MemoryIndex())
+        assert r.prompt_tokens == total == r.hit_tokens + r.prefill_tokens
+        assert len(r.ttft) == len(w.requests) == sum(r.node_requests)
+        assert all(t >= 0 for t in r.ttft)
+        assert all(c >= t for c, t in zip(sorted(r.completion), sorted(r.ttft), strict=True))
+        rows[name] = r
+    assert rows["prefix-aware"].hit_rate > rows["round-robin"].hit_rate
+
+
+def test_synthetic_requests_share_system_prompts_and_grow_by_turn() -> None:
+    w = synthetic(SPEC, PROFILE, seed=2)
+    assert [r.arrival for r in w.requests] == sorted(r.arrival for r in w.requests)
+    first = w.requests[0]
+    assert list(first.hashes) == block_hashes64(PROFILE, list(first.tokens))
+    lengths = {r.num_tokens for r in w.requests}
+    assert min(lengths) == SPEC.system_tokens + SPEC.question_tokens
+    assert max(lengths) == SPEC.system_tokens + 3 * SPEC.question_tokens + 2 * SPEC.output_tokens
+    system_blocks = SPEC.system_tokens // 16
+    heads = {tuple(r.hashes[:system_blocks]) for r in w.requests}
+    assert len(heads) <= SPEC.groups
+
+
+def test_trace_expands_hash_ids_into_real_hashed_tokens(tiny_trace: Path) -> None:
+    w = load_mooncake(tiny_trace, PROFILE)
+    records = [json.loads(line) for line in tiny_trace.read_text().splitlines()]
+    assert len(w.requests) == len(records)
+    for r, rec in zip(w.requests, records, strict=True):
+        assert r.num_tokens == rec["input_length"] and r.output_tokens == rec["output_length"]
+        assert list(r.digests) == hash_request_tokens(PROFILE, list(r.tokens))
+    # Requests 0 and 1 share hash id 0 (512 tokens = 32 blocks) and nothing after it.
+    a, b = w.requests[0], w.requests[1]
+    assert list(a.tokens[:512]) == list(b.tokens[:512]) and a.tokens[512:528] != b.tokens[512:528]
+    assert a.hashes[:32] == b.hashes[:32] and a.hashes[32] != b.hashes[32]
+    limited = load_mooncake(tiny_trace, PROFILE, limit=5, time_scale=0.5)
+    assert len(limited.requests) == 5
+
+
+def test_bad_trace_line_is_reported_with_its_number(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"oops": 1}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        load_mooncake(bad, PROFILE)
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(ValueError, match="does not fit"):
+        load_mooncake(short, PROFILE)
+
+
+def test_prompt_larger_than_a_node_is_refused_before_simulating() -> None:
+    w = synthetic(SPEC, PROFILE, seed=1)
+    with pytest.raises(ValueError, match="blocks-per-node"):
+        simulate(w, make_policy("random", 0), PROFILE, ClusterConfig(nodes=2, blocks_per_node=10), MemoryIndex())
+
+
+def test_cli_runs_on_a_trace_subset_and_prints_json(tiny_trace: Path, tmp_path: Path) -> None:
+    png = tmp_path / "sim.png"
+    proc = subprocess.run(
+        kvcoord_cmd("simulate", "--trace", str(tiny_trace), "--limit", "30", "--nodes", "3",
+                    "--blocks-per-node", "12000", "--json", "-", "--plot", str(png)),
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [row["policy"] for row in report["policies"]] == list(POLICY_NAMES)
+    assert report["workload"]["requests"] == 30 and report["cluster"]["nodes"] == 3
+    assert "| policy" in proc.stderr
+    assert png.stat().st_size > 1000
+
+
+def test_cli_bad_input_exits_with_one_line() -> None:
+    proc = subprocess.run(
+        kvcoord_cmd("simulate", "--limit", "5", "--policies", "prefix-aware,nearest"),
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == ["kvcoord simulate: unknown policy 'nearest' (known: "
+                                                "prefix-aware, approximate, least-loaded, round-robin, random)"]
