@@ -5,15 +5,18 @@ canonical=True))`` (or ``pickle.dumps`` for the pickle algorithms) with ``hashli
 Both run on a 32k-token prompt (block size 16) and must produce identical digests.
 
 Token ids come from a 151,936-entry vocabulary (Qwen's), drawn two ways: Zipf-like, as text is,
-and uniform, the worst case for the per-token encoding table. Run:
+and uniform, the worst case for the per-token encoding table. The CBOR algorithms are timed with
+each fast-path implementation (``c``: the optional accelerator, when built; ``python``: the
+pure-Python fallback), interleaved with the reference on the same prompts. Run:
 
-    .venv/bin/python benchmarks/bench_hashing.py [--quick] [--tokens N] [--block-size B]
+    .venv/bin/python benchmarks/bench_hashing.py [--quick] [--tokens N] [--block-size B] [--algos A,B]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import pickle
 import random
 import statistics
@@ -23,7 +26,14 @@ from collections.abc import Callable
 import cbor2
 import xxhash
 
-from kvcoord.hashing import HASH_ALGOS, HashAlgo, HashProfile, hash_request_tokens
+from kvcoord.hashing import (
+    HASH_ALGOS,
+    HASH_IMPL_ENV,
+    HashProfile,
+    check_algo,
+    hash_request_tokens,
+    speedups_available,
+)
 
 VOCAB = 151_936
 
@@ -57,33 +67,53 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32_768)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=15, help="timed runs per variant (median reported)")
+    ap.add_argument("--repeat", type=int, default=31, help="prompts per row, each timed once per variant")
     ap.add_argument("--quick", action="store_true", help="3 runs, for a smoke test")
     ap.add_argument("--algos", default=",".join(HASH_ALGOS))
     args = ap.parse_args()
     repeat = 3 if args.quick else args.repeat
-    print(f"{args.tokens} tokens, block size {args.block_size}, median of {repeat} runs (ms)")
-    print(f"{'tokens':8} {'algo':12} {'fast':>8} {'reference':>10} {'ratio':>7}")
+    # Fast-path implementations, chosen through kvcoord's public KVCOORD_HASH_IMPL switch.
+    impls = (["c"] if speedups_available() else []) + ["python"]
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{args.tokens} tokens, block size {args.block_size}, {repeat} prompts/row, load average {load}")
+    print("C accelerator:", "built" if speedups_available() else "NOT built (pure-Python fast path only)")
+    print("times in ms: median (min); ratio = reference / fast, of medians (of minimums)")
+    print(f"{'tokens':8} {'algo':12} {'impl':7} {'fast':>15} {'reference':>15} {'ratio':>15}")
     for kind in ("zipf", "uniform"):
         batch = prompts(kind, args.tokens, repeat, seed=1)
         for algo in args.algos.split(","):
-            algo_t: HashAlgo = algo  # type: ignore[assignment]
-            profile = HashProfile(algo_t, args.block_size, seed="0")
+            profile = HashProfile(check_algo(algo), args.block_size, seed="0")
             none = profile.none_hash()
-            hash_request_tokens(profile, batch[0])  # warm the per-token table (steady state of a server)
-            fast_t, ref_t = [], []
-            for tokens in batch:
-                t0 = time.perf_counter()
-                got = hash_request_tokens(profile, tokens)
-                t1 = time.perf_counter()
-                want = reference(algo, none, tokens, args.block_size)
-                t2 = time.perf_counter()
-                if got != want:
+            runs = impls if algo.endswith("_cbor") else ["auto"]  # pickle algorithms: no fast path
+            times: dict[str, list[float]] = {impl: [] for impl in [*runs, "reference"]}
+            for impl in runs:  # warm each path (the per-token table: steady state of a server)
+                os.environ[HASH_IMPL_ENV] = impl
+                hash_request_tokens(profile, batch[0])
+            for i, tokens in enumerate(batch):
+                # interleave the variants and rotate their order, so load spikes hit all of them alike
+                order = [*runs, "reference"]
+                order = order[i % len(order) :] + order[: i % len(order)]
+                results = []
+                for variant in order:
+                    if variant == "reference":
+                        t0 = time.perf_counter()
+                        out = reference(algo, none, tokens, args.block_size)
+                    else:
+                        os.environ[HASH_IMPL_ENV] = variant
+                        t0 = time.perf_counter()
+                        out = list(hash_request_tokens(profile, tokens))
+                    times[variant].append(time.perf_counter() - t0)
+                    results.append(out)
+                if any(r != results[0] for r in results):
                     raise SystemExit(f"MISMATCH: {algo} fast path differs from the reference")
-                fast_t.append(t1 - t0)
-                ref_t.append(t2 - t1)
-            f, r = statistics.median(fast_t) * 1e3, statistics.median(ref_t) * 1e3
-            print(f"{kind:8} {algo:12} {f:8.2f} {r:10.2f} {r / f:6.2f}x")
+            os.environ.pop(HASH_IMPL_ENV, None)
+            ref = times.pop("reference")
+            r_med, r_min = statistics.median(ref) * 1e3, min(ref) * 1e3
+            for impl, ts in times.items():
+                f_med, f_min = statistics.median(ts) * 1e3, min(ts) * 1e3
+                fast_s, ref_s = f"{f_med:7.2f} ({f_min:5.2f})", f"{r_med:7.2f} ({r_min:5.2f})"
+                ratios = f"{r_med / f_med:5.2f}x ({r_min / f_min:5.2f}x)"
+                print(f"{kind:8} {algo:12} {impl:7} {fast_s} {ref_s} {ratios}")
     print("outputs identical: yes")
 
 

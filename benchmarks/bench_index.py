@@ -105,12 +105,15 @@ def mooncake_requests(path: Path, limit: int | None) -> list[Request]:
     return [ex.chain(ids, n) for ids, n in load_mooncake(path, limit)]
 
 
-def shared_prefix_requests(prompts: int = 64, questions: int = 16, extra: int = 4) -> tuple[list[Request], list[Request]]:
+def shared_prefix_requests(
+    prompts: int = 64, questions: int = 16, extra: int = 4
+) -> tuple[list[Request], list[Request]]:
     """Applied requests (prompt + question) and held-out queries (prompt + a new question)."""
     ex = Expander()
     sys_blocks = 2048 // 512  # in 512-token units: 4 ids of 32 blocks = 128 blocks
     q_blocks = 128 // BLOCK_TOKENS  # 8 blocks
-    applied, queries = [], []
+    applied: list[Request] = []
+    queries: list[Request] = []
     next_id = 1_000_000
     for p in range(prompts):
         prompt_ids = [p * 10 + i for i in range(sys_blocks)]
@@ -165,14 +168,20 @@ class Result:
     blocks_applied: int = 0
     ours_apply_s: float = 0.0
     dyn_apply_s: float = 0.0
+    ours_apply_cpu: float = 0.0
+    dyn_apply_cpu: float = 0.0
     ours_lat: list[float] = field(default_factory=list)
     dyn_lat: list[float] = field(default_factory=list)
+    raw_lat: list[float] = field(default_factory=list)
     entries: int = 0
     est_bytes: int = 0
     agree: int = 0
     queries: int = 0
     matched_nodes: int = 0
     matched_blocks: int = 0
+
+
+_ROTATIONS = ((0, 1, 2), (1, 2, 0), (2, 0, 1))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -197,49 +206,50 @@ def run_workload(name: str, reqs: Sequence[Request], queries: Sequence[Request],
         for e in chunk:
             eid += 1
             blocks = [{"block_hash": c, "tokens_hash": x} for c, x in zip(e.chained, e.local, strict=True)]
-            body = {"event_id": eid, "data": {"stored": {"parent_hash": e.parent, "blocks": blocks}}, "dp_rank": 0}
+            stored = {"parent_hash": e.parent, "blocks": blocks}
+            body = {"event_id": eid, "data": {"stored": stored}, "dp_rank": 0}
             theirs.append((e.node, json.dumps(body).encode()))
         res.blocks_applied += sum(len(e.chained) for e in chunk)
         gc.collect()
         for turn in ((0, 1) if ci % 2 == 0 else (1, 0)):
             if turn == 0:
                 apply = ours.apply_sync
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 for node, evs in mine:
                     apply(MODEL, node, 0, evs)
                 res.ours_apply_s += time.perf_counter() - t0
+                res.ours_apply_cpu += time.process_time() - c0
             else:
                 apply_event = tree.apply_event
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 for wid, payload in theirs:
                     apply_event(wid, payload)
                 tree.find_matches([0])  # drain the tree's worker thread
                 res.dyn_apply_s += time.perf_counter() - t0
+                res.dyn_apply_cpu += time.process_time() - c0  # includes Dynamo's worker thread
     st = ours.stats_sync()
     res.entries, res.est_bytes = st.entries, st.bytes
     gc.collect()
     match = ours.match_sync
+    raw = ours.match_raw_sync
     find = tree.find_matches
     perf = time.perf_counter
     for qi, q in enumerate(queries):
-        if qi % 2 == 0:
+        ch, loc = q.chained, q.local
+        for turn in _ROTATIONS[qi % 3]:
             t0 = perf()
-            got = match(MODEL, q.chained)
-            t1 = perf()
-            scores = find(q.local).scores
-            t2 = perf()
-            res.ours_lat.append(t1 - t0)
-            res.dyn_lat.append(t2 - t1)
-        else:
-            t0 = perf()
-            scores = find(q.local).scores
-            t1 = perf()
-            got = match(MODEL, q.chained)
-            t2 = perf()
-            res.dyn_lat.append(t1 - t0)
-            res.ours_lat.append(t2 - t1)
+            if turn == 0:
+                got = match(MODEL, ch)
+                res.ours_lat.append(perf() - t0)
+            elif turn == 1:
+                raw(MODEL, ch)
+                res.raw_lat.append(perf() - t0)
+            else:
+                scores = find(loc).scores
+                res.dyn_lat.append(perf() - t0)
         mine_scores = {(int(m.node_id[5:]), m.dp_rank): m.matched_blocks for m in got}
-        res.agree += mine_scores == {k: v for k, v in scores.items() if v}
+        theirs_scores: dict[object, int] = {k: v for k, v in scores.items() if v}
+        res.agree += mine_scores == theirs_scores
         res.queries += 1
         res.matched_nodes += len(got)
         res.matched_blocks += max((m.matched_blocks for m in got), default=0)
@@ -250,6 +260,7 @@ def report(r: Result) -> dict[str, object]:
     ours_tput = r.blocks_applied / r.ours_apply_s
     dyn_tput = r.blocks_applied / r.dyn_apply_s
     o50, o99 = _pct(r.ours_lat, 0.5) * 1e6, _pct(r.ours_lat, 0.99) * 1e6
+    r50, r99 = _pct(r.raw_lat, 0.5) * 1e6, _pct(r.raw_lat, 0.99) * 1e6
     d50, d99 = _pct(r.dyn_lat, 0.5) * 1e6, _pct(r.dyn_lat, 0.99) * 1e6
     row = {
         "workload": r.name,
@@ -257,12 +268,19 @@ def report(r: Result) -> dict[str, object]:
         "apply_ours_blocks_per_s": round(ours_tput),
         "apply_dynamo_blocks_per_s": round(dyn_tput),
         "apply_ratio": round(ours_tput / dyn_tput, 2),
+        "apply_cpu_ours_blocks_per_s": round(r.blocks_applied / r.ours_apply_cpu),
+        "apply_cpu_dynamo_blocks_per_s": round(r.blocks_applied / r.dyn_apply_cpu),
+        "apply_cpu_ratio": round(r.dyn_apply_cpu / r.ours_apply_cpu, 2),
         "match_ours_p50_us": round(o50, 1),
         "match_ours_p99_us": round(o99, 1),
+        "match_raw_p50_us": round(r50, 1),
+        "match_raw_p99_us": round(r99, 1),
         "match_dynamo_p50_us": round(d50, 1),
         "match_dynamo_p99_us": round(d99, 1),
         "match_p50_ratio": round(o50 / d50, 2),
         "match_p99_ratio": round(o99 / d99, 2),
+        "match_raw_p50_ratio": round(r50 / d50, 2),
+        "match_raw_p99_ratio": round(r99 / d99, 2),
         "entries": r.entries,
         "est_bytes_per_entry": round(r.est_bytes / max(1, r.entries), 1),
         "queries": r.queries,
@@ -271,10 +289,11 @@ def report(r: Result) -> dict[str, object]:
         "avg_best_match_blocks": round(r.matched_blocks / max(1, r.queries), 1),
     }
     print(
-        f"{r.name:<24} apply {ours_tput / 1e6:6.2f}M vs {dyn_tput / 1e6:5.2f}M blk/s (x{ours_tput / dyn_tput:4.2f})"
-        f" | match p50 {o50:6.1f} vs {d50:6.1f} us (x{o50 / d50:4.2f}), p99 {o99:6.1f} vs {d99:6.1f} us"
-        f" (x{o99 / d99:4.2f}) | {row['est_bytes_per_entry']} B/entry est, {r.entries} entries,"
-        f" agree {row['results_agree']}",
+        f"{r.name:<24} apply {ours_tput / 1e6:5.2f}M vs {dyn_tput / 1e6:5.2f}M blk/s"
+        f" (x{ours_tput / dyn_tput:4.2f}; CPU-time x{row['apply_cpu_ratio']:4.2f}) | match p50 {o50:6.1f} [raw {r50:6.1f}] vs {d50:6.1f} us"
+        f" (x{o50 / d50:4.2f} [raw x{r50 / d50:4.2f}]) p99 {o99:6.1f} [raw {r99:6.1f}] vs {d99:6.1f} us"
+        f" (x{o99 / d99:4.2f} [raw x{r99 / d99:4.2f}]) | {row['est_bytes_per_entry']} B/entry est,"
+        f" {r.entries} entries, {row['avg_nodes_matched']} nodes/query, agree {row['results_agree']}",
         flush=True,
     )
     return row
@@ -312,7 +331,7 @@ def memory_child(how: str, target: int, trace: Path) -> None:
     else:
         idx = MemoryIndex()
     eid = 0
-    for i, (ids, nblocks) in enumerate(reqs):
+    for ids, nblocks in reqs:
         node = rng.randrange(8)
         parent = 0
         loc: list[int] = []
@@ -331,7 +350,8 @@ def memory_child(how: str, target: int, trace: Path) -> None:
         if how == "dynamo":
             eid += 1
             blocks = [{"block_hash": c, "tokens_hash": x} for c, x in zip(ch, loc, strict=True)]
-            body = {"event_id": eid, "data": {"stored": {"parent_hash": None, "blocks": blocks}}, "dp_rank": 0}
+            stored = {"parent_hash": None, "blocks": blocks}
+            body = {"event_id": eid, "data": {"stored": stored}, "dp_rank": 0}
             tree.apply_event(node, json.dumps(body).encode())
             before = len(seen[node])
             seen[node].update(ch)
@@ -370,7 +390,8 @@ def run_memory(how: str, target: int, trace: Path) -> dict[str, object]:
     extra = ""
     if row.get("stats_estimate_per_entry"):
         extra = f" (stats() estimate {row['stats_estimate_per_entry']:.1f})"
-    print(f"memory[{how}] {row['entries']} entries: {row['bytes_per_entry']:.1f} bytes/entry{extra}", flush=True)
+    per = row["bytes_per_entry"]
+    print(f"memory[{how}] {row['entries']} entries: {per:.1f} bytes/entry{extra}", flush=True)
     return row
 
 

@@ -189,21 +189,51 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--replay-endpoint", default=None, help="the engine's ROUTER replay endpoint")
     p.add_argument("--topic", default="")
     p.add_argument("--dp-ranks", default="0",
-                   help="engine DP ranks to relay, comma separated: rank r publishes on the (rank-0) endpoints' "
-                        "port + r, as vLLM offsets them (default 0)")
-    p.add_argument("--tls-ca", default=None, help="CA bundle (PEM) to verify the coordinator's TLS certificate")
+                   help="engine DP ranks to relay, comma separated: rank r publishes on the (rank-0) "
+                        "endpoints' port + r, as vLLM offsets them (default 0)")
+    p.add_argument("--tls-ca", default=None, help="CA bundle (PEM) verifying the coordinator's certificate")
     p.add_argument("--signed-hashes", action="store_true",
                    help="accept SGLang's signed int64 block hashes (reinterpreted as uint64)")
     p.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer")
     p.add_argument("--token", default=None, help="auth token for the coordinator (default: $KVCOORD_TOKEN)")
+    p.add_argument("--stats-file", default=None,
+                   help="write JSON {relays: [{expected_seq, gaps, lost_batches, ..}], reporter: {..}} here")
+    p.add_argument("--stats-interval", type=float, default=0.2, help="seconds between stats-file writes")
     p.set_defaults(func=_lazy("kvcoord.agent.relay", "run_agent"))
 
 
 def _add_sim_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("sim-engine", help="a stand-in engine publishing vLLM-exact KV events")
-    p.add_argument("--zmq-bind", default="tcp://*:5557")
-    p.add_argument("--replay-bind", default=None)
+    p.add_argument("--zmq-bind", default="tcp://*:5557", help="PUB endpoint (rank 0; rank r uses port + r)")
+    p.add_argument("--replay-bind", default=None, help="ROUTER replay endpoint, e.g. tcp://*:5558")
     p.add_argument("--topic", default="")
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=2048)
+    p.add_argument("--algo", default="sha256_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
+    p.add_argument("--hash-seed", default=None, help="NONE_HASH seed (default: $PYTHONHASHSEED)")
+    p.add_argument("--hash-form", choices=["int", "bytes"], default="int", help="how events carry hashes")
+    p.add_argument("--medium", default="GPU")
+    p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
+    p.add_argument("--rate", type=float, default=20.0, help="requests per second (0: as fast as possible)")
+    p.add_argument("--requests", type=int, default=0,
+                   help="stop after N requests (0: run until SIGTERM); SIGUSR1 serves N more")
+    p.add_argument("--linger", action="store_true", help="after --requests, serve replay until SIGTERM")
+    p.add_argument("--concurrency", type=int, default=8, help="requests kept running (holding blocks)")
+    p.add_argument("--prefixes", type=int, default=8, help="distinct shared prompt prefixes")
+    p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--buffer-steps", type=int, default=10_000, help="batches kept for replay")
+    p.add_argument("--hwm", type=int, default=100_000, help="PUB high-water mark")
+    p.add_argument("--form", choices=["map", "array"], default="map",
+                   help="event encoding: map (vLLM >= 0.24) or array (<= 0.23)")
+    p.add_argument("--removal-events", choices=["vllm", "last_copy"], default="vllm",
+                   help="BlockRemoved per evicted block (vllm) or only when a hash's last copy goes")
+    p.add_argument("--state-file", default=None,
+                   help="write JSON {blocks: {dp_rank: [[hash, tier]..]}, next_seq, ..} here periodically")
+    p.add_argument("--state-interval", type=float, default=0.2, help="seconds between state-file writes")
     p.set_defaults(func=_lazy("kvcoord.agent.sim_engine", "run_sim_engine"))
 
 

@@ -341,9 +341,10 @@ def _diagnose(payload: bytes, map_err: msgspec.ValidationError,
 
 
 _FIELD_NAMES = {
-    "BlockStored": ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
-                    "locality", "ownership", "session_id", "lookahead_token_ids"),
+    "BlockStored": ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                    "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
+                    "lookahead_token_ids"),
     "BlockRemoved": ("type", "block_hashes", "medium", "group_idx", "locality", "ownership"),
 }
 _ARRAY_PATH = re.compile(r"`\$\[1\]\[(\d+)\]\[(\d+)\]")

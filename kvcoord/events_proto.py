@@ -6,12 +6,18 @@ and hands the model to the index. Hashes keep the form the engine published (uin
 token ids; ``extra_keys`` travel as msgpack so tuples, bytes, ints and strings survive exactly as vLLM
 publishes them.
 
-Not carried by ``kvcoord.v1`` (yet): ``locality``, ``ownership``, ``session_id`` and
-``lookahead_token_ids``; :func:`event_to_proto` drops them (they do not affect the index).
+Every field of the model travels, including the later ``locality``, ``ownership``, ``session_id`` and
+``lookahead_token_ids`` (the index ignores them), and a batch's missing dp rank (``dp_rank_absent``).
+
+Speed: validation of the long lists (hashes, token ids) runs in C (``set(map(type, ...))`` plus
+``array("Q", ...)``) and falls back to the per-item loop only to name the offending item. The
+coordinator decodes with ``tokens=False`` when it will not verify hashes: the same validation, but
+``token_ids`` stays empty instead of becoming a tuple of ints nobody reads.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -44,13 +50,42 @@ _UINT64_MAX = (1 << 64) - 1
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
+_INT_T = {int}
+_BYTES_T = {bytes}
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder()
 
 
 # --- hashes ------------------------------------------------------------------------------------
+def _u64_ok(values: Sequence[int]) -> bool:
+    """True when every value (all exact ``int``) is in [0, 2**64): one C-level pass."""
+    try:
+        array("Q", values)
+    except (OverflowError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _token_ids(tokens: Sequence[int], what: str) -> Sequence[int]:
+    """Token ids as uint64s, or ValueError naming the first bad one (fast path: all plain ints)."""
+    if not tokens or (set(map(type, tokens)) == _INT_T and _u64_ok(tokens)):
+        return tokens
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _UINT64_MAX:
+            raise ValueError(f"{what}: {t!r} is not a uint64 token id")
+    return tokens
+
+
 def _hash_form(hashes: Sequence[EngineHash], what: str) -> tuple[list[int], list[bytes]]:
     """Split a hash list into (ints, digests); exactly one may be non-empty."""
+    if not hashes:
+        return [], []
+    types = set(map(type, hashes))
+    if types == _INT_T and _u64_ok(hashes):  # type: ignore[arg-type]
+        return hashes, []  # type: ignore[return-value]
+    if types == _BYTES_T:
+        return [], hashes  # type: ignore[return-value]
     ints: list[int] = []
     digests: list[bytes] = []
     for h in hashes:
@@ -73,11 +108,11 @@ def _hashes_from(ints: Sequence[int], digests: Sequence[bytes], what: str) -> tu
             f"{what}: both block_hashes ({len(ints)}) and block_digests ({len(digests)}) are set"
         )
     if len(digests):
-        for i, d in enumerate(digests):
-            if not d:
-                raise ValueError(f"{what}: block_digests[{i}] is empty")
-        return tuple(bytes(d) for d in digests)
-    return tuple(int(h) for h in ints)
+        out = tuple(digests)
+        if not all(out):
+            raise ValueError(f"{what}: block_digests[{out.index(b'')}] is empty")
+        return out
+    return tuple(ints)
 
 
 def _check_range(value: int | None, lo_hi: tuple[int, int], what: str) -> None:
@@ -141,37 +176,45 @@ def tier_from_proto(value: int) -> Tier:
 def event_to_proto(event: KVEvent) -> pb.KVEvent:
     """Model event -> ``kvcoord.v1.KVEvent``. Raises ``ValueError`` for values the wire cannot carry."""
     if isinstance(event, BlockStored):
-        return pb.KVEvent(stored=_stored_to_proto(event))
+        out = pb.KVEvent()
+        _stored_to_proto(event, out.stored)  # filled in place: wrapping a built message would copy it
+        return out
     if isinstance(event, BlockRemoved):
         ints, digests = _hash_form(event.block_hashes, "BlockRemoved.block_hashes")
         _check_range(event.group_idx, _INT32, "BlockRemoved.group_idx")
         removed = pb.BlockRemoved(block_hashes=ints, block_digests=digests, medium=event.medium or "")
         if event.group_idx is not None:
             removed.group_idx = event.group_idx
+        _set_strings(removed, event, _REMOVED_STRINGS, "BlockRemoved")
         return pb.KVEvent(removed=removed)
     if isinstance(event, AllBlocksCleared):
         return pb.KVEvent(cleared=pb.AllBlocksCleared())
     raise ValueError(f"not a KV event: {type(event).__name__}")
 
 
-def _stored_to_proto(ev: BlockStored) -> pb.BlockStored:
+def _stored_to_proto(ev: BlockStored, msg: pb.BlockStored) -> None:
     ints, digests = _hash_form(ev.block_hashes, "BlockStored.block_hashes")
     if ev.block_size < 0 or ev.block_size > 0xFFFFFFFF:
         raise ValueError(f"BlockStored.block_size {ev.block_size} is out of range")
-    for t in ev.token_ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _UINT64_MAX:
-            raise ValueError(f"BlockStored.token_ids: {t!r} is not a uint64 token id")
     _check_range(ev.lora_id, _INT64, "BlockStored.lora_id")
     _check_range(ev.group_idx, _INT32, "BlockStored.group_idx")
     _check_range(ev.kv_cache_spec_sliding_window, _INT32, "BlockStored.kv_cache_spec_sliding_window")
-    msg = pb.BlockStored(
-        block_hashes=ints,
-        block_digests=digests,
-        token_ids=ev.token_ids,
-        block_size=ev.block_size,
-        medium=ev.medium or "",
-        extra_keys_msgpack=_extra_keys_to_bytes(ev.extra_keys),
-    )
+    if ints:
+        msg.block_hashes.extend(ints)
+    elif digests:
+        msg.block_digests.extend(digests)
+    if ev.token_ids:
+        try:
+            # upb checks each id in C (int, not bool, in uint64 range); the loop only names the culprit.
+            msg.token_ids.extend(ev.token_ids)
+        except (TypeError, ValueError) as exc:
+            _token_ids(ev.token_ids, "BlockStored.token_ids")
+            raise ValueError(f"BlockStored.token_ids: {exc}") from None
+    msg.block_size = ev.block_size
+    if ev.medium:
+        msg.medium = ev.medium
+    if ev.extra_keys is not None:
+        msg.extra_keys_msgpack = _extra_keys_to_bytes(ev.extra_keys)
     parent = ev.parent_block_hash
     if parent is not None:
         p_ints, p_digests = _hash_form((parent,), "BlockStored.parent_block_hash")
@@ -189,60 +232,96 @@ def _stored_to_proto(ev: BlockStored) -> pb.BlockStored:
         msg.kv_cache_spec_kind = ev.kv_cache_spec_kind
     if ev.kv_cache_spec_sliding_window is not None:
         msg.kv_cache_spec_sliding_window = ev.kv_cache_spec_sliding_window
-    return msg
+    _set_strings(msg, ev, _STORED_STRINGS, "BlockStored")
+    if ev.lookahead_token_ids is not None:
+        la = msg.lookahead_token_ids
+        la.SetInParent()
+        for i, lst in enumerate(ev.lookahead_token_ids):
+            if not isinstance(lst, tuple | list):
+                raise ValueError(f"BlockStored.lookahead_token_ids[{i}] must be a list of token ids")
+            la.lists.add(token_ids=_token_ids(lst, f"BlockStored.lookahead_token_ids[{i}]"))
 
 
-def event_from_proto(msg: pb.KVEvent) -> KVEvent:
-    """``kvcoord.v1.KVEvent`` -> model event. Raises ``ValueError`` naming what is inconsistent."""
+_STORED_STRINGS = ("locality", "ownership", "session_id")
+_REMOVED_STRINGS = ("locality", "ownership")
+
+
+def _set_strings(msg: Any, ev: Any, names: tuple[str, ...], what: str) -> None:
+    for name in names:
+        value = getattr(ev, name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise ValueError(f"{what}.{name} must be a string, not {type(value).__name__}")
+            setattr(msg, name, value)
+
+
+
+def event_from_proto(msg: pb.KVEvent, *, tokens: bool = True) -> KVEvent:
+    """``kvcoord.v1.KVEvent`` -> model event. Raises ``ValueError`` naming what is inconsistent.
+
+    ``tokens=False``: validate everything alike but leave ``token_ids`` (and lookahead tokens) empty,
+    for consumers that never read them (the index).
+    """
     kind = msg.WhichOneof("event")
     if kind == "stored":
-        return _stored_from_proto(msg.stored)
+        return _stored_from_proto(msg.stored, tokens)
     if kind == "removed":
         r = msg.removed
         return BlockRemoved(
             block_hashes=_hashes_from(r.block_hashes, r.block_digests, "BlockRemoved"),
             medium=r.medium or None,
             group_idx=r.group_idx if r.HasField("group_idx") else None,
+            locality=r.locality if r.HasField("locality") else None,
+            ownership=r.ownership if r.HasField("ownership") else None,
         )
     if kind == "cleared":
         return AllBlocksCleared()
     raise ValueError("KVEvent has no event set")
 
 
-def _stored_from_proto(s: pb.BlockStored) -> BlockStored:
-    hashes = _hashes_from(s.block_hashes, s.block_digests, "BlockStored")
-    has_int_parent = s.HasField("parent_block_hash")
-    has_digest_parent = s.HasField("parent_block_digest")
-    if has_int_parent and has_digest_parent:
-        raise ValueError("BlockStored: both parent_block_hash and parent_block_digest are set")
-    parent: EngineHash | None = None
-    if has_int_parent:
-        parent = int(s.parent_block_hash)
-    elif has_digest_parent:
-        if not s.parent_block_digest:
+def _stored_from_proto(s: pb.BlockStored, tokens: bool = True) -> BlockStored:
+    # One ListFields() call tells which fields are set (optional ones included even when set to their
+    # default), instead of a HasField call per optional field: this runs for every event ingested.
+    f = {fd.name: v for fd, v in s.ListFields()}
+    get = f.get
+    hashes = _hashes_from(get("block_hashes", ()), get("block_digests", ()), "BlockStored")
+    parent: EngineHash | None = get("parent_block_hash")
+    if "parent_block_digest" in f:
+        if parent is not None:
+            raise ValueError("BlockStored: both parent_block_hash and parent_block_digest are set")
+        if not f["parent_block_digest"]:
             raise ValueError("BlockStored: parent_block_digest is empty")
-        parent = bytes(s.parent_block_digest)
-    n_tokens = len(s.token_ids)
-    if n_tokens and s.block_size and n_tokens % s.block_size:
-        raise ValueError(
-            f"BlockStored: {n_tokens} token_ids is not a multiple of block_size {s.block_size}"
-        )
-    if n_tokens and not s.block_size:
-        raise ValueError(f"BlockStored: {n_tokens} token_ids but block_size is 0")
+        parent = bytes(f["parent_block_digest"])
+    token_ids = get("token_ids", ())
+    n_tokens = len(token_ids)
+    block_size: int = get("block_size", 0)
+    if n_tokens:
+        if not block_size:
+            raise ValueError(f"BlockStored: {n_tokens} token_ids but block_size is 0")
+        if n_tokens % block_size:
+            raise ValueError(
+                f"BlockStored: {n_tokens} token_ids is not a multiple of block_size {block_size}"
+            )
+    lookahead: tuple[tuple[int, ...], ...] | None = None
+    if "lookahead_token_ids" in f:
+        lookahead = tuple(tuple(lst.token_ids) for lst in f["lookahead_token_ids"].lists) if tokens else ()
+    extra = get("extra_keys_msgpack")
     return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tuple(s.token_ids),
-        block_size=s.block_size,
-        lora_id=s.lora_id if s.HasField("lora_id") else None,
-        medium=s.medium or None,
-        lora_name=s.lora_name if s.HasField("lora_name") else None,
-        extra_keys=_extra_keys_from_bytes(s.extra_keys_msgpack),
-        group_idx=s.group_idx if s.HasField("group_idx") else None,
-        kv_cache_spec_kind=s.kv_cache_spec_kind if s.HasField("kv_cache_spec_kind") else None,
-        kv_cache_spec_sliding_window=(
-            s.kv_cache_spec_sliding_window if s.HasField("kv_cache_spec_sliding_window") else None
-        ),
+        hashes,
+        parent,
+        tuple(token_ids) if tokens and n_tokens else (),
+        block_size,
+        get("lora_id"),
+        get("medium") or None,
+        get("lora_name"),
+        _extra_keys_from_bytes(extra) if extra else None,
+        get("group_idx"),
+        get("kv_cache_spec_kind"),
+        get("kv_cache_spec_sliding_window"),
+        get("locality"),
+        get("ownership"),
+        get("session_id"),
+        lookahead,
     )
 
 
@@ -257,12 +336,12 @@ def events_to_proto(events: Iterable[KVEvent]) -> list[pb.KVEvent]:
     return out
 
 
-def events_from_proto(msgs: Iterable[pb.KVEvent]) -> tuple[KVEvent, ...]:
+def events_from_proto(msgs: Iterable[pb.KVEvent], *, tokens: bool = True) -> tuple[KVEvent, ...]:
     """Decode a whole list first, so a bad event rejects the batch before anything is applied."""
     out: list[KVEvent] = []
     for i, m in enumerate(msgs):
         try:
-            out.append(event_from_proto(m))
+            out.append(event_from_proto(m, tokens=tokens))
         except ValueError as exc:
             raise ValueError(f"event {i}: {exc}") from None
     return tuple(out)
@@ -270,15 +349,20 @@ def events_from_proto(msgs: Iterable[pb.KVEvent]) -> tuple[KVEvent, ...]:
 
 # --- batches -----------------------------------------------------------------------------------
 def batch_to_proto(batch: KVEventBatch, seq: int) -> pb.EventBatch:
-    """Model batch -> numbered ``EventBatch``. A missing dp rank is rank 0 (as vLLM treats it)."""
+    """Model batch -> numbered ``EventBatch``. A missing dp rank travels as rank 0 (as vLLM treats it)
+    with ``dp_rank_absent`` set, so the receiver can tell it from an explicit 0."""
     rank = batch.data_parallel_rank or 0
     if not 0 <= rank <= 0xFFFFFFFF:
         raise ValueError(f"data_parallel_rank {rank} is out of range")
     if not 0 <= seq <= _UINT64_MAX:
         raise ValueError(f"seq {seq} is out of range")
-    return pb.EventBatch(seq=seq, ts=batch.ts, dp_rank=rank, events=events_to_proto(batch.events))
+    return pb.EventBatch(seq=seq, ts=batch.ts, dp_rank=rank, events=events_to_proto(batch.events),
+                         dp_rank_absent=batch.data_parallel_rank is None)
 
 
 def batch_from_proto(msg: pb.EventBatch) -> KVEventBatch:
     """``EventBatch`` -> model batch (its ``seq`` is the stream's business, not the model's)."""
-    return KVEventBatch(ts=msg.ts, events=events_from_proto(msg.events), data_parallel_rank=msg.dp_rank)
+    if msg.dp_rank_absent and msg.dp_rank:
+        raise ValueError(f"EventBatch: dp_rank_absent is set but dp_rank is {msg.dp_rank}")
+    rank = None if msg.dp_rank_absent else msg.dp_rank
+    return KVEventBatch(ts=msg.ts, events=events_from_proto(msg.events), data_parallel_rank=rank)

@@ -9,9 +9,12 @@ seed is hashed as a string, and pickle's memo makes object identity part of the 
 repeated ``"mm"`` tag of the tagged style is one shared literal, as in vLLM).
 
 Two paths compute the same digests. The *reference* builds vLLM's tuples and calls
-``cbor2``/``pickle`` plus ``hashlib``/``xxhash``. The *fast* path writes the serialised bytes
-directly from per-token encoding caches; it covers every CBOR input and the pickle inputs without
-extra keys, and the property tests prove it identical to the reference. Routing is automatic.
+``cbor2``/``pickle`` plus ``hashlib``/``xxhash``. The *fast* path (CBOR algorithms) writes the
+serialised bytes directly and hashes them with the same ``hashlib``/``xxhash`` functions: in the
+optional C accelerator ``kvcoord._speedups`` when it was built, else in pure Python from a
+per-token encoding table. ``KVCOORD_HASH_IMPL`` (read at every call) picks the fast path's
+implementation: ``auto`` (default), ``c`` (error if not built) or ``python``. Property tests prove
+every path identical to the reference.
 """
 
 from __future__ import annotations
@@ -25,10 +28,16 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, pairwise, repeat
-from typing import Any, Final, Literal, NewType, TypeAlias, TypeVar, get_args
+from operator import itemgetter
+from typing import Any, Final, Literal, NewType, TypeAlias, TypeVar, cast, get_args
 
 import cbor2
 import xxhash as _xxhash
+
+try:
+    from kvcoord import _speedups as _c
+except ImportError:  # installed without a C compiler: the pure-Python fast path takes over
+    _c = None  # type: ignore[assignment]
 
 BlockDigest = NewType("BlockDigest", bytes)
 """A full block digest as the engine computes it: 32 bytes (sha256*) or 16 bytes (xxh3-128)."""
@@ -451,7 +460,9 @@ class _TokenCodec:
             seq = seq[:n]
         table = self._table
         try:
-            tokens = iter(map(table.__getitem__, seq))
+            # one C-level call looks every id up (much cheaper than a per-token Python call)
+            encoded = itemgetter(*seq)(table) if n > 1 else (table[seq[0]],)
+            tokens = iter(encoded)
             return list(map(b"".join, zip(repeat(head), *([tokens] * bs), tails, strict=False)))
         except IndexError:  # an id beyond the table
             top = max(arr[:n])
@@ -527,6 +538,32 @@ def _cbor_encode(value: object) -> bytes:
     return result
 
 
+HASH_IMPL_ENV: Final = "KVCOORD_HASH_IMPL"
+"""Environment variable choosing the fast path's implementation: ``auto``, ``c`` or ``python``."""
+
+
+def speedups_available() -> bool:
+    """True when the optional C accelerator ``kvcoord._speedups`` was built and imports."""
+    return _c is not None
+
+
+def _use_c() -> bool:
+    """Whether this call's fast path runs in C, per ``KVCOORD_HASH_IMPL`` (read at call time)."""
+    impl = os.environ.get(HASH_IMPL_ENV, "auto") or "auto"
+    if impl == "auto":
+        return _c is not None
+    if impl == "python":
+        return False
+    if impl == "c":
+        if _c is None:
+            raise RuntimeError(
+                f"{HASH_IMPL_ENV}=c but the C accelerator kvcoord._speedups is not built "
+                "(reinstall kvcoord with a C compiler and the Python headers)"
+            )
+        return True
+    raise ValueError(f"{HASH_IMPL_ENV}={impl!r}: expected auto, c or python")
+
+
 def _chain(
     algo: HashAlgo,
     none_hash: bytes,
@@ -542,21 +579,25 @@ def _chain(
     prev: bytes = parent or none_hash
     if count == 0:
         return []
-    if not fast or not algo.endswith("_cbor"):
-        # pickle's memo makes identity part of the input, and pickle.dumps is already C-fast.
+    if not fast:
         return _chain_reference(algo, prev, arr, block_size, extras)
+    if not algo.endswith("_cbor"):
+        return _chain_pickle(algo, prev, arr, block_size, extras)
     sha = algo.startswith("sha256")
     size = 32 if sha else 16
-    if extras.count(None) == count:
-        tails: Iterable[bytes] = _Repeat(b"\xf6")
-    else:
-        tails = []
+    per_block: list[bytes] = []
+    if extras.count(None) != count:
         last: tuple[Any, ...] | None = None
         last_tail = b"\xf6"
         for e in extras:
             if e is not last and e != last:
                 last, last_tail = e, _cbor_encode(e)
-            tails.append(last_tail)
+            per_block.append(last_tail)
+    if _use_c():
+        ctor: Callable[[bytes], object] = hashlib.sha256 if sha else _xxhash.xxh3_128_digest
+        digests = _c.cbor_chain(ctor, sha, prev, arr, block_size, count, per_block or b"\xf6")
+        return cast(list[BlockDigest], digests)  # BlockDigest is bytes at runtime
+    tails: Iterable[bytes] = per_block or _Repeat(b"\xf6")
     bodies = _CBOR_TOKENS.blocks(seq, arr, block_size, count, _cbor_head(4, block_size), tails)
     first = b"\x83" + _cbor_head(2, len(prev))  # (parent, tokens, keys): array of 3, byte string
     heads: Iterable[bytes] = chain((first,), repeat(b"\x83" + _cbor_head(2, size)))
@@ -573,6 +614,34 @@ def _chain(
             prev = xxh(head + prev + body)
             append(BlockDigest(prev))
     return out
+
+
+def _chain_pickle(
+    algo: HashAlgo,
+    prev: bytes,
+    arr: array[int],
+    block_size: int,
+    extras: Sequence[tuple[Any, ...] | None],
+) -> list[BlockDigest]:
+    """The pickle algorithms: vLLM's very tuples (pickle's memo makes identity part of the input,
+    so they are not rewritten), with the per-block Python work trimmed to one loop."""
+    tokens = arr[: len(extras) * block_size].tolist()  # plain ints, created once
+    ends = range(block_size, (len(extras) + 1) * block_size, block_size) if block_size else repeat(0)
+    blocks = (tuple(tokens[end - block_size : end]) for end in ends)
+    dumps = pickle.dumps
+    out: list[bytes] = []
+    append = out.append
+    if algo == "sha256":
+        sha256 = hashlib.sha256
+        for block, extra in zip(blocks, extras, strict=False):
+            prev = sha256(dumps((prev, block, extra), 5)).digest()
+            append(prev)
+    else:
+        xxh = _xxhash.xxh3_128_digest
+        for block, extra in zip(blocks, extras, strict=False):
+            prev = xxh(dumps((prev, block, extra), 5))
+            append(prev)
+    return cast(list[BlockDigest], out)  # BlockDigest is bytes at runtime
 
 
 def _chain_reference(
@@ -697,6 +766,7 @@ __all__ = [
     "EXTRA_KEY_STYLES",
     "HASH_ALGOS",
     "HASH_FUNCTIONS",
+    "HASH_IMPL_ENV",
     "UINT64_MASK",
     "BlockDigest",
     "BlockHash64",
@@ -720,5 +790,6 @@ __all__ = [
     "hash_xxhash_cbor",
     "parse_release",
     "published_extra_keys",
+    "speedups_available",
     "to_block_hash64",
 ]

@@ -22,6 +22,7 @@ from kvcoord.events import BlockStored, Tier
 from kvcoord.events_proto import event_to_proto
 from kvcoord.hashing import HashProfile
 from kvcoord.index import Index
+from kvcoord.index.memory import MemoryIndex
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
 from tests.procs import FIXTURES
@@ -725,3 +726,43 @@ async def test_health_follows_index_ping(tmp_path: Any) -> None:
             await idx.close()
     finally:
         stop_server(redis)
+
+
+# --- index generation ---------------------------------------------------------------------------
+class LosableIndex(MemoryIndex):
+    """A memory index that can lose all it holds at once, as a Redis restarted empty does."""
+
+    def lose_everything(self) -> None:
+        MemoryIndex.__init__(self)  # empty, with a new generation
+
+
+async def test_index_that_lost_its_data_gets_every_node_resynced() -> None:
+    index = LosableIndex()
+    async with serving(index, stats_interval=0.05) as c:
+        a = Agent(c, "n1")
+        await a.start()
+        b = Agent(c, "n2")
+        await b.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2, 3])])) == 1
+        assert ack_seq(await b.batch(1, [stored([1, 2])])) == 1
+        assert [(n.node_id, n.matched_blocks) for n in (await c.lookup_hashes([1, 2, 3])).nodes] == [
+            ("n1", 3), ("n2", 2)]
+        gen = await index.generation()
+
+        index.lose_everything()
+        assert await index.generation() != gen
+        for agent in (a, b):
+            msg = await agent.recv()
+            assert msg.WhichOneof("msg") == "snapshot_request", msg
+            assert msg.snapshot_request.reason.startswith("index_reset")
+        assert {n.node_id: n.state for n in (await c.stats()).nodes} == {"n1": "resyncing", "n2": "resyncing"}
+        assert not (await c.lookup_hashes([1, 2, 3])).nodes
+        # Batches are not applied to the empty index while a snapshot is due; the snapshot restores.
+        await a.send(batch=pb.EventBatch(seq=2, events=[stored([4])]))
+        await a.snapshot(2, {0: [(1, 0), (2, 0), (3, 0), (4, 0)]})
+        await b.snapshot(1, {0: [(1, 0), (2, 0)]})
+        assert [(n.node_id, n.matched_blocks) for n in (await c.lookup_hashes([1, 2, 3, 4])).nodes] == [
+            ("n1", 4), ("n2", 2)]
+        assert (await c.stats()).snapshots_requested >= 4  # two hellos, two index resets
+        await a.close()
+        await b.close()

@@ -35,6 +35,9 @@ block_keys = st.one_of(st.none(), st.lists(leaf, max_size=3).map(tuple))
 extra = st.one_of(st.none(), st.lists(block_keys, max_size=4).map(tuple))
 
 
+opt_text = st.one_of(st.none(), st.text(max_size=8))
+
+
 @st.composite
 def stored(draw: st.DrawFn) -> BlockStored:
     n = draw(st.integers(min_value=0, max_value=4))
@@ -56,6 +59,11 @@ def stored(draw: st.DrawFn) -> BlockStored:
             st.one_of(st.none(), st.sampled_from(["full_attention", "sliding_window", ""]))
         ),
         kv_cache_spec_sliding_window=draw(st.one_of(st.none(), st.integers(0, 4096))),
+        locality=draw(opt_text),
+        ownership=draw(opt_text),
+        session_id=draw(opt_text),
+        lookahead_token_ids=draw(st.one_of(
+            st.none(), st.lists(st.lists(u64, max_size=4).map(tuple), max_size=3).map(tuple))),
     )
 
 
@@ -66,6 +74,8 @@ def removed(draw: st.DrawFn) -> BlockRemoved:
         block_hashes=tuple(hashes),
         medium=draw(medium),
         group_idx=draw(st.one_of(st.none(), st.integers(0, 7))),
+        locality=draw(opt_text),
+        ownership=draw(opt_text),
     )
 
 
@@ -81,12 +91,34 @@ def test_event_round_trip(ev: KVEvent) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(events, max_size=6), st.floats(0, 2e9), st.integers(0, 7), st.integers(1, 2**64 - 1))
-def test_batch_round_trip(evs: list[KVEvent], ts: float, rank: int, seq: int) -> None:
+@given(st.lists(events, max_size=6), st.floats(0, 2e9), st.one_of(st.none(), st.integers(0, 7)),
+       st.integers(1, 2**64 - 1))
+def test_batch_round_trip(evs: list[KVEvent], ts: float, rank: int | None, seq: int) -> None:
     batch = KVEventBatch(ts=ts, events=tuple(evs), data_parallel_rank=rank)
     msg = pb.EventBatch.FromString(batch_to_proto(batch, seq).SerializeToString())
     assert msg.seq == seq
     assert batch_from_proto(msg) == batch
+
+
+def test_absent_dp_rank_is_distinct_from_rank_zero() -> None:
+    none = batch_to_proto(KVEventBatch(ts=1.0, events=(), data_parallel_rank=None), 1)
+    zero = batch_to_proto(KVEventBatch(ts=1.0, events=(), data_parallel_rank=0), 1)
+    assert none.dp_rank == zero.dp_rank == 0 and none.dp_rank_absent and not zero.dp_rank_absent
+    assert batch_from_proto(none).data_parallel_rank is None
+    assert batch_from_proto(zero).data_parallel_rank == 0
+    with pytest.raises(ValueError, match="dp_rank_absent is set but dp_rank is 3"):
+        batch_from_proto(pb.EventBatch(dp_rank=3, dp_rank_absent=True))
+
+
+def test_tokens_false_validates_alike_but_skips_token_tuples() -> None:
+    ev = BlockStored(block_hashes=(1, 2), parent_block_hash=None, token_ids=(5, 6, 7, 8), block_size=2,
+                     lookahead_token_ids=((1, 2),), session_id="s")
+    back = event_from_proto(event_to_proto(ev), tokens=False)
+    assert back == BlockStored(block_hashes=(1, 2), parent_block_hash=None, token_ids=(), block_size=2,
+                               lookahead_token_ids=(), session_id="s")
+    bad = pb.KVEvent(stored=pb.BlockStored(block_hashes=[1], token_ids=[1, 2, 3], block_size=2))
+    with pytest.raises(ValueError, match="not a multiple of block_size"):
+        event_from_proto(bad, tokens=False)
 
 
 def test_real_engine_fixture_round_trips() -> None:
@@ -171,6 +203,12 @@ def test_bad_event_in_list_names_its_index_and_decodes_nothing() -> None:
                      extra_keys=((object(),),)), "extra_keys cannot be encoded"),
         (BlockStored(block_hashes=(1,), parent_block_hash=None, token_ids=(), block_size=1, group_idx=2**40),
          "group_idx"),
+        (BlockStored(block_hashes=(1,), parent_block_hash=None, token_ids=(True,), block_size=1),
+         "not a uint64 token id"),
+        (BlockStored(block_hashes=(1,), parent_block_hash=None, token_ids=(), block_size=1,
+                     lookahead_token_ids=((2**64,),)), "lookahead_token_ids\\[0\\]"),
+        (BlockRemoved(block_hashes=(True,)), "hash must be int or bytes"),
+        (BlockRemoved(block_hashes=(1,), locality=3), "locality must be a string"),  # type: ignore[arg-type]
     ],
 )
 def test_unencodable_events_are_rejected(ev: KVEvent, reason: str) -> None:

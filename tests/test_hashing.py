@@ -8,6 +8,8 @@ import json
 import os
 import pickle
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import cbor2
@@ -20,6 +22,7 @@ from kvcoord import hashing
 from kvcoord.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HASH_ALGOS,
+    HASH_IMPL_ENV,
     HashProfile,
     MultiModalItem,
     RequestBlockHasher,
@@ -29,6 +32,7 @@ from kvcoord.hashing import (
     hash_block_tokens,
     hash_request_tokens,
     published_extra_keys,
+    speedups_available,
     to_block_hash64,
 )
 from tests.procs import FIXTURES, REPO, kvcoord_cmd
@@ -401,6 +405,24 @@ def test_cli_bad_input_is_one_line_and_exit_2(args: list[str], stdin: str, needl
 
 
 # --- fast path == reference ----------------------------------------------------------------------
+# Every implementation of the fast path: the pure-Python one always, the C accelerator when built.
+IMPLS = ["python", "c"] if speedups_available() else ["python"]
+
+
+@contextmanager
+def hash_impl(impl: str) -> Iterator[None]:
+    """Select the fast path's implementation through its public environment variable."""
+    old = os.environ.get(HASH_IMPL_ENV)
+    os.environ[HASH_IMPL_ENV] = impl
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[HASH_IMPL_ENV]
+        else:
+            os.environ[HASH_IMPL_ENV] = old
+
+
 TOKEN = st.one_of(
     st.integers(0, 23),
     st.integers(24, 255),
@@ -452,12 +474,19 @@ def requests(draw: st.DrawFn) -> tuple[HashProfile, list[int], RequestKeys | Non
 @given(requests())
 def test_fast_path_equals_reference(req: tuple[HashProfile, list[int], RequestKeys | None]) -> None:
     profile, tokens, keys = req
-    fast = hash_request_tokens(profile, tokens, keys)
-    assert fast == hash_request_tokens(profile, tokens, keys, fast=False)
-    assert len(fast) == len(tokens) // profile.block_size
-    assert all(len(d) == profile.digest_size for d in fast)
-    # an incremental hasher that gets the whole prompt in one call agrees too
-    assert RequestBlockHasher(profile, keys).append(tokens) == fast
+    reference = hash_request_tokens(profile, tokens, keys, fast=False)
+    assert len(reference) == len(tokens) // profile.block_size
+    assert all(len(d) == profile.digest_size for d in reference)
+    for impl in IMPLS:
+        with hash_impl(impl):
+            assert hash_request_tokens(profile, tokens, keys) == reference, impl
+            # an incremental hasher that gets the whole prompt in one call agrees too
+            assert RequestBlockHasher(profile, keys).append(tokens) == reference, impl
+            if keys is None or not keys.mm_items:  # (vLLM re-walks mm items per call: test above)
+                # one fed in uneven chunks (blocks completed across calls, parent carried over)
+                hasher = RequestBlockHasher(profile, keys)
+                got = [d for i in range(0, len(tokens), 5) for d in hasher.append(tokens[i : i + 5])]
+                assert got == reference, impl
 
 
 @settings(max_examples=80, deadline=None)
@@ -483,7 +512,9 @@ def test_single_block_fast_equals_reference(
     """Arbitrary extra keys (bools, floats, bignums fall back to cbor2 per key) and parents."""
     p = HashProfile(algo, 16, "3")  # type: ignore[arg-type]
     reference = hash_block_tokens(p, parent, tokens, extra, fast=False)
-    assert hash_block_tokens(p, parent, tokens, extra) == reference
+    for impl in IMPLS:
+        with hash_impl(impl):
+            assert hash_block_tokens(p, parent, tokens, extra) == reference, impl
 
 
 def test_fast_path_big_prompts_and_table_limits() -> None:
@@ -495,8 +526,12 @@ def test_fast_path_big_prompts_and_table_limits() -> None:
         p = HashProfile(algo, 16, "0")
         for top in (200, 152_000, 2**21, 2**64 - 1):
             tokens = [rng.randrange(top) for _ in range(16 * 300 + 5)]
-            assert hash_request_tokens(p, tokens) == hash_request_tokens(p, tokens, fast=False)
-            assert hash_request_tokens(p, tuple(tokens)) == hash_request_tokens(p, iter(tokens), fast=False)
+            reference = hash_request_tokens(p, tokens, fast=False)
+            for impl in IMPLS:
+                with hash_impl(impl):
+                    assert hash_request_tokens(p, tokens) == reference, impl
+                    assert hash_request_tokens(p, tuple(tokens)) == reference, impl
+                    assert hash_request_tokens(p, iter(tokens)) == reference, impl
 
 
 def test_tokens_may_be_any_integer_sequence() -> None:
@@ -508,3 +543,85 @@ def test_tokens_may_be_any_integer_sequence() -> None:
     assert hash_request_tokens(p, range(1, 9)) == ref
     assert hash_request_tokens(p, (x for x in range(1, 9))) == ref
 
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_real_engine_fixtures_through_each_fast_path(impl: str) -> None:
+    for name in ("base", "lora"):
+        d = _engine(name)
+        profile = HashProfile("sha256_cbor", d["block_size"], seed=d["hash_seed"])
+        keys = RequestKeys(lora_name=d["lora_name"]) if d.get("lora_name") else None
+        with hash_impl(impl):
+            assert block_hashes64(profile, d["token_ids"], keys) == d["block_hashes"]
+
+
+def test_c_accelerator_is_built_when_required() -> None:
+    """CI sets KVCOORD_REQUIRE_SPEEDUPS=1 so a silently skipped C build fails instead of hiding."""
+    if not speedups_available():
+        if os.environ.get("KVCOORD_REQUIRE_SPEEDUPS"):
+            pytest.fail("kvcoord._speedups is not built (needs a C compiler and the Python headers)")
+        pytest.skip("optional C accelerator kvcoord._speedups not built; pure-Python fast path in use")
+    with hash_impl("c"):
+        p = HashProfile("xxhash_cbor", 4, "0")
+        assert hash_request_tokens(p, range(9)) == hash_request_tokens(p, range(9), fast=False)
+
+
+def test_hash_impl_env_is_validated_at_call_time() -> None:
+    p = HashProfile("sha256_cbor", 2, "0")
+    with hash_impl("turbo"), pytest.raises(ValueError, match=HASH_IMPL_ENV):
+        hash_request_tokens(p, [1, 2])
+    with hash_impl("c"):
+        if speedups_available():
+            assert hash_request_tokens(p, [1, 2]) == hash_request_tokens(p, [1, 2], fast=False)
+        else:
+            with pytest.raises(RuntimeError, match="not built"):
+                hash_request_tokens(p, [1, 2])
+    # an incremental hasher whose call fails keeps its state
+    hasher = RequestBlockHasher(p)
+    hasher.append([7])
+    with hash_impl("turbo"), pytest.raises(ValueError):
+        hasher.append([8, 9])
+    assert hasher.num_tokens == 1 and hasher.digests == ()
+    assert hasher.append([8]) == hash_request_tokens(p, [7, 8], fast=False)
+
+
+@pytest.mark.skipif(not speedups_available(), reason="C accelerator not built")
+def test_c_accelerator_rejects_bad_arguments() -> None:
+    from array import array
+
+    from kvcoord import _speedups
+
+    toks = array("Q", range(8))
+    sha = hashlib.sha256
+    good = _speedups.cbor_chain(sha, True, b"p", toks, 4, 2, b"\xf6")
+    assert len(good) == 2
+    bad: list[tuple[tuple[Any, ...], type[Exception], str]] = [
+        ((sha, True, b"p", array("I", range(8)), 4, 2, b"\xf6"), TypeError, "uint64"),
+        ((sha, True, b"p", [0, 1, 2, 3], 4, 1, b"\xf6"), TypeError, "bytes-like"),
+        ((sha, True, b"p", toks, 4, 3, b"\xf6"), ValueError, "fewer tokens"),
+        ((sha, True, b"p", toks, -1, 1, b"\xf6"), ValueError, ">= 0"),
+        ((sha, True, "p", toks, 4, 2, b"\xf6"), TypeError, "parent"),
+        ((sha, True, b"p", toks, 4, 2, [b"\xf6"]), TypeError, "tails"),
+        ((sha, True, b"p", toks, 4, 2, [b"\xf6", "x"]), TypeError, "tails"),
+        ((sha, False, b"p", toks, 4, 2, b"\xf6"), TypeError, "must return bytes"),
+        ((hashlib.sha256, True, b"p", toks, 4, 2), TypeError, "7 arguments"),
+    ]
+    for args, exc, needle in bad:
+        with pytest.raises(exc, match=needle):
+            _speedups.cbor_chain(*args)
+    assert toks == array("Q", range(8))  # inputs untouched
+
+    tails = [b"\xf6", b"\xf6"]
+
+    def shrinking(msg: bytes) -> bytes:  # a hash function that changes the tails under the loop
+        tails.clear()
+        return hashlib.sha256(msg).digest()
+
+    with pytest.raises(TypeError, match="tails"):
+        _speedups.cbor_chain(shrinking, False, b"p", toks, 4, 2, tails)
+
+    def failing(msg: bytes) -> bytes:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        _speedups.cbor_chain(failing, False, b"p", toks, 4, 2, b"\xf6")

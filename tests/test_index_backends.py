@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -533,8 +533,8 @@ event_strategy = st.one_of(
 
 
 def _make_machine(backend: str, request: pytest.FixtureRequest, loop: asyncio.AbstractEventLoop) -> type:
-    def run(coro: Coroutine[Any, Any, T]) -> T:
-        return loop.run_until_complete(coro)
+    def run(aw: Awaitable[T]) -> T:
+        return loop.run_until_complete(aw)
 
     class IndexMachine(RuleBasedStateMachine):
         def __init__(self) -> None:

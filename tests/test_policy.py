@@ -17,8 +17,8 @@ from kvcoord.router.policy import (
     PrefixAwarePolicy,
     RandomPolicy,
     RoundRobinPolicy,
-    RouteRequest,
     RoutedPrefixMemory,
+    RouteRequest,
     candidates_from_matches,
     make_policy,
 )
@@ -70,7 +70,7 @@ def test_prefix_aware_prefers_the_longest_hit_at_equal_load() -> None:
     d = p.choose(req(64 * BS), cands)
     assert d.key == ("n3", 0) and d.matched_blocks == 60
     assert "saves 960/1024 tokens" in d.why
-    assert d.cost == pytest.approx(4 * BS * 50e-6)
+    assert d.cost == pytest.approx(2 * 4 * BS * 50e-6)
 
 
 def test_tier_weights_rank_gpu_over_cpu_over_storage() -> None:
@@ -213,7 +213,9 @@ def test_bad_configuration_is_refused() -> None:
 
 
 def test_queue_estimate_counts_prefill_backlog_and_slot_wait() -> None:
-    lat = LatencyModel(prefill_s_per_token=1e-4, decode_s_per_token=1e-2, max_running=2, mean_output_tokens=100)
+    lat = LatencyModel(
+        prefill_s_per_token=1e-4, decode_s_per_token=1e-2, max_running=2, mean_output_tokens=100
+    )
     assert lat.queue_seconds(NodeLoad(running=1, prefill_tokens=1000)) == pytest.approx(0.1)
     # 2 running + 1 waiting + this one = 2 over the 2 slots: 2 * 100 * 0.01 / 2 = 1.0 s
     assert lat.queue_seconds(NodeLoad(running=2, waiting=1)) == pytest.approx(1.0)

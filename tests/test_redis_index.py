@@ -6,6 +6,7 @@ the ``redis`` and ``redis-cluster`` params; these tests look at what only Redis 
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -13,9 +14,10 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
-from kvcoord.events import BlockStored, Tier
+from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index import open_index
+from kvcoord.index.base import InvalidEvent
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis import IndexUnavailable, RedisIndex
 from tests.redis_servers import RedisCluster, RedisServer, start_server, stop_server
@@ -108,6 +110,20 @@ async def test_clients_with_other_bucket_counts_cannot_share_a_keyspace(redis_se
         await b.close()
 
 
+async def test_a_keyspace_of_another_layout_is_refused(redis_server: RedisServer) -> None:
+    redis_server.flushall()
+    with redis.Redis(port=redis_server.port) as r:
+        r.set("{kvt}:conf", "1")  # what the first format (unsorted holder records) wrote
+    idx = RedisIndex.from_uri(redis_server.url, key_prefix="kvt")
+    try:
+        before = keys_of(redis_server)
+        with pytest.raises(ValueError, match="layout"):
+            await idx.apply(M, "n1", 0, [stored(1)])
+        assert keys_of(redis_server) == before
+    finally:
+        await idx.close()
+
+
 # ------------------------------------------------------------------------------------- key layout
 
 
@@ -159,8 +175,12 @@ async def test_remove_and_clear_never_scan_keyspace(rindex: RedisIndex, redis_se
     await rindex.remove_node("gone")
     await rindex.clear(M, "cleared", 0)
     assert [m.node_id for m in await rindex.match(M, H(*range(10)))] == ["keep"]
-    await rindex.reclaim()  # the background task may have done some of it already
-    assert rindex.metrics.reclaimed_entries == 5100 + 3000 + 2500
+    await rindex.reclaim()  # the background task may be doing some of it at the same time
+    deadline = time.monotonic() + 10
+    while rindex.metrics.reclaimed_entries < 5000 + 3000 + 2500:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    assert rindex.metrics.reclaimed_entries == 5000 + 3000 + 2500
     cmds = commandstats(redis_server)
     assert not cmds & {"scan", "keys", "flushdb", "flushall"}
     # reclaim walked only the retired locations' own hashes (HSCAN), in chunks, and left nothing behind
@@ -175,17 +195,20 @@ async def test_remove_and_clear_never_scan_keyspace(rindex: RedisIndex, redis_se
 async def test_background_reclaim_runs_unasked(rindex: RedisIndex, redis_server: RedisServer) -> None:
     await rindex.apply(M, "a", 0, [stored(*range(3000))])
     await rindex.remove_node("a")
-    deadline = time.monotonic() + 10
-    while any(b":fwd:" in k or b":inv:" in k for k in keys_of(redis_server)):
-        assert time.monotonic() < deadline, "background reclaim did not finish"
-        await _sleep_a_tick()
+
+    def finished() -> bool:
+        # the final state: every entry counted (reclaim counts real deletions only, so never past 3000),
+        # no forward/inverted hash left, and the retired-location queue drained
+        return rindex.metrics.reclaimed_entries >= 3000 and not any(
+            b":fwd:" in k or b":inv:" in k or k.endswith(b":dead") for k in keys_of(redis_server)
+        )
+
+    deadline = time.monotonic() + 20
+    while not finished():
+        assert time.monotonic() < deadline, f"background reclaim did not finish: {rindex.metrics}"
+        await asyncio.sleep(0.02)
     assert rindex.metrics.reclaimed_entries == 3000
-
-
-async def _sleep_a_tick() -> None:
-    import asyncio
-
-    await asyncio.sleep(0.02)
+    assert (await rindex.stats()).entries == 0
 
 
 async def test_replace_larger_than_one_script_call_is_atomic_for_readers(rindex: RedisIndex) -> None:
@@ -253,6 +276,42 @@ async def test_two_replicas_on_one_redis_answer_alike(redis_server: RedisServer)
     finally:
         await a.close()
         await b.close()
+
+
+async def test_concurrent_batches_coalesce_and_apply_like_the_memory_backend(rindex: RedisIndex) -> None:
+    """Batches of many nodes in flight at once share script calls; each node's order is kept, and a bad
+    batch among them fails alone (it was refused before queueing) without touching the others."""
+    mem = MemoryIndex()
+    rng = random.Random(5)
+    chain = [rng.getrandbits(64) for _ in range(64)]
+    calls: list[tuple[str, list[KVEvent]]] = []
+    for i in range(60):
+        node = f"node-{i % 12}"
+        evs: list[KVEvent] = [stored(*chain[: rng.randrange(1, 64)], medium=rng.choice(["GPU", "CPU"]))]
+        if i % 5 == 0:
+            evs.append(BlockRemoved(block_hashes=tuple(chain[rng.randrange(64) :]), medium="CPU"))
+        if i % 17 == 0:
+            evs.append(AllBlocksCleared())
+        calls.append((node, evs))
+    bad: list[KVEvent] = [stored(1, 2), stored(-5)]
+    trips = rindex.metrics.round_trips
+    results = await asyncio.gather(
+        *(rindex.apply(M, n, 0, evs) for n, evs in calls[:30]),
+        rindex.apply(M, "node-bad", 0, bad),
+        *(rindex.apply(M, n, 0, evs) for n, evs in calls[30:]),
+        return_exceptions=True,
+    )
+    assert isinstance(results[30], InvalidEvent)
+    assert not any(isinstance(r, BaseException) for i, r in enumerate(results) if i != 30)
+    assert rindex.metrics.round_trips - trips < len(calls) // 2  # coalesced
+    for n, evs in calls:
+        await mem.apply(M, n, 0, evs)
+    for q in (chain, chain[:5], chain[10:]):
+        assert await rindex.match(M, H(*q)) == await mem.match(M, H(*q))
+    st_r, st_m = await rindex.stats(), await mem.stats()
+    assert (st_r.entries, st_r.blocks, st_r.nodes) == (st_m.entries, st_m.blocks, st_m.nodes)
+    assert await rindex.export_node(M, "node-bad", 0) == []
+    await mem.close()
 
 
 # ------------------------------------------------------------------------------------- outages

@@ -360,3 +360,71 @@ async def test_restart_detected_when_new_engine_is_already_ahead(ports: Ports) -
             assert snapshot_of(relay) == expected_mirror(second)
     finally:
         pub.shutdown()
+
+
+def _stored(hashes: Sequence[int], ts: float) -> KVEventBatch:
+    ev = BlockStored(tuple(hashes), None, tuple(range(4 * len(hashes))), 4, None, "GPU", None)
+    return KVEventBatch(ts, (ev,), 0)
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["buffer_rolled", "no_replay_endpoint"])
+async def test_unrecoverable_gap_clears_the_mirror(ports: Ports, replay: bool,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Lost batches may have removed blocks: the relay must forget the rank rather than keep lying."""
+    a, b, c = 1000, 1001, 1002
+    head = [_stored((a, b), 0.0), *(_stored((2000 + i,), float(i)) for i in range(1, 10))]
+    tail: list[KVEventBatch] = []
+    for i in range(10, 40):
+        if i == 11:
+            tail.append(KVEventBatch(float(i), (BlockRemoved((a,), "GPU"),), 0))  # lost: A is gone
+        elif i == 12:
+            tail.append(_stored((c,), float(i)))  # lost: C is held, but the relay cannot know
+        else:
+            tail.append(_stored((3000 + i,), float(i)))
+    # A replay buffer of 12 batches cannot cover 15 dropped ones.
+    pub = ports.publisher(DroppingPublisher, drop=set(), buffer_steps=12)
+    sink = RecordingSink()
+    relay = Relay(f"tcp://127.0.0.1:{ports.pub}", sink,
+                  replay_endpoint=f"tcp://127.0.0.1:{ports.replay}" if replay else None,
+                  replay_timeout=0.5, idle_probe=0.2)
+    stop_ev = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop_ev))
+    try:
+        await wait_for(relay.ready.is_set, "relay ready")
+        first = 0
+        if replay:
+            await publish_all(pub, head)  # a slow joiner gets these from the (still big enough) buffer
+        else:
+            for _ in range(500):  # no replay: wait until the subscription is live, then start over
+                pub.publish(KVEventBatch(0.0, (), 0))
+                await asyncio.to_thread(pub.flush)
+                if relay.stats.batches:
+                    break
+                await asyncio.sleep(0.01)
+            await wait_for(lambda: relay.expected_seq == pub.next_seq, "the warm-up batches")
+            sink.batches.clear()
+            first = pub.next_seq
+            await publish_all(pub, head)
+        await wait_for(lambda: relay.expected_seq == first + 10, "the head of the stream")
+        assert {h for h, _ in relay.snapshot()[0]} >= {a, b}
+        caplog.clear()
+        assert isinstance(pub, DroppingPublisher)
+        pub.drop = set(range(first + 10, first + 25))
+        await publish_all(pub, tail)
+        await wait_for(lambda: relay.expected_seq == first + 40, "the tail of the stream")
+        held = {h for h, _ in relay.snapshot()[0]}
+        truth = {h for h, _ in expected_mirror(head + tail)[0]}
+        assert a not in held, "a block removed in a lost batch is still reported"
+        assert held <= truth  # under-reports (b, c, the head's blocks), never over-reports
+        assert b not in held and c not in held
+        assert {3000 + i for i in range(25, 40)} <= held  # the stream goes on after the gap
+        st = relay.stats
+        assert st.unrecoverable_gaps == 1 and st.lost_batches >= 4, st
+        clears = [i for i, (_, evs, _) in enumerate(sink.batches) if evs == (AllBlocksCleared(),)]
+        assert clears == [10], clears  # forwarded once, right after the head
+        warned = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+        assert len(warned) == 1 and "cleared the 11 block(s)" in warned[0], warned
+    finally:
+        stop_ev.set()
+        await asyncio.wait_for(task, 2.0)
+        pub.shutdown()

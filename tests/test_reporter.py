@@ -321,3 +321,25 @@ async def test_close_is_prompt(listening: bool) -> None:
         await r.close()
         assert time.monotonic() - t0 < 1.2
         assert all(t.done() for t in asyncio.all_tasks() if t.get_name().startswith("kvcoord-reporter"))
+
+
+@pytest.mark.parametrize(
+    ("seq", "ts", "rank"), [(1, 0.0, 0), (300, 1.7e9 + 0.25, 5), (2**64 - 1, -1.0, 2**32 - 1)]
+)
+def test_hand_encoded_batch_is_the_generated_message(seq: int, ts: float, rank: int) -> None:
+    from kvcoord.agent.reporter import _batch_message, _batches_message, _encode_batch
+    from kvcoord.events_proto import events_to_proto
+
+    evs = events_to_proto([
+        BlockStored(block_hashes=tuple(range(1, 200)), parent_block_hash=7, token_ids=tuple(range(199 * 4)),
+                    block_size=4, medium="CPU"),
+        BlockRemoved(block_hashes=(3,)),
+        AllBlocksCleared(),
+    ])
+    want = pb.AgentMessage(batch=pb.EventBatch(seq=seq, ts=ts, dp_rank=rank, events=evs))
+    body = _encode_batch(seq, ts, rank, [e.SerializeToString() for e in evs])
+    got = _batch_message(body)
+    assert got == want.SerializeToString()
+    assert pb.AgentMessage.FromString(got) == want
+    group = pb.AgentMessage(batches=pb.EventBatches(batches=[want.batch, want.batch]))
+    assert _batches_message([body, body]) == group.SerializeToString()

@@ -106,7 +106,8 @@ def test_bad_trace_line_is_reported_with_its_number(tmp_path: Path) -> None:
 def test_prompt_larger_than_a_node_is_refused_before_simulating() -> None:
     w = synthetic(SPEC, PROFILE, seed=1)
     with pytest.raises(ValueError, match="blocks-per-node"):
-        simulate(w, make_policy("random", 0), PROFILE, ClusterConfig(nodes=2, blocks_per_node=10), MemoryIndex())
+        tiny = ClusterConfig(nodes=2, blocks_per_node=10)
+        simulate(w, make_policy("random", 0), PROFILE, tiny, MemoryIndex())
 
 
 def test_cli_runs_on_a_trace_subset_and_prints_json(tiny_trace: Path, tmp_path: Path) -> None:
@@ -130,5 +131,7 @@ def test_cli_bad_input_exits_with_one_line() -> None:
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == ["kvcoord simulate: unknown policy 'nearest' (known: "
-                                                "prefix-aware, approximate, least-loaded, round-robin, random)"]
+    assert proc.stderr.strip().splitlines() == [
+        "kvcoord simulate: unknown policy 'nearest' (known: "
+        "prefix-aware, approximate, least-loaded, round-robin, random)"
+    ]

@@ -9,6 +9,12 @@ It subscribes to the engine's PUB socket, decodes every batch with
 - a sequence that goes backwards on the live stream means the engine restarted: the mirror of
   that stream's DP ranks is cleared, an ``AllBlocksCleared`` is forwarded, and the new stream is
   replayed from 0;
+- a gap that cannot be filled (the replay buffer rolled past it, no replay endpoint, the replay
+  socket does not answer) makes the mirror untrustworthy: the lost batches may have removed
+  blocks, and an index that kept them would send requests to a node that lacks them. The mirror
+  of the stream's DP ranks is cleared and ``AllBlocksCleared`` forwarded (counted in
+  ``unrecoverable_gaps``); it refills as the engine stores blocks again. Reporting too little
+  costs a cache miss, reporting too much costs a misrouted request;
 - a malformed frame or batch is counted by kind, logged once per kind, and skipped.
 
 Every good batch updates the :class:`BlockMirror` (what the index should hold for this node) and
@@ -20,13 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -50,7 +59,10 @@ from kvcoord.events import (
     decode_vllm_batch,
     normalize_medium,
 )
-from kvcoord.hashing import BlockHash64, to_block_hash64
+from kvcoord.hashing import UINT64_MASK, BlockHash64, to_block_hash64
+
+if TYPE_CHECKING:
+    from kvcoord.agent.reporter import Reporter
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +79,29 @@ class EventSink(Protocol):
 # (is_store, tier bit, hashes, group_idx, indexable)
 _Op = tuple[int, int, tuple[BlockHash64, ...], int | None, bool]
 _CLEAR = 2
+
+
+_TIER_BITS: dict[str | None, int] = {}
+
+
+def _tier_bit(medium: str | None) -> int:
+    bit = _TIER_BITS.get(medium)
+    if bit is None:
+        bit = 1 << normalize_medium(medium)  # ValueError for an unknown medium
+        if len(_TIER_BITS) < 256:
+            _TIER_BITS[medium] = bit
+    return bit
+
+
+def _hashes64(hashes: Sequence[int | bytes]) -> tuple[BlockHash64, ...]:
+    """uint64 keys; all-int lists (the common case) are range-checked at C speed."""
+    ints: Any = hashes
+    try:
+        if not ints or (min(ints) >= 0 and max(ints) <= UINT64_MASK):
+            return tuple(ints)
+    except TypeError:  # bytes among them
+        pass
+    return tuple(to_block_hash64(h) for h in hashes)
 
 
 class BlockMirror:
@@ -90,13 +125,10 @@ class BlockMirror:
         ops: list[_Op] = []
         for ev in events:
             if isinstance(ev, BlockStored):
-                bit = 1 << normalize_medium(ev.medium)
-                hashes = tuple(to_block_hash64(h) for h in ev.block_hashes)
-                ops.append((1, bit, hashes, ev.group_idx, ev.is_prefix_indexable()))
+                ops.append((1, _tier_bit(ev.medium), _hashes64(ev.block_hashes), ev.group_idx,
+                            ev.is_prefix_indexable()))
             elif isinstance(ev, BlockRemoved):
-                bit = 1 << normalize_medium(ev.medium)
-                hashes = tuple(to_block_hash64(h) for h in ev.block_hashes)
-                ops.append((0, bit, hashes, ev.group_idx, True))
+                ops.append((0, _tier_bit(ev.medium), _hashes64(ev.block_hashes), ev.group_idx, True))
             elif isinstance(ev, AllBlocksCleared):
                 ops.append((_CLEAR, 0, (), None, True))
             else:
@@ -172,12 +204,17 @@ class BlockMirror:
 class RelayStats:
     """Counters a relay keeps (exported by the agent; also what tests assert on)."""
 
+    frames: int = 0
+    """Messages received on the PUB socket (fewer than the engine sent: it or ZMQ dropped some)."""
     batches: int = 0
     events: int = 0
     block_events: int = 0
     gaps: int = 0
     replayed_batches: int = 0
     lost_batches: int = 0
+    unrecoverable_gaps: int = 0
+    """Gaps after the stream had started that replay could not fill (each cleared the mirror)."""
+    healed_gaps: int = 0
     duplicates: int = 0
     restarts: int = 0
     replay_failures: int = 0
@@ -220,6 +257,8 @@ class Relay:
         self._last_live: int | None = None
         self._last_payload: bytes | None = None
         self._ranks_seen: set[int] = set()
+        self._started = False
+        """A batch was applied since the relay started or the engine last restarted."""
         self._logged: set[str] = set()
         self._replay: ReplayClient | None = None
         self.ready = asyncio.Event()
@@ -266,6 +305,7 @@ class Relay:
 
     async def on_frames(self, frames: list[bytes]) -> None:
         """Handle one live PUB message ``[topic, seq, payload]``."""
+        self.stats.frames += 1
         try:
             seq, payload = parse_pub_frames(frames)
         except FrameError as exc:
@@ -298,9 +338,10 @@ class Relay:
             return None
         dp = batch.data_parallel_rank if batch.data_parallel_rank is not None else self._default_dp
         if self._allowed is not None and dp not in self._allowed:
-            self._malformed("dp_rank", f"seq {seq}: batch of DP rank {dp}, this stream carries {self._allowed}")
+            self._malformed("dp_rank", f"seq {seq}: batch of DP rank {dp}, stream carries {self._allowed}")
             return None
         self._ranks_seen.add(dp)
+        self._started = True
         self.mirror.commit(dp, ops)
         self.sink.submit(dp, batch.events, batch.ts)
         st = self.stats
@@ -321,8 +362,10 @@ class Relay:
             self.stats.replay_failures += 1
             log.debug("%s: replay probe failed: %s", self.endpoint, exc)
 
-    async def _catch_up(self) -> None:
+    async def _catch_up(self, live_seq: int | None = None) -> None:
         """Apply every buffered batch from ``expected`` on, checking it is still the same engine.
+
+        ``live_seq``: the live batch that revealed a gap (it is applied by the caller).
 
         The request starts one batch early: the engine must send back exactly the payload we
         applied last. No answer for it, or a different payload, means the engine restarted (and
@@ -331,38 +374,69 @@ class Relay:
         assert self._replay is not None
         anchor = self._expected - 1
         items = await self._replay.fetch(max(anchor, 0))
-        if anchor >= 0 and self._last_payload is not None:
-            if not items or (items[0][0] == anchor and items[0][1] != self._last_payload):
-                self._restart(f"the replay buffer no longer matches batch {anchor}")
-                items = await self._replay.fetch(0)
+        if (anchor >= 0 and self._last_payload is not None
+                and (not items or (items[0][0] == anchor and items[0][1] != self._last_payload))):
+            self._restart(f"the replay buffer no longer matches batch {anchor}")
+            items = await self._replay.fetch(0)
         for seq, payload in items:
             if seq < self._expected:
                 continue
             if seq > self._expected:
-                self._lost(seq - self._expected, f"replay buffer no longer holds {self._expected}..{seq - 1}")
+                if live_seq is not None and seq > live_seq:
+                    # The buffer starts past the live batch in hand: only the batches before it are
+                    # lost; it and the ones queued behind it on the SUB socket come next.
+                    self._lost(live_seq - self._expected, f"the replay buffer now starts at {seq}")
+                    return
+                self._lost(seq - self._expected, f"the replay buffer now starts at {seq}")
             self.stats.replayed_batches += 1
             self.handle_payload(seq, payload)
 
     async def _heal(self, live_seq: int) -> None:
         start = self._expected
+        lost_before = self.stats.lost_batches
         self.stats.gaps += 1
         if self._replay is None:
-            self._lost(live_seq - start, f"gap {start}..{live_seq - 1} and no replay endpoint")
+            self._lost(live_seq - start, "no replay endpoint")
             return
         try:
-            await self._catch_up()
+            await self._catch_up(live_seq)
         except ReplayError as exc:
             self.stats.replay_failures += 1
-            self._lost(live_seq - self._expected, f"gap {self._expected}..{live_seq - 1}: {exc}")
+            self._lost(live_seq - self._expected, f"replay failed: {exc}")
             return
         if self._expected < live_seq:
             self._lost(live_seq - self._expected, f"replay ended at {self._expected - 1}, before {live_seq}")
+        elif self.stats.lost_batches == lost_before:
+            self.stats.healed_gaps += 1
+            log.info("%s: gap %d..%d healed from the replay buffer", self.endpoint, start, live_seq - 1)
 
     def _lost(self, n: int, why: str) -> None:
+        """Skip ``n`` batches that cannot be had; if the stream had started, distrust the mirror.
+
+        The lost batches may have removed blocks the mirror still holds, so the ranks are cleared
+        (and the clear forwarded) before the stream goes on: the index then under-reports until the
+        engine stores those blocks again, which costs cache hits, never correctness. A relay that
+        joins late without the engine's history loses nothing it had, so nothing is cleared then.
+        """
+        first = self._expected
         self.stats.lost_batches += n
         self._expected += n
-        log.warning("%s: %d batch(es) lost, the mirror may miss blocks until they churn (%s)",
-                    self.endpoint, n, why)
+        if not self._started:
+            log.warning("%s: stream (re)joined at batch %d; the %d earlier batch(es) are gone (%s)",
+                        self.endpoint, self._expected, n, why)
+            return
+        self.stats.unrecoverable_gaps += 1
+        cleared = 0
+        now = time.time()
+        for dp in sorted(self._ranks_seen):
+            cleared += self.mirror.num_blocks(dp)
+            self.mirror.clear(dp)
+            self.sink.submit(dp, (AllBlocksCleared(),), now)
+        log.warning("%s: batches %d..%d are lost (%s); cleared the %d block(s) of DP rank(s) %s, which "
+                    "refill as the engine stores blocks again (unrecoverable gap #%d, %d batch(es) lost "
+                    "in all)",
+                    self.endpoint, first, first + n - 1, why, cleared, sorted(self._ranks_seen),
+                    self.stats.unrecoverable_gaps, self.stats.lost_batches)
 
     def _restart(self, why: str) -> None:
         self.stats.restarts += 1
@@ -374,6 +448,7 @@ class Relay:
         self._expected = 0
         self._last_payload = None
         self._last_live = None
+        self._started = False
 
     def _malformed(self, kind: str, message: str) -> None:
         self.stats.malformed[kind] += 1
@@ -422,15 +497,46 @@ def build_relays(args: argparse.Namespace, sink: EventSink, mirror: BlockMirror)
     return relays
 
 
-async def _agent_main(args: argparse.Namespace) -> int:
-    import os
+def agent_status(relays: Sequence[Relay], reporter: Reporter) -> dict[str, Any]:
+    """What ``kvcoord agent --stats-file`` writes: each relay's position and counters, the reporter's acks."""
+    rs = reporter.stats()
+    return {
+        "node_id": rs.node_id,
+        "relays": [{"endpoint": r.endpoint, "expected_seq": r.expected_seq,
+                    **{k: (dict(v) if isinstance(v, Counter) else v) for k, v in asdict(r.stats).items()}}
+                   for r in relays],
+        "mirror_blocks": {str(dp): relays[0].mirror.num_blocks(dp) for dp in relays[0].mirror.ranks()}
+        if relays else {},
+        "reporter": {"epoch": rs.epoch, "last_seq": rs.last_seq, "events_submitted": rs.events_submitted,
+                     "links": [asdict(link) for link in rs.links]},
+    }
 
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomically replace ``path`` (a reader never sees half a file)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+async def _write_stats(path: Path, interval: float, relays: Sequence[Relay], reporter: Reporter,
+                       stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            _write_json(path, agent_status(relays, reporter))
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+
+
+async def _agent_main(args: argparse.Namespace) -> int:
     from kvcoord.agent.reporter import ChannelSecurity, Reporter
 
     mirror = BlockMirror()
     ranks = _dp_ranks(args.dp_ranks)
     token = args.token or os.environ.get("KVCOORD_TOKEN") or None
-    security = ChannelSecurity(token=token, ca_file=args.tls_ca) if args.tls_ca else ChannelSecurity(token=token)
+    security = ChannelSecurity(token=token, root_ca=args.tls_ca)
     rep = Reporter(_coordinators(args.coordinator), node_id=args.node_id, model=args.model,
                    snapshot=mirror.rank_entries, dp_ranks=ranks, security=security)
     relays = build_relays(args, rep, mirror)
@@ -440,19 +546,29 @@ async def _agent_main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await rep.start()
     tasks = [asyncio.create_task(r.run(stop), name=f"relay-{r.endpoint}") for r in relays]
+    if args.stats_file:
+        tasks.append(asyncio.create_task(
+            _write_stats(Path(args.stats_file), args.stats_interval, relays, rep, stop), name="stats-file"))
     log.info("agent %s: relaying %s to %s", args.node_id, ", ".join(r.endpoint for r in relays),
              ", ".join(_coordinators(args.coordinator)))
+    stopper = asyncio.create_task(stop.wait())
     try:
-        stopper = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
             if t is not stopper and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
     finally:
         stop.set()
+        stopper.cancel()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 0.5)
         await rep.close(timeout=0.5)
+        if args.stats_file:  # the final word: streams closed, counters complete
+            try:
+                _write_json(Path(args.stats_file), agent_status(relays, rep))
+            except OSError as exc:
+                log.warning("cannot write %s: %s", args.stats_file, exc)
+    log.info("agent %s: stopped", args.node_id)
     return 0
 
 
@@ -460,4 +576,6 @@ def run_agent(args: argparse.Namespace) -> int:
     """Body of ``kvcoord agent``."""
     _coordinators(args.coordinator)
     _dp_ranks(args.dp_ranks)
+    if not args.stats_interval > 0:
+        raise ValueError("--stats-interval must be > 0")
     return asyncio.run(_agent_main(args))

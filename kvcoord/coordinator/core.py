@@ -12,11 +12,14 @@ from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import NodeRecord, NodeRegistry
 from kvcoord.coordinator.verify import HashVerifier
-from kvcoord.index.base import Index, IndexStats
+from kvcoord.index.base import Generational, Index, IndexStats
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
 log = logging.getLogger("kvcoord.coordinator")
 
 HealthHook = Callable[[bool], Awaitable[None]]
+Push = Callable[[pb.CoordinatorMessage], None]
+"""Queues a message on one ingest stream (its outbox)."""
 
 
 class CoordinatorState:
@@ -33,7 +36,52 @@ class CoordinatorState:
         self.on_health: HealthHook | None = None
         self._logged: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._push: dict[str, tuple[int, Push]] = {}
+        self.index_generation: str | None = None
         self.metrics.index_up.labels(index.backend).set(1)
+
+    # --- streams ----------------------------------------------------------------------------
+    def attach(self, node_id: str, stream_gen: int, push: Push) -> None:
+        """Remember how to reach the ingest stream that owns ``node_id`` (generation ``stream_gen``)."""
+        self._push[node_id] = (stream_gen, push)
+
+    def detach(self, node_id: str, stream_gen: int) -> None:
+        cur = self._push.get(node_id)
+        if cur is not None and cur[0] == stream_gen:
+            del self._push[node_id]
+
+    def resync_all(self, reason: str) -> int:
+        """Every node's entries are untrustworthy: leave them out of lookups and ask each connected
+        agent for a snapshot (the others get one asked at their next Hello). Returns nodes affected."""
+        n = 0
+        for rec in self.registry:
+            if rec.expired:
+                continue
+            n += 1
+            rec.resyncing = True
+            self.metrics.snapshot_requested("index_reset")
+            entry = self._push.get(rec.node_id)
+            if entry is not None and entry[0] == rec.stream_gen:
+                req = pb.SnapshotRequest(epoch=rec.epoch, reason=reason)
+                entry[1](pb.CoordinatorMessage(snapshot_request=req))
+        return n
+
+    async def check_generation(self) -> None:
+        """Compare the backend's generation with the last one seen; a change means it lost its data."""
+        index = self.index
+        if not isinstance(index, Generational):
+            return
+        gen = await index.generation()
+        old, self.index_generation = self.index_generation, gen
+        if old is not None and gen != old:
+            n = self.resync_all(f"index_reset: the {index.backend} index lost its contents")
+            log.warning(
+                "index backend %s lost its contents (generation %s -> %s); asked %d nodes for snapshots",
+                index.backend,
+                old,
+                gen,
+                n,
+            )
 
     # --- logging ----------------------------------------------------------------------------
     def log_once(self, key: str, level: int, msg: str, *args: object) -> None:
@@ -108,6 +156,10 @@ class CoordinatorState:
             if self.on_health is not None:
                 await self.on_health(up)
         if up:
+            try:
+                await self.check_generation()
+            except Exception:
+                log.debug("index generation check failed", exc_info=True)
             try:
                 stats = await self.index.stats()
             except Exception:

@@ -5,7 +5,8 @@ Ordering contract (shared with kvcoord.agent.reporter):
 1. The agent opens with Hello; the coordinator answers Welcome. ``snapshot_required`` is false only
    when the coordinator still holds this exact (node, epoch) in sync (a reconnect after a blip);
    then ``acked_seq`` tells the agent what to resend.
-2. Batch seqs count 1, 2, 3, ... per (node, epoch) across dp ranks. ``seq == last+1`` is applied and
+2. Batch seqs count 1, 2, 3, ... per (node, epoch) across dp ranks (an ``EventBatches`` message carries
+   several in order, each handled exactly as if sent alone). ``seq == last+1`` is applied and
    acked; ``seq <= last`` is a duplicate (dropped, last re-acked); ``seq > last+1`` is a gap: the
    coordinator sends SnapshotRequest and discards batches until the snapshot arrives.
 3. Snapshot chunks accumulate per dp rank until one has ``final``; then every rank of the Hello is
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvcoord.coordinator.auth import Principal
-from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.registry import AnnouncedProfile, Load, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
@@ -48,6 +49,13 @@ class IngestAbort(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+_KINDS: dict[type, str] = {
+    BlockStored: "block_stored",
+    BlockRemoved: "block_removed",
+    AllBlocksCleared: "all_blocks_cleared",
+}
 
 
 def event_kind(ev: KVEvent) -> str:
@@ -87,9 +95,11 @@ def _msg(**kw: object) -> pb.CoordinatorMessage:
 class IngestSession:
     """State of one ingest stream. ``handle`` returns the messages to send back, or raises IngestAbort."""
 
-    def __init__(self, state: CoordinatorState, principal: Principal) -> None:
+    def __init__(self, state: CoordinatorState, principal: Principal, push: Push | None = None) -> None:
         self.state = state
         self.principal = principal
+        self.push = push
+        """Queues a message on this stream outside a reply (the coordinator's resync requests)."""
         self.rec: NodeRecord | None = None
         self.gen = 0
         self.model = ""
@@ -111,6 +121,15 @@ class IngestSession:
         self.state.registry.heard(rec)
         if which == "batch":
             return await self._batch(rec, msg.batch)
+        if which == "batches":
+            # Each batch on its own, in order, as if sent alone; acks are cumulative, keep the last.
+            out: list[pb.CoordinatorMessage] = []
+            for batch in msg.batches.batches:
+                replies = await self._batch(rec, batch)
+                if replies and out and out[-1].HasField("ack") and replies[0].HasField("ack"):
+                    out.pop()
+                out.extend(replies)
+            return out
         if which == "snapshot":
             return await self._snapshot(rec, msg.snapshot)
         if which == "heartbeat":
@@ -120,6 +139,11 @@ class IngestSession:
         raise IngestAbort(
             grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage (no hello/batch/snapshot/heartbeat)"
         )
+
+    def close(self) -> None:
+        """The stream ended: forget how to reach it."""
+        if self.rec is not None:
+            self.state.detach(self.rec.node_id, self.gen)
 
     def _owned(self) -> NodeRecord:
         rec = self.rec
@@ -177,6 +201,8 @@ class IngestSession:
             next_seq=hello.next_seq,
         )
         self.rec, self.gen = rec, rec.stream_gen
+        if self.push is not None:
+            self.state.attach(rec.node_id, rec.stream_gen, self.push)
         self.node_id, self.model, self.dp_ranks, self.epoch = hello.node_id, hello.model, ranks, hello.epoch
         if hello.HasField("hash_profile"):
             hp = hello.hash_profile
@@ -196,6 +222,7 @@ class IngestSession:
                     acked_seq=rec.last_seq if resume else 0,
                     lease_seconds=cfg.lease_seconds,
                     snapshot_required=not resume,
+                    batch_groups=True,
                 )
             )
         ]
@@ -222,7 +249,7 @@ class IngestSession:
         self, rec: NodeRecord, batch: pb.EventBatch, reason: str, detail: str
     ) -> list[pb.CoordinatorMessage]:
         m = self.state.metrics
-        m.batches.labels("rejected").inc()
+        m.batch("rejected")
         for ev in batch.events:
             m.rejected(proto_event_kind(ev), reason)
         if not batch.events:
@@ -242,7 +269,7 @@ class IngestSession:
         st = self.state
         limit = st.config.limits.max_events_per_batch
         if len(batch.events) > limit:
-            st.metrics.batches.labels("too_large").inc()
+            st.metrics.batch("too_large")
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"batch {batch.seq} has {len(batch.events)} events; max_events_per_batch is {limit}",
@@ -250,14 +277,14 @@ class IngestSession:
         async with st.registry.lock(rec.node_id):
             rec = self._owned()
             if rec.resyncing:
-                st.metrics.batches.labels("awaiting_snapshot").inc()
+                st.metrics.batch("awaiting_snapshot")
                 return []
             last = rec.last_seq
             if batch.seq <= last:
-                st.metrics.batches.labels("duplicate").inc()
+                st.metrics.batch("duplicate")
                 return [_msg(ack=pb.Ack(epoch=self.epoch, seq=last))]
             if batch.seq > last + 1:
-                st.metrics.batches.labels("gap").inc()
+                st.metrics.batch("gap")
                 st.log_once(
                     f"gap:{rec.node_id}:{self.epoch}",
                     logging.INFO,
@@ -274,8 +301,11 @@ class IngestSession:
                     "unknown_dp_rank",
                     f"dp_rank {batch.dp_rank} is not in the Hello's {list(self.dp_ranks)}",
                 )
+            profile = st.config.profile(self.model)
+            verify = profile is not None and not rec.hash_mismatch and st.verifier.cfg.enabled
             try:
-                events = [event_from_proto(ev) for ev in batch.events]
+                # Token ids are only read by hash verification: without it, skip building their tuples.
+                events = [event_from_proto(ev, tokens=verify) for ev in batch.events]
             except (ValueError, TypeError, KeyError, OverflowError) as exc:
                 kind = getattr(exc, "kind", None)
                 return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
@@ -289,8 +319,7 @@ class IngestSession:
             rec.last_seq = batch.seq
             rec.indexed.add((self.model, batch.dp_rank))
         self._account(batch, events)
-        profile = st.config.profile(self.model)
-        if profile is not None and not rec.hash_mismatch:
+        if verify and profile is not None:
             reason = st.verifier.check(rec, self.model, profile, events)
             if reason is not None:
                 st.mark_hash_mismatch(rec, reason)
@@ -298,13 +327,14 @@ class IngestSession:
 
     def _account(self, batch: pb.EventBatch, events: Sequence[KVEvent]) -> None:
         m = self.state.metrics
-        m.batches.labels("applied").inc()
-        counts: dict[str, int] = {}
+        m.batch("applied")
+        kinds = _KINDS
+        counts: dict[type, int] = {}
         for ev in events:
-            k = event_kind(ev)
-            counts[k] = counts.get(k, 0) + 1
-        for k, n in counts.items():
-            m.applied(k, n)
+            t = type(ev)
+            counts[t] = counts.get(t, 0) + 1
+        for t, n in counts.items():
+            m.applied(kinds.get(t, "unknown"), n)
         if batch.ts > 0:
             m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter as PyCounter
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -88,9 +89,25 @@ class Metrics:
         self._thread: threading.Thread | None = None
         self._known_series: set[tuple[str, str]] = set()
         self._known_models: set[str] = set()
+        # labels(...) costs a lock and a tuple-keyed lookup per call; the hot paths use cached children.
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def _child(self, metric: Any, label: str) -> Any:
+        key = (id(metric), label)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(label)
+        return child
+
+    def batch(self, outcome: str) -> None:
+        """Count one event batch by outcome (applied, duplicate, gap, ...)."""
+        self._child(self.batches, outcome).inc()
+
+    def lookup_done(self, query: str, seconds: float) -> None:
+        self._child(self.lookup_latency, query).observe(seconds)
 
     def applied(self, kind: str, n: int = 1) -> None:
-        self.events_applied.labels(kind).inc(n)
+        self._child(self.events_applied, kind).inc(n)
         self.applied_by_type[kind] += n
 
     def rejected(self, kind: str, reason: str, n: int = 1) -> None:

@@ -90,6 +90,7 @@ class NodeRegistry:
         self._nodes: dict[str, NodeRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._removals: dict[str, asyncio.Task[None]] = {}
+        self._live_hint: dict[str, NodeRecord] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -114,9 +115,28 @@ class NodeRegistry:
             return False
         return rec.live(time.monotonic() if now is None else now, self.lease)
 
+    def live_record(self, node_id: str, model: str, now: float) -> NodeRecord | None:
+        """The node's record if it is served in lookups of ``model`` at ``now``."""
+        rec = self._nodes.get(node_id)
+        if rec is None or rec.model != model or not rec.live(now, self.lease):
+            return None
+        return rec
+
     def has_live(self, model: str) -> bool:
+        """Any node of ``model`` served in lookups now. O(1) while the node found last time stays live
+        (a lookup must not scan the fleet); the scan runs only when that node stops being live."""
         now = time.monotonic()
-        return any(r.model == model and r.live(now, self.lease) for r in self._nodes.values())
+        hint = self._live_hint.get(model)
+        if hint is not None and self._nodes.get(hint.node_id) is hint and hint.model == model and hint.live(
+            now, self.lease
+        ):
+            return True
+        for r in self._nodes.values():
+            if r.model == model and r.live(now, self.lease):
+                self._live_hint[model] = r
+                return True
+        self._live_hint.pop(model, None)
+        return False
 
     def hello(
         self,

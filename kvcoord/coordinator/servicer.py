@@ -6,10 +6,12 @@ gets ``INVALID_ARGUMENT`` with the parser's reason instead of a generic internal
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -19,7 +21,8 @@ from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.ingest import IngestAbort, IngestSession, load_from_proto
 from kvcoord.coordinator.registry import Load, NodeRecord
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys, block_hashes64
-from kvcoord.index.base import NodeKey, NodeMatch
+from kvcoord.index.base import NodeKey
+from kvcoord.index.memory import MemoryIndex, RawMatch
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
 log = logging.getLogger("kvcoord.coordinator")
@@ -82,6 +85,81 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
             )
         )
     return info
+
+
+ACK_INTERVAL = 0.005
+"""Minimum seconds between two Acks on one stream; acks are cumulative, so a busy stream's acks
+coalesce (agents never block on acks: they only bound the agent's resend queue)."""
+
+
+class _Outbox:
+    """Replies of one ingest stream, written by their own task so reading never waits for a write.
+
+    Acks are cumulative: an Ack queued right behind another unsent Ack replaces it, and Acks are
+    written at most every ``ack_interval``, so a busy stream gets one Ack write per interval instead of
+    one per batch (each write costs the server about as much as applying a small batch). Order with
+    other messages is kept, and those are never delayed behind the interval unless an Ack is ahead.
+    """
+
+    __slots__ = ("_context", "_empty", "_flush", "_last_ack", "_queue", "_task", "_wake", "ack_interval")
+
+    def __init__(self, context: grpc.aio.ServicerContext, ack_interval: float = ACK_INTERVAL) -> None:
+        self._context = context
+        self.ack_interval = ack_interval
+        self._last_ack = -1e9
+        self._flush = False
+        self._queue: deque[pb.CoordinatorMessage] = deque()
+        self._wake = asyncio.Event()
+        self._empty = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def put(self, msg: pb.CoordinatorMessage) -> None:
+        q = self._queue
+        if q and msg.HasField("ack") and q[-1].HasField("ack") and q[-1].ack.epoch == msg.ack.epoch:
+            q[-1] = msg
+        else:
+            q.append(msg)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvcoord-ingest-writer")
+        self._empty.clear()
+        self._wake.set()
+
+    async def _run(self) -> None:
+        q = self._queue
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                while q:
+                    msg = q[0]
+                    if len(q) == 1 and msg.HasField("ack") and not self._flush:
+                        # At most one Ack per ack_interval: when the last one went out recently, let the
+                        # acks of the batches arriving meanwhile collapse into this one. An idle
+                        # stream's first Ack goes out at once.
+                        wait = self._last_ack + self.ack_interval - loop.time()
+                        if wait > 0:
+                            await asyncio.sleep(wait)
+                        self._last_ack = loop.time()
+                    await self._context.write(q.popleft())
+                self._empty.set()
+                self._wake.clear()
+                await self._wake.wait()
+        finally:
+            self._empty.set()  # a dead writer never empties the queue: release drain()
+
+    async def drain(self) -> None:
+        """Until everything queued is written (or the writer died with the stream)."""
+        if self._task is not None:
+            self._flush = True
+            await self._empty.wait()
+
+    def close(self) -> None:
+        task = self._task
+        if task is not None:
+            if task.done():
+                if not task.cancelled():
+                    task.exception()  # retrieved: a write to a closed stream is not worth a log line
+            else:
+                task.cancel()
 
 
 class CoordinatorServicer:
@@ -147,17 +225,19 @@ class CoordinatorServicer:
     # --- ingest -----------------------------------------------------------------------------
     async def Ingest(
         self, request_iterator: AsyncIterator[pb.AgentMessage | Malformed], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.CoordinatorMessage]:
+    ) -> None:
         principal = await self._principal(context)
         if principal.role == ROUTER:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, "a router token may only query (not Ingest)"
             )
-        session = IngestSession(self.state, principal)
+        outbox = _Outbox(context)
+        session = IngestSession(self.state, principal, outbox.put)
         self.state.metrics.streams.inc()
         try:
             async for msg in request_iterator:
                 if isinstance(msg, Malformed):
+                    await outbox.drain()
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, f"malformed {msg.type_name}: {msg.reason}"
                     )
@@ -171,11 +251,15 @@ class CoordinatorServicer:
                         exc.code.name,
                         exc.message,
                     )
+                    await outbox.drain()
                     await context.abort(exc.code, exc.message)
                     return
                 for reply in out:
-                    yield reply
+                    outbox.put(reply)
+            await outbox.drain()
         finally:
+            session.close()
+            outbox.close()
             self.state.metrics.streams.dec()
 
     # --- lookup -----------------------------------------------------------------------------
@@ -198,7 +282,7 @@ class CoordinatorServicer:
             )
         limit = cfg.limits.max_query_blocks
         which = request.WhichOneof("query")
-        hashes: list[BlockHash64]
+        hashes: Sequence[BlockHash64]
         if which == "tokens":
             if profile is None:
                 await context.abort(
@@ -231,54 +315,68 @@ class CoordinatorServicer:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"query has {len(request.hashes.block_hashes)} blocks; max_query_blocks is {limit}",
                 )
-            hashes = [BlockHash64(h) for h in request.hashes.block_hashes]
+            # uint64 by the wire type. Kept as the repeated field: converting it to a list would make
+            # every int twice (the match only touches the prefix it needs).
+            hashes = cast(Sequence[BlockHash64], request.hashes.block_hashes)
         else:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "LookupRequest needs either tokens or hashes"
             )
         candidates: set[NodeKey] | None = {(c.node_id, c.dp_rank) for c in request.candidates} or None
-        matches: list[NodeMatch] = []
+        matches: list[RawMatch] = []
         if hashes and st.registry.has_live(model):
             try:
-                matches = await st.index.match(model, hashes, candidates)
+                index = st.index
+                if isinstance(index, MemoryIndex):  # no await, no NodeMatch objects on the hot path
+                    matches = index.match_raw_sync(model, hashes, candidates)
+                else:
+                    matches = [
+                        (m.node_id, m.dp_rank, m.matched_blocks, m.tiers)
+                        for m in await index.match(model, list(hashes), candidates)
+                    ]
             except Exception as exc:
                 log.exception("index match failed")
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"index backend failed: {exc}")
         resp = self._answer(model, profile.block_size if profile is not None else 0, len(hashes), matches)
-        st.metrics.lookup_latency.labels(which).observe(time.perf_counter() - t0)
+        st.metrics.lookup_done(which or "none", time.perf_counter() - t0)
         if hashes:
             best = resp.nodes[0].matched_blocks if resp.nodes else 0
             st.metrics.matched_fraction.observe(best / len(hashes))
         return resp
 
     def _answer(
-        self, model: str, block_size: int, num_blocks: int, matches: list[NodeMatch]
+        self, model: str, block_size: int, num_blocks: int, matches: list[RawMatch]
     ) -> pb.LookupResponse:
-        reg = self.state.registry
+        resp = pb.LookupResponse(model=model, block_size=block_size, num_blocks=num_blocks)
+        if not matches:
+            return resp
+        live_record = self.state.registry.live_record
         now = time.monotonic()
-        w = self.state.config.tier_weights
-        live: list[tuple[float, NodeMatch, NodeRecord]] = []
-        for m in matches:
-            if m.matched_blocks <= 0 or not reg.is_live(m.node_id, model, now):
+        w0, w1, w2 = self.state.config.tier_weights
+        live: list[tuple[float, int, str, int, tuple[int, ...], NodeRecord]] = []
+        for node_id, rank, matched, tiers in matches:
+            rec = live_record(node_id, model, now)
+            if rec is None or matched <= 0:
                 continue
-            rec = reg.get(m.node_id)
-            assert rec is not None
-            score = sum(n * w[t] for t, n in enumerate(m.tiers[:3]))
-            live.append((score, m, rec))
-        live.sort(key=lambda x: (-x[0], -x[1].matched_blocks, x[1].node_id, x[1].dp_rank))
-        nodes = []
-        for _, m, rec in live:
-            t = (*tuple(m.tiers), 0, 0, 0)
-            nodes.append(
-                pb.NodeMatch(
-                    node_id=m.node_id,
-                    dp_rank=m.dp_rank,
-                    matched_blocks=m.matched_blocks,
-                    tiers=pb.TierCounts(gpu=t[0], cpu=t[1], storage=t[2]),
-                    load=_load_pb(rec.load),
-                )
-            )
-        return pb.LookupResponse(model=model, block_size=block_size, num_blocks=num_blocks, nodes=nodes)
+            t = (*tiers[:3], 0, 0, 0) if len(tiers) < 3 else tiers
+            score = t[0] * w0 + t[1] * w1 + t[2] * w2
+            live.append((-score, -matched, node_id, rank, tiers, rec))
+        live.sort(key=lambda x: x[:4])
+        add = resp.nodes.add
+        for _, neg_matched, node_id, rank, tiers, rec in live:
+            # Filled in place (nested message constructors would be built, then copied in).
+            nm = add(node_id=node_id, dp_rank=rank, matched_blocks=-neg_matched)
+            tc = nm.tiers
+            tc.gpu = tiers[0]
+            if len(tiers) > 1:
+                tc.cpu = tiers[1]
+                if len(tiers) > 2:
+                    tc.storage = tiers[2]
+            ld, out = rec.load, nm.load
+            out.running_requests = ld.running_requests
+            out.waiting_requests = ld.waiting_requests
+            out.kv_usage = ld.kv_usage
+        return resp
 
     # --- nodes ------------------------------------------------------------------------------
     async def ListNodes(

@@ -37,9 +37,10 @@ import contextlib
 import heapq
 import itertools
 import sys
+import uuid
 from array import array
-from collections.abc import Collection, Iterable, Sequence
-from operator import and_
+from collections.abc import Callable, Collection, Iterable, Sequence
+from operator import and_, eq, itemgetter, ne, or_
 from typing import TypeAlias
 
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier, normalize_medium
@@ -80,10 +81,6 @@ def _slots_of(mask: int) -> list[int]:
     return list(itertools.compress(itertools.count(), bin(mask)[:1:-1].encode().translate(_BITS01)))
 
 
-def _join(g: int, c: int, s: int) -> int:
-    return g | c | s
-
-
 class _Model:
     """Everything one model's keyspace holds: the block maps and the slot registry."""
 
@@ -97,6 +94,7 @@ class _Model:
         "live",
         "names",
         "order",
+        "perm",
         "skip_groups",
         "slot_key",
         "slot_of",
@@ -114,6 +112,7 @@ class _Model:
         self.names: list[str] = []
         self.dps: list[int] = []
         self.order: list[int] | None = None
+        self.perm: Callable[[bytes], tuple[int, ...]] | None = None
         self.bits: list[int] = []
         self.counts: list[list[int]] = []
         self.live = 0
@@ -144,6 +143,7 @@ class _Model:
         self.names[slot], self.dps[slot] = key
         self.live |= self.bits[slot]
         self.order = None
+        self.perm = None
 
     def slot_for_store(self, key: NodeKey) -> int:
         slot = self.slot_of.get(key)
@@ -153,15 +153,28 @@ class _Model:
         return slot
 
     def sort_order(self) -> list[int]:
-        """``order[slot]``: rank of the slot's ``(node_id, dp_rank)`` among live slots (for tie-breaks)."""
+        """Live slots sorted by ``(node_id, dp_rank)`` (the tie-break order of match results)."""
         order = self.order
         if order is None:
-            order = [0] * len(self.slot_key)
-            ranked = sorted((k, s) for s, k in enumerate(self.slot_key) if k is not None)
-            for rank, (_k, s) in enumerate(ranked):
-                order[s] = rank
+            order = [s for _k, s in sorted((k, s) for s, k in enumerate(self.slot_key) if k is not None)]
             self.order = order
         return order
+
+    def ordered_slots(self, mask: int) -> list[int]:
+        """The slots of ``mask`` (live ones only) in tie-break order, mostly in C."""
+        if mask & (mask - 1) == 0:
+            return [mask.bit_length() - 1]
+        if mask.bit_count() <= 8:
+            slots = _slots_of(mask)
+            keys = self.slot_key
+            slots.sort(key=lambda s: keys[s] or ("", 0))
+            return slots
+        perm = self.perm
+        order = self.sort_order()
+        if perm is None:
+            perm = self.perm = itemgetter(*order) if len(order) > 1 else (lambda b: (b[order[0]],))
+        sel = bin(mask)[:1:-1].encode().translate(_BITS01).ljust(len(self.slot_key), b"\x00")
+        return list(itertools.compress(order, perm(sel)))
 
     def retire(self, slot: int) -> int:
         """Take ``slot`` out of answers now; returns how many entries it held. O(1)."""
@@ -169,6 +182,8 @@ class _Model:
         if key is not None and self.slot_of.get(key) == slot:
             del self.slot_of[key]
         self.slot_key[slot] = None
+        self.order = None
+        self.perm = None
         bit = self.bits[slot]
         self.live &= ~bit
         held = sum(self.counts[slot])
@@ -235,6 +250,7 @@ class MemoryIndex:
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
         self._sweeper: asyncio.Task[None] | None = None
+        self._generation = uuid.uuid4().hex  # contents live and die with the instance
 
     # ------------------------------------------------------------------ validation
 
@@ -251,7 +267,7 @@ class MemoryIndex:
             pass
         else:
             # array() accepts bools (True == 1, False == 0): only then take the strict path.
-            if 0 not in raw and 1 not in raw:
+            if min(raw) > 1:
                 return raw
         out: list[int] = []
         for i, h in enumerate(raw):
@@ -390,18 +406,17 @@ class MemoryIndex:
         tiered = mi.tiered
         added = 0
         if tier == 0 and (not tiered or tiered.keys().isdisjoint(hashes)):
-            # GPU-only blocks: insert new keys in C, then fix up the few that other slots already hold.
-            new = dict.fromkeys(hashes, bit)
-            added = len(new)
-            existing = blocks.keys() & new.keys()
-            for h in existing:
-                v = blocks[h]
-                if v & bit:
-                    added -= 1
-                    new[h] = v
-                else:
-                    new[h] = v | bit
-            blocks.update(new)
+            # GPU-only blocks: one C-level setdefault per key inserts the new ones (mostly all of them:
+            # engines publish blocks they just computed); keys other slots hold get OR-ed in bulk.
+            before = len(blocks)
+            vals = list(map(blocks.setdefault, hashes, itertools.repeat(bit)))
+            added = len(blocks) - before
+            if vals.count(bit) != len(vals):
+                sel = list(map(ne, vals, itertools.repeat(bit)))
+                fix = dict(zip(itertools.compress(hashes, sel), itertools.compress(vals, sel), strict=True))
+                news = list(map(or_, fix.values(), itertools.repeat(bit)))
+                added += len(fix) - list(map(eq, fix.values(), news)).count(True)
+                blocks.update(zip(fix, news, strict=True))
         else:
             get = blocks.get
             for h in hashes:
@@ -599,20 +614,34 @@ class MemoryIndex:
         zeros = itertools.repeat(0)
         while n < total:
             chunk = hashes[n : n + step]
-            acc = list(itertools.accumulate(map(get, chunk, zeros), and_, initial=m))
-            if acc[-1] == m:
-                n += len(chunk)
+            vals = list(map(get, chunk, zeros))
+            n += len(chunk)
+            if vals.count(m) == len(vals):
+                # Every block held by exactly the surviving slots (a single holder stores the shared
+                # slot-bit object, so this is mostly an identity check): nothing changes.
                 step = min(step * 2, _MAX_CHUNK)
                 continue
-            for i in range(1, len(acc)):
-                a = acc[i]
-                if a != m:
-                    if n + i > 1:
-                        runs.append((n + i - 1, m ^ a))
-                    m = a
-                    if not m:
-                        break
-            n += len(chunk)
+            acc = list(itertools.accumulate(vals, and_, initial=m))
+            last = acc[-1]
+            if last == m:
+                step = min(step * 2, _MAX_CHUNK)
+                continue
+            # acc is a chain of shrinking masks: bisect for each point where it changes.
+            base = n - len(chunk) - 1
+            i = 1
+            while m != last:
+                lo, hi = i, len(acc) - 1
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if acc[mid] != m:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                a = acc[lo]
+                if base + lo > 0:
+                    runs.append((base + lo, m ^ a))
+                m = a
+                i = lo + 1
             if not m:
                 break
         if m and n:
@@ -620,7 +649,6 @@ class MemoryIndex:
         if not runs:
             return []
         names, dps = mi.names, mi.dps
-        order = mi.sort_order() if len(runs) > 1 or runs[0][1] & (runs[0][1] - 1) else mi.order
         tiered = mi.tiered
         odd: list[tuple[int, _Tiers]] = []
         if tiered:
@@ -629,10 +657,7 @@ class MemoryIndex:
             odd = [(p, t) for p, t in enumerate(map(tget, hashes[:longest])) if t is not None]
         out: list[RawMatch] = []
         for length, mask in reversed(runs):
-            slots = _slots_of(mask)
-            if len(slots) > 1:
-                assert order is not None
-                slots.sort(key=order.__getitem__)
+            slots = mi.ordered_slots(mask)
             if not odd or odd[0][0] >= length:
                 tiers: tuple[int, ...] = (length, 0, 0)
                 out.extend(
@@ -796,6 +821,10 @@ class MemoryIndex:
 
     async def ping(self) -> bool:
         return True
+
+    async def generation(self) -> str:
+        """Constant for this instance (see ``kvcoord.index.base.Generational``)."""
+        return self._generation
 
     async def close(self) -> None:
         task, self._sweeper = self._sweeper, None

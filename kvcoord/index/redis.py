@@ -12,8 +12,8 @@ script touches one bucket only. A bucket holds whole nodes (all their models and
 ``T:pend``                hash   location id being filled by ``replace_node``, not yet visible
 ``T:next``                str    location id counter (an id is never reused: ids are generations)
 ``T:node:<node>``         set    the node's location ids (live and pending): ``remove_node`` reads only it
-``T:inv:<model>``         hash   block hash (8 bytes, big-endian) -> holders, sorted 5-byte records
-                                 ``(location id u32, tier mask u8)``: the inverted index a lookup walks
+``T:inv:<model>``         hash   block hash (8 bytes, big-endian) -> holders: 5-byte records ``(location
+                                 id u32, tier mask u8)`` sorted by id: the inverted index lookups walk
 ``T:fwd:<id>``            hash   block hash -> tier mask: one location's blocks (clear, export, reclaim)
 ``T:cnt``                 hash   ``<id>:<tier>`` -> entries, so ``stats`` never counts entries one by one
 ``T:dead`` / ``T:cur``    list   retired location ids waiting for reclaim, and their HSCAN cursors
@@ -21,9 +21,22 @@ script touches one bucket only. A bucket holds whole nodes (all their models and
 
 A lookup runs one read-only script per bucket that walks the query's hashes through ``T:inv:<model>``,
 keeping the set of locations still in the run, and stops at the first block no live candidate holds.
-Consecutive blocks held by the same locations have byte-identical holder strings (records are sorted),
-and Lua interns strings, so a long shared prefix costs one HGET and one pointer compare per block; the
-holder list is decoded only where it changes. With plain Redis there is one bucket by default
+Consecutive blocks held by the same locations have byte-identical holder strings (records are kept
+sorted by id, whatever order the stores came in), and Lua interns strings, so a long shared prefix
+costs a slice of an HMGET and one pointer compare per block; the holder list is decoded (and unseen
+ids' liveness fetched with one HMGET) only where it changes.
+
+Ingest: ``apply`` validates and packs a batch in Python (consecutive same-tier events merge into one
+op), then queues it on its bucket. One write call per bucket is in flight at a time and takes every
+batch queued meanwhile (up to ``_WRITE_COALESCE_BLOCKS``): one EVALSHA applies many nodes' batches in
+queue order, so per-node order holds, and a script is atomic, so each batch is applied whole. Each op
+costs two HMGETs and two HSETs (or HDELs) whatever its size.
+
+On plain TCP to a standalone Redis, scripts go over one pipelined connection of our own (hiredis
+packs commands and parses replies) rather than through redis-py's pool: a PING round trip costs ~20 us
+that way and ~100 us through redis-py on the test VM. TLS, unix sockets and Cluster use redis-py.
+
+With plain Redis there is one bucket by default
 (``?buckets=1``): one round trip per lookup. On a Cluster the default is 16 buckets, and a lookup sends
 one script per bucket in one pipeline, which redis-py splits per shard and sends to the shards in
 parallel: one round trip per shard, each shard walking only its own nodes. A single hash tag per
@@ -54,14 +67,17 @@ import struct
 import time
 import uuid
 import zlib
+from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import hiredis
 import redis.asyncio as aredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection as _PlainConnection
 
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier, normalize_medium
 from kvcoord.hashing import UINT64_MASK, BlockHash64, to_block_hash64
@@ -101,6 +117,7 @@ class RedisMetrics:
     reconnects: int = 0
     """Times a round trip succeeded after Redis had been unreachable."""
     reclaimed_entries: int = 0
+    """(block, location) pairs of retired locations dropped by reclaim (any tiers count once)."""
     up: bool = True
 
     def observe(self, seconds: float) -> None:
@@ -117,139 +134,201 @@ class RedisMetrics:
 
 _LUA_COMMON = r"""
 local tag = ARGV[1]
+-- globals are slow in Redis's sandbox (a protected table): bind what the hot loops use to locals
+local call, sub, find, byte, char, spack, sunpack, unpack, min, floor = redis.call, string.sub,
+  string.find, string.byte, string.char, struct.pack, struct.unpack, unpack, math.min, math.floor
 local function model_of(lf)
-  local c = string.find(lf, ':', 1, true)
-  local n = tonumber(string.sub(lf, 1, c - 1))
-  return string.sub(lf, c + 1, c + n)
+  local c = find(lf, ':', 1, true)
+  local n = tonumber(sub(lf, 1, c - 1))
+  return sub(lf, c + 1, c + n)
 end
--- holder records: 5 bytes each (location id u32 BE, tier mask u8), sorted by id; mask 0 deletes
+-- holder records: 5 bytes each (location id u32 BE, tier mask u8), sorted by id; mask 0 deletes.
+-- Sorted, so that blocks held by the same locations (on the same tiers) have byte-identical holder
+-- strings however their stores interleaved: the lookup walk then compares one interned string per block.
 local function holders_set(s, id, m)
-  local rec = struct.pack('>I4B', id, m)
+  local key = spack('>I4', id)
   if not s then
     if m == 0 then return nil end
-    return rec
+    return key .. char(m)
   end
-  for p = 1, #s, 5 do
-    local rid = struct.unpack('>I4', s, p)
-    if rid == id then
-      if m == 0 then
-        if #s == 5 then return nil end
-        return string.sub(s, 1, p - 1) .. string.sub(s, p + 5)
-      end
-      return string.sub(s, 1, p - 1) .. rec .. string.sub(s, p + 5)
-    elseif rid > id then
-      if m == 0 then return s end
-      return string.sub(s, 1, p - 1) .. rec .. string.sub(s, p)
+  local lo, hi = 0, #s / 5
+  while lo < hi do
+    local mid = floor((lo + hi) / 2)
+    if sunpack('>I4', s, mid * 5 + 1) < id then lo = mid + 1 else hi = mid end
+  end
+  local p = lo * 5 + 1
+  if p <= #s and sub(s, p, p + 3) == key then
+    if m == 0 then
+      if #s == 5 then return nil end
+      return sub(s, 1, p - 1) .. sub(s, p + 5)
     end
+    return sub(s, 1, p - 1) .. key .. char(m) .. sub(s, p + 5)
   end
   if m == 0 then return s end
-  return s .. rec
+  return sub(s, 1, p - 1) .. key .. char(m) .. sub(s, p)
+end
+-- HMGET / HSET / HDEL in slices (Lua's unpack is bounded by the C stack)
+local function mget(key, fields, out)
+  local n = #fields
+  if n <= 1000 then
+    local part = call('HMGET', key, unpack(fields))
+    for j = 1, n do out[j] = part[j] end
+    return
+  end
+  for i = 1, n, 1000 do
+    local part = call('HMGET', key, unpack(fields, i, min(i + 999, n)))
+    for j = 1, #part do out[i + j - 1] = part[j] end
+  end
+end
+local function flush_hash(key, order, final)
+  local sets, dels = {}, {}
+  for k = 1, #order do
+    local h = order[k]
+    local v = final[h]
+    if v then sets[#sets + 1] = h; sets[#sets + 1] = v else dels[#dels + 1] = h end
+  end
+  for i = 1, #sets, 1000 do call('HSET', key, unpack(sets, i, min(i + 999, #sets))) end
+  for i = 1, #dels, 1000 do call('HDEL', key, unpack(dels, i, min(i + 999, #dels))) end
 end
 local function put_holders(inv, h, s)
-  if s then redis.call('HSET', inv, h, s) else redis.call('HDEL', inv, h) end
+  if s then call('HSET', inv, h, s) else call('HDEL', inv, h) end
 end
 -- retire a location id: invisible to readers at once, entries reclaimed later from T:dead
 local function retire(id, lf, node)
   id = tostring(id)
-  redis.call('HDEL', tag .. ':name', id)
-  redis.call('HDEL', tag .. ':pend', id)
-  if redis.call('HGET', tag .. ':loc', lf) == id then redis.call('HDEL', tag .. ':loc', lf) end
-  local c = redis.call('HMGET', tag .. ':cnt', id .. ':0', id .. ':1', id .. ':2')
-  redis.call('HDEL', tag .. ':cnt', id .. ':0', id .. ':1', id .. ':2')
-  redis.call('SREM', tag .. ':node:' .. node, id)
-  redis.call('RPUSH', tag .. ':dead', id .. ':' .. lf)
+  call('HDEL', tag .. ':name', id)
+  call('HDEL', tag .. ':pend', id)
+  if call('HGET', tag .. ':loc', lf) == id then call('HDEL', tag .. ':loc', lf) end
+  local c = call('HMGET', tag .. ':cnt', id .. ':0', id .. ':1', id .. ':2')
+  call('HDEL', tag .. ':cnt', id .. ':0', id .. ':1', id .. ':2')
+  call('SREM', tag .. ':node:' .. node, id)
+  call('RPUSH', tag .. ':dead', id .. ':' .. lf)
   return (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
 end
 """
 
-# ARGV: tag, location name, node, mode ('A' apply to the live location, or a pending id to fill),
-# then (op, blob) pairs: 'S<tier>' store, 'R<tier>' or 'R<tier>:<group>' remove (blob = packed 8-byte
-# hashes), 'G<group>' remember a non-indexable group of this location, 'C' AllBlocksCleared.
+# ARGV: tag, then one or more batches, each: location name, node, mode ('A' apply to the live location,
+# or a pending id to fill), op count, then (op, blob) pairs: 'S<tier>' store, 'R<tier>' or
+# 'R<tier>:<group>' remove (blob = packed 8-byte hashes), 'G<group>' remember a non-indexable group of
+# this location, 'C' AllBlocksCleared. Batches apply in order; returns 6 counts per batch.
 _LUA_WRITE = _LUA_COMMON + r"""
-local lf, node, mode = ARGV[2], ARGV[3], ARGV[4]
-local inv = tag .. ':inv:' .. model_of(lf)
-local skipkey = tag .. ':skip:' .. node
-local id, fwd
-if mode == 'A' then
-  id = redis.call('HGET', tag .. ':loc', lf)
-else
-  id = mode
-  if redis.call('HEXISTS', tag .. ':pend', id) == 0 then
+local band = bit.band
+-- a fill whose pending location is gone is refused before anything is written
+local a = 2
+while a <= #ARGV do
+  local mode = ARGV[a + 2]
+  if mode ~= 'A' and call('HEXISTS', tag .. ':pend', mode) == 0 then
     return redis.error_reply('ABORTED pending location gone')
   end
+  a = a + 4 + 2 * tonumber(ARGV[a + 3])
 end
-if id then id = tonumber(id); fwd = tag .. ':fwd:' .. id end
-local new, dup, removed, unknown, cleared, skipped = 0, 0, 0, 0, 0, 0
-local dcnt = {0, 0, 0}
-local skip = nil
-local function flush()
-  if not id then return end
-  for t = 1, 3 do
-    if dcnt[t] ~= 0 then redis.call('HINCRBY', tag .. ':cnt', id .. ':' .. (t - 1), dcnt[t]); dcnt[t] = 0 end
+local out = {}
+local function apply_batch(a)
+  local lf, node, mode = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local last = a + 3 + 2 * tonumber(ARGV[a + 3])
+  local inv = tag .. ':inv:' .. model_of(lf)
+  local skipkey = tag .. ':skip:' .. node
+  local id, fwd
+  if mode == 'A' then id = call('HGET', tag .. ':loc', lf) else id = mode end
+  if id then id = tonumber(id); fwd = tag .. ':fwd:' .. id end
+  local new, dup, removed, unknown, cleared, skipped = 0, 0, 0, 0, 0, 0
+  local dcnt = {0, 0, 0}
+  local skip = nil
+  local function flush()
+    if not id then return end
+    for t = 1, 3 do
+      if dcnt[t] ~= 0 then call('HINCRBY', tag .. ':cnt', id .. ':' .. (t - 1), dcnt[t]); dcnt[t] = 0 end
+    end
   end
-end
-for a = 5, #ARGV, 2 do
-  local op, blob = ARGV[a], ARGV[a + 1]
-  local kind = string.sub(op, 1, 1)
-  if kind == 'C' then
-    if id then flush(); cleared = cleared + retire(id, lf, node); id = nil; fwd = nil end
-  elseif kind == 'G' then
-    if skip == nil then skip = redis.call('HGET', skipkey, lf) or ',' end
-    local g = string.sub(op, 2) .. ','
-    if not string.find(skip, ',' .. g, 1, true) then
-      skip = skip .. g
-      redis.call('HSET', skipkey, lf, skip)
-    end
-  elseif kind == 'S' then
-    local t = tonumber(string.sub(op, 2)); local b = 2 ^ t
-    if not id and #blob > 0 then
-      id = redis.call('INCR', tag .. ':next')
-      redis.call('HSET', tag .. ':loc', lf, id)
-      redis.call('HSET', tag .. ':name', id, lf)
-      redis.call('SADD', tag .. ':node:' .. node, id)
-      fwd = tag .. ':fwd:' .. id
-    end
-    for p = 1, #blob, 8 do
-      local h = string.sub(blob, p, p + 7)
-      local v = redis.call('HGET', fwd, h)
-      local m = v and string.byte(v) or 0
-      if bit.band(m, b) ~= 0 then
-        dup = dup + 1
+  -- One op over its hashes with 2 HMGETs and a few HSET/HDELs. b > 0 sets tier bit b, b < 0 clears
+  -- bit -b. Returns (blocks changed, noops + blocks left alone).
+  local function batch_op(blob, b, noop)
+    local hs = {}
+    for p = 1, #blob, 8 do hs[#hs + 1] = sub(blob, p, p + 7) end
+    local fv, iv = {}, {}
+    mget(fwd, hs, fv)
+    mget(inv, hs, iv)
+    local ff, fi, order = {}, {}, {}
+    local changed = 0
+    local bb = b > 0 and b or -b
+    local setting = b > 0
+    for i = 1, #hs do
+      local h = hs[i]
+      local v = ff[h]
+      if v == nil then v = fv[i]; order[#order + 1] = h end
+      local m = v and byte(v) or 0
+      if setting == (band(m, bb) ~= 0) then
+        noop = noop + 1
       else
-        m = m + b
-        redis.call('HSET', fwd, h, string.char(m))
-        put_holders(inv, h, holders_set(redis.call('HGET', inv, h) or nil, id, m))
-        new = new + 1; dcnt[t + 1] = dcnt[t + 1] + 1
+        if setting then m = m + bb else m = m - bb end
+        ff[h] = m > 0 and char(m) or false
+        local sv = fi[h]
+        if sv == nil then sv = iv[i] end
+        fi[h] = holders_set(sv or nil, id, m) or false
+        changed = changed + 1
       end
     end
-  else
-    local t = tonumber(string.sub(op, 2, 2)); local b = 2 ^ t
-    local skipped_here = false
-    if #op > 2 then
-      if skip == nil then skip = redis.call('HGET', skipkey, lf) or ',' end
-      skipped_here = string.find(skip, ',' .. string.sub(op, 4) .. ',', 1, true) ~= nil
+    local ford, iord = {}, {}
+    for k = 1, #order do
+      local h = order[k]
+      if ff[h] ~= nil then ford[#ford + 1] = h end
+      if fi[h] ~= nil then iord[#iord + 1] = h end
     end
-    if skipped_here then
-      skipped = skipped + #blob / 8
+    flush_hash(fwd, ford, ff)
+    flush_hash(inv, iord, fi)
+    return changed, noop
+  end
+  for o = a + 4, last, 2 do
+    local op, blob = ARGV[o], ARGV[o + 1]
+    local kind = sub(op, 1, 1)
+    if kind == 'C' then
+      if id then flush(); cleared = cleared + retire(id, lf, node); id = nil; fwd = nil end
+    elseif kind == 'G' then
+      if skip == nil then skip = call('HGET', skipkey, lf) or ',' end
+      local g = sub(op, 2) .. ','
+      if not find(skip, ',' .. g, 1, true) then
+        skip = skip .. g
+        call('HSET', skipkey, lf, skip)
+      end
+    elseif kind == 'S' then
+      local t = tonumber(sub(op, 2))
+      if not id and #blob > 0 then
+        id = call('INCR', tag .. ':next')
+        call('HSET', tag .. ':loc', lf, id)
+        call('HSET', tag .. ':name', id, lf)
+        call('SADD', tag .. ':node:' .. node, id)
+        fwd = tag .. ':fwd:' .. id
+      end
+      local added
+      added, dup = batch_op(blob, 2 ^ t, dup)
+      new = new + added; dcnt[t + 1] = dcnt[t + 1] + added
     else
-      for p = 1, #blob, 8 do
-        local h = string.sub(blob, p, p + 7)
-        local v = id and redis.call('HGET', fwd, h)
-        local m = v and string.byte(v) or 0
-        if bit.band(m, b) == 0 then
-          unknown = unknown + 1
-        else
-          m = m - b
-          if m == 0 then redis.call('HDEL', fwd, h) else redis.call('HSET', fwd, h, string.char(m)) end
-          put_holders(inv, h, holders_set(redis.call('HGET', inv, h) or nil, id, m))
-          removed = removed + 1; dcnt[t + 1] = dcnt[t + 1] - 1
-        end
+      local t = tonumber(sub(op, 2, 2))
+      local skipped_here = false
+      if #op > 2 then
+        if skip == nil then skip = call('HGET', skipkey, lf) or ',' end
+        skipped_here = find(skip, ',' .. sub(op, 4) .. ',', 1, true) ~= nil
+      end
+      if skipped_here then
+        skipped = skipped + #blob / 8
+      elseif id then
+        local done
+        done, unknown = batch_op(blob, -(2 ^ t), unknown)
+        removed = removed + done; dcnt[t + 1] = dcnt[t + 1] - done
+      else
+        unknown = unknown + #blob / 8
       end
     end
   end
+  flush()
+  local n = #out
+  out[n + 1] = new; out[n + 2] = dup; out[n + 3] = removed
+  out[n + 4] = unknown; out[n + 5] = cleared; out[n + 6] = skipped
+  return last + 1
 end
-flush()
-return {new, dup, removed, unknown, cleared, skipped}
+a = 2
+while a <= #ARGV do a = apply_batch(a) end
+return out
 """
 
 # ARGV: tag, location name, node. Starts a pending (invisible) location for replace_node.
@@ -305,10 +384,14 @@ local nid = tonumber(id)
 local cur = redis.call('HGET', tag .. ':cur', id) or '0'
 local r = redis.call('HSCAN', fwd, cur, 'COUNT', ARGV[2])
 local kv = r[2]
+local done = 0
 for i = 1, #kv, 2 do
   local h = kv[i]
-  put_holders(inv, h, holders_set(redis.call('HGET', inv, h) or nil, nid, 0))
-  redis.call('HDEL', fwd, h)
+  -- HSCAN may return a field twice (the hash shrinks as we delete): count only real deletions
+  if redis.call('HDEL', fwd, h) == 1 then
+    put_holders(inv, h, holders_set(redis.call('HGET', inv, h) or nil, nid, 0))
+    done = done + 1
+  end
 end
 if r[1] == '0' then
   redis.call('DEL', fwd)
@@ -317,7 +400,7 @@ if r[1] == '0' then
 else
   redis.call('HSET', tag .. ':cur', id, r[1])
 end
-return {#kv / 2, redis.call('LLEN', dead)}
+return {done, redis.call('LLEN', dead)}
 """
 
 # ARGV: tag, model, packed query hashes, '1' if restricted to candidates, then candidate location names.
@@ -326,6 +409,7 @@ return {#kv / 2, redis.call('LLEN', dead)}
 _LUA_LOOKUP = (
     "#!lua flags=no-writes\n"
     + r"""
+local call, sub, sunpack, unpack, min = redis.call, string.sub, struct.unpack, unpack, math.min
 local tag, model, blob = ARGV[1], ARGV[2], ARGV[3]
 local inv = tag .. ':inv:' .. model
 local names = tag .. ':name'
@@ -333,9 +417,11 @@ local allowed = nil
 if ARGV[4] == '1' then
   allowed = {}
   local any = false
-  for a = 5, #ARGV do
-    local id = redis.call('HGET', tag .. ':loc', ARGV[a])
-    if id then allowed[tonumber(id)] = true; any = true end
+  for s = 5, #ARGV, 1000 do
+    local ids = call('HMGET', tag .. ':loc', unpack(ARGV, s, min(s + 999, #ARGV)))
+    for a = 1, #ids do
+      if ids[a] then allowed[tonumber(ids[a])] = true; any = true end
+    end
   end
   if not any then return {} end
 end
@@ -350,27 +436,51 @@ local function flush()
   end
   seg = 0
 end
-for i = 1, #blob / 8 do
-  local v = redis.call('HGET', inv, string.sub(blob, i * 8 - 7, i * 8))
-  if not v then break end
-  if v ~= prev then
-    flush()
-    local nxt, any = {}, false
-    for p = 1, #v, 5 do
-      local id, m = struct.unpack('>I4B', v, p)
-      if (i == 1 or cur[id]) and (allowed == nil or allowed[id]) then
-        local nm = live[id]
-        if nm == nil then nm = redis.call('HGET', names, id); live[id] = nm end
-        if nm then
-          nxt[id] = m; any = true
-          if i == 1 then run[id] = 0; tiers[id] = {0, 0, 0} end
-        end
-      end
+-- a block whose holder string differs from the previous one: decode it, learn unseen ids' liveness
+-- with one HMGET, and keep the locations still in the run; false stops the walk
+local function change(i, v)
+  flush()
+  local ids, ms, unseen = {}, {}, {}
+  for p = 1, #v, 5 do
+    local id, m = sunpack('>I4B', v, p)
+    if (i == 1 or cur[id]) and (allowed == nil or allowed[id]) then
+      ids[#ids + 1] = id; ms[#ms + 1] = m
+      if live[id] == nil then unseen[#unseen + 1] = id end
     end
-    if not any then break end
-    cur, prev = nxt, v
   end
-  seg = seg + 1
+  for s = 1, #unseen, 1000 do
+    local last = min(s + 999, #unseen)
+    local nm = call('HMGET', names, unpack(unseen, s, last))
+    for k = s, last do live[unseen[k]] = nm[k - s + 1] end
+  end
+  local nxt, any = {}, false
+  for k = 1, #ids do
+    local id = ids[k]
+    if live[id] then
+      nxt[id] = ms[k]; any = true
+      if i == 1 then run[id] = 0; tiers[id] = {0, 0, 0} end
+    end
+  end
+  if not any then return false end
+  cur, prev = nxt, v
+  return true
+end
+-- HMGET the query in growing slices: short walks stay cheap, long ones cost few calls
+local n, i, width = #blob / 8, 1, 64
+local going = true
+while going and i <= n do
+  local last = min(n, i + width - 1)
+  local fs = {}
+  for k = i, last do fs[k - i + 1] = sub(blob, k * 8 - 7, k * 8) end
+  local vs = call('HMGET', inv, unpack(fs))
+  for k = 1, #fs do
+    local v = vs[k]
+    if not v then going = false; break end
+    if v ~= prev and not change(i + k - 1, v) then going = false; break end
+    seg = seg + 1
+  end
+  i = last + 1
+  width = min(width * 8, 1000)
 end
 flush()
 local out = {}
@@ -414,6 +524,157 @@ return {out, mb, bytes}
 )
 
 
+def _command(*args: object) -> bytes:
+    """A RESP command, packed by hiredis (its stub types the argument as a 1-tuple)."""
+    packed: bytes = hiredis.pack_command(args)  # type: ignore[arg-type]
+    return packed
+
+
+class _Pipelined(asyncio.Protocol):
+    """One RESP connection with any number of requests in flight, answered in order (Redis's guarantee).
+
+    Why not redis-py for the hot path: its asyncio client takes a pooled connection, builds the command
+    and parses the reply through several layers per call (~100 us here, more than the Lua walk of a
+    lookup). This sends pre-packed commands (``hiredis.pack_command``) and feeds replies to
+    ``hiredis.Reader``; concurrent callers share the socket, so their requests pipeline, and requests
+    sent on one connection run in the order sent (the write queue relies on that). A request with no
+    reply for ``timeout`` seconds aborts the connection; every waiter then gets ``ConnectionError``.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self._reader = hiredis.Reader(replyError=rexc.ResponseError, protocolError=rexc.InvalidResponse)
+        self._waiting: deque[asyncio.Future[Any]] = deque()
+        self._transport: asyncio.Transport | None = None
+        self._timeout = timeout
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        self._last = time.monotonic()
+        while (reply := self._reader.gets()) is not False:
+            fut = self._waiting.popleft()
+            if fut.done():
+                continue
+            if isinstance(reply, rexc.ResponseError):
+                fut.set_exception(reply)
+            else:
+                fut.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+        while self._waiting:
+            fut = self._waiting.popleft()
+            if not fut.done():
+                fut.set_exception(rexc.ConnectionError(f"redis connection lost: {exc or 'closed'}"))
+
+    def request(self, packed: bytes) -> asyncio.Future[Any]:
+        if self.lost or self._transport is None:
+            raise rexc.ConnectionError("redis connection lost")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if not self._waiting:
+            self._last = time.monotonic()
+        self._waiting.append(fut)
+        self._transport.write(packed)
+        if self._timer is None:
+            self._timer = loop.call_later(self._timeout, self._check)
+        return fut
+
+    def _check(self) -> None:
+        """Abort when requests wait and nothing arrived for ``timeout`` seconds (Redis hung or gone)."""
+        self._timer = None
+        if not self._waiting or self.lost:
+            return
+        idle = time.monotonic() - self._last
+        if idle >= self._timeout:
+            assert self._transport is not None
+            self._transport.abort()
+            return
+        self._timer = asyncio.get_running_loop().call_later(self._timeout - idle, self._check)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+class _FastPath:
+    """Lazily (re)connected :class:`_Pipelined` connection to a standalone Redis over plain TCP."""
+
+    __slots__ = (
+        "_conn",
+        "_connect_timeout",
+        "_db",
+        "_host",
+        "_lock",
+        "_password",
+        "_port",
+        "_timeout",
+        "_username",
+    )
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self._host: str = kwargs.get("host", "localhost")
+        self._port: int = int(kwargs.get("port", 6379))
+        self._db: int = int(kwargs.get("db", 0) or 0)
+        self._username: str | None = kwargs.get("username")
+        self._password: str | None = kwargs.get("password")
+        self._timeout: float = float(kwargs.get("socket_timeout") or 5.0)
+        self._connect_timeout: float = float(kwargs.get("socket_connect_timeout") or self._timeout)
+        self._conn: _Pipelined | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def for_client(cls, client: aredis.Redis | RedisCluster) -> _FastPath | None:
+        """Only for a plain TCP standalone client (TLS, unix sockets and Cluster keep redis-py)."""
+        if isinstance(client, RedisCluster):
+            return None
+        pool = client.connection_pool
+        if pool.connection_class is not _PlainConnection:
+            return None
+        return cls(dict(pool.connection_kwargs))
+
+    async def _connect(self) -> _Pipelined:
+        async with self._lock:
+            if self._conn is not None and not self._conn.lost:
+                return self._conn
+            loop = asyncio.get_running_loop()
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Pipelined(self._timeout), self._host, self._port),
+                self._connect_timeout,
+            )
+            try:
+                if self._password is not None:
+                    auth = (self._username, self._password) if self._username else (self._password,)
+                    await conn.request(_command("AUTH", *auth))
+                if self._db:
+                    await conn.request(_command("SELECT", self._db))
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+            return conn
+
+    async def call(self, packed: bytes) -> Any:
+        conn = self._conn
+        if conn is None or conn.lost:
+            conn = await self._connect()
+        return await conn.request(packed)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+
 class _Script:
     """A Lua script run by EVALSHA, falling back to EVAL (which caches it) after a Redis restart."""
 
@@ -432,12 +693,19 @@ _REMOVE_NODE = _Script(_LUA_REMOVE_NODE)
 _RECLAIM = _Script(_LUA_RECLAIM)
 _LOOKUP = _Script(_LUA_LOOKUP)
 _STATS = _Script(_LUA_STATS)
+_EPOCH = _Script(
+    "local k = ARGV[1] .. ':epoch'\nredis.call('SET', k, ARGV[2], 'NX')\nreturn redis.call('GET', k)\n"
+)
 
-_OP_CLEAR = ("C", b"")
 _TIER_BITS = tuple((t, 1 << t) for t in Tier)
 _REPLACE_CHUNK = 20_000
 """Entries per script call when filling a replacement (bounds how long one script blocks Redis)."""
 _RECLAIM_CHUNK = 1_000
+_LAYOUT = "v2"
+"""Keyspace format, stored with the bucket count in ``{<prefix>}:conf``; v2 keeps holder records sorted."""
+_WRITE_COALESCE_BLOCKS = 2048
+"""A coalesced write call takes queued batches up to this many blocks (one batch always goes, however
+big): it bounds how long one script holds Redis, and so how long a lookup can wait behind it."""
 _DEFAULT_CLUSTER_BUCKETS = 16
 
 
@@ -511,8 +779,17 @@ def compile_events(events: Sequence[KVEvent]) -> tuple[list[tuple[str, bytes]], 
     """
     if not isinstance(events, Sequence) or isinstance(events, str | bytes):
         raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
-    ops: list[tuple[str, bytes]] = []
+    ops: list[tuple[str, list[bytes]]] = []
     skipped = 0
+
+    def add(op: str, blob: bytes) -> None:
+        # consecutive store (or removal) events of one tier become one op: the script then pays its
+        # per-command costs once for the run (an op handles a hash repeated within it like two ops)
+        if ops and ops[-1][0] == op and op[0] in "SR":
+            ops[-1][1].append(blob)
+        else:
+            ops.append((op, [blob]))
+
     for i, ev in enumerate(events):
         what = f"event {i}"
         if isinstance(ev, BlockStored):
@@ -525,21 +802,21 @@ def compile_events(events: Sequence[KVEvent]) -> tuple[list[tuple[str, bytes]], 
             if not ev.is_prefix_indexable():
                 skipped += len(hashes)
                 if group is not None:
-                    ops.append((f"G{group}", b""))
+                    add(f"G{group}", b"")
             elif hashes:
-                ops.append((f"S{tier.value}", _pack(hashes)))
+                add(f"S{tier.value}", _pack(hashes))
         elif isinstance(ev, BlockRemoved):
             tier = _tier(ev.medium, what)
             hashes = _hashes64(ev.block_hashes, what)
             group = _group(ev.group_idx, what)
             if hashes:
                 op = f"R{tier.value}" if group is None else f"R{tier.value}:{group}"
-                ops.append((op, _pack(hashes)))
+                add(op, _pack(hashes))
         elif isinstance(ev, AllBlocksCleared):
-            ops.append(_OP_CLEAR)
+            add("C", b"")
         else:
             raise InvalidEvent(f"{what}: not a KV event: {type(ev).__name__}")
-    return ops, skipped
+    return [(op, blobs[0] if len(blobs) == 1 else b"".join(blobs)) for op, blobs in ops], skipped
 
 
 def _snapshot_per_tier(entries: Iterable[SnapshotEntry]) -> list[list[int]]:
@@ -587,12 +864,18 @@ class RedisIndex:
         self._conf_key = f"{{{key_prefix}}}:conf"
         self.metrics = RedisMetrics()
         self._layout_checked = False
+        self._layout_lock = asyncio.Lock()
         self._reclaim_interval = reclaim_interval
         self._reclaim_wake = asyncio.Event()
         self._reclaim_task: asyncio.Task[None] | None = None
         self._closed = False
         self._retired_gen = 0
         self._reclaimed_gen = 0
+        self._fast = _FastPath.for_client(client)
+        self._wq: list[deque[tuple[list[object], int, asyncio.Future[list[int]]]]] = [
+            deque() for _ in range(self.buckets)
+        ]
+        self._wq_tasks: list[asyncio.Task[None] | None] = [None] * self.buckets
         """Retirements this client made, and how many of them a finished reclaim pass has covered."""
 
     # ------------------------------------------------------------------------------------ opening
@@ -663,6 +946,18 @@ class RedisIndex:
     async def _eval(self, script: _Script, tag: str, *args: object) -> Any:
         """Run ``script`` on the bucket ``tag`` (its ``:loc`` key routes it on a Cluster)."""
         key = tag + ":loc"
+        fast = self._fast
+        if fast is not None:
+
+            async def go_fast() -> Any:
+                try:
+                    return await fast.call(_command("EVALSHA", script.sha, 1, key, tag, *args))
+                except rexc.ResponseError as e:
+                    if not str(e).startswith("NOSCRIPT"):
+                        raise
+                    return await fast.call(_command("EVAL", script.src, 1, key, tag, *args))
+
+            return await self._rt(go_fast)
 
         async def go() -> Any:
             try:
@@ -671,6 +966,53 @@ class RedisIndex:
                 return await self._r.eval(script.src, 1, key, tag, *args)  # type: ignore[arg-type]
 
         return await self._rt(go)
+
+    async def _write(self, bucket: int, batch: list[object], blocks: int) -> list[int]:
+        """Queue one batch's write-script arguments for ``bucket``; returns its 6 counts once applied.
+
+        Batches that arrive while the bucket's previous write call is in flight are coalesced into
+        the next call (one EVALSHA for many nodes' batches): Redis's per-call cost is paid once, and
+        the client's too. The bucket's calls run one at a time, in queue order, so a node's batches
+        (a node lives in one bucket) apply in the order ``apply`` was called. Each batch was validated
+        before it was queued, and one script call is atomic, so a batch is applied whole or not at all.
+        """
+        fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._wq[bucket].append((batch, blocks, fut))
+        task = self._wq_tasks[bucket]
+        if task is None or task.done():
+            self._wq_tasks[bucket] = asyncio.get_running_loop().create_task(
+                self._drain(bucket), name=f"redis-write-{bucket}"
+            )
+        return await fut
+
+    async def _drain(self, bucket: int) -> None:
+        queue, tag = self._wq[bucket], self._tags[bucket]
+        while queue:
+            args: list[object] = []
+            taken: list[asyncio.Future[list[int]]] = []
+            size = 0
+            while queue and (not taken or size + queue[0][1] <= _WRITE_COALESCE_BLOCKS):
+                batch, blocks, fut = queue.popleft()
+                if fut.done():  # the caller was cancelled before the batch was sent: not applied
+                    continue
+                args.extend(batch)
+                taken.append(fut)
+                size += blocks
+            if not taken:
+                break
+            try:
+                flat = await self._eval(_WRITE, tag, *args)
+            except BaseException as e:
+                err = IndexUnavailable("redis index closed") if isinstance(e, asyncio.CancelledError) else e
+                for fut in taken:
+                    if not fut.done():
+                        fut.set_exception(err)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                continue
+            for k, fut in enumerate(taken):
+                if not fut.done():
+                    fut.set_result([int(x) for x in flat[6 * k : 6 * k + 6]])
 
     async def _eval_many(self, script: _Script, calls: list[tuple[str, list[object]]]) -> list[Any]:
         """Run ``script`` on several buckets in one pipeline (per shard, in parallel, on a Cluster)."""
@@ -696,19 +1038,30 @@ class RedisIndex:
         return await self._rt(go)
 
     async def _check_layout(self) -> None:
-        """Refuse to share a keyspace with a client that spreads nodes over a different bucket count."""
+        """Refuse to share a keyspace with a client of another layout (bucket count, record format)."""
         if self._layout_checked:
             return
+        async with self._layout_lock:  # concurrent first writers share one check
+            if not self._layout_checked:
+                await self._check_layout_now()
+
+    async def _check_layout_now(self) -> None:
+        mine = f"{_LAYOUT}:{self.buckets}"
 
         async def go() -> Any:
-            await self._r.set(self._conf_key, str(self.buckets), nx=True)
+            await self._r.set(self._conf_key, mine, nx=True)
             return await self._r.get(self._conf_key)
 
         stored = await self._rt(go)
-        if stored is not None and int(stored) != self.buckets:
+        if stored is not None and stored.decode() != mine:
+            layout, _, buckets = stored.decode().rpartition(":")
+            if layout != _LAYOUT:
+                raise ValueError(
+                    f"the Redis keyspace {self.key_prefix!r} has layout {layout or 'v1'!r} "
+                    f"(this client writes {_LAYOUT!r}): use a new key prefix"
+                )
             raise ValueError(
-                f"the Redis keyspace {self.key_prefix!r} uses {int(stored)} buckets, "
-                f"this client {self.buckets}"
+                f"the Redis keyspace {self.key_prefix!r} uses {buckets} buckets, this client {self.buckets}"
             )
         self._layout_checked = True
 
@@ -721,12 +1074,14 @@ class RedisIndex:
         if not ops:
             return result
         await self._check_layout()
-        args: list[object] = [_loc_name(model, node_id, dp_rank), node_id, "A"]
+        batch: list[object] = [_loc_name(model, node_id, dp_rank), node_id, "A", len(ops)]
+        blocks = 0
         for op, blob in ops:
-            args.append(op)
-            args.append(blob)
-        new, _dup, removed, unknown, cleared, skipped_removals = await self._eval(
-            _WRITE, self.tag_of(node_id), *args
+            batch.append(op)
+            batch.append(blob)
+            blocks += len(blob) >> 3
+        new, _dup, removed, unknown, cleared, skipped_removals = await self._write(
+            self.bucket_of(node_id), batch, blocks
         )
         result.stored = int(new)
         result.skipped_group += int(skipped_removals)
@@ -812,7 +1167,7 @@ class RedisIndex:
             for t, hs in enumerate(per_tier):
                 for s in range(0, len(hs), _REPLACE_CHUNK):
                     blob = _pack(hs[s : s + _REPLACE_CHUNK])
-                    await self._eval(_WRITE, tag, lf, node_id, str(pending), f"S{t}", blob)
+                    await self._eval(_WRITE, tag, lf, node_id, str(pending), 1, f"S{t}", blob)
             committed = await self._eval(_COMMIT, tag, lf, node_id, str(pending))
         except rexc.ResponseError as e:
             if "ABORTED" not in str(e):
@@ -903,25 +1258,32 @@ class RedisIndex:
             self.metrics.reconnects += 1
         return True
 
-    async def data_epoch(self) -> str:
+    async def generation(self) -> str:
         """A token that changes when Redis lost the index (restarted empty, flushed, failed over badly).
 
-        Each bucket keeps a random marker; the coordinator compares the token before and after an
-        outage and asks every agent for a snapshot when it changed.
+        Each bucket keeps a random marker, set when missing (one script per bucket, one round trip);
+        the coordinator compares the token over time and asks every agent for a snapshot when it
+        changed. Raises :class:`IndexUnavailable` when Redis cannot be reached.
         """
+        tokens = await self._eval_many(_EPOCH, [(tag, [uuid.uuid4().hex]) for tag in self._tags])
+        return hashlib.sha1(b"|".join(t if isinstance(t, bytes) else b"" for t in tokens)).hexdigest()[:16]
 
-        async def go() -> str:
-            tokens = []
-            for tag in self._tags:
-                await self._r.set(tag + ":epoch", uuid.uuid4().hex, nx=True)
-                token = await self._r.get(tag + ":epoch")
-                tokens.append(token if isinstance(token, bytes) else b"")
-            return hashlib.sha1(b"|".join(tokens)).hexdigest()[:16]
-
-        return await self._rt(go)
+    async def data_epoch(self) -> str:
+        """Alias of :meth:`generation` (the name this module used first)."""
+        return await self.generation()
 
     async def close(self) -> None:
         self._closed = True
+        for wtask in self._wq_tasks:
+            if wtask is not None and not wtask.done():
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(wtask), 1.0)
+                wtask.cancel()
+        for q in self._wq:
+            while q:
+                _, _, fut = q.popleft()
+                if not fut.done():
+                    fut.set_exception(IndexUnavailable("redis index closed"))
         task, self._reclaim_task = self._reclaim_task, None
         if task is not None:
             # Let an in-flight reclaim chunk finish (cancelling redis-py's cluster pipeline midway
@@ -932,23 +1294,26 @@ class RedisIndex:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._fast is not None:
+            self._fast.close()
         with contextlib.suppress(Exception):
             await self._r.aclose()
 
     # ------------------------------------------------------------------------------------- reclaim
 
     async def reclaim(self) -> int:
-        """Reclaim every retired location's entries now; returns how many entries were dropped."""
+        """Reclaim every retired location's entries now; returns how many (block, location) were dropped."""
         total = 0
         gen = self._retired_gen
         pending = list(self._tags)
         while pending and not self._closed:
             res = await self._eval_many(_RECLAIM, [(tag, [_RECLAIM_CHUNK]) for tag in pending])
-            total += sum(int(done) for done, _ in res)
+            done_now = sum(int(done) for done, _ in res)
+            total += done_now
+            self.metrics.reclaimed_entries += done_now
             pending = [tag for tag, (done, left) in zip(pending, res, strict=True) if int(left) or int(done)]
         if not pending:
             self._reclaimed_gen = max(self._reclaimed_gen, gen)
-        self.metrics.reclaimed_entries += total
         return total
 
     def _wake_reclaimer(self) -> None:

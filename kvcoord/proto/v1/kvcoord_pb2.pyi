@@ -104,6 +104,10 @@ class BlockStored(_message.Message):
     GROUP_IDX_FIELD_NUMBER: _builtins.int
     KV_CACHE_SPEC_KIND_FIELD_NUMBER: _builtins.int
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
+    LOCALITY_FIELD_NUMBER: _builtins.int
+    OWNERSHIP_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    LOOKAHEAD_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.int
     """int form of the parent; absent for a chain head"""
     parent_block_digest: _builtins.bytes
@@ -118,6 +122,13 @@ class BlockStored(_message.Message):
     group_idx: _builtins.int
     kv_cache_spec_kind: _builtins.str
     kv_cache_spec_sliding_window: _builtins.int
+    locality: _builtins.str
+    """Added later (vLLM >= 0.19 fields; informational, the index does not use them):
+    where the engine says the block lives (e.g. a host or rack)
+    """
+    ownership: _builtins.str
+    """who owns the block (e.g. "local", "shared")"""
+    session_id: _builtins.str
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """int form (vLLM's default)"""
@@ -129,6 +140,10 @@ class BlockStored(_message.Message):
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the blocks' token ids, block after block"""
+
+    @_builtins.property
+    def lookahead_token_ids(self) -> Global___LookaheadTokens:
+        """absent: None; present with no lists: ()"""
 
     def __init__(
         self,
@@ -146,10 +161,14 @@ class BlockStored(_message.Message):
         group_idx: _builtins.int | None = ...,
         kv_cache_spec_kind: _builtins.str | None = ...,
         kv_cache_spec_sliding_window: _builtins.int | None = ...,
+        locality: _builtins.str | None = ...,
+        ownership: _builtins.str | None = ...,
+        session_id: _builtins.str | None = ...,
+        lookahead_token_ids: Global___LookaheadTokens | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_kind", b"_kv_cache_spec_kind", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_parent_block_digest", b"_parent_block_digest", "_parent_block_hash", b"_parent_block_hash", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "parent_block_digest", b"parent_block_digest", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_kind", b"_kv_cache_spec_kind", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_locality", b"_locality", "_lookahead_token_ids", b"_lookahead_token_ids", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_ownership", b"_ownership", "_parent_block_digest", b"_parent_block_digest", "_parent_block_hash", b"_parent_block_hash", "_session_id", b"_session_id", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "locality", b"locality", "lookahead_token_ids", b"lookahead_token_ids", "lora_id", b"lora_id", "lora_name", b"lora_name", "ownership", b"ownership", "parent_block_digest", b"parent_block_digest", "parent_block_hash", b"parent_block_hash", "session_id", b"session_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_kind", b"_kv_cache_spec_kind", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_parent_block_digest", b"_parent_block_digest", "_parent_block_hash", b"_parent_block_hash", "block_digests", b"block_digests", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys_msgpack", b"extra_keys_msgpack", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_digest", b"parent_block_digest", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_kind", b"_kv_cache_spec_kind", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_locality", b"_locality", "_lookahead_token_ids", b"_lookahead_token_ids", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_ownership", b"_ownership", "_parent_block_digest", b"_parent_block_digest", "_parent_block_hash", b"_parent_block_hash", "_session_id", b"_session_id", "block_digests", b"block_digests", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys_msgpack", b"extra_keys_msgpack", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "locality", b"locality", "lookahead_token_ids", b"lookahead_token_ids", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "ownership", b"ownership", "parent_block_digest", b"parent_block_digest", "parent_block_hash", b"parent_block_hash", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
     _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
@@ -157,14 +176,22 @@ class BlockStored(_message.Message):
     _WhichOneofArgType__kv_cache_spec_kind: _TypeAlias = _typing.Literal["_kv_cache_spec_kind", b"_kv_cache_spec_kind"]  # noqa: Y015
     _WhichOneofReturnType__kv_cache_spec_sliding_window: _TypeAlias = _typing.Literal["kv_cache_spec_sliding_window"]  # noqa: Y015
     _WhichOneofArgType__kv_cache_spec_sliding_window: _TypeAlias = _typing.Literal["_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window"]  # noqa: Y015
+    _WhichOneofReturnType__locality: _TypeAlias = _typing.Literal["locality"]  # noqa: Y015
+    _WhichOneofArgType__locality: _TypeAlias = _typing.Literal["_locality", b"_locality"]  # noqa: Y015
+    _WhichOneofReturnType__lookahead_token_ids: _TypeAlias = _typing.Literal["lookahead_token_ids"]  # noqa: Y015
+    _WhichOneofArgType__lookahead_token_ids: _TypeAlias = _typing.Literal["_lookahead_token_ids", b"_lookahead_token_ids"]  # noqa: Y015
     _WhichOneofReturnType__lora_id: _TypeAlias = _typing.Literal["lora_id"]  # noqa: Y015
     _WhichOneofArgType__lora_id: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id"]  # noqa: Y015
     _WhichOneofReturnType__lora_name: _TypeAlias = _typing.Literal["lora_name"]  # noqa: Y015
     _WhichOneofArgType__lora_name: _TypeAlias = _typing.Literal["_lora_name", b"_lora_name"]  # noqa: Y015
+    _WhichOneofReturnType__ownership: _TypeAlias = _typing.Literal["ownership"]  # noqa: Y015
+    _WhichOneofArgType__ownership: _TypeAlias = _typing.Literal["_ownership", b"_ownership"]  # noqa: Y015
     _WhichOneofReturnType__parent_block_digest: _TypeAlias = _typing.Literal["parent_block_digest"]  # noqa: Y015
     _WhichOneofArgType__parent_block_digest: _TypeAlias = _typing.Literal["_parent_block_digest", b"_parent_block_digest"]  # noqa: Y015
     _WhichOneofReturnType__parent_block_hash: _TypeAlias = _typing.Literal["parent_block_hash"]  # noqa: Y015
     _WhichOneofArgType__parent_block_hash: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash"]  # noqa: Y015
+    _WhichOneofReturnType__session_id: _TypeAlias = _typing.Literal["session_id"]  # noqa: Y015
+    _WhichOneofArgType__session_id: _TypeAlias = _typing.Literal["_session_id", b"_session_id"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__group_idx) -> _WhichOneofReturnType__group_idx | None: ...
     @_typing.overload
@@ -172,15 +199,65 @@ class BlockStored(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_cache_spec_sliding_window) -> _WhichOneofReturnType__kv_cache_spec_sliding_window | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__locality) -> _WhichOneofReturnType__locality | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lookahead_token_ids) -> _WhichOneofReturnType__lookahead_token_ids | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_id) -> _WhichOneofReturnType__lora_id | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_name) -> _WhichOneofReturnType__lora_name | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ownership) -> _WhichOneofReturnType__ownership | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parent_block_digest) -> _WhichOneofReturnType__parent_block_digest | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parent_block_hash) -> _WhichOneofReturnType__parent_block_hash | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__session_id) -> _WhichOneofReturnType__session_id | None: ...
 
 Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
+
+@_typing.final
+class LookaheadTokens(_message.Message):
+    """Token id lists the engine published as lookahead (speculative) tokens of a BlockStored."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LISTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lists(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenList]: ...
+    def __init__(
+        self,
+        *,
+        lists: _abc.Iterable[Global___TokenList] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lists", b"lists"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookaheadTokens: _TypeAlias = LookaheadTokens  # noqa: Y015
+
+@_typing.final
+class TokenList(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenList: _TypeAlias = TokenList  # noqa: Y015
 
 @_typing.final
 class BlockRemoved(_message.Message):
@@ -192,9 +269,14 @@ class BlockRemoved(_message.Message):
     BLOCK_DIGESTS_FIELD_NUMBER: _builtins.int
     MEDIUM_FIELD_NUMBER: _builtins.int
     GROUP_IDX_FIELD_NUMBER: _builtins.int
+    LOCALITY_FIELD_NUMBER: _builtins.int
+    OWNERSHIP_FIELD_NUMBER: _builtins.int
     medium: _builtins.str
     """empty means GPU"""
     group_idx: _builtins.int
+    locality: _builtins.str
+    """added later, as in BlockStored"""
+    ownership: _builtins.str
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -206,14 +288,25 @@ class BlockRemoved(_message.Message):
         block_digests: _abc.Iterable[_builtins.bytes] | None = ...,
         medium: _builtins.str = ...,
         group_idx: _builtins.int | None = ...,
+        locality: _builtins.str | None = ...,
+        ownership: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "group_idx", b"group_idx"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_locality", b"_locality", "_ownership", b"_ownership", "group_idx", b"group_idx", "locality", b"locality", "ownership", b"ownership"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "block_digests", b"block_digests", "block_hashes", b"block_hashes", "group_idx", b"group_idx", "medium", b"medium"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_locality", b"_locality", "_ownership", b"_ownership", "block_digests", b"block_digests", "block_hashes", b"block_hashes", "group_idx", b"group_idx", "locality", b"locality", "medium", b"medium", "ownership", b"ownership"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
     _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
+    _WhichOneofReturnType__locality: _TypeAlias = _typing.Literal["locality"]  # noqa: Y015
+    _WhichOneofArgType__locality: _TypeAlias = _typing.Literal["_locality", b"_locality"]  # noqa: Y015
+    _WhichOneofReturnType__ownership: _TypeAlias = _typing.Literal["ownership"]  # noqa: Y015
+    _WhichOneofArgType__ownership: _TypeAlias = _typing.Literal["_ownership", b"_ownership"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__group_idx) -> _WhichOneofReturnType__group_idx | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__locality) -> _WhichOneofReturnType__locality | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ownership) -> _WhichOneofReturnType__ownership | None: ...
 
 Global___BlockRemoved: _TypeAlias = BlockRemoved  # noqa: Y015
 
@@ -351,10 +444,13 @@ class EventBatch(_message.Message):
     TS_FIELD_NUMBER: _builtins.int
     DP_RANK_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    DP_RANK_ABSENT_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     ts: _builtins.float
     """the engine's timestamp (seconds since the Unix epoch)"""
     dp_rank: _builtins.int
+    dp_rank_absent: _builtins.bool
+    """the engine's batch had no data_parallel_rank (dp_rank is then 0)"""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVEvent]: ...
     def __init__(
@@ -364,10 +460,11 @@ class EventBatch(_message.Message):
         ts: _builtins.float = ...,
         dp_rank: _builtins.int = ...,
         events: _abc.Iterable[Global___KVEvent] | None = ...,
+        dp_rank_absent: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "seq", b"seq", "ts", b"ts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "dp_rank_absent", b"dp_rank_absent", "events", b"events", "seq", b"seq", "ts", b"ts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -436,6 +533,31 @@ class AgentHeartbeat(_message.Message):
 Global___AgentHeartbeat: _TypeAlias = AgentHeartbeat  # noqa: Y015
 
 @_typing.final
+class EventBatches(_message.Message):
+    """Consecutive batches in one message (added later): an agent that is behind sends its queued batches
+    together, saving a stream message per batch. Each batch keeps its own seq and is applied (or rejected)
+    on its own, in order, exactly as if sent alone. Only sent when the Welcome set batch_groups.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___EventBatch]: ...
+    def __init__(
+        self,
+        *,
+        batches: _abc.Iterable[Global___EventBatch] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EventBatches: _TypeAlias = EventBatches  # noqa: Y015
+
+@_typing.final
 class AgentMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -443,6 +565,7 @@ class AgentMessage(_message.Message):
     BATCH_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
@@ -451,6 +574,8 @@ class AgentMessage(_message.Message):
     def snapshot(self) -> Global___Snapshot: ...
     @_builtins.property
     def heartbeat(self) -> Global___AgentHeartbeat: ...
+    @_builtins.property
+    def batches(self) -> Global___EventBatches: ...
     def __init__(
         self,
         *,
@@ -458,12 +583,13 @@ class AgentMessage(_message.Message):
         batch: Global___EventBatch | None = ...,
         snapshot: Global___Snapshot | None = ...,
         heartbeat: Global___AgentHeartbeat | None = ...,
+        batches: Global___EventBatches | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "heartbeat", b"heartbeat", "hello", b"hello", "msg", b"msg", "snapshot", b"snapshot"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "batches", b"batches", "heartbeat", b"heartbeat", "hello", b"hello", "msg", b"msg", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "heartbeat", b"heartbeat", "hello", b"hello", "msg", b"msg", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "batches", b"batches", "heartbeat", b"heartbeat", "hello", b"hello", "msg", b"msg", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["hello", "batch", "snapshot", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["hello", "batch", "snapshot", "heartbeat", "batches"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
@@ -479,6 +605,7 @@ class Welcome(_message.Message):
     ACKED_SEQ_FIELD_NUMBER: _builtins.int
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     SNAPSHOT_REQUIRED_FIELD_NUMBER: _builtins.int
+    BATCH_GROUPS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     acked_seq: _builtins.int
     """batches up to here are already applied (same epoch only)"""
@@ -486,6 +613,8 @@ class Welcome(_message.Message):
     """heartbeat at least every lease_seconds / 3"""
     snapshot_required: _builtins.bool
     """send a Snapshot before (or along with) further batches"""
+    batch_groups: _builtins.bool
+    """added later: the coordinator accepts AgentMessage.batches"""
     def __init__(
         self,
         *,
@@ -493,10 +622,11 @@ class Welcome(_message.Message):
         acked_seq: _builtins.int = ...,
         lease_seconds: _builtins.float = ...,
         snapshot_required: _builtins.bool = ...,
+        batch_groups: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "epoch", b"epoch", "lease_seconds", b"lease_seconds", "snapshot_required", b"snapshot_required"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "batch_groups", b"batch_groups", "epoch", b"epoch", "lease_seconds", b"lease_seconds", "snapshot_required", b"snapshot_required"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

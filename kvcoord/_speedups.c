@@ -1,0 +1,217 @@
+/* Optional C accelerator for kvcoord.hashing: the canonical-CBOR block-hash chain.
+ *
+ * vLLM's sha256_cbor / xxhash_cbor block hash is H(cbor((parent, tuple(tokens), extra_keys))).
+ * The CBOR of that triple is simple enough to write byte by byte; what makes the pure-Python
+ * path slow is the per-token and per-block interpreter work, not the hashing. This module writes
+ * each block's message in C and calls the *same* Python hash callable the reference uses
+ * (hashlib.sha256 + .digest(), or xxhash.xxh3_128_digest), so it never carries its own digest
+ * implementation. kvcoord falls back to pure Python when this module is absent.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static PyObject *str_digest; /* interned "digest" */
+
+/* Append the CBOR head of (major type, n) at p; return the number of bytes written (1..9). */
+static Py_ssize_t
+cbor_head(unsigned char *p, unsigned int major, uint64_t n)
+{
+    unsigned char m = (unsigned char)(major << 5);
+    if (n < 24) {
+        p[0] = m | (unsigned char)n;
+        return 1;
+    }
+    if (n < 0x100) {
+        p[0] = m | 24;
+        p[1] = (unsigned char)n;
+        return 2;
+    }
+    if (n < 0x10000) {
+        p[0] = m | 25;
+        p[1] = (unsigned char)(n >> 8);
+        p[2] = (unsigned char)n;
+        return 3;
+    }
+    if (n < 0x100000000ULL) {
+        p[0] = m | 26;
+        p[1] = (unsigned char)(n >> 24);
+        p[2] = (unsigned char)(n >> 16);
+        p[3] = (unsigned char)(n >> 8);
+        p[4] = (unsigned char)n;
+        return 5;
+    }
+    p[0] = m | 27;
+    for (int i = 0; i < 8; i++) {
+        p[1 + i] = (unsigned char)(n >> (56 - 8 * i));
+    }
+    return 9;
+}
+
+PyDoc_STRVAR(cbor_chain_doc,
+"cbor_chain(hash_fn, call_digest, parent, tokens, block_size, count, tails) -> list[bytes]\n\n"
+"Digests of `count` chained blocks: block i hashes canonical CBOR of\n"
+"(previous digest or `parent`, tuple(tokens[i*block_size:(i+1)*block_size]), <tail>)\n"
+"where the tail is already-encoded CBOR of the extra keys (b'\\xf6' for None): `tails` is\n"
+"one bytes object for every block or a list of `count` bytes objects. `tokens` is a\n"
+"buffer of uint64 (array('Q')). The digest is hash_fn(message), then .digest() of that\n"
+"when `call_digest` is true (hashlib constructors).");
+
+static PyObject *
+cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "cbor_chain takes 7 arguments");
+        return NULL;
+    }
+    PyObject *hash_fn = args[0];
+    int call_digest = PyObject_IsTrue(args[1]);
+    if (call_digest < 0) {
+        return NULL;
+    }
+    PyObject *parent = args[2];
+    if (!PyBytes_Check(parent)) {
+        PyErr_SetString(PyExc_TypeError, "parent must be bytes");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[5]);
+    if (count == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (block_size < 0 || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size and count must be >= 0");
+        return NULL;
+    }
+    PyObject *tails = args[6];
+    int shared_tail = PyBytes_Check(tails);
+    if (!shared_tail && !PyList_Check(tails)) {
+        PyErr_SetString(PyExc_TypeError, "tails must be bytes or a list of count bytes");
+        return NULL;
+    }
+
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    PyObject *out = NULL;
+    unsigned char *buf = NULL;
+    Py_ssize_t cap = 0; /* scratch message buffer, grown to the largest message */
+    const uint64_t *tokens = (const uint64_t *)view.buf;
+    PyObject *prev = parent; /* borrowed: parent, or the previous digest held by `out` */
+    unsigned char bs_head[9];
+    Py_ssize_t bs_head_len = cbor_head(bs_head, 4, (uint64_t)block_size);
+    if (view.itemsize != 8 || view.format == NULL || (strcmp(view.format, "Q") != 0 && strcmp(view.format, "=Q") != 0
+                                                      && strcmp(view.format, "<Q") != 0)) {
+        PyErr_SetString(PyExc_TypeError, "tokens must be a uint64 buffer (array('Q'))");
+        goto done;
+    }
+    if (block_size != 0 && view.len / 8 / block_size < count) {
+        PyErr_SetString(PyExc_ValueError, "fewer tokens than count * block_size");
+        goto done;
+    }
+    out = PyList_New(count);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *tail = tails;
+        if (!shared_tail) {
+            /* checked per block: hash_fn may run Python code that changes the list */
+            if (PyList_GET_SIZE(tails) != count || !PyBytes_Check(PyList_GET_ITEM(tails, i))) {
+                PyErr_SetString(PyExc_TypeError, "tails must be bytes or a list of count bytes");
+                Py_CLEAR(out);
+                goto done;
+            }
+            tail = PyList_GET_ITEM(tails, i);
+        }
+        Py_ssize_t plen = PyBytes_GET_SIZE(prev);
+        Py_ssize_t tlen = PyBytes_GET_SIZE(tail);
+        Py_ssize_t need = 10 + plen + bs_head_len + 9 * block_size + tlen;
+        if (need > cap) {
+            unsigned char *nb = PyMem_Realloc(buf, (size_t)need);
+            if (nb == NULL) {
+                PyErr_NoMemory();
+                Py_CLEAR(out);
+                goto done;
+            }
+            buf = nb;
+            cap = need;
+        }
+        unsigned char *p = buf;
+        *p++ = 0x83; /* array of 3: (parent, tokens, extra keys) */
+        p += cbor_head(p, 2, (uint64_t)plen);
+        memcpy(p, PyBytes_AS_STRING(prev), (size_t)plen);
+        p += plen;
+        memcpy(p, bs_head, (size_t)bs_head_len);
+        p += bs_head_len;
+        const uint64_t *t = tokens + i * block_size;
+        for (Py_ssize_t j = 0; j < block_size; j++) {
+            p += cbor_head(p, 0, t[j]);
+        }
+        memcpy(p, PyBytes_AS_STRING(tail), (size_t)tlen);
+        p += tlen;
+
+        PyObject *msg = PyBytes_FromStringAndSize((const char *)buf, p - buf);
+        if (msg == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyObject *digest = PyObject_CallOneArg(hash_fn, msg);
+        Py_DECREF(msg);
+        if (digest != NULL && call_digest) {
+            PyObject *h = digest;
+            digest = PyObject_CallMethodNoArgs(h, str_digest);
+            Py_DECREF(h);
+        }
+        if (digest == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        if (!PyBytes_CheckExact(digest)) {
+            Py_DECREF(digest);
+            PyErr_SetString(PyExc_TypeError, "hash function must return bytes");
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, digest); /* steals the reference */
+        prev = digest;
+    }
+
+done:
+    PyMem_Free(buf);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyMethodDef speedups_methods[] = {
+    {"cbor_chain", (PyCFunction)(void (*)(void))cbor_chain, METH_FASTCALL, cbor_chain_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef speedups_module = {
+    PyModuleDef_HEAD_INIT,
+    "kvcoord._speedups",
+    "Optional C accelerator for kvcoord.hashing (canonical-CBOR block chains).",
+    -1,
+    speedups_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    str_digest = PyUnicode_InternFromString("digest");
+    if (str_digest == NULL) {
+        return NULL;
+    }
+    return PyModule_Create(&speedups_module);
+}

@@ -1,0 +1,9 @@
+"""Build hook for the optional C accelerator; all metadata lives in pyproject.toml.
+
+``optional=True``: without a compiler the install still succeeds and kvcoord.hashing uses its
+pure-Python fast path (identical output, slower).
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("kvcoord._speedups", ["kvcoord/_speedups.c"], optional=True)])
