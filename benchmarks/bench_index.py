@@ -290,7 +290,8 @@ def report(r: Result) -> dict[str, object]:
     }
     print(
         f"{r.name:<24} apply {ours_tput / 1e6:5.2f}M vs {dyn_tput / 1e6:5.2f}M blk/s"
-        f" (x{ours_tput / dyn_tput:4.2f}; CPU-time x{row['apply_cpu_ratio']:4.2f}) | match p50 {o50:6.1f} [raw {r50:6.1f}] vs {d50:6.1f} us"
+        f" (x{ours_tput / dyn_tput:4.2f}; CPU-time x{row['apply_cpu_ratio']:4.2f})"
+        f" | match p50 {o50:6.1f} [raw {r50:6.1f}] vs {d50:6.1f} us"
         f" (x{o50 / d50:4.2f} [raw x{r50 / d50:4.2f}]) p99 {o99:6.1f} [raw {r99:6.1f}] vs {d99:6.1f} us"
         f" (x{o99 / d99:4.2f} [raw x{r99 / d99:4.2f}]) | {row['est_bytes_per_entry']} B/entry est,"
         f" {r.entries} entries, {row['avg_nodes_matched']} nodes/query, agree {row['results_agree']}",

@@ -106,8 +106,7 @@ cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *prev = parent; /* borrowed: parent, or the previous digest held by `out` */
     unsigned char bs_head[9];
     Py_ssize_t bs_head_len = cbor_head(bs_head, 4, (uint64_t)block_size);
-    if (view.itemsize != 8 || view.format == NULL || (strcmp(view.format, "Q") != 0 && strcmp(view.format, "=Q") != 0
-                                                      && strcmp(view.format, "<Q") != 0)) {
+    if (view.itemsize != 8 || view.format == NULL || strcmp(view.format, "Q") != 0) { /* native uint64 */
         PyErr_SetString(PyExc_TypeError, "tokens must be a uint64 buffer (array('Q'))");
         goto done;
     }

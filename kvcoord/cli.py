@@ -234,6 +234,24 @@ def _add_sim_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--state-file", default=None,
                    help="write JSON {blocks: {dp_rank: [[hash, tier]..]}, next_seq, ..} here periodically")
     p.add_argument("--state-interval", type=float, default=0.2, help="seconds between state-file writes")
+    p.add_argument("--cache-salt", default=None,
+                   help="every request's cache_salt (an extra key of its block hashes)")
+    g = p.add_argument_group(
+        "router-style lookups",
+        "Before admitting each request, ask a coordinator how much of the prompt each node holds, as a "
+        "router would (off the engine loop; errors are counted, never fatal). Counters go to --state-file "
+        "under 'lookup'; the coordinator's metrics show the lookups and hit rates.")
+    g.add_argument("--lookup-coordinator", default=None, metavar="HOST:PORT", help="the coordinator to ask")
+    g.add_argument("--lookup-model", default=None, help="model to look up (default: --model)")
+    g.add_argument("--lookup-node-id", default=None,
+                   help="this engine's node id (its agent's --node-id), to count what the coordinator "
+                        "says it holds")
+    g.add_argument("--lookup-token", default=None, help="router token for the coordinator")
+    g.add_argument("--lookup-tls-ca", default=None,
+                   help="PEM root CA of the coordinator certificate (turns TLS on)")
+    g.add_argument("--lookup-timeout", type=float, default=0.5, help="seconds per lookup (default 0.5)")
+    g.add_argument("--lookup-queue", type=int, default=64,
+                   help="lookups waiting to be sent; more are dropped and counted (default 64)")
     p.set_defaults(func=_lazy("kvcoord.agent.sim_engine", "run_sim_engine"))
 
 
@@ -272,7 +290,9 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     c.add_argument("--hash-seed", default="kvcoord-sim", help="NONE_HASH seed")
     c.add_argument("--index", default="memory", help="index backend URI (default: in-process memory)")
     c.add_argument("--coordinator", default=None,
-                   help="HOST:PORT of a running coordinator (not supported yet)")
+                   help="HOST:PORT of a running coordinator: nodes stream events to it through real "
+                   "reporters and the router looks prefixes up with the gRPC client (same table, "
+                   "routing overhead includes the network)")
     r = p.add_argument_group("routing and output")
     r.add_argument("--policies", default="prefix-aware,approximate,least-loaded,round-robin,random",
                    help="comma separated policies to compare")

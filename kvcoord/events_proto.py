@@ -32,6 +32,7 @@ from kvcoord.events import (
     KVEvent,
     KVEventBatch,
     Tier,
+    normalize_medium,
 )
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
@@ -40,6 +41,7 @@ __all__ = [
     "batch_to_proto",
     "event_from_proto",
     "event_to_proto",
+    "events_for_index",
     "events_from_proto",
     "events_to_proto",
     "tier_from_proto",
@@ -280,6 +282,11 @@ def event_from_proto(msg: pb.KVEvent, *, tokens: bool = True) -> KVEvent:
 
 
 def _stored_from_proto(s: pb.BlockStored, tokens: bool = True) -> BlockStored:
+    return BlockStored(*_stored_parts(s, tokens))
+
+
+def _stored_parts(s: pb.BlockStored, tokens: bool) -> tuple[Any, ...]:
+    """A BlockStored's fields in declaration order, after every check the decoder makes."""
     # One ListFields() call tells which fields are set (optional ones included even when set to their
     # default), instead of a HasField call per optional field: this runs for every event ingested.
     f = {fd.name: v for fd, v in s.ListFields()}
@@ -306,7 +313,7 @@ def _stored_from_proto(s: pb.BlockStored, tokens: bool = True) -> BlockStored:
     if "lookahead_token_ids" in f:
         lookahead = tuple(tuple(lst.token_ids) for lst in f["lookahead_token_ids"].lists) if tokens else ()
     extra = get("extra_keys_msgpack")
-    return BlockStored(
+    return (
         hashes,
         parent,
         tuple(token_ids) if tokens and n_tokens else (),
@@ -323,6 +330,68 @@ def _stored_from_proto(s: pb.BlockStored, tokens: bool = True) -> BlockStored:
         get("session_id"),
         lookahead,
     )
+
+
+def events_for_index(msgs: Sequence[pb.KVEvent]) -> list[KVEvent]:
+    """Decode a batch for the index alone: every event is checked exactly as by
+    ``events_from_proto(msgs, tokens=False)`` (same errors), then each run of consecutive
+    ``BlockStored`` events with the same medium, group and kind becomes one event holding the run's
+    hashes. The index reads nothing else of a store, and storing A then B leaves it exactly as storing
+    A+B does (same entries, same counts), so applying the result equals applying the events one by one,
+    with a fraction of the per-event work. Token ids, parents and the rest are not carried: do not hand
+    the result to hash verification. Runs are only merged when the index cannot reject them (known
+    medium, non-negative group), so an index error still names the original event's position.
+    """
+    out: list[KVEvent] = []
+    run: list[EngineHash] | None = None  # hashes of the open run, whose first event is out[-1]
+    run_parts: tuple[Any, ...] = ()
+    run_key: tuple[Any, ...] | None = None
+    merged = False
+
+    def close() -> None:
+        if run is not None and len(run) != len(run_parts[0]):
+            out[-1] = BlockStored(tuple(run), *run_parts[1:])
+
+    for i, m in enumerate(msgs):
+        try:
+            if m.WhichOneof("event") != "stored":
+                ev = event_from_proto(m, tokens=False)
+            else:
+                ev = None
+                parts = _stored_parts(m.stored, False)
+        except ValueError as exc:
+            raise ValueError(f"event {i}: {exc}") from None
+        if ev is not None:
+            close()
+            run, run_key = None, None
+            out.append(ev)
+            continue
+        hashes: tuple[EngineHash, ...] = parts[0]
+        key = (parts[5], parts[8], parts[9], type(hashes[0]) if hashes else None)
+        if run is not None and key == run_key:
+            run.extend(hashes)
+            merged = True
+            continue
+        close()
+        run, run_parts, run_key = list(hashes), parts, key
+        out.append(BlockStored(*parts))
+    close()
+    if merged and not all(_indexable_target(ev) for ev in out):
+        return list(events_from_proto(msgs, tokens=False))  # let the index name the original event
+    return out
+
+
+def _indexable_target(ev: KVEvent) -> bool:
+    """The index accepts this event's medium and group (so a merged event cannot be the one it rejects)."""
+    if not isinstance(ev, BlockStored):
+        return True
+    if ev.group_idx is not None and ev.group_idx < 0:
+        return False
+    try:
+        normalize_medium(ev.medium)
+    except ValueError:
+        return False
+    return True
 
 
 def events_to_proto(events: Iterable[KVEvent]) -> list[pb.KVEvent]:

@@ -766,3 +766,51 @@ async def test_index_that_lost_its_data_gets_every_node_resynced() -> None:
         assert (await c.stats()).snapshots_requested >= 4  # two hellos, two index resets
         await a.close()
         await b.close()
+
+
+# --- batch groups -------------------------------------------------------------------------------
+async def test_batch_group_is_handled_batch_by_batch(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c)
+        welcome = await a.hello()
+        assert welcome.batch_groups
+        await a.snapshot(0)
+
+        def batch(seq: int, hashes: Sequence[int]) -> pb.EventBatch:
+            return pb.EventBatch(seq=seq, events=[stored(hashes)])
+
+        # 1, 2, a duplicate of 2, 3: one cumulative ack for the whole group.
+        group = [batch(1, [1]), batch(2, [2]), batch(2, [99]), batch(3, [3])]
+        await a.send(batches=pb.EventBatches(batches=group))
+        assert ack_seq(await a.recv()) == 3
+        assert await export(index) == [(1, Tier.GPU), (2, Tier.GPU), (3, Tier.GPU)]
+        # A bad batch inside a group is rejected alone: batch 4 applies, 5 is invalid, 6 is dropped
+        # until the snapshot that the coordinator asks for.
+        bad = pb.EventBatch(seq=5, events=[stored([5], medium="TAPE")])
+        await a.send(batches=pb.EventBatches(batches=[batch(4, [4]), bad, batch(6, [6])]))
+        msgs = [await a.recv(), await a.recv()]
+        assert ack_seq(msgs[0]) == 4 and msgs[1].WhichOneof("msg") == "snapshot_request", msgs
+        assert "invalid_batch" in msgs[1].snapshot_request.reason
+        assert [h for h, _ in await export(index)] == [1, 2, 3, 4]
+        await a.close()
+
+
+async def test_reporter_backlog_goes_out_grouped_and_all_applies(index: Index) -> None:
+    from kvcoord.agent.reporter import Reporter, ReporterOptions
+
+    async with serving(index) as c:
+        opts = ReporterOptions(max_batch_blocks=2, flush_interval=0.001)
+        rep = Reporter([c.server.address], node_id="n1", model=MODEL, epoch=1, snapshot=lambda r: [],
+                       options=opts)
+        await rep.start()
+        try:
+            await rep.wait_connected(TIMEOUT)
+            for i in range(300):  # queued faster than one message per batch can go out
+                rep.submit(0, [BlockStored(block_hashes=(2 * i + 1, 2 * i + 2), parent_block_hash=None,
+                                           token_ids=(), block_size=4)])
+            await rep.wait_acked(TIMEOUT)
+            st = rep.stats().links[0]
+            assert (st.batches_sent, st.batches_acked, st.snapshot_requests) == (300, 300, 0), st
+        finally:
+            await rep.close()
+        assert [h for h, _ in await export(index)] == list(range(1, 601))

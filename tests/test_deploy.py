@@ -18,7 +18,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 import tomllib
 import urllib.request
@@ -295,6 +294,8 @@ def kvcoord_invocations() -> list[tuple[str, list[str]]]:
     assert hc[0] == "kvcoord", f"HEALTHCHECK must run kvcoord, got {hc}"
     found.append(("Dockerfile HEALTHCHECK", hc[1:]))
     for name, svc in services().items():
+        if _is_kvcoord_image(svc.get("image", "")):
+            assert runs_kvcoord(svc), f"compose {name}: keep the image's kvcoord entrypoint (no scripts)"
         if runs_kvcoord(svc):
             assert isinstance(svc.get("command"), list), f"compose {name}: command must be a list"
             found.append((f"compose {name}", svc["command"]))
@@ -382,7 +383,7 @@ def test_every_deploy_file_parses() -> None:
         elif path.name == "Dockerfile":
             dockerfile()
         elif suffix == ".py":
-            compile(path.read_text(), str(path), "exec")
+            raise AssertionError(f"{path}: deploy files run kvcoord commands only; put code in the package")
         elif path.name.endswith(".dockerignore") or "__pycache__" in path.parts:
             pass
         else:
@@ -449,6 +450,10 @@ def test_ports_agree_across_dockerfile_compose_k8s_and_prometheus() -> None:
         assert agent["depends_on"]["coordinator"]["condition"] == "service_healthy"
         served_engines.add(engine)
         assert flag(argv, "--node-id") == engine, "node ids name their engines in the demo"
+        # the engine looks up each prompt as a router would, and counts its own matches under its node id
+        assert flag(eng, "--lookup-coordinator") == f"coordinator:{grpc_port}", engine
+        assert flag(eng, "--lookup-node-id") == flag(argv, "--node-id"), engine
+        assert (flag_all(eng, "--lookup-model") or [flag(eng, "--model")]) == [flag(argv, "--model")], engine
     assert served_engines == set(engines), "every engine has its own agent"
 
     # prometheus (compose)
@@ -1001,12 +1006,11 @@ def test_compose_engines_hash_like_the_coordinator_config() -> None:
         assert profile.block_size == int(flag(argv, "--block-size")), name
         hash_seed = flag_all(argv, "--hash-seed")
         assert (hash_seed[0] if hash_seed else eng["environment"]["PYTHONHASHSEED"]) == profile.seed, name
-    router = services()["router"]
-    engines = kvcoord_services("sim-engine").values()
-    seeds = sorted(flag(e["command"], "--seed") for e in engines)
-    assert sorted(flag_all(router["command"], "--seed")) == seeds
-    for key in ("--model", "--prefixes", "--prefix-len", "--suffix-len"):
-        assert {flag(e["command"], key) for e in engines} == {flag(router["command"], key)}, key
+        lookup_model = (flag_all(argv, "--lookup-model") or [flag(argv, "--model")])[0]
+        assert lookup_model in cfg.models, f"{name} looks up {lookup_model}, unknown to the coordinator"
+    engines = list(kvcoord_services("sim-engine").values())
+    seeds = [flag(e["command"], "--seed") for e in engines]
+    assert len(set(seeds)) == len(seeds), "engines with one seed would hold the same prompts"
 
 
 def _local_stack(redis_url: str) -> tuple[list[tuple[str, list[str], dict[str, str]]], int, int]:
@@ -1040,17 +1044,8 @@ def _local_stack(redis_url: str) -> tuple[list[tuple[str, list[str], dict[str, s
             continue
         ns = svc.get("network_mode", "").removeprefix("service:") or name
         subst = {**common, **netns.get(ns, {})}
-        argv = [subst.get(a, a) for a in svc["command"]]
-        if "entrypoint" in svc:
-            entry = list(svc["entrypoint"])
-            assert entry[0] == "python", f"{name}: unexpected entrypoint {entry}"
-            for mount in svc.get("volumes", []):
-                src, dst = mount.split(":")[:2]
-                entry = [str((REPO / src).resolve()) + e.removeprefix(dst) if e.startswith(dst + "/") else e
-                         for e in entry]
-            cmd = [sys.executable, *entry[1:], *argv]
-        else:
-            cmd = kvcoord_cmd(*argv)
+        assert runs_kvcoord(svc), f"{name}: the demo runs kvcoord commands only"
+        cmd = kvcoord_cmd(*[subst.get(a, a) for a in svc["command"]])
         env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
         out.append((name, cmd, env))
     return out, gport, mport
@@ -1068,7 +1063,7 @@ def test_compose_demo_stack_shows_blocks_lookups_and_hit_rates(tmp_path: Path) -
         order = ["coordinator"] + [n for n, _, _ in stack_cmds if n != "coordinator"]
         procs = {}
         by_name = {n: (c, e) for n, c, e in stack_cmds}
-        assert set(by_name) >= {"coordinator", "engine-a", "engine-b", "agent-a", "agent-b", "router"}
+        assert set(by_name) >= {"coordinator", "engine-a", "engine-b", "agent-a", "agent-b"}
         try:
             for name in order:
                 cmd, env = by_name[name]
@@ -1078,7 +1073,7 @@ def test_compose_demo_stack_shows_blocks_lookups_and_hit_rates(tmp_path: Path) -
             sc = _poll(mport, lambda sc: (
                 total(sc, "kvcoord_nodes", state="active") == 2
                 and total(sc, "kvcoord_index_blocks", model="demo-model") > 0
-                and total(sc, "kvcoord_lookup_latency_seconds_count") >= 10
+                and total(sc, "kvcoord_lookup_latency_seconds_count") >= 100
                 and total(sc, "kvcoord_lookup_matched_fraction_sum") > 0
             ), "two active nodes, indexed blocks and lookups with hits", timeout=90)  # fmt: skip
             assert total(sc, "kvcoord_hash_mismatches_total") == 0
@@ -1086,7 +1081,9 @@ def test_compose_demo_stack_shows_blocks_lookups_and_hit_rates(tmp_path: Path) -
             assert total(sc, "kvcoord_index_up", backend="redis") == 1
             hit_rate = total(sc, "kvcoord_lookup_matched_fraction_sum") / total(
                 sc, "kvcoord_lookup_matched_fraction_count")
-            assert hit_rate > 0.1, hit_rate
+            # The engines look up each prompt before admitting it (~40/s in all); past the cold first sight of
+            # each shared prefix about half of each prompt is already cached somewhere.
+            assert hit_rate > 0.2, hit_rate
             for name, proc in procs.items():
                 assert proc.poll() is None, f"{name} exited"
         except BaseException:

@@ -3,6 +3,7 @@ inconsistent messages with a precise reason."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from kvcoord.events_proto import (
     batch_to_proto,
     event_from_proto,
     event_to_proto,
+    events_for_index,
     events_from_proto,
     tier_from_proto,
     tier_to_proto,
@@ -214,3 +216,69 @@ def test_bad_event_in_list_names_its_index_and_decodes_nothing() -> None:
 def test_unencodable_events_are_rejected(ev: KVEvent, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         event_to_proto(ev)
+
+
+# --- events_for_index: merged runs apply exactly like the events one by one -----------------------
+@st.composite
+def index_event(draw: st.DrawFn) -> pb.KVEvent:
+    kind = draw(st.sampled_from(["stored", "stored", "stored", "removed", "cleared"]))
+    digests = draw(st.booleans()) and draw(st.booleans())
+    hashes = draw(st.lists(st.integers(1, 12), max_size=4))
+    med = draw(st.sampled_from(["", "GPU", "CPU", "cpu_pinned", "TAPE"]))
+    group = draw(st.sampled_from([None, None, 0, 1, -1]))
+    if kind == "cleared":
+        return pb.KVEvent(cleared=pb.AllBlocksCleared())
+    if kind == "removed":
+        r = pb.BlockRemoved(medium=med)
+        if digests:
+            r.block_digests.extend(h.to_bytes(8, "big") for h in hashes)
+        else:
+            r.block_hashes.extend(hashes)
+        if group is not None:
+            r.group_idx = group
+        return pb.KVEvent(removed=r)
+    s = pb.BlockStored(medium=med, block_size=2)
+    if digests:
+        s.block_digests.extend(h.to_bytes(8, "big") for h in hashes)
+    else:
+        s.block_hashes.extend(hashes)
+    if draw(st.booleans()):
+        s.token_ids.extend(range(2 * len(hashes)))
+    if group is not None:
+        s.group_idx = group
+    spec = draw(st.sampled_from([None, None, "full_attention", "sliding_window"]))
+    if spec is not None:
+        s.kv_cache_spec_kind = spec
+    return pb.KVEvent(stored=s)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(index_event(), max_size=5), st.lists(index_event(), max_size=8))
+def test_events_for_index_apply_like_one_by_one(before: list[pb.KVEvent], batch: list[pb.KVEvent]) -> None:
+    from kvcoord.index.base import InvalidEvent
+    from kvcoord.index.memory import MemoryIndex
+
+    def run(decode: object) -> object:
+        idx = MemoryIndex()
+        with contextlib.suppress(InvalidEvent):
+            idx.apply_sync("m", "n", 0, events_from_proto(before, tokens=False))
+        try:
+            res: object = idx.apply_sync("m", "n", 0, decode(batch))  # type: ignore[operator]
+        except InvalidEvent as exc:
+            res = f"InvalidEvent: {exc}"
+        return res, idx.export_node_sync("m", "n", 0), idx.match_sync("m", list(range(1, 13)))
+
+    one_by_one = run(lambda b: events_from_proto(b, tokens=False))
+    assert run(events_for_index) == one_by_one
+
+
+def test_events_for_index_merges_runs_and_names_bad_events_as_decoding_does() -> None:
+    evs = [event_to_proto(BlockStored(block_hashes=(i, i + 100), parent_block_hash=i - 1 or None,
+                                      token_ids=(1, 2, 3, 4), block_size=2)) for i in range(1, 4)]
+    evs.insert(2, event_to_proto(BlockRemoved(block_hashes=(1,))))
+    out = events_for_index(evs)
+    assert [type(e).__name__ for e in out] == ["BlockStored", "BlockRemoved", "BlockStored"]
+    assert isinstance(out[0], BlockStored) and out[0].block_hashes == (1, 101, 2, 102)
+    bad = [*evs, pb.KVEvent()]
+    with pytest.raises(ValueError, match=r"^event 4: KVEvent has no event set"):
+        events_for_index(bad)

@@ -622,7 +622,8 @@ def test_state_machine_against_reference(index_backend: str, request: pytest.Fix
         run_state_machine_as_test(
             machine,
             settings=settings(
-                max_examples=60,
+                # remote backends pay a round trip per step: fewer examples keep them under ~20 s
+                max_examples=100 if index_backend == "memory" else 40,
                 stateful_step_count=30,
                 deadline=None,
                 suppress_health_check=list(HealthCheck),

@@ -14,6 +14,7 @@ from kvcoord.router.policy import (
     LatencyModel,
     LeastLoadedPolicy,
     NodeLoad,
+    PlacementMemory,
     PrefixAwarePolicy,
     RandomPolicy,
     RoundRobinPolicy,
@@ -219,3 +220,99 @@ def test_queue_estimate_counts_prefill_backlog_and_slot_wait() -> None:
     assert lat.queue_seconds(NodeLoad(running=1, prefill_tokens=1000)) == pytest.approx(0.1)
     # 2 running + 1 waiting + this one = 2 over the 2 slots: 2 * 100 * 0.01 / 2 = 1.0 s
     assert lat.queue_seconds(NodeLoad(running=2, waiting=1)) == pytest.approx(1.0)
+
+
+def hashes(*runs: tuple[int, int]) -> list[BlockHash64]:
+    """Block hashes made of ``(first, count)`` runs: equal runs mean an equal prefix."""
+    return [BlockHash64(first + i) for first, count in runs for i in range(count)]
+
+
+def test_in_flight_placement_counts_as_held_until_the_node_should_have_reported_it() -> None:
+    p = PrefixAwarePolicy(seed=9)
+    convo = hashes((5000, 64))
+    first = p.choose(RouteRequest(64 * BS, BS, convo, 0.0), nodes(4))
+    a = first.node_id
+    # 10 ms later the index shows nothing yet (the node has not admitted it), and the holder is busy
+    # prefilling it: the remembered placement still wins over an idle node that would recompute.
+    busy = [Candidate(c.node_id, 0, 0, (), NodeLoad(1, 0, 0.0, 1024) if c.node_id == a else c.load)
+            for c in nodes(4)]
+    follow = RouteRequest(96 * BS, BS, convo + hashes((9000, 32)), 0.01)
+    d = p.choose(follow, busy)
+    assert d.node_id == a and d.matched_blocks == 64, d.why
+    assert "64 blocks in flight to" in d.why
+    # Without the memory the same request would go to an idle node.
+    blind = PrefixAwarePolicy(seed=9, affinity_entries=0)
+    assert blind.choose(follow, busy).node_id != a
+
+
+def test_after_the_report_horizon_the_index_wins_and_memory_only_breaks_ties() -> None:
+    p = PrefixAwarePolicy(seed=9)
+    convo = hashes((5000, 64))
+    a = p.choose(RouteRequest(64 * BS, BS, convo, 0.0), nodes(4)).node_id
+    # 100 s later the index shows nothing: evicted. All nodes cost the same, so the session stays.
+    later = RouteRequest(96 * BS, BS, convo + hashes((9000, 32)), 100.0)
+    for seed_nodes in range(5):
+        d = p.choose(later, nodes(4))
+        assert d.node_id == a and d.matched_blocks == 0 and "last served this prefix" in d.why, seed_nodes
+        later = RouteRequest(96 * BS, BS, list(later.block_hashes), later.now + 100.0)
+    # It is no hit: a node with any real queue or any index hit beats it.
+    b = next(c.node_id for c in nodes(4) if c.node_id != a)
+    loaded = [Candidate(c.node_id, 0, 0, (), NodeLoad(1, 0, 0.0, 16) if c.node_id == a else c.load)
+              for c in nodes(4)]
+    assert p.choose(later, loaded).node_id != a
+    held = [Candidate(c.node_id, 0, 8 if c.node_id == b else 0, (), c.load) for c in nodes(4)]
+    after = RouteRequest(96 * BS, BS, list(later.block_hashes), later.now + 100.0)
+    assert p.choose(after, held).node_id == b
+
+
+def test_remembered_placement_obeys_the_balance_cap() -> None:
+    p = PrefixAwarePolicy(seed=3, balance_abs=4, balance_rel=1.5)
+    convo = hashes((7000, 128))
+    a = p.choose(RouteRequest(128 * BS, BS, convo, 0.0), nodes(4)).node_id
+    over = [Candidate(c.node_id, 0, 0, (), NodeLoad(running=9) if c.node_id == a else c.load)
+            for c in nodes(4)]
+    d = p.choose(RouteRequest(128 * BS + 8, BS, convo, 0.01), over)
+    assert d.node_id != a and "over the balance cap" in d.why, d.why
+
+
+def test_shared_system_prompt_in_flight_does_not_pin_the_fleet_to_one_node() -> None:
+    """A burst of 400 requests sharing a 2048-token system prompt arrives before any node reports it.
+
+    The placement memory says the last node to get the prompt holds it, so each request is attracted
+    to that node; the queue term moves the prompt on once that node is busier than a recompute, and
+    the work ends up spread over every node, within the balance cap."""
+    p = PrefixAwarePolicy(seed=42)
+    n_nodes, system_blocks, q_blocks = 8, 128, 8
+    running = dict.fromkeys((f"n{i}" for i in range(n_nodes)), 0)
+    pending = dict.fromkeys(running, 0)
+    picks: list[str] = []
+    for i in range(400):
+        cands = [Candidate(n, 0, 0, (), NodeLoad(running[n], 0, 0.0, pending[n])) for n in running]
+        prompt = hashes((1, system_blocks), (10_000 + i * q_blocks, q_blocks))
+        d = p.choose(RouteRequest((system_blocks + q_blocks) * BS, BS, prompt, i * 0.02), cands)
+        picks.append(d.node_id)
+        running[d.node_id] += 1
+        pending[d.node_id] += (system_blocks + q_blocks - d.matched_blocks) * BS
+        for n in pending:
+            pending[n] = max(0, pending[n] - 400)
+    assert picks[1] == picks[0], "the in-flight holder takes the first repeat"
+    counts = [picks.count(n) for n in running]
+    assert min(counts) > 0 and max(counts) <= 1.5 * min(counts) + 8, counts
+
+
+def test_placement_memory_keeps_checkpoints_in_a_bounded_lru() -> None:
+    m = PlacementMemory(capacity=6, stride=4)
+    a, b = ("a", 0), ("b", 0)
+    m.record(hashes((100, 10)), a, 0.0, 1.0)  # checkpoints at blocks 3, 7 and the last, 9
+    assert len(m) == 3
+    got = m.recall(hashes((100, 8), (555, 4)))
+    assert got is not None and got.key == a and got.depth == 8 and got.ready_at == 1.0
+    assert m.recall(hashes((100, 3))) is None  # no checkpoint inside the first 3 blocks
+    m.record(hashes((200, 16)), b, 2.0, 3.0)  # 4 more entries: the oldest of a's fall out
+    assert len(m) == 6
+    assert m.recall(hashes((100, 4))) is None
+    again = m.recall(hashes((100, 10)))
+    assert again is not None and again.key == a and again.depth == 10
+    assert PlacementMemory(capacity=0).recall(hashes((100, 10))) is None
+    with pytest.raises(ValueError, match="affinity"):
+        PrefixAwarePolicy(affinity_stride=0)

@@ -10,11 +10,13 @@ import pytest
 
 from kvcoord.hashing import HashProfile, block_hashes64, hash_request_tokens
 from kvcoord.index.memory import MemoryIndex
+from kvcoord.router.client import CoordinatorClient
 from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
 from kvcoord.sim.cluster import ClusterConfig, simulate
+from kvcoord.sim.remote import CoordinatorBackend, run_tag
 from kvcoord.sim.report import deterministic_view, summarize, table
 from kvcoord.sim.workload import SyntheticSpec, load_mooncake, synthetic
-from tests.procs import REPO, TRACES, kvcoord_cmd
+from tests.procs import REPO, TRACES, free_port, kvcoord_cmd, running, wait_for_port
 
 PROFILE = HashProfile("xxhash_cbor", 16, seed="test-sim")
 SPEC = SyntheticSpec(requests=150, groups=4, prompts_per_group=6, system_tokens=512, question_tokens=64,
@@ -135,3 +137,42 @@ def test_cli_bad_input_exits_with_one_line() -> None:
         "kvcoord simulate: unknown policy 'nearest' (known: "
         "prefix-aware, approximate, least-loaded, round-robin, random)"
     ]
+
+
+def test_coordinator_mode_streams_through_reporters_and_gives_the_same_table(tmp_path: Path) -> None:
+    """``--coordinator``: events go through real reporters to a ``kvcoord serve`` subprocess, lookups
+    through the gRPC client; every modelled number equals the in-process run's."""
+    w = synthetic(SyntheticSpec(requests=60, groups=3, prompts_per_group=4, system_tokens=256,
+                                question_tokens=32, output_tokens=16, turns=3, rate=40.0), PROFILE, seed=5)
+    port, metrics = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    cmd = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics}")
+    with running(cmd, log=log):
+        try:
+            wait_for_port(port, timeout=20)
+        except TimeoutError:
+            raise AssertionError(f"kvcoord serve did not start:\n{log.read_text()}") from None
+        backend = CoordinatorBackend(f"127.0.0.1:{port}", PROFILE, tag=run_tag("prefix-aware"))
+        remote = simulate(w, make_policy("prefix-aware", 2), PROFILE, CONFIG, backend)
+        with CoordinatorClient(f"127.0.0.1:{port}") as client:
+            nodes = [n for n in client.list_nodes(backend.model)]
+        proc = subprocess.run(
+            kvcoord_cmd("simulate", "--requests", "20", "--nodes", "2", "--policies", "least-loaded",
+                        "--coordinator", f"127.0.0.1:{port}", "--json", "-"),
+            capture_output=True, text=True, timeout=60, cwd=REPO,
+        )
+    local = simulate(w, make_policy("prefix-aware", 2), PROFILE, CONFIG, MemoryIndex())
+    assert deterministic_view([summarize(remote)]) == deterministic_view([summarize(local)])
+    assert remote.hit_tokens > 0
+    assert sorted(n.node_id for n in nodes) == [f"{backend.prefix}node-{i}" for i in range(CONFIG.nodes)]
+    assert proc.returncode == 0, proc.stderr + "\ncoordinator log:\n" + log.read_text()[-3000:]
+    assert json.loads(proc.stdout)["cluster"]["index"] == f"coordinator 127.0.0.1:{port}"
+
+
+def test_coordinator_flag_is_validated_before_anything_runs() -> None:
+    proc = subprocess.run(
+        kvcoord_cmd("simulate", "--limit", "5", "--coordinator", "nowhere"),
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "kvcoord simulate: --coordinator must be HOST:PORT, got 'nowhere'"

@@ -9,6 +9,8 @@ Stream semantics (the coordinator implements the same):
   ``Snapshot`` taken at the last seq it assigned, chunked, ``final`` on the very last chunk; batches up to
   that seq are superseded. Otherwise it resends its unacked batches after ``acked_seq``.
 - Batch seqs start at 1 per epoch and grow by one per batch, across dp ranks. ``Ack{seq}`` is cumulative.
+  When the Welcome sets ``batch_groups`` and batches queue up (the stream is behind), they go out several
+  per ``EventBatches`` message; the coordinator handles each exactly as if sent alone.
   ``SnapshotRequest`` is answered like a required snapshot. ``AgentHeartbeat`` goes out every lease/3.
 
 The engine never waits for the network: :meth:`Reporter.submit` only converts and queues. Each

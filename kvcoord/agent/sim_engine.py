@@ -5,6 +5,10 @@ share a few long prefixes, plus unique suffixes and generated tokens) and every 
 KV events leave through :class:`kvcoord.agent.zmq_wire.ZmqEventPublisher`, exactly as vLLM
 publishes them: PUB + ROUTER replay, ``buffer_steps``, DP-rank port offsets. A relay cannot tell
 it from vLLM. ``--state-file`` exposes the pool's contents so a test can compare an index with it.
+
+With ``--lookup-coordinator`` the engine also acts as its own router: before admitting a request it
+asks the coordinator (a real gRPC Lookup, off the hot loop) how much of the prompt each node holds,
+so a demo shows live lookups and hit rates with nothing but ``kvcoord`` commands.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import queue
 import random
 import signal
 import threading
@@ -20,12 +25,15 @@ import time
 from collections import deque
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcoord.agent.pool import BlockPool
 from kvcoord.agent.zmq_wire import ZmqEventPublisher
 from kvcoord.events import KVEventBatch
-from kvcoord.hashing import HashProfile
+from kvcoord.hashing import HashProfile, RequestKeys
+
+if TYPE_CHECKING:
+    from kvcoord.router.client import CoordinatorClient
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +61,145 @@ class Workload:
         return [self._rng.randrange(self.vocab) for _ in range(self.output_len)]
 
 
+class LookupStats:
+    """Counters of the engine's router-style lookups (written under ``lookup`` in the state file)."""
+
+    __slots__ = ("best_is_self", "best_matched_blocks", "dropped", "errors", "hits", "last_error",
+                 "local_cached_blocks", "lookups", "query_blocks", "self_matched_blocks")
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        """Lookups answered."""
+        self.errors = 0
+        """Lookups that failed (coordinator down, timeout, refused)."""
+        self.dropped = 0
+        """Lookups never sent because the queue was full (the coordinator is slow or down)."""
+        self.hits = 0
+        """Answered lookups where some node held at least one block."""
+        self.query_blocks = 0
+        self.best_matched_blocks = 0
+        """Sum over answered lookups of the best node's matched blocks."""
+        self.best_is_self = 0
+        """Answered hits where this engine was (one of) the best node(s)."""
+        self.self_matched_blocks = 0
+        """What the coordinator says this engine holds (``--lookup-node-id`` at this dp rank)..."""
+        self.local_cached_blocks = 0
+        """...and what its pool actually held when the request was queued (same answered lookups)."""
+        self.last_error = ""
+
+
+class _PendingLookup:
+    __slots__ = ("keys", "local_cached_blocks", "tokens")
+
+    def __init__(self, tokens: list[int], keys: RequestKeys | None, local_cached_blocks: int) -> None:
+        self.tokens = tokens
+        self.keys = keys
+        self.local_cached_blocks = local_cached_blocks
+
+
+def _key_query(keys: RequestKeys | None) -> dict[str, Any]:
+    """The request's extra keys as :meth:`CoordinatorClient.lookup` keywords."""
+    if keys is None:
+        return {}
+    return {"lora_name": keys.lora_name, "lora_path": keys.lora_path, "cache_salt": keys.cache_salt,
+            "mm_items": keys.mm_items, "prompt_embeds_digests": keys.prompt_embeds_digests}
+
+
+class LookupProbe:
+    """Asks the coordinator, as a router would, how much of each prompt the nodes hold.
+
+    The engine's loop only enqueues (never waits): one worker thread makes the real gRPC Lookup with a
+    short timeout, and a full queue drops the query and counts it. Coordinator errors are counted and
+    logged once per outage, so the engine keeps serving while the coordinator is down.
+    """
+
+    def __init__(self, client: CoordinatorClient, model: str, *, node_id: str | None, dp_rank: int,
+                 queue_size: int = 64) -> None:
+        self.client = client
+        self.model = model
+        self.node_id = node_id
+        self.dp_rank = dp_rank
+        self._queue: queue.Queue[_PendingLookup] = queue.Queue(queue_size)
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._failing = False
+        self.stats = LookupStats()
+        self._thread = threading.Thread(target=self._run, name="sim-engine-lookups", daemon=True)
+        self._thread.start()
+
+    def submit(self, tokens: list[int], keys: RequestKeys | None, local_cached_blocks: int) -> bool:
+        """Queue one lookup; False (and counted as dropped) when the worker is behind."""
+        try:
+            self._queue.put_nowait(_PendingLookup(tokens, keys, local_cached_blocks))
+        except queue.Full:
+            with self._lock:
+                self.stats.dropped += 1
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            try:
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if self._closing.is_set():
+                break
+            self._lookup(item)
+
+    def _lookup(self, item: _PendingLookup) -> None:
+        try:
+            result = self.client.lookup(self.model, tokens=item.tokens, **_key_query(item.keys))
+        except Exception as exc:  # CoordinatorError, or a channel closed under us at shutdown
+            with self._lock:
+                self.stats.errors += 1
+                self.stats.last_error = str(exc)
+            if not self._failing and not self._closing.is_set():
+                log.warning("sim-engine: lookups failing (counted in the state file; logged once per "
+                            "outage): %s", exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("sim-engine: lookups answered again after %d errors", self.stats.errors)
+            self._failing = False
+        best = result.nodes[0].matched_blocks if result.nodes else 0
+        mine = next((n.matched_blocks for n in result.nodes
+                     if n.node_id == self.node_id and n.dp_rank == self.dp_rank), 0)
+        with self._lock:
+            s = self.stats
+            s.lookups += 1
+            s.hits += best > 0
+            s.query_blocks += result.num_blocks
+            s.best_matched_blocks += best
+            s.best_is_self += bool(best) and mine == best
+            s.self_matched_blocks += mine
+            s.local_cached_blocks += item.local_cached_blocks
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            out = {name: getattr(self.stats, name) for name in LookupStats.__slots__}
+        out["pending"] = self._queue.qsize()
+        return out
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the worker (an RPC in flight ends within its timeout), then close the channel."""
+        self._closing.set()
+        self._thread.join(timeout)
+        self.client.close()
+
+
 class SimEngine:
     """Admits requests into the pool, finishes the oldest beyond ``concurrency``, publishes per step."""
 
     def __init__(self, pool: BlockPool, publisher: ZmqEventPublisher, workload: Workload, *,
-                 concurrency: int) -> None:
+                 concurrency: int, keys: RequestKeys | None = None,
+                 lookups: LookupProbe | None = None) -> None:
         self.pool = pool
         self.publisher = publisher
         self.workload = workload
         self.concurrency = concurrency
+        self.keys = keys
+        self.lookups = lookups
         self.running: deque[str] = deque()
         self.requests_done = 0
         self.hit_tokens = 0
@@ -73,8 +211,11 @@ class SimEngine:
         rid = f"req-{self._next_id}"
         self._next_id += 1
         prompt = self.workload.prompt()
+        if self.lookups is not None:  # a router asks before the request lands anywhere
+            local = self.pool.count_cached_blocks(self.pool.hash_prompt(prompt, self.keys))
+            self.lookups.submit(prompt, self.keys, local)
         while True:
-            adm = self.pool.admit(rid, prompt)
+            adm = self.pool.admit(rid, prompt, self.keys)
             if adm is not None:
                 break
             if not self.running:
@@ -103,7 +244,7 @@ class SimEngine:
 
     def state(self) -> dict[str, Any]:
         snap = self.pool.snapshot()
-        return {
+        out = {
             "blocks": {str(dp): [[int(h), int(t)] for h, t in entries] for dp, entries in snap.items()},
             "next_seq": self.publisher.next_seq,
             "pid": os.getpid(),
@@ -111,6 +252,9 @@ class SimEngine:
             "prompt_tokens": self.prompt_tokens,
             "hit_tokens": self.hit_tokens,
         }
+        if self.lookups is not None:
+            out["lookup"] = self.lookups.snapshot()
+        return out
 
 
 def write_state(path: Path, state: dict[str, Any]) -> None:
@@ -140,6 +284,26 @@ def _serve(engine: SimEngine, args: argparse.Namespace, interval: float, target:
             next_at = time.monotonic()
 
 
+def _open_lookups(args: argparse.Namespace) -> LookupProbe | None:
+    """The ``--lookup-*`` flags, validated whole, as a started probe (None without a coordinator)."""
+    if args.lookup_coordinator is None:
+        given = [f for f in ("lookup_model", "lookup_node_id", "lookup_token", "lookup_tls_ca")
+                 if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --lookup-coordinator")
+        return None
+    if not args.lookup_timeout > 0:
+        raise ValueError("--lookup-timeout must be > 0")
+    if args.lookup_queue < 1:
+        raise ValueError("--lookup-queue must be >= 1")
+    from kvcoord.router.client import ChannelSecurity, CoordinatorClient
+
+    security = ChannelSecurity(token=args.lookup_token, root_ca=args.lookup_tls_ca)
+    client = CoordinatorClient(args.lookup_coordinator, security=security, timeout=args.lookup_timeout)
+    return LookupProbe(client, args.lookup_model or args.model, node_id=args.lookup_node_id,
+                       dp_rank=args.dp_rank, queue_size=args.lookup_queue)
+
+
 def run_sim_engine(args: argparse.Namespace) -> int:
     """Body of ``kvcoord sim-engine``."""
     for name in ("block_size", "num_blocks", "concurrency"):
@@ -148,14 +312,21 @@ def run_sim_engine(args: argparse.Namespace) -> int:
     if args.rate < 0 or args.requests < 0:
         raise ValueError("--rate and --requests must be >= 0")
     profile = HashProfile(algo=args.algo, block_size=args.block_size, seed=args.hash_seed)
+    keys = RequestKeys(cache_salt=args.cache_salt) if args.cache_salt is not None else None
     pool = BlockPool(args.num_blocks, profile, hash_form=args.hash_form, medium=args.medium,
                      dp_rank=args.dp_rank, removal_events=args.removal_events)
-    publisher = ZmqEventPublisher(args.dp_rank, args.zmq_bind, args.replay_bind,
-                                  buffer_steps=args.buffer_steps, hwm=args.hwm, topic=args.topic,
-                                  form=args.form)
+    lookups = _open_lookups(args)
+    try:
+        publisher = ZmqEventPublisher(args.dp_rank, args.zmq_bind, args.replay_bind,
+                                      buffer_steps=args.buffer_steps, hwm=args.hwm, topic=args.topic,
+                                      form=args.form)
+    except BaseException:
+        if lookups is not None:
+            lookups.close()
+        raise
     workload = Workload(args.seed, prefixes=args.prefixes, prefix_len=args.prefix_len,
                         suffix_len=args.suffix_len, output_len=args.output_len)
-    engine = SimEngine(pool, publisher, workload, concurrency=args.concurrency)
+    engine = SimEngine(pool, publisher, workload, concurrency=args.concurrency, keys=keys, lookups=lookups)
     stop = threading.Event()
     wake = threading.Event()
     bursts = [0]
@@ -174,6 +345,9 @@ def run_sim_engine(args: argparse.Namespace) -> int:
     state_file = Path(args.state_file) if args.state_file else None
     log.info("sim-engine %s: publishing on %s (replay %s), dp rank %d", args.model, publisher.endpoint,
              publisher.replay_endpoint, args.dp_rank)
+    if lookups is not None:
+        log.info("sim-engine: looking up each prompt on %s (model %s)", args.lookup_coordinator,
+                 lookups.model)
     interval = 1.0 / args.rate if args.rate > 0 else 0.0
     target = args.requests
     try:
@@ -188,6 +362,9 @@ def run_sim_engine(args: argparse.Namespace) -> int:
             while not stop.is_set() and args.linger and bursts[0] == 0:
                 wake.wait(0.5)
                 wake.clear()
+                if state_file is not None and lookups is not None:  # answers still arriving
+                    write_state(state_file, {**engine.state(), "target": target,
+                                             "finished": engine.requests_done >= target > 0})
             if stop.is_set() or bursts[0] == 0 or args.requests == 0:
                 break
             target += bursts[0] * args.requests
@@ -195,6 +372,12 @@ def run_sim_engine(args: argparse.Namespace) -> int:
             log.info("sim-engine: SIGUSR1, serving up to request %d", target)
     finally:
         publisher.shutdown()
+        if lookups is not None:
+            lookups.close()
     log.info("sim-engine: %d requests, %.1f%% prompt tokens from cache", engine.requests_done,
              100.0 * engine.hit_tokens / max(1, engine.prompt_tokens))
+    if lookups is not None:
+        st = lookups.snapshot()
+        log.info("sim-engine: %d lookups (%d hits), %d errors, %d dropped", st["lookups"], st["hits"],
+                 st["errors"], st["dropped"])
     return 0

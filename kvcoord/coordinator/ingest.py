@@ -7,20 +7,23 @@ Ordering contract (shared with kvcoord.agent.reporter):
    then ``acked_seq`` tells the agent what to resend.
 2. Batch seqs count 1, 2, 3, ... per (node, epoch) across dp ranks (an ``EventBatches`` message carries
    several in order, each handled exactly as if sent alone). ``seq == last+1`` is applied and
-   acked; ``seq <= last`` is a duplicate (dropped, last re-acked); ``seq > last+1`` is a gap: the
+   acked (acks are cumulative, so the stream's writer coalesces them: at most one per 5 ms per
+   stream); ``seq <= last`` is a duplicate (dropped, last re-acked); ``seq > last+1`` is a gap: the
    coordinator sends SnapshotRequest and discards batches until the snapshot arrives.
 3. Snapshot chunks accumulate per dp rank until one has ``final``; then every rank of the Hello is
    replaced (ranks absent from the snapshot become empty), ``last = seq`` and Ack(seq).
 4. An invalid batch is not applied: counted, logged once per kind, answered with SnapshotRequest.
    Protocol violations abort the stream with a precise status; nothing of the offending message
    is applied.
+5. When the index backend reports a new generation (it lost its contents, e.g. Redis restarted
+   empty), every node is marked resyncing and each connected agent gets
+   ``SnapshotRequest("index_reset: ...")`` (see ``CoordinatorState.check_generation``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -30,7 +33,7 @@ from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.registry import AnnouncedProfile, Load, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import event_from_proto
+from kvcoord.events_proto import events_for_index, events_from_proto
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import InvalidEvent, SnapshotEntry
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
@@ -51,13 +54,6 @@ class IngestAbort(Exception):
         self.message = message
 
 
-_KINDS: dict[type, str] = {
-    BlockStored: "block_stored",
-    BlockRemoved: "block_removed",
-    AllBlocksCleared: "all_blocks_cleared",
-}
-
-
 def event_kind(ev: KVEvent) -> str:
     if isinstance(ev, BlockStored):
         return "block_stored"
@@ -68,11 +64,11 @@ def event_kind(ev: KVEvent) -> str:
     return "unknown"
 
 
+_PROTO_KINDS = {"stored": "block_stored", "removed": "block_removed", "cleared": "all_blocks_cleared"}
+
+
 def proto_event_kind(ev: pb.KVEvent) -> str:
-    which = ev.WhichOneof("event")
-    return {"stored": "block_stored", "removed": "block_removed", "cleared": "all_blocks_cleared"}.get(
-        which or "", "unknown"
-    )
+    return _PROTO_KINDS.get(ev.WhichOneof("event") or "", "unknown")
 
 
 def load_from_proto(load: pb.Load) -> Load:
@@ -304,8 +300,12 @@ class IngestSession:
             profile = st.config.profile(self.model)
             verify = profile is not None and not rec.hash_mismatch and st.verifier.cfg.enabled
             try:
-                # Token ids are only read by hash verification: without it, skip building their tuples.
-                events = [event_from_proto(ev, tokens=verify) for ev in batch.events]
+                # Hash verification reads every field of every event. Without it only the index reads
+                # them: runs of stores collapse into one event each (see events_for_index), and token
+                # ids never become Python tuples. Either way the whole batch is checked first.
+                events = (
+                    events_from_proto(batch.events) if verify else events_for_index(batch.events)
+                )
             except (ValueError, TypeError, KeyError, OverflowError) as exc:
                 kind = getattr(exc, "kind", None)
                 return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
@@ -318,23 +318,22 @@ class IngestSession:
                 raise IngestAbort(grpc.StatusCode.UNAVAILABLE, f"index backend failed: {exc}") from exc
             rec.last_seq = batch.seq
             rec.indexed.add((self.model, batch.dp_rank))
-        self._account(batch, events)
+        self._account(batch)
         if verify and profile is not None:
             reason = st.verifier.check(rec, self.model, profile, events)
             if reason is not None:
                 st.mark_hash_mismatch(rec, reason)
         return [_msg(ack=pb.Ack(epoch=self.epoch, seq=batch.seq))]
 
-    def _account(self, batch: pb.EventBatch, events: Sequence[KVEvent]) -> None:
+    def _account(self, batch: pb.EventBatch) -> None:
         m = self.state.metrics
         m.batch("applied")
-        kinds = _KINDS
-        counts: dict[type, int] = {}
-        for ev in events:
-            t = type(ev)
-            counts[t] = counts.get(t, 0) + 1
-        for t, n in counts.items():
-            m.applied(kinds.get(t, "unknown"), n)
+        counts: dict[str | None, int] = {}
+        for ev in batch.events:  # the events as sent (the index may have seen merged ones)
+            which: str | None = ev.WhichOneof("event")
+            counts[which] = counts.get(which, 0) + 1
+        for which, n in counts.items():
+            m.applied(_PROTO_KINDS.get(which or "", "unknown"), n)
         if batch.ts > 0:
             m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
 

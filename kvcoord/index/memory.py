@@ -27,6 +27,13 @@ the full-attention entry. The index therefore remembers, per ``(model, node, dp_
 Removals without ``group_idx`` or of a group not yet seen are applied; if the block is not held they
 are the usual counted no-op. ``remove_node`` forgets what it learnt about the node's groups.
 
+Two interchangeable cores hold the blocks (``MemoryIndex(core="auto"|"c"|"python")``): the C
+extension ``kvcoord._indexcore`` (built by setup.py when a compiler is present; an open-addressing
+uint64 table of inline ``(slot, tier mask)`` holders, whole events per call, one-pass matches that
+build the answer rows in C) and the pure-Python layout above, the fallback. The slot registry, group
+memory, validation and sweep bookkeeping are shared Python code, so both cores answer identically
+(tests run the backend suite on both and compare them directly).
+
 Not thread-safe: use it from one thread (the coordinator's event loop).
 """
 
@@ -41,7 +48,7 @@ import uuid
 from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 from operator import and_, eq, itemgetter, ne, or_
-from typing import TypeAlias
+from typing import Literal, TypeAlias, cast
 
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier, normalize_medium
 from kvcoord.hashing import BlockHash64, to_block_hash64
@@ -54,7 +61,17 @@ from kvcoord.index.base import (
     SnapshotEntry,
 )
 
-__all__ = ["MemoryIndex", "RawMatch"]
+try:
+    from kvcoord import _indexcore
+except ImportError:  # built without a compiler: the pure-Python core serves
+    _indexcore = None  # type: ignore[assignment]
+
+__all__ = ["HAVE_C_CORE", "MemoryIndex", "RawMatch"]
+
+HAVE_C_CORE = _indexcore is not None
+"""Whether the C core was built (``MemoryIndex(core="auto")`` then uses it)."""
+
+Core: TypeAlias = Literal["auto", "c", "python"]
 
 _NTIERS = len(Tier)
 
@@ -69,8 +86,9 @@ _Op: TypeAlias = tuple[int, int, Sequence[int], "int | None", bool]
 """``(kind, tier, hashes, group_idx, indexable)`` after validation."""
 
 _EMPTY: tuple[int, ...] = ()
+_TIERS = tuple(Tier)
 _BITS01 = bytes.maketrans(b"01", b"\x00\x01")
-_FIRST_CHUNK = 8
+_FIRST_CHUNK = 16
 _MAX_CHUNK = 512
 
 
@@ -164,10 +182,14 @@ class _Model:
         """The slots of ``mask`` (live ones only) in tie-break order, mostly in C."""
         if mask & (mask - 1) == 0:
             return [mask.bit_length() - 1]
-        if mask.bit_count() <= 8:
-            slots = _slots_of(mask)
-            keys = self.slot_key
-            slots.sort(key=lambda s: keys[s] or ("", 0))
+        if mask.bit_count() <= max(8, len(self.slot_key) >> 4):
+            # sparse: peel bits, then sort by (node_id, dp_rank); live slots always have a key
+            slots = []
+            while mask:
+                low = mask & -mask
+                slots.append(low.bit_length() - 1)
+                mask ^= low
+            slots.sort(key=cast("Callable[[int], NodeKey]", self.slot_key.__getitem__))
             return slots
         perm = self.perm
         order = self.sort_order()
@@ -175,6 +197,10 @@ class _Model:
             perm = self.perm = itemgetter(*order) if len(order) > 1 else (lambda b: (b[order[0]],))
         sel = bin(mask)[:1:-1].encode().translate(_BITS01).ljust(len(self.slot_key), b"\x00")
         return list(itertools.compress(order, perm(sel)))
+
+    def nkeys(self) -> int:
+        """Keys physically present, dead slots' included (what reclamation frees)."""
+        return len(self.blocks)
 
     def retire(self, slot: int) -> int:
         """Take ``slot`` out of answers now; returns how many entries it held. O(1)."""
@@ -238,6 +264,240 @@ class _Model:
         for slot in _slots_of(done):
             heapq.heappush(self.free, slot)
         return end - start, not self.dead
+
+    def store(self, slot: int, tier: int, hashes: Sequence[int]) -> int:
+        """Add ``hashes`` on ``tier`` for ``slot``; returns entries actually added."""
+        bit = self.bits[slot]
+        blocks = self.blocks
+        tiered = self.tiered
+        added = 0
+        if tier == 0 and (not tiered or tiered.keys().isdisjoint(hashes)):
+            # GPU-only blocks: one C-level setdefault per key inserts the new ones (mostly all of them:
+            # engines publish blocks they just computed); keys other slots hold get OR-ed in bulk.
+            before = len(blocks)
+            vals = list(map(blocks.setdefault, hashes, itertools.repeat(bit)))
+            added = len(blocks) - before
+            if vals.count(bit) != len(vals):
+                sel = list(map(ne, vals, itertools.repeat(bit)))
+                fix = dict(zip(itertools.compress(hashes, sel), itertools.compress(vals, sel), strict=True))
+                news = list(map(or_, fix.values(), itertools.repeat(bit)))
+                added += len(fix) - list(map(eq, fix.values(), news)).count(True)
+                blocks.update(zip(fix, news, strict=True))
+        else:
+            get = blocks.get
+            for h in hashes:
+                tv = tiered.get(h)
+                if tv is None:
+                    cur = get(h)
+                    if tier == 0:
+                        if cur is None:
+                            blocks[h] = bit
+                        elif cur & bit:
+                            continue
+                        else:
+                            blocks[h] = cur | bit
+                        added += 1
+                        continue
+                    g, c, st = cur or 0, 0, 0
+                else:
+                    g, c, st = tv
+                if tier == 0:
+                    if g & bit:
+                        continue
+                    g |= bit
+                elif tier == 1:
+                    if c & bit:
+                        continue
+                    c |= bit
+                else:
+                    if st & bit:
+                        continue
+                    st |= bit
+                tiered[h] = (g, c, st)
+                blocks[h] = g | c | st
+                added += 1
+        self.counts[slot][tier] += added
+        return added
+
+    def remove(self, slot: int, tier: int, hashes: Sequence[int]) -> int:
+        """Drop ``hashes`` on ``tier`` for ``slot``; returns entries actually removed."""
+        bit = self.bits[slot]
+        blocks = self.blocks
+        tiered = self.tiered
+        get = blocks.get
+        done = 0
+        for h in hashes:
+            v = get(h)
+            if v is None or not v & bit:
+                continue
+            tv = tiered.get(h) if tiered else None
+            if tv is None:
+                if tier:
+                    continue
+                v ^= bit
+                if v:
+                    blocks[h] = v
+                else:
+                    del blocks[h]
+            else:
+                t = list(tv)
+                if not t[tier] & bit:
+                    continue
+                t[tier] ^= bit
+                g, c, st = t
+                if c or st:
+                    tiered[h] = (g, c, st)
+                    blocks[h] = g | c | st
+                else:
+                    del tiered[h]
+                    if g:
+                        blocks[h] = g
+                    else:
+                        del blocks[h]
+            done += 1
+        self.counts[slot][tier] -= done
+        return done
+
+    def match(
+        self, hashes: Sequence[int], candidates: Collection[NodeKey] | None, cls: type[NodeMatch] | None
+    ) -> list[RawMatch]:
+        """See ``MemoryIndex.match_sync``; rows built as ``cls`` or plain tuples when None."""
+        raw = self.match_raw(hashes, candidates)
+        return list(itertools.starmap(cls, raw)) if cls is not None else raw
+
+    def match_raw(self, hashes: Sequence[int], candidates: Collection[NodeKey] | None) -> list[RawMatch]:
+        m = self.live
+        if candidates is not None:
+            cand = 0
+            slot_of = self.slot_of
+            bits = self.bits
+            for nk in candidates:
+                s = slot_of.get(nk)
+                if s is not None:
+                    cand |= bits[s]
+            m &= cand
+        if not m:
+            return []
+        get = self.blocks.get
+        total = len(hashes)
+        runs: list[tuple[int, int]] = []  # (length, slots whose run ends there), lengths ascending
+        n = 0
+        step = _FIRST_CHUNK
+        zeros = itertools.repeat(0)
+        while n < total:
+            chunk = hashes[n : n + step]
+            vals = list(map(get, chunk, zeros))
+            n += len(chunk)
+            if vals.count(m) == len(vals):
+                # Every block held by exactly the surviving slots (a single holder stores the shared
+                # slot-bit object, so this is mostly an identity check): nothing changes.
+                step = min(step * 2, _MAX_CHUNK)
+                continue
+            acc = list(itertools.accumulate(vals, and_, initial=m))
+            last = acc[-1]
+            if last == m:
+                step = min(step * 2, _MAX_CHUNK)
+                continue
+            # acc is a chain of shrinking masks: bisect for each point where it changes.
+            base = n - len(chunk) - 1
+            i = 1
+            while m != last:
+                lo, hi = i, len(acc) - 1
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if acc[mid] != m:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                a = acc[lo]
+                if base + lo > 0:
+                    runs.append((base + lo, m ^ a))
+                m = a
+                i = lo + 1
+            if not m:
+                break
+        if m and n:
+            runs.append((n, m))
+        if not runs:
+            return []
+        names, dps = self.names, self.dps
+        tiered = self.tiered
+        odd: list[tuple[int, _Tiers]] = []
+        if tiered:
+            longest = runs[-1][0]
+            tget = tiered.get
+            odd = [(p, t) for p, t in enumerate(map(tget, hashes[:longest])) if t is not None]
+        out: list[RawMatch] = []
+        for length, mask in reversed(runs):
+            slots = self.ordered_slots(mask)
+            if not odd or odd[0][0] >= length:
+                tiers: tuple[int, ...] = (length, 0, 0)
+                out.extend(
+                    zip(
+                        map(names.__getitem__, slots),
+                        map(dps.__getitem__, slots),
+                        itertools.repeat(length),
+                        itertools.repeat(tiers),
+                        strict=False,
+                    )
+                )
+                continue
+            for slot in slots:
+                bit = 1 << slot
+                g, c, st = length, 0, 0
+                for p, t in odd:
+                    if p >= length:
+                        break
+                    if t[0] & bit:
+                        continue
+                    g -= 1
+                    if t[1] & bit:
+                        c += 1
+                    else:
+                        st += 1
+                out.append((names[slot], dps[slot], length, (g, c, st)))
+        return out
+
+    def export(self, slot: int) -> list[SnapshotEntry]:
+        """Every (block, tier) of ``slot``, sorted. O(blocks of the model): rare path."""
+        bit = self.bits[slot]
+        out: list[SnapshotEntry] = []
+        tget = self.tiered.get
+        tiers = list(Tier)
+        for h, v in self.blocks.items():
+            if not v & bit:
+                continue
+            tv = tget(h)
+            if tv is None:
+                out.append((BlockHash64(h), Tier.GPU))
+            else:
+                out.extend((BlockHash64(h), t) for t in tiers if tv[t] & bit)
+        out.sort()
+        return out
+
+    def nbytes(self, sample: int = 512) -> int:
+        """Dict tables + a sample of keys/values extrapolated (shared slot-bit objects count as free)."""
+        size = sys.getsizeof(self.blocks) + sys.getsizeof(self.tiered) + sys.getsizeof(self.slot_of)
+        size += sum(sys.getsizeof(b) for b in self.bits) + 200 * len(self.slot_key)
+        n = len(self.blocks)
+        if n:
+            per = 0
+            seen = 0
+            bits = self.bits
+            for h, v in itertools.islice(self.blocks.items(), sample):
+                seen += 1
+                per += sys.getsizeof(h)
+                if not (v <= 256 or (v & (v - 1) == 0 and bits[v.bit_length() - 1] is v)):
+                    per += sys.getsizeof(v)
+            size += per * n // seen
+        if self.tiered:
+            per = 0
+            seen = 0
+            for tv in itertools.islice(self.tiered.values(), sample):
+                seen += 1
+                per += sys.getsizeof(tv) + sum(sys.getsizeof(x) for x in tv if x > 256)
+            size += per * len(self.tiered) // seen
+        return size
 
 
 class MemoryIndex:
@@ -371,7 +631,7 @@ class MemoryIndex:
                     continue
                 if mi is None:
                     mi = self._models[model] = _Model()
-                res.stored += self._store(mi, mi.slot_for_store(key), tier, hashes)
+                res.stored += mi.store(mi.slot_for_store(key), tier, hashes)
                 work += len(hashes)
             elif kind == _REMOVE:
                 if mi is None:
@@ -384,7 +644,7 @@ class MemoryIndex:
                 if slot is None:
                     res.removed_unknown += len(hashes)
                     continue
-                done = self._remove(mi, slot, tier, hashes)
+                done = mi.remove(slot, tier, hashes)
                 res.removed += done
                 res.removed_unknown += len(hashes) - done
                 work += len(hashes)
@@ -397,101 +657,6 @@ class MemoryIndex:
         if self._pending:
             self._sweep_some(2 * work + 256)
         return res
-
-    @staticmethod
-    def _store(mi: _Model, slot: int, tier: int, hashes: Sequence[int]) -> int:
-        """Add ``hashes`` on ``tier`` for ``slot``; returns entries actually added."""
-        bit = mi.bits[slot]
-        blocks = mi.blocks
-        tiered = mi.tiered
-        added = 0
-        if tier == 0 and (not tiered or tiered.keys().isdisjoint(hashes)):
-            # GPU-only blocks: one C-level setdefault per key inserts the new ones (mostly all of them:
-            # engines publish blocks they just computed); keys other slots hold get OR-ed in bulk.
-            before = len(blocks)
-            vals = list(map(blocks.setdefault, hashes, itertools.repeat(bit)))
-            added = len(blocks) - before
-            if vals.count(bit) != len(vals):
-                sel = list(map(ne, vals, itertools.repeat(bit)))
-                fix = dict(zip(itertools.compress(hashes, sel), itertools.compress(vals, sel), strict=True))
-                news = list(map(or_, fix.values(), itertools.repeat(bit)))
-                added += len(fix) - list(map(eq, fix.values(), news)).count(True)
-                blocks.update(zip(fix, news, strict=True))
-        else:
-            get = blocks.get
-            for h in hashes:
-                tv = tiered.get(h)
-                if tv is None:
-                    cur = get(h)
-                    if tier == 0:
-                        if cur is None:
-                            blocks[h] = bit
-                        elif cur & bit:
-                            continue
-                        else:
-                            blocks[h] = cur | bit
-                        added += 1
-                        continue
-                    g, c, st = cur or 0, 0, 0
-                else:
-                    g, c, st = tv
-                if tier == 0:
-                    if g & bit:
-                        continue
-                    g |= bit
-                elif tier == 1:
-                    if c & bit:
-                        continue
-                    c |= bit
-                else:
-                    if st & bit:
-                        continue
-                    st |= bit
-                tiered[h] = (g, c, st)
-                blocks[h] = g | c | st
-                added += 1
-        mi.counts[slot][tier] += added
-        return added
-
-    @staticmethod
-    def _remove(mi: _Model, slot: int, tier: int, hashes: Sequence[int]) -> int:
-        """Drop ``hashes`` on ``tier`` for ``slot``; returns entries actually removed."""
-        bit = mi.bits[slot]
-        blocks = mi.blocks
-        tiered = mi.tiered
-        get = blocks.get
-        done = 0
-        for h in hashes:
-            v = get(h)
-            if v is None or not v & bit:
-                continue
-            tv = tiered.get(h) if tiered else None
-            if tv is None:
-                if tier:
-                    continue
-                v ^= bit
-                if v:
-                    blocks[h] = v
-                else:
-                    del blocks[h]
-            else:
-                t = list(tv)
-                if not t[tier] & bit:
-                    continue
-                t[tier] ^= bit
-                g, c, st = t
-                if c or st:
-                    tiered[h] = (g, c, st)
-                    blocks[h] = g | c | st
-                else:
-                    del tiered[h]
-                    if g:
-                        blocks[h] = g
-                    else:
-                        del blocks[h]
-            done += 1
-        mi.counts[slot][tier] -= done
-        return done
 
     def clear_sync(self, model: str, node_id: str, dp_rank: int) -> int:
         """Drop ``(node_id, dp_rank)`` of ``model`` from answers now; returns the entries it held."""
@@ -541,7 +706,7 @@ class MemoryIndex:
         slot = mi.new_slot()
         for tier, hashes in enumerate(per_tier):
             if hashes:
-                self._store(mi, slot, tier, hashes)
+                mi.store(slot, tier, hashes)
         old = mi.slot_of.get(key)
         if old is not None:
             mi.retire(old)
@@ -590,101 +755,11 @@ class MemoryIndex:
     def match_raw_sync(
         self, model: str, hashes: Sequence[int], candidates: Collection[NodeKey] | None = None
     ) -> list[RawMatch]:
-        """Like ``match_sync`` but returns plain tuples (the hot path avoids frozen-dataclass cost)."""
+        """Like ``match_sync`` but rows are plain tuples (the coordinator's hot path)."""
         mi = self._models.get(model)
         if mi is None:
             return []
-        m = mi.live
-        if candidates is not None:
-            cand = 0
-            slot_of = mi.slot_of
-            bits = mi.bits
-            for nk in candidates:
-                s = slot_of.get(nk)
-                if s is not None:
-                    cand |= bits[s]
-            m &= cand
-        if not m:
-            return []
-        get = mi.blocks.get
-        total = len(hashes)
-        runs: list[tuple[int, int]] = []  # (length, slots whose run ends there), lengths ascending
-        n = 0
-        step = _FIRST_CHUNK
-        zeros = itertools.repeat(0)
-        while n < total:
-            chunk = hashes[n : n + step]
-            vals = list(map(get, chunk, zeros))
-            n += len(chunk)
-            if vals.count(m) == len(vals):
-                # Every block held by exactly the surviving slots (a single holder stores the shared
-                # slot-bit object, so this is mostly an identity check): nothing changes.
-                step = min(step * 2, _MAX_CHUNK)
-                continue
-            acc = list(itertools.accumulate(vals, and_, initial=m))
-            last = acc[-1]
-            if last == m:
-                step = min(step * 2, _MAX_CHUNK)
-                continue
-            # acc is a chain of shrinking masks: bisect for each point where it changes.
-            base = n - len(chunk) - 1
-            i = 1
-            while m != last:
-                lo, hi = i, len(acc) - 1
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if acc[mid] != m:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                a = acc[lo]
-                if base + lo > 0:
-                    runs.append((base + lo, m ^ a))
-                m = a
-                i = lo + 1
-            if not m:
-                break
-        if m and n:
-            runs.append((n, m))
-        if not runs:
-            return []
-        names, dps = mi.names, mi.dps
-        tiered = mi.tiered
-        odd: list[tuple[int, _Tiers]] = []
-        if tiered:
-            longest = runs[-1][0]
-            tget = tiered.get
-            odd = [(p, t) for p, t in enumerate(map(tget, hashes[:longest])) if t is not None]
-        out: list[RawMatch] = []
-        for length, mask in reversed(runs):
-            slots = mi.ordered_slots(mask)
-            if not odd or odd[0][0] >= length:
-                tiers: tuple[int, ...] = (length, 0, 0)
-                out.extend(
-                    zip(
-                        map(names.__getitem__, slots),
-                        map(dps.__getitem__, slots),
-                        itertools.repeat(length),
-                        itertools.repeat(tiers),
-                        strict=False,
-                    )
-                )
-                continue
-            for slot in slots:
-                bit = 1 << slot
-                g, c, st = length, 0, 0
-                for p, t in odd:
-                    if p >= length:
-                        break
-                    if t[0] & bit:
-                        continue
-                    g -= 1
-                    if t[1] & bit:
-                        c += 1
-                    else:
-                        st += 1
-                out.append((names[slot], dps[slot], length, (g, c, st)))
-        return out
+        return mi.match(hashes, candidates, None)
 
     def match_sync(
         self, model: str, hashes: Sequence[int], candidates: Collection[NodeKey] | None = None
@@ -695,7 +770,10 @@ class MemoryIndex:
         fastest tier (GPU, then CPU, then STORAGE), so ``sum(tiers) == matched_blocks`` and a router
         can weight the counts directly.
         """
-        return list(itertools.starmap(NodeMatch, self.match_raw_sync(model, hashes, candidates)))
+        mi = self._models.get(model)
+        if mi is None:
+            return []
+        return cast("list[NodeMatch]", mi.match(hashes, candidates, NodeMatch))
 
     def export_node_sync(self, model: str, node_id: str, dp_rank: int) -> list[SnapshotEntry]:
         """Every (block, tier) of ``(node_id, dp_rank)``, sorted. O(blocks of the model): rare path."""
@@ -705,20 +783,7 @@ class MemoryIndex:
         slot = mi.slot_of.get((node_id, dp_rank))
         if slot is None:
             return []
-        bit = mi.bits[slot]
-        out: list[SnapshotEntry] = []
-        tget = mi.tiered.get
-        tiers = list(Tier)
-        for h, v in mi.blocks.items():
-            if not v & bit:
-                continue
-            tv = tget(h)
-            if tv is None:
-                out.append((BlockHash64(h), Tier.GPU))
-            else:
-                out.extend((BlockHash64(h), t) for t in tiers if tv[t] & bit)
-        out.sort()
-        return out
+        return mi.export(slot)
 
     def stats_sync(self) -> IndexStats:
         """Exact counts (finishing any pending sweep first) and a sampled estimate of bytes held."""
@@ -742,10 +807,11 @@ class MemoryIndex:
                 for t, n in enumerate(counts):
                     if n:
                         by_tier[(name, Tier(t))] = by_tier.get((name, Tier(t)), 0) + n
-            if mi.blocks:
-                blocks += len(mi.blocks)
-                by_model[name] = len(mi.blocks)
-            total_bytes += self._model_bytes(mi)
+            nkeys = mi.nkeys()
+            if nkeys:
+                blocks += nkeys
+                by_model[name] = nkeys
+            total_bytes += mi.nbytes()
         return IndexStats(
             entries=entries,
             blocks=blocks,
@@ -754,31 +820,6 @@ class MemoryIndex:
             entries_by_model_tier=by_tier,
             blocks_by_model=by_model,
         )
-
-    @staticmethod
-    def _model_bytes(mi: _Model, sample: int = 512) -> int:
-        """Dict tables + a sample of keys/values extrapolated (shared slot-bit objects count as free)."""
-        size = sys.getsizeof(mi.blocks) + sys.getsizeof(mi.tiered) + sys.getsizeof(mi.slot_of)
-        size += sum(sys.getsizeof(b) for b in mi.bits) + 200 * len(mi.slot_key)
-        n = len(mi.blocks)
-        if n:
-            per = 0
-            seen = 0
-            bits = mi.bits
-            for h, v in itertools.islice(mi.blocks.items(), sample):
-                seen += 1
-                per += sys.getsizeof(h)
-                if not (v <= 256 or (v & (v - 1) == 0 and bits[v.bit_length() - 1] is v)):
-                    per += sys.getsizeof(v)
-            size += per * n // seen
-        if mi.tiered:
-            per = 0
-            seen = 0
-            for tv in itertools.islice(mi.tiered.values(), sample):
-                seen += 1
-                per += sys.getsizeof(tv) + sum(sys.getsizeof(x) for x in tv if x > 256)
-            size += per * len(mi.tiered) // seen
-        return size
 
     # ------------------------------------------------------------------ Index protocol (async)
 

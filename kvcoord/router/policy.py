@@ -21,9 +21,10 @@ seed makes the same decisions every run.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
@@ -273,6 +274,19 @@ class PrefixAwarePolicy:
        node cheaper even though it must recompute the prefix; that node then caches it too, and the
        prefix is spread across the fleet in proportion to its demand. ``why`` says when this happens.
     3. **Random tie-break** among equal costs (seeded), so equal nodes share the work evenly.
+
+    **Placement memory** (session affinity, as SGLang's and llm-d's routers keep): the router
+    remembers, in a bounded LRU of ``affinity_entries`` chain checkpoints (every
+    ``affinity_stride`` blocks plus the last block of each prompt), which node it last sent each
+    prefix to and when that node should have reported it (``now`` + the expected queue wait and
+    prefill). It covers the index's blind spot, work in flight: a placement the node has not
+    reported yet (queued, or its events still on the wire) counts as held on that node, so a burst
+    of requests sharing a new prefix does not scatter and recompute it everywhere. After that
+    horizon the index is authoritative (a prefix it no longer shows was evicted) and the memory only
+    breaks exact cost ties in favour of the node that last served the session. The memory is
+    consulted only when it remembers a longer prefix than the index shows on any node, so a system
+    prompt every node holds never pins new sessions to one node, and the balance cap applies to a
+    remembered placement like to any hit.
     """
 
     uses_index: ClassVar[bool] = True
@@ -286,7 +300,11 @@ class PrefixAwarePolicy:
         balance_abs: int = 8,
         balance_rel: float = 1.5,
         work_weight: float = 2.0,
+        affinity_entries: int = 65_536,
+        affinity_stride: int = 32,
     ) -> None:
+        if affinity_entries < 0 or affinity_stride < 1:
+            raise ValueError("affinity_entries must be >= 0 and affinity_stride >= 1")
         if work_weight < 1.0:
             raise ValueError("work_weight must be >= 1")
         if any(not 0.0 <= w <= 1.0 for w in tier_weights) or len(tier_weights) != 3:
@@ -300,6 +318,7 @@ class PrefixAwarePolicy:
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.work_weight = work_weight
+        self.memory = PlacementMemory(affinity_entries, affinity_stride)
 
     def saved_tokens(self, request: RouteRequest, c: Candidate) -> float:
         g, cpu, sto = c.tier_counts()
@@ -314,13 +333,34 @@ class PrefixAwarePolicy:
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _require(candidates)
+        recalled = self.memory.recall(request.block_hashes)
+        sticky: NodeKey | None = None
+        inflight = ""
+        if recalled is not None and recalled.depth > max(c.matched_blocks for c in candidates):
+            sticky = recalled.key
+            if request.now < recalled.ready_at:
+                # Routed there, not reported yet: count it as held (on GPU) on that node.
+                age = request.now - recalled.placed_at
+                candidates = [
+                    Candidate(c.node_id, c.dp_rank, recalled.depth, (recalled.depth,), c.load)
+                    if c.key == sticky
+                    else c
+                    for c in candidates
+                ]
+                inflight = f"; {recalled.depth} blocks in flight to {sticky[0]} (routed {age:.2f} s ago)"
         low = min(c.load.in_flight for c in candidates)
         cap = self.balance_rel * low + self.balance_abs
         eligible = [c for c in candidates if c.load.in_flight <= cap]
         scored = sorted(((self.cost(request, c), c.key, c) for c in eligible), key=lambda t: (t[0], t[1]))
         best_cost = scored[0][0]
         ties = [c for cost, _, c in scored if cost <= best_cost * (1 + 1e-9) + 1e-12]
-        chosen = ties[self.rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+        stuck = [c for c in ties if c.key == sticky] if len(ties) > 1 else []
+        if stuck:
+            chosen = stuck[0]
+        elif len(ties) > 1:
+            chosen = ties[self.rng.randrange(len(ties))]
+        else:
+            chosen = ties[0]
         saved = self.saved_tokens(request, chosen)
         queue = self.latency.queue_seconds(chosen.load)
         why = (
@@ -328,7 +368,10 @@ class PrefixAwarePolicy:
             f"({chosen.matched_blocks} blocks), cost {best_cost * 1e3:.1f} ms = prefill "
             f"{(best_cost - queue) * 1e3:.1f} + queue {queue * 1e3:.1f}"
         )
-        if len(ties) > 1:
+        why += inflight
+        if stuck:
+            why += f"; {len(ties)} tied, kept on {_name(chosen)}, which last served this prefix"
+        elif len(ties) > 1:
             why += f"; {len(ties)} tied, picked at random"
         top = max(sorted(candidates, key=lambda c: c.key), key=lambda c: c.matched_blocks)
         if top.matched_blocks > chosen.matched_blocks:
@@ -342,7 +385,72 @@ class PrefixAwarePolicy:
                     f"; replicating: best holder {_name(top)} ({top.matched_blocks} blocks) is busier "
                     f"(cost {self.cost(request, top) * 1e3:.1f} ms)"
                 )
+        own = self.latency.prefill_s_per_token * (request.num_tokens - saved)
+        self.memory.record(request.block_hashes, chosen.key, request.now, request.now + queue + own)
         return Decision(chosen.node_id, chosen.dp_rank, why, chosen.matched_blocks, best_cost)
+
+
+class Placement(NamedTuple):
+    """What :class:`PlacementMemory` remembers of the deepest recent placement of a prefix."""
+
+    key: NodeKey
+    depth: int
+    """Leading blocks of the request that were part of that placement."""
+    placed_at: float
+    ready_at: float
+    """When the node should have reported the prefix (placement time + expected TTFT)."""
+
+
+class PlacementMemory:
+    """Bounded LRU of ``checkpoint block hash -> (node, placed_at, ready_at)`` for the last placements.
+
+    Only every ``stride``-th block of a prompt and its last block are keys, so recording and recalling
+    a prompt of ``n`` blocks costs ``n / stride`` dict operations, and ``capacity`` entries cover about
+    ``capacity * stride`` blocks of recent traffic. ``capacity`` 0 disables it.
+    """
+
+    __slots__ = ("_map", "capacity", "stride")
+
+    def __init__(self, capacity: int = 65_536, stride: int = 32) -> None:
+        self.capacity = capacity
+        self.stride = stride
+        self._map: OrderedDict[int, tuple[NodeKey, float, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def _checkpoints(self, n: int) -> list[int]:
+        """Block positions used as keys, deepest first."""
+        if n == 0:
+            return []
+        points = list(range(self.stride - 1, n, self.stride))
+        if not points or points[-1] != n - 1:
+            points.append(n - 1)
+        points.reverse()
+        return points
+
+    def record(self, hashes: Sequence[BlockHash64], key: NodeKey, now: float, ready_at: float) -> None:
+        if self.capacity == 0 or not hashes:
+            return
+        m = self._map
+        value = (key, now, ready_at)
+        for i in reversed(self._checkpoints(len(hashes))):
+            h = hashes[i]
+            m[h] = value
+            m.move_to_end(h)
+        while len(m) > self.capacity:
+            m.popitem(last=False)
+
+    def recall(self, hashes: Sequence[BlockHash64]) -> Placement | None:
+        """The deepest checkpoint of ``hashes`` this memory holds, or ``None``."""
+        if self.capacity == 0:
+            return None
+        get = self._map.get
+        for i in self._checkpoints(len(hashes)):
+            got = get(hashes[i])
+            if got is not None:
+                return Placement(got[0], i + 1, got[1], got[2])
+        return None
 
 
 class RoutedPrefixMemory:
@@ -429,7 +537,12 @@ class ApproximatePolicy:
     ) -> None:
         self.name = "approximate"
         self.inner = PrefixAwarePolicy(
-            seed, latency=latency, tier_weights=tier_weights, balance_abs=balance_abs, balance_rel=balance_rel
+            seed,
+            latency=latency,
+            tier_weights=tier_weights,
+            balance_abs=balance_abs,
+            balance_rel=balance_rel,
+            affinity_entries=0,  # its routed-prefix memory already is a placement memory
         )
         self.rng = self.inner.rng
         self.memory = RoutedPrefixMemory(ttl)

@@ -11,8 +11,9 @@ from typing import Any
 
 from kvcoord.hashing import HashProfile
 from kvcoord.index import open_index
+from kvcoord.index.base import Index
 from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
-from kvcoord.sim.cluster import ClusterConfig, simulate
+from kvcoord.sim.cluster import ClusterConfig, SimBackend, simulate
 from kvcoord.sim.report import plot, summarize, table
 from kvcoord.sim.workload import SyntheticSpec, Workload, load_mooncake, synthetic
 
@@ -50,15 +51,21 @@ def _workload(args: argparse.Namespace, profile: HashProfile) -> Workload:
     return synthetic(spec, profile, seed=args.seed)
 
 
-_SHARED: tuple[Workload, HashProfile, ClusterConfig, int, float, str] | None = None
+_SHARED: tuple[Workload, HashProfile, ClusterConfig, int, float, str, str | None] | None = None
 """What :func:`_run_policy` needs, set before worker processes fork."""
 
 
 def _run_policy(name: str) -> dict[str, Any]:
     assert _SHARED is not None
-    workload, profile, config, seed, ttl, index_uri = _SHARED
+    workload, profile, config, seed, ttl, index_uri, coordinator = _SHARED
     policy = make_policy(name, seed, latency=config.latency, ttl=ttl)
-    index = open_index(index_uri, key_prefix=f"kvcoord-sim-{os.getpid()}-{name}")
+    index: Index | SimBackend
+    if coordinator is not None:
+        from kvcoord.sim.remote import CoordinatorBackend, run_tag
+
+        index = CoordinatorBackend(coordinator, profile, tag=run_tag(name))
+    else:
+        index = open_index(index_uri, key_prefix=f"kvcoord-sim-{os.getpid()}-{name}")
     t1 = time.perf_counter()
     result = simulate(workload, policy, profile, config, index)
     row = summarize(result)
@@ -75,9 +82,11 @@ def _run_policy(name: str) -> dict[str, Any]:
 def run_simulate(args: argparse.Namespace) -> int:
     """Replay the workload under every requested policy; table on stderr, JSON/PNG when asked."""
     if args.coordinator is not None:
-        raise ValueError(
-            "--coordinator is not supported yet: the simulator drives an in-process index (--index)"
-        )
+        if args.index != "memory":
+            raise ValueError("give --index or --coordinator, not both")
+        host, sep, port = str(args.coordinator).rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     if args.jobs < 1:
         raise ValueError("--jobs must be >= 1")
     if args.time_scale <= 0:
@@ -104,7 +113,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     global _SHARED
-    _SHARED = (workload, profile, config, args.seed, args.ttl, args.index)
+    _SHARED = (workload, profile, config, args.seed, args.ttl, args.index, args.coordinator)
     try:
         if args.jobs > 1 and len(names) > 1:
             import multiprocessing
@@ -134,6 +143,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             "max_running": latency.max_running,
             "prefill_us_per_token": args.prefill_us_per_token,
             "decode_ms_per_token": args.decode_ms_per_token,
+            "index": f"coordinator {args.coordinator}" if args.coordinator else args.index,
         },
         "seed": args.seed,
         "policies": rows,

@@ -61,7 +61,33 @@ class ClusterConfig:
             raise ValueError("blocks per node must be >= 2")
 
 
-class IndexAdapter:
+class SimBackend:
+    """Where the simulated nodes' events go and where the router looks prefixes up (synchronously).
+
+    The simulator calls :meth:`attach` for every node, then :meth:`start`, then, per request,
+    :meth:`sync` (make every event applied so far visible to lookups) before timing :meth:`match`.
+    """
+
+    def attach(self, node_id: str, pool: BlockPool) -> None:
+        """A node and its pool (for snapshots); before :meth:`start`."""
+
+    def start(self) -> None:
+        """Connect; after every :meth:`attach`."""
+
+    def apply(self, node_id: str, events: Sequence[KVEvent]) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Block until every event applied so far is visible to :meth:`match`."""
+
+    def match(self, hashes: Sequence[BlockHash64]) -> list[NodeMatch]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections and loops."""
+
+
+class IndexAdapter(SimBackend):
     """Synchronous apply/match over an index: ``apply_sync``/``match_sync`` when the backend has them
     (the in-process memory index), else its coroutines run on a private event loop."""
 
@@ -172,24 +198,45 @@ def simulate(
     policy: Policy,
     profile: HashProfile,
     config: ClusterConfig,
-    index: Index,
+    index: Index | SimBackend,
     *,
     keep_decisions: int = 5,
 ) -> PolicyResult:
-    """Replay ``workload`` on a fresh cluster under ``policy``; ``index`` must start empty."""
+    """Replay ``workload`` on a fresh cluster under ``policy``; ``index`` must start empty.
+
+    ``index`` is an index (events applied in process) or a :class:`SimBackend` such as
+    :class:`kvcoord.sim.remote.CoordinatorBackend`; either way it is closed at the end."""
+    adapter = index if isinstance(index, SimBackend) else IndexAdapter(index)
+    try:
+        bs = profile.block_size
+        max_blocks = max((-(-r.num_tokens // bs) for r in workload.requests), default=0)
+        if max_blocks > config.blocks_per_node - 1:
+            raise ValueError(
+                f"a prompt needs {max_blocks} blocks but a node has {config.blocks_per_node - 1}; "
+                "raise --blocks-per-node"
+            )
+        return _simulate(workload, policy, profile, config, adapter, keep_decisions)
+    finally:
+        adapter.close()
+
+
+def _simulate(
+    workload: Workload,
+    policy: Policy,
+    profile: HashProfile,
+    config: ClusterConfig,
+    adapter: SimBackend,
+    keep_decisions: int,
+) -> PolicyResult:
     lat = config.latency
     bs = profile.block_size
-    max_blocks = max((-(-r.num_tokens // bs) for r in workload.requests), default=0)
-    if max_blocks > config.blocks_per_node - 1:
-        raise ValueError(
-            f"a prompt needs {max_blocks} blocks but a node has {config.blocks_per_node - 1}; "
-            "raise --blocks-per-node"
-        )
-    adapter = IndexAdapter(index)
     nodes = [
         _Node(i, BlockPool(config.blocks_per_node, profile, removal_events="vllm"))
         for i in range(config.nodes)
     ]
+    for nd in nodes:
+        adapter.attach(nd.node_id, nd.pool)
+    adapter.start()
     heap: list[tuple[float, int, int, int, list[KVCacheBlock]]] = []
     seq = 0
     ttft: list[float] = []
@@ -264,6 +311,7 @@ def simulate(
         prompt_total += req.num_tokens
         node_loads = loads(now)
         route = RouteRequest(req.num_tokens, bs, req.hashes, now, req.request_id)
+        adapter.sync()
         t0 = time.perf_counter()
         matches = adapter.match(req.hashes) if uses_index else []
         decision = policy.choose(route, candidates_from_matches(node_loads, matches))
@@ -283,7 +331,6 @@ def simulate(
     stuck = [nd.node_id for nd in nodes if nd.queue]
     if stuck:
         raise RuntimeError(f"requests never admitted on {stuck}")
-    adapter.close()
     span = max(now, 1e-9)
     for nd in nodes:
         nd.change_in_system(span, 0)

@@ -1,0 +1,1303 @@
+/* Optional C core of kvcoord.index.memory: one model's block table.
+ *
+ * Why: the pure-Python index pays one dict operation (plus object overhead) per block and builds
+ * Python objects per answer row; this table keeps uint64 keys and small (slot, tier mask) holders in
+ * flat arrays, takes a whole event's hashes per call, and computes a whole match in one pass.
+ *
+ * Layout: open addressing, linear probing, Fibonacci hashing of the uint64 key, tombstones for
+ * deletions (entries never move except on a resize, so a background sweep can walk the buckets with a
+ * cursor). A bucket is a key, a one-byte control (EMPTY/TOMB/ONE/MANY) and an 8-byte value: either one
+ * inline holder (slot uint32, tier mask uint8) or a pointer to a sorted array of holders.
+ *
+ * Slots are the small ints kvcoord.index.memory hands out per (node_id, dp_rank). The table keeps a
+ * per-slot liveness byte (matches only see live slots) and a per-slot "being swept" byte: a sweep pass
+ * strips those slots' holders from every bucket, after which the Python side may reuse the slot ids.
+ *
+ * Every method validates all of its input before it mutates anything, and no Python code can run while
+ * the table is in an intermediate state.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define C_EMPTY 0
+#define C_TOMB 1
+#define C_ONE 2
+#define C_MANY 3
+
+#define NTIERS 3
+#define MAX_SLOT 0x7fffffffu
+#define MIN_CAP 16
+
+typedef struct {
+    uint32_t slot;
+    uint8_t mask; /* bit t: held on tier t (0 GPU, 1 CPU, 2 STORAGE) */
+    uint8_t pad[3];
+} Holder;
+
+typedef struct {
+    uint32_t n;
+    uint32_t cap;
+    Holder h[]; /* sorted by slot, unique */
+} Many;
+
+typedef union {
+    Holder one;
+    Many *many;
+} Val;
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *keys;
+    Val *vals;
+    uint8_t *ctrl;
+    size_t cap; /* 0 or a power of two */
+    unsigned shift;
+    size_t used;
+    size_t tombs;
+    size_t many_bytes;
+    /* per slot */
+    uint8_t *live;
+    uint8_t *sweeping;
+    uint32_t *rank;
+    uint32_t nslots;
+    /* sweep pass */
+    int sweep_active;
+    size_t sweep_pos;
+} Table;
+
+/* ------------------------------------------------------------------------------------ helpers */
+
+static inline size_t
+home(const Table *t, uint64_t key)
+{
+    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> t->shift);
+}
+
+static inline size_t
+many_size(uint32_t cap)
+{
+    return sizeof(Many) + (size_t)cap * sizeof(Holder);
+}
+
+/* Convert one element to uint64; 0 on success, -1 with an exception set. Never runs Python code. */
+static int
+as_u64(PyObject *o, uint64_t *out)
+{
+    if (!PyLong_Check(o) || PyBool_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "block hash must be int, not %.100s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* All hashes of a list/tuple as a fresh uint64 buffer (PyMem); NULL with an exception on bad input. */
+static uint64_t *
+seq_to_u64(PyObject *seq, Py_ssize_t *n_out)
+{
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        PyErr_Format(PyExc_TypeError, "hashes must be a list or tuple, not %.100s", Py_TYPE(seq)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uint64_t *buf = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (as_u64(items[i], &buf[i]) < 0) {
+            PyMem_Free(buf);
+            return NULL;
+        }
+    }
+    *n_out = n;
+    return buf;
+}
+
+static int
+parse_slot(PyObject *o, uint32_t *out)
+{
+    if (!PyLong_Check(o) || PyBool_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "slot must be an int");
+        return -1;
+    }
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v < 0 || (unsigned long)v > MAX_SLOT) {
+        PyErr_SetString(PyExc_ValueError, "slot out of range");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static int
+parse_tier(PyObject *o, uint8_t *bit)
+{
+    if (!PyLong_Check(o) || PyBool_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "tier must be an int");
+        return -1;
+    }
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v < 0 || v >= NTIERS) {
+        PyErr_SetString(PyExc_ValueError, "tier must be 0, 1 or 2");
+        return -1;
+    }
+    *bit = (uint8_t)(1u << v);
+    return 0;
+}
+
+/* Grow the per-slot arrays to hold slot `slot`. */
+static int
+ensure_slot(Table *t, uint32_t slot)
+{
+    if (slot < t->nslots) {
+        return 0;
+    }
+    uint32_t n = t->nslots ? t->nslots : 64;
+    while (n <= slot) {
+        n = n > MAX_SLOT / 2 ? MAX_SLOT + 1u : n * 2;
+    }
+    uint8_t *live = PyMem_Realloc(t->live, n);
+    if (live == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->live = live;
+    uint8_t *sw = PyMem_Realloc(t->sweeping, n);
+    if (sw == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->sweeping = sw;
+    uint32_t *rank = PyMem_Realloc(t->rank, (size_t)n * sizeof(uint32_t));
+    if (rank == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->rank = rank;
+    for (uint32_t i = t->nslots; i < n; i++) {
+        live[i] = 0;
+        sw[i] = 0;
+        rank[i] = i;
+    }
+    t->nslots = n;
+    return 0;
+}
+
+/* Holders of bucket i as (pointer, count). */
+static inline const Holder *
+holders(const Table *t, size_t i, uint32_t *n)
+{
+    if (t->ctrl[i] == C_ONE) {
+        *n = 1;
+        return &t->vals[i].one;
+    }
+    *n = t->vals[i].many->n;
+    return t->vals[i].many->h;
+}
+
+static inline Py_ssize_t
+find(const Table *t, uint64_t key)
+{
+    if (t->cap == 0) {
+        return -1;
+    }
+    size_t mask = t->cap - 1;
+    size_t i = home(t, key);
+    for (;;) {
+        uint8_t c = t->ctrl[i];
+        if (c == C_EMPTY) {
+            return -1;
+        }
+        if (c >= C_ONE && t->keys[i] == key) {
+            return (Py_ssize_t)i;
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+static void
+free_bucket(Table *t, size_t i)
+{
+    if (t->ctrl[i] == C_MANY) {
+        t->many_bytes -= many_size(t->vals[i].many->cap);
+        PyMem_Free(t->vals[i].many);
+    }
+    t->ctrl[i] = C_TOMB;
+    t->used--;
+    t->tombs++;
+}
+
+/* After holders were dropped from a MANY bucket: collapse to ONE or free it. */
+static void
+normalize(Table *t, size_t i)
+{
+    if (t->ctrl[i] != C_MANY) {
+        return;
+    }
+    Many *m = t->vals[i].many;
+    if (m->n == 0) {
+        free_bucket(t, i);
+    }
+    else if (m->n == 1) {
+        Holder h = m->h[0];
+        t->many_bytes -= many_size(m->cap);
+        PyMem_Free(m);
+        t->vals[i].one = h;
+        t->ctrl[i] = C_ONE;
+    }
+}
+
+/* Strip the holders of slots being swept from bucket i. */
+static void
+strip_swept(Table *t, size_t i)
+{
+    const uint8_t *sw = t->sweeping;
+    uint32_t ns = t->nslots;
+    if (t->ctrl[i] == C_ONE) {
+        uint32_t s = t->vals[i].one.slot;
+        if (s < ns && sw[s]) {
+            free_bucket(t, i);
+        }
+        return;
+    }
+    Many *m = t->vals[i].many;
+    uint32_t k = 0;
+    for (uint32_t j = 0; j < m->n; j++) {
+        uint32_t s = m->h[j].slot;
+        if (!(s < ns && sw[s])) {
+            m->h[k++] = m->h[j];
+        }
+    }
+    if (k != m->n) {
+        m->n = k;
+        normalize(t, i);
+    }
+}
+
+/* Rebuild into a table sized for `want` keys (dropping tombstones; stripping swept slots if a pass is
+ * active, which then completes the pass). */
+static int
+resize(Table *t, size_t want)
+{
+    size_t cap = MIN_CAP;
+    while (cap < 2 * want) {
+        cap *= 2;
+    }
+    unsigned bits = 0;
+    while (((size_t)1 << bits) < cap) {
+        bits++;
+    }
+    uint64_t *keys = PyMem_Malloc(cap * sizeof(uint64_t));
+    Val *vals = PyMem_Malloc(cap * sizeof(Val));
+    uint8_t *ctrl = PyMem_Calloc(cap, 1);
+    if (keys == NULL || vals == NULL || ctrl == NULL) {
+        PyMem_Free(keys);
+        PyMem_Free(vals);
+        PyMem_Free(ctrl);
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (t->sweep_active) {
+        for (size_t i = 0; i < t->cap; i++) {
+            if (t->ctrl[i] >= C_ONE) {
+                strip_swept(t, i);
+            }
+        }
+        t->sweep_pos = (size_t)-1; /* the pass is complete */
+    }
+    uint64_t *okeys = t->keys;
+    Val *ovals = t->vals;
+    uint8_t *octrl = t->ctrl;
+    size_t ocap = t->cap;
+    t->keys = keys;
+    t->vals = vals;
+    t->ctrl = ctrl;
+    t->cap = cap;
+    t->shift = 64 - bits;
+    t->tombs = 0;
+    size_t mask = cap - 1;
+    for (size_t i = 0; i < ocap; i++) {
+        if (octrl[i] < C_ONE) {
+            continue;
+        }
+        size_t j = home(t, okeys[i]);
+        while (ctrl[j] != C_EMPTY) {
+            j = (j + 1) & mask;
+        }
+        keys[j] = okeys[i];
+        vals[j] = ovals[i];
+        ctrl[j] = octrl[i];
+    }
+    PyMem_Free(okeys);
+    PyMem_Free(ovals);
+    PyMem_Free(octrl);
+    return 0;
+}
+
+/* Make room for n more keys up front, so the apply loop cannot fail half-way. */
+static int
+reserve(Table *t, size_t n)
+{
+    if (t->cap != 0 && (t->used + t->tombs + n) * 4 <= t->cap * 3) {
+        return 0;
+    }
+    return resize(t, t->used + n);
+}
+
+/* Bucket for key, inserting an empty ONE placeholder when absent (room reserved by the caller). */
+static size_t
+find_or_insert(Table *t, uint64_t key, int *found)
+{
+    size_t mask = t->cap - 1;
+    size_t i = home(t, key);
+    size_t tomb = (size_t)-1;
+    for (;;) {
+        uint8_t c = t->ctrl[i];
+        if (c == C_EMPTY) {
+            break;
+        }
+        if (c == C_TOMB) {
+            if (tomb == (size_t)-1) {
+                tomb = i;
+            }
+        }
+        else if (t->keys[i] == key) {
+            *found = 1;
+            return i;
+        }
+        i = (i + 1) & mask;
+    }
+    if (tomb != (size_t)-1) {
+        i = tomb;
+        t->tombs--;
+    }
+    *found = 0;
+    t->keys[i] = key;
+    t->ctrl[i] = C_ONE;
+    t->used++;
+    return i;
+}
+
+/* Binary search for slot in a sorted holder array: index, or -(insertion point) - 1. */
+static inline long
+hsearch(const Holder *h, uint32_t n, uint32_t slot)
+{
+    long lo = 0, hi = (long)n;
+    while (lo < hi) {
+        long mid = (lo + hi) / 2;
+        if (h[mid].slot < slot) {
+            lo = mid + 1;
+        }
+        else {
+            hi = mid;
+        }
+    }
+    if ((uint32_t)lo < n && h[lo].slot == slot) {
+        return lo;
+    }
+    return -lo - 1;
+}
+
+/* Add (slot, bit) to existing bucket i: 1 if added, 0 if already held, -1 on memory error. */
+static int
+add_holder(Table *t, size_t i, uint32_t slot, uint8_t bit)
+{
+    if (t->ctrl[i] == C_ONE) {
+        Holder *o = &t->vals[i].one;
+        if (o->slot == slot) {
+            if (o->mask & bit) {
+                return 0;
+            }
+            o->mask |= bit;
+            return 1;
+        }
+        Many *m = PyMem_Malloc(many_size(4));
+        if (m == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->many_bytes += many_size(4);
+        Holder nh = {slot, bit, {0, 0, 0}};
+        m->n = 2;
+        m->cap = 4;
+        if (o->slot < slot) {
+            m->h[0] = *o;
+            m->h[1] = nh;
+        }
+        else {
+            m->h[0] = nh;
+            m->h[1] = *o;
+        }
+        t->vals[i].many = m;
+        t->ctrl[i] = C_MANY;
+        return 1;
+    }
+    Many *m = t->vals[i].many;
+    long at = hsearch(m->h, m->n, slot);
+    if (at >= 0) {
+        if (m->h[at].mask & bit) {
+            return 0;
+        }
+        m->h[at].mask |= bit;
+        return 1;
+    }
+    at = -at - 1;
+    if (m->n == m->cap) {
+        uint32_t ncap = m->cap * 2;
+        Many *g = PyMem_Realloc(m, many_size(ncap));
+        if (g == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->many_bytes += many_size(ncap) - many_size(g->cap);
+        g->cap = ncap;
+        m = g;
+        t->vals[i].many = m;
+    }
+    memmove(&m->h[at + 1], &m->h[at], (size_t)(m->n - (uint32_t)at) * sizeof(Holder));
+    Holder nh = {slot, bit, {0, 0, 0}};
+    m->h[at] = nh;
+    m->n++;
+    return 1;
+}
+
+/* Drop (slot, bit) from bucket i: 1 if it was held. */
+static int
+del_holder(Table *t, size_t i, uint32_t slot, uint8_t bit)
+{
+    if (t->ctrl[i] == C_ONE) {
+        Holder *o = &t->vals[i].one;
+        if (o->slot != slot || !(o->mask & bit)) {
+            return 0;
+        }
+        o->mask &= (uint8_t)~bit;
+        if (o->mask == 0) {
+            free_bucket(t, i);
+        }
+        return 1;
+    }
+    Many *m = t->vals[i].many;
+    long at = hsearch(m->h, m->n, slot);
+    if (at < 0 || !(m->h[at].mask & bit)) {
+        return 0;
+    }
+    m->h[at].mask &= (uint8_t)~bit;
+    if (m->h[at].mask == 0) {
+        memmove(&m->h[at], &m->h[at + 1], (size_t)(m->n - (uint32_t)at - 1) * sizeof(Holder));
+        m->n--;
+        normalize(t, i);
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------ methods */
+
+static PyObject *
+Table_store(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t slot;
+    uint8_t bit;
+    Py_ssize_t n;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "store(slot, tier, hashes)");
+        return NULL;
+    }
+    if (parse_slot(args[0], &slot) < 0 || parse_tier(args[1], &bit) < 0) {
+        return NULL;
+    }
+    uint64_t *hs = seq_to_u64(args[2], &n);
+    if (hs == NULL) {
+        return NULL;
+    }
+    /* Worst case: every key new, every bucket going ONE -> MANY. Reserve the keys now; a MANY
+     * allocation failure mid-way is reported after undoing nothing (idempotent stores keep the index
+     * consistent: the counts returned so far are exact). */
+    if (ensure_slot(t, slot) < 0 || reserve(t, (size_t)n) < 0) {
+        PyMem_Free(hs);
+        return NULL;
+    }
+    Py_ssize_t added = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int found;
+        size_t i = find_or_insert(t, hs[k], &found);
+        if (!found) {
+            Holder nh = {slot, bit, {0, 0, 0}};
+            t->vals[i].one = nh;
+            added++;
+            continue;
+        }
+        int r = add_holder(t, i, slot, bit);
+        if (r < 0) {
+            PyMem_Free(hs);
+            return NULL;
+        }
+        added += r;
+    }
+    PyMem_Free(hs);
+    return PyLong_FromSsize_t(added);
+}
+
+static PyObject *
+Table_remove(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t slot;
+    uint8_t bit;
+    Py_ssize_t n;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "remove(slot, tier, hashes)");
+        return NULL;
+    }
+    if (parse_slot(args[0], &slot) < 0 || parse_tier(args[1], &bit) < 0) {
+        return NULL;
+    }
+    uint64_t *hs = seq_to_u64(args[2], &n);
+    if (hs == NULL) {
+        return NULL;
+    }
+    Py_ssize_t done = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_ssize_t i = find(t, hs[k]);
+        if (i >= 0) {
+            done += del_holder(t, (size_t)i, slot, bit);
+        }
+    }
+    PyMem_Free(hs);
+    return PyLong_FromSsize_t(done);
+}
+
+static PyObject *
+Table_set_live(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    uint32_t slot;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_live(slot, live)");
+        return NULL;
+    }
+    if (parse_slot(args[0], &slot) < 0) {
+        return NULL;
+    }
+    int flag = PyObject_IsTrue(args[1]);
+    if (flag < 0 || ensure_slot(t, slot) < 0) {
+        return NULL;
+    }
+    t->live[slot] = (uint8_t)flag;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Table_set_order(Table *t, PyObject *order)
+{
+    if (!PyList_Check(order) && !PyTuple_Check(order)) {
+        PyErr_SetString(PyExc_TypeError, "order must be a list or tuple of slots");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(order);
+    PyObject **items = PySequence_Fast_ITEMS(order);
+    uint32_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t s;
+        if (parse_slot(items[i], &s) < 0) {
+            return NULL;
+        }
+        if (s > top) {
+            top = s;
+        }
+    }
+    if (n > 0 && ensure_slot(t, top) < 0) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* cannot fail: validated above and items are ints */
+        t->rank[(uint32_t)PyLong_AsLong(items[i])] = (uint32_t)i;
+    }
+    Py_RETURN_NONE;
+}
+
+typedef struct {
+    uint32_t slot;
+    uint32_t matched;
+    uint32_t cpu;
+    uint32_t sto;
+} Row;
+
+/* A big group (e.g. every node matched the same run): place rows by rank, O(nslots + n).
+ * 0 done, -1 memory error, 1 ranks not usable (out of range or repeated): use the fallback sort. */
+static int
+sort_by_rank(Row *g, size_t n, const uint32_t *rank, uint32_t nslots)
+{
+    Row *tmp = PyMem_Malloc(n * sizeof(Row));
+    uint32_t *at = PyMem_Malloc((size_t)nslots * sizeof(uint32_t));
+    if (tmp == NULL || at == NULL) {
+        PyMem_Free(tmp);
+        PyMem_Free(at);
+        return -1;
+    }
+    memset(at, 0xff, (size_t)nslots * sizeof(uint32_t));
+    int ok = 1;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t r = rank[g[i].slot];
+        if (r >= nslots || at[r] != UINT32_MAX) {
+            ok = 0;
+            break;
+        }
+        tmp[i] = g[i];
+        at[r] = (uint32_t)i;
+    }
+    if (ok) {
+        size_t k = 0;
+        for (uint32_t r = 0; r < nslots && k < n; r++) {
+            if (at[r] != UINT32_MAX) {
+                g[k++] = tmp[at[r]];
+            }
+        }
+    }
+    PyMem_Free(tmp);
+    PyMem_Free(at);
+    return ok ? 0 : 1;
+}
+
+/* Sort rows[lo:hi] (equal matched) by rank; -1 on memory error. */
+static int
+sort_group(Row *rows, size_t lo, size_t hi, const uint32_t *rank, uint32_t nslots)
+{
+    size_t n = hi - lo;
+    if (n < 2) {
+        return 0;
+    }
+    Row *g = rows + lo;
+    if (n > 24) {
+        int r = sort_by_rank(g, n, rank, nslots);
+        if (r <= 0) {
+            return r;
+        }
+    }
+    {
+        for (size_t i = 1; i < n; i++) {
+            Row r = g[i];
+            uint32_t rr = rank[r.slot];
+            size_t j = i;
+            while (j > 0 && rank[g[j - 1].slot] > rr) {
+                g[j] = g[j - 1];
+                j--;
+            }
+            g[j] = r;
+        }
+        return 0;
+    }
+    return 0;
+}
+
+static int
+check_result_class(PyObject *cls)
+{
+    if (cls == Py_None) {
+        return 0;
+    }
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "cls must be a tuple subclass or None");
+        return -1;
+    }
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    if (!PyType_IsSubtype(tp, &PyTuple_Type) || tp->tp_basicsize != PyTuple_Type.tp_basicsize ||
+        tp->tp_itemsize != PyTuple_Type.tp_itemsize || tp->tp_dictoffset != 0 || tp->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "cls must be a plain tuple subclass (a NamedTuple) or None");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(match_doc,
+"match(hashes, candidates, keys, cls) -> list\n\n"
+"Per live slot (restricted to the `candidates` slots unless None): the gap-free leading run of\n"
+"`hashes` it holds on any tier, with (gpu, cpu, storage) counts of each block's fastest tier.\n"
+"Rows are (keys[slot][0], keys[slot][1], matched, tiers), longest first then by the rank given\n"
+"to set_order; built as `cls` (a NamedTuple) or plain tuples when cls is None. A hash that is not\n"
+"a uint64 int ends the run there.");
+
+static PyObject *
+Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "match(hashes, candidates, keys, cls)");
+        return NULL;
+    }
+    PyObject *cands = args[1], *keys = args[2], *cls = args[3];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a list");
+        return NULL;
+    }
+    if (check_result_class(cls) < 0) {
+        return NULL;
+    }
+    if (cands != Py_None && !PyList_Check(cands) && !PyTuple_Check(cands)) {
+        PyErr_SetString(PyExc_TypeError, "candidates must be a list/tuple of slots or None");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    uint32_t ns = t->nslots;
+    Py_ssize_t nq = PySequence_Fast_GET_SIZE(seq);
+    PyObject **q = PySequence_Fast_ITEMS(seq);
+    /* scratch: state (0 out, 1 candidate, 2 surviving), seen stamp, cpu/sto counts, survivor list */
+    uint8_t *state = NULL;
+    uint32_t *scratch = NULL;
+    Row *rows = NULL;
+    size_t nrows = 0;
+    PyObject *out = NULL;
+    if (ns == 0 || nq == 0 || t->used == 0) {
+        Py_DECREF(seq);
+        return PyList_New(0);
+    }
+    state = PyMem_Malloc(ns);
+    scratch = PyMem_Malloc((size_t)ns * 4 * sizeof(uint32_t));
+    if (state == NULL || scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint32_t *seen = scratch, *cpu = scratch + ns, *sto = scratch + 2 * (size_t)ns;
+    uint32_t *surv = scratch + 3 * (size_t)ns;
+    if (cands == Py_None) {
+        memcpy(state, t->live, ns);
+    }
+    else {
+        memset(state, 0, ns);
+        Py_ssize_t nc = PySequence_Fast_GET_SIZE(cands);
+        PyObject **ci = PySequence_Fast_ITEMS(cands);
+        for (Py_ssize_t i = 0; i < nc; i++) {
+            uint32_t s;
+            if (parse_slot(ci[i], &s) < 0) {
+                goto done;
+            }
+            if (s < ns) {
+                state[s] = t->live[s];
+            }
+        }
+    }
+    uint32_t nsurv = 0;
+    uint64_t key;
+    Py_ssize_t i;
+    const Holder *prev = NULL;
+    uint32_t prevn = 0;
+    int prev_exc = 0;
+    /* position 0 */
+    if (as_u64(q[0], &key) < 0) {
+        PyErr_Clear();
+        Py_DECREF(seq);
+        PyMem_Free(state);
+        PyMem_Free(scratch);
+        return PyList_New(0);
+    }
+    {
+        Py_ssize_t b = find(t, key);
+        if (b < 0) {
+            Py_DECREF(seq);
+            PyMem_Free(state);
+            PyMem_Free(scratch);
+            return PyList_New(0);
+        }
+        uint32_t hn;
+        const Holder *h = holders(t, (size_t)b, &hn);
+        for (uint32_t j = 0; j < hn; j++) {
+            uint32_t s = h[j].slot;
+            if (s < ns && state[s] == 1) {
+                state[s] = 2;
+                seen[s] = 0;
+                cpu[s] = sto[s] = 0;
+                surv[nsurv++] = s;
+                if (!(h[j].mask & 1)) {
+                    prev_exc = 1;
+                    if (h[j].mask & 2) {
+                        cpu[s]++;
+                    }
+                    else {
+                        sto[s]++;
+                    }
+                }
+            }
+        }
+        prev = h;
+        prevn = hn;
+    }
+    rows = PyMem_Malloc((size_t)(nsurv ? nsurv : 1) * sizeof(Row));
+    if (rows == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (i = 1; i < nq && nsurv; i++) {
+        Py_ssize_t b = -1;
+        if (as_u64(q[i], &key) < 0) {
+            PyErr_Clear();
+        }
+        else {
+            b = find(t, key);
+        }
+        if (b < 0) {
+            break;
+        }
+        uint32_t hn;
+        const Holder *h = holders(t, (size_t)b, &hn);
+        if (hn == prevn && memcmp(h, prev, (size_t)hn * sizeof(Holder)) == 0) {
+            /* same holders as the previous block: the survivors all continue */
+            if (prev_exc) {
+                for (uint32_t j = 0; j < hn; j++) {
+                    uint32_t s = h[j].slot;
+                    if (s < ns && state[s] == 2 && !(h[j].mask & 1)) {
+                        if (h[j].mask & 2) {
+                            cpu[s]++;
+                        }
+                        else {
+                            sto[s]++;
+                        }
+                    }
+                }
+            }
+            prev = h;
+            continue;
+        }
+        uint32_t kept = 0;
+        int exc = 0;
+        uint32_t stamp = (uint32_t)i;
+        for (uint32_t j = 0; j < hn; j++) {
+            uint32_t s = h[j].slot;
+            if (s < ns && state[s] == 2) {
+                seen[s] = stamp;
+                kept++;
+                if (!(h[j].mask & 1)) {
+                    exc = 1;
+                    if (h[j].mask & 2) {
+                        cpu[s]++;
+                    }
+                    else {
+                        sto[s]++;
+                    }
+                }
+            }
+        }
+        if (kept < nsurv) {
+            uint32_t k = 0;
+            for (uint32_t j = 0; j < nsurv; j++) {
+                uint32_t s = surv[j];
+                if (seen[s] == stamp) {
+                    surv[k++] = s;
+                }
+                else {
+                    Row r = {s, (uint32_t)i, cpu[s], sto[s]};
+                    rows[nrows++] = r;
+                    state[s] = 0;
+                }
+            }
+            nsurv = k;
+        }
+        prev = h;
+        prevn = hn;
+        prev_exc = exc;
+    }
+    for (uint32_t j = 0; j < nsurv; j++) {
+        uint32_t s = surv[j];
+        Row r = {s, (uint32_t)i, cpu[s], sto[s]};
+        rows[nrows++] = r;
+    }
+    /* rows are in ascending matched order: reverse groups to longest first, sort each by rank */
+    for (size_t a = 0, b = nrows ? nrows - 1 : 0; a < b; a++, b--) {
+        Row tmp = rows[a];
+        rows[a] = rows[b];
+        rows[b] = tmp;
+    }
+    for (size_t lo = 0; lo < nrows;) {
+        size_t hi = lo + 1;
+        while (hi < nrows && rows[hi].matched == rows[lo].matched) {
+            hi++;
+        }
+        if (sort_group(rows, lo, hi, t->rank, ns) < 0) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        lo = hi;
+    }
+    PyMem_Free(state);
+    state = NULL;
+    PyMem_Free(scratch);
+    scratch = NULL;
+
+    /* build the answer: no table access from here on (object creation may run arbitrary code) */
+    out = PyList_New((Py_ssize_t)nrows);
+    if (out == NULL) {
+        goto done;
+    }
+    PyObject *last_tiers = NULL, *last_matched = NULL;
+    uint32_t lg = 0, lc = 0, lsto = 0, lm = 0;
+    for (size_t r = 0; r < nrows; r++) {
+        Row *row = &rows[r];
+        PyObject *key2 = NULL;
+        if (row->slot < (uint32_t)PyList_GET_SIZE(keys)) {
+            key2 = PyList_GET_ITEM(keys, row->slot);
+        }
+        if (key2 == NULL || !PyTuple_Check(key2) || PyTuple_GET_SIZE(key2) != 2) {
+            PyErr_SetString(PyExc_RuntimeError, "slot without a (node_id, dp_rank) key");
+            Py_XDECREF(last_tiers);
+            Py_XDECREF(last_matched);
+            Py_CLEAR(out);
+            goto done;
+        }
+        uint32_t g = row->matched - row->cpu - row->sto;
+        if (last_matched == NULL || lm != row->matched) {
+            Py_XDECREF(last_matched);
+            last_matched = PyLong_FromUnsignedLong(row->matched);
+            lm = row->matched;
+            if (last_matched == NULL) {
+                Py_XDECREF(last_tiers);
+                Py_CLEAR(out);
+                goto done;
+            }
+        }
+        if (last_tiers == NULL || lg != g || lc != row->cpu || lsto != row->sto) {
+            Py_XDECREF(last_tiers);
+            last_tiers = Py_BuildValue("(kkk)", (unsigned long)g, (unsigned long)row->cpu,
+                                       (unsigned long)row->sto);
+            lg = g;
+            lc = row->cpu;
+            lsto = row->sto;
+            if (last_tiers == NULL) {
+                Py_XDECREF(last_matched);
+                Py_CLEAR(out);
+                goto done;
+            }
+        }
+        PyObject *item;
+        if (cls == Py_None) {
+            item = PyTuple_New(4);
+        }
+        else {
+            PyTypeObject *tp = (PyTypeObject *)cls;
+            item = tp->tp_alloc(tp, 4);
+        }
+        if (item == NULL) {
+            Py_XDECREF(last_tiers);
+            Py_XDECREF(last_matched);
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyObject *name = PyTuple_GET_ITEM(key2, 0), *dp = PyTuple_GET_ITEM(key2, 1);
+        Py_INCREF(name);
+        Py_INCREF(dp);
+        Py_INCREF(last_matched);
+        Py_INCREF(last_tiers);
+        PyTuple_SET_ITEM(item, 0, name);
+        PyTuple_SET_ITEM(item, 1, dp);
+        PyTuple_SET_ITEM(item, 2, last_matched);
+        PyTuple_SET_ITEM(item, 3, last_tiers);
+        PyList_SET_ITEM(out, (Py_ssize_t)r, item);
+    }
+    Py_XDECREF(last_tiers);
+    Py_XDECREF(last_matched);
+done:
+    Py_DECREF(seq);
+    PyMem_Free(state);
+    PyMem_Free(scratch);
+    PyMem_Free(rows);
+    return out;
+}
+
+typedef struct {
+    uint64_t key;
+    uint8_t tier;
+} Pair;
+
+static int
+pair_cmp(const void *a, const void *b)
+{
+    const Pair *x = a, *y = b;
+    if (x->key != y->key) {
+        return x->key < y->key ? -1 : 1;
+    }
+    return (x->tier > y->tier) - (x->tier < y->tier);
+}
+
+static PyObject *
+Table_export(Table *t, PyObject *arg)
+{
+    uint32_t slot;
+    if (parse_slot(arg, &slot) < 0) {
+        return NULL;
+    }
+    size_t n = 0, cap = 64;
+    Pair *ps = PyMem_Malloc(cap * sizeof(Pair));
+    if (ps == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (size_t i = 0; i < t->cap; i++) {
+        if (t->ctrl[i] < C_ONE) {
+            continue;
+        }
+        uint8_t mask = 0;
+        if (t->ctrl[i] == C_ONE) {
+            if (t->vals[i].one.slot == slot) {
+                mask = t->vals[i].one.mask;
+            }
+        }
+        else {
+            Many *m = t->vals[i].many;
+            long at = hsearch(m->h, m->n, slot);
+            if (at >= 0) {
+                mask = m->h[at].mask;
+            }
+        }
+        for (uint8_t tier = 0; tier < NTIERS; tier++) {
+            if (!(mask & (1u << tier))) {
+                continue;
+            }
+            if (n == cap) {
+                Pair *g = PyMem_Realloc(ps, cap * 2 * sizeof(Pair));
+                if (g == NULL) {
+                    PyMem_Free(ps);
+                    return PyErr_NoMemory();
+                }
+                ps = g;
+                cap *= 2;
+            }
+            ps[n].key = t->keys[i];
+            ps[n].tier = tier;
+            n++;
+        }
+    }
+    qsort(ps, n, sizeof(Pair), pair_cmp);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    if (out == NULL) {
+        PyMem_Free(ps);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        PyObject *item = Py_BuildValue("(Ki)", (unsigned long long)ps[i].key, (int)ps[i].tier);
+        if (item == NULL) {
+            Py_DECREF(out);
+            PyMem_Free(ps);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
+    }
+    PyMem_Free(ps);
+    return out;
+}
+
+static PyObject *
+Table_sweep_begin(Table *t, PyObject *slots)
+{
+    if (t->sweep_active) {
+        PyErr_SetString(PyExc_RuntimeError, "a sweep pass is already running");
+        return NULL;
+    }
+    if (!PyList_Check(slots) && !PyTuple_Check(slots)) {
+        PyErr_SetString(PyExc_TypeError, "slots must be a list or tuple");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    PyObject **items = PySequence_Fast_ITEMS(slots);
+    uint32_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t s;
+        if (parse_slot(items[i], &s) < 0) {
+            return NULL;
+        }
+        if (s > top) {
+            top = s;
+        }
+    }
+    if (n > 0 && ensure_slot(t, top) < 0) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        t->sweeping[(uint32_t)PyLong_AsLong(items[i])] = 1;
+    }
+    t->sweep_active = 1;
+    t->sweep_pos = 0;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(sweep_step_doc,
+"sweep_step(budget) -> (visited, finished)\n\n"
+"Strip the swept slots from up to about `budget` keys. When `finished`, the pass is over and\n"
+"the swept slot ids no longer occur anywhere.");
+
+static PyObject *
+Table_sweep_step(Table *t, PyObject *arg)
+{
+    Py_ssize_t budget = PyLong_AsSsize_t(arg);
+    if (budget == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!t->sweep_active) {
+        return Py_BuildValue("(nO)", (Py_ssize_t)0, Py_True);
+    }
+    Py_ssize_t visited = 0, empties = 0;
+    size_t pos = t->sweep_pos;
+    while (pos < t->cap && visited + empties / 16 < budget) {
+        if (t->ctrl[pos] >= C_ONE) {
+            strip_swept(t, pos);
+            visited++;
+        }
+        else {
+            empties++;
+        }
+        pos++;
+    }
+    t->sweep_pos = pos;
+    if (pos < t->cap) {
+        return Py_BuildValue("(nO)", visited, Py_False);
+    }
+    memset(t->sweeping, 0, t->nslots);
+    t->sweep_active = 0;
+    return Py_BuildValue("(nO)", visited, Py_True);
+}
+
+static PyObject *
+Table_nbytes(Table *t, PyObject *Py_UNUSED(ignored))
+{
+    size_t b = sizeof(Table) + t->cap * (sizeof(uint64_t) + sizeof(Val) + 1) + t->many_bytes +
+               (size_t)t->nslots * (2 + sizeof(uint32_t));
+    return PyLong_FromSize_t(b);
+}
+
+static Py_ssize_t
+Table_len(Table *t)
+{
+    return (Py_ssize_t)t->used;
+}
+
+static PyObject *
+Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Table() takes no arguments");
+        return NULL;
+    }
+    Table *t = (Table *)type->tp_alloc(type, 0);
+    return (PyObject *)t; /* tp_alloc zero-fills: empty table, no slots */
+}
+
+static void
+Table_dealloc(Table *t)
+{
+    for (size_t i = 0; i < t->cap; i++) {
+        if (t->ctrl[i] == C_MANY) {
+            PyMem_Free(t->vals[i].many);
+        }
+    }
+    PyMem_Free(t->keys);
+    PyMem_Free(t->vals);
+    PyMem_Free(t->ctrl);
+    PyMem_Free(t->live);
+    PyMem_Free(t->sweeping);
+    PyMem_Free(t->rank);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyMethodDef Table_methods[] = {
+    {"store", (PyCFunction)(void (*)(void))Table_store, METH_FASTCALL,
+     "store(slot, tier, hashes) -> int: add the blocks for slot on tier; returns entries added."},
+    {"remove", (PyCFunction)(void (*)(void))Table_remove, METH_FASTCALL,
+     "remove(slot, tier, hashes) -> int: drop the blocks for slot on tier; returns entries removed."},
+    {"set_live", (PyCFunction)(void (*)(void))Table_set_live, METH_FASTCALL,
+     "set_live(slot, live): whether matches may report slot."},
+    {"set_order", (PyCFunction)Table_set_order, METH_O,
+     "set_order(slots): tie-break order of match rows (slots sorted by (node_id, dp_rank))."},
+    {"match", (PyCFunction)(void (*)(void))Table_match, METH_FASTCALL, match_doc},
+    {"export", (PyCFunction)Table_export, METH_O,
+     "export(slot) -> list[(hash, tier)]: every entry of slot, sorted."},
+    {"sweep_begin", (PyCFunction)Table_sweep_begin, METH_O,
+     "sweep_begin(slots): start a pass that strips these (retired) slots from every key."},
+    {"sweep_step", (PyCFunction)Table_sweep_step, METH_O, sweep_step_doc},
+    {"nbytes", (PyCFunction)Table_nbytes, METH_NOARGS, "nbytes() -> int: memory held by the table."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Table_as_sequence = {
+    .sq_length = (lenfunc)Table_len,
+};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvcoord._indexcore.Table",
+    .tp_doc = "One model's block table: uint64 key -> holders (slot, tier mask).",
+    .tp_basicsize = sizeof(Table),
+    .tp_itemsize = 0,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Table_new,
+    .tp_dealloc = (destructor)Table_dealloc,
+    .tp_methods = Table_methods,
+    .tp_as_sequence = &Table_as_sequence,
+};
+
+/* ------------------------------------------------------------------------------------ module */
+
+PyDoc_STRVAR(validate_doc,
+"validate_u64_seq(seq) -> bool\n\n"
+"True when seq is a list or tuple of ints (bool excluded) in [0, 2**64). Never raises for a\n"
+"bad element: the caller takes its slow path to produce the precise error.");
+
+static PyObject *
+validate_u64_seq(PyObject *Py_UNUSED(module), PyObject *seq)
+{
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+        Py_RETURN_FALSE;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v;
+        if (as_u64(items[i], &v) < 0) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"validate_u64_seq", validate_u64_seq, METH_O, validate_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvcoord._indexcore",
+    .m_doc = "C core of the in-memory block index (optional; kvcoord falls back to pure Python).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__indexcore(void)
+{
+    if (PyType_Ready(&TableType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&TableType);
+    if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) {
+        Py_DECREF(&TableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
