@@ -12,10 +12,13 @@ Workloads:
 Both indexes get identical events: ours as ``BlockStored`` objects through ``MemoryIndex.apply_sync``,
 Dynamo's as pre-encoded JSON ``KvCacheEvent`` bytes through ``RadixTree.apply_event``. Encoding is outside
 the timed region; each timed chunk ends with a ``find_matches`` so Dynamo's worker thread has drained.
-A match is timed as ``MemoryIndex.match_sync`` (sorted ``NodeMatch`` list) vs
+A match is timed through ``MemoryIndex.match_raw_sync`` (plain tuples; what the coordinator's Lookup
+calls) and ``MemoryIndex.match_sync`` (the protocol's sorted ``NodeMatch`` list) vs
 ``RadixTree.find_matches(...).scores``; results are cross-checked.
 
-Run: ``.venv/bin/python benchmarks/bench_index.py [--quick]``.
+``--core`` picks the MemoryIndex core (``auto``: the C extension when built, else pure Python).
+
+Run: ``.venv/bin/python benchmarks/bench_index.py [--quick] [--core auto|c|python]``.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ from pathlib import Path
 import xxhash
 
 from kvcoord.events import BlockStored
-from kvcoord.index.memory import MemoryIndex
+from kvcoord.index.memory import Core, MemoryIndex
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 MODEL = "bench-model"
 BLOCK_TOKENS = 16
 SUB_BLOCKS = 512 // BLOCK_TOKENS
 CHUNK_EVENTS = 4000
+CORE: Core = "auto"
 
 _pack = struct.Struct("<QQ").pack
 _xxh = xxhash.xxh3_64_intdigest
@@ -194,7 +198,7 @@ def run_workload(name: str, reqs: Sequence[Request], queries: Sequence[Request],
 
     names = [f"node-{i}" for i in range(nodes)]
     events = node_events(reqs, nodes, seed=nodes)
-    ours = MemoryIndex()
+    ours = MemoryIndex(core=CORE)
     tree = RadixTree()
     res = Result(name)
     eid = 0
@@ -330,7 +334,7 @@ def memory_child(how: str, target: int, trace: Path) -> None:
         seen: list[set[int]] = [set() for _ in range(8)]  # entries count only; not part of the measurement
         base = _rss()
     else:
-        idx = MemoryIndex()
+        idx = MemoryIndex(core=CORE)
     eid = 0
     for ids, nblocks in reqs:
         node = rng.randrange(8)
@@ -382,7 +386,8 @@ def memory_child(how: str, target: int, trace: Path) -> None:
 
 def run_memory(how: str, target: int, trace: Path) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, __file__, "--memory-child", how, "--entries", str(target), "--trace", str(trace)],
+        [sys.executable, __file__, "--memory-child", how, "--entries", str(target), "--trace", str(trace),
+         "--core", CORE],
         check=True,
         capture_output=True,
         text=True,
@@ -404,14 +409,18 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=None, help="entries for the memory measurement")
     ap.add_argument("--memory-child", choices=["rss", "tracemalloc", "dynamo"], help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--core", choices=["auto", "c", "python"], default="auto", help="MemoryIndex core")
     args = ap.parse_args()
+    global CORE
+    CORE = args.core
     if args.memory_child:
         memory_child(args.memory_child, args.entries or 5_000_000, args.trace)
         return
     limit = 1500 if args.quick else None
     target = args.entries or (300_000 if args.quick else 5_000_000)
     rows: list[dict[str, object]] = []
-    print(f"python {sys.version.split()[0]}, quick={args.quick}", flush=True)
+    core = MemoryIndex(core=CORE).core
+    print(f"python {sys.version.split()[0]}, quick={args.quick}, core={core}", flush=True)
     t0 = time.perf_counter()
     moon = mooncake_requests(args.trace, limit)
     split = int(len(moon) * 0.9)

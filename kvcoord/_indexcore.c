@@ -30,6 +30,13 @@
 #define NTIERS 3
 #define MAX_SLOT 0x7fffffffu
 #define MIN_CAP 16
+#define PF_DIST 16 /* blocks ahead whose bucket is prefetched */
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)0)
+#endif
 
 typedef struct {
     uint32_t slot;
@@ -43,20 +50,28 @@ typedef struct {
     Holder h[]; /* sorted by slot, unique */
 } Many;
 
-typedef union {
-    Holder one;
-    Many *many;
-} Val;
+/* 16 bytes, four to a cache line: a lookup touches one line (plus the holder array if shared). */
+typedef struct {
+    uint64_t key;
+    uint32_t a;   /* C_ONE: the slot; C_MANY: index into Table.many */
+    uint8_t mask; /* C_ONE: tier mask */
+    uint8_t tag;  /* C_EMPTY, C_TOMB, C_ONE, C_MANY */
+    uint16_t pad;
+} Bucket;
 
 typedef struct {
     PyObject_HEAD
-    uint64_t *keys;
-    Val *vals;
-    uint8_t *ctrl;
+    Bucket *b;
     size_t cap; /* 0 or a power of two */
     unsigned shift;
     size_t used;
     size_t tombs;
+    /* holder arrays of multi-holder keys, addressed by index; NULL entries are free */
+    Many **many;
+    uint32_t nmany;
+    uint32_t capmany;
+    uint32_t *mfree;
+    uint32_t nfree;
     size_t many_bytes;
     /* per slot */
     uint8_t *live;
@@ -69,6 +84,13 @@ typedef struct {
 } Table;
 
 /* ------------------------------------------------------------------------------------ helpers */
+
+/* Zeroed bucket array (tag 0 is C_EMPTY). */
+static void *
+buckets_alloc(size_t n)
+{
+    return PyMem_Calloc(n, sizeof(Bucket));
+}
 
 static inline size_t
 home(const Table *t, uint64_t key)
@@ -199,16 +221,68 @@ ensure_slot(Table *t, uint32_t slot)
     return 0;
 }
 
-/* Holders of bucket i as (pointer, count). */
-static inline const Holder *
-holders(const Table *t, size_t i, uint32_t *n)
+/* Register a holder array; its index, or -1 (memory error, exception set; m not taken). */
+static long
+many_add(Table *t, Many *m)
 {
-    if (t->ctrl[i] == C_ONE) {
-        *n = 1;
-        return &t->vals[i].one;
+    uint32_t idx;
+    if (t->nfree) {
+        idx = t->mfree[--t->nfree];
     }
-    *n = t->vals[i].many->n;
-    return t->vals[i].many->h;
+    else {
+        if (t->nmany == t->capmany) {
+            if (t->capmany >= 0x40000000u) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            uint32_t ncap = t->capmany ? t->capmany * 2 : 64;
+            Many **g = PyMem_Realloc(t->many, (size_t)ncap * sizeof(Many *));
+            if (g == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            t->many = g;
+            uint32_t *f = PyMem_Realloc(t->mfree, (size_t)ncap * sizeof(uint32_t));
+            if (f == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            t->mfree = f;
+            t->capmany = ncap;
+        }
+        idx = t->nmany++;
+    }
+    t->many[idx] = m;
+    t->many_bytes += many_size(m->cap);
+    return (long)idx;
+}
+
+/* Free the holder array at idx (mfree has room: it is as long as many). */
+static void
+many_drop(Table *t, uint32_t idx)
+{
+    Many *m = t->many[idx];
+    t->many_bytes -= many_size(m->cap);
+    PyMem_Free(m);
+    t->many[idx] = NULL;
+    t->mfree[t->nfree++] = idx;
+}
+
+/* Holders of bucket i as (pointer, count); a single holder is copied into *one. */
+static inline const Holder *
+holders(const Table *t, size_t i, uint32_t *n, Holder *one)
+{
+    const Bucket *bk = &t->b[i];
+    if (bk->tag == C_ONE) {
+        one->slot = bk->a;
+        one->mask = bk->mask;
+        one->pad[0] = one->pad[1] = one->pad[2] = 0;
+        *n = 1;
+        return one;
+    }
+    const Many *m = t->many[bk->a];
+    *n = m->n;
+    return m->h;
 }
 
 static inline Py_ssize_t
@@ -220,25 +294,32 @@ find(const Table *t, uint64_t key)
     size_t mask = t->cap - 1;
     size_t i = home(t, key);
     for (;;) {
-        uint8_t c = t->ctrl[i];
-        if (c == C_EMPTY) {
+        const Bucket *bk = &t->b[i];
+        if (bk->tag == C_EMPTY) {
             return -1;
         }
-        if (c >= C_ONE && t->keys[i] == key) {
+        if (bk->key == key && bk->tag >= C_ONE) {
             return (Py_ssize_t)i;
         }
         i = (i + 1) & mask;
     }
 }
 
+static inline void
+prefetch_key(const Table *t, uint64_t key)
+{
+    if (t->cap) {
+        PREFETCH(&t->b[home(t, key)]);
+    }
+}
+
 static void
 free_bucket(Table *t, size_t i)
 {
-    if (t->ctrl[i] == C_MANY) {
-        t->many_bytes -= many_size(t->vals[i].many->cap);
-        PyMem_Free(t->vals[i].many);
+    if (t->b[i].tag == C_MANY) {
+        many_drop(t, t->b[i].a);
     }
-    t->ctrl[i] = C_TOMB;
+    t->b[i].tag = C_TOMB;
     t->used--;
     t->tombs++;
 }
@@ -247,19 +328,20 @@ free_bucket(Table *t, size_t i)
 static void
 normalize(Table *t, size_t i)
 {
-    if (t->ctrl[i] != C_MANY) {
+    Bucket *bk = &t->b[i];
+    if (bk->tag != C_MANY) {
         return;
     }
-    Many *m = t->vals[i].many;
+    Many *m = t->many[bk->a];
     if (m->n == 0) {
         free_bucket(t, i);
     }
     else if (m->n == 1) {
         Holder h = m->h[0];
-        t->many_bytes -= many_size(m->cap);
-        PyMem_Free(m);
-        t->vals[i].one = h;
-        t->ctrl[i] = C_ONE;
+        many_drop(t, bk->a);
+        bk->a = h.slot;
+        bk->mask = h.mask;
+        bk->tag = C_ONE;
     }
 }
 
@@ -269,14 +351,15 @@ strip_swept(Table *t, size_t i)
 {
     const uint8_t *sw = t->sweeping;
     uint32_t ns = t->nslots;
-    if (t->ctrl[i] == C_ONE) {
-        uint32_t s = t->vals[i].one.slot;
+    Bucket *bk = &t->b[i];
+    if (bk->tag == C_ONE) {
+        uint32_t s = bk->a;
         if (s < ns && sw[s]) {
             free_bucket(t, i);
         }
         return;
     }
-    Many *m = t->vals[i].many;
+    Many *m = t->many[bk->a];
     uint32_t k = 0;
     for (uint32_t j = 0; j < m->n; j++) {
         uint32_t s = m->h[j].slot;
@@ -303,54 +386,44 @@ resize(Table *t, size_t want)
     while (((size_t)1 << bits) < cap) {
         bits++;
     }
-    uint64_t *keys = PyMem_Malloc(cap * sizeof(uint64_t));
-    Val *vals = PyMem_Malloc(cap * sizeof(Val));
-    uint8_t *ctrl = PyMem_Calloc(cap, 1);
-    if (keys == NULL || vals == NULL || ctrl == NULL) {
-        PyMem_Free(keys);
-        PyMem_Free(vals);
-        PyMem_Free(ctrl);
+    Bucket *nb = buckets_alloc(cap);
+    if (nb == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     if (t->sweep_active) {
         for (size_t i = 0; i < t->cap; i++) {
-            if (t->ctrl[i] >= C_ONE) {
+            if (t->b[i].tag >= C_ONE) {
                 strip_swept(t, i);
             }
         }
         t->sweep_pos = (size_t)-1; /* the pass is complete */
     }
-    uint64_t *okeys = t->keys;
-    Val *ovals = t->vals;
-    uint8_t *octrl = t->ctrl;
+    Bucket *ob = t->b;
     size_t ocap = t->cap;
-    t->keys = keys;
-    t->vals = vals;
-    t->ctrl = ctrl;
+    t->b = nb;
     t->cap = cap;
     t->shift = 64 - bits;
     t->tombs = 0;
     size_t mask = cap - 1;
     for (size_t i = 0; i < ocap; i++) {
-        if (octrl[i] < C_ONE) {
+        if (i + 16 < ocap && ob[i + 16].tag >= C_ONE) {
+            PREFETCH(&nb[home(t, ob[i + 16].key)]);
+        }
+        if (ob[i].tag < C_ONE) {
             continue;
         }
-        size_t j = home(t, okeys[i]);
-        while (ctrl[j] != C_EMPTY) {
+        size_t j = home(t, ob[i].key);
+        while (nb[j].tag != C_EMPTY) {
             j = (j + 1) & mask;
         }
-        keys[j] = okeys[i];
-        vals[j] = ovals[i];
-        ctrl[j] = octrl[i];
+        nb[j] = ob[i];
     }
-    PyMem_Free(okeys);
-    PyMem_Free(ovals);
-    PyMem_Free(octrl);
+    PyMem_Free(ob);
     return 0;
 }
 
-/* Make room for n more keys up front, so the apply loop cannot fail half-way. */
+/* Make room for n more keys up front, so the apply loop never resizes half-way. */
 static int
 reserve(Table *t, size_t n)
 {
@@ -360,7 +433,7 @@ reserve(Table *t, size_t n)
     return resize(t, t->used + n);
 }
 
-/* Bucket for key, inserting an empty ONE placeholder when absent (room reserved by the caller). */
+/* Bucket for key, inserting a ONE placeholder when absent (room reserved by the caller). */
 static size_t
 find_or_insert(Table *t, uint64_t key, int *found)
 {
@@ -368,7 +441,7 @@ find_or_insert(Table *t, uint64_t key, int *found)
     size_t i = home(t, key);
     size_t tomb = (size_t)-1;
     for (;;) {
-        uint8_t c = t->ctrl[i];
+        uint8_t c = t->b[i].tag;
         if (c == C_EMPTY) {
             break;
         }
@@ -377,7 +450,7 @@ find_or_insert(Table *t, uint64_t key, int *found)
                 tomb = i;
             }
         }
-        else if (t->keys[i] == key) {
+        else if (t->b[i].key == key) {
             *found = 1;
             return i;
         }
@@ -388,8 +461,9 @@ find_or_insert(Table *t, uint64_t key, int *found)
         t->tombs--;
     }
     *found = 0;
-    t->keys[i] = key;
-    t->ctrl[i] = C_ONE;
+    t->b[i].key = key;
+    t->b[i].tag = C_ONE;
+    t->b[i].pad = 0;
     t->used++;
     return i;
 }
@@ -414,17 +488,18 @@ hsearch(const Holder *h, uint32_t n, uint32_t slot)
     return -lo - 1;
 }
 
-/* Add (slot, bit) to existing bucket i: 1 if added, 0 if already held, -1 on memory error. */
+/* Add (slot, bit) to existing bucket i: 1 if added, 0 if already held, -1 on memory error (bucket
+ * unchanged). */
 static int
 add_holder(Table *t, size_t i, uint32_t slot, uint8_t bit)
 {
-    if (t->ctrl[i] == C_ONE) {
-        Holder *o = &t->vals[i].one;
-        if (o->slot == slot) {
-            if (o->mask & bit) {
+    Bucket *bk = &t->b[i];
+    if (bk->tag == C_ONE) {
+        if (bk->a == slot) {
+            if (bk->mask & bit) {
                 return 0;
             }
-            o->mask |= bit;
+            bk->mask |= bit;
             return 1;
         }
         Many *m = PyMem_Malloc(many_size(4));
@@ -432,23 +507,23 @@ add_holder(Table *t, size_t i, uint32_t slot, uint8_t bit)
             PyErr_NoMemory();
             return -1;
         }
-        t->many_bytes += many_size(4);
+        Holder old = {bk->a, bk->mask, {0, 0, 0}};
         Holder nh = {slot, bit, {0, 0, 0}};
         m->n = 2;
         m->cap = 4;
-        if (o->slot < slot) {
-            m->h[0] = *o;
-            m->h[1] = nh;
+        m->h[0] = old.slot < slot ? old : nh;
+        m->h[1] = old.slot < slot ? nh : old;
+        long idx = many_add(t, m);
+        if (idx < 0) {
+            PyMem_Free(m);
+            return -1;
         }
-        else {
-            m->h[0] = nh;
-            m->h[1] = *o;
-        }
-        t->vals[i].many = m;
-        t->ctrl[i] = C_MANY;
+        bk->a = (uint32_t)idx;
+        bk->mask = 0;
+        bk->tag = C_MANY;
         return 1;
     }
-    Many *m = t->vals[i].many;
+    Many *m = t->many[bk->a];
     long at = hsearch(m->h, m->n, slot);
     if (at >= 0) {
         if (m->h[at].mask & bit) {
@@ -459,16 +534,16 @@ add_holder(Table *t, size_t i, uint32_t slot, uint8_t bit)
     }
     at = -at - 1;
     if (m->n == m->cap) {
-        uint32_t ncap = m->cap * 2;
+        uint32_t ocap = m->cap, ncap = m->cap * 2;
         Many *g = PyMem_Realloc(m, many_size(ncap));
         if (g == NULL) {
             PyErr_NoMemory();
             return -1;
         }
-        t->many_bytes += many_size(ncap) - many_size(g->cap);
+        t->many_bytes += many_size(ncap) - many_size(ocap);
         g->cap = ncap;
         m = g;
-        t->vals[i].many = m;
+        t->many[bk->a] = m;
     }
     memmove(&m->h[at + 1], &m->h[at], (size_t)(m->n - (uint32_t)at) * sizeof(Holder));
     Holder nh = {slot, bit, {0, 0, 0}};
@@ -481,18 +556,18 @@ add_holder(Table *t, size_t i, uint32_t slot, uint8_t bit)
 static int
 del_holder(Table *t, size_t i, uint32_t slot, uint8_t bit)
 {
-    if (t->ctrl[i] == C_ONE) {
-        Holder *o = &t->vals[i].one;
-        if (o->slot != slot || !(o->mask & bit)) {
+    Bucket *bk = &t->b[i];
+    if (bk->tag == C_ONE) {
+        if (bk->a != slot || !(bk->mask & bit)) {
             return 0;
         }
-        o->mask &= (uint8_t)~bit;
-        if (o->mask == 0) {
+        bk->mask &= (uint8_t)~bit;
+        if (bk->mask == 0) {
             free_bucket(t, i);
         }
         return 1;
     }
-    Many *m = t->vals[i].many;
+    Many *m = t->many[bk->a];
     long at = hsearch(m->h, m->n, slot);
     if (at < 0 || !(m->h[at].mask & bit)) {
         return 0;
@@ -525,20 +600,23 @@ Table_store(Table *t, PyObject *const *args, Py_ssize_t nargs)
     if (hs == NULL) {
         return NULL;
     }
-    /* Worst case: every key new, every bucket going ONE -> MANY. Reserve the keys now; a MANY
-     * allocation failure mid-way is reported after undoing nothing (idempotent stores keep the index
-     * consistent: the counts returned so far are exact). */
+    /* Room for every key is reserved up front, so the loop never resizes. The only failure left
+     * is running out of memory for a holder array, raised as MemoryError part-way (stores are
+     * idempotent, so a retry of the event converges). */
     if (ensure_slot(t, slot) < 0 || reserve(t, (size_t)n) < 0) {
         PyMem_Free(hs);
         return NULL;
     }
     Py_ssize_t added = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
+        if (k + PF_DIST < n) {
+            prefetch_key(t, hs[k + PF_DIST]);
+        }
         int found;
         size_t i = find_or_insert(t, hs[k], &found);
         if (!found) {
-            Holder nh = {slot, bit, {0, 0, 0}};
-            t->vals[i].one = nh;
+            t->b[i].a = slot;
+            t->b[i].mask = bit;
             added++;
             continue;
         }
@@ -572,6 +650,9 @@ Table_remove(Table *t, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t done = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
+        if (k + PF_DIST < n) {
+            prefetch_key(t, hs[k + PF_DIST]);
+        }
         Py_ssize_t i = find(t, hs[k]);
         if (i >= 0) {
             done += del_holder(t, (size_t)i, slot, bit);
@@ -759,6 +840,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
     /* scratch: state (0 out, 1 candidate, 2 surviving), seen stamp, cpu/sto counts, survivor list */
     uint8_t *state = NULL;
     uint32_t *scratch = NULL;
+    uint64_t *qh = NULL;
     Row *rows = NULL;
     size_t nrows = 0;
     PyObject *out = NULL;
@@ -792,68 +874,82 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     uint32_t nsurv = 0;
-    uint64_t key;
     Py_ssize_t i;
+    Py_ssize_t qlen = nq; /* cut at the first element that is not a uint64 int */
+    Py_ssize_t nconv = 0;
     const Holder *prev = NULL;
     uint32_t prevn = 0;
     int prev_exc = 0;
-    /* position 0 */
-    if (as_u64(q[0], &key) < 0) {
-        PyErr_Clear();
-        Py_DECREF(seq);
-        PyMem_Free(state);
-        PyMem_Free(scratch);
-        return PyList_New(0);
-    }
-    {
-        Py_ssize_t b = find(t, key);
-        if (b < 0) {
-            Py_DECREF(seq);
-            PyMem_Free(state);
-            PyMem_Free(scratch);
-            return PyList_New(0);
-        }
-        uint32_t hn;
-        const Holder *h = holders(t, (size_t)b, &hn);
-        for (uint32_t j = 0; j < hn; j++) {
-            uint32_t s = h[j].slot;
-            if (s < ns && state[s] == 1) {
-                state[s] = 2;
-                seen[s] = 0;
-                cpu[s] = sto[s] = 0;
-                surv[nsurv++] = s;
-                if (!(h[j].mask & 1)) {
-                    prev_exc = 1;
-                    if (h[j].mask & 2) {
-                        cpu[s]++;
-                    }
-                    else {
-                        sto[s]++;
-                    }
-                }
-            }
-        }
-        prev = h;
-        prevn = hn;
-    }
-    rows = PyMem_Malloc((size_t)(nsurv ? nsurv : 1) * sizeof(Row));
-    if (rows == NULL) {
+    Holder onebuf[2]; /* single holders are copied out; two buffers so `prev` stays valid */
+    int ob = 0;
+    qh = PyMem_Malloc((size_t)nq * sizeof(uint64_t));
+    if (qh == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (i = 1; i < nq && nsurv; i++) {
-        Py_ssize_t b = -1;
-        if (as_u64(q[i], &key) < 0) {
-            PyErr_Clear();
+    for (i = 0; i < qlen; i++) {
+        /* convert ahead in chunks, so the bucket PF_DIST blocks further on can be prefetched */
+        if (nconv <= i + PF_DIST && nconv < qlen) {
+            Py_ssize_t stop = i + PF_DIST + 64;
+            if (stop > qlen) {
+                stop = qlen;
+            }
+            while (nconv < stop) {
+                if (as_u64(q[nconv], &qh[nconv]) < 0) {
+                    PyErr_Clear();
+                    qlen = nconv;
+                    break;
+                }
+                if (nconv <= i + PF_DIST) {
+                    prefetch_key(t, qh[nconv]);
+                }
+                nconv++;
+            }
+            if (i >= qlen) {
+                break;
+            }
         }
-        else {
-            b = find(t, key);
+        if (i + PF_DIST < nconv) {
+            prefetch_key(t, qh[i + PF_DIST]);
         }
+        Py_ssize_t b = find(t, qh[i]);
         if (b < 0) {
             break;
         }
         uint32_t hn;
-        const Holder *h = holders(t, (size_t)b, &hn);
+        const Holder *h = holders(t, (size_t)b, &hn, &onebuf[ob]);
+        ob ^= 1;
+        if (i == 0) {
+            for (uint32_t j = 0; j < hn; j++) {
+                uint32_t s = h[j].slot;
+                if (s < ns && state[s] == 1) {
+                    state[s] = 2;
+                    seen[s] = 0;
+                    cpu[s] = sto[s] = 0;
+                    surv[nsurv++] = s;
+                    if (!(h[j].mask & 1)) {
+                        prev_exc = 1;
+                        if (h[j].mask & 2) {
+                            cpu[s]++;
+                        }
+                        else {
+                            sto[s]++;
+                        }
+                    }
+                }
+            }
+            if (nsurv == 0) {
+                break;
+            }
+            rows = PyMem_Malloc((size_t)nsurv * sizeof(Row));
+            if (rows == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            prev = h;
+            prevn = hn;
+            continue;
+        }
         if (hn == prevn && memcmp(h, prev, (size_t)hn * sizeof(Holder)) == 0) {
             /* same holders as the previous block: the survivors all continue */
             if (prev_exc) {
@@ -905,6 +1001,9 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
                 }
             }
             nsurv = k;
+            if (nsurv == 0) {
+                break;
+            }
         }
         prev = h;
         prevn = hn;
@@ -1012,6 +1111,7 @@ done:
     Py_DECREF(seq);
     PyMem_Free(state);
     PyMem_Free(scratch);
+    PyMem_Free(qh);
     PyMem_Free(rows);
     return out;
 }
@@ -1044,17 +1144,17 @@ Table_export(Table *t, PyObject *arg)
         return PyErr_NoMemory();
     }
     for (size_t i = 0; i < t->cap; i++) {
-        if (t->ctrl[i] < C_ONE) {
+        if (t->b[i].tag < C_ONE) {
             continue;
         }
         uint8_t mask = 0;
-        if (t->ctrl[i] == C_ONE) {
-            if (t->vals[i].one.slot == slot) {
-                mask = t->vals[i].one.mask;
+        if (t->b[i].tag == C_ONE) {
+            if (t->b[i].a == slot) {
+                mask = t->b[i].mask;
             }
         }
         else {
-            Many *m = t->vals[i].many;
+            Many *m = t->many[t->b[i].a];
             long at = hsearch(m->h, m->n, slot);
             if (at >= 0) {
                 mask = m->h[at].mask;
@@ -1073,7 +1173,7 @@ Table_export(Table *t, PyObject *arg)
                 ps = g;
                 cap *= 2;
             }
-            ps[n].key = t->keys[i];
+            ps[n].key = t->b[i].key;
             ps[n].tier = tier;
             n++;
         }
@@ -1149,7 +1249,7 @@ Table_sweep_step(Table *t, PyObject *arg)
     Py_ssize_t visited = 0, empties = 0;
     size_t pos = t->sweep_pos;
     while (pos < t->cap && visited + empties / 16 < budget) {
-        if (t->ctrl[pos] >= C_ONE) {
+        if (t->b[pos].tag >= C_ONE) {
             strip_swept(t, pos);
             visited++;
         }
@@ -1170,7 +1270,8 @@ Table_sweep_step(Table *t, PyObject *arg)
 static PyObject *
 Table_nbytes(Table *t, PyObject *Py_UNUSED(ignored))
 {
-    size_t b = sizeof(Table) + t->cap * (sizeof(uint64_t) + sizeof(Val) + 1) + t->many_bytes +
+    size_t b = sizeof(Table) + t->cap * sizeof(Bucket) + t->many_bytes +
+               (size_t)t->capmany * (sizeof(Many *) + sizeof(uint32_t)) +
                (size_t)t->nslots * (2 + sizeof(uint32_t));
     return PyLong_FromSize_t(b);
 }
@@ -1195,14 +1296,12 @@ Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 Table_dealloc(Table *t)
 {
-    for (size_t i = 0; i < t->cap; i++) {
-        if (t->ctrl[i] == C_MANY) {
-            PyMem_Free(t->vals[i].many);
-        }
+    for (uint32_t i = 0; i < t->nmany; i++) {
+        PyMem_Free(t->many[i]); /* NULL for free entries */
     }
-    PyMem_Free(t->keys);
-    PyMem_Free(t->vals);
-    PyMem_Free(t->ctrl);
+    PyMem_Free(t->many);
+    PyMem_Free(t->mfree);
+    PyMem_Free(t->b);
     PyMem_Free(t->live);
     PyMem_Free(t->sweeping);
     PyMem_Free(t->rank);

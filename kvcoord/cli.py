@@ -299,6 +299,8 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     r.add_argument("--ttl", type=float, default=120.0,
                    help="approximate policy: routed-prefix memory TTL (s)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seeds", type=int, default=1,
+                   help="run each policy with seeds SEED..SEED+N-1 and report means and the hit-rate range")
     r.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel processes")
     r.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON ('-' for stdout)")
     r.add_argument("--plot", default=None, metavar="PNG", help="write a comparison plot (needs matplotlib)")

@@ -340,7 +340,8 @@ def events_for_index(msgs: Sequence[pb.KVEvent]) -> list[KVEvent]:
     A+B does (same entries, same counts), so applying the result equals applying the events one by one,
     with a fraction of the per-event work. Token ids, parents and the rest are not carried: do not hand
     the result to hash verification. Runs are only merged when the index cannot reject them (known
-    medium, non-negative group), so an index error still names the original event's position.
+    medium, non-negative group, for every event of the batch), so an index error still names the
+    original event's position: otherwise the batch is decoded unmerged.
     """
     out: list[KVEvent] = []
     run: list[EngineHash] | None = None  # hashes of the open run, whose first event is out[-1]
@@ -382,8 +383,10 @@ def events_for_index(msgs: Sequence[pb.KVEvent]) -> list[KVEvent]:
 
 
 def _indexable_target(ev: KVEvent) -> bool:
-    """The index accepts this event's medium and group (so a merged event cannot be the one it rejects)."""
-    if not isinstance(ev, BlockStored):
+    """The index accepts this event's medium and group. Checked for every event, not only merged
+    stores: once a run merged, every later position shifts, so an index error about any later event
+    (a removal with a bad group, say) would name the wrong position."""
+    if not isinstance(ev, BlockStored | BlockRemoved):
         return True
     if ev.group_idx is not None and ev.group_idx < 0:
         return False

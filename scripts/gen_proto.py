@@ -36,7 +36,8 @@ def generate(out_root: Path) -> list[Path]:
             env=env,
         )
     out = out_root / "kvcoord" / "proto" / "v1"
-    (out / "__init__.py").write_text('"""Generated from proto/kvcoord/v1 by scripts/gen_proto.py; do not edit."""\n')
+    banner = '"""Generated from proto/kvcoord/v1 by scripts/gen_proto.py; do not edit."""\n'
+    (out / "__init__.py").write_text(banner)
     return sorted(p for p in out.iterdir() if p.is_file())
 
 

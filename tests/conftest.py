@@ -18,11 +18,16 @@ IndexFactory = Callable[[pytest.FixtureRequest], Awaitable[Index]]
 
 
 async def _memory(request: pytest.FixtureRequest) -> Index:
-    return MemoryIndex()
+    return MemoryIndex()  # core="auto": the C core when built
+
+
+async def _memory_python(request: pytest.FixtureRequest) -> Index:
+    return MemoryIndex(core="python")
 
 
 INDEX_FACTORIES: dict[str, IndexFactory] = {
     "memory": _memory,
+    "memory-python": _memory_python,
     # Other backends register here, one line each, e.g. "redis": _redis.
     "redis": redis_index_factory("redis_server"),
     "redis-cluster": redis_index_factory("redis_cluster"),

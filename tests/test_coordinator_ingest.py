@@ -628,6 +628,10 @@ async def test_lookup_by_tokens_matches_real_engine_hashes(index: Index) -> None
         # Both verified (first chains are always checked): no mismatch.
         stats = await c.stats()
         assert stats.hash_mismatches == 0 and {x.state for x in stats.nodes} == {"active"}
+        assert c.server.state is not None
+        reg = c.server.state.metrics.registry
+        assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "ok"}) == 2
+        assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "mismatch"}) is None
         await a.close()
         await b.close()
 
@@ -696,6 +700,10 @@ async def test_verification_continues_chains_from_verified_parents(index: Index)
         assert ack_seq(await a.batch(2, [event_to_proto(forged)])) == 2
         info = await c.node("gpu-0")
         assert info.state == "hash_mismatch" and "parent verified" in info.hash_mismatch_reason
+        assert c.server.state is not None
+        reg = c.server.state.metrics.registry
+        assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "ok"}) == 1
+        assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "mismatch"}) == 1
         await a.close()
 
 

@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcoord.cli import build_parser
 from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.server import LIVENESS
 from kvcoord.events import BlockStored, KVEvent
 from kvcoord.events_proto import events_to_proto
 from kvcoord.hashing import HashProfile, block_hashes64
@@ -517,6 +518,11 @@ def test_k8s_coordinator_replicas_resources_secrets_and_probes() -> None:
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     assert c["readinessProbe"]["grpc"] and c["livenessProbe"]["grpc"]
+    # Readiness follows the index; startup and liveness ask the service that stays SERVING while the
+    # process runs (a Redis outage must not restart pods).
+    assert c["readinessProbe"]["grpc"]["service"] == "kvcoord.v1.Coordinator"
+    assert c["livenessProbe"]["grpc"]["service"] == LIVENESS
+    assert c["startupProbe"]["grpc"]["service"] == LIVENESS
     # Every token_env of the config is fed from the kvcoord-tokens Secret.
     text, cfg = configmap_toml(docs)
     env = env_of(c)
@@ -546,6 +552,8 @@ def test_k8s_coordinator_replicas_resources_secrets_and_probes() -> None:
         cmd = tc[probe]["exec"]["command"]
         assert "grpc" not in tc[probe] and cmd[:2] == ["kvcoord", "health"]
         assert flag(cmd, "--tls-ca").startswith(mounts["tls"] + "/")
+        want = "kvcoord.v1.Coordinator" if probe == "readinessProbe" else LIVENESS
+        assert flag(cmd, "--service") == want, probe
 
 
 def _load_toml_text(text: str, env: dict[str, str]) -> Any:
@@ -943,6 +951,8 @@ def test_health_serving_unknown_service_and_unreachable(coordinator: Coordinator
     rc, data, _ = _health("--coordinator", address)
     assert rc == 0 and data is not None and data["status"] == "SERVING"
     rc, data, _ = _health("--coordinator", address, "--service", "kvcoord.v1.Coordinator")
+    assert rc == 0 and data is not None and data["status"] == "SERVING"
+    rc, data, _ = _health("--coordinator", address, "--service", LIVENESS)
     assert rc == 0 and data is not None and data["status"] == "SERVING"
     rc, data, _ = _health("--coordinator", address, "--service", "no.such.Service")
     assert rc == 1 and data is not None and data["status"] == "SERVICE_UNKNOWN"

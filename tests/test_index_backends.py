@@ -623,7 +623,7 @@ def test_state_machine_against_reference(index_backend: str, request: pytest.Fix
             machine,
             settings=settings(
                 # remote backends pay a round trip per step: fewer examples keep them under ~20 s
-                max_examples=100 if index_backend == "memory" else 40,
+                max_examples=100 if index_backend.startswith("memory") else 40,
                 stateful_step_count=30,
                 deadline=None,
                 suppress_health_check=list(HealthCheck),

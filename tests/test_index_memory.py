@@ -7,15 +7,25 @@ import gc
 import random
 import time
 import tracemalloc
+from typing import Any, cast
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index import Index
-from kvcoord.index.memory import MemoryIndex
+from kvcoord.index import Index, InvalidEvent
+from kvcoord.index.memory import HAVE_C_CORE, Core, MemoryIndex
 
 M = "m"
+CORES = ["c", "python"] if HAVE_C_CORE else ["python"]
+
+
+@pytest.fixture(params=CORES)
+def core(request: pytest.FixtureRequest) -> Core:
+    """Every memory-specific test runs on both cores (the C one when built)."""
+    return cast(Core, request.param)
 
 
 def stored(*hashes: int, medium: str | None = None) -> BlockStored:
@@ -27,17 +37,17 @@ def stored(*hashes: int, medium: str | None = None) -> BlockStored:
 def raw_keys(idx: MemoryIndex, model: str = M) -> int:
     """Keys physically present, dead or alive (what reclamation frees)."""
     mi = idx._models.get(model)
-    return 0 if mi is None else len(mi.blocks)
+    return 0 if mi is None else mi.nkeys()
 
 
 def test_is_an_index() -> None:
     assert isinstance(MemoryIndex(), Index)
 
 
-def test_bytes_per_entry_measured_with_tracemalloc() -> None:
+def test_bytes_per_entry_measured_with_tracemalloc(core: Core) -> None:
     """Single-holder GPU entries (the common case) stay well under 100 bytes at 200k entries."""
     rng = random.Random(1)
-    idx = MemoryIndex()
+    idx = MemoryIndex(core=core)
     gc.collect()
     tracemalloc.start()
     try:
@@ -59,8 +69,8 @@ def test_bytes_per_entry_measured_with_tracemalloc() -> None:
     assert 0.75 * used < st.bytes < 1.35 * used, (st.bytes, used)
 
 
-def test_shared_blocks_cost_less_per_entry() -> None:
-    idx = MemoryIndex()
+def test_shared_blocks_cost_less_per_entry(core: Core) -> None:
+    idx = MemoryIndex(core=core)
     hashes = tuple(range(1000, 21_000))
     for n in range(16):
         idx.apply_sync(M, f"n{n}", 0, [stored(*hashes)])
@@ -69,8 +79,8 @@ def test_shared_blocks_cost_less_per_entry() -> None:
     assert st.bytes / st.entries < 20
 
 
-def test_remove_node_is_lazy_and_reclaim_frees_keys() -> None:
-    idx = MemoryIndex()
+def test_remove_node_is_lazy_and_reclaim_frees_keys(core: Core) -> None:
+    idx = MemoryIndex(core=core)
     idx.apply_sync(M, "gone", 0, [stored(*range(100, 200))])
     idx.apply_sync(M, "stays", 0, [stored(*range(150, 160))])
     idx.remove_node_sync("gone")
@@ -89,8 +99,8 @@ def test_remove_node_is_lazy_and_reclaim_frees_keys() -> None:
     assert idx.match_sync(M, [BlockHash64(100)]) == []
 
 
-def test_slots_are_not_reused_before_the_sweep_finishes() -> None:
-    idx = MemoryIndex()
+def test_slots_are_not_reused_before_the_sweep_finishes(core: Core) -> None:
+    idx = MemoryIndex(core=core)
     idx.apply_sync(M, "a", 0, [stored(*range(10))])
     old_slot = idx._models[M].slot_of[("a", 0)]
     idx.remove_node_sync("a")
@@ -99,8 +109,8 @@ def test_slots_are_not_reused_before_the_sweep_finishes() -> None:
     assert idx.export_node_sync(M, "a", 0) == [(50, Tier.GPU)]
 
 
-def test_apply_sync_sweeps_in_small_steps() -> None:
-    idx = MemoryIndex()
+def test_apply_sync_sweeps_in_small_steps(core: Core) -> None:
+    idx = MemoryIndex(core=core)
     idx.apply_sync(M, "gone", 0, [stored(*range(1, 20_001))])
     idx.remove_node_sync("gone")
     steps = 0
@@ -112,8 +122,8 @@ def test_apply_sync_sweeps_in_small_steps() -> None:
     assert raw_keys(idx) == steps
 
 
-def test_retire_during_sweep_is_picked_up() -> None:
-    idx = MemoryIndex(sweep_chunk=100)
+def test_retire_during_sweep_is_picked_up(core: Core) -> None:
+    idx = MemoryIndex(core=core, sweep_chunk=100)
     idx.apply_sync(M, "a", 0, [stored(*range(1, 1001))])
     idx.apply_sync(M, "b", 0, [stored(*range(500, 1501))])
     idx.remove_node_sync("a")
@@ -125,8 +135,8 @@ def test_retire_during_sweep_is_picked_up() -> None:
     assert idx.stats_sync().entries == 0
 
 
-def test_clear_of_an_empty_slot_frees_it_at_once() -> None:
-    idx = MemoryIndex()
+def test_clear_of_an_empty_slot_frees_it_at_once(core: Core) -> None:
+    idx = MemoryIndex(core=core)
     idx.apply_sync(M, "a", 0, [stored(1)])
     idx.apply_sync(M, "a", 0, [BlockRemoved(block_hashes=(1,))])
     res = idx.apply_sync(M, "a", 0, [AllBlocksCleared()])
@@ -134,8 +144,8 @@ def test_clear_of_an_empty_slot_frees_it_at_once() -> None:
     assert not idx.reclaim_pending
 
 
-async def test_background_sweeper_reclaims_without_blocking() -> None:
-    idx = MemoryIndex(sweep_chunk=500)
+async def test_background_sweeper_reclaims_without_blocking(core: Core) -> None:
+    idx = MemoryIndex(core=core, sweep_chunk=500)
     try:
         await idx.apply(M, "gone", 0, [stored(*range(1, 10_001))])
         await idx.remove_node("gone")
@@ -152,8 +162,8 @@ async def test_background_sweeper_reclaims_without_blocking() -> None:
         await idx.close()
 
 
-async def test_close_cancels_a_running_sweep() -> None:
-    idx = MemoryIndex(sweep_chunk=10)
+async def test_close_cancels_a_running_sweep(core: Core) -> None:
+    idx = MemoryIndex(core=core, sweep_chunk=10)
     await idx.apply(M, "gone", 0, [stored(*range(1, 5001))])
     await idx.remove_node("gone")
     task = idx._sweeper
@@ -163,7 +173,7 @@ async def test_close_cancels_a_running_sweep() -> None:
 
 
 def test_tiered_values_collapse_back_to_plain_masks() -> None:
-    idx = MemoryIndex()
+    idx = MemoryIndex(core="python")  # the pure-Python layout's tiered side table
     idx.apply_sync(M, "a", 0, [stored(1, 2, 3), stored(2, medium="CPU")])
     idx.apply_sync(M, "b", 0, [stored(2, medium="STORAGE")])
     mi = idx._models[M]
@@ -175,8 +185,8 @@ def test_tiered_values_collapse_back_to_plain_masks() -> None:
 
 
 @pytest.mark.parametrize("nodes", [1, 7, 40, 300])
-def test_raw_match_equals_match_and_orders_ties_by_name(nodes: int) -> None:
-    idx = MemoryIndex()
+def test_raw_match_equals_match_and_orders_ties_by_name(nodes: int, core: Core) -> None:
+    idx = MemoryIndex(core=core)
     rng = random.Random(nodes)
     names = [f"n{rng.randrange(10**6):06d}" for _ in range(nodes)]
     chain = list(range(1, 41))
@@ -189,12 +199,12 @@ def test_raw_match_equals_match_and_orders_ties_by_name(nodes: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_partial_sweeps_never_change_answers(seed: int) -> None:
+def test_partial_sweeps_never_change_answers(seed: int, core: Core) -> None:
     """Random churn with sweeps left half-done between operations, checked against the reference."""
     from tests.test_index_backends import NODES, POOL, Reference
 
     rng = random.Random(seed)
-    idx = MemoryIndex(sweep_chunk=3)
+    idx = MemoryIndex(core=core, sweep_chunk=3)
     ref = Reference()
     for _ in range(400):
         node, dp = rng.choice(NODES), rng.randrange(2)
@@ -225,3 +235,139 @@ def test_partial_sweeps_never_change_answers(seed: int) -> None:
         assert [(int(h), int(t)) for h, t in idx.export_node_sync(M, n2, d2)] == ref.export(M, n2, d2)
     st = idx.stats_sync()
     assert (st.entries, st.blocks, st.nodes, st.entries_by_model_tier, st.blocks_by_model) == ref.counts()
+
+
+# ------------------------------------------------------------------ the C core against the Python core
+
+POOL2 = [0, 1, 2, 3, 5, 8, 13, 1 << 40, (1 << 63) + 7, (1 << 64) - 1, *range(100, 140)]
+NODES2 = [f"n{i:02d}" for i in range(40)]
+BAD_HASHES: list[Any] = [-1, 1 << 64, "x", 1.0, None, True, b""]
+medium_st = st.sampled_from([None, "GPU", "CPU", "STORAGE"])
+hashes_st = st.lists(st.sampled_from(POOL2), max_size=12)
+event_st = st.one_of(
+    st.builds(lambda hs, m: BlockStored(tuple(hs), None, (), 16, medium=m), hashes_st, medium_st),
+    st.builds(lambda hs, m: BlockRemoved(block_hashes=tuple(hs), medium=m), hashes_st, medium_st),
+    st.builds(
+        lambda hs, bad, at: BlockStored((*hs[:at], bad, *hs[at:]), None, (), 16),
+        hashes_st, st.sampled_from(BAD_HASHES), st.integers(0, 12),
+    ),
+    st.just(AllBlocksCleared()),
+)
+target_st = st.tuples(st.sampled_from(["m", "m2"]), st.sampled_from(NODES2), st.integers(0, 1))
+op_st = st.one_of(
+    st.tuples(st.just("apply"), target_st, st.lists(event_st, min_size=1, max_size=4)),
+    st.tuples(st.just("fan"), target_st, st.integers(2, 40), st.integers(1, 45)),
+    st.tuples(st.just("clear"), target_st),
+    st.tuples(st.just("remove_node"), st.sampled_from(NODES2)),
+    st.tuples(
+        st.just("replace"),
+        target_st,
+        st.lists(st.tuples(st.sampled_from([*POOL2, -1]), st.sampled_from([0, 1, 2, 3])), max_size=6),
+    ),
+    st.tuples(st.just("sweep"), st.integers(0, 30)),
+    st.tuples(
+        st.just("match"),
+        st.sampled_from(["m", "m2"]),
+        st.lists(st.sampled_from([*POOL2, 999]), max_size=45),
+        st.none() | st.sets(st.tuples(st.sampled_from(NODES2), st.integers(0, 1)), max_size=8),
+    ),
+)
+
+
+def _do(idx: MemoryIndex, op: tuple[Any, ...]) -> object:
+    """Run one op; returns what a caller can observe (its result or the exception type)."""
+    kind = op[0]
+    try:
+        if kind == "apply":
+            (model, node, dp), events = op[1], op[2]
+            return idx.apply_sync(model, node, dp, events)
+        if kind == "fan":
+            # many nodes storing a shared chain of different lengths: multi-holder keys, big answers
+            (model, _node, dp), nodes, length = op[1], op[2], op[3]
+            chain = POOL2[10:] + POOL2[:10]
+            return [idx.apply_sync(model, NODES2[i], dp, [stored(*chain[: (length * (i + 1)) % 46 or 1])])
+                    for i in range(nodes)]
+        if kind == "clear":
+            return idx.clear_sync(*op[1])
+        if kind == "remove_node":
+            idx.remove_node_sync(op[1])
+            return None
+        if kind == "replace":
+            (model, node, dp), entries = op[1], op[2]
+            idx.replace_node_sync(model, node, dp, entries)
+            return None
+        if kind == "sweep":
+            idx._sweep_some(op[1])
+            return None
+        model, query, cands = op[1], op[2], op[3]
+        return (idx.match_sync(model, query, cands), idx.match_raw_sync(model, query, cands))
+    except InvalidEvent as e:
+        return ("InvalidEvent", str(e))
+
+
+def _state(idx: MemoryIndex) -> object:
+    st_ = idx.stats_sync()  # finishes sweeps: do it on copies of the op sequence only at the end
+    exports = [idx.export_node_sync(m, n, d) for m in ("m", "m2") for n in NODES2 for d in (0, 1)]
+    return st_.entries, st_.blocks, st_.nodes, st_.entries_by_model_tier, st_.blocks_by_model, exports
+
+
+@pytest.mark.skipif(not HAVE_C_CORE, reason="C core not built")
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(op_st, min_size=1, max_size=25))
+def test_c_core_equals_python_core(ops: list[tuple[Any, ...]]) -> None:
+    """Random op sequences (bad input included) give identical results, errors and state."""
+    c, py = MemoryIndex(core="c", sweep_chunk=5), MemoryIndex(core="python", sweep_chunk=5)
+    for op in ops:
+        assert _do(c, op) == _do(py, op), op
+        probe = ("match", "m", POOL2[10:] + POOL2[:10], None)
+        assert _do(c, probe) == _do(py, probe)
+    assert _state(c) == _state(py)
+    assert c.reclaim_pending == py.reclaim_pending
+
+
+@pytest.mark.skipif(not HAVE_C_CORE, reason="C core not built")
+def test_c_table_rejects_bad_input_and_stays_unchanged() -> None:
+    from kvcoord._indexcore import Table, validate_u64_seq
+
+    t = Table()
+    assert t.store(0, 0, [1, 2, 3]) == 3
+    t.set_live(0, True)
+    keys: list[tuple[str, int] | None] = [("a", 0)]
+    before = (len(t), t.export(0), t.match([1, 2, 3], None, keys, None))
+    bad_calls: list[tuple[str, tuple[Any, ...]]] = [
+        ("store", (0, 0, [4, 5, -1])),
+        ("store", (0, 0, [4, 1 << 64])),
+        ("store", (0, 0, [4, "x"])),
+        ("store", (0, 0, [4, True])),
+        ("store", (0, 0, {4, 5})),
+        ("store", (0, 3, [4])),
+        ("store", (-1, 0, [4])),
+        ("store", (1 << 40, 0, [4])),
+        ("store", ("0", 0, [4])),
+        ("store", (0, 0)),
+        ("remove", (0, 0, [1, -1])),
+        ("remove", (0, 0, [1, None])),
+        ("set_live", (-1, True)),
+        ("set_order", ([0, "x"],)),
+        ("sweep_begin", ([0, -2],)),
+        ("export", ("x",)),
+        ("match", ([1], ["x"], keys, None)),
+        ("match", ([1], None, keys, dict)),
+        ("match", ([1], None, (("a", 0),), None)),
+        ("match", (5, None, keys, None)),
+    ]
+    for name, args in bad_calls:
+        with pytest.raises((TypeError, ValueError, OverflowError)):
+            getattr(t, name)(*args)
+        assert (len(t), t.export(0), t.match([1, 2, 3], None, keys, None)) == before, name
+    # a hash that is not a uint64 int just ends the matched run
+    assert t.match([1, 2, cast(int, "x"), 3], None, keys, None) == [("a", 0, 2, (2, 0, 0))]
+    assert t.match([1, 1 << 64], None, keys, None) == [("a", 0, 1, (1, 0, 0))]
+    assert t.match([-1], None, keys, None) == []
+    # a live slot without a key is reported, not a crash
+    t.store(3, 0, [1])
+    t.set_live(3, True)
+    with pytest.raises(RuntimeError):
+        t.match([1], None, keys, None)
+    seqs: list[object] = [[1, 2], (0, (1 << 64) - 1), [], [True], [-1], [1 << 64], "ab", [1.0]]
+    assert [validate_u64_seq(x) for x in seqs] == [True, True, True, False, False, False, False, False]

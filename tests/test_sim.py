@@ -14,7 +14,7 @@ from kvcoord.router.client import CoordinatorClient
 from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
 from kvcoord.sim.cluster import ClusterConfig, simulate
 from kvcoord.sim.remote import CoordinatorBackend, run_tag
-from kvcoord.sim.report import deterministic_view, summarize, table
+from kvcoord.sim.report import average_seeds, deterministic_view, summarize, table
 from kvcoord.sim.workload import SyntheticSpec, load_mooncake, synthetic
 from tests.procs import REPO, TRACES, free_port, kvcoord_cmd, running, wait_for_port
 
@@ -176,3 +176,22 @@ def test_coordinator_flag_is_validated_before_anything_runs() -> None:
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "kvcoord simulate: --coordinator must be HOST:PORT, got 'nowhere'"
+
+
+def test_several_seeds_are_averaged_with_the_hit_range() -> None:
+    w = synthetic(SPEC, PROFILE, seed=1)
+    runs = []
+    for seed in (1, 2, 3):
+        row = summarize(simulate(w, make_policy("random", seed), PROFILE, CONFIG, MemoryIndex()))
+        row["seed"] = seed
+        runs.append(row)
+    avg = average_seeds(runs)
+    hits = [float(r["token_hit_rate"]) for r in runs]
+    assert avg["seeds"] == [1, 2, 3] and "seed" not in avg
+    assert avg["token_hit_rate"] == pytest.approx(sum(hits) / 3, abs=1e-6)
+    assert (avg["token_hit_rate_min"], avg["token_hit_rate_max"]) == (min(hits), max(hits))
+    assert isinstance(avg["prefill_tokens"], int)
+    assert avg["prefill_tokens"] == round(sum(int(r["prefill_tokens"]) for r in runs) / 3)
+    text = table([avg])
+    assert "mean of 3 seeds" in text and f"{min(hits):.1%}-{max(hits):.1%}" in text
+    assert average_seeds(runs[:1])["token_hit_rate"] == runs[0]["token_hit_rate"]

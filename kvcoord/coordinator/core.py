@@ -1,4 +1,12 @@
-"""The coordinator's shared state and background work (lease sweeps, index stats and health)."""
+"""The coordinator's shared state and background work (lease sweeps, index stats and health).
+
+Index outages (e.g. Redis unreachable): the first failed call marks the index down, which flips gRPC
+health to NOT_SERVING at once. Ingest sessions keep their batch unacked and retry it with backoff
+(``CoordinatorState.wait_index``); lookups answer UNAVAILABLE. The index is declared up again only
+after a ping *and* a generation check succeed, so a backend that came back empty is noticed before
+anything is written to it or read from it: every node is then marked resyncing and asked for a
+snapshot. A backend that came back intact resumes where it stopped.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +14,16 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.metrics import Metrics
-from kvcoord.coordinator.registry import NodeRecord, NodeRegistry
+from kvcoord.coordinator.registry import EXPIRED, Load, NodeRecord, NodeRegistry
+from kvcoord.coordinator.shared import PUBLISH_SECONDS, REFRESH_SECONDS, NodeDirectory, SharedNode
 from kvcoord.coordinator.verify import HashVerifier
-from kvcoord.index.base import Generational, Index, IndexStats
+from kvcoord.index.base import Index, IndexStats, InvalidEvent
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
 log = logging.getLogger("kvcoord.coordinator")
@@ -20,17 +31,46 @@ log = logging.getLogger("kvcoord.coordinator")
 HealthHook = Callable[[bool], Awaitable[None]]
 Push = Callable[[pb.CoordinatorMessage], None]
 """Queues a message on one ingest stream (its outbox)."""
+_T = TypeVar("_T")
+RETRY_INITIAL = 0.05
+RETRY_MAX = 1.0
+"""Backoff bounds (seconds) of index calls retried through an outage."""
+DOWN_PROBE_SECONDS = 0.2
+"""While the index is down, how often the refresh loop probes it."""
+
+
+def wall_of(mono: float) -> float:
+    """A ``time.monotonic()`` instant as wall-clock time (replicas compare wall clocks)."""
+    return time.time() - (time.monotonic() - mono)
 
 
 class CoordinatorState:
     """Everything the servicer and the ingest sessions share. Lives on one event loop."""
 
-    def __init__(self, config: CoordinatorConfig, index: Index, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        index: Index,
+        metrics: Metrics | None = None,
+        directory: NodeDirectory | None = None,
+    ) -> None:
         self.config = config
         self.index = index
+        self.directory = directory
+        """Shared node records (replicas on one Redis); None: this process alone decides liveness."""
+        self.replica_id = uuid.uuid4().hex[:12]
+        self.shared: dict[str, SharedNode] = {}
+        """Other replicas' node records as last read (see :mod:`kvcoord.coordinator.shared`)."""
+        self._shared_models: dict[str, float] = {}
+        """model -> the latest deadline of a served shared record (``has_live`` without a scan)."""
+        self._published: dict[str, tuple[object, float]] = {}
+        self._removed: list[SharedNode] = []
+        self.index_down_reason = ""
+        self._gen_lock = asyncio.Lock()
+        self._probe_lock = asyncio.Lock()
         self.registry = NodeRegistry(config.lease_seconds)
         self.metrics = metrics if metrics is not None else Metrics()
-        self.verifier = HashVerifier(config.verify)
+        self.verifier = HashVerifier(config.verify, self.metrics.hash_verified)
         self.index_up = True
         self.last_stats: IndexStats | None = None
         self.on_health: HealthHook | None = None
@@ -67,12 +107,12 @@ class CoordinatorState:
         return n
 
     async def check_generation(self) -> None:
-        """Compare the backend's generation with the last one seen; a change means it lost its data."""
+        """Compare the backend's generation with the last one seen; a change means it lost its data.
+        Raises (ConnectionError) when the backend is unreachable."""
         index = self.index
-        if not isinstance(index, Generational):
-            return
-        gen = await index.generation()
-        old, self.index_generation = self.index_generation, gen
+        async with self._gen_lock:  # a slow stale answer must not overwrite a newer one
+            gen = await index.generation()
+            old, self.index_generation = self.index_generation, gen
         if old is not None and gen != old:
             n = self.resync_all(f"index_reset: the {index.backend} index lost its contents")
             log.warning(
@@ -82,6 +122,83 @@ class CoordinatorState:
                 gen,
                 n,
             )
+
+    # --- index availability -----------------------------------------------------------------
+    async def _set_up(self, up: bool) -> None:
+        if up == self.index_up:
+            return
+        self.index_up = up
+        if up:
+            log.warning("index backend %s is up again", self.index.backend)
+            self.index_down_reason = ""
+        else:
+            log.warning("index backend %s is DOWN (%s)", self.index.backend, self.index_down_reason)
+        self.metrics.index_up.labels(self.index.backend).set(1 if up else 0)
+        if self.on_health is not None:
+            await self.on_health(up)
+
+    async def index_down(self, reason: str) -> None:
+        """An index call failed for lack of a backend: NOT_SERVING until a probe succeeds."""
+        if self.index_up:
+            self.index_down_reason = reason
+        await self._set_up(False)
+
+    async def probe_index(self) -> bool:
+        """True when the index serves. When it was down: ping, then check its generation (a backend
+        back empty makes every node resync before anything else touches it), then SERVING again."""
+        if self.index_up:
+            return True
+        async with self._probe_lock:
+            if self.index_up:
+                return True
+            try:
+                ok = await asyncio.wait_for(self.index.ping(), timeout=2.0)
+                if ok:
+                    await self.check_generation()
+            except Exception as exc:
+                log.debug("index probe failed: %s", exc)
+                return False
+            if ok:
+                await self._set_up(True)
+            return ok
+
+    async def call_index(self, fn: Callable[[], Awaitable[_T]], what: str, keep_alive: NodeRecord | None,
+                         still_wanted: Callable[[], bool] | None = None) -> tuple[bool, _T | None]:
+        """Run an index call, retrying through outages with backoff until it succeeds.
+
+        ``InvalidEvent`` propagates (bad input, never retried). Any other failure marks the index
+        down and retries once a probe says it is back; meanwhile ``keep_alive``'s lease is renewed
+        (its stream is open, it is the coordinator that stalls it). ``still_wanted`` is asked before
+        each retry; when it says no (e.g. the backend came back empty and the node now resyncs, or the
+        stream was superseded) the call is abandoned: returns ``(False, None)``.
+        """
+        backoff = RETRY_INITIAL
+        while True:
+            try:
+                return True, await fn()
+            except (asyncio.CancelledError, InvalidEvent):
+                raise
+            except Exception as exc:
+                self.log_once(
+                    f"index-fail:{type(exc).__name__}",
+                    logging.WARNING,
+                    "index %s failed (%s: %s); keeping the work unacked and retrying (logged once per kind)",
+                    what,
+                    type(exc).__name__,
+                    exc,
+                )
+                await self.index_down(f"{type(exc).__name__}: {exc}")
+            while True:
+                if keep_alive is not None:
+                    self.registry.heard(keep_alive)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX)
+                if still_wanted is not None and not still_wanted():
+                    return False, None
+                if await self.probe_index():
+                    break
+            if still_wanted is not None and not still_wanted():
+                return False, None
 
     # --- logging ----------------------------------------------------------------------------
     def log_once(self, key: str, level: int, msg: str, *args: object) -> None:
@@ -109,14 +226,24 @@ class CoordinatorState:
             reason,
         )
 
-    def remove_in_background(self, node_id: str) -> None:
-        """Reclaim a node's index entries off the request path; the registry already hides it."""
+    def remove_in_background(self, node_id: str, *, heard: float | None = None) -> None:
+        """Reclaim a node's index entries off the request path; the registry already hides it.
+
+        Retried through index outages (entries left behind would outlive the node). With replicas,
+        ``heard`` (the expired record's last-heard monotonic time) makes it skip the removal when
+        another replica took the node over since: that replica's snapshot must not be wiped.
+        """
 
         async def remove() -> None:
-            try:
-                await self.index.remove_node(node_id)
-            except Exception:
-                log.exception("removing node %s from the index failed", node_id)
+            if heard is not None and self.directory is not None:
+                try:
+                    other = await self.directory.fetch(node_id)
+                except Exception:
+                    other = None
+                if other is not None and other.owner != self.replica_id and other.heard > wall_of(heard):
+                    log.info("node %s: owned by replica %s now; its entries stay", node_id, other.owner)
+                    return
+            await self.call_index(lambda: self.index.remove_node(node_id), f"remove_node({node_id})", None)
 
         task = asyncio.get_running_loop().create_task(remove(), name=f"kvcoord-remove-{node_id}")
         self.registry.track_removal(node_id, task)
@@ -138,28 +265,28 @@ class CoordinatorState:
                 time.monotonic() - rec.last_heard,
                 self.registry.lease,
             )
-            self.remove_in_background(rec.node_id)
+            self.remove_in_background(rec.node_id, heard=rec.last_heard)
         if expired:
             self.metrics.set_nodes(self.registry.by_state())
         return expired
 
     async def refresh(self) -> None:
         """Ping the index and refresh size gauges; flip health when the backend goes up or down."""
-        try:
-            up = await asyncio.wait_for(self.index.ping(), timeout=max(0.5, self.config.stats_interval))
-        except Exception:
-            up = False
-        if up != self.index_up:
-            log.warning("index backend %s is %s", self.index.backend, "up again" if up else "DOWN")
-            self.index_up = up
-            self.metrics.index_up.labels(self.index.backend).set(1 if up else 0)
-            if self.on_health is not None:
-                await self.on_health(up)
-        if up:
+        if self.index_up:
             try:
-                await self.check_generation()
+                up = await asyncio.wait_for(self.index.ping(), timeout=max(0.5, self.config.stats_interval))
             except Exception:
-                log.debug("index generation check failed", exc_info=True)
+                up = False
+            if not up:
+                await self.index_down("ping failed")
+            else:
+                try:
+                    await self.check_generation()
+                except Exception as exc:
+                    await self.index_down(f"generation check failed: {exc}")
+        else:
+            await self.probe_index()
+        if self.index_up:
             try:
                 stats = await self.index.stats()
             except Exception:
@@ -169,10 +296,98 @@ class CoordinatorState:
                 self.metrics.set_index_stats(stats)
         self.metrics.set_nodes(self.registry.by_state())
 
+    # --- shared node records (replicas) -----------------------------------------------------
+    def _shared_record(self, rec: NodeRecord, now: float, now_wall: float) -> SharedNode:
+        lease = self.registry.lease
+        state = rec.state
+        if state != EXPIRED and now - rec.last_heard > lease:
+            state = EXPIRED
+        heard = now_wall - (now - rec.last_heard)
+        # Published with slack: readers keep the node until at least the owner's own deadline, and a
+        # heartbeat republishes only once the true deadline moved by half the slack.
+        return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
+                          heard + lease + self._slack(), self.replica_id, heard,
+                          Load(rec.load.running_requests, rec.load.waiting_requests, rec.load.kv_usage))
+
+    def _slack(self) -> float:
+        return min(2.0, self.registry.lease / 2)
+
+    def node_removed(self, rec: NodeRecord) -> None:
+        """Publish that ``rec`` is gone (it is no longer in the registry to be published from)."""
+        if self.directory is not None:
+            node = self._shared_record(rec, time.monotonic(), time.time())
+            node.state = EXPIRED
+            self._removed.append(node)
+
+    def _changed_records(self) -> list[SharedNode]:
+        now, now_wall = time.monotonic(), time.time()
+        out, self._removed = self._removed, []
+        half = self._slack() / 2
+        for rec in self.registry:
+            node = self._shared_record(rec, now, now_wall)
+            other = self.shared.get(rec.node_id)
+            if other is not None and other.owner != self.replica_id and other.heard > node.heard:
+                continue  # moved to another replica; our record is stale
+            sig = (node.model, node.dp_ranks, node.state, node.epoch, node.load)
+            last = self._published.get(rec.node_id)
+            if last is None or last[0] != sig or node.deadline - last[1] > half:
+                out.append(node)
+        return out
+
+    async def publish_nodes(self) -> None:
+        """Write this replica's changed node records to the directory."""
+        if self.directory is None:
+            return
+        nodes = self._changed_records()
+        if not nodes:
+            return
+        try:
+            await self.directory.publish(nodes)
+        except Exception:
+            self._removed.extend(n for n in nodes if n.state == EXPIRED and n.node_id not in self._published)
+            raise
+        known = {r.node_id for r in self.registry}
+        for node_id in [k for k in self._published if k not in known]:
+            del self._published[node_id]
+        for n in nodes:
+            self._published[n.node_id] = ((n.model, n.dp_ranks, n.state, n.epoch, n.load), n.deadline)
+
+    async def read_shared(self) -> None:
+        """Refresh the view of every replica's node records."""
+        if self.directory is None:
+            return
+        view = await self.directory.fetch_all()
+        models: dict[str, float] = {}
+        for n in view.values():
+            if n.state in ("active", "hash_mismatch") and n.deadline > models.get(n.model, 0.0):
+                models[n.model] = n.deadline
+        self.shared, self._shared_models = view, models
+
+    def lookup_load(self, node_id: str, model: str, now: float, now_wall: float) -> Load | None:
+        """The load of ``node_id`` if lookups of ``model`` may report it now (replica-aware)."""
+        rec = self.registry.get(node_id)
+        other = self.shared.get(node_id)
+        if rec is not None and (
+            other is None
+            or other.owner == self.replica_id
+            or other.heard <= now_wall - (now - rec.last_heard)
+        ):
+            return rec.load if rec.model == model and rec.live(now, self.registry.lease) else None
+        if other is not None and other.model == model and other.live(now_wall):
+            return other.load
+        return None
+
+    def has_live(self, model: str) -> bool:
+        if self.registry.has_live(model):
+            return True
+        return self.directory is not None and self._shared_models.get(model, 0.0) >= time.time()
+
     def start_background(self) -> None:
         loop = asyncio.get_running_loop()
         self._keep(loop.create_task(self._lease_loop(), name="kvcoord-leases"))
         self._keep(loop.create_task(self._refresh_loop(), name="kvcoord-refresh"))
+        if self.directory is not None:
+            self._keep(loop.create_task(self._directory_loop(), name="kvcoord-directory"))
 
     async def _lease_loop(self) -> None:
         period = min(1.0, max(0.02, self.config.lease_seconds / 5))
@@ -189,7 +404,23 @@ class CoordinatorState:
                 await self.refresh()
             except Exception:
                 log.exception("index refresh failed")
-            await asyncio.sleep(self.config.stats_interval)
+            # Probe a down index often: ingest and lookups wait for it.
+            if self.index_up:
+                await asyncio.sleep(self.config.stats_interval)
+            else:
+                await asyncio.sleep(min(DOWN_PROBE_SECONDS, self.config.stats_interval))
+
+    async def _directory_loop(self) -> None:
+        next_read = 0.0
+        while True:
+            try:
+                await self.publish_nodes()
+                if time.monotonic() >= next_read:
+                    next_read = time.monotonic() + REFRESH_SECONDS
+                    await self.read_shared()
+            except Exception as exc:
+                self.log_once("directory-fail", logging.WARNING, "node directory unavailable: %s", exc)
+            await asyncio.sleep(PUBLISH_SECONDS)
 
     async def stop_background(self) -> None:
         tasks = list(self._tasks)
@@ -198,3 +429,5 @@ class CoordinatorState:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.directory is not None:
+            await self.directory.close()

@@ -234,6 +234,12 @@ class IngestSession:
         )
         return out
 
+    def _wanted(self, rec: NodeRecord, *, need_sync: bool) -> bool:
+        """Whether a stalled index call of this stream is still worth retrying."""
+        if not self.state.registry.owns(rec, self.gen):
+            return False
+        return not (need_sync and rec.resyncing)
+
     # --- batches ----------------------------------------------------------------------------
     def _request_snapshot(self, rec: NodeRecord, reason: str, detail: str) -> list[pb.CoordinatorMessage]:
         rec.resyncing = True
@@ -310,12 +316,23 @@ class IngestSession:
                 kind = getattr(exc, "kind", None)
                 return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
             try:
-                await st.index.apply(self.model, rec.node_id, batch.dp_rank, events)
+                # Through an index outage the batch stays unacked and is retried here (the stream
+                # stalls; the agent keeps queueing). Re-applying a batch that half-reached the backend
+                # is safe: events are idempotent and the retry re-applies the whole batch in order,
+                # before any later batch. Abandoned (unacked, a snapshot follows) when the backend
+                # came back empty and the node now resyncs.
+                done, _ = await st.call_index(
+                    lambda: st.index.apply(self.model, rec.node_id, batch.dp_rank, events),
+                    f"apply for node {rec.node_id}",
+                    rec,
+                    lambda: self._wanted(rec, need_sync=True),
+                )
             except InvalidEvent as exc:
                 return self._reject(rec, batch, "invalid_event", str(exc))
-            except Exception as exc:
-                log.exception("node %s: index apply failed", rec.node_id)
-                raise IngestAbort(grpc.StatusCode.UNAVAILABLE, f"index backend failed: {exc}") from exc
+            rec = self._owned()
+            if not done:
+                st.metrics.batch("awaiting_snapshot")
+                return []
             rec.last_seq = batch.seq
             rec.indexed.add((self.model, batch.dp_rank))
         self._account(batch)
@@ -387,15 +404,22 @@ class IngestSession:
         async with st.registry.lock(rec.node_id):
             rec = self._owned()
             await st.registry.wait_removal(rec.node_id)
-            try:
+            keep = {(self.model, r) for r in self.dp_ranks}
+
+            async def replace() -> None:
                 for rank in self.dp_ranks:
-                    await st.index.replace_node(self.model, rec.node_id, rank, pending.entries.get(rank, []))
-                keep = {(self.model, r) for r in self.dp_ranks}
-                for model, rank in sorted(rec.indexed - keep):
-                    await st.index.clear(model, rec.node_id, rank)
-            except Exception as exc:
-                log.exception("node %s: snapshot replace failed", rec.node_id)
-                raise IngestAbort(grpc.StatusCode.UNAVAILABLE, f"index backend failed: {exc}") from exc
+                    await st.index.replace_node(self.model, node_id, rank, pending.entries.get(rank, []))
+                for model, rank in sorted(indexed - keep):
+                    await st.index.clear(model, node_id, rank)
+
+            node_id, indexed = rec.node_id, set(rec.indexed)
+            # Retried through an outage (a snapshot is a whole replacement: re-running it is exact).
+            done, _ = await st.call_index(
+                replace, f"snapshot for node {node_id}", rec, lambda: self._wanted(rec, need_sync=False)
+            )
+            rec = self._owned()
+            if not done:
+                return []
             rec.indexed = keep
             rec.last_seq = pending.seq
             rec.resyncing = False

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter as PyCounter
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvcoord.events import Tier
 from kvcoord.index.base import IndexStats
@@ -15,6 +18,54 @@ from kvcoord.index.base import IndexStats
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class IndexBackendCollector(Collector):
+    """Exports a backend's own plain counters (``RedisIndex.metrics``) at scrape time.
+
+    The backend does not import prometheus; reading its counters here costs nothing on its hot path.
+    """
+
+    def __init__(self, metrics: Any, buckets: tuple[float, ...], backend: str) -> None:
+        self._m = metrics
+        self._buckets = buckets
+        self._backend = backend
+
+    def collect(self) -> list[Metric]:
+        m = self._m
+        counts = list(m.latency_counts)
+        cum, total, buckets = 0, 0, []
+        for bound, n in zip(self._buckets, counts, strict=False):
+            cum += n
+            buckets.append((repr(float(bound)), float(cum)))
+        total = cum + sum(counts[len(self._buckets):])
+        buckets.append(("+Inf", float(total)))
+        rt = HistogramMetricFamily(
+            "kvcoord_index_round_trip_seconds", "Index backend round trips (successful)", labels=["backend"]
+        )
+        rt.add_metric([self._backend], buckets, sum_value=float(m.round_trip_seconds))
+        errors = CounterMetricFamily(
+            "kvcoord_index_errors", "Failed index backend round trips, by kind", labels=["backend", "kind"]
+        )
+        conn = int(m.connection_errors)
+        errors.add_metric([self._backend, "connection"], float(conn))
+        errors.add_metric([self._backend, "other"], float(max(0, int(m.errors) - conn)))
+        reconnects = CounterMetricFamily(
+            "kvcoord_index_reconnects",
+            "Times the index backend answered again after failing",
+            labels=["backend"],
+        )
+        reconnects.add_metric([self._backend], float(m.reconnects))
+        out: list[Metric] = [rt, errors, reconnects]
+        if hasattr(m, "reclaimed_entries"):
+            reclaimed = CounterMetricFamily(
+                "kvcoord_index_reclaimed_entries",
+                "Entries of removed/cleared locations reclaimed by the backend",
+                labels=["backend"],
+            )
+            reclaimed.add_metric([self._backend], float(m.reclaimed_entries))
+            out.append(reclaimed)
+        return out
 
 
 class Metrics:
@@ -92,6 +143,17 @@ class Metrics:
         # labels(...) costs a lock and a tuple-keyed lookup per call; the hot paths use cached children.
         self._children: dict[tuple[int, str], Any] = {}
 
+    def register_index(self, index: object) -> bool:
+        """Export the backend's own metrics when it keeps them (the Redis backend does)."""
+        m = getattr(index, "metrics", None)
+        needed = ("latency_counts", "round_trip_seconds", "errors", "connection_errors", "reconnects")
+        if m is None or not all(hasattr(m, a) for a in needed):
+            return False
+        module = sys.modules.get(type(index).__module__)
+        buckets: tuple[float, ...] = tuple(getattr(module, "LATENCY_BUCKETS", ()))
+        self.registry.register(IndexBackendCollector(m, buckets, str(getattr(index, "backend", "unknown"))))
+        return True
+
     def _child(self, metric: Any, label: str) -> Any:
         key = (id(metric), label)
         child = self._children.get(key)
@@ -121,6 +183,10 @@ class Metrics:
     def lease_expired(self) -> None:
         self.leases_expired.inc()
         self.leases_expired_total += 1
+
+    def hash_verified(self, result: str) -> None:
+        """One sampled chain recomputed: ``ok``, ``mismatch`` or ``skipped``."""
+        self._child(self.hash_verifications, result).inc()
 
     def hash_mismatch(self, model: str) -> None:
         self.hash_mismatches.labels(model).inc()

@@ -23,10 +23,16 @@ from kvcoord.coordinator.auth import Authenticator
 from kvcoord.coordinator.config import ConfigError, CoordinatorConfig, load_config
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
+from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials
 from kvcoord.index import Index, open_index
 
 log = logging.getLogger("kvcoord.coordinator")
+
+LIVENESS = "kvcoord.liveness"
+"""Health service name that is SERVING while the process runs, whatever the index does: the liveness
+probe's. ``""`` and ``kvcoord.v1.Coordinator`` follow the index (readiness): a Redis outage must take
+a replica out of rotation, not get it restarted."""
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -62,7 +68,9 @@ class CoordinatorServer:
             self._index if self._index is not None else open_index(cfg.index, key_prefix=cfg.index_key_prefix)
         )
         self._index = index
-        state = self.state = CoordinatorState(cfg, index)
+        directory = open_directory(cfg.index, key_prefix=cfg.index_key_prefix)
+        state = self.state = CoordinatorState(cfg, index, directory=directory)
+        state.metrics.register_index(index)
         opts = [
             ("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
             ("grpc.max_send_message_length", max(cfg.limits.max_message_bytes, 4 * 1024 * 1024)),
@@ -77,6 +85,7 @@ class CoordinatorServer:
         hs = self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        await hs.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         try:
             if cfg.tls.enabled:
                 self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls))

@@ -324,9 +324,11 @@ class CoordinatorServicer:
             )
         candidates: set[NodeKey] | None = {(c.node_id, c.dp_rank) for c in request.candidates} or None
         matches: list[RawMatch] = []
-        if hashes and st.registry.has_live(model):
+        if hashes and (st.registry.has_live(model) if st.directory is None else st.has_live(model)):
+            index = st.index
+            if not st.index_up:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(st.index_down_reason))
             try:
-                index = st.index
                 if isinstance(index, MemoryIndex):  # no await, no NodeMatch objects on the hot path
                     matches = index.match_raw_sync(model, hashes, candidates)
                 else:
@@ -335,8 +337,10 @@ class CoordinatorServicer:
                         for m in await index.match(model, list(hashes), candidates)
                     ]
             except Exception as exc:
-                log.exception("index match failed")
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"index backend failed: {exc}")
+                reason = f"{type(exc).__name__}: {exc}"
+                st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
+                await st.index_down(reason)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(reason))
         resp = self._answer(model, profile.block_size if profile is not None else 0, len(hashes), matches)
         st.metrics.lookup_done(which or "none", time.perf_counter() - t0)
         if hashes:
@@ -344,18 +348,37 @@ class CoordinatorServicer:
             st.metrics.matched_fraction.observe(best / len(hashes))
         return resp
 
+    def _unavailable(self, reason: str) -> str:
+        backend = self.state.index.backend
+        return (
+            f"index backend {backend} is unavailable ({reason or 'not answering'}); this coordinator "
+            "reports NOT_SERVING until it is back: retry shortly or ask another replica"
+        )
+
     def _answer(
         self, model: str, block_size: int, num_blocks: int, matches: list[RawMatch]
     ) -> pb.LookupResponse:
         resp = pb.LookupResponse(model=model, block_size=block_size, num_blocks=num_blocks)
         if not matches:
             return resp
-        live_record = self.state.registry.live_record
+        st = self.state
         now = time.monotonic()
-        w0, w1, w2 = self.state.config.tier_weights
-        live: list[tuple[float, int, str, int, tuple[int, ...], NodeRecord]] = []
+        if st.directory is None:
+            live_record = st.registry.live_record
+
+            def live_load(node_id: str) -> Load | None:
+                rec = live_record(node_id, model, now)
+                return rec.load if rec is not None else None
+        else:  # replicas: other replicas' nodes count too (see kvcoord.coordinator.shared)
+            now_wall = time.time()
+
+            def live_load(node_id: str) -> Load | None:
+                return st.lookup_load(node_id, model, now, now_wall)
+
+        w0, w1, w2 = st.config.tier_weights
+        live: list[tuple[float, int, str, int, tuple[int, ...], Load]] = []
         for node_id, rank, matched, tiers in matches:
-            rec = live_record(node_id, model, now)
+            rec = live_load(node_id)
             if rec is None or matched <= 0:
                 continue
             t = (*tiers[:3], 0, 0, 0) if len(tiers) < 3 else tiers
@@ -372,7 +395,7 @@ class CoordinatorServicer:
                 tc.cpu = tiers[1]
                 if len(tiers) > 2:
                     tc.storage = tiers[2]
-            ld, out = rec.load, nm.load
+            ld, out = rec, nm.load
             out.running_requests = ld.running_requests
             out.waiting_requests = ld.waiting_requests
             out.kv_usage = ld.kv_usage
@@ -433,6 +456,7 @@ class CoordinatorServicer:
     ) -> pb.RemoveNodeResponse:
         rec = await self._manage(request, context, "remove")
         self.state.registry.remove(rec.node_id)
+        self.state.node_removed(rec)
         self.state.remove_in_background(rec.node_id)
         log.info("node %s: removed", rec.node_id)
         self.state.metrics.set_nodes(self.state.registry.by_state())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcoord.coordinator.config import VerifyConfig, env_seed
@@ -64,8 +64,10 @@ def compare_announced(announced: AnnouncedProfile, profile: HashProfile) -> str 
 class HashVerifier:
     """Samples BlockStored chains and recomputes them; remembers recently verified digests by uint64."""
 
-    def __init__(self, cfg: VerifyConfig) -> None:
+    def __init__(self, cfg: VerifyConfig, on_result: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
+        self.on_result = on_result
+        """Called once per sampled chain: ``ok``, ``mismatch`` or ``skipped`` (not recomputable)."""
         self._lru: OrderedDict[tuple[str, int], BlockDigest] = OrderedDict()
         self.verified = 0
         self.skipped = 0
@@ -131,16 +133,24 @@ class HashVerifier:
             rec.verify_seen += 1
             if rec.verify_seen > self.cfg.first and rec.verify_seen % self.cfg.sample_every:
                 self.skipped += 1
-                continue
+                continue  # not sampled: not a verification
+            before = self.verified
             try:
                 reason = self._verify_chain(rec, model, profile, ev, parent)
             except Exception:  # verification is advisory: never let it break ingest
                 log.warning("hash verification of a BlockStored from %s failed", rec.node_id, exc_info=True)
                 self.skipped += 1
+                self._result("skipped")
                 continue
             if reason is not None:
+                self._result("mismatch")
                 return reason
+            self._result("ok" if self.verified > before else "skipped")
         return None
+
+    def _result(self, result: str) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
 
     def _verify_chain(
         self, rec: NodeRecord, model: str, profile: HashProfile, ev: BlockStored, parent: BlockDigest | None

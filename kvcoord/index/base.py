@@ -73,20 +73,6 @@ class IndexStats:
 
 
 @runtime_checkable
-class Generational(Protocol):
-    """A backend that can tell when it lost its contents behind the coordinator's back.
-
-    To be folded into :class:`Index` once every backend implements it; the coordinator checks for it.
-    """
-
-    async def generation(self) -> str:
-        """An opaque id of the current contents' lifetime. It changes only when everything stored
-        before is gone (e.g. Redis restarted empty), and the coordinator then asks every agent for a
-        snapshot. Cheap (called every stats interval); raises when the backend is unreachable."""
-        ...
-
-
-@runtime_checkable
 class Index(Protocol):
     """A global block index. All methods are coroutines so that remote backends fit the same shape."""
 
@@ -133,6 +119,13 @@ class Index(Protocol):
 
     async def ping(self) -> bool:
         """True when the backend can serve; remote backends check their connection."""
+        ...
+
+    async def generation(self) -> str:
+        """An opaque id of the current contents' lifetime. It changes only when everything stored
+        before is gone (e.g. Redis restarted empty), and the coordinator then asks every agent for a
+        snapshot. Cheap (called every stats interval and after every outage); raises
+        ``ConnectionError`` when the backend is unreachable."""
         ...
 
     async def close(self) -> None:

@@ -1,20 +1,24 @@
-"""The in-memory index: one dict per model from block hash to a bitmask of locations.
+"""The in-memory index: per model, a table from uint64 block hash to the slots holding it.
 
-Layout (why it is small and fast):
+Every ``(node_id, dp_rank)`` of a model gets a small integer *slot*. Two interchangeable cores hold the
+blocks (``MemoryIndex(core="auto"|"c"|"python")``; ``auto`` takes C when it was built):
 
-- Every ``(node_id, dp_rank)`` of a model gets a small integer *slot*; slot ``s`` is bit ``1 << s``.
-- ``blocks`` maps the uint64 block hash to an ``int``: the slots holding the block on any tier. A block
-  held by one slot stores that slot's shared ``bit`` object, so a single-holder entry costs only its
-  dict slot and its key int (about 70-100 bytes at millions of entries, measured by the benchmark).
-- ``tiered`` holds ``(gpu, cpu, storage)`` slot masks only for blocks that some slot keeps off-GPU;
-  a block absent from it is GPU-only. GPU-only fleets never touch it.
-- Stores of new blocks go through C-level dict operations (``dict.fromkeys`` + ``update``); a match
-  ANDs the masks along the query in C (``itertools.accumulate`` over ``map(blocks.get, ...)``) in
-  chunks that double in size, so it stops soon after the candidate mask is empty; tier counts are
-  only computed for surviving slots over positions found in ``tiered``.
+- **C** (``kvcoord._indexcore``, built by setup.py when a compiler is present): an open-addressing
+  table of 16-byte buckets (key, one inline ``(slot, tier mask)`` holder or the index of a sorted
+  holder array), about 30-40 bytes per entry at millions of entries. Whole events go in per call
+  (buckets prefetched ahead), and a match walks the query once, intersecting holders with the
+  surviving slots, recording runs as slots drop out, counting fastest tiers, and building the
+  sorted answer rows itself (``NodeMatch`` is a NamedTuple it can allocate directly).
+- **Python** (the fallback, same answers): ``blocks`` maps the hash to an ``int`` bitmask of slots
+  (a single holder shares its slot's ``bit`` object: 50-70 bytes an entry); ``tiered`` holds
+  ``(gpu, cpu, storage)`` masks only for blocks some slot keeps off-GPU. Stores and matches run
+  through C-level dict and ``itertools`` calls in chunks.
+
+The slot registry, group memory, batch validation and sweep bookkeeping are shared Python code, so
+the cores differ only in storage (tests run the backend suite on both and compare them directly).
 
 Removing a node, clearing a ``(node, dp_rank)`` and replacing it with a snapshot *retire* its slot:
-the bit leaves the live mask at once (O(1) for readers) and is never handed out again until a sweep
+the slot leaves the live set at once (O(1) for readers) and is never handed out again until a sweep
 has stripped it from every value, so re-adding the node id starts from an empty slot. The sweep runs
 as a background task under the async API, in small steps piggy-backed on ``apply_sync`` otherwise,
 or all at once via ``reclaim_sync``.
@@ -26,13 +30,6 @@ the full-attention entry. The index therefore remembers, per ``(model, node, dp_
 ``group_idx`` values were seen on non-indexable stores, and skips (counts) removals of those groups.
 Removals without ``group_idx`` or of a group not yet seen are applied; if the block is not held they
 are the usual counted no-op. ``remove_node`` forgets what it learnt about the node's groups.
-
-Two interchangeable cores hold the blocks (``MemoryIndex(core="auto"|"c"|"python")``): the C
-extension ``kvcoord._indexcore`` (built by setup.py when a compiler is present; an open-addressing
-uint64 table of inline ``(slot, tier mask)`` holders, whole events per call, one-pass matches that
-build the answer rows in C) and the pure-Python layout above, the fallback. The slot registry, group
-memory, validation and sweep bookkeeping are shared Python code, so both cores answer identically
-(tests run the backend suite on both and compare them directly).
 
 Not thread-safe: use it from one thread (the coordinator's event loop).
 """
@@ -500,12 +497,109 @@ class _Model:
         return size
 
 
+def _py_u64_ok(raw: object) -> bool:
+    """Pure-Python fast check: a non-empty list/tuple of ints in [0, 2**64) (False: take the slow path)."""
+    if not isinstance(raw, tuple | list):
+        return False
+    if not raw:
+        return True
+    try:
+        array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
+    except (TypeError, OverflowError, ValueError):
+        return False
+    # array() accepts bools (True == 1, False == 0) and __index__ objects: only plain big ints pass here.
+    return bool(min(raw) > 1)
+
+
+class _CModel(_Model):
+    """A model whose blocks live in the C core's table; the slot registry stays in ``_Model``."""
+
+    __slots__ = ("sweeping", "table")
+
+    def __init__(self) -> None:
+        super().__init__()
+        assert _indexcore is not None
+        self.table = _indexcore.Table()
+        self.sweeping = False
+
+    def nkeys(self) -> int:
+        return len(self.table)
+
+    def bind(self, slot: int, key: NodeKey) -> None:
+        super().bind(slot, key)
+        self.table.set_live(slot, True)
+
+    def retire(self, slot: int) -> int:
+        self.table.set_live(slot, False)
+        return super().retire(slot)
+
+    def store(self, slot: int, tier: int, hashes: Sequence[int]) -> int:
+        added = self.table.store(slot, tier, cast("list[int]", hashes))
+        self.counts[slot][tier] += added
+        return added
+
+    def remove(self, slot: int, tier: int, hashes: Sequence[int]) -> int:
+        done = self.table.remove(slot, tier, cast("list[int]", hashes))
+        self.counts[slot][tier] -= done
+        return done
+
+    def sweep(self, budget: int) -> tuple[int, bool]:
+        """One step of the table's sweep pass; a pass strips the slots dead when it began."""
+        if not self.sweeping:
+            if not self.dead:
+                return 0, True
+            self.sweep_mask = self.dead
+            self.table.sweep_begin(_slots_of(self.dead))
+            self.sweeping = True
+        visited, finished = self.table.sweep_step(budget)
+        if not finished:
+            return visited, False
+        done = self.sweep_mask
+        self.sweeping = False
+        self.sweep_mask = 0
+        self.dead &= ~done
+        for slot in _slots_of(done):
+            heapq.heappush(self.free, slot)
+        return visited, not self.dead
+
+    def match(
+        self, hashes: Sequence[int], candidates: Collection[NodeKey] | None, cls: type[NodeMatch] | None
+    ) -> list[RawMatch]:
+        if self.order is None:
+            self.table.set_order(self.sort_order())
+        cand: list[int] | None = None
+        if candidates is not None:
+            get = self.slot_of.get
+            cand = [s for s in map(get, candidates) if s is not None]
+        return self.table.match(hashes, cand, self.slot_key, cls)
+
+    def export(self, slot: int) -> list[SnapshotEntry]:
+        return [(BlockHash64(h), _TIERS[t]) for h, t in self.table.export(slot)]
+
+    def nbytes(self, sample: int = 512) -> int:
+        return (
+            self.table.nbytes()
+            + sys.getsizeof(self.slot_of)
+            + sum(sys.getsizeof(b) for b in self.bits)
+            + 200 * len(self.slot_key)
+        )
+
+
 class MemoryIndex:
     """The embedded default backend. Async methods wrap the ``*_sync`` ones, which never block on I/O."""
 
     backend = "memory"
 
-    def __init__(self, *, sweep_chunk: int = 20_000) -> None:
+    def __init__(self, *, sweep_chunk: int = 20_000, core: Core = "auto") -> None:
+        if core not in ("auto", "c", "python"):
+            raise ValueError(f"core must be 'auto', 'c' or 'python', not {core!r}")
+        if core == "c" and _indexcore is None:
+            raise ValueError("core='c' but the kvcoord._indexcore extension is not built")
+        use_c = core != "python" and _indexcore is not None
+        self.core: Literal["c", "python"] = "c" if use_c else "python"
+        """The core in use (``auto`` resolves to ``c`` when the extension is built)."""
+        self._model_type: type[_Model] = _CModel if use_c else _Model
+        self._u64_ok: Callable[[object], bool] = _indexcore.validate_u64_seq if use_c else _py_u64_ok
         self._models: dict[str, _Model] = {}
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
@@ -514,21 +608,12 @@ class MemoryIndex:
 
     # ------------------------------------------------------------------ validation
 
-    @staticmethod
-    def _hashes(raw: object, where: str) -> Sequence[int]:
+    def _hashes(self, raw: object, where: str) -> Sequence[int]:
         """The event's hashes as uint64 ints; raises InvalidEvent. Fast path: all ints in range."""
         if not isinstance(raw, tuple | list):
             raise InvalidEvent(f"{where}: block_hashes must be a list, not {type(raw).__name__}")
-        if not raw:
-            return _EMPTY
-        try:
-            array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
-        except (TypeError, OverflowError, ValueError):
-            pass
-        else:
-            # array() accepts bools (True == 1, False == 0): only then take the strict path.
-            if min(raw) > 1:
-                return raw
+        if self._u64_ok(raw):
+            return raw
         out: list[int] = []
         for i, h in enumerate(raw):
             if isinstance(h, bytes | bytearray | memoryview) and len(h) == 0:
@@ -624,13 +709,13 @@ class MemoryIndex:
                     res.skipped_group += len(hashes)
                     if group is not None:
                         if mi is None:
-                            mi = self._models[model] = _Model()
+                            mi = self._models[model] = self._model_type()
                         mi.skip_groups.setdefault(key, set()).add(group)
                     continue
                 if not hashes:
                     continue
                 if mi is None:
-                    mi = self._models[model] = _Model()
+                    mi = self._models[model] = self._model_type()
                 res.stored += mi.store(mi.slot_for_store(key), tier, hashes)
                 work += len(hashes)
             elif kind == _REMOVE:
@@ -701,7 +786,7 @@ class MemoryIndex:
             per_tier[t].extend(self._hashes((h,), f"snapshot entry {i}"))
         mi = self._models.get(model)
         if mi is None:
-            mi = self._models[model] = _Model()
+            mi = self._models[model] = self._model_type()
         key = (node_id, dp_rank)
         slot = mi.new_slot()
         for tier, hashes in enumerate(per_tier):

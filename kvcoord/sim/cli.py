@@ -14,7 +14,7 @@ from kvcoord.index import open_index
 from kvcoord.index.base import Index
 from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
 from kvcoord.sim.cluster import ClusterConfig, SimBackend, simulate
-from kvcoord.sim.report import plot, summarize, table
+from kvcoord.sim.report import average_seeds, plot, summarize, table
 from kvcoord.sim.workload import SyntheticSpec, Workload, load_mooncake, synthetic
 
 
@@ -55,9 +55,10 @@ _SHARED: tuple[Workload, HashProfile, ClusterConfig, int, float, str, str | None
 """What :func:`_run_policy` needs, set before worker processes fork."""
 
 
-def _run_policy(name: str) -> dict[str, Any]:
+def _run_policy(job: tuple[str, int]) -> dict[str, Any]:
     assert _SHARED is not None
-    workload, profile, config, seed, ttl, index_uri, coordinator = _SHARED
+    name, seed = job
+    workload, profile, config, _, ttl, index_uri, coordinator = _SHARED
     policy = make_policy(name, seed, latency=config.latency, ttl=ttl)
     index: Index | SimBackend
     if coordinator is not None:
@@ -65,13 +66,14 @@ def _run_policy(name: str) -> dict[str, Any]:
 
         index = CoordinatorBackend(coordinator, profile, tag=run_tag(name))
     else:
-        index = open_index(index_uri, key_prefix=f"kvcoord-sim-{os.getpid()}-{name}")
+        index = open_index(index_uri, key_prefix=f"kvcoord-sim-{os.getpid()}-{name}-{seed}")
     t1 = time.perf_counter()
     result = simulate(workload, policy, profile, config, index)
     row = summarize(result)
     row["wall_s"] = round(time.perf_counter() - t1, 2)
+    row["seed"] = seed
     print(
-        f"  {name}: hit {row['token_hit_rate']:.1%}, TTFT p99 {row['ttft_p99_s']:.3f} s "
+        f"  {name} (seed {seed}): hit {row['token_hit_rate']:.1%}, TTFT p99 {row['ttft_p99_s']:.3f} s "
         f"({row['wall_s']:.1f} s wall)",
         file=sys.stderr,
         flush=True,
@@ -89,6 +91,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     if args.jobs < 1:
         raise ValueError("--jobs must be >= 1")
+    if args.seeds < 1:
+        raise ValueError("--seeds must be >= 1")
     if args.time_scale <= 0:
         raise ValueError("--time-scale must be > 0")
     names = _policies(args.policies)
@@ -115,16 +119,18 @@ def run_simulate(args: argparse.Namespace) -> int:
     global _SHARED
     _SHARED = (workload, profile, config, args.seed, args.ttl, args.index, args.coordinator)
     try:
-        if args.jobs > 1 and len(names) > 1:
+        jobs = [(name, args.seed + k) for name in names for k in range(args.seeds)]
+        if args.jobs > 1 and len(jobs) > 1:
             import multiprocessing
 
             # fork: the children share the (large) workload copy-on-write instead of pickling it
-            with multiprocessing.get_context("fork").Pool(min(args.jobs, len(names))) as workers:
-                rows = workers.map(_run_policy, names)
+            with multiprocessing.get_context("fork").Pool(min(args.jobs, len(jobs))) as workers:
+                runs = workers.map(_run_policy, jobs)
         else:
-            rows = [_run_policy(name) for name in names]
+            runs = [_run_policy(job) for job in jobs]
     finally:
         _SHARED = None
+    rows = [average_seeds([r for r in runs if r["policy"] == name]) for name in names]
     print(table(rows), file=sys.stderr)
     report: dict[str, Any] = {
         "workload": {
@@ -146,8 +152,11 @@ def run_simulate(args: argparse.Namespace) -> int:
             "index": f"coordinator {args.coordinator}" if args.coordinator else args.index,
         },
         "seed": args.seed,
+        "seeds": args.seeds,
         "policies": rows,
     }
+    if args.seeds > 1:
+        report["runs"] = runs
     if args.json is not None:
         text = json.dumps(report, indent=2)
         if args.json == "-":

@@ -1,0 +1,130 @@
+"""Issue 6 item 2: two ``kvcoord serve`` replicas on one Redis answer lookups identically.
+
+An agent streams to replica A only; lookups (by tokens and by hashes) from A and B must agree, and
+when the agent goes silent the node vanishes from both once its (short) lease expires. Real
+``redis-server`` and real ``kvcoord serve`` subprocesses; the agent is the real Reporter over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcoord.agent.reporter import NodeLoad, Reporter
+from kvcoord.events import BlockRemoved, BlockStored, Tier
+from kvcoord.hashing import HashProfile, block_hashes64
+from kvcoord.router.client import AsyncCoordinatorClient
+from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from tests.redis_servers import RedisServer, redis_server
+
+MODEL = "rep-model"
+BS = 4
+LEASE = 1.5
+PROFILE = HashProfile(algo="sha256_cbor", block_size=BS, seed="7")
+TOKENS = list(range(100, 100 + 12 * BS))
+OTHER = list(range(900, 900 + 6 * BS))
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    with redis_server() as redis, contextlib.ExitStack() as stack:
+        addrs = [_serve(stack, redis, tmp_path, name) for name in ("a", "b")]
+        yield addrs[0], addrs[1]
+
+
+def _serve(stack: contextlib.ExitStack, redis: RedisServer, tmp: Path, name: str) -> str:
+    port = free_port()
+    stack.enter_context(running(kvcoord_cmd(
+        "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "", "--index", f"{redis.url}?timeout=2",
+        "--lease-seconds", str(LEASE), "--model", f"{MODEL},algo=sha256_cbor,block_size={BS},seed=7",
+    ), log=tmp / f"serve-{name}.log"))
+    wait_for_port(port)
+    return f"127.0.0.1:{port}"
+
+
+def _view(res: Any) -> list[tuple[object, ...]]:
+    return [(n.node_id, n.dp_rank, n.matched_blocks, tuple(sorted(n.tiers.items())),
+             (n.load.running_requests, n.load.waiting_requests)) for n in res.nodes]
+
+
+async def _answers(a: AsyncCoordinatorClient, b: AsyncCoordinatorClient, query: dict[str, Any]) -> tuple[
+    list[tuple[object, ...]], list[tuple[object, ...]]
+]:
+    ra, rb = await asyncio.gather(a.lookup(MODEL, **query), b.lookup(MODEL, **query))
+    return _view(ra), _view(rb)
+
+
+async def _until(cond: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_two_replicas_answer_alike_and_expire_alike(replicas: tuple[str, str]) -> None:
+    addr_a, addr_b = replicas
+    hashes = block_hashes64(PROFILE, TOKENS)
+    other = block_hashes64(PROFILE, OTHER)
+    held: dict[int, Tier] = {}
+    load = NodeLoad(running_requests=3, waiting_requests=1)
+    rep = Reporter([addr_a], node_id="node-r", model=MODEL, epoch=5, hash_profile=PROFILE,
+                   snapshot=lambda rank: sorted(held.items()), load=lambda: load)
+    await rep.start()
+    try:
+        await rep.wait_connected(10)
+        rep.submit(0, [BlockStored(block_hashes=tuple(hashes[:10]), parent_block_hash=None, token_ids=(),
+                                   block_size=BS),
+                       BlockStored(block_hashes=tuple(hashes[10:]), parent_block_hash=hashes[9], token_ids=(),
+                                   block_size=BS, medium="CPU"),
+                       BlockStored(block_hashes=tuple(other), parent_block_hash=None, token_ids=(),
+                                   block_size=BS),
+                       BlockRemoved(block_hashes=(other[3],))])
+        held.update({h: Tier.GPU for h in hashes[:10]})
+        held.update({h: Tier.CPU for h in hashes[10:]})
+        held.update({h: Tier.GPU for h in other if h != other[3]})
+        await rep.wait_acked(10)
+        async with AsyncCoordinatorClient(addr_a) as a, AsyncCoordinatorClient(addr_b) as b:
+            queries: list[dict[str, Any]] = [
+                {"tokens": TOKENS}, {"hashes": hashes}, {"tokens": OTHER}, {"hashes": other[:2]},
+                {"hashes": hashes[:5] + other[:1]}, {"tokens": TOKENS[: 3 * BS]},
+            ]
+            expected = [
+                [("node-r", 0, 12, (("CPU", 2), ("GPU", 10), ("STORAGE", 0)), (3, 1))],
+                [("node-r", 0, 12, (("CPU", 2), ("GPU", 10), ("STORAGE", 0)), (3, 1))],
+                [("node-r", 0, 3, (("CPU", 0), ("GPU", 3), ("STORAGE", 0)), (3, 1))],
+                [("node-r", 0, 2, (("CPU", 0), ("GPU", 2), ("STORAGE", 0)), (3, 1))],
+                [("node-r", 0, 6, (("CPU", 0), ("GPU", 6), ("STORAGE", 0)), (3, 1))],  # any held run
+                [("node-r", 0, 3, (("CPU", 0), ("GPU", 3), ("STORAGE", 0)), (3, 1))],
+            ]
+
+            async def agree() -> bool:
+                for q, want in zip(queries, expected, strict=True):
+                    va, vb = await _answers(a, b, q)
+                    if va != want or vb != want:
+                        return False
+                return True
+
+            # B learns of the node through the shared directory (within its refresh interval).
+            await _until(agree, "identical answers from both replicas")
+            nodes_b = await b.list_nodes()
+            assert [n.node_id for n in await a.list_nodes()] == ["node-r"] and nodes_b == []
+
+            # The agent goes silent: the node leaves both replicas' answers once its lease expired.
+            silent = time.monotonic()
+            await rep.close()
+
+            async def gone() -> bool:
+                va, vb = await _answers(a, b, {"hashes": hashes})
+                return va == [] and vb == []
+
+            await _until(gone, "the node to vanish from both replicas", timeout=LEASE + 8)
+            assert time.monotonic() - silent >= LEASE * 0.9, "vanished before its lease ran out"
+    finally:
+        await rep.close()
