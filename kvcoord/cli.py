@@ -192,6 +192,22 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="engine DP ranks to relay, comma separated: rank r publishes on the (rank-0) "
                         "endpoints' port + r, as vLLM offsets them (default 0)")
     p.add_argument("--tls-ca", default=None, help="CA bundle (PEM) verifying the coordinator's certificate")
+    p.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mutual TLS (+ --tls-key)")
+    p.add_argument("--tls-key", default=None, help="client private key (PEM) for mutual TLS (+ --tls-cert)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name to check the coordinator's certificate against (turns TLS on)")
+    g = p.add_argument_group(
+        "hash profile",
+        "The engine's block-hash settings, announced in the Hello so the coordinator can refuse an agent "
+        "whose hashes cannot match its routers' (a fingerprint, never the seed). Omit --algo to announce "
+        "nothing.")
+    g.add_argument("--algo", default=None, help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
+    g.add_argument("--block-size", type=int, default=None, help="the engine's block size (with --algo)")
+    g.add_argument("--hash-seed", default=None, help="the engine's NONE_HASH seed (default: $PYTHONHASHSEED)")
+    g.add_argument("--engine-release", default=None,
+                   help="vLLM release (e.g. 0.31): sets the extra-key style and the seed default")
+    g.add_argument("--style", choices=["untagged", "tagged"], default=None,
+                   help="extra-key style (default: from --engine-release, else untagged)")
     p.add_argument("--signed-hashes", action="store_true",
                    help="accept SGLang's signed int64 block hashes (reinterpreted as uint64)")
     p.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer")
@@ -204,8 +220,9 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_sim_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("sim-engine", help="a stand-in engine publishing vLLM-exact KV events")
-    p.add_argument("--zmq-bind", default="tcp://*:5557", help="PUB endpoint (rank 0; rank r uses port + r)")
-    p.add_argument("--replay-bind", default=None, help="ROUTER replay endpoint, e.g. tcp://*:5558")
+    p.add_argument("--zmq-bind", default="tcp://*:5557",
+                   help="PUB endpoint, always bound (rank 0; rank r uses port + r); agents connect to it")
+    p.add_argument("--replay-bind", default=None, help="ROUTER replay endpoint, always bound, e.g. tcp://*:5558")
     p.add_argument("--topic", default="")
     p.add_argument("--model", default="sim-model")
     p.add_argument("--dp-rank", type=int, default=0)

@@ -46,6 +46,7 @@ __all__ = [
     "events_to_proto",
     "tier_from_proto",
     "tier_to_proto",
+    "tupleize",
 ]
 
 _UINT64_MAX = (1 << 64) - 1
@@ -123,12 +124,13 @@ def _check_range(value: int | None, lo_hi: tuple[int, int], what: str) -> None:
 
 
 # --- extra keys --------------------------------------------------------------------------------
-def _tupleize(value: Any) -> Any:
-    """msgpack arrays come back as lists; the model (like vLLM's structs) uses tuples."""
-    if isinstance(value, list):
-        return tuple(_tupleize(v) for v in value)
+def tupleize(value: Any) -> Any:
+    """msgpack arrays come back as lists; the model (like vLLM's structs, which hashing pickles, where
+    a list and a tuple differ) uses tuples. Recursive; dict keys and values too."""
+    if isinstance(value, list | tuple):
+        return tuple(tupleize(v) for v in value)
     if isinstance(value, dict):
-        return {_tupleize(k): _tupleize(v) for k, v in value.items()}
+        return {tupleize(k): tupleize(v) for k, v in value.items()}
     return value
 
 
@@ -156,7 +158,7 @@ def _extra_keys_from_bytes(data: bytes) -> tuple[ExtraKeys, ...] | None:
             raise ValueError(
                 f"BlockStored.extra_keys[{i}] must be an array or nil, not {type(item).__name__}"
             )
-        out.append(_tupleize(item))
+        out.append(tupleize(item))
     return tuple(out)
 
 

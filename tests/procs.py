@@ -76,3 +76,71 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> int:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode
+
+
+def make_certs(directory: Path) -> dict[str, Path]:
+    """A test PKI written to ``directory`` with the ``cryptography`` package (no openssl CLI needed):
+    a CA, a server cert for ``localhost``/``127.0.0.1`` and a client cert, each signed by the CA, valid
+    two days. Returns paths keyed ``ca_crt``, ``ca_key``, ``server_crt``, ``server_key``, ``client_crt``,
+    ``client_key`` (PEM; keys unencrypted)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    out: dict[str, Path] = {}
+
+    def write(name: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
+        out[f"{name}_key"] = directory / f"{name}.key"
+        out[f"{name}_key"].write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        out[f"{name}_crt"] = directory / f"{name}.crt"
+        out[f"{name}_crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    def builder(cn: str, issuer: x509.Name, key: ec.EllipticCurvePrivateKey) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvcoord-test-ca")])
+    ca_cert = (
+        builder("kvcoord-test-ca", ca_name, ca_key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    write("ca", ca_key, ca_cert)
+    san = x509.SubjectAlternativeName(
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    )
+    purposes = (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH))
+    for name, usage in purposes:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            builder(name, ca_name, key)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(san, critical=False)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        write(name, key, cert)
+    return out

@@ -612,7 +612,7 @@ async def test_lookup_by_tokens_matches_real_engine_hashes(index: Index) -> None
         await a.start()
         b = Agent(c, "gpu-1", model=QWEN)
         await b.start()
-        assert ack_seq(await a.batch(1, [_qwen_event(base, extra_keys=False)])) == 1
+        assert ack_seq(await a.batch(1, [_qwen_event(base, extra_keys=True)])) == 1
         assert ack_seq(await b.batch(1, [_qwen_event(lora, extra_keys=True)])) == 1
         n = len(base["block_hashes"])
         tokens = base["token_ids"]
@@ -663,7 +663,7 @@ async def test_hash_mismatch_is_reported_with_its_cause(
         welcome = await a.hello(profile=profile)
         assert welcome.snapshot_required
         await a.snapshot(0)
-        assert ack_seq(await a.batch(1, [_qwen_event(base, extra_keys=False)])) == 1  # still applied
+        assert ack_seq(await a.batch(1, [_qwen_event(base, extra_keys=True)])) == 1  # still applied
         info = await c.node("gpu-0")
         assert info.state == "hash_mismatch" and info.hash_mismatch
         assert (
@@ -688,6 +688,7 @@ async def test_verification_continues_chains_from_verified_parents(index: Index)
             parent_block_hash=None,
             token_ids=tuple(tokens[:32]),
             block_size=16,
+            extra_keys=(None, None),
         )
         assert ack_seq(await a.batch(1, [event_to_proto(head)])) == 1
         # A continuation whose parent the coordinator verified, with a forged hash: caught.
@@ -696,6 +697,7 @@ async def test_verification_continues_chains_from_verified_parents(index: Index)
             parent_block_hash=hashes[1],
             token_ids=tuple(tokens[32:48]),
             block_size=16,
+            extra_keys=(None,),
         )
         assert ack_seq(await a.batch(2, [event_to_proto(forged)])) == 2
         info = await c.node("gpu-0")
@@ -704,6 +706,45 @@ async def test_verification_continues_chains_from_verified_parents(index: Index)
         reg = c.server.state.metrics.registry
         assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "ok"}) == 1
         assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "mismatch"}) == 1
+        await a.close()
+
+
+async def test_verification_skips_events_without_extra_keys(index: Index) -> None:
+    """A release that omits extra_keys may have hashed cache_salt or multimodal keys the coordinator
+    cannot know: such events are skipped (counted), never reported as a mismatch."""
+    base = _fixture("kv_event_base.json")
+    # Seed 43: a wrong seed would be a mismatch if the event were verified.
+    async with serving(index, models=[f"{QWEN},algo=sha256_cbor,block_size=16,seed=43"]) as c:
+        a = Agent(c, "gpu-0", model=QWEN)
+        await a.start()
+        assert ack_seq(await a.batch(1, [_qwen_event(base, extra_keys=False)])) == 1
+        info = await c.node("gpu-0")
+        assert info.state == "active" and not info.hash_mismatch
+        assert c.server.state is not None
+        reg = c.server.state.metrics.registry
+        assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "skipped"}) == 1
+        assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "mismatch"}) is None
+        await a.close()
+
+
+async def test_verification_decodes_only_sampled_events(index: Index) -> None:
+    """Past the first chains only one in ``sample_every`` is verified; the others are not decoded, and
+    every event is applied either way."""
+    base = _fixture("kv_event_base.json")
+    async with serving(index, models=[f"{QWEN},algo=sha256_cbor,block_size=16,seed=42"]) as c:
+        assert c.server.state is not None
+        verifier = c.server.state.verifier
+        first, every = verifier.cfg.first, verifier.cfg.sample_every
+        a = Agent(c, "gpu-0", model=QWEN)
+        await a.start()
+        ev = _qwen_event(base, extra_keys=True)
+        n = first + 2 * every
+        for seq in range(1, n + 1):
+            assert ack_seq(await a.batch(seq, [ev])) == seq
+        reg = c.server.state.metrics.registry
+        assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "ok"}) == first + 2
+        assert verifier.skipped == n - first - 2
+        assert (await c.node("gpu-0")).state == "active"
         await a.close()
 
 

@@ -18,9 +18,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvcoord.coordinator.config import ConfigError, load_config
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
-from tests.procs import free_port, kvcoord_cmd, running, stop, wait_for_port
+from tests.procs import free_port, kvcoord_cmd, make_certs, running, stop, wait_for_port
 
 TIMEOUT = 5.0
+STOP_BOUND = 5.0
+"""Seconds SIGTERM may take in a test (generous for a loaded CI machine; about 0.1-0.3 s measured)."""
 
 
 def _serve(
@@ -102,16 +104,15 @@ def test_serve_health_reflection_metrics_and_sigterm(tmp_path: Path) -> None:
             "index_bytes",
         ):
             assert f"# HELP kvcoord_{name}" in text, name
-        t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=2.0) == 0
-        assert time.monotonic() - t0 < 2.0
+        # Bound generous for a loaded CI machine: the functional check is the clean exit (status 0).
+        assert proc.wait(timeout=STOP_BOUND) == 0
     out = log.read_text()
     assert f"grpc 127.0.0.1:{port}" in out and f"http://127.0.0.1:{mport}/metrics" in out
     assert "Traceback" not in out
 
 
-def test_sigterm_with_open_streams_stops_within_2s(tmp_path: Path) -> None:
+def test_sigterm_ends_open_streams_with_unavailable_and_exits(tmp_path: Path) -> None:
     cmd, port, _, log = _serve(tmp_path, "--metrics-listen", "")
     with running(cmd, log=log) as proc:
         wait_for_port(port)
@@ -127,57 +128,25 @@ def test_sigterm_with_open_streams_stops_within_2s(tmp_path: Path) -> None:
 
             call = stub.Ingest(messages())
             assert next(call).WhichOneof("msg") == "welcome"
-            t0 = time.monotonic()
             os.killpg(proc.pid, signal.SIGTERM)
-            assert proc.wait(timeout=2.0) == 0
-            assert time.monotonic() - t0 < 2.0
-            stop_flag.append(True)
-            call.cancel()
+            try:
+                # The open stream is ended at once with UNAVAILABLE (agents fail over on it), not left
+                # to the server's grace period.
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in call:
+                        pass
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "shutting down" in (err.value.details() or "")
+                assert proc.wait(timeout=STOP_BOUND) == 0
+            finally:
+                stop_flag.append(True)
+                call.cancel()
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A CA, a server cert for 127.0.0.1/localhost and a client cert, made with the openssl CLI."""
-    d = tmp_path_factory.mktemp("certs")
-
-    def ossl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=30)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    ossl(
-        "req",
-        "-x509",
-        *ec,
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=kvcoord-test-ca",
-    )
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        ossl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        ossl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-        )
-    return {p.stem + p.suffix.replace(".", "_"): p for p in d.iterdir()}
+    """A CA, a server cert for 127.0.0.1/localhost and a client cert (see tests.procs.make_certs)."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 def _ping(target: str, creds: grpc.ChannelCredentials | None) -> grpc.StatusCode:
@@ -316,7 +285,7 @@ def test_serve_stops_on_sigint_and_frees_port(tmp_path: Path) -> None:
     with running(cmd, log=log) as proc:
         wait_for_port(port)
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=2.0) == 0
+        assert proc.wait(timeout=STOP_BOUND) == 0
         assert stop(proc) == 0
     # The port is free again: a second server binds it.
     with running(cmd, log=tmp_path / "again.log"):

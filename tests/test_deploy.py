@@ -1,7 +1,7 @@
 """Deployment files checked against the code: they are the first thing operators run.
 
 Every file under deploy/ and docker-compose.yml parses; every ``kvcoord`` command line they (and
-docs/deploy.md) contain is accepted by the real CLI; every metric the alert rules and the dashboard
+README.md) contain is accepted by the real CLI; every metric the alert rules and the dashboard
 query is exported by a real ``kvcoord serve`` on the Redis backend that has ingested real batches;
 ports, topics, hash profiles and names agree across the Dockerfile, compose, Kubernetes and
 Prometheus; vLLM's ``--kv-events-config`` in the sidecar example is exactly a ``KVEventsConfig``.
@@ -51,7 +51,7 @@ K8S_BASE = K8S / "base"
 PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvcoord.json"
-DOCS = REPO / "docs" / "deploy.md"
+DOCS = REPO / "README.md"
 TOKEN_ENV = {"KVCOORD_AGENT_TOKEN": "a", "KVCOORD_ROUTER_TOKEN": "r", "KVCOORD_ADMIN_TOKEN": "x"}
 
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -258,16 +258,18 @@ def _probe_cmds(c: dict[str, Any]) -> Iterator[list[str]]:
 
 
 def _docs_cmds() -> Iterator[tuple[str, list[str]]]:
-    """``kvcoord ...`` lines inside fenced code blocks of docs/deploy.md (continuations joined)."""
+    """``kvcoord ...`` lines inside fenced code blocks of README.md (continuations joined)."""
     if not DOCS.exists():
         return
     in_code = False
+    shell = False
     buf = ""
     for lineno, line in enumerate(DOCS.read_text().splitlines(), 1):
         if line.lstrip().startswith("```"):
             in_code = not in_code
+            shell = in_code and line.strip().strip("`") in ("", "sh", "bash", "shell", "console")
             continue
-        if not in_code:
+        if not (in_code and shell):
             continue
         if line.rstrip().endswith("\\"):
             buf += line.rstrip()[:-1] + " "
@@ -277,10 +279,14 @@ def _docs_cmds() -> Iterator[tuple[str, list[str]]]:
         if text.startswith("#"):
             continue
         words = shlex.split(text)
+        for op in ("&", "&&", "|", ";", ">", "2>", "<"):
+            if op in words:
+                words = words[: words.index(op)]
         for i, word in enumerate(words):
             # the command word: first, after `--` (kubectl exec) or after `exec SERVICE` (docker compose)
-            if word == "kvcoord" and (i == 0 or words[i - 1] == "--" or (i >= 2 and words[i - 2] == "exec")):
-                yield f"docs/deploy.md:{lineno}", words[i + 1 :]
+            env_prefix = all(re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w) for w in words[:i])
+            if word == "kvcoord" and (env_prefix or words[i - 1] == "--" or (i >= 2 and words[i - 2] == "exec")):
+                yield f"README.md:{lineno}", words[i + 1 :]
                 break
 
 
@@ -342,7 +348,7 @@ def _help_flags(text: str) -> set[str]:
 def test_deploy_files_use_real_kvcoord_commands_and_flags() -> None:
     invocations = kvcoord_invocations()
     where_all = {w.split()[0].split(":")[0] for w, _ in invocations}
-    assert {"Dockerfile", "compose", "k8s", "k8s/tls", "docs/deploy.md"} <= where_all
+    assert {"Dockerfile", "compose", "k8s", "k8s/tls", "README.md"} <= where_all
     subcommands = set(re.findall(r"^\s{4}([a-z][a-z-]+)\s", cli_help(None), re.M))
     assert {"serve", "agent", "sim-engine", "health"} <= subcommands
     top_flags = _help_flags(cli_help(None))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -13,9 +14,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvcoord.agent.relay import BlockMirror, Relay
+from kvcoord.agent.relay import REPLAY_ONLY_PROBES_WARN, BlockMirror, Relay
 from kvcoord.agent.zmq_wire import END_SEQ, ReplayClient, ZmqEventPublisher, offset_endpoint_port
-from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier
 from tests.procs import free_port
 
 DEADLINE = 10.0
@@ -69,6 +70,18 @@ class CorruptingPublisher(ZmqEventPublisher):
             super()._send(topic, seq_bytes, payload)
         else:
             self._pub.send_multipart(make(topic, seq_bytes, payload))
+
+
+class BrokenBuffer(collections.deque[tuple[int, bytes]]):
+    """A replay buffer that keeps chosen batches truncated, as an engine that encoded them badly would."""
+
+    def __init__(self, broken: set[int], maxlen: int) -> None:
+        super().__init__(maxlen=maxlen)
+        self.broken = broken
+
+    def append(self, item: tuple[int, bytes]) -> None:
+        seq, payload = item
+        super().append((seq, payload[:-2] if seq in self.broken else payload))
 
 
 def make_batches(n: int, seed: int, dp: int | None = None, base: int = 0) -> list[KVEventBatch]:
@@ -293,19 +306,25 @@ async def test_malformed_frames_counted_and_skipped(ports: Ports, caplog: pytest
         async with running_relay(ports, sink) as relay:
             await publish_all(pub, batches)
             await wait_for(lambda: relay.expected_seq == 40, "stream end")
-            skipped = {10, 11, 12}
-            kept = [b for i, b in enumerate(batches) if i not in skipped]
-            assert snapshot_of(relay) == expected_mirror(kept)
-            assert [b[1] for b in sink.batches] == [b.events for b in kept]
+            # 10..12 cannot be applied: each may have removed blocks, so each clears the mirror (as a
+            # lost batch does); 20 and 25 were only broken on the wire and come whole from replay.
+            assert snapshot_of(relay) == expected_mirror(batches[13:])
+            clear = (AllBlocksCleared(),)
+            assert [b[1] for b in sink.batches] == [*(b.events for b in batches[:10]), clear, clear, clear,
+                                                    *(b.events for b in batches[13:])]
             assert relay.stats.malformed == {"truncated": 1, "unknown_event": 2, "frames": 1, "seq": 1}
-            logged = [r for r in caplog.records if "malformed" in r.getMessage()]
+            assert relay.stats.lost_batches == 3 and relay.stats.unrecoverable_gaps == 3
+            logged = [r for r in caplog.records if "skipping malformed" in r.getMessage()]
             assert len(logged) == 4
+            lost = [r for r in caplog.records if r.levelname == "WARNING" and "are lost" in r.getMessage()]
+            assert len(lost) == 2  # once per kind, like the frames themselves
     finally:
         pub.shutdown()
 
 
 async def test_unknown_medium_batch_rejected_whole(ports: Ports) -> None:
-    """A batch with one bad event changes nothing (validated whole before the mirror is touched)."""
+    """A batch with one bad event applies none of its events (validated whole before the mirror is
+    touched), and, being unusable mid-stream, clears the mirror like a lost batch."""
     good = make_batches(3, seed=9)
     bad = KVEventBatch(5.0, (BlockStored((77,), None, (1,), 1, None, "GPU", None),
                              BlockStored((78,), None, (1,), 1, None, "QUANTUM", None)), 0)
@@ -315,8 +334,74 @@ async def test_unknown_medium_batch_rejected_whole(ports: Ports) -> None:
         async with running_relay(ports, sink) as relay:
             await publish_all(pub, [*good[:2], bad, good[2]])
             await wait_for(lambda: relay.expected_seq == 4, "stream end")
-            assert snapshot_of(relay) == expected_mirror(good)
+            assert snapshot_of(relay) == expected_mirror(good[2:])
+            assert 77 not in {h for h, _ in relay.snapshot()[0]}
+            assert [b[1] for b in sink.batches] == [good[0].events, good[1].events, (AllBlocksCleared(),),
+                                                    good[2].events]
             assert relay.stats.malformed == {"bad_event": 1}
+            assert relay.stats.unrecoverable_gaps == 1
+    finally:
+        pub.shutdown()
+
+
+async def test_removal_inside_a_malformed_batch_never_leaves_the_block_reported(ports: Ports) -> None:
+    """The batch that evicts block 2 arrives truncated: the relay cannot know what it removed, so it
+    must not keep reporting 2 (the index would send requests to a node that lacks it)."""
+    batches = [KVEventBatch(1.0, (BlockStored((1, 2), None, tuple(range(8)), 4, None, "GPU", None),), 0),
+               KVEventBatch(2.0, (BlockRemoved((2,), "GPU"), BlockStored((3,), 1, (1,) * 4, 4, None, None,
+                                                                          None)), 0),
+               KVEventBatch(3.0, (BlockStored((4,), None, (2,) * 4, 4, None, "GPU", None),), 0)]
+    pub = ports.publisher(CorruptingPublisher, corrupt={1: lambda t, s, p: [t, s, p[:-2]]})
+    # Replay serves the same broken payload (what the engine buffered is what it sent).
+    pub._buffer = BrokenBuffer({1}, maxlen=100)
+    sink = RecordingSink()
+    try:
+        async with running_relay(ports, sink) as relay:
+            await publish_all(pub, batches)
+            await wait_for(lambda: relay.expected_seq == 3, "stream end")
+            assert snapshot_of(relay) == {0: [(4, 0)]}
+            assert [b[1] for b in sink.batches] == [batches[0].events, (AllBlocksCleared(),), batches[2].events]
+            assert relay.stats.malformed == {"truncated": 1}
+            assert relay.stats.lost_batches == 1 and relay.stats.unrecoverable_gaps == 1
+    finally:
+        pub.shutdown()
+
+
+async def test_replay_only_stream_is_flagged(ports: Ports, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that connects its PUB endpoint (vLLM's rule for tcp://HOST:PORT) to a relay that connects
+    too: no live frame ever flows, only replay polling feeds the mirror. The relay says so, once."""
+    pub = ZmqEventPublisher(0, f"tcp://127.0.0.1:{ports.pub}", f"tcp://127.0.0.1:{ports.replay}")
+    sink = RecordingSink()
+    batches = make_batches(5, seed=21)
+    try:
+        async with running_relay(ports, sink) as relay:
+            for i, b in enumerate(batches):  # one batch per probe: each probe delivers something
+                await publish_all(pub, [b])
+                await wait_for(lambda i=i: relay.expected_seq == i + 1, f"batch {i} by replay")
+            assert relay.stats.frames == 0 and relay.stats.replayed_batches == 5
+            assert relay.stats.replay_only_probes >= 3
+            assert snapshot_of(relay) == expected_mirror(batches)
+            warned = [r for r in caplog.records if "no live PUB frames" in r.getMessage()]
+            assert len(warned) == 1 and "both sides connecting" in warned[0].getMessage()
+    finally:
+        pub.shutdown()
+
+
+async def test_bind_true_binds_a_host_endpoint(ports: Ports, caplog: pytest.LogCaptureFixture) -> None:
+    """``bind=True`` (what ``kvcoord sim-engine --zmq-bind`` uses) binds tcp://127.0.0.1:PORT, so the
+    relay's SUB connects to it and batches arrive as live frames, not by replay."""
+    pub = ZmqEventPublisher(0, f"tcp://127.0.0.1:{ports.pub}", f"tcp://127.0.0.1:{ports.replay}", bind=True)
+    sink = RecordingSink()
+    batches = make_batches(30, seed=22)
+    try:
+        async with running_relay(ports, sink) as relay:
+            await publish_all(pub, batches[:1])  # may come by replay (a slow joiner), the rest need not
+            await wait_for(lambda: relay.expected_seq == 1, "first batch")
+            await publish_all(pub, batches[1:])
+            await wait_for(lambda: relay.expected_seq == 30, "stream end")
+            assert relay.stats.frames > 0 and relay.stats.replay_only_probes < REPLAY_ONLY_PROBES_WARN
+            assert snapshot_of(relay) == expected_mirror(batches)
+            assert not [r for r in caplog.records if "no live PUB frames" in r.getMessage()]
     finally:
         pub.shutdown()
 
@@ -339,6 +424,12 @@ def test_mirror_tiers_groups_and_idempotence() -> None:
     with pytest.raises(ValueError, match="unknown medium"):
         m.apply(0, [BlockRemoved((2,), "GPU"), BlockRemoved((1,), "TAPE")])
     assert sorted(m.snapshot()[0]) == [(1, 0), (2, 0)]  # nothing applied
+    m.apply(0, [BlockStored((7,), None, (), 0, None, "CPU", None)])
+    # The snapshot provider's columns: validated uint64 hashes with their tiers, the same entries.
+    hashes, tiers = m.rank_entries(0).columns()
+    assert sorted(zip(hashes, tiers, strict=True)) == sorted(m.snapshot()[0]) == [(1, 0), (2, 0), (7, 1)]
+    assert all(type(h) is int for h in hashes) and all(isinstance(t, Tier) for t in tiers)
+    assert len(m.rank_entries(0)) == 3 and m.num_blocks(0) == 3 and len(m.rank_entries(5)) == 0
     m.apply(0, [AllBlocksCleared()])
     assert m.snapshot()[0] == [] and m.num_blocks() == 1
 

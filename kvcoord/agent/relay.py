@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -59,10 +60,10 @@ from kvcoord.events import (
     decode_vllm_batch,
     normalize_medium,
 )
-from kvcoord.hashing import UINT64_MASK, BlockHash64, to_block_hash64
+from kvcoord.hashing import UINT64_MASK, BlockHash64, HashProfile, check_algo, to_block_hash64
 
 if TYPE_CHECKING:
-    from kvcoord.agent.reporter import Reporter
+    from kvcoord.agent.reporter import ChannelSecurity, Reporter
 
 log = logging.getLogger(__name__)
 
@@ -76,21 +77,21 @@ class EventSink(Protocol):
     def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float) -> None: ...
 
 
-# (is_store, tier bit, hashes, group_idx, indexable)
+# (is_store, tier index, hashes, group_idx, indexable)
 _Op = tuple[int, int, tuple[BlockHash64, ...], int | None, bool]
 _CLEAR = 2
 
+_TIERS: tuple[Tier, ...] = tuple(Tier)
+_TIER_INDEX: dict[str | None, int] = {}
 
-_TIER_BITS: dict[str | None, int] = {}
 
-
-def _tier_bit(medium: str | None) -> int:
-    bit = _TIER_BITS.get(medium)
-    if bit is None:
-        bit = 1 << normalize_medium(medium)  # ValueError for an unknown medium
-        if len(_TIER_BITS) < 256:
-            _TIER_BITS[medium] = bit
-    return bit
+def _tier_index(medium: str | None) -> int:
+    idx = _TIER_INDEX.get(medium)
+    if idx is None:
+        idx = int(normalize_medium(medium))  # ValueError for an unknown medium
+        if len(_TIER_INDEX) < 256:
+            _TIER_INDEX[medium] = idx
+    return idx
 
 
 def _hashes64(hashes: Sequence[int | bytes]) -> tuple[BlockHash64, ...]:
@@ -104,19 +105,46 @@ def _hashes64(hashes: Sequence[int | bytes]) -> tuple[BlockHash64, ...]:
     return tuple(to_block_hash64(h) for h in hashes)
 
 
+class RankSnapshot:
+    """One rank's blocks as two parallel columns: validated uint64 hashes and their tiers.
+
+    Built with a few C-level list operations (no per-entry Python work), so a snapshot of millions of
+    blocks does not stall the agent's event loop. Iterating yields ``(hash, tier)`` pairs (what
+    :data:`kvcoord.agent.reporter.SnapshotProvider` asks for); :meth:`columns` hands both columns over
+    as they are, for a consumer that can take them whole.
+    """
+
+    __slots__ = ("hashes", "tiers")
+
+    def __init__(self, hashes: list[BlockHash64], tiers: list[Tier]) -> None:
+        self.hashes = hashes
+        self.tiers = tiers
+
+    def columns(self) -> tuple[list[BlockHash64], list[Tier]]:
+        """``(hashes, tiers)``: every hash is a uint64 int, every tier a :class:`Tier`; do not mutate."""
+        return self.hashes, self.tiers
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __iter__(self) -> Iterator[tuple[BlockHash64, Tier]]:
+        return zip(self.hashes, self.tiers, strict=True)
+
+
 class BlockMirror:
-    """The blocks one node holds: ``{dp_rank: {hash64: tier bitmask}}``.
+    """The blocks one node holds: ``{dp_rank: [set of hash64 per tier]}``.
 
     Follows the index's semantics: stores are idempotent, removing an unknown block is a no-op,
     ``AllBlocksCleared`` drops the rank. Events of groups that are not prefix-indexable (sliding
     window, Mamba) are ignored, as the index ignores them; a removal is matched to its group by the
-    ``group_idx`` the group's stores announced.
+    ``group_idx`` the group's stores announced. One set per tier keeps both updates (``set.update``
+    over a batch's hashes) and snapshots (``list(set)``) at C speed.
     """
 
-    __slots__ = ("_blocks", "_skip_groups")
+    __slots__ = ("_ranks", "_skip_groups")
 
     def __init__(self) -> None:
-        self._blocks: dict[int, dict[BlockHash64, int]] = {}
+        self._ranks: dict[int, tuple[set[BlockHash64], ...]] = {}
         self._skip_groups: dict[int, set[int]] = {}
 
     @staticmethod
@@ -125,10 +153,10 @@ class BlockMirror:
         ops: list[_Op] = []
         for ev in events:
             if isinstance(ev, BlockStored):
-                ops.append((1, _tier_bit(ev.medium), _hashes64(ev.block_hashes), ev.group_idx,
+                ops.append((1, _tier_index(ev.medium), _hashes64(ev.block_hashes), ev.group_idx,
                             ev.is_prefix_indexable()))
             elif isinstance(ev, BlockRemoved):
-                ops.append((0, _tier_bit(ev.medium), _hashes64(ev.block_hashes), ev.group_idx, True))
+                ops.append((0, _tier_index(ev.medium), _hashes64(ev.block_hashes), ev.group_idx, True))
             elif isinstance(ev, AllBlocksCleared):
                 ops.append((_CLEAR, 0, (), None, True))
             else:
@@ -137,9 +165,11 @@ class BlockMirror:
 
     def commit(self, dp_rank: int, ops: Sequence[_Op]) -> None:
         """Apply prepared operations (cannot fail)."""
-        blocks = self._blocks.setdefault(dp_rank, {})
+        tiers = self._ranks.get(dp_rank)
+        if tiers is None:
+            tiers = self._ranks[dp_rank] = tuple(set() for _ in _TIERS)
         skip = self._skip_groups.setdefault(dp_rank, set())
-        for kind, bit, hashes, group, indexable in ops:
+        for kind, tier, hashes, group, indexable in ops:
             if kind == 1:
                 if not indexable:
                     if group is not None:
@@ -147,57 +177,48 @@ class BlockMirror:
                     continue
                 if group is not None:
                     skip.discard(group)
-                for h in hashes:
-                    blocks[h] = blocks.get(h, 0) | bit
+                tiers[tier].update(hashes)
             elif kind == 0:
                 if group is not None and group in skip:
                     continue
-                for h in hashes:
-                    mask = blocks.get(h)
-                    if mask is not None:
-                        mask &= ~bit
-                        if mask:
-                            blocks[h] = mask
-                        else:
-                            del blocks[h]
+                tiers[tier].difference_update(hashes)
             else:
-                blocks.clear()
+                for s in tiers:
+                    s.clear()
 
     def apply(self, dp_rank: int, events: Sequence[KVEvent]) -> None:
         self.commit(dp_rank, self.prepare(events))
 
     def clear(self, dp_rank: int) -> None:
-        self._blocks.pop(dp_rank, None)
+        self._ranks.pop(dp_rank, None)
         self._skip_groups.pop(dp_rank, None)
 
     def ranks(self) -> list[int]:
-        return sorted(self._blocks)
+        return sorted(self._ranks)
 
     def num_blocks(self, dp_rank: int | None = None) -> int:
+        """``(hash, tier)`` entries held (a block on two tiers counts twice, as the index stores it)."""
         if dp_rank is None:
-            return sum(len(b) for b in self._blocks.values())
-        return len(self._blocks.get(dp_rank, ()))
+            return sum(len(s) for tiers in self._ranks.values() for s in tiers)
+        return sum(len(s) for s in self._ranks.get(dp_rank, ()))
 
-    def rank_entries(self, dp_rank: int) -> list[tuple[BlockHash64, Tier]]:
-        """Every (hash, tier) held on one rank (the reporter's snapshot provider)."""
-        entries: list[tuple[BlockHash64, Tier]] = []
-        for h, mask in self._blocks.get(dp_rank, {}).items():
-            for tier in Tier:
-                if mask & (1 << tier):
-                    entries.append((h, tier))
-        return entries
+    def rank_entries(self, dp_rank: int) -> RankSnapshot:
+        """Every (hash, tier) held on one rank: the reporter's snapshot provider."""
+        hashes: list[BlockHash64] = []
+        tiers: list[Tier] = []
+        for tier, s in zip(_TIERS, self._ranks.get(dp_rank, ()), strict=False):
+            if s:
+                hashes.extend(s)
+                tiers += [tier] * len(s)
+        return RankSnapshot(hashes, tiers)
 
     def snapshot(self) -> Snapshot:
         """Every (hash, tier) held, per DP rank."""
-        out: Snapshot = {}
-        for dp, blocks in self._blocks.items():
-            entries: list[tuple[BlockHash64, Tier]] = []
-            for h, mask in blocks.items():
-                for tier in Tier:
-                    if mask & (1 << tier):
-                        entries.append((h, tier))
-            out[dp] = entries
-        return out
+        return {dp: list(self.rank_entries(dp)) for dp in self._ranks}
+
+
+REPLAY_ONLY_PROBES_WARN = 3
+"""After this many probes fed by replay alone (no live frame yet), warn that PUB is not connected."""
 
 
 @dataclass
@@ -218,6 +239,8 @@ class RelayStats:
     duplicates: int = 0
     restarts: int = 0
     replay_failures: int = 0
+    replay_only_probes: int = 0
+    """Replay probes that delivered batches while no live PUB frame had ever arrived (see the warning)."""
     malformed: Counter[str] = field(default_factory=Counter)
 
 
@@ -331,14 +354,14 @@ class Relay:
             batch = decode_vllm_batch(payload, signed_hashes=self._signed)
             ops = self.mirror.prepare(batch.events)
         except EventDecodeError as exc:
-            self._malformed(exc.kind, f"seq {seq}: {exc}")
+            self._bad_batch(seq, exc.kind, str(exc))
             return None
         except ValueError as exc:
-            self._malformed("bad_event", f"seq {seq}: {exc}")
+            self._bad_batch(seq, "bad_event", str(exc))
             return None
         dp = batch.data_parallel_rank if batch.data_parallel_rank is not None else self._default_dp
         if self._allowed is not None and dp not in self._allowed:
-            self._malformed("dp_rank", f"seq {seq}: batch of DP rank {dp}, stream carries {self._allowed}")
+            self._bad_batch(seq, "dp_rank", f"batch of DP rank {dp}, stream carries {sorted(self._allowed)}")
             return None
         self._ranks_seen.add(dp)
         self._started = True
@@ -352,15 +375,46 @@ class Relay:
                 st.block_events += len(ev.block_hashes)
         return batch
 
+    def _bad_batch(self, seq: int, kind: str, why: str) -> None:
+        """A batch that cannot be applied: counted and logged as malformed, then handled as lost.
+
+        Its events may have removed blocks, so once the stream has started the mirror cannot be
+        trusted past it: the stream's ranks are cleared (and the clear forwarded), as for a gap
+        replay cannot fill. Before the stream started there is nothing to distrust: it is skipped.
+        """
+        quiet = kind in self._logged  # a stream of bad batches must not flood the log
+        self._malformed(kind, f"seq {seq}: {why}")
+        if self._started:
+            self._expected = seq
+            self._lost(1, f"batch {seq} is malformed ({kind})", quiet=quiet)
+
     async def _probe(self) -> None:
         """Catch up from the replay socket; quiet on failure (the engine may be down)."""
         if self._replay is None:
             return
+        replayed = self.stats.replayed_batches
         try:
             await self._catch_up()
         except ReplayError as exc:
             self.stats.replay_failures += 1
             log.debug("%s: replay probe failed: %s", self.endpoint, exc)
+        if self.stats.replayed_batches > replayed and self.stats.frames == 0:
+            self._check_live_silence()
+
+    def _check_live_silence(self) -> None:
+        """Replay keeps delivering what PUB never does: most likely nobody binds the PUB endpoint.
+
+        vLLM binds an endpoint only when it has a wildcard (``tcp://*:5557``); an engine given
+        ``tcp://127.0.0.1:5557`` connects, and so does the relay, so no frame ever flows and the
+        index is fed by replay polling alone (late, and lossy once the replay buffer rolls over).
+        """
+        self.stats.replay_only_probes += 1
+        if self.stats.replay_only_probes == REPLAY_ONLY_PROBES_WARN:
+            log.warning("%s: no live PUB frames: are both sides connecting? %d replay probes delivered "
+                        "batches while the PUB socket received none; the engine must bind its PUB "
+                        "endpoint (vLLM binds tcp://*:PORT and connects tcp://HOST:PORT) for the relay "
+                        "to connect to it (counted in replay_only_probes)",
+                        self.endpoint, self.stats.replay_only_probes)
 
     async def _catch_up(self, live_seq: int | None = None) -> None:
         """Apply every buffered batch from ``expected`` on, checking it is still the same engine.
@@ -410,7 +464,7 @@ class Relay:
             self.stats.healed_gaps += 1
             log.info("%s: gap %d..%d healed from the replay buffer", self.endpoint, start, live_seq - 1)
 
-    def _lost(self, n: int, why: str) -> None:
+    def _lost(self, n: int, why: str, *, quiet: bool = False) -> None:
         """Skip ``n`` batches that cannot be had; if the stream had started, distrust the mirror.
 
         The lost batches may have removed blocks the mirror still holds, so the ranks are cleared
@@ -432,11 +486,11 @@ class Relay:
             cleared += self.mirror.num_blocks(dp)
             self.mirror.clear(dp)
             self.sink.submit(dp, (AllBlocksCleared(),), now)
-        log.warning("%s: batches %d..%d are lost (%s); cleared the %d block(s) of DP rank(s) %s, which "
-                    "refill as the engine stores blocks again (unrecoverable gap #%d, %d batch(es) lost "
-                    "in all)",
-                    self.endpoint, first, first + n - 1, why, cleared, sorted(self._ranks_seen),
-                    self.stats.unrecoverable_gaps, self.stats.lost_batches)
+        log.log(logging.DEBUG if quiet else logging.WARNING,
+                "%s: batches %d..%d are lost (%s); cleared the %d block(s) of DP rank(s) %s, which "
+                "refill as the engine stores blocks again (unrecoverable gap #%d, %d batch(es) lost in all)",
+                self.endpoint, first, first + n - 1, why, cleared, sorted(self._ranks_seen),
+                self.stats.unrecoverable_gaps, self.stats.lost_batches)
 
     def _restart(self, why: str) -> None:
         self.stats.restarts += 1
@@ -530,15 +584,66 @@ async def _write_stats(path: Path, interval: float, relays: Sequence[Relay], rep
             await asyncio.wait_for(stop.wait(), interval)
 
 
+async def _stop_tasks(tasks: Sequence[asyncio.Task[None]], timeout: float) -> None:
+    """Wait up to ``timeout`` for tasks that were told to stop, then cancel the stragglers."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=0.1)
+
+
+def agent_security(args: argparse.Namespace) -> ChannelSecurity:
+    """``--token``/``--tls-*`` as the reporter's channel security (PEM files read now: bad paths exit 2)."""
+    from kvcoord.agent.reporter import ChannelSecurity
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key must be given together (mutual TLS)")
+    token = args.token or os.environ.get("KVCOORD_TOKEN") or None
+    security = ChannelSecurity(token=token, tls=args.tls_server_name is not None, root_ca=args.tls_ca,
+                               client_cert=args.tls_cert, client_key=args.tls_key,
+                               server_name=args.tls_server_name)
+    if security.uses_tls:
+        security.credentials()
+    return security
+
+
+def agent_hash_profile(args: argparse.Namespace) -> HashProfile | None:
+    """``--algo`` and friends as the profile the Hello announces (None: announce nothing).
+
+    The seed defaults to ``$PYTHONHASHSEED`` (then the release's default); a seed that cannot be
+    resolved is an error now, not a mismatch the coordinator discovers later.
+    """
+    given = [f for f in ("block_size", "hash_seed", "engine_release", "style")
+             if getattr(args, f) is not None]
+    if args.algo is None:
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --algo")
+        return None
+    if args.block_size is None:
+        raise ValueError("--algo needs --block-size")
+    algo = check_algo(args.algo)
+    seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+    if args.engine_release is not None:
+        profile = HashProfile.for_release(args.engine_release, algo, args.block_size, seed=seed)
+        if args.style is not None:
+            profile = dataclasses.replace(profile, style=args.style)
+    else:
+        profile = HashProfile(algo, args.block_size, seed=seed, style=args.style or "untagged")
+    profile.fingerprint()  # ValueError (with the fix) when the seed cannot be resolved
+    return profile
+
+
 async def _agent_main(args: argparse.Namespace) -> int:
-    from kvcoord.agent.reporter import ChannelSecurity, Reporter
+    from kvcoord.agent.reporter import Reporter
 
     mirror = BlockMirror()
     ranks = _dp_ranks(args.dp_ranks)
-    token = args.token or os.environ.get("KVCOORD_TOKEN") or None
-    security = ChannelSecurity(token=token, root_ca=args.tls_ca)
     rep = Reporter(_coordinators(args.coordinator), node_id=args.node_id, model=args.model,
-                   snapshot=mirror.rank_entries, dp_ranks=ranks, security=security)
+                   snapshot=mirror.rank_entries, dp_ranks=ranks, security=agent_security(args),
+                   hash_profile=agent_hash_profile(args))
     relays = build_relays(args, rep, mirror)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -555,14 +660,15 @@ async def _agent_main(args: argparse.Namespace) -> int:
     try:
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
-            if t is not stopper and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+            if t is not stopper:
+                exc = t.exception()
+                if exc is not None:
+                    raise exc
     finally:
         stop.set()
         stopper.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 0.5)
-        await rep.close(timeout=0.5)
+        # The relays notice ``stop`` within 0.1 s; the reporter's last acks overlap with that wait.
+        await asyncio.gather(_stop_tasks(tasks, 0.5), rep.close(timeout=0.5))
         if args.stats_file:  # the final word: streams closed, counters complete
             try:
                 _write_json(Path(args.stats_file), agent_status(relays, rep))
@@ -578,4 +684,6 @@ def run_agent(args: argparse.Namespace) -> int:
     _dp_ranks(args.dp_ranks)
     if not args.stats_interval > 0:
         raise ValueError("--stats-interval must be > 0")
+    agent_security(args)
+    agent_hash_profile(args)
     return asyncio.run(_agent_main(args))

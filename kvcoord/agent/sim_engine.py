@@ -140,7 +140,7 @@ class LookupProbe:
     def _run(self) -> None:
         while not self._closing.is_set():
             try:
-                item = self._queue.get(timeout=0.2)
+                item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
             if self._closing.is_set():
@@ -181,7 +181,11 @@ class LookupProbe:
         out["pending"] = self._queue.qsize()
         return out
 
-    def close(self, timeout: float = 2.0) -> None:
+    def begin_close(self) -> None:
+        """Tell the worker to stop after the RPC in flight (``close`` waits for it)."""
+        self._closing.set()
+
+    def close(self, timeout: float = 1.0) -> None:
         """Stop the worker (an RPC in flight ends within its timeout), then close the channel."""
         self._closing.set()
         self._thread.join(timeout)
@@ -319,7 +323,7 @@ def run_sim_engine(args: argparse.Namespace) -> int:
     try:
         publisher = ZmqEventPublisher(args.dp_rank, args.zmq_bind, args.replay_bind,
                                       buffer_steps=args.buffer_steps, hwm=args.hwm, topic=args.topic,
-                                      form=args.form)
+                                      form=args.form, bind=True)
     except BaseException:
         if lookups is not None:
             lookups.close()
@@ -353,7 +357,8 @@ def run_sim_engine(args: argparse.Namespace) -> int:
     try:
         while True:
             _serve(engine, args, interval, target, stop, state_file)
-            publisher.flush(1.0)
+            if not stop.is_set():  # on SIGTERM, shutdown() below sends what it can in its own bound
+                publisher.flush(1.0)
             if state_file is not None:
                 write_state(state_file, {**engine.state(), "target": target,
                                          "finished": engine.requests_done >= target > 0})
@@ -371,6 +376,8 @@ def run_sim_engine(args: argparse.Namespace) -> int:
             bursts[0] = 0
             log.info("sim-engine: SIGUSR1, serving up to request %d", target)
     finally:
+        if lookups is not None:
+            lookups.begin_close()  # its worker winds down while the publisher drains
         publisher.shutdown()
         if lookups is not None:
             lookups.close()

@@ -9,7 +9,9 @@ anything that consumes a vLLM engine (our relay, Dynamo, llm-d) can consume ours
   ``[identity, b"", seq, payload]`` for every buffered batch with ``seq >= start_seq`` (the last
   ``buffer_steps`` batches), then the end marker ``[identity, b"", (-1 as 8 signed bytes), b""]``;
 - endpoints are bound when they contain ``*``/``::`` or are ``ipc://``/``inproc://``, connected
-  otherwise; a DP rank offsets a tcp port by the rank (``inproc`` gets a ``_dp<rank>`` suffix);
+  otherwise (vLLM's rule; ``bind=True`` always binds the PUB endpoint, as a stand-in engine whose
+  agents connect to it must); the replay endpoint is always bound; a DP rank offsets a tcp port by
+  the rank (``inproc`` gets a ``_dp<rank>`` suffix);
 - encoding and sending happen on one background thread fed by a queue.
 
 The subscriber side (:class:`ReplayClient`, :func:`parse_pub_frames`) is what the relay uses.
@@ -66,7 +68,7 @@ class ZmqEventPublisher:
     leaves, so a test can subclass it to drop frames and force gaps.
     """
 
-    SHUTDOWN_TIMEOUT = 1.0
+    SHUTDOWN_TIMEOUT = 0.5
 
     def __init__(
         self,
@@ -81,7 +83,10 @@ class ZmqEventPublisher:
         form: Literal["map", "array"] = "map",
         ctx: zmq.Context[Any] | None = None,
         poll_interval: float = 0.02,
+        bind: bool | None = None,
     ) -> None:
+        """``bind``: True binds the PUB endpoint, False connects it, None follows vLLM's rule (bind only a
+        wildcard, ``ipc`` or ``inproc`` endpoint)."""
         self._dp_rank = data_parallel_rank
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -96,7 +101,7 @@ class ZmqEventPublisher:
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket[Any] | None = None
         try:
-            if _binds(self.endpoint):
+            if (bind if bind is not None else _binds(self.endpoint)):
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
@@ -109,6 +114,7 @@ class ZmqEventPublisher:
                 self._replay.close(linger=0)
             raise
         self._next_seq = 0
+        self._stop_at: float | None = None
         self._running = True
         self._thread = threading.Thread(target=self._loop, daemon=True, name="zmq-publisher")
         self._thread.start()
@@ -136,12 +142,13 @@ class ZmqEventPublisher:
         return True
 
     def shutdown(self) -> None:
-        """Send what is queued (up to ``SHUTDOWN_TIMEOUT``), stop the thread, close the sockets."""
+        """Send what is queued (for up to ``SHUTDOWN_TIMEOUT``), stop the thread, close the sockets."""
         if not self._running:
             return
         self._running = False
+        self._stop_at = time.monotonic() + self.SHUTDOWN_TIMEOUT
         self._queue.put(None)
-        self._thread.join(timeout=self.SHUTDOWN_TIMEOUT + 1.0)
+        self._thread.join(timeout=self.SHUTDOWN_TIMEOUT + 0.2)
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
@@ -166,6 +173,10 @@ class ZmqEventPublisher:
             if batch is None:
                 self._queue.task_done()
                 return
+            stop_at = self._stop_at
+            if stop_at is not None and time.monotonic() > stop_at:  # shutting down: drop the rest
+                self._queue.task_done()
+                continue
             try:
                 seq = self._next_seq
                 payload = encode_vllm_batch(batch, form=self._form)

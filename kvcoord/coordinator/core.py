@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,7 +24,7 @@ from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import EXPIRED, Load, NodeRecord, NodeRegistry
 from kvcoord.coordinator.shared import PUBLISH_SECONDS, REFRESH_SECONDS, NodeDirectory, SharedNode
 from kvcoord.coordinator.verify import HashVerifier
-from kvcoord.index.base import Index, IndexStats, InvalidEvent
+from kvcoord.index.base import Index, IndexStats, InvalidEvent, QuickStats
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
 log = logging.getLogger("kvcoord.coordinator")
@@ -37,6 +38,8 @@ RETRY_MAX = 1.0
 """Backoff bounds (seconds) of index calls retried through an outage."""
 DOWN_PROBE_SECONDS = 0.2
 """While the index is down, how often the refresh loop probes it."""
+EXACT_STATS_SECONDS = 5.0
+"""How long the Stats RPC reuses an exact index count."""
 
 
 def wall_of(mono: float) -> float:
@@ -73,6 +76,11 @@ class CoordinatorState:
         self.verifier = HashVerifier(config.verify, self.metrics.hash_verified)
         self.index_up = True
         self.last_stats: IndexStats | None = None
+        self.stats_stale = False
+        """The last index stats call failed: ``last_stats`` is what was known before."""
+        self._stats_failures = 0
+        self._exact: tuple[float, IndexStats] | None = None
+        self._exact_lock = asyncio.Lock()
         self.on_health: HealthHook | None = None
         self._logged: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -243,7 +251,13 @@ class CoordinatorState:
                 if other is not None and other.owner != self.replica_id and other.heard > wall_of(heard):
                     log.info("node %s: owned by replica %s now; its entries stay", node_id, other.owner)
                     return
-            await self.call_index(lambda: self.index.remove_node(node_id), f"remove_node({node_id})", None)
+            # Under the node's lock, like every index write for it: an apply already waiting on the
+            # backend lands first and is then removed, instead of landing after the removal and
+            # leaving orphan entries (Redis would allocate a fresh live location for them).
+            async with self.registry.lock(node_id):
+                await self.call_index(
+                    lambda: self.index.remove_node(node_id), f"remove_node({node_id})", None
+                )
 
         task = asyncio.get_running_loop().create_task(remove(), name=f"kvcoord-remove-{node_id}")
         self.registry.track_removal(node_id, task)
@@ -287,14 +301,67 @@ class CoordinatorState:
         else:
             await self.probe_index()
         if self.index_up:
+            index = self.index
             try:
-                stats = await self.index.stats()
-            except Exception:
-                log.debug("index stats failed", exc_info=True)
+                # The cheap figures: an exact distinct-block count can mean scanning millions of
+                # fields on a sharded backend, not something to do every stats interval.
+                stats = await (index.quick_stats() if isinstance(index, QuickStats) else index.stats())
+            except Exception as exc:
+                self.stats_failed(exc)
             else:
+                self.stats_ok()
                 self.last_stats = stats
                 self.metrics.set_index_stats(stats)
         self.metrics.set_nodes(self.registry.by_state())
+
+    def stats_failed(self, exc: BaseException) -> None:
+        """An index stats call failed: the figures kept are stale (said in Stats), warned once per run
+        of failures."""
+        self.stats_stale = True
+        self.log_once(
+            f"stats-fail:{self._stats_failures}",
+            logging.WARNING,
+            "index stats failed (%s: %s); Stats and the size gauges keep the last figures, marked stale",
+            type(exc).__name__,
+            exc,
+        )
+
+    def stats_ok(self) -> None:
+        if self.stats_stale:
+            self.stats_stale = False
+            self._stats_failures += 1  # a later failure warns again
+
+    async def exact_stats(self) -> tuple[IndexStats | None, bool]:
+        """Stats for the Stats RPC: current entries and bytes, and an exact distinct-block count.
+
+        Where the exact count is expensive (a sharded backend's cheap figure is an upper bound), the
+        exact one is computed here, not in the refresh loop, and reused for ``EXACT_STATS_SECONDS`` (a
+        burst of Stats calls shares one scan). Returns (stats, stale): stale when the index failed and
+        the figures are the last known.
+        """
+        index = self.index
+        try:
+            if not isinstance(index, QuickStats):
+                stats = await index.stats()
+            else:
+                stats = await index.quick_stats()
+                if stats.blocks_upper_bound:
+                    async with self._exact_lock:
+                        cached = self._exact
+                        if cached is None or time.monotonic() - cached[0] >= EXACT_STATS_SECONDS:
+                            cached = self._exact = (time.monotonic(), await index.stats())
+                    stats = dataclasses.replace(
+                        stats,
+                        blocks=cached[1].blocks,
+                        blocks_by_model=cached[1].blocks_by_model,
+                        blocks_upper_bound=cached[1].blocks_upper_bound,
+                    )
+        except Exception as exc:
+            self.stats_failed(exc)
+            return self.last_stats, True
+        self.stats_ok()
+        self.last_stats = stats
+        return stats, False
 
     # --- shared node records (replicas) -----------------------------------------------------
     def _shared_record(self, rec: NodeRecord, now: float, now_wall: float) -> SharedNode:

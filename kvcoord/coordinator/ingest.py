@@ -33,7 +33,7 @@ from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.registry import AnnouncedProfile, Load, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import events_for_index, events_from_proto
+from kvcoord.events_proto import events_for_index
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import InvalidEvent, SnapshotEntry
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
@@ -306,12 +306,11 @@ class IngestSession:
             profile = st.config.profile(self.model)
             verify = profile is not None and not rec.hash_mismatch and st.verifier.cfg.enabled
             try:
-                # Hash verification reads every field of every event. Without it only the index reads
-                # them: runs of stores collapse into one event each (see events_for_index), and token
-                # ids never become Python tuples. Either way the whole batch is checked first.
-                events = (
-                    events_from_proto(batch.events) if verify else events_for_index(batch.events)
-                )
+                # Only the index reads every event: runs of stores collapse into one event each (see
+                # events_for_index) and token ids never become Python tuples. The whole batch is
+                # checked first. Hash verification samples from the messages afterwards and decodes
+                # just the events it samples.
+                events = events_for_index(batch.events)
             except (ValueError, TypeError, KeyError, OverflowError) as exc:
                 kind = getattr(exc, "kind", None)
                 return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
@@ -337,7 +336,7 @@ class IngestSession:
             rec.indexed.add((self.model, batch.dp_rank))
         self._account(batch)
         if verify and profile is not None:
-            reason = st.verifier.check(rec, self.model, profile, events)
+            reason = st.verifier.check(rec, self.model, profile, batch.events)
             if reason is not None:
                 st.mark_hash_mismatch(rec, reason)
         return [_msg(ack=pb.Ack(epoch=self.epoch, seq=batch.seq))]
@@ -401,9 +400,18 @@ class IngestSession:
         if not snap.final:
             return []
         self._pending = None
-        async with st.registry.lock(rec.node_id):
+        reg = st.registry
+        node_lock = reg.lock(rec.node_id)
+        while True:
+            # A pending removal takes the node's lock itself: wait for it outside the lock (inside, it
+            # would deadlock), then make sure no new one was queued meanwhile.
+            await reg.wait_removal(rec.node_id)
+            await node_lock.acquire()
+            if not reg.removal_pending(rec.node_id):
+                break
+            node_lock.release()
+        try:
             rec = self._owned()
-            await st.registry.wait_removal(rec.node_id)
             keep = {(self.model, r) for r in self.dp_ranks}
 
             async def replace() -> None:
@@ -423,6 +431,8 @@ class IngestSession:
             rec.indexed = keep
             rec.last_seq = pending.seq
             rec.resyncing = False
+        finally:
+            node_lock.release()
         st.metrics.snapshots_applied.inc()
         log.info(
             "node %s epoch %d: snapshot applied at seq %d (%d blocks over %d ranks)",

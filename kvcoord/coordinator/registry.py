@@ -170,6 +170,8 @@ class NodeRegistry:
             self._nodes[node_id] = rec
         elif not resume:
             if rec.epoch != epoch:
+                # A restarted node (new epoch) starts over: a drain was for the old process.
+                rec.draining = False
                 rec.hash_mismatch = False
                 rec.hash_mismatch_reason = ""
                 rec.verify_seen = 0
@@ -187,11 +189,12 @@ class NodeRegistry:
     def heard(self, rec: NodeRecord) -> None:
         rec.last_heard = time.monotonic()
 
-    def drain(self, node_id: str) -> bool:
+    def drain(self, node_id: str, draining: bool = True) -> bool:
+        """Set (or with ``draining=False`` end) a node's drain; False for an unknown node."""
         rec = self._nodes.get(node_id)
         if rec is None:
             return False
-        rec.draining = True
+        rec.draining = draining
         return True
 
     def remove(self, node_id: str) -> NodeRecord | None:
@@ -228,6 +231,11 @@ class NodeRegistry:
         task = self._removals.get(node_id)
         if task is not None:
             await asyncio.shield(task)
+
+    def removal_pending(self, node_id: str) -> bool:
+        """A background removal of ``node_id`` is queued or running (it takes the node's lock)."""
+        task = self._removals.get(node_id)
+        return task is not None and not task.done()
 
     def pending_removals(self) -> list[asyncio.Task[None]]:
         return list(self._removals.values())

@@ -54,6 +54,7 @@ class CoordinatorServer:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
+        self._servicer: CoordinatorServicer | None = None
         self._stopped = asyncio.Event()
 
     @property
@@ -80,7 +81,7 @@ class CoordinatorServer:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         server = grpc.aio.server(options=opts)
-        servicer = CoordinatorServicer(state, Authenticator(cfg.auth))
+        servicer = self._servicer = CoordinatorServicer(state, Authenticator(cfg.auth))
         server.add_generic_rpc_handlers((servicer.generic_handler(),))
         hs = self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -127,7 +128,12 @@ class CoordinatorServer:
         state.start_background()
 
     async def stop(self, grace: float = 0.5) -> None:
-        """Stop serving within ``grace`` plus a little: streams are cancelled after the grace period."""
+        """Stop serving within ``grace`` plus a little.
+
+        Ingest streams never end on their own, so waiting out the grace for them would only delay
+        the agents' failover: they are ended at once with UNAVAILABLE, after the server stopped
+        accepting new calls (so they cannot reconnect here). Unary calls get the grace period.
+        """
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -135,7 +141,11 @@ class CoordinatorServer:
             with contextlib.suppress(Exception):
                 await self._health.enter_graceful_shutdown()
         if self._server is not None:
-            await self._server.stop(grace)
+            stopping = asyncio.ensure_future(self._server.stop(grace))
+            await asyncio.sleep(0)  # let stop() begin: no new calls from here on
+            if self._servicer is not None:
+                self._servicer.shutdown_streams()
+            await stopping
         if self.state is not None:
             await self.state.stop_background()
             self.state.metrics.close()

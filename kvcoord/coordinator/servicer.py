@@ -28,6 +28,7 @@ from kvcoord.proto.v1 import kvcoord_pb2 as pb
 log = logging.getLogger("kvcoord.coordinator")
 
 SERVICE = "kvcoord.v1.Coordinator"
+SHUTTING_DOWN = "coordinator shutting down: reconnect to another replica, or retry shortly"
 M = TypeVar("M", bound=Message)
 
 
@@ -168,6 +169,17 @@ class CoordinatorServicer:
     def __init__(self, state: CoordinatorState, auth: Authenticator) -> None:
         self.state = state
         self.auth = auth
+        self._ingest_tasks: set[asyncio.Task[Any]] = set()
+        self.shutting_down = False
+
+    def shutdown_streams(self) -> int:
+        """Coordinator stopping: end every open Ingest stream with UNAVAILABLE now (not after the
+        server's grace period), so agents fail over to another replica at once. Returns how many."""
+        self.shutting_down = True
+        tasks = list(self._ingest_tasks)
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         handlers = {
@@ -231,9 +243,14 @@ class CoordinatorServicer:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, "a router token may only query (not Ingest)"
             )
+        if self.shutting_down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         outbox = _Outbox(context)
         session = IngestSession(self.state, principal, outbox.put)
         self.state.metrics.streams.inc()
+        task = asyncio.current_task()
+        if task is not None:
+            self._ingest_tasks.add(task)
         try:
             async for msg in request_iterator:
                 if isinstance(msg, Malformed):
@@ -257,7 +274,14 @@ class CoordinatorServicer:
                 for reply in out:
                     outbox.put(reply)
             await outbox.drain()
+        except asyncio.CancelledError:
+            if not self.shutting_down:
+                raise
+            # Cancelled by shutdown_streams: end the stream with a status agents fail over on.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         finally:
+            if task is not None:
+                self._ingest_tasks.discard(task)
             session.close()
             outbox.close()
             self.state.metrics.streams.dec()
@@ -267,6 +291,22 @@ class CoordinatorServicer:
         self, request: pb.LookupRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
         t0 = time.perf_counter()
+        query = "invalid"
+        try:
+            resp = await self._lookup(request, context)
+            if isinstance(request, pb.LookupRequest):
+                query = request.WhichOneof("query") or "none"
+        finally:
+            # Aborted lookups (bad input, index down) count too, as query="invalid".
+            self.state.metrics.lookup_done(query, time.perf_counter() - t0)
+        if resp.num_blocks:
+            best = max(n.matched_blocks for n in resp.nodes) if resp.nodes else 0
+            self.state.metrics.matched_fraction.observe(best / resp.num_blocks)
+        return resp
+
+    async def _lookup(
+        self, request: pb.LookupRequest | Malformed, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
         await self._check(request, context)
         assert isinstance(request, pb.LookupRequest)
         await self._principal(context)
@@ -336,17 +376,18 @@ class CoordinatorServicer:
                         (m.node_id, m.dp_rank, m.matched_blocks, m.tiers)
                         for m in await index.match(model, list(hashes), candidates)
                     ]
-            except Exception as exc:
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                # The backend is unreachable: NOT_SERVING until a probe finds it back.
                 reason = f"{type(exc).__name__}: {exc}"
                 st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
                 await st.index_down(reason)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(reason))
-        resp = self._answer(model, profile.block_size if profile is not None else 0, len(hashes), matches)
-        st.metrics.lookup_done(which or "none", time.perf_counter() - t0)
-        if hashes:
-            best = resp.nodes[0].matched_blocks if resp.nodes else 0
-            st.metrics.matched_fraction.observe(best / len(hashes))
-        return resp
+            except Exception as exc:
+                # A bug or a bad answer, not an outage: this request fails, health stays as it is.
+                name = type(exc).__name__
+                st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
+                await context.abort(grpc.StatusCode.INTERNAL, f"index match failed: {name}: {exc}")
+        return self._answer(model, profile.block_size if profile is not None else 0, len(hashes), matches)
 
     def _unavailable(self, reason: str) -> str:
         backend = self.state.index.backend
@@ -446,8 +487,12 @@ class CoordinatorServicer:
         self, request: pb.DrainNodeRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.DrainNodeResponse:
         rec = await self._manage(request, context, "drain")
-        self.state.registry.drain(rec.node_id)
-        log.info("node %s: draining (left out of lookups)", rec.node_id)
+        assert isinstance(request, pb.DrainNodeRequest)
+        self.state.registry.drain(rec.node_id, not request.undrain)
+        if request.undrain:
+            log.info("node %s: drain ended (served in lookups again)", rec.node_id)
+        else:
+            log.info("node %s: draining (left out of lookups)", rec.node_id)
         self.state.metrics.set_nodes(self.state.registry.by_state())
         return pb.DrainNodeResponse()
 
@@ -469,12 +514,7 @@ class CoordinatorServicer:
         await self._check(request, context)
         await self._principal(context)
         st = self.state
-        stats = st.last_stats
-        try:
-            stats = await st.index.stats()
-            st.last_stats = stats
-        except Exception:
-            log.debug("index stats failed", exc_info=True)
+        stats, stale = await st.exact_stats()
         m = st.metrics
         resp = pb.StatsResponse(
             index_backend=st.index.backend,
@@ -488,6 +528,8 @@ class CoordinatorServicer:
         )
         if stats is not None:
             resp.entries, resp.blocks, resp.index_bytes = stats.entries, stats.blocks, stats.bytes
+            resp.blocks_upper_bound = stats.blocks_upper_bound
+        resp.index_stats_stale = stale or stats is None
         return resp
 
     async def Ping(

@@ -16,19 +16,14 @@ from typing import Any
 
 from kvcoord.coordinator.config import VerifyConfig, env_seed
 from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
-from kvcoord.events import BlockStored, KVEvent
+from kvcoord.events import FULL_ATTENTION_KINDS, BlockStored
+from kvcoord.events_proto import event_from_proto, tupleize
 from kvcoord.hashing import BlockDigest, HashProfile, hash_block_tokens, to_block_hash64
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
 log = logging.getLogger("kvcoord.coordinator.verify")
 _ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 _RELEASE_DEFAULT_SEED = "vllm-none-hash"
-
-
-def _tuplify(value: Any) -> Any:
-    """msgpack gives lists where vLLM hashed tuples (pickle tells them apart)."""
-    if isinstance(value, list | tuple):
-        return tuple(_tuplify(v) for v in value)
-    return value
 
 
 def _same(published: int | bytes, digest: bytes) -> bool:
@@ -79,24 +74,27 @@ class HashVerifier:
         while len(self._lru) > self.cfg.lru_size:
             self._lru.popitem(last=False)
 
-    def _parent_digest(self, model: str, ev: BlockStored) -> tuple[bool, BlockDigest | None]:
-        """(known, digest): a chain head has parent None; a digest-form parent is itself."""
-        parent = ev.parent_block_hash
-        if parent is None:
+    def _parent_digest(self, model: str, s: pb.BlockStored) -> tuple[bool, BlockDigest | None]:
+        """(known, digest) of a stored event's parent, read from the message: a chain head has parent
+        None; a digest-form parent is itself; a uint64 parent is known when verified recently."""
+        if s.HasField("parent_block_digest"):
+            return True, BlockDigest(bytes(s.parent_block_digest))
+        if not s.HasField("parent_block_hash"):
             return True, None
-        if isinstance(parent, bytes | bytearray):
-            return True, BlockDigest(bytes(parent))
-        digest = self._lru.get((model, parent))
+        key = (model, s.parent_block_hash)
+        digest = self._lru.get(key)
         if digest is None:
             return False, None
-        self._lru.move_to_end((model, parent))
+        self._lru.move_to_end(key)
         return True, digest
 
     def _block_extra(self, profile: HashProfile, ev: BlockStored, i: int) -> tuple[bool, Any]:
         """(usable, extra_keys) for block ``i`` as the engine hashed it, when that is recoverable."""
         if ev.extra_keys is None:
-            # Releases that do not publish extra keys: only requests without LoRA are recoverable.
-            return ev.lora_name is None, None
+            # Not published (older releases, or an agent that drops them): the block may have been
+            # hashed with LoRA, cache_salt or multimodal keys that cannot be known here, and guessing
+            # "none" would report a false mismatch. Skipped (counted), not verified.
+            return False, None
         if i >= len(ev.extra_keys):
             return False, None
         ek = ev.extra_keys[i]
@@ -104,36 +102,50 @@ class HashVerifier:
             return True, None
         if profile.style != "untagged":
             return False, None  # published untagged, hashed tagged: LoRA path is not published
-        return True, _tuplify(ek)
+        return True, tupleize(ek)
 
     def check(
         self,
         rec: NodeRecord,
         model: str,
         profile: HashProfile,
-        events: Sequence[KVEvent],
+        msgs: Sequence[pb.KVEvent],
     ) -> str | None:
-        """Verify a sample of ``events``; returns a mismatch reason (with the likely cause) or None."""
+        """Verify a sample of a batch's events (already validated whole); returns a mismatch reason
+        (with the likely cause) or None.
+
+        Sampling is decided from the protobuf messages, and only sampled events are decoded (token
+        ids as Python ints): the first ``first`` verifiable chains of a node, then one in
+        ``sample_every``. Events are taken in order, so a chain verified earlier in the batch makes its
+        continuation verifiable.
+        """
         if not self.cfg.enabled:
             return None
-        for ev in events:
-            if not isinstance(ev, BlockStored) or not ev.is_prefix_indexable() or not ev.block_hashes:
+        for m in msgs:
+            if m.WhichOneof("event") != "stored":
                 continue
-            if ev.block_size != profile.block_size:
+            s = m.stored
+            n = len(s.block_hashes) or len(s.block_digests)
+            if not n:
+                continue
+            if s.HasField("kv_cache_spec_kind") and s.kv_cache_spec_kind not in FULL_ATTENTION_KINDS:
+                continue
+            if s.block_size != profile.block_size:
                 return (
-                    f"block size: the engine publishes blocks of {ev.block_size} tokens, the model's "
+                    f"block size: the engine publishes blocks of {s.block_size} tokens, the model's "
                     f"profile says {profile.block_size}"
                 )
-            n = len(ev.block_hashes)
-            if len(ev.token_ids) != n * ev.block_size:
+            if len(s.token_ids) != n * s.block_size:
                 continue
-            known, parent = self._parent_digest(model, ev)
+            known, parent = self._parent_digest(model, s)
             if not known:
                 continue
             rec.verify_seen += 1
             if rec.verify_seen > self.cfg.first and rec.verify_seen % self.cfg.sample_every:
                 self.skipped += 1
                 continue  # not sampled: not a verification
+            ev = event_from_proto(m)
+            assert isinstance(ev, BlockStored)
             before = self.verified
             try:
                 reason = self._verify_chain(rec, model, profile, ev, parent)

@@ -70,6 +70,18 @@ class IndexStats:
     bytes: int
     entries_by_model_tier: dict[tuple[str, Tier], int] = field(default_factory=dict)
     blocks_by_model: dict[str, int] = field(default_factory=dict)
+    blocks_upper_bound: bool = False
+    """``blocks``/``blocks_by_model`` are an upper bound, not exact (see :class:`QuickStats`)."""
+
+
+@runtime_checkable
+class QuickStats(Protocol):
+    """A backend whose exact ``stats`` is expensive offers a cheap variant for periodic gauges."""
+
+    async def quick_stats(self) -> IndexStats:
+        """Like ``stats`` but cheap enough to call every few seconds: ``blocks`` may be an upper bound
+        (then ``blocks_upper_bound`` is set), and retirements may not be reclaimed yet."""
+        ...
 
 
 @runtime_checkable

@@ -94,6 +94,8 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _NTIERS = len(Tier)
+_DISTINCT_LIMIT = 2_000_000
+"""Summed entries past which the exact distinct-block count gives up and reports the sum (a bound)."""
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """Upper bounds (seconds) of the round-trip latency histogram in :class:`RedisMetrics`."""
 
@@ -1183,9 +1185,21 @@ class RedisIndex:
 
     async def stats(self) -> IndexStats:
         """Exact for this client's retirements (it reclaims them first); others' are reclaimed in the
-        background by whichever replica gets there, and until then their blocks may still count."""
+        background by whichever replica gets there, and until then their blocks may still count.
+
+        Distinct blocks of a model spread over several buckets (Cluster) are counted by HSCAN of
+        their inverted hashes: up to millions of fields. Periodic gauges use :meth:`quick_stats`."""
         if self._reclaimed_gen < self._retired_gen:
             await self.reclaim()
+        return await self._stats(exact=True)
+
+    async def quick_stats(self) -> IndexStats:
+        """One script call per bucket, no scan, no reclaim: ``blocks`` is the per-bucket sum, an upper
+        bound when a model spans several buckets (a block held in two buckets counts twice); then
+        ``blocks_upper_bound`` is set."""
+        return await self._stats(exact=False)
+
+    async def _stats(self, *, exact: bool) -> IndexStats:
         res = await self._eval_many(_STATS, [(tag, []) for tag in self._tags])
         entries = 0
         nbytes = 0
@@ -1205,7 +1219,15 @@ class RedisIndex:
                         entries += counts[t]
             for i in range(0, len(model_blocks), 2):
                 per_bucket.setdefault(model_blocks[i].decode(), {})[tag] = int(model_blocks[i + 1])
-        blocks_by_model = await self._distinct_blocks(per_bucket)
+        if exact:
+            blocks_by_model = await self._distinct_blocks(per_bucket)
+            bound = any(
+                sum(c.values()) > _DISTINCT_LIMIT and sum(1 for n in c.values() if n) > 1
+                for c in per_bucket.values()
+            )
+        else:
+            blocks_by_model = {m: sum(c.values()) for m, c in per_bucket.items() if any(c.values())}
+            bound = any(sum(1 for n in c.values() if n) > 1 for c in per_bucket.values())
         return IndexStats(
             entries=entries,
             blocks=sum(blocks_by_model.values()),
@@ -1213,10 +1235,11 @@ class RedisIndex:
             bytes=nbytes,
             entries_by_model_tier=by_model_tier,
             blocks_by_model=blocks_by_model,
+            blocks_upper_bound=bound,
         )
 
     async def _distinct_blocks(
-        self, per_bucket: dict[str, dict[str, int]], limit: int = 2_000_000
+        self, per_bucket: dict[str, dict[str, int]], limit: int = _DISTINCT_LIMIT
     ) -> dict[str, int]:
         """Distinct blocks per model over buckets (a block held in two buckets counts once).
 

@@ -145,12 +145,17 @@ class CoordinatorStats:
     hash_mismatches: int
     snapshots_requested: int
     leases_expired: int
+    blocks_upper_bound: bool = False
+    """``blocks`` is an upper bound, not an exact distinct count."""
+    index_stats_stale: bool = False
+    """The index did not answer: entries, blocks and index_bytes are the last figures known."""
 
     @classmethod
     def from_proto(cls, m: pb.StatsResponse) -> CoordinatorStats:
         return cls(m.index_backend, m.entries, m.blocks, m.index_bytes, dict(m.events_applied),
                    dict(m.events_rejected), [NodeStatus.from_proto(n) for n in m.nodes],
-                   dict(m.nodes_by_state), m.hash_mismatches, m.snapshots_requested, m.leases_expired)
+                   dict(m.nodes_by_state), m.hash_mismatches, m.snapshots_requested, m.leases_expired,
+                   m.blocks_upper_bound, m.index_stats_stale)
 
     def to_json(self) -> dict[str, Any]:
         return {"index_backend": self.index_backend, "entries": self.entries, "blocks": self.blocks,
@@ -159,7 +164,8 @@ class CoordinatorStats:
                 "nodes": [n.to_json() for n in self.nodes],
                 "nodes_by_state": dict(sorted(self.nodes_by_state.items())),
                 "hash_mismatches": self.hash_mismatches, "snapshots_requested": self.snapshots_requested,
-                "leases_expired": self.leases_expired}
+                "leases_expired": self.leases_expired, "blocks_upper_bound": self.blocks_upper_bound,
+                "index_stats_stale": self.index_stats_stale}
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,8 +292,9 @@ class CoordinatorClient:
         resp = self._call(self._stub.Heartbeat, req)
         return HeartbeatResult(resp.lease_seconds, resp.known)
 
-    def drain(self, node_id: str) -> None:
-        self._call(self._stub.DrainNode, pb.DrainNodeRequest(node_id=node_id))
+    def drain(self, node_id: str, *, undrain: bool = False) -> None:
+        """Leave ``node_id`` out of lookups (``undrain=True``: serve it again)."""
+        self._call(self._stub.DrainNode, pb.DrainNodeRequest(node_id=node_id, undrain=undrain))
 
     def remove(self, node_id: str) -> None:
         self._call(self._stub.RemoveNode, pb.RemoveNodeRequest(node_id=node_id))
@@ -344,8 +351,9 @@ class AsyncCoordinatorClient:
         resp = await self._call(self._stub.Heartbeat, req)
         return HeartbeatResult(resp.lease_seconds, resp.known)
 
-    async def drain(self, node_id: str) -> None:
-        await self._call(self._stub.DrainNode, pb.DrainNodeRequest(node_id=node_id))
+    async def drain(self, node_id: str, *, undrain: bool = False) -> None:
+        """Leave ``node_id`` out of lookups (``undrain=True``: serve it again)."""
+        await self._call(self._stub.DrainNode, pb.DrainNodeRequest(node_id=node_id, undrain=undrain))
 
     async def remove(self, node_id: str) -> None:
         await self._call(self._stub.RemoveNode, pb.RemoveNodeRequest(node_id=node_id))

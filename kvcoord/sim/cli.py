@@ -168,6 +168,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         title = (
             f"{workload.name}: {len(workload.requests)} requests, {config.nodes} nodes, "
             f"{config.blocks_per_node} blocks/node"
+            + (f", mean of {args.seeds} seeds" if args.seeds > 1 else "")
         )
         plot(rows, args.plot, title)
         print(f"plot written to {args.plot}", file=sys.stderr)

@@ -1112,15 +1112,21 @@ class DrainNodeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
+    UNDRAIN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
+    undrain: _builtins.bool
+    """true: end a drain (the node is served in lookups again once in sync). A restart of the node with a
+    new epoch also ends its drain.
+    """
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
+        undrain: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "undrain", b"undrain"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1265,6 +1271,8 @@ class StatsResponse(_message.Message):
     HASH_MISMATCHES_FIELD_NUMBER: _builtins.int
     SNAPSHOTS_REQUESTED_FIELD_NUMBER: _builtins.int
     LEASES_EXPIRED_FIELD_NUMBER: _builtins.int
+    BLOCKS_UPPER_BOUND_FIELD_NUMBER: _builtins.int
+    INDEX_STATS_STALE_FIELD_NUMBER: _builtins.int
     index_backend: _builtins.str
     entries: _builtins.int
     blocks: _builtins.int
@@ -1272,6 +1280,10 @@ class StatsResponse(_message.Message):
     hash_mismatches: _builtins.int
     snapshots_requested: _builtins.int
     leases_expired: _builtins.int
+    blocks_upper_bound: _builtins.bool
+    """true: blocks is an upper bound (a sharded index past its exact-count limit), not a distinct count."""
+    index_stats_stale: _builtins.bool
+    """true: the index did not answer this request; entries/blocks/index_bytes are the last figures known."""
     @_builtins.property
     def events_applied(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """by event type"""
@@ -1298,10 +1310,12 @@ class StatsResponse(_message.Message):
         hash_mismatches: _builtins.int = ...,
         snapshots_requested: _builtins.int = ...,
         leases_expired: _builtins.int = ...,
+        blocks_upper_bound: _builtins.bool = ...,
+        index_stats_stale: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "entries", b"entries", "events_applied", b"events_applied", "events_rejected", b"events_rejected", "hash_mismatches", b"hash_mismatches", "index_backend", b"index_backend", "index_bytes", b"index_bytes", "leases_expired", b"leases_expired", "nodes", b"nodes", "nodes_by_state", b"nodes_by_state", "snapshots_requested", b"snapshots_requested"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "blocks_upper_bound", b"blocks_upper_bound", "entries", b"entries", "events_applied", b"events_applied", "events_rejected", b"events_rejected", "hash_mismatches", b"hash_mismatches", "index_backend", b"index_backend", "index_bytes", b"index_bytes", "index_stats_stale", b"index_stats_stale", "leases_expired", b"leases_expired", "nodes", b"nodes", "nodes_by_state", b"nodes_by_state", "snapshots_requested", b"snapshots_requested"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
