@@ -5,6 +5,10 @@ at minimum). Then our codec (typed decode + conversion to the event model), then
 whole per-batch path (decode, validate, mirror update, forward to a sink), and the same over
 real ZMQ (publisher thread -> PUB/SUB over tcp -> relay), which includes encoding.
 
+Then a node's snapshot (it runs inside the agent's event loop, so it is how long the loop stalls):
+the former bitmask mirror's per-entry loop (baseline) against the per-tier mirror, each with what
+the reporter does to the entries.
+
     .venv/bin/python benchmarks/bench_relay.py [--quick]
 """
 
@@ -24,9 +28,12 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcoord.agent.relay import Relay
+from kvcoord.agent.relay import BlockMirror, Relay
+from kvcoord.agent.reporter import Reporter
 from kvcoord.agent.zmq_wire import ZmqEventPublisher
-from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, encode_vllm_batch
+from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier, encode_vllm_batch
+from kvcoord.hashing import to_block_hash64
+from kvcoord.proto.v1 import kvcoord_pb2 as pb
 from tests.procs import free_port
 
 
@@ -136,11 +143,75 @@ async def zmq_rate(payload_batches: list[KVEventBatch], block_events: int) -> fl
         pub.shutdown()
 
 
+def _bitmask_entries(blocks: dict[int, int]) -> list[tuple[int, Tier]]:
+    """The mirror's former snapshot (``{hash: tier bitmask}``, a Python step per entry and tier)."""
+    entries: list[tuple[int, Tier]] = []
+    for h, mask in blocks.items():
+        for tier in Tier:
+            if mask & (1 << tier):
+                entries.append((h, tier))
+    return entries
+
+
+def snapshot_figures(n_blocks: int, repeat: int) -> None:
+    """A node's snapshot runs inside the agent's event loop: the mirror read and the reporter's messages."""
+    rng = random.Random(7)
+    hashes = [rng.getrandbits(64) for _ in range(n_blocks)]
+    mirror = BlockMirror()
+    for i in range(0, n_blocks, 1024):
+        mirror.apply(0, [BlockStored(tuple(hashes[i:i + 1024]), None, (), 16, None, "GPU", None)])
+    cpu = hashes[: n_blocks // 10]  # a tenth also offloaded to CPU
+    mirror.apply(0, [BlockStored(tuple(cpu), None, (), 16, None, "CPU", None)])
+    bitmask = dict.fromkeys(hashes, 1)
+    for h in cpu:
+        bitmask[h] |= 2
+    chunk = 65536
+
+    def to_proto(hs: Sequence[int], ts: Sequence[int]) -> None:
+        for s in range(0, len(hs), chunk):
+            pb.Snapshot(epoch=1, seq=1, dp_rank=0, block_hashes=hs[s:s + chunk], tiers=ts[s:s + chunk])
+
+    def old_path() -> None:  # former mirror + the reporter's per-entry conversion
+        hs: list[int] = []
+        ts: list[int] = []
+        for h, t in _bitmask_entries(bitmask):
+            hs.append(to_block_hash64(h))
+            ts.append(int(Tier(t)))
+        to_proto(hs, ts)
+
+    def columns_path() -> None:  # the mirror's validated columns straight into the messages
+        to_proto(*mirror.rank_entries(0).columns())
+
+    rep = Reporter(["127.0.0.1:1"], node_id="bench", model="bench", snapshot=mirror.rank_entries)
+    entries = n_blocks + len(cpu)
+    rows = [("former: bitmask mirror + per-entry reporter loop", old_path),
+            ("  its mirror read alone (per entry and tier)", lambda: _bitmask_entries(bitmask) and None),
+            ("now: mirror.rank_entries (per-tier set columns)", lambda: mirror.rank_entries(0) and None),
+            ("now: reporter._take_snapshot (iterates pairs)", lambda: rep._take_snapshot() and None),
+            ("columns straight into protos (reporter fast path)", columns_path)]
+    print(f"\nsnapshot of {entries:,} (hash, tier) entries, best of {repeat}: the agent's event loop "
+          "is blocked this long")
+    print(f"{'path':<52}{'time':>12}{'vs former':>11}")
+    base = 0.0
+    for name, fn in rows:
+        best = min(_timed(fn) for _ in range(repeat))
+        base = base or best
+        print(f"{name:<52}{best * 1000:>9.1f} ms{base / best:>10.1f}x")
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--blocks-per-store", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--snapshot-blocks", type=int, default=None,
+                    help="blocks in the snapshot measurement (default 500000, 50000 with --quick)")
     args = ap.parse_args()
     n = 300 if args.quick else 3000
     repeat = 3 if args.quick else 7
@@ -170,6 +241,7 @@ def main() -> int:
                        ("relay: decode+validate+mirror+forward", relay),
                        ("relay over ZMQ tcp (incl. publisher encode)", over_zmq)):
         print(f"{name:<44}{rate:>16,.0f}{rate / base:>11.2f}x")
+    snapshot_figures(args.snapshot_blocks or (50_000 if args.quick else 500_000), repeat)
     return 0
 
 

@@ -346,35 +346,23 @@ def _add_health(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run_health(args: argparse.Namespace) -> int:
     """Body of ``kvcoord health``: one Check RPC, so a HEALTHCHECK costs one short connection."""
     import json
-    from pathlib import Path
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvcoord.agent.reporter import ChannelSecurity, open_channel
 
     if not args.timeout > 0:
         raise CliError("--timeout must be > 0")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise CliError("--tls-cert and --tls-key must be given together")
-
-    def read(path: str | None) -> bytes | None:
-        if path is None:
-            return None
-        try:
-            return Path(path).read_bytes()
-        except OSError as exc:
-            raise CliError(f"cannot read {path}: {exc.strerror}") from None
-
-    options = [("grpc.enable_retries", 0)]
-    if args.tls_server_name:
-        options.append(("grpc.ssl_target_name_override", args.tls_server_name))
-    if args.tls_ca or args.tls_cert:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=read(args.tls_ca), private_key=read(args.tls_key),
-            certificate_chain=read(args.tls_cert),
-        )
-        channel = grpc.secure_channel(args.coordinator, creds, options=options)
-    else:
-        channel = grpc.insecure_channel(args.coordinator, options=options)
+    security = ChannelSecurity(
+        root_ca=args.tls_ca,
+        client_cert=args.tls_cert,
+        client_key=args.tls_key,
+        server_name=args.tls_server_name,
+    )
+    channel = open_channel(args.coordinator, security)  # a bad PEM path: ValueError, one line
     result: dict[str, str] = {"coordinator": args.coordinator, "service": args.service}
     try:
         stub = health_pb2_grpc.HealthStub(channel)

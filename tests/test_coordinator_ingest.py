@@ -863,3 +863,171 @@ async def test_reporter_backlog_goes_out_grouped_and_all_applies(index: Index) -
         finally:
             await rep.close()
         assert [h for h, _ in await export(index)] == list(range(1, 601))
+
+
+# --- node removal vs an in-flight write ---------------------------------------------------------
+class GatedIndex(MemoryIndex):
+    """A memory index whose applies can be held, as a slow backend round trip holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.held = 0
+
+    async def apply(self, model: str, node_id: str, dp_rank: int, events: Sequence[Any]) -> Any:
+        if not self.gate.is_set():
+            self.held += 1
+            await self.gate.wait()
+        return await super().apply(model, node_id, dp_rank, events)
+
+
+async def _true(cond: Any) -> bool:
+    return bool(cond())
+
+
+async def test_remove_node_waits_for_an_in_flight_apply() -> None:
+    """RemoveNode while a batch's apply waits on the backend: the removal runs after it lands, so
+    no entry of the removed node is left behind."""
+    index = GatedIndex()
+    async with serving(index) as c:
+        a = Agent(c, "n1")
+        await a.start()
+        index.gate.clear()
+        await a.send(batch=pb.EventBatch(seq=1, events=[stored([1, 2, 3])]))
+        await until(lambda: _true(lambda: index.held == 1))
+        await c.stub.RemoveNode(pb.RemoveNodeRequest(node_id="n1"), timeout=TIMEOUT)
+        st = c.server.state
+        assert st is not None and st.registry.removal_pending("n1")
+        index.gate.set()
+        await until(lambda: _true(lambda: not st.registry.removal_pending("n1")))
+        assert await export(index) == []
+        assert (await index.stats()).entries == 0
+        await a.close()
+
+
+# --- drain ----------------------------------------------------------------------------------------
+async def test_drain_ends_on_undrain_and_on_a_new_epoch(index: Index) -> None:
+    async with serving(index) as c:
+        a = Agent(c, "n1")
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2])])) == 1
+        await c.stub.DrainNode(pb.DrainNodeRequest(node_id="n1"), timeout=TIMEOUT)
+        assert (await c.node("n1")).state == "draining" and not (await c.lookup_hashes([1, 2])).nodes
+        await c.stub.DrainNode(pb.DrainNodeRequest(node_id="n1", undrain=True), timeout=TIMEOUT)
+        assert (await c.node("n1")).state == "active"
+        assert [n.matched_blocks for n in (await c.lookup_hashes([1, 2])).nodes] == [2]
+        # Drained again, then the node restarts (new epoch): it returns after its snapshot.
+        await c.stub.DrainNode(pb.DrainNodeRequest(node_id="n1"), timeout=TIMEOUT)
+        await a.close()
+        b = Agent(c, "n1", epoch=2)
+        await b.hello()
+        await b.snapshot(0, {0: [(1, 0)]})
+        assert (await c.node("n1")).state == "active"
+        assert [n.matched_blocks for n in (await c.lookup_hashes([1, 2])).nodes] == [1]
+        # A reconnect in the same epoch keeps a drain (the operator's decision stands).
+        await c.stub.DrainNode(pb.DrainNodeRequest(node_id="n1"), timeout=TIMEOUT)
+        await b.close()
+        b2 = Agent(c, "n1", epoch=2)
+        await b2.hello()
+        assert (await c.node("n1")).state == "draining"
+        await b2.close()
+
+
+# --- index errors in lookups and stats ----------------------------------------------------------
+class FaultyIndex(MemoryIndex):
+    """A memory index whose match or stats can be made to raise a chosen exception."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.match_error: Exception | None = None
+        self.stats_error: Exception | None = None
+
+    def match_raw_sync(self, model: str, hashes: Sequence[int], candidates: Any = None) -> Any:
+        if self.match_error is not None:
+            raise self.match_error
+        return super().match_raw_sync(model, hashes, candidates)
+
+    async def stats(self) -> Any:
+        if self.stats_error is not None:
+            raise self.stats_error
+        return await super().stats()
+
+
+async def test_lookup_bug_is_internal_outage_is_unavailable() -> None:
+    index = FaultyIndex()
+    async with serving(index) as c:
+        a = Agent(c, "n1")
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2])])) == 1
+        st = c.server.state
+        assert st is not None
+        index.match_error = KeyError("bug")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.lookup_hashes([1, 2])
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "KeyError" in (err.value.details() or "")
+        assert st.index_up  # a bug does not take the replica out of rotation
+        reg = st.metrics.registry
+        assert reg.get_sample_value("kvcoord_lookup_latency_seconds_count", {"query": "invalid"}) == 1
+        index.match_error = ConnectionError("backend gone")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.lookup_hashes([1, 2])
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and not st.index_up
+        index.match_error = None
+        await until(lambda: _true(lambda: st.index_up))
+        resp = await c.lookup_hashes([1, 2, 3])
+        assert [n.matched_blocks for n in resp.nodes] == [2]
+        assert reg.get_sample_value("kvcoord_lookup_matched_fraction_sum") == pytest.approx(2 / 3)
+        await a.close()
+
+
+async def test_stats_failure_is_marked_stale() -> None:
+    index = FaultyIndex()
+    async with serving(index) as c:
+        a = Agent(c, "n1")
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2])])) == 1
+        fresh = await c.stats()
+        assert fresh.entries == 2 and not fresh.index_stats_stale and not fresh.blocks_upper_bound
+        index.stats_error = RuntimeError("stats broke")
+        assert ack_seq(await a.batch(2, [stored([3])])) == 2
+        stale = await c.stats()
+        assert stale.index_stats_stale and stale.entries == 2  # the last figures known, said to be so
+        index.stats_error = None
+        again = await c.stats()
+        assert not again.index_stats_stale and again.entries == 3
+        await a.close()
+
+
+async def test_redis_refresh_uses_cheap_stats_and_stats_rpc_is_exact(redis_server: Any) -> None:
+    """Over several buckets the periodic gauges take the per-bucket sum (flagged an upper bound, no
+    scan); the Stats RPC answers the exact distinct count."""
+    from kvcoord.index.redis import RedisIndex
+
+    redis_server.flushall()
+    index = RedisIndex.from_uri(redis_server.url + "?buckets=4", key_prefix="kvquick")
+    try:
+        names = iter(f"n{i}" for i in range(1000))
+        first = next(names)
+        other = next(n for n in names if index.bucket_of(n) != index.bucket_of(first))
+        async with serving(index, stats_interval=0.05) as c:
+            for node in (first, other):
+                ag = Agent(c, node)
+                await ag.start()
+                assert ack_seq(await ag.batch(1, [stored([1, 2, 3])])) == 1
+                await ag.close()
+            quick = await index.quick_stats()
+            assert (quick.blocks, quick.blocks_upper_bound) == (6, True)
+            st = c.server.state
+            assert st is not None
+            reg = st.metrics.registry
+
+            async def gauges_refreshed() -> bool:
+                return reg.get_sample_value("kvcoord_index_blocks", {"model": MODEL}) == 6
+
+            await until(gauges_refreshed)
+            assert reg.get_sample_value("kvcoord_index_blocks_upper_bound") == 1
+            resp = await c.stats()
+            assert (resp.entries, resp.blocks, resp.blocks_upper_bound) == (6, 3, False)
+    finally:
+        await index.close()

@@ -285,7 +285,8 @@ def _docs_cmds() -> Iterator[tuple[str, list[str]]]:
         for i, word in enumerate(words):
             # the command word: first, after `--` (kubectl exec) or after `exec SERVICE` (docker compose)
             env_prefix = all(re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w) for w in words[:i])
-            if word == "kvcoord" and (env_prefix or words[i - 1] == "--" or (i >= 2 and words[i - 2] == "exec")):
+            after_exec = words[i - 1] == "--" or (i >= 2 and words[i - 2] == "exec")
+            if word == "kvcoord" and (env_prefix or after_exec):
                 yield f"README.md:{lineno}", words[i + 1 :]
                 break
 

@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 
-from kvcoord.router.client import AsyncCoordinatorClient
-from tests.procs import free_port, kvcoord_cmd, running, stop, wait_for_port
+from kvcoord.agent.relay import REPLAY_ONLY_PROBES_WARN
+from kvcoord.hashing import HashProfile
+from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorClient
+from tests.procs import free_port, kvcoord_cmd, make_certs, running, stop, wait_for_port
 
 MODEL = "sim-model"
 NODE = "node-e2e"
@@ -77,7 +79,8 @@ class Cluster:
     def start_engine(self, seed: int) -> None:
         self.state.unlink(missing_ok=True)  # a dead engine's last state must not pass for the new one's
         self.engine = self._start("engine", kvcoord_cmd(
-            "sim-engine", "--zmq-bind", f"tcp://*:{self.pub}", "--replay-bind", f"tcp://*:{self.replay}",
+            "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{self.pub}",  # as the README: bound, not connected
+            "--replay-bind", f"tcp://127.0.0.1:{self.replay}",
             "--seed", str(seed), "--state-file", str(self.state), *ENGINE_FLAGS))
         self.target = BURST
 
@@ -220,7 +223,10 @@ def test_index_equals_pool_through_gaps_and_restarts(cluster: Cluster) -> None:
 
     # 1. Steady load.
     checker.check("steady load")
-    assert c.relay_stats()["lost_batches"] == 0
+    steady = c.relay_stats()
+    assert steady["lost_batches"] == 0
+    # Fed by live PUB frames: were both sides connecting, replay polling alone would pass the check above.
+    assert steady["frames"] > 0 and steady["replay_only_probes"] < REPLAY_ONLY_PROBES_WARN, steady
 
     # 2. A paused agent behind a high-water mark of 1: the engine drops PUB frames; replay heals.
     before = c.relay_stats()
@@ -278,7 +284,7 @@ def _terminate(proc: subprocess.Popen[bytes], log: Path) -> float:
 
 @pytest.mark.parametrize("peers", [True, False], ids=["connected", "nothing_reachable"])
 def test_agent_and_engine_stop_on_sigterm(cluster: Cluster, peers: bool) -> None:
-    """Both commands exit 0 within 2 s of SIGTERM, mid-stream or while retrying unreachable peers."""
+    """Both commands exit 0 soon after SIGTERM, mid-stream or while retrying unreachable peers."""
     c = cluster
     if peers:
         c.start_serve()
@@ -292,13 +298,103 @@ def test_agent_and_engine_stop_on_sigterm(cluster: Cluster, peers: bool) -> None
     else:
         poll(lambda: read_json(c.agent_stats) is not None, "the agent to start")
     agent_log = sorted(c.tmp.glob("*-agent.log"))[0]
-    assert _terminate(c.agent, agent_log) < 2.0
+    assert _terminate(c.agent, agent_log) < 5.0  # generous bounds: CI is a loaded 2-core VM
     ag = read_json(c.agent_stats)
     assert ag is not None and not any(lk["connected"] for lk in ag["reporter"]["links"])  # final write
     if peers:
         assert c.engine is not None
         c.burst()  # busy: SIGTERM lands mid-burst
-        assert _terminate(c.engine, sorted(c.tmp.glob("*-engine.log"))[0]) < 2.0
+        assert _terminate(c.engine, sorted(c.tmp.glob("*-engine.log"))[0]) < 5.0
         # Its sockets are closed: a new engine binds the same ports at once.
         c.start_engine(seed=4)
         poll(lambda: c.engine_state() is not None, "a new engine on the same ports")
+
+
+# --- kvcoord agent flags: hash profile and mutual TLS ---------------------------------------------
+def _agent_cmd(grpc_port: int, node: str, stats: Path, *extra: str) -> list[str]:
+    return kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{grpc_port}", "--node-id", node,
+                       "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{free_port()}",
+                       "--stats-file", str(stats), "--stats-interval", "0.1", *extra)
+
+
+def _link(stats: Path) -> dict[str, Any]:
+    st = read_json(stats)
+    links: list[dict[str, Any]] = (st or {"reporter": {"links": [{}]}})["reporter"]["links"]
+    return links[0]
+
+
+def test_agent_announces_its_hash_profile(tmp_path: Path) -> None:
+    """--algo/--block-size/--hash-seed reach the Hello: the coordinator checks the fingerprint against the
+    model's profile (the seed defaults to $PYTHONHASHSEED), and flags the agent whose seed differs."""
+    gport = free_port()
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "",
+                        "--model", f"{MODEL},algo=sha256_cbor,block_size=16,seed=0")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(serve, log=tmp_path / "serve.log"))
+        wait_for_port(gport)
+        for node, extra in (("node-same", ()), ("node-other-seed", ("--hash-seed", "1"))):
+            stack.enter_context(running(
+                _agent_cmd(gport, node, tmp_path / f"{node}.json", "--algo", "sha256_cbor",
+                           "--block-size", "16", *extra), env=env, log=tmp_path / f"{node}.log"))
+        with CoordinatorClient(f"127.0.0.1:{gport}") as client:
+            def nodes() -> dict[str, Any]:
+                return {n.node_id: n for n in client.list_nodes(MODEL)}
+            poll(lambda: len(nodes()) == 2 and nodes()["node-other-seed"].hash_mismatch,
+                 "both agents' Hellos")
+            got = nodes()
+        same, other = got["node-same"], got["node-other-seed"]
+        want = HashProfile("sha256_cbor", 16, "0")
+        assert same.hash_profile == {"algo": "sha256_cbor", "block_size": 16, "style": "untagged",
+                                     "none_hash_fingerprint": want.fingerprint(), "engine_release": ""}
+        assert not same.hash_mismatch
+        assert other.hash_profile is not None
+        other_seed = HashProfile("sha256_cbor", 16, "1").fingerprint()
+        assert other.hash_profile["none_hash_fingerprint"] == other_seed
+        assert "seed" in other.hash_mismatch_reason
+
+
+@pytest.mark.parametrize(("flags", "env_seed", "message"), [
+    (("--algo", "sha256_cbor", "--block-size", "16"), None, "no NONE_HASH seed"),
+    (("--algo", "sha256", "--block-size", "16", "--engine-release", "0.20"), None,
+     "seeds NONE_HASH randomly"),
+    (("--algo", "md5", "--block-size", "16"), "0", "unknown hash algorithm"),
+    (("--algo", "sha256_cbor",), "0", "--algo needs --block-size"),
+    (("--hash-seed", "0",), "0", "--hash-seed needs --algo"),
+    (("--tls-cert", "/nonexistent/c.pem"), "0", "--tls-cert and --tls-key must be given together"),
+    (("--tls-ca", "/nonexistent/ca.pem"), "0", "cannot read /nonexistent/ca.pem"),
+])
+def test_agent_bad_flags_exit_2_before_starting(tmp_path: Path, flags: tuple[str, ...],
+                                               env_seed: str | None, message: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if env_seed is not None:
+        env["PYTHONHASHSEED"] = env_seed
+    stats = tmp_path / "stats.json"
+    out = subprocess.run(_agent_cmd(free_port(), "n1", stats, *flags), env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert not stats.exists(), "a refused agent started relaying"
+
+
+def test_agent_reaches_a_mutual_tls_coordinator(tmp_path: Path) -> None:
+    """--tls-ca/--tls-cert/--tls-key/--tls-server-name: the agent connects to a coordinator that demands a
+    client certificate; the same agent without one is refused."""
+    pki = make_certs(tmp_path / "pki")
+    gport = free_port()
+    env = {**os.environ, "KVCOORD_TLS_CLIENT_CA": str(pki["ca_crt"])}
+    serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "",
+                        "--tls-cert", str(pki["server_crt"]), "--tls-key", str(pki["server_key"]))
+    tls = ("--tls-ca", str(pki["ca_crt"]), "--tls-server-name", "localhost")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(serve, env=env, log=tmp_path / "serve.log"))
+        wait_for_port(gport)
+        good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+        client = ("--tls-cert", str(pki["client_crt"]), "--tls-key", str(pki["client_key"]))
+        stack.enter_context(running(_agent_cmd(gport, "node-mtls", good, *tls, *client),
+                                    log=tmp_path / "good.log"))
+        stack.enter_context(running(_agent_cmd(gport, "node-no-cert", bad, *tls), log=tmp_path / "bad.log"))
+        poll(lambda: bool(_link(good).get("connected")), "the mTLS agent to connect")
+        poll(lambda: bool(_link(bad).get("last_error")), "the agent without a client certificate to fail")
+        assert not _link(bad)["connected"]

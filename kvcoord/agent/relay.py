@@ -217,6 +217,9 @@ class BlockMirror:
         return {dp: list(self.rank_entries(dp)) for dp in self._ranks}
 
 
+DRAIN_BURST = 64
+"""Frames a relay handles in a row before it lets the event loop run."""
+
 REPLAY_ONLY_PROBES_WARN = 3
 """After this many probes fed by replay alone (no live frame yet), warn that PUB is not connected."""
 
@@ -314,13 +317,16 @@ class Relay:
                         idle_since = loop.time()
                     continue
                 idle_since = loop.time()
-                # Drain what is queued without going back through the event loop each time.
-                while not stop.is_set():
+                # Drain what is queued without going back through the event loop each time, but yield
+                # every DRAIN_BURST frames: a backlog must not starve the reporter or a SIGTERM handler.
+                for _ in range(DRAIN_BURST):
                     try:
                         frames = raw.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     await self.on_frames(frames)
+                else:
+                    await asyncio.sleep(0)
         finally:
             sub.close(linger=0)
             if self._replay is not None:
@@ -584,15 +590,14 @@ async def _write_stats(path: Path, interval: float, relays: Sequence[Relay], rep
             await asyncio.wait_for(stop.wait(), interval)
 
 
-async def _stop_tasks(tasks: Sequence[asyncio.Task[None]], timeout: float) -> None:
-    """Wait up to ``timeout`` for tasks that were told to stop, then cancel the stragglers."""
-    if not tasks:
-        return
-    _, pending = await asyncio.wait(tasks, timeout=timeout)
-    for t in pending:
+async def _cancel_tasks(tasks: Sequence[asyncio.Task[None]], timeout: float) -> None:
+    """Cancel and reap tasks. A relay holds nothing to finish: its ``handle_payload`` is synchronous (the
+    mirror never sees half a batch) and its sockets close in ``finally``; one mid-replay must not delay
+    the exit, nor submit to a reporter that is closing."""
+    for t in tasks:
         t.cancel()
-    if pending:
-        await asyncio.wait(pending, timeout=0.1)
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
 
 
 def agent_security(args: argparse.Namespace) -> ChannelSecurity:
@@ -667,8 +672,8 @@ async def _agent_main(args: argparse.Namespace) -> int:
     finally:
         stop.set()
         stopper.cancel()
-        # The relays notice ``stop`` within 0.1 s; the reporter's last acks overlap with that wait.
-        await asyncio.gather(_stop_tasks(tasks, 0.5), rep.close(timeout=0.5))
+        await _cancel_tasks(tasks, 0.5)  # immediate: nothing is left to submit when the reporter closes
+        await rep.close(timeout=0.5)
         if args.stats_file:  # the final word: streams closed, counters complete
             try:
                 _write_json(Path(args.stats_file), agent_status(relays, rep))

@@ -38,7 +38,7 @@ import grpc
 import grpc.aio
 
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import events_to_proto
+from kvcoord.events_proto import events_to_proto, tier_to_proto
 from kvcoord.hashing import to_block_hash64
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
@@ -88,7 +88,7 @@ class ChannelSecurity:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    def credentials(self) -> Any:
+    def credentials(self) -> grpc.ChannelCredentials:
         """``grpc.ChannelCredentials`` for TLS; reads the PEM files now so a bad path fails early."""
         if (self.client_cert is None) != (self.client_key is None):
             raise ValueError("client_cert and client_key must be given together")
@@ -118,7 +118,9 @@ class ChannelSecurity:
         return opts
 
 
-def open_aio_channel(address: str, security: ChannelSecurity, max_message_bytes: int = 64 << 20) -> Any:
+def open_aio_channel(
+    address: str, security: ChannelSecurity, max_message_bytes: int = 64 << 20
+) -> grpc.aio.Channel:
     """A ``grpc.aio.Channel`` to ``address`` with ``security`` (token metadata is added per call)."""
     opts = security.channel_options(max_message_bytes)
     if security.uses_tls:
@@ -126,7 +128,7 @@ def open_aio_channel(address: str, security: ChannelSecurity, max_message_bytes:
     return grpc.aio.insecure_channel(address, options=opts)
 
 
-def open_channel(address: str, security: ChannelSecurity, max_message_bytes: int = 64 << 20) -> Any:
+def open_channel(address: str, security: ChannelSecurity, max_message_bytes: int = 64 << 20) -> grpc.Channel:
     """A blocking ``grpc.Channel``, same options as :func:`open_aio_channel`."""
     opts = security.channel_options(max_message_bytes)
     if security.uses_tls:
@@ -591,22 +593,22 @@ class Reporter:
         out: list[pb.Snapshot] = []
         for rank in self.dp_ranks:
             hashes: list[int] = []
-            tiers: list[int] = []
+            tiers: list[pb.Tier.ValueType] = []
             for h, tier in self._snapshot(rank):
                 hashes.append(to_block_hash64(h))
-                tiers.append(int(Tier(tier)))
+                tiers.append(tier_to_proto(Tier(tier)))
             start = 0
             while True:
                 out.append(pb.Snapshot(epoch=self.epoch, seq=seq, dp_rank=rank,
                                        block_hashes=hashes[start:start + chunk],
-                                       tiers=tiers[start:start + chunk]))  # type: ignore[arg-type]
+                                       tiers=tiers[start:start + chunk]))
                 start += chunk
                 if start >= len(hashes):
                     break
         out[-1].final = True
         return out
 
-    async def _send_snapshot(self, link: _Link, call: Any) -> int:
+    async def _send_snapshot(self, link: _Link, call: grpc.aio.StreamStreamCall) -> int:
         link.force_snapshot = True  # until the final chunk is written
         chunks = self._take_snapshot()
         seq = chunks[0].seq
@@ -661,7 +663,7 @@ class Reporter:
         """One stream's life. Returns True if it got as far as a Welcome."""
         opts = self.options
         channel = open_aio_channel(link.endpoint.address, link.security, opts.max_message_bytes)
-        call: Any = None
+        call: grpc.aio.StreamStreamCall | None = None
         reader: asyncio.Task[None] | None = None
         try:
             ingest = channel.stream_stream(INGEST_METHOD, request_serializer=_raw,
@@ -693,7 +695,7 @@ class Reporter:
             with contextlib.suppress(BaseException):
                 await channel.close(grace=None)
 
-    async def _raise_status(self, call: Any) -> None:
+    async def _raise_status(self, call: grpc.aio.StreamStreamCall) -> None:
         code = await call.code()
         if code is not None and code != grpc.StatusCode.OK:
             raise _StreamClosed(f"{code.name}: {await call.details()}")
@@ -721,8 +723,8 @@ class Reporter:
         link.snapshot_requested = need
         return acked
 
-    async def _write_loop(self, link: _Link, call: Any, reader: asyncio.Task[None], cursor: int,
-                          hb_interval: float) -> None:
+    async def _write_loop(self, link: _Link, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None],
+                          cursor: int, hb_interval: float) -> None:
         next_hb = time.monotonic() + hb_interval
         stats = link.stats
         max_group_bytes = self.options.max_message_bytes // 4
@@ -763,7 +765,7 @@ class Reporter:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(link.wakeup.wait(), next_hb - now)
 
-    async def _read_loop(self, link: _Link, call: Any) -> None:
+    async def _read_loop(self, link: _Link, call: grpc.aio.StreamStreamCall) -> None:
         assert self._ack_event is not None
         try:
             while True:

@@ -316,6 +316,7 @@ def run_sim_engine(args: argparse.Namespace) -> int:
     if args.rate < 0 or args.requests < 0:
         raise ValueError("--rate and --requests must be >= 0")
     profile = HashProfile(algo=args.algo, block_size=args.block_size, seed=args.hash_seed)
+    profile.resolved_seed()  # an unresolvable seed is a usage error now, not a crash at the first request
     keys = RequestKeys(cache_salt=args.cache_salt) if args.cache_salt is not None else None
     pool = BlockPool(args.num_blocks, profile, hash_form=args.hash_form, medium=args.medium,
                      dp_rank=args.dp_rank, removal_events=args.removal_events)

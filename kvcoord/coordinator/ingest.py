@@ -84,10 +84,6 @@ class _PendingSnapshot:
     count: int = 0
 
 
-def _msg(**kw: object) -> pb.CoordinatorMessage:
-    return pb.CoordinatorMessage(**kw)  # type: ignore[arg-type]
-
-
 class IngestSession:
     """State of one ingest stream. ``handle`` returns the messages to send back, or raises IngestAbort."""
 
@@ -212,7 +208,7 @@ class IngestSession:
         else:
             rec.announced = None
         out = [
-            _msg(
+            pb.CoordinatorMessage(
                 welcome=pb.Welcome(
                     epoch=hello.epoch,
                     acked_seq=rec.last_seq if resume else 0,
@@ -245,7 +241,8 @@ class IngestSession:
         rec.resyncing = True
         self._pending = None
         self.state.metrics.snapshot_requested(reason)
-        return [_msg(snapshot_request=pb.SnapshotRequest(epoch=self.epoch, reason=f"{reason}: {detail}"))]
+        req = pb.SnapshotRequest(epoch=self.epoch, reason=f"{reason}: {detail}")
+        return [pb.CoordinatorMessage(snapshot_request=req)]
 
     def _reject(
         self, rec: NodeRecord, batch: pb.EventBatch, reason: str, detail: str
@@ -284,7 +281,7 @@ class IngestSession:
             last = rec.last_seq
             if batch.seq <= last:
                 st.metrics.batch("duplicate")
-                return [_msg(ack=pb.Ack(epoch=self.epoch, seq=last))]
+                return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=last))]
             if batch.seq > last + 1:
                 st.metrics.batch("gap")
                 st.log_once(
@@ -339,7 +336,7 @@ class IngestSession:
             reason = st.verifier.check(rec, self.model, profile, batch.events)
             if reason is not None:
                 st.mark_hash_mismatch(rec, reason)
-        return [_msg(ack=pb.Ack(epoch=self.epoch, seq=batch.seq))]
+        return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=batch.seq))]
 
     def _account(self, batch: pb.EventBatch) -> None:
         m = self.state.metrics
@@ -442,4 +439,4 @@ class IngestSession:
             pending.count,
             len(self.dp_ranks),
         )
-        return [_msg(ack=pb.Ack(epoch=self.epoch, seq=pending.seq))]
+        return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=pending.seq))]
