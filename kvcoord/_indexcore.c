@@ -120,17 +120,37 @@ as_u64(PyObject *o, uint64_t *out)
     return 0;
 }
 
-/* All hashes of a list/tuple as a fresh uint64 buffer (PyMem); NULL with an exception on bad input. */
-static uint64_t *
-seq_to_u64(PyObject *seq, Py_ssize_t *n_out)
+/* Any sequence of hashes (list and tuple read in place; others, e.g. a protobuf repeated field,
+ * copied once by PySequence_Fast) as a new reference to a list/tuple; NULL with an exception.
+ * Unordered collections (sets, dicts) and str/bytes-like objects (whose items are characters or
+ * small ints) are refused. */
+static PyObject *
+as_fast_seq(PyObject *seq)
 {
-    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
-        PyErr_Format(PyExc_TypeError, "hashes must be a list or tuple, not %.100s", Py_TYPE(seq)->tp_name);
+    if (PyList_Check(seq) || PyTuple_Check(seq)) {
+        Py_INCREF(seq);
+        return seq;
+    }
+    if (!PySequence_Check(seq) || PyUnicode_Check(seq) || PyBytes_Check(seq) || PyByteArray_Check(seq) ||
+        PyMemoryView_Check(seq)) {
+        PyErr_Format(PyExc_TypeError, "hashes must be a sequence of ints, not %.100s", Py_TYPE(seq)->tp_name);
+        return NULL;
+    }
+    return PySequence_Fast(seq, "hashes must be a sequence of ints");
+}
+
+/* All hashes of a sequence as a fresh uint64 buffer (PyMem); NULL with an exception on bad input. */
+static uint64_t *
+seq_to_u64(PyObject *arg, Py_ssize_t *n_out)
+{
+    PyObject *seq = as_fast_seq(arg);
+    if (seq == NULL) {
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     uint64_t *buf = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
     if (buf == NULL) {
+        Py_DECREF(seq);
         PyErr_NoMemory();
         return NULL;
     }
@@ -138,9 +158,11 @@ seq_to_u64(PyObject *seq, Py_ssize_t *n_out)
     for (Py_ssize_t i = 0; i < n; i++) {
         if (as_u64(items[i], &buf[i]) < 0) {
             PyMem_Free(buf);
+            Py_DECREF(seq);
             return NULL;
         }
     }
+    Py_DECREF(seq);
     *n_out = n;
     return buf;
 }
@@ -1348,13 +1370,16 @@ static PyTypeObject TableType = {
 
 PyDoc_STRVAR(validate_doc,
 "validate_u64_seq(seq) -> bool\n\n"
-"True when seq is a list or tuple of ints (bool excluded) in [0, 2**64). Never raises for a\n"
-"bad element: the caller takes its slow path to produce the precise error.");
+"True when seq is a sequence (list, tuple, protobuf repeated field, ...; not str/bytes) of ints\n"
+"(bool excluded) in [0, 2**64). Never raises for a bad element or a non-sequence: the caller takes\n"
+"its slow path to produce the precise error.");
 
 static PyObject *
-validate_u64_seq(PyObject *Py_UNUSED(module), PyObject *seq)
+validate_u64_seq(PyObject *Py_UNUSED(module), PyObject *arg)
 {
-    if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+    PyObject *seq = as_fast_seq(arg);
+    if (seq == NULL) {
+        PyErr_Clear();
         Py_RETURN_FALSE;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -1363,9 +1388,11 @@ validate_u64_seq(PyObject *Py_UNUSED(module), PyObject *seq)
         uint64_t v;
         if (as_u64(items[i], &v) < 0) {
             PyErr_Clear();
+            Py_DECREF(seq);
             Py_RETURN_FALSE;
         }
     }
+    Py_DECREF(seq);
     Py_RETURN_TRUE;
 }
 

@@ -34,6 +34,7 @@ from kvcoord.events import (
     Tier,
     normalize_medium,
 )
+from kvcoord.index.memory import RAW_CLEAR, RAW_REMOVE, RAW_STORE, RawEvent
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "events_for_index",
     "events_from_proto",
     "events_to_proto",
+    "raw_events_for_index",
     "tier_from_proto",
     "tier_to_proto",
     "tupleize",
@@ -382,6 +384,87 @@ def events_for_index(msgs: Sequence[pb.KVEvent]) -> list[KVEvent]:
     if merged and not all(_indexable_target(ev) for ev in out):
         return list(events_from_proto(msgs, tokens=False))  # let the index name the original event
     return out
+
+
+def raw_events_for_index(msgs: Sequence[pb.KVEvent]) -> tuple[list[RawEvent], int, int, int]:
+    """Decode a batch for ``MemoryIndex.apply_raw_sync``: every event checked exactly as by
+    ``events_from_proto(msgs, tokens=False)`` (same errors, naming the event's index), but each becomes
+    a :data:`RawEvent` tuple whose hashes are the message's own repeated field (no event objects, no
+    copies). Also returns how many stored, removed and cleared events the batch holds (for metrics).
+    The messages must outlive the result (the tuples reference their fields).
+    """
+    out: list[RawEvent] = []
+    append = out.append
+    stored = removed = cleared = 0
+    for i, m in enumerate(msgs):
+        which = m.WhichOneof("event")
+        try:
+            if which == "stored":
+                s = m.stored
+                hashes: Sequence[Any] = s.block_hashes
+                digests = s.block_digests
+                if digests:
+                    hashes = _checked_digests(hashes, digests, "BlockStored")
+                if s.HasField("parent_block_digest"):
+                    if s.HasField("parent_block_hash"):
+                        raise ValueError(
+                            "BlockStored: both parent_block_hash and parent_block_digest are set"
+                        )
+                    if not s.parent_block_digest:
+                        raise ValueError("BlockStored: parent_block_digest is empty")
+                n_tokens = len(s.token_ids)
+                if n_tokens:
+                    block_size = s.block_size
+                    if not block_size:
+                        raise ValueError(f"BlockStored: {n_tokens} token_ids but block_size is 0")
+                    if n_tokens % block_size:
+                        raise ValueError(
+                            f"BlockStored: {n_tokens} token_ids is not a multiple of block_size {block_size}"
+                        )
+                extra = s.extra_keys_msgpack
+                if extra:
+                    _extra_keys_from_bytes(extra)
+                append(
+                    (
+                        RAW_STORE,
+                        hashes,
+                        s.medium or None,
+                        s.group_idx if s.HasField("group_idx") else None,
+                        s.kv_cache_spec_kind if s.HasField("kv_cache_spec_kind") else None,
+                    )
+                )
+                stored += 1
+            elif which == "removed":
+                r = m.removed
+                hashes = r.block_hashes
+                digests = r.block_digests
+                if digests:
+                    hashes = _checked_digests(hashes, digests, "BlockRemoved")
+                group = r.group_idx if r.HasField("group_idx") else None
+                append((RAW_REMOVE, hashes, r.medium or None, group, None))
+                removed += 1
+            elif which == "cleared":
+                append(_RAW_CLEARED)
+                cleared += 1
+            else:
+                raise ValueError("KVEvent has no event set")
+        except ValueError as exc:
+            raise ValueError(f"event {i}: {exc}") from None
+    return out, stored, removed, cleared
+
+
+_RAW_CLEARED: RawEvent = (RAW_CLEAR, (), None, None, None)
+
+
+def _checked_digests(ints: Sequence[int], digests: Sequence[bytes], what: str) -> Sequence[bytes]:
+    """``_hashes_from``'s checks for the digest form (the caller saw digests set)."""
+    if len(ints):
+        raise ValueError(
+            f"{what}: both block_hashes ({len(ints)}) and block_digests ({len(digests)}) are set"
+        )
+    if not all(digests):
+        raise ValueError(f"{what}: block_digests[{list(digests).index(b'')}] is empty")
+    return digests
 
 
 def _indexable_target(ev: KVEvent) -> bool:

@@ -371,3 +371,124 @@ def test_c_table_rejects_bad_input_and_stays_unchanged() -> None:
         t.match([1], None, keys, None)
     seqs: list[object] = [[1, 2], (0, (1 << 64) - 1), [], [True], [-1], [1 << 64], "ab", [1.0]]
     assert [validate_u64_seq(x) for x in seqs] == [True, True, True, False, False, False, False, False]
+
+
+# --- the raw (protobuf) entry point vs the events path ----------------------------------------------
+def _raw_case_msgs(draw: Any) -> list[Any]:
+    from kvcoord.proto.v1 import kvcoord_pb2 as pb
+
+    pool = [1, 2, 3, 4, 5, (1 << 64) - 1, 1 << 63]
+    msgs = []
+    for _ in range(draw(st.integers(0, 6))):
+        which = draw(st.sampled_from(["stored", "stored", "removed", "cleared", "empty"]))
+        if which == "cleared":
+            msgs.append(pb.KVEvent(cleared=pb.AllBlocksCleared()))
+            continue
+        if which == "empty":
+            msgs.append(pb.KVEvent())
+            continue
+        ints = draw(st.lists(st.sampled_from(pool), max_size=6))
+        digests = draw(st.lists(st.binary(min_size=0, max_size=9), max_size=3)) if draw(st.booleans()) else []
+        medium = draw(st.sampled_from(["", "GPU", "cpu", " cpu_pinned ", "DISK", "bogus"]))
+        group = draw(st.sampled_from([None, None, 0, 1, -1]))
+        if which == "removed":
+            r = pb.BlockRemoved(block_hashes=ints, block_digests=digests, medium=medium)
+            if group is not None:
+                r.group_idx = group
+            msgs.append(pb.KVEvent(removed=r))
+            continue
+        s = pb.BlockStored(block_hashes=ints, block_digests=digests, medium=medium, block_size=2)
+        s.token_ids.extend(range(draw(st.sampled_from([0, 2 * len(ints), 3]))))
+        if group is not None:
+            s.group_idx = group
+        kind = draw(st.sampled_from([None, None, "full_attention", "mla_attention", "sliding_window"]))
+        if kind is not None:
+            s.kv_cache_spec_kind = kind
+        parent = draw(st.sampled_from(["none", "int", "digest", "both", "empty"]))
+        if parent in ("int", "both"):
+            s.parent_block_hash = 7
+        if parent in ("digest", "both"):
+            s.parent_block_digest = b"\x01\x02"
+        if parent == "empty":
+            s.parent_block_digest = b""
+        if draw(st.booleans()):
+            s.extra_keys_msgpack = draw(st.sampled_from([b"\x91\xc0", b"\xc1", b"\x01"]))
+        msgs.append(pb.KVEvent(stored=s))
+    return msgs
+
+
+_raw_batches = st.lists(st.tuples(st.composite(lambda d: _raw_case_msgs(d))(), st.sampled_from([0, 1])),
+                        min_size=1, max_size=5)
+
+
+def _via_events(idx: MemoryIndex, msgs: list[Any], rank: int) -> object:
+    from kvcoord.events_proto import events_from_proto
+
+    try:
+        events = events_from_proto(msgs, tokens=False)
+        return idx.apply_sync("m", "n", rank, events), len(msgs)
+    except (ValueError, InvalidEvent) as e:
+        return type(e).__name__, str(e)
+
+
+def _via_raw(idx: MemoryIndex, msgs: list[Any], rank: int) -> object:
+    from kvcoord.events_proto import raw_events_for_index
+
+    try:
+        raw, stored_n, removed_n, cleared_n = raw_events_for_index(msgs)
+        assert [m.WhichOneof("event") for m in msgs].count("stored") == stored_n
+        assert [m.WhichOneof("event") for m in msgs].count("removed") == removed_n
+        assert [m.WhichOneof("event") for m in msgs].count("cleared") == cleared_n
+        return idx.apply_raw_sync("m", "n", rank, raw), stored_n + removed_n + cleared_n
+    except (ValueError, InvalidEvent) as e:
+        return type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("core", CORES)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batches=_raw_batches)
+def test_raw_proto_path_equals_the_events_path(core: Core, batches: list[tuple[list[Any], int]]) -> None:
+    """Batches straight from protobuf messages (``raw_events_for_index`` + ``apply_raw_sync``) give the
+    same results, error messages (naming the original event) and state as decoding them to events and
+    ``apply_sync``: groups, media, digest-form hashes and bad input included."""
+    a, b = MemoryIndex(core=core), MemoryIndex(core=core)
+    for msgs, rank in batches:
+        assert _via_raw(b, msgs, rank) == _via_events(a, msgs, rank), msgs
+        for r in (0, 1):
+            assert b.export_node_sync("m", "n", r) == a.export_node_sync("m", "n", r)
+    sa, sb = a.stats_sync(), b.stats_sync()
+    assert (sb.entries, sb.blocks, sb.entries_by_model_tier) == (
+        sa.entries, sa.blocks, sa.entries_by_model_tier)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_raw_path_takes_repeated_fields_and_rejects_a_bad_batch_whole(core: Core) -> None:
+    from kvcoord.proto.v1 import kvcoord_pb2 as pb
+
+    idx = MemoryIndex(core=core)
+    s = pb.BlockStored(block_hashes=[1, 2, (1 << 64) - 1])
+    r = pb.BlockRemoved(block_hashes=[2])
+    batch = [(0, s.block_hashes, None, None, None), (1, r.block_hashes, "GPU", 3, None)]
+    res = idx.apply_raw_sync("m", "n", 0, batch)
+    assert (res.stored, res.removed) == (3, 1)
+    before = idx.export_node_sync("m", "n", 0)
+    assert before == [(1, Tier.GPU), ((1 << 64) - 1, Tier.GPU)]
+    bad = [
+        (0, [9, 10], "cpu", None, None),
+        (1, [1], "tape", None, None),
+    ]
+    with pytest.raises(InvalidEvent, match=r"^event 1: unknown medium 'tape'"):
+        idx.apply_raw_sync("m", "n", 0, bad)
+    for ev, msg in [
+        ((0, "ab", None, None, None), "event 0: block_hashes must be a list, not str"),
+        ((0, {1, 2}, None, None, None), "event 0: block_hashes must be a list, not set"),
+        ((0, [1], None, -1, None), "event 0: group_idx must be a non-negative int, not -1"),
+        ((0, [1], None, None, 5), "event 0: kv_cache_spec_kind must be a string"),
+        ((7, [1], None, None, None), "event 0: not a KV event: kind 7"),
+        ((0, [1]), "event 0: not a KV event: tuple"),
+    ]:
+        with pytest.raises(InvalidEvent) as info:
+            idx.apply_raw_sync("m", "n", 0, [(0, [11], None, None, None), ev])  # type: ignore[list-item]
+        assert str(info.value) == msg.replace("event 0", "event 1")
+    assert idx.export_node_sync("m", "n", 0) == before
+    assert idx.stats_sync().entries == 2

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TypeVar
 
 import pytest
 import redis
@@ -23,6 +24,7 @@ from kvcoord.index.redis import IndexUnavailable, RedisIndex
 from tests.redis_servers import RedisCluster, RedisServer, start_server, stop_server
 
 M = "m"
+T = TypeVar("T")
 
 
 def stored(*hashes: int, medium: str | None = None) -> BlockStored:
@@ -259,6 +261,72 @@ async def test_many_nodes_match_like_the_memory_backend(cindex: RedisIndex) -> N
         cands = [(f"node-{i}", r) for i in range(0, 29, 3) for r in range(3)]
         assert await cindex.match(M, H(*q), cands) == await mem.match(M, H(*q), cands)
     await mem.close()
+
+
+@pytest.mark.parametrize("buckets", [1, 3])
+async def test_fast_path_walk_matches_the_memory_backend(redis_server: RedisServer, buckets: int) -> None:
+    """Standalone Redis over plain TCP walks client-side (raw HMGET): same answers as the memory walk,
+    with and without candidates, over one bucket and several (one MULTI per bucket, one write)."""
+    redis_server.flushall()
+    idx = RedisIndex.from_uri(f"{redis_server.url}?buckets={buckets}", key_prefix="kvt")
+    mem = MemoryIndex()
+    try:
+        assert idx._fast is not None
+        rng = random.Random(13)
+        chain = [rng.getrandbits(64) for _ in range(300)]
+        for i in range(50):
+            depth = rng.randrange(1, len(chain))
+            held = [h for h in chain[:depth] if rng.random() > 0.02]
+            tiers = {"GPU": held[: depth // 2], "CPU": held[depth // 3 :], None: held[::5]}
+            for medium, hs in tiers.items():
+                for index in (idx, mem):
+                    await index.apply(M, f"node-{i % 23}", i % 2, [stored(*hs, medium=medium)])
+        for index in (idx, mem):
+            await index.remove_node("node-4")
+            await index.clear(M, "node-5", 0)
+        for q in (chain, chain[:7], chain[3:], [chain[0], 99], [99, chain[0]], [*chain, 1, 2, 3]):
+            assert await idx.match(M, H(*q)) == await mem.match(M, H(*q))
+            cands = [*((f"node-{i}", r) for i in range(0, 23, 2) for r in range(2)), ("nobody", 0)]
+            assert await idx.match(M, H(*q), cands) == await mem.match(M, H(*q), cands)
+        assert await idx.match(M, H(*chain), [("nobody", 0)]) == []
+        assert await idx.match("other-model", H(*chain)) == []
+    finally:
+        await idx.close()
+        await mem.close()
+
+
+async def test_cached_location_names_follow_other_replicas_and_restarts(own_server: RedisServer) -> None:
+    """The fast path caches ``T:name`` by its version token: another replica's removals, clears and
+    re-adds show at once, and a Redis restarted empty (ids start over) never reuses a stale cache."""
+    a = RedisIndex.from_uri(own_server.url, key_prefix="kvt")
+    b = RedisIndex.from_uri(own_server.url, key_prefix="kvt")
+    try:
+        await a.apply(M, "n1", 0, [stored(1, 2, 3)])
+        await a.apply(M, "n2", 0, [stored(1, 2)])
+        assert [m.node_id for m in await a.match(M, H(1, 2, 3))] == ["n1", "n2"]
+        await b.remove_node("n1")
+        assert [m.node_id for m in await a.match(M, H(1, 2, 3))] == ["n2"]
+        await b.apply(M, "n1", 0, [stored(1)])
+        await b.clear(M, "n2", 0)
+        assert [(m.node_id, m.matched_blocks) for m in await a.match(M, H(1, 2, 3))] == [("n1", 1)]
+        own_server.restart()
+
+        async def retrying(fn: Callable[[], Awaitable[T]]) -> T:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    return await fn()
+                except IndexUnavailable:  # the first call on a lost connection fails; the next reconnects
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+
+        await retrying(lambda: b.apply(M, "fresh", 0, [stored(7, 8)]))  # location id 1 again, empty Redis
+        got = await retrying(lambda: a.match(M, H(7, 8)))
+        assert [(m.node_id, m.matched_blocks) for m in got] == [("fresh", 2)]
+        assert await a.match(M, H(1, 2, 3)) == []
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_two_replicas_on_one_redis_answer_alike(redis_server: RedisServer) -> None:

@@ -345,3 +345,38 @@ def test_hand_encoded_batch_is_the_generated_message(seq: int, ts: float, rank: 
     assert pb.AgentMessage.FromString(got) == want
     group = pb.AgentMessage(batches=pb.EventBatches(batches=[want.batch, want.batch]))
     assert _batches_message([body, body]) == group.SerializeToString()
+
+
+async def test_snapshot_from_a_relay_mirror_takes_its_columns_whole() -> None:
+    """A real relay BlockMirror as the snapshot provider: its RankSnapshot's columns go into the chunks
+    as they are (uint64 hashes, tier numbers), per rank and chunked, equal to the per-entry path's."""
+    from kvcoord.agent.relay import BlockMirror
+
+    mirror = BlockMirror()
+    digest = BlockStored(block_hashes=(b"\x07" * 32,), parent_block_hash=None, token_ids=(), block_size=16,
+                         medium="CPU")
+    mirror.apply(0, [stored(1, 2, (1 << 64) - 1), digest])
+    mirror.apply(1, [BlockStored(block_hashes=(5, 6), parent_block_hash=None, token_ids=(), block_size=16,
+                                 medium="disk"), BlockRemoved(block_hashes=(6,), medium="disk")])
+    assert hasattr(mirror.rank_entries(0), "columns")
+    port = free_port()
+    s = Script(snapshot_required=True)
+    async with scripted_server(s, port):
+        opts = ReporterOptions(flush_interval=0.005, snapshot_chunk_entries=2)
+        r = Reporter([f"127.0.0.1:{port}"], node_id="n1", model="m", epoch=7,
+                     snapshot=mirror.rank_entries, dp_ranks=(0, 1), options=opts)
+        await r.start()
+        try:
+            await r.wait_connected(SLOW)
+            chunks = snapshots(s)
+            got = {(c.dp_rank, h, t) for c in chunks for h, t in zip(c.block_hashes, c.tiers, strict=True)}
+            want = {(rank, int(h), int(t)) for rank in (0, 1) for h, t in mirror.rank_entries(rank)}
+            assert got == want and len(want) == 5
+            assert [(c.dp_rank, len(c.block_hashes), c.final) for c in chunks] == [
+                (0, 2, False), (0, 2, False), (1, 1, True)]
+            # the mirror's columns were read, not copied into or changed
+            hashes, tiers = mirror.rank_entries(0).columns()
+            assert sorted(hashes) == sorted(h for c in chunks[:2] for h in c.block_hashes)
+            assert all(isinstance(t, Tier) for t in tiers)
+        finally:
+            await r.close()

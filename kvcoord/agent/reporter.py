@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import grpc
 import grpc.aio
@@ -592,11 +592,20 @@ class Reporter:
         chunk = self.options.snapshot_chunk_entries
         out: list[pb.Snapshot] = []
         for rank in self.dp_ranks:
-            hashes: list[int] = []
-            tiers: list[pb.Tier.ValueType] = []
-            for h, tier in self._snapshot(rank):
-                hashes.append(to_block_hash64(h))
-                tiers.append(tier_to_proto(Tier(tier)))
+            entries = self._snapshot(rank)
+            columns = getattr(entries, "columns", None)
+            hashes: Sequence[int]
+            tiers: Sequence[pb.Tier.ValueType]
+            if columns is not None:
+                # The relay's RankSnapshot: already validated uint64 ints and Tier members (whose values
+                # are the proto enum's), handed over whole; read-only, only sliced here.
+                hashes, member_tiers = columns()
+                tiers = cast("Sequence[pb.Tier.ValueType]", member_tiers)
+            else:
+                hashes, tiers = [], []
+                for h, tier in entries:
+                    hashes.append(to_block_hash64(h))
+                    tiers.append(tier_to_proto(Tier(tier)))
             start = 0
             while True:
                 out.append(pb.Snapshot(epoch=self.epoch, seq=seq, dp_rank=rank,
@@ -613,10 +622,12 @@ class Reporter:
         chunks = self._take_snapshot()
         seq = chunks[0].seq
         link.drop_through(seq)
+        # Before the writes: the coordinator's Ack can be read while the last write is still being
+        # awaited, and an Ack seen before snap_wait was set would leave the link unsettled for ever.
+        link.snap_wait = seq
         for c in chunks:
             await call.write(pb.AgentMessage(snapshot=c).SerializeToString())
         link.force_snapshot = False
-        link.snap_wait = seq
         link.stats.snapshots_sent += 1
         return seq
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -33,9 +34,10 @@ from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.registry import AnnouncedProfile, Load, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import events_for_index
+from kvcoord.events_proto import events_for_index, raw_events_for_index
 from kvcoord.hashing import BlockHash64
-from kvcoord.index.base import InvalidEvent, SnapshotEntry
+from kvcoord.index.base import ApplyResult, InvalidEvent, SnapshotEntry
+from kvcoord.index.memory import RawEvent
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
@@ -76,6 +78,21 @@ def load_from_proto(load: pb.Load) -> Load:
     return Load(int(load.running_requests), int(load.waiting_requests), kv if 0.0 <= kv <= 1.0 else 0.0)
 
 
+DirectApply = Callable[[str, str, int, Sequence[RawEvent]], ApplyResult]
+
+
+def _direct_apply(index: object) -> DirectApply | None:
+    """The index's ``apply_raw_sync`` (the memory backend's), unless the class overrides ``apply``
+    below the one defining it (a wrapping or instrumented index keeps its own ``apply`` path)."""
+    fn: DirectApply | None = getattr(index, "apply_raw_sync", None)
+    if fn is None:
+        return None
+    mro = type(index).__mro__
+    owner_raw = next((c for c in mro if "apply_raw_sync" in c.__dict__), None)
+    owner_apply = next((c for c in mro if "apply" in c.__dict__), None)
+    return fn if owner_raw is owner_apply else None
+
+
 @dataclass(slots=True)
 class _PendingSnapshot:
     epoch: int
@@ -87,11 +104,20 @@ class _PendingSnapshot:
 class IngestSession:
     """State of one ingest stream. ``handle`` returns the messages to send back, or raises IngestAbort."""
 
-    def __init__(self, state: CoordinatorState, principal: Principal, push: Push | None = None) -> None:
+    def __init__(
+        self,
+        state: CoordinatorState,
+        principal: Principal,
+        push: Push | None = None,
+        ack: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.state = state
         self.principal = principal
         self.push = push
         """Queues a message on this stream outside a reply (the coordinator's resync requests)."""
+        self.ack = ack
+        """Queues Ack(epoch, seq) on the stream (cheaper than a reply message per applied batch); when
+        None, applied batches reply with an Ack message."""
         self.rec: NodeRecord | None = None
         self.gen = 0
         self.model = ""
@@ -99,6 +125,9 @@ class IngestSession:
         self.dp_ranks: tuple[int, ...] = ()
         self.epoch = 0
         self._pending: _PendingSnapshot | None = None
+        self._apply_raw = _direct_apply(state.index)
+        """The in-process index's direct entry point (memory backend): batches skip event objects,
+        the retry wrapper and a coroutine per batch (it cannot fail transiently). None: generic path."""
 
     async def handle(self, msg: pb.AgentMessage) -> list[pb.CoordinatorMessage]:
         which = msg.WhichOneof("msg")
@@ -264,6 +293,12 @@ class IngestSession:
         )
         return self._request_snapshot(rec, "invalid_batch", f"batch {batch.seq} {reason}: {detail}")
 
+    def _undecodable(
+        self, rec: NodeRecord, batch: pb.EventBatch, exc: Exception
+    ) -> list[pb.CoordinatorMessage]:
+        kind = getattr(exc, "kind", None)
+        return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
+
     async def _batch(self, rec: NodeRecord, batch: pb.EventBatch) -> list[pb.CoordinatorMessage]:
         st = self.state
         limit = st.config.limits.max_events_per_batch
@@ -281,6 +316,9 @@ class IngestSession:
             last = rec.last_seq
             if batch.seq <= last:
                 st.metrics.batch("duplicate")
+                if self.ack is not None:  # every Ack of a batch takes the same way, so they stay in order
+                    self.ack(self.epoch, last)
+                    return []
                 return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=last))]
             if batch.seq > last + 1:
                 st.metrics.batch("gap")
@@ -302,40 +340,60 @@ class IngestSession:
                 )
             profile = st.config.profile(self.model)
             verify = profile is not None and not rec.hash_mismatch and st.verifier.cfg.enabled
-            try:
-                # Only the index reads every event: runs of stores collapse into one event each (see
-                # events_for_index) and token ids never become Python tuples. The whole batch is
-                # checked first. Hash verification samples from the messages afterwards and decodes
-                # just the events it samples.
-                events = events_for_index(batch.events)
-            except (ValueError, TypeError, KeyError, OverflowError) as exc:
-                kind = getattr(exc, "kind", None)
-                return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
-            try:
-                # Through an index outage the batch stays unacked and is retried here (the stream
-                # stalls; the agent keeps queueing). Re-applying a batch that half-reached the backend
-                # is safe: events are idempotent and the retry re-applies the whole batch in order,
-                # before any later batch. Abandoned (unacked, a snapshot follows) when the backend
-                # came back empty and the node now resyncs.
-                done, _ = await st.call_index(
-                    lambda: st.index.apply(self.model, rec.node_id, batch.dp_rank, events),
-                    f"apply for node {rec.node_id}",
-                    rec,
-                    lambda: self._wanted(rec, need_sync=True),
-                )
-            except InvalidEvent as exc:
-                return self._reject(rec, batch, "invalid_event", str(exc))
-            rec = self._owned()
-            if not done:
-                st.metrics.batch("awaiting_snapshot")
-                return []
+            apply_raw = self._apply_raw
+            if apply_raw is not None:
+                # In-process index: the events go straight from the protobuf messages (checked whole
+                # first, exactly as the decoder does) to the index, which validates the whole batch
+                # before mutating anything. No await between the ownership check and the apply.
+                try:
+                    raw, n_stored, n_removed, n_cleared = raw_events_for_index(batch.events)
+                except (ValueError, TypeError, KeyError, OverflowError) as exc:
+                    return self._undecodable(rec, batch, exc)
+                try:
+                    apply_raw(self.model, rec.node_id, batch.dp_rank, raw)
+                except InvalidEvent as exc:
+                    return self._reject(rec, batch, "invalid_event", str(exc))
+            else:
+                n_stored = -1
+                try:
+                    # Only the index reads every event: runs of stores collapse into one event each
+                    # (see events_for_index) and token ids never become Python tuples. The whole batch
+                    # is checked first. Hash verification samples from the messages afterwards and
+                    # decodes just the events it samples.
+                    events = events_for_index(batch.events)
+                except (ValueError, TypeError, KeyError, OverflowError) as exc:
+                    return self._undecodable(rec, batch, exc)
+                try:
+                    # Through an index outage the batch stays unacked and is retried here (the stream
+                    # stalls; the agent keeps queueing). Re-applying a batch that half-reached the
+                    # backend is safe: events are idempotent and the retry re-applies the whole batch
+                    # in order, before any later batch. Abandoned (unacked, a snapshot follows) when
+                    # the backend came back empty and the node now resyncs.
+                    done, _ = await st.call_index(
+                        lambda: st.index.apply(self.model, rec.node_id, batch.dp_rank, events),
+                        f"apply for node {rec.node_id}",
+                        rec,
+                        lambda: self._wanted(rec, need_sync=True),
+                    )
+                except InvalidEvent as exc:
+                    return self._reject(rec, batch, "invalid_event", str(exc))
+                rec = self._owned()
+                if not done:
+                    st.metrics.batch("awaiting_snapshot")
+                    return []
             rec.last_seq = batch.seq
             rec.indexed.add((self.model, batch.dp_rank))
-        self._account(batch)
+        if n_stored < 0:
+            self._account(batch)
+        else:
+            self._account_counts(batch, n_stored, n_removed, n_cleared)
         if verify and profile is not None:
             reason = st.verifier.check(rec, self.model, profile, batch.events)
             if reason is not None:
                 st.mark_hash_mismatch(rec, reason)
+        if self.ack is not None:
+            self.ack(self.epoch, batch.seq)
+            return []
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=batch.seq))]
 
     def _account(self, batch: pb.EventBatch) -> None:
@@ -347,6 +405,19 @@ class IngestSession:
             counts[which] = counts.get(which, 0) + 1
         for which, n in counts.items():
             m.applied(_PROTO_KINDS.get(which or "", "unknown"), n)
+        if batch.ts > 0:
+            m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
+
+    def _account_counts(self, batch: pb.EventBatch, stored: int, removed: int, cleared: int) -> None:
+        """``_account`` with the per-kind counts already known (the raw path counted them)."""
+        m = self.state.metrics
+        m.batch("applied")
+        if stored:
+            m.applied("block_stored", stored)
+        if removed:
+            m.applied("block_removed", removed)
+        if cleared:
+            m.applied("all_blocks_cleared", cleared)
         if batch.ts > 0:
             m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
 

@@ -109,17 +109,32 @@ class _Outbox:
         self.ack_interval = ack_interval
         self._last_ack = -1e9
         self._flush = False
-        self._queue: deque[pb.CoordinatorMessage] = deque()
+        self._queue: deque[pb.CoordinatorMessage | tuple[int, int]] = deque()
         self._wake = asyncio.Event()
         self._empty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def put(self, msg: pb.CoordinatorMessage) -> None:
         q = self._queue
-        if q and msg.HasField("ack") and q[-1].HasField("ack") and q[-1].ack.epoch == msg.ack.epoch:
-            q[-1] = msg
-        else:
-            q.append(msg)
+        if msg.HasField("ack"):
+            self.ack(msg.ack.epoch, msg.ack.seq)
+            return
+        q.append(msg)
+        self._wakeup()
+
+    def ack(self, epoch: int, seq: int) -> None:
+        """Queue Ack(epoch, seq), replacing an unsent Ack of the same epoch right before it. Kept as a
+        plain tuple until written: a busy stream builds one Ack message per write, not per batch."""
+        q = self._queue
+        if q:
+            last = q[-1]
+            if type(last) is tuple and last[0] == epoch:
+                q[-1] = (epoch, seq)
+                return  # the writer already knows about the queued Ack
+        q.append((epoch, seq))
+        self._wakeup()
+
+    def _wakeup(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="kvcoord-ingest-writer")
         self._empty.clear()
@@ -132,7 +147,7 @@ class _Outbox:
             while True:
                 while q:
                     msg = q[0]
-                    if len(q) == 1 and msg.HasField("ack") and not self._flush:
+                    if len(q) == 1 and type(msg) is tuple and not self._flush:
                         # At most one Ack per ack_interval: when the last one went out recently, let the
                         # acks of the batches arriving meanwhile collapse into this one. An idle
                         # stream's first Ack goes out at once.
@@ -140,7 +155,10 @@ class _Outbox:
                         if wait > 0:
                             await asyncio.sleep(wait)
                         self._last_ack = loop.time()
-                    await self._context.write(q.popleft())
+                    out = q.popleft()
+                    if type(out) is tuple:
+                        out = pb.CoordinatorMessage(ack=pb.Ack(epoch=out[0], seq=out[1]))
+                    await self._context.write(out)
                 self._empty.set()
                 self._wake.clear()
                 await self._wake.wait()
@@ -246,7 +264,7 @@ class CoordinatorServicer:
         if self.shutting_down:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         outbox = _Outbox(context)
-        session = IngestSession(self.state, principal, outbox.put)
+        session = IngestSession(self.state, principal, outbox.put, outbox.ack)
         self.state.metrics.streams.inc()
         task = asyncio.current_task()
         if task is not None:

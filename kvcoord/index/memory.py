@@ -47,7 +47,15 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from operator import and_, eq, itemgetter, ne, or_
 from typing import Literal, TypeAlias, cast
 
-from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier, normalize_medium
+from kvcoord.events import (
+    FULL_ATTENTION_KINDS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Tier,
+    normalize_medium,
+)
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.index.base import (
     ApplyResult,
@@ -63,7 +71,7 @@ try:
 except ImportError:  # built without a compiler: the pure-Python core serves
     _indexcore = None  # type: ignore[assignment]
 
-__all__ = ["HAVE_C_CORE", "MemoryIndex", "RawMatch"]
+__all__ = ["HAVE_C_CORE", "RAW_CLEAR", "RAW_REMOVE", "RAW_STORE", "MemoryIndex", "RawEvent", "RawMatch"]
 
 HAVE_C_CORE = _indexcore is not None
 """Whether the C core was built (``MemoryIndex(core="auto")`` then uses it)."""
@@ -79,6 +87,16 @@ RawMatch: TypeAlias = tuple[str, int, int, tuple[int, ...]]
 """``(node_id, dp_rank, matched_blocks, tiers)``: a ``NodeMatch`` without the object cost."""
 
 _STORE, _REMOVE, _CLEAR = 0, 1, 2
+RAW_STORE, RAW_REMOVE, RAW_CLEAR = _STORE, _REMOVE, _CLEAR
+"""Kinds of a :data:`RawEvent` (BlockStored, BlockRemoved, AllBlocksCleared)."""
+
+RawEvent: TypeAlias = tuple[int, Sequence[object], "str | None", "int | None", "str | None"]
+"""``(kind, block_hashes, medium, group_idx, kv_cache_spec_kind)``: one event's fields the index reads,
+for :meth:`MemoryIndex.apply_raw_sync` (the coordinator builds them straight from protobuf messages;
+``block_hashes`` may be any sequence, e.g. a repeated field, of uint64 ints or digests)."""
+
+_NOT_SEQ = (str, bytes, bytearray, memoryview)
+_FAST_SEQ = (tuple, list)
 _Op: TypeAlias = tuple[int, int, Sequence[int], "int | None", bool]
 """``(kind, tier, hashes, group_idx, indexable)`` after validation."""
 
@@ -498,8 +516,8 @@ class _Model:
 
 
 def _py_u64_ok(raw: object) -> bool:
-    """Pure-Python fast check: a non-empty list/tuple of ints in [0, 2**64) (False: take the slow path)."""
-    if not isinstance(raw, tuple | list):
+    """Pure-Python fast check: a sequence of ints in [0, 2**64) (False: take the slow path)."""
+    if not isinstance(raw, Sequence) or isinstance(raw, _NOT_SEQ):
         return False
     if not raw:
         return True
@@ -534,12 +552,12 @@ class _CModel(_Model):
         return super().retire(slot)
 
     def store(self, slot: int, tier: int, hashes: Sequence[int]) -> int:
-        added = self.table.store(slot, tier, cast("list[int]", hashes))
+        added = self.table.store(slot, tier, hashes)
         self.counts[slot][tier] += added
         return added
 
     def remove(self, slot: int, tier: int, hashes: Sequence[int]) -> int:
-        done = self.table.remove(slot, tier, cast("list[int]", hashes))
+        done = self.table.remove(slot, tier, hashes)
         self.counts[slot][tier] -= done
         return done
 
@@ -605,21 +623,23 @@ class MemoryIndex:
         self._sweep_chunk = sweep_chunk
         self._sweeper: asyncio.Task[None] | None = None
         self._generation = uuid.uuid4().hex  # contents live and die with the instance
+        self._medium_tiers: dict[str | None, int] = {None: 0}
+        """Media already normalised (the raw path's per-event lookup; bounded, known names only)."""
 
     # ------------------------------------------------------------------ validation
 
     def _hashes(self, raw: object, where: str) -> Sequence[int]:
         """The event's hashes as uint64 ints; raises InvalidEvent. Fast path: all ints in range."""
-        if not isinstance(raw, tuple | list):
+        if type(raw) not in _FAST_SEQ and (not isinstance(raw, Sequence) or isinstance(raw, _NOT_SEQ)):
             raise InvalidEvent(f"{where}: block_hashes must be a list, not {type(raw).__name__}")
         if self._u64_ok(raw):
-            return raw
+            return cast("Sequence[int]", raw)
         out: list[int] = []
-        for i, h in enumerate(raw):
+        for i, h in enumerate(cast("Sequence[object]", raw)):
             if isinstance(h, bytes | bytearray | memoryview) and len(h) == 0:
                 raise InvalidEvent(f"{where}: block_hashes[{i}] is an empty digest")
             try:
-                out.append(to_block_hash64(h))
+                out.append(to_block_hash64(h))  # type: ignore[arg-type]  # it checks the type itself
             except (TypeError, ValueError) as e:
                 raise InvalidEvent(f"{where}: block_hashes[{i}]: {e}") from None
         return out
@@ -688,6 +708,41 @@ class MemoryIndex:
                 raise InvalidEvent(f"{where}: not a KV event: {type(ev).__name__}")
         return ops
 
+    def _prepare_raw(self, events: Sequence[RawEvent]) -> list[_Op]:
+        """``_prepare`` for :data:`RawEvent` tuples: the same checks, errors and ops."""
+        if not isinstance(events, Sequence) or isinstance(events, _NOT_SEQ):
+            raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
+        ops: list[_Op] = []
+        append = ops.append
+        tiers = self._medium_tiers
+        for i, ev in enumerate(events):
+            try:
+                kind, raw, medium, group, spec = ev
+            except (TypeError, ValueError):
+                raise InvalidEvent(f"event {i}: not a KV event: {type(ev).__name__}") from None
+            if kind == _CLEAR:
+                append((_CLEAR, 0, _EMPTY, None, True))
+                continue
+            where = f"event {i}"
+            if kind == _STORE:
+                if spec is not None and not isinstance(spec, str):
+                    raise InvalidEvent(f"{where}: kv_cache_spec_kind must be a string")
+                indexable = spec is None or spec in FULL_ATTENTION_KINDS
+            elif kind == _REMOVE:
+                indexable = True
+            else:
+                raise InvalidEvent(f"{where}: not a KV event: kind {kind!r}")
+            tier = tiers.get(medium) if medium is None or type(medium) is str else None
+            if tier is None:
+                tier = self._tier(medium, where)
+                if len(tiers) < 64:
+                    tiers[cast("str", medium)] = tier
+            hashes = self._hashes(raw, where)
+            if group is not None and (type(group) is not int or group < 0):
+                group = self._group(group, where)
+            append((kind, tier, hashes, group, indexable))
+        return ops
+
     # ------------------------------------------------------------------ mutation
 
     def apply_sync(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
@@ -698,7 +753,22 @@ class MemoryIndex:
         ``AllBlocksCleared``, ``skipped_group`` blocks of non-full-attention groups.
         """
         self._check_target(model, node_id, dp_rank)
-        ops = self._prepare(events)
+        return self._run(model, node_id, dp_rank, self._prepare(events))
+
+    def apply_raw_sync(
+        self, model: str, node_id: str, dp_rank: int, events: Sequence[RawEvent]
+    ) -> ApplyResult:
+        """``apply_sync`` for events given as :data:`RawEvent` tuples, with exactly its semantics: the
+        whole batch is validated first (``InvalidEvent`` naming the event's index, nothing applied),
+        medium -> tier, groups of non-full-attention kinds skipped and remembered, digests reduced to
+        uint64. It skips building event objects: the coordinator's ingest hot path."""
+        self._check_target(model, node_id, dp_rank)
+        res = self._run(model, node_id, dp_rank, self._prepare_raw(events))
+        if self._pending:
+            self._kick()
+        return res
+
+    def _run(self, model: str, node_id: str, dp_rank: int, ops: list[_Op]) -> ApplyResult:
         res = ApplyResult()
         key = (node_id, dp_rank)
         mi = self._models.get(model)
@@ -912,6 +982,12 @@ class MemoryIndex:
         res = self.apply_sync(model, node_id, dp_rank, events)
         self._kick()
         return res
+
+    async def apply_raw(
+        self, model: str, node_id: str, dp_rank: int, events: Sequence[RawEvent]
+    ) -> ApplyResult:
+        """Async form of :meth:`apply_raw_sync`."""
+        return self.apply_raw_sync(model, node_id, dp_rank, events)
 
     async def match(
         self,
