@@ -160,14 +160,20 @@ def _add_lookup(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=_lazy("kvcoord.router.client", "run_lookup"))
 
 
+def _tls_client_flags(p: argparse.ArgumentParser) -> None:
+    """TLS flags of every command that connects to a coordinator."""
+    p.add_argument("--tls-ca", default=None, help="PEM root CA of the coordinator certificate (turns TLS on)")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM client key for mutual TLS (with --tls-cert)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name to check in the coordinator's certificate (turns TLS on)")
+
+
 def _client_flags(p: argparse.ArgumentParser) -> None:
     """Connection flags of the client subcommands (lookup, stats)."""
     p.add_argument("--token", default=None, help="bearer token (router or admin)")
     p.add_argument("--tls", action="store_true", help="use TLS with the system roots")
-    p.add_argument("--tls-ca", default=None, help="PEM root CA of the coordinator certificate (turns TLS on)")
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
-    p.add_argument("--tls-key", default=None, help="PEM client key (mutual TLS)")
-    p.add_argument("--tls-server-name", default=None, help="name to check in the server certificate")
+    _tls_client_flags(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per RPC (default 10)")
 
 
@@ -191,11 +197,7 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--dp-ranks", default="0",
                    help="engine DP ranks to relay, comma separated: rank r publishes on the (rank-0) "
                         "endpoints' port + r, as vLLM offsets them (default 0)")
-    p.add_argument("--tls-ca", default=None, help="CA bundle (PEM) verifying the coordinator's certificate")
-    p.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mutual TLS (+ --tls-key)")
-    p.add_argument("--tls-key", default=None, help="client private key (PEM) for mutual TLS (+ --tls-cert)")
-    p.add_argument("--tls-server-name", default=None,
-                   help="name to check the coordinator's certificate against (turns TLS on)")
+    _tls_client_flags(p)
     g = p.add_argument_group(
         "hash profile",
         "The engine's block-hash settings, announced in the Hello so the coordinator can refuse an agent "
@@ -336,10 +338,7 @@ def _add_health(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--coordinator", required=True, help="HOST:PORT")
     p.add_argument("--service", default="", help="service name to check (default: '' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer (default 3)")
-    p.add_argument("--tls-ca", default=None, help="PEM root CA of the coordinator certificate (turns TLS on)")
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
-    p.add_argument("--tls-key", default=None, help="PEM client key (mutual TLS)")
-    p.add_argument("--tls-server-name", default=None, help="name to check in the server certificate")
+    _tls_client_flags(p)
     p.set_defaults(func=run_health)
 
 
