@@ -1031,3 +1031,31 @@ async def test_redis_refresh_uses_cheap_stats_and_stats_rpc_is_exact(redis_serve
             assert (resp.entries, resp.blocks, resp.blocks_upper_bound) == (6, 3, False)
     finally:
         await index.close()
+
+
+def test_only_a_plain_memory_index_takes_the_direct_path() -> None:
+    """The memory backend's batches go straight from protobuf (``apply_raw_sync``); an index that
+    overrides ``apply`` (GatedIndex here, a wrapper elsewhere) and the Redis backend keep ``apply``."""
+    from kvcoord.coordinator.ingest import _direct_apply
+    from kvcoord.index.redis import RedisIndex
+
+    plain = MemoryIndex()
+    assert _direct_apply(plain) == plain.apply_raw_sync
+    assert _direct_apply(GatedIndex()) is None
+    assert _direct_apply(RedisIndex.__new__(RedisIndex)) is None
+
+
+async def test_a_batch_the_direct_path_rejects_leaves_the_index_unchanged() -> None:
+    """A bad event late in a batch (unknown medium): the batch is rejected naming that event, the
+    earlier stores of the same batch are not applied, and a snapshot is asked for."""
+    index = MemoryIndex()
+    async with serving(index) as c:
+        a = Agent(c, "n1")
+        await a.start()
+        assert ack_seq(await a.batch(1, [stored([1, 2])])) == 1
+        bad = pb.KVEvent(removed=pb.BlockRemoved(block_hashes=[1], medium="tape"))
+        msg = await a.batch(2, [stored([3, 4]), bad])
+        assert msg.WhichOneof("msg") == "snapshot_request", msg
+        assert "event 1: unknown medium 'tape'" in msg.snapshot_request.reason
+        assert await export(index) == [(1, Tier.GPU), (2, Tier.GPU)]
+        await a.close()

@@ -97,6 +97,8 @@ for :meth:`MemoryIndex.apply_raw_sync` (the coordinator builds them straight fro
 
 _NOT_SEQ = (str, bytes, bytearray, memoryview)
 _FAST_SEQ = (tuple, list)
+_SEQ_TYPES: set[type] = set()
+"""Other types already seen to be ordered sequences of hashes (protobuf repeated fields)."""
 _Op: TypeAlias = tuple[int, int, Sequence[int], "int | None", bool]
 """``(kind, tier, hashes, group_idx, indexable)`` after validation."""
 
@@ -630,8 +632,10 @@ class MemoryIndex:
 
     def _hashes(self, raw: object, where: str) -> Sequence[int]:
         """The event's hashes as uint64 ints; raises InvalidEvent. Fast path: all ints in range."""
-        if type(raw) not in _FAST_SEQ and (not isinstance(raw, Sequence) or isinstance(raw, _NOT_SEQ)):
-            raise InvalidEvent(f"{where}: block_hashes must be a list, not {type(raw).__name__}")
+        if type(raw) not in _FAST_SEQ:
+            if not isinstance(raw, Sequence) or isinstance(raw, _NOT_SEQ):
+                raise InvalidEvent(f"{where}: block_hashes must be a list, not {type(raw).__name__}")
+            raw = list(raw)  # e.g. a protobuf repeated field: one C-level copy, then read in place
         if self._u64_ok(raw):
             return cast("Sequence[int]", raw)
         out: list[int] = []
@@ -715,6 +719,8 @@ class MemoryIndex:
         ops: list[_Op] = []
         append = ops.append
         tiers = self._medium_tiers
+        u64_ok = self._u64_ok
+        seq_types = _SEQ_TYPES
         for i, ev in enumerate(events):
             try:
                 kind, raw, medium, group, spec = ev
@@ -723,23 +729,33 @@ class MemoryIndex:
             if kind == _CLEAR:
                 append((_CLEAR, 0, _EMPTY, None, True))
                 continue
-            where = f"event {i}"
             if kind == _STORE:
                 if spec is not None and not isinstance(spec, str):
-                    raise InvalidEvent(f"{where}: kv_cache_spec_kind must be a string")
+                    raise InvalidEvent(f"event {i}: kv_cache_spec_kind must be a string")
                 indexable = spec is None or spec in FULL_ATTENTION_KINDS
             elif kind == _REMOVE:
                 indexable = True
             else:
-                raise InvalidEvent(f"{where}: not a KV event: kind {kind!r}")
+                raise InvalidEvent(f"event {i}: not a KV event: kind {kind!r}")
             tier = tiers.get(medium) if medium is None or type(medium) is str else None
             if tier is None:
-                tier = self._tier(medium, where)
+                tier = self._tier(medium, f"event {i}")
                 if len(tiers) < 64:
                     tiers[cast("str", medium)] = tier
-            hashes = self._hashes(raw, where)
+            # The common case inline (a list of uint64 ints); ``_hashes`` does the rest and the errors.
+            rt = type(raw)
+            hashes: Sequence[int] | None
+            if rt in _FAST_SEQ:
+                hashes = cast("Sequence[int]", raw)
+            elif rt in seq_types or (isinstance(raw, Sequence) and not isinstance(raw, _NOT_SEQ)):
+                seq_types.add(rt)
+                hashes = list(cast("Sequence[int]", raw))  # a protobuf repeated field: one C-level copy
+            else:
+                hashes = None
+            if hashes is None or not u64_ok(hashes):
+                hashes = self._hashes(raw, f"event {i}")  # the precise error, or digests reduced
             if group is not None and (type(group) is not int or group < 0):
-                group = self._group(group, where)
+                group = self._group(group, f"event {i}")
             append((kind, tier, hashes, group, indexable))
         return ops
 
