@@ -51,16 +51,14 @@ from kvcoord.agent.zmq_wire import (
 )
 from kvcoord.events import (
     AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     EventDecodeError,
     KVEvent,
     KVEventBatch,
     Tier,
     decode_vllm_batch,
-    normalize_medium,
 )
-from kvcoord.hashing import UINT64_MASK, BlockHash64, HashProfile, check_algo, to_block_hash64
+from kvcoord.hashing import BlockHash64, HashProfile, check_algo
+from kvcoord.index import validate
 
 if TYPE_CHECKING:
     from kvcoord.agent.reporter import ChannelSecurity, Reporter
@@ -77,32 +75,10 @@ class EventSink(Protocol):
     def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float) -> None: ...
 
 
-# (is_store, tier index, hashes, group_idx, indexable)
-_Op = tuple[int, int, tuple[BlockHash64, ...], int | None, bool]
-_CLEAR = 2
+_Op = validate.Op
+"""``(kind, tier, hashes, group_idx, indexable)``: the index's own validated op, by the index's rules."""
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
-_TIER_INDEX: dict[str | None, int] = {}
-
-
-def _tier_index(medium: str | None) -> int:
-    idx = _TIER_INDEX.get(medium)
-    if idx is None:
-        idx = int(normalize_medium(medium))  # ValueError for an unknown medium
-        if len(_TIER_INDEX) < 256:
-            _TIER_INDEX[medium] = idx
-    return idx
-
-
-def _hashes64(hashes: Sequence[int | bytes]) -> tuple[BlockHash64, ...]:
-    """uint64 keys; all-int lists (the common case) are range-checked at C speed."""
-    ints: Any = hashes
-    try:
-        if not ints or (min(ints) >= 0 and max(ints) <= UINT64_MASK):
-            return tuple(ints)
-    except TypeError:  # bytes among them
-        pass
-    return tuple(to_block_hash64(h) for h in hashes)
 
 
 class RankSnapshot:
@@ -149,19 +125,8 @@ class BlockMirror:
 
     @staticmethod
     def prepare(events: Sequence[KVEvent]) -> list[_Op]:
-        """Validate a whole batch (tiers, hashes) without touching the mirror; ValueError if bad."""
-        ops: list[_Op] = []
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                ops.append((1, _tier_index(ev.medium), _hashes64(ev.block_hashes), ev.group_idx,
-                            ev.is_prefix_indexable()))
-            elif isinstance(ev, BlockRemoved):
-                ops.append((0, _tier_index(ev.medium), _hashes64(ev.block_hashes), ev.group_idx, True))
-            elif isinstance(ev, AllBlocksCleared):
-                ops.append((_CLEAR, 0, (), None, True))
-            else:
-                raise ValueError(f"not a KV event: {type(ev).__name__}")
-        return ops
+        """Validate a whole batch without touching the mirror, by the index's rules; ValueError if bad."""
+        return validate.ops_of(events)
 
     def commit(self, dp_rank: int, ops: Sequence[_Op]) -> None:
         """Apply prepared operations (cannot fail)."""
@@ -170,7 +135,7 @@ class BlockMirror:
             tiers = self._ranks[dp_rank] = tuple(set() for _ in _TIERS)
         skip = self._skip_groups.setdefault(dp_rank, set())
         for kind, tier, hashes, group, indexable in ops:
-            if kind == 1:
+            if kind == validate.STORE:
                 if not indexable:
                     if group is not None:
                         skip.add(group)
@@ -178,7 +143,7 @@ class BlockMirror:
                 if group is not None:
                     skip.discard(group)
                 tiers[tier].update(hashes)
-            elif kind == 0:
+            elif kind == validate.REMOVE:
                 if group is not None and group in skip:
                     continue
                 tiers[tier].difference_update(hashes)

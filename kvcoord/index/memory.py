@@ -42,21 +42,13 @@ import heapq
 import itertools
 import sys
 import uuid
-from array import array
 from collections.abc import Callable, Collection, Iterable, Sequence
 from operator import and_, eq, itemgetter, ne, or_
 from typing import Literal, TypeAlias, cast
 
-from kvcoord.events import (
-    FULL_ATTENTION_KINDS,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    Tier,
-    normalize_medium,
-)
-from kvcoord.hashing import BlockHash64, to_block_hash64
+from kvcoord.events import KVEvent, Tier
+from kvcoord.hashing import BlockHash64
+from kvcoord.index import validate
 from kvcoord.index.base import (
     ApplyResult,
     IndexStats,
@@ -86,7 +78,7 @@ _Tiers: TypeAlias = tuple[int, int, int]
 RawMatch: TypeAlias = tuple[str, int, int, tuple[int, ...]]
 """``(node_id, dp_rank, matched_blocks, tiers)``: a ``NodeMatch`` without the object cost."""
 
-_STORE, _REMOVE, _CLEAR = 0, 1, 2
+_STORE, _REMOVE, _CLEAR = validate.STORE, validate.REMOVE, validate.CLEAR
 RAW_STORE, RAW_REMOVE, RAW_CLEAR = _STORE, _REMOVE, _CLEAR
 """Kinds of a :data:`RawEvent` (BlockStored, BlockRemoved, AllBlocksCleared)."""
 
@@ -95,14 +87,13 @@ RawEvent: TypeAlias = tuple[int, Sequence[object], "str | None", "int | None", "
 for :meth:`MemoryIndex.apply_raw_sync` (the coordinator builds them straight from protobuf messages;
 ``block_hashes`` may be any sequence, e.g. a repeated field, of uint64 ints or digests)."""
 
-_NOT_SEQ = (str, bytes, bytearray, memoryview)
-_FAST_SEQ = (tuple, list)
+_NOT_SEQ = validate.NOT_SEQ
+_FAST_SEQ = validate.FAST_SEQ
 _SEQ_TYPES: set[type] = set()
 """Other types already seen to be ordered sequences of hashes (protobuf repeated fields)."""
-_Op: TypeAlias = tuple[int, int, Sequence[int], "int | None", bool]
-"""``(kind, tier, hashes, group_idx, indexable)`` after validation."""
+_Op: TypeAlias = validate.Op
 
-_EMPTY: tuple[int, ...] = ()
+_EMPTY = validate.EMPTY
 _TIERS = tuple(Tier)
 _BITS01 = bytes.maketrans(b"01", b"\x00\x01")
 _FIRST_CHUNK = 16
@@ -517,20 +508,6 @@ class _Model:
         return size
 
 
-def _py_u64_ok(raw: object) -> bool:
-    """Pure-Python fast check: a sequence of ints in [0, 2**64) (False: take the slow path)."""
-    if not isinstance(raw, Sequence) or isinstance(raw, _NOT_SEQ):
-        return False
-    if not raw:
-        return True
-    try:
-        array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
-    except (TypeError, OverflowError, ValueError):
-        return False
-    # array() accepts bools (True == 1, False == 0) and __index__ objects: only plain big ints pass here.
-    return bool(min(raw) > 1)
-
-
 class _CModel(_Model):
     """A model whose blocks live in the C core's table; the slot registry stays in ``_Model``."""
 
@@ -619,7 +596,7 @@ class MemoryIndex:
         self.core: Literal["c", "python"] = "c" if use_c else "python"
         """The core in use (``auto`` resolves to ``c`` when the extension is built)."""
         self._model_type: type[_Model] = _CModel if use_c else _Model
-        self._u64_ok: Callable[[object], bool] = _indexcore.validate_u64_seq if use_c else _py_u64_ok
+        self._u64_ok: Callable[[object], bool] = _indexcore.validate_u64_seq if use_c else validate.py_u64_ok
         self._models: dict[str, _Model] = {}
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
@@ -630,92 +607,13 @@ class MemoryIndex:
 
     # ------------------------------------------------------------------ validation
 
-    def _hashes(self, raw: object, where: str) -> Sequence[int]:
-        """The event's hashes as uint64 ints; raises InvalidEvent. Fast path: all ints in range."""
-        if type(raw) not in _FAST_SEQ:
-            if not isinstance(raw, Sequence) or isinstance(raw, _NOT_SEQ):
-                raise InvalidEvent(f"{where}: block_hashes must be a list, not {type(raw).__name__}")
-            raw = list(raw)  # e.g. a protobuf repeated field: one C-level copy, then read in place
-        if self._u64_ok(raw):
-            return cast("Sequence[int]", raw)
-        out: list[int] = []
-        for i, h in enumerate(cast("Sequence[object]", raw)):
-            if isinstance(h, bytes | bytearray | memoryview) and len(h) == 0:
-                raise InvalidEvent(f"{where}: block_hashes[{i}] is an empty digest")
-            try:
-                out.append(to_block_hash64(h))  # type: ignore[arg-type]  # it checks the type itself
-            except (TypeError, ValueError) as e:
-                raise InvalidEvent(f"{where}: block_hashes[{i}]: {e}") from None
-        return out
-
-    @staticmethod
-    def _tier(medium: object, where: str) -> int:
-        if medium is None:
-            return 0
-        if not isinstance(medium, str):
-            raise InvalidEvent(f"{where}: medium must be a string, not {type(medium).__name__}")
-        try:
-            return int(normalize_medium(medium))
-        except ValueError as e:
-            raise InvalidEvent(f"{where}: {e}") from None
-
-    @staticmethod
-    def _group(group_idx: object, where: str) -> int | None:
-        if group_idx is None:
-            return None
-        if isinstance(group_idx, bool) or not isinstance(group_idx, int) or group_idx < 0:
-            raise InvalidEvent(f"{where}: group_idx must be a non-negative int, not {group_idx!r}")
-        return group_idx
-
-    @staticmethod
-    def _check_target(model: object, node_id: object, dp_rank: object) -> None:
-        if not isinstance(model, str):
-            raise InvalidEvent(f"model must be a string, not {type(model).__name__}")
-        if not isinstance(node_id, str) or not node_id:
-            raise InvalidEvent(f"node_id must be a non-empty string, not {node_id!r}")
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-            raise InvalidEvent(f"dp_rank must be a non-negative int, not {dp_rank!r}")
-
     def _prepare(self, events: Sequence[KVEvent]) -> list[_Op]:
-        """Validate the whole batch before anything is mutated."""
-        if not isinstance(events, Sequence) or isinstance(events, str | bytes):
-            raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
-        ops: list[_Op] = []
-        for i, ev in enumerate(events):
-            where = f"event {i}"
-            if isinstance(ev, BlockStored):
-                kind = ev.kv_cache_spec_kind
-                if kind is not None and not isinstance(kind, str):
-                    raise InvalidEvent(f"{where}: kv_cache_spec_kind must be a string")
-                ops.append(
-                    (
-                        _STORE,
-                        self._tier(ev.medium, where),
-                        self._hashes(ev.block_hashes, where),
-                        self._group(ev.group_idx, where),
-                        ev.is_prefix_indexable(),
-                    )
-                )
-            elif isinstance(ev, BlockRemoved):
-                ops.append(
-                    (
-                        _REMOVE,
-                        self._tier(ev.medium, where),
-                        self._hashes(ev.block_hashes, where),
-                        self._group(ev.group_idx, where),
-                        True,
-                    )
-                )
-            elif isinstance(ev, AllBlocksCleared):
-                ops.append((_CLEAR, 0, _EMPTY, None, True))
-            else:
-                raise InvalidEvent(f"{where}: not a KV event: {type(ev).__name__}")
-        return ops
+        """Validate the whole batch before anything is mutated (the rules live in ``validate``)."""
+        return validate.ops_of(events, self._u64_ok)
 
     def _prepare_raw(self, events: Sequence[RawEvent]) -> list[_Op]:
         """``_prepare`` for :data:`RawEvent` tuples: the same checks, errors and ops."""
-        if not isinstance(events, Sequence) or isinstance(events, _NOT_SEQ):
-            raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
+        validate.check_events_seq(events)
         ops: list[_Op] = []
         append = ops.append
         tiers = self._medium_tiers
@@ -730,32 +628,30 @@ class MemoryIndex:
                 append((_CLEAR, 0, _EMPTY, None, True))
                 continue
             if kind == _STORE:
-                if spec is not None and not isinstance(spec, str):
-                    raise InvalidEvent(f"event {i}: kv_cache_spec_kind must be a string")
-                indexable = spec is None or spec in FULL_ATTENTION_KINDS
+                indexable = spec is None or validate.indexable_kind(spec, f"event {i}")
             elif kind == _REMOVE:
                 indexable = True
             else:
                 raise InvalidEvent(f"event {i}: not a KV event: kind {kind!r}")
             tier = tiers.get(medium) if medium is None or type(medium) is str else None
             if tier is None:
-                tier = self._tier(medium, f"event {i}")
+                tier = validate.tier(medium, f"event {i}")
                 if len(tiers) < 64:
                     tiers[cast("str", medium)] = tier
-            # The common case inline (a list of uint64 ints); ``_hashes`` does the rest and the errors.
+            # The common case inline (a list of uint64 ints); ``hashes64`` does the rest and the errors.
             rt = type(raw)
-            hashes: Sequence[int] | None
+            hashes: Sequence[BlockHash64] | None
             if rt in _FAST_SEQ:
-                hashes = cast("Sequence[int]", raw)
+                hashes = cast("Sequence[BlockHash64]", raw)
             elif rt in seq_types or (isinstance(raw, Sequence) and not isinstance(raw, _NOT_SEQ)):
                 seq_types.add(rt)
-                hashes = list(cast("Sequence[int]", raw))  # a protobuf repeated field: one C-level copy
+                hashes = list(cast("Sequence[BlockHash64]", raw))  # a protobuf repeated field: one C copy
             else:
                 hashes = None
             if hashes is None or not u64_ok(hashes):
-                hashes = self._hashes(raw, f"event {i}")  # the precise error, or digests reduced
+                hashes = validate.hashes64(raw, f"event {i}", u64_ok)  # the precise error, or digests reduced
             if group is not None and (type(group) is not int or group < 0):
-                group = self._group(group, f"event {i}")
+                group = validate.group(group, f"event {i}")
             append((kind, tier, hashes, group, indexable))
         return ops
 
@@ -768,7 +664,7 @@ class MemoryIndex:
         ``removed_unknown`` removals of blocks the location did not hold, ``cleared`` entries dropped by
         ``AllBlocksCleared``, ``skipped_group`` blocks of non-full-attention groups.
         """
-        self._check_target(model, node_id, dp_rank)
+        validate.check_target(model, node_id, dp_rank)
         return self._run(model, node_id, dp_rank, self._prepare(events))
 
     def apply_raw_sync(
@@ -778,7 +674,7 @@ class MemoryIndex:
         whole batch is validated first (``InvalidEvent`` naming the event's index, nothing applied),
         medium -> tier, groups of non-full-attention kinds skipped and remembered, digests reduced to
         uint64. It skips building event objects: the coordinator's ingest hot path."""
-        self._check_target(model, node_id, dp_rank)
+        validate.check_target(model, node_id, dp_rank)
         res = self._run(model, node_id, dp_rank, self._prepare_raw(events))
         if self._pending:
             self._kick()
@@ -857,19 +753,8 @@ class MemoryIndex:
         self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
     ) -> None:
         """Fill a fresh slot with ``entries`` then swap it in, so readers see old or new, never a mix."""
-        self._check_target(model, node_id, dp_rank)
-        per_tier: list[list[int]] = [[] for _ in range(_NTIERS)]
-        try:
-            items = list(entries)
-        except TypeError as e:
-            raise InvalidEvent(f"snapshot entries must be iterable: {e}") from None
-        for i, item in enumerate(items):
-            if not isinstance(item, tuple | list) or len(item) != 2:
-                raise InvalidEvent(f"snapshot entry {i} must be (hash, tier), not {item!r}")
-            h, t = item
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _NTIERS:
-                raise InvalidEvent(f"snapshot entry {i}: tier must be a Tier, not {t!r}")
-            per_tier[t].extend(self._hashes((h,), f"snapshot entry {i}"))
+        validate.check_target(model, node_id, dp_rank)
+        per_tier = validate.snapshot_per_tier(entries, self._u64_ok)
         mi = self._models.get(model)
         if mi is None:
             mi = self._models[model] = self._model_type()

@@ -90,12 +90,12 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection as _PlainConnection
 
-from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier, normalize_medium
-from kvcoord.hashing import UINT64_MASK, BlockHash64, to_block_hash64
+from kvcoord.events import KVEvent, Tier
+from kvcoord.hashing import BlockHash64
+from kvcoord.index import validate
 from kvcoord.index.base import (
     ApplyResult,
     IndexStats,
-    InvalidEvent,
     NodeKey,
     NodeMatch,
     SnapshotEntry,
@@ -104,7 +104,6 @@ from kvcoord.index.base import (
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_NTIERS = len(Tier)
 _DISTINCT_LIMIT = 2_000_000
 """Summed entries past which the exact distinct-block count gives up and reports the sum (a bound)."""
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -821,40 +820,6 @@ def _pack(hashes: Sequence[int]) -> bytes:
     return struct.pack(f">{len(hashes)}Q", *hashes)
 
 
-def _hashes64(raw: object, what: str) -> list[int]:
-    """Validate and reduce an event's hashes (the memory backend's rules); in-range ints take a fast path."""
-    if not isinstance(raw, tuple | list):
-        raise InvalidEvent(f"{what}: block_hashes must be a list, not {type(raw).__name__}")
-    if all(type(h) is int and 0 <= h <= UINT64_MASK for h in raw):
-        return list(raw)
-    out: list[int] = []
-    for i, h in enumerate(raw):
-        if isinstance(h, bytes | bytearray | memoryview) and len(h) == 0:
-            raise InvalidEvent(f"{what}: block_hashes[{i}] is an empty digest")
-        try:
-            out.append(to_block_hash64(h))
-        except (TypeError, ValueError) as e:
-            raise InvalidEvent(f"{what}: block_hashes[{i}]: {e}") from None
-    return out
-
-
-def _tier(medium: object, what: str) -> Tier:
-    if medium is not None and not isinstance(medium, str):
-        raise InvalidEvent(f"{what}: medium must be a string, not {type(medium).__name__}")
-    try:
-        return normalize_medium(medium)
-    except ValueError as e:
-        raise InvalidEvent(f"{what}: {e}") from None
-
-
-def _group(group_idx: object, what: str) -> int | None:
-    if group_idx is None:
-        return None
-    if isinstance(group_idx, bool) or not isinstance(group_idx, int) or group_idx < 0:
-        raise InvalidEvent(f"{what}: group_idx must be a non-negative int, not {group_idx!r}")
-    return group_idx
-
-
 def _loc_name(model: str, node_id: str, dp_rank: int) -> str:
     return f"{len(model.encode())}:{model}{dp_rank}:{node_id}"
 
@@ -869,15 +834,6 @@ def _parse_loc_name(raw: bytes) -> tuple[str, str, int]:
     return model, rest[r + 1 :].decode(), int(rest[:r])
 
 
-def _check_location(model: object, node_id: object, dp_rank: object) -> None:
-    if not isinstance(model, str):
-        raise InvalidEvent(f"model must be a string, not {type(model).__name__}")
-    if not isinstance(node_id, str) or not node_id:
-        raise InvalidEvent(f"node_id must be a non-empty string, not {node_id!r}")
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-        raise InvalidEvent(f"dp_rank must be a non-negative int, not {dp_rank!r}")
-
-
 def compile_events(events: Sequence[KVEvent]) -> tuple[list[tuple[str, bytes]], int]:
     """Validate a whole batch and turn it into write-script ops; returns ``(ops, skipped_store_blocks)``.
 
@@ -885,8 +841,6 @@ def compile_events(events: Sequence[KVEvent]) -> tuple[list[tuple[str, bytes]], 
     rules are the memory backend's: a non-full-attention store is counted and skipped, and its
     ``group_idx`` is remembered for the location so that the group's later removals are skipped too.
     """
-    if not isinstance(events, Sequence) or isinstance(events, str | bytes):
-        raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
     ops: list[tuple[str, list[bytes]]] = []
     skipped = 0
 
@@ -898,50 +852,20 @@ def compile_events(events: Sequence[KVEvent]) -> tuple[list[tuple[str, bytes]], 
         else:
             ops.append((op, [blob]))
 
-    for i, ev in enumerate(events):
-        what = f"event {i}"
-        if isinstance(ev, BlockStored):
-            kind = ev.kv_cache_spec_kind
-            if kind is not None and not isinstance(kind, str):
-                raise InvalidEvent(f"{what}: kv_cache_spec_kind must be a string")
-            tier = _tier(ev.medium, what)
-            hashes = _hashes64(ev.block_hashes, what)
-            group = _group(ev.group_idx, what)
-            if not ev.is_prefix_indexable():
+    for kind, tier, hashes, group, indexable in validate.ops_of(events):
+        if kind == validate.STORE:
+            if not indexable:
                 skipped += len(hashes)
                 if group is not None:
                     add(f"G{group}", b"")
             elif hashes:
-                add(f"S{tier.value}", _pack(hashes))
-        elif isinstance(ev, BlockRemoved):
-            tier = _tier(ev.medium, what)
-            hashes = _hashes64(ev.block_hashes, what)
-            group = _group(ev.group_idx, what)
+                add(f"S{tier}", _pack(hashes))
+        elif kind == validate.REMOVE:
             if hashes:
-                op = f"R{tier.value}" if group is None else f"R{tier.value}:{group}"
-                add(op, _pack(hashes))
-        elif isinstance(ev, AllBlocksCleared):
-            add("C", b"")
+                add(f"R{tier}" if group is None else f"R{tier}:{group}", _pack(hashes))
         else:
-            raise InvalidEvent(f"{what}: not a KV event: {type(ev).__name__}")
+            add("C", b"")
     return [(op, blobs[0] if len(blobs) == 1 else b"".join(blobs)) for op, blobs in ops], skipped
-
-
-def _snapshot_per_tier(entries: Iterable[SnapshotEntry]) -> list[list[int]]:
-    """Validate snapshot entries (the memory backend's rules) and group their hashes by tier."""
-    per_tier: list[list[int]] = [[] for _ in Tier]
-    try:
-        items = list(entries)
-    except TypeError as e:
-        raise InvalidEvent(f"snapshot entries must be iterable: {e}") from None
-    for i, item in enumerate(items):
-        if not isinstance(item, tuple | list) or len(item) != 2:
-            raise InvalidEvent(f"snapshot entry {i} must be (hash, tier), not {item!r}")
-        h, t = item
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < _NTIERS:
-            raise InvalidEvent(f"snapshot entry {i}: tier must be a Tier, not {t!r}")
-        per_tier[t].extend(_hashes64((h,), f"snapshot entry {i}"))
-    return per_tier
 
 
 def _is_connection_error(e: BaseException) -> bool:
@@ -1178,7 +1102,7 @@ class RedisIndex:
     # ---------------------------------------------------------------------------------- the protocol
 
     async def apply(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
-        _check_location(model, node_id, dp_rank)
+        validate.check_target(model, node_id, dp_rank)
         ops, skipped = compile_events(events)
         result = ApplyResult(skipped_group=skipped)
         if not ops:
@@ -1298,7 +1222,7 @@ class RedisIndex:
         return out
 
     async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
-        _check_location(model, node_id, dp_rank)
+        validate.check_target(model, node_id, dp_rank)
         if await self._eval(_CLEAR, self.tag_of(node_id), _loc_name(model, node_id, dp_rank), node_id):
             self._wake_reclaimer()
 
@@ -1307,7 +1231,7 @@ class RedisIndex:
             self._wake_reclaimer()
 
     async def export_node(self, model: str, node_id: str, dp_rank: int) -> list[SnapshotEntry]:
-        _check_location(model, node_id, dp_rank)
+        validate.check_target(model, node_id, dp_rank)
         tag = self.tag_of(node_id)
         loc_id = await self._rt(lambda: self._r.hget(tag + ":loc", _loc_name(model, node_id, dp_rank)))
         if loc_id is None:
@@ -1329,8 +1253,8 @@ class RedisIndex:
     async def replace_node(
         self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
     ) -> None:
-        _check_location(model, node_id, dp_rank)
-        per_tier = _snapshot_per_tier(entries)
+        validate.check_target(model, node_id, dp_rank)
+        per_tier = validate.snapshot_per_tier(entries)
         await self._check_layout()
         tag = self.tag_of(node_id)
         lf = _loc_name(model, node_id, dp_rank)
