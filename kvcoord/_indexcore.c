@@ -21,6 +21,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#define HUGE_BUCKETS 1
+#endif
 
 #define C_EMPTY 0
 #define C_TOMB 1
@@ -30,7 +34,8 @@
 #define NTIERS 3
 #define MAX_SLOT 0x7fffffffu
 #define MIN_CAP 16
-#define PF_DIST 16 /* blocks ahead whose bucket is prefetched */
+#define PF_DIST 32 /* blocks ahead whose bucket is prefetched (store, remove: all keys are wanted) */
+#define MATCH_PF_DIST 16 /* the same for match, whose run may stop early: fewer wasted prefetches */
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PREFETCH(p) __builtin_prefetch(p)
@@ -85,11 +90,61 @@ typedef struct {
 
 /* ------------------------------------------------------------------------------------ helpers */
 
-/* Zeroed bucket array (tag 0 is C_EMPTY). */
-static void *
+#define HUGE_MIN ((size_t)4 << 20) /* arrays at least this big get their own huge-page mapping */
+#define HUGE_ALIGN ((size_t)2 << 20)
+#define TRACE_DOMAIN 0               /* tracemalloc's default domain: they count as ordinary memory */
+
+/* Zeroed bucket array (tag 0 is C_EMPTY). Big tables take an anonymous mapping aligned to 2 MiB and
+ * advised MADV_HUGEPAGE: every new key lands on a random bucket, and with 4 KiB pages a table of a few
+ * hundred MiB also misses the TLB on nearly every one (a page walk, costly under virtualisation). The
+ * mapping is reported to tracemalloc so memory measurements still see it. */
+static Bucket *
 buckets_alloc(size_t n)
 {
+    size_t size = n * sizeof(Bucket);
+#ifdef HUGE_BUCKETS
+    if (size >= HUGE_MIN) {
+        size_t span = size + HUGE_ALIGN;
+        char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (raw == MAP_FAILED) {
+            return NULL;
+        }
+        char *p = (char *)(((uintptr_t)raw + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1));
+        if (p > raw) {
+            munmap(raw, (size_t)(p - raw));
+        }
+        size_t tail = (size_t)(raw + span - (p + size));
+        if (tail > 0) {
+            munmap(p + size, tail);
+        }
+#ifdef MADV_HUGEPAGE
+        (void)madvise(p, size, MADV_HUGEPAGE); /* advice only: 4 KiB pages still work */
+#endif
+        (void)PyTraceMalloc_Track(TRACE_DOMAIN, (uintptr_t)p, size);
+        return (Bucket *)p;
+    }
+#endif
     return PyMem_Calloc(n, sizeof(Bucket));
+}
+
+/* Free an array from buckets_alloc(n). */
+static void
+buckets_free(Bucket *b, size_t n)
+{
+    if (b == NULL) {
+        return;
+    }
+#ifdef HUGE_BUCKETS
+    size_t size = n * sizeof(Bucket);
+    if (size >= HUGE_MIN) {
+        (void)PyTraceMalloc_Untrack(TRACE_DOMAIN, (uintptr_t)b);
+        munmap(b, size);
+        return;
+    }
+#else
+    (void)n;
+#endif
+    PyMem_Free(b);
 }
 
 static inline size_t
@@ -139,10 +194,40 @@ as_fast_seq(PyObject *seq)
     return PySequence_Fast(seq, "hashes must be a sequence of ints");
 }
 
+/* A memoryview of format 'Q' (what u64_view returns): its hashes copied to a fresh PyMem buffer.
+ * Returns 1 on success, 0 when arg is not such a view, -1 with an exception. */
+static int
+view_to_u64(PyObject *arg, uint64_t **buf_out, Py_ssize_t *n_out)
+{
+    if (!PyMemoryView_Check(arg)) {
+        return 0;
+    }
+    Py_buffer *v = PyMemoryView_GET_BUFFER(arg);
+    if (v->ndim != 1 || v->itemsize != 8 || v->format == NULL || strcmp(v->format, "Q") != 0 ||
+        !PyBuffer_IsContiguous(v, 'C')) {
+        return 0;
+    }
+    Py_ssize_t n = v->shape[0];
+    uint64_t *buf = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(buf, v->buf, (size_t)n * sizeof(uint64_t));
+    *buf_out = buf;
+    *n_out = n;
+    return 1;
+}
+
 /* All hashes of a sequence as a fresh uint64 buffer (PyMem); NULL with an exception on bad input. */
 static uint64_t *
 seq_to_u64(PyObject *arg, Py_ssize_t *n_out)
 {
+    uint64_t *vbuf;
+    int r = view_to_u64(arg, &vbuf, n_out);
+    if (r != 0) {
+        return r > 0 ? vbuf : NULL;
+    }
     PyObject *seq = as_fast_seq(arg);
     if (seq == NULL) {
         return NULL;
@@ -441,7 +526,7 @@ resize(Table *t, size_t want)
         }
         nb[j] = ob[i];
     }
-    PyMem_Free(ob);
+    buckets_free(ob, ocap);
     return 0;
 }
 
@@ -910,9 +995,9 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     for (i = 0; i < qlen; i++) {
-        /* convert ahead in chunks, so the bucket PF_DIST blocks further on can be prefetched */
-        if (nconv <= i + PF_DIST && nconv < qlen) {
-            Py_ssize_t stop = i + PF_DIST + 64;
+        /* convert ahead in chunks, so the bucket MATCH_PF_DIST blocks further on can be prefetched */
+        if (nconv <= i + MATCH_PF_DIST && nconv < qlen) {
+            Py_ssize_t stop = i + MATCH_PF_DIST + 64;
             if (stop > qlen) {
                 stop = qlen;
             }
@@ -922,7 +1007,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
                     qlen = nconv;
                     break;
                 }
-                if (nconv <= i + PF_DIST) {
+                if (nconv <= i + MATCH_PF_DIST) {
                     prefetch_key(t, qh[nconv]);
                 }
                 nconv++;
@@ -931,8 +1016,8 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
                 break;
             }
         }
-        if (i + PF_DIST < nconv) {
-            prefetch_key(t, qh[i + PF_DIST]);
+        if (i + MATCH_PF_DIST < nconv) {
+            prefetch_key(t, qh[i + MATCH_PF_DIST]);
         }
         Py_ssize_t b = find(t, qh[i]);
         if (b < 0) {
@@ -1323,7 +1408,7 @@ Table_dealloc(Table *t)
     }
     PyMem_Free(t->many);
     PyMem_Free(t->mfree);
-    PyMem_Free(t->b);
+    buckets_free(t->b, t->cap);
     PyMem_Free(t->live);
     PyMem_Free(t->sweeping);
     PyMem_Free(t->rank);
@@ -1396,8 +1481,66 @@ validate_u64_seq(PyObject *Py_UNUSED(module), PyObject *arg)
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(u64_view_doc,
+"u64_view(seq) -> Sequence[int] | None\n\n"
+"validate_u64_seq's check that also converts: None when seq is not all ints in [0, 2**64); else seq\n"
+"itself when short, or its hashes already packed as a memoryview of format 'Q' (which Table's methods\n"
+"read with a memcpy). A long event is then converted once, in the validation pass, instead of twice.");
+
+#define VIEW_MIN 32 /* shorter sequences are returned as they are: a view costs a few allocations */
+
+static PyObject *
+u64_view(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    PyObject *seq = as_fast_seq(arg);
+    if (seq == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (n < VIEW_MIN) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t v;
+            if (as_u64(items[i], &v) < 0) {
+                PyErr_Clear();
+                Py_DECREF(seq);
+                Py_RETURN_NONE;
+            }
+        }
+        return seq; /* the new reference from as_fast_seq */
+    }
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(uint64_t));
+    if (bytes == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    uint64_t *out = (uint64_t *)(void *)PyBytes_AS_STRING(bytes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PF_DIST < n) {
+            PREFETCH(items[i + PF_DIST]);
+        }
+        if (as_u64(items[i], &out[i]) < 0) {
+            PyErr_Clear();
+            Py_DECREF(bytes);
+            Py_DECREF(seq);
+            Py_RETURN_NONE;
+        }
+    }
+    Py_DECREF(seq);
+    PyObject *raw = PyMemoryView_FromObject(bytes);
+    Py_DECREF(bytes);
+    if (raw == NULL) {
+        return NULL;
+    }
+    PyObject *view = PyObject_CallMethod(raw, "cast", "s", "Q");
+    Py_DECREF(raw);
+    return view;
+}
+
 static PyMethodDef module_methods[] = {
     {"validate_u64_seq", validate_u64_seq, METH_O, validate_doc},
+    {"u64_view", u64_view, METH_O, u64_view_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -373,6 +373,28 @@ def test_c_table_rejects_bad_input_and_stays_unchanged() -> None:
     assert [validate_u64_seq(x) for x in seqs] == [True, True, True, False, False, False, False, False]
 
 
+@pytest.mark.skipif(not HAVE_C_CORE, reason="C core not built")
+def test_c_u64_view_checks_like_validate_and_packs_long_events() -> None:
+    """``u64_view`` is the validation pass that also converts: same verdicts, and a long event packed."""
+    from kvcoord._indexcore import Table, u64_view, validate_u64_seq
+
+    long_ok = [*range(2, 100), (1 << 64) - 1]
+    seqs: list[object] = [[1, 2], (0, (1 << 64) - 1), [], [True], [-1], "ab", long_ok, [*long_ok, -1]]
+    seqs += [(*long_ok, True), [*long_ok, 1 << 64], [*long_ok, 1.0], memoryview(b"x" * 8)]
+    assert [u64_view(x) is not None for x in seqs] == [validate_u64_seq(x) for x in seqs]
+    short = [1, 2]
+    assert u64_view(short) is short  # short events are not worth packing
+    view = u64_view(long_ok)
+    assert isinstance(view, memoryview) and view.format == "Q"
+    assert list(view) == long_ok and len(view) == len(long_ok)
+    # the core reads a packed view exactly as the list it came from
+    a, b = Table(), Table()
+    assert a.store(0, 1, long_ok) == b.store(0, 1, view) == len(long_ok)
+    assert a.export(0) == b.export(0)
+    assert a.remove(0, 1, long_ok[:50]) == b.remove(0, 1, cast("list[int]", u64_view(long_ok[:50]))) == 50
+    assert a.export(0) == b.export(0)
+
+
 # --- the raw (protobuf) entry point vs the events path ----------------------------------------------
 def _raw_case_msgs(draw: Any) -> list[Any]:
     from kvcoord.proto.v1 import kvcoord_pb2 as pb

@@ -597,6 +597,10 @@ class MemoryIndex:
         """The core in use (``auto`` resolves to ``c`` when the extension is built)."""
         self._model_type: type[_Model] = _CModel if use_c else _Model
         self._u64_ok: Callable[[object], bool] = _indexcore.validate_u64_seq if use_c else validate.py_u64_ok
+        self._u64_conv: validate.U64Conv | None = (
+            cast("validate.U64Conv", _indexcore.u64_view) if use_c else None  # plain ints are BlockHash64s
+        )
+        """Check-and-pack of an event's hashes for the C core: long events are converted only once."""
         self._models: dict[str, _Model] = {}
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
@@ -609,7 +613,7 @@ class MemoryIndex:
 
     def _prepare(self, events: Sequence[KVEvent]) -> list[_Op]:
         """Validate the whole batch before anything is mutated (the rules live in ``validate``)."""
-        return validate.ops_of(events, self._u64_ok)
+        return validate.ops_of(events, self._u64_ok, self._u64_conv)
 
     def _prepare_raw(self, events: Sequence[RawEvent]) -> list[_Op]:
         """``_prepare`` for :data:`RawEvent` tuples: the same checks, errors and ops."""
@@ -618,6 +622,7 @@ class MemoryIndex:
         append = ops.append
         tiers = self._medium_tiers
         u64_ok = self._u64_ok
+        conv = self._u64_conv
         seq_types = _SEQ_TYPES
         for i, ev in enumerate(events):
             try:
@@ -648,7 +653,12 @@ class MemoryIndex:
                 hashes = list(cast("Sequence[BlockHash64]", raw))  # a protobuf repeated field: one C copy
             else:
                 hashes = None
-            if hashes is None or not u64_ok(hashes):
+            if hashes is not None:
+                if conv is not None:
+                    hashes = conv(hashes)  # checked, and long ones packed for the C core
+                elif not u64_ok(hashes):
+                    hashes = None
+            if hashes is None:
                 hashes = validate.hashes64(raw, f"event {i}", u64_ok)  # the precise error, or digests reduced
             if group is not None and (type(group) is not int or group < 0):
                 group = validate.group(group, f"event {i}")

@@ -39,6 +39,7 @@ __all__ = [
     "STORE",
     "Op",
     "U64Check",
+    "U64Conv",
     "check_events_seq",
     "check_target",
     "fast_u64_ok",
@@ -66,6 +67,10 @@ Op: TypeAlias = tuple[int, int, Sequence[BlockHash64], "int | None", bool]
 
 U64Check: TypeAlias = Callable[[object], bool]
 """A fast all-good test: True when a sequence is all plain ints in [0, 2**64) (False: check slowly)."""
+
+U64Conv: TypeAlias = Callable[[object], "Sequence[BlockHash64] | None"]
+"""A fast check that may also convert: the hashes, in a form the C core reads directly (e.g. a packed
+``memoryview`` of format ``Q``), or None (check slowly). It saves converting a long event twice."""
 
 
 def py_u64_ok(raw: object) -> bool:
@@ -165,8 +170,13 @@ def indexable_kind(kind: object, where: str) -> bool:
     return kind in FULL_ATTENTION_KINDS
 
 
-def ops_of(events: Sequence[KVEvent], u64_ok: U64Check = fast_u64_ok) -> list[Op]:
-    """Validate a whole batch of event objects into ops, before anything is mutated."""
+def ops_of(
+    events: Sequence[KVEvent], u64_ok: U64Check = fast_u64_ok, conv: U64Conv | None = None
+) -> list[Op]:
+    """Validate a whole batch of event objects into ops, before anything is mutated.
+
+    With ``conv`` (the C core's ``u64_view``) an op's hashes may come back already packed for the core.
+    """
     check_events_seq(events)
     ops: list[Op] = []
     for i, ev in enumerate(events):
@@ -174,11 +184,15 @@ def ops_of(events: Sequence[KVEvent], u64_ok: U64Check = fast_u64_ok) -> list[Op
         if isinstance(ev, BlockStored):
             indexable = indexable_kind(ev.kv_cache_spec_kind, where)
             t = tier(ev.medium, where)
-            hs = hashes64(ev.block_hashes, where, u64_ok)
+            hs = None if conv is None else conv(ev.block_hashes)
+            if hs is None:
+                hs = hashes64(ev.block_hashes, where, u64_ok)
             ops.append((STORE, t, hs, group(ev.group_idx, where), indexable))
         elif isinstance(ev, BlockRemoved):
             t = tier(ev.medium, where)
-            hs = hashes64(ev.block_hashes, where, u64_ok)
+            hs = None if conv is None else conv(ev.block_hashes)
+            if hs is None:
+                hs = hashes64(ev.block_hashes, where, u64_ok)
             ops.append((REMOVE, t, hs, group(ev.group_idx, where), True))
         elif isinstance(ev, AllBlocksCleared):
             ops.append((CLEAR, 0, EMPTY, None, True))
