@@ -364,6 +364,30 @@ many_add(Table *t, Many *m)
     return (long)idx;
 }
 
+/* Validate a list/tuple of slots and grow the per-slot arrays to the largest; -1 with an exception
+ * set otherwise. Shared by every method that takes a batch of slots, so none can write past the arrays. */
+static int
+ensure_slot_list(Table *t, PyObject *slots, const char *what)
+{
+    if (!PyList_Check(slots) && !PyTuple_Check(slots)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a list or tuple of slots", what);
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    PyObject **items = PySequence_Fast_ITEMS(slots);
+    uint32_t top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t s;
+        if (parse_slot(items[i], &s) < 0) {
+            return -1;
+        }
+        if (s > top) {
+            top = s;
+        }
+    }
+    return n > 0 ? ensure_slot(t, top) : 0;
+}
+
 /* Free the holder array at idx (mfree has room: it is as long as many). */
 static void
 many_drop(Table *t, uint32_t idx)
@@ -791,25 +815,11 @@ Table_set_live(Table *t, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 Table_set_order(Table *t, PyObject *order)
 {
-    if (!PyList_Check(order) && !PyTuple_Check(order)) {
-        PyErr_SetString(PyExc_TypeError, "order must be a list or tuple of slots");
+    if (ensure_slot_list(t, order, "order") < 0) {
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(order);
     PyObject **items = PySequence_Fast_ITEMS(order);
-    uint32_t top = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t s;
-        if (parse_slot(items[i], &s) < 0) {
-            return NULL;
-        }
-        if (s > top) {
-            top = s;
-        }
-    }
-    if (n > 0 && ensure_slot(t, top) < 0) {
-        return NULL;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         /* cannot fail: validated above and items are ints */
         t->rank[(uint32_t)PyLong_AsLong(items[i])] = (uint32_t)i;
@@ -1311,25 +1321,11 @@ Table_sweep_begin(Table *t, PyObject *slots)
         PyErr_SetString(PyExc_RuntimeError, "a sweep pass is already running");
         return NULL;
     }
-    if (!PyList_Check(slots) && !PyTuple_Check(slots)) {
-        PyErr_SetString(PyExc_TypeError, "slots must be a list or tuple");
+    if (ensure_slot_list(t, slots, "slots") < 0) {
         return NULL;
     }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
     PyObject **items = PySequence_Fast_ITEMS(slots);
-    uint32_t top = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t s;
-        if (parse_slot(items[i], &s) < 0) {
-            return NULL;
-        }
-        if (s > top) {
-            top = s;
-        }
-    }
-    if (n > 0 && ensure_slot(t, top) < 0) {
-        return NULL;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         t->sweeping[(uint32_t)PyLong_AsLong(items[i])] = 1;
     }
