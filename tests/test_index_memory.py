@@ -374,6 +374,33 @@ def test_c_table_rejects_bad_input_and_stays_unchanged() -> None:
 
 
 @pytest.mark.skipif(not HAVE_C_CORE, reason="C core not built")
+def test_c_table_grows_past_a_million_buckets_and_keeps_every_key() -> None:
+    """Past 1M buckets the table grows 4x at a time; every rebuild (growth or tombstone-only) keeps
+    each live key, drops each removed one, and memory per key stays bounded."""
+    from kvcoord._indexcore import Table
+
+    t = Table()
+    t.set_live(0, True)
+    t.set_live(1, True)
+    rng = random.Random(3)
+    keys = [rng.getrandbits(64) for _ in range(1_000_000)]
+    for i in range(0, len(keys), 10_000):  # batches, as events arrive: growth happens between them
+        assert t.store(0, 0, keys[i : i + 10_000]) == 10_000
+    assert t.store(1, 1, keys[:1000]) == 1000  # some shared keys hold two locations
+    assert len(t) == len(keys) and t.nbytes() < 100 * len(keys)
+    gone = keys[::2]
+    assert t.remove(0, 0, gone) == len(gone)
+    for _ in range(3):  # churn leaves tombstones; a rebuild sized for the live keys must follow
+        fresh = [rng.getrandbits(64) for _ in range(300_000)]
+        assert t.store(0, 0, fresh) == len(fresh)
+        assert t.remove(0, 0, fresh) == len(fresh)
+    assert len(t) == len(keys) - len(gone) + 500  # the shared halves of removed keys stay on slot 1
+    assert sorted(h for h, _ in t.export(0)) == sorted(keys[1::2])
+    assert sorted(h for h, _ in t.export(1)) == sorted(keys[:1000])
+    assert t.nbytes() < 100 * len(keys)
+
+
+@pytest.mark.skipif(not HAVE_C_CORE, reason="C core not built")
 def test_c_u64_view_checks_like_validate_and_packs_long_events() -> None:
     """``u64_view`` is the validation pass that also converts: same verdicts, and a long event packed."""
     from kvcoord._indexcore import Table, u64_view, validate_u64_seq
