@@ -138,7 +138,14 @@ def test_sim_engine_looks_up_each_prompt_like_a_router(tmp_path: Path) -> None:
         assert lk["self_matched_blocks"] > 0 and lk["local_cached_blocks"] > 0
         assert lk["self_matched_blocks"] <= lk["best_matched_blocks"]
         # The agent reads the engine's PUB socket live (both sides connecting would leave frames at 0).
-        relay = (_read_state(agent_stats) or {"relays": [{}]})["relays"][0]
+        # The stats file is rewritten periodically: poll it until it shows the batches the index already has.
+        deadline = time.monotonic() + 30
+        relay: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            relay = (_read_state(agent_stats) or {"relays": [{}]})["relays"][0]
+            if relay.get("batches", 0) > 0:
+                break
+            time.sleep(0.05)
         assert relay.get("frames", 0) > 0 and relay["replay_only_probes"] < REPLAY_ONLY_PROBES_WARN, relay
 
         # The lookups carried the request's extra keys: the salted prompt hits, the unsalted one does not.
