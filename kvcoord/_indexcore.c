@@ -723,20 +723,28 @@ del_holder(Table *t, size_t i, uint32_t slot, uint8_t bit)
 
 /* ------------------------------------------------------------------------------------ methods */
 
+/* The shared prologue of store() and remove(): (slot, tier, hashes) -> a PyMem buffer of n keys. */
+static uint64_t *
+parse_op_args(PyObject *const *args, Py_ssize_t nargs, const char *usage, uint32_t *slot, uint8_t *bit,
+              Py_ssize_t *n)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    if (parse_slot(args[0], slot) < 0 || parse_tier(args[1], bit) < 0) {
+        return NULL;
+    }
+    return seq_to_u64(args[2], n);
+}
+
 static PyObject *
 Table_store(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
     uint32_t slot;
     uint8_t bit;
     Py_ssize_t n;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "store(slot, tier, hashes)");
-        return NULL;
-    }
-    if (parse_slot(args[0], &slot) < 0 || parse_tier(args[1], &bit) < 0) {
-        return NULL;
-    }
-    uint64_t *hs = seq_to_u64(args[2], &n);
+    uint64_t *hs = parse_op_args(args, nargs, "store(slot, tier, hashes)", &slot, &bit, &n);
     if (hs == NULL) {
         return NULL;
     }
@@ -777,14 +785,7 @@ Table_remove(Table *t, PyObject *const *args, Py_ssize_t nargs)
     uint32_t slot;
     uint8_t bit;
     Py_ssize_t n;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "remove(slot, tier, hashes)");
-        return NULL;
-    }
-    if (parse_slot(args[0], &slot) < 0 || parse_tier(args[1], &bit) < 0) {
-        return NULL;
-    }
-    uint64_t *hs = seq_to_u64(args[2], &n);
+    uint64_t *hs = parse_op_args(args, nargs, "remove(slot, tier, hashes)", &slot, &bit, &n);
     if (hs == NULL) {
         return NULL;
     }
