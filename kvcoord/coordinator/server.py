@@ -131,8 +131,8 @@ class CoordinatorServer:
         """Stop serving within ``grace`` plus a little.
 
         Ingest streams never end on their own, so waiting out the grace for them would only delay
-        the agents' failover: they are ended at once with UNAVAILABLE, after the server stopped
-        accepting new calls (so they cannot reconnect here). Unary calls get the grace period.
+        the agents' failover: they are ended at once with UNAVAILABLE and a message saying why
+        (a stream opened from here on is refused the same way). Unary calls get the grace period.
         """
         if self._stopped.is_set():
             return
@@ -140,12 +140,10 @@ class CoordinatorServer:
         if self._health is not None:
             with contextlib.suppress(Exception):
                 await self._health.enter_graceful_shutdown()
+        if self._servicer is not None:
+            await self._servicer.shutdown_streams(timeout=max(grace, 0.2))
         if self._server is not None:
-            stopping = asyncio.ensure_future(self._server.stop(grace))
-            await asyncio.sleep(0)  # let stop() begin: no new calls from here on
-            if self._servicer is not None:
-                self._servicer.shutdown_streams()
-            await stopping
+            await self._server.stop(grace)
         if self.state is not None:
             await self.state.stop_background()
             self.state.metrics.close()

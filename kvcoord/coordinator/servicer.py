@@ -7,6 +7,7 @@ gets ``INVALID_ARGUMENT`` with the parser's reason instead of a generic internal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -89,6 +90,7 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
 
 
 ACK_INTERVAL = 0.005
+SHUTDOWN_DRAIN = 0.25  # seconds a stopping coordinator waits for a stream's pending replies
 """Minimum seconds between two Acks on one stream; acks are cumulative, so a busy stream's acks
 coalesce (agents never block on acks: they only bound the agent's resend queue)."""
 
@@ -190,13 +192,18 @@ class CoordinatorServicer:
         self._ingest_tasks: set[asyncio.Task[Any]] = set()
         self.shutting_down = False
 
-    def shutdown_streams(self) -> int:
+    async def shutdown_streams(self, timeout: float) -> int:
         """Coordinator stopping: end every open Ingest stream with UNAVAILABLE now (not after the
-        server's grace period), so agents fail over to another replica at once. Returns how many."""
+        server's grace period), so agents fail over to another replica at once.
+
+        Waits (up to ``timeout``) until each stream's status is sent: if gRPC's own shutdown got
+        there first, agents would see a bare "Cancelling all calls". Returns how many were ended."""
         self.shutting_down = True
         tasks = list(self._ingest_tasks)
         for task in tasks:
             task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
         return len(tasks)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -295,7 +302,10 @@ class CoordinatorServicer:
         except asyncio.CancelledError:
             if not self.shutting_down:
                 raise
-            # Cancelled by shutdown_streams: end the stream with a status agents fail over on.
+            # Cancelled by shutdown_streams: end the stream with a status agents fail over on. A
+            # write still in flight would make gRPC refuse the status, so let the writer finish first.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(outbox.drain(), SHUTDOWN_DRAIN)
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         finally:
             if task is not None:
