@@ -10,5 +10,6 @@ setup(
     ext_modules=[
         Extension("kvcoord._speedups", ["kvcoord/_speedups.c"], optional=True),
         Extension("kvcoord._indexcore", ["kvcoord/_indexcore.c"], optional=True),
+        Extension("kvcoord._wirescan", ["kvcoord/_wirescan.c"], optional=True),
     ]
 )

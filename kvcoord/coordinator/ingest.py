@@ -26,8 +26,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias, cast
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.core import CoordinatorState, Push
@@ -39,6 +41,20 @@ from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import ApplyResult, InvalidEvent, SnapshotEntry
 from kvcoord.index.memory import RawEvent
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
+
+try:
+    from kvcoord import _wirescan
+except ImportError:  # pragma: no cover - built whenever a compiler is present (CI requires it)
+    _wirescan = None  # type: ignore[assignment]
+_scan = _wirescan.scan if _wirescan is not None else None
+
+StoredInfo: TypeAlias = tuple[int, int, int, "int | bytes | None", "str | None"]
+"""A scanned BlockStored's ``(n_hashes, n_tokens, block_size, parent, kv_cache_spec_kind)``."""
+ScannedBatch: TypeAlias = tuple[
+    int, float, int, bool, int, int, int, int, list[RawEvent], list[StoredInfo], int, int
+]
+"""One EventBatch as ``kvcoord._wirescan.scan`` returns it: ``(seq, ts, dp_rank, dp_rank_absent,
+n_events, n_stored, n_removed, n_cleared, raw_events, stored_info, start, end)``."""
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
 
@@ -93,6 +109,13 @@ def _direct_apply(index: object) -> DirectApply | None:
     return fn if owner_raw is owner_apply else None
 
 
+def _as_pb(batch: pb.EventBatch | ScannedBatch, data: bytes) -> pb.EventBatch:
+    """The protobuf form of a batch (a scanned one is parsed from its span of ``data``)."""
+    if isinstance(batch, pb.EventBatch):
+        return batch
+    return pb.EventBatch.FromString(data[batch[10] : batch[11]])
+
+
 @dataclass(slots=True)
 class _PendingSnapshot:
     epoch: int
@@ -128,6 +151,9 @@ class IngestSession:
         self._apply_raw = _direct_apply(state.index)
         """The in-process index's direct entry point (memory backend): batches skip event objects,
         the retry wrapper and a coroutine per batch (it cannot fail transiently). None: generic path."""
+        takes_packed = self._apply_raw is not None and bool(getattr(state.index, "takes_packed", False))
+        self._scan = _scan if takes_packed else None
+        """``kvcoord._wirescan.scan`` when the index reads its packed hashes; None: always protobuf."""
 
     async def handle(self, msg: pb.AgentMessage) -> list[pb.CoordinatorMessage]:
         which = msg.WhichOneof("msg")
@@ -143,14 +169,7 @@ class IngestSession:
         if which == "batch":
             return await self._batch(rec, msg.batch)
         if which == "batches":
-            # Each batch on its own, in order, as if sent alone; acks are cumulative, keep the last.
-            out: list[pb.CoordinatorMessage] = []
-            for batch in msg.batches.batches:
-                replies = await self._batch(rec, batch)
-                if replies and out and out[-1].HasField("ack") and replies[0].HasField("ack"):
-                    out.pop()
-                out.extend(replies)
-            return out
+            return await self._batches(rec, msg.batches.batches)
         if which == "snapshot":
             return await self._snapshot(rec, msg.snapshot)
         if which == "heartbeat":
@@ -160,6 +179,107 @@ class IngestSession:
         raise IngestAbort(
             grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage (no hello/batch/snapshot/heartbeat)"
         )
+
+    async def handle_bytes(self, data: bytes) -> list[pb.CoordinatorMessage]:
+        """``handle`` for a serialised AgentMessage. After Hello, a batch message is read by
+        ``kvcoord._wirescan`` when the index takes its packed hashes (the memory backend): that skips
+        decoding token ids, which the index never reads. Whatever the scanner declines is parsed with
+        protobuf; a message that does not parse raises ``IngestAbort`` (INVALID_ARGUMENT)."""
+        if self._scan is not None and self.rec is not None:
+            scanned = self._scan(data)
+            if scanned is not None:
+                return await self.handle_scanned(scanned, data)
+        try:
+            msg = pb.AgentMessage.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed AgentMessage: {str(exc) or type(exc).__name__}"
+            ) from None
+        return await self.handle(msg)
+
+    async def handle_scanned(
+        self, batches: Sequence[ScannedBatch], data: bytes
+    ) -> list[pb.CoordinatorMessage]:
+        """``handle`` for a ``batch``/``batches`` message read by ``kvcoord._wirescan`` (after Hello):
+        the same checks, answers and effects, from the scanner's tuples instead of protobuf objects."""
+        if self.rec is None:
+            raise IngestAbort(
+                grpc.StatusCode.FAILED_PRECONDITION, "'batch' before Hello: the first message must be Hello"
+            )
+        rec = self._owned()
+        self.state.registry.heard(rec)
+        if len(batches) == 1:
+            return await self._batch(rec, batches[0], data)
+        done = await self._group(rec, batches, data)
+        if done is not None:
+            return done
+        return await self._batches(rec, batches, data)
+
+    async def _group(
+        self, rec: NodeRecord, batches: Sequence[ScannedBatch], data: bytes
+    ) -> list[pb.CoordinatorMessage] | None:
+        """Several scanned batches in one apply, when that ends exactly as applying them one by one
+        would: consecutive seqs right after the last, one known dp rank, none too large, the node in
+        sync, and every event valid (validation precedes any change). None: nothing was done, take
+        them one by one. Then per-batch costs (lock, checks, index call, metrics) are paid once."""
+        apply_raw = self._apply_raw
+        st = self.state
+        first = batches[0]
+        dp_rank = first[2]
+        if apply_raw is None or dp_rank not in self.dp_ranks:
+            return None
+        limit = st.config.limits.max_events_per_batch
+        seq = first[0]
+        raw: list[RawEvent] = []
+        for b in batches:
+            if b[0] != seq or b[2] != dp_rank or b[4] > limit:
+                return None
+            seq += 1
+            raw += b[8]
+        async with st.registry.lock(rec.node_id):
+            rec = self._owned()
+            if rec.resyncing or first[0] != rec.last_seq + 1:
+                return None
+            profile = st.config.profile(self.model)
+            verify = profile is not None and not rec.hash_mismatch and st.verifier.cfg.enabled
+            try:
+                apply_raw(self.model, rec.node_id, dp_rank, raw)
+            except InvalidEvent:
+                return None  # one batch is bad: the one-by-one path applies those before it
+            last = batches[-1][0]
+            rec.last_seq = last
+            rec.indexed.add((self.model, dp_rank))
+        m = st.metrics
+        m.batch("applied", len(batches))
+        stored = removed = cleared = 0
+        for b in batches:
+            stored += b[5]
+            removed += b[6]
+            cleared += b[7]
+            if b[1] > 0:
+                m.ingest_lag.observe(max(0.0, time.time() - b[1]))
+            if verify and profile is not None and st.verifier.may_act(self.model, profile, b[9]):
+                reason = st.verifier.check(rec, self.model, profile, _as_pb(b, data).events)
+                if reason is not None:
+                    st.mark_hash_mismatch(rec, reason)
+                    verify = False
+        self._account_counts(0.0, stored, removed, cleared, batches=0)
+        if self.ack is not None:
+            self.ack(self.epoch, last)
+            return []
+        return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=last))]
+
+    async def _batches(
+        self, rec: NodeRecord, batches: Sequence[pb.EventBatch | ScannedBatch], data: bytes = b""
+    ) -> list[pb.CoordinatorMessage]:
+        """Each batch on its own, in order, as if sent alone; acks are cumulative, keep the last."""
+        out: list[pb.CoordinatorMessage] = []
+        for batch in batches:
+            replies = await self._batch(rec, batch, data)
+            if replies and out and out[-1].HasField("ack") and replies[0].HasField("ack"):
+                out.pop()
+            out.extend(replies)
+        return out
 
     def close(self) -> None:
         """The stream ended: forget how to reach it."""
@@ -299,14 +419,28 @@ class IngestSession:
         kind = getattr(exc, "kind", None)
         return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
 
-    async def _batch(self, rec: NodeRecord, batch: pb.EventBatch) -> list[pb.CoordinatorMessage]:
+    async def _batch(
+        self, rec: NodeRecord, batch: pb.EventBatch | ScannedBatch, data: bytes = b""
+    ) -> list[pb.CoordinatorMessage]:
+        """One numbered batch, given as a protobuf message or as a ``kvcoord._wirescan`` tuple (read
+        from ``data``; then the raw events and counts are already known)."""
         st = self.state
+        raw: list[RawEvent] | None = None
+        stored_info: Sequence[StoredInfo] = ()
+        scanned = type(batch) is tuple
+        if scanned:
+            seq, ts, dp_rank, _, n_events, n_stored, n_removed, n_cleared, raw, stored_info, _, _ = cast(
+                "ScannedBatch", batch
+            )
+        else:
+            assert isinstance(batch, pb.EventBatch)
+            seq, ts, dp_rank, n_events = batch.seq, batch.ts, batch.dp_rank, len(batch.events)
         limit = st.config.limits.max_events_per_batch
-        if len(batch.events) > limit:
+        if n_events > limit:
             st.metrics.batch("too_large")
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"batch {batch.seq} has {len(batch.events)} events; max_events_per_batch is {limit}",
+                f"batch {seq} has {n_events} events; max_events_per_batch is {limit}",
             )
         async with st.registry.lock(rec.node_id):
             rec = self._owned()
@@ -314,13 +448,13 @@ class IngestSession:
                 st.metrics.batch("awaiting_snapshot")
                 return []
             last = rec.last_seq
-            if batch.seq <= last:
+            if seq <= last:
                 st.metrics.batch("duplicate")
                 if self.ack is not None:  # every Ack of a batch takes the same way, so they stay in order
                     self.ack(self.epoch, last)
                     return []
                 return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=last))]
-            if batch.seq > last + 1:
+            if seq > last + 1:
                 st.metrics.batch("gap")
                 st.log_once(
                     f"gap:{rec.node_id}:{self.epoch}",
@@ -328,15 +462,15 @@ class IngestSession:
                     "node %s: gap (expected seq %d, got %d); asking for a snapshot",
                     rec.node_id,
                     last + 1,
-                    batch.seq,
+                    seq,
                 )
-                return self._request_snapshot(rec, "gap", f"expected seq {last + 1}, got {batch.seq}")
-            if batch.dp_rank not in self.dp_ranks:
+                return self._request_snapshot(rec, "gap", f"expected seq {last + 1}, got {seq}")
+            if dp_rank not in self.dp_ranks:
                 return self._reject(
                     rec,
-                    batch,
+                    _as_pb(batch, data),
                     "unknown_dp_rank",
-                    f"dp_rank {batch.dp_rank} is not in the Hello's {list(self.dp_ranks)}",
+                    f"dp_rank {dp_rank} is not in the Hello's {list(self.dp_ranks)}",
                 )
             profile = st.config.profile(self.model)
             verify = profile is not None and not rec.hash_mismatch and st.verifier.cfg.enabled
@@ -345,16 +479,22 @@ class IngestSession:
                 # In-process index: the events go straight from the protobuf messages (checked whole
                 # first, exactly as the decoder does) to the index, which validates the whole batch
                 # before mutating anything. No await between the ownership check and the apply.
+                if raw is None:
+                    assert isinstance(batch, pb.EventBatch)
+                    try:
+                        raw, n_stored, n_removed, n_cleared = raw_events_for_index(batch.events)
+                    except (ValueError, TypeError, KeyError, OverflowError) as exc:
+                        return self._undecodable(rec, batch, exc)
                 try:
-                    raw, n_stored, n_removed, n_cleared = raw_events_for_index(batch.events)
-                except (ValueError, TypeError, KeyError, OverflowError) as exc:
-                    return self._undecodable(rec, batch, exc)
-                try:
-                    apply_raw(self.model, rec.node_id, batch.dp_rank, raw)
+                    apply_raw(self.model, rec.node_id, dp_rank, raw)
                 except InvalidEvent as exc:
-                    return self._reject(rec, batch, "invalid_event", str(exc))
+                    detail = str(exc)
+                    if scanned:  # the scanner merged runs of stores: word it as the events were sent
+                        detail = self._exact_error(rec, _as_pb(batch, data), dp_rank) or detail
+                    return self._reject(rec, _as_pb(batch, data), "invalid_event", detail)
             else:
                 n_stored = -1
+                batch = _as_pb(batch, data)
                 try:
                     # Only the index reads every event: runs of stores collapse into one event each
                     # (see events_for_index) and token ids never become Python tuples. The whole batch
@@ -370,7 +510,7 @@ class IngestSession:
                     # in order, before any later batch. Abandoned (unacked, a snapshot follows) when
                     # the backend came back empty and the node now resyncs.
                     done, _ = await st.call_index(
-                        lambda: st.index.apply(self.model, rec.node_id, batch.dp_rank, events),
+                        lambda: st.index.apply(self.model, rec.node_id, dp_rank, events),
                         f"apply for node {rec.node_id}",
                         rec,
                         lambda: self._wanted(rec, need_sync=True),
@@ -381,20 +521,39 @@ class IngestSession:
                 if not done:
                     st.metrics.batch("awaiting_snapshot")
                     return []
-            rec.last_seq = batch.seq
-            rec.indexed.add((self.model, batch.dp_rank))
+            rec.last_seq = seq
+            rec.indexed.add((self.model, dp_rank))
         if n_stored < 0:
+            assert isinstance(batch, pb.EventBatch)
             self._account(batch)
         else:
-            self._account_counts(batch, n_stored, n_removed, n_cleared)
-        if verify and profile is not None:
-            reason = st.verifier.check(rec, self.model, profile, batch.events)
+            self._account_counts(ts, n_stored, n_removed, n_cleared)
+        # A scanned batch is parsed only when the verifier could act on it (rarely, once sampled).
+        if (
+            verify
+            and profile is not None
+            and (not scanned or st.verifier.may_act(self.model, profile, stored_info))
+        ):
+            reason = st.verifier.check(rec, self.model, profile, _as_pb(batch, data).events)
             if reason is not None:
                 st.mark_hash_mismatch(rec, reason)
         if self.ack is not None:
-            self.ack(self.epoch, batch.seq)
+            self.ack(self.epoch, seq)
             return []
-        return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=batch.seq))]
+        return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=seq))]
+
+    def _exact_error(self, rec: NodeRecord, batch: pb.EventBatch, dp_rank: int) -> str | None:
+        """The error the unmerged events of a scanned batch give (validated only, never applied)."""
+        check = getattr(self.state.index, "check_raw_sync", None)
+        if check is None:
+            return None
+        try:
+            check(self.model, rec.node_id, dp_rank, raw_events_for_index(batch.events)[0])
+        except InvalidEvent as exc:
+            return str(exc)
+        except (ValueError, TypeError, KeyError, OverflowError):
+            return None
+        return None
 
     def _account(self, batch: pb.EventBatch) -> None:
         m = self.state.metrics
@@ -408,18 +567,19 @@ class IngestSession:
         if batch.ts > 0:
             m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
 
-    def _account_counts(self, batch: pb.EventBatch, stored: int, removed: int, cleared: int) -> None:
+    def _account_counts(self, ts: float, stored: int, removed: int, cleared: int, batches: int = 1) -> None:
         """``_account`` with the per-kind counts already known (the raw path counted them)."""
         m = self.state.metrics
-        m.batch("applied")
+        if batches:
+            m.batch("applied", batches)
         if stored:
             m.applied("block_stored", stored)
         if removed:
             m.applied("block_removed", removed)
         if cleared:
             m.applied("all_blocks_cleared", cleared)
-        if batch.ts > 0:
-            m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
+        if ts > 0:
+            m.ingest_lag.observe(max(0.0, time.time() - ts))
 
     # --- snapshots --------------------------------------------------------------------------
     async def _snapshot(self, rec: NodeRecord, snap: pb.Snapshot) -> list[pb.CoordinatorMessage]:

@@ -184,9 +184,9 @@ class Metrics:
             child = self._children[key] = metric.labels(label)
         return child
 
-    def batch(self, outcome: str) -> None:
-        """Count one event batch by outcome (applied, duplicate, gap, ...)."""
-        self._child(self.batches, outcome).inc()
+    def batch(self, outcome: str, n: int = 1) -> None:
+        """Count event batches by outcome (applied, duplicate, gap, ...)."""
+        self._child(self.batches, outcome).inc(n)
 
     def lookup_done(self, query: str, seconds: float) -> None:
         self._child(self.lookup_latency, query).observe(seconds)

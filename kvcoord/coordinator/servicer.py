@@ -209,8 +209,7 @@ class CoordinatorServicer:
     def generic_handler(self) -> grpc.GenericRpcHandler:
         handlers = {
             "Ingest": grpc.stream_stream_rpc_method_handler(
-                self.Ingest,
-                request_deserializer=_parser(pb.AgentMessage),
+                self.Ingest,  # messages arrive as bytes: batches may skip protobuf (see Ingest)
                 response_serializer=pb.CoordinatorMessage.SerializeToString,
             ),
         }
@@ -260,9 +259,8 @@ class CoordinatorServicer:
         return rec
 
     # --- ingest -----------------------------------------------------------------------------
-    async def Ingest(
-        self, request_iterator: AsyncIterator[pb.AgentMessage | Malformed], context: grpc.aio.ServicerContext
-    ) -> None:
+    async def Ingest(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """One agent's stream; messages arrive as bytes (see ``IngestSession.handle_bytes``)."""
         principal = await self._principal(context)
         if principal.role == ROUTER:
             await context.abort(
@@ -277,24 +275,11 @@ class CoordinatorServicer:
         if task is not None:
             self._ingest_tasks.add(task)
         try:
-            async for msg in request_iterator:
-                if isinstance(msg, Malformed):
-                    await outbox.drain()
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"malformed {msg.type_name}: {msg.reason}"
-                    )
-                    return
+            async for data in request_iterator:
                 try:
-                    out = await session.handle(msg)
+                    out = await session.handle_bytes(data)
                 except IngestAbort as exc:
-                    log.info(
-                        "ingest stream of %s aborted: %s %s",
-                        session.node_id or context.peer(),
-                        exc.code.name,
-                        exc.message,
-                    )
-                    await outbox.drain()
-                    await context.abort(exc.code, exc.message)
+                    await self._abort_ingest(session, context, outbox, exc)
                     return
                 for reply in out:
                     outbox.put(reply)
@@ -313,6 +298,14 @@ class CoordinatorServicer:
             session.close()
             outbox.close()
             self.state.metrics.streams.dec()
+
+    async def _abort_ingest(
+        self, session: IngestSession, context: grpc.aio.ServicerContext, outbox: _Outbox, exc: IngestAbort
+    ) -> None:
+        peer = session.node_id or context.peer()
+        log.info("ingest stream of %s aborted: %s %s", peer, exc.code.name, exc.message)
+        await outbox.drain()
+        await context.abort(exc.code, exc.message)
 
     # --- lookup -----------------------------------------------------------------------------
     async def Lookup(

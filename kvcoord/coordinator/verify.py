@@ -104,6 +104,29 @@ class HashVerifier:
             return False, None  # published untagged, hashed tagged: LoRA path is not published
         return True, tupleize(ek)
 
+    def may_act(
+        self,
+        model: str,
+        profile: HashProfile,
+        stored: Sequence[tuple[int, int, int, int | bytes | None, str | None]],
+    ) -> bool:
+        """Whether ``check`` could sample, verify or report anything for a batch whose BlockStored
+        events are ``(n_hashes, n_tokens, block_size, parent, kv_cache_spec_kind)`` (the wire
+        scanner's summary; parent None, uint64 or digest). When not, ``check`` would change nothing,
+        so the batch need not be parsed at all. Mirrors ``check``'s per-event tests in order."""
+        if not self.cfg.enabled:
+            return False
+        for n, n_tokens, block_size, parent, kind in stored:
+            if not n or (kind is not None and kind not in FULL_ATTENTION_KINDS):
+                continue
+            if block_size != profile.block_size:
+                return True
+            if n_tokens != n * block_size:
+                continue
+            if parent is None or isinstance(parent, bytes) or (model, parent) in self._lru:
+                return True
+        return False
+
     def check(
         self,
         rec: NodeRecord,

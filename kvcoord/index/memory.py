@@ -85,12 +85,20 @@ RAW_STORE, RAW_REMOVE, RAW_CLEAR = _STORE, _REMOVE, _CLEAR
 RawEvent: TypeAlias = tuple[int, Sequence[object], "str | None", "int | None", "str | None"]
 """``(kind, block_hashes, medium, group_idx, kv_cache_spec_kind)``: one event's fields the index reads,
 for :meth:`MemoryIndex.apply_raw_sync` (the coordinator builds them straight from protobuf messages;
-``block_hashes`` may be any sequence, e.g. a repeated field, of uint64 ints or digests)."""
+``block_hashes`` may be any sequence, e.g. a repeated field, of uint64 ints or digests, or with the C
+core a flat memoryview of format ``Q``, as ``kvcoord._wirescan`` reads them off the wire)."""
 
 _NOT_SEQ = validate.NOT_SEQ
 _FAST_SEQ = validate.FAST_SEQ
 _SEQ_TYPES: set[type] = set()
 """Other types already seen to be ordered sequences of hashes (protobuf repeated fields)."""
+
+
+def _packed_u64(view: memoryview) -> bool:
+    """A flat view of uint64s, which the C core reads with one copy (``kvcoord._wirescan``'s hashes)."""
+    return view.format == "Q" and view.ndim == 1 and view.c_contiguous
+
+
 _Op: TypeAlias = validate.Op
 
 _EMPTY = validate.EMPTY
@@ -601,6 +609,8 @@ class MemoryIndex:
             cast("validate.U64Conv", _indexcore.u64_view) if use_c else None  # plain ints are BlockHash64s
         )
         """Check-and-pack of an event's hashes for the C core: long events are converted only once."""
+        self.takes_packed = use_c
+        """``apply_raw_sync`` reads hashes given as flat memoryviews of uint64 (format ``Q``)."""
         self._models: dict[str, _Model] = {}
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
@@ -646,14 +656,18 @@ class MemoryIndex:
             # The common case inline (a list of uint64 ints); ``hashes64`` does the rest and the errors.
             rt = type(raw)
             hashes: Sequence[BlockHash64] | None
+            packed = False
             if rt in _FAST_SEQ:
                 hashes = cast("Sequence[BlockHash64]", raw)
+            elif rt is memoryview and conv is not None and _packed_u64(cast("memoryview", raw)):
+                hashes = cast("Sequence[BlockHash64]", raw)  # the wire scanner's: nothing to check
+                packed = True
             elif rt in seq_types or (isinstance(raw, Sequence) and not isinstance(raw, _NOT_SEQ)):
                 seq_types.add(rt)
                 hashes = list(cast("Sequence[BlockHash64]", raw))  # a protobuf repeated field: one C copy
             else:
                 hashes = None
-            if hashes is not None:
+            if hashes is not None and not packed:
                 if conv is not None:
                     hashes = conv(hashes)  # checked, and long ones packed for the C core
                 elif not u64_ok(hashes):
@@ -689,6 +703,12 @@ class MemoryIndex:
         if self._pending:
             self._kick()
         return res
+
+    def check_raw_sync(self, model: str, node_id: str, dp_rank: int, events: Sequence[RawEvent]) -> None:
+        """Raise the ``InvalidEvent`` that ``apply_raw_sync`` would raise for these events; apply
+        nothing. (The coordinator's wording of an error found in merged events.)"""
+        validate.check_target(model, node_id, dp_rank)
+        self._prepare_raw(events)
 
     def _run(self, model: str, node_id: str, dp_rank: int, ops: list[_Op]) -> ApplyResult:
         res = ApplyResult()
