@@ -766,8 +766,55 @@ scan(PyObject *Py_UNUSED(module), PyObject *arg)
     return res;
 }
 
+PyDoc_STRVAR(pack_uint64_doc,
+"pack_uint64(seq) -> bytes | None\n\n"
+"A list or tuple of ints in [0, 2**64) as protobuf packed varints (the payload of a packed repeated\n"
+"uint64 field); None for anything else (bools are not ints here), for the caller's precise error.");
+
+static PyObject *
+pack_uint64(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    if (!PyList_Check(arg) && !PyTuple_Check(arg)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(arg);
+    PyObject **items = PySequence_Fast_ITEMS(arg);
+    uint8_t stack[4096];
+    uint8_t *buf = (size_t)n * 10 <= sizeof(stack) ? stack : PyMem_Malloc((size_t)n * 10 + 1);
+    if (buf == NULL) {
+        return PyErr_NoMemory();
+    }
+    uint8_t *w = buf;
+    PyObject *res = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = items[i];
+        if (!PyLong_Check(o) || PyBool_Check(o)) {
+            res = Py_NewRef(Py_None);
+            goto done;
+        }
+        unsigned long long v = PyLong_AsUnsignedLongLong(o);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* negative or too large */
+            res = Py_NewRef(Py_None);
+            goto done;
+        }
+        while (v >= 0x80) {
+            *w++ = (uint8_t)(v | 0x80);
+            v >>= 7;
+        }
+        *w++ = (uint8_t)v;
+    }
+    res = PyBytes_FromStringAndSize((const char *)buf, w - buf);
+done:
+    if (buf != stack) {
+        PyMem_Free(buf);
+    }
+    return res;
+}
+
 static PyMethodDef module_methods[] = {
     {"scan", scan, METH_O, scan_doc},
+    {"pack_uint64", pack_uint64, METH_O, pack_uint64_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -37,6 +37,11 @@ from kvcoord.events import (
 from kvcoord.index.memory import RAW_CLEAR, RAW_REMOVE, RAW_STORE, RawEvent
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
+try:
+    from kvcoord._wirescan import pack_uint64 as _pack_uint64
+except ImportError:  # pragma: no cover - built whenever a compiler is present (CI requires it)
+    _pack_uint64 = None  # type: ignore[assignment]
+
 __all__ = [
     "batch_from_proto",
     "batch_to_proto",
@@ -198,7 +203,42 @@ def event_to_proto(event: KVEvent) -> pb.KVEvent:
     raise ValueError(f"not a KV event: {type(event).__name__}")
 
 
-def _stored_to_proto(ev: BlockStored, msg: pb.BlockStored) -> None:
+def event_to_wire(event: KVEvent) -> bytes:
+    """``event_to_proto(event).SerializeToString()``, parsing to the same message (the bytes may
+    order fields differently): a BlockStored's token ids, the bulk of a batch and slow to hand to
+    protobuf one int at a time, are packed by ``kvcoord._wirescan.pack_uint64`` when it is built."""
+    if _pack_uint64 is not None and isinstance(event, BlockStored) and event.token_ids:
+        packed = _pack_uint64(event.token_ids)
+        if packed is not None:  # else the protobuf path words the error
+            out = pb.KVEvent()
+            _stored_to_proto(event, out.stored, tokens=False)
+            body = out.stored.SerializeToString() + b"\x2a" + varint(len(packed)) + packed  # token_ids = 5
+            return b"\x0a" + varint(len(body)) + body  # KVEvent.stored = 1
+    return event_to_proto(event).SerializeToString()
+
+
+def events_to_wire(events: Iterable[KVEvent]) -> list[bytes]:
+    """``event_to_wire`` of each; the first bad event raises ``ValueError`` with its index."""
+    out: list[bytes] = []
+    for i, ev in enumerate(events):
+        try:
+            out.append(event_to_wire(ev))
+        except ValueError as exc:
+            raise ValueError(f"event {i}: {exc}") from None
+    return out
+
+
+def varint(n: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative int (hand-framed messages)."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _stored_to_proto(ev: BlockStored, msg: pb.BlockStored, *, tokens: bool = True) -> None:
     ints, digests = _hash_form(ev.block_hashes, "BlockStored.block_hashes")
     if ev.block_size < 0 or ev.block_size > 0xFFFFFFFF:
         raise ValueError(f"BlockStored.block_size {ev.block_size} is out of range")
@@ -209,7 +249,7 @@ def _stored_to_proto(ev: BlockStored, msg: pb.BlockStored) -> None:
         msg.block_hashes.extend(ints)
     elif digests:
         msg.block_digests.extend(digests)
-    if ev.token_ids:
+    if tokens and ev.token_ids:
         try:
             # upb checks each id in C (int, not bool, in uint64 range); the loop only names the culprit.
             msg.token_ids.extend(ev.token_ids)

@@ -38,7 +38,8 @@ import grpc
 import grpc.aio
 
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import events_to_proto, tier_to_proto
+from kvcoord.events_proto import events_to_wire, tier_to_proto
+from kvcoord.events_proto import varint as _varint
 from kvcoord.hashing import to_block_hash64
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 
@@ -328,15 +329,6 @@ class _Link:
         return q[pos] if pos < len(q) else None
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 _DOUBLE = struct.Struct("<d")
 
 
@@ -488,7 +480,7 @@ class Reporter:
             raise ValueError(f"dp_rank {dp_rank} is not one of this node's ranks {list(self.dp_ranks)}")
         if not events:
             return
-        converted = [m.SerializeToString() for m in events_to_proto(events)]
+        converted = events_to_wire(events)
         blocks = [_blocks_of(ev) for ev in events]
         stamp = time.time() if ts is None else float(ts)
         if threading.get_ident() == self._loop_thread:
