@@ -19,7 +19,7 @@ import pytest
 from kvcoord.agent.reporter import NodeLoad, Reporter
 from kvcoord.events import BlockRemoved, BlockStored, Tier
 from kvcoord.hashing import HashProfile, block_hashes64
-from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.router.client import AsyncCoordinatorClient, NodeStatus
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import RedisServer, redis_server
 
@@ -113,8 +113,18 @@ async def test_two_replicas_answer_alike_and_expire_alike(replicas: tuple[str, s
 
             # B learns of the node through the shared directory (within its refresh interval).
             await _until(agree, "identical answers from both replicas")
-            nodes_b = await b.list_nodes()
-            assert [n.node_id for n in await a.list_nodes()] == ["node-r"] and nodes_b == []
+            # Both list the node; B names the replica holding its stream (A), A lists it as its own.
+            stats_a, stats_b = await a.stats(), await b.stats()
+            nodes_a, nodes_b = await a.list_nodes(), await b.list_nodes()
+            def rows(nodes: list[NodeStatus]) -> list[tuple[str, str, int, str]]:
+                return [(n.node_id, n.state, n.epoch, n.replica) for n in nodes]
+
+            assert rows(nodes_a) == [("node-r", "active", 5, "")]
+            assert rows(nodes_b) == [("node-r", "active", 5, stats_a.replica_id)]
+            assert nodes_b[0].load == load and nodes_a[0].last_seq >= 1 and nodes_b[0].last_seq == 0
+            assert stats_a.replica_id and stats_a.replica_id != stats_b.replica_id
+            assert stats_b.nodes_by_state["active"] == 1 and stats_a.nodes_by_state["active"] == 1
+            assert [n.node_id for n in stats_b.nodes] == ["node-r"]
 
             # The agent goes silent: the node leaves both replicas' answers once its lease expired.
             silent = time.monotonic()
@@ -125,6 +135,7 @@ async def test_two_replicas_answer_alike_and_expire_alike(replicas: tuple[str, s
                 return va == [] and vb == []
 
             await _until(gone, "the node to vanish from both replicas", timeout=LEASE + 8)
+            assert [(n.node_id, n.state) for n in await b.list_nodes()] == [("node-r", "expired")]
             # The lease runs from the last heartbeat, which the agent sends every lease/3: it may have
             # been up to LEASE/3 before the agent went silent, so the node may go LEASE*2/3 after.
             assert time.monotonic() - silent >= LEASE * 2 / 3 * 0.9, "vanished before its lease ran out"

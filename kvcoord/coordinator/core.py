@@ -444,6 +444,22 @@ class CoordinatorState:
             return other.load
         return None
 
+    def remote_nodes(self) -> list[SharedNode]:
+        """Nodes whose stream another replica holds, as last read from the directory (a node this
+        replica also knows counts as remote only when the other replica heard from it later)."""
+        out: list[SharedNode] = []
+        if self.directory is None:
+            return out
+        now, now_wall = time.monotonic(), time.time()
+        for node_id, other in self.shared.items():
+            if other.owner == self.replica_id:
+                continue
+            rec = self.registry.get(node_id)
+            if rec is not None and other.heard <= now_wall - (now - rec.last_heard):
+                continue
+            out.append(other)
+        return out
+
     def has_live(self, model: str) -> bool:
         if self.registry.has_live(model):
             return True

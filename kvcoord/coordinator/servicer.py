@@ -21,6 +21,7 @@ from kvcoord.coordinator.auth import ROUTER, Authenticator, AuthError, Principal
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.ingest import IngestAbort, IngestSession, load_from_proto
 from kvcoord.coordinator.registry import Load, NodeRecord
+from kvcoord.coordinator.shared import SharedNode
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys, block_hashes64
 from kvcoord.index.base import NodeKey
 from kvcoord.index.memory import MemoryIndex, RawMatch
@@ -51,6 +52,25 @@ def _parser(cls: type[M]) -> Callable[[bytes], M | Malformed]:
             return Malformed(cls.__name__, str(exc) or type(exc).__name__)
 
     return parse
+
+
+def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.NodeInfo:
+    """A node another replica holds, as its shared record says; past its lease (counted from when
+    that replica last heard from it, as for a local node) or its record's deadline: expired."""
+    state = node.state
+    if state != "expired" and (now_wall - node.heard > lease or now_wall > node.deadline):
+        state = "expired"
+    return pb.NodeInfo(
+        node_id=node.node_id,
+        model=node.model,
+        dp_ranks=list(node.dp_ranks),
+        state=state,
+        epoch=node.epoch,
+        last_heartbeat_age_seconds=max(0.0, now_wall - node.heard),
+        load=_load_pb(node.load),
+        hash_mismatch=state == "hash_mismatch",
+        replica=node.owner,
+    )
 
 
 def _load_pb(load: Load) -> pb.Load:
@@ -473,9 +493,16 @@ class CoordinatorServicer:
         return pb.ListNodesResponse(nodes=self._nodes(request.model))
 
     def _nodes(self, model: str = "") -> list[pb.NodeInfo]:
+        """Every node the fleet's replicas hold: this replica's own records, and the nodes other
+        replicas hold (from the shared directory, with ``replica`` naming the holder)."""
         now, lease = time.monotonic(), self.state.registry.lease
-        recs = sorted(self.state.registry, key=lambda r: r.node_id)
-        return [node_info(r, now, lease) for r in recs if not model or r.model == model]
+        recs = self.state.registry
+        out = {r.node_id: node_info(r, now, lease) for r in recs if not model or r.model == model}
+        now_wall = time.time()
+        for other in self.state.remote_nodes():
+            if not model or other.model == model:
+                out[other.node_id] = remote_node_info(other, now_wall, lease)
+        return [out[k] for k in sorted(out)]
 
     async def Heartbeat(
         self, request: pb.HeartbeatRequest | Malformed, context: grpc.aio.ServicerContext
@@ -537,12 +564,18 @@ class CoordinatorServicer:
         st = self.state
         stats, stale = await st.exact_stats()
         m = st.metrics
+        nodes = self._nodes()
+        by_state = st.registry.by_state()
+        for n in nodes:
+            if n.replica:
+                by_state[n.state] = by_state.get(n.state, 0) + 1
         resp = pb.StatsResponse(
             index_backend=st.index.backend,
             events_applied=dict(m.applied_by_type),
             events_rejected=dict(m.rejected_by_reason),
-            nodes=self._nodes(),
-            nodes_by_state=st.registry.by_state(),
+            nodes=nodes,
+            nodes_by_state=by_state,
+            replica_id=st.replica_id,
             hash_mismatches=m.hash_mismatch_total,
             snapshots_requested=m.snapshots_requested_total,
             leases_expired=m.leases_expired_total,

@@ -111,6 +111,8 @@ class NodeStatus:
     hash_mismatch: bool
     hash_mismatch_reason: str
     hash_profile: dict[str, Any] | None
+    replica: str = ""
+    """Id of the coordinator replica holding the node's stream; empty: the one that answered."""
 
     @classmethod
     def from_proto(cls, n: pb.NodeInfo) -> NodeStatus:
@@ -120,7 +122,7 @@ class NodeStatus:
                    if n.HasField("hash_profile") else None)
         return cls(n.node_id, n.model, tuple(n.dp_ranks), n.state, n.epoch, n.last_seq,
                    n.last_heartbeat_age_seconds, NodeLoad.from_proto(n.load), n.hash_mismatch,
-                   n.hash_mismatch_reason, profile)
+                   n.hash_mismatch_reason, profile, n.replica)
 
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "model": self.model, "dp_ranks": list(self.dp_ranks),
@@ -129,7 +131,7 @@ class NodeStatus:
                 "load": {"running_requests": self.load.running_requests,
                          "waiting_requests": self.load.waiting_requests, "kv_usage": self.load.kv_usage},
                 "hash_mismatch": self.hash_mismatch, "hash_mismatch_reason": self.hash_mismatch_reason,
-                "hash_profile": self.hash_profile}
+                "hash_profile": self.hash_profile, "replica": self.replica}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,13 +151,15 @@ class CoordinatorStats:
     """``blocks`` is an upper bound, not an exact distinct count."""
     index_stats_stale: bool = False
     """The index did not answer: entries, blocks and index_bytes are the last figures known."""
+    replica_id: str = ""
+    """The answering replica's id (other replicas' nodes name theirs in ``NodeStatus.replica``)."""
 
     @classmethod
     def from_proto(cls, m: pb.StatsResponse) -> CoordinatorStats:
         return cls(m.index_backend, m.entries, m.blocks, m.index_bytes, dict(m.events_applied),
                    dict(m.events_rejected), [NodeStatus.from_proto(n) for n in m.nodes],
                    dict(m.nodes_by_state), m.hash_mismatches, m.snapshots_requested, m.leases_expired,
-                   m.blocks_upper_bound, m.index_stats_stale)
+                   m.blocks_upper_bound, m.index_stats_stale, m.replica_id)
 
     def to_json(self) -> dict[str, Any]:
         return {"index_backend": self.index_backend, "entries": self.entries, "blocks": self.blocks,
@@ -165,7 +169,7 @@ class CoordinatorStats:
                 "nodes_by_state": dict(sorted(self.nodes_by_state.items())),
                 "hash_mismatches": self.hash_mismatches, "snapshots_requested": self.snapshots_requested,
                 "leases_expired": self.leases_expired, "blocks_upper_bound": self.blocks_upper_bound,
-                "index_stats_stale": self.index_stats_stale}
+                "index_stats_stale": self.index_stats_stale, "replica_id": self.replica_id}
 
 
 @dataclass(frozen=True, slots=True)

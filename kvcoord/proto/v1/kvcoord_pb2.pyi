@@ -980,6 +980,7 @@ class NodeInfo(_message.Message):
     HASH_MISMATCH_FIELD_NUMBER: _builtins.int
     HASH_MISMATCH_REASON_FIELD_NUMBER: _builtins.int
     HASH_PROFILE_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model: _builtins.str
     state: _builtins.str
@@ -989,6 +990,12 @@ class NodeInfo(_message.Message):
     last_heartbeat_age_seconds: _builtins.float
     hash_mismatch: _builtins.bool
     hash_mismatch_reason: _builtins.str
+    replica: _builtins.str
+    """Added later: another coordinator replica holds this node's stream (its replica id, as in
+    StatsResponse.replica_id); empty: the replica answering. Such a node is listed from the shared
+    node records (epoch, state, load, heartbeat age); last_seq and the hash fields are known only
+    to the holding replica and are left unset.
+    """
     @_builtins.property
     def dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1009,10 +1016,11 @@ class NodeInfo(_message.Message):
         hash_mismatch: _builtins.bool = ...,
         hash_mismatch_reason: _builtins.str = ...,
         hash_profile: Global___HashProfile | None = ...,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hash_profile", b"hash_profile", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "hash_mismatch_reason", b"hash_mismatch_reason", "hash_profile", b"hash_profile", "last_heartbeat_age_seconds", b"last_heartbeat_age_seconds", "last_seq", b"last_seq", "load", b"load", "model", b"model", "node_id", b"node_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "hash_mismatch_reason", b"hash_mismatch_reason", "hash_profile", b"hash_profile", "last_heartbeat_age_seconds", b"last_heartbeat_age_seconds", "last_seq", b"last_seq", "load", b"load", "model", b"model", "node_id", b"node_id", "replica", b"replica", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1273,6 +1281,7 @@ class StatsResponse(_message.Message):
     LEASES_EXPIRED_FIELD_NUMBER: _builtins.int
     BLOCKS_UPPER_BOUND_FIELD_NUMBER: _builtins.int
     INDEX_STATS_STALE_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
     index_backend: _builtins.str
     entries: _builtins.int
     blocks: _builtins.int
@@ -1284,6 +1293,8 @@ class StatsResponse(_message.Message):
     """true: blocks is an upper bound (a sharded index past its exact-count limit), not a distinct count."""
     index_stats_stale: _builtins.bool
     """true: the index did not answer this request; entries/blocks/index_bytes are the last figures known."""
+    replica_id: _builtins.str
+    """Added later: this replica's id (random per process), which other replicas' NodeInfo.replica names."""
     @_builtins.property
     def events_applied(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """by event type"""
@@ -1312,10 +1323,11 @@ class StatsResponse(_message.Message):
         leases_expired: _builtins.int = ...,
         blocks_upper_bound: _builtins.bool = ...,
         index_stats_stale: _builtins.bool = ...,
+        replica_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "blocks_upper_bound", b"blocks_upper_bound", "entries", b"entries", "events_applied", b"events_applied", "events_rejected", b"events_rejected", "hash_mismatches", b"hash_mismatches", "index_backend", b"index_backend", "index_bytes", b"index_bytes", "index_stats_stale", b"index_stats_stale", "leases_expired", b"leases_expired", "nodes", b"nodes", "nodes_by_state", b"nodes_by_state", "snapshots_requested", b"snapshots_requested"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "blocks_upper_bound", b"blocks_upper_bound", "entries", b"entries", "events_applied", b"events_applied", "events_rejected", b"events_rejected", "hash_mismatches", b"hash_mismatches", "index_backend", b"index_backend", "index_bytes", b"index_bytes", "index_stats_stale", b"index_stats_stale", "leases_expired", b"leases_expired", "nodes", b"nodes", "nodes_by_state", b"nodes_by_state", "replica_id", b"replica_id", "snapshots_requested", b"snapshots_requested"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
