@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -139,6 +140,9 @@ async def run(args: argparse.Namespace, url: str, used_memory: object) -> dict[s
         answers.append(await mem.match(MODEL, q))
         assert answers[-1] == await red.match(MODEL, q)
     (m50, m99), (r50, r99) = await lookups(mem, red, queries)
+    mirror: dict[str, object] = {}
+    if red.backend == "redis":
+        mirror = await run_mirror(args, url, mem, batches, queries, answers)
     out = {
         "backend": red.backend,
         "load_average_1m": round(os.getloadavg()[0], 2),
@@ -157,10 +161,55 @@ async def run(args: argparse.Namespace, url: str, used_memory: object) -> dict[s
         "lookup_p50_target_3x_met": r50 <= 3 * m50,
         "redis_bytes_per_entry": round((int(after) - int(before)) / st_red.entries, 1),
         "redis_round_trips": red.metrics.round_trips,
+        **mirror,
     }
     await mem.close()
     await red.close()
     return out
+
+
+async def run_mirror(args: argparse.Namespace, url: str, mem: MemoryIndex, batches: list[Any],
+                     queries: Sequence[list[BlockHash64]], answers: list[Any]) -> dict[str, object]:
+    """The same load into a second keyspace with the change feed on (a ``?mirror=1`` reader started
+    first), written by a plain client as another replica would; then the reader's lookups, which it
+    answers from its copy, against the memory backend's (interleaved, as above)."""
+    reader = RedisIndex.from_uri(url + "?mirror=1", key_prefix="bench-mirror")
+    writer = RedisIndex.from_uri(url, key_prefix="bench-mirror")
+    try:
+        assert await reader.mirror_ready()
+        fed_ingest = await ingest(writer, batches, args.concurrency)
+        copy = reader._mirror
+        assert copy is not None
+        t0 = time.perf_counter()
+        tag = reader._tags[0]
+        while copy.seq.get(tag, 0) < int(await writer._r.get(f"{tag}:feedseq") or 0):
+            await asyncio.sleep(0.001)
+        lag = time.perf_counter() - t0
+        for q, want in zip(queries[:50], answers, strict=True):
+            assert await reader.match(MODEL, q) == want
+        before = copy.lookups
+        (m50, m99), (r50, r99) = await lookups(mem, reader, queries)
+        assert copy.lookups > before, "lookups did not come from the copy"
+        size = sum(sys.getsizeof(d) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in d.items())
+                   for models in copy.inv.values() for d in models.values())
+        entries = sum(len(d) for models in copy.inv.values() for d in models.values())
+        return {
+            "mirror": {
+                "ingest_block_events_per_s_with_feed": round(fed_ingest),
+                "ingest_target_100k_met": fed_ingest >= 100_000,
+                "copy_caught_up_after_ingest_s": round(lag, 3),
+                "lookup_us": {"memory": {"p50": round(m50, 1), "p99": round(m99, 1)},
+                              "redis_mirror": {"p50": round(r50, 1), "p99": round(r99, 1)}},
+                "lookup_p50_ratio": round(r50 / m50, 2),
+                "lookup_p99_ratio": round(r99 / m99, 2),
+                "lookup_p50_target_3x_met": r50 <= 3 * m50,
+                "copy_bytes_per_block_est": round(size / max(1, entries), 1),
+                "feed_entries_applied": copy.entries_applied,
+            }
+        }
+    finally:
+        await reader.close()
+        await writer.close()
 
 
 def main() -> int:

@@ -812,8 +812,299 @@ done:
     return res;
 }
 
+PyDoc_STRVAR(holder_runs_doc,
+"holder_runs(copy: dict[int, bytes], hashes: list[int]) -> list[tuple[bytes, int]]\n\n"
+"The Redis mirror's lookup input: each hash's value in copy, up to the first hash copy lacks, as\n"
+"runs of equal consecutive values: (value, length). What itertools.groupby over the values gives,\n"
+"without a Python step per block.");
+
+static PyObject *
+holder_runs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyDict_Check(args[0]) || !(PyList_Check(args[1]) || PyTuple_Check(args[1]))) {
+        PyErr_SetString(PyExc_TypeError, "holder_runs(dict, list or tuple)");
+        return NULL;
+    }
+    PyObject *d = args[0];
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(args[1]);
+    PyObject **items = PySequence_Fast_ITEMS(args[1]);
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    PyObject *prev = NULL; /* borrowed from the dict: nothing runs Python code until it is used */
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i <= n; i++) {
+        PyObject *v = NULL;
+        if (i < n) {
+            v = PyDict_GetItemWithError(d, items[i]);
+            if (v == NULL && PyErr_Occurred()) {
+                Py_DECREF(out);
+                return NULL;
+            }
+        }
+        if (v != NULL && prev != NULL) {
+            int same = v == prev;
+            if (!same) {
+                same = PyObject_RichCompareBool(v, prev, Py_EQ);
+                if (same < 0) {
+                    Py_DECREF(out);
+                    return NULL;
+                }
+            }
+            if (same) {
+                count++;
+                continue;
+            }
+        }
+        if (prev != NULL) {
+            PyObject *run = Py_BuildValue("(On)", prev, count);
+            if (run == NULL || PyList_Append(out, run) < 0) {
+                Py_XDECREF(run);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(run);
+        }
+        if (v == NULL) {
+            break; /* the first block no one holds ends the walk */
+        }
+        prev = v;
+        count = 1;
+    }
+    return out;
+}
+
+PyDoc_STRVAR(mirror_walk_doc,
+"mirror_walk(copy: dict[int, bytes], hashes: list[int], live: dict[int, (model, node_id, rank)],\n"
+"            allowed: set[int] | None, cls: type[NodeMatch]) -> list[NodeMatch] | None\n\n"
+"The Redis lookup walk (kvcoord.index.redis._walk) over the mirror's copy, in one pass: each hash's\n"
+"holder string (5-byte records: location id u32 big-endian, tier mask u8, sorted by id) up to the\n"
+"first hash the copy lacks; the locations of the first block (live, and allowed when given) stay in\n"
+"the run while every following block lists them. Returns cls(node_id, rank, run, (GPU, CPU, STORAGE\n"
+"blocks)) per location of the first block, unsorted; None when a hash is not an int in [0, 2**64) or a holder string is\n"
+"not well formed (the caller's Python path then words the error or walks it).");
+
+typedef struct {
+    uint32_t id;
+    uint8_t mask;
+    uint8_t active;
+    Py_ssize_t run, t[3];
+} Loc;
+
+static int
+holders_ok(PyObject *v)
+{
+    return PyBytes_Check(v) && PyBytes_GET_SIZE(v) % 5 == 0;
+}
+
+static inline uint32_t
+rec_id(const uint8_t *p)
+{
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+/* Every item an int in [0, 2**64); 1, 0 (no), -1 (error). */
+static int
+all_u64(PyObject **items, Py_ssize_t from, Py_ssize_t n)
+{
+    for (Py_ssize_t i = from; i < n; i++) {
+        PyObject *o = items[i];
+        if (!PyLong_Check(o) || PyBool_Check(o)) {
+            return 0;
+        }
+        (void)PyLong_AsUnsignedLongLong(o);
+        if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                return -1;
+            }
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The last `seg` blocks had the same holders: count them for every location still in the run. */
+static void
+add_seg(Loc *locs, Py_ssize_t nlocs, Py_ssize_t seg)
+{
+    if (seg == 0) {
+        return;
+    }
+    for (Py_ssize_t k = 0; k < nlocs; k++) {
+        Loc *l = &locs[k];
+        if (l->active) {
+            l->run += seg;
+            l->t[(l->mask & 1) ? 0 : (l->mask & 2) ? 1 : 2] += seg;
+        }
+    }
+}
+
+static PyObject *
+mirror_walk(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyDict_Check(args[0]) || !(PyList_Check(args[1]) || PyTuple_Check(args[1])) ||
+        !PyDict_Check(args[2]) || !(args[3] == Py_None || PyAnySet_Check(args[3])) || !PyType_Check(args[4]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[4], &PyTuple_Type) ||
+        ((PyTypeObject *)args[4])->tp_dictoffset != 0) {
+        PyErr_SetString(PyExc_TypeError, "mirror_walk(dict, list, dict, set | None, NamedTuple class)");
+        return NULL;
+    }
+    PyTypeObject *cls = (PyTypeObject *)args[4];
+    PyObject *copy = args[0], *live = args[2], *allowed = args[3] == Py_None ? NULL : args[3];
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(args[1]);
+    PyObject **items = PySequence_Fast_ITEMS(args[1]);
+    Loc *locs = NULL;
+    Py_ssize_t nlocs = 0;
+    PyObject *prev = NULL, *out = NULL;
+    Py_ssize_t i = 0, seg = 0; /* seg: blocks since the holders last changed, not yet counted */
+    for (; i < n; i++) {
+        PyObject *h = items[i];
+        if (!PyLong_Check(h) || PyBool_Check(h)) {
+            goto decline; /* an int found in the copy is a valid hash: its keys all are */
+        }
+        PyObject *v = PyDict_GetItemWithError(copy, h);
+        if (v == NULL) {
+            if (PyErr_Occurred()) {
+                goto fail;
+            }
+            break;
+        }
+        if (v == prev || (prev != NULL && PyBytes_Check(v) && PyBytes_GET_SIZE(v) == PyBytes_GET_SIZE(prev) &&
+                          memcmp(PyBytes_AS_STRING(v), PyBytes_AS_STRING(prev), (size_t)PyBytes_GET_SIZE(v)) == 0)) {
+            seg++; /* the same holders as the block before: the run goes on as it is */
+            continue;
+        }
+        add_seg(locs, nlocs, seg);
+        seg = 0;
+        if (!holders_ok(v)) {
+            goto decline;
+        }
+        {
+            const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(v);
+            Py_ssize_t nr = PyBytes_GET_SIZE(v) / 5;
+            for (Py_ssize_t r = 1; r < nr; r++) {
+                if (rec_id(p + 5 * r) <= rec_id(p + 5 * (r - 1))) {
+                    goto decline; /* not sorted and unique: the Python walk handles it */
+                }
+            }
+            if (prev == NULL) {
+                locs = PyMem_Malloc((size_t)(nr > 0 ? nr : 1) * sizeof(Loc));
+                if (locs == NULL) {
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+                for (Py_ssize_t r = 0; r < nr; r++) {
+                    PyObject *id = PyLong_FromUnsignedLong(rec_id(p + 5 * r));
+                    if (id == NULL) {
+                        goto fail;
+                    }
+                    int keep = PyDict_Contains(live, id);
+                    if (keep > 0 && allowed != NULL) {
+                        keep = PySet_Contains(allowed, id);
+                    }
+                    Py_DECREF(id);
+                    if (keep < 0) {
+                        goto fail;
+                    }
+                    if (keep) {
+                        Loc *l = &locs[nlocs++];
+                        memset(l, 0, sizeof(*l));
+                        l->id = rec_id(p + 5 * r);
+                        l->mask = p[5 * r + 4];
+                        l->active = 1;
+                    }
+                }
+                if (nlocs == 0) {
+                    break;
+                }
+            } else {
+                /* the run goes on for the active locations this block lists (both sorted by id) */
+                Py_ssize_t r = 0, still = 0;
+                for (Py_ssize_t k = 0; k < nlocs; k++) {
+                    Loc *l = &locs[k];
+                    if (!l->active) {
+                        continue;
+                    }
+                    while (r < nr && rec_id(p + 5 * r) < l->id) {
+                        r++;
+                    }
+                    if (r < nr && rec_id(p + 5 * r) == l->id) {
+                        l->mask = p[5 * r + 4];
+                        still++;
+                    } else {
+                        l->active = 2; /* drops out: not counted from this block on */
+                    }
+                }
+                if (still == 0) {
+                    break; /* no location holds this block too: the walk stops here */
+                }
+                for (Py_ssize_t k = 0; k < nlocs; k++) {
+                    if (locs[k].active == 2) {
+                        locs[k].active = 0;
+                    }
+                }
+            }
+            prev = v;
+            seg = 1;
+        }
+    }
+    add_seg(locs, nlocs, seg);
+    {
+        int ok = all_u64(items, i, n); /* the hashes past the stop were not looked at yet */
+        if (ok < 0) {
+            goto fail;
+        }
+        if (!ok) {
+            goto decline;
+        }
+    }
+    out = PyList_New(nlocs);
+    if (out == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t k = 0; k < nlocs; k++) {
+        Loc *l = &locs[k];
+        PyObject *id = PyLong_FromUnsignedLong(l->id);
+        PyObject *where = id == NULL ? NULL : PyDict_GetItemWithError(live, id); /* (model, node, rank) */
+        Py_XDECREF(id);
+        if (where == NULL || !PyTuple_Check(where) || PyTuple_GET_SIZE(where) != 3) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "live location names must be (model, node_id, rank)");
+            }
+            Py_CLEAR(out);
+            goto fail;
+        }
+        PyObject *tiers = Py_BuildValue("(nnn)", l->t[0], l->t[1], l->t[2]);
+        PyObject *run = tiers == NULL ? NULL : PyLong_FromSsize_t(l->run);
+        PyObject *row = run == NULL ? NULL : cls->tp_alloc(cls, 4);
+        if (row == NULL) {
+            Py_XDECREF(tiers);
+            Py_XDECREF(run);
+            Py_CLEAR(out);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(row, 0, Py_NewRef(PyTuple_GET_ITEM(where, 1)));
+        PyTuple_SET_ITEM(row, 1, Py_NewRef(PyTuple_GET_ITEM(where, 2)));
+        PyTuple_SET_ITEM(row, 2, run);
+        PyTuple_SET_ITEM(row, 3, tiers);
+        PyList_SET_ITEM(out, k, row);
+    }
+    PyMem_Free(locs);
+    return out;
+decline:
+    PyMem_Free(locs);
+    Py_RETURN_NONE;
+fail:
+    PyMem_Free(locs);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"scan", scan, METH_O, scan_doc},
+    {"mirror_walk", (PyCFunction)(void (*)(void))mirror_walk, METH_FASTCALL, mirror_walk_doc},
+    {"holder_runs", (PyCFunction)(void (*)(void))holder_runs, METH_FASTCALL, holder_runs_doc},
     {"pack_uint64", pack_uint64, METH_O, pack_uint64_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -1,4 +1,7 @@
 from collections.abc import Sequence
+from typing import Any, TypeVar
+
+_Row = TypeVar("_Row", bound=tuple[Any, ...])
 
 STORE: int
 REMOVE: int
@@ -27,3 +30,12 @@ def scan(
 ): ...
 
 def pack_uint64(seq: object, /) -> bytes | None: ...
+def holder_runs(copy: dict[int, bytes], hashes: Sequence[int], /) -> list[tuple[bytes, int]]: ...
+def mirror_walk(
+    copy: dict[int, bytes],
+    hashes: Sequence[int],
+    live: dict[int, tuple[str, str, int]],
+    allowed: set[int] | None,
+    cls: type[_Row],
+    /,
+) -> list[_Row] | None: ...

@@ -31,6 +31,7 @@ INDEX_FACTORIES: dict[str, IndexFactory] = {
     # Other backends register here, one line each, e.g. "redis": _redis.
     "redis": redis_index_factory("redis_server"),
     "redis-cluster": redis_index_factory("redis_cluster"),
+    "redis-mirror": redis_index_factory("redis_server", "?mirror=1"),
 }
 
 

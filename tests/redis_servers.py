@@ -221,14 +221,18 @@ def redis_session_fixtures() -> tuple[Any, Any]:
     return _redis_server, _redis_cluster
 
 
-def redis_index_factory(fixture: str) -> Callable[[pytest.FixtureRequest], Awaitable[Index]]:
-    """An ``INDEX_FACTORIES`` entry: flush the session server (or cluster) and open a fresh RedisIndex."""
+def redis_index_factory(fixture: str, query: str = "") -> Callable[[pytest.FixtureRequest], Awaitable[Index]]:
+    """An ``INDEX_FACTORIES`` entry: flush the session server (or cluster) and open a fresh RedisIndex
+    (``query``: URI options, e.g. ``?mirror=1``)."""
 
     async def make(request: pytest.FixtureRequest) -> Index:
         from kvcoord.index.redis import RedisIndex
 
         target: RedisServer | RedisCluster = request.getfixturevalue(fixture)
         target.flushall()
-        return RedisIndex.from_uri(target.url, key_prefix="kvtest")
+        index = RedisIndex.from_uri(target.url + query, key_prefix="kvtest")
+        if "mirror=1" in query:
+            assert await index.mirror_ready(), "the Redis mirror did not load"
+        return index
 
     return make

@@ -37,14 +37,16 @@ STEADY = ("--model", MODEL, "--requests", "240", "--rate", "60", "--linger", "--
 class RedisCluster(Cluster):
     """The relay e2e trio with the coordinator on a real Redis."""
 
-    def __init__(self, tmp: Path, stack: contextlib.ExitStack, redis: RedisServer) -> None:
+    def __init__(self, tmp: Path, stack: contextlib.ExitStack, redis: RedisServer, options: str = "") -> None:
         super().__init__(tmp, stack)
         self.redis = redis
+        self.options = options
+        """Extra index URI options (``&mirror=1``: lookups answered from the change-fed copy)."""
 
     def start_serve(self) -> None:
         self.serve = self._start("serve", kvcoord_cmd(
             "serve", "--listen", f"127.0.0.1:{self.grpc}", "--metrics-listen", f"127.0.0.1:{self.metrics}",
-            "--index", f"{self.redis.url}?timeout=1"))
+            "--index", f"{self.redis.url}?timeout=1{self.options}"))
         wait_for_port(self.grpc)
 
     def start_steady_engine(self, seed: int) -> None:
@@ -88,12 +90,12 @@ class RedisCluster(Cluster):
         return self.link()["batches_sent"] if read_json(self.agent_stats) is not None else 0
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+@pytest.fixture(params=["", "&mirror=1"], ids=["redis", "redis-mirror"])
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RedisCluster]:
     redis = start_server()
     try:
         with contextlib.ExitStack() as stack:
-            yield RedisCluster(tmp_path, stack, redis)
+            yield RedisCluster(tmp_path, stack, redis, request.param)
     finally:
         with contextlib.suppress(ProcessLookupError):
             if redis.proc is not None:

@@ -31,17 +31,20 @@ TOKENS = list(range(100, 100 + 12 * BS))
 OTHER = list(range(900, 900 + 6 * BS))
 
 
-@pytest.fixture
-def replicas(tmp_path: Path) -> Iterator[tuple[str, str]]:
+@pytest.fixture(params=["", "&mirror=1"], ids=["redis", "redis-mirror"])
+def replicas(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """Two replicas on one Redis; with ``mirror=1`` each answers lookups from its copy of the index,
+    so B learns A's writes only through Redis's change feed."""
     with redis_server() as redis, contextlib.ExitStack() as stack:
-        addrs = [_serve(stack, redis, tmp_path, name) for name in ("a", "b")]
+        addrs = [_serve(stack, redis, tmp_path, name, request.param) for name in ("a", "b")]
         yield addrs[0], addrs[1]
 
 
-def _serve(stack: contextlib.ExitStack, redis: RedisServer, tmp: Path, name: str) -> str:
+def _serve(stack: contextlib.ExitStack, redis: RedisServer, tmp: Path, name: str, options: str) -> str:
     port = free_port()
     stack.enter_context(running(kvcoord_cmd(
-        "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "", "--index", f"{redis.url}?timeout=2",
+        "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "", "--index",
+        f"{redis.url}?timeout=2{options}",
         "--lease-seconds", str(LEASE), "--model", f"{MODEL},algo=sha256_cbor,block_size={BS},seed=7",
     ), log=tmp / f"serve-{name}.log"))
     wait_for_port(port)

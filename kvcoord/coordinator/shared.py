@@ -123,7 +123,7 @@ end
 return 1
 """
 
-_OPTIONS = ("buckets", "timeout", "prefix")
+_OPTIONS = ("buckets", "timeout", "prefix", "mirror")
 """Query parameters of an index URI that belong to RedisIndex, not to the connection."""
 
 

@@ -74,6 +74,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import operator
 import struct
 import time
 import uuid
@@ -81,7 +82,7 @@ import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import hiredis
@@ -106,6 +107,8 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _DISTINCT_LIMIT = 2_000_000
 """Summed entries past which the exact distinct-block count gives up and reports the sum (a bound)."""
+FEED_MAX_ENTRIES = 20_000
+"""Entries a bucket's change feed keeps (``XADD MAXLEN ~``): a mirror further behind than this reloads."""
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """Upper bounds (seconds) of the round-trip latency histogram in :class:`RedisMetrics`."""
 
@@ -179,6 +182,34 @@ local function holders_set(s, id, m)
   if m == 0 then return s end
   return sub(s, 1, p - 1) .. key .. char(m) .. sub(s, p)
 end
+-- The change feed (only while T:feedon exists, i.e. a client mirrors this bucket): every holder
+-- string this call set or deleted, and whether T:name changed, as one XADD to T:feed at the end of the
+-- call (so the feed's order is the order of the changes). Entry fields: 's' the feed's sequence
+-- number (T:feedseq, consecutive: a reader detects what it missed), 'n' if T:name changed, and per
+-- inverted hash 'i<model>' -> records (8-byte hash, u32 length, holder string; length 0 deletes).
+local FEED = call('EXISTS', tag .. ':feedon') == 1
+local feed_keys, feed_recs, feed_names = {}, {}, false
+local function feed_inv(inv, h, s)
+  if not FEED then return end
+  local t = feed_recs[inv]
+  if not t then t = {}; feed_recs[inv] = t; feed_keys[#feed_keys + 1] = inv end
+  t[#t + 1] = h .. spack('>I4', s and #s or 0) .. (s or '')
+end
+local function feed_flush()
+  if not FEED or (#feed_keys == 0 and not feed_names) then return 0 end
+  local seq = call('INCR', tag .. ':feedseq')
+  local args = {tag .. ':feed', 'MAXLEN', '~', 'FEED_MAX', '*', 's', seq}
+  if feed_names then args[#args + 1] = 'n'; args[#args + 1] = '1' end
+  local skip = #tag + 6  -- '<tag>:inv:' prefix of the inverted hash's key
+  for k = 1, #feed_keys do
+    local inv = feed_keys[k]
+    args[#args + 1] = 'i' .. sub(inv, skip)
+    args[#args + 1] = table.concat(feed_recs[inv])
+  end
+  call('XADD', unpack(args))
+  feed_keys, feed_recs, feed_names = {}, {}, false
+  return seq
+end
 -- HMGET / HSET / HDEL in slices (Lua's unpack is bounded by the C stack)
 local function mget(key, fields, out)
   local n = #fields
@@ -192,24 +223,27 @@ local function mget(key, fields, out)
     for j = 1, #part do out[i + j - 1] = part[j] end
   end
 end
-local function flush_hash(key, order, final)
+local function flush_hash(key, order, final, feed_it)
   local sets, dels = {}, {}
   for k = 1, #order do
     local h = order[k]
     local v = final[h]
     if v then sets[#sets + 1] = h; sets[#sets + 1] = v else dels[#dels + 1] = h end
+    if feed_it then feed_inv(key, h, v) end
   end
   for i = 1, #sets, 1000 do call('HSET', key, unpack(sets, i, min(i + 999, #sets))) end
   for i = 1, #dels, 1000 do call('HDEL', key, unpack(dels, i, min(i + 999, #dels))) end
 end
 local function put_holders(inv, h, s)
   if s then call('HSET', inv, h, s) else call('HDEL', inv, h) end
+  feed_inv(inv, h, s)
 end
 -- T:name changed: a new version token (a counter plus the server time, so that a Redis restarted
 -- empty never repeats a token a client cached), which lookups compare to their cached id -> name map
 local function bump()
   local t = call('TIME')
   call('SET', tag .. ':ver', call('INCR', tag .. ':vn') .. ':' .. t[1] .. '.' .. t[2])
+  feed_names = true
 end
 -- retire a location id: invisible to readers at once, entries reclaimed later from T:dead
 local function retire(id, lf, node)
@@ -223,7 +257,7 @@ local function retire(id, lf, node)
   call('RPUSH', tag .. ':dead', id .. ':' .. lf)
   return (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
 end
-"""
+""".replace("FEED_MAX", str(FEED_MAX_ENTRIES))
 
 # ARGV: tag, then one or more batches, each: location name, node, mode ('A' apply to the live location,
 # or a pending id to fill), op count, then (op, blob) pairs: 'S<tier>' store, 'R<tier>' or
@@ -304,8 +338,8 @@ local function apply_batch(a)
         changed = changed + 1
       end
     end
-    flush_hash(fwd, order, ff)
-    flush_hash(inv, order, fi)
+    flush_hash(fwd, order, ff, false)
+    flush_hash(inv, order, fi, true)
     return changed, noop
   end
   for o = a + 4, last, 2 do
@@ -359,6 +393,7 @@ local function apply_batch(a)
 end
 a = 2
 while a <= #ARGV do a = apply_batch(a) end
+if FEED then out[#out + 1] = feed_flush() end  -- the feed seq of these changes (0: none), last
 return out
 """
 
@@ -380,6 +415,7 @@ redis.call('HDEL', tag .. ':pend', id)
 redis.call('HSET', tag .. ':loc', lf, id)
 redis.call('HSET', tag .. ':name', id, lf)
 bump()
+feed_flush()
 return 1
 """
 
@@ -387,7 +423,9 @@ return 1
 _LUA_CLEAR = _LUA_COMMON + r"""
 local id = redis.call('HGET', tag .. ':loc', ARGV[2])
 if not id then return 0 end
-return retire(id, ARGV[2], ARGV[3])
+local n = retire(id, ARGV[2], ARGV[3])
+feed_flush()
+return n
 """
 
 # ARGV: tag, node. Retires every location (all models, ranks, pending fills) of one node.
@@ -400,6 +438,7 @@ for i = 1, #ids do
 end
 redis.call('DEL', key)
 redis.call('DEL', tag .. ':skip:' .. ARGV[2])
+feed_flush()
 return #ids
 """
 
@@ -432,6 +471,7 @@ if r[1] == '0' then
 else
   redis.call('HSET', tag .. ':cur', id, r[1])
 end
+feed_flush()
 return {done, redis.call('LLEN', dead)}
 """
 
@@ -785,15 +825,17 @@ class _Names:
 
 def _walk(holders: list[bytes | None], names: _Names, allowed: set[int] | None) -> list[NodeMatch]:
     """The lookup script's walk over one bucket's holder strings (``None`` = no holder: the walk stops)."""
-    try:
-        stop = holders.index(None)
-    except ValueError:
-        stop = len(holders)
+    return _walk_runs(_runs_of(holders), names, allowed)
+
+
+def _walk_runs(
+    holder_runs: Iterable[tuple[bytes, int]], names: _Names, allowed: set[int] | None
+) -> list[NodeMatch]:
+    """``_walk`` over runs ``(holder string, consecutive blocks holding it)``, up to the stop."""
     live = names.by_id
     cur: dict[int, int] | None = None
     runs: dict[int, list[int]] = {}
-    for v, same in itertools.groupby(itertools.islice(holders, stop)):
-        assert v is not None
+    for v, seg in holder_runs:
         nxt = {
             lid: m
             for lid, m in _HOLDER.iter_unpack(v)
@@ -801,7 +843,6 @@ def _walk(holders: list[bytes | None], names: _Names, allowed: set[int] | None) 
         }
         if not nxt:
             break
-        seg = len(list(same))
         for lid, m in nxt.items():
             r = runs.get(lid)
             if r is None:
@@ -814,6 +855,29 @@ def _walk(holders: list[bytes | None], names: _Names, allowed: set[int] | None) 
         _, node_id, rank = live[lid]
         out.append(NodeMatch(node_id, rank, run, (g, c, st)))
     return out
+
+
+def _py_holder_runs(copy: dict[int, bytes], hashes: Sequence[int]) -> list[tuple[bytes, int]]:
+    """``kvcoord._wirescan.holder_runs`` in Python (no C extension built)."""
+    get = copy.get
+    return _runs_of([get(h) for h in hashes])
+
+
+def _runs_of(holders: list[bytes | None]) -> list[tuple[bytes, int]]:
+    """Runs of equal consecutive holder strings, up to the first block no one holds."""
+    try:
+        stop = holders.index(None)
+    except ValueError:
+        stop = len(holders)
+    groups = itertools.groupby(cast("list[bytes]", holders[:stop]))
+    return [(v, len(list(same))) for v, same in groups]
+
+
+_holder_runs = _py_holder_runs
+try:
+    from kvcoord._wirescan import mirror_walk as _mirror_walk
+except ImportError:  # pragma: no cover - built whenever a compiler is present (CI requires it)
+    _mirror_walk = None  # type: ignore[assignment]
 
 
 def _pack(hashes: Sequence[int]) -> bytes:
@@ -874,6 +938,255 @@ def _is_connection_error(e: BaseException) -> bool:
     ) or (isinstance(e, rexc.RedisClusterException) and "connect" in str(e).lower())
 
 
+class _FeedGap(Exception):
+    """The mirror missed feed entries (trimmed, or Redis lost the feed): it must reload."""
+
+
+_FEED_REC = struct.Struct(">QI")
+_BY_NODE = operator.itemgetter(0, 1)
+_BY_BLOCKS = operator.itemgetter(2)
+
+
+class _Mirror:
+    """This client's copy of every bucket's inverted hashes and live location names, kept current
+    from the buckets' change feeds (``T:feed``), so that lookups walk memory instead of Redis.
+
+    Why: a 512-block lookup costs Redis itself ~0.1-0.25 ms of HMGET however it is walked; the copy
+    answers with the same walk (``_walk``) in tens of microseconds. Redis stays the shared, durable
+    index and the order of changes: each write script appends the holder strings it set to its
+    bucket's feed in the same atomic call, so replaying the feed in order reproduces Redis's state.
+
+    Loading: set ``T:feedon`` (from then on every writer, of any replica, feeds), note the feed's last
+    entry, copy ``T:name`` and the inverted hashes (HSCAN), then replay the feed from the noted entry.
+    Entries replayed over newer copied values converge, because each sets fields to absolute values
+    and the last entry touching a field wins. A missed entry (sequence gap: the feed was trimmed past
+    a slow reader, or Redis restarted) or a lost connection means a reload; until loaded, ``ready`` is
+    false and lookups take the Redis path. Standalone Redis only (a Cluster's feeds live on several
+    shards, which one XREAD cannot read).
+    """
+
+    def __init__(self, index: RedisIndex) -> None:
+        self._ix = index
+        self.ready = False
+        """The copy is loaded: lookups may use it."""
+        self.active = False
+        """Loading or following the feed (not failed, not stopped)."""
+        self.inv: dict[str, dict[str, dict[int, bytes]]] = {}
+        """Per bucket tag, per model: block hash -> holder string, as in ``T:inv:<model>``."""
+        self.names: dict[str, _Names] = {}
+        self._last_id: dict[str, bytes] = {}
+        self.seq: dict[str, int] = {}
+        """Per bucket tag: the feed sequence number applied last."""
+        self._waiters: list[tuple[str, int, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None
+        self.loads = 0
+        self.entries_applied = 0
+        self.lookups = 0
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-mirror")
+
+    async def close(self, timeout: float = 1.0) -> None:
+        """Stop following the feed. Bounded: a read cancelled on a dying connection can wait on
+        redis-py's cleanup until the client's pool is closed (the index closes it next)."""
+        task, self._task = self._task, None
+        self.ready = self.active = False
+        self._fail_waiters()
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=timeout)
+            self._stopping = task
+
+    async def reap(self, timeout: float = 1.0) -> None:
+        """After the client's pool closed: wait for a stop that ``close`` left pending."""
+        task, self._stopping = self._stopping, None
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=timeout)
+        if task is not None and task.done() and not task.cancelled():
+            task.exception()  # retrieved: it ended with the connection
+
+    async def caught_up(self, tag: str, seq: int, timeout: float = 2.0) -> None:
+        """Until the copy holds the feed through ``seq`` (a write's own), so that this client's next
+        lookup sees the write. Returns at once while the copy is down (lookups then use Redis, which
+        has the write). A copy stuck for ``timeout`` is reloaded."""
+        if not self.active or self.seq.get(tag, 0) >= seq:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((tag, seq, fut))
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            log.warning("redis mirror: feed entry %d of %s unseen after %.1fs; reloading", seq, tag, timeout)
+            if self._task is not None:
+                self._task.cancel()
+                self._task = None
+            self.ready = self.active = False
+            self._fail_waiters()
+            self.start()
+
+    def _release(self) -> None:
+        if not self._waiters:
+            return
+        keep = []
+        for tag, seq, fut in self._waiters:
+            if self.seq.get(tag, 0) >= seq:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((tag, seq, fut))
+        self._waiters = keep
+
+    def _fail_waiters(self) -> None:
+        """Not ready: nobody waits for the copy (lookups go to Redis)."""
+        for _, _, fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters = []
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            failed = False
+            try:
+                self.active = True  # loading or following: writers wait for their entries
+                await self._load()
+                backoff = 0.05
+                await self._follow()
+            except _FeedGap as e:
+                log.warning("redis mirror: %s; reloading", e)
+            except Exception as e:  # Redis away: lookups take the Redis path (and report it) meanwhile
+                if self.ready or backoff == 0.05:
+                    log.info("redis mirror: %s; reloading when Redis answers", e)
+                failed = True
+            finally:
+                self.ready = self.active = False
+                self._fail_waiters()
+            if failed:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def _load(self) -> None:
+        r = self._ix._r
+        self.loads += 1
+        inv: dict[str, dict[str, dict[int, bytes]]] = {}
+        for tag in self._ix._tags:
+            await r.set(f"{tag}:feedon", b"1")
+            last: Any = await r.xrevrange(f"{tag}:feed", count=1)
+            if last:
+                self._last_id[tag] = last[0][0]
+                self.seq[tag] = int(last[0][1][b"s"])
+            else:
+                self._last_id[tag] = b"0-0"
+                self.seq[tag] = int(await r.get(f"{tag}:feedseq") or 0)
+            await self._load_names(tag)
+            models: dict[str, dict[int, bytes]] = {}
+            prefix = f"{tag}:inv:".encode()
+            async for key in r.scan_iter(match=_glob_escape(prefix) + b"*", count=1000):
+                copy = models[key[len(prefix) :].decode()] = {}
+                async for h, v in r.hscan_iter(key, count=10_000):
+                    copy[int.from_bytes(h, "big")] = v
+            inv[tag] = models
+        self.inv = inv
+        self.ready = True
+        self._release()
+
+    async def _load_names(self, tag: str) -> None:
+        r = self._ix._r
+        pipe = r.pipeline(transaction=True)
+        pipe.get(f"{tag}:ver")
+        pipe.hgetall(f"{tag}:name")
+        ver, flat = await pipe.execute()
+        self.names[tag] = _Names(ver or b"", [x for kv in flat.items() for x in kv])
+
+    async def _follow(self) -> None:
+        r = self._ix._r
+        while True:
+            streams: dict[Any, Any] = {f"{tag}:feed": self._last_id[tag] for tag in self._ix._tags}
+            got: Any = await r.xread(streams, count=1000, block=250) or []
+            for key, entries in got:
+                tag = bytes(key).decode()[: -len(":feed")]
+                for entry_id, fields in entries:
+                    await self._apply(tag, entry_id, fields)
+            self._release()
+            if not got:
+                # Idle: a Redis that lost its data (FLUSHALL, a restart we did not see) lost T:feedon
+                # too, and its writers no longer feed: reload rather than serve the old copy.
+                for tag in self._ix._tags:
+                    if not await r.exists(f"{tag}:feedon"):
+                        raise _FeedGap(f"{tag}:feedon is gone (Redis lost its data)")
+
+    async def _apply(self, tag: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        seq = int(fields[b"s"])
+        if seq != self.seq[tag] + 1:
+            raise _FeedGap(f"feed of {tag} jumped from entry {self.seq[tag]} to {seq}")
+        models = self.inv[tag]
+        rec = _FEED_REC
+        for f, blob in fields.items():
+            if f[:1] != b"i":
+                continue
+            copy = models.get(f[1:].decode())
+            if copy is None:
+                copy = models[f[1:].decode()] = {}
+            p, n = 0, len(blob)
+            while p < n:
+                h, ln = rec.unpack_from(blob, p)
+                p += 12
+                if ln:
+                    copy[h] = blob[p : p + ln]
+                    p += ln
+                else:
+                    copy.pop(h, None)
+        if b"n" in fields:
+            await self._load_names(tag)
+        self.seq[tag] = seq
+        self._last_id[tag] = entry_id
+        self.entries_applied += 1
+
+    def match(
+        self, model: str, hashes: Sequence[BlockHash64], want: dict[int, set[bytes]] | None
+    ) -> list[NodeMatch]:
+        """``RedisIndex.match`` on the copy (``want``: candidate location names per bucket)."""
+        self.lookups += 1
+        out: list[NodeMatch] = []
+        tags = self._ix._tags
+        buckets = sorted(want) if want is not None else range(len(tags))
+        for b in buckets:
+            tag = tags[b]
+            copy = self.inv[tag].get(model)
+            names = self.names.get(tag)
+            if not copy or names is None:
+                continue
+            allowed = None
+            if want is not None:
+                allowed = {i for n in want[b] if (i := names.by_name.get(n)) is not None}
+                if not allowed:
+                    continue
+            walk = _mirror_walk
+            found = walk(copy, hashes, names.by_id, allowed, NodeMatch) if walk is not None else None
+            if found is None:  # no C walk, or input it leaves to Python: the same errors, the same walk
+                try:
+                    _pack(hashes)
+                except struct.error as e:
+                    raise ValueError(f"query hashes must be uint64 ints: {e}") from e
+                found = _walk_runs(_holder_runs(copy, hashes), names, allowed)
+            out.extend(found)
+        out.sort(key=_BY_NODE)  # stable sorts: most blocks first, then by (node_id, dp_rank)
+        out.sort(key=_BY_BLOCKS, reverse=True)
+        return out
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    """``raw`` as a literal in a SCAN MATCH pattern (bucket tags hold braces, which are literals)."""
+    out = bytearray()
+    for c in raw:
+        if c in b"*?[]\\":
+            out += b"\\"
+        out.append(c)
+    return bytes(out)
+
+
 class RedisIndex:
     """The :class:`~kvcoord.index.base.Index` protocol on Redis (``backend='redis'``) or Redis Cluster."""
 
@@ -884,6 +1197,7 @@ class RedisIndex:
         key_prefix: str = "kvcoord",
         buckets: int | None = None,
         reclaim_interval: float = 5.0,
+        mirror: bool = False,
     ) -> None:
         self._r = client
         self._cluster = isinstance(client, RedisCluster)
@@ -911,6 +1225,10 @@ class RedisIndex:
         """Retirements this client made, and how many of them a finished reclaim pass has covered."""
         self._names: dict[str, _Names] = {}
         """Per bucket tag: ``T:name`` as of a ``T:ver`` (the fast lookup path's cache)."""
+        if mirror and self._cluster:
+            raise ValueError("mirror=1 needs a standalone Redis (a Cluster's feeds live on many shards)")
+        self._mirror = _Mirror(self) if mirror else None
+        """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
 
     # ------------------------------------------------------------------------------------ opening
 
@@ -919,11 +1237,16 @@ class RedisIndex:
         """``redis://host:port/db`` (also ``rediss://``, ``unix://``) or ``redis+cluster://h:p,h:p``.
 
         Query parameters read here: ``buckets`` (see the module docstring), ``timeout`` (socket
-        timeout in seconds, default 5), ``prefix`` (overrides ``key_prefix``). Does not connect.
+        timeout in seconds, default 5), ``prefix`` (overrides ``key_prefix``), ``mirror`` (``1``:
+        answer lookups from an in-memory copy kept current by Redis's change feed; standalone Redis
+        only; see :class:`_Mirror`). Does not connect.
         """
         parts = urlsplit(uri)
         query = dict(parse_qsl(parts.query))
         buckets = int(query.pop("buckets")) if "buckets" in query else None
+        mirror = query.pop("mirror", "0")
+        if mirror not in ("0", "1"):
+            raise ValueError(f"mirror must be 0 or 1, not {mirror!r}")
         timeout = float(query.pop("timeout", "5"))
         key_prefix = query.pop("prefix", key_prefix)
         common: dict[str, Any] = {
@@ -948,7 +1271,7 @@ class RedisIndex:
         else:
             rest = urlunsplit(parts._replace(query=urlencode(query)))
             client = aredis.Redis.from_url(rest, **common)
-        return cls(client, key_prefix=key_prefix, buckets=buckets)
+        return cls(client, key_prefix=key_prefix, buckets=buckets, mirror=mirror == "1")
 
     def bucket_of(self, node_id: str) -> int:
         """The bucket (hence hash tag, slot and shard) holding every key of ``node_id``."""
@@ -1002,7 +1325,8 @@ class RedisIndex:
         return await self._rt(go)
 
     async def _write(self, bucket: int, batch: list[object], blocks: int) -> list[int]:
-        """Queue one batch's write-script arguments for ``bucket``; returns its 6 counts once applied.
+        """Queue one batch's write-script arguments for ``bucket``; returns its 6 counts once applied,
+        and the change feed's sequence number of the call (0 when the feed is off).
 
         Batches that arrive while the bucket's previous write call is in flight are coalesced into
         the next call (one EVALSHA for many nodes' batches): Redis's per-call cost is paid once, and
@@ -1044,9 +1368,10 @@ class RedisIndex:
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 continue
+            seq = int(flat[6 * len(taken)]) if len(flat) > 6 * len(taken) else 0  # the feed's, if on
             for k, fut in enumerate(taken):
                 if not fut.done():
-                    fut.set_result([int(x) for x in flat[6 * k : 6 * k + 6]])
+                    fut.set_result([int(x) for x in flat[6 * k : 6 * k + 6]] + [seq])
 
     async def _eval_many(self, script: _Script, calls: list[tuple[str, list[object]]]) -> list[Any]:
         """Run ``script`` on several buckets in one pipeline (per shard, in parallel, on a Cluster)."""
@@ -1114,9 +1439,10 @@ class RedisIndex:
             batch.append(op)
             batch.append(blob)
             blocks += len(blob) >> 3
-        new, _dup, removed, unknown, cleared, skipped_removals = await self._write(
-            self.bucket_of(node_id), batch, blocks
-        )
+        bucket = self.bucket_of(node_id)
+        new, _dup, removed, unknown, cleared, skipped_removals, seq = await self._write(bucket, batch, blocks)
+        if self._mirror is not None and seq:
+            await self._mirror.caught_up(self._tags[bucket], seq)  # read-your-writes on this replica
         result.stored = int(new)
         result.skipped_group += int(skipped_removals)
         result.removed = int(removed)
@@ -1134,6 +1460,18 @@ class RedisIndex:
     ) -> list[NodeMatch]:
         if not hashes:
             return []
+        mirror = self._mirror
+        if mirror is not None:
+            mirror.start()
+            if mirror.ready and (_mirror_walk is not None or validate.fast_u64_ok(hashes)):
+                want: dict[int, set[bytes]] | None = None
+                if candidates is not None:
+                    want = {}
+                    for node_id, rank in candidates:
+                        want.setdefault(self.bucket_of(node_id), set()).add(
+                            _loc_name(model, node_id, rank).encode()
+                        )
+                return mirror.match(model, hashes, want)
         try:
             blob = _pack(hashes)
         except struct.error as e:
@@ -1225,10 +1563,22 @@ class RedisIndex:
         validate.check_target(model, node_id, dp_rank)
         if await self._eval(_CLEAR, self.tag_of(node_id), _loc_name(model, node_id, dp_rank), node_id):
             self._wake_reclaimer()
+        await self._mirror_sync(self.tag_of(node_id))
 
     async def remove_node(self, node_id: str) -> None:
         if await self._eval(_REMOVE_NODE, self.tag_of(node_id), node_id):
             self._wake_reclaimer()
+        await self._mirror_sync(self.tag_of(node_id))
+
+    async def _mirror_sync(self, tag: str) -> None:
+        """Read-your-writes for a change whose feed seq the script did not return: wait for the copy
+        to reach the feed's current end."""
+        mirror = self._mirror
+        if mirror is None or not mirror.ready:
+            return
+        seq = await self._rt(lambda: self._r.get(f"{tag}:feedseq"))
+        if seq:
+            await mirror.caught_up(tag, int(seq))
 
     async def export_node(self, model: str, node_id: str, dp_rank: int) -> list[SnapshotEntry]:
         validate.check_target(model, node_id, dp_rank)
@@ -1274,6 +1624,7 @@ class RedisIndex:
                 await self._eval(_REMOVE_PENDING_BY_NODE, tag, lf, node_id, str(pending))
             raise
         self._wake_reclaimer()
+        await self._mirror_sync(tag)
         if not committed:
             log.info("replace_node %s/%s/%d lost to a concurrent remove_node", model, node_id, dp_rank)
 
@@ -1360,7 +1711,20 @@ class RedisIndex:
         async for h, _ in self._r.hscan_iter(key, count=10_000):
             into.add(h)
 
+    async def mirror_ready(self, timeout: float = 10.0) -> bool:
+        """Start the lookup mirror (``?mirror=1``) if not running, and wait until it is loaded."""
+        mirror = self._mirror
+        if mirror is None:
+            return False
+        mirror.start()
+        deadline = time.monotonic() + timeout
+        while not mirror.ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        return mirror.ready
+
     async def ping(self) -> bool:
+        if self._mirror is not None:
+            self._mirror.start()  # the coordinator pings at start: load the copy before lookups come
         try:
             if self._cluster:
                 await asyncio.wait_for(self._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
@@ -1391,6 +1755,8 @@ class RedisIndex:
 
     async def close(self) -> None:
         self._closed = True
+        if self._mirror is not None:
+            await self._mirror.close()
         for wtask in self._wq_tasks:
             if wtask is not None and not wtask.done():
                 with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
@@ -1415,6 +1781,8 @@ class RedisIndex:
             self._fast.close()
         with contextlib.suppress(Exception):
             await self._r.aclose()
+        if self._mirror is not None:
+            await self._mirror.reap()
 
     # ------------------------------------------------------------------------------------- reclaim
 
@@ -1464,6 +1832,7 @@ _REMOVE_PENDING_BY_NODE = _Script(
     _LUA_COMMON
     + r"""
 if redis.call('HEXISTS', tag .. ':pend', ARGV[4]) == 1 then retire(ARGV[4], ARGV[2], ARGV[3]) end
+feed_flush()
 return 1
 """
 )
