@@ -144,6 +144,13 @@ def test_redis_killed_and_restarted_empty(cluster: RedisCluster) -> None:
         'kvcoord_index_round_trip_seconds_count{backend="redis"}']
     assert m['kvcoord_index_up{backend="redis"}'] == 1
     assert m['kvcoord_snapshots_requested_total{reason="index_reset"}'] >= 1
+    if "mirror=1" in c.options:  # the copy reloaded after the restart, and answered the checker's lookups
+        assert m["kvcoord_index_mirror_loads_total"] >= 2
+        assert m["kvcoord_index_mirror_ready"] == 1
+        assert m["kvcoord_index_mirror_lookups_total"] > 0
+        assert m["kvcoord_index_mirror_feed_entries_total"] > 0
+    else:
+        assert "kvcoord_index_mirror_ready" not in m
 
 
 def test_redis_paused_and_resumed_intact(cluster: RedisCluster) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
@@ -67,6 +67,21 @@ class IndexBackendCollector(Collector):
             )
             reclaimed.add_metric([self._backend], float(m.reclaimed_entries))
             out.append(reclaimed)
+        mirror = getattr(m, "mirror", None)
+        if mirror is not None:
+            ready = GaugeMetricFamily(
+                "kvcoord_index_mirror_ready", "1 while lookups are answered from the index's in-memory copy"
+            )
+            ready.add_metric([], 1.0 if mirror.ready else 0.0)
+            loads = CounterMetricFamily(
+                "kvcoord_index_mirror_loads", "Full loads of the copy (start, missed feed entries, restarts)"
+            )
+            loads.add_metric([], float(mirror.loads))
+            entries = CounterMetricFamily("kvcoord_index_mirror_feed_entries", "Change-feed entries replayed")
+            entries.add_metric([], float(mirror.entries_applied))
+            lookups = CounterMetricFamily("kvcoord_index_mirror_lookups", "Lookups answered from the copy")
+            lookups.add_metric([], float(mirror.lookups))
+            out += [ready, loads, entries, lookups]
         return out
 
 

@@ -60,6 +60,14 @@ background task reclaims a dead id's entries in chunks by HSCAN over its own ``T
 re-added node gets fresh ids, so old entries never resurrect. ``replace_node`` fills a pending id that
 readers cannot see, then swaps it in with one script.
 
+Lookup mirror (``?mirror=1``, standalone Redis): while a bucket's ``T:feedon`` exists, every write script
+also appends the holder strings it set (and whether ``T:name`` changed) to the bucket's stream ``T:feed``,
+in the same atomic call, numbered by ``T:feedseq``. A mirroring client copies ``T:name`` and the inverted
+hashes once, then replays the feed, and walks its copy for lookups (in C when built): no round trip, no
+per-block Redis work. The copy is eventually consistent with Redis (a feed entry arrives within a
+millisecond or so), and a client's own writes are visible to its next lookup (``apply`` waits for its
+entry). See :class:`_Mirror` for loading, gaps and outages.
+
 Entries are only ever lost if Redis loses them: run Redis with ``maxmemory-policy noeviction`` (an
 evicted ``T:inv`` field would silently hide a block that a node still holds; with ``noeviction`` a
 full Redis rejects writes, the coordinator sees the error, keeps the agents' batches unacked and
@@ -134,6 +142,8 @@ class RedisMetrics:
     reclaimed_entries: int = 0
     """(block, location) pairs of retired locations dropped by reclaim (any tiers count once)."""
     up: bool = True
+    mirror: Any = None
+    """The lookup mirror (``ready``, ``loads``, ``entries_applied``, ``lookups``), or None."""
 
     def observe(self, seconds: float) -> None:
         self.round_trips += 1
@@ -1228,6 +1238,7 @@ class RedisIndex:
         if mirror and self._cluster:
             raise ValueError("mirror=1 needs a standalone Redis (a Cluster's feeds live on many shards)")
         self._mirror = _Mirror(self) if mirror else None
+        self.metrics.mirror = self._mirror
         """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
 
     # ------------------------------------------------------------------------------------ opening
