@@ -115,8 +115,10 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _DISTINCT_LIMIT = 2_000_000
 """Summed entries past which the exact distinct-block count gives up and reports the sum (a bound)."""
-FEED_MAX_ENTRIES = 20_000
-"""Entries a bucket's change feed keeps (``XADD MAXLEN ~``): a mirror further behind than this reloads."""
+FEED_MAX_ENTRIES = 1_000
+"""Entries a bucket's change feed keeps (``XADD MAXLEN ~``): a mirror further behind than this reloads.
+An entry is one write call: ~40 bytes per changed block, up to ``_WRITE_COALESCE_BLOCKS`` blocks (so a
+few MB typically, 80 MB at most); a mirror replays ~1M blocks/s, several times Redis's write rate."""
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """Upper bounds (seconds) of the round-trip latency histogram in :class:`RedisMetrics`."""
 
