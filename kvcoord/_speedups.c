@@ -188,8 +188,173 @@ done:
     return out;
 }
 
+/* pickle protocol 5 of one non-negative int, exactly as CPython's _pickle writes it (save_long). */
+static Py_ssize_t
+pickle_uint(unsigned char *p, uint64_t v)
+{
+    if (v < 0x100) {
+        p[0] = 'K'; /* BININT1 */
+        p[1] = (unsigned char)v;
+        return 2;
+    }
+    if (v < 0x10000) {
+        p[0] = 'M'; /* BININT2 */
+        p[1] = (unsigned char)v;
+        p[2] = (unsigned char)(v >> 8);
+        return 3;
+    }
+    if (v <= 0x7fffffffULL) {
+        p[0] = 'J'; /* BININT: 4-byte signed */
+        for (int i = 0; i < 4; i++) {
+            p[1 + i] = (unsigned char)(v >> (8 * i));
+        }
+        return 5;
+    }
+    /* LONG1: little-endian two's complement in bit_length // 8 + 1 bytes (a zero top byte keeps the
+     * sign positive) */
+    int nbits = 64 - __builtin_clzll(v);
+    int n = nbits / 8 + 1;
+    p[0] = 0x8a;
+    p[1] = (unsigned char)n;
+    for (int i = 0; i < n; i++) {
+        p[2 + i] = i < 8 ? (unsigned char)(v >> (8 * i)) : 0;
+    }
+    return 2 + n;
+}
+
+#define PICKLE_MAX_BLOCK 4096 /* past this a block's pickle may span frames (64 KiB): not written here */
+
+PyDoc_STRVAR(pickle_chain_doc,
+"pickle_chain(hash_fn, call_digest, parent, tokens, block_size, count) -> list[bytes]\n\n"
+"vLLM's sha256 / xxhash chain for blocks without extra keys: block i hashes\n"
+"pickle.dumps((previous digest or `parent`, tuple(tokens[i*block_size:(i+1)*block_size]), None),\n"
+"protocol=5), byte for byte as CPython's pickler writes it (one frame, memoized bytes and tuples).\n"
+"`tokens` is array('Q'); block_size at most 4096. hash_fn as for cbor_chain.");
+
+static PyObject *
+pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "pickle_chain takes 6 arguments");
+        return NULL;
+    }
+    PyObject *hash_fn = args[0];
+    int call_digest = PyObject_IsTrue(args[1]);
+    if (call_digest < 0) {
+        return NULL;
+    }
+    PyObject *parent = args[2];
+    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) >= 256) {
+        PyErr_SetString(PyExc_TypeError, "parent must be bytes shorter than 256");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[5]);
+    if (count == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (block_size < 0 || count < 0 || block_size > PICKLE_MAX_BLOCK) {
+        PyErr_SetString(PyExc_ValueError, "need 0 <= block_size <= 4096 and count >= 0");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    PyObject *out = NULL;
+    unsigned char *buf = NULL;
+    const uint64_t *tokens = (const uint64_t *)view.buf;
+    PyObject *prev = parent;
+    if (view.itemsize != 8 || view.format == NULL || strcmp(view.format, "Q") != 0) {
+        PyErr_SetString(PyExc_TypeError, "tokens must be a uint64 buffer (array('Q'))");
+        goto done;
+    }
+    if (block_size != 0 && view.len / 8 / block_size < count) {
+        PyErr_SetString(PyExc_ValueError, "fewer tokens than count * block_size");
+        goto done;
+    }
+    buf = PyMem_Malloc((size_t)(32 + 255 + 11 * block_size));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out = PyList_New(count);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t plen = PyBytes_GET_SIZE(prev);
+        unsigned char *p = buf;
+        *p++ = 0x80; /* PROTO 5 */
+        *p++ = 5;
+        *p++ = 0x95; /* FRAME, its length patched in below */
+        unsigned char *frame_len = p;
+        p += 8;
+        unsigned char *frame = p;
+        *p++ = 'C'; /* SHORT_BINBYTES: the parent digest */
+        *p++ = (unsigned char)plen;
+        memcpy(p, PyBytes_AS_STRING(prev), (size_t)plen);
+        p += plen;
+        *p++ = 0x94; /* MEMOIZE */
+        const uint64_t *t = tokens + i * block_size;
+        if (block_size == 0) {
+            *p++ = ')'; /* EMPTY_TUPLE (not memoized) */
+        } else {
+            if (block_size > 3) {
+                *p++ = '('; /* MARK */
+            }
+            for (Py_ssize_t j = 0; j < block_size; j++) {
+                p += pickle_uint(p, t[j]);
+            }
+            *p++ = block_size == 1 ? 0x85 : block_size == 2 ? 0x86 : block_size == 3 ? 0x87 : 't';
+            *p++ = 0x94; /* MEMOIZE */
+        }
+        *p++ = 'N';  /* None: no extra keys */
+        *p++ = 0x87; /* TUPLE3 */
+        *p++ = 0x94; /* MEMOIZE */
+        *p++ = '.';  /* STOP */
+        uint64_t flen = (uint64_t)(p - frame);
+        for (int k = 0; k < 8; k++) {
+            frame_len[k] = (unsigned char)(flen >> (8 * k));
+        }
+        PyObject *msg = PyBytes_FromStringAndSize((const char *)buf, p - buf);
+        if (msg == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyObject *digest = PyObject_CallOneArg(hash_fn, msg);
+        Py_DECREF(msg);
+        if (digest != NULL && call_digest) {
+            PyObject *h = digest;
+            digest = PyObject_CallMethodNoArgs(h, str_digest);
+            Py_DECREF(h);
+        }
+        if (digest == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        if (!PyBytes_CheckExact(digest) || PyBytes_GET_SIZE(digest) >= 256) {
+            Py_DECREF(digest);
+            PyErr_SetString(PyExc_TypeError, "hash function must return bytes (shorter than 256)");
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, digest);
+        prev = digest;
+    }
+done:
+    PyMem_Free(buf);
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef speedups_methods[] = {
     {"cbor_chain", (PyCFunction)(void (*)(void))cbor_chain, METH_FASTCALL, cbor_chain_doc},
+    {"pickle_chain", (PyCFunction)(void (*)(void))pickle_chain, METH_FASTCALL, pickle_chain_doc},
     {NULL, NULL, 0, NULL},
 };
 

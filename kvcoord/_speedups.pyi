@@ -10,3 +10,13 @@ def cbor_chain(
     tails: bytes | list[bytes],
     /,
 ) -> list[bytes]: ...
+
+def pickle_chain(
+    hash_fn: Callable[[bytes], object],
+    call_digest: bool,
+    parent: bytes,
+    tokens: object,
+    block_size: int,
+    count: int,
+    /,
+) -> list[bytes]: ...

@@ -534,6 +534,26 @@ def test_fast_path_big_prompts_and_table_limits() -> None:
                     assert hash_request_tokens(p, iter(tokens)) == reference, impl
 
 
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+def test_pickle_chain_is_pickle_dumps_at_every_int_width(algo: str) -> None:
+    """The C pickler's opcodes for each int width (BININT1/2, BININT, LONG1 of 5-9 bytes), each
+    tuple size (EMPTY_TUPLE, TUPLE1-3, MARK...TUPLE) and the frame, against ``pickle.dumps``; blocks
+    past 4096 tokens (one pickle frame no longer holds them) take the Python path."""
+    import random
+
+    rng = random.Random(5)
+    edges = [0, 1, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**55, 2**56 - 1,
+             2**56, 2**63 - 1, 2**63, 2**64 - 1]
+    for block_size in (1, 2, 3, 4, 5, 16, 4096, 4097):
+        p = HashProfile(algo, block_size, "0")  # type: ignore[arg-type]
+        tokens = [rng.choice(edges) if rng.random() < 0.5 else rng.getrandbits(rng.randint(1, 64))
+                  for _ in range(block_size * 3 + 1)]
+        reference = hash_request_tokens(p, tokens, fast=False)
+        for impl in IMPLS:
+            with hash_impl(impl):
+                assert hash_request_tokens(p, tokens) == reference, (impl, block_size)
+
+
 def test_tokens_may_be_any_integer_sequence() -> None:
     from array import array
 
