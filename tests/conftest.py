@@ -32,6 +32,7 @@ INDEX_FACTORIES: dict[str, IndexFactory] = {
     "redis": redis_index_factory("redis_server"),
     "redis-cluster": redis_index_factory("redis_cluster"),
     "redis-mirror": redis_index_factory("redis_server", "?mirror=1"),
+    "redis-cluster-mirror": redis_index_factory("redis_cluster", "?mirror=1"),
 }
 
 

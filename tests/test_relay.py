@@ -262,7 +262,9 @@ async def test_paused_subscriber_with_tiny_hwm(ports: Ports) -> None:
                 pub.publish(b)
             pub.flush()
             await wait_for(lambda: relay.expected_seq == 400, "healed stream")
-            assert relay.stats.gaps >= 1  # frames were really dropped
+            # Frames were really dropped, and replay healed them (noticed by a later frame's seq, a
+            # gap, or by the idle replay probe when no later frame got through).
+            assert relay.stats.frames < 400 and relay.stats.replayed_batches > 0
             assert snapshot_of(relay) == expected_mirror(batches)
             assert relay.stats.lost_batches == 0
     finally:

@@ -60,7 +60,7 @@ background task reclaims a dead id's entries in chunks by HSCAN over its own ``T
 re-added node gets fresh ids, so old entries never resurrect. ``replace_node`` fills a pending id that
 readers cannot see, then swaps it in with one script.
 
-Lookup mirror (``?mirror=1``, standalone Redis): while a bucket's ``T:feedon`` exists, every write script
+Lookup mirror (``?mirror=1``): while a bucket's ``T:feedon`` exists, every write script
 also appends the holder strings it set (and whether ``T:name`` changed) to the bucket's stream ``T:feed``,
 in the same atomic call, numbered by ``T:feedseq``. A mirroring client copies ``T:name`` and the inverted
 hashes once, then replays the feed, and walks its copy for lookups (in C when built): no round trip, no
@@ -973,8 +973,8 @@ class _Mirror:
     Entries replayed over newer copied values converge, because each sets fields to absolute values
     and the last entry touching a field wins. A missed entry (sequence gap: the feed was trimmed past
     a slow reader, or Redis restarted) or a lost connection means a reload; until loaded, ``ready`` is
-    false and lookups take the Redis path. Standalone Redis only (a Cluster's feeds live on several
-    shards, which one XREAD cannot read).
+    false and lookups take the Redis path. Each bucket's feed has its own reader (on a Cluster the
+    buckets live on different shards).
     """
 
     def __init__(self, index: RedisIndex) -> None:
@@ -1094,6 +1094,7 @@ class _Mirror:
                 self.seq[tag] = int(await r.get(f"{tag}:feedseq") or 0)
             await self._load_names(tag)
             models: dict[str, dict[int, bytes]] = {}
+            # (a Cluster scans every shard for a tag's keys: startup and reloads only)
             prefix = f"{tag}:inv:".encode()
             async for key in r.scan_iter(match=_glob_escape(prefix) + b"*", count=1000):
                 copy = models[key[len(prefix) :].decode()] = {}
@@ -1105,29 +1106,40 @@ class _Mirror:
         self._release()
 
     async def _load_names(self, tag: str) -> None:
-        r = self._ix._r
-        pipe = r.pipeline(transaction=True)
-        pipe.get(f"{tag}:ver")
-        pipe.hgetall(f"{tag}:name")
-        ver, flat = await pipe.execute()
-        self.names[tag] = _Names(ver or b"", [x for kv in flat.items() for x in kv])
+        """``T:ver`` and ``T:name`` in one atomic read (the lookup path's ``_NAMES`` script)."""
+        got = await self._ix._eval(_NAMES, tag, "-")
+        self.names[tag] = _Names(got[0] or b"", got[1])
 
     async def _follow(self) -> None:
+        """One reader per bucket (on a Cluster the buckets' feeds live on different shards, and one
+        XREAD reads one shard); the first to fail stops the others, and the copy reloads."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for tag in self._ix._tags:
+                    group.create_task(self._follow_one(tag), name=f"redis-mirror-{tag}")
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+
+    async def _follow_one(self, tag: str) -> None:
+        try:
+            await self._follow_feed(tag)
+        except BaseException:
+            self.ready = False  # at once: the other readers are still being stopped
+            raise
+
+    async def _follow_feed(self, tag: str) -> None:
         r = self._ix._r
+        feed = f"{tag}:feed"
         while True:
-            streams: dict[Any, Any] = {f"{tag}:feed": self._last_id[tag] for tag in self._ix._tags}
-            got: Any = await r.xread(streams, count=1000, block=250) or []
-            for key, entries in got:
-                tag = bytes(key).decode()[: -len(":feed")]
+            got: Any = await r.xread({feed: self._last_id[tag]}, count=1000, block=250) or []
+            for _, entries in got:
                 for entry_id, fields in entries:
                     await self._apply(tag, entry_id, fields)
             self._release()
-            if not got:
-                # Idle: a Redis that lost its data (FLUSHALL, a restart we did not see) lost T:feedon
-                # too, and its writers no longer feed: reload rather than serve the old copy.
-                for tag in self._ix._tags:
-                    if not await r.exists(f"{tag}:feedon"):
-                        raise _FeedGap(f"{tag}:feedon is gone (Redis lost its data)")
+            # Idle: a Redis that lost its data (FLUSHALL, a restart we did not see) lost T:feedon too,
+            # and its writers no longer feed: reload rather than serve the old copy.
+            if not got and not await r.exists(f"{tag}:feedon"):
+                raise _FeedGap(f"{tag}:feedon is gone (Redis lost its data)")
 
     async def _apply(self, tag: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         seq = int(fields[b"s"])
@@ -1237,8 +1249,6 @@ class RedisIndex:
         """Retirements this client made, and how many of them a finished reclaim pass has covered."""
         self._names: dict[str, _Names] = {}
         """Per bucket tag: ``T:name`` as of a ``T:ver`` (the fast lookup path's cache)."""
-        if mirror and self._cluster:
-            raise ValueError("mirror=1 needs a standalone Redis (a Cluster's feeds live on many shards)")
         self._mirror = _Mirror(self) if mirror else None
         self.metrics.mirror = self._mirror
         """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
@@ -1251,8 +1261,8 @@ class RedisIndex:
 
         Query parameters read here: ``buckets`` (see the module docstring), ``timeout`` (socket
         timeout in seconds, default 5), ``prefix`` (overrides ``key_prefix``), ``mirror`` (``1``:
-        answer lookups from an in-memory copy kept current by Redis's change feed; standalone Redis
-        only; see :class:`_Mirror`). Does not connect.
+        answer lookups from an in-memory copy kept current by Redis's change feed; see
+        :class:`_Mirror`). Does not connect.
         """
         parts = urlsplit(uri)
         query = dict(parse_qsl(parts.query))
