@@ -243,7 +243,9 @@ async def test_dropped_frames_healed_by_replay(ports: Ports, cls: type[ZmqEventP
             await wait_for(lambda: relay.expected_seq == 60, "healed stream")
             assert snapshot_of(relay) == expected_mirror(batches)
             assert [b[1] for b in sink.batches] == [b.events for b in batches]
-            assert relay.stats.gaps >= 1 and relay.stats.lost_batches == 0
+            # Healed from the replay socket (through a detected gap, or the idle probe if the
+            # subscription joined late): nothing lost.
+            assert relay.stats.replayed_batches >= len(drop) and relay.stats.lost_batches == 0
     finally:
         pub.shutdown()
 
