@@ -140,9 +140,7 @@ async def run(args: argparse.Namespace, url: str, used_memory: object) -> dict[s
         answers.append(await mem.match(MODEL, q))
         assert answers[-1] == await red.match(MODEL, q)
     (m50, m99), (r50, r99) = await lookups(mem, red, queries)
-    mirror: dict[str, object] = {}
-    if red.backend == "redis":
-        mirror = await run_mirror(args, url, mem, batches, queries, answers)
+    mirror = await run_mirror(args, url, mem, batches, queries, answers)
     out = {
         "backend": red.backend,
         "load_average_1m": round(os.getloadavg()[0], 2),
@@ -181,9 +179,9 @@ async def run_mirror(args: argparse.Namespace, url: str, mem: MemoryIndex, batch
         copy = reader._mirror
         assert copy is not None
         t0 = time.perf_counter()
-        tag = reader._tags[0]
-        while copy.seq.get(tag, 0) < int(await writer._r.get(f"{tag}:feedseq") or 0):
-            await asyncio.sleep(0.001)
+        for tag in reader._tags:
+            while copy.seq.get(tag, 0) < int(await writer._r.get(f"{tag}:feedseq") or 0):
+                await asyncio.sleep(0.001)
         lag = time.perf_counter() - t0
         for q, want in zip(queries[:50], answers, strict=True):
             assert await reader.match(MODEL, q) == want
