@@ -272,3 +272,31 @@ def _loc(loc: tuple[str, str, int]) -> bytes:
     from kvcoord.index.redis import _loc_name
 
     return _loc_name(loc[0], loc[1], loc[2]).encode()
+
+
+def test_merged_strings_keep_each_buckets_records_as_one_sorted_segment() -> None:
+    """Cluster mirrors merge every bucket's holder string of a block into one (global id = bucket << 24
+    | local id); a bucket's update replaces exactly its segment, and an id past 2**24 is refused."""
+    from kvcoord.index.redis import _rebase
+
+    def rec(*pairs: tuple[int, int]) -> bytes:
+        return b"".join(struct.pack(">IB", i, m) for i, m in pairs)
+
+    assert _rebase(3, rec((1, 1), (2**24 - 1, 2))) == rec((3 << 24 | 1, 1), (3 << 24 | 2**24 - 1, 2))
+    assert _rebase(3, rec((1, 1), (2**24, 1))) is None
+    reader = RedisIndex.from_uri("redis+cluster://127.0.0.1:1?buckets=4&mirror=1", key_prefix=PREFIX)
+    mirror = reader._mirror
+    assert mirror is not None
+    mirror.merged = {}
+    steps: list[tuple[int, bytes | None]] = [(2, rec((5, 1))), (0, rec((1, 1), (9, 2))), (3, rec((1, 4))),
+                                             (2, rec((4, 1), (6, 1))), (0, None), (2, None), (3, None)]
+    want: dict[int, bytes] = {}
+    for bucket, v in steps:
+        mirror._merge_one(bucket, "m", 7, v)
+        if v is None:
+            want.pop(bucket, None)
+        else:
+            want[bucket] = v
+        expect = b"".join(cast(bytes, _rebase(b, want[b])) for b in sorted(want))
+        assert mirror.merged["m"].get(7, b"") == expect
+    assert 7 not in mirror.merged["m"]

@@ -77,6 +77,7 @@ reports NOT_SERVING). Location ids are 32-bit in holder records.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import hashlib
@@ -986,6 +987,12 @@ class _Mirror:
         self.inv: dict[str, dict[str, dict[int, bytes]]] = {}
         """Per bucket tag, per model: block hash -> holder string, as in ``T:inv:<model>``."""
         self.names: dict[str, _Names] = {}
+        self.merged: dict[str, dict[int, bytes]] | None = None
+        """With several buckets: per model, block hash -> every bucket's holder records in one string,
+        location ids made global (``bucket << 24 | id``, so a record's first byte is its bucket): a
+        lookup walks one copy instead of one per bucket. None: one bucket, or an id past 2**24."""
+        self.merged_names = _Names(b"", [])
+        self._bucket_of_tag = {tag: b for b, tag in enumerate(index._tags)}
         self._last_id: dict[str, bytes] = {}
         self.seq: dict[str, int] = {}
         """Per bucket tag: the feed sequence number applied last."""
@@ -1102,8 +1109,64 @@ class _Mirror:
                     copy[int.from_bytes(h, "big")] = v
             inv[tag] = models
         self.inv = inv
+        self._merge_all()
         self.ready = True
         self._release()
+
+    def _merge_all(self) -> None:
+        """Build ``merged`` and ``merged_names`` from the per-bucket copies (several buckets only)."""
+        tags = self._ix._tags
+        if not 1 < len(tags) <= 256:  # a record's first byte names its bucket
+            self.merged = None
+            return
+        merged: dict[str, dict[int, bytes]] = {}
+        for b, tag in enumerate(tags):  # in bucket order: appending keeps each string sorted
+            for model, copy in self.inv[tag].items():
+                into = merged.setdefault(model, {})
+                for h, v in copy.items():
+                    seg = _rebase(b, v)
+                    if seg is None:
+                        self.merged = None
+                        return
+                    into[h] = into.get(h, b"") + seg
+        self.merged = merged
+        self._merge_names()
+
+    def _merge_names(self) -> None:
+        names = _Names(b"", [])
+        for b, tag in enumerate(self._ix._tags):
+            per = self.names.get(tag)
+            if per is None:
+                continue
+            for lid, loc in per.by_id.items():
+                if lid >= _LOCAL_IDS:
+                    self.merged = None  # ids past 2**24: walk bucket by bucket from now on
+                    return
+                names.by_id[b << 24 | lid] = loc
+            for name, lid in per.by_name.items():
+                names.by_name[name] = b << 24 | lid
+        self.merged_names = names
+
+    def _merge_one(self, b: int, model: str, h: int, v: bytes | None) -> None:
+        """Bucket ``b``'s holder string of block ``h`` is now ``v`` (None: deleted): its segment of
+        the merged string is replaced (records are sorted by global id, so a bucket's are contiguous)."""
+        merged = self.merged
+        assert merged is not None
+        seg = _rebase(b, v) if v is not None else b""
+        if seg is None:
+            self.merged = None
+            return
+        into = merged.setdefault(model, {})
+        old = into.get(h)
+        if old:
+            firsts = old[0::5]
+            old = old[: 5 * bisect.bisect_left(firsts, b)] + seg + old[5 * bisect.bisect_right(firsts, b) :]
+        else:
+            old = seg
+        if old:
+            into[h] = old
+        else:
+            into.pop(h, None)
 
     async def _load_names(self, tag: str) -> None:
         """``T:ver`` and ``T:name`` in one atomic read (the lookup path's ``_NAMES`` script)."""
@@ -1147,23 +1210,30 @@ class _Mirror:
             raise _FeedGap(f"feed of {tag} jumped from entry {self.seq[tag]} to {seq}")
         models = self.inv[tag]
         rec = _FEED_REC
+        bucket = self._bucket_of_tag[tag]
         for f, blob in fields.items():
             if f[:1] != b"i":
                 continue
-            copy = models.get(f[1:].decode())
+            model = f[1:].decode()
+            copy = models.get(model)
             if copy is None:
-                copy = models[f[1:].decode()] = {}
+                copy = models[model] = {}
             p, n = 0, len(blob)
             while p < n:
                 h, ln = rec.unpack_from(blob, p)
                 p += 12
-                if ln:
-                    copy[h] = blob[p : p + ln]
-                    p += ln
+                v = blob[p : p + ln] if ln else None
+                p += ln
+                if v is not None:
+                    copy[h] = v
                 else:
                     copy.pop(h, None)
+                if self.merged is not None:
+                    self._merge_one(bucket, model, h, v)
         if b"n" in fields:
             await self._load_names(tag)
+            if self.merged is not None:
+                self._merge_names()
         self.seq[tag] = seq
         self._last_id[tag] = entry_id
         self.entries_applied += 1
@@ -1175,7 +1245,19 @@ class _Mirror:
         self.lookups += 1
         out: list[NodeMatch] = []
         tags = self._ix._tags
-        buckets = sorted(want) if want is not None else range(len(tags))
+        buckets: Iterable[int] = sorted(want) if want is not None else range(len(tags))
+        merged = self.merged
+        if merged is not None:  # every bucket in one walk
+            allowed_all = None
+            if want is not None:
+                by_name = self.merged_names.by_name
+                allowed_all = {i for b in buckets for n in want[b] if (i := by_name.get(n)) is not None}
+                if not allowed_all:
+                    return out
+            copy = merged.get(model)
+            if copy:
+                out.extend(self._walk(copy, hashes, self.merged_names, allowed_all))
+            buckets = ()
         for b in buckets:
             tag = tags[b]
             copy = self.inv[tag].get(model)
@@ -1187,18 +1269,38 @@ class _Mirror:
                 allowed = {i for n in want[b] if (i := names.by_name.get(n)) is not None}
                 if not allowed:
                     continue
-            walk = _mirror_walk
-            found = walk(copy, hashes, names.by_id, allowed, NodeMatch) if walk is not None else None
-            if found is None:  # no C walk, or input it leaves to Python: the same errors, the same walk
-                try:
-                    _pack(hashes)
-                except struct.error as e:
-                    raise ValueError(f"query hashes must be uint64 ints: {e}") from e
-                found = _walk_runs(_holder_runs(copy, hashes), names, allowed)
-            out.extend(found)
+            out.extend(self._walk(copy, hashes, names, allowed))
         out.sort(key=_BY_NODE)  # stable sorts: most blocks first, then by (node_id, dp_rank)
         out.sort(key=_BY_BLOCKS, reverse=True)
         return out
+
+    @staticmethod
+    def _walk(
+        copy: dict[int, bytes], hashes: Sequence[BlockHash64], names: _Names, allowed: set[int] | None
+    ) -> list[NodeMatch]:
+        walk = _mirror_walk
+        found = walk(copy, hashes, names.by_id, allowed, NodeMatch) if walk is not None else None
+        if found is None:  # no C walk, or input it leaves to Python: the same errors, the same walk
+            try:
+                _pack(hashes)
+            except struct.error as e:
+                raise ValueError(f"query hashes must be uint64 ints: {e}") from e
+            found = _walk_runs(_holder_runs(copy, hashes), names, allowed)
+        return found
+
+
+_LOCAL_IDS = 1 << 24
+"""Location ids a bucket may reach while the mirror merges buckets (ids are never reused)."""
+
+
+def _rebase(bucket: int, v: bytes) -> bytes | None:
+    """Bucket-local holder records with each id made global (its top byte set to the bucket); None
+    when an id is already past 2**24."""
+    if v[0::5].count(0) != len(v) // 5:
+        return None
+    out = bytearray(v)
+    out[0::5] = bytes((bucket,)) * (len(v) // 5)
+    return bytes(out)
 
 
 def _glob_escape(raw: bytes) -> bytes:
