@@ -49,6 +49,75 @@ cbor_head(unsigned char *p, unsigned int major, uint64_t n)
     return 9;
 }
 
+/* hash_fn(message), then .digest() of that when call_digest: a new reference to the digest bytes,
+ * or NULL with an exception (also when the result is not bytes shorter than 256). */
+static PyObject *
+hash_message(PyObject *hash_fn, int call_digest, const unsigned char *buf, Py_ssize_t len)
+{
+    PyObject *msg = PyBytes_FromStringAndSize((const char *)buf, len);
+    if (msg == NULL) {
+        return NULL;
+    }
+    PyObject *digest = PyObject_CallOneArg(hash_fn, msg);
+    Py_DECREF(msg);
+    if (digest != NULL && call_digest) {
+        PyObject *h = digest;
+        digest = PyObject_CallMethodNoArgs(h, str_digest);
+        Py_DECREF(h);
+    }
+    if (digest != NULL && (!PyBytes_CheckExact(digest) || PyBytes_GET_SIZE(digest) >= 256)) {
+        Py_DECREF(digest);
+        PyErr_SetString(PyExc_TypeError, "hash function must return bytes (shorter than 256)");
+        return NULL;
+    }
+    return digest;
+}
+
+/* The arguments both chains share: (hash_fn, call_digest, parent, tokens, block_size, count). */
+static int
+chain_args(PyObject *const *args, int *call_digest, Py_ssize_t *block_size, Py_ssize_t *count)
+{
+    *call_digest = PyObject_IsTrue(args[1]);
+    if (*call_digest < 0) {
+        return -1;
+    }
+    if (!PyBytes_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "parent must be bytes");
+        return -1;
+    }
+    *block_size = PyLong_AsSsize_t(args[4]);
+    if (*block_size == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *count = PyLong_AsSsize_t(args[5]);
+    if (*count == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (*block_size < 0 || *count < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size and count must be >= 0");
+        return -1;
+    }
+    return 0;
+}
+
+/* The uint64 token buffer, checked to hold count blocks; 0, or -1 with an exception (view released). */
+static int
+token_view(PyObject *tokens, Py_buffer *view, Py_ssize_t block_size, Py_ssize_t count)
+{
+    if (PyObject_GetBuffer(tokens, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (view->itemsize != 8 || view->format == NULL || strcmp(view->format, "Q") != 0) { /* native uint64 */
+        PyErr_SetString(PyExc_TypeError, "tokens must be a uint64 buffer (array('Q'))");
+    } else if (block_size != 0 && view->len / 8 / block_size < count) {
+        PyErr_SetString(PyExc_ValueError, "fewer tokens than count * block_size");
+    } else {
+        return 0;
+    }
+    PyBuffer_Release(view);
+    return -1;
+}
+
 PyDoc_STRVAR(cbor_chain_doc,
 "cbor_chain(hash_fn, call_digest, parent, tokens, block_size, count, tails) -> list[bytes]\n\n"
 "Digests of `count` chained blocks: block i hashes canonical CBOR of\n"
@@ -66,26 +135,9 @@ cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "cbor_chain takes 7 arguments");
         return NULL;
     }
-    PyObject *hash_fn = args[0];
-    int call_digest = PyObject_IsTrue(args[1]);
-    if (call_digest < 0) {
-        return NULL;
-    }
-    PyObject *parent = args[2];
-    if (!PyBytes_Check(parent)) {
-        PyErr_SetString(PyExc_TypeError, "parent must be bytes");
-        return NULL;
-    }
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
-    if (block_size == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_ssize_t count = PyLong_AsSsize_t(args[5]);
-    if (count == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (block_size < 0 || count < 0) {
-        PyErr_SetString(PyExc_ValueError, "block_size and count must be >= 0");
+    int call_digest;
+    Py_ssize_t block_size, count;
+    if (chain_args(args, &call_digest, &block_size, &count) < 0) {
         return NULL;
     }
     PyObject *tails = args[6];
@@ -94,26 +146,17 @@ cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "tails must be bytes or a list of count bytes");
         return NULL;
     }
-
     Py_buffer view;
-    if (PyObject_GetBuffer(args[3], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (token_view(args[3], &view, block_size, count) < 0) {
         return NULL;
     }
     PyObject *out = NULL;
     unsigned char *buf = NULL;
     Py_ssize_t cap = 0; /* scratch message buffer, grown to the largest message */
     const uint64_t *tokens = (const uint64_t *)view.buf;
-    PyObject *prev = parent; /* borrowed: parent, or the previous digest held by `out` */
+    PyObject *prev = args[2]; /* borrowed: parent, or the previous digest held by `out` */
     unsigned char bs_head[9];
     Py_ssize_t bs_head_len = cbor_head(bs_head, 4, (uint64_t)block_size);
-    if (view.itemsize != 8 || view.format == NULL || strcmp(view.format, "Q") != 0) { /* native uint64 */
-        PyErr_SetString(PyExc_TypeError, "tokens must be a uint64 buffer (array('Q'))");
-        goto done;
-    }
-    if (block_size != 0 && view.len / 8 / block_size < count) {
-        PyErr_SetString(PyExc_ValueError, "fewer tokens than count * block_size");
-        goto done;
-    }
     out = PyList_New(count);
     if (out == NULL) {
         goto done;
@@ -155,26 +198,8 @@ cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         memcpy(p, PyBytes_AS_STRING(tail), (size_t)tlen);
         p += tlen;
-
-        PyObject *msg = PyBytes_FromStringAndSize((const char *)buf, p - buf);
-        if (msg == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyObject *digest = PyObject_CallOneArg(hash_fn, msg);
-        Py_DECREF(msg);
-        if (digest != NULL && call_digest) {
-            PyObject *h = digest;
-            digest = PyObject_CallMethodNoArgs(h, str_digest);
-            Py_DECREF(h);
-        }
+        PyObject *digest = hash_message(args[0], call_digest, buf, p - buf);
         if (digest == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        if (!PyBytes_CheckExact(digest)) {
-            Py_DECREF(digest);
-            PyErr_SetString(PyExc_TypeError, "hash function must return bytes");
             Py_CLEAR(out);
             goto done;
         }
@@ -239,45 +264,23 @@ pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "pickle_chain takes 6 arguments");
         return NULL;
     }
-    PyObject *hash_fn = args[0];
-    int call_digest = PyObject_IsTrue(args[1]);
-    if (call_digest < 0) {
+    int call_digest;
+    Py_ssize_t block_size, count;
+    if (chain_args(args, &call_digest, &block_size, &count) < 0) {
         return NULL;
     }
-    PyObject *parent = args[2];
-    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) >= 256) {
-        PyErr_SetString(PyExc_TypeError, "parent must be bytes shorter than 256");
-        return NULL;
-    }
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
-    if (block_size == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_ssize_t count = PyLong_AsSsize_t(args[5]);
-    if (count == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (block_size < 0 || count < 0 || block_size > PICKLE_MAX_BLOCK) {
-        PyErr_SetString(PyExc_ValueError, "need 0 <= block_size <= 4096 and count >= 0");
+    if (PyBytes_GET_SIZE(args[2]) >= 256 || block_size > PICKLE_MAX_BLOCK) {
+        PyErr_SetString(PyExc_ValueError, "need a parent shorter than 256 bytes and block_size <= 4096");
         return NULL;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[3], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (token_view(args[3], &view, block_size, count) < 0) {
         return NULL;
     }
     PyObject *out = NULL;
-    unsigned char *buf = NULL;
     const uint64_t *tokens = (const uint64_t *)view.buf;
-    PyObject *prev = parent;
-    if (view.itemsize != 8 || view.format == NULL || strcmp(view.format, "Q") != 0) {
-        PyErr_SetString(PyExc_TypeError, "tokens must be a uint64 buffer (array('Q'))");
-        goto done;
-    }
-    if (block_size != 0 && view.len / 8 / block_size < count) {
-        PyErr_SetString(PyExc_ValueError, "fewer tokens than count * block_size");
-        goto done;
-    }
-    buf = PyMem_Malloc((size_t)(32 + 255 + 11 * block_size));
+    PyObject *prev = args[2];
+    unsigned char *buf = PyMem_Malloc((size_t)(32 + 255 + 11 * block_size));
     if (buf == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -321,30 +324,13 @@ pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         for (int k = 0; k < 8; k++) {
             frame_len[k] = (unsigned char)(flen >> (8 * k));
         }
-        PyObject *msg = PyBytes_FromStringAndSize((const char *)buf, p - buf);
-        if (msg == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyObject *digest = PyObject_CallOneArg(hash_fn, msg);
-        Py_DECREF(msg);
-        if (digest != NULL && call_digest) {
-            PyObject *h = digest;
-            digest = PyObject_CallMethodNoArgs(h, str_digest);
-            Py_DECREF(h);
-        }
+        PyObject *digest = hash_message(args[0], call_digest, buf, p - buf);
         if (digest == NULL) {
             Py_CLEAR(out);
             goto done;
         }
-        if (!PyBytes_CheckExact(digest) || PyBytes_GET_SIZE(digest) >= 256) {
-            Py_DECREF(digest);
-            PyErr_SetString(PyExc_TypeError, "hash function must return bytes (shorter than 256)");
-            Py_CLEAR(out);
-            goto done;
-        }
         PyList_SET_ITEM(out, i, digest);
-        prev = digest;
+        prev = digest; /* shorter than 256: hash_message checked */
     }
 done:
     PyMem_Free(buf);

@@ -18,8 +18,8 @@ coordinator decodes with ``tokens=False`` when it will not verify hashes: the sa
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -219,10 +219,17 @@ def event_to_wire(event: KVEvent) -> bytes:
 
 def events_to_wire(events: Iterable[KVEvent]) -> list[bytes]:
     """``event_to_wire`` of each; the first bad event raises ``ValueError`` with its index."""
-    out: list[bytes] = []
+    return _each(events, event_to_wire)
+
+
+_T = TypeVar("_T")
+
+
+def _each(events: Iterable[KVEvent], convert: Callable[[KVEvent], _T]) -> list[_T]:
+    out: list[_T] = []
     for i, ev in enumerate(events):
         try:
-            out.append(event_to_wire(ev))
+            out.append(convert(ev))
         except ValueError as exc:
             raise ValueError(f"event {i}: {exc}") from None
     return out
@@ -524,13 +531,7 @@ def _indexable_target(ev: KVEvent) -> bool:
 
 def events_to_proto(events: Iterable[KVEvent]) -> list[pb.KVEvent]:
     """Convert a sequence of events; the first bad one raises ``ValueError`` with its index."""
-    out: list[pb.KVEvent] = []
-    for i, ev in enumerate(events):
-        try:
-            out.append(event_to_proto(ev))
-        except ValueError as exc:
-            raise ValueError(f"event {i}: {exc}") from None
-    return out
+    return _each(events, event_to_proto)
 
 
 def events_from_proto(msgs: Iterable[pb.KVEvent], *, tokens: bool = True) -> tuple[KVEvent, ...]:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
 from kvcoord.index import Index
 from kvcoord.index.memory import MemoryIndex
-from tests.redis_servers import redis_index_factory, redis_session_fixtures
+from tests.redis_servers import (
+    RedisServer,
+    redis_index_factory,
+    redis_session_fixtures,
+    start_server,
+    stop_server,
+)
 
 redis_server, redis_cluster = redis_session_fixtures()
 
@@ -50,3 +56,13 @@ async def index(index_backend: str, request: pytest.FixtureRequest) -> AsyncIter
         yield idx
     finally:
         await idx.close()
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A redis-server of this test alone (for tests that kill and restart it)."""
+    server = start_server()
+    try:
+        yield server
+    finally:
+        stop_server(server)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import pytest
@@ -21,7 +21,7 @@ from kvcoord.index import open_index
 from kvcoord.index.base import InvalidEvent
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis import IndexUnavailable, RedisIndex
-from tests.redis_servers import RedisCluster, RedisServer, start_server, stop_server
+from tests.redis_servers import RedisCluster, RedisServer
 
 M = "m"
 T = TypeVar("T")
@@ -60,16 +60,6 @@ async def cindex(redis_cluster: RedisCluster) -> AsyncIterator[RedisIndex]:
         yield idx
     finally:
         await idx.close()
-
-
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    """A server of this test alone (it gets killed and restarted)."""
-    server = start_server()
-    try:
-        yield server
-    finally:
-        stop_server(server)
 
 
 # ------------------------------------------------------------------------------------------- URIs

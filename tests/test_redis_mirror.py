@@ -14,7 +14,7 @@ import asyncio
 import random
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import pytest
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.index.base import NodeMatch
 from kvcoord.index.redis import IndexUnavailable, RedisIndex
-from tests.redis_servers import RedisCluster, RedisServer, start_server, stop_server
+from tests.redis_servers import RedisCluster, RedisServer
 
 PREFIX = "kvmirror"
 MODELS = ("m1", "m2")
@@ -57,15 +57,6 @@ async def _settled(ix: RedisIndex, r: Any) -> None:
 
 def _key(ms: list[NodeMatch]) -> list[tuple[str, int, int, tuple[int, ...]]]:
     return sorted((m.node_id, m.dp_rank, m.matched_blocks, tuple(m.tiers)) for m in ms)
-
-
-@pytest.fixture
-def own_server() -> Iterator[RedisServer]:
-    server = start_server()
-    try:
-        yield server
-    finally:
-        stop_server(server)
 
 
 @pytest.fixture(params=["redis", "redis-cluster"])

@@ -956,6 +956,8 @@ class _FeedGap(Exception):
 
 
 _FEED_REC = struct.Struct(">QI")
+_FEED_BLOCK = 250
+"""Milliseconds a feed reader's XREAD blocks: also how soon it notices that it should stop."""
 _BY_NODE = operator.itemgetter(0, 1)
 _BY_BLOCKS = operator.itemgetter(2)
 
@@ -999,24 +1001,36 @@ class _Mirror:
         self._waiters: list[tuple[str, int, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
+        self._halt = False
+        """Stop: set by ``close``; the readers see it when their XREAD returns."""
+        self._halt_readers = False
+        """One reader failed: the others stop (then the copy reloads)."""
         self.loads = 0
         self.entries_applied = 0
         self.lookups = 0
 
     def start(self) -> None:
         if self._task is None or self._task.done():
+            self._halt = False
             self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-mirror")
 
-    async def close(self, timeout: float = 1.0) -> None:
-        """Stop following the feed. Bounded: a read cancelled on a dying connection can wait on
-        redis-py's cleanup until the client's pool is closed (the index closes it next)."""
+    async def close(self, timeout: float = 1.5) -> None:
+        """Stop following the feed: flag the readers and let their current XREADs return (within
+        ``_FEED_BLOCK``). Cancelling a redis-py read in flight can leave its task waiting on the
+        connection's cleanup, so cancelling is the last resort; ``reap`` collects such a task once the
+        client's pool is closed."""
         task, self._task = self._task, None
+        self._halt = True
         self.ready = self.active = False
         self._fail_waiters()
         if task is not None:
-            task.cancel()
-            await asyncio.wait({task}, timeout=timeout)
-            self._stopping = task
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.5)
+                self._stopping = task
+            elif not task.cancelled():
+                task.exception()  # retrieved (the loop logged it)
 
     async def reap(self, timeout: float = 1.0) -> None:
         """After the client's pool closed: wait for a stop that ``close`` left pending."""
@@ -1038,11 +1052,7 @@ class _Mirror:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             log.warning("redis mirror: feed entry %d of %s unseen after %.1fs; reloading", seq, tag, timeout)
-            if self._task is not None:
-                self._task.cancel()
-                self._task = None
-            self.ready = self.active = False
-            self._fail_waiters()
+            await self.close()
             self.start()
 
     def _release(self) -> None:
@@ -1066,13 +1076,14 @@ class _Mirror:
 
     async def _run(self) -> None:
         backoff = 0.05
-        while True:
+        while not self._halt:
             failed = False
             try:
                 self.active = True  # loading or following: writers wait for their entries
                 await self._load()
                 backoff = 0.05
-                await self._follow()
+                if not self._halt:
+                    await self._follow()
             except _FeedGap as e:
                 log.warning("redis mirror: %s; reloading", e)
             except Exception as e:  # Redis away: lookups take the Redis path (and report it) meanwhile
@@ -1107,6 +1118,8 @@ class _Mirror:
                 copy = models[key[len(prefix) :].decode()] = {}
                 async for h, v in r.hscan_iter(key, count=10_000):
                     copy[int.from_bytes(h, "big")] = v
+                if self._halt:
+                    return  # closing: not ready, nothing to keep
             inv[tag] = models
         self.inv = inv
         self._merge_all()
@@ -1175,26 +1188,38 @@ class _Mirror:
 
     async def _follow(self) -> None:
         """One reader per bucket (on a Cluster the buckets' feeds live on different shards, and one
-        XREAD reads one shard); the first to fail stops the others, and the copy reloads."""
+        XREAD reads one shard). The first to fail stops the others, by a flag they see when their
+        XREAD returns (not by cancelling a read in flight), and the copy reloads."""
+        self._halt_readers = False
+        readers = [
+            asyncio.get_running_loop().create_task(self._follow_one(tag), name=f"redis-mirror-{tag}")
+            for tag in self._ix._tags
+        ]
         try:
-            async with asyncio.TaskGroup() as group:
-                for tag in self._ix._tags:
-                    group.create_task(self._follow_one(tag), name=f"redis-mirror-{tag}")
-        except BaseExceptionGroup as eg:
-            raise eg.exceptions[0] from None
+            await asyncio.wait(readers, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            self._halt_readers = True
+            await asyncio.wait(readers, timeout=2 * _FEED_BLOCK / 1000 + 1)
+            for t in readers:
+                if not t.done():
+                    t.cancel()
+        for t in readers:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise cast(BaseException, t.exception())
 
     async def _follow_one(self, tag: str) -> None:
         try:
             await self._follow_feed(tag)
         except BaseException:
-            self.ready = False  # at once: the other readers are still being stopped
+            self.ready = False  # at once: the other readers stop only after their current XREAD
+            self._halt_readers = True
             raise
 
     async def _follow_feed(self, tag: str) -> None:
         r = self._ix._r
         feed = f"{tag}:feed"
-        while True:
-            got: Any = await r.xread({feed: self._last_id[tag]}, count=1000, block=250) or []
+        while not (self._halt or self._halt_readers):
+            got: Any = await r.xread({feed: self._last_id[tag]}, count=1000, block=_FEED_BLOCK) or []
             for _, entries in got:
                 for entry_id, fields in entries:
                     await self._apply(tag, entry_id, fields)
