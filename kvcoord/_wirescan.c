@@ -812,69 +812,6 @@ done:
     return res;
 }
 
-PyDoc_STRVAR(holder_runs_doc,
-"holder_runs(copy: dict[int, bytes], hashes: list[int]) -> list[tuple[bytes, int]]\n\n"
-"The Redis mirror's lookup input: each hash's value in copy, up to the first hash copy lacks, as\n"
-"runs of equal consecutive values: (value, length). What itertools.groupby over the values gives,\n"
-"without a Python step per block.");
-
-static PyObject *
-holder_runs(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 2 || !PyDict_Check(args[0]) || !(PyList_Check(args[1]) || PyTuple_Check(args[1]))) {
-        PyErr_SetString(PyExc_TypeError, "holder_runs(dict, list or tuple)");
-        return NULL;
-    }
-    PyObject *d = args[0];
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(args[1]);
-    PyObject **items = PySequence_Fast_ITEMS(args[1]);
-    PyObject *out = PyList_New(0);
-    if (out == NULL) {
-        return NULL;
-    }
-    PyObject *prev = NULL; /* borrowed from the dict: nothing runs Python code until it is used */
-    Py_ssize_t count = 0;
-    for (Py_ssize_t i = 0; i <= n; i++) {
-        PyObject *v = NULL;
-        if (i < n) {
-            v = PyDict_GetItemWithError(d, items[i]);
-            if (v == NULL && PyErr_Occurred()) {
-                Py_DECREF(out);
-                return NULL;
-            }
-        }
-        if (v != NULL && prev != NULL) {
-            int same = v == prev;
-            if (!same) {
-                same = PyObject_RichCompareBool(v, prev, Py_EQ);
-                if (same < 0) {
-                    Py_DECREF(out);
-                    return NULL;
-                }
-            }
-            if (same) {
-                count++;
-                continue;
-            }
-        }
-        if (prev != NULL) {
-            PyObject *run = Py_BuildValue("(On)", prev, count);
-            if (run == NULL || PyList_Append(out, run) < 0) {
-                Py_XDECREF(run);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(run);
-        }
-        if (v == NULL) {
-            break; /* the first block no one holds ends the walk */
-        }
-        prev = v;
-        count = 1;
-    }
-    return out;
-}
-
 PyDoc_STRVAR(mirror_walk_doc,
 "mirror_walk(copy: dict[int, bytes], hashes: list[int], live: dict[int, (model, node_id, rank)],\n"
 "            allowed: set[int] | None, cls: type[NodeMatch]) -> list[NodeMatch] | None\n\n"
@@ -1104,7 +1041,6 @@ fail:
 static PyMethodDef module_methods[] = {
     {"scan", scan, METH_O, scan_doc},
     {"mirror_walk", (PyCFunction)(void (*)(void))mirror_walk, METH_FASTCALL, mirror_walk_doc},
-    {"holder_runs", (PyCFunction)(void (*)(void))holder_runs, METH_FASTCALL, holder_runs_doc},
     {"pack_uint64", pack_uint64, METH_O, pack_uint64_doc},
     {NULL, NULL, 0, NULL},
 };

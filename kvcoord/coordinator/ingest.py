@@ -37,7 +37,7 @@ from kvcoord.coordinator.registry import AnnouncedProfile, Load, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.events_proto import events_for_index, raw_events_for_index
-from kvcoord.hashing import BlockHash64
+from kvcoord.hashing import BlockHash64, HashProfile
 from kvcoord.index.base import ApplyResult, InvalidEvent, SnapshotEntry
 from kvcoord.index.memory import RawEvent
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
@@ -249,21 +249,16 @@ class IngestSession:
             last = batches[-1][0]
             rec.last_seq = last
             rec.indexed.add((self.model, dp_rank))
-        m = st.metrics
-        m.batch("applied", len(batches))
         stored = removed = cleared = 0
         for b in batches:
             stored += b[5]
             removed += b[6]
             cleared += b[7]
             if b[1] > 0:
-                m.ingest_lag.observe(max(0.0, time.time() - b[1]))
-            if verify and profile is not None and st.verifier.may_act(self.model, profile, b[9]):
-                reason = st.verifier.check(rec, self.model, profile, _as_pb(b, data).events)
-                if reason is not None:
-                    st.mark_hash_mismatch(rec, reason)
-                    verify = False
-        self._account_counts(0.0, stored, removed, cleared, batches=0)
+                st.metrics.ingest_lag.observe(max(0.0, time.time() - b[1]))
+            if verify and profile is not None:
+                verify = not self._verify(rec, profile, b, data)
+        self._account_counts(0.0, stored, removed, cleared, batches=len(batches))
         if self.ack is not None:
             self.ack(self.epoch, last)
             return []
@@ -426,10 +421,9 @@ class IngestSession:
         from ``data``; then the raw events and counts are already known)."""
         st = self.state
         raw: list[RawEvent] | None = None
-        stored_info: Sequence[StoredInfo] = ()
         scanned = type(batch) is tuple
         if scanned:
-            seq, ts, dp_rank, _, n_events, n_stored, n_removed, n_cleared, raw, stored_info, _, _ = cast(
+            seq, ts, dp_rank, _, n_events, n_stored, n_removed, n_cleared, raw, _, _, _ = cast(
                 "ScannedBatch", batch
             )
         else:
@@ -488,10 +482,10 @@ class IngestSession:
                 try:
                     apply_raw(self.model, rec.node_id, dp_rank, raw)
                 except InvalidEvent as exc:
-                    detail = str(exc)
+                    detail, sent = str(exc), _as_pb(batch, data)
                     if scanned:  # the scanner merged runs of stores: word it as the events were sent
-                        detail = self._exact_error(rec, _as_pb(batch, data), dp_rank) or detail
-                    return self._reject(rec, _as_pb(batch, data), "invalid_event", detail)
+                        detail = self._exact_error(rec, sent, dp_rank) or detail
+                    return self._reject(rec, sent, "invalid_event", detail)
             else:
                 n_stored = -1
                 batch = _as_pb(batch, data)
@@ -528,19 +522,26 @@ class IngestSession:
             self._account(batch)
         else:
             self._account_counts(ts, n_stored, n_removed, n_cleared)
-        # A scanned batch is parsed only when the verifier could act on it (rarely, once sampled).
-        if (
-            verify
-            and profile is not None
-            and (not scanned or st.verifier.may_act(self.model, profile, stored_info))
-        ):
-            reason = st.verifier.check(rec, self.model, profile, _as_pb(batch, data).events)
-            if reason is not None:
-                st.mark_hash_mismatch(rec, reason)
+        if verify and profile is not None:
+            self._verify(rec, profile, batch, data)
         if self.ack is not None:
             self.ack(self.epoch, seq)
             return []
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=seq))]
+
+    def _verify(
+        self, rec: NodeRecord, profile: HashProfile, batch: pb.EventBatch | ScannedBatch, data: bytes
+    ) -> bool:
+        """Hash verification of an applied batch; True when it found a mismatch (the node is marked).
+        A scanned batch is parsed only when the verifier could act on it (rarely, once sampled)."""
+        st = self.state
+        if not isinstance(batch, pb.EventBatch) and not st.verifier.may_act(self.model, profile, batch[9]):
+            return False
+        reason = st.verifier.check(rec, self.model, profile, _as_pb(batch, data).events)
+        if reason is None:
+            return False
+        st.mark_hash_mismatch(rec, reason)
+        return True
 
     def _exact_error(self, rec: NodeRecord, batch: pb.EventBatch, dp_rank: int) -> str | None:
         """The error the unmerged events of a scanned batch give (validated only, never applied)."""

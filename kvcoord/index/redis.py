@@ -870,8 +870,8 @@ def _walk_runs(
     return out
 
 
-def _py_holder_runs(copy: dict[int, bytes], hashes: Sequence[int]) -> list[tuple[bytes, int]]:
-    """``kvcoord._wirescan.holder_runs`` in Python (no C extension built)."""
+def _holder_runs(copy: dict[int, bytes], hashes: Sequence[int]) -> list[tuple[bytes, int]]:
+    """The copy's holder strings of ``hashes`` as runs (``_walk_runs``' input): the walk without C."""
     get = copy.get
     return _runs_of([get(h) for h in hashes])
 
@@ -886,7 +886,6 @@ def _runs_of(holders: list[bytes | None]) -> list[tuple[bytes, int]]:
     return [(v, len(list(same))) for v, same in groups]
 
 
-_holder_runs = _py_holder_runs
 try:
     from kvcoord._wirescan import mirror_walk as _mirror_walk
 except ImportError:  # pragma: no cover - built whenever a compiler is present (CI requires it)
@@ -1613,7 +1612,7 @@ class RedisIndex:
         mirror = self._mirror
         if mirror is not None:
             mirror.start()
-            if mirror.ready and (_mirror_walk is not None or validate.fast_u64_ok(hashes)):
+            if mirror.ready:  # (hashes are checked by the walk: the same error as below)
                 want: dict[int, set[bytes]] | None = None
                 if candidates is not None:
                     want = {}
