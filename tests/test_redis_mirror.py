@@ -171,7 +171,10 @@ async def test_a_missed_entry_or_a_flush_reloads_the_copy(pair: Pair) -> None:
     while await reader.match("m1", chain) != []:
         assert time.monotonic() < deadline, "the mirror kept serving data Redis no longer has"
         await asyncio.sleep(0.02)
-    assert mirror.loads >= loads + 2
+    # ...and reloads (once its other feed readers have returned from their current XREAD).
+    while not (mirror.loads >= loads + 2 and mirror.ready):
+        assert time.monotonic() < deadline, "the mirror did not reload after the flush"
+        await asyncio.sleep(0.02)
     await writer.apply("m1", "n3", 1, [_stored(chain[:2], None)])
     await _settled(reader, raw)
     assert _key(await reader.match("m1", chain)) == [("n3", 1, 2, (2, 0, 0))]
