@@ -195,7 +195,8 @@ class HashProfile:
         env = os.environ.get("PYTHONHASHSEED")
         if env is not None:
             return env
-        how = "pass the engine's PYTHONHASHSEED as the seed (CLI: --seed S) or set PYTHONHASHSEED"
+        how = ("pass the engine's PYTHONHASHSEED as the seed (--hash-seed S on the command line, seed=S in "
+               "a model's profile) or set PYTHONHASHSEED")
         if self.engine_release is None:
             raise ValueError(
                 f"no NONE_HASH seed: {how}, or name the engine release (vLLM >= 0.29 uses "

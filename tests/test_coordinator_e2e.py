@@ -20,12 +20,13 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvcoord.agent.reporter import ChannelSecurity, Reporter, ReporterOptions
+from kvcoord.agent.reporter import Reporter, ReporterOptions
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.events_proto import event_to_proto
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
+from kvcoord.transport import ChannelSecurity
 from tests.procs import FIXTURES, free_port, kvcoord_cmd, make_certs, running, wait_for_port
 
 pytestmark = pytest.mark.slow

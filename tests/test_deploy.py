@@ -580,7 +580,7 @@ def test_compose_coordinator_config_loads_with_its_flags() -> None:
     mounts = {v.split(":")[1]: v.split(":")[0] for v in services()["coordinator"]["volumes"]}
     local = REPO / mounts[args.config]
     assert local.is_file()
-    from kvcoord.coordinator.server import config_from_args
+    from kvcoord.cli.serve import config_from_args
 
     args.config = str(local)
     cfg = config_from_args(args)

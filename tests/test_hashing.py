@@ -210,7 +210,7 @@ def test_seed_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONHASHSEED", "42")
     assert HashProfile("sha256_cbor", 16).none_hash() == HashProfile("sha256_cbor", 16, seed="42").none_hash()
     monkeypatch.delenv("PYTHONHASHSEED")
-    with pytest.raises(ValueError, match="--seed"):
+    with pytest.raises(ValueError, match="--hash-seed"):
         HashProfile("sha256_cbor", 16).none_hash()
     for release in ("0.29", "0.30.1", "0.31.0", "v0.33.0rc1"):
         for algo in ("sha256", "sha256_cbor"):
@@ -382,9 +382,9 @@ def test_cli_seed_from_environment_and_release_default() -> None:
         (["--algo", "sha256_cbor", "--seed", "1", "--block-size", "2"], '{"a": 1}', "list"),
         (["--algo", "sha256_cbor", "--seed", "1", "--block-size", "2"], "[1, 2", "JSON"),
         (["--algo", "md5", "--seed", "1", "--block-size", "2"], "[1, 2]", "unknown hash algorithm"),
-        (["--algo", "sha256_cbor", "--block-size", "2"], "[1, 2]", "--seed"),
+        (["--algo", "sha256_cbor", "--block-size", "2"], "[1, 2]", "--hash-seed"),
         (["--algo", "xxhash", "--block-size", "2", "--engine-release", "0.33"], "[1, 2]", "randomly"),
-        (["--algo", "sha256", "--seed", "1", "--block-size", "0"], "[1, 2]", "block size"),
+        (["--algo", "sha256", "--seed", "1", "--block-size", "0"], "[1, 2]", "--block-size: 0 must be > 0"),
         (["--algo", "sha256", "--seed", "1", "--block-size", "2", "--mm", "x:1"], "[1, 2]", "--mm"),
         (["--algo", "sha256", "--seed", "1", "--block-size", "2", "--mm", "x:-1:2"], "[1, 2]", "--mm"),
         (["--algo", "sha256", "--seed", "1", "--block-size", "2", "--mm", ":1:2"], "[1, 2]", "--mm"),

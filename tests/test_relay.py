@@ -15,7 +15,13 @@ import zmq
 import zmq.asyncio
 
 from kvcoord.agent.relay import REPLAY_ONLY_PROBES_WARN, BlockMirror, Relay
-from kvcoord.agent.zmq_wire import END_SEQ, ReplayClient, ZmqEventPublisher, offset_endpoint_port
+from kvcoord.agent.zmq_wire import (
+    END_SEQ,
+    EndpointError,
+    ReplayClient,
+    ZmqEventPublisher,
+    offset_endpoint_port,
+)
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier
 from tests.procs import free_port
 
@@ -136,7 +142,7 @@ async def rebind(ports: Ports) -> ZmqEventPublisher:
     while True:
         try:
             return ports.publisher()
-        except zmq.ZMQError:
+        except EndpointError:
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.05)

@@ -16,7 +16,6 @@ import grpc.aio
 import pytest
 
 from kvcoord.agent.reporter import (
-    ChannelSecurity,
     NodeLoad,
     Reporter,
     ReporterOptions,
@@ -25,6 +24,7 @@ from kvcoord.agent.reporter import (
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.events_proto import batch_from_proto
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.transport import ChannelSecurity
 from tests.procs import free_port
 
 SLOW = 5.0

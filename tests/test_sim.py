@@ -153,9 +153,16 @@ def test_coordinator_mode_streams_through_reporters_and_gives_the_same_table(tmp
         except TimeoutError:
             raise AssertionError(f"kvcoord serve did not start:\n{log.read_text()}") from None
         backend = CoordinatorBackend(f"127.0.0.1:{port}", PROFILE, tag=run_tag("prefix-aware"))
-        remote = simulate(w, make_policy("prefix-aware", 2), PROFILE, CONFIG, backend)
+        seen: list[str] = []
+
+        def progress(done: int, total: int) -> None:  # the run has started: its nodes are registered
+            if done == 0:
+                with CoordinatorClient(f"127.0.0.1:{port}") as client:
+                    seen.extend(n.node_id for n in client.list_nodes(backend.model))
+
+        remote = simulate(w, make_policy("prefix-aware", 2), PROFILE, CONFIG, backend, progress=progress)
         with CoordinatorClient(f"127.0.0.1:{port}") as client:
-            nodes = [n for n in client.list_nodes(backend.model)]
+            left = client.list_nodes()  # every simulated node is removed when its run ends
         proc = subprocess.run(
             kvcoord_cmd("simulate", "--requests", "20", "--nodes", "2", "--policies", "least-loaded",
                         "--coordinator", f"127.0.0.1:{port}", "--json", "-"),
@@ -164,7 +171,8 @@ def test_coordinator_mode_streams_through_reporters_and_gives_the_same_table(tmp
     local = simulate(w, make_policy("prefix-aware", 2), PROFILE, CONFIG, MemoryIndex())
     assert deterministic_view([summarize(remote)]) == deterministic_view([summarize(local)])
     assert remote.hit_tokens > 0
-    assert sorted(n.node_id for n in nodes) == [f"{backend.prefix}node-{i}" for i in range(CONFIG.nodes)]
+    assert sorted(seen) == [f"{backend.prefix}node-{i}" for i in range(CONFIG.nodes)]
+    assert left == []
     assert proc.returncode == 0, proc.stderr + "\ncoordinator log:\n" + log.read_text()[-3000:]
     assert json.loads(proc.stdout)["cluster"]["index"] == f"coordinator 127.0.0.1:{port}"
 
@@ -175,7 +183,10 @@ def test_coordinator_flag_is_validated_before_anything_runs() -> None:
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == "kvcoord simulate: --coordinator must be HOST:PORT, got 'nowhere'"
+    assert proc.stderr.strip() == (
+        "kvcoord simulate: argument --coordinator: 'nowhere' is not HOST:PORT (a port is required, e.g. "
+        "127.0.0.1:50051) (see kvcoord simulate --help)"
+    )
 
 
 def test_several_seeds_are_averaged_with_the_hit_range() -> None:

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvcoord.agent.relay import REPLAY_ONLY_PROBES_WARN, Relay
-from kvcoord.agent.sim_engine import Workload
 from kvcoord.router.client import CoordinatorClient
+from kvcoord.sim.engine import PromptSource
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.test_relay import RecordingSink, wait_for
 
@@ -138,18 +138,19 @@ def test_sim_engine_looks_up_each_prompt_like_a_router(tmp_path: Path) -> None:
         assert lk["self_matched_blocks"] > 0 and lk["local_cached_blocks"] > 0
         assert lk["self_matched_blocks"] <= lk["best_matched_blocks"]
         # The agent reads the engine's PUB socket live (both sides connecting would leave frames at 0).
-        # The stats file is rewritten periodically: poll it until it shows the batches the index already has.
+        # The stats file is rewritten periodically, and the first batches may all come from the replay that
+        # catches a late joiner up: poll it until live frames show.
         deadline = time.monotonic() + 30
         relay: dict[str, Any] = {}
         while time.monotonic() < deadline:
             relay = (_read_state(agent_stats) or {"relays": [{}]})["relays"][0]
-            if relay.get("batches", 0) > 0:
+            if relay.get("frames", 0) > 0:
                 break
             time.sleep(0.05)
         assert relay.get("frames", 0) > 0 and relay["replay_only_probes"] < REPLAY_ONLY_PROBES_WARN, relay
 
         # The lookups carried the request's extra keys: the salted prompt hits, the unsalted one does not.
-        prompt = Workload(3, prefixes=4, prefix_len=64, suffix_len=16, output_len=4).prompt()
+        prompt = PromptSource(3, prefixes=4, prefix_len=64, suffix_len=16, output_len=4).prompt()
         with CoordinatorClient(f"127.0.0.1:{gport}", timeout=5.0) as client:
             salted = client.lookup(MODEL, tokens=prompt, cache_salt=SALT)
             plain = client.lookup(MODEL, tokens=prompt)
@@ -196,7 +197,8 @@ def test_sim_engine_keeps_serving_when_the_coordinator_is_down(tmp_path: Path) -
 
 @pytest.mark.parametrize(("flags", "env_seed", "message"), [
     (("--lookup-node-id", "n1"), "0", "--lookup-node-id needs --lookup-coordinator"),
-    (("--lookup-coordinator", "127.0.0.1:1", "--lookup-timeout", "0"), "0", "--lookup-timeout must be > 0"),
+    (("--lookup-coordinator", "127.0.0.1:1", "--lookup-timeout", "0"), "0",
+     "argument --lookup-timeout: 0 must be > 0"),
     (("--lookup-coordinator", "127.0.0.1:1", "--lookup-tls-ca", "/nonexistent/ca.pem"), "0", "cannot read"),
     (("--algo", "md5"), "0", "unknown hash algorithm"),
     # No seed (neither --hash-seed nor PYTHONHASHSEED): refused before publishing, not at the first request.

@@ -23,20 +23,13 @@ is forwarded to an :class:`EventSink` (the reporter), whose snapshot requests th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import dataclasses
-import json
 import logging
-import os
-import signal
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -45,7 +38,6 @@ from kvcoord.agent.zmq_wire import (
     FrameError,
     ReplayClient,
     ReplayError,
-    offset_endpoint_port,
     parse_pub_frames,
     subscribe_socket,
 )
@@ -57,11 +49,8 @@ from kvcoord.events import (
     Tier,
     decode_vllm_batch,
 )
-from kvcoord.hashing import BlockHash64, HashProfile, check_algo
+from kvcoord.hashing import BlockHash64
 from kvcoord.index import validate
-
-if TYPE_CHECKING:
-    from kvcoord.agent.reporter import ChannelSecurity, Reporter
 
 log = logging.getLogger(__name__)
 
@@ -481,179 +470,3 @@ class Relay:
             self._logged.add(kind)
             log.error("%s: skipping malformed KV event frame (%s; logged once per kind): %s",
                       self.endpoint, kind, message)
-
-
-# ------------------------------------------------------------------------- kvcoord agent
-
-
-def _coordinators(values: Sequence[str]) -> list[str]:
-    out = [c.strip() for v in values for c in v.split(",") if c.strip()]
-    if not out:
-        raise ValueError("--coordinator needs at least one HOST:PORT")
-    for c in out:
-        host, _, port = c.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--coordinator {c!r} is not HOST:PORT")
-    return out
-
-
-def _dp_ranks(text: str) -> list[int]:
-    try:
-        ranks = [int(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        raise ValueError(f"--dp-ranks {text!r} is not a comma-separated list of ints") from None
-    if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
-        raise ValueError(f"--dp-ranks {text!r} must be distinct non-negative ints")
-    return ranks
-
-
-def build_relays(args: argparse.Namespace, sink: EventSink, mirror: BlockMirror) -> list[Relay]:
-    """One relay per DP rank, on vLLM's per-rank port offsets of the rank-0 endpoints."""
-    relays = []
-    for rank in _dp_ranks(args.dp_ranks):
-        endpoint = offset_endpoint_port(args.zmq_endpoint, rank)
-        assert endpoint is not None
-        relays.append(Relay(
-            endpoint, sink,
-            replay_endpoint=offset_endpoint_port(args.replay_endpoint, rank),
-            topic=args.topic, mirror=mirror, signed_hashes=args.signed_hashes, default_dp_rank=rank,
-            replay_timeout=args.replay_timeout, allowed_ranks={rank},
-        ))
-    return relays
-
-
-def agent_status(relays: Sequence[Relay], reporter: Reporter) -> dict[str, Any]:
-    """What ``kvcoord agent --stats-file`` writes: each relay's position and counters, the reporter's acks."""
-    rs = reporter.stats()
-    return {
-        "node_id": rs.node_id,
-        "relays": [{"endpoint": r.endpoint, "expected_seq": r.expected_seq,
-                    **{k: (dict(v) if isinstance(v, Counter) else v) for k, v in asdict(r.stats).items()}}
-                   for r in relays],
-        "mirror_blocks": {str(dp): relays[0].mirror.num_blocks(dp) for dp in relays[0].mirror.ranks()}
-        if relays else {},
-        "reporter": {"epoch": rs.epoch, "last_seq": rs.last_seq, "events_submitted": rs.events_submitted,
-                     "links": [asdict(link) for link in rs.links]},
-    }
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomically replace ``path`` (a reader never sees half a file)."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-async def _write_stats(path: Path, interval: float, relays: Sequence[Relay], reporter: Reporter,
-                       stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            _write_json(path, agent_status(relays, reporter))
-        except OSError as exc:
-            log.warning("cannot write %s: %s", path, exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
-
-
-async def _cancel_tasks(tasks: Sequence[asyncio.Task[None]], timeout: float) -> None:
-    """Cancel and reap tasks. A relay holds nothing to finish: its ``handle_payload`` is synchronous (the
-    mirror never sees half a batch) and its sockets close in ``finally``; one mid-replay must not delay
-    the exit, nor submit to a reporter that is closing."""
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout)
-
-
-def agent_security(args: argparse.Namespace) -> ChannelSecurity:
-    """``--token``/``--tls-*`` as the reporter's channel security (PEM files read now: bad paths exit 2)."""
-    from kvcoord.agent.reporter import ChannelSecurity
-
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ValueError("--tls-cert and --tls-key must be given together (mutual TLS)")
-    token = args.token or os.environ.get("KVCOORD_TOKEN") or None
-    security = ChannelSecurity(token=token, tls=args.tls_server_name is not None, root_ca=args.tls_ca,
-                               client_cert=args.tls_cert, client_key=args.tls_key,
-                               server_name=args.tls_server_name)
-    if security.uses_tls:
-        security.credentials()
-    return security
-
-
-def agent_hash_profile(args: argparse.Namespace) -> HashProfile | None:
-    """``--algo`` and friends as the profile the Hello announces (None: announce nothing).
-
-    The seed defaults to ``$PYTHONHASHSEED`` (then the release's default); a seed that cannot be
-    resolved is an error now, not a mismatch the coordinator discovers later.
-    """
-    given = [f for f in ("block_size", "hash_seed", "engine_release", "style")
-             if getattr(args, f) is not None]
-    if args.algo is None:
-        if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} needs --algo")
-        return None
-    if args.block_size is None:
-        raise ValueError("--algo needs --block-size")
-    algo = check_algo(args.algo)
-    seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
-    if args.engine_release is not None:
-        profile = HashProfile.for_release(args.engine_release, algo, args.block_size, seed=seed)
-        if args.style is not None:
-            profile = dataclasses.replace(profile, style=args.style)
-    else:
-        profile = HashProfile(algo, args.block_size, seed=seed, style=args.style or "untagged")
-    profile.fingerprint()  # ValueError (with the fix) when the seed cannot be resolved
-    return profile
-
-
-async def _agent_main(args: argparse.Namespace) -> int:
-    from kvcoord.agent.reporter import Reporter
-
-    mirror = BlockMirror()
-    ranks = _dp_ranks(args.dp_ranks)
-    rep = Reporter(_coordinators(args.coordinator), node_id=args.node_id, model=args.model,
-                   snapshot=mirror.rank_entries, dp_ranks=ranks, security=agent_security(args),
-                   hash_profile=agent_hash_profile(args))
-    relays = build_relays(args, rep, mirror)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await rep.start()
-    tasks = [asyncio.create_task(r.run(stop), name=f"relay-{r.endpoint}") for r in relays]
-    if args.stats_file:
-        tasks.append(asyncio.create_task(
-            _write_stats(Path(args.stats_file), args.stats_interval, relays, rep, stop), name="stats-file"))
-    log.info("agent %s: relaying %s to %s", args.node_id, ", ".join(r.endpoint for r in relays),
-             ", ".join(_coordinators(args.coordinator)))
-    stopper = asyncio.create_task(stop.wait())
-    try:
-        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t is not stopper:
-                exc = t.exception()
-                if exc is not None:
-                    raise exc
-    finally:
-        stop.set()
-        stopper.cancel()
-        await _cancel_tasks(tasks, 0.5)  # immediate: nothing is left to submit when the reporter closes
-        await rep.close(timeout=0.5)
-        if args.stats_file:  # the final word: streams closed, counters complete
-            try:
-                _write_json(Path(args.stats_file), agent_status(relays, rep))
-            except OSError as exc:
-                log.warning("cannot write %s: %s", args.stats_file, exc)
-    log.info("agent %s: stopped", args.node_id)
-    return 0
-
-
-def run_agent(args: argparse.Namespace) -> int:
-    """Body of ``kvcoord agent``."""
-    _coordinators(args.coordinator)
-    _dp_ranks(args.dp_ranks)
-    if not args.stats_interval > 0:
-        raise ValueError("--stats-interval must be > 0")
-    agent_security(args)
-    agent_hash_profile(args)
-    return asyncio.run(_agent_main(args))

@@ -31,8 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import grpc
 import grpc.aio
@@ -42,10 +41,10 @@ from kvcoord.events_proto import events_to_wire, tier_to_proto
 from kvcoord.events_proto import varint as _varint
 from kvcoord.hashing import to_block_hash64
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.transport import ChannelSecurity, open_aio_channel
 
 __all__ = [
     "AGENT_VERSION",
-    "ChannelSecurity",
     "CoordinatorEndpoint",
     "LinkStats",
     "LoadProvider",
@@ -55,86 +54,12 @@ __all__ = [
     "ReporterStats",
     "SnapshotProvider",
     "hash_profile_to_proto",
-    "open_aio_channel",
-    "open_channel",
 ]
 
 log = logging.getLogger(__name__)
 
 AGENT_VERSION = "kvcoord-reporter/1"
 INGEST_METHOD = "/kvcoord.v1.Coordinator/Ingest"
-
-
-# --- channels (shared with kvcoord.router.client) ------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class ChannelSecurity:
-    """How to reach a coordinator: bearer token and TLS material (PEM file paths).
-
-    TLS is on when ``tls`` is set or any of ``root_ca``/``client_cert`` is given; without ``root_ca``
-    the system roots are used. ``client_cert``+``client_key`` enable mutual TLS.
-    """
-
-    token: str | None = None
-    tls: bool = False
-    root_ca: str | None = None
-    client_cert: str | None = None
-    client_key: str | None = None
-    server_name: str | None = None
-    """Override the name checked against the server certificate (``ssl_target_name_override``)."""
-
-    @property
-    def uses_tls(self) -> bool:
-        return self.tls or self.root_ca is not None or self.client_cert is not None
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        """``grpc.ChannelCredentials`` for TLS; reads the PEM files now so a bad path fails early."""
-        if (self.client_cert is None) != (self.client_key is None):
-            raise ValueError("client_cert and client_key must be given together")
-
-        def read(path: str | None) -> bytes | None:
-            if path is None:
-                return None
-            try:
-                return Path(path).read_bytes()
-            except OSError as exc:
-                raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-
-        return grpc.ssl_channel_credentials(
-            root_certificates=read(self.root_ca),
-            private_key=read(self.client_key),
-            certificate_chain=read(self.client_cert),
-        )
-
-    def channel_options(self, max_message_bytes: int) -> list[tuple[str, Any]]:
-        opts: list[tuple[str, Any]] = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.enable_retries", 0),
-        ]
-        if self.server_name:
-            opts.append(("grpc.ssl_target_name_override", self.server_name))
-        return opts
-
-
-def open_aio_channel(
-    address: str, security: ChannelSecurity, max_message_bytes: int = 64 << 20
-) -> grpc.aio.Channel:
-    """A ``grpc.aio.Channel`` to ``address`` with ``security`` (token metadata is added per call)."""
-    opts = security.channel_options(max_message_bytes)
-    if security.uses_tls:
-        return grpc.aio.secure_channel(address, security.credentials(), options=opts)
-    return grpc.aio.insecure_channel(address, options=opts)
-
-
-def open_channel(address: str, security: ChannelSecurity, max_message_bytes: int = 64 << 20) -> grpc.Channel:
-    """A blocking ``grpc.Channel``, same options as :func:`open_aio_channel`."""
-    opts = security.channel_options(max_message_bytes)
-    if security.uses_tls:
-        return grpc.secure_channel(address, security.credentials(), options=opts)
-    return grpc.insecure_channel(address, options=opts)
 
 
 # --- public value types ----------------------------------------------------------------------
@@ -228,6 +153,11 @@ class LinkStats:
     unacked: int = 0
     acked_seq: int = 0
     last_error: str = ""
+    refused: str = ""
+    """Non-empty: the coordinator refused this node for good (a token not allowed for it, an unknown model
+    in strict mode, an invalid Hello); the link stopped retrying. The status and message."""
+    hash_mismatch: str = ""
+    """The coordinator says this node's hashes cannot match its own (seed, algorithm, block size, style)."""
 
 
 @dataclass(slots=True)
@@ -372,7 +302,20 @@ def _blocks_of(ev: KVEvent) -> int:
 
 
 class _StreamClosed(Exception):
-    pass
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+PERMANENT = frozenset({
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNIMPLEMENTED,
+})
+"""Statuses that refuse a stream before its Welcome for a reason a retry cannot change: the link stops."""
 
 
 # --- the reporter ----------------------------------------------------------------------------
@@ -427,6 +370,8 @@ class Reporter:
         self._closing = False
         self._closed = False
         self._ack_event: asyncio.Event | None = None
+        self.refused = asyncio.Event()
+        """Set once every coordinator refused this node for good (see ``LinkStats.refused``)."""
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -638,20 +583,28 @@ class Reporter:
         last_logged = ""
         while not self._closing:
             welcomed = False
+            code: grpc.StatusCode | None = None
             try:
                 welcomed = await self._session(link)
             except asyncio.CancelledError:
                 link.stats.connected = False
                 raise
             except grpc.aio.AioRpcError as exc:
-                link.stats.last_error = f"{exc.code().name}: {exc.details()}"
-            except (_StreamClosed, TimeoutError, OSError, ValueError) as exc:
+                code = exc.code()
+                link.stats.last_error = f"{code.name}: {exc.details()}"
+            except _StreamClosed as exc:
+                code = exc.code
+                link.stats.last_error = str(exc)
+            except (TimeoutError, OSError, ValueError) as exc:
                 link.stats.last_error = str(exc) or type(exc).__name__
             except Exception as exc:  # a bug or a snapshot provider failure: keep the engine running
                 link.stats.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("coordinator %s: stream failed", link.endpoint.address)
             link.stats.connected = False
             if self._closing:
+                return
+            if not welcomed and code in PERMANENT:
+                self._refuse(link)
                 return
             if link.stats.last_error != last_logged:
                 last_logged = link.stats.last_error
@@ -661,6 +614,23 @@ class Reporter:
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, opts.backoff_max)
             link.stats.reconnects += 1
+
+    def _refuse(self, link: _Link) -> None:
+        link.stats.refused = link.stats.last_error
+        log.error("coordinator %s refused node %s for good (%s); not retrying", link.endpoint.address,
+                  self.node_id, link.stats.refused)
+        if all(lk.stats.refused for lk in self._links):
+            self.refused.set()
+
+    def refusals(self) -> list[str]:
+        """``address: reason`` of every coordinator that refused this node for good."""
+        return [f"{lk.endpoint.address}: {lk.stats.refused}" for lk in self._links if lk.stats.refused]
+
+    def _mismatch(self, link: _Link, message: str) -> None:
+        if message and message != link.stats.hash_mismatch:
+            log.error("coordinator %s: this node's block hashes do not match its profile, so its cache "
+                      "will not be found by token lookups: %s", link.endpoint.address, message)
+        link.stats.hash_mismatch = message
 
     async def _session(self, link: _Link) -> bool:
         """One stream's life. Returns True if it got as far as a Welcome."""
@@ -701,11 +671,12 @@ class Reporter:
     async def _raise_status(self, call: grpc.aio.StreamStreamCall) -> None:
         code = await call.code()
         if code is not None and code != grpc.StatusCode.OK:
-            raise _StreamClosed(f"{code.name}: {await call.details()}")
+            raise _StreamClosed(f"{code.name}: {await call.details()}", code)
 
     def _on_welcome(self, link: _Link, w: pb.Welcome) -> int:
         """Apply the coordinator's view; returns the cursor (last seq it has) for the writer."""
         link.batch_groups = w.batch_groups
+        self._mismatch(link, w.hash_mismatch)
         acked = w.acked_seq if w.epoch in (0, self.epoch) else 0
         if w.epoch not in (0, self.epoch):
             log.warning("coordinator %s welcomed epoch %d, ours is %d",
@@ -785,6 +756,12 @@ class Reporter:
                     log.info("coordinator %s asks for a snapshot: %s", link.endpoint.address,
                              msg.snapshot_request.reason)
                     link.snapshot_requested = True
+                elif kind == "notice":
+                    if msg.notice.state == "hash_mismatch":
+                        self._mismatch(link, msg.notice.message)
+                    else:
+                        log.info("coordinator %s: node %s is %s: %s", link.endpoint.address, self.node_id,
+                                 msg.notice.state, msg.notice.message)
                 else:
                     log.debug("coordinator %s: ignoring %s", link.endpoint.address, kind)
         finally:

@@ -60,6 +60,14 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+class EndpointError(OSError):
+    """A ZMQ endpoint that cannot be bound or connected (address in use, bad address): one line."""
+
+
+def _endpoint_error(verb: str, endpoint: str, exc: zmq.ZMQError) -> EndpointError:
+    return EndpointError(f"cannot {verb} {endpoint}: {exc.strerror or exc}")
+
+
 class ZmqEventPublisher:
     """Reliable PUB/ROUTER publisher with an in-memory replay buffer (vLLM-exact).
 
@@ -100,19 +108,23 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket[Any] | None = None
+        binds = bind if bind is not None else _binds(self.endpoint)
+        where = self.endpoint
         try:
-            if (bind if bind is not None else _binds(self.endpoint)):
+            if binds:
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint is not None:
+                where = self.replay_endpoint
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(self.replay_endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self._pub.close(linger=0)
             if self._replay is not None:
                 self._replay.close(linger=0)
-            raise
+            verb = "bind" if binds or where != self.endpoint else "connect"
+            raise _endpoint_error(verb, where, exc) from None
         self._next_seq = 0
         self._stop_at: float | None = None
         self._running = True
@@ -295,8 +307,8 @@ def subscribe_socket(ctx: zmq.asyncio.Context, endpoint: str, topic: str, *, hwm
             sock.bind(endpoint)
         else:
             sock.connect(endpoint)
-    except zmq.ZMQError:
+    except zmq.ZMQError as exc:
         with contextlib.suppress(Exception):
             sock.close(linger=0)
-        raise
+        raise _endpoint_error("bind" if _binds(endpoint) else "connect", endpoint, exc) from None
     return sock

@@ -16,6 +16,8 @@ from typing import Any, cast
 
 from kvcoord.events import Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, HASH_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
+from kvcoord.index.uri import check_index_uri
+from kvcoord.transport import split_hostport
 
 EXAMPLE_TOML = """\
 listen = "127.0.0.1:50051"          # gRPC HOST:PORT
@@ -226,8 +228,11 @@ def check_hostport(where: str, value: str, *, allow_empty: bool = False) -> str:
     """Validate ``HOST:PORT`` (``[v6]:PORT`` too); port 0 means any free port."""
     if allow_empty and value == "":
         return value
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    try:
+        host, _ = split_hostport(value)
+    except ValueError:
+        host = ""
+    if not host:
         raise ConfigError(f"{where}: expected HOST:PORT, got {value!r}")
     return value
 
@@ -354,7 +359,14 @@ def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> 
         values[key] = check_hostport(where, _as_str(where, raw))
     elif key == "metrics_listen":
         values[key] = check_hostport(where, _as_str(where, raw), allow_empty=True)
-    elif key in ("index", "index_key_prefix"):
+    elif key == "index":
+        uri = _as_str(where, raw)
+        try:
+            check_index_uri(uri)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        values[key] = uri
+    elif key == "index_key_prefix":
         values[key] = _as_str(where, raw)
     elif key == "lease_seconds" or key == "stats_interval":
         values[key] = _as_float(where, raw)

@@ -218,12 +218,18 @@ class CoordinatorState:
         log.log(level, msg, *args)
 
     # --- nodes ------------------------------------------------------------------------------
-    def mark_hash_mismatch(self, rec: NodeRecord, reason: str) -> None:
+    def mark_hash_mismatch(self, rec: NodeRecord, reason: str, *, notify: bool = True) -> None:
+        """The node's hashes cannot match this coordinator's: mark it, count it, log it once, and (with
+        ``notify``) tell its agent, which logs it too."""
         if rec.hash_mismatch:
             return
         rec.hash_mismatch = True
         rec.hash_mismatch_reason = reason
         self.metrics.hash_mismatch(rec.model)
+        entry = self._push.get(rec.node_id)
+        if notify and entry is not None and entry[0] == rec.stream_gen:
+            notice = pb.NodeNotice(state="hash_mismatch", message=reason)
+            entry[1](pb.CoordinatorMessage(notice=notice))
         self.log_once(
             f"hash-mismatch:{rec.node_id}:{rec.epoch}",
             logging.ERROR,

@@ -6,9 +6,10 @@ Ordering contract (shared with kvcoord.agent.reporter):
    when the coordinator still holds this exact (node, epoch) in sync (a reconnect after a blip);
    then ``acked_seq`` tells the agent what to resend.
 2. Batch seqs count 1, 2, 3, ... per (node, epoch) across dp ranks (an ``EventBatches`` message carries
-   several in order, each handled exactly as if sent alone). ``seq == last+1`` is applied and
-   acked (acks are cumulative, so the stream's writer coalesces them: at most one per 5 ms per
-   stream); ``seq <= last`` is a duplicate (dropped, last re-acked); ``seq > last+1`` is a gap: the
+   several in order, each handled exactly as if sent alone, and the message gets one Ack once all
+   of them were handled). ``seq == last+1`` is applied and acked (acks are cumulative, so the
+   stream's writer coalesces them: at most one per 5 ms per stream); ``seq <= last`` is a duplicate
+   (dropped, last re-acked); ``seq > last+1`` is a gap: the
    coordinator sends SnapshotRequest and discards batches until the snapshot arrives.
 3. Snapshot chunks accumulate per dp rank until one has ``final``; then every rank of the Hello is
    replaced (ranks absent from the snapshot become empty), ``last = seq`` and Ack(seq).
@@ -58,6 +59,8 @@ n_events, n_stored, n_removed, n_cleared, raw_events, stored_info, start, end)``
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
 
+BATCH_TAG = b"\x12"
+"""The first byte of an ``AgentMessage{batch}`` (field 2, length-delimited); ``batches`` starts ``\x2a``."""
 MAX_ID_LEN = 256
 MAX_DP_RANKS = 1024
 _TIERS = tuple(Tier)
@@ -208,7 +211,7 @@ class IngestSession:
             )
         rec = self._owned()
         self.state.registry.heard(rec)
-        if len(batches) == 1:
+        if data[:1] == BATCH_TAG:
             return await self._batch(rec, batches[0], data)
         done = await self._group(rec, batches, data)
         if done is not None:
@@ -259,18 +262,17 @@ class IngestSession:
             if verify and profile is not None:
                 verify = not self._verify(rec, profile, b, data)
         self._account_counts(0.0, stored, removed, cleared, batches=len(batches))
-        if self.ack is not None:
-            self.ack(self.epoch, last)
-            return []
-        return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=last))]
+        return self._acked(last, defer=True)  # a group's one Ack is a reply, as in _batches
 
     async def _batches(
         self, rec: NodeRecord, batches: Sequence[pb.EventBatch | ScannedBatch], data: bytes = b""
     ) -> list[pb.CoordinatorMessage]:
-        """Each batch on its own, in order, as if sent alone; acks are cumulative, keep the last."""
+        """Each batch on its own, in order, as if sent alone. Acks are cumulative: a group gets one
+        Ack, for its last applied batch, after every batch of it was handled (and before any other
+        reply that followed it, such as a SnapshotRequest)."""
         out: list[pb.CoordinatorMessage] = []
         for batch in batches:
-            replies = await self._batch(rec, batch, data)
+            replies = await self._batch(rec, batch, data, defer_ack=True)
             if replies and out and out[-1].HasField("ack") and replies[0].HasField("ack"):
                 out.pop()
             out.extend(replies)
@@ -348,7 +350,7 @@ class IngestSession:
             if profile is not None:
                 reason = compare_announced(rec.announced, profile)
                 if reason is not None:
-                    self.state.mark_hash_mismatch(rec, reason)
+                    self.state.mark_hash_mismatch(rec, reason, notify=False)  # said in the Welcome
         else:
             rec.announced = None
         out = [
@@ -359,6 +361,7 @@ class IngestSession:
                     lease_seconds=cfg.lease_seconds,
                     snapshot_required=not resume,
                     batch_groups=True,
+                    hash_mismatch=rec.hash_mismatch_reason if rec.hash_mismatch else "",
                 )
             )
         ]
@@ -415,10 +418,16 @@ class IngestSession:
         return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
 
     async def _batch(
-        self, rec: NodeRecord, batch: pb.EventBatch | ScannedBatch, data: bytes = b""
+        self,
+        rec: NodeRecord,
+        batch: pb.EventBatch | ScannedBatch,
+        data: bytes = b"",
+        *,
+        defer_ack: bool = False,
     ) -> list[pb.CoordinatorMessage]:
         """One numbered batch, given as a protobuf message or as a ``kvcoord._wirescan`` tuple (read
-        from ``data``; then the raw events and counts are already known)."""
+        from ``data``; then the raw events and counts are already known). ``defer_ack``: return the
+        Ack as a reply (the group it belongs to sends one Ack) instead of queueing it at once."""
         st = self.state
         raw: list[RawEvent] | None = None
         scanned = type(batch) is tuple
@@ -444,10 +453,7 @@ class IngestSession:
             last = rec.last_seq
             if seq <= last:
                 st.metrics.batch("duplicate")
-                if self.ack is not None:  # every Ack of a batch takes the same way, so they stay in order
-                    self.ack(self.epoch, last)
-                    return []
-                return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=last))]
+                return self._acked(last, defer_ack)
             if seq > last + 1:
                 st.metrics.batch("gap")
                 st.log_once(
@@ -524,7 +530,11 @@ class IngestSession:
             self._account_counts(ts, n_stored, n_removed, n_cleared)
         if verify and profile is not None:
             self._verify(rec, profile, batch, data)
-        if self.ack is not None:
+        return self._acked(seq, defer_ack)
+
+    def _acked(self, seq: int, defer: bool) -> list[pb.CoordinatorMessage]:
+        """Ack(seq): queued on the stream's writer (coalesced there), or returned as a reply."""
+        if self.ack is not None and not defer:
             self.ack(self.epoch, seq)
             return []
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=seq))]

@@ -7,7 +7,6 @@ HTTP server is shut down and (when the server opened it) the index is closed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -20,12 +19,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvcoord.coordinator.auth import Authenticator
-from kvcoord.coordinator.config import ConfigError, CoordinatorConfig, load_config
+from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials
 from kvcoord.index import Index, open_index
+from kvcoord.transport import ListenError, check_bindable, split_hostport
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -33,11 +33,6 @@ LIVENESS = "kvcoord.liveness"
 """Health service name that is SERVING while the process runs, whatever the index does: the liveness
 probe's. ``""`` and ``kvcoord.v1.Coordinator`` follow the index (readiness): a Redis outage must take
 a replica out of rotation, not get it restarted."""
-
-
-def split_hostport(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class CoordinatorServer:
@@ -87,15 +82,18 @@ class CoordinatorServer:
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await hs.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        check_bindable(cfg.listen)
+        if cfg.metrics_listen:
+            check_bindable(cfg.metrics_listen)
         try:
             if cfg.tls.enabled:
                 self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls))
             else:
                 self.port = server.add_insecure_port(cfg.listen)
         except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on {cfg.listen}: {exc}") from None
+            raise ListenError(f"cannot listen on {cfg.listen}: {exc}") from None
         if not self.port:
-            raise ConfigError(f"cannot listen on {cfg.listen}")
+            raise ListenError(f"cannot listen on {cfg.listen}")
         await server.start()
         self._server = server
 
@@ -122,9 +120,7 @@ class CoordinatorServer:
                 self.metrics_port = state.metrics.serve(host, port)
             except OSError as exc:
                 await self.stop()
-                raise ConfigError(
-                    f"cannot serve metrics on {cfg.metrics_listen}: {exc.strerror or exc}"
-                ) from None
+                raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
         state.start_background()
 
     async def stop(self, grace: float = 0.5) -> None:
@@ -166,30 +162,6 @@ class CoordinatorServer:
         await self.stop()
 
 
-def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
-    """Flags win over env vars, which win over the config file."""
-    keys = (
-        "listen",
-        "metrics_listen",
-        "index",
-        "lease_seconds",
-        "strict_models",
-        "max_message_bytes",
-        "max_events_per_batch",
-        "max_query_blocks",
-        "tls_cert",
-        "tls_key",
-        "tls_client_ca",
-    )
-    overrides: dict[str, object] = {k: getattr(args, k, None) for k in keys}
-    if getattr(args, "model", None):
-        overrides["models"] = args.model
-    for k in ("agent_token", "router_token", "admin_token"):
-        if getattr(args, k, None):
-            overrides[k + "s"] = getattr(args, k)
-    return load_config(getattr(args, "config", None), overrides=overrides)
-
-
 async def serve(config: CoordinatorConfig) -> None:
     """Run until SIGTERM or SIGINT, then stop within about a second."""
     loop = asyncio.get_running_loop()
@@ -227,10 +199,3 @@ async def serve(config: CoordinatorConfig) -> None:
         print("kvcoord serve: stopping", file=sys.stderr, flush=True)
         await server.stop(grace=0.5)
     print("kvcoord serve: stopped", file=sys.stderr, flush=True)
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    """Body of ``kvcoord serve``."""
-    config = config_from_args(args)
-    asyncio.run(serve(config))
-    return 0

@@ -23,9 +23,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvcoord.coordinator.registry import ACTIVE, HASH_MISMATCH, Load
+from kvcoord.index.uri import is_redis, parse_redis_uri
 
 log = logging.getLogger("kvcoord.coordinator.shared")
 
@@ -123,10 +123,6 @@ end
 return 1
 """
 
-_OPTIONS = ("buckets", "timeout", "prefix", "mirror")
-"""Query parameters of an index URI that belong to RedisIndex, not to the connection."""
-
-
 class RedisDirectory:
     """The directory as one Redis hash (one key: on a Cluster it lives on one shard, which is fine for
     a few thousand small records read twice a second)."""
@@ -138,28 +134,8 @@ class RedisDirectory:
 
     @classmethod
     def from_uri(cls, uri: str, *, key_prefix: str = "kvcoord") -> RedisDirectory:
-        import redis.asyncio as aredis
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
-
-        parts = urlsplit(uri)
-        query = dict(parse_qsl(parts.query))
-        prefix = query.get("prefix", key_prefix)
-        timeout = float(query.get("timeout", "5"))
-        for k in _OPTIONS:
-            query.pop(k, None)
-        common: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": min(timeout, 2.0)}
-        client: Any
-        if parts.scheme == "redis+cluster":
-            nodes = []
-            for hp in parts.netloc.rsplit("@", 1)[-1].split(","):
-                host, _, port = hp.strip().rpartition(":")
-                nodes.append(ClusterNode(host.strip("[]"), int(port)))
-            client = RedisCluster(
-                startup_nodes=nodes, username=parts.username, password=parts.password, **common
-            )
-        else:
-            client = aredis.Redis.from_url(urlunsplit(parts._replace(query=urlencode(query))), **common)
-        return cls(client, f"{{{prefix}}}:nodes")
+        parsed = parse_redis_uri(uri)
+        return cls(parsed.client(), f"{{{parsed.prefix or key_prefix}}}:nodes")
 
     async def publish(self, nodes: Sequence[SharedNode]) -> None:
         if not nodes:
@@ -218,6 +194,6 @@ class RedisDirectory:
 
 def open_directory(uri: str, *, key_prefix: str = "kvcoord") -> NodeDirectory | None:
     """The directory that goes with an index URI: Redis for ``redis://``/``redis+cluster://``, else None."""
-    if uri.startswith(("redis://", "rediss://", "redis+cluster://", "unix://")):
+    if is_redis(uri):
         return RedisDirectory.from_uri(uri, key_prefix=key_prefix)
     return None

@@ -11,6 +11,7 @@ from kvcoord.index.base import (
     NodeMatch,
     SnapshotEntry,
 )
+from kvcoord.index.uri import check_index_uri, is_memory
 
 __all__ = [
     "ApplyResult",
@@ -26,12 +27,11 @@ __all__ = [
 
 def open_index(uri: str, *, key_prefix: str = "kvcoord") -> Index:
     """Open a backend from a URI: ``memory``, ``redis://host:port/db`` or ``redis+cluster://h:p,…``."""
-    if uri in ("", "memory", "memory://"):
+    check_index_uri(uri)
+    if is_memory(uri):
         from kvcoord.index.memory import MemoryIndex
 
         return MemoryIndex()
-    if uri.startswith(("redis://", "rediss://", "redis+cluster://", "unix://")):
-        from kvcoord.index.redis import RedisIndex
+    from kvcoord.index.redis import RedisIndex
 
-        return RedisIndex.from_uri(uri, key_prefix=key_prefix)
-    raise ValueError(f"unknown index backend {uri!r}: use 'memory', 'redis://host:port/db' or 'redis+cluster://…'")
+    return RedisIndex.from_uri(uri, key_prefix=key_prefix)

@@ -92,12 +92,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio as aredis
 import redis.exceptions as rexc
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection as _PlainConnection
 
 from kvcoord.events import KVEvent, Tier
@@ -110,6 +109,7 @@ from kvcoord.index.base import (
     NodeMatch,
     SnapshotEntry,
 )
+from kvcoord.index.uri import parse_redis_uri
 
 log = logging.getLogger(__name__)
 
@@ -1390,37 +1390,9 @@ class RedisIndex:
         answer lookups from an in-memory copy kept current by Redis's change feed; see
         :class:`_Mirror`). Does not connect.
         """
-        parts = urlsplit(uri)
-        query = dict(parse_qsl(parts.query))
-        buckets = int(query.pop("buckets")) if "buckets" in query else None
-        mirror = query.pop("mirror", "0")
-        if mirror not in ("0", "1"):
-            raise ValueError(f"mirror must be 0 or 1, not {mirror!r}")
-        timeout = float(query.pop("timeout", "5"))
-        key_prefix = query.pop("prefix", key_prefix)
-        common: dict[str, Any] = {
-            "socket_timeout": timeout,
-            "socket_connect_timeout": min(timeout, 2.0),
-            "decode_responses": False,
-        }
-        if parts.scheme == "redis+cluster":
-            nodes: list[ClusterNode] = []
-            for hp in parts.netloc.rsplit("@", 1)[-1].split(","):
-                host, _, port = hp.strip().rpartition(":")
-                if not host or not port.isdigit():
-                    raise ValueError(f"bad cluster node {hp!r} in {uri!r}: want host:port")
-                nodes.append(ClusterNode(host.strip("[]"), int(port)))
-            if not nodes:
-                raise ValueError(f"no cluster nodes in {uri!r}")
-            if query:
-                raise ValueError(f"unknown redis+cluster option(s) {sorted(query)} in {uri!r}")
-            client: aredis.Redis | RedisCluster = RedisCluster(
-                startup_nodes=nodes, username=parts.username, password=parts.password, **common
-            )
-        else:
-            rest = urlunsplit(parts._replace(query=urlencode(query)))
-            client = aredis.Redis.from_url(rest, **common)
-        return cls(client, key_prefix=key_prefix, buckets=buckets, mirror=mirror == "1")
+        parsed = parse_redis_uri(uri)
+        return cls(parsed.client(), key_prefix=parsed.prefix or key_prefix, buckets=parsed.buckets,
+                   mirror=parsed.mirror)
 
     def bucket_of(self, node_id: str) -> int:
         """The bucket (hence hash tag, slot and shard) holding every key of ``node_id``."""

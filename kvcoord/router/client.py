@@ -1,27 +1,23 @@
 """Python client of the coordinator, for routers: ``CoordinatorClient`` (blocking) and
-``AsyncCoordinatorClient`` (asyncio), with typed results; plus the ``kvcoord lookup`` / ``kvcoord stats``
-command bodies.
+``AsyncCoordinatorClient`` (asyncio), with typed results.
 
 Errors from the coordinator surface as :class:`CoordinatorError` carrying the gRPC status code.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 import grpc.aio
 
-from kvcoord.agent.reporter import ChannelSecurity, NodeLoad, open_aio_channel, open_channel
+from kvcoord.agent.reporter import NodeLoad
 from kvcoord.events import Tier
 from kvcoord.proto.v1 import kvcoord_pb2 as pb
 from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
+from kvcoord.transport import ChannelSecurity, open_aio_channel, open_channel
 
 __all__ = [
     "AsyncCoordinatorClient",
@@ -34,8 +30,6 @@ __all__ = [
     "NodeLoad",
     "NodeLookup",
     "NodeStatus",
-    "run_lookup",
-    "run_stats",
 ]
 
 _UINT64_MAX = (1 << 64) - 1
@@ -364,132 +358,3 @@ class AsyncCoordinatorClient:
 
     async def ping(self) -> None:
         await self._call(self._stub.Ping, pb.PingRequest())
-
-
-# --- CLI bodies ------------------------------------------------------------------------------
-@dataclass(slots=True)
-class _Query:
-    tokens: list[int] | None = None
-    hashes: list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _parse_int_list(text: str, what: str) -> list[int]:
-    out = []
-    for i, part in enumerate(p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        try:
-            v = int(part, 0)
-        except ValueError:
-            raise ValueError(f"{what}: item {i} {part!r} is not an integer") from None
-        if not 0 <= v <= _UINT64_MAX:
-            raise ValueError(f"{what}: item {i} {v} is not a uint64")
-        out.append(v)
-    if not out:
-        raise ValueError(f"{what}: empty list")
-    return out
-
-
-def _read_tokens_file(path: str) -> list[int]:
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    except OSError as exc:
-        raise ValueError(f"--tokens-file: cannot read {path}: {exc.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--tokens-file: not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in data):
-        raise ValueError("--tokens-file: expected a JSON list of integers")
-    return _u64_list(data, "--tokens-file")
-
-
-def _security(args: argparse.Namespace) -> ChannelSecurity:
-    return ChannelSecurity(
-        token=getattr(args, "token", None) or None,
-        tls=bool(getattr(args, "tls", False)),
-        root_ca=getattr(args, "tls_ca", None),
-        client_cert=getattr(args, "tls_cert", None),
-        client_key=getattr(args, "tls_key", None),
-        server_name=getattr(args, "tls_server_name", None),
-    )
-
-
-def _query(args: argparse.Namespace) -> _Query:
-    q = _Query()
-    if args.tokens is not None:
-        q.tokens = _parse_int_list(args.tokens, "--tokens")
-    elif args.tokens_file is not None:
-        q.tokens = _read_tokens_file(args.tokens_file)
-    else:
-        q.hashes = _parse_int_list(args.hashes, "--hashes")
-    if q.tokens is not None:
-        mm = []
-        for spec in getattr(args, "mm", None) or []:
-            parts = spec.rsplit(":", 2)
-            if len(parts) != 3:
-                raise ValueError(f"--mm {spec!r}: expected ID:OFFSET:LENGTH")
-            try:
-                mm.append((parts[0], int(parts[1]), int(parts[2])))
-            except ValueError:
-                raise ValueError(f"--mm {spec!r}: OFFSET and LENGTH must be integers") from None
-        digests = None
-        if getattr(args, "prompt_embeds_digests", None):
-            try:
-                digests = [bytes.fromhex(h.strip()) for h in args.prompt_embeds_digests.split(",")]
-            except ValueError:
-                raise ValueError("--prompt-embeds-digests: expected comma separated hex") from None
-        q.extra = {"lora_name": args.lora_name, "lora_path": args.lora_path, "cache_salt": args.cache_salt,
-                   "mm_items": mm, "prompt_embeds_digests": digests}
-    elif args.lora_name or args.lora_path or args.cache_salt:
-        raise ValueError("--lora-name/--lora-path/--cache-salt apply to token queries only")
-    candidates = []
-    for spec in getattr(args, "candidate", None) or []:
-        node, _, rank = spec.partition(":") if ":" in spec else (spec, "", "0")
-        if not node or not rank.isdigit():
-            raise ValueError(f"--candidate {spec!r}: expected NODE_ID[:DP_RANK]")
-        candidates.append((node, int(rank)))
-    if candidates:
-        q.extra["candidates"] = candidates
-    return q
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def _rpc_failed(command: str, exc: CoordinatorError) -> int:
-    print(f"kvcoord {command}: {exc}", file=sys.stderr)
-    return 1
-
-
-def run_lookup(args: argparse.Namespace) -> int:
-    """``kvcoord lookup``: print the coordinator's answer as JSON, best node first."""
-    q = _query(args)
-    query: dict[str, Any] = dict(q.extra)
-    if q.tokens is not None:
-        query["tokens"] = q.tokens
-    else:
-        query["hashes"] = q.hashes
-    build_lookup_request(args.model, **query)  # validate before connecting
-    with CoordinatorClient(args.coordinator, security=_security(args), timeout=args.timeout) as client:
-        try:
-            result = client.lookup(args.model, **query)
-        except CoordinatorError as exc:
-            return _rpc_failed("lookup", exc)
-    _print_json(result.to_json())
-    return 0
-
-
-def run_stats(args: argparse.Namespace) -> int:
-    """``kvcoord stats``: print the coordinator's state as JSON."""
-    with CoordinatorClient(args.coordinator, security=_security(args), timeout=args.timeout) as client:
-        try:
-            stats = client.stats()
-        except CoordinatorError as exc:
-            return _rpc_failed("stats", exc)
-    _print_json(stats.to_json())
-    return 0
-

@@ -193,6 +193,11 @@ class PolicyResult:
 _FINISH = 0
 
 
+Progress = Callable[[int, int], None]
+"""Called with (requests routed so far, requests in the workload)."""
+PROGRESS_EVERY = 100
+
+
 def simulate(
     workload: Workload,
     policy: Policy,
@@ -201,11 +206,13 @@ def simulate(
     index: Index | SimBackend,
     *,
     keep_decisions: int = 5,
+    progress: Progress | None = None,
 ) -> PolicyResult:
     """Replay ``workload`` on a fresh cluster under ``policy``; ``index`` must start empty.
 
     ``index`` is an index (events applied in process) or a :class:`SimBackend` such as
-    :class:`kvcoord.sim.remote.CoordinatorBackend`; either way it is closed at the end."""
+    :class:`kvcoord.sim.remote.CoordinatorBackend`; either way it is closed at the end. ``progress`` is
+    called with (requests routed, requests in all) every ``PROGRESS_EVERY`` requests."""
     adapter = index if isinstance(index, SimBackend) else IndexAdapter(index)
     try:
         bs = profile.block_size
@@ -215,7 +222,7 @@ def simulate(
                 f"a prompt needs {max_blocks} blocks but a node has {config.blocks_per_node - 1}; "
                 "raise --blocks-per-node"
             )
-        return _simulate(workload, policy, profile, config, adapter, keep_decisions)
+        return _simulate(workload, policy, profile, config, adapter, keep_decisions, progress)
     finally:
         adapter.close()
 
@@ -227,6 +234,7 @@ def _simulate(
     config: ClusterConfig,
     adapter: SimBackend,
     keep_decisions: int,
+    progress: Progress | None,
 ) -> PolicyResult:
     lat = config.latency
     bs = profile.block_size
@@ -303,7 +311,10 @@ def _simulate(
 
     by_key = {nd.key: nd for nd in nodes}
     now = 0.0
-    for req in workload.requests:
+    total = len(workload.requests)
+    for routed, req in enumerate(workload.requests):
+        if progress is not None and routed % PROGRESS_EVERY == 0:
+            progress(routed, total)
         while heap and heap[0][0] <= req.arrival:
             now, _, _, ni, blocks = heapq.heappop(heap)
             finish(nodes[ni], now, blocks)

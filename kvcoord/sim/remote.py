@@ -16,17 +16,21 @@ share one coordinator without seeing each other's nodes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from kvcoord.agent.pool import BlockPool
-from kvcoord.agent.reporter import ChannelSecurity, Reporter, ReporterOptions
+from kvcoord.agent.reporter import Reporter, ReporterOptions
 from kvcoord.events import KVEvent, Tier
 from kvcoord.hashing import BlockHash64, HashProfile
 from kvcoord.index.base import NodeMatch
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.sim.cluster import SimBackend
+from kvcoord.transport import ChannelSecurity
+
+log = logging.getLogger(__name__)
 
 
 def run_tag(policy: str) -> str:
@@ -124,7 +128,17 @@ class CoordinatorBackend(SimBackend):
         return result
 
     async def _close(self) -> None:
+        """Close the streams, then remove the run's nodes: left behind, they would expire a lease later
+        and show in ``kvcoord stats`` (and fire ``KvcoordLeasesExpiring``) against a real coordinator."""
         await asyncio.gather(*(r.close() for r in self._reporters.values()))
+        if self._client is not None:
+            client = self._client
+            results = await asyncio.gather(*(client.remove(self.prefix + n) for n in self._reporters),
+                                           return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                log.warning("simulate: %d of %d simulated nodes were not removed from %s: %s", len(failed),
+                            len(results), self.address, failed[0])
         self._reporters.clear()
         if self._client is not None:
             await self._client.close()

@@ -67,12 +67,17 @@ def average_seeds(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             continue
         mean = sum(float(r[key]) for r in rows) / len(rows)
         out[key] = round(mean) if isinstance(value, int) else round(mean, 6)
-    hits = [float(r["token_hit_rate"]) for r in rows]
     out["seeds"] = [r.get("seed") for r in rows]
-    out["token_hit_rate_min"] = min(hits)
-    out["token_hit_rate_max"] = max(hits)
+    for key in RANGED_KEYS:
+        values = [float(r[key]) for r in rows]
+        out[f"{key}_min"] = min(values)
+        out[f"{key}_max"] = max(values)
     out.pop("seed", None)
     return out
+
+
+RANGED_KEYS = ("token_hit_rate", "ttft_p50_s", "ttft_p99_s", "load_imbalance", "overhead_us_mean")
+"""Keys whose min and max across seeds a seed-averaged row keeps (the plot's error bars)."""
 
 
 def deterministic_view(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,36 +116,55 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join([line(heads), sep, *(line(c) for c in cells)])
 
 
-def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
-    """Four bar charts (hit rate, TTFT p50/p99, load imbalance, routing overhead) in one PNG.
-
-    Needs matplotlib (the ``plot`` extra); raises ``ValueError`` saying so when it is missing.
-    """
+def check_plotting() -> None:
+    """Raise ``ValueError`` naming the fix when matplotlib (the ``plot`` extra) is missing."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kvcoord[plot]'") from None
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ValueError("--plot needs matplotlib: pip install 'kvcoord[plot]'") from exc
+
+def _spread(rows: Sequence[dict[str, Any]], key: str, scale: float = 1.0) -> list[list[float]] | None:
+    """Error bars from a seed-averaged row's min and max of ``key`` (None for single-seed rows)."""
+    if not all(f"{key}_min" in r for r in rows):
+        return None
+    return [[scale * (float(r[key]) - float(r[f"{key}_min"])) for r in rows],
+            [scale * (float(r[f"{key}_max"]) - float(r[key])) for r in rows]]
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
+    """Four bar charts (hit rate, TTFT p50/p99, load imbalance, routing overhead) in one PNG; with several
+    seeds, bars are means and whiskers the min-max range across seeds."""
+    check_plotting()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     names = [str(r["policy"]) for r in rows]
     xs = list(range(len(names)))
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    bars = {"capsize": 4, "ecolor": "black"}
     ax = axes[0]
-    ax.bar(xs, [100 * float(r["token_hit_rate"]) for r in rows], color="tab:green")
+    ax.bar(xs, [100 * float(r["token_hit_rate"]) for r in rows], color="tab:green",
+           yerr=_spread(rows, "token_hit_rate", 100.0), error_kw=bars)
     ax.set_title("token hit rate (%)")
     ax = axes[1]
     w = 0.38
-    ax.bar([x - w / 2 for x in xs], [float(r["ttft_p50_s"]) for r in rows], w, label="p50")
-    ax.bar([x + w / 2 for x in xs], [float(r["ttft_p99_s"]) for r in rows], w, label="p99")
+    ax.bar([x - w / 2 for x in xs], [float(r["ttft_p50_s"]) for r in rows], w, label="p50",
+           yerr=_spread(rows, "ttft_p50_s"), error_kw=bars)
+    ax.bar([x + w / 2 for x in xs], [float(r["ttft_p99_s"]) for r in rows], w, label="p99",
+           yerr=_spread(rows, "ttft_p99_s"), error_kw=bars)
     ax.set_title("TTFT (s, modelled)")
     ax.legend()
     ax = axes[2]
-    ax.bar(xs, [float(r["load_imbalance"]) for r in rows], color="tab:orange")
+    ax.bar(xs, [float(r["load_imbalance"]) for r in rows], color="tab:orange",
+           yerr=_spread(rows, "load_imbalance"), error_kw=bars)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_title("load imbalance (max/mean in flight)")
     ax = axes[3]
-    ax.bar(xs, [float(r["overhead_us_mean"]) for r in rows], color="tab:purple")
+    ax.bar(xs, [float(r["overhead_us_mean"]) for r in rows], color="tab:purple",
+           yerr=_spread(rows, "overhead_us_mean"), error_kw=bars)
     ax.set_title("routing overhead (µs/request, measured)")
     for ax in axes:
         ax.set_xticks(xs)

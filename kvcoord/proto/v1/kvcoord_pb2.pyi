@@ -606,6 +606,7 @@ class Welcome(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     SNAPSHOT_REQUIRED_FIELD_NUMBER: _builtins.int
     BATCH_GROUPS_FIELD_NUMBER: _builtins.int
+    HASH_MISMATCH_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     acked_seq: _builtins.int
     """batches up to here are already applied (same epoch only)"""
@@ -615,6 +616,10 @@ class Welcome(_message.Message):
     """send a Snapshot before (or along with) further batches"""
     batch_groups: _builtins.bool
     """added later: the coordinator accepts AgentMessage.batches"""
+    hash_mismatch: _builtins.str
+    """Added later: non-empty when the Hello's hash_profile cannot produce the coordinator's hashes for
+    this model (seed, algorithm, block size or style differ): what differs, for the agent's log.
+    """
     def __init__(
         self,
         *,
@@ -623,10 +628,11 @@ class Welcome(_message.Message):
         lease_seconds: _builtins.float = ...,
         snapshot_required: _builtins.bool = ...,
         batch_groups: _builtins.bool = ...,
+        hash_mismatch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "batch_groups", b"batch_groups", "epoch", b"epoch", "lease_seconds", b"lease_seconds", "snapshot_required", b"snapshot_required"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "batch_groups", b"batch_groups", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "lease_seconds", b"lease_seconds", "snapshot_required", b"snapshot_required"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -681,30 +687,62 @@ class SnapshotRequest(_message.Message):
 Global___SnapshotRequest: _TypeAlias = SnapshotRequest  # noqa: Y015
 
 @_typing.final
+class NodeNotice(_message.Message):
+    """Added later: the coordinator's verdict on the node changed (e.g. its published hashes were found not
+    to match the coordinator's profile), so that the agent can log and report it too.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """the node's state now (as in NodeInfo.state)"""
+    message: _builtins.str
+    """why, in one line"""
+    def __init__(
+        self,
+        *,
+        state: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeNotice: _TypeAlias = NodeNotice  # noqa: Y015
+
+@_typing.final
 class CoordinatorMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WELCOME_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
     SNAPSHOT_REQUEST_FIELD_NUMBER: _builtins.int
+    NOTICE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___Welcome: ...
     @_builtins.property
     def ack(self) -> Global___Ack: ...
     @_builtins.property
     def snapshot_request(self) -> Global___SnapshotRequest: ...
+    @_builtins.property
+    def notice(self) -> Global___NodeNotice: ...
     def __init__(
         self,
         *,
         welcome: Global___Welcome | None = ...,
         ack: Global___Ack | None = ...,
         snapshot_request: Global___SnapshotRequest | None = ...,
+        notice: Global___NodeNotice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "msg", b"msg", "snapshot_request", b"snapshot_request", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "msg", b"msg", "notice", b"notice", "snapshot_request", b"snapshot_request", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "msg", b"msg", "snapshot_request", b"snapshot_request", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "msg", b"msg", "notice", b"notice", "snapshot_request", b"snapshot_request", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["welcome", "ack", "snapshot_request"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["welcome", "ack", "snapshot_request", "notice"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 

@@ -1,4 +1,4 @@
-"""``kvcoord sim-engine``: a stand-in vLLM engine for demos, load tests and end-to-end tests.
+"""The sim-engine: a stand-in vLLM engine for demos, load tests and end-to-end tests.
 
 A real :class:`kvcoord.agent.pool.BlockPool` serves a seeded synthetic workload (prompts that
 share a few long prefixes, plus unique suffixes and generated tokens) and every engine step's
@@ -13,7 +13,6 @@ so a demo shows live lookups and hit rates with nothing but ``kvcoord`` commands
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -23,22 +22,66 @@ import signal
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvcoord.agent.pool import BlockPool
 from kvcoord.agent.zmq_wire import ZmqEventPublisher
 from kvcoord.events import KVEventBatch
-from kvcoord.hashing import HashProfile, RequestKeys
+from kvcoord.hashing import HashProfile, RequestKeys, check_algo
 
 if TYPE_CHECKING:
     from kvcoord.router.client import CoordinatorClient
+    from kvcoord.transport import ChannelSecurity
 
 log = logging.getLogger(__name__)
 
 
-class Workload:
+@dataclass(frozen=True, slots=True)
+class SimEngineConfig:
+    """One stand-in engine: its pool, hash profile, publisher and workload (``kvcoord sim-engine --help``)."""
+
+    zmq_bind: str = "tcp://*:5557"
+    replay_bind: str | None = None
+    topic: str = ""
+    model: str = "sim-model"
+    dp_rank: int = 0
+    block_size: int = 16
+    num_blocks: int = 2048
+    algo: str = "sha256_cbor"
+    hash_seed: str | None = None
+    hash_form: Literal["int", "bytes"] = "int"
+    medium: str = "GPU"
+    seed: int = 0
+    rate: float = 20.0
+    requests: int = 0
+    linger: bool = False
+    concurrency: int = 8
+    prefixes: int = 8
+    prefix_len: int = 256
+    suffix_len: int = 64
+    output_len: int = 32
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    form: Literal["map", "array"] = "map"
+    removal_events: Literal["vllm", "last_copy"] = "vllm"
+    state_file: str | None = None
+    state_interval: float = 0.2
+    prompt_file: str | None = None
+    """Where the last prompt served is written (a JSON list of token ids, what ``kvcoord lookup
+    --tokens-file`` and ``kvcoord hash`` read), every ``state_interval``."""
+    cache_salt: str | None = None
+    lookup_coordinator: str | None = None
+    lookup_model: str | None = None
+    lookup_node_id: str | None = None
+    lookup_security: ChannelSecurity | None = None
+    lookup_timeout: float = 0.5
+    lookup_queue: int = 64
+
+
+class PromptSource:
     """Seeded shared-prefix prompts: ``prefixes`` system prompts, Zipf-popular, plus unique suffixes."""
 
     __slots__ = ("_prefixes", "_rng", "_weights", "output_len", "suffix_len", "vocab")
@@ -195,7 +238,7 @@ class LookupProbe:
 class SimEngine:
     """Admits requests into the pool, finishes the oldest beyond ``concurrency``, publishes per step."""
 
-    def __init__(self, pool: BlockPool, publisher: ZmqEventPublisher, workload: Workload, *,
+    def __init__(self, pool: BlockPool, publisher: ZmqEventPublisher, workload: PromptSource, *,
                  concurrency: int, keys: RequestKeys | None = None,
                  lookups: LookupProbe | None = None) -> None:
         self.pool = pool
@@ -208,6 +251,7 @@ class SimEngine:
         self.requests_done = 0
         self.hit_tokens = 0
         self.prompt_tokens = 0
+        self.last_prompt: list[int] = []
         self._next_id = 0
 
     def step(self) -> None:
@@ -229,6 +273,7 @@ class SimEngine:
             self.pool.finish(self.running.popleft())
         self.prompt_tokens += adm.num_tokens
         self.hit_tokens += adm.num_cached_tokens
+        self.last_prompt = prompt
         self.running.append(rid)
         out = self.workload.output()
         if out:
@@ -261,24 +306,29 @@ class SimEngine:
         return out
 
 
-def write_state(path: Path, state: dict[str, Any]) -> None:
-    """Atomically replace ``path`` (readers never see a half-written file)."""
+def write_state(path: Path, state: Any) -> None:
+    """Atomically replace ``path`` with ``state`` as JSON (readers never see a half-written file)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, path)
 
 
-def _serve(engine: SimEngine, args: argparse.Namespace, interval: float, target: int, stop: threading.Event,
+def _serve(engine: SimEngine, config: SimEngineConfig, interval: float, target: int, stop: threading.Event,
            state_file: Path | None) -> None:
     """Serve requests at ``interval`` until ``target`` are done (0: until ``stop``)."""
     next_at = time.monotonic()
     last_state = 0.0
+    prompt_file = Path(config.prompt_file) if config.prompt_file else None
     while not stop.is_set() and (target == 0 or engine.requests_done < target):
         engine.step()
         now = time.monotonic()
-        if state_file is not None and now - last_state >= args.state_interval:
-            engine.publisher.flush(1.0)
-            write_state(state_file, {**engine.state(), "target": target, "finished": False})
+        if now - last_state >= config.state_interval:
+            if state_file is not None or prompt_file is not None:
+                engine.publisher.flush(1.0)
+            if state_file is not None:
+                write_state(state_file, {**engine.state(), "target": target, "finished": False})
+            if prompt_file is not None and engine.last_prompt:
+                write_state(prompt_file, engine.last_prompt)
             last_state = now
         next_at += interval
         delay = next_at - time.monotonic()
@@ -288,50 +338,37 @@ def _serve(engine: SimEngine, args: argparse.Namespace, interval: float, target:
             next_at = time.monotonic()
 
 
-def _open_lookups(args: argparse.Namespace) -> LookupProbe | None:
-    """The ``--lookup-*`` flags, validated whole, as a started probe (None without a coordinator)."""
-    if args.lookup_coordinator is None:
-        given = [f for f in ("lookup_model", "lookup_node_id", "lookup_token", "lookup_tls_ca")
-                 if getattr(args, f) is not None]
-        if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} needs --lookup-coordinator")
+def _open_lookups(config: SimEngineConfig) -> LookupProbe | None:
+    """The router-style lookups, as a started probe (None without a coordinator)."""
+    if config.lookup_coordinator is None:
         return None
-    if not args.lookup_timeout > 0:
-        raise ValueError("--lookup-timeout must be > 0")
-    if args.lookup_queue < 1:
-        raise ValueError("--lookup-queue must be >= 1")
-    from kvcoord.router.client import ChannelSecurity, CoordinatorClient
+    from kvcoord.router.client import CoordinatorClient
 
-    security = ChannelSecurity(token=args.lookup_token, root_ca=args.lookup_tls_ca)
-    client = CoordinatorClient(args.lookup_coordinator, security=security, timeout=args.lookup_timeout)
-    return LookupProbe(client, args.lookup_model or args.model, node_id=args.lookup_node_id,
-                       dp_rank=args.dp_rank, queue_size=args.lookup_queue)
+    client = CoordinatorClient(config.lookup_coordinator, security=config.lookup_security,
+                               timeout=config.lookup_timeout)
+    return LookupProbe(client, config.lookup_model or config.model, node_id=config.lookup_node_id,
+                       dp_rank=config.dp_rank, queue_size=config.lookup_queue)
 
 
-def run_sim_engine(args: argparse.Namespace) -> int:
-    """Body of ``kvcoord sim-engine``."""
-    for name in ("block_size", "num_blocks", "concurrency"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.rate < 0 or args.requests < 0:
-        raise ValueError("--rate and --requests must be >= 0")
-    profile = HashProfile(algo=args.algo, block_size=args.block_size, seed=args.hash_seed)
+def run_sim_engine(config: SimEngineConfig) -> None:
+    """Serve until SIGTERM/SIGINT (or ``requests`` are done, unless ``linger``)."""
+    profile = HashProfile(algo=check_algo(config.algo), block_size=config.block_size, seed=config.hash_seed)
     profile.resolved_seed()  # an unresolvable seed is a usage error now, not a crash at the first request
-    keys = RequestKeys(cache_salt=args.cache_salt) if args.cache_salt is not None else None
-    pool = BlockPool(args.num_blocks, profile, hash_form=args.hash_form, medium=args.medium,
-                     dp_rank=args.dp_rank, removal_events=args.removal_events)
-    lookups = _open_lookups(args)
+    keys = RequestKeys(cache_salt=config.cache_salt) if config.cache_salt is not None else None
+    pool = BlockPool(config.num_blocks, profile, hash_form=config.hash_form, medium=config.medium,
+                     dp_rank=config.dp_rank, removal_events=config.removal_events)
+    lookups = _open_lookups(config)
     try:
-        publisher = ZmqEventPublisher(args.dp_rank, args.zmq_bind, args.replay_bind,
-                                      buffer_steps=args.buffer_steps, hwm=args.hwm, topic=args.topic,
-                                      form=args.form, bind=True)
+        publisher = ZmqEventPublisher(config.dp_rank, config.zmq_bind, config.replay_bind,
+                                      buffer_steps=config.buffer_steps, hwm=config.hwm, topic=config.topic,
+                                      form=config.form, bind=True)
     except BaseException:
         if lookups is not None:
             lookups.close()
         raise
-    workload = Workload(args.seed, prefixes=args.prefixes, prefix_len=args.prefix_len,
-                        suffix_len=args.suffix_len, output_len=args.output_len)
-    engine = SimEngine(pool, publisher, workload, concurrency=args.concurrency, keys=keys, lookups=lookups)
+    workload = PromptSource(config.seed, prefixes=config.prefixes, prefix_len=config.prefix_len,
+                            suffix_len=config.suffix_len, output_len=config.output_len)
+    engine = SimEngine(pool, publisher, workload, concurrency=config.concurrency, keys=keys, lookups=lookups)
     stop = threading.Event()
     wake = threading.Event()
     bursts = [0]
@@ -347,33 +384,35 @@ def run_sim_engine(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGUSR1, on_more)
-    state_file = Path(args.state_file) if args.state_file else None
-    log.info("sim-engine %s: publishing on %s (replay %s), dp rank %d", args.model, publisher.endpoint,
-             publisher.replay_endpoint, args.dp_rank)
+    state_file = Path(config.state_file) if config.state_file else None
+    log.info("sim-engine %s: publishing on %s (replay %s), dp rank %d", config.model, publisher.endpoint,
+             publisher.replay_endpoint, config.dp_rank)
     if lookups is not None:
-        log.info("sim-engine: looking up each prompt on %s (model %s)", args.lookup_coordinator,
+        log.info("sim-engine: looking up each prompt on %s (model %s)", config.lookup_coordinator,
                  lookups.model)
-    interval = 1.0 / args.rate if args.rate > 0 else 0.0
-    target = args.requests
+    interval = 1.0 / config.rate if config.rate > 0 else 0.0
+    target = config.requests
     try:
         while True:
-            _serve(engine, args, interval, target, stop, state_file)
+            _serve(engine, config, interval, target, stop, state_file)
             if not stop.is_set():  # on SIGTERM, shutdown() below sends what it can in its own bound
                 publisher.flush(1.0)
             if state_file is not None:
                 write_state(state_file, {**engine.state(), "target": target,
                                          "finished": engine.requests_done >= target > 0})
+            if config.prompt_file and engine.last_prompt:
+                write_state(Path(config.prompt_file), engine.last_prompt)
             # After --requests, keep serving replay requests (a real engine stays up) until signalled;
             # SIGUSR1 asks for another --requests requests (load tests drive bursts this way).
-            while not stop.is_set() and args.linger and bursts[0] == 0:
+            while not stop.is_set() and config.linger and bursts[0] == 0:
                 wake.wait(0.5)
                 wake.clear()
                 if state_file is not None and lookups is not None:  # answers still arriving
                     write_state(state_file, {**engine.state(), "target": target,
                                              "finished": engine.requests_done >= target > 0})
-            if stop.is_set() or bursts[0] == 0 or args.requests == 0:
+            if stop.is_set() or bursts[0] == 0 or config.requests == 0:
                 break
-            target += bursts[0] * args.requests
+            target += bursts[0] * config.requests
             bursts[0] = 0
             log.info("sim-engine: SIGUSR1, serving up to request %d", target)
     finally:
@@ -388,4 +427,3 @@ def run_sim_engine(args: argparse.Namespace) -> int:
         st = lookups.snapshot()
         log.info("sim-engine: %d lookups (%d hits), %d errors, %d dropped", st["lookups"], st["hits"],
                  st["errors"], st["dropped"])
-    return 0

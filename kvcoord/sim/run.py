@@ -1,21 +1,68 @@
-"""Body of ``kvcoord simulate``: build the workload once, replay it under each policy, report."""
+"""``kvcoord simulate``: build the workload once, replay it under each policy, report.
+
+The comparison table is the command's data, so it goes to stdout (stderr when ``--json -`` takes
+stdout); progress, with an ETA per policy run, goes to stderr.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from kvcoord.hashing import HashProfile
+from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.index import open_index
 from kvcoord.index.base import Index
 from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
 from kvcoord.sim.cluster import ClusterConfig, SimBackend, simulate
-from kvcoord.sim.report import average_seeds, plot, summarize, table
+from kvcoord.sim.report import average_seeds, check_plotting, plot, summarize, table
 from kvcoord.sim.workload import SyntheticSpec, Workload, load_mooncake, synthetic
+
+if TYPE_CHECKING:
+    from kvcoord.transport import ChannelSecurity
+
+PROGRESS_SECONDS = 5.0
+"""A policy run reports its progress at most this often."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimulateConfig:
+    """A simulation: the workload, the cluster and cost model, the policies (``kvcoord simulate --help``)."""
+
+    trace: str | None = None
+    synthetic: bool = False
+    limit: int | None = None
+    time_scale: float = 1.0
+    requests: int = 2000
+    groups: int = 16
+    prompts_per_group: int = 32
+    system_tokens: int = 2048
+    question_tokens: int = 128
+    output_tokens: int = 256
+    turns: int = 4
+    zipf: float = 1.1
+    rate: float = 10.0
+    nodes: int = 8
+    blocks_per_node: int = 25_000
+    max_running: int = 32
+    prefill_us_per_token: float = 50.0
+    decode_ms_per_token: float = 15.0
+    block_size: int = 16
+    hash_algo: str = "xxhash_cbor"
+    hash_seed: str = "kvcoord-sim"
+    index: str = "memory"
+    coordinator: str | None = None
+    coordinator_security: ChannelSecurity | None = None
+    policies: str = "prefix-aware,approximate,least-loaded,round-robin,random"
+    ttl: float = 120.0
+    seed: int = 0
+    seeds: int = 1
+    jobs: int = 1
+    json: str | None = None
+    plot: str | None = None
 
 
 def _policies(raw: str) -> list[str]:
@@ -30,7 +77,7 @@ def _policies(raw: str) -> list[str]:
     return names
 
 
-def _workload(args: argparse.Namespace, profile: HashProfile) -> Workload:
+def _workload(args: SimulateConfig, profile: HashProfile) -> Workload:
     if args.trace is not None and args.synthetic:
         raise ValueError("give --trace or --synthetic, not both")
     if args.trace is not None:
@@ -51,24 +98,42 @@ def _workload(args: argparse.Namespace, profile: HashProfile) -> Workload:
     return synthetic(spec, profile, seed=args.seed)
 
 
-_SHARED: tuple[Workload, HashProfile, ClusterConfig, int, float, str, str | None] | None = None
+_SHARED: tuple[Workload, HashProfile, ClusterConfig, SimulateConfig] | None = None
 """What :func:`_run_policy` needs, set before worker processes fork."""
+
+
+def _reporter(name: str, seed: int) -> Any:
+    """A progress callback that prints ``routed/total`` and an ETA to stderr every few seconds."""
+    start = last = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done == 0 or now - last < PROGRESS_SECONDS:
+            return
+        last = now
+        eta = (now - start) / done * (total - done)
+        print(f"  {name} (seed {seed}): {done:,}/{total:,} requests ({done / total:.0%}), ETA {eta:.0f} s",
+              file=sys.stderr, flush=True)
+
+    return progress
 
 
 def _run_policy(job: tuple[str, int]) -> dict[str, Any]:
     assert _SHARED is not None
     name, seed = job
-    workload, profile, config, _, ttl, index_uri, coordinator = _SHARED
-    policy = make_policy(name, seed, latency=config.latency, ttl=ttl)
+    workload, profile, config, args = _SHARED
+    policy = make_policy(name, seed, latency=config.latency, ttl=args.ttl)
     index: Index | SimBackend
-    if coordinator is not None:
+    if args.coordinator is not None:
         from kvcoord.sim.remote import CoordinatorBackend, run_tag
 
-        index = CoordinatorBackend(coordinator, profile, tag=run_tag(name))
+        index = CoordinatorBackend(args.coordinator, profile, tag=run_tag(name),
+                                   security=args.coordinator_security)
     else:
-        index = open_index(index_uri, key_prefix=f"kvcoord-sim-{os.getpid()}-{name}-{seed}")
+        index = open_index(args.index, key_prefix=f"kvcoord-sim-{os.getpid()}-{name}-{seed}")
     t1 = time.perf_counter()
-    result = simulate(workload, policy, profile, config, index)
+    result = simulate(workload, policy, profile, config, index, progress=_reporter(name, seed))
     row = summarize(result)
     row["wall_s"] = round(time.perf_counter() - t1, 2)
     row["seed"] = seed
@@ -81,22 +146,14 @@ def _run_policy(job: tuple[str, int]) -> dict[str, Any]:
     return row
 
 
-def run_simulate(args: argparse.Namespace) -> int:
-    """Replay the workload under every requested policy; table on stderr, JSON/PNG when asked."""
-    if args.coordinator is not None:
-        if args.index != "memory":
-            raise ValueError("give --index or --coordinator, not both")
-        host, sep, port = str(args.coordinator).rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
-    if args.jobs < 1:
-        raise ValueError("--jobs must be >= 1")
-    if args.seeds < 1:
-        raise ValueError("--seeds must be >= 1")
-    if args.time_scale <= 0:
-        raise ValueError("--time-scale must be > 0")
+def run_simulate(args: SimulateConfig) -> None:
+    """Replay the workload under every requested policy; the table on stdout, JSON/PNG when asked."""
+    if args.coordinator is not None and args.index != "memory":
+        raise ValueError("give --index or --coordinator, not both")
+    if args.plot is not None:
+        check_plotting()  # before minutes of simulation, not after
     names = _policies(args.policies)
-    profile = HashProfile(args.hash_algo, args.block_size, seed=args.hash_seed)
+    profile = HashProfile(check_algo(args.hash_algo), args.block_size, seed=args.hash_seed)
     t0 = time.perf_counter()
     workload = _workload(args, profile)
     if not workload.requests:
@@ -117,7 +174,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     global _SHARED
-    _SHARED = (workload, profile, config, args.seed, args.ttl, args.index, args.coordinator)
+    _SHARED = (workload, profile, config, args)
     try:
         jobs = [(name, args.seed + k) for name in names for k in range(args.seeds)]
         if args.jobs > 1 and len(jobs) > 1:
@@ -131,7 +188,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     finally:
         _SHARED = None
     rows = [average_seeds([r for r in runs if r["policy"] == name]) for name in names]
-    print(table(rows), file=sys.stderr)
+    print(table(rows), file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
     report: dict[str, Any] = {
         "workload": {
             "name": workload.name,
@@ -172,4 +229,3 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
         plot(rows, args.plot, title)
         print(f"plot written to {args.plot}", file=sys.stderr)
-    return 0

@@ -1,0 +1,158 @@
+"""``kvcoord agent``: relay one engine's ZMQ KV events to one or more coordinators, until SIGTERM.
+
+One :class:`~kvcoord.agent.relay.Relay` per engine DP rank (vLLM offsets each rank's ports by the rank)
+feeds a shared :class:`~kvcoord.agent.relay.BlockMirror` and a :class:`~kvcoord.agent.reporter.Reporter`.
+The agent exits 1 when every coordinator refused the node for good (a token not allowed for it, an
+unknown model in strict mode): retrying could not change the answer, so it says why once and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvcoord.agent.relay import BlockMirror, EventSink, Relay
+from kvcoord.agent.reporter import Reporter
+from kvcoord.agent.zmq_wire import offset_endpoint_port
+from kvcoord.hashing import HashProfile
+from kvcoord.transport import ChannelSecurity
+
+log = logging.getLogger("kvcoord.agent")
+
+
+class AgentRefused(RuntimeError):
+    """Every coordinator refused the node for good; the message names each one's reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """What one agent relays, and to where."""
+
+    coordinators: tuple[str, ...]
+    node_id: str
+    model: str
+    zmq_endpoint: str
+    """The engine's rank-0 PUB endpoint; rank r is on its port + r."""
+    replay_endpoint: str | None = None
+    topic: str = ""
+    dp_ranks: tuple[int, ...] = (0,)
+    security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    hash_profile: HashProfile | None = None
+    """Announced in the Hello (a fingerprint, never the seed), so a mismatch is found at once."""
+    signed_hashes: bool = False
+    replay_timeout: float = 2.0
+    stats_file: str | None = None
+    stats_interval: float = 0.2
+
+
+def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> list[Relay]:
+    """One relay per DP rank, on vLLM's per-rank port offsets of the rank-0 endpoints."""
+    relays = []
+    for rank in config.dp_ranks:
+        endpoint = offset_endpoint_port(config.zmq_endpoint, rank)
+        assert endpoint is not None
+        relays.append(Relay(
+            endpoint, sink,
+            replay_endpoint=offset_endpoint_port(config.replay_endpoint, rank),
+            topic=config.topic, mirror=mirror, signed_hashes=config.signed_hashes, default_dp_rank=rank,
+            replay_timeout=config.replay_timeout, allowed_ranks={rank},
+        ))
+    return relays
+
+
+def agent_status(relays: Sequence[Relay], reporter: Reporter) -> dict[str, Any]:
+    """What ``--stats-file`` holds: each relay's position and counters, the reporter's links."""
+    rs = reporter.stats()
+    return {
+        "node_id": rs.node_id,
+        "state": "refused" if reporter.refused.is_set() else "running",
+        "relays": [{"endpoint": r.endpoint, "expected_seq": r.expected_seq,
+                    **{k: (dict(v) if isinstance(v, Counter) else v) for k, v in asdict(r.stats).items()}}
+                   for r in relays],
+        "mirror_blocks": {str(dp): relays[0].mirror.num_blocks(dp) for dp in relays[0].mirror.ranks()}
+        if relays else {},
+        "reporter": {"epoch": rs.epoch, "last_seq": rs.last_seq, "events_submitted": rs.events_submitted,
+                     "links": [asdict(link) for link in rs.links]},
+    }
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomically replace ``path`` (a reader never sees half a file)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+async def _write_stats(path: Path, interval: float, relays: Sequence[Relay], reporter: Reporter,
+                       stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            _write_json(path, agent_status(relays, reporter))
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
+
+
+async def _cancel_tasks(tasks: Sequence[asyncio.Task[Any]], timeout: float) -> None:
+    """Cancel and reap tasks. A relay holds nothing to finish: its ``handle_payload`` is synchronous (the
+    mirror never sees half a batch) and its sockets close in ``finally``; one mid-replay must not delay
+    the exit, nor submit to a reporter that is closing."""
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+
+
+async def run_agent(config: AgentConfig) -> None:
+    """Relay until SIGTERM/SIGINT. Raises :class:`AgentRefused` when every coordinator refused the node."""
+    mirror = BlockMirror()
+    rep = Reporter(list(config.coordinators), node_id=config.node_id, model=config.model,
+                   snapshot=mirror.rank_entries, dp_ranks=config.dp_ranks, security=config.security,
+                   hash_profile=config.hash_profile)
+    relays = build_relays(config, rep, mirror)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await rep.start()
+    tasks = [asyncio.create_task(r.run(stop), name=f"relay-{r.endpoint}") for r in relays]
+    if config.stats_file:
+        writer = _write_stats(Path(config.stats_file), config.stats_interval, relays, rep, stop)
+        tasks.append(asyncio.create_task(writer, name="stats-file"))
+    log.info("agent %s: relaying %s to %s", config.node_id, ", ".join(r.endpoint for r in relays),
+             ", ".join(config.coordinators))
+    stopper = asyncio.create_task(stop.wait())
+    refused = asyncio.create_task(rep.refused.wait())
+    try:
+        done, _ = await asyncio.wait([*tasks, stopper, refused], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t not in (stopper, refused):
+                exc = t.exception()
+                if exc is not None:
+                    raise exc
+    finally:
+        stop.set()
+        stopper.cancel()
+        refused.cancel()
+        await _cancel_tasks(tasks, 0.5)  # immediate: nothing is left to submit when the reporter closes
+        await rep.close(timeout=0.5)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if config.stats_file:  # the final word: streams closed, counters complete
+            try:
+                _write_json(Path(config.stats_file), agent_status(relays, rep))
+            except OSError as exc:
+                log.warning("cannot write %s: %s", config.stats_file, exc)
+    if rep.refused.is_set():
+        raise AgentRefused("every coordinator refused this node: " + "; ".join(rep.refusals()))
+    log.info("agent %s: stopped", config.node_id)

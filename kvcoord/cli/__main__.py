@@ -1,0 +1,5 @@
+import sys
+
+from kvcoord.cli import main
+
+sys.exit(main())

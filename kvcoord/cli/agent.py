@@ -1,0 +1,136 @@
+"""``kvcoord agent``: relay one engine's ZMQ KV events to the coordinator(s)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from kvcoord.cli.common import (
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    TOKEN_ENV,
+    ZMQ_ENDPOINT,
+    CliError,
+    Subparsers,
+    add_hash_seed,
+    add_tls_client,
+    parse_hostport,
+    security,
+)
+
+if TYPE_CHECKING:
+    from kvcoord.hashing import HashProfile
+
+
+def add(sub: Subparsers) -> None:
+    p = sub.add_parser("agent", help="relay one engine's ZMQ KV events to the coordinator")
+    p.add_argument("--coordinator", required=True, action="append", metavar="HOST:PORT",
+                   help="the coordinator (repeat or comma-separate for several)")
+    p.add_argument("--node-id", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--zmq-endpoint", required=True, type=ZMQ_ENDPOINT,
+                   help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--replay-endpoint", default=None, type=ZMQ_ENDPOINT,
+                   help="the engine's ROUTER replay endpoint")
+    p.add_argument("--topic", default="")
+    p.add_argument("--dp-ranks", default="0",
+                   help="engine DP ranks to relay, comma separated: rank r publishes on the (rank-0) "
+                        "endpoints' port + r, as vLLM offsets them (default 0)")
+    p.add_argument("--token", default=None, help=f"agent token for the coordinator (default: ${TOKEN_ENV})")
+    p.add_argument("--tls", action="store_true", help="use TLS with the system roots")
+    add_tls_client(p)
+    g = p.add_argument_group(
+        "hash profile",
+        "The engine's block-hash settings, announced in the Hello so the coordinator can refuse an agent "
+        "whose hashes cannot match its routers' (a fingerprint, never the seed). Omit --algo to announce "
+        "nothing.")
+    g.add_argument("--algo", default=None, help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
+    g.add_argument("--block-size", type=POSITIVE_INT, default=None,
+                   help="the engine's block size (with --algo)")
+    add_hash_seed(g)
+    g.add_argument("--engine-release", default=None,
+                   help="vLLM release (e.g. 0.31): sets the extra-key style and the seed default")
+    g.add_argument("--style", choices=["untagged", "tagged"], default=None,
+                   help="extra-key style (default: from --engine-release, else untagged)")
+    p.add_argument("--signed-hashes", action="store_true",
+                   help="accept SGLang's signed int64 block hashes (reinterpreted as uint64)")
+    p.add_argument("--replay-timeout", type=POSITIVE_FLOAT, default=2.0,
+                   help="seconds to wait for a replay answer")
+    p.add_argument("--stats-file", default=None,
+                   help="write JSON {state, relays: [{expected_seq, gaps, lost_batches, ..}], "
+                        "reporter: {..}} here")
+    p.add_argument("--stats-interval", type=POSITIVE_FLOAT, default=0.2,
+                   help="seconds between stats-file writes")
+    p.set_defaults(func=run)
+
+
+def coordinators(values: list[str]) -> tuple[str, ...]:
+    out = tuple(c.strip() for v in values for c in v.split(",") if c.strip())
+    if not out:
+        raise CliError("--coordinator needs at least one HOST:PORT")
+    for c in out:
+        try:
+            parse_hostport(c)
+        except ValueError as exc:
+            raise CliError(f"--coordinator: {exc}") from None
+    return out
+
+
+def dp_ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise CliError(f"--dp-ranks {text!r} is not a comma-separated list of ints") from None
+    if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+        raise CliError(f"--dp-ranks {text!r} must be distinct non-negative ints")
+    return tuple(ranks)
+
+
+def hash_profile(args: argparse.Namespace) -> HashProfile | None:
+    """``--algo`` and friends as the profile the Hello announces (None: announce nothing).
+
+    The seed defaults to ``$PYTHONHASHSEED`` (then the release's default); a seed that cannot be
+    resolved is an error now, not a mismatch the coordinator discovers later.
+    """
+    from kvcoord.hashing import HashProfile, check_algo
+
+    names = ("block_size", "hash_seed", "engine_release", "style")
+    given = [f for f in names if getattr(args, f) is not None]
+    if args.algo is None:
+        if given:
+            raise CliError(f"--{given[0].replace('_', '-')} needs --algo")
+        return None
+    if args.block_size is None:
+        raise CliError("--algo needs --block-size")
+    algo = check_algo(args.algo)
+    seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+    if args.engine_release is not None:
+        profile = HashProfile.for_release(args.engine_release, algo, args.block_size, seed=seed)
+        if args.style is not None:
+            profile = dataclasses.replace(profile, style=args.style)
+    else:
+        profile = HashProfile(algo, args.block_size, seed=seed, style=args.style or "untagged")
+    profile.fingerprint()  # ValueError (with the fix) when the seed cannot be resolved
+    return profile
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcoord.agent.service import AgentConfig, AgentRefused, run_agent
+
+    config = AgentConfig(
+        coordinators=coordinators(args.coordinator), node_id=args.node_id, model=args.model,
+        zmq_endpoint=args.zmq_endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
+        dp_ranks=dp_ranks(args.dp_ranks), security=security(args), hash_profile=hash_profile(args),
+        signed_hashes=args.signed_hashes, replay_timeout=args.replay_timeout, stats_file=args.stats_file,
+        stats_interval=args.stats_interval,
+    )
+    try:
+        asyncio.run(run_agent(config))
+    except AgentRefused as exc:
+        print(f"kvcoord agent: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,232 @@
+"""What every ``kvcoord`` command shares: the one-line error contract, argument types, and the flags
+that connect to a coordinator.
+
+Contract (DESIGN.md): data goes to stdout as JSON, human text to stderr, and any mistake ends in one
+line on stderr and a non-zero exit. Argument types here reject bad values while parsing, so a command
+body only ever sees well-formed input. Nothing heavy is imported at module level: ``kvcoord hash``
+must not pay for gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
+
+if TYPE_CHECKING:
+    from kvcoord.transport import ChannelSecurity
+
+TOKEN_ENV = "KVCOORD_TOKEN"
+"""Environment variable every client command reads its bearer token from (``--token`` wins)."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+class CliError(Exception):
+    """Bad input from the command line: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the one-line error contract: ``kvcoord CMD: what is wrong (see --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
+def _type(name: str, check: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type=`` whose ValueError message becomes the one-line error."""
+
+    def convert(text: str) -> Any:
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name
+    return convert
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """An address to dial: ``HOST:PORT`` (``[v6]:PORT`` too) with a host and a port in 1..65535; no
+    default port is ever guessed."""
+    from kvcoord.transport import split_hostport
+
+    host, port = split_hostport(text)
+    if not host or port == 0:
+        raise ValueError(f"{text!r} is not HOST:PORT (a port is required, e.g. 127.0.0.1:50051)")
+    return host, port
+
+
+def _hostport(text: str) -> str:
+    parse_hostport(text)
+    return text.strip()
+
+
+def _number(kind: type[int] | type[float], minimum: float, strict: bool) -> Callable[[str], Any]:
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < minimum or (strict and value == minimum) or value != value:
+            raise ValueError(f"{text} must be {'>' if strict else '>='} {minimum:g}")
+        return value
+
+    return check
+
+
+HOSTPORT = _type("HOST:PORT", _hostport)
+POSITIVE_FLOAT = _type("number", _number(float, 0.0, strict=True))
+NONNEG_FLOAT = _type("number", _number(float, 0.0, strict=False))
+POSITIVE_INT = _type("integer", _number(int, 0, strict=True))
+NONNEG_INT = _type("integer", _number(int, 0, strict=False))
+
+
+def _zmq_endpoint(text: str) -> str:
+    """A ZMQ endpoint vLLM would accept: ``tcp://HOST:PORT`` (``*`` binds every interface), ``ipc://PATH``
+    or ``inproc://NAME``."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise ValueError(f"{text!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH or inproc://NAME)")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{text!r} is not tcp://HOST:PORT with a port in 1..65535")
+    return text
+
+
+ZMQ_ENDPOINT = _type("endpoint", _zmq_endpoint)
+
+
+def add_connection(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, token: bool = True,
+                   required: bool = True, timeout: float | None = 10.0) -> None:
+    """``--coordinator`` and the flags every client command connects with, named alike everywhere."""
+    p.add_argument("--coordinator", required=required, default=None, type=HOSTPORT, metavar="HOST:PORT",
+                   help="the coordinator's gRPC address")
+    if token:
+        p.add_argument("--token", default=None,
+                       help=f"bearer token (router, agent or admin; default: ${TOKEN_ENV})")
+    p.add_argument("--tls", action="store_true", help="use TLS with the system roots")
+    add_tls_client(p)
+    if timeout is not None:
+        p.add_argument("--timeout", type=POSITIVE_FLOAT, default=timeout,
+                       help=f"seconds per RPC (default {timeout:g})")
+
+
+def add_tls_client(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str = "") -> None:
+    """The TLS flags of a coordinator client (``prefix`` e.g. ``lookup-`` names them for a side job)."""
+    p.add_argument(f"--{prefix}tls-ca", default=None,
+                   help="PEM root CA of the coordinator certificate (turns TLS on)")
+    p.add_argument(f"--{prefix}tls-cert", default=None,
+                   help="PEM client certificate for mutual TLS (with --tls-key)")
+    p.add_argument(f"--{prefix}tls-key", default=None, help="PEM client key for mutual TLS (with --tls-cert)")
+    p.add_argument(f"--{prefix}tls-server-name", default=None,
+                   help="name to check in the coordinator's certificate (turns TLS on)")
+
+
+def security(args: argparse.Namespace, prefix: str = "") -> ChannelSecurity:
+    """The connection flags as :class:`~kvcoord.transport.ChannelSecurity`; PEM files are read now, so a
+    bad path is a one-line error before anything connects."""
+    from kvcoord.transport import ChannelSecurity
+
+    attr = prefix.replace("-", "_")
+
+    def get(name: str) -> Any:
+        return getattr(args, attr + name, None)
+
+    if (get("tls_cert") is None) != (get("tls_key") is None):
+        raise CliError(f"--{prefix}tls-cert and --{prefix}tls-key must be given together (mutual TLS)")
+    token = get("token") or os.environ.get(TOKEN_ENV) or None
+    sec = ChannelSecurity(token=token, tls=bool(get("tls")) or get("tls_server_name") is not None,
+                          root_ca=get("tls_ca"), client_cert=get("tls_cert"), client_key=get("tls_key"),
+                          server_name=get("tls_server_name"))
+    if sec.uses_tls:
+        sec.credentials()  # ValueError naming the unreadable file
+    return sec
+
+
+def add_hash_seed(p: argparse.ArgumentParser | argparse._ArgumentGroup, *aliases: str,
+                  default: str | None = None) -> None:
+    """``--hash-seed``: the engines' NONE_HASH seed, one name in every command."""
+    p.add_argument("--hash-seed", *aliases, dest="hash_seed", default=default, metavar="SEED",
+                   help="the engines' NONE_HASH seed, i.e. their PYTHONHASHSEED "
+                        + ("(default: $PYTHONHASHSEED)" if default is None else f"(default {default!r})"))
+
+
+def parse_uint64_list(text: str, what: str) -> list[int]:
+    """Comma separated uint64s (decimal, or 0x hex)."""
+    out = []
+    for i, part in enumerate(p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            v = int(part, 0)
+        except ValueError:
+            raise CliError(f"{what}: item {i} {part!r} is not an integer") from None
+        if not 0 <= v < 1 << 64:
+            raise CliError(f"{what}: item {i} {v} is not a uint64")
+        out.append(v)
+    if not out:
+        raise CliError(f"{what}: empty list")
+    return out
+
+
+def parse_mm(specs: Sequence[str]) -> list[tuple[str, int, int]]:
+    """``--mm ID:OFFSET:LENGTH`` items (the identifier may itself contain ':')."""
+    items = []
+    for spec in specs:
+        parts = spec.rsplit(":", 2)
+        try:
+            if len(parts) != 3 or not parts[0]:
+                raise ValueError(spec)
+            offset, length = int(parts[1]), int(parts[2])
+            if offset < 0 or length < 1:
+                raise ValueError(spec)
+        except ValueError:
+            raise CliError(f"bad --mm {spec!r}: expected ID:OFFSET:LENGTH, OFFSET>=0, LENGTH>=1") from None
+        items.append((parts[0], offset, length))
+    return items
+
+
+def parse_digests(text: str | None) -> list[bytes] | None:
+    """``--prompt-embeds-digests HEX,...``."""
+    if text is None:
+        return None
+    try:
+        return [bytes.fromhex(h.strip()) for h in text.split(",") if h.strip()]
+    except ValueError:
+        raise CliError("bad --prompt-embeds-digests: expected comma separated hex digests") from None
+
+
+def add_extra_keys(p: argparse.ArgumentParser) -> None:
+    """The request's extra keys, which vLLM folds into its block hashes."""
+    p.add_argument("--lora-name", default=None, help="the LoRA adapter's name")
+    p.add_argument("--lora-path", default=None, help="the LoRA adapter's path (tagged style, vLLM >= 0.31)")
+    p.add_argument("--cache-salt", default=None, help="the request's cache_salt")
+    p.add_argument("--mm", action="append", default=[], metavar="ID:OFFSET:LENGTH",
+                   help="a multimodal item placeholder (repeatable)")
+    p.add_argument("--prompt-embeds-digests", default=None, metavar="HEX,...",
+                   help="per-block prompt-embeds digests, comma separated hex")
+
+
+def extra_keys_given(args: argparse.Namespace) -> list[str]:
+    """The extra-key flags given on the command line (they only mean something with token ids)."""
+    names = ("lora_name", "lora_path", "cache_salt", "mm", "prompt_embeds_digests")
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None)]
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def rpc_failed(command: str, exc: Exception) -> int:
+    """A coordinator refused or could not be reached: one line, exit 1."""
+    print(f"kvcoord {command}: {exc}", file=sys.stderr)
+    return 1

@@ -1,0 +1,75 @@
+"""``kvcoord serve``: the coordinator (gRPC, Prometheus metrics), until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import TYPE_CHECKING
+
+from kvcoord.cli.common import POSITIVE_FLOAT, POSITIVE_INT, Subparsers
+
+if TYPE_CHECKING:
+    from kvcoord.coordinator.config import CoordinatorConfig
+
+
+def add(sub: Subparsers) -> None:
+    p = sub.add_parser("serve", help="run the coordinator (gRPC + Prometheus metrics)")
+    p.add_argument("--listen", default=None, help="gRPC HOST:PORT (default 127.0.0.1:50051)")
+    p.add_argument("--metrics-listen", default=None,
+                   help="metrics HOST:PORT (default 127.0.0.1:9400; '' disables)")
+    p.add_argument("--index", default=None, help="memory | redis://host:port/db | redis+cluster://h:p,...")
+    p.add_argument("--config", default=None, help="TOML configuration file (default: $KVCOORD_CONFIG)")
+    p.add_argument("--lease-seconds", type=POSITIVE_FLOAT, default=None, help="node lease (default 10)")
+    p.add_argument("--strict-models", action="store_const", const=True, default=None,
+                   help="refuse models that are not configured")
+    p.add_argument("--model", action="append", default=None,
+                   metavar="NAME,algo=A,block_size=N[,seed=S][,style=S][,engine_release=R]",
+                   help="a model's hash profile (repeatable; adds to the config file's [models])")
+    p.add_argument("--max-message-bytes", type=POSITIVE_INT, default=None)
+    p.add_argument("--max-events-per-batch", type=POSITIVE_INT, default=None)
+    p.add_argument("--max-query-blocks", type=POSITIVE_INT, default=None)
+    p.add_argument("--tls-cert", default=None, help="PEM server certificate")
+    p.add_argument("--tls-key", default=None, help="PEM server key")
+    p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")
+    p.add_argument("--agent-token", action="append", default=None, metavar="TOKEN=NODE[,NODE...]",
+                   help="agent token bound to node ids (repeatable; prefer the config file)")
+    p.add_argument("--router-token", action="append", default=None, metavar="TOKEN",
+                   help="query-only token (repeatable; prefer the config file)")
+    p.add_argument("--admin-token", action="append", default=None, metavar="TOKEN")
+    p.set_defaults(func=run)
+
+
+CONFIG_FLAGS = (
+    "listen",
+    "metrics_listen",
+    "index",
+    "lease_seconds",
+    "strict_models",
+    "max_message_bytes",
+    "max_events_per_batch",
+    "max_query_blocks",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+)
+"""Flags that override the configuration key of the same name."""
+
+
+def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
+    """Flags win over env vars, which win over the config file."""
+    from kvcoord.coordinator.config import load_config
+
+    overrides: dict[str, object] = {k: getattr(args, k, None) for k in CONFIG_FLAGS}
+    if getattr(args, "model", None):
+        overrides["models"] = args.model
+    for k in ("agent_token", "router_token", "admin_token"):
+        if getattr(args, k, None):
+            overrides[k + "s"] = getattr(args, k)
+    return load_config(getattr(args, "config", None), overrides=overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcoord.coordinator.server import serve
+
+    asyncio.run(serve(config_from_args(args)))
+    return 0

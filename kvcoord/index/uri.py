@@ -1,0 +1,123 @@
+"""Index URIs: ``memory``, ``redis://host:port/db?…``, ``rediss://…``, ``unix://…`` or
+``redis+cluster://h1:p1,h2:p2?…``, parsed and checked in one place.
+
+A URI is refused whole, at start-up, for any option it does not know: a typo such as ``?bucket=4``
+must not become a server that connects with a default and stays NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+OPTIONS = ("buckets", "mirror", "prefix", "timeout")
+"""kvcoord's own query options (the rest of the URI is the connection's)."""
+REDIS_OPTIONS = ("client_name", "health_check_interval", "socket_keepalive", "ssl_ca_certs", "ssl_cert_reqs",
+                 "ssl_certfile", "ssl_check_hostname", "ssl_keyfile")
+"""redis-py connection options passed through (standalone Redis only)."""
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisUri:
+    """A Redis index URI, validated: where to connect and kvcoord's options."""
+
+    url: str
+    """The connection URL for redis-py (standalone), without kvcoord's options."""
+    cluster_nodes: tuple[tuple[str, int], ...] = ()
+    """Startup nodes of a Redis Cluster (``redis+cluster://``); empty for a standalone Redis."""
+    username: str | None = None
+    password: str | None = None
+    buckets: int | None = None
+    mirror: bool = False
+    prefix: str | None = None
+    timeout: float = 5.0
+
+    @property
+    def cluster(self) -> bool:
+        return bool(self.cluster_nodes)
+
+    def client(self) -> Any:
+        """A new redis-py asyncio client (``Redis`` or ``RedisCluster``); does not connect."""
+        import redis.asyncio as aredis
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        common: dict[str, Any] = {
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": min(self.timeout, 2.0),
+            "decode_responses": False,
+        }
+        if self.cluster:
+            nodes = [ClusterNode(host, port) for host, port in self.cluster_nodes]
+            return RedisCluster(startup_nodes=nodes, username=self.username, password=self.password, **common)
+        return aredis.Redis.from_url(self.url, **common)
+
+
+def is_redis(uri: str) -> bool:
+    return uri.split("://", 1)[0] in SCHEMES and "://" in uri
+
+
+def is_memory(uri: str) -> bool:
+    return uri in ("", "memory", "memory://")
+
+
+def check_index_uri(uri: str) -> None:
+    """Raise ``ValueError`` (one line, naming what is allowed) for a URI no backend takes."""
+    if is_memory(uri):
+        return
+    if not is_redis(uri):
+        raise ValueError(f"unknown index backend {uri!r}: use 'memory', 'redis://host:port/db' or "
+                         "'redis+cluster://host:port,host:port'")
+    parse_redis_uri(uri)
+
+
+def parse_redis_uri(uri: str) -> RedisUri:
+    """Split and check a Redis index URI; ``ValueError`` names the bad part and the allowed options."""
+    parts = urlsplit(uri)
+    query: dict[str, str] = {}
+    for item in parts.query.split("&"):
+        if not item:
+            continue
+        if "=" not in item:
+            raise ValueError(f"index URI {uri!r}: option {item!r} has no value (want name=value)")
+        ((name, value),) = parse_qsl(item, keep_blank_values=True)
+        if name in query:
+            raise ValueError(f"index URI {uri!r}: option {name!r} given twice")
+        query[name] = value
+    cluster = parts.scheme == "redis+cluster"
+    allowed = OPTIONS if cluster else OPTIONS + REDIS_OPTIONS
+    unknown = sorted(set(query) - set(allowed))
+    if unknown:
+        raise ValueError(f"index URI {uri!r}: unknown option {unknown[0]!r} (allowed: {', '.join(allowed)})")
+    buckets = None
+    if "buckets" in query:
+        raw = query.pop("buckets")
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"index URI {uri!r}: buckets must be an integer >= 1, not {raw!r}")
+        buckets = int(raw)
+    mirror = query.pop("mirror", "0")
+    if mirror not in ("0", "1"):
+        raise ValueError(f"index URI {uri!r}: mirror must be 0 or 1, not {mirror!r}")
+    raw_timeout = query.pop("timeout", "5")
+    try:
+        timeout = float(raw_timeout)
+    except ValueError:
+        timeout = -1.0
+    if not timeout > 0:
+        raise ValueError(f"index URI {uri!r}: timeout must be a number of seconds > 0, not {raw_timeout!r}")
+    prefix = query.pop("prefix", None)
+    if prefix == "":
+        raise ValueError(f"index URI {uri!r}: prefix must not be empty")
+    nodes: list[tuple[str, int]] = []
+    if cluster:
+        for hp in parts.netloc.rsplit("@", 1)[-1].split(","):
+            host, _, port = hp.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"index URI {uri!r}: bad cluster node {hp!r} (want host:port)")
+            nodes.append((host.strip("[]"), int(port)))
+    elif parts.scheme != "unix" and not parts.hostname:
+        raise ValueError(f"index URI {uri!r}: no host (want redis://host:port/db)")
+    url = urlunsplit(parts._replace(query=urlencode(query)))
+    return RedisUri(url, tuple(nodes), parts.username, parts.password, buckets, mirror == "1", prefix,
+                    timeout)
