@@ -1,15 +1,19 @@
-"""Build hook for the optional C accelerator; all metadata lives in pyproject.toml.
+"""Build hook for the optional C extensions; all metadata lives in pyproject.toml.
 
-``optional=True``: without a compiler the install still succeeds and kvcoord.hashing uses its
-pure-Python fast path (identical output, slower), and kvcoord.index.memory its pure-Python core.
+Without a compiler the install still succeeds and every hot path runs its pure-Python implementation
+(identical results, slower). ``KVCOORD_REQUIRE_SPEEDUPS=1`` makes a failed C build fail the install
+instead, so CI and the container image never run the slow paths unnoticed.
 """
+
+import os
 
 from setuptools import Extension, setup
 
+REQUIRED = os.environ.get("KVCOORD_REQUIRE_SPEEDUPS", "") not in ("", "0")
+
 setup(
     ext_modules=[
-        Extension("kvcoord._speedups", ["kvcoord/_speedups.c"], optional=True),
-        Extension("kvcoord._indexcore", ["kvcoord/_indexcore.c"], optional=True),
-        Extension("kvcoord._wirescan", ["kvcoord/_wirescan.c"], optional=True),
+        Extension(f"kvcoord.{name}", [f"kvcoord/{name}.c"], optional=not REQUIRED)
+        for name in ("_speedups", "_indexcore", "_wirescan")
     ]
 )

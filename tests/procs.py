@@ -41,9 +41,8 @@ def kvcoord_cmd(*args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def running(cmd: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[
-    subprocess.Popen[bytes]
-]:
+def running(cmd: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None,
+            cwd: Path = REPO) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``cmd`` in its own process group; on exit SIGTERM it (then SIGKILL) and reap it."""
     out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(
@@ -52,7 +51,7 @@ def running(cmd: Sequence[str], *, env: dict[str, str] | None = None, log: Path 
         stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
         start_new_session=True,
-        cwd=REPO,
+        cwd=cwd,
     )
     try:
         yield proc
