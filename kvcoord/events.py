@@ -1,30 +1,35 @@
-"""The typed KV-event model shared by every layer, and its codecs.
+"""The KV-event model every layer shares, and the msgpack codec of vLLM's and SGLang's publishers.
 
-The model mirrors vLLM's ``vllm/distributed/kv_events.py`` field for field, so that nothing an
-engine publishes is lost between the wire and the index. Hashes keep the form the engine
-published (``int`` or raw digest ``bytes``); the index reduces them with
-:func:`kvcoord.hashing.to_block_hash64`.
+The model *is* vLLM's own: one msgspec Struct per event (``vllm/distributed/kv_events.py``), field for
+field, so nothing an engine publishes is lost and msgspec (vLLM's codec) decodes straight into it, in
+C. Hashes keep the form the engine published (``int`` or raw digest ``bytes``); the index reduces them
+with :func:`kvcoord.hashing.to_block_hash64`.
 
-Codecs: :func:`decode_vllm_batch` / :func:`encode_vllm_batch` speak the msgpack wire format of
-vLLM's ``ZmqEventPublisher`` (map-encoded events since 0.24, positional arrays before) and of
-SGLang's copy of it. Decoding is typed msgspec decoding straight into wire structs, so a bad
-frame is rejected in C before any Python object of ours exists.
+Every other struct here is *derived* from these definitions by :func:`_derive`, never written out
+again: vLLM's positional-array form (releases <= 0.23, SGLang), its exact encoding (fields without a
+default in vLLM are always written), SGLang's signed int64 hashes, and the relay's lazy *views*, which
+leave token ids and extra keys undecoded (msgspec ``Raw``) because the relay forwards them only for
+the few events the coordinator verifies.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeAlias
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 import msgspec
 
 EngineHash: TypeAlias = int | bytes
 """A block hash as an engine publishes it: uint64 int, or the raw digest."""
 
-ExtraKeys: TypeAlias = tuple[object, ...] | None
+ExtraKeys: TypeAlias = tuple[Any, ...] | None
 """One block's published extra keys (LoRA name, ``(mm_id, offset)`` pairs, cache salt, digest)."""
+
+UINT64_MAX = (1 << 64) - 1
+STORE, REMOVE, CLEAR = 0, 1, 2
+"""Event kinds (``KIND`` of BlockStored, BlockRemoved, AllBlocksCleared)."""
 
 
 class Tier(enum.IntEnum):
@@ -70,20 +75,31 @@ FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
 """Group kinds whose blocks are prefix-matchable. Events of other groups (sliding window,
 Mamba, …) describe caches that cannot serve a prefix hit on their own, so the index skips them."""
 
+_UHash = Annotated[int, msgspec.Meta(ge=0)] | Annotated[bytes, msgspec.Meta(min_length=1)]
+_SHash = Annotated[int, msgspec.Meta(ge=-(1 << 63))] | Annotated[bytes, msgspec.Meta(min_length=1)]
+_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
+
+# --- the model (vLLM's structs, map-encoded as since vLLM 0.24) --------------------------------
+class KVEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, frozen=True):
+    """One event of a published batch; ``KIND`` says which."""
+
+    KIND: ClassVar[int]
+
+
+class BlockStored(KVEvent, tag="BlockStored", frozen=True):
     """Blocks that became cached (and reusable) on one node, in chain order."""
 
-    block_hashes: tuple[EngineHash, ...]
-    parent_block_hash: EngineHash | None
+    KIND: ClassVar[int] = STORE
+    block_hashes: tuple[_UHash, ...]
+    parent_block_hash: _UHash | None
     token_ids: tuple[int, ...]
-    block_size: int
+    block_size: _NonNeg
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: tuple[ExtraKeys, ...] | None = None
-    group_idx: int | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    group_idx: _NonNeg | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
@@ -96,37 +112,153 @@ class BlockStored:
         return self.kv_cache_spec_kind is None or self.kv_cache_spec_kind in FULL_ATTENTION_KINDS
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlockRemoved(KVEvent, tag="BlockRemoved", frozen=True):
     """Blocks evicted from one medium of one node."""
 
-    block_hashes: tuple[EngineHash, ...]
+    KIND: ClassVar[int] = REMOVE
+    block_hashes: tuple[_UHash, ...]
     medium: str | None = None
-    group_idx: int | None = None
+    group_idx: _NonNeg | None = None
     locality: str | None = None
     ownership: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(KVEvent, tag="AllBlocksCleared", frozen=True):
     """The node dropped its whole prefix cache (reset, or restart)."""
 
+    KIND: ClassVar[int] = CLEAR
 
-KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
-
-@dataclass(frozen=True, slots=True)
-class KVEventBatch:
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     """One published batch: a timestamp (seconds since the epoch), events, and the DP rank."""
 
     ts: float
     events: tuple[KVEvent, ...]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: _NonNeg | None = None
 
 
-# --- msgpack codec (vLLM / SGLang ZMQ payloads) -------------------------------------------------
+_EVENTS: tuple[type[KVEvent], ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
+_VLLM_REQUIRED = {"BlockStored": 7, "BlockRemoved": 2}
+"""How many leading fields vLLM declares without a default (it always writes those)."""
+_ARRAY_FIELDS = {"BlockStored": 11, "BlockRemoved": 3}
+"""How many fields the positional form (vLLM <= 0.23) has: the later ones did not exist yet."""
 
-UINT64_MAX = (1 << 64) - 1
+
+def _derive(cls: type[KVEvent], *, array_like: bool, signed: bool = False, exact: bool = False,
+            view: bool = False) -> type[msgspec.Struct]:
+    """A struct for one wire form of ``cls``, built from ``cls``'s own fields.
+
+    ``exact``: vLLM's encoding (its required fields have no default, so they are always written; the
+    positional form has only the fields of vLLM <= 0.23); ``signed``: SGLang's int64 hashes; ``view``:
+    token ids and extra keys left undecoded (``Raw``); ``array_like``: the positional form. A decoded
+    model event's struct subclasses ``cls`` (``isinstance`` holds); a view's and an encoder's do not.
+    """
+    name = cls.__name__
+    infos = msgspec.structs.fields(cls)
+    if array_like and exact:
+        infos = infos[: _ARRAY_FIELDS.get(name, len(infos))]
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    for i, f in enumerate(infos):
+        typ: Any = f.type
+        if signed and f.name in ("block_hashes", "parent_block_hash"):
+            typ = tuple[_SHash, ...] if f.name == "block_hashes" else _SHash | None
+        if view and f.name in ("token_ids", "extra_keys"):
+            typ = msgspec.Raw
+            if f.default is not msgspec.NODEFAULT:
+                fields.append((f.name, typ, msgspec.Raw(b"")))
+                continue
+        if (exact and i < _VLLM_REQUIRED.get(name, 0)) or f.default is msgspec.NODEFAULT:
+            fields.append((f.name, typ))
+        else:
+            fields.append((f.name, typ, f.default))
+    bases = () if (exact or view) else (cls,)  # model forms stay KVEvents until made canonical
+    return msgspec.defstruct(name, fields, bases=bases, tag=name, array_like=array_like, omit_defaults=True,
+                             gc=False, frozen=True, namespace={"KIND": cls.KIND})
+
+
+class _Form:
+    """Decoders of one (signedness, model-or-view) family, for each batch and event form."""
+
+    __slots__ = ("decoders", "pref", "signed", "view")
+
+    def __init__(self, *, signed: bool, view: bool) -> None:
+        self.signed = signed
+        self.view = view
+        # decoders[batch_is_map][events_are_arrays]
+        self.decoders = tuple(
+            tuple(self._decoder(batch_map, arrays) for arrays in (False, True)) for batch_map in (False, True)
+        )
+        self.pref = 0
+
+    def _decoder(self, batch_map: bool, arrays: bool) -> msgspec.msgpack.Decoder[Any]:
+        if not (arrays or self.signed or self.view):
+            events: Any = BlockStored | BlockRemoved | AllBlocksCleared
+        else:
+            kinds = [_derive(c, array_like=arrays, signed=self.signed, view=self.view) for c in _EVENTS]
+            events = kinds[0] | kinds[1] | kinds[2]
+        fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+            ("ts", float), ("events", tuple[events, ...]), ("data_parallel_rank", _NonNeg | None, None)]
+        batch = msgspec.defstruct("KVEventBatch", fields, array_like=not batch_map, gc=False, frozen=True)
+        return msgspec.msgpack.Decoder(batch)
+
+    def decode(self, payload: bytes) -> Any:
+        if not payload:
+            raise EventDecodeError("truncated", "empty payload")
+        first = payload[0]
+        decs = self.decoders[1 if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) else 0]
+        pref = self.pref
+        try:
+            raw = decs[pref].decode(payload)
+        except msgspec.ValidationError as e1:
+            try:
+                raw = decs[1 - pref].decode(payload)
+            except msgspec.ValidationError as e2:
+                raise _diagnose(payload, e1 if pref == 0 else e2, e2 if pref == 0 else e1) from None
+            self.pref = 1 - pref
+        except msgspec.DecodeError as exc:
+            raise _framing_error(exc) from None
+        if self.signed:
+            raw = _unsigned(raw)
+        if self.view:
+            return raw
+        return KVEventBatch(raw.ts, _canonical(raw.events), raw.data_parallel_rank)
+
+
+_CANONICAL = {c.__name__: c for c in _EVENTS}
+
+
+def _canonical(events: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Events of a derived form (positional, signed) as the model's own structs (equal to one built by
+    hand), and nested extra keys (``[mm_id, offset]`` arrives as a list) as hashable tuples. Map-encoded
+    events without extra keys are the model's structs already and pass through."""
+    if all(type(ev) in _EVENTS and getattr(ev, "extra_keys", None) is None for ev in events):
+        return events
+    out = []
+    for ev in events:
+        if type(ev) not in _EVENTS:
+            ev = _CANONICAL[type(ev).__name__](*msgspec.structs.astuple(ev))
+        if getattr(ev, "extra_keys", None) is not None:
+            ev = msgspec.structs.replace(ev, extra_keys=stored_extra_keys(ev))
+        out.append(ev)
+    return tuple(out)
+
+
+def _unsigned(batch: Any) -> Any:
+    """SGLang publishes int64 hashes; reinterpret negatives as the same 64 bits unsigned."""
+    events = []
+    changed = False
+    for ev in batch.events:
+        hashes = getattr(ev, "block_hashes", ())
+        parent = getattr(ev, "parent_block_hash", None)
+        if any(type(h) is int and h < 0 for h in hashes) or (type(parent) is int and parent < 0):
+            changes: dict[str, Any] = {"block_hashes": tuple(h & UINT64_MAX if type(h) is int else h
+                                                             for h in hashes)}
+            if hasattr(ev, "parent_block_hash"):
+                changes["parent_block_hash"] = parent & UINT64_MAX if type(parent) is int else parent
+            ev = msgspec.structs.replace(ev, **changes)
+            changed = True
+        events.append(ev)
+    return msgspec.structs.replace(batch, events=tuple(events)) if changed else batch
 
 
 class EventDecodeError(ValueError):
@@ -137,160 +269,13 @@ class EventDecodeError(ValueError):
         self.kind = kind
 
 
-_UHash = Annotated[int, msgspec.Meta(ge=0)] | Annotated[bytes, msgspec.Meta(min_length=1)]
-_SHash = Annotated[int, msgspec.Meta(ge=-(1 << 63))] | Annotated[bytes, msgspec.Meta(min_length=1)]
-_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-_WireExtra = tuple[tuple[Any, ...] | None, ...] | None
-
-
-def _decode_structs(array_like: bool, hash_t: Any) -> Any:
-    """Build lenient decode-side wire structs for one event form and hash signedness.
-
-    Every field after the ones all releases had is optional, so older engines (SGLang's 5-field
-    BlockStored, vLLM <= 0.8) and newer ones (extra map keys are ignored) decode alike.
-    """
-    stored_fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
-        ("block_hashes", tuple[hash_t, ...]),
-        ("parent_block_hash", hash_t | None),
-        ("token_ids", tuple[int, ...]),
-        ("block_size", _NonNeg),
-        ("lora_id", int | None, None),
-        ("medium", str | None, None),
-        ("lora_name", str | None, None),
-        ("extra_keys", _WireExtra, None),
-        ("group_idx", _NonNeg | None, None),
-        ("kv_cache_spec_kind", str | None, None),
-        ("kv_cache_spec_sliding_window", int | None, None),
-        ("locality", str | None, None),
-        ("ownership", str | None, None),
-        ("session_id", str | None, None),
-        ("lookahead_token_ids", tuple[tuple[int, ...], ...] | None, None),
-    ]
-    removed_fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
-        ("block_hashes", tuple[hash_t, ...]),
-        ("medium", str | None, None),
-        ("group_idx", _NonNeg | None, None),
-        ("locality", str | None, None),
-        ("ownership", str | None, None),
-    ]
-    stored = msgspec.defstruct("BlockStored", stored_fields, tag=True, array_like=array_like, gc=False)
-    removed = msgspec.defstruct("BlockRemoved", removed_fields, tag=True, array_like=array_like, gc=False)
-    cleared = msgspec.defstruct("AllBlocksCleared", [], tag=True, array_like=array_like, gc=False)
-    return stored | removed | cleared
-
-
-def _batch_decoders(event_union: Any) -> tuple[msgspec.msgpack.Decoder[Any], msgspec.msgpack.Decoder[Any]]:
-    """(array-encoded batch, map-encoded batch) decoders for one event union."""
-    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
-        ("ts", float), ("events", list[event_union]), ("data_parallel_rank", _NonNeg | None, None)]
-    arr = msgspec.defstruct("KVEventBatch", fields, array_like=True, gc=False)
-    mapped = msgspec.defstruct("KVEventBatch", fields, gc=False)
-    return msgspec.msgpack.Decoder(arr), msgspec.msgpack.Decoder(mapped)
-
-
-_EVENT_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
-
-
-class _Codec:
-    """Typed decoders for every (batch form, event form) pair, with a sticky preferred event form."""
-
-    __slots__ = ("_decoders", "_pref", "_signed", "_stored_types")
-
-    def __init__(self, signed: bool) -> None:
-        hash_t = _SHash if signed else _UHash
-        unions = (_decode_structs(False, hash_t), _decode_structs(True, hash_t))  # map events, array events
-        arr_m, map_m = _batch_decoders(unions[0])
-        arr_a, map_a = _batch_decoders(unions[1])
-        # _decoders[batch_is_map][event_form] with event_form 0 = map, 1 = array
-        self._decoders = ((arr_m, arr_a), (map_m, map_a))
-        self._pref = 0
-        self._signed = signed
-        self._stored_types = tuple(u.__args__[0] for u in unions)
-
-    def decode(self, payload: bytes) -> KVEventBatch:
-        if not payload:
-            raise EventDecodeError("truncated", "empty payload")
-        first = payload[0]
-        decs = self._decoders[1 if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) else 0]
-        pref = self._pref
-        try:
-            raw = decs[pref].decode(payload)
-        except msgspec.ValidationError as e1:
-            try:
-                raw = decs[1 - pref].decode(payload)
-            except msgspec.ValidationError as e2:
-                raise _diagnose(payload, e1 if pref == 0 else e2, e2 if pref == 0 else e1) from None
-            self._pref = 1 - pref
-        except msgspec.DecodeError as exc:
-            raise _framing_error(exc) from None
-        return self._convert(raw)
-
-    def _convert(self, raw: Any) -> KVEventBatch:
-        out: list[KVEvent] = []
-        stored_types = self._stored_types
-        signed = self._signed
-        for ev in raw.events:
-            if type(ev) in stored_types:
-                hashes = ev.block_hashes
-                parent = ev.parent_block_hash
-                if signed:
-                    hashes = _wrap_signed(hashes)
-                    if type(parent) is int and parent < 0:
-                        parent &= UINT64_MAX
-                extra = ev.extra_keys
-                out.append(
-                    BlockStored(
-                        hashes,
-                        parent,
-                        ev.token_ids,
-                        ev.block_size,
-                        ev.lora_id,
-                        ev.medium,
-                        ev.lora_name,
-                        None if extra is None else _tuplify_extra(extra),
-                        ev.group_idx,
-                        ev.kv_cache_spec_kind,
-                        ev.kv_cache_spec_sliding_window,
-                        ev.locality,
-                        ev.ownership,
-                        ev.session_id,
-                        ev.lookahead_token_ids,
-                    )
-                )
-            elif hasattr(ev, "block_hashes"):
-                hashes = _wrap_signed(ev.block_hashes) if signed else ev.block_hashes
-                out.append(BlockRemoved(hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership))
-            else:
-                out.append(AllBlocksCleared())
-        return KVEventBatch(raw.ts, tuple(out), raw.data_parallel_rank)
-
-
-def _wrap_signed(hashes: tuple[EngineHash, ...]) -> tuple[EngineHash, ...]:
-    """SGLang publishes int64 hashes; reinterpret negatives as the same 64 bits unsigned."""
-    if any(type(h) is int and h < 0 for h in hashes):
-        return tuple(h & UINT64_MAX if type(h) is int else h for h in hashes)
-    return hashes
-
-
-def _tuplify(value: object) -> object:
-    if isinstance(value, list):
-        return tuple(_tuplify(v) for v in value)
-    return value
-
-
-def _tuplify_extra(extra: tuple[tuple[Any, ...] | None, ...]) -> tuple[ExtraKeys, ...]:
-    """Nested arrays (``[mm_id, offset]`` pairs) arrive as lists; make them hashable tuples."""
-    return tuple(
-        None if keys is None else (keys if not any(isinstance(k, list) for k in keys)
-                                   else tuple(_tuplify(k) for k in keys))
-        for keys in extra
-    )
-
-
 def _framing_error(exc: msgspec.DecodeError) -> EventDecodeError:
     msg = str(exc)
     kind = "truncated" if "truncated" in msg else "msgpack"
     return EventDecodeError(kind, f"invalid KV event batch: not valid msgpack ({msg})")
+
+
+_TAGS = tuple(c.__name__ for c in _EVENTS)
 
 
 def _diagnose(payload: bytes, map_err: msgspec.ValidationError,
@@ -321,13 +306,10 @@ def _diagnose(payload: bytes, map_err: msgspec.ValidationError,
         else:
             return EventDecodeError("bad_event", f"invalid KV event batch: event {i} is a "
                                                  f"{type(ev).__name__}, not a map or array")
-        if tag not in _EVENT_TAGS:
+        if tag not in _TAGS:
             return EventDecodeError("unknown_event", f"invalid KV event batch: event {i} has unknown type "
-                                                     f"{tag!r} (known: {', '.join(_EVENT_TAGS)})")
-        if isinstance(ev, dict):
-            break
-        if isinstance(ev, list):
-            break
+                                                     f"{tag!r} (known: {', '.join(_TAGS)})")
+        break
     msg = _name_array_fields(str(err), events)
     if "missing required field" in msg or "at least length" in msg:
         kind = "missing_field"
@@ -340,13 +322,7 @@ def _diagnose(payload: bytes, map_err: msgspec.ValidationError,
     return EventDecodeError(kind, f"invalid KV event batch: {msg}")
 
 
-_FIELD_NAMES = {
-    "BlockStored": ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                    "kv_cache_spec_sliding_window", "locality", "ownership", "session_id",
-                    "lookahead_token_ids"),
-    "BlockRemoved": ("type", "block_hashes", "medium", "group_idx", "locality", "ownership"),
-}
+_FIELD_NAMES = {c.__name__: ("type", *(f.name for f in msgspec.structs.fields(c))) for c in _EVENTS}
 _ARRAY_PATH = re.compile(r"`\$\[1\]\[(\d+)\]\[(\d+)\]")
 
 
@@ -367,8 +343,10 @@ def _name_array_fields(msg: str, events: list[Any]) -> str:
     return f"{msg[:m.start()]}`$[1][{i}].{names[j]}{msg[m.end():]}"
 
 
-_STRICT = _Codec(signed=False)
-_SIGNED = _Codec(signed=True)
+_MODEL = _Form(signed=False, view=False)
+_MODEL_SIGNED = _Form(signed=True, view=False)
+_VIEW = _Form(signed=False, view=True)
+_VIEW_SIGNED = _Form(signed=True, view=True)
 
 
 def decode_vllm_batch(payload: bytes, *, signed_hashes: bool = False) -> KVEventBatch:
@@ -378,71 +356,51 @@ def decode_vllm_batch(payload: bytes, *, signed_hashes: bool = False) -> KVEvent
     positional ``[tag, field, ...]`` arrays (vLLM <= 0.23, SGLang), int or bytes hashes. Ints are
     uint64; a negative hash is rejected unless ``signed_hashes`` (SGLang publishes int64 hashes:
     they are reinterpreted as the same 64 bits unsigned). Raises :class:`EventDecodeError`.
+    Events of the positional form come back as structs derived from the model's (same fields).
     """
-    return (_SIGNED if signed_hashes else _STRICT).decode(payload)
+    batch: KVEventBatch = (_MODEL_SIGNED if signed_hashes else _MODEL).decode(payload)
+    return batch
 
 
-# Encode-side structs: exactly vLLM's own definitions, so msgspec produces vLLM's bytes.
-class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
+def decode_vllm_views(payload: bytes, *, signed_hashes: bool = False) -> Any:
+    """:func:`decode_vllm_batch` for the relay: the same checks and fields, except that each
+    BlockStored's ``token_ids`` and ``extra_keys`` stay undecoded (``msgspec.Raw``; see
+    :func:`stored_tokens`), which saves most of the decoding of a batch."""
+    return (_VIEW_SIGNED if signed_hashes else _VIEW).decode(payload)
 
 
-class _MapStored(_MapEvent, tag="BlockStored"):
-    block_hashes: tuple[EngineHash, ...]
-    parent_block_hash: EngineHash | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: tuple[ExtraKeys, ...] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+_TOKENS = msgspec.msgpack.Decoder(tuple[int, ...])
+_EXTRA = msgspec.msgpack.Decoder(tuple[tuple[Any, ...] | None, ...] | None)
 
 
-class _MapRemoved(_MapEvent, tag="BlockRemoved"):
-    block_hashes: tuple[EngineHash, ...]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+def stored_tokens(ev: Any) -> tuple[int, ...]:
+    """A BlockStored's token ids, from a model event or a relay view."""
+    tokens = ev.token_ids
+    if isinstance(tokens, msgspec.Raw):
+        return _TOKENS.decode(tokens) if len(tokens) else ()
+    return tuple(tokens)
 
 
-class _MapCleared(_MapEvent, tag="AllBlocksCleared"):
-    pass
+def stored_extra_keys(ev: Any) -> tuple[ExtraKeys, ...] | None:
+    """A BlockStored's extra keys as hashable tuples, from a model event or a relay view."""
+    extra = ev.extra_keys
+    if isinstance(extra, msgspec.Raw):
+        extra = _EXTRA.decode(extra) if len(extra) else None
+    if extra is None:
+        return None
+    return tuple(None if keys is None else tuple(_tuplify(k) for k in keys) for keys in extra)
 
 
-class _ArrEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
+def _tuplify(value: object) -> object:
+    if isinstance(value, list | tuple):
+        return tuple(_tuplify(v) for v in value)
+    return value
 
 
-class _ArrStored(_ArrEvent, tag="BlockStored"):
-    block_hashes: tuple[EngineHash, ...]
-    parent_block_hash: EngineHash | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: tuple[ExtraKeys, ...] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _ArrRemoved(_ArrEvent, tag="BlockRemoved"):
-    block_hashes: tuple[EngineHash, ...]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class _ArrCleared(_ArrEvent, tag="AllBlocksCleared"):
-    pass
+# --- encoding, exactly as vLLM's publisher ------------------------------------------------------
+_EXACT = {(c, form): _derive(c, array_like=form == "array", exact=True) for c in _EVENTS
+          for form in ("map", "array")}
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -451,10 +409,7 @@ class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-_ENCODER = msgspec.msgpack.Encoder()
-
-
-def _check_hashes(hashes: tuple[EngineHash, ...], what: str) -> None:
+def _check_hashes(hashes: Sequence[object], what: str) -> None:
     for h in hashes:
         if type(h) is int:
             if not 0 <= h <= UINT64_MAX:
@@ -464,29 +419,22 @@ def _check_hashes(hashes: tuple[EngineHash, ...], what: str) -> None:
 
 
 def _to_wire(ev: KVEvent, form: Literal["map", "array"]) -> msgspec.Struct:
-    if isinstance(ev, BlockStored):
-        _check_hashes(ev.block_hashes, "BlockStored")
-        if ev.parent_block_hash is not None:
-            _check_hashes((ev.parent_block_hash,), "BlockStored parent")
-        common = (ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, ev.medium,
-                  ev.lora_name, ev.extra_keys, ev.group_idx, ev.kv_cache_spec_kind,
-                  ev.kv_cache_spec_sliding_window)
-        if form == "map":
-            return _MapStored(*common, ev.locality, ev.ownership, ev.session_id, ev.lookahead_token_ids)
-        if (ev.locality, ev.ownership, ev.session_id, ev.lookahead_token_ids) != (None, None, None, None):
-            raise ValueError("BlockStored with locality/ownership/session_id/lookahead_token_ids "
-                             "cannot be encoded as positional arrays (vLLM <= 0.23 has no such fields)")
-        return _ArrStored(*common)
-    if isinstance(ev, BlockRemoved):
-        _check_hashes(ev.block_hashes, "BlockRemoved")
-        if form == "map":
-            return _MapRemoved(ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
-        if (ev.locality, ev.ownership) != (None, None):
-            raise ValueError("BlockRemoved with locality/ownership cannot be encoded as positional arrays")
-        return _ArrRemoved(ev.block_hashes, ev.medium, ev.group_idx)
-    if isinstance(ev, AllBlocksCleared):
-        return _MapCleared() if form == "map" else _ArrCleared()
-    raise TypeError(f"not a KV event: {type(ev).__name__}")
+    kind = type(ev)
+    base = next((c for c in _EVENTS if isinstance(ev, c) or c.__name__ == kind.__name__), None)
+    if base is None:
+        raise TypeError(f"not a KV event: {kind.__name__}")
+    values = msgspec.structs.astuple(ev)
+    if base is not AllBlocksCleared:
+        _check_hashes(values[0], base.__name__)
+        if base is BlockStored and values[1] is not None:
+            _check_hashes((values[1],), "BlockStored parent")
+    exact = _EXACT[(base, form)]
+    n = len(msgspec.structs.fields(exact))
+    if any(v is not None for v in values[n:]):
+        names = [f.name for f in msgspec.structs.fields(base)[n:]]
+        raise ValueError(f"{base.__name__} with {'/'.join(names)} cannot be encoded as positional arrays "
+                         "(vLLM <= 0.23 has no such fields)")
+    return exact(*values[:n])
 
 
 def encode_vllm_batch(batch: KVEventBatch, *, form: Literal["map", "array"] = "map") -> bytes:

@@ -1,7 +1,7 @@
-"""Regenerate ``kvcoord/proto/v1/*`` from ``proto/kvcoord/v1/*.proto``.
+"""Regenerate ``kvcoord/proto/VERSION/*`` from ``proto/kvcoord/VERSION/*.proto`` (every version there).
 
-The sources are staged as ``kvcoord/proto/v1/`` so the generated modules import each other as
-``kvcoord.proto.v1``. Usage: ``python scripts/gen_proto.py [OUT_DIR]`` (default: the package).
+The sources are staged as ``kvcoord/proto/VERSION/`` so the generated modules import each other as
+``kvcoord.proto.VERSION``. Usage: ``python scripts/gen_proto.py [OUT_DIR]`` (default: the package).
 """
 
 from __future__ import annotations
@@ -14,15 +14,26 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = REPO / "proto" / "kvcoord" / "v1"
+SOURCES = REPO / "proto" / "kvcoord"
+
+
+def versions() -> list[str]:
+    return sorted(p.name for p in SOURCES.iterdir() if p.is_dir() and any(p.glob("*.proto")))
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Generate into ``out_root/kvcoord/proto/v1`` and return the generated files."""
+    """Generate into ``out_root/kvcoord/proto/VERSION`` and return the generated files."""
+    out: list[Path] = []
+    for version in versions():
+        out += _generate(out_root, version)
+    return out
+
+
+def _generate(out_root: Path, version: str) -> list[Path]:
     with tempfile.TemporaryDirectory() as tmp:
-        staged = Path(tmp) / "kvcoord" / "proto" / "v1"
+        staged = Path(tmp) / "kvcoord" / "proto" / version
         staged.mkdir(parents=True)
-        protos = sorted(SOURCES.glob("*.proto"))
+        protos = sorted((SOURCES / version).glob("*.proto"))
         for src in protos:
             shutil.copy(src, staged / src.name)
         bindir = str(Path(sys.executable).parent)
@@ -35,8 +46,8 @@ def generate(out_root: Path) -> list[Path]:
             check=True,
             env=env,
         )
-    out = out_root / "kvcoord" / "proto" / "v1"
-    banner = '"""Generated from proto/kvcoord/v1 by scripts/gen_proto.py; do not edit."""\n'
+    out = out_root / "kvcoord" / "proto" / version
+    banner = f'"""Generated from proto/kvcoord/{version} by scripts/gen_proto.py; do not edit."""\n'
     (out / "__init__.py").write_text(banner)
     return sorted(p for p in out.iterdir() if p.is_file())
 

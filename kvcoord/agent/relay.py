@@ -330,9 +330,7 @@ class Relay:
         st = self.stats
         st.batches += 1
         st.events += len(batch.events)
-        for ev in batch.events:
-            if not isinstance(ev, AllBlocksCleared):
-                st.block_events += len(ev.block_hashes)
+        st.block_events += sum(len(op[2]) for op in ops)
         return batch
 
     def _bad_batch(self, seq: int, kind: str, why: str) -> None:

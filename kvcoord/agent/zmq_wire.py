@@ -26,9 +26,9 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import replace
 from typing import Any, Literal
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -141,7 +141,7 @@ class ZmqEventPublisher:
         if not self._running:
             raise RuntimeError("publisher is closed")
         if batch.data_parallel_rank is None:
-            batch = replace(batch, data_parallel_rank=self._dp_rank)
+            batch = msgspec.structs.replace(batch, data_parallel_rank=self._dp_rank)
         self._queue.put(batch)
 
     def flush(self, timeout: float = 5.0) -> bool:

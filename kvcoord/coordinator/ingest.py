@@ -339,6 +339,7 @@ class IngestSession:
             next_seq=hello.next_seq,
         )
         self.rec, self.gen = rec, rec.stream_gen
+        self.state.metrics.model_seen(hello.model)
         if self.push is not None:
             self.state.attach(rec.node_id, rec.stream_gen, self.push)
         self.node_id, self.model, self.dp_ranks, self.epoch = hello.node_id, hello.model, ranks, hello.epoch

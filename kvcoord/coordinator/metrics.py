@@ -21,6 +21,17 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
+# Every label value the coordinator's call sites pass (tests/test_alerts.py checks the sources against
+# these). Their series exist at 0 from the start: a counter child born at its first increment has no
+# earlier sample, so rate()/increase() read no increase and an alert on the first event never fires.
+BATCH_OUTCOMES = ("applied", "duplicate", "gap", "awaiting_snapshot", "rejected", "too_large")
+EVENT_TYPES = ("block_stored", "block_removed", "all_blocks_cleared")
+REJECTED_TYPES = (*EVENT_TYPES, "unknown", "none")
+"""``events_rejected{type}``: an event with no kind set is ``unknown``; an empty batch adds 0 to ``none``."""
+REJECT_REASONS = ("unknown_dp_rank", "invalid_event", "undecodable")
+SNAPSHOT_REASONS = ("hello", "gap", "invalid_batch", "index_reset")
+VERIFY_RESULTS = ("ok", "mismatch", "skipped")
+
 
 class IndexBackendCollector(Collector):
     """Exports a backend's own plain counters (``RedisIndex.metrics``) at scrape time.
@@ -180,6 +191,19 @@ class Metrics:
         self._known_models: set[str] = set()
         # labels(...) costs a lock and a tuple-keyed lookup per call; the hot paths use cached children.
         self._children: dict[tuple[int, str], Any] = {}
+        self._rejected_children: dict[tuple[str, str], Any] = {}
+        # Bounded label sets only (never per node): models come in through model_seen.
+        for outcome in BATCH_OUTCOMES:
+            self._child(self.batches, outcome)
+        for kind in EVENT_TYPES:
+            self._child(self.events_applied, kind)
+        for kind in REJECTED_TYPES:
+            for reason in REJECT_REASONS:
+                self._rejected_child(kind, reason)
+        for reason in SNAPSHOT_REASONS:
+            self._child(self.snapshots_requested, reason)
+        for result in VERIFY_RESULTS:
+            self._child(self.hash_verifications, result)
 
     def register_index(self, index: object) -> bool:
         """Export the backend's own metrics when it keeps them (the Redis backend does)."""
@@ -199,6 +223,19 @@ class Metrics:
             child = self._children[key] = metric.labels(label)
         return child
 
+    def _rejected_child(self, kind: str, reason: str) -> Any:
+        key = (kind, reason)
+        child = self._rejected_children.get(key)
+        if child is None:
+            child = self._rejected_children[key] = self.events_rejected.labels(kind, reason)
+        return child
+
+    def model_seen(self, *models: str) -> None:
+        """Create ``hash_mismatches{model}`` at 0 for each model (configured, or named by a Hello), so
+        that ``increase()`` counts a model's first mismatch. Cheap once a model is known."""
+        for model in models:
+            self._child(self.hash_mismatches, model)
+
     def batch(self, outcome: str, n: int = 1) -> None:
         """Count event batches by outcome (applied, duplicate, gap, ...)."""
         self._child(self.batches, outcome).inc(n)
@@ -211,11 +248,11 @@ class Metrics:
         self.applied_by_type[kind] += n
 
     def rejected(self, kind: str, reason: str, n: int = 1) -> None:
-        self.events_rejected.labels(kind, reason).inc(n)
+        self._rejected_child(kind, reason).inc(n)
         self.rejected_by_reason[reason] += n
 
     def snapshot_requested(self, reason: str) -> None:
-        self.snapshots_requested.labels(reason).inc()
+        self._child(self.snapshots_requested, reason).inc()
         self.snapshots_requested_total += 1
 
     def lease_expired(self) -> None:
@@ -227,7 +264,7 @@ class Metrics:
         self._child(self.hash_verifications, result).inc()
 
     def hash_mismatch(self, model: str) -> None:
-        self.hash_mismatches.labels(model).inc()
+        self._child(self.hash_mismatches, model).inc()
         self.hash_mismatch_total += 1
 
     def set_index_stats(self, stats: IndexStats) -> None:

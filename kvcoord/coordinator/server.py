@@ -67,6 +67,7 @@ class CoordinatorServer:
         directory = open_directory(cfg.index, key_prefix=cfg.index_key_prefix)
         state = self.state = CoordinatorState(cfg, index, directory=directory)
         state.metrics.register_index(index)
+        state.metrics.model_seen(*cfg.models)
         opts = [
             ("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
             ("grpc.max_send_message_length", max(cfg.limits.max_message_bytes, 4 * 1024 * 1024)),

@@ -1,0 +1,329 @@
+"""How the Redis backend reaches Redis. The index and the lookup mirror both go through
+:class:`RedisConnection` (timed round trips, scripts by EVALSHA), so neither needs the other's internals;
+on plain TCP to a standalone Redis it uses a pipelined connection of its own (see the package docstring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import hiredis
+import redis.asyncio as aredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection as _PlainConnection
+
+_T = TypeVar("_T")
+LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+"""Upper bounds (seconds) of the round-trip latency histogram in :class:`RedisMetrics`."""
+
+
+class IndexUnavailable(ConnectionError):
+    """Redis could not be reached (or timed out). Nothing is known to be applied; retry later."""
+
+
+@dataclass(slots=True)
+class RedisMetrics:
+    """Plain counters the coordinator exports (it owns Prometheus; this module does not import it)."""
+
+    round_trips: int = 0
+    """Completed Redis round trips (a pipeline over several shards counts once)."""
+    round_trip_seconds: float = 0.0
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    """Round trips per ``LATENCY_BUCKETS`` bound (non-cumulative; the last slot is +Inf)."""
+    errors: int = 0
+    """Failed round trips (connection errors, timeouts, server errors)."""
+    connection_errors: int = 0
+    reconnects: int = 0
+    """Times a round trip succeeded after Redis had been unreachable."""
+    reclaimed_entries: int = 0
+    """(block, location) pairs of retired locations dropped by reclaim (any tiers count once)."""
+    up: bool = True
+    mirror: Any = None
+    """The lookup mirror (``ready``, ``loads``, ``entries_applied``, ``lookups``), or None."""
+
+    def observe(self, seconds: float) -> None:
+        self.round_trips += 1
+        self.round_trip_seconds += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.latency_counts[i] += 1
+                return
+        self.latency_counts[-1] += 1
+
+
+def _command(*args: object) -> bytes:
+    """A RESP command, packed by hiredis (its stub types the argument as a 1-tuple)."""
+    packed: bytes = hiredis.pack_command(args)  # type: ignore[arg-type]
+    return packed
+
+
+_MULTI = _command("MULTI")
+_EXEC = _command("EXEC")
+_FIELD = b"$8\r\n" + bytes(8) + b"\r\n"
+
+
+def _hmget_command(key: bytes, blob: bytes) -> bytes:
+    """``HMGET key h1 h2 ...`` in RESP for the packed 8-byte hashes ``blob``: eight strided copies
+    instead of one Python object per hash (a 512-block query packs in a few microseconds)."""
+    n = len(blob) >> 3
+    buf = bytearray(_FIELD * n)
+    for j in range(8):
+        buf[4 + j :: 14] = blob[j::8]
+    return b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (n + 2, len(key), key) + buf
+
+
+class _Pipelined(asyncio.Protocol):
+    """One RESP connection with any number of requests in flight, answered in order (Redis's guarantee).
+
+    Why not redis-py for the hot path: its asyncio client takes a pooled connection, builds the command
+    and parses the reply through several layers per call (~100 us here, more than the Lua walk of a
+    lookup). This sends pre-packed commands (``hiredis.pack_command``) and feeds replies to
+    ``hiredis.Reader``; concurrent callers share the socket, so their requests pipeline, and requests
+    sent on one connection run in the order sent (the write queue relies on that). A request with no
+    reply for ``timeout`` seconds aborts the connection; every waiter then gets ``ConnectionError``.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self._reader = hiredis.Reader(replyError=rexc.ResponseError, protocolError=rexc.InvalidResponse)
+        self._waiting: deque[asyncio.Future[Any] | None] = deque()
+        """One entry per expected reply, in order; ``None`` for a reply nobody waits for."""
+        self._transport: asyncio.Transport | None = None
+        self._timeout = timeout
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        self._last = time.monotonic()
+        while (reply := self._reader.gets()) is not False:
+            fut = self._waiting.popleft()
+            if fut is None or fut.done():
+                continue
+            if isinstance(reply, rexc.ResponseError):
+                fut.set_exception(reply)
+            else:
+                fut.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+        while self._waiting:
+            fut = self._waiting.popleft()
+            if fut is not None and not fut.done():
+                fut.set_exception(rexc.ConnectionError(f"redis connection lost: {exc or 'closed'}"))
+
+    def request(self, packed: bytes, skip: int = 0) -> asyncio.Future[Any]:
+        """Send ``packed`` (``skip + 1`` commands); the future gets the last reply (MULTI ... EXEC)."""
+        if self.lost or self._transport is None:
+            raise rexc.ConnectionError("redis connection lost")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if not self._waiting:
+            self._last = time.monotonic()
+        self._waiting.extend([None] * skip)
+        self._waiting.append(fut)
+        self._transport.write(packed)
+        if self._timer is None:
+            self._timer = loop.call_later(self._timeout, self._check)
+        return fut
+
+    def _check(self) -> None:
+        """Abort when requests wait and nothing arrived for ``timeout`` seconds (Redis hung or gone)."""
+        self._timer = None
+        if not self._waiting or self.lost:
+            return
+        idle = time.monotonic() - self._last
+        if idle >= self._timeout:
+            assert self._transport is not None
+            self._transport.abort()
+            return
+        self._timer = asyncio.get_running_loop().call_later(self._timeout - idle, self._check)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+class _FastPath:
+    """Lazily (re)connected :class:`_Pipelined` connection to a standalone Redis over plain TCP."""
+
+    __slots__ = (
+        "_conn",
+        "_connect_timeout",
+        "_db",
+        "_host",
+        "_lock",
+        "_password",
+        "_port",
+        "_timeout",
+        "_username",
+    )
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self._host: str = kwargs.get("host", "localhost")
+        self._port: int = int(kwargs.get("port", 6379))
+        self._db: int = int(kwargs.get("db", 0) or 0)
+        self._username: str | None = kwargs.get("username")
+        self._password: str | None = kwargs.get("password")
+        self._timeout: float = float(kwargs.get("socket_timeout") or 5.0)
+        self._connect_timeout: float = float(kwargs.get("socket_connect_timeout") or self._timeout)
+        self._conn: _Pipelined | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def for_client(cls, client: aredis.Redis | RedisCluster) -> _FastPath | None:
+        """Only for a plain TCP standalone client (TLS, unix sockets and Cluster keep redis-py)."""
+        if isinstance(client, RedisCluster):
+            return None
+        pool = client.connection_pool
+        if pool.connection_class is not _PlainConnection:
+            return None
+        return cls(dict(pool.connection_kwargs))
+
+    async def _connect(self) -> _Pipelined:
+        async with self._lock:
+            if self._conn is not None and not self._conn.lost:
+                return self._conn
+            loop = asyncio.get_running_loop()
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Pipelined(self._timeout), self._host, self._port),
+                self._connect_timeout,
+            )
+            try:
+                if self._password is not None:
+                    auth = (self._username, self._password) if self._username else (self._password,)
+                    await conn.request(_command("AUTH", *auth))
+                if self._db:
+                    await conn.request(_command("SELECT", self._db))
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+            return conn
+
+    async def call(self, packed: bytes, skip: int = 0) -> Any:
+        conn = self._conn
+        if conn is None or conn.lost:
+            conn = await self._connect()
+        return await conn.request(packed, skip)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class _Script:
+    """A Lua script run by EVALSHA, falling back to EVAL (which caches it) after a Redis restart."""
+
+    __slots__ = ("sha", "src")
+
+    def __init__(self, src: str) -> None:
+        self.src = src
+        self.sha = hashlib.sha1(src.encode()).hexdigest()
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    return isinstance(
+        e, rexc.ConnectionError | rexc.TimeoutError | rexc.ClusterDownError | OSError | asyncio.TimeoutError
+    ) or (isinstance(e, rexc.RedisClusterException) and "connect" in str(e).lower())
+
+
+class RedisConnection:
+    """One client's way to Redis: redis-py's ``client`` (Cluster-aware), the plain-TCP ``fast`` path when
+    there is one, and the ``metrics`` every round trip updates. A script runs on one bucket, named by
+    its hash ``tag`` (whose ``:loc`` key routes it on a Cluster); ARGV[1] is always the tag."""
+
+    __slots__ = ("client", "cluster", "fast", "metrics")
+
+    def __init__(self, client: aredis.Redis | RedisCluster, metrics: RedisMetrics) -> None:
+        self.client = client
+        self.cluster = isinstance(client, RedisCluster)
+        self.fast = _FastPath.for_client(client)
+        self.metrics = metrics
+
+    async def round_trip(self, fn: Callable[[], Awaitable[_T]]) -> _T:
+        """One timed round trip; connection failures become :class:`IndexUnavailable`."""
+        t0 = time.perf_counter()
+        try:
+            res = await fn()
+        except Exception as e:
+            self.metrics.errors += 1
+            if _is_connection_error(e):
+                self.metrics.connection_errors += 1
+                self.metrics.up = False
+                raise IndexUnavailable(f"redis unavailable: {e}") from e
+            raise
+        self.metrics.observe(time.perf_counter() - t0)
+        if not self.metrics.up:
+            self.metrics.up = True
+            self.metrics.reconnects += 1
+        return res
+
+    async def eval(self, script: _Script, tag: str, *args: object) -> Any:
+        """Run ``script`` on the bucket ``tag`` (its ``:loc`` key routes it on a Cluster)."""
+        key = tag + ":loc"
+        fast = self.fast
+        if fast is not None:
+
+            async def go_fast() -> Any:
+                try:
+                    return await fast.call(_command("EVALSHA", script.sha, 1, key, tag, *args))
+                except rexc.ResponseError as e:
+                    if not str(e).startswith("NOSCRIPT"):
+                        raise
+                    return await fast.call(_command("EVAL", script.src, 1, key, tag, *args))
+
+            return await self.round_trip(go_fast)
+
+        async def go() -> Any:
+            try:
+                return await self.client.evalsha(script.sha, 1, key, tag, *args)  # type: ignore[arg-type]
+            except rexc.NoScriptError:
+                return await self.client.eval(script.src, 1, key, tag, *args)  # type: ignore[arg-type]
+
+        return await self.round_trip(go)
+
+    async def eval_many(self, script: _Script, calls: list[tuple[str, list[object]]]) -> list[Any]:
+        """Run ``script`` on several buckets in one pipeline (per shard, in parallel, on a Cluster)."""
+        if len(calls) == 1:
+            tag, args = calls[0]
+            return [await self.eval(script, tag, *args)]
+
+        async def go() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for tag, args in calls:
+                # execute_command: redis-py's cluster pipeline refuses the evalsha() method by name, but
+                # routes EVALSHA by its key like any single-slot command.
+                pipe.execute_command("EVALSHA", script.sha, 1, tag + ":loc", tag, *args)  # type: ignore[arg-type]
+            res: list[Any] = await pipe.execute(raise_on_error=False)
+            for i, r in enumerate(res):
+                if isinstance(r, rexc.NoScriptError):
+                    tag, args = calls[i]
+                    res[i] = await self.client.eval(script.src, 1, tag + ":loc", tag, *args)  # type: ignore[arg-type]
+                elif isinstance(r, Exception):
+                    raise r
+            return res
+
+        return await self.round_trip(go)
+
+    async def close(self) -> None:
+        """Close the fast path's socket and redis-py's pool (errors closing are of no interest)."""
+        if self.fast is not None:
+            self.fast.close()
+        with contextlib.suppress(Exception):
+            await self.client.aclose()

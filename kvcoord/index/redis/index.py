@@ -1,0 +1,563 @@
+"""``RedisIndex``: the Index protocol on Redis or a Redis Cluster, put together from the package's
+parts (keys, scripts, connection, write queue, mirror); the package docstring describes the design."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import logging
+import struct
+import time
+import uuid
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+import redis.asyncio as aredis
+import redis.exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
+
+from kvcoord.events import KVEvent, Tier
+from kvcoord.hashing import BlockHash64
+from kvcoord.index import validate
+from kvcoord.index.base import ApplyResult, IndexStats, NodeKey, NodeMatch, SnapshotEntry
+from kvcoord.index.redis import scripts as lua
+from kvcoord.index.redis.client import (
+    _EXEC,
+    _MULTI,
+    LATENCY_BUCKETS,
+    RedisConnection,
+    RedisMetrics,
+    _command,
+    _hmget_command,
+)
+from kvcoord.index.redis.keys import (
+    _DEFAULT_CLUSTER_BUCKETS,
+    _LAYOUT,
+    _TIER_BITS,
+    _loc_name,
+    _pack,
+    _parse_loc_name,
+    bucket_of,
+    bucket_tags,
+    conf_key,
+)
+from kvcoord.index.redis.mirror import LookupMirror
+from kvcoord.index.redis.walk import _Names, _walk
+from kvcoord.index.redis.writes import WriteQueue, compile_events
+from kvcoord.index.uri import parse_redis_uri
+
+__all__ = ["LATENCY_BUCKETS", "RedisIndex"]
+# LATENCY_BUCKETS is here too: the coordinator's metrics read it from the module defining RedisIndex.
+
+log = logging.getLogger("kvcoord.index.redis")  # the backend's one logger, as before it was a package
+
+_DISTINCT_LIMIT = 2_000_000
+"""Summed entries past which the exact distinct-block count gives up and reports the sum (a bound)."""
+_REPLACE_CHUNK = 20_000
+"""Entries per script call when filling a replacement (bounds how long one script blocks Redis)."""
+_RECLAIM_CHUNK = 1_000
+
+
+class RedisIndex:
+    """The :class:`~kvcoord.index.base.Index` protocol on Redis (``backend='redis'``) or Redis Cluster."""
+
+    def __init__(
+        self,
+        client: aredis.Redis | RedisCluster,
+        *,
+        key_prefix: str = "kvcoord",
+        buckets: int | None = None,
+        reclaim_interval: float = 5.0,
+        mirror: bool = False,
+    ) -> None:
+        self._r = client
+        self._cluster = isinstance(client, RedisCluster)
+        self.backend = "redis-cluster" if self._cluster else "redis"
+        self.key_prefix = key_prefix
+        self.buckets = buckets if buckets is not None else (_DEFAULT_CLUSTER_BUCKETS if self._cluster else 1)
+        if self.buckets < 1:
+            raise ValueError("buckets must be >= 1")
+        self._tags = bucket_tags(key_prefix, self.buckets)
+        self._conf_key = conf_key(key_prefix)
+        self.metrics = RedisMetrics()
+        self._conn = RedisConnection(client, self.metrics)
+        self._fast = self._conn.fast
+        self._layout_checked = False
+        self._layout_lock = asyncio.Lock()
+        self._reclaim_interval = reclaim_interval
+        self._reclaim_wake = asyncio.Event()
+        self._reclaim_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._retired_gen = 0
+        self._reclaimed_gen = 0
+        """Retirements this client made, and how many of them a finished reclaim pass has covered."""
+        self._writes = WriteQueue(self._conn, self._tags)
+        self._names: dict[str, _Names] = {}
+        """Per bucket tag: ``T:name`` as of a ``T:ver`` (the fast lookup path's cache)."""
+        self._mirror = LookupMirror(self._conn, self._tags) if mirror else None
+        """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
+        self.metrics.mirror = self._mirror
+
+    # ------------------------------------------------------------------------------------ opening
+
+    @classmethod
+    def from_uri(cls, uri: str, *, key_prefix: str = "kvcoord") -> RedisIndex:
+        """``redis://host:port/db`` (also ``rediss://``, ``unix://``) or ``redis+cluster://h:p,h:p``.
+
+        Query parameters read here: ``buckets`` (see the package docstring), ``timeout`` (socket
+        timeout in seconds, default 5), ``prefix`` (overrides ``key_prefix``), ``mirror`` (``1``:
+        answer lookups from an in-memory copy kept current by Redis's change feed; see
+        :class:`LookupMirror`). Does not connect.
+        """
+        parsed = parse_redis_uri(uri)
+        return cls(parsed.client(), key_prefix=parsed.prefix or key_prefix, buckets=parsed.buckets,
+                   mirror=parsed.mirror)
+
+    def bucket_of(self, node_id: str) -> int:
+        """The bucket (hence hash tag, slot and shard) holding every key of ``node_id``."""
+        return bucket_of(node_id, self.buckets)
+
+    def tag_of(self, node_id: str) -> str:
+        return self._tags[self.bucket_of(node_id)]
+
+    async def _check_layout(self) -> None:
+        """Refuse to share a keyspace with a client of another layout (bucket count, record format)."""
+        if self._layout_checked:
+            return
+        async with self._layout_lock:  # concurrent first writers share one check
+            if not self._layout_checked:
+                await self._check_layout_now()
+
+    async def _check_layout_now(self) -> None:
+        mine = f"{_LAYOUT}:{self.buckets}"
+
+        async def go() -> Any:
+            await self._r.set(self._conf_key, mine, nx=True)
+            return await self._r.get(self._conf_key)
+
+        stored = await self._conn.round_trip(go)
+        if stored is not None and stored.decode() != mine:
+            layout, _, buckets = stored.decode().rpartition(":")
+            if layout != _LAYOUT:
+                raise ValueError(
+                    f"the Redis keyspace {self.key_prefix!r} has layout {layout or 'v1'!r} "
+                    f"(this client writes {_LAYOUT!r}): use a new key prefix"
+                )
+            raise ValueError(
+                f"the Redis keyspace {self.key_prefix!r} uses {buckets} buckets, this client {self.buckets}"
+            )
+        self._layout_checked = True
+
+    # ---------------------------------------------------------------------------------- the protocol
+
+    async def apply(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
+        validate.check_target(model, node_id, dp_rank)
+        ops, skipped = compile_events(events)
+        result = ApplyResult(skipped_group=skipped)
+        if not ops:
+            return result
+        await self._check_layout()
+        batch: list[object] = [_loc_name(model, node_id, dp_rank), node_id, "A", len(ops)]
+        blocks = 0
+        for op, blob in ops:
+            batch.append(op)
+            batch.append(blob)
+            blocks += len(blob) >> 3
+        bucket = self.bucket_of(node_id)
+        new, _dup, removed, unknown, cleared, skipped_removals, seq = await self._writes.submit(
+            bucket, batch, blocks
+        )
+        if self._mirror is not None and seq:
+            await self._mirror.caught_up(self._tags[bucket], seq)  # read-your-writes on this replica
+        result.stored = int(new)
+        result.skipped_group += int(skipped_removals)
+        result.removed = int(removed)
+        result.removed_unknown = int(unknown)
+        result.cleared = int(cleared)
+        if cleared:
+            self._wake_reclaimer()
+        return result
+
+    def _want(self, model: str, candidates: Collection[NodeKey]) -> dict[int, set[bytes]]:
+        """The candidates' location names, per bucket."""
+        want: dict[int, set[bytes]] = {}
+        for node_id, rank in candidates:
+            want.setdefault(self.bucket_of(node_id), set()).add(_loc_name(model, node_id, rank).encode())
+        return want
+
+    async def match(
+        self,
+        model: str,
+        hashes: Sequence[BlockHash64],
+        candidates: Collection[NodeKey] | None = None,
+    ) -> list[NodeMatch]:
+        if not hashes:
+            return []
+        mirror = self._mirror
+        if mirror is not None:
+            mirror.start()
+            if mirror.ready:  # (hashes are checked by the walk: the same error as below)
+                want = self._want(model, candidates) if candidates is not None else None
+                return mirror.match(model, hashes, want)
+        try:
+            blob = _pack(hashes)
+        except struct.error as e:
+            raise ValueError(f"query hashes must be uint64 ints: {e}") from e
+        if self._fast is not None:
+            return await self._match_fast(model, blob, candidates)
+        return await self._match_scripted(model, blob, candidates)
+
+    async def _match_scripted(
+        self, model: str, blob: bytes, candidates: Collection[NodeKey] | None
+    ) -> list[NodeMatch]:
+        """``match`` by the lookup script: one per bucket, in one pipeline (per shard on a Cluster)."""
+        calls: list[tuple[str, list[object]]]
+        if candidates is None:
+            calls = [(tag, [model, blob, "0"]) for tag in self._tags]
+        else:
+            per: dict[int, list[object]] = {}
+            for node_id, rank in candidates:
+                per.setdefault(self.bucket_of(node_id), [model, blob, "1"]).append(
+                    _loc_name(model, node_id, rank)
+                )
+            if not per:
+                return []
+            calls = [(self._tags[b], a) for b, a in per.items()]
+        out: list[NodeMatch] = []
+        for flat in await self._conn.eval_many(lua.LOOKUP, calls):
+            for i in range(0, len(flat), 5):
+                _, node_id, rank = _parse_loc_name(flat[i])
+                tiers = (int(flat[i + 2]), int(flat[i + 3]), int(flat[i + 4]))
+                out.append(NodeMatch(node_id, rank, int(flat[i + 1]), tiers))
+        out.sort(key=lambda m: (-m.matched_blocks, m.node_id, m.dp_rank))
+        return out
+
+    async def _match_fast(
+        self, model: str, blob: bytes, candidates: Collection[NodeKey] | None
+    ) -> list[NodeMatch]:
+        """``match`` on the fast path: per bucket, one MULTI with ``NAMES`` and a raw HMGET of the whole
+        query's holder strings, all buckets in one write and one round trip; the walk runs here.
+
+        Why not the Lua walk: Redis's Lua turns each HMGET reply element into a Lua string and each
+        query hash into a substring, ~0.6-1 us per block, several times the in-process walk; a raw
+        HMGET costs Redis ~0.1 us per field and hiredis parses the reply in C. The walk itself is the
+        Lua script's (same stop rule, same counts); consecutive blocks held by the same locations have
+        equal holder strings, so it decodes only where they change (``itertools.groupby``). MULTI makes
+        the names and the holders one atomic read, as one script would be.
+        """
+        want: dict[int, set[bytes]] | None = None
+        if candidates is not None:
+            want = self._want(model, candidates)
+            if not want:
+                return []
+            buckets = sorted(want)
+        else:
+            buckets = list(range(self.buckets))
+        tags = [self._tags[b] for b in buckets]
+        hmgets = [_hmget_command(f"{tag}:inv:{model}".encode(), blob) for tag in tags]
+        res = await self._conn.round_trip(functools.partial(self._read_fast, tags, hmgets))
+        out: list[NodeMatch] = []
+        for k, tag in enumerate(tags):
+            got = res[2 * k]
+            names = self._names.get(tag)
+            if got != 0 or names is None:
+                names = self._names[tag] = _Names(got[0], got[1])
+            allowed = None
+            if want is not None:
+                allowed = {i for n in want[buckets[k]] if (i := names.by_name.get(n)) is not None}
+                if not allowed:
+                    continue
+            out.extend(_walk(res[2 * k + 1], names, allowed))
+        out.sort(key=lambda m: (-m.matched_blocks, m.node_id, m.dp_rank))
+        return out
+
+    async def _read_fast(self, tags: list[str], hmgets: list[bytes], retry: bool = True) -> list[Any]:
+        """The fast lookup's one write: ``MULTI``, per bucket ``NAMES`` (against the cached ``T:ver``)
+        and the HMGET, ``EXEC``; replies are ``[names or 0, holders]`` per bucket, flat."""
+        fast = self._fast
+        assert fast is not None
+        parts = [_MULTI]
+        for tag, hm in zip(tags, hmgets, strict=True):
+            cached = self._names.get(tag)
+            ver = cached.ver if cached is not None else b"-"
+            parts.append(_command("EVALSHA", lua.NAMES.sha, 1, tag + ":loc", tag, ver))
+            parts.append(hm)
+        parts.append(_EXEC)
+        res: list[Any] = await fast.call(b"".join(parts), skip=1 + 2 * len(tags))
+        for r in res:
+            if isinstance(r, rexc.ResponseError):
+                if retry and str(r).startswith("NOSCRIPT"):
+                    await fast.call(_command("SCRIPT", "LOAD", lua.NAMES.src))
+                    return await self._read_fast(tags, hmgets, False)
+                raise r
+        return res
+
+    async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
+        validate.check_target(model, node_id, dp_rank)
+        lf = _loc_name(model, node_id, dp_rank)
+        if await self._conn.eval(lua.CLEAR, self.tag_of(node_id), lf, node_id):
+            self._wake_reclaimer()
+        await self._mirror_sync(self.tag_of(node_id))
+
+    async def remove_node(self, node_id: str) -> None:
+        if await self._conn.eval(lua.REMOVE_NODE, self.tag_of(node_id), node_id):
+            self._wake_reclaimer()
+        await self._mirror_sync(self.tag_of(node_id))
+
+    async def _mirror_sync(self, tag: str) -> None:
+        """Read-your-writes for a change whose feed seq the script did not return: wait for the copy
+        to reach the feed's current end."""
+        mirror = self._mirror
+        if mirror is None or not mirror.ready:
+            return
+        seq = await self._conn.round_trip(lambda: self._r.get(f"{tag}:feedseq"))
+        if seq:
+            await mirror.caught_up(tag, int(seq))
+
+    async def export_node(self, model: str, node_id: str, dp_rank: int) -> list[SnapshotEntry]:
+        validate.check_target(model, node_id, dp_rank)
+        tag = self.tag_of(node_id)
+        loc_id = await self._conn.round_trip(
+            lambda: self._r.hget(tag + ":loc", _loc_name(model, node_id, dp_rank))
+        )
+        if loc_id is None:
+            return []
+        key = f"{tag}:fwd:{int(loc_id)}"
+
+        async def scan() -> list[SnapshotEntry]:
+            out: list[SnapshotEntry] = []
+            async for h, m in self._r.hscan_iter(key, count=10_000):
+                (h64,) = struct.unpack(">Q", h)
+                mask = m[0]
+                out.extend((BlockHash64(h64), t) for t, bit in _TIER_BITS if mask & bit)
+            return out
+
+        entries = await self._conn.round_trip(scan)
+        entries.sort()
+        return entries
+
+    async def replace_node(
+        self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
+    ) -> None:
+        validate.check_target(model, node_id, dp_rank)
+        per_tier = validate.snapshot_per_tier(entries)
+        await self._check_layout()
+        tag = self.tag_of(node_id)
+        lf = _loc_name(model, node_id, dp_rank)
+        pending = int(await self._conn.eval(lua.BEGIN, tag, lf, node_id))
+        try:
+            committed = await self._fill_pending(tag, lf, node_id, pending, per_tier)
+        except rexc.ResponseError as e:
+            if "ABORTED" not in str(e):
+                raise
+            committed = 0  # the node was removed while we filled: its pending entries are being reclaimed
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._conn.eval(lua.REMOVE_PENDING, tag, lf, node_id, str(pending))
+            raise
+        self._wake_reclaimer()
+        await self._mirror_sync(tag)
+        if not committed:
+            log.info("replace_node %s/%s/%d lost to a concurrent remove_node", model, node_id, dp_rank)
+
+    async def _fill_pending(
+        self, tag: str, lf: str, node_id: str, pending: int, per_tier: Sequence[Sequence[int]]
+    ) -> Any:
+        """Store a snapshot into the pending location in chunks, then swap it in (COMMIT's answer)."""
+        for t, hs in enumerate(per_tier):
+            for s in range(0, len(hs), _REPLACE_CHUNK):
+                blob = _pack(hs[s : s + _REPLACE_CHUNK])
+                await self._conn.eval(lua.WRITE, tag, lf, node_id, str(pending), 1, f"S{t}", blob)
+        return await self._conn.eval(lua.COMMIT, tag, lf, node_id, str(pending))
+
+    # ---------------------------------------------------------------------------------- stats
+
+    async def stats(self) -> IndexStats:
+        """Exact for this client's retirements (it reclaims them first); others' are reclaimed in the
+        background by whichever replica gets there, and until then their blocks may still count.
+
+        Distinct blocks of a model spread over several buckets (Cluster) are counted by HSCAN of
+        their inverted hashes: up to millions of fields. Periodic gauges use :meth:`quick_stats`."""
+        if self._reclaimed_gen < self._retired_gen:
+            await self.reclaim()
+        return await self._stats(exact=True)
+
+    async def quick_stats(self) -> IndexStats:
+        """One script call per bucket, no scan, no reclaim: ``blocks`` is the per-bucket sum, an upper
+        bound when a model spans several buckets (a block held in two buckets counts twice); then
+        ``blocks_upper_bound`` is set."""
+        return await self._stats(exact=False)
+
+    async def _stats(self, *, exact: bool) -> IndexStats:
+        res = await self._conn.eval_many(lua.STATS, [(tag, []) for tag in self._tags])
+        entries = 0
+        nbytes = 0
+        nodes: set[str] = set()
+        by_model_tier: dict[tuple[str, Tier], int] = {}
+        per_bucket: dict[str, dict[str, int]] = {}
+        for tag, (locs, model_blocks, b) in zip(self._tags, res, strict=True):
+            nbytes += int(b)
+            for i in range(0, len(locs), 4):
+                model, node_id, _ = _parse_loc_name(locs[i])
+                counts = [int(x) for x in locs[i + 1 : i + 4]]
+                if sum(counts):
+                    nodes.add(node_id)
+                for t in Tier:
+                    if counts[t]:
+                        by_model_tier[(model, t)] = by_model_tier.get((model, t), 0) + counts[t]
+                        entries += counts[t]
+            for i in range(0, len(model_blocks), 2):
+                per_bucket.setdefault(model_blocks[i].decode(), {})[tag] = int(model_blocks[i + 1])
+        if exact:
+            blocks_by_model = await self._distinct_blocks(per_bucket)
+            bound = any(
+                sum(c.values()) > _DISTINCT_LIMIT and sum(1 for n in c.values() if n) > 1
+                for c in per_bucket.values()
+            )
+        else:
+            blocks_by_model = {m: sum(c.values()) for m, c in per_bucket.items() if any(c.values())}
+            bound = any(sum(1 for n in c.values() if n) > 1 for c in per_bucket.values())
+        return IndexStats(
+            entries=entries,
+            blocks=sum(blocks_by_model.values()),
+            nodes=len(nodes),
+            bytes=nbytes,
+            entries_by_model_tier=by_model_tier,
+            blocks_by_model=blocks_by_model,
+            blocks_upper_bound=bound,
+        )
+
+    async def _distinct_blocks(
+        self, per_bucket: dict[str, dict[str, int]], limit: int = _DISTINCT_LIMIT
+    ) -> dict[str, int]:
+        """Distinct blocks per model over buckets (a block held in two buckets counts once).
+
+        ``per_bucket`` is model -> tag -> that bucket's block count. Exact (HSCAN of the inverted
+        hashes of the buckets that have the model) up to ``limit`` summed entries; past that the sum,
+        an upper bound, so that stats never pulls a huge index to the client.
+        """
+        out: dict[str, int] = {}
+        for model, counts in per_bucket.items():
+            tags = [tag for tag, n in counts.items() if n]
+            total = sum(counts.values())
+            if not tags:
+                continue
+            if len(tags) == 1 or total > limit:
+                out[model] = total
+                continue
+            seen: set[bytes] = set()
+            for tag in tags:
+                await self._conn.round_trip(functools.partial(self._scan_fields, f"{tag}:inv:{model}", seen))
+            out[model] = len(seen)
+        return out
+
+    async def _scan_fields(self, key: str, into: set[bytes]) -> None:
+        async for h, _ in self._r.hscan_iter(key, count=10_000):
+            into.add(h)
+
+    # ---------------------------------------------------------------------------------- health
+
+    async def mirror_ready(self, timeout: float = 10.0) -> bool:
+        """Start the lookup mirror (``?mirror=1``) if not running, and wait until it is loaded."""
+        mirror = self._mirror
+        if mirror is None:
+            return False
+        mirror.start()
+        deadline = time.monotonic() + timeout
+        while not mirror.ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        return mirror.ready
+
+    async def ping(self) -> bool:
+        if self._mirror is not None:
+            self._mirror.start()  # the coordinator pings at start: load the copy before lookups come
+        try:
+            if self._cluster:
+                await asyncio.wait_for(self._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
+            else:
+                await asyncio.wait_for(self._r.ping(), 2.0)
+        except Exception:
+            self.metrics.errors += 1
+            self.metrics.up = False
+            return False
+        if not self.metrics.up:
+            self.metrics.up = True
+            self.metrics.reconnects += 1
+        return True
+
+    async def generation(self) -> str:
+        """A token that changes when Redis lost the index (restarted empty, flushed, failed over badly).
+
+        Each bucket keeps a random marker, set when missing (one script per bucket, one round trip);
+        the coordinator compares the token over time and asks every agent for a snapshot when it
+        changed. Raises :class:`~kvcoord.index.redis.client.IndexUnavailable` when Redis cannot be reached.
+        """
+        tokens = await self._conn.eval_many(lua.EPOCH, [(tag, [uuid.uuid4().hex]) for tag in self._tags])
+        return hashlib.sha1(b"|".join(t if isinstance(t, bytes) else b"" for t in tokens)).hexdigest()[:16]
+
+    async def data_epoch(self) -> str:
+        """Alias of :meth:`generation` (the name this module used first)."""
+        return await self.generation()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._mirror is not None:
+            await self._mirror.close()
+        await self._writes.close()
+        task, self._reclaim_task = self._reclaim_task, None
+        if task is not None:
+            # Let an in-flight reclaim chunk finish (cancelling redis-py's cluster pipeline midway
+            # leaves its per-node tasks holding connections until the socket timeout).
+            self._reclaim_wake.set()
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(task), 1.0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._conn.close()
+        if self._mirror is not None:
+            await self._mirror.reap()
+
+    # ------------------------------------------------------------------------------------- reclaim
+
+    async def reclaim(self) -> int:
+        """Reclaim every retired location's entries now; returns how many (block, location) were dropped."""
+        total = 0
+        gen = self._retired_gen
+        pending = list(self._tags)
+        while pending and not self._closed:
+            res = await self._conn.eval_many(lua.RECLAIM, [(tag, [_RECLAIM_CHUNK]) for tag in pending])
+            done_now = sum(int(done) for done, _ in res)
+            total += done_now
+            self.metrics.reclaimed_entries += done_now
+            pending = [tag for tag, (done, left) in zip(pending, res, strict=True) if int(left) or int(done)]
+        if not pending:
+            self._reclaimed_gen = max(self._reclaimed_gen, gen)
+        return total
+
+    def _wake_reclaimer(self) -> None:
+        self._retired_gen += 1
+        if self._closed:
+            return
+        if self._reclaim_task is None or self._reclaim_task.done():
+            loop = asyncio.get_running_loop()
+            self._reclaim_task = loop.create_task(self._reclaim_loop(), name="redis-reclaim")
+        self._reclaim_wake.set()
+
+    async def _reclaim_loop(self) -> None:
+        """Reclaim after retirements, and every ``reclaim_interval`` (other replicas' leftovers)."""
+        backoff = 0.1
+        while not self._closed:
+            self._reclaim_wake.clear()
+            try:
+                await self.reclaim()
+                backoff = 0.1
+            except Exception as e:
+                log.warning("redis reclaim failed (%s); retrying in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._reclaim_wake.wait(), self._reclaim_interval)

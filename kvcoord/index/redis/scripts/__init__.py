@@ -1,0 +1,62 @@
+"""The backend's Lua scripts, one ``.lua`` file each beside this module (package data).
+
+Most scripts start with the shared prelude ``common.lua`` (bucket tag, holder records, change feed,
+retire), prepended here, after the script's ``#!lua`` line if it has one. Blank lines sit where the
+scripts had them when they were Python strings, so each script's source, hence its SHA1 (Redis's script
+cache, shared with replicas of the previous release) and its line numbers in Redis's errors, is unchanged.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from kvcoord.index.redis.client import _Script
+from kvcoord.index.redis.keys import FEED_MAX_ENTRIES
+
+
+def _read(name: str) -> str:
+    return (files(__name__) / name).read_text(encoding="utf-8")
+
+
+_COMMON = _read("common.lua").replace("FEED_MAX", str(FEED_MAX_ENTRIES))
+
+
+def _load(name: str, *, prelude: bool = True) -> _Script:
+    src = _read(name)
+    if prelude:
+        head = ""
+        if src.startswith("#!"):
+            head, _, src = src.partition("\n")
+            head += "\n"
+        src = f"{head}\n{_COMMON}\n{src}"
+    return _Script(src)
+
+
+WRITE = _load("write.lua")
+"""ARGV: tag, then one or more batches, each: location name, node, mode ('A' apply to the live location,
+or a pending id to fill), op count, then (op, blob) pairs: 'S<tier>' store, 'R<tier>' or
+'R<tier>:<group>' remove (blob = packed 8-byte hashes), 'G<group>' remember a non-indexable group of
+this location, 'C' AllBlocksCleared. Batches apply in order; returns 6 counts per batch, then the feed
+seq of the call's changes (0: none) while the feed is on."""
+BEGIN = _load("begin.lua")
+"""ARGV: tag, location name, node. Starts a pending (invisible) location for replace_node."""
+COMMIT = _load("commit.lua")
+"""ARGV: tag, location name, node, pending id. Swaps the pending location in, retiring the old one."""
+CLEAR = _load("clear.lua")
+"""ARGV: tag, location name, node. AllBlocksCleared for one location: returns the entries it dropped."""
+REMOVE_NODE = _load("remove_node.lua")
+"""ARGV: tag, node. Retires every location (all models, ranks, pending fills) of one node."""
+REMOVE_PENDING = _load("remove_pending.lua")
+"""ARGV: tag, location name, node, pending id: abandons a replace_node fill that failed midway."""
+RECLAIM = _load("reclaim.lua")
+"""ARGV: tag, count. Reclaims up to ~count entries of the oldest retired location; returns {done, left}."""
+LOOKUP = _load("lookup.lua", prelude=False)
+"""ARGV: tag, model, packed query hashes, '1' if restricted to candidates, then candidate location names.
+Returns a flat list: location name, run length, GPU, CPU, STORAGE blocks of the run, ... (each block
+counted once, in its fastest tier, as the memory backend does)."""
+STATS = _load("stats.lua")
+"""ARGV: tag. Live locations with per-tier entry counts, models' block counts, and the bucket's bytes."""
+NAMES = _load("names.lua", prelude=False)
+"""ARGV: tag, the client's cached ``T:ver``: 0 if unchanged, else ``{ver, T:name as a flat list}``."""
+EPOCH = _load("epoch.lua", prelude=False)
+"""ARGV: tag, a fresh random marker: the bucket's marker (set to the fresh one when missing)."""

@@ -1,0 +1,4 @@
+local id = redis.call('INCR', tag .. ':next')
+redis.call('HSET', tag .. ':pend', id, ARGV[2])
+redis.call('SADD', tag .. ':node:' .. ARGV[3], id)
+return id

@@ -1,0 +1,5 @@
+local id = redis.call('HGET', tag .. ':loc', ARGV[2])
+if not id then return 0 end
+local n = retire(id, ARGV[2], ARGV[3])
+feed_flush()
+return n

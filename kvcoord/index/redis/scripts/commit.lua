@@ -1,0 +1,10 @@
+local lf, node, id = ARGV[2], ARGV[3], ARGV[4]
+if redis.call('HEXISTS', tag .. ':pend', id) == 0 then return 0 end
+local old = redis.call('HGET', tag .. ':loc', lf)
+if old then retire(old, lf, node) end
+redis.call('HDEL', tag .. ':pend', id)
+redis.call('HSET', tag .. ':loc', lf, id)
+redis.call('HSET', tag .. ':name', id, lf)
+bump()
+feed_flush()
+return 1

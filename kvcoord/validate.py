@@ -1,0 +1,234 @@
+"""What a valid event is, once: the rules that turn engine events into index operations.
+
+Every path into an index goes through here: the relay's mirror and the in-process index take
+:func:`ops_of` of decoded events, the coordinator takes :func:`kvcoord.wire.ops_from_proto` of the wire,
+which applies the same rules field by field. An :class:`Op` is valid by construction (uint64 hashes,
+a known tier, a non-negative group), so an index never validates and a bad event rejects its whole
+batch before anything changes. Errors are :class:`InvalidEvent` naming the event's position.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeAlias, cast
+
+from kvcoord.events import CLEAR, FULL_ATTENTION_KINDS, REMOVE, STORE, Tier, normalize_medium
+from kvcoord.hashing import BlockHash64, to_block_hash64
+from kvcoord.native import native
+
+__all__ = [
+    "CLEAR",
+    "NTIERS",
+    "REMOVE",
+    "STORE",
+    "Hashes",
+    "InvalidEvent",
+    "Op",
+    "SnapshotEntry",
+    "check_target",
+    "group",
+    "hashes64",
+    "indexable_kind",
+    "ops_of",
+    "pack_u64",
+    "snapshot_per_tier",
+    "tier",
+    "u64_ok",
+    "unpack_u64",
+]
+
+NTIERS = len(Tier)
+NOT_SEQ = (str, bytes, bytearray, memoryview)
+"""Sequences that are never a list of hashes or events."""
+FAST_SEQ = (tuple, list)
+"""Sequence types read in place, without a copy."""
+
+Hashes: TypeAlias = Sequence[BlockHash64]
+"""An op's hashes: a list or tuple of uint64 ints, or a flat ``memoryview`` of format ``Q`` (the wire's
+packed bytes, which the native index reads with one copy)."""
+
+SnapshotEntry: TypeAlias = tuple[BlockHash64, Tier]
+"""One (block, tier) a node holds; a node's snapshot is a list of these."""
+
+
+class InvalidEvent(ValueError):
+    """An event that cannot be applied (bad hash, unknown medium, wrong type). Nothing was applied."""
+
+
+class Op(NamedTuple):
+    """One validated event, as every index applies it."""
+
+    kind: int
+    """STORE, REMOVE or CLEAR."""
+    tier: int
+    """A ``Tier`` value (0 for CLEAR)."""
+    hashes: Hashes
+    group: int | None
+    """The event's ``group_idx``."""
+    indexable: bool
+    """False for a store of a non-full-attention group: counted and remembered, never indexed."""
+
+
+EMPTY: Hashes = ()
+CLEAR_OP = Op(CLEAR, 0, EMPTY, None, True)
+
+
+def py_u64_ok(raw: object) -> bool:
+    """True when ``raw`` is a sequence of plain ints in [0, 2**64) (False: check slowly)."""
+    if not isinstance(raw, Sequence) or isinstance(raw, NOT_SEQ):
+        return False
+    if not raw:
+        return True
+    try:
+        array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
+    except (TypeError, OverflowError, ValueError):
+        return False
+    # array() accepts bools (True == 1, False == 0) and __index__ objects: only plain big ints pass here.
+    return bool(min(raw) > 1)
+
+
+u64_ok: Callable[[object], bool] = native.validate_u64_seq if native is not None else py_u64_ok
+"""The all-good check: native when built (the same answers as :func:`py_u64_ok`)."""
+
+_MEDIUM_TIERS: dict[str | None, int] = {None: 0}
+"""Media already normalised (bounded: known names only, at most 64)."""
+
+
+def check_target(model: object, node_id: object, dp_rank: object) -> None:
+    """The ``(model, node_id, dp_rank)`` an update or snapshot is for."""
+    if not isinstance(model, str):
+        raise InvalidEvent(f"model must be a string, not {type(model).__name__}")
+    if not isinstance(node_id, str) or not node_id:
+        raise InvalidEvent(f"node_id must be a non-empty string, not {node_id!r}")
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+        raise InvalidEvent(f"dp_rank must be a non-negative int, not {dp_rank!r}")
+
+
+def hashes64(raw: object, where: str) -> Hashes:
+    """An event's hashes as uint64 ints (digests reduced as vLLM does); raises ``InvalidEvent``.
+
+    Any ordered sequence of ints or digests is accepted; bools are not hashes. A list or tuple of
+    plain uint64 ints is returned as it is (no copy): do not mutate it.
+    """
+    if type(raw) not in FAST_SEQ:
+        if not isinstance(raw, Sequence) or isinstance(raw, NOT_SEQ):
+            raise InvalidEvent(f"{where}: block_hashes must be a list, not {type(raw).__name__}")
+        raw = list(raw)
+    if u64_ok(raw):
+        return cast("Hashes", raw)
+    out: list[BlockHash64] = []
+    for i, h in enumerate(cast("Sequence[object]", raw)):
+        if isinstance(h, bytes | bytearray | memoryview) and len(h) == 0:
+            raise InvalidEvent(f"{where}: block_hashes[{i}] is an empty digest")
+        try:
+            out.append(to_block_hash64(h))  # type: ignore[arg-type]  # it checks the type itself
+        except (TypeError, ValueError) as e:
+            raise InvalidEvent(f"{where}: block_hashes[{i}]: {e}") from None
+    return out
+
+
+def tier(medium: object, where: str) -> int:
+    """The tier (``Tier`` value) of an event's ``medium``; a missing medium is GPU."""
+    if medium is None or type(medium) is str:
+        t = _MEDIUM_TIERS.get(medium)
+        if t is not None:
+            return t
+    if not isinstance(medium, str):
+        raise InvalidEvent(f"{where}: medium must be a string, not {type(medium).__name__}")
+    try:
+        t = int(normalize_medium(medium))
+    except ValueError as e:
+        raise InvalidEvent(f"{where}: {e}") from None
+    if len(_MEDIUM_TIERS) < 64:
+        _MEDIUM_TIERS[medium] = t
+    return t
+
+
+def group(group_idx: object, where: str) -> int | None:
+    """An event's ``group_idx``: absent, or a non-negative int."""
+    if group_idx is None:
+        return None
+    if isinstance(group_idx, bool) or not isinstance(group_idx, int) or group_idx < 0:
+        raise InvalidEvent(f"{where}: group_idx must be a non-negative int, not {group_idx!r}")
+    return group_idx
+
+
+def indexable_kind(kind: object, where: str) -> bool:
+    """Whether a store's ``kv_cache_spec_kind`` is prefix-indexable (absent or full attention)."""
+    if kind is None:
+        return True
+    if not isinstance(kind, str):
+        raise InvalidEvent(f"{where}: kv_cache_spec_kind must be a string")
+    return kind in FULL_ATTENTION_KINDS
+
+
+def ops_of(events: Sequence[Any]) -> list[Op]:
+    """Validate a whole batch of events (model structs or the relay's views) into ops, before anything
+    is mutated anywhere; the first bad event raises ``InvalidEvent`` naming its position."""
+    if not isinstance(events, Sequence) or isinstance(events, NOT_SEQ):
+        raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
+    ops: list[Op] = []
+    for i, ev in enumerate(events):
+        kind = getattr(ev, "KIND", None)
+        if kind == CLEAR:
+            ops.append(CLEAR_OP)
+            continue
+        where = f"event {i}"
+        if kind == STORE:
+            indexable = indexable_kind(ev.kv_cache_spec_kind, where)
+        elif kind == REMOVE:
+            indexable = True
+        else:
+            raise InvalidEvent(f"{where}: not a KV event: {type(ev).__name__}")
+        ops.append(Op(kind, tier(ev.medium, where), hashes64(ev.block_hashes, where),
+                      group(ev.group_idx, where), indexable))
+    return ops
+
+
+def snapshot_per_tier(entries: Iterable[SnapshotEntry]) -> list[list[int]]:
+    """Validate snapshot ``(hash, tier)`` entries and group their uint64 hashes by tier value."""
+    per_tier: list[list[int]] = [[] for _ in range(NTIERS)]
+    try:
+        items = list(entries)
+    except TypeError as e:
+        raise InvalidEvent(f"snapshot entries must be iterable: {e}") from None
+    for i, item in enumerate(items):
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise InvalidEvent(f"snapshot entry {i} must be (hash, tier), not {item!r}")
+        h, t = item
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < NTIERS:
+            raise InvalidEvent(f"snapshot entry {i}: tier must be a Tier, not {t!r}")
+        per_tier[t].extend(hashes64((h,), f"snapshot entry {i}"))
+    return per_tier
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_u64(hashes: Hashes) -> bytes:
+    """uint64 hashes as the wire carries them: 8 little-endian bytes each."""
+    if isinstance(hashes, memoryview):
+        return hashes.tobytes() if _LITTLE else _swapped(hashes)
+    packed = array("Q", hashes)
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _swapped(view: memoryview) -> bytes:
+    packed = array("Q", view)
+    packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_u64(data: bytes, where: str) -> Hashes:
+    """The wire's packed hashes as a flat uint64 view (no copy on little-endian machines)."""
+    if len(data) % 8:
+        raise InvalidEvent(f"{where}: block_hashes is {len(data)} bytes, not a multiple of 8")
+    if _LITTLE:
+        return cast("Hashes", memoryview(data).cast("Q"))
+    packed = array("Q", data)
+    packed.byteswap()
+    return cast("Hashes", packed)

@@ -1,0 +1,284 @@
+"""The agent-to-coordinator wire (``kvcoord.v2``), once: validated ops and verification samples to
+protobuf and back.
+
+Both directions apply :mod:`kvcoord.validate`'s rules, so a batch that reaches an index is valid by
+construction and a bad one is refused whole, naming the event. Hashes travel packed (see the .proto),
+so converting a batch costs per event, never per block. Token ids travel only on the events a
+:class:`TokenSampler` picks for hash verification (the coordinator names the rule in its Welcome).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kvcoord.events import CLEAR, STORE, ExtraKeys, Tier, stored_extra_keys, stored_tokens
+from kvcoord.hashing import BlockHash64, to_block_hash64
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.validate import NTIERS, InvalidEvent, Op, indexable_kind, pack_u64, unpack_u64
+
+_LITTLE = sys.byteorder == "little"
+_U32_MAX = 0xFFFFFFFF
+_ENCODER = msgspec.msgpack.Encoder()
+_EXTRA = msgspec.msgpack.Decoder(tuple[tuple[Any, ...] | None, ...] | None)
+
+
+class Sample(NamedTuple):
+    """What verifying one BlockStored needs: the engine's hashes as published, its chain and tokens."""
+
+    block_hashes: tuple[int | bytes, ...]
+    parent: int | bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None
+    extra_keys: tuple[ExtraKeys, ...] | None
+
+    @classmethod
+    def of(cls, ev: Any) -> Sample:
+        """From a BlockStored model event or relay view."""
+        return cls(tuple(ev.block_hashes), ev.parent_block_hash, stored_tokens(ev), ev.block_size,
+                   ev.lora_name, stored_extra_keys(ev))
+
+
+class TokenSampler:
+    """Picks the BlockStored events whose tokens go on the wire, by the coordinator's ``VerifySample``:
+    the first ``first`` whose chain the coordinator can follow (a head, a digest-form parent, or a
+    parent it was sent), then one in ``every``; and any event of another block size than the model's
+    (the coordinator reports that at once). Remembers the last ``memory`` sampled hashes."""
+
+    __slots__ = ("_seen", "_sent", "block_size", "every", "first", "memory")
+
+    def __init__(self, first: int = 0, every: int = 0, block_size: int = 0, memory: int = 65_536) -> None:
+        self.first, self.every, self.block_size, self.memory = first, every, block_size, memory
+        self._seen = 0
+        self._sent: OrderedDict[int, None] = OrderedDict()
+
+    def configure(self, verify: pb.VerifySample) -> None:
+        """Take the Welcome's rule (a restarted stream starts counting again)."""
+        self.first, self.every, self.block_size = verify.first, verify.every, verify.block_size
+        self._seen = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.first or self.every)
+
+    def pick(self, ev: Any) -> Sample | None:
+        """The sample to send with this BlockStored, or None."""
+        if not self.active or not ev.block_hashes:
+            return None
+        if self.block_size and ev.block_size != self.block_size:
+            return Sample.of(ev)
+        parent = ev.parent_block_hash
+        if not (parent is None or isinstance(parent, bytes) or to_block_hash64(parent) in self._sent):
+            return None
+        self._seen += 1
+        if self._seen > self.first and (not self.every or self._seen % self.every):
+            return None
+        sent = self._sent
+        for h in ev.block_hashes:
+            sent[to_block_hash64(h)] = None
+        while len(sent) > self.memory:
+            sent.popitem(last=False)
+        return Sample.of(ev)
+
+
+# --- events -----------------------------------------------------------------------------------
+def event_to_proto(op: Op, ev: Any, sample: Sample | None) -> pb.KVEvent:
+    """One validated op (and the event it came from) as a ``kvcoord.v2.KVEvent``."""
+    if op.kind == CLEAR:
+        return pb.KVEvent(cleared=pb.AllBlocksCleared())
+    packed = pack_u64(op.hashes)
+    if op.kind != STORE:
+        removed = pb.BlockRemoved(block_hashes=packed, tier=pb.Tier.ValueType(op.tier))
+        if op.group is not None:
+            removed.group_idx = op.group
+        return pb.KVEvent(removed=removed)
+    out = pb.KVEvent()
+    s = out.stored  # filled in place: wrapping a built message would copy it
+    s.block_hashes = packed
+    s.tier = pb.Tier.ValueType(op.tier)
+    s.block_size = ev.block_size
+    parent = ev.parent_block_hash
+    if parent is not None:
+        s.parent_block_hash = to_block_hash64(parent)
+    if op.group is not None:
+        s.group_idx = op.group
+    if ev.kv_cache_spec_kind is not None:
+        s.kv_cache_spec_kind = ev.kv_cache_spec_kind
+    if sample is not None:
+        _sample_to_proto(sample, s)
+    return out
+
+
+def _sample_to_proto(sample: Sample, s: pb.BlockStored) -> None:
+    tokens = sample.token_ids
+    if tokens and not all(0 <= t <= _U32_MAX for t in (min(tokens), max(tokens))):
+        return  # ids past uint32 (no tokenizer has them): this event simply is not verified
+    packed = array("I", tokens)
+    if not _LITTLE:
+        packed.byteswap()
+    s.token_ids = packed.tobytes()
+    if sample.lora_name is not None:
+        s.lora_name = sample.lora_name
+    if sample.extra_keys is not None:
+        s.extra_keys_msgpack = _ENCODER.encode(sample.extra_keys)
+    if sample.block_hashes and isinstance(sample.block_hashes[0], bytes):
+        s.block_digests = b"".join(sample.block_hashes)  # type: ignore[arg-type]
+    if isinstance(sample.parent, bytes):
+        s.parent_block_digest = sample.parent
+
+
+def _tier(value: int, where: str) -> int:
+    if not 0 <= value < NTIERS:
+        raise InvalidEvent(f"{where}: unknown tier {value}")
+    return value
+
+
+def ops_from_proto(events: Sequence[pb.KVEvent]) -> list[Op]:
+    """The wire's events as validated ops; ``InvalidEvent`` names the first bad one."""
+    ops: list[Op] = []
+    append = ops.append
+    for i, m in enumerate(events):
+        which = m.WhichOneof("event")
+        if which == "stored":
+            s = m.stored
+            where = f"event {i}"
+            indexable = True
+            if s.HasField("kv_cache_spec_kind"):
+                indexable = indexable_kind(s.kv_cache_spec_kind, where)
+            append(Op(STORE, _tier(s.tier, where), unpack_u64(s.block_hashes, where),
+                      s.group_idx if s.HasField("group_idx") else None, indexable))
+        elif which == "removed":
+            r = m.removed
+            where = f"event {i}"
+            append(Op(1, _tier(r.tier, where), unpack_u64(r.block_hashes, where),
+                      r.group_idx if r.HasField("group_idx") else None, True))
+        elif which == "cleared":
+            append(Op(CLEAR, 0, (), None, True))
+        else:
+            raise InvalidEvent(f"event {i}: KVEvent has no event set")
+    return ops
+
+
+def samples_from_proto(events: Sequence[pb.KVEvent]) -> list[tuple[int, Sample]]:
+    """``(event position, sample)`` of every stored event that carries one (or whose block size may
+    differ from the model's: those come with their size only, so the check needs no tokens)."""
+    out: list[tuple[int, Sample]] = []
+    for i, m in enumerate(events):
+        if m.WhichOneof("event") != "stored":
+            continue
+        s = m.stored
+        if not s.token_ids and not s.block_digests:
+            out.append((i, _sized(s)))
+            continue
+        where = f"event {i}"
+        tokens = _tokens(s.token_ids, where)
+        n = len(s.block_hashes) // 8
+        if s.block_size == 0 or len(tokens) != n * s.block_size:
+            raise InvalidEvent(f"{where}: {len(tokens)} token_ids for {n} blocks of {s.block_size}")
+        hashes: tuple[int | bytes, ...] = tuple(unpack_u64(s.block_hashes, where))
+        if s.block_digests:
+            if len(s.block_digests) % n:
+                raise InvalidEvent(f"{where}: block_digests is not {n} digests of one size")
+            size = len(s.block_digests) // n
+            hashes = tuple(s.block_digests[k * size:(k + 1) * size] for k in range(n))
+        parent: int | bytes | None = None
+        if s.HasField("parent_block_digest"):
+            parent = bytes(s.parent_block_digest)
+        elif s.HasField("parent_block_hash"):
+            parent = s.parent_block_hash
+        out.append((i, Sample(hashes, parent, tokens, s.block_size,
+                              s.lora_name if s.HasField("lora_name") else None,
+                              _extra_keys(s.extra_keys_msgpack, where))))
+    return out
+
+
+def _sized(s: pb.BlockStored) -> Sample:
+    """A stored event without tokens: only its block size can be checked."""
+    return Sample((), None, (), s.block_size, None, None)
+
+
+def _tokens(data: bytes, where: str) -> tuple[int, ...]:
+    if len(data) % 4:
+        raise InvalidEvent(f"{where}: token_ids is {len(data)} bytes, not a multiple of 4")
+    packed = array("I")
+    packed.frombytes(data)
+    if not _LITTLE:
+        packed.byteswap()
+    return tuple(packed)
+
+
+def _extra_keys(data: bytes, where: str) -> tuple[ExtraKeys, ...] | None:
+    if not data:
+        return None
+    try:
+        raw = _EXTRA.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidEvent(f"{where}: extra_keys_msgpack is not a list of arrays: {exc}") from None
+    if raw is None:
+        return None
+    return tuple(None if keys is None else tuple(_tuplify(k) for k in keys) for keys in raw)
+
+
+def _tuplify(value: object) -> object:
+    if isinstance(value, list | tuple):
+        return tuple(_tuplify(v) for v in value)
+    return value
+
+
+def event_counts(events: Sequence[pb.KVEvent]) -> tuple[int, int, int]:
+    """``(stored, removed, cleared)`` events of a batch, for metrics."""
+    kinds = [m.WhichOneof("event") for m in events]
+    return kinds.count("stored"), kinds.count("removed"), kinds.count("cleared")
+
+
+# --- snapshots, tokens, loads, profiles -----------------------------------------------------------
+def snapshot_to_proto(epoch: int, seq: int, dp_rank: int, hashes: Sequence[BlockHash64],
+                      tiers: Sequence[int], final: bool) -> pb.Snapshot:
+    """One snapshot chunk; tiers travel as one byte each, and not at all when every block is on GPU."""
+    packed_tiers = bytes(tiers) if any(tiers) else b""
+    return pb.Snapshot(epoch=epoch, seq=seq, dp_rank=dp_rank, block_hashes=pack_u64(hashes),
+                       tiers=packed_tiers, final=final)
+
+
+def snapshot_from_proto(snap: pb.Snapshot) -> tuple[Sequence[BlockHash64], bytes]:
+    """A chunk's hashes and tiers (one byte each; empty: all GPU), checked."""
+    hashes = unpack_u64(snap.block_hashes, "snapshot")
+    tiers = snap.tiers
+    if tiers:
+        if len(tiers) != len(hashes):
+            raise InvalidEvent(f"snapshot has {len(hashes)} block_hashes but {len(tiers)} tiers")
+        if max(tiers) >= NTIERS:
+            raise InvalidEvent(f"snapshot has an unknown tier {max(tiers)}")
+    return hashes, tiers
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as packed little-endian uint32 (``ValueError`` for ids outside uint32)."""
+    try:
+        packed = array("I", tokens)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be integers in 0..2**32-1") from None
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> array[int]:
+    """Packed uint32 token ids as an array (``ValueError`` when the length is not a multiple of 4)."""
+    if len(data) % 4:
+        raise ValueError(f"token_ids is {len(data)} bytes, not a multiple of 4")
+    packed = array("I")
+    packed.frombytes(data)
+    if not _LITTLE:
+        packed.byteswap()
+    return packed
+
+
+def tier_name(value: int) -> str:
+    return Tier(value).name
