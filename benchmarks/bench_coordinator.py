@@ -44,12 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
 import grpc.aio
+from kvcoord.events_proto import events_to_proto
 
 from kvcoord.agent.reporter import INGEST_METHOD, Reporter, ReporterOptions
 from kvcoord.events import BlockStored
-from kvcoord.events_proto import events_to_proto
 from kvcoord.index.memory import MemoryIndex
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.client import AsyncCoordinatorClient
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 

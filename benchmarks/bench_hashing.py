@@ -1,13 +1,14 @@
-"""Block hashing: kvcoord's fast path vs the straightforward reference, same run, same prompt.
+"""Block hashing: kvcoord's native path vs the straightforward reference, same run, same prompt.
 
 The reference is what vLLM does per block: ``H(cbor2.dumps((parent, tuple(block), None),
 canonical=True))`` (or ``pickle.dumps`` for the pickle algorithms) with ``hashlib`` / ``xxhash``.
-Both run on a 32k-token prompt (block size 16) and must produce identical digests.
+All run on a 32k-token prompt (block size 16) and must produce identical digests.
 
 Token ids come from a 151,936-entry vocabulary (Qwen's), drawn two ways: Zipf-like, as text is,
-and uniform, the worst case for the per-token encoding table. The CBOR algorithms are timed with
-each fast-path implementation (``c``: the optional accelerator, when built; ``python``: the
-pure-Python fallback), interleaved with the reference on the same prompts. Run:
+and uniform. Every algorithm is timed through ``hash_request_tokens`` on each of kvcoord's two
+paths, interleaved with the reference on the same prompts: ``native`` (the C chains of
+``kvcoord._native``; absent when not built or under ``KVCOORD_NATIVE=0``) and ``python`` (the
+pure-Python fallback, ``fast=False``: kvcoord's own copy of the reference, so about 1x). Run:
 
     .venv/bin/python benchmarks/bench_hashing.py [--quick] [--tokens N] [--block-size B] [--algos A,B]
 """
@@ -26,14 +27,8 @@ from collections.abc import Callable
 import cbor2
 import xxhash
 
-from kvcoord.hashing import (
-    HASH_ALGOS,
-    HASH_IMPL_ENV,
-    HashProfile,
-    check_algo,
-    hash_request_tokens,
-    speedups_available,
-)
+from kvcoord import native
+from kvcoord.hashing import HASH_ALGOS, HashProfile, check_algo, hash_request_tokens
 
 VOCAB = 151_936
 
@@ -72,23 +67,24 @@ def main() -> None:
     ap.add_argument("--algos", default=",".join(HASH_ALGOS))
     args = ap.parse_args()
     repeat = 3 if args.quick else args.repeat
-    # Fast-path implementations, chosen through kvcoord's public KVCOORD_HASH_IMPL switch.
-    impls = (["c"] if speedups_available() else []) + ["python"]
+    # kvcoord's two paths: native (when built and not switched off by KVCOORD_NATIVE=0) and the Python one
+    impls = {"native": True} if native.native is not None else {}
+    impls["python"] = False  # hash_request_tokens(fast=...)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{args.tokens} tokens, block size {args.block_size}, {repeat} prompts/row, load average {load}")
-    print("C accelerator:", "built" if speedups_available() else "NOT built (pure-Python fast path only)")
-    print("times in ms: median (min); ratio = reference / fast, of medians (of minimums)")
-    print(f"{'tokens':8} {'algo':12} {'impl':7} {'fast':>15} {'reference':>15} {'ratio':>15}")
+    state = "on" if native.native is not None else "NOT built" if native.enabled else "off (KVCOORD_NATIVE=0)"
+    print(f"native code: {state}; native paths: {', '.join(native.native_paths()) or 'none'}")
+    print("times in ms: median (min); ratio = reference / kvcoord, of medians (of minimums)")
+    print(f"{'tokens':8} {'algo':12} {'impl':7} {'kvcoord':>15} {'reference':>15} {'ratio':>15}")
     for kind in ("zipf", "uniform"):
         batch = prompts(kind, args.tokens, repeat, seed=1)
         for algo in args.algos.split(","):
             profile = HashProfile(check_algo(algo), args.block_size, seed="0")
             none = profile.none_hash()
-            runs = impls if algo.endswith("_cbor") else ["auto"]  # pickle algorithms: no fast path
+            runs = list(impls)
             times: dict[str, list[float]] = {impl: [] for impl in [*runs, "reference"]}
-            for impl in runs:  # warm each path (the per-token table: steady state of a server)
-                os.environ[HASH_IMPL_ENV] = impl
-                hash_request_tokens(profile, batch[0])
+            for impl in runs:  # warm each path
+                hash_request_tokens(profile, batch[0], fast=impls[impl])
             for i, tokens in enumerate(batch):
                 # interleave the variants and rotate their order, so load spikes hit all of them alike
                 order = [*runs, "reference"]
@@ -99,14 +95,13 @@ def main() -> None:
                         t0 = time.perf_counter()
                         out = reference(algo, none, tokens, args.block_size)
                     else:
-                        os.environ[HASH_IMPL_ENV] = variant
+                        fast = impls[variant]
                         t0 = time.perf_counter()
-                        out = list(hash_request_tokens(profile, tokens))
+                        out = list(hash_request_tokens(profile, tokens, fast=fast))
                     times[variant].append(time.perf_counter() - t0)
                     results.append(out)
                 if any(r != results[0] for r in results):
-                    raise SystemExit(f"MISMATCH: {algo} fast path differs from the reference")
-            os.environ.pop(HASH_IMPL_ENV, None)
+                    raise SystemExit(f"MISMATCH: {algo}: kvcoord's digests differ from the reference")
             ref = times.pop("reference")
             r_med, r_min = statistics.median(ref) * 1e3, min(ref) * 1e3
             for impl, ts in times.items():

@@ -41,6 +41,7 @@ import xxhash
 
 from kvcoord.events import BlockStored
 from kvcoord.index.memory import Core, MemoryIndex
+from kvcoord.validate import ops_of
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 MODEL = "bench-model"
@@ -362,7 +363,8 @@ def memory_child(how: str, target: int, trace: Path) -> None:
             seen[node].update(ch)
             entries += len(seen[node]) - before
         else:
-            entries += idx.apply_sync(MODEL, f"node-{node}", 0, [BlockStored(tuple(ch), None, (), 16)]).stored
+            ops = ops_of([BlockStored(tuple(ch), None, (), 16)])
+            entries += idx.apply_sync(MODEL, f"node-{node}", 0, ops).stored
         if entries >= target:
             break
     del reqs

@@ -31,6 +31,7 @@ from kvcoord.hashing import BlockHash64
 from kvcoord.index import Index
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis import RedisIndex
+from kvcoord.validate import ops_of
 from tests.redis_servers import redis_cluster, redis_server
 
 MODEL = "bench"
@@ -80,7 +81,7 @@ async def ingest(index: Index, batches: Sequence[Batch], concurrency: int) -> fl
     async def worker(mine: list[list[Batch]]) -> None:
         for stream in mine:
             for node, rank, evs in stream:
-                await index.apply(MODEL, node, rank, evs)
+                await index.apply(MODEL, node, rank, ops_of(evs))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(streams[i::concurrency]) for i in range(concurrency)))
@@ -128,7 +129,7 @@ async def run(args: argparse.Namespace, url: str, used_memory: object) -> dict[s
     red = RedisIndex.from_uri(url, key_prefix="bench")
     assert await red.ping()
     mem_ingest = await ingest(mem, batches, 1)
-    await red.apply(MODEL, "warm", 0, [BlockStored((1,), None, (), 16)])
+    await red.apply(MODEL, "warm", 0, ops_of([BlockStored((1,), None, (), 16)]))
     before = used_memory()  # type: ignore[operator]
     red_ingest = await ingest(red, batches, args.concurrency)
     after = used_memory()  # type: ignore[operator]

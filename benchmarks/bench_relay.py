@@ -33,7 +33,7 @@ from kvcoord.agent.reporter import Reporter
 from kvcoord.agent.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier, encode_vllm_batch
 from kvcoord.hashing import to_block_hash64
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from tests.procs import free_port
 
 

@@ -391,6 +391,18 @@ def stored_extra_keys(ev: Any) -> tuple[ExtraKeys, ...] | None:
     return tuple(None if keys is None else tuple(_tuplify(k) for k in keys) for keys in extra)
 
 
+def to_model(ev: Any) -> KVEvent:
+    """Any decoded event (a model struct, a derived form, or a relay view) as the model's own struct."""
+    if type(ev) in _EVENTS:
+        return ev  # type: ignore[no-any-return]
+    cls = _CANONICAL[type(ev).__name__]
+    values = {f.name: getattr(ev, f.name) for f in msgspec.structs.fields(ev)}
+    if cls is BlockStored:
+        values["token_ids"] = stored_tokens(ev)
+        values["extra_keys"] = stored_extra_keys(ev)
+    return cls(**values)
+
+
 def _tuplify(value: object) -> object:
     if isinstance(value, list | tuple):
         return tuple(_tuplify(v) for v in value)

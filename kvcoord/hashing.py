@@ -8,13 +8,13 @@ hashes, including its pitfalls: the parent is the raw digest, an empty key set i
 seed is hashed as a string, and pickle's memo makes object identity part of the input (so the
 repeated ``"mm"`` tag of the tagged style is one shared literal, as in vLLM).
 
-Two paths compute the same digests. The *reference* builds vLLM's tuples and calls
-``cbor2``/``pickle`` plus ``hashlib``/``xxhash``. The *fast* path (CBOR algorithms) writes the
-serialised bytes directly and hashes them with the same ``hashlib``/``xxhash`` functions: in the
-optional C accelerator ``kvcoord._speedups`` when it was built, else in pure Python from a
-per-token encoding table. ``KVCOORD_HASH_IMPL`` (read at every call) picks the fast path's
-implementation: ``auto`` (default), ``c`` (error if not built) or ``python``. Property tests prove
-every path identical to the reference.
+Two implementations compute the same digests. The *reference* (:func:`_chain_reference`) builds
+vLLM's tuples and calls ``cbor2``/``pickle`` plus ``hashlib``/``xxhash``: it is the definition, the
+fallback when native code is not built or is switched off (``KVCOORD_NATIVE=0``, see
+:mod:`kvcoord.native`), and the oracle of the tests. The *native* chains (``cbor_chain``,
+``pickle_chain``) write each block's serialised bytes in C and hash them with the same
+``hashlib``/``xxhash`` functions. ``fast=False`` forces the reference for one call; property tests and
+the real-engine fixtures prove both bit-identical.
 """
 
 from __future__ import annotations
@@ -25,19 +25,15 @@ import os
 import pickle
 import re
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, pairwise, repeat
-from operator import itemgetter
+from itertools import pairwise
 from typing import Any, Final, Literal, NewType, TypeAlias, TypeVar, cast, get_args
 
 import cbor2
 import xxhash as _xxhash
 
-try:
-    from kvcoord import _speedups as _c
-except ImportError:  # installed without a C compiler: the pure-Python fast path takes over
-    _c = None  # type: ignore[assignment]
+from kvcoord.native import native
 
 BlockDigest = NewType("BlockDigest", bytes)
 """A full block digest as the engine computes it: 32 bytes (sha256*) or 16 bytes (xxh3-128)."""
@@ -388,272 +384,85 @@ def published_extra_keys(
     return block_extra_keys(keys, block_size, num_tokens, style="untagged")
 
 
-# --- token validation and the fast serialisers --------------------------------------------------
-def _as_tokens(token_ids: Iterable[int]) -> tuple[Sequence[int], array[int]]:
-    """Validate token ids in C before any hashing: ``(ids for lookups, the same as a uint64 array)``.
+# --- token validation and the two chains ---------------------------------------------------------
+def _as_tokens(token_ids: Iterable[int]) -> array[int]:
+    """Validate token ids in C before any hashing: the same ids as a uint64 array.
 
-    Non-integers raise ``ValueError``, as do ids outside 0..2**64-1 (no tokenizer has them). A
-    list or tuple is kept for lookups (its int objects already exist); anything else is read once.
+    Non-integers raise ``ValueError``, as do ids outside 0..2**64-1 (no tokenizer has them).
     """
     if isinstance(token_ids, array) and token_ids.typecode == "Q":
-        return token_ids, token_ids
+        return token_ids
     if isinstance(token_ids, str | bytes | bytearray):
         raise ValueError("token ids must be a sequence of integers")
     try:
-        arr = array("Q", token_ids)
+        return array("Q", token_ids)
     except OverflowError:
         raise ValueError("token ids must be integers in 0..2**64-1") from None
     except TypeError:
         raise ValueError("token ids must be integers") from None
-    return (token_ids if isinstance(token_ids, list | tuple) else arr), arr
-
-
-def _cbor_head(major: int, n: int) -> bytes:
-    m = major << 5
-    if n < 24:
-        return bytes((m | n,))
-    if n < 0x100:
-        return bytes((m | 24, n))
-    if n < 0x10000:
-        return bytes((m | 25,)) + n.to_bytes(2, "big")
-    if n < 0x100000000:
-        return bytes((m | 26,)) + n.to_bytes(4, "big")
-    return bytes((m | 27,)) + n.to_bytes(8, "big")
-
-
-class _Repeat:
-    """An endless, re-iterable repetition of one value (``itertools.repeat`` is single-use)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: bytes) -> None:
-        self._value = value
-
-    def __iter__(self) -> Iterator[bytes]:
-        return repeat(self._value)
-
-
-class _TokenCodec:
-    """Per-token canonical CBOR, looked up from a table and joined per block.
-
-    The table covers ids below the largest seen (up to ``table_limit``, 2**18: every common
-    vocabulary) and is filled eagerly when it grows, so lookups never miss; larger ids go through
-    a bounded dict.
-    """
-
-    __slots__ = ("_big", "_table")
-
-    table_limit: Final = 1 << 18
-    big_limit: Final = 1 << 16
-
-    def __init__(self) -> None:
-        self._table: list[bytes] = []
-        self._big: dict[int, bytes] = {}
-
-    def blocks(
-        self, seq: Sequence[int], arr: array[int], bs: int, count: int, head: bytes, tails: Iterable[bytes]
-    ) -> list[bytes]:
-        """``head + encoded tokens + tails[i]`` for each of the first ``count`` blocks of ``bs`` ids."""
-        if bs == 0:
-            return [head + tail for _, tail in zip(range(count), tails, strict=False)]
-        n = count * bs
-        if len(seq) != n:
-            seq = seq[:n]
-        table = self._table
-        try:
-            # one C-level call looks every id up (much cheaper than a per-token Python call)
-            encoded = itemgetter(*seq)(table) if n > 1 else (table[seq[0]],)
-            tokens = iter(encoded)
-            return list(map(b"".join, zip(repeat(head), *([tokens] * bs), tails, strict=False)))
-        except IndexError:  # an id beyond the table
-            top = max(arr[:n])
-            if top < self.table_limit:
-                self._grow(top)
-                return self.blocks(seq, arr, bs, count, head, tails)
-        big = self._big
-        if len(big) > self.big_limit:
-            big.clear()
-        out = []
-        for i, tail in zip(range(count), tails, strict=False):
-            parts = [head]
-            for t in arr[i * bs : (i + 1) * bs]:
-                b = big.get(t)
-                if b is None:
-                    b = big[t] = table[t] if t < len(table) else _cbor_head(0, t)
-                parts.append(b)
-            parts.append(tail)
-            out.append(b"".join(parts))
-        return out
-
-    def _grow(self, top: int) -> None:
-        end = min(self.table_limit, (top | 0xFFF) + 1)
-        start = len(self._table)
-        self._table.extend(
-            bytes((t,)) if t < 24 else bytes((24, t)) if t < 0x100 else
-            b"\x19" + t.to_bytes(2, "big") if t < 0x10000 else b"\x1a" + t.to_bytes(4, "big")
-            for t in range(start, end)
-        )
-
-
-_CBOR_TOKENS: Final = _TokenCodec()
-
-
-def _cbor_encode_into(out: list[bytes], value: object) -> bool:
-    """Append canonical CBOR of ``value`` for the shapes extra keys take; False if unsupported."""
-    kind = type(value)
-    if value is None:
-        out.append(b"\xf6")
-    elif kind is int:
-        n: int = value  # type: ignore[assignment]
-        if 0 <= n <= UINT64_MASK:
-            out.append(_cbor_head(0, n))
-        elif -(1 << 64) <= n < 0:
-            out.append(_cbor_head(1, -1 - n))
-        else:
-            return False
-    elif kind is str:
-        try:
-            raw = value.encode("utf-8")  # type: ignore[attr-defined]
-        except UnicodeEncodeError:
-            return False
-        out.append(_cbor_head(3, len(raw)))
-        out.append(raw)
-    elif kind is bytes:
-        out.append(_cbor_head(2, len(value)))  # type: ignore[arg-type]
-        out.append(value)  # type: ignore[arg-type]
-    elif kind is tuple or kind is list:
-        seq: Sequence[object] = value  # type: ignore[assignment]
-        out.append(_cbor_head(4, len(seq)))
-        return all(_cbor_encode_into(out, v) for v in seq)
-    else:
-        return False
-    return True
-
-
-def _cbor_encode(value: object) -> bytes:
-    """Canonical CBOR of ``value``, built directly where possible (CBOR is compositional)."""
-    out: list[bytes] = []
-    if _cbor_encode_into(out, value):
-        return b"".join(out)
-    result: bytes = cbor2.dumps(value, canonical=True)
-    return result
-
-
-HASH_IMPL_ENV: Final = "KVCOORD_HASH_IMPL"
-"""Environment variable choosing the fast path's implementation: ``auto``, ``c`` or ``python``."""
-
-
-def speedups_available() -> bool:
-    """True when the optional C accelerator ``kvcoord._speedups`` was built and imports."""
-    return _c is not None
-
-
-def _use_c() -> bool:
-    """Whether this call's fast path runs in C, per ``KVCOORD_HASH_IMPL`` (read at call time)."""
-    impl = os.environ.get(HASH_IMPL_ENV, "auto") or "auto"
-    if impl == "auto":
-        return _c is not None
-    if impl == "python":
-        return False
-    if impl == "c":
-        if _c is None:
-            raise RuntimeError(
-                f"{HASH_IMPL_ENV}=c but the C accelerator kvcoord._speedups is not built "
-                "(reinstall kvcoord with a C compiler and the Python headers)"
-            )
-        return True
-    raise ValueError(f"{HASH_IMPL_ENV}={impl!r}: expected auto, c or python")
 
 
 def _chain(
     algo: HashAlgo,
     none_hash: bytes,
     parent: bytes | None,
-    seq: Sequence[int],
     arr: array[int],
     block_size: int,
     extras: Sequence[tuple[Any, ...] | None],
     fast: bool = True,
 ) -> list[BlockDigest]:
-    """Hash ``len(extras)`` full blocks of the tokens chained from ``parent`` (None: NONE_HASH)."""
-    count = len(extras)
+    """Hash ``len(extras)`` full blocks of the tokens chained from ``parent`` (None: NONE_HASH): natively
+    where native code runs and covers the chain, else (and always when not ``fast``) by the reference."""
     prev: bytes = parent or none_hash
-    if count == 0:
+    if not extras:
         return []
-    if not fast:
-        return _chain_reference(algo, prev, arr, block_size, extras)
-    if not algo.endswith("_cbor"):
-        return _chain_pickle(algo, prev, arr, block_size, extras)
-    sha = algo.startswith("sha256")
-    size = 32 if sha else 16
-    per_block: list[bytes] = []
-    if extras.count(None) != count:
-        last: tuple[Any, ...] | None = None
-        last_tail = b"\xf6"
-        for e in extras:
-            if e is not last and e != last:
-                last, last_tail = e, _cbor_encode(e)
-            per_block.append(last_tail)
-    if _use_c():
-        ctor: Callable[[bytes], object] = hashlib.sha256 if sha else _xxhash.xxh3_128_digest
-        digests = _c.cbor_chain(ctor, sha, prev, arr, block_size, count, per_block or b"\xf6")
-        return cast(list[BlockDigest], digests)  # BlockDigest is bytes at runtime
-    tails: Iterable[bytes] = per_block or _Repeat(b"\xf6")
-    bodies = _CBOR_TOKENS.blocks(seq, arr, block_size, count, _cbor_head(4, block_size), tails)
-    first = b"\x83" + _cbor_head(2, len(prev))  # (parent, tokens, keys): array of 3, byte string
-    heads: Iterable[bytes] = chain((first,), repeat(b"\x83" + _cbor_head(2, size)))
-    out: list[BlockDigest] = []
-    append = out.append
-    if sha:
-        sha256 = hashlib.sha256
-        for head, body in zip(heads, bodies, strict=False):
-            prev = sha256(head + prev + body).digest()
-            append(BlockDigest(prev))
-    else:
-        xxh = _xxhash.xxh3_128_digest
-        for head, body in zip(heads, bodies, strict=False):
-            prev = xxh(head + prev + body)
-            append(BlockDigest(prev))
-    return out
+    if fast and native is not None:
+        digests = _chain_native(algo, prev, arr, block_size, extras)
+        if digests is not None:
+            return digests
+    return _chain_reference(algo, prev, arr, block_size, extras)
 
 
 _PICKLE_C_MAX_BLOCK = 4096
 """Largest block the C pickler writes (a larger one's pickle could span several pickle frames)."""
 
 
-def _chain_pickle(
+def _chain_native(
     algo: HashAlgo,
     prev: bytes,
     arr: array[int],
     block_size: int,
     extras: Sequence[tuple[Any, ...] | None],
-) -> list[BlockDigest]:
-    """The pickle algorithms: vLLM's very tuples (pickle's memo makes identity part of the input,
-    so they are not rewritten), with the per-block Python work trimmed to one loop. Chains without
-    extra keys are pickled in C when it is built: ``(bytes, tuple[int], None)`` has one exact pickle
-    (proven against ``pickle.dumps`` by the tests)."""
+) -> list[BlockDigest] | None:
+    """The chain in C, hashed by the reference's own ``hashlib``/``xxhash`` functions; None where only
+    the reference applies (pickle chains with extra keys, blocks past 4096 tokens, parents of 256+ bytes:
+    pickle's memo makes the identity of extra-key objects part of the input, so those are not rewritten).
+
+    CBOR is compositional, so a block's message is the array head, the parent, the tokens and the extra
+    keys' own canonical CBOR (``cbor2.dumps`` of them: the definition). Equal extra keys of consecutive
+    blocks share one encoding: they hold only str, int and bytes (:class:`RequestKeys` checks), whose
+    equal values encode alike.
+    """
+    assert native is not None
     count = len(extras)
-    if block_size <= _PICKLE_C_MAX_BLOCK and len(prev) < 256 and extras.count(None) == count and _use_c():
-        ctor: Callable[[bytes], object] = hashlib.sha256 if algo == "sha256" else _xxhash.xxh3_128_digest
-        digests = _c.pickle_chain(ctor, algo == "sha256", prev, arr, block_size, count)
-        return cast(list[BlockDigest], digests)  # BlockDigest is bytes at runtime
-    tokens = arr[: len(extras) * block_size].tolist()  # plain ints, created once
-    ends = range(block_size, (len(extras) + 1) * block_size, block_size) if block_size else repeat(0)
-    blocks = (tuple(tokens[end - block_size : end]) for end in ends)
-    dumps = pickle.dumps
-    out: list[bytes] = []
-    append = out.append
-    if algo == "sha256":
-        sha256 = hashlib.sha256
-        for block, extra in zip(blocks, extras, strict=False):
-            prev = sha256(dumps((prev, block, extra), 5)).digest()
-            append(prev)
+    sha = algo.startswith("sha256")
+    ctor: Callable[[bytes], object] = hashlib.sha256 if sha else _xxhash.xxh3_128_digest
+    if algo.endswith("_cbor"):
+        tails: bytes | list[bytes] = b"\xf6"  # CBOR null: no extra keys in any block
+        if extras.count(None) != count:
+            tails = []
+            last: tuple[Any, ...] | None = None
+            last_tail = b"\xf6"
+            for e in extras:
+                if e is not last and e != last:
+                    last, last_tail = e, cbor2.dumps(e, canonical=True)
+                tails.append(last_tail)
+        digests = native.cbor_chain(ctor, sha, prev, arr, block_size, count, tails)
+    elif block_size <= _PICKLE_C_MAX_BLOCK and len(prev) < 256 and extras.count(None) == count:
+        digests = native.pickle_chain(ctor, sha, prev, arr, block_size, count)
     else:
-        xxh = _xxhash.xxh3_128_digest
-        for block, extra in zip(blocks, extras, strict=False):
-            prev = xxh(dumps((prev, block, extra), 5))
-            append(prev)
-    return cast(list[BlockDigest], out)  # BlockDigest is bytes at runtime
+        return None
+    return cast(list[BlockDigest], digests)  # BlockDigest is bytes at runtime
 
 
 def _chain_reference(
@@ -663,15 +472,15 @@ def _chain_reference(
     block_size: int,
     extras: Sequence[tuple[Any, ...] | None],
 ) -> list[BlockDigest]:
-    """The straightforward chain: vLLM's tuple, serialised by cbor2/pickle, then hashed."""
+    """The straightforward chain, vLLM's own: its tuple, serialised by cbor2/pickle, then hashed."""
     fn = HASH_FUNCTIONS[algo]
     tokens = arr[: len(extras) * block_size].tolist()  # plain ints, created once
-    out: list[BlockDigest] = []
+    out: list[bytes] = []
     for i, extra in enumerate(extras):
         block = tuple(tokens[i * block_size : (i + 1) * block_size])
         prev = fn((prev, block, extra))
-        out.append(BlockDigest(prev))
-    return out
+        out.append(prev)
+    return cast(list[BlockDigest], out)  # BlockDigest is bytes at runtime
 
 
 # --- public hashing API -------------------------------------------------------------------------
@@ -686,13 +495,14 @@ def hash_block_tokens(
     """One block's digest: ``H((parent or NONE_HASH, tuple(token_ids), extra_keys or None))``.
 
     ``parent`` is the previous block's raw digest (never its uint64 form). An empty
-    ``extra_keys`` is hashed as None, as vLLM's key generator returns it.
+    ``extra_keys`` is hashed as None, as vLLM's key generator returns it. ``fast=False`` computes it
+    with the pure-Python reference even where native code runs (the tests' oracle).
     """
-    seq, arr = _as_tokens(token_ids)
+    arr = _as_tokens(token_ids)
     if parent is not None and type(parent) is not bytes:
         parent = bytes(parent)
     extras = [extra_keys or None]
-    return _chain(profile.algo, profile.none_hash(), parent, seq, arr, len(arr), extras, fast)[0]
+    return _chain(profile.algo, profile.none_hash(), parent, arr, len(arr), extras, fast)[0]
 
 
 def hash_request_tokens(
@@ -702,11 +512,12 @@ def hash_request_tokens(
     *,
     fast: bool = True,
 ) -> list[BlockDigest]:
-    """Digests of every *full* block of a request, as vLLM hashes a prompt in one call."""
-    seq, arr = _as_tokens(token_ids)
+    """Digests of every *full* block of a request, as vLLM hashes a prompt in one call (``fast=False``:
+    by the pure-Python reference even where native code runs)."""
+    arr = _as_tokens(token_ids)
     count = len(arr) // profile.block_size
     extras = _extra_keys_range(keys, profile.style, profile.block_size, 0, count, 0)
-    return _chain(profile.algo, profile.none_hash(), None, seq, arr, profile.block_size, extras, fast)
+    return _chain(profile.algo, profile.none_hash(), None, arr, profile.block_size, extras, fast)
 
 
 def block_hashes64(
@@ -756,7 +567,7 @@ class RequestBlockHasher:
 
     def append(self, token_ids: Iterable[int]) -> list[BlockDigest]:
         """Add tokens; return the digests of the blocks they complete (validated before any change)."""
-        _, tokens = _as_tokens(token_ids)
+        tokens = _as_tokens(token_ids)
         bs = self._profile.block_size
         pending = self._pending + tokens
         count = len(pending) // bs
@@ -766,7 +577,7 @@ class RequestBlockHasher:
         first = len(self._digests)
         extras = _extra_keys_range(self._keys, self._profile.style, bs, first, count, 0 if first == 0 else -1)
         parent = self._digests[-1] if self._digests else None
-        new = _chain(self._profile.algo, self._none, parent, pending, pending, bs, extras)
+        new = _chain(self._profile.algo, self._none, parent, pending, bs, extras)
         self._digests.extend(new)
         self._pending = pending[count * bs :]
         return new
@@ -778,7 +589,6 @@ __all__ = [
     "EXTRA_KEY_STYLES",
     "HASH_ALGOS",
     "HASH_FUNCTIONS",
-    "HASH_IMPL_ENV",
     "UINT64_MASK",
     "BlockDigest",
     "BlockHash64",
@@ -802,6 +612,5 @@ __all__ = [
     "hash_xxhash_cbor",
     "parse_release",
     "published_extra_keys",
-    "speedups_available",
     "to_block_hash64",
 ]

@@ -1,40 +1,33 @@
 """The one switch for kvcoord's native (C) hot paths.
 
-Each hot path has exactly two implementations: the native one and a pure-Python one, which is both the
-fallback (an install without a compiler) and the oracle the tests compare the native one against.
-``KVCOORD_NATIVE=0`` turns every native path off at once (for debugging, or to measure the fallback);
-``kvcoord serve`` names the paths in use at start-up and in the ``kvcoord_build_info`` metric.
+Each hot path has exactly two implementations: the native one, in the C extension ``kvcoord._native``
+(sources in ``kvcoord/_native/``), and a pure-Python one, which is both the fallback (an install without
+a compiler) and the oracle the tests compare the native one against. ``KVCOORD_NATIVE=0`` turns every
+native path off at once (for debugging, or to measure the fallback); ``kvcoord serve`` names the paths in
+use at start-up and in the ``kvcoord_build_info`` metric.
+
+Callers use :data:`native` (never the extension itself) and take their Python path when it is None.
 """
 
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
-from typing import Any
 
 ENV = "KVCOORD_NATIVE"
 enabled = os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "no", "false")
+"""False when ``KVCOORD_NATIVE`` is ``0``, ``off``, ``no`` or ``false`` (read once, at import)."""
 
-
-def _load() -> Any:
-    if not enabled:
-        return None
+if enabled:
     try:
-        from kvcoord import _indexcore, _speedups, _wirescan
-    except ImportError:
-        return None
-    return SimpleNamespace(
-        Table=_indexcore.Table,
-        validate_u64_seq=_indexcore.validate_u64_seq,
-        u64_view=_indexcore.u64_view,
-        cbor_chain=_speedups.cbor_chain,
-        pickle_chain=_speedups.pickle_chain,
-        mirror_walk=_wirescan.mirror_walk,
-    )
-
-
-native: Any = _load()
-"""The native module, or None when it is not built or ``KVCOORD_NATIVE=0``."""
+        from kvcoord import _native as native
+    except ImportError:  # installed without a C compiler: every hot path runs in Python
+        native = None  # type: ignore[assignment]
+    else:
+        if not hasattr(native, "Table"):  # not built: the source folder kvcoord/_native/ imported as a
+            native = None  # type: ignore[assignment]  # namespace package
+else:
+    native = None  # type: ignore[assignment]
+# ``native``: the extension module, or None when it is not built or ``KVCOORD_NATIVE=0``.
 
 PATHS = ("hash", "index", "walk")
 """Hot paths with a native implementation: hash chains, the memory index's table, the Redis holder walk."""
@@ -43,3 +36,6 @@ PATHS = ("hash", "index", "walk")
 def native_paths() -> tuple[str, ...]:
     """The hot paths running natively in this process (empty: all pure Python)."""
     return PATHS if native is not None else ()
+
+
+__all__ = ["ENV", "PATHS", "enabled", "native", "native_paths"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from itertools import compress
 from typing import Any, NamedTuple, TypeAlias, cast
 
 from kvcoord.events import CLEAR, FULL_ATTENTION_KINDS, REMOVE, STORE, Tier, normalize_medium
@@ -33,6 +34,7 @@ __all__ = [
     "indexable_kind",
     "ops_of",
     "pack_u64",
+    "snapshot_columns",
     "snapshot_per_tier",
     "tier",
     "u64_ok",
@@ -113,6 +115,8 @@ def hashes64(raw: object, where: str) -> Hashes:
     plain uint64 ints is returned as it is (no copy): do not mutate it.
     """
     if type(raw) not in FAST_SEQ:
+        if isinstance(raw, memoryview) and raw.format == "Q" and raw.ndim == 1:
+            return cast("Hashes", raw)  # packed uint64 (the wire's): valid by construction
         if not isinstance(raw, Sequence) or isinstance(raw, NOT_SEQ):
             raise InvalidEvent(f"{where}: block_hashes must be a list, not {type(raw).__name__}")
         raw = list(raw)
@@ -187,31 +191,46 @@ def ops_of(events: Sequence[Any]) -> list[Op]:
     return ops
 
 
-def snapshot_per_tier(entries: Iterable[SnapshotEntry]) -> list[list[int]]:
-    """Validate snapshot ``(hash, tier)`` entries and group their uint64 hashes by tier value."""
-    per_tier: list[list[int]] = [[] for _ in range(NTIERS)]
-    try:
-        items = list(entries)
-    except TypeError as e:
-        raise InvalidEvent(f"snapshot entries must be iterable: {e}") from None
-    for i, item in enumerate(items):
+def snapshot_per_tier(hashes: Sequence[BlockHash64], tiers: bytes = b"") -> list[Hashes]:
+    """Validate a snapshot's columns (hashes, and one tier byte each or none: all GPU) and group the
+    uint64 hashes by tier value."""
+    checked = hashes64(hashes, "snapshot")
+    if not tiers:
+        return [checked, *([] for _ in range(NTIERS - 1))]
+    if not isinstance(tiers, bytes | bytearray) or len(tiers) != len(checked):
+        raise InvalidEvent(f"snapshot has {len(checked)} hashes but {len(tiers)} tier bytes")
+    if max(tiers) >= NTIERS:
+        raise InvalidEvent(f"snapshot has an unknown tier {max(tiers)}")
+    return [list(compress(checked, (t == k for t in tiers))) for k in range(NTIERS)]
+
+
+def snapshot_columns(entries: Iterable[SnapshotEntry]) -> tuple[list[BlockHash64], bytes]:
+    """``(hash, tier)`` pairs as the columns :meth:`Index.replace_node` takes (tests, small snapshots)."""
+    hashes: list[BlockHash64] = []
+    tiers = bytearray()
+    for i, item in enumerate(entries):
         if not isinstance(item, tuple | list) or len(item) != 2:
             raise InvalidEvent(f"snapshot entry {i} must be (hash, tier), not {item!r}")
         h, t = item
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < NTIERS:
             raise InvalidEvent(f"snapshot entry {i}: tier must be a Tier, not {t!r}")
-        per_tier[t].extend(hashes64((h,), f"snapshot entry {i}"))
-    return per_tier
+        hashes.append(h)
+        tiers.append(t)
+    return hashes, bytes(tiers) if any(tiers) else b""
 
 
 _LITTLE = sys.byteorder == "little"
 
 
-def pack_u64(hashes: Hashes) -> bytes:
-    """uint64 hashes as the wire carries them: 8 little-endian bytes each."""
+def pack_u64(hashes: Sequence[int]) -> bytes:
+    """uint64 hashes as the wire carries them: 8 little-endian bytes each (``ValueError`` for values
+    that are not ints in 0..2**64-1)."""
     if isinstance(hashes, memoryview):
         return hashes.tobytes() if _LITTLE else _swapped(hashes)
-    packed = array("Q", hashes)
+    try:
+        packed = array("Q", hashes)
+    except (OverflowError, TypeError):
+        raise ValueError("block hashes must be integers in 0..2**64-1") from None
     if not _LITTLE:
         packed.byteswap()
     return packed.tobytes()

@@ -20,7 +20,7 @@ import msgspec
 from kvcoord.events import CLEAR, STORE, ExtraKeys, Tier, stored_extra_keys, stored_tokens
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import NTIERS, InvalidEvent, Op, indexable_kind, pack_u64, unpack_u64
+from kvcoord.validate import NTIERS, InvalidEvent, Op, indexable_kind, ops_of, pack_u64, unpack_u64
 
 _LITTLE = sys.byteorder == "little"
 _U32_MAX = 0xFFFFFFFF
@@ -88,18 +88,21 @@ class TokenSampler:
 
 
 # --- events -----------------------------------------------------------------------------------
-def event_to_proto(op: Op, ev: Any, sample: Sample | None) -> pb.KVEvent:
-    """One validated op (and the event it came from) as a ``kvcoord.v2.KVEvent``."""
+def fill_event(out: pb.KVEvent, op: Op, ev: Any, sample: Sample | None) -> None:
+    """Write one validated op (and the event it came from) into ``out``, a ``kvcoord.v2.KVEvent`` (in
+    place: a batch's events are added to it, wrapping built messages would copy them)."""
     if op.kind == CLEAR:
-        return pb.KVEvent(cleared=pb.AllBlocksCleared())
+        out.cleared.SetInParent()
+        return
     packed = pack_u64(op.hashes)
     if op.kind != STORE:
-        removed = pb.BlockRemoved(block_hashes=packed, tier=pb.Tier.ValueType(op.tier))
+        removed = out.removed
+        removed.block_hashes = packed
+        removed.tier = pb.Tier.ValueType(op.tier)
         if op.group is not None:
             removed.group_idx = op.group
-        return pb.KVEvent(removed=removed)
-    out = pb.KVEvent()
-    s = out.stored  # filled in place: wrapping a built message would copy it
+        return
+    s = out.stored
     s.block_hashes = packed
     s.tier = pb.Tier.ValueType(op.tier)
     s.block_size = ev.block_size
@@ -112,6 +115,12 @@ def event_to_proto(op: Op, ev: Any, sample: Sample | None) -> pb.KVEvent:
         s.kv_cache_spec_kind = ev.kv_cache_spec_kind
     if sample is not None:
         _sample_to_proto(sample, s)
+
+
+def event_to_proto(op: Op, ev: Any, sample: Sample | None = None) -> pb.KVEvent:
+    """:func:`fill_event` into a new message."""
+    out = pb.KVEvent()
+    fill_event(out, op, ev, sample)
     return out
 
 
@@ -238,7 +247,7 @@ def event_counts(events: Sequence[pb.KVEvent]) -> tuple[int, int, int]:
 
 
 # --- snapshots, tokens, loads, profiles -----------------------------------------------------------
-def snapshot_to_proto(epoch: int, seq: int, dp_rank: int, hashes: Sequence[BlockHash64],
+def snapshot_to_proto(epoch: int, seq: int, dp_rank: int, hashes: Sequence[int],
                       tiers: Sequence[int], final: bool) -> pb.Snapshot:
     """One snapshot chunk; tiers travel as one byte each, and not at all when every block is on GPU."""
     packed_tiers = bytes(tiers) if any(tiers) else b""
@@ -282,3 +291,10 @@ def unpack_tokens(data: bytes) -> array[int]:
 
 def tier_name(value: int) -> str:
     return Tier(value).name
+
+
+def events_to_proto(events: Sequence[Any], *, sample: bool = False) -> list[pb.KVEvent]:
+    """Model events (validated whole first) as wire events; ``sample``: every store carries its tokens."""
+    ops = ops_of(events)
+    return [event_to_proto(op, ev, Sample.of(ev) if sample and op.kind == STORE else None)
+            for op, ev in zip(ops, events, strict=True)]

@@ -37,13 +37,14 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcoord.coordinator import metrics as kvmetrics
-from kvcoord.coordinator.ingest import _PROTO_KINDS
+from kvcoord.coordinator.ingest import _KINDS as _PROTO_KINDS
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.events import BlockStored
-from kvcoord.events_proto import events_to_proto
 from kvcoord.hashing import HashProfile, block_hashes64
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
-from kvcoord.proto.v1 import kvcoord_pb2_grpc as pb_grpc
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
+from kvcoord.validate import pack_u64
+from kvcoord.wire import events_to_proto, pack_tokens
 from tests.procs import FIXTURES, REPO, free_port, kvcoord_cmd, running, stop, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 
@@ -408,8 +409,8 @@ class Router:
         self.answered = 0
 
     async def run(self, tokens: Sequence[int], hashes: Sequence[int]) -> None:
-        queries = (pb.LookupRequest(model=MODEL, tokens=pb.TokenQuery(token_ids=list(tokens))),
-                   pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=list(hashes))))
+        queries = (pb.LookupRequest(model=MODEL, tokens=pb.TokenQuery(token_ids=pack_tokens(tokens))),
+                   pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=pack_u64(hashes))))
         async with grpc.aio.insecure_channel(self.address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             while self.running:
@@ -426,7 +427,8 @@ def chain(tokens: Sequence[int], hashes: Sequence[int]) -> BlockStored:
 
 def batch(seq: int, events: Sequence[BlockStored], *, age: float = 0.0, dp_rank: int = 0) -> pb.EventBatch:
     """A numbered batch whose engine timestamp is ``age`` seconds old."""
-    return pb.EventBatch(seq=seq, ts=time.time() - age, dp_rank=dp_rank, events=events_to_proto(list(events)))
+    wire = events_to_proto(list(events), sample=True)  # sampled: the coordinator verifies each chain
+    return pb.EventBatch(seq=seq, ts=time.time() - age, dp_rank=dp_rank, events=wire, sampled=bool(events))
 
 
 def serve_cmd(grpc_port: int, metrics_port: int, *extra: str) -> list[str]:

@@ -22,11 +22,12 @@ import pytest
 
 from kvcoord.agent.reporter import Reporter, ReporterOptions
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import event_to_proto
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
-from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.transport import ChannelSecurity
+from kvcoord.validate import pack_u64
+from kvcoord.wire import events_to_proto
 from tests.procs import FIXTURES, free_port, kvcoord_cmd, make_certs, running, wait_for_port
 
 pytestmark = pytest.mark.slow
@@ -252,7 +253,7 @@ async def test_gap_leads_to_snapshot(tmp_path: Path) -> None:
 
                 def batch(seq: int, *events: KVEvent) -> pb.AgentMessage:
                     return pb.AgentMessage(batch=pb.EventBatch(seq=seq, ts=time.time(), dp_rank=0,
-                                                               events=[event_to_proto(e) for e in events]))
+                                                               events=events_to_proto(events)))
 
                 await call.write(pb.AgentMessage(hello=pb.Hello(node_id="node-g", model=MODEL, dp_ranks=[0],
                                                                 epoch=5, next_seq=1)))
@@ -271,8 +272,8 @@ async def test_gap_leads_to_snapshot(tmp_path: Path) -> None:
                 assert [(n.node_id, n.state) for n in await client.list_nodes()] == [("node-g", "resyncing")]
                 for lo, hi, final in ((0, 6, False), (6, 12, True)):
                     await call.write(pb.AgentMessage(snapshot=pb.Snapshot(
-                        epoch=5, seq=4, dp_rank=0, block_hashes=HASHES[lo:hi],
-                        tiers=[pb.TIER_CPU] * (hi - lo), final=final)))
+                        epoch=5, seq=4, dp_rank=0, block_hashes=pack_u64(HASHES[lo:hi]),
+                        tiers=bytes([pb.TIER_CPU] * (hi - lo)), final=final)))
                 ack = await call.read()
                 assert ack.WhichOneof("msg") == "ack" and ack.ack.seq == 4
                 r = await client.lookup(MODEL, tokens=TOKENS)
@@ -354,7 +355,8 @@ async def test_token_bound_to_another_node(tmp_path: Path) -> None:
                                                                 epoch=1, next_seq=1)))
                 with contextlib.suppress(Exception):
                     await call.write(pb.AgentMessage(snapshot=pb.Snapshot(epoch=1, seq=0, dp_rank=0,
-                                                                          block_hashes=HASHES, final=True)))
+                                                                          block_hashes=pack_u64(HASHES),
+                                                                          final=True)))
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     while True:
                         msg = await call.read()

@@ -19,12 +19,13 @@ import pytest
 
 from kvcoord.coordinator import CoordinatorServer, load_config
 from kvcoord.events import BlockStored, Tier
-from kvcoord.events_proto import event_to_proto
 from kvcoord.hashing import HashProfile
 from kvcoord.index import Index
 from kvcoord.index.memory import MemoryIndex
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
-from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
+from kvcoord.validate import ops_of, pack_u64
+from kvcoord.wire import Sample, TokenSampler, event_to_proto, pack_tokens
 from tests.procs import FIXTURES
 
 MODEL = "m"
@@ -41,7 +42,7 @@ class Coord:
 
     async def lookup_hashes(self, hashes: Sequence[int], model: str = MODEL, **kw: Any) -> pb.LookupResponse:
         metadata = kw.pop("metadata", None)
-        req = pb.LookupRequest(model=model, hashes=pb.HashQuery(block_hashes=list(hashes)), **kw)
+        req = pb.LookupRequest(model=model, hashes=pb.HashQuery(block_hashes=P(hashes)), **kw)
         return await self.stub.Lookup(req, timeout=TIMEOUT, metadata=metadata)
 
     async def stats(self, metadata: Any = None) -> pb.StatsResponse:
@@ -73,6 +74,16 @@ async def serving(
         await server.stop()
 
 
+BAD_TIER = 7
+"""A tier number no build knows: what an agent that sent garbage would put on the wire."""
+TIERS = {"": 0, "GPU": 0, "CPU": 1, "DISK": 2, "STORAGE": 2}
+
+
+def P(hashes: Sequence[int]) -> bytes:
+    """Hashes packed as the wire carries them."""
+    return pack_u64(hashes)
+
+
 def stored(
     hashes: Sequence[int],
     parent: int | None = None,
@@ -80,16 +91,23 @@ def stored(
     block_size: int = 4,
     tokens: Sequence[int] = (),
 ) -> pb.KVEvent:
-    s = pb.BlockStored(
-        block_hashes=list(hashes), block_size=block_size, medium=medium, token_ids=list(tokens)
-    )
+    """A wire BlockStored; an unknown ``medium`` becomes an unknown tier number (agents normalise)."""
+    s = pb.BlockStored(block_hashes=P(hashes), block_size=block_size,
+                       tier=TIERS.get(medium.upper(), BAD_TIER))  # type: ignore[arg-type]
+    if tokens:
+        s.token_ids = pack_tokens(tokens)
     if parent is not None:
         s.parent_block_hash = parent
     return pb.KVEvent(stored=s)
 
 
 def removed(hashes: Sequence[int], medium: str = "") -> pb.KVEvent:
-    return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=list(hashes), medium=medium))
+    tier = TIERS.get(medium.upper(), BAD_TIER)
+    return pb.KVEvent(removed=pb.BlockRemoved(block_hashes=P(hashes), tier=tier))  # type: ignore[arg-type]
+
+
+def sampled(events: Sequence[pb.KVEvent]) -> bool:
+    return any(e.WhichOneof("event") == "stored" and e.stored.token_ids for e in events)
 
 
 class Agent:
@@ -132,7 +150,8 @@ class Agent:
         return msg.welcome
 
     async def batch(self, seq: int, events: Sequence[pb.KVEvent], rank: int = 0) -> pb.CoordinatorMessage:
-        await self.send(batch=pb.EventBatch(seq=seq, dp_rank=rank, events=list(events), ts=time.time()))
+        await self.send(batch=pb.EventBatch(seq=seq, dp_rank=rank, events=list(events), ts=time.time(),
+                                            sampled=sampled(events)))
         return await self.recv()
 
     async def snapshot(
@@ -147,8 +166,8 @@ class Agent:
                     epoch=self.epoch,
                     seq=seq,
                     dp_rank=rank,
-                    block_hashes=[h for h, _ in entries],
-                    tiers=[t for _, t in entries],
+                    block_hashes=P([h for h, _ in entries]),
+                    tiers=bytes(t for _, t in entries),
                     final=i == len(ranks) - 1,
                 )
             )
@@ -254,13 +273,14 @@ async def test_snapshot_chunks_over_ranks_and_absent_rank_emptied(index: Index) 
         assert ack_seq(await a.batch(1, [stored([20, 21])], rank=2)) == 1
         assert await export(index, rank=2) == [(20, Tier.GPU), (21, Tier.GPU)]
         # A resync snapshot in three chunks; rank 2 is absent from it and must end up empty.
-        await a.send(snapshot=pb.Snapshot(epoch=1, seq=1, dp_rank=0, block_hashes=[1, 2], final=False))
+        await a.send(snapshot=pb.Snapshot(epoch=1, seq=1, dp_rank=0, block_hashes=P([1, 2]), final=False))
         await a.send(
-            snapshot=pb.Snapshot(epoch=1, seq=1, dp_rank=0, block_hashes=[3], tiers=[pb.TIER_STORAGE])
+            snapshot=pb.Snapshot(epoch=1, seq=1, dp_rank=0, block_hashes=P([3]),
+                                 tiers=bytes([pb.TIER_STORAGE]))
         )
         await a.send(
             snapshot=pb.Snapshot(
-                epoch=1, seq=1, dp_rank=1, block_hashes=[10], tiers=[pb.TIER_CPU], final=True
+                epoch=1, seq=1, dp_rank=1, block_hashes=P([10]), tiers=bytes([pb.TIER_CPU]), final=True
             )
         )
         assert ack_seq(await a.recv()) == 1
@@ -359,15 +379,15 @@ async def test_invalid_batch_is_rejected_and_snapshot_requested(index: Index) ->
         msg = await a.batch(2, [stored([2]), stored([3], medium="FLOPPY")])
         assert msg.WhichOneof("msg") == "snapshot_request" and "invalid_event" in msg.snapshot_request.reason
         assert await export(index) == [(1, Tier.GPU)]
-        # Undecodable: an event with both hash forms.
-        bad = pb.KVEvent(stored=pb.BlockStored(block_hashes=[4], block_digests=[b"x" * 32], block_size=4))
+        # Ragged packed hashes (not a multiple of 8 bytes).
+        bad = pb.KVEvent(stored=pb.BlockStored(block_hashes=b"\x04\x00\x00", block_size=4))
         await a.snapshot(1, {0: [(1, Tier.GPU)]})
         msg = await a.batch(2, [bad])
-        assert msg.WhichOneof("msg") == "snapshot_request" and "undecodable" in msg.snapshot_request.reason
+        assert msg.WhichOneof("msg") == "snapshot_request"
+        assert "not a multiple of 8" in msg.snapshot_request.reason
         assert await export(index) == [(1, Tier.GPU)]
         stats = await c.stats()
-        assert stats.events_rejected["invalid_event"] == 2
-        assert sum(v for k, v in stats.events_rejected.items() if k.startswith("undecodable")) == 1
+        assert stats.events_rejected["invalid_event"] == 3
         await a.snapshot(1, {0: [(1, Tier.GPU)]})  # the stream stayed up and recovers
         assert ack_seq(await a.batch(2, [stored([2], parent=1)])) == 2
         await a.close()
@@ -408,14 +428,14 @@ async def test_oversized_message_is_resource_exhausted(index: Index) -> None:
 
 async def test_malformed_messages_are_invalid_argument(index: Index) -> None:
     async with serving(index) as c:
-        raw_stream = c.channel.stream_stream("/kvcoord.v1.Coordinator/Ingest")
+        raw_stream = c.channel.stream_stream("/kvcoord.v2.Coordinator/Ingest")
         call = raw_stream()
         await call.write(b"\x0a\xff\xff\xff")  # field 1, length-delimited, truncated
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await asyncio.wait_for(call.read(), TIMEOUT)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed AgentMessage" in (info.value.details() or "")
-        raw_unary = c.channel.unary_unary("/kvcoord.v1.Coordinator/Lookup")
+        raw_unary = c.channel.unary_unary("/kvcoord.v2.Coordinator/Lookup")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await raw_unary(b"\x12\x05\x0a", timeout=TIMEOUT)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -437,10 +457,12 @@ async def test_unknown_model_when_strict(index: Index) -> None:
 async def test_bad_snapshots_abort_and_apply_nothing(index: Index) -> None:
     async with serving(index) as c:
         cases = [
-            (pb.Snapshot(epoch=9, seq=0, dp_rank=0, block_hashes=[1], final=True), "epoch"),
-            (pb.Snapshot(epoch=1, seq=0, dp_rank=5, block_hashes=[1], final=True), "dp_rank"),
-            (pb.Snapshot(epoch=1, seq=0, dp_rank=0, block_hashes=[1, 2], tiers=[0], final=True), "tiers"),
-            (pb.Snapshot(epoch=1, seq=0, dp_rank=0, block_hashes=[1], tiers=[7], final=True), "unknown tier"),
+            (pb.Snapshot(epoch=9, seq=0, dp_rank=0, block_hashes=P([1]), final=True), "epoch"),
+            (pb.Snapshot(epoch=1, seq=0, dp_rank=5, block_hashes=P([1]), final=True), "dp_rank"),
+            (pb.Snapshot(epoch=1, seq=0, dp_rank=0, block_hashes=P([1, 2]), tiers=b"\x00", final=True),
+             "tiers"),
+            (pb.Snapshot(epoch=1, seq=0, dp_rank=0, block_hashes=P([1]), tiers=b"\x07", final=True),
+             "unknown tier"),
         ]
         for snap, words in cases:
             a = Agent(c)
@@ -472,7 +494,7 @@ async def test_auth_tokens_and_roles(index: Index, tmp_path: Any) -> None:
         ):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await c.stub.Lookup(
-                    pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=[1])),
+                    pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=P([1]))),
                     metadata=md,
                     timeout=TIMEOUT,
                 )
@@ -492,7 +514,7 @@ async def test_auth_tokens_and_roles(index: Index, tmp_path: Any) -> None:
         await ok.start()
         assert ack_seq(await ok.batch(1, [stored([1])])) == 1
         resp = await c.stub.Lookup(
-            pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=[1])),
+            pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=P([1]))),
             metadata=router,
             timeout=TIMEOUT,
         )
@@ -515,7 +537,7 @@ async def test_auth_tokens_and_roles(index: Index, tmp_path: Any) -> None:
         await c.stub.DrainNode(pb.DrainNodeRequest(node_id="n1"), metadata=admin, timeout=TIMEOUT)
         assert (
             await c.stub.Lookup(
-                pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=[1])),
+                pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=P([1]))),
                 metadata=admin,
                 timeout=TIMEOUT,
             )
@@ -536,22 +558,23 @@ async def test_lookup_bad_input(index: Index) -> None:
         bad = [
             (pb.LookupRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT, "either tokens or hashes"),
             (
-                pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=list(range(5)))),
+                pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=P(range(5)))),
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "max_query_blocks",
             ),
             (
-                pb.LookupRequest(model=MODEL, tokens=pb.TokenQuery(token_ids=list(range(20)))),
+                pb.LookupRequest(model=MODEL, tokens=pb.TokenQuery(token_ids=pack_tokens(range(20)))),
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "max_query_blocks",
             ),
             (
-                pb.LookupRequest(hashes=pb.HashQuery(block_hashes=[1])),
+                pb.LookupRequest(hashes=pb.HashQuery(block_hashes=P([1]))),
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "model",
             ),
             (
-                pb.LookupRequest(model="unconfigured", tokens=pb.TokenQuery(token_ids=[1, 2, 3, 4])),
+                pb.LookupRequest(model="unconfigured",
+                                 tokens=pb.TokenQuery(token_ids=pack_tokens([1, 2, 3, 4]))),
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "no hash profile",
             ),
@@ -605,7 +628,13 @@ def _qwen_event(data: dict[str, Any], *, extra_keys: bool) -> pb.KVEvent:
         lora_name=lora,
         extra_keys=tuple(((lora,) if lora else None) for _ in range(n)) if extra_keys else None,
     )
-    return event_to_proto(ev)
+    return wire_event(ev)
+
+
+def wire_event(ev: BlockStored) -> pb.KVEvent:
+    """A model event as an agent sends a sampled one: with its tokens, for verification."""
+    (op,) = ops_of([ev])
+    return event_to_proto(op, ev, Sample.of(ev))
 
 
 async def test_lookup_by_tokens_matches_real_engine_hashes(index: Index) -> None:
@@ -620,12 +649,12 @@ async def test_lookup_by_tokens_matches_real_engine_hashes(index: Index) -> None
         n = len(base["block_hashes"])
         tokens = base["token_ids"]
         resp = await c.stub.Lookup(
-            pb.LookupRequest(model=QWEN, tokens=pb.TokenQuery(token_ids=tokens)), timeout=TIMEOUT
+            pb.LookupRequest(model=QWEN, tokens=pb.TokenQuery(token_ids=pack_tokens(tokens))), timeout=TIMEOUT
         )
         assert resp.num_blocks == n == len(tokens) // 16 and resp.block_size == 16
         assert [(x.node_id, x.matched_blocks) for x in resp.nodes] == [("gpu-0", n)]
         # The LoRA prompt is the same text; only a query with the adapter's name finds gpu-1's blocks.
-        q = pb.TokenQuery(token_ids=lora["token_ids"], lora_name="Alice")
+        q = pb.TokenQuery(token_ids=pack_tokens(lora["token_ids"]), lora_name="Alice")
         resp = await c.stub.Lookup(pb.LookupRequest(model=QWEN, tokens=q), timeout=TIMEOUT)
         assert [(x.node_id, x.matched_blocks) for x in resp.nodes] == [("gpu-1", n)]
         # Both verified (first chains are always checked): no mismatch.
@@ -671,7 +700,8 @@ async def test_hash_mismatch_is_reported_with_its_cause(
             assert ack_seq(await a.batch(1, [_qwen_event(base, extra_keys=True)])) == 1  # still applied
         else:  # found by verifying the batch: the agent is told, then the batch is acked (still applied)
             assert not welcome.hash_mismatch
-            await a.send(batch=pb.EventBatch(seq=1, events=[_qwen_event(base, extra_keys=True)]))
+            event = _qwen_event(base, extra_keys=True)
+            await a.send(batch=pb.EventBatch(seq=1, events=[event], sampled=True))
             notice = await a.recv()
             assert notice.WhichOneof("msg") == "notice", notice
             assert notice.notice.state == "hash_mismatch" and cause in notice.notice.message
@@ -702,7 +732,7 @@ async def test_verification_continues_chains_from_verified_parents(index: Index)
             block_size=16,
             extra_keys=(None, None),
         )
-        assert ack_seq(await a.batch(1, [event_to_proto(head)])) == 1
+        assert ack_seq(await a.batch(1, [wire_event(head)])) == 1
         # A continuation whose parent the coordinator verified, with a forged hash: caught.
         forged = BlockStored(
             block_hashes=(hashes[2] ^ 1,),
@@ -711,7 +741,7 @@ async def test_verification_continues_chains_from_verified_parents(index: Index)
             block_size=16,
             extra_keys=(None,),
         )
-        notice = await a.batch(2, [event_to_proto(forged)])  # the agent is told, then the batch acked
+        notice = await a.batch(2, [wire_event(forged)])  # the agent is told, then the batch acked
         assert notice.notice.state == "hash_mismatch" and "parent verified" in notice.notice.message
         assert ack_seq(await a.recv()) == 2
         info = await c.node("gpu-0")
@@ -741,24 +771,36 @@ async def test_verification_skips_events_without_extra_keys(index: Index) -> Non
         await a.close()
 
 
-async def test_verification_decodes_only_sampled_events(index: Index) -> None:
-    """Past the first chains only one in ``sample_every`` is verified; the others are not decoded, and
-    every event is applied either way."""
+async def test_verification_checks_what_the_welcome_asks_agents_to_sample(index: Index) -> None:
+    """The Welcome names the sample (the first chains, then one in ``sample_every``); an agent's
+    TokenSampler sends tokens with exactly those events, and the coordinator verifies each of them.
+    Every event is applied either way."""
     base = _fixture("kv_event_base.json")
     async with serving(index, models=[f"{QWEN},algo=sha256_cbor,block_size=16,seed=42"]) as c:
         assert c.server.state is not None
         verifier = c.server.state.verifier
         first, every = verifier.cfg.first, verifier.cfg.sample_every
         a = Agent(c, "gpu-0", model=QWEN)
-        await a.start()
-        ev = _qwen_event(base, extra_keys=True)
-        n = first + 2 * every
-        for seq in range(1, n + 1):
-            assert ack_seq(await a.batch(seq, [ev])) == seq
+        welcome = await a.hello()
+        assert (welcome.verify.first, welcome.verify.every, welcome.verify.block_size) == (first, every, 16)
+        await a.snapshot(0)
+        sampler = TokenSampler()
+        sampler.configure(welcome.verify)
+        n = len(base["block_hashes"])
+        ev = BlockStored(tuple(base["block_hashes"]), None, tuple(base["token_ids"][: n * 16]), 16,
+                         medium="GPU", extra_keys=(None,) * n)
+        (op,) = ops_of([ev])
+        count = first + 2 * every
+        carried = 0
+        for seq in range(1, count + 1):
+            sample = sampler.pick(ev)
+            carried += sample is not None
+            assert ack_seq(await a.batch(seq, [event_to_proto(op, ev, sample)])) == seq
+        assert carried == first + 2
         reg = c.server.state.metrics.registry
         assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "ok"}) == first + 2
-        assert verifier.skipped == n - first - 2
         assert (await c.node("gpu-0")).state == "active"
+        assert [h for h, _ in await export(index, "gpu-0", model=QWEN)] == sorted(base["block_hashes"])
         await a.close()
 
 
@@ -777,7 +819,7 @@ async def test_health_follows_index_ping(tmp_path: Any) -> None:
                 health = health_pb2_grpc.HealthStub(c.channel)
 
                 async def status_is(want: int) -> bool:
-                    req = health_pb2.HealthCheckRequest(service="kvcoord.v1.Coordinator")
+                    req = health_pb2.HealthCheckRequest(service="kvcoord.v2.Coordinator")
                     return bool((await health.Check(req, timeout=TIMEOUT)).status == want)
 
                 await until(lambda: status_is(health_pb2.HealthCheckResponse.SERVING))
@@ -835,8 +877,7 @@ async def test_index_that_lost_its_data_gets_every_node_resynced() -> None:
 async def test_batch_group_is_handled_batch_by_batch(index: Index) -> None:
     async with serving(index) as c:
         a = Agent(c)
-        welcome = await a.hello()
-        assert welcome.batch_groups
+        await a.hello()
         await a.snapshot(0)
 
         def batch(seq: int, hashes: Sequence[int]) -> pb.EventBatch:
@@ -957,10 +998,10 @@ class FaultyIndex(MemoryIndex):
         self.match_error: Exception | None = None
         self.stats_error: Exception | None = None
 
-    def match_raw_sync(self, model: str, hashes: Sequence[int], candidates: Any = None) -> Any:
+    async def match(self, model: str, hashes: Sequence[Any], candidates: Any = None) -> Any:
         if self.match_error is not None:
             raise self.match_error
-        return super().match_raw_sync(model, hashes, candidates)
+        return await super().match(model, hashes, candidates)
 
     async def stats(self) -> Any:
         if self.stats_error is not None:
@@ -1051,29 +1092,17 @@ async def test_redis_refresh_uses_cheap_stats_and_stats_rpc_is_exact(redis_serve
         await index.close()
 
 
-def test_only_a_plain_memory_index_takes_the_direct_path() -> None:
-    """The memory backend's batches go straight from protobuf (``apply_raw_sync``); an index that
-    overrides ``apply`` (GatedIndex here, a wrapper elsewhere) and the Redis backend keep ``apply``."""
-    from kvcoord.coordinator.ingest import _direct_apply
-    from kvcoord.index.redis import RedisIndex
-
-    plain = MemoryIndex()
-    assert _direct_apply(plain) == plain.apply_raw_sync
-    assert _direct_apply(GatedIndex()) is None
-    assert _direct_apply(RedisIndex.__new__(RedisIndex)) is None
-
-
-async def test_a_batch_the_direct_path_rejects_leaves_the_index_unchanged() -> None:
-    """A bad event late in a batch (unknown medium): the batch is rejected naming that event, the
+async def test_a_rejected_batch_leaves_the_index_unchanged() -> None:
+    """A bad event late in a batch (an unknown tier): the batch is rejected naming that event, the
     earlier stores of the same batch are not applied, and a snapshot is asked for."""
     index = MemoryIndex()
     async with serving(index) as c:
         a = Agent(c, "n1")
         await a.start()
         assert ack_seq(await a.batch(1, [stored([1, 2])])) == 1
-        bad = pb.KVEvent(removed=pb.BlockRemoved(block_hashes=[1], medium="tape"))
+        bad = removed([1], medium="tape")
         msg = await a.batch(2, [stored([3, 4]), bad])
         assert msg.WhichOneof("msg") == "snapshot_request", msg
-        assert "event 1: unknown medium 'tape'" in msg.snapshot_request.reason
+        assert f"event 1: unknown tier {BAD_TIER}" in msg.snapshot_request.reason
         assert await export(index) == [(1, Tier.GPU), (2, Tier.GPU)]
         await a.close()

@@ -16,8 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvcoord.coordinator.config import ConfigError, load_config
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
-from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
+from kvcoord.validate import pack_u64
+from kvcoord.wire import pack_tokens
 from tests.procs import free_port, kvcoord_cmd, make_certs, running, stop, wait_for_port
 
 TIMEOUT = 5.0
@@ -48,7 +50,7 @@ def _ingest_one(stub: pbg.CoordinatorStub, node: str = "n1") -> list[pb.Coordina
             batch=pb.EventBatch(
                 seq=1,
                 ts=time.time(),
-                events=[pb.KVEvent(stored=pb.BlockStored(block_hashes=[1, 2], block_size=4))],
+                events=[pb.KVEvent(stored=pb.BlockStored(block_hashes=pack_u64([1, 2]), block_size=4))],
             )
         ),
     ]
@@ -62,7 +64,7 @@ def test_serve_health_reflection_metrics_and_sigterm(tmp_path: Path) -> None:
         wait_for_port(mport)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
-            for service in ("", "kvcoord.v1.Coordinator"):
+            for service in ("", "kvcoord.v2.Coordinator"):
                 resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT)
                 assert resp.status == health_pb2.HealthCheckResponse.SERVING
             refl = reflection_pb2_grpc.ServerReflectionStub(ch)
@@ -74,14 +76,15 @@ def test_serve_health_reflection_metrics_and_sigterm(tmp_path: Path) -> None:
                 )
             )
             names = {s.name for s in answer.list_services_response.service}
-            assert {"kvcoord.v1.Coordinator", "grpc.health.v1.Health"} <= names
+            assert {"kvcoord.v2.Coordinator", "grpc.health.v1.Health"} <= names
             stub = pbg.CoordinatorStub(ch)
             replies = _ingest_one(stub)
             # Acks are cumulative and may be coalesced: the snapshot's Ack(0) can merge into Ack(1).
             assert replies[0].WhichOneof("msg") == "welcome"
             assert {r.WhichOneof("msg") for r in replies[1:]} == {"ack"} and replies[-1].ack.seq == 1
             resp = stub.Lookup(
-                pb.LookupRequest(model="m", hashes=pb.HashQuery(block_hashes=[1, 2, 3])), timeout=TIMEOUT
+                pb.LookupRequest(model="m", hashes=pb.HashQuery(block_hashes=pack_u64([1, 2, 3]))),
+                timeout=TIMEOUT,
             )
             assert [(n.node_id, n.matched_blocks) for n in resp.nodes] == [("n1", 2)]
         text = _metrics(mport)
@@ -210,17 +213,19 @@ def test_config_file_env_and_flags(tmp_path: Path) -> None:
             stub = pbg.CoordinatorStub(ch)
             with pytest.raises(grpc.RpcError) as info:
                 stub.Lookup(
-                    pb.LookupRequest(model="x", hashes=pb.HashQuery(block_hashes=[1])), timeout=TIMEOUT
+                    pb.LookupRequest(model="x", hashes=pb.HashQuery(block_hashes=pack_u64([1]))),
+                    timeout=TIMEOUT,
                 )
             assert info.value.code() == grpc.StatusCode.NOT_FOUND  # strict_models from the file
             with pytest.raises(grpc.RpcError) as info:
                 stub.Lookup(
-                    pb.LookupRequest(model="m", tokens=pb.TokenQuery(token_ids=list(range(24)))),
+                    pb.LookupRequest(model="m", tokens=pb.TokenQuery(token_ids=pack_tokens(range(24)))),
                     timeout=TIMEOUT,
                 )
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             resp = stub.Lookup(
-                pb.LookupRequest(model="m", tokens=pb.TokenQuery(token_ids=list(range(16)))), timeout=TIMEOUT
+                pb.LookupRequest(model="m", tokens=pb.TokenQuery(token_ids=pack_tokens(range(16)))),
+                timeout=TIMEOUT,
             )
             assert resp.block_size == 8 and resp.num_blocks == 2
     with running(kvcoord_cmd("serve", "--listen", f"127.0.0.1:{port_flag}"), env=env, log=tmp_path / "b.log"):

@@ -38,10 +38,10 @@ from kvcoord.cli import build_parser
 from kvcoord.coordinator.config import load_config
 from kvcoord.coordinator.server import LIVENESS
 from kvcoord.events import BlockStored, KVEvent
-from kvcoord.events_proto import events_to_proto
 from kvcoord.hashing import HashProfile, block_hashes64
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
-from kvcoord.proto.v1 import kvcoord_pb2_grpc as pb_grpc
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
+from kvcoord.wire import events_to_proto
 from tests.procs import FIXTURES, REPO, free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 
@@ -535,7 +535,7 @@ def test_k8s_coordinator_replicas_resources_secrets_and_probes() -> None:
     assert c["readinessProbe"]["grpc"] and c["livenessProbe"]["grpc"]
     # Readiness follows the index; startup and liveness ask the service that stays SERVING while the
     # process runs (a Redis outage must not restart pods).
-    assert c["readinessProbe"]["grpc"]["service"] == "kvcoord.v1.Coordinator"
+    assert c["readinessProbe"]["grpc"]["service"] == "kvcoord.v2.Coordinator"
     assert c["livenessProbe"]["grpc"]["service"] == LIVENESS
     assert c["startupProbe"]["grpc"]["service"] == LIVENESS
     # Every token_env of the config is fed from the kvcoord-tokens Secret.
@@ -567,7 +567,7 @@ def test_k8s_coordinator_replicas_resources_secrets_and_probes() -> None:
         cmd = tc[probe]["exec"]["command"]
         assert "grpc" not in tc[probe] and cmd[:2] == ["kvcoord", "health"]
         assert flag(cmd, "--tls-ca").startswith(mounts["tls"] + "/")
-        want = "kvcoord.v1.Coordinator" if probe == "readinessProbe" else LIVENESS
+        want = "kvcoord.v2.Coordinator" if probe == "readinessProbe" else LIVENESS
         assert flag(cmd, "--service") == want, probe
 
 
@@ -820,7 +820,8 @@ async def _stream(port: int, node: str, events: list[KVEvent], *, dp_rank: int =
         welcome = await call.read()
         assert welcome.WhichOneof("msg") == "welcome" and welcome.welcome.snapshot_required
         await outbox.put(pb.AgentMessage(snapshot=pb.Snapshot(epoch=epoch, seq=0, dp_rank=0, final=True)))
-        batch = pb.EventBatch(seq=1, ts=time.time() - 0.01, dp_rank=dp_rank, events=events_to_proto(events))
+        wire = events_to_proto(events, sample=True)  # sampled, as an agent sends a verified chain
+        batch = pb.EventBatch(seq=1, ts=time.time() - 0.01, dp_rank=dp_rank, events=wire, sampled=True)
         await outbox.put(pb.AgentMessage(batch=batch))
         while True:  # the snapshot is acked first (seq 0); wait for the batch's answer
             reply = await asyncio.wait_for(call.read(), 10)
@@ -972,7 +973,7 @@ def test_health_serving_unknown_service_and_unreachable(coordinator: Coordinator
     address = f"127.0.0.1:{coordinator.grpc_port}"
     rc, data, _ = _health("--coordinator", address)
     assert rc == 0 and data is not None and data["status"] == "SERVING"
-    rc, data, _ = _health("--coordinator", address, "--service", "kvcoord.v1.Coordinator")
+    rc, data, _ = _health("--coordinator", address, "--service", "kvcoord.v2.Coordinator")
     assert rc == 0 and data is not None and data["status"] == "SERVING"
     rc, data, _ = _health("--coordinator", address, "--service", LIVENESS)
     assert rc == 0 and data is not None and data["status"] == "SERVING"

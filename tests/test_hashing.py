@@ -1,5 +1,6 @@
 """vLLM-exact block hashing: real-engine fixtures, vLLM-produced wire fixtures, the CLI, and
-property tests proving the fast path identical to the reference."""
+property tests proving the native chains identical to the pure-Python reference, both run in-process
+(``fast=False`` forces the reference)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import json
 import os
 import pickle
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
+from array import array
 from typing import Any
 
 import cbor2
@@ -22,7 +22,6 @@ from kvcoord import hashing
 from kvcoord.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HASH_ALGOS,
-    HASH_IMPL_ENV,
     HashProfile,
     MultiModalItem,
     RequestBlockHasher,
@@ -32,9 +31,9 @@ from kvcoord.hashing import (
     hash_block_tokens,
     hash_request_tokens,
     published_extra_keys,
-    speedups_available,
     to_block_hash64,
 )
+from kvcoord.native import native
 from tests.procs import FIXTURES, REPO, kvcoord_cmd
 
 ENGINE = FIXTURES / "vllm-engine"
@@ -404,23 +403,11 @@ def test_cli_bad_input_is_one_line_and_exit_2(args: list[str], stdin: str, needl
     assert len(lines) == 1 and lines[0].startswith("kvcoord hash:") and needle in lines[0], proc.stderr
 
 
-# --- fast path == reference ----------------------------------------------------------------------
-# Every implementation of the fast path: the pure-Python one always, the C accelerator when built.
-IMPLS = ["python", "c"] if speedups_available() else ["python"]
-
-
-@contextmanager
-def hash_impl(impl: str) -> Iterator[None]:
-    """Select the fast path's implementation through its public environment variable."""
-    old = os.environ.get(HASH_IMPL_ENV)
-    os.environ[HASH_IMPL_ENV] = impl
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[HASH_IMPL_ENV]
-        else:
-            os.environ[HASH_IMPL_ENV] = old
+# --- native == reference ------------------------------------------------------------------------
+# ``fast=True`` (the default) runs the native chains where native code runs; ``fast=False`` runs the
+# pure-Python reference (cbor2/pickle + hashlib/xxhash: the definition) in the same process. Without
+# native code (not built, or KVCOORD_NATIVE=0) both are the reference, checked against the fixtures.
+needs_native = pytest.mark.skipif(native is None, reason="native code not built or KVCOORD_NATIVE=0")
 
 
 TOKEN = st.one_of(
@@ -472,21 +459,19 @@ def requests(draw: st.DrawFn) -> tuple[HashProfile, list[int], RequestKeys | Non
 
 @settings(max_examples=150, deadline=None)
 @given(requests())
-def test_fast_path_equals_reference(req: tuple[HashProfile, list[int], RequestKeys | None]) -> None:
+def test_native_equals_reference(req: tuple[HashProfile, list[int], RequestKeys | None]) -> None:
     profile, tokens, keys = req
     reference = hash_request_tokens(profile, tokens, keys, fast=False)
     assert len(reference) == len(tokens) // profile.block_size
     assert all(len(d) == profile.digest_size for d in reference)
-    for impl in IMPLS:
-        with hash_impl(impl):
-            assert hash_request_tokens(profile, tokens, keys) == reference, impl
-            # an incremental hasher that gets the whole prompt in one call agrees too
-            assert RequestBlockHasher(profile, keys).append(tokens) == reference, impl
-            if keys is None or not keys.mm_items:  # (vLLM re-walks mm items per call: test above)
-                # one fed in uneven chunks (blocks completed across calls, parent carried over)
-                hasher = RequestBlockHasher(profile, keys)
-                got = [d for i in range(0, len(tokens), 5) for d in hasher.append(tokens[i : i + 5])]
-                assert got == reference, impl
+    assert hash_request_tokens(profile, tokens, keys) == reference
+    # an incremental hasher that gets the whole prompt in one call agrees too
+    assert RequestBlockHasher(profile, keys).append(tokens) == reference
+    if keys is None or not keys.mm_items:  # (vLLM re-walks mm items per call: test above)
+        # one fed in uneven chunks (blocks completed across calls, parent carried over)
+        hasher = RequestBlockHasher(profile, keys)
+        got = [d for i in range(0, len(tokens), 5) for d in hasher.append(tokens[i : i + 5])]
+        assert got == reference
 
 
 @settings(max_examples=80, deadline=None)
@@ -506,32 +491,29 @@ def test_fast_path_equals_reference(req: tuple[HashProfile, list[int], RequestKe
         max_size=4,
     ).map(tuple),
 )
-def test_single_block_fast_equals_reference(
+def test_single_block_native_equals_reference(
     algo: str, parent: bytes | None, tokens: list[int], extra: tuple[Any, ...] | None
 ) -> None:
-    """Arbitrary extra keys (bools, floats, bignums fall back to cbor2 per key) and parents."""
+    """Arbitrary extra keys (bools, floats, bignums: their CBOR tail is cbor2's) and parents (past 255
+    bytes the pickle algorithms take the reference)."""
     p = HashProfile(algo, 16, "3")  # type: ignore[arg-type]
     reference = hash_block_tokens(p, parent, tokens, extra, fast=False)
-    for impl in IMPLS:
-        with hash_impl(impl):
-            assert hash_block_tokens(p, parent, tokens, extra) == reference, impl
+    assert hash_block_tokens(p, parent, tokens, extra) == reference
 
 
-def test_fast_path_big_prompts_and_table_limits() -> None:
-    """Long prompts, ids past the lookup table (dict path) and first-seen ids, all == reference."""
+def test_native_big_prompts_and_every_id_range() -> None:
+    """Long prompts with ids of every CBOR width, given as list, tuple and iterator, all == reference."""
     import random
 
     rng = random.Random(7)
-    for algo in ("sha256_cbor", "xxhash_cbor"):
+    for algo in HASH_ALGOS:
         p = HashProfile(algo, 16, "0")
         for top in (200, 152_000, 2**21, 2**64 - 1):
             tokens = [rng.randrange(top) for _ in range(16 * 300 + 5)]
             reference = hash_request_tokens(p, tokens, fast=False)
-            for impl in IMPLS:
-                with hash_impl(impl):
-                    assert hash_request_tokens(p, tokens) == reference, impl
-                    assert hash_request_tokens(p, tuple(tokens)) == reference, impl
-                    assert hash_request_tokens(p, iter(tokens)) == reference, impl
+            assert hash_request_tokens(p, tokens) == reference
+            assert hash_request_tokens(p, tuple(tokens)) == reference
+            assert hash_request_tokens(p, iter(tokens)) == reference
 
 
 @pytest.mark.parametrize("algo", ["sha256", "xxhash"])
@@ -549,14 +531,10 @@ def test_pickle_chain_is_pickle_dumps_at_every_int_width(algo: str) -> None:
         tokens = [rng.choice(edges) if rng.random() < 0.5 else rng.getrandbits(rng.randint(1, 64))
                   for _ in range(block_size * 3 + 1)]
         reference = hash_request_tokens(p, tokens, fast=False)
-        for impl in IMPLS:
-            with hash_impl(impl):
-                assert hash_request_tokens(p, tokens) == reference, (impl, block_size)
+        assert hash_request_tokens(p, tokens) == reference, block_size
 
 
 def test_tokens_may_be_any_integer_sequence() -> None:
-    from array import array
-
     p = HashProfile("sha256_cbor", 4, "0")
     ref = hash_request_tokens(p, [1, 2, 3, 4, 5, 6, 7, 8])
     assert hash_request_tokens(p, array("Q", range(1, 9))) == ref
@@ -565,56 +543,44 @@ def test_tokens_may_be_any_integer_sequence() -> None:
 
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_real_engine_fixtures_through_each_fast_path(impl: str) -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["native", "reference"])
+def test_real_engine_fixtures_through_both_paths(fast: bool) -> None:
     for name in ("base", "lora"):
         d = _engine(name)
         profile = HashProfile("sha256_cbor", d["block_size"], seed=d["hash_seed"])
         keys = RequestKeys(lora_name=d["lora_name"]) if d.get("lora_name") else None
-        with hash_impl(impl):
-            assert block_hashes64(profile, d["token_ids"], keys) == d["block_hashes"]
+        got = hash_request_tokens(profile, d["token_ids"], keys, fast=fast)
+        assert [to_block_hash64(x) for x in got] == d["block_hashes"]
 
 
-def test_c_accelerator_is_built_when_required() -> None:
-    """CI sets KVCOORD_REQUIRE_SPEEDUPS=1 so a silently skipped C build fails instead of hiding."""
-    if not speedups_available():
-        if os.environ.get("KVCOORD_REQUIRE_SPEEDUPS"):
-            pytest.fail("kvcoord._speedups is not built (needs a C compiler and the Python headers)")
-        pytest.skip("optional C accelerator kvcoord._speedups not built; pure-Python fast path in use")
-    with hash_impl("c"):
-        p = HashProfile("xxhash_cbor", 4, "0")
-        assert hash_request_tokens(p, range(9)) == hash_request_tokens(p, range(9), fast=False)
+@needs_native
+def test_native_covers_every_chain_but_pickle_with_extra_keys() -> None:
+    """The native path is not silently the reference: it hashes every CBOR chain and every pickle
+    chain without extra keys (blocks up to 4096 tokens, parents under 256 bytes)."""
+    arr = array("Q", range(64))
+    for algo in HASH_ALGOS:
+        none = HashProfile(algo, 16, "0").none_hash()
+        assert hashing._chain_native(algo, none, arr, 16, [None] * 4) is not None
+        with_keys = hashing._chain_native(algo, none, arr, 16, [("lora",)] * 4)
+        assert (with_keys is not None) == algo.endswith("_cbor")
+        long_parent = hashing._chain_native(algo, bytes(300), arr, 16, [None])
+        assert (long_parent is not None) == algo.endswith("_cbor")
+    assert hashing._chain_native("sha256", none, array("Q", range(4097)), 4097, [None]) is None
 
 
-def test_hash_impl_env_is_validated_at_call_time() -> None:
-    p = HashProfile("sha256_cbor", 2, "0")
-    with hash_impl("turbo"), pytest.raises(ValueError, match=HASH_IMPL_ENV):
-        hash_request_tokens(p, [1, 2])
-    with hash_impl("c"):
-        if speedups_available():
-            assert hash_request_tokens(p, [1, 2]) == hash_request_tokens(p, [1, 2], fast=False)
-        else:
-            with pytest.raises(RuntimeError, match="not built"):
-                hash_request_tokens(p, [1, 2])
-    # an incremental hasher whose call fails keeps its state
-    hasher = RequestBlockHasher(p)
-    hasher.append([7])
-    with hash_impl("turbo"), pytest.raises(ValueError):
-        hasher.append([8, 9])
-    assert hasher.num_tokens == 1 and hasher.digests == ()
-    assert hasher.append([8]) == hash_request_tokens(p, [7, 8], fast=False)
-
-
-@pytest.mark.skipif(not speedups_available(), reason="C accelerator not built")
-def test_c_accelerator_rejects_bad_arguments() -> None:
-    from array import array
-
-    from kvcoord import _speedups
-
+@needs_native
+def test_native_chains_reject_bad_arguments() -> None:
+    assert native is not None
     toks = array("Q", range(8))
     sha = hashlib.sha256
-    good = _speedups.cbor_chain(sha, True, b"p", toks, 4, 2, b"\xf6")
+    good = native.cbor_chain(sha, True, b"p", toks, 4, 2, b"\xf6")
     assert len(good) == 2
+    # an unaligned uint64 view (a slice of a bytes buffer cast to 'Q') reads the same tokens
+    unaligned = memoryview(b"\0" + toks.tobytes())[1:].cast("Q")
+    assert native.cbor_chain(sha, True, b"p", unaligned, 4, 2, b"\xf6") == good
+    assert native.pickle_chain(sha, True, b"p", unaligned, 4, 2) == native.pickle_chain(
+        sha, True, b"p", toks, 4, 2
+    )
     bad: list[tuple[tuple[Any, ...], type[Exception], str]] = [
         ((sha, True, b"p", array("I", range(8)), 4, 2, b"\xf6"), TypeError, "uint64"),
         ((sha, True, b"p", [0, 1, 2, 3], 4, 1, b"\xf6"), TypeError, "bytes-like"),
@@ -628,7 +594,17 @@ def test_c_accelerator_rejects_bad_arguments() -> None:
     ]
     for args, exc, needle in bad:
         with pytest.raises(exc, match=needle):
-            _speedups.cbor_chain(*args)
+            native.cbor_chain(*args)
+    pickle_bad: list[tuple[tuple[Any, ...], type[Exception], str]] = [
+        ((sha, True, bytes(256), toks, 4, 2), ValueError, "shorter than 256"),
+        ((sha, True, b"p", array("Q", range(4097)), 4097, 1), ValueError, "4096"),
+        ((sha, True, b"p", toks, 4, 3), ValueError, "fewer tokens"),
+        ((sha, True, b"p", array("q", range(8)), 4, 2), TypeError, "uint64"),
+        ((sha, True, b"p", toks, 4), TypeError, "6 arguments"),
+    ]
+    for args, exc, needle in pickle_bad:
+        with pytest.raises(exc, match=needle):
+            native.pickle_chain(*args)
     assert toks == array("Q", range(8))  # inputs untouched
 
     tails = [b"\xf6", b"\xf6"]
@@ -638,10 +614,10 @@ def test_c_accelerator_rejects_bad_arguments() -> None:
         return hashlib.sha256(msg).digest()
 
     with pytest.raises(TypeError, match="tails"):
-        _speedups.cbor_chain(shrinking, False, b"p", toks, 4, 2, tails)
+        native.cbor_chain(shrinking, False, b"p", toks, 4, 2, tails)
 
     def failing(msg: bytes) -> bytes:
         raise KeyError("boom")
 
     with pytest.raises(KeyError, match="boom"):
-        _speedups.cbor_chain(failing, False, b"p", toks, 4, 2, b"\xf6")
+        native.cbor_chain(failing, False, b"p", toks, 4, 2, b"\xf6")

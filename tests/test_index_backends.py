@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.index import ApplyResult, Index, InvalidEvent, NodeMatch, SnapshotEntry
+from kvcoord.validate import ops_of, snapshot_columns
 from tests.conftest import INDEX_FACTORIES
 
 M = "m"
@@ -78,7 +79,7 @@ async def test_empty_index_matches_nothing(index: Index) -> None:
 
 
 async def test_store_then_match_longest_leading_run(index: Index) -> None:
-    res = await index.apply(M, "n1", 0, [stored(1, 2, 3, 4, 5)])
+    res = await index.apply(M, "n1", 0, ops_of([stored(1, 2, 3, 4, 5)]))
     assert res.stored == 5
     assert as_tuples(await index.match(M, H(1, 2, 3, 9, 4))) == [("n1", 0, 3, (3, 0, 0))]
     assert await index.match(M, H(9, 1, 2)) == []
@@ -87,16 +88,16 @@ async def test_store_then_match_longest_leading_run(index: Index) -> None:
 
 
 async def test_match_is_gap_free(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2, 4, 5)])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2, 4, 5)]))
     assert as_tuples(await index.match(M, H(1, 2, 3, 4, 5))) == [("n1", 0, 2, (2, 0, 0))]
 
 
 async def test_match_order_longest_first_then_node_then_rank(index: Index) -> None:
-    await index.apply(M, "b", 1, [stored(1, 2)])
-    await index.apply(M, "b", 0, [stored(1, 2)])
-    await index.apply(M, "a", 3, [stored(1, 2)])
-    await index.apply(M, "c", 0, [stored(1, 2, 3)])
-    await index.apply(M, "d", 0, [stored(1)])
+    await index.apply(M, "b", 1, ops_of([stored(1, 2)]))
+    await index.apply(M, "b", 0, ops_of([stored(1, 2)]))
+    await index.apply(M, "a", 3, ops_of([stored(1, 2)]))
+    await index.apply(M, "c", 0, ops_of([stored(1, 2, 3)]))
+    await index.apply(M, "d", 0, ops_of([stored(1)]))
     got = [(m.node_id, m.dp_rank, m.matched_blocks) for m in await index.match(M, H(1, 2, 3))]
     assert got == [("c", 0, 3), ("a", 3, 2), ("b", 0, 2), ("b", 1, 2), ("d", 0, 1)]
 
@@ -106,13 +107,13 @@ async def test_per_tier_counts_each_block_once_in_fastest_tier(index: Index) -> 
         M,
         "n1",
         0,
-        [
+        ops_of([
             stored(1, 2),  # GPU
             stored(2, 3, medium="CPU"),
             stored(3, 4, 5, medium="STORAGE"),
             stored(6, medium="cpu_pinned"),  # SGLang alias, case-insensitive
             stored(7, medium="DISK"),
-        ],
+        ]),
     )
     [m] = await index.match(M, H(1, 2, 3, 4, 5, 6, 7, 8))
     assert m.matched_blocks == 7
@@ -122,14 +123,14 @@ async def test_per_tier_counts_each_block_once_in_fastest_tier(index: Index) -> 
 
 
 async def test_match_across_tiers_without_gap(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1), stored(2, medium="CPU"), stored(4, medium="GPU")])
+    await index.apply(M, "n1", 0, ops_of([stored(1), stored(2, medium="CPU"), stored(4, medium="GPU")]))
     [m] = await index.match(M, H(1, 2, 3, 4))
     assert (m.matched_blocks, tuple(m.tiers)) == (2, (1, 1, 0))
 
 
 async def test_store_is_idempotent(index: Index) -> None:
-    first = await index.apply(M, "n1", 0, [stored(1, 2, 3)])
-    again = await index.apply(M, "n1", 0, [stored(1, 2, 3), stored(3, 2)])
+    first = await index.apply(M, "n1", 0, ops_of([stored(1, 2, 3)]))
+    again = await index.apply(M, "n1", 0, ops_of([stored(1, 2, 3), stored(3, 2)]))
     assert first.stored == 3 and again.stored == 0
     st_ = await index.stats()
     assert (st_.entries, st_.blocks) == (3, 3)
@@ -137,64 +138,64 @@ async def test_store_is_idempotent(index: Index) -> None:
 
 
 async def test_same_block_on_two_tiers_is_two_entries(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1), stored(1, medium="CPU")])
+    await index.apply(M, "n1", 0, ops_of([stored(1), stored(1, medium="CPU")]))
     st_ = await index.stats()
     assert (st_.entries, st_.blocks) == (2, 1)
     assert st_.entries_by_model_tier == {(M, Tier.GPU): 1, (M, Tier.CPU): 1}
     # removing one tier keeps the other
-    res = await index.apply(M, "n1", 0, [removed(1, medium="GPU")])
+    res = await index.apply(M, "n1", 0, ops_of([removed(1, medium="GPU")]))
     assert res.removed == 1
     [m] = await index.match(M, H(1))
     assert tuple(m.tiers) == (0, 1, 0)
 
 
 async def test_remove_and_remove_unknown_is_counted_noop(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2, 3)])
-    res = await index.apply(M, "n1", 0, [removed(2, 99), removed(3, medium="CPU")])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2, 3)]))
+    res = await index.apply(M, "n1", 0, ops_of([removed(2, 99), removed(3, medium="CPU")]))
     assert (res.removed, res.removed_unknown) == (1, 2)
     assert as_tuples(await index.match(M, H(1, 2, 3))) == [("n1", 0, 1, (1, 0, 0))]
     # removals for a node / rank / model never seen are no-ops too
-    res = await index.apply(M, "ghost", 0, [removed(1)])
+    res = await index.apply(M, "ghost", 0, ops_of([removed(1)]))
     assert (res.removed, res.removed_unknown) == (0, 1)
-    res = await index.apply("nope", "n1", 0, [removed(1)])
+    res = await index.apply("nope", "n1", 0, ops_of([removed(1)]))
     assert (res.removed, res.removed_unknown) == (0, 1)
-    res = await index.apply(M, "n1", 0, [removed(1), removed(1)])
+    res = await index.apply(M, "n1", 0, ops_of([removed(1), removed(1)]))
     assert (res.removed, res.removed_unknown) == (1, 1)
     st_ = await index.stats()
     assert (st_.entries, st_.blocks, st_.nodes) == (1, 1, 1)
 
 
 async def test_removal_keeps_other_holders(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2)])
-    await index.apply(M, "n2", 0, [stored(1, 2)])
-    await index.apply(M, "n1", 0, [removed(2)])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2)]))
+    await index.apply(M, "n2", 0, ops_of([stored(1, 2)]))
+    await index.apply(M, "n1", 0, ops_of([removed(2)]))
     assert as_tuples(await index.match(M, H(1, 2))) == [("n2", 0, 2, (2, 0, 0)), ("n1", 0, 1, (1, 0, 0))]
     assert (await index.stats()).blocks == 2
 
 
 async def test_all_blocks_cleared_drops_only_that_node_rank(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2), stored(3, medium="CPU")])
-    await index.apply(M, "n1", 1, [stored(1, 2)])
-    await index.apply("m2", "n1", 0, [stored(1, 2)])
-    res = await index.apply(M, "n1", 0, [AllBlocksCleared()])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2), stored(3, medium="CPU")]))
+    await index.apply(M, "n1", 1, ops_of([stored(1, 2)]))
+    await index.apply("m2", "n1", 0, ops_of([stored(1, 2)]))
+    res = await index.apply(M, "n1", 0, ops_of([AllBlocksCleared()]))
     assert res.cleared == 3
     assert as_tuples(await index.match(M, H(1, 2))) == [("n1", 1, 2, (2, 0, 0))]
     assert as_tuples(await index.match("m2", H(1, 2))) == [("n1", 0, 2, (2, 0, 0))]
     assert await index.export_node(M, "n1", 0) == []
     # events after a clear in the same batch apply to the now-empty node
-    res = await index.apply(M, "n1", 1, [stored(7), AllBlocksCleared(), stored(5)])
+    res = await index.apply(M, "n1", 1, ops_of([stored(7), AllBlocksCleared(), stored(5)]))
     assert res.cleared == 3
     assert await index.export_node(M, "n1", 1) == [(5, Tier.GPU)]
-    assert (await index.apply(M, "ghost", 0, [AllBlocksCleared()])).cleared == 0
+    assert (await index.apply(M, "ghost", 0, ops_of([AllBlocksCleared()]))).cleared == 0
 
 
 async def test_clear_method(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2)])
-    await index.apply(M, "n2", 0, [stored(1, 2)])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2)]))
+    await index.apply(M, "n2", 0, ops_of([stored(1, 2)]))
     await index.clear(M, "n1", 0)
     await index.clear(M, "ghost", 0)
     assert as_tuples(await index.match(M, H(1, 2))) == [("n2", 0, 2, (2, 0, 0))]
-    await index.apply(M, "n1", 0, [stored(1)])
+    await index.apply(M, "n1", 0, ops_of([stored(1)]))
     assert await index.export_node(M, "n1", 0) == [(1, Tier.GPU)]
 
 
@@ -202,11 +203,11 @@ async def test_bytes_and_int_hashes_share_one_keyspace(index: Index) -> None:
     digest = bytes(range(24)) + (HI + 5).to_bytes(8, "big")  # 32-byte digest, low 8 bytes >= 2**63
     key = to_block_hash64(digest)
     assert key == HI + 5
-    await index.apply(M, "bytes-node", 0, [stored(digest)])
-    await index.apply(M, "int-node", 0, [stored(int(key))])
+    await index.apply(M, "bytes-node", 0, ops_of([stored(digest)]))
+    await index.apply(M, "int-node", 0, ops_of([stored(int(key))]))
     got = sorted((m.node_id, m.matched_blocks) for m in await index.match(M, [key]))
     assert got == [("bytes-node", 1), ("int-node", 1)]
-    res = await index.apply(M, "int-node", 0, [removed(digest)])
+    res = await index.apply(M, "int-node", 0, ops_of([removed(digest)]))
     assert res.removed == 1
     assert await index.export_node(M, "bytes-node", 0) == [(key, Tier.GPU)]
     st_ = await index.stats()
@@ -215,7 +216,7 @@ async def test_bytes_and_int_hashes_share_one_keyspace(index: Index) -> None:
 
 async def test_unsigned_hashes_at_the_top_of_uint64(index: Index) -> None:
     hs = [0, 1, HI - 1, HI, HI + 1, BIG]
-    await index.apply(M, "n1", 0, [stored(*hs)])
+    await index.apply(M, "n1", 0, ops_of([stored(*hs)]))
     [m] = await index.match(M, H(*hs))
     assert m.matched_blocks == 6
     exported = await index.export_node(M, "n1", 0)
@@ -246,13 +247,13 @@ BAD_BATCHES: list[tuple[str, list[Any]]] = [
 
 @pytest.mark.parametrize("bad", BAD_BATCHES, ids=[name for name, _ in BAD_BATCHES])
 async def test_bad_batch_raises_and_applies_nothing(index: Index, bad: tuple[str, list[Any]]) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2, 3), stored(4, medium="CPU")])
-    await index.apply(M, "n2", 0, [stored(1, 2)])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2, 3), stored(4, medium="CPU")]))
+    await index.apply(M, "n2", 0, ops_of([stored(1, 2)]))
     keys = [(M, "n1", 0), (M, "n2", 0)]
     queries = [(M, [1, 2, 3, 4]), (M, [10, 11])]
     before = await observable(index, keys, queries)
     with pytest.raises(InvalidEvent):
-        await index.apply(M, "n1", 0, bad[1])
+        await index.apply(M, "n1", 0, ops_of(bad[1]))
     assert await observable(index, keys, queries) == before
 
 
@@ -261,10 +262,10 @@ async def test_bad_batch_raises_and_applies_nothing(index: Index, bad: tuple[str
     [("", 0), ("n1", -1), ("n1", True), (None, 0), ("n1", "0")],
 )
 async def test_bad_target_raises_and_applies_nothing(index: Index, node_id: Any, dp_rank: Any) -> None:
-    await index.apply(M, "n1", 0, [stored(1)])
+    await index.apply(M, "n1", 0, ops_of([stored(1)]))
     before = await observable(index, [(M, "n1", 0)], [(M, [1, 2])])
     with pytest.raises(InvalidEvent):
-        await index.apply(M, node_id, dp_rank, [stored(2)])
+        await index.apply(M, node_id, dp_rank, ops_of([stored(2)]))
     assert await observable(index, [(M, "n1", 0)], [(M, [1, 2])]) == before
 
 
@@ -276,23 +277,23 @@ async def test_non_full_attention_groups_are_counted_and_skipped(index: Index) -
         M,
         "n1",
         0,
-        [
+        ops_of([
             stored(1, 2, kind="full_attention", group=0),
             stored(1, 2, 3, kind="sliding_window", group=1),
             stored(50, kind="mamba", group=2),
             stored(60, 61, kind="mla_attention", group=3),
-        ],
+        ]),
     )
     assert (res.stored, res.skipped_group) == (4, 4)
     assert as_tuples(await index.match(M, H(1, 2, 3))) == [("n1", 0, 2, (2, 0, 0))]
     assert await index.match(M, H(50)) == []
     assert [m.matched_blocks for m in await index.match(M, H(60, 61))] == [2]
     # the sliding-window group evicting hash 2 must not drop the full-attention entry
-    res = await index.apply(M, "n1", 0, [removed(2, group=1), removed(50, group=2)])
+    res = await index.apply(M, "n1", 0, ops_of([removed(2, group=1), removed(50, group=2)]))
     assert (res.removed, res.removed_unknown, res.skipped_group) == (0, 0, 2)
     assert as_tuples(await index.match(M, H(1, 2))) == [("n1", 0, 2, (2, 0, 0))]
     # a removal of the full-attention group applies
-    res = await index.apply(M, "n1", 0, [removed(2, group=0)])
+    res = await index.apply(M, "n1", 0, ops_of([removed(2, group=0)]))
     assert res.removed == 1
     assert as_tuples(await index.match(M, H(1, 2))) == [("n1", 0, 1, (1, 0, 0))]
     st_ = await index.stats()
@@ -300,12 +301,12 @@ async def test_non_full_attention_groups_are_counted_and_skipped(index: Index) -
 
 
 async def test_group_memory_is_per_node_and_removals_without_group_apply(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, kind="sliding_window", group=1)])
-    await index.apply(M, "n2", 0, [stored(1, 2)])
+    await index.apply(M, "n1", 0, ops_of([stored(1, kind="sliding_window", group=1)]))
+    await index.apply(M, "n2", 0, ops_of([stored(1, 2)]))
     # group 1 is a sliding-window group on n1, not known on n2: n2 applies the removal
-    res = await index.apply(M, "n2", 0, [removed(2, group=1)])
+    res = await index.apply(M, "n2", 0, ops_of([removed(2, group=1)]))
     assert res.removed == 1
-    res = await index.apply(M, "n2", 0, [removed(1)])
+    res = await index.apply(M, "n2", 0, ops_of([removed(1)]))
     assert res.removed == 1
     assert await index.match(M, H(1)) == []
 
@@ -314,9 +315,9 @@ async def test_group_memory_is_per_node_and_removals_without_group_apply(index: 
 
 
 async def test_candidates_restrict_the_match(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2, 3)])
-    await index.apply(M, "n1", 1, [stored(1, 2)])
-    await index.apply(M, "n2", 0, [stored(1)])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2, 3)]))
+    await index.apply(M, "n1", 1, ops_of([stored(1, 2)]))
+    await index.apply(M, "n2", 0, ops_of([stored(1)]))
     got = await index.match(M, H(1, 2, 3), candidates=[("n2", 0), ("n1", 1), ("ghost", 0)])
     assert as_tuples(got) == [("n1", 1, 2, (2, 0, 0)), ("n2", 0, 1, (1, 0, 0))]
     assert await index.match(M, H(1, 2, 3), candidates=set()) == []
@@ -329,10 +330,10 @@ async def test_candidates_restrict_the_match(index: Index) -> None:
 
 
 async def test_remove_node_vanishes_everywhere_and_readd_starts_empty(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2, 3)])
-    await index.apply(M, "n1", 1, [stored(1, 2), stored(5, medium="CPU")])
-    await index.apply("m2", "n1", 0, [stored(1)])
-    await index.apply(M, "n2", 0, [stored(1, 2)])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2, 3)]))
+    await index.apply(M, "n1", 1, ops_of([stored(1, 2), stored(5, medium="CPU")]))
+    await index.apply("m2", "n1", 0, ops_of([stored(1)]))
+    await index.apply(M, "n2", 0, ops_of([stored(1, 2)]))
     await index.remove_node("n1")
     assert as_tuples(await index.match(M, H(1, 2, 3))) == [("n2", 0, 2, (2, 0, 0))]
     assert await index.match("m2", H(1)) == []
@@ -342,12 +343,12 @@ async def test_remove_node_vanishes_everywhere_and_readd_starts_empty(index: Ind
     assert (st_.entries, st_.blocks, st_.nodes) == (2, 2, 1)
     assert st_.blocks_by_model == {M: 2}
     # re-adding the id must not resurrect anything
-    res = await index.apply(M, "n1", 0, [stored(9)])
+    res = await index.apply(M, "n1", 0, ops_of([stored(9)]))
     assert res.stored == 1
     assert await index.export_node(M, "n1", 0) == [(9, Tier.GPU)]
     assert await index.export_node(M, "n1", 1) == []
     assert await index.match(M, H(1), candidates=[("n1", 0), ("n1", 1)]) == []
-    res = await index.apply(M, "n1", 1, [removed(1)])
+    res = await index.apply(M, "n1", 1, ops_of([removed(1)]))
     assert (res.removed, res.removed_unknown) == (0, 1)
     await index.remove_node("ghost")  # unknown node: no-op
     st_ = await index.stats()
@@ -356,8 +357,8 @@ async def test_remove_node_vanishes_everywhere_and_readd_starts_empty(index: Ind
 
 async def test_remove_then_readd_many_times(index: Index) -> None:
     for round_ in range(5):
-        await index.apply(M, "n1", 0, [stored(100 + round_, 1, 2)])
-        await index.apply(M, "n2", 0, [stored(100 + round_)])
+        await index.apply(M, "n1", 0, ops_of([stored(100 + round_, 1, 2)]))
+        await index.apply(M, "n2", 0, ops_of([stored(100 + round_)]))
         await index.remove_node("n1")
         assert [m.node_id for m in await index.match(M, H(100 + round_))] == ["n2"]
     st_ = await index.stats()
@@ -368,22 +369,22 @@ async def test_remove_then_readd_many_times(index: Index) -> None:
 
 
 async def test_export_and_replace_node(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(3, 1, 2), stored(2, BIG, medium="CPU")])
-    await index.apply(M, "n2", 0, [stored(1, 2)])
+    await index.apply(M, "n1", 0, ops_of([stored(3, 1, 2), stored(2, BIG, medium="CPU")]))
+    await index.apply(M, "n2", 0, ops_of([stored(1, 2)]))
     snap = await index.export_node(M, "n1", 0)
     assert snap == [(1, Tier.GPU), (2, Tier.GPU), (2, Tier.CPU), (3, Tier.GPU), (BIG, Tier.CPU)]
     new: list[SnapshotEntry] = [(BlockHash64(1), Tier.CPU), (BlockHash64(7), Tier.GPU)]
-    await index.replace_node(M, "n1", 0, new)
+    await index.replace_node(M, "n1", 0, *snapshot_columns(new))
     assert await index.export_node(M, "n1", 0) == [(1, Tier.CPU), (7, Tier.GPU)]
     assert await index.export_node(M, "n2", 0) == [(1, Tier.GPU), (2, Tier.GPU)]
     assert as_tuples(await index.match(M, H(1, 2))) == [("n2", 0, 2, (2, 0, 0)), ("n1", 0, 1, (0, 1, 0))]
     st_ = await index.stats()
     assert (st_.entries, st_.blocks) == (4, 3)
     # replace into a node/model never seen, then round-trip
-    await index.replace_node("m2", "n9", 2, snap)
+    await index.replace_node("m2", "n9", 2, *snapshot_columns(snap))
     assert await index.export_node("m2", "n9", 2) == snap
     # replace with nothing empties it
-    await index.replace_node(M, "n1", 0, [])
+    await index.replace_node(M, "n1", 0, *snapshot_columns([]))
     assert await index.export_node(M, "n1", 0) == []
     assert [m.node_id for m in await index.match(M, H(1))] == ["n2"]
 
@@ -399,10 +400,10 @@ async def test_export_and_replace_node(index: Index) -> None:
     ],
 )
 async def test_replace_node_bad_entries_change_nothing(index: Index, entries: list[Any]) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2)])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2)]))
     before = await observable(index, [(M, "n1", 0)], [(M, [1, 2])])
     with pytest.raises(InvalidEvent):
-        await index.replace_node(M, "n1", 0, entries)
+        await index.replace_node(M, "n1", 0, *snapshot_columns(entries))
     assert await observable(index, [(M, "n1", 0)], [(M, [1, 2])]) == before
 
 
@@ -410,9 +411,9 @@ async def test_replace_node_bad_entries_change_nothing(index: Index, entries: li
 
 
 async def test_stats_breakdown(index: Index) -> None:
-    await index.apply(M, "n1", 0, [stored(1, 2, 3), stored(3, medium="CPU")])
-    await index.apply(M, "n2", 1, [stored(1, 2)])
-    await index.apply("m2", "n3", 0, [stored(1, medium="STORAGE")])
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2, 3), stored(3, medium="CPU")]))
+    await index.apply(M, "n2", 1, ops_of([stored(1, 2)]))
+    await index.apply("m2", "n3", 0, ops_of([stored(1, medium="STORAGE")]))
     st_ = await index.stats()
     assert (st_.entries, st_.blocks, st_.nodes) == (7, 4, 3)
     assert st_.entries_by_model_tier == {(M, Tier.GPU): 5, (M, Tier.CPU): 1, ("m2", Tier.STORAGE): 1}
@@ -556,7 +557,7 @@ def _make_machine(backend: str, request: pytest.FixtureRequest, loop: asyncio.Ab
             events=st.lists(event_strategy, min_size=1, max_size=4),
         )
         def apply(self, model: str, node: str, dp: int, events: list[KVEvent]) -> None:
-            got = run(self.index.apply(model, node, dp, events))
+            got = run(self.index.apply(model, node, dp, ops_of(events)))
             assert got == self.ref.apply(model, node, dp, events)
 
         @rule(model=st.sampled_from(MODELS), node=st.sampled_from(NODES), dp=st.integers(0, 1))
@@ -576,7 +577,8 @@ def _make_machine(backend: str, request: pytest.FixtureRequest, loop: asyncio.Ab
             entries=st.lists(st.tuples(st.sampled_from(POOL), st.sampled_from(list(Tier))), max_size=6),
         )
         def replace(self, model: str, node: str, dp: int, entries: list[tuple[int, Tier]]) -> None:
-            run(self.index.replace_node(model, node, dp, [(BlockHash64(h), t) for h, t in entries]))
+            columns = snapshot_columns([(BlockHash64(h), t) for h, t in entries])
+            run(self.index.replace_node(model, node, dp, *columns))
             self.ref.replace(model, node, dp, [(h, int(t)) for h, t in entries])
 
         @rule(
@@ -587,7 +589,7 @@ def _make_machine(backend: str, request: pytest.FixtureRequest, loop: asyncio.Ab
         )
         def bad_apply(self, model: str, node: str, dp: int, bad: Any) -> None:
             with pytest.raises(InvalidEvent):
-                run(self.index.apply(model, node, dp, [stored(3, 5), stored(bad)]))
+                run(self.index.apply(model, node, dp, ops_of([stored(3, 5), stored(bad)])))
 
         @rule(model=st.sampled_from(MODELS), node=st.sampled_from(NODES), dp=st.integers(0, 1))
         def export_matches(self, model: str, node: str, dp: int) -> None:

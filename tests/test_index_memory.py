@@ -17,6 +17,8 @@ from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index import Index, InvalidEvent
 from kvcoord.index.memory import HAVE_C_CORE, Core, MemoryIndex
+from kvcoord.native import native
+from kvcoord.validate import ops_of, snapshot_columns
 
 M = "m"
 CORES = ["c", "python"] if HAVE_C_CORE else ["python"]
@@ -55,7 +57,7 @@ def test_bytes_per_entry_measured_with_tracemalloc(core: Core) -> None:
         for batch in range(400):
             # hashes are created inside the traced region so the key ints the index keeps are counted
             hashes = tuple(rng.getrandbits(64) | (1 << 63) for _ in range(500))
-            idx.apply_sync(M, f"node-{batch % 8}", 0, [stored(*hashes)])
+            idx.apply_sync(M, f"node-{batch % 8}", 0, ops_of([stored(*hashes)]))
         del hashes
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - base
@@ -73,7 +75,7 @@ def test_shared_blocks_cost_less_per_entry(core: Core) -> None:
     idx = MemoryIndex(core=core)
     hashes = tuple(range(1000, 21_000))
     for n in range(16):
-        idx.apply_sync(M, f"n{n}", 0, [stored(*hashes)])
+        idx.apply_sync(M, f"n{n}", 0, ops_of([stored(*hashes)]))
     st = idx.stats_sync()
     assert (st.entries, st.blocks) == (16 * 20_000, 20_000)
     assert st.bytes / st.entries < 20
@@ -81,8 +83,8 @@ def test_shared_blocks_cost_less_per_entry(core: Core) -> None:
 
 def test_remove_node_is_lazy_and_reclaim_frees_keys(core: Core) -> None:
     idx = MemoryIndex(core=core)
-    idx.apply_sync(M, "gone", 0, [stored(*range(100, 200))])
-    idx.apply_sync(M, "stays", 0, [stored(*range(150, 160))])
+    idx.apply_sync(M, "gone", 0, ops_of([stored(*range(100, 200))]))
+    idx.apply_sync(M, "stays", 0, ops_of([stored(*range(150, 160))]))
     idx.remove_node_sync("gone")
     # gone from answers at once, but the keys are still physically there
     assert [m.node_id for m in idx.match_sync(M, [BlockHash64(150)])] == ["stays"]
@@ -93,7 +95,7 @@ def test_remove_node_is_lazy_and_reclaim_frees_keys(core: Core) -> None:
     assert not idx.reclaim_pending
     assert raw_keys(idx) == 10
     # the freed slot is reused by the next node without resurrecting anything
-    idx.apply_sync(M, "new", 0, [stored(1)])
+    idx.apply_sync(M, "new", 0, ops_of([stored(1)]))
     assert idx._models[M].slot_of[("new", 0)] == idx._models[M].slot_of.get(("gone", 0), 0)
     assert idx.export_node_sync(M, "new", 0) == [(1, Tier.GPU)]
     assert idx.match_sync(M, [BlockHash64(100)]) == []
@@ -101,21 +103,21 @@ def test_remove_node_is_lazy_and_reclaim_frees_keys(core: Core) -> None:
 
 def test_slots_are_not_reused_before_the_sweep_finishes(core: Core) -> None:
     idx = MemoryIndex(core=core)
-    idx.apply_sync(M, "a", 0, [stored(*range(10))])
+    idx.apply_sync(M, "a", 0, ops_of([stored(*range(10))]))
     old_slot = idx._models[M].slot_of[("a", 0)]
     idx.remove_node_sync("a")
-    idx.apply_sync(M, "a", 0, [stored(50)])  # the store runs before this call's piggy-backed sweep step
+    idx.apply_sync(M, "a", 0, ops_of([stored(50)]))  # the store runs before this call's piggy-backed sweep
     assert idx._models[M].slot_of[("a", 0)] != old_slot
     assert idx.export_node_sync(M, "a", 0) == [(50, Tier.GPU)]
 
 
 def test_apply_sync_sweeps_in_small_steps(core: Core) -> None:
     idx = MemoryIndex(core=core)
-    idx.apply_sync(M, "gone", 0, [stored(*range(1, 20_001))])
+    idx.apply_sync(M, "gone", 0, ops_of([stored(*range(1, 20_001))]))
     idx.remove_node_sync("gone")
     steps = 0
     while idx.reclaim_pending:
-        idx.apply_sync(M, "live", 0, [stored(7_000_000 + steps)])
+        idx.apply_sync(M, "live", 0, ops_of([stored(7_000_000 + steps)]))
         steps += 1
         assert steps < 200
     assert steps > 1  # done piecemeal, not in one stall
@@ -124,8 +126,8 @@ def test_apply_sync_sweeps_in_small_steps(core: Core) -> None:
 
 def test_retire_during_sweep_is_picked_up(core: Core) -> None:
     idx = MemoryIndex(core=core, sweep_chunk=100)
-    idx.apply_sync(M, "a", 0, [stored(*range(1, 1001))])
-    idx.apply_sync(M, "b", 0, [stored(*range(500, 1501))])
+    idx.apply_sync(M, "a", 0, ops_of([stored(*range(1, 1001))]))
+    idx.apply_sync(M, "b", 0, ops_of([stored(*range(500, 1501))]))
     idx.remove_node_sync("a")
     idx._sweep_some(300)  # part-way through the first sweep
     assert idx.reclaim_pending
@@ -137,9 +139,9 @@ def test_retire_during_sweep_is_picked_up(core: Core) -> None:
 
 def test_clear_of_an_empty_slot_frees_it_at_once(core: Core) -> None:
     idx = MemoryIndex(core=core)
-    idx.apply_sync(M, "a", 0, [stored(1)])
-    idx.apply_sync(M, "a", 0, [BlockRemoved(block_hashes=(1,))])
-    res = idx.apply_sync(M, "a", 0, [AllBlocksCleared()])
+    idx.apply_sync(M, "a", 0, ops_of([stored(1)]))
+    idx.apply_sync(M, "a", 0, ops_of([BlockRemoved(block_hashes=(1,))]))
+    res = idx.apply_sync(M, "a", 0, ops_of([AllBlocksCleared()]))
     assert res.cleared == 0
     assert not idx.reclaim_pending
 
@@ -147,7 +149,7 @@ def test_clear_of_an_empty_slot_frees_it_at_once(core: Core) -> None:
 async def test_background_sweeper_reclaims_without_blocking(core: Core) -> None:
     idx = MemoryIndex(core=core, sweep_chunk=500)
     try:
-        await idx.apply(M, "gone", 0, [stored(*range(1, 10_001))])
+        await idx.apply(M, "gone", 0, ops_of([stored(*range(1, 10_001))]))
         await idx.remove_node("gone")
         assert idx.reclaim_pending
         deadline = time.monotonic() + 10
@@ -164,7 +166,7 @@ async def test_background_sweeper_reclaims_without_blocking(core: Core) -> None:
 
 async def test_close_cancels_a_running_sweep(core: Core) -> None:
     idx = MemoryIndex(core=core, sweep_chunk=10)
-    await idx.apply(M, "gone", 0, [stored(*range(1, 5001))])
+    await idx.apply(M, "gone", 0, ops_of([stored(*range(1, 5001))]))
     await idx.remove_node("gone")
     task = idx._sweeper
     assert task is not None and not task.done()
@@ -174,28 +176,26 @@ async def test_close_cancels_a_running_sweep(core: Core) -> None:
 
 def test_tiered_values_collapse_back_to_plain_masks() -> None:
     idx = MemoryIndex(core="python")  # the pure-Python layout's tiered side table
-    idx.apply_sync(M, "a", 0, [stored(1, 2, 3), stored(2, medium="CPU")])
-    idx.apply_sync(M, "b", 0, [stored(2, medium="STORAGE")])
+    idx.apply_sync(M, "a", 0, ops_of([stored(1, 2, 3), stored(2, medium="CPU")]))
+    idx.apply_sync(M, "b", 0, ops_of([stored(2, medium="STORAGE")]))
     mi = idx._models[M]
     assert set(mi.tiered) == {2}
-    idx.apply_sync(M, "a", 0, [BlockRemoved(block_hashes=(2,), medium="CPU")])
-    idx.apply_sync(M, "b", 0, [BlockRemoved(block_hashes=(2,), medium="STORAGE")])
+    idx.apply_sync(M, "a", 0, ops_of([BlockRemoved(block_hashes=(2,), medium="CPU")]))
+    idx.apply_sync(M, "b", 0, ops_of([BlockRemoved(block_hashes=(2,), medium="STORAGE")]))
     assert mi.tiered == {}
     assert [m.matched_blocks for m in idx.match_sync(M, [BlockHash64(h) for h in (1, 2, 3)])] == [3]
 
 
 @pytest.mark.parametrize("nodes", [1, 7, 40, 300])
-def test_raw_match_equals_match_and_orders_ties_by_name(nodes: int, core: Core) -> None:
+def test_match_orders_ties_by_name(nodes: int, core: Core) -> None:
     idx = MemoryIndex(core=core)
     rng = random.Random(nodes)
     names = [f"n{rng.randrange(10**6):06d}" for _ in range(nodes)]
     chain = list(range(1, 41))
     for name in names:
-        idx.apply_sync(M, name, rng.randrange(2), [stored(*chain[: rng.randrange(1, 41)])])
-    raw = idx.match_raw_sync(M, chain)
-    objs = idx.match_sync(M, [BlockHash64(h) for h in chain])
-    assert [(m.node_id, m.dp_rank, m.matched_blocks, m.tiers) for m in objs] == raw
-    assert raw == sorted(raw, key=lambda r: (-r[2], r[0], r[1]))
+        idx.apply_sync(M, name, rng.randrange(2), ops_of([stored(*chain[: rng.randrange(1, 41)])]))
+    rows = [tuple(m) for m in idx.match_sync(M, [BlockHash64(h) for h in chain])]
+    assert rows == sorted(rows, key=lambda r: (-r[2], r[0], r[1]))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -213,10 +213,10 @@ def test_partial_sweeps_never_change_answers(seed: int, core: Core) -> None:
             hs = rng.sample(POOL, rng.randrange(1, 6))
             medium = rng.choice([None, "CPU", "STORAGE"])
             ev = [stored(*hs, medium=medium)]
-            assert idx.apply_sync(M, node, dp, ev) == ref.apply(M, node, dp, ev)
+            assert idx.apply_sync(M, node, dp, ops_of(ev)) == ref.apply(M, node, dp, ev)
         elif op < 0.65:
             ev2 = [BlockRemoved(block_hashes=tuple(rng.sample(POOL, 3)), medium=rng.choice([None, "CPU"]))]
-            assert idx.apply_sync(M, node, dp, ev2) == ref.apply(M, node, dp, ev2)
+            assert idx.apply_sync(M, node, dp, ops_of(ev2)) == ref.apply(M, node, dp, ev2)
         elif op < 0.75:
             idx.clear_sync(M, node, dp)
             ref.apply(M, node, dp, [AllBlocksCleared()])
@@ -225,7 +225,7 @@ def test_partial_sweeps_never_change_answers(seed: int, core: Core) -> None:
             ref.remove_node(node)
         else:
             entries = [(rng.choice(POOL), rng.choice(list(Tier))) for _ in range(rng.randrange(4))]
-            idx.replace_node_sync(M, node, dp, [(BlockHash64(h), t) for h, t in entries])
+            idx.replace_node_sync(M, node, dp, *snapshot_columns([(BlockHash64(h), t) for h, t in entries]))
             ref.replace(M, node, dp, [(h, int(t)) for h, t in entries])
         idx._sweep_some(rng.randrange(0, 4))  # leave sweeps part-way
         query = rng.sample(POOL, 4)
@@ -280,12 +280,13 @@ def _do(idx: MemoryIndex, op: tuple[Any, ...]) -> object:
     try:
         if kind == "apply":
             (model, node, dp), events = op[1], op[2]
-            return idx.apply_sync(model, node, dp, events)
+            return idx.apply_sync(model, node, dp, ops_of(events))
         if kind == "fan":
             # many nodes storing a shared chain of different lengths: multi-holder keys, big answers
             (model, _node, dp), nodes, length = op[1], op[2], op[3]
             chain = POOL2[10:] + POOL2[:10]
-            return [idx.apply_sync(model, NODES2[i], dp, [stored(*chain[: (length * (i + 1)) % 46 or 1])])
+            return [idx.apply_sync(model, NODES2[i], dp,
+                                   ops_of([stored(*chain[: (length * (i + 1)) % 46 or 1])]))
                     for i in range(nodes)]
         if kind == "clear":
             return idx.clear_sync(*op[1])
@@ -294,13 +295,13 @@ def _do(idx: MemoryIndex, op: tuple[Any, ...]) -> object:
             return None
         if kind == "replace":
             (model, node, dp), entries = op[1], op[2]
-            idx.replace_node_sync(model, node, dp, entries)
+            idx.replace_node_sync(model, node, dp, *snapshot_columns(entries))
             return None
         if kind == "sweep":
             idx._sweep_some(op[1])
             return None
         model, query, cands = op[1], op[2], op[3]
-        return (idx.match_sync(model, query, cands), idx.match_raw_sync(model, query, cands))
+        return idx.match_sync(model, query, cands)
     except InvalidEvent as e:
         return ("InvalidEvent", str(e))
 
@@ -327,9 +328,8 @@ def test_c_core_equals_python_core(ops: list[tuple[Any, ...]]) -> None:
 
 @pytest.mark.skipif(not HAVE_C_CORE, reason="C core not built")
 def test_c_table_rejects_bad_input_and_stays_unchanged() -> None:
-    from kvcoord._indexcore import Table, validate_u64_seq
-
-    t = Table()
+    assert native is not None
+    t = native.Table()
     assert t.store(0, 0, [1, 2, 3]) == 3
     t.set_live(0, True)
     keys: list[tuple[str, int] | None] = [("a", 0)]
@@ -370,16 +370,15 @@ def test_c_table_rejects_bad_input_and_stays_unchanged() -> None:
     with pytest.raises(RuntimeError):
         t.match([1], None, keys, None)
     seqs: list[object] = [[1, 2], (0, (1 << 64) - 1), [], [True], [-1], [1 << 64], "ab", [1.0]]
-    assert [validate_u64_seq(x) for x in seqs] == [True, True, True, False, False, False, False, False]
+    assert [native.validate_u64_seq(x) for x in seqs] == [True, True, True, False, False, False, False, False]
 
 
 @pytest.mark.skipif(not HAVE_C_CORE, reason="C core not built")
 def test_c_table_grows_past_a_million_buckets_and_keeps_every_key() -> None:
     """Past 1M buckets the table grows 4x at a time; every rebuild (growth or tombstone-only) keeps
     each live key, drops each removed one, and memory per key stays bounded."""
-    from kvcoord._indexcore import Table
-
-    t = Table()
+    assert native is not None
+    t = native.Table()
     t.set_live(0, True)
     t.set_live(1, True)
     rng = random.Random(3)
@@ -403,8 +402,8 @@ def test_c_table_grows_past_a_million_buckets_and_keeps_every_key() -> None:
 @pytest.mark.skipif(not HAVE_C_CORE, reason="C core not built")
 def test_c_u64_view_checks_like_validate_and_packs_long_events() -> None:
     """``u64_view`` is the validation pass that also converts: same verdicts, and a long event packed."""
-    from kvcoord._indexcore import Table, u64_view, validate_u64_seq
-
+    assert native is not None
+    u64_view, validate_u64_seq = native.u64_view, native.validate_u64_seq
     long_ok = [*range(2, 100), (1 << 64) - 1]
     seqs: list[object] = [[1, 2], (0, (1 << 64) - 1), [], [True], [-1], "ab", long_ok, [*long_ok, -1]]
     seqs += [(*long_ok, True), [*long_ok, 1 << 64], [*long_ok, 1.0], memoryview(b"x" * 8)]
@@ -415,129 +414,8 @@ def test_c_u64_view_checks_like_validate_and_packs_long_events() -> None:
     assert isinstance(view, memoryview) and view.format == "Q"
     assert list(view) == long_ok and len(view) == len(long_ok)
     # the core reads a packed view exactly as the list it came from
-    a, b = Table(), Table()
+    a, b = native.Table(), native.Table()
     assert a.store(0, 1, long_ok) == b.store(0, 1, view) == len(long_ok)
     assert a.export(0) == b.export(0)
     assert a.remove(0, 1, long_ok[:50]) == b.remove(0, 1, cast("list[int]", u64_view(long_ok[:50]))) == 50
     assert a.export(0) == b.export(0)
-
-
-# --- the raw (protobuf) entry point vs the events path ----------------------------------------------
-def _raw_case_msgs(draw: Any) -> list[Any]:
-    from kvcoord.proto.v1 import kvcoord_pb2 as pb
-
-    pool = [1, 2, 3, 4, 5, (1 << 64) - 1, 1 << 63]
-    msgs = []
-    for _ in range(draw(st.integers(0, 6))):
-        which = draw(st.sampled_from(["stored", "stored", "removed", "cleared", "empty"]))
-        if which == "cleared":
-            msgs.append(pb.KVEvent(cleared=pb.AllBlocksCleared()))
-            continue
-        if which == "empty":
-            msgs.append(pb.KVEvent())
-            continue
-        ints = draw(st.lists(st.sampled_from(pool), max_size=6))
-        digests = draw(st.lists(st.binary(min_size=0, max_size=9), max_size=3)) if draw(st.booleans()) else []
-        medium = draw(st.sampled_from(["", "GPU", "cpu", " cpu_pinned ", "DISK", "bogus"]))
-        group = draw(st.sampled_from([None, None, 0, 1, -1]))
-        if which == "removed":
-            r = pb.BlockRemoved(block_hashes=ints, block_digests=digests, medium=medium)
-            if group is not None:
-                r.group_idx = group
-            msgs.append(pb.KVEvent(removed=r))
-            continue
-        s = pb.BlockStored(block_hashes=ints, block_digests=digests, medium=medium, block_size=2)
-        s.token_ids.extend(range(draw(st.sampled_from([0, 2 * len(ints), 3]))))
-        if group is not None:
-            s.group_idx = group
-        kind = draw(st.sampled_from([None, None, "full_attention", "mla_attention", "sliding_window"]))
-        if kind is not None:
-            s.kv_cache_spec_kind = kind
-        parent = draw(st.sampled_from(["none", "int", "digest", "both", "empty"]))
-        if parent in ("int", "both"):
-            s.parent_block_hash = 7
-        if parent in ("digest", "both"):
-            s.parent_block_digest = b"\x01\x02"
-        if parent == "empty":
-            s.parent_block_digest = b""
-        if draw(st.booleans()):
-            s.extra_keys_msgpack = draw(st.sampled_from([b"\x91\xc0", b"\xc1", b"\x01"]))
-        msgs.append(pb.KVEvent(stored=s))
-    return msgs
-
-
-_raw_batches = st.lists(st.tuples(st.composite(lambda d: _raw_case_msgs(d))(), st.sampled_from([0, 1])),
-                        min_size=1, max_size=5)
-
-
-def _via_events(idx: MemoryIndex, msgs: list[Any], rank: int) -> object:
-    from kvcoord.events_proto import events_from_proto
-
-    try:
-        events = events_from_proto(msgs, tokens=False)
-        return idx.apply_sync("m", "n", rank, events), len(msgs)
-    except (ValueError, InvalidEvent) as e:
-        return type(e).__name__, str(e)
-
-
-def _via_raw(idx: MemoryIndex, msgs: list[Any], rank: int) -> object:
-    from kvcoord.events_proto import raw_events_for_index
-
-    try:
-        raw, stored_n, removed_n, cleared_n = raw_events_for_index(msgs)
-        assert [m.WhichOneof("event") for m in msgs].count("stored") == stored_n
-        assert [m.WhichOneof("event") for m in msgs].count("removed") == removed_n
-        assert [m.WhichOneof("event") for m in msgs].count("cleared") == cleared_n
-        return idx.apply_raw_sync("m", "n", rank, raw), stored_n + removed_n + cleared_n
-    except (ValueError, InvalidEvent) as e:
-        return type(e).__name__, str(e)
-
-
-@pytest.mark.parametrize("core", CORES)
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(batches=_raw_batches)
-def test_raw_proto_path_equals_the_events_path(core: Core, batches: list[tuple[list[Any], int]]) -> None:
-    """Batches straight from protobuf messages (``raw_events_for_index`` + ``apply_raw_sync``) give the
-    same results, error messages (naming the original event) and state as decoding them to events and
-    ``apply_sync``: groups, media, digest-form hashes and bad input included."""
-    a, b = MemoryIndex(core=core), MemoryIndex(core=core)
-    for msgs, rank in batches:
-        assert _via_raw(b, msgs, rank) == _via_events(a, msgs, rank), msgs
-        for r in (0, 1):
-            assert b.export_node_sync("m", "n", r) == a.export_node_sync("m", "n", r)
-    sa, sb = a.stats_sync(), b.stats_sync()
-    assert (sb.entries, sb.blocks, sb.entries_by_model_tier) == (
-        sa.entries, sa.blocks, sa.entries_by_model_tier)
-
-
-@pytest.mark.parametrize("core", CORES)
-def test_raw_path_takes_repeated_fields_and_rejects_a_bad_batch_whole(core: Core) -> None:
-    from kvcoord.proto.v1 import kvcoord_pb2 as pb
-
-    idx = MemoryIndex(core=core)
-    s = pb.BlockStored(block_hashes=[1, 2, (1 << 64) - 1])
-    r = pb.BlockRemoved(block_hashes=[2])
-    batch = [(0, s.block_hashes, None, None, None), (1, r.block_hashes, "GPU", 3, None)]
-    res = idx.apply_raw_sync("m", "n", 0, batch)
-    assert (res.stored, res.removed) == (3, 1)
-    before = idx.export_node_sync("m", "n", 0)
-    assert before == [(1, Tier.GPU), ((1 << 64) - 1, Tier.GPU)]
-    bad = [
-        (0, [9, 10], "cpu", None, None),
-        (1, [1], "tape", None, None),
-    ]
-    with pytest.raises(InvalidEvent, match=r"^event 1: unknown medium 'tape'"):
-        idx.apply_raw_sync("m", "n", 0, bad)
-    for ev, msg in [
-        ((0, "ab", None, None, None), "event 0: block_hashes must be a list, not str"),
-        ((0, {1, 2}, None, None, None), "event 0: block_hashes must be a list, not set"),
-        ((0, [1], None, -1, None), "event 0: group_idx must be a non-negative int, not -1"),
-        ((0, [1], None, None, 5), "event 0: kv_cache_spec_kind must be a string"),
-        ((7, [1], None, None, None), "event 0: not a KV event: kind 7"),
-        ((0, [1]), "event 0: not a KV event: tuple"),
-    ]:
-        with pytest.raises(InvalidEvent) as info:
-            idx.apply_raw_sync("m", "n", 0, [(0, [11], None, None, None), ev])  # type: ignore[list-item]
-        assert str(info.value) == msg.replace("event 0", "event 1")
-    assert idx.export_node_sync("m", "n", 0) == before
-    assert idx.stats_sync().entries == 2

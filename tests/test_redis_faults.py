@@ -118,7 +118,7 @@ def test_redis_killed_and_restarted_empty(cluster: RedisCluster) -> None:
     c.redis.kill()
     poll(lambda: c.health() == "NOT_SERVING", "NOT_SERVING while Redis is down", 10)
     assert c.health("kvcoord.liveness") == "SERVING"
-    assert c.health("kvcoord.v1.Coordinator") == "NOT_SERVING"
+    assert c.health("kvcoord.v2.Coordinator") == "NOT_SERVING"
     # Lookups say why instead of answering from a partial view.
     with CoordinatorClient(f"127.0.0.1:{c.grpc}") as client, pytest.raises(CoordinatorError) as err:
         client.lookup(MODEL, hashes=[1, 2, 3])

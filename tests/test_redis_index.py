@@ -21,6 +21,7 @@ from kvcoord.index import open_index
 from kvcoord.index.base import InvalidEvent
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis import IndexUnavailable, RedisIndex
+from kvcoord.validate import ops_of, snapshot_columns
 from tests.redis_servers import RedisCluster, RedisServer
 
 M = "m"
@@ -91,10 +92,10 @@ async def test_clients_with_other_bucket_counts_cannot_share_a_keyspace(redis_se
     a = RedisIndex.from_uri(redis_server.url + "?buckets=4", key_prefix="kvt")
     b = RedisIndex.from_uri(redis_server.url + "?buckets=2", key_prefix="kvt")
     try:
-        await a.apply(M, "n1", 0, [stored(1)])
+        await a.apply(M, "n1", 0, ops_of([stored(1)]))
         before = keys_of(redis_server)
         with pytest.raises(ValueError, match="buckets"):
-            await b.apply(M, "n1", 0, [stored(2)])
+            await b.apply(M, "n1", 0, ops_of([stored(2)]))
         assert keys_of(redis_server) == before
         assert [m.matched_blocks for m in await a.match(M, H(1, 2))] == [1]
     finally:
@@ -110,7 +111,7 @@ async def test_a_keyspace_of_another_layout_is_refused(redis_server: RedisServer
     try:
         before = keys_of(redis_server)
         with pytest.raises(ValueError, match="layout"):
-            await idx.apply(M, "n1", 0, [stored(1)])
+            await idx.apply(M, "n1", 0, ops_of([stored(1)]))
         assert keys_of(redis_server) == before
     finally:
         await idx.close()
@@ -120,8 +121,8 @@ async def test_a_keyspace_of_another_layout_is_refused(redis_server: RedisServer
 
 
 async def test_every_key_is_namespaced_and_tagged(rindex: RedisIndex, redis_server: RedisServer) -> None:
-    await rindex.apply(M, "n1", 0, [stored(1, 2)])
-    await rindex.apply("other", "n2", 3, [stored(1)])
+    await rindex.apply(M, "n1", 0, ops_of([stored(1, 2)]))
+    await rindex.apply("other", "n2", 3, ops_of([stored(1)]))
     ks = keys_of(redis_server)
     assert ks and all(k.startswith(b"{kvt:0}:") or k == b"{kvt}:conf" for k in ks)
     assert {b"{kvt:0}:inv:m", b"{kvt:0}:inv:other", b"{kvt:0}:node:n1", b"{kvt:0}:node:n2"} <= set(ks)
@@ -132,7 +133,7 @@ async def test_cluster_keeps_a_node_on_one_slot_and_spreads_nodes(
 ) -> None:
     nodes = [f"node-{i}" for i in range(24)]
     for n in nodes:
-        await cindex.apply(M, n, 0, [stored(1, 2, 3)])
+        await cindex.apply(M, n, 0, ops_of([stored(1, 2, 3)]))
     with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.servers[0].port) as rc:
         for n in nodes[:4]:
             tag = cindex.tag_of(n)
@@ -158,11 +159,11 @@ def commandstats(server: RedisServer) -> set[str]:
 
 
 async def test_remove_and_clear_never_scan_keyspace(rindex: RedisIndex, redis_server: RedisServer) -> None:
-    await rindex.apply(M, "keep", 0, [stored(*range(500))])
+    await rindex.apply(M, "keep", 0, ops_of([stored(*range(500))]))
     baseline = keys_of(redis_server)
-    await rindex.apply(M, "gone", 0, [stored(*range(5000)), stored(*range(100), medium="CPU")])
-    await rindex.apply(M, "gone", 1, [stored(*range(3000))])
-    await rindex.apply(M, "cleared", 0, [stored(*range(2500))])
+    await rindex.apply(M, "gone", 0, ops_of([stored(*range(5000)), stored(*range(100), medium="CPU")]))
+    await rindex.apply(M, "gone", 1, ops_of([stored(*range(3000))]))
+    await rindex.apply(M, "cleared", 0, ops_of([stored(*range(2500))]))
     redis_server.cli("CONFIG", "RESETSTAT")
     await rindex.remove_node("gone")
     await rindex.clear(M, "cleared", 0)
@@ -185,7 +186,7 @@ async def test_remove_and_clear_never_scan_keyspace(rindex: RedisIndex, redis_se
 
 
 async def test_background_reclaim_runs_unasked(rindex: RedisIndex, redis_server: RedisServer) -> None:
-    await rindex.apply(M, "a", 0, [stored(*range(3000))])
+    await rindex.apply(M, "a", 0, ops_of([stored(*range(3000))]))
     await rindex.remove_node("a")
 
     def finished() -> bool:
@@ -204,9 +205,9 @@ async def test_background_reclaim_runs_unasked(rindex: RedisIndex, redis_server:
 
 
 async def test_replace_larger_than_one_script_call_is_atomic_for_readers(rindex: RedisIndex) -> None:
-    await rindex.apply(M, "n1", 0, [stored(1, 2, 3)])
+    await rindex.apply(M, "n1", 0, ops_of([stored(1, 2, 3)]))
     entries = [(BlockHash64(h), Tier.GPU) for h in range(10, 45_010)]
-    await rindex.replace_node(M, "n1", 0, entries)
+    await rindex.replace_node(M, "n1", 0, *snapshot_columns(entries))
     assert await rindex.match(M, H(1)) == []
     [m] = await rindex.match(M, H(*range(10, 200)))
     assert m.matched_blocks == 190
@@ -219,14 +220,14 @@ async def test_replace_larger_than_one_script_call_is_atomic_for_readers(rindex:
 
 async def test_memory_per_entry_on_real_redis(rindex: RedisIndex, redis_server: RedisServer) -> None:
     """INFO used_memory before/after loading (the benchmark reports the figure; this keeps it sane)."""
-    await rindex.apply(M, "warm", 0, [stored(1)])
+    await rindex.apply(M, "warm", 0, ops_of([stored(1)]))
     before = redis_server.used_memory()
     n_nodes, per_node = 8, 5000
     rng = random.Random(7)
     shared = [rng.getrandbits(64) for _ in range(per_node // 2)]
     for i in range(n_nodes):
         own = [rng.getrandbits(64) for _ in range(per_node - len(shared))]
-        await rindex.apply(M, f"n{i}", 0, [stored(*shared), stored(*own)])
+        await rindex.apply(M, f"n{i}", 0, ops_of([stored(*shared), stored(*own)]))
     per_entry = (redis_server.used_memory() - before) / (n_nodes * per_node)
     assert 20 < per_entry < 250, per_entry
 
@@ -245,7 +246,7 @@ async def test_many_nodes_match_like_the_memory_backend(cindex: RedisIndex) -> N
         tiers = {"GPU": held[: depth // 2], "CPU": held[depth // 3 :], None: held[::7]}
         for medium, hs in tiers.items():
             for idx in (cindex, mem):
-                await idx.apply(M, f"node-{i % 29}", i % 3, [stored(*hs, medium=medium)])
+                await idx.apply(M, f"node-{i % 29}", i % 3, ops_of([stored(*hs, medium=medium)]))
     for q in (chain, chain[:10], chain[5:], [chain[0], 12345]):
         assert await cindex.match(M, H(*q)) == await mem.match(M, H(*q))
         cands = [(f"node-{i}", r) for i in range(0, 29, 3) for r in range(3)]
@@ -270,7 +271,7 @@ async def test_fast_path_walk_matches_the_memory_backend(redis_server: RedisServ
             tiers = {"GPU": held[: depth // 2], "CPU": held[depth // 3 :], None: held[::5]}
             for medium, hs in tiers.items():
                 for index in (idx, mem):
-                    await index.apply(M, f"node-{i % 23}", i % 2, [stored(*hs, medium=medium)])
+                    await index.apply(M, f"node-{i % 23}", i % 2, ops_of([stored(*hs, medium=medium)]))
         for index in (idx, mem):
             await index.remove_node("node-4")
             await index.clear(M, "node-5", 0)
@@ -291,12 +292,12 @@ async def test_cached_location_names_follow_other_replicas_and_restarts(own_serv
     a = RedisIndex.from_uri(own_server.url, key_prefix="kvt")
     b = RedisIndex.from_uri(own_server.url, key_prefix="kvt")
     try:
-        await a.apply(M, "n1", 0, [stored(1, 2, 3)])
-        await a.apply(M, "n2", 0, [stored(1, 2)])
+        await a.apply(M, "n1", 0, ops_of([stored(1, 2, 3)]))
+        await a.apply(M, "n2", 0, ops_of([stored(1, 2)]))
         assert [m.node_id for m in await a.match(M, H(1, 2, 3))] == ["n1", "n2"]
         await b.remove_node("n1")
         assert [m.node_id for m in await a.match(M, H(1, 2, 3))] == ["n2"]
-        await b.apply(M, "n1", 0, [stored(1)])
+        await b.apply(M, "n1", 0, ops_of([stored(1)]))
         await b.clear(M, "n2", 0)
         assert [(m.node_id, m.matched_blocks) for m in await a.match(M, H(1, 2, 3))] == [("n1", 1)]
         own_server.restart()
@@ -310,7 +311,7 @@ async def test_cached_location_names_follow_other_replicas_and_restarts(own_serv
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.05)
 
-        await retrying(lambda: b.apply(M, "fresh", 0, [stored(7, 8)]))  # location id 1 again, empty Redis
+        await retrying(lambda: b.apply(M, "fresh", 0, ops_of([stored(7, 8)])))  # location id 1 again, empty
         got = await retrying(lambda: a.match(M, H(7, 8)))
         assert [(m.node_id, m.matched_blocks) for m in got] == [("fresh", 2)]
         assert await a.match(M, H(1, 2, 3)) == []
@@ -324,10 +325,10 @@ async def test_two_replicas_on_one_redis_answer_alike(redis_server: RedisServer)
     a = RedisIndex.from_uri(redis_server.url, key_prefix="kvt")
     b = RedisIndex.from_uri(redis_server.url, key_prefix="kvt")
     try:
-        await a.apply(M, "n1", 0, [stored(1, 2, 3)])
-        await b.apply(M, "n2", 0, [stored(1, 2)])
+        await a.apply(M, "n1", 0, ops_of([stored(1, 2, 3)]))
+        await b.apply(M, "n2", 0, ops_of([stored(1, 2)]))
         await a.remove_node("n2")
-        await b.apply(M, "n2", 0, [stored(1)])
+        await b.apply(M, "n2", 0, ops_of([stored(1)]))
         for q in (H(1, 2, 3), H(1)):
             assert await a.match(M, q) == await b.match(M, q)
         assert [(m.node_id, m.matched_blocks) for m in await b.match(M, H(1, 2, 3))] == [("n1", 3), ("n2", 1)]
@@ -338,7 +339,7 @@ async def test_two_replicas_on_one_redis_answer_alike(redis_server: RedisServer)
 
 async def test_concurrent_batches_coalesce_and_apply_like_the_memory_backend(rindex: RedisIndex) -> None:
     """Batches of many nodes in flight at once share script calls; each node's order is kept, and a bad
-    batch among them fails alone (it was refused before queueing) without touching the others."""
+    target among them fails alone (refused before queueing) without touching the others."""
     mem = MemoryIndex()
     rng = random.Random(5)
     chain = [rng.getrandbits(64) for _ in range(64)]
@@ -351,19 +352,18 @@ async def test_concurrent_batches_coalesce_and_apply_like_the_memory_backend(rin
         if i % 17 == 0:
             evs.append(AllBlocksCleared())
         calls.append((node, evs))
-    bad: list[KVEvent] = [stored(1, 2), stored(-5)]
     trips = rindex.metrics.round_trips
     results = await asyncio.gather(
-        *(rindex.apply(M, n, 0, evs) for n, evs in calls[:30]),
-        rindex.apply(M, "node-bad", 0, bad),
-        *(rindex.apply(M, n, 0, evs) for n, evs in calls[30:]),
+        *(rindex.apply(M, n, 0, ops_of(evs)) for n, evs in calls[:30]),
+        rindex.apply(M, "node-bad", -1, ops_of([stored(1, 2)])),
+        *(rindex.apply(M, n, 0, ops_of(evs)) for n, evs in calls[30:]),
         return_exceptions=True,
     )
     assert isinstance(results[30], InvalidEvent)
     assert not any(isinstance(r, BaseException) for i, r in enumerate(results) if i != 30)
     assert rindex.metrics.round_trips - trips < len(calls) // 2  # coalesced
     for n, evs in calls:
-        await mem.apply(M, n, 0, evs)
+        await mem.apply(M, n, 0, ops_of(evs))
     for q in (chain, chain[:5], chain[10:]):
         assert await rindex.match(M, H(*q)) == await mem.match(M, H(*q))
     st_r, st_m = await rindex.stats(), await mem.stats()
@@ -378,7 +378,7 @@ async def test_concurrent_batches_coalesce_and_apply_like_the_memory_backend(rin
 async def test_ping_apply_and_reconnect_across_a_redis_restart(own_server: RedisServer) -> None:
     idx = RedisIndex.from_uri(own_server.url + "?timeout=1")
     try:
-        await idx.apply(M, "n1", 0, [stored(1, 2)])
+        await idx.apply(M, "n1", 0, ops_of([stored(1, 2)]))
         epoch = await idx.data_epoch()
         assert await idx.data_epoch() == epoch
         own_server.kill()
@@ -386,7 +386,7 @@ async def test_ping_apply_and_reconnect_across_a_redis_restart(own_server: Redis
         assert not idx.metrics.up
         errors = idx.metrics.errors
         with pytest.raises(IndexUnavailable):
-            await idx.apply(M, "n1", 0, [stored(3)])
+            await idx.apply(M, "n1", 0, ops_of([stored(3)]))
         with pytest.raises(IndexUnavailable):
             await idx.match(M, H(1, 2))
         assert idx.metrics.errors > errors and idx.metrics.connection_errors >= 2
@@ -397,7 +397,7 @@ async def test_ping_apply_and_reconnect_across_a_redis_restart(own_server: Redis
         assert idx.metrics.up and idx.metrics.reconnects >= 1
         assert await idx.data_epoch() != epoch  # the coordinator's cue to ask agents for snapshots
         assert await idx.match(M, H(1, 2)) == []
-        await idx.apply(M, "n1", 0, [stored(1, 2)])
+        await idx.apply(M, "n1", 0, ops_of([stored(1, 2)]))
         assert [m.matched_blocks for m in await idx.match(M, H(1, 2))] == [2]
         assert idx.metrics.round_trips > 0 and sum(idx.metrics.latency_counts) == idx.metrics.round_trips
     finally:

@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.index.base import NodeMatch
 from kvcoord.index.redis import IndexUnavailable, RedisIndex
+from kvcoord.native import native
+from kvcoord.validate import ops_of, snapshot_columns
 from tests.redis_servers import RedisCluster, RedisServer
 
 PREFIX = "kvmirror"
@@ -112,19 +114,19 @@ async def test_copy_answers_what_redis_answers_after_another_clients_writes(
         events: list[KVEvent]
         if roll < 0.55:
             events = [_stored(chain[a:b], rng.choice(MEDIA)), _stored(chain[:a], None)]
-            await writer.apply(model, node, rank, events)
+            await writer.apply(model, node, rank, ops_of(events))
         elif roll < 0.8:
-            await writer.apply(model, node, rank, [BlockRemoved(block_hashes=tuple(chain[a:b]),
-                                                                medium=rng.choice(MEDIA))])
+            await writer.apply(model, node, rank, ops_of([BlockRemoved(block_hashes=tuple(chain[a:b]),
+                                                                medium=rng.choice(MEDIA))]))
         elif roll < 0.86:
-            await writer.apply(model, node, rank, [AllBlocksCleared(), _stored(chain[:a], None)])
+            await writer.apply(model, node, rank, ops_of([AllBlocksCleared(), _stored(chain[:a], None)]))
         elif roll < 0.9:
             await writer.clear(model, node, rank)
         elif roll < 0.94:
             await writer.remove_node(node)
         elif roll < 0.97:
             await writer.replace_node(model, node, rank,
-                                      [(h, Tier.CPU) for h in chain[a:b]])
+                                      *snapshot_columns([(h, Tier.CPU) for h in chain[a:b]]))
         else:
             await writer.reclaim()
         if step % 10 == 9:
@@ -142,7 +144,7 @@ async def test_own_writes_are_visible_to_the_next_lookup(pair: Pair) -> None:
     assert mirror is not None
     chain = list(range(1, 33))
     for i in range(1, 33):
-        await reader.apply("m1", "n1", 0, [_stored(chain[i - 1 : i], None)])
+        await reader.apply("m1", "n1", 0, ops_of([_stored(chain[i - 1 : i], None)]))
         got = await reader.match("m1", chain)
         assert [(m.node_id, m.matched_blocks) for m in got] == [("n1", i)]
     await reader.remove_node("n1")
@@ -156,12 +158,12 @@ async def test_a_missed_entry_or_a_flush_reloads_the_copy(pair: Pair) -> None:
     assert mirror is not None
     tag = reader.tag_of("n2")  # the bucket of the write below
     chain = [random.getrandbits(64) for _ in range(8)]
-    await writer.apply("m1", "n1", 0, [_stored(chain, None)])
+    await writer.apply("m1", "n1", 0, ops_of([_stored(chain, None)]))
     await _settled(reader, raw)
     loads = mirror.loads
     # An entry the mirror never sees (as when the feed was trimmed past it): the next one jumps.
     await raw.incr(f"{tag}:feedseq")
-    await writer.apply("m1", "n2", 0, [_stored(chain[:4], None)])
+    await writer.apply("m1", "n2", 0, ops_of([_stored(chain[:4], None)]))
     await _settled(reader, raw)
     assert mirror.loads == loads + 1
     assert _key(await reader.match("m1", chain)) == _key(await writer.match("m1", chain))
@@ -175,7 +177,7 @@ async def test_a_missed_entry_or_a_flush_reloads_the_copy(pair: Pair) -> None:
     while not (mirror.loads >= loads + 2 and mirror.ready):
         assert time.monotonic() < deadline, "the mirror did not reload after the flush"
         await asyncio.sleep(0.02)
-    await writer.apply("m1", "n3", 1, [_stored(chain[:2], None)])
+    await writer.apply("m1", "n3", 1, ops_of([_stored(chain[:2], None)]))
     await _settled(reader, raw)
     assert _key(await reader.match("m1", chain)) == [("n3", 1, 2, (2, 0, 0))]
 
@@ -185,7 +187,7 @@ async def test_down_redis_is_reported_not_answered_from_the_copy(own_server: Red
     try:
         assert await reader.mirror_ready()
         chain = [random.getrandbits(64) for _ in range(6)]
-        await reader.apply("m1", "n1", 0, [_stored(chain, None)])
+        await reader.apply("m1", "n1", 0, ops_of([_stored(chain, None)]))
         assert len(await reader.match("m1", chain)) == 1
         own_server.kill()
         deadline = time.monotonic() + 5
@@ -199,7 +201,7 @@ async def test_down_redis_is_reported_not_answered_from_the_copy(own_server: Red
         own_server.start()  # empty
         assert await reader.mirror_ready()
         assert await reader.match("m1", chain) == []
-        await reader.apply("m1", "n1", 0, [_stored(chain[:3], None)])
+        await reader.apply("m1", "n1", 0, ops_of([_stored(chain[:3], None)]))
         assert [m.matched_blocks for m in await reader.match("m1", chain)] == [3]
     finally:
         await reader.close()
@@ -211,10 +213,6 @@ def test_mirror_option_is_checked() -> None:
 
 
 # --- the C walk is the Python walk ------------------------------------------------------------------
-try:
-    from kvcoord import _wirescan
-except ImportError:  # CI (KVCOORD_REQUIRE_SPEEDUPS=1) fails in test_wirescan instead
-    _wirescan = None  # type: ignore[assignment]
 Case = tuple[dict[int, bytes], list[object], dict[int, tuple[str, str, int]], set[int] | None]
 
 
@@ -241,17 +239,16 @@ def walk_case(draw: st.DrawFn) -> Case:
     return copy, query, live, allowed
 
 
-@pytest.mark.skipif(_wirescan is None, reason="C extension kvcoord._wirescan not built")
+@pytest.mark.skipif(native is None, reason="native code not built or KVCOORD_NATIVE=0")
 @settings(max_examples=400, deadline=None)
 @given(walk_case())
 def test_c_mirror_walk_is_the_python_walk(case: Case) -> None:
     from kvcoord.index.redis.walk import _Names, _runs_of, _walk_runs
 
-    assert _wirescan is not None
-    ws = _wirescan
+    assert native is not None
     copy, query, live, allowed = case
     valid = all(type(h) is int and 0 <= h < 2**64 for h in query)
-    got = ws.mirror_walk(copy, query, live, allowed, NodeMatch)
+    got = native.mirror_walk(copy, query, live, allowed, NodeMatch)
     if not valid:
         assert got is None  # the caller's Python path words the error
         return

@@ -22,7 +22,7 @@ from kvcoord.agent.zmq_wire import (
     ZmqEventPublisher,
     offset_endpoint_port,
 )
-from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier
+from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier, to_model
 from tests.procs import free_port
 
 DEADLINE = 10.0
@@ -34,8 +34,9 @@ class RecordingSink:
     def __init__(self) -> None:
         self.batches: list[tuple[int, tuple[KVEvent, ...], float]] = []
 
-    def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float) -> None:
-        self.batches.append((dp_rank, tuple(events), ts))
+    def submit(self, dp_rank: int, events: Sequence[Any], ts: float | None = None,
+               ops: Sequence[Any] | None = None) -> None:
+        self.batches.append((dp_rank, tuple(to_model(ev) for ev in events), ts or 0.0))
 
 
 class DroppingPublisher(ZmqEventPublisher):

@@ -22,9 +22,10 @@ from kvcoord.agent.reporter import (
     snapshot_from_mapping,
 )
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import batch_from_proto
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity
+from kvcoord.validate import ops_of, unpack_u64
+from kvcoord.wire import ops_from_proto
 from tests.procs import free_port
 
 SLOW = 5.0
@@ -60,9 +61,10 @@ class Scripted:
                 await context.write(pb.CoordinatorMessage(welcome=pb.Welcome(
                     epoch=msg.hello.epoch, acked_seq=s.acked_seq, lease_seconds=s.lease_seconds,
                     snapshot_required=s.snapshot_required)))
-            elif kind == "batch" and s.ack:
-                s.acked_seq = max(s.acked_seq, msg.batch.seq)
-                await context.write(pb.CoordinatorMessage(ack=pb.Ack(seq=msg.batch.seq)))
+            elif kind in ("batch", "batches") and s.ack:
+                last = msg.batch.seq if kind == "batch" else msg.batches.batches[-1].seq
+                s.acked_seq = max(s.acked_seq, last)
+                await context.write(pb.CoordinatorMessage(ack=pb.Ack(seq=last)))
             elif kind == "snapshot" and msg.snapshot.final:
                 s.acked_seq = msg.snapshot.seq
                 s.snapshot_required = False
@@ -75,7 +77,7 @@ async def scripted_server(script: Script, port: int) -> AsyncIterator[grpc.aio.S
     handler = grpc.stream_stream_rpc_method_handler(
         Scripted(script).ingest, request_deserializer=pb.AgentMessage.FromString,
         response_serializer=pb.CoordinatorMessage.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvcoord.v1.Coordinator",
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvcoord.v2.Coordinator",
                                                                           {"Ingest": handler}),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -94,7 +96,27 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "con
 
 
 def batches(s: Script) -> list[pb.EventBatch]:
-    return [m.batch for m in s.received if m.WhichOneof("msg") == "batch"]
+    out: list[pb.EventBatch] = []
+    for m in s.received:
+        if m.WhichOneof("msg") == "batch":
+            out.append(m.batch)
+        elif m.WhichOneof("msg") == "batches":
+            out.extend(m.batches.batches)
+    return out
+
+
+def ops(events: Any) -> list[tuple[Any, ...]]:
+    """A batch's ops (from the wire or from events), comparable."""
+    got = ops_from_proto(events) if events and isinstance(events[0], pb.KVEvent) else ops_of(events)
+    return [(o.kind, o.tier, list(o.hashes), o.group, o.indexable) for o in got]
+
+
+def chunk_hashes(c: pb.Snapshot) -> list[int]:
+    return list(unpack_u64(c.block_hashes, "snapshot"))
+
+
+def chunk_tiers(c: pb.Snapshot) -> list[int]:
+    return list(c.tiers) or [0] * len(chunk_hashes(c))
 
 
 def snapshots(s: Script) -> list[pb.Snapshot]:
@@ -137,9 +159,9 @@ async def test_batches_are_numbered_acked_and_lossless() -> None:
                 "n1", "m", [0, 1], 7, 1)
             got = batches(s)
             assert [b.seq for b in got] == [1, 2]
-            assert batch_from_proto(got[0]).events == tuple(evs[:2])
+            assert ops(got[0].events) == ops(evs[:2])
             assert got[0].ts == 123.5 and got[0].dp_rank == 0
-            assert got[1].dp_rank == 1 and batch_from_proto(got[1]).events == (AllBlocksCleared(),)
+            assert got[1].dp_rank == 1 and ops(got[1].events) == ops([AllBlocksCleared()])
             st = r.stats()
             totals = (st.total("batches_sent"), st.total("batches_acked"), st.total("unacked"))
             assert st.last_seq == 2 and totals == (2, 2, 0)
@@ -182,7 +204,7 @@ async def test_resend_after_coordinator_restart_on_same_port() -> None:
             await r.wait_acked(5)
             assert s2.received[0].hello.next_seq == 1
             assert [b.seq for b in batches(s2)] == [2, 3]
-            assert [b.events[0].stored.block_hashes[0] for b in batches(s2)] == [101, 102]
+            assert [unpack_u64(b.events[0].stored.block_hashes, "e")[0] for b in batches(s2)] == [101, 102]
             st = r.stats().links[0]
             assert st.batches_resent == 2 and st.reconnects >= 1 and st.batches_acked == 3
     finally:
@@ -207,7 +229,7 @@ async def test_restarted_empty_coordinator_gets_a_snapshot_then_new_batches() ->
             await until(lambda: bool(snapshots(s2)), what="snapshot")
             snap = snapshots(s2)
             assert len(snap) == 1 and snap[0].final and snap[0].seq == r.last_seq and snap[0].epoch == 7
-            assert list(snap[0].block_hashes) == [1, 2, 3] and list(snap[0].tiers) == [0, 0, 0]
+            assert chunk_hashes(snap[0]) == [1, 2, 3] and chunk_tiers(snap[0]) == [0, 0, 0]
             r.submit(0, [stored(4)])
             await r.wait_acked(5)
             kinds = [m.WhichOneof("msg") for m in s2.received]
@@ -235,10 +257,10 @@ async def test_snapshot_request_flushes_pending_and_chunks() -> None:
             await until(lambda: any(c.final for c in snapshots(s)), what="final chunk")
             chunks = snapshots(s)
             assert r.last_seq == 1  # the pending batch was sealed first, and the snapshot is as of it
-            assert [(c.dp_rank, len(c.block_hashes), c.final) for c in chunks] == [
+            assert [(c.dp_rank, len(chunk_hashes(c)), c.final) for c in chunks] == [
                 (0, 3, False), (0, 3, False), (0, 1, False), (1, 1, True)]
             assert {c.seq for c in chunks} == {1}
-            assert list(chunks[3].tiers) == [pb.TIER_CPU]
+            assert chunk_tiers(chunks[3]) == [pb.TIER_CPU]
             assert batches(s) == [] or batches(s)[0].seq == 1  # it may have gone out before the request
             await r.wait_acked(5)
             assert r.stats().links[0].snapshot_requests == 1
@@ -267,7 +289,7 @@ async def test_overflow_drops_queue_and_resyncs_with_snapshot_without_blocking()
             await r.wait_acked(5)
             kinds = [m.WhichOneof("msg") for m in s.received]
             assert kinds == ["hello", "snapshot"]
-            assert list(snapshots(s)[0].block_hashes) == [0, 1, 2, 3, 4] and snapshots(s)[0].seq == 5
+            assert chunk_hashes(snapshots(s)[0]) == [0, 1, 2, 3, 4] and snapshots(s)[0].seq == 5
     finally:
         await r.close()
 
@@ -325,28 +347,6 @@ async def test_close_is_prompt(listening: bool) -> None:
         assert all(t.done() for t in asyncio.all_tasks() if t.get_name().startswith("kvcoord-reporter"))
 
 
-@pytest.mark.parametrize(
-    ("seq", "ts", "rank"), [(1, 0.0, 0), (300, 1.7e9 + 0.25, 5), (2**64 - 1, -1.0, 2**32 - 1)]
-)
-def test_hand_encoded_batch_is_the_generated_message(seq: int, ts: float, rank: int) -> None:
-    from kvcoord.agent.reporter import _batch_message, _batches_message, _encode_batch
-    from kvcoord.events_proto import events_to_proto
-
-    evs = events_to_proto([
-        BlockStored(block_hashes=tuple(range(1, 200)), parent_block_hash=7, token_ids=tuple(range(199 * 4)),
-                    block_size=4, medium="CPU"),
-        BlockRemoved(block_hashes=(3,)),
-        AllBlocksCleared(),
-    ])
-    want = pb.AgentMessage(batch=pb.EventBatch(seq=seq, ts=ts, dp_rank=rank, events=evs))
-    body = _encode_batch(seq, ts, rank, [e.SerializeToString() for e in evs])
-    got = _batch_message(body)
-    assert got == want.SerializeToString()
-    assert pb.AgentMessage.FromString(got) == want
-    group = pb.AgentMessage(batches=pb.EventBatches(batches=[want.batch, want.batch]))
-    assert _batches_message([body, body]) == group.SerializeToString()
-
-
 async def test_snapshot_from_a_relay_mirror_takes_its_columns_whole() -> None:
     """A real relay BlockMirror as the snapshot provider: its RankSnapshot's columns go into the chunks
     as they are (uint64 hashes, tier numbers), per rank and chunked, equal to the per-entry path's."""
@@ -369,14 +369,15 @@ async def test_snapshot_from_a_relay_mirror_takes_its_columns_whole() -> None:
         try:
             await r.wait_connected(SLOW)
             chunks = snapshots(s)
-            got = {(c.dp_rank, h, t) for c in chunks for h, t in zip(c.block_hashes, c.tiers, strict=True)}
+            got = {(c.dp_rank, h, t) for c in chunks
+                   for h, t in zip(chunk_hashes(c), chunk_tiers(c), strict=True)}
             want = {(rank, int(h), int(t)) for rank in (0, 1) for h, t in mirror.rank_entries(rank)}
             assert got == want and len(want) == 5
-            assert [(c.dp_rank, len(c.block_hashes), c.final) for c in chunks] == [
+            assert [(c.dp_rank, len(chunk_hashes(c)), c.final) for c in chunks] == [
                 (0, 2, False), (0, 2, False), (1, 1, True)]
             # the mirror's columns were read, not copied into or changed
             hashes, tiers = mirror.rank_entries(0).columns()
-            assert sorted(hashes) == sorted(h for c in chunks[:2] for h in c.block_hashes)
+            assert sorted(hashes) == sorted(h for c in chunks[:2] for h in chunk_hashes(c))
             assert all(isinstance(t, Tier) for t in tiers)
         finally:
             await r.close()

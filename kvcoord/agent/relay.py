@@ -1,7 +1,8 @@
 """The relay: one real engine's ZMQ KV-event stream -> a mirror of its blocks -> the reporter.
 
 It subscribes to the engine's PUB socket, decodes every batch with
-:func:`kvcoord.events.decode_vllm_batch`, and keeps the stream whole:
+:func:`kvcoord.events.decode_vllm_views` (token ids stay undecoded: they travel only on the few events
+sampled for verification), and keeps the stream whole:
 
 - a sequence gap (HWM drop, slow joiner, a paused agent) is filled from the engine's replay
   ROUTER socket (:class:`kvcoord.agent.zmq_wire.ReplayClient`); the first message also counts,
@@ -29,11 +30,12 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 
+from kvcoord import validate
 from kvcoord.agent.zmq_wire import (
     FrameError,
     ReplayClient,
@@ -45,12 +47,10 @@ from kvcoord.events import (
     AllBlocksCleared,
     EventDecodeError,
     KVEvent,
-    KVEventBatch,
     Tier,
-    decode_vllm_batch,
+    decode_vllm_views,
 )
 from kvcoord.hashing import BlockHash64
-from kvcoord.index import validate
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,9 @@ Snapshot = dict[int, list[tuple[BlockHash64, Tier]]]
 class EventSink(Protocol):
     """Where the relay forwards batches (the reporter). ``submit`` must not block."""
 
-    def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float) -> None: ...
+    def submit(self, dp_rank: int, events: Sequence[Any], ts: float | None = None,
+               ops: Sequence[validate.Op] | None = None) -> None:
+        """Forward one batch: ``events`` (model events or views) and their validated ``ops``."""
 
 
 _Op = validate.Op
@@ -306,12 +308,13 @@ class Relay:
                 return
         self.handle_payload(seq, payload)
 
-    def handle_payload(self, seq: int, payload: bytes) -> KVEventBatch | None:
-        """Decode, validate, apply to the mirror and forward one batch; None if it was malformed."""
+    def handle_payload(self, seq: int, payload: bytes) -> Any:
+        """Decode, validate, apply to the mirror and forward one batch (returned, as views); None if it
+        was malformed."""
         self._expected = seq + 1
         self._last_payload = payload
         try:
-            batch = decode_vllm_batch(payload, signed_hashes=self._signed)
+            batch = decode_vllm_views(payload, signed_hashes=self._signed)
             ops = self.mirror.prepare(batch.events)
         except EventDecodeError as exc:
             self._bad_batch(seq, exc.kind, str(exc))
@@ -326,7 +329,7 @@ class Relay:
         self._ranks_seen.add(dp)
         self._started = True
         self.mirror.commit(dp, ops)
-        self.sink.submit(dp, batch.events, batch.ts)
+        self.sink.submit(dp, batch.events, batch.ts, ops)
         st = self.stats
         st.batches += 1
         st.events += len(batch.events)

@@ -9,8 +9,8 @@ Stream semantics (the coordinator implements the same):
   ``Snapshot`` taken at the last seq it assigned, chunked, ``final`` on the very last chunk; batches up to
   that seq are superseded. Otherwise it resends its unacked batches after ``acked_seq``.
 - Batch seqs start at 1 per epoch and grow by one per batch, across dp ranks. ``Ack{seq}`` is cumulative.
-  When the Welcome sets ``batch_groups`` and batches queue up (the stream is behind), they go out several
-  per ``EventBatches`` message; the coordinator handles each exactly as if sent alone.
+  When batches queue up (the stream is behind), they go out several per ``EventBatches`` message; the
+  coordinator handles each exactly as if sent alone.
   ``SnapshotRequest`` is answered like a required snapshot. ``AgentHeartbeat`` goes out every lease/3.
 
 The engine never waits for the network: :meth:`Reporter.submit` only converts and queues. Each
@@ -25,23 +25,22 @@ import contextlib
 import dataclasses
 import logging
 import random
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Any, Protocol
 
 import grpc
 import grpc.aio
 
-from kvcoord.events import BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import events_to_wire, tier_to_proto
-from kvcoord.events_proto import varint as _varint
+from kvcoord.events import STORE, Tier
 from kvcoord.hashing import to_block_hash64
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity, open_aio_channel
+from kvcoord.validate import Op, ops_of
+from kvcoord.wire import TokenSampler, fill_event, snapshot_to_proto
 
 __all__ = [
     "AGENT_VERSION",
@@ -59,7 +58,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 AGENT_VERSION = "kvcoord-reporter/1"
-INGEST_METHOD = "/kvcoord.v1.Coordinator/Ingest"
+INGEST_METHOD = "/kvcoord.v2.Coordinator/Ingest"
 
 
 # --- public value types ----------------------------------------------------------------------
@@ -186,12 +185,12 @@ class _Sealed:
 
 
 class _Pending:
-    __slots__ = ("blocks", "events", "timer", "ts")
+    """A batch being filled: the events go straight into its message (no copy at sealing)."""
 
-    def __init__(self, ts: float) -> None:
-        self.ts = ts
-        self.events: list[bytes] = []
-        """Serialized ``KVEvent`` messages: a batch is their concatenation (see ``_encode_batch``)."""
+    __slots__ = ("blocks", "msg", "timer")
+
+    def __init__(self, ts: float, rank: int) -> None:
+        self.msg = pb.EventBatch(ts=ts, dp_rank=rank)
         self.blocks = 0
         self.timer: asyncio.TimerHandle | None = None
 
@@ -199,7 +198,7 @@ class _Pending:
 class _Link:
     """One coordinator: its stream task, unacked queue (contiguous seqs) and counters."""
 
-    __slots__ = ("batch_groups", "endpoint", "force_snapshot", "high_sent", "security", "snap_wait",
+    __slots__ = ("endpoint", "force_snapshot", "high_sent", "security", "snap_wait",
                  "snapshot_requested", "stats", "task", "unacked", "wakeup")
 
     def __init__(self, endpoint: CoordinatorEndpoint, security: ChannelSecurity) -> None:
@@ -211,8 +210,6 @@ class _Link:
         self.snapshot_requested = False
         self.force_snapshot = False
         self.high_sent = 0
-        self.batch_groups = False
-        """The coordinator's Welcome said it accepts ``EventBatches`` (several batches per message)."""
         self.snap_wait = -1
         """Seq of a snapshot sent but not yet acked (-1: none)."""
         self.task: asyncio.Task[None] | None = None
@@ -259,33 +256,20 @@ class _Link:
         return q[pos] if pos < len(q) else None
 
 
-_DOUBLE = struct.Struct("<d")
-
-
-def _encode_batch(seq: int, ts: float, rank: int, events: list[bytes]) -> bytes:
-    """``EventBatch{seq, ts, dp_rank, events}`` bytes from serialized ``KVEvent``s.
-
-    Protobuf's wire format makes a message the concatenation of its fields, so batches are built from
-    bytes instead of copying every event message into a new one (the copy cost more than the events'
-    conversion). Field numbers are those of kvcoord.proto; tests compare against the generated code.
-    """
-    head = b"\x08" + _varint(seq)  # EventBatch.seq = 1 (varint)
-    if ts:
-        head += b"\x11" + _DOUBLE.pack(ts)  # EventBatch.ts = 2 (64-bit)
-    if rank:
-        head += b"\x18" + _varint(rank)  # EventBatch.dp_rank = 3 (varint)
-    return head + b"".join([b"\x22" + _varint(len(e)) + e for e in events])  # EventBatch.events = 4
-
-
 def _batch_message(body: bytes) -> bytes:
-    """``AgentMessage{batch}`` around one ``EventBatch``'s bytes (AgentMessage.batch = 2)."""
-    return b"\x12" + _varint(len(body)) + body
+    """``AgentMessage{batch}`` around one sealed ``EventBatch``."""
+    msg = pb.AgentMessage()
+    msg.batch.MergeFromString(body)
+    return msg.SerializeToString()
 
 
 def _batches_message(bodies: Sequence[bytes]) -> bytes:
-    """``AgentMessage{batches: EventBatches{batches...}}`` (AgentMessage.batches = 5, its batches = 1)."""
-    group = b"".join([b"\x0a" + _varint(len(b)) + b for b in bodies])
-    return b"\x2a" + _varint(len(group)) + group
+    """``AgentMessage{batches}`` around several sealed ``EventBatch``es (consecutive seqs)."""
+    msg = pb.AgentMessage()
+    group = msg.batches.batches
+    for body in bodies:
+        group.add().MergeFromString(body)
+    return msg.SerializeToString()
 
 
 MAX_GROUP_BATCHES = 64
@@ -294,11 +278,6 @@ MAX_GROUP_BATCHES = 64
 
 def _raw(data: bytes) -> bytes:
     return data
-
-
-def _blocks_of(ev: KVEvent) -> int:
-    """Size of an event for batching: its block count (a clear counts as one)."""
-    return max(1, len(ev.block_hashes)) if isinstance(ev, BlockStored | BlockRemoved) else 1
 
 
 class _StreamClosed(Exception):
@@ -336,6 +315,7 @@ class Reporter:
         load: LoadProvider | None = None,
         security: ChannelSecurity | None = None,
         options: ReporterOptions | None = None,
+        serving_url: str = "",
     ) -> None:
         if not coordinators:
             raise ValueError("at least one coordinator address is needed")
@@ -355,6 +335,8 @@ class Reporter:
             self._profile = hash_profile_to_proto(hash_profile)
         self._snapshot = snapshot
         self._load = load
+        self.serving_url = serving_url
+        """The engine's OpenAI-compatible base URL, announced in the Hello for routers."""
         self.options = options or ReporterOptions()
         default_sec = security or ChannelSecurity()
         self._endpoints = [c if isinstance(c, CoordinatorEndpoint) else CoordinatorEndpoint(c)
@@ -372,6 +354,8 @@ class Reporter:
         self._ack_event: asyncio.Event | None = None
         self.refused = asyncio.Event()
         """Set once every coordinator refused this node for good (see ``LinkStats.refused``)."""
+        self.sampler = TokenSampler()
+        """Which stored events carry token ids for hash verification (set by the coordinator's Welcome)."""
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -413,11 +397,14 @@ class Reporter:
             await asyncio.wait(tasks, timeout=max(0.05, timeout - grace))
 
     # -- engine side --
-    def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float | None = None) -> None:
+    def submit(self, dp_rank: int, events: Sequence[Any], ts: float | None = None,
+               ops: Sequence[Op] | None = None) -> None:
         """Queue one dp rank's events (engine timestamp ``ts``, default now). Never blocks on the network.
 
-        Raises ``ValueError`` (queueing nothing) for an unknown rank or an event the wire cannot carry.
-        Thread-safe: from another thread the events are handed to the reporter's loop.
+        ``events`` are model events or the relay's views; ``ops`` their validated form when the caller
+        has it already (``kvcoord.validate.ops_of(events)``). Raises ``ValueError`` (queueing nothing) for
+        an unknown rank or an invalid event. Thread-safe: from another thread the events are handed to
+        the reporter's loop.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("reporter is not running")
@@ -425,13 +412,13 @@ class Reporter:
             raise ValueError(f"dp_rank {dp_rank} is not one of this node's ranks {list(self.dp_ranks)}")
         if not events:
             return
-        converted = events_to_wire(events)
-        blocks = [_blocks_of(ev) for ev in events]
+        if ops is None:
+            ops = ops_of(events)
         stamp = time.time() if ts is None else float(ts)
         if threading.get_ident() == self._loop_thread:
-            self._add(dp_rank, converted, blocks, stamp)
+            self._add(dp_rank, events, ops, stamp)
         else:
-            self._loop.call_soon_threadsafe(self._add, dp_rank, converted, blocks, stamp)
+            self._loop.call_soon_threadsafe(self._add, dp_rank, events, ops, stamp)
 
     async def flush(self) -> None:
         """Seal every partial batch now (their seqs are assigned; sending follows)."""
@@ -476,18 +463,22 @@ class Reporter:
         return self._last_seq
 
     # -- batching (event loop only) --
-    def _add(self, rank: int, events: list[bytes], blocks: list[int], ts: float) -> None:
+    def _add(self, rank: int, events: Sequence[Any], ops: Sequence[Op], ts: float) -> None:
         if self._closing:
             return
         opts = self.options
+        sampler = self.sampler
         self._events_submitted += len(events)
-        for ev, n in zip(events, blocks, strict=True):
+        for ev, op in zip(events, ops, strict=True):
             p = self._pending.get(rank)
             if p is None:
-                p = self._pending[rank] = _Pending(ts)
-            p.events.append(ev)
-            p.blocks += n
-            if len(p.events) >= opts.max_batch_events or p.blocks >= opts.max_batch_blocks:
+                p = self._pending[rank] = _Pending(ts, rank)
+            sample = sampler.pick(ev) if op.kind == STORE else None
+            fill_event(p.msg.events.add(), op, ev, sample)
+            if sample is not None:
+                p.msg.sampled = True
+            p.blocks += max(1, len(op.hashes))
+            if len(p.msg.events) >= opts.max_batch_events or p.blocks >= opts.max_batch_blocks:
                 self._seal(rank)
             elif p.timer is None:
                 assert self._loop is not None
@@ -499,12 +490,13 @@ class Reporter:
             return
         if p.timer is not None:
             p.timer.cancel()
-        if not p.events:
+        if not p.msg.events:
             return
         self._last_seq += 1
         self._batches_sealed += 1
         seq = self._last_seq
-        sealed = _Sealed(seq, _encode_batch(seq, p.ts, rank, p.events), p.blocks)
+        p.msg.seq = seq
+        sealed = _Sealed(seq, p.msg.SerializeToString(), p.blocks)
         limit = self.options.max_unacked_batches
         for link in self._links:
             if len(link.unacked) >= limit:
@@ -532,22 +524,20 @@ class Reporter:
             entries = self._snapshot(rank)
             columns = getattr(entries, "columns", None)
             hashes: Sequence[int]
-            tiers: Sequence[pb.Tier.ValueType]
+            tiers: Sequence[int]
             if columns is not None:
-                # The relay's RankSnapshot: already validated uint64 ints and Tier members (whose values
-                # are the proto enum's), handed over whole; read-only, only sliced here.
-                hashes, member_tiers = columns()
-                tiers = cast("Sequence[pb.Tier.ValueType]", member_tiers)
+                # The relay's RankSnapshot: already validated uint64 ints and Tier members, handed over
+                # whole; read-only, only sliced here.
+                hashes, tiers = columns()
             else:
                 hashes, tiers = [], []
                 for h, tier in entries:
                     hashes.append(to_block_hash64(h))
-                    tiers.append(tier_to_proto(Tier(tier)))
+                    tiers.append(int(Tier(tier)))
             start = 0
             while True:
-                out.append(pb.Snapshot(epoch=self.epoch, seq=seq, dp_rank=rank,
-                                       block_hashes=hashes[start:start + chunk],
-                                       tiers=tiers[start:start + chunk]))
+                out.append(snapshot_to_proto(self.epoch, seq, rank, hashes[start:start + chunk],
+                                             tiers[start:start + chunk], False))
                 start += chunk
                 if start >= len(hashes):
                     break
@@ -572,7 +562,7 @@ class Reporter:
     def _hello(self, link: _Link) -> bytes:
         next_seq = link.unacked[0].seq if link.unacked else self._last_seq + 1
         hello = pb.Hello(node_id=self.node_id, model=self.model, dp_ranks=self.dp_ranks, epoch=self.epoch,
-                         agent_version=AGENT_VERSION, next_seq=next_seq)
+                         agent_version=AGENT_VERSION, next_seq=next_seq, serving_url=self.serving_url)
         if self._profile is not None:
             hello.hash_profile.CopyFrom(self._profile)
         return pb.AgentMessage(hello=hello).SerializeToString()
@@ -675,7 +665,8 @@ class Reporter:
 
     def _on_welcome(self, link: _Link, w: pb.Welcome) -> int:
         """Apply the coordinator's view; returns the cursor (last seq it has) for the writer."""
-        link.batch_groups = w.batch_groups
+        if w.HasField("verify"):
+            self.sampler.configure(w.verify)
         self._mismatch(link, w.hash_mismatch)
         acked = w.acked_seq if w.epoch in (0, self.epoch) else 0
         if w.epoch not in (0, self.epoch):
@@ -717,7 +708,7 @@ class Reporter:
                 continue
             b = link.next_after(cursor)
             if b is not None:
-                group = link.group_after(cursor, max_group_bytes) if link.batch_groups else [b]
+                group = link.group_after(cursor, max_group_bytes)
                 if len(group) == 1:
                     await call.write(_batch_message(b.body))
                 else:

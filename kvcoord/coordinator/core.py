@@ -25,7 +25,7 @@ from kvcoord.coordinator.registry import EXPIRED, Load, NodeRecord, NodeRegistry
 from kvcoord.coordinator.shared import PUBLISH_SECONDS, REFRESH_SECONDS, NodeDirectory, SharedNode
 from kvcoord.coordinator.verify import HashVerifier
 from kvcoord.index.base import Index, IndexStats, InvalidEvent, QuickStats
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -380,7 +380,8 @@ class CoordinatorState:
         # heartbeat republishes only once the true deadline moved by half the slack.
         return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
                           heard + lease + self._slack(), self.replica_id, heard,
-                          Load(rec.load.running_requests, rec.load.waiting_requests, rec.load.kv_usage))
+                          Load(rec.load.running_requests, rec.load.waiting_requests, rec.load.kv_usage),
+                          rec.serving_url)
 
     def _slack(self) -> float:
         return min(2.0, self.registry.lease / 2)
@@ -436,18 +437,21 @@ class CoordinatorState:
                 models[n.model] = n.deadline
         self.shared, self._shared_models = view, models
 
-    def lookup_load(self, node_id: str, model: str, now: float, now_wall: float) -> Load | None:
-        """The load of ``node_id`` if lookups of ``model`` may report it now (replica-aware)."""
+    def live_node(self, node_id: str, model: str, now: float, now_wall: float) -> tuple[Load, str] | None:
+        """``(load, serving url)`` of ``node_id`` if lookups of ``model`` may report it now: this replica's
+        record, or (replicas) another replica's that heard from the node later."""
         rec = self.registry.get(node_id)
-        other = self.shared.get(node_id)
+        other = self.shared.get(node_id) if self.directory is not None else None
         if rec is not None and (
             other is None
             or other.owner == self.replica_id
             or other.heard <= now_wall - (now - rec.last_heard)
         ):
-            return rec.load if rec.model == model and rec.live(now, self.registry.lease) else None
+            if rec.model == model and rec.live(now, self.registry.lease):
+                return rec.load, rec.serving_url
+            return None
         if other is not None and other.model == model and other.live(now_wall):
-            return other.load
+            return other.load, other.url
         return None
 
     def remote_nodes(self) -> list[SharedNode]:

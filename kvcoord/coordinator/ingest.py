@@ -4,13 +4,13 @@ Ordering contract (shared with kvcoord.agent.reporter):
 
 1. The agent opens with Hello; the coordinator answers Welcome. ``snapshot_required`` is false only
    when the coordinator still holds this exact (node, epoch) in sync (a reconnect after a blip);
-   then ``acked_seq`` tells the agent what to resend.
+   then ``acked_seq`` tells the agent what to resend. ``verify`` names the verification sample.
 2. Batch seqs count 1, 2, 3, ... per (node, epoch) across dp ranks (an ``EventBatches`` message carries
    several in order, each handled exactly as if sent alone, and the message gets one Ack once all
    of them were handled). ``seq == last+1`` is applied and acked (acks are cumulative, so the
    stream's writer coalesces them: at most one per 5 ms per stream); ``seq <= last`` is a duplicate
-   (dropped, last re-acked); ``seq > last+1`` is a gap: the
-   coordinator sends SnapshotRequest and discards batches until the snapshot arrives.
+   (dropped, last re-acked); ``seq > last+1`` is a gap: the coordinator sends SnapshotRequest and
+   discards batches until the snapshot arrives.
 3. Snapshot chunks accumulate per dp rank until one has ``final``; then every rank of the Hello is
    replaced (ranks absent from the snapshot become empty), ``last = seq`` and Ack(seq).
 4. An invalid batch is not applied: counted, logged once per kind, answered with SnapshotRequest.
@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeAlias, cast
+from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -36,34 +37,15 @@ from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.registry import AnnouncedProfile, Load, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
-from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.events_proto import events_for_index, raw_events_for_index
-from kvcoord.hashing import BlockHash64, HashProfile
-from kvcoord.index.base import ApplyResult, InvalidEvent, SnapshotEntry
-from kvcoord.index.memory import RawEvent
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
-
-try:
-    from kvcoord import _wirescan
-except ImportError:  # pragma: no cover - built whenever a compiler is present (CI requires it)
-    _wirescan = None  # type: ignore[assignment]
-_scan = _wirescan.scan if _wirescan is not None else None
-
-StoredInfo: TypeAlias = tuple[int, int, int, "int | bytes | None", "str | None"]
-"""A scanned BlockStored's ``(n_hashes, n_tokens, block_size, parent, kv_cache_spec_kind)``."""
-ScannedBatch: TypeAlias = tuple[
-    int, float, int, bool, int, int, int, int, list[RawEvent], list[StoredInfo], int, int
-]
-"""One EventBatch as ``kvcoord._wirescan.scan`` returns it: ``(seq, ts, dp_rank, dp_rank_absent,
-n_events, n_stored, n_removed, n_cleared, raw_events, stored_info, start, end)``."""
+from kvcoord.index.base import InvalidEvent
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.validate import Hashes, Op
+from kvcoord.wire import event_counts, ops_from_proto, samples_from_proto, snapshot_from_proto
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
 
-BATCH_TAG = b"\x12"
-"""The first byte of an ``AgentMessage{batch}`` (field 2, length-delimited); ``batches`` starts ``\x2a``."""
 MAX_ID_LEN = 256
 MAX_DP_RANKS = 1024
-_TIERS = tuple(Tier)
 
 
 class IngestAbort(Exception):
@@ -75,21 +57,7 @@ class IngestAbort(Exception):
         self.message = message
 
 
-def event_kind(ev: KVEvent) -> str:
-    if isinstance(ev, BlockStored):
-        return "block_stored"
-    if isinstance(ev, BlockRemoved):
-        return "block_removed"
-    if isinstance(ev, AllBlocksCleared):
-        return "all_blocks_cleared"
-    return "unknown"
-
-
-_PROTO_KINDS = {"stored": "block_stored", "removed": "block_removed", "cleared": "all_blocks_cleared"}
-
-
-def proto_event_kind(ev: pb.KVEvent) -> str:
-    return _PROTO_KINDS.get(ev.WhichOneof("event") or "", "unknown")
+_KINDS = {"stored": "block_stored", "removed": "block_removed", "cleared": "all_blocks_cleared"}
 
 
 def load_from_proto(load: pb.Load) -> Load:
@@ -97,33 +65,12 @@ def load_from_proto(load: pb.Load) -> Load:
     return Load(int(load.running_requests), int(load.waiting_requests), kv if 0.0 <= kv <= 1.0 else 0.0)
 
 
-DirectApply = Callable[[str, str, int, Sequence[RawEvent]], ApplyResult]
-
-
-def _direct_apply(index: object) -> DirectApply | None:
-    """The index's ``apply_raw_sync`` (the memory backend's), unless the class overrides ``apply``
-    below the one defining it (a wrapping or instrumented index keeps its own ``apply`` path)."""
-    fn: DirectApply | None = getattr(index, "apply_raw_sync", None)
-    if fn is None:
-        return None
-    mro = type(index).__mro__
-    owner_raw = next((c for c in mro if "apply_raw_sync" in c.__dict__), None)
-    owner_apply = next((c for c in mro if "apply" in c.__dict__), None)
-    return fn if owner_raw is owner_apply else None
-
-
-def _as_pb(batch: pb.EventBatch | ScannedBatch, data: bytes) -> pb.EventBatch:
-    """The protobuf form of a batch (a scanned one is parsed from its span of ``data``)."""
-    if isinstance(batch, pb.EventBatch):
-        return batch
-    return pb.EventBatch.FromString(data[batch[10] : batch[11]])
-
-
 @dataclass(slots=True)
 class _PendingSnapshot:
     epoch: int
     seq: int
-    entries: dict[int, list[SnapshotEntry]]
+    hashes: dict[int, array[int]] = field(default_factory=dict)
+    tiers: dict[int, bytearray] = field(default_factory=dict)
     count: int = 0
 
 
@@ -151,12 +98,16 @@ class IngestSession:
         self.dp_ranks: tuple[int, ...] = ()
         self.epoch = 0
         self._pending: _PendingSnapshot | None = None
-        self._apply_raw = _direct_apply(state.index)
-        """The in-process index's direct entry point (memory backend): batches skip event objects,
-        the retry wrapper and a coroutine per batch (it cannot fail transiently). None: generic path."""
-        takes_packed = self._apply_raw is not None and bool(getattr(state.index, "takes_packed", False))
-        self._scan = _scan if takes_packed else None
-        """``kvcoord._wirescan.scan`` when the index reads its packed hashes; None: always protobuf."""
+
+    async def handle_bytes(self, data: bytes) -> list[pb.CoordinatorMessage]:
+        """``handle`` for a serialised AgentMessage; one that does not parse is INVALID_ARGUMENT."""
+        try:
+            msg = pb.AgentMessage.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed AgentMessage: {str(exc) or type(exc).__name__}"
+            ) from None
+        return await self.handle(msg)
 
     async def handle(self, msg: pb.AgentMessage) -> list[pb.CoordinatorMessage]:
         which = msg.WhichOneof("msg")
@@ -183,101 +134,6 @@ class IngestSession:
             grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage (no hello/batch/snapshot/heartbeat)"
         )
 
-    async def handle_bytes(self, data: bytes) -> list[pb.CoordinatorMessage]:
-        """``handle`` for a serialised AgentMessage. After Hello, a batch message is read by
-        ``kvcoord._wirescan`` when the index takes its packed hashes (the memory backend): that skips
-        decoding token ids, which the index never reads. Whatever the scanner declines is parsed with
-        protobuf; a message that does not parse raises ``IngestAbort`` (INVALID_ARGUMENT)."""
-        if self._scan is not None and self.rec is not None:
-            scanned = self._scan(data)
-            if scanned is not None:
-                return await self.handle_scanned(scanned, data)
-        try:
-            msg = pb.AgentMessage.FromString(data)
-        except (DecodeError, ValueError, RuntimeError) as exc:
-            raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"malformed AgentMessage: {str(exc) or type(exc).__name__}"
-            ) from None
-        return await self.handle(msg)
-
-    async def handle_scanned(
-        self, batches: Sequence[ScannedBatch], data: bytes
-    ) -> list[pb.CoordinatorMessage]:
-        """``handle`` for a ``batch``/``batches`` message read by ``kvcoord._wirescan`` (after Hello):
-        the same checks, answers and effects, from the scanner's tuples instead of protobuf objects."""
-        if self.rec is None:
-            raise IngestAbort(
-                grpc.StatusCode.FAILED_PRECONDITION, "'batch' before Hello: the first message must be Hello"
-            )
-        rec = self._owned()
-        self.state.registry.heard(rec)
-        if data[:1] == BATCH_TAG:
-            return await self._batch(rec, batches[0], data)
-        done = await self._group(rec, batches, data)
-        if done is not None:
-            return done
-        return await self._batches(rec, batches, data)
-
-    async def _group(
-        self, rec: NodeRecord, batches: Sequence[ScannedBatch], data: bytes
-    ) -> list[pb.CoordinatorMessage] | None:
-        """Several scanned batches in one apply, when that ends exactly as applying them one by one
-        would: consecutive seqs right after the last, one known dp rank, none too large, the node in
-        sync, and every event valid (validation precedes any change). None: nothing was done, take
-        them one by one. Then per-batch costs (lock, checks, index call, metrics) are paid once."""
-        apply_raw = self._apply_raw
-        st = self.state
-        first = batches[0]
-        dp_rank = first[2]
-        if apply_raw is None or dp_rank not in self.dp_ranks:
-            return None
-        limit = st.config.limits.max_events_per_batch
-        seq = first[0]
-        raw: list[RawEvent] = []
-        for b in batches:
-            if b[0] != seq or b[2] != dp_rank or b[4] > limit:
-                return None
-            seq += 1
-            raw += b[8]
-        async with st.registry.lock(rec.node_id):
-            rec = self._owned()
-            if rec.resyncing or first[0] != rec.last_seq + 1:
-                return None
-            profile = st.config.profile(self.model)
-            verify = profile is not None and not rec.hash_mismatch and st.verifier.cfg.enabled
-            try:
-                apply_raw(self.model, rec.node_id, dp_rank, raw)
-            except InvalidEvent:
-                return None  # one batch is bad: the one-by-one path applies those before it
-            last = batches[-1][0]
-            rec.last_seq = last
-            rec.indexed.add((self.model, dp_rank))
-        stored = removed = cleared = 0
-        for b in batches:
-            stored += b[5]
-            removed += b[6]
-            cleared += b[7]
-            if b[1] > 0:
-                st.metrics.ingest_lag.observe(max(0.0, time.time() - b[1]))
-            if verify and profile is not None:
-                verify = not self._verify(rec, profile, b, data)
-        self._account_counts(0.0, stored, removed, cleared, batches=len(batches))
-        return self._acked(last, defer=True)  # a group's one Ack is a reply, as in _batches
-
-    async def _batches(
-        self, rec: NodeRecord, batches: Sequence[pb.EventBatch | ScannedBatch], data: bytes = b""
-    ) -> list[pb.CoordinatorMessage]:
-        """Each batch on its own, in order, as if sent alone. Acks are cumulative: a group gets one
-        Ack, for its last applied batch, after every batch of it was handled (and before any other
-        reply that followed it, such as a SnapshotRequest)."""
-        out: list[pb.CoordinatorMessage] = []
-        for batch in batches:
-            replies = await self._batch(rec, batch, data, defer_ack=True)
-            if replies and out and out[-1].HasField("ack") and replies[0].HasField("ack"):
-                out.pop()
-            out.extend(replies)
-        return out
-
     def close(self) -> None:
         """The stream ended: forget how to reach it."""
         if self.rec is not None:
@@ -299,7 +155,8 @@ class IngestSession:
         return rec
 
     # --- hello ------------------------------------------------------------------------------
-    async def _hello(self, hello: pb.Hello) -> list[pb.CoordinatorMessage]:
+    def _check_hello(self, hello: pb.Hello) -> tuple[int, ...]:
+        """The Hello's dp ranks, after every check that refuses the stream."""
         cfg = self.state.config
         if self.rec is not None:
             raise IngestAbort(grpc.StatusCode.FAILED_PRECONDITION, "second Hello on one stream")
@@ -322,27 +179,28 @@ class IngestSession:
             raise IngestAbort(
                 grpc.StatusCode.PERMISSION_DENIED, f"this token may not publish for node {hello.node_id!r}"
             )
-        profile = cfg.profile(hello.model)
-        if profile is None and cfg.strict_models:
+        if cfg.profile(hello.model) is None and cfg.strict_models:
             raise IngestAbort(
                 grpc.StatusCode.NOT_FOUND,
                 f"unknown model {hello.model!r} (strict_models; configured: "
                 f"{', '.join(sorted(cfg.models)) or 'none'})",
             )
-        reg = self.state.registry
-        rec, resume = reg.hello(
-            hello.node_id,
-            hello.model,
-            ranks,
-            hello.epoch,
-            index_ok=self.state.index_up,
-            next_seq=hello.next_seq,
+        return ranks
+
+    async def _hello(self, hello: pb.Hello) -> list[pb.CoordinatorMessage]:
+        ranks = self._check_hello(hello)
+        st, cfg = self.state, self.state.config
+        profile = cfg.profile(hello.model)
+        rec, resume = st.registry.hello(
+            hello.node_id, hello.model, ranks, hello.epoch, index_ok=st.index_up, next_seq=hello.next_seq
         )
+        st.metrics.model_seen(hello.model)
         self.rec, self.gen = rec, rec.stream_gen
-        self.state.metrics.model_seen(hello.model)
+        rec.serving_url = hello.serving_url
         if self.push is not None:
-            self.state.attach(rec.node_id, rec.stream_gen, self.push)
+            st.attach(rec.node_id, rec.stream_gen, self.push)
         self.node_id, self.model, self.dp_ranks, self.epoch = hello.node_id, hello.model, ranks, hello.epoch
+        rec.announced = None
         if hello.HasField("hash_profile"):
             hp = hello.hash_profile
             rec.announced = AnnouncedProfile(
@@ -351,23 +209,21 @@ class IngestSession:
             if profile is not None:
                 reason = compare_announced(rec.announced, profile)
                 if reason is not None:
-                    self.state.mark_hash_mismatch(rec, reason, notify=False)  # said in the Welcome
-        else:
-            rec.announced = None
-        out = [
-            pb.CoordinatorMessage(
-                welcome=pb.Welcome(
-                    epoch=hello.epoch,
-                    acked_seq=rec.last_seq if resume else 0,
-                    lease_seconds=cfg.lease_seconds,
-                    snapshot_required=not resume,
-                    batch_groups=True,
-                    hash_mismatch=rec.hash_mismatch_reason if rec.hash_mismatch else "",
-                )
+                    st.mark_hash_mismatch(rec, reason, notify=False)  # said in the Welcome
+        welcome = pb.Welcome(
+            epoch=hello.epoch,
+            acked_seq=rec.last_seq if resume else 0,
+            lease_seconds=cfg.lease_seconds,
+            snapshot_required=not resume,
+            hash_mismatch=rec.hash_mismatch_reason if rec.hash_mismatch else "",
+        )
+        if profile is not None and cfg.verify.enabled:
+            welcome.verify.CopyFrom(
+                pb.VerifySample(first=cfg.verify.first, every=cfg.verify.sample_every,
+                                block_size=profile.block_size)
             )
-        ]
         if not resume:
-            self.state.metrics.snapshot_requested("hello")
+            st.metrics.snapshot_requested("hello")
         log.info(
             "node %s (model %s, ranks %s) epoch %d: %s",
             hello.node_id,
@@ -376,7 +232,7 @@ class IngestSession:
             hello.epoch,
             f"resumed after seq {rec.last_seq}" if resume else "snapshot required",
         )
-        return out
+        return [pb.CoordinatorMessage(welcome=welcome)]
 
     def _wanted(self, rec: NodeRecord, *, need_sync: bool) -> bool:
         """Whether a stalled index call of this stream is still worth retrying."""
@@ -398,7 +254,7 @@ class IngestSession:
         m = self.state.metrics
         m.batch("rejected")
         for ev in batch.events:
-            m.rejected(proto_event_kind(ev), reason)
+            m.rejected(_KINDS.get(ev.WhichOneof("event") or "", "unknown"), reason)
         if not batch.events:
             m.rejected("none", reason, 0)
         self.state.log_once(
@@ -412,127 +268,6 @@ class IngestSession:
         )
         return self._request_snapshot(rec, "invalid_batch", f"batch {batch.seq} {reason}: {detail}")
 
-    def _undecodable(
-        self, rec: NodeRecord, batch: pb.EventBatch, exc: Exception
-    ) -> list[pb.CoordinatorMessage]:
-        kind = getattr(exc, "kind", None)
-        return self._reject(rec, batch, f"undecodable_{kind}" if kind else "undecodable", str(exc))
-
-    async def _batch(
-        self,
-        rec: NodeRecord,
-        batch: pb.EventBatch | ScannedBatch,
-        data: bytes = b"",
-        *,
-        defer_ack: bool = False,
-    ) -> list[pb.CoordinatorMessage]:
-        """One numbered batch, given as a protobuf message or as a ``kvcoord._wirescan`` tuple (read
-        from ``data``; then the raw events and counts are already known). ``defer_ack``: return the
-        Ack as a reply (the group it belongs to sends one Ack) instead of queueing it at once."""
-        st = self.state
-        raw: list[RawEvent] | None = None
-        scanned = type(batch) is tuple
-        if scanned:
-            seq, ts, dp_rank, _, n_events, n_stored, n_removed, n_cleared, raw, _, _, _ = cast(
-                "ScannedBatch", batch
-            )
-        else:
-            assert isinstance(batch, pb.EventBatch)
-            seq, ts, dp_rank, n_events = batch.seq, batch.ts, batch.dp_rank, len(batch.events)
-        limit = st.config.limits.max_events_per_batch
-        if n_events > limit:
-            st.metrics.batch("too_large")
-            raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"batch {seq} has {n_events} events; max_events_per_batch is {limit}",
-            )
-        async with st.registry.lock(rec.node_id):
-            rec = self._owned()
-            if rec.resyncing:
-                st.metrics.batch("awaiting_snapshot")
-                return []
-            last = rec.last_seq
-            if seq <= last:
-                st.metrics.batch("duplicate")
-                return self._acked(last, defer_ack)
-            if seq > last + 1:
-                st.metrics.batch("gap")
-                st.log_once(
-                    f"gap:{rec.node_id}:{self.epoch}",
-                    logging.INFO,
-                    "node %s: gap (expected seq %d, got %d); asking for a snapshot",
-                    rec.node_id,
-                    last + 1,
-                    seq,
-                )
-                return self._request_snapshot(rec, "gap", f"expected seq {last + 1}, got {seq}")
-            if dp_rank not in self.dp_ranks:
-                return self._reject(
-                    rec,
-                    _as_pb(batch, data),
-                    "unknown_dp_rank",
-                    f"dp_rank {dp_rank} is not in the Hello's {list(self.dp_ranks)}",
-                )
-            profile = st.config.profile(self.model)
-            verify = profile is not None and not rec.hash_mismatch and st.verifier.cfg.enabled
-            apply_raw = self._apply_raw
-            if apply_raw is not None:
-                # In-process index: the events go straight from the protobuf messages (checked whole
-                # first, exactly as the decoder does) to the index, which validates the whole batch
-                # before mutating anything. No await between the ownership check and the apply.
-                if raw is None:
-                    assert isinstance(batch, pb.EventBatch)
-                    try:
-                        raw, n_stored, n_removed, n_cleared = raw_events_for_index(batch.events)
-                    except (ValueError, TypeError, KeyError, OverflowError) as exc:
-                        return self._undecodable(rec, batch, exc)
-                try:
-                    apply_raw(self.model, rec.node_id, dp_rank, raw)
-                except InvalidEvent as exc:
-                    detail, sent = str(exc), _as_pb(batch, data)
-                    if scanned:  # the scanner merged runs of stores: word it as the events were sent
-                        detail = self._exact_error(rec, sent, dp_rank) or detail
-                    return self._reject(rec, sent, "invalid_event", detail)
-            else:
-                n_stored = -1
-                batch = _as_pb(batch, data)
-                try:
-                    # Only the index reads every event: runs of stores collapse into one event each
-                    # (see events_for_index) and token ids never become Python tuples. The whole batch
-                    # is checked first. Hash verification samples from the messages afterwards and
-                    # decodes just the events it samples.
-                    events = events_for_index(batch.events)
-                except (ValueError, TypeError, KeyError, OverflowError) as exc:
-                    return self._undecodable(rec, batch, exc)
-                try:
-                    # Through an index outage the batch stays unacked and is retried here (the stream
-                    # stalls; the agent keeps queueing). Re-applying a batch that half-reached the
-                    # backend is safe: events are idempotent and the retry re-applies the whole batch
-                    # in order, before any later batch. Abandoned (unacked, a snapshot follows) when
-                    # the backend came back empty and the node now resyncs.
-                    done, _ = await st.call_index(
-                        lambda: st.index.apply(self.model, rec.node_id, dp_rank, events),
-                        f"apply for node {rec.node_id}",
-                        rec,
-                        lambda: self._wanted(rec, need_sync=True),
-                    )
-                except InvalidEvent as exc:
-                    return self._reject(rec, batch, "invalid_event", str(exc))
-                rec = self._owned()
-                if not done:
-                    st.metrics.batch("awaiting_snapshot")
-                    return []
-            rec.last_seq = seq
-            rec.indexed.add((self.model, dp_rank))
-        if n_stored < 0:
-            assert isinstance(batch, pb.EventBatch)
-            self._account(batch)
-        else:
-            self._account_counts(ts, n_stored, n_removed, n_cleared)
-        if verify and profile is not None:
-            self._verify(rec, profile, batch, data)
-        return self._acked(seq, defer_ack)
-
     def _acked(self, seq: int, defer: bool) -> list[pb.CoordinatorMessage]:
         """Ack(seq): queued on the stream's writer (coalesced there), or returned as a reply."""
         if self.ack is not None and not defer:
@@ -540,62 +275,159 @@ class IngestSession:
             return []
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=seq))]
 
-    def _verify(
-        self, rec: NodeRecord, profile: HashProfile, batch: pb.EventBatch | ScannedBatch, data: bytes
-    ) -> bool:
-        """Hash verification of an applied batch; True when it found a mismatch (the node is marked).
-        A scanned batch is parsed only when the verifier could act on it (rarely, once sampled)."""
-        st = self.state
-        if not isinstance(batch, pb.EventBatch) and not st.verifier.may_act(self.model, profile, batch[9]):
-            return False
-        reason = st.verifier.check(rec, self.model, profile, _as_pb(batch, data).events)
-        if reason is None:
-            return False
-        st.mark_hash_mismatch(rec, reason)
-        return True
+    def _check_size(self, batch: pb.EventBatch) -> None:
+        limit = self.state.config.limits.max_events_per_batch
+        if len(batch.events) > limit:
+            self.state.metrics.batch("too_large")
+            raise IngestAbort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"batch {batch.seq} has {len(batch.events)} events; max_events_per_batch is {limit}",
+            )
 
-    def _exact_error(self, rec: NodeRecord, batch: pb.EventBatch, dp_rank: int) -> str | None:
-        """The error the unmerged events of a scanned batch give (validated only, never applied)."""
-        check = getattr(self.state.index, "check_raw_sync", None)
-        if check is None:
-            return None
-        try:
-            check(self.model, rec.node_id, dp_rank, raw_events_for_index(batch.events)[0])
-        except InvalidEvent as exc:
-            return str(exc)
-        except (ValueError, TypeError, KeyError, OverflowError):
-            return None
+    def _ordering(
+        self, rec: NodeRecord, batch: pb.EventBatch, defer_ack: bool
+    ) -> list[pb.CoordinatorMessage] | None:
+        """The reply when this batch is not the next one to apply (None: apply it)."""
+        st = self.state
+        if rec.resyncing:
+            st.metrics.batch("awaiting_snapshot")
+            return []
+        last, seq = rec.last_seq, batch.seq
+        if seq <= last:
+            st.metrics.batch("duplicate")
+            return self._acked(last, defer_ack)
+        if seq > last + 1:
+            st.metrics.batch("gap")
+            st.log_once(f"gap:{rec.node_id}:{self.epoch}", logging.INFO,
+                        "node %s: gap (expected seq %d, got %d); asking for a snapshot",
+                        rec.node_id, last + 1, seq)
+            return self._request_snapshot(rec, "gap", f"expected seq {last + 1}, got {seq}")
+        if batch.dp_rank not in self.dp_ranks:
+            return self._reject(rec, batch, "unknown_dp_rank",
+                                f"dp_rank {batch.dp_rank} is not in the Hello's {list(self.dp_ranks)}")
         return None
+
+    async def _apply(self, rec: NodeRecord, dp_rank: int, ops: Sequence[Op]) -> bool:
+        """Apply through index outages (the batch stays unacked and is retried; re-applying a batch that
+        half-reached the backend is safe, events are idempotent). False: abandoned (a snapshot follows)."""
+        st = self.state
+        done, _ = await st.call_index(
+            lambda: st.index.apply(self.model, rec.node_id, dp_rank, ops),
+            f"apply for node {rec.node_id}",
+            rec,
+            lambda: self._wanted(rec, need_sync=True),
+        )
+        return done
+
+    async def _batch(
+        self, rec: NodeRecord, batch: pb.EventBatch, *, defer_ack: bool = False
+    ) -> list[pb.CoordinatorMessage]:
+        """One numbered batch. ``defer_ack``: return the Ack as a reply (the group it belongs to sends
+        one Ack) instead of queueing it at once."""
+        st = self.state
+        self._check_size(batch)
+        async with st.registry.lock(rec.node_id):
+            rec = self._owned()
+            early = self._ordering(rec, batch, defer_ack)
+            if early is not None:
+                return early
+            try:
+                ops = ops_from_proto(batch.events)
+            except InvalidEvent as exc:
+                return self._reject(rec, batch, "invalid_event", str(exc))
+            if not await self._apply(rec, batch.dp_rank, ops):
+                st.metrics.batch("awaiting_snapshot")
+                return []
+            rec = self._owned()
+            rec.last_seq = batch.seq
+            rec.indexed.add((self.model, batch.dp_rank))
+        self._account(batch)
+        if batch.sampled:
+            self._verify(rec, batch)
+        return self._acked(batch.seq, defer_ack)
+
+    async def _batches(
+        self, rec: NodeRecord, batches: Sequence[pb.EventBatch]
+    ) -> list[pb.CoordinatorMessage]:
+        """Each batch on its own, in order, as if sent alone. Acks are cumulative: a group gets one
+        Ack, for its last applied batch, after every batch of it was handled (and before any other
+        reply that followed it, such as a SnapshotRequest)."""
+        done = await self._group(rec, batches)
+        if done is not None:
+            return done
+        out: list[pb.CoordinatorMessage] = []
+        for batch in batches:
+            replies = await self._batch(rec, batch, defer_ack=True)
+            if replies and out and out[-1].HasField("ack") and replies[0].HasField("ack"):
+                out.pop()
+            out.extend(replies)
+        return out
+
+    async def _group(
+        self, rec: NodeRecord, batches: Sequence[pb.EventBatch]
+    ) -> list[pb.CoordinatorMessage] | None:
+        """Several batches in one index call, when that ends exactly as applying them one by one would:
+        consecutive seqs right after the last, one known dp rank, none too large or sampled, the node in
+        sync, and every event valid. None: nothing was done, take them one by one."""
+        first = batches[0] if batches else None
+        if first is None or len(batches) < 2 or first.dp_rank not in self.dp_ranks:
+            return None
+        limit = self.state.config.limits.max_events_per_batch
+        ops: list[Op] = []
+        for k, b in enumerate(batches):
+            if b.seq != first.seq + k or b.dp_rank != first.dp_rank or b.sampled or len(b.events) > limit:
+                return None
+            try:
+                ops += ops_from_proto(b.events)
+            except InvalidEvent:
+                return None  # one batch is bad: the one-by-one path applies those before it
+        st = self.state
+        async with st.registry.lock(rec.node_id):
+            rec = self._owned()
+            if rec.resyncing or first.seq != rec.last_seq + 1:
+                return None
+            if not await self._apply(rec, first.dp_rank, ops):
+                st.metrics.batch("awaiting_snapshot")
+                return []
+            rec = self._owned()
+            rec.last_seq = batches[-1].seq
+            rec.indexed.add((self.model, first.dp_rank))
+        for b in batches:
+            self._account(b)
+        return self._acked(batches[-1].seq, defer=True)
+
+    def _verify(self, rec: NodeRecord, batch: pb.EventBatch) -> None:
+        """Hash verification of an applied batch's samples; a mismatch marks the node (and tells it)."""
+        st = self.state
+        profile = st.config.profile(self.model)
+        if profile is None or rec.hash_mismatch or not st.verifier.cfg.enabled:
+            return
+        try:
+            samples = [s for _, s in samples_from_proto(batch.events)]
+        except InvalidEvent as exc:
+            st.log_once(f"bad-sample:{rec.node_id}", logging.WARNING,
+                        "node %s: unusable verification sample: %s", rec.node_id, exc)
+            return
+        reason = st.verifier.check(rec, self.model, profile, samples)
+        if reason is not None:
+            st.mark_hash_mismatch(rec, reason)
 
     def _account(self, batch: pb.EventBatch) -> None:
         m = self.state.metrics
         m.batch("applied")
-        counts: dict[str | None, int] = {}
-        for ev in batch.events:  # the events as sent (the index may have seen merged ones)
-            which: str | None = ev.WhichOneof("event")
-            counts[which] = counts.get(which, 0) + 1
-        for which, n in counts.items():
-            m.applied(_PROTO_KINDS.get(which or "", "unknown"), n)
-        if batch.ts > 0:
-            m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
-
-    def _account_counts(self, ts: float, stored: int, removed: int, cleared: int, batches: int = 1) -> None:
-        """``_account`` with the per-kind counts already known (the raw path counted them)."""
-        m = self.state.metrics
-        if batches:
-            m.batch("applied", batches)
+        stored, removed, cleared = event_counts(batch.events)
         if stored:
             m.applied("block_stored", stored)
         if removed:
             m.applied("block_removed", removed)
         if cleared:
             m.applied("all_blocks_cleared", cleared)
-        if ts > 0:
-            m.ingest_lag.observe(max(0.0, time.time() - ts))
+        if batch.ts > 0:
+            m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
 
     # --- snapshots --------------------------------------------------------------------------
-    async def _snapshot(self, rec: NodeRecord, snap: pb.Snapshot) -> list[pb.CoordinatorMessage]:
-        st = self.state
+    def _stage(self, snap: pb.Snapshot) -> _PendingSnapshot:
+        """Check one chunk and add it to the pending snapshot (packed, as it arrived)."""
         if snap.epoch != self.epoch:
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -606,37 +438,39 @@ class IngestSession:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"snapshot dp_rank {snap.dp_rank} is not in the Hello's {list(self.dp_ranks)}",
             )
-        n = len(snap.block_hashes)
-        if snap.tiers and len(snap.tiers) != n:
-            raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"snapshot has {n} block_hashes but {len(snap.tiers)} tiers"
-            )
-        if snap.tiers and (max(snap.tiers) >= len(_TIERS) or min(snap.tiers) < 0):
-            bad = next(t for t in snap.tiers if not 0 <= t < len(_TIERS))
-            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, f"snapshot has an unknown tier {bad}")
+        try:
+            hashes, tiers = snapshot_from_proto(snap)
+        except InvalidEvent as exc:
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         pending = self._pending
         if pending is None:
-            pending = self._pending = _PendingSnapshot(snap.epoch, snap.seq, {})
+            pending = self._pending = _PendingSnapshot(snap.epoch, snap.seq)
         elif pending.seq != snap.seq:
             self._pending = None
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"snapshot chunks disagree on seq ({pending.seq} then {snap.seq})",
             )
-        pending.count += n
-        limit = st.config.limits.max_snapshot_blocks
+        pending.count += len(hashes)
+        limit = self.state.config.limits.max_snapshot_blocks
         if pending.count > limit:
             self._pending = None
             raise IngestAbort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"snapshot exceeds max_snapshot_blocks ({limit})"
             )
-        entries = pending.entries.setdefault(snap.dp_rank, [])
-        if snap.tiers:
-            entries.extend(
-                (BlockHash64(h), _TIERS[t]) for h, t in zip(snap.block_hashes, snap.tiers, strict=True)
-            )
-        else:
-            entries.extend((BlockHash64(h), Tier.GPU) for h in snap.block_hashes)
+        rank = snap.dp_rank
+        held = pending.hashes.setdefault(rank, array("Q"))
+        held_tiers = pending.tiers.setdefault(rank, bytearray())
+        if tiers and len(held_tiers) < len(held):
+            held_tiers.extend(bytes(len(held) - len(held_tiers)))  # earlier chunks were all GPU
+        held.extend(hashes)
+        if tiers or held_tiers:
+            held_tiers.extend(tiers or bytes(len(hashes)))
+        return pending
+
+    async def _snapshot(self, rec: NodeRecord, snap: pb.Snapshot) -> list[pb.CoordinatorMessage]:
+        st = self.state
+        pending = self._stage(snap)
         if not snap.final:
             return []
         self._pending = None
@@ -653,14 +487,16 @@ class IngestSession:
         try:
             rec = self._owned()
             keep = {(self.model, r) for r in self.dp_ranks}
+            node_id, indexed = rec.node_id, set(rec.indexed)
 
             async def replace() -> None:
                 for rank in self.dp_ranks:
-                    await st.index.replace_node(self.model, node_id, rank, pending.entries.get(rank, []))
+                    held = pending.hashes.get(rank, array("Q"))
+                    await st.index.replace_node(self.model, node_id, rank, cast("Hashes", memoryview(held)),
+                                                bytes(pending.tiers.get(rank, b"")))
                 for model, rank in sorted(indexed - keep):
                     await st.index.clear(model, node_id, rank)
 
-            node_id, indexed = rec.node_id, set(rec.indexed)
             # Retried through an outage (a snapshot is a whole replacement: re-running it is exact).
             done, _ = await st.call_index(
                 replace, f"snapshot for node {node_id}", rec, lambda: self._wanted(rec, need_sync=False)
@@ -674,12 +510,9 @@ class IngestSession:
         finally:
             node_lock.release()
         st.metrics.snapshots_applied.inc()
-        log.info(
-            "node %s epoch %d: snapshot applied at seq %d (%d blocks over %d ranks)",
-            rec.node_id,
-            self.epoch,
-            pending.seq,
-            pending.count,
-            len(self.dp_ranks),
-        )
+        log.info("node %s epoch %d: snapshot applied at seq %d (%d blocks over %d ranks)",
+                 rec.node_id, self.epoch, pending.seq, pending.count, len(self.dp_ranks))
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=pending.seq))]
+
+
+__all__ = ["IngestAbort", "IngestSession", "load_from_proto"]

@@ -28,7 +28,7 @@ BATCH_OUTCOMES = ("applied", "duplicate", "gap", "awaiting_snapshot", "rejected"
 EVENT_TYPES = ("block_stored", "block_removed", "all_blocks_cleared")
 REJECTED_TYPES = (*EVENT_TYPES, "unknown", "none")
 """``events_rejected{type}``: an event with no kind set is ``unknown``; an empty batch adds 0 to ``none``."""
-REJECT_REASONS = ("unknown_dp_rank", "invalid_event", "undecodable")
+REJECT_REASONS = ("unknown_dp_rank", "invalid_event")
 SNAPSHOT_REASONS = ("hello", "gap", "invalid_batch", "index_reset")
 VERIFY_RESULTS = ("ok", "mismatch", "skipped")
 

@@ -62,7 +62,9 @@ class NodeRecord:
     indexed: set[tuple[str, int]] = field(default_factory=set)
     """(model, dp_rank) pairs the index may hold entries for, so a changed model/rank set is cleaned up."""
     verify_seen: int = 0
-    """Verifiable BlockStored chains seen, for sampling."""
+    """Sampled BlockStored chains verified (or tried)."""
+    serving_url: str = ""
+    """The engine's OpenAI-compatible base URL, as its agent announced it (empty: not announced)."""
 
     @property
     def state(self) -> str:

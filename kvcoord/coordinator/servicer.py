@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -23,13 +23,15 @@ from kvcoord.coordinator.ingest import IngestAbort, IngestSession, load_from_pro
 from kvcoord.coordinator.registry import Load, NodeRecord
 from kvcoord.coordinator.shared import SharedNode
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys, block_hashes64
-from kvcoord.index.base import NodeKey
-from kvcoord.index.memory import MemoryIndex, RawMatch
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.index.base import NodeKey, NodeMatch
+from kvcoord.native import native_paths
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.validate import InvalidEvent, unpack_u64
+from kvcoord.wire import unpack_tokens
 
 log = logging.getLogger("kvcoord.coordinator")
 
-SERVICE = "kvcoord.v1.Coordinator"
+SERVICE = "kvcoord.v2.Coordinator"
 SHUTTING_DOWN = "coordinator shutting down: reconnect to another replica, or retry shortly"
 M = TypeVar("M", bound=Message)
 
@@ -70,6 +72,7 @@ def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.Node
         load=_load_pb(node.load),
         hash_mismatch=state == "hash_mismatch",
         replica=node.owner,
+        serving_url=node.url,
     )
 
 
@@ -94,6 +97,7 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
         load=_load_pb(rec.load),
         hash_mismatch=rec.hash_mismatch,
         hash_mismatch_reason=rec.hash_mismatch_reason,
+        serving_url=rec.serving_url,
     )
     if rec.announced is not None:
         a = rec.announced
@@ -364,6 +368,7 @@ class CoordinatorServicer:
         limit = cfg.limits.max_query_blocks
         which = request.WhichOneof("query")
         hashes: Sequence[BlockHash64]
+        num_tokens = 0
         if which == "tokens":
             if profile is None:
                 await context.abort(
@@ -373,11 +378,16 @@ class CoordinatorServicer:
                 )
             assert profile is not None
             q = request.tokens
-            nblocks = len(q.token_ids) // profile.block_size
+            try:
+                tokens = unpack_tokens(q.token_ids)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TokenQuery.{exc}")
+            num_tokens = len(tokens)
+            nblocks = num_tokens // profile.block_size
             if nblocks > limit:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"query has {nblocks} blocks ({len(q.token_ids)} tokens); max_query_blocks is {limit}",
+                    f"query has {nblocks} blocks ({num_tokens} tokens); max_query_blocks is {limit}",
                 )
             try:
                 keys = RequestKeys(
@@ -387,36 +397,33 @@ class CoordinatorServicer:
                     mm_items=tuple(MultiModalItem(m.identifier, m.offset, m.length) for m in q.mm_items),
                     prompt_embeds_digests=tuple(q.prompt_embeds_digests) if q.prompt_embeds_digests else None,
                 )
-                hashes = block_hashes64(profile, q.token_ids, None if keys.empty else keys)
+                hashes = block_hashes64(profile, tokens, None if keys.empty else keys)
             except (ValueError, TypeError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot hash the query: {exc}")
         elif which == "hashes":
-            if len(request.hashes.block_hashes) > limit:
+            raw = request.hashes.block_hashes
+            if len(raw) // 8 > limit:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"query has {len(request.hashes.block_hashes)} blocks; max_query_blocks is {limit}",
+                    f"query has {len(raw) // 8} blocks; max_query_blocks is {limit}",
                 )
-            # uint64 by the wire type. Kept as the repeated field: converting it to a list would make
-            # every int twice (the match only touches the prefix it needs).
-            hashes = cast(Sequence[BlockHash64], request.hashes.block_hashes)
+            try:
+                hashes = unpack_u64(raw, "HashQuery")
+            except InvalidEvent as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        elif which == "prompt":
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "lookups by prompt need a tokenizer")
         else:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "LookupRequest needs either tokens or hashes"
             )
         candidates: set[NodeKey] | None = {(c.node_id, c.dp_rank) for c in request.candidates} or None
-        matches: list[RawMatch] = []
+        matches: list[NodeMatch] = []
         if hashes and (st.registry.has_live(model) if st.directory is None else st.has_live(model)):
-            index = st.index
             if not st.index_up:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(st.index_down_reason))
             try:
-                if isinstance(index, MemoryIndex):  # no await, no NodeMatch objects on the hot path
-                    matches = index.match_raw_sync(model, hashes, candidates)
-                else:
-                    matches = [
-                        (m.node_id, m.dp_rank, m.matched_blocks, m.tiers)
-                        for m in await index.match(model, list(hashes), candidates)
-                    ]
+                matches = await st.index.match(model, hashes, candidates)
             except (ConnectionError, TimeoutError, OSError) as exc:
                 # The backend is unreachable: NOT_SERVING until a probe finds it back.
                 reason = f"{type(exc).__name__}: {exc}"
@@ -428,7 +435,9 @@ class CoordinatorServicer:
                 name = type(exc).__name__
                 st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
                 await context.abort(grpc.StatusCode.INTERNAL, f"index match failed: {name}: {exc}")
-        return self._answer(model, profile.block_size if profile is not None else 0, len(hashes), matches)
+        resp = self._answer(model, profile.block_size if profile is not None else 0, len(hashes), matches)
+        resp.num_tokens = num_tokens
+        return resp
 
     def _unavailable(self, reason: str) -> str:
         backend = self.state.index.backend
@@ -438,39 +447,29 @@ class CoordinatorServicer:
         )
 
     def _answer(
-        self, model: str, block_size: int, num_blocks: int, matches: list[RawMatch]
+        self, model: str, block_size: int, num_blocks: int, matches: list[NodeMatch]
     ) -> pb.LookupResponse:
         resp = pb.LookupResponse(model=model, block_size=block_size, num_blocks=num_blocks)
         if not matches:
             return resp
         st = self.state
-        now = time.monotonic()
-        if st.directory is None:
-            live_record = st.registry.live_record
-
-            def live_load(node_id: str) -> Load | None:
-                rec = live_record(node_id, model, now)
-                return rec.load if rec is not None else None
-        else:  # replicas: other replicas' nodes count too (see kvcoord.coordinator.shared)
-            now_wall = time.time()
-
-            def live_load(node_id: str) -> Load | None:
-                return st.lookup_load(node_id, model, now, now_wall)
-
+        now, now_wall = time.monotonic(), time.time()
+        live_node = st.live_node
         w0, w1, w2 = st.config.tier_weights
-        live: list[tuple[float, int, str, int, tuple[int, ...], Load]] = []
+        live: list[tuple[float, int, str, int, tuple[int, ...], Load, str]] = []
         for node_id, rank, matched, tiers in matches:
-            rec = live_load(node_id)
-            if rec is None or matched <= 0:
+            info = live_node(node_id, model, now, now_wall)
+            if info is None or matched <= 0:
                 continue
             t = (*tiers[:3], 0, 0, 0) if len(tiers) < 3 else tiers
             score = t[0] * w0 + t[1] * w1 + t[2] * w2
-            live.append((-score, -matched, node_id, rank, tiers, rec))
+            live.append((-score, -matched, node_id, rank, tiers, info[0], info[1]))
         live.sort(key=lambda x: x[:4])
         add = resp.nodes.add
-        for _, neg_matched, node_id, rank, tiers, rec in live:
+        for _, neg_matched, node_id, rank, tiers, rec, url in live:
             # Filled in place (nested message constructors would be built, then copied in).
-            nm = add(node_id=node_id, dp_rank=rank, matched_blocks=-neg_matched)
+            nm = add(node_id=node_id, dp_rank=rank, matched_blocks=-neg_matched, trust="exact",
+                     serving_url=url)
             tc = nm.tiers
             tc.gpu = tiers[0]
             if len(tiers) > 1:
@@ -576,6 +575,7 @@ class CoordinatorServicer:
             nodes=nodes,
             nodes_by_state=by_state,
             replica_id=st.replica_id,
+            native=",".join(native_paths()),
             hash_mismatches=m.hash_mismatch_total,
             snapshots_requested=m.snapshots_requested_total,
             leases_expired=m.leases_expired_total,

@@ -54,6 +54,8 @@ class SharedNode:
     heard: float
     """Wall-clock time the owner last heard from the node (orders two replicas' records)."""
     load: Load = field(default_factory=Load)
+    url: str = ""
+    """The engine's serving URL its agent announced."""
 
     def live(self, now_wall: float) -> bool:
         return self.state in _SERVED and now_wall <= self.deadline
@@ -70,6 +72,7 @@ class SharedNode:
                 "owner": self.owner,
                 "heard": self.heard,
                 "load": [self.load.running_requests, self.load.waiting_requests, self.load.kv_usage],
+                "url": self.url,
             },
             separators=(",", ":"),
         )
@@ -88,6 +91,7 @@ class SharedNode:
             owner=str(d["owner"]),
             heard=float(d["heard"]),
             load=Load(int(ld[0]), int(ld[1]), float(ld[2])),
+            url=str(d.get("url", "")),
         )
 
 

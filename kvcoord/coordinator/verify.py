@@ -1,9 +1,9 @@
 """Engine hash verification: recompute a sample of BlockStored chains with the model's profile.
 
 A wrong seed, algorithm, block size or extra-key style does not make an engine's events invalid;
-it makes every token lookup silently miss. So the coordinator recomputes what it can (a chain
-head, or a chain whose parent digest it computed recently, or digest-form events that carry their
-parent digest) and reports a mismatch loudly, naming the likely cause.
+it makes every token lookup silently miss. So the coordinator recomputes what it can of the samples
+the agents send (a chain head, a chain whose parent digest it computed recently, or a digest-form
+event that carries its parent digest) and reports a mismatch loudly, naming the likely cause.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from typing import Any
 
 from kvcoord.coordinator.config import VerifyConfig, env_seed
 from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
-from kvcoord.events import FULL_ATTENTION_KINDS, BlockStored
-from kvcoord.events_proto import event_from_proto, tupleize
 from kvcoord.hashing import BlockDigest, HashProfile, hash_block_tokens, to_block_hash64
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
+from kvcoord.wire import Sample
 
 log = logging.getLogger("kvcoord.coordinator.verify")
 _ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -74,104 +72,62 @@ class HashVerifier:
         while len(self._lru) > self.cfg.lru_size:
             self._lru.popitem(last=False)
 
-    def _parent_digest(self, model: str, s: pb.BlockStored) -> tuple[bool, BlockDigest | None]:
-        """(known, digest) of a stored event's parent, read from the message: a chain head has parent
-        None; a digest-form parent is itself; a uint64 parent is known when verified recently."""
-        if s.HasField("parent_block_digest"):
-            return True, BlockDigest(bytes(s.parent_block_digest))
-        if not s.HasField("parent_block_hash"):
+    def _parent_digest(self, model: str, parent: int | bytes | None) -> tuple[bool, BlockDigest | None]:
+        """(known, digest) of a sample's parent: a chain head has parent None; a digest-form parent is
+        itself; a uint64 parent is known when verified recently."""
+        if parent is None:
             return True, None
-        key = (model, s.parent_block_hash)
+        if isinstance(parent, bytes):
+            return True, BlockDigest(parent)
+        key = (model, parent)
         digest = self._lru.get(key)
         if digest is None:
             return False, None
         self._lru.move_to_end(key)
         return True, digest
 
-    def _block_extra(self, profile: HashProfile, ev: BlockStored, i: int) -> tuple[bool, Any]:
+    def _block_extra(self, profile: HashProfile, sample: Sample, i: int) -> tuple[bool, Any]:
         """(usable, extra_keys) for block ``i`` as the engine hashed it, when that is recoverable."""
-        if ev.extra_keys is None:
+        if sample.extra_keys is None:
             # Not published (older releases, or an agent that drops them): the block may have been
             # hashed with LoRA, cache_salt or multimodal keys that cannot be known here, and guessing
             # "none" would report a false mismatch. Skipped (counted), not verified.
             return False, None
-        if i >= len(ev.extra_keys):
+        if i >= len(sample.extra_keys):
             return False, None
-        ek = ev.extra_keys[i]
+        ek = sample.extra_keys[i]
         if ek is None:
             return True, None
         if profile.style != "untagged":
             return False, None  # published untagged, hashed tagged: LoRA path is not published
-        return True, tupleize(ek)
-
-    def may_act(
-        self,
-        model: str,
-        profile: HashProfile,
-        stored: Sequence[tuple[int, int, int, int | bytes | None, str | None]],
-    ) -> bool:
-        """Whether ``check`` could sample, verify or report anything for a batch whose BlockStored
-        events are ``(n_hashes, n_tokens, block_size, parent, kv_cache_spec_kind)`` (the wire
-        scanner's summary; parent None, uint64 or digest). When not, ``check`` would change nothing,
-        so the batch need not be parsed at all. Mirrors ``check``'s per-event tests in order."""
-        if not self.cfg.enabled:
-            return False
-        for n, n_tokens, block_size, parent, kind in stored:
-            if not n or (kind is not None and kind not in FULL_ATTENTION_KINDS):
-                continue
-            if block_size != profile.block_size:
-                return True
-            if n_tokens != n * block_size:
-                continue
-            if parent is None or isinstance(parent, bytes) or (model, parent) in self._lru:
-                return True
-        return False
+        return True, ek
 
     def check(
-        self,
-        rec: NodeRecord,
-        model: str,
-        profile: HashProfile,
-        msgs: Sequence[pb.KVEvent],
+        self, rec: NodeRecord, model: str, profile: HashProfile, samples: Sequence[Sample]
     ) -> str | None:
-        """Verify a sample of a batch's events (already validated whole); returns a mismatch reason
-        (with the likely cause) or None.
-
-        Sampling is decided from the protobuf messages, and only sampled events are decoded (token
-        ids as Python ints): the first ``first`` verifiable chains of a node, then one in
-        ``sample_every``. Events are taken in order, so a chain verified earlier in the batch makes its
-        continuation verifiable.
-        """
+        """Verify a batch's samples (the agent chose them, see :class:`kvcoord.wire.TokenSampler`); returns
+        a mismatch reason (with the likely cause) or None. Samples are taken in order, so a chain verified
+        earlier in the batch makes its continuation verifiable."""
         if not self.cfg.enabled:
             return None
-        for m in msgs:
-            if m.WhichOneof("event") != "stored":
-                continue
-            s = m.stored
-            n = len(s.block_hashes) or len(s.block_digests)
-            if not n:
-                continue
-            if s.HasField("kv_cache_spec_kind") and s.kv_cache_spec_kind not in FULL_ATTENTION_KINDS:
-                continue
-            if s.block_size != profile.block_size:
+        for sample in samples:
+            if sample.block_size != profile.block_size:
                 return (
-                    f"block size: the engine publishes blocks of {s.block_size} tokens, the model's "
+                    f"block size: the engine publishes blocks of {sample.block_size} tokens, the model's "
                     f"profile says {profile.block_size}"
                 )
-            if len(s.token_ids) != n * s.block_size:
+            n = len(sample.block_hashes)
+            if not n or len(sample.token_ids) != n * sample.block_size:
                 continue
-            known, parent = self._parent_digest(model, s)
+            known, parent = self._parent_digest(model, sample.parent)
             if not known:
+                self.skipped += 1
+                self._result("skipped")
                 continue
             rec.verify_seen += 1
-            if rec.verify_seen > self.cfg.first and rec.verify_seen % self.cfg.sample_every:
-                self.skipped += 1
-                continue  # not sampled: not a verification
-            ev = event_from_proto(m)
-            assert isinstance(ev, BlockStored)
             before = self.verified
             try:
-                reason = self._verify_chain(rec, model, profile, ev, parent)
+                reason = self._verify_chain(rec, model, profile, sample, parent)
             except Exception:  # verification is advisory: never let it break ingest
                 log.warning("hash verification of a BlockStored from %s failed", rec.node_id, exc_info=True)
                 self.skipped += 1
@@ -188,18 +144,18 @@ class HashVerifier:
             self.on_result(result)
 
     def _verify_chain(
-        self, rec: NodeRecord, model: str, profile: HashProfile, ev: BlockStored, parent: BlockDigest | None
+        self, rec: NodeRecord, model: str, profile: HashProfile, sample: Sample, parent: BlockDigest | None
     ) -> str | None:
-        bs = ev.block_size
-        for i, published in enumerate(ev.block_hashes):
-            usable, extra = self._block_extra(profile, ev, i)
+        bs = sample.block_size
+        for i, published in enumerate(sample.block_hashes):
+            usable, extra = self._block_extra(profile, sample, i)
             if not usable:
                 return None
-            tokens = ev.token_ids[i * bs : (i + 1) * bs]
+            tokens = sample.token_ids[i * bs : (i + 1) * bs]
             digest = hash_block_tokens(profile, parent, tokens, extra)
             if not _same(published, digest):
                 return self._diagnose(
-                    rec.announced, profile, parent, ev.parent_block_hash, tokens, extra, published, i
+                    rec.announced, profile, parent, sample.parent, tokens, extra, published, i
                 )
             self.verified += 1
             self._remember(model, to_block_hash64(digest), digest)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from kvcoord.index.base import (
     ApplyResult,
     Index,
@@ -9,6 +12,7 @@ from kvcoord.index.base import (
     InvalidEvent,
     NodeKey,
     NodeMatch,
+    Op,
     SnapshotEntry,
 )
 from kvcoord.index.uri import check_index_uri, is_memory
@@ -20,7 +24,9 @@ __all__ = [
     "InvalidEvent",
     "NodeKey",
     "NodeMatch",
+    "Op",
     "SnapshotEntry",
+    "apply_events",
     "open_index",
 ]
 
@@ -35,3 +41,12 @@ def open_index(uri: str, *, key_prefix: str = "kvcoord") -> Index:
     from kvcoord.index.redis import RedisIndex
 
     return RedisIndex.from_uri(uri, key_prefix=key_prefix)
+
+
+async def apply_events(
+    index: Index, model: str, node_id: str, dp_rank: int, events: Sequence[Any]
+) -> ApplyResult:
+    """Validate model events (or relay views) and apply them: ``index.apply(..., ops_of(events))``."""
+    from kvcoord.validate import ops_of
+
+    return await index.apply(model, node_id, dp_rank, ops_of(events))

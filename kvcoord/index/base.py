@@ -3,28 +3,35 @@
 Semantics (DESIGN.md): keys are ``(model, uint64 block hash)``; locations are
 ``(node_id, dp_rank, tier)``; a match is, per ``(node_id, dp_rank)``, the longest gap-free
 leading run of the query that the node holds on any tier, with per-tier counts. Events are
-idempotent, and a batch is validated whole before any of it is applied, so a bad event never
-leaves a half-applied batch behind.
+idempotent. A batch reaches an index as validated :class:`~kvcoord.validate.Op` s, so a bad event
+was refused whole before anything was applied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, TypeAlias, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
 
-from kvcoord.events import KVEvent, Tier
+from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
+from kvcoord.validate import InvalidEvent, Op, SnapshotEntry
+
+__all__ = [
+    "ApplyResult",
+    "Index",
+    "IndexStats",
+    "InvalidEvent",
+    "NodeKey",
+    "NodeMatch",
+    "Op",
+    "QuickStats",
+    "SnapshotEntry",
+    "run_inline",
+]
 
 NodeKey: TypeAlias = tuple[str, int]
 """``(node_id, dp_rank)``: the unit a match is reported for."""
-
-SnapshotEntry: TypeAlias = tuple[BlockHash64, Tier]
-"""One (block, tier) a node holds; a node's snapshot is a list of these."""
-
-
-class InvalidEvent(ValueError):
-    """An event that cannot be applied (bad hash, unknown medium, wrong type). Nothing was applied."""
 
 
 class NodeMatch(NamedTuple):
@@ -90,9 +97,14 @@ class Index(Protocol):
 
     backend: str
     """Short backend name for logs and metrics (``memory``, ``redis``, ``redis-cluster``)."""
+    inline: bool
+    """True when no method ever suspends (an in-process backend): code outside an event loop, such as the
+    simulator, may run its coroutines to completion at once with :func:`run_inline`."""
 
-    async def apply(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
-        """Apply one node's events in order. Raises ``InvalidEvent`` (and applies nothing) on bad input."""
+    async def apply(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
+        """Apply one node's validated ops in order (:func:`kvcoord.validate.ops_of` of events, or
+        :func:`kvcoord.wire.ops_from_proto` of the wire): the only way anything enters an index.
+        Raises ``InvalidEvent`` (applying nothing) for a bad target."""
         ...
 
     async def match(
@@ -120,9 +132,13 @@ class Index(Protocol):
         ...
 
     async def replace_node(
-        self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
+        self, model: str, node_id: str, dp_rank: int, hashes: Sequence[BlockHash64], tiers: bytes = b""
     ) -> None:
-        """Atomically for readers, make ``(node_id, dp_rank)`` hold exactly ``entries`` for ``model``."""
+        """Atomically for readers, make ``(node_id, dp_rank)`` hold exactly ``hashes`` for ``model``.
+
+        ``tiers`` has one byte (a ``Tier`` value) per hash; empty: every block is on GPU. Columns, not
+        pairs: a snapshot of millions of blocks stays two flat buffers from the wire to the index.
+        Raises ``InvalidEvent`` (replacing nothing) for a bad hash or tier."""
         ...
 
     async def stats(self) -> IndexStats:
@@ -143,3 +159,16 @@ class Index(Protocol):
     async def close(self) -> None:
         """Release connections and background tasks."""
         ...
+
+
+_T = TypeVar("_T")
+
+
+def run_inline(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run a coroutine of an ``inline`` index to completion now (it never suspends)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("an inline index suspended")

@@ -3,7 +3,7 @@
 Every ``(node_id, dp_rank)`` of a model gets a small integer *slot*. Two interchangeable cores hold the
 blocks (``MemoryIndex(core="auto"|"c"|"python")``; ``auto`` takes C when it was built):
 
-- **C** (``kvcoord._indexcore``, built by setup.py when a compiler is present): an open-addressing
+- **C** (``Table`` of ``kvcoord._native``, built by setup.py when a compiler is present): an open-addressing
   table of 16-byte buckets (key, one inline ``(slot, tier mask)`` holder or the index of a sorted
   holder array), about 30-40 bytes per entry at millions of entries. Whole events go in per call
   (buckets prefetched ahead), and a match walks the query once, intersecting holders with the
@@ -42,31 +42,28 @@ import heapq
 import itertools
 import sys
 import uuid
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from operator import and_, eq, itemgetter, ne, or_
 from typing import Literal, TypeAlias, cast
 
-from kvcoord.events import KVEvent, Tier
+from kvcoord import validate
+from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index import validate
 from kvcoord.index.base import (
     ApplyResult,
     IndexStats,
-    InvalidEvent,
     NodeKey,
     NodeMatch,
     SnapshotEntry,
 )
+from kvcoord.native import native
+from kvcoord.validate import Op
 
-try:
-    from kvcoord import _indexcore
-except ImportError:  # built without a compiler: the pure-Python core serves
-    _indexcore = None  # type: ignore[assignment]
+__all__ = ["HAVE_C_CORE", "MemoryIndex", "RawMatch"]
 
-__all__ = ["HAVE_C_CORE", "RAW_CLEAR", "RAW_REMOVE", "RAW_STORE", "MemoryIndex", "RawEvent", "RawMatch"]
-
-HAVE_C_CORE = _indexcore is not None
-"""Whether the C core was built (``MemoryIndex(core="auto")`` then uses it)."""
+HAVE_C_CORE = native is not None
+"""Whether the C core is in use (built, and not off by ``KVCOORD_NATIVE=0``): ``MemoryIndex(core="auto")``
+then uses it."""
 
 Core: TypeAlias = Literal["auto", "c", "python"]
 
@@ -79,29 +76,7 @@ RawMatch: TypeAlias = tuple[str, int, int, tuple[int, ...]]
 """``(node_id, dp_rank, matched_blocks, tiers)``: a ``NodeMatch`` without the object cost."""
 
 _STORE, _REMOVE, _CLEAR = validate.STORE, validate.REMOVE, validate.CLEAR
-RAW_STORE, RAW_REMOVE, RAW_CLEAR = _STORE, _REMOVE, _CLEAR
-"""Kinds of a :data:`RawEvent` (BlockStored, BlockRemoved, AllBlocksCleared)."""
 
-RawEvent: TypeAlias = tuple[int, Sequence[object], "str | None", "int | None", "str | None"]
-"""``(kind, block_hashes, medium, group_idx, kv_cache_spec_kind)``: one event's fields the index reads,
-for :meth:`MemoryIndex.apply_raw_sync` (the coordinator builds them straight from protobuf messages;
-``block_hashes`` may be any sequence, e.g. a repeated field, of uint64 ints or digests, or with the C
-core a flat memoryview of format ``Q``, as ``kvcoord._wirescan`` reads them off the wire)."""
-
-_NOT_SEQ = validate.NOT_SEQ
-_FAST_SEQ = validate.FAST_SEQ
-_SEQ_TYPES: set[type] = set()
-"""Other types already seen to be ordered sequences of hashes (protobuf repeated fields)."""
-
-
-def _packed_u64(view: memoryview) -> bool:
-    """A flat view of uint64s, which the C core reads with one copy (``kvcoord._wirescan``'s hashes)."""
-    return view.format == "Q" and view.ndim == 1 and view.c_contiguous
-
-
-_Op: TypeAlias = validate.Op
-
-_EMPTY = validate.EMPTY
 _TIERS = tuple(Tier)
 _BITS01 = bytes.maketrans(b"01", b"\x00\x01")
 _FIRST_CHUNK = 16
@@ -523,8 +498,8 @@ class _CModel(_Model):
 
     def __init__(self) -> None:
         super().__init__()
-        assert _indexcore is not None
-        self.table = _indexcore.Table()
+        assert native is not None
+        self.table = native.Table()
         self.sweeping = False
 
     def nkeys(self) -> int:
@@ -594,123 +569,39 @@ class MemoryIndex:
     """The embedded default backend. Async methods wrap the ``*_sync`` ones, which never block on I/O."""
 
     backend = "memory"
+    inline = True
 
     def __init__(self, *, sweep_chunk: int = 20_000, core: Core = "auto") -> None:
         if core not in ("auto", "c", "python"):
             raise ValueError(f"core must be 'auto', 'c' or 'python', not {core!r}")
-        if core == "c" and _indexcore is None:
-            raise ValueError("core='c' but the kvcoord._indexcore extension is not built")
-        use_c = core != "python" and _indexcore is not None
+        if core == "c" and native is None:
+            raise ValueError("core='c' but native code is not built or is off (KVCOORD_NATIVE=0)")
+        use_c = core != "python" and native is not None
         self.core: Literal["c", "python"] = "c" if use_c else "python"
         """The core in use (``auto`` resolves to ``c`` when the extension is built)."""
         self._model_type: type[_Model] = _CModel if use_c else _Model
-        self._u64_ok: Callable[[object], bool] = _indexcore.validate_u64_seq if use_c else validate.py_u64_ok
-        self._u64_conv: validate.U64Conv | None = (
-            cast("validate.U64Conv", _indexcore.u64_view) if use_c else None  # plain ints are BlockHash64s
-        )
-        """Check-and-pack of an event's hashes for the C core: long events are converted only once."""
-        self.takes_packed = use_c
-        """``apply_raw_sync`` reads hashes given as flat memoryviews of uint64 (format ``Q``)."""
         self._models: dict[str, _Model] = {}
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
         self._sweeper: asyncio.Task[None] | None = None
         self._generation = uuid.uuid4().hex  # contents live and die with the instance
-        self._medium_tiers: dict[str | None, int] = {None: 0}
-        """Media already normalised (the raw path's per-event lookup; bounded, known names only)."""
-
-    # ------------------------------------------------------------------ validation
-
-    def _prepare(self, events: Sequence[KVEvent]) -> list[_Op]:
-        """Validate the whole batch before anything is mutated (the rules live in ``validate``)."""
-        return validate.ops_of(events, self._u64_ok, self._u64_conv)
-
-    def _prepare_raw(self, events: Sequence[RawEvent]) -> list[_Op]:
-        """``_prepare`` for :data:`RawEvent` tuples: the same checks, errors and ops."""
-        validate.check_events_seq(events)
-        ops: list[_Op] = []
-        append = ops.append
-        tiers = self._medium_tiers
-        u64_ok = self._u64_ok
-        conv = self._u64_conv
-        seq_types = _SEQ_TYPES
-        for i, ev in enumerate(events):
-            try:
-                kind, raw, medium, group, spec = ev
-            except (TypeError, ValueError):
-                raise InvalidEvent(f"event {i}: not a KV event: {type(ev).__name__}") from None
-            if kind == _CLEAR:
-                append((_CLEAR, 0, _EMPTY, None, True))
-                continue
-            if kind == _STORE:
-                indexable = spec is None or validate.indexable_kind(spec, f"event {i}")
-            elif kind == _REMOVE:
-                indexable = True
-            else:
-                raise InvalidEvent(f"event {i}: not a KV event: kind {kind!r}")
-            tier = tiers.get(medium) if medium is None or type(medium) is str else None
-            if tier is None:
-                tier = validate.tier(medium, f"event {i}")
-                if len(tiers) < 64:
-                    tiers[cast("str", medium)] = tier
-            # The common case inline (a list of uint64 ints); ``hashes64`` does the rest and the errors.
-            rt = type(raw)
-            hashes: Sequence[BlockHash64] | None
-            packed = False
-            if rt in _FAST_SEQ:
-                hashes = cast("Sequence[BlockHash64]", raw)
-            elif rt is memoryview and conv is not None and _packed_u64(cast("memoryview", raw)):
-                hashes = cast("Sequence[BlockHash64]", raw)  # the wire scanner's: nothing to check
-                packed = True
-            elif rt in seq_types or (isinstance(raw, Sequence) and not isinstance(raw, _NOT_SEQ)):
-                seq_types.add(rt)
-                hashes = list(cast("Sequence[BlockHash64]", raw))  # a protobuf repeated field: one C copy
-            else:
-                hashes = None
-            if hashes is not None and not packed:
-                if conv is not None:
-                    hashes = conv(hashes)  # checked, and long ones packed for the C core
-                elif not u64_ok(hashes):
-                    hashes = None
-            if hashes is None:
-                hashes = validate.hashes64(raw, f"event {i}", u64_ok)  # the precise error, or digests reduced
-            if group is not None and (type(group) is not int or group < 0):
-                group = validate.group(group, f"event {i}")
-            append((kind, tier, hashes, group, indexable))
-        return ops
 
     # ------------------------------------------------------------------ mutation
 
-    def apply_sync(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
-        """Apply one node's events in order; all-or-nothing on bad input (``InvalidEvent``).
+    def apply_sync(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
+        """Apply one node's validated ops in order (see :meth:`Index.apply`).
 
         ``stored``/``removed`` count entries actually added/dropped (a repeated store adds nothing),
         ``removed_unknown`` removals of blocks the location did not hold, ``cleared`` entries dropped by
         ``AllBlocksCleared``, ``skipped_group`` blocks of non-full-attention groups.
         """
         validate.check_target(model, node_id, dp_rank)
-        return self._run(model, node_id, dp_rank, self._prepare(events))
-
-    def apply_raw_sync(
-        self, model: str, node_id: str, dp_rank: int, events: Sequence[RawEvent]
-    ) -> ApplyResult:
-        """``apply_sync`` for events given as :data:`RawEvent` tuples, with exactly its semantics: the
-        whole batch is validated first (``InvalidEvent`` naming the event's index, nothing applied),
-        medium -> tier, groups of non-full-attention kinds skipped and remembered, digests reduced to
-        uint64. It skips building event objects: the coordinator's ingest hot path."""
-        validate.check_target(model, node_id, dp_rank)
-        res = self._run(model, node_id, dp_rank, self._prepare_raw(events))
+        res = self._run(model, node_id, dp_rank, ops)
         if self._pending:
             self._kick()
         return res
 
-    def check_raw_sync(self, model: str, node_id: str, dp_rank: int, events: Sequence[RawEvent]) -> None:
-        """Raise the ``InvalidEvent`` that ``apply_raw_sync`` would raise for these events; apply
-        nothing. (The coordinator's wording of an error found in merged events.)"""
-        validate.check_target(model, node_id, dp_rank)
-        self._prepare_raw(events)
-
-    def _run(self, model: str, node_id: str, dp_rank: int, ops: list[_Op]) -> ApplyResult:
+    def _run(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
         res = ApplyResult()
         key = (node_id, dp_rank)
         mi = self._models.get(model)
@@ -780,11 +671,11 @@ class MemoryIndex:
                 self._pending.add(name)
 
     def replace_node_sync(
-        self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
+        self, model: str, node_id: str, dp_rank: int, hashes: Sequence[BlockHash64], tiers: bytes = b""
     ) -> None:
-        """Fill a fresh slot with ``entries`` then swap it in, so readers see old or new, never a mix."""
+        """Fill a fresh slot with the snapshot then swap it in, so readers see old or new, never a mix."""
         validate.check_target(model, node_id, dp_rank)
-        per_tier = validate.snapshot_per_tier(entries, self._u64_ok)
+        per_tier = validate.snapshot_per_tier(hashes, tiers)
         mi = self._models.get(model)
         if mi is None:
             mi = self._models[model] = self._model_type()
@@ -837,15 +728,6 @@ class MemoryIndex:
             await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ reads
-
-    def match_raw_sync(
-        self, model: str, hashes: Sequence[int], candidates: Collection[NodeKey] | None = None
-    ) -> list[RawMatch]:
-        """Like ``match_sync`` but rows are plain tuples (the coordinator's hot path)."""
-        mi = self._models.get(model)
-        if mi is None:
-            return []
-        return mi.match(hashes, candidates, None)
 
     def match_sync(
         self, model: str, hashes: Sequence[int], candidates: Collection[NodeKey] | None = None
@@ -909,16 +791,8 @@ class MemoryIndex:
 
     # ------------------------------------------------------------------ Index protocol (async)
 
-    async def apply(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
-        res = self.apply_sync(model, node_id, dp_rank, events)
-        self._kick()
-        return res
-
-    async def apply_raw(
-        self, model: str, node_id: str, dp_rank: int, events: Sequence[RawEvent]
-    ) -> ApplyResult:
-        """Async form of :meth:`apply_raw_sync`."""
-        return self.apply_raw_sync(model, node_id, dp_rank, events)
+    async def apply(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
+        return self.apply_sync(model, node_id, dp_rank, ops)
 
     async def match(
         self,
@@ -940,9 +814,9 @@ class MemoryIndex:
         return self.export_node_sync(model, node_id, dp_rank)
 
     async def replace_node(
-        self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
+        self, model: str, node_id: str, dp_rank: int, hashes: Sequence[BlockHash64], tiers: bytes = b""
     ) -> None:
-        self.replace_node_sync(model, node_id, dp_rank, entries)
+        self.replace_node_sync(model, node_id, dp_rank, hashes, tiers)
         self._kick()
 
     async def stats(self) -> IndexStats:

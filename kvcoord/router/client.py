@@ -15,9 +15,11 @@ import grpc.aio
 
 from kvcoord.agent.reporter import NodeLoad
 from kvcoord.events import Tier
-from kvcoord.proto.v1 import kvcoord_pb2 as pb
-from kvcoord.proto.v1 import kvcoord_pb2_grpc as pbg
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.transport import ChannelSecurity, open_aio_channel, open_channel
+from kvcoord.validate import pack_u64
+from kvcoord.wire import pack_tokens
 
 __all__ = [
     "AsyncCoordinatorClient",
@@ -186,15 +188,6 @@ class _MMItem(Protocol):
 MMItemLike = _MMItem | tuple[str, int, int]
 
 
-def _u64_list(values: Iterable[int], what: str) -> list[int]:
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _UINT64_MAX:
-            raise ValueError(f"{what}[{i}] = {v!r} is not a uint64")
-        out.append(v)
-    return out
-
-
 def build_lookup_request(
     model: str,
     *,
@@ -215,7 +208,7 @@ def build_lookup_request(
     req = pb.LookupRequest(model=model)
     if tokens is not None:
         q = req.tokens
-        q.token_ids.extend(_u64_list(tokens, "tokens"))
+        q.token_ids = pack_tokens(tokens)
         if lora_name is not None:
             q.lora_name = lora_name
         if lora_path is not None:
@@ -232,14 +225,13 @@ def build_lookup_request(
             q.mm_items.add(identifier=ident, offset=off, length=length)
         if prompt_embeds_digests is not None:
             q.prompt_embeds_digests.extend(prompt_embeds_digests)
-        if not len(q.token_ids):
-            req.tokens.SetInParent()
+        req.tokens.SetInParent()
     else:
         assert hashes is not None
         if lora_name or lora_path or cache_salt or mm_items or prompt_embeds_digests:
             raise ValueError("lora/cache_salt/multimodal keys apply to token queries only "
                              "(block hashes already include them)")
-        req.hashes.block_hashes.extend(_u64_list(hashes, "hashes"))
+        req.hashes.block_hashes = pack_u64(hashes)
         req.hashes.SetInParent()
     for node_id, rank in candidates or ():
         req.candidates.add(node_id=node_id, dp_rank=rank)

@@ -24,14 +24,14 @@ import asyncio
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcoord.agent.pool import BlockPool, KVCacheBlock
 from kvcoord.events import KVEvent
 from kvcoord.hashing import BlockHash64, HashProfile
-from kvcoord.index.base import Index, NodeKey, NodeMatch
+from kvcoord.index.base import Index, NodeKey, NodeMatch, run_inline
 from kvcoord.router.policy import (
     LatencyModel,
     NodeLoad,
@@ -40,6 +40,9 @@ from kvcoord.router.policy import (
     candidates_from_matches,
 )
 from kvcoord.sim.workload import SimRequest, Workload
+from kvcoord.validate import ops_of
+
+_T = TypeVar("_T")
 
 MODEL = "sim-model"
 
@@ -88,38 +91,30 @@ class SimBackend:
 
 
 class IndexAdapter(SimBackend):
-    """Synchronous apply/match over an index: ``apply_sync``/``match_sync`` when the backend has them
-    (the in-process memory index), else its coroutines run on a private event loop."""
+    """Synchronous apply/match over an index, through the Index protocol: an ``inline`` backend's
+    coroutines run to completion at once, any other's on a private event loop."""
 
     def __init__(self, index: Index) -> None:
         self.index = index
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._apply: Callable[[str, str, int, Sequence[KVEvent]], Any] | None = getattr(
-            index, "apply_sync", None
-        )
-        self._match: Callable[[str, Sequence[BlockHash64]], list[NodeMatch]] | None = getattr(
-            index, "match_sync", None
-        )
 
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        if self.index.inline:
+            return run_inline(coro)
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(coro)
 
     def apply(self, node_id: str, events: Sequence[KVEvent]) -> None:
-        if self._apply is not None:
-            self._apply(MODEL, node_id, 0, events)
-        else:
-            self._run(self.index.apply(MODEL, node_id, 0, events))
+        self._run(self.index.apply(MODEL, node_id, 0, ops_of(events)))
 
     def match(self, hashes: Sequence[BlockHash64]) -> list[NodeMatch]:
-        if self._match is not None:
-            return self._match(MODEL, hashes)
-        result: list[NodeMatch] = self._run(self.index.match(MODEL, hashes))
-        return result
+        return self._run(self.index.match(MODEL, hashes))
 
     def close(self) -> None:
-        self._run(self.index.close())
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self.index.close())
         if self._loop is not None:
             self._loop.close()
             self._loop = None

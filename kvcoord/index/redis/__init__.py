@@ -89,7 +89,7 @@ from kvcoord.index.redis.client import LATENCY_BUCKETS, IndexUnavailable, RedisC
 from kvcoord.index.redis.index import RedisIndex
 from kvcoord.index.redis.keys import FEED_MAX_ENTRIES
 from kvcoord.index.redis.mirror import LookupMirror
-from kvcoord.index.redis.writes import compile_events
+from kvcoord.index.redis.writes import compile_ops
 
 __all__ = [
     "FEED_MAX_ENTRIES",
@@ -99,5 +99,5 @@ __all__ = [
     "RedisConnection",
     "RedisIndex",
     "RedisMetrics",
-    "compile_events",
+    "compile_ops",
 ]

@@ -11,17 +11,17 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import redis.asyncio as aredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
-from kvcoord.events import KVEvent, Tier
+from kvcoord import validate
+from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index import validate
-from kvcoord.index.base import ApplyResult, IndexStats, NodeKey, NodeMatch, SnapshotEntry
+from kvcoord.index.base import ApplyResult, IndexStats, NodeKey, NodeMatch, Op, SnapshotEntry
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import (
     _EXEC,
@@ -45,7 +45,7 @@ from kvcoord.index.redis.keys import (
 )
 from kvcoord.index.redis.mirror import LookupMirror
 from kvcoord.index.redis.walk import _Names, _walk
-from kvcoord.index.redis.writes import WriteQueue, compile_events
+from kvcoord.index.redis.writes import WriteQueue, compile_ops
 from kvcoord.index.uri import parse_redis_uri
 
 __all__ = ["LATENCY_BUCKETS", "RedisIndex"]
@@ -75,6 +75,7 @@ class RedisIndex:
         self._r = client
         self._cluster = isinstance(client, RedisCluster)
         self.backend = "redis-cluster" if self._cluster else "redis"
+        self.inline = False
         self.key_prefix = key_prefix
         self.buckets = buckets if buckets is not None else (_DEFAULT_CLUSTER_BUCKETS if self._cluster else 1)
         if self.buckets < 1:
@@ -152,9 +153,9 @@ class RedisIndex:
 
     # ---------------------------------------------------------------------------------- the protocol
 
-    async def apply(self, model: str, node_id: str, dp_rank: int, events: Sequence[KVEvent]) -> ApplyResult:
+    async def apply(self, model: str, node_id: str, dp_rank: int, ops_in: Sequence[Op]) -> ApplyResult:
         validate.check_target(model, node_id, dp_rank)
-        ops, skipped = compile_events(events)
+        ops, skipped = compile_ops(ops_in)
         result = ApplyResult(skipped_group=skipped)
         if not ops:
             return result
@@ -195,6 +196,8 @@ class RedisIndex:
     ) -> list[NodeMatch]:
         if not hashes:
             return []
+        if type(hashes) is not list:
+            hashes = list(hashes)  # e.g. the wire's packed view: the walks read a list
         mirror = self._mirror
         if mirror is not None:
             mirror.start()
@@ -203,7 +206,7 @@ class RedisIndex:
                 return mirror.match(model, hashes, want)
         try:
             blob = _pack(hashes)
-        except struct.error as e:
+        except (OverflowError, TypeError) as e:
             raise ValueError(f"query hashes must be uint64 ints: {e}") from e
         if self._fast is not None:
             return await self._match_fast(model, blob, candidates)
@@ -339,10 +342,10 @@ class RedisIndex:
         return entries
 
     async def replace_node(
-        self, model: str, node_id: str, dp_rank: int, entries: Iterable[SnapshotEntry]
+        self, model: str, node_id: str, dp_rank: int, hashes: Sequence[BlockHash64], tiers: bytes = b""
     ) -> None:
         validate.check_target(model, node_id, dp_rank)
-        per_tier = validate.snapshot_per_tier(entries)
+        per_tier = validate.snapshot_per_tier(hashes, tiers)
         await self._check_layout()
         tag = self.tag_of(node_id)
         lf = _loc_name(model, node_id, dp_rank)

@@ -3,8 +3,9 @@ scripts' callers and the mirror agree on it (the package docstring describes the
 
 from __future__ import annotations
 
-import struct
+import sys
 import zlib
+from array import array
 from collections.abc import Sequence
 
 from kvcoord.events import Tier
@@ -37,7 +38,11 @@ def bucket_of(node_id: str, buckets: int) -> int:
 
 
 def _pack(hashes: Sequence[int]) -> bytes:
-    return struct.pack(f">{len(hashes)}Q", *hashes)
+    """uint64 hashes as the keyspace stores them: 8 big-endian bytes each."""
+    packed = array("Q", hashes)
+    if sys.byteorder == "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _loc_name(model: str, node_id: str, dp_rank: int) -> str:

@@ -18,11 +18,9 @@ from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import RedisConnection
 from kvcoord.index.redis.keys import _glob_escape, _pack
 from kvcoord.index.redis.walk import _LOCAL_IDS, _holder_runs, _Names, _rebase, _walk_runs
+from kvcoord.native import native
 
-try:
-    from kvcoord._wirescan import mirror_walk as _mirror_walk
-except ImportError:  # pragma: no cover - built whenever a compiler is present (CI requires it)
-    _mirror_walk = None  # type: ignore[assignment]
+_mirror_walk = native.mirror_walk if native is not None else None
 
 log = logging.getLogger("kvcoord.index.redis")  # the backend's one logger, as before it was a package
 

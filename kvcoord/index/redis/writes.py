@@ -10,22 +10,21 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TypeAlias
 
-from kvcoord.events import KVEvent
-from kvcoord.index import validate
+from kvcoord import validate
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import IndexUnavailable, RedisConnection
 from kvcoord.index.redis.keys import _pack
+from kvcoord.validate import Op
 
 _WRITE_COALESCE_BLOCKS = 2048
 """A coalesced write call takes queued batches up to this many blocks (one batch always goes, however
 big): it bounds how long one script holds Redis, and so how long a lookup can wait behind it."""
 
 
-def compile_events(events: Sequence[KVEvent]) -> tuple[list[tuple[str, bytes]], int]:
-    """Validate a whole batch and turn it into write-script ops; returns ``(ops, skipped_store_blocks)``.
+def compile_ops(batch: Sequence[Op]) -> tuple[list[tuple[str, bytes]], int]:
+    """A batch of validated ops as write-script ops; returns ``(ops, skipped_store_blocks)``.
 
-    Raises ``InvalidEvent`` before anything is sent, so a bad event never half-applies a batch. Group
-    rules are the memory backend's: a non-full-attention store is counted and skipped, and its
+    Group rules are the memory backend's: a non-full-attention store is counted and skipped, and its
     ``group_idx`` is remembered for the location so that the group's later removals are skipped too.
     """
     ops: list[tuple[str, list[bytes]]] = []
@@ -39,7 +38,7 @@ def compile_events(events: Sequence[KVEvent]) -> tuple[list[tuple[str, bytes]], 
         else:
             ops.append((op, [blob]))
 
-    for kind, tier, hashes, group, indexable in validate.ops_of(events):
+    for kind, tier, hashes, group, indexable in batch:
         if kind == validate.STORE:
             if not indexable:
                 skipped += len(hashes)

@@ -1,4 +1,5 @@
-/* Optional C core of kvcoord.index.memory: one model's block table.
+/* The memory index's block table (kvcoord.index.memory's native core; its pure-Python twin is
+ * kvcoord.index.memory._Model): one model's block table.
  *
  * Why: the pure-Python index pays one dict operation (plus object overhead) per block and builds
  * Python objects per answer row; this table keeps uint64 keys and small (slot, tier mask) holders in
@@ -16,11 +17,8 @@
  * Every method validates all of its input before it mutates anything, and no Python code can run while
  * the table is in an intermediate state.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "native.h"
 #include <stdlib.h>
-#include <string.h>
 #if defined(__linux__)
 #include <sys/mman.h>
 #define HUGE_BUCKETS 1
@@ -38,11 +36,7 @@
 #define PF_DIST 32 /* blocks ahead whose bucket is prefetched (store, remove: all keys are wanted) */
 #define MATCH_PF_DIST 16 /* the same for match, whose run may stop early: fewer wasted prefetches */
 
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(p) __builtin_prefetch(p)
-#else
-#define PREFETCH(p) ((void)0)
-#endif
+#define PREFETCH(p) KVN_PREFETCH(p)
 
 typedef struct {
     uint32_t slot;
@@ -196,25 +190,35 @@ as_fast_seq(PyObject *seq)
 }
 
 /* A memoryview of format 'Q' (what u64_view returns): its hashes copied to a fresh PyMem buffer.
- * Returns 1 on success, 0 when arg is not such a view, -1 with an exception. */
+ * Returns 1 on success, 0 when arg is not such a view, -1 with an exception. The view is read through
+ * PyObject_GetBuffer, never PyMemoryView_GET_BUFFER: a released view keeps a dangling buf pointer, and
+ * only the buffer protocol refuses it (ValueError). */
 static int
 view_to_u64(PyObject *arg, uint64_t **buf_out, Py_ssize_t *n_out)
 {
     if (!PyMemoryView_Check(arg)) {
         return 0;
     }
-    Py_buffer *v = PyMemoryView_GET_BUFFER(arg);
-    if (v->ndim != 1 || v->itemsize != 8 || v->format == NULL || strcmp(v->format, "Q") != 0 ||
-        !PyBuffer_IsContiguous(v, 'C')) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_FULL_RO) < 0) {
+        return -1;
+    }
+    if (v.ndim != 1 || v.itemsize != 8 || v.format == NULL || strcmp(v.format, "Q") != 0 ||
+        !PyBuffer_IsContiguous(&v, 'C')) {
+        PyBuffer_Release(&v);
         return 0;
     }
-    Py_ssize_t n = v->shape[0];
+    Py_ssize_t n = v.shape[0];
     uint64_t *buf = PyMem_Malloc(n > 0 ? (size_t)n * sizeof(uint64_t) : 1);
     if (buf == NULL) {
+        PyBuffer_Release(&v);
         PyErr_NoMemory();
         return -1;
     }
-    memcpy(buf, v->buf, (size_t)n * sizeof(uint64_t));
+    if (n > 0) {
+        memcpy(buf, v.buf, (size_t)n * sizeof(uint64_t));
+    }
+    PyBuffer_Release(&v);
     *buf_out = buf;
     *n_out = n;
     return 1;
@@ -911,25 +915,6 @@ sort_group(Row *rows, size_t lo, size_t hi, const uint32_t *rank, uint32_t nslot
     return 0;
 }
 
-static int
-check_result_class(PyObject *cls)
-{
-    if (cls == Py_None) {
-        return 0;
-    }
-    if (!PyType_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "cls must be a tuple subclass or None");
-        return -1;
-    }
-    PyTypeObject *tp = (PyTypeObject *)cls;
-    if (!PyType_IsSubtype(tp, &PyTuple_Type) || tp->tp_basicsize != PyTuple_Type.tp_basicsize ||
-        tp->tp_itemsize != PyTuple_Type.tp_itemsize || tp->tp_dictoffset != 0 || tp->tp_alloc == NULL) {
-        PyErr_SetString(PyExc_TypeError, "cls must be a plain tuple subclass (a NamedTuple) or None");
-        return -1;
-    }
-    return 0;
-}
-
 PyDoc_STRVAR(match_doc,
 "match(hashes, candidates, keys, cls) -> list\n\n"
 "Per live slot (restricted to the `candidates` slots unless None): the gap-free leading run of\n"
@@ -950,7 +935,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "keys must be a list");
         return NULL;
     }
-    if (check_result_class(cls) < 0) {
+    if (kvn_check_row_class(cls, 1) < 0) {
         return NULL;
     }
     if (cands != Py_None && !PyList_Check(cands) && !PyTuple_Check(cands)) {
@@ -1173,11 +1158,14 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
     for (size_t r = 0; r < nrows; r++) {
         Row *row = &rows[r];
         PyObject *key2 = NULL;
+        /* A strong reference: the allocations below may start the cyclic GC, whose finalizers and
+         * callbacks may replace keys[slot] and so free a borrowed key (and its node_id) under us. */
         if (row->slot < (uint32_t)PyList_GET_SIZE(keys)) {
-            key2 = PyList_GET_ITEM(keys, row->slot);
+            key2 = Py_NewRef(PyList_GET_ITEM(keys, row->slot));
         }
         if (key2 == NULL || !PyTuple_Check(key2) || PyTuple_GET_SIZE(key2) != 2) {
             PyErr_SetString(PyExc_RuntimeError, "slot without a (node_id, dp_rank) key");
+            Py_XDECREF(key2);
             Py_XDECREF(last_tiers);
             Py_XDECREF(last_matched);
             Py_CLEAR(out);
@@ -1189,6 +1177,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
             last_matched = PyLong_FromUnsignedLong(row->matched);
             lm = row->matched;
             if (last_matched == NULL) {
+                Py_DECREF(key2);
                 Py_XDECREF(last_tiers);
                 Py_CLEAR(out);
                 goto done;
@@ -1202,6 +1191,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
             lc = row->cpu;
             lsto = row->sto;
             if (last_tiers == NULL) {
+                Py_DECREF(key2);
                 Py_XDECREF(last_matched);
                 Py_CLEAR(out);
                 goto done;
@@ -1216,6 +1206,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
             item = tp->tp_alloc(tp, 4);
         }
         if (item == NULL) {
+            Py_DECREF(key2);
             Py_XDECREF(last_tiers);
             Py_XDECREF(last_matched);
             Py_CLEAR(out);
@@ -1224,6 +1215,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
         PyObject *name = PyTuple_GET_ITEM(key2, 0), *dp = PyTuple_GET_ITEM(key2, 1);
         Py_INCREF(name);
         Py_INCREF(dp);
+        Py_DECREF(key2); /* the row holds what it needs of it */
         Py_INCREF(last_matched);
         Py_INCREF(last_tiers);
         PyTuple_SET_ITEM(item, 0, name);
@@ -1375,7 +1367,9 @@ Table_sweep_step(Table *t, PyObject *arg)
     if (pos < t->cap) {
         return Py_BuildValue("(nO)", visited, Py_False);
     }
-    memset(t->sweeping, 0, t->nslots);
+    if (t->nslots > 0) {
+        memset(t->sweeping, 0, t->nslots); /* NULL before any slot exists (memset(NULL, 0, 0) is UB) */
+    }
     t->sweep_active = 0;
     return Py_BuildValue("(nO)", visited, Py_True);
 }
@@ -1446,7 +1440,7 @@ static PySequenceMethods Table_as_sequence = {
 
 static PyTypeObject TableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvcoord._indexcore.Table",
+    .tp_name = "kvcoord._native.Table",
     .tp_doc = "One model's block table: uint64 key -> holders (slot, tier mask).",
     .tp_basicsize = sizeof(Table),
     .tp_itemsize = 0,
@@ -1544,35 +1538,22 @@ u64_view(PyObject *Py_UNUSED(module), PyObject *arg)
     return view;
 }
 
-static PyMethodDef module_methods[] = {
+PyMethodDef kvn_table_methods[] = {
     {"validate_u64_seq", validate_u64_seq, METH_O, validate_doc},
     {"u64_view", u64_view, METH_O, u64_view_doc},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "kvcoord._indexcore",
-    .m_doc = "C core of the in-memory block index (optional; kvcoord falls back to pure Python).",
-    .m_size = -1,
-    .m_methods = module_methods,
-};
-
-PyMODINIT_FUNC
-PyInit__indexcore(void)
+int
+kvn_table_init(PyObject *module)
 {
     if (PyType_Ready(&TableType) < 0) {
-        return NULL;
-    }
-    PyObject *m = PyModule_Create(&module_def);
-    if (m == NULL) {
-        return NULL;
+        return -1;
     }
     Py_INCREF(&TableType);
-    if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) {
+    if (PyModule_AddObject(module, "Table", (PyObject *)&TableType) < 0) {
         Py_DECREF(&TableType);
-        Py_DECREF(m);
-        return NULL;
+        return -1;
     }
-    return m;
+    return 0;
 }

@@ -1,18 +1,15 @@
-/* Optional C accelerator for kvcoord.hashing: the canonical-CBOR block-hash chain.
+/* vLLM's block-hash chains (kvcoord.hashing's native path; its pure-Python twin is
+ * kvcoord.hashing._chain_reference, the definition).
  *
- * vLLM's sha256_cbor / xxhash_cbor block hash is H(cbor((parent, tuple(tokens), extra_keys))).
- * The CBOR of that triple is simple enough to write byte by byte; what makes the pure-Python
- * path slow is the per-token and per-block interpreter work, not the hashing. This module writes
- * each block's message in C and calls the *same* Python hash callable the reference uses
- * (hashlib.sha256 + .digest(), or xxhash.xxh3_128_digest), so it never carries its own digest
- * implementation. kvcoord falls back to pure Python when this module is absent.
+ * vLLM's block hash is H(serialise((parent, tuple(tokens), extra_keys))) with canonical CBOR or pickle
+ * protocol 5. The serialised bytes are simple enough to write byte by byte; what makes the Python path
+ * slow is the per-token and per-block interpreter work, not the hashing. Each block's message is
+ * written here and hashed by the *same* Python hash callable the reference uses (hashlib.sha256 +
+ * .digest(), or xxhash.xxh3_128_digest), so this file carries no digest implementation of its own.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
+#include "native.h"
 
-static PyObject *str_digest; /* interned "digest" */
+static PyObject *str_digest; /* interned "digest", set by kvn_hashchain_init */
 
 /* Append the CBOR head of (major type, n) at p; return the number of bytes written (1..9). */
 static Py_ssize_t
@@ -100,6 +97,15 @@ chain_args(PyObject *const *args, int *call_digest, Py_ssize_t *block_size, Py_s
     return 0;
 }
 
+/* Token j of a uint64 buffer that need not be 8-aligned (a memoryview slice cast to 'Q' is not). */
+static inline uint64_t
+load_u64(const unsigned char *p, Py_ssize_t j)
+{
+    uint64_t v;
+    memcpy(&v, p + 8 * j, sizeof v);
+    return v;
+}
+
 /* The uint64 token buffer, checked to hold count blocks; 0, or -1 with an exception (view released). */
 static int
 token_view(PyObject *tokens, Py_buffer *view, Py_ssize_t block_size, Py_ssize_t count)
@@ -153,7 +159,7 @@ cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = NULL;
     unsigned char *buf = NULL;
     Py_ssize_t cap = 0; /* scratch message buffer, grown to the largest message */
-    const uint64_t *tokens = (const uint64_t *)view.buf;
+    const unsigned char *tokens = (const unsigned char *)view.buf;
     PyObject *prev = args[2]; /* borrowed: parent, or the previous digest held by `out` */
     unsigned char bs_head[9];
     Py_ssize_t bs_head_len = cbor_head(bs_head, 4, (uint64_t)block_size);
@@ -192,9 +198,9 @@ cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         p += plen;
         memcpy(p, bs_head, (size_t)bs_head_len);
         p += bs_head_len;
-        const uint64_t *t = tokens + i * block_size;
+        const unsigned char *t = tokens + 8 * i * block_size;
         for (Py_ssize_t j = 0; j < block_size; j++) {
-            p += cbor_head(p, 0, t[j]);
+            p += cbor_head(p, 0, load_u64(t, j));
         }
         memcpy(p, PyBytes_AS_STRING(tail), (size_t)tlen);
         p += tlen;
@@ -278,7 +284,7 @@ pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *out = NULL;
-    const uint64_t *tokens = (const uint64_t *)view.buf;
+    const unsigned char *tokens = (const unsigned char *)view.buf;
     PyObject *prev = args[2];
     unsigned char *buf = PyMem_Malloc((size_t)(32 + 255 + 11 * block_size));
     if (buf == NULL) {
@@ -303,7 +309,7 @@ pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         memcpy(p, PyBytes_AS_STRING(prev), (size_t)plen);
         p += plen;
         *p++ = 0x94; /* MEMOIZE */
-        const uint64_t *t = tokens + i * block_size;
+        const unsigned char *t = tokens + 8 * i * block_size;
         if (block_size == 0) {
             *p++ = ')'; /* EMPTY_TUPLE (not memoized) */
         } else {
@@ -311,7 +317,7 @@ pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 *p++ = '('; /* MARK */
             }
             for (Py_ssize_t j = 0; j < block_size; j++) {
-                p += pickle_uint(p, t[j]);
+                p += pickle_uint(p, load_u64(t, j));
             }
             *p++ = block_size == 1 ? 0x85 : block_size == 2 ? 0x86 : block_size == 3 ? 0x87 : 't';
             *p++ = 0x94; /* MEMOIZE */
@@ -338,30 +344,18 @@ done:
     return out;
 }
 
-static PyMethodDef speedups_methods[] = {
+PyMethodDef kvn_hashchain_methods[] = {
     {"cbor_chain", (PyCFunction)(void (*)(void))cbor_chain, METH_FASTCALL, cbor_chain_doc},
     {"pickle_chain", (PyCFunction)(void (*)(void))pickle_chain, METH_FASTCALL, pickle_chain_doc},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef speedups_module = {
-    PyModuleDef_HEAD_INIT,
-    "kvcoord._speedups",
-    "Optional C accelerator for kvcoord.hashing (canonical-CBOR block chains).",
-    -1,
-    speedups_methods,
-    NULL,
-    NULL,
-    NULL,
-    NULL,
-};
-
-PyMODINIT_FUNC
-PyInit__speedups(void)
+int
+kvn_hashchain_init(PyObject *module)
 {
-    str_digest = PyUnicode_InternFromString("digest");
+    (void)module;
     if (str_digest == NULL) {
-        return NULL;
+        str_digest = PyUnicode_InternFromString("digest");
     }
-    return PyModule_Create(&speedups_module);
+    return str_digest == NULL ? -1 : 0;
 }

@@ -1,0 +1,63 @@
+"""kvcoord's native hot paths (sources: kvcoord/_native/). Use them through ``kvcoord.native.native``."""
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+_Row = TypeVar("_Row", bound=tuple[Any, ...])
+
+# --- hash chains (hashchain.c; Python twin: kvcoord.hashing._chain_reference) ---------------------
+def cbor_chain(
+    hash_fn: Callable[[bytes], object],
+    call_digest: bool,
+    parent: bytes,
+    tokens: object,
+    block_size: int,
+    count: int,
+    tails: bytes | list[bytes],
+    /,
+) -> list[bytes]: ...
+def pickle_chain(
+    hash_fn: Callable[[bytes], object],
+    call_digest: bool,
+    parent: bytes,
+    tokens: object,
+    block_size: int,
+    count: int,
+    /,
+) -> list[bytes]: ...
+
+# --- the memory index's table (table.c; Python twin: kvcoord.index.memory._Model) ------------------
+class Table:
+    """One model's block table: uint64 key -> holders (slot, tier mask)."""
+
+    def __init__(self) -> None: ...
+    def __len__(self) -> int: ...
+    def store(self, slot: int, tier: int, hashes: Sequence[int], /) -> int: ...
+    def remove(self, slot: int, tier: int, hashes: Sequence[int], /) -> int: ...
+    def set_live(self, slot: int, live: bool, /) -> None: ...
+    def set_order(self, slots: list[int] | tuple[int, ...], /) -> None: ...
+    def match(
+        self,
+        hashes: Sequence[int],
+        candidates: list[int] | None,
+        keys: list[tuple[str, int] | None],
+        cls: type[tuple[str, int, int, tuple[int, ...]]] | None,
+        /,
+    ) -> list[tuple[str, int, int, tuple[int, ...]]]: ...
+    def export(self, slot: int, /) -> list[tuple[int, int]]: ...
+    def sweep_begin(self, slots: list[int] | tuple[int, ...], /) -> None: ...
+    def sweep_step(self, budget: int, /) -> tuple[int, bool]: ...
+    def nbytes(self) -> int: ...
+
+def validate_u64_seq(seq: object, /) -> bool: ...
+def u64_view(seq: object, /) -> Sequence[int] | None: ...
+
+# --- the Redis mirror's holder walk (walk.c; Python twin: kvcoord.index.redis.walk._walk_runs) -----
+def mirror_walk(
+    copy: dict[int, bytes],
+    hashes: Sequence[int],
+    live: dict[int, tuple[str, str, int]],
+    allowed: set[int] | None,
+    cls: type[_Row],
+    /,
+) -> list[_Row] | None: ...
