@@ -28,9 +28,9 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcoord.agent.relay import BlockMirror, Relay
 from kvcoord.agent.reporter import Reporter
-from kvcoord.agent.zmq_wire import ZmqEventPublisher
+from kvcoord.engine.relay import BlockMirror, Relay
+from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier, encode_vllm_batch
 from kvcoord.hashing import to_block_hash64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb

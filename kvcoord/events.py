@@ -40,6 +40,13 @@ class Tier(enum.IntEnum):
     STORAGE = 2
 
 
+DEFAULT_TIER_WEIGHTS: tuple[float, float, float] = (1.0, 0.8, 0.5)
+"""Fraction of a block's prefill a hit on each tier saves (GPU, CPU, STORAGE): how lookup answers are
+ordered (``[tier_weights]`` of the coordinator) and how the prefix-aware policy scores a node.
+
+A GPU hit is free; a CPU hit costs a PCIe copy (about a fifth of recomputing it for an 8B model);
+a storage hit costs a disk or network read, about half of recomputing it."""
+
 _MEDIUM_ALIASES: dict[str, Tier] = {
     "GPU": Tier.GPU,
     "CUDA": Tier.GPU,

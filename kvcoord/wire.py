@@ -19,6 +19,7 @@ import msgspec
 
 from kvcoord.events import CLEAR, STORE, ExtraKeys, Tier, stored_extra_keys, stored_tokens
 from kvcoord.hashing import BlockHash64, to_block_hash64
+from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import NTIERS, InvalidEvent, Op, indexable_kind, ops_of, pack_u64, unpack_u64
 
@@ -298,3 +299,18 @@ def events_to_proto(events: Sequence[Any], *, sample: bool = False) -> list[pb.K
     ops = ops_of(events)
     return [event_to_proto(op, ev, Sample.of(ev) if sample and op.kind == STORE else None)
             for op, ev in zip(ops, events, strict=True)]
+
+
+def load_to_proto(load: NodeLoad, out: pb.Load | None = None) -> pb.Load:
+    """A load into ``out`` (in place, e.g. a response's field) or a new message."""
+    msg = out if out is not None else pb.Load()
+    msg.running_requests = load.running_requests
+    msg.waiting_requests = load.waiting_requests
+    msg.kv_usage = load.kv_usage
+    return msg
+
+
+def load_from_proto(msg: pb.Load) -> NodeLoad:
+    """A reported load; a kv usage outside 0..1 (or NaN) reads as 0."""
+    kv = float(msg.kv_usage)
+    return NodeLoad(int(msg.running_requests), int(msg.waiting_requests), kv if 0.0 <= kv <= 1.0 else 0.0)

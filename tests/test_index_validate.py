@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from kvcoord import validate
-from kvcoord.agent.relay import BlockMirror
+from kvcoord.engine.relay import BlockMirror
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kvcoord.index.base import InvalidEvent
 from kvcoord.index.memory import MemoryIndex

@@ -7,13 +7,13 @@ import pytest
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeMatch
+from kvcoord.load import NodeLoad
 from kvcoord.router.policy import (
     POLICY_NAMES,
     ApproximatePolicy,
     Candidate,
     LatencyModel,
     LeastLoadedPolicy,
-    NodeLoad,
     PlacementMemory,
     PrefixAwarePolicy,
     RandomPolicy,
@@ -54,7 +54,8 @@ def test_random_is_reproducible_from_its_seed_and_covers_nodes() -> None:
 
 def test_least_loaded_picks_fewest_in_flight_and_breaks_ties_at_random() -> None:
     p = LeastLoadedPolicy(seed=3)
-    cands = nodes(3, n0=NodeLoad(running=4), n1=NodeLoad(running=1, waiting=1), n2=NodeLoad(running=1))
+    cands = nodes(3, n0=NodeLoad(running_requests=4), n1=NodeLoad(running_requests=1, waiting_requests=1),
+                  n2=NodeLoad(running_requests=1))
     d = p.choose(req(64), cands)
     assert d.node_id == "n2" and "1 in flight" in d.why
     tied = nodes(4)
@@ -91,24 +92,24 @@ def test_tier_weights_rank_gpu_over_cpu_over_storage() -> None:
 def test_load_outweighs_a_small_hit_in_the_same_unit() -> None:
     lat = LatencyModel(prefill_s_per_token=1e-4)
     p = PrefixAwarePolicy(seed=0, latency=lat)
-    holder = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running=1, prefill_tokens=500))
+    holder = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running_requests=1, prefill_tokens=500))
     idle = Candidate("idle", 0, 0, (), NodeLoad())
     # The hit saves 128 tokens of prefill but 500 tokens are queued ahead of it.
     d = p.choose(req(1024), [holder, idle])
     assert d.node_id == "idle" and "replicating" in d.why and "busier" in d.why
-    holder_light = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running=1, prefill_tokens=100))
+    holder_light = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running_requests=1, prefill_tokens=100))
     assert p.choose(req(1024), [holder_light, idle]).node_id == "holder"
 
 
 def test_balance_cap_excludes_an_overloaded_holder_whatever_it_holds() -> None:
     p = PrefixAwarePolicy(seed=0, balance_abs=4, balance_rel=1.5)
-    full = Candidate("holder", 0, 128, (128, 0, 0), NodeLoad(running=5))
-    others = [Candidate(f"n{i}", 0, 0, (), NodeLoad(running=0)) for i in range(3)]
+    full = Candidate("holder", 0, 128, (128, 0, 0), NodeLoad(running_requests=5))
+    others = [Candidate(f"n{i}", 0, 0, (), NodeLoad(running_requests=0)) for i in range(3)]
     d = p.choose(req(128 * BS + 8), [full, *others])
     assert d.node_id != "holder"
     assert "over the balance cap" in d.why
     # At 4 in flight (= 1.5 * 0 + 4) it is still eligible, and its hit wins.
-    ok = Candidate("holder", 0, 128, (128, 0, 0), NodeLoad(running=4))
+    ok = Candidate("holder", 0, 128, (128, 0, 0), NodeLoad(running_requests=4))
     assert p.choose(req(128 * BS + 8), [ok, *others]).node_id == "holder"
 
 
@@ -180,7 +181,8 @@ def test_routed_memory_sweep_drops_only_expired_entries() -> None:
 
 
 def test_candidates_from_matches_fills_missing_nodes_and_drops_unroutable() -> None:
-    loads = {("a", 0): NodeLoad(running=1), ("b", 0): NodeLoad(), ("b", 1): NodeLoad(waiting=2)}
+    loads = {("a", 0): NodeLoad(running_requests=1), ("b", 0): NodeLoad(),
+             ("b", 1): NodeLoad(waiting_requests=2)}
     matches = [
         NodeMatch("b", 1, 7, (3, 4, 0)),
         NodeMatch("gone", 0, 9, (9, 0, 0)),
@@ -188,7 +190,7 @@ def test_candidates_from_matches_fills_missing_nodes_and_drops_unroutable() -> N
     cands = {c.key: c for c in candidates_from_matches(loads, matches)}
     assert set(cands) == set(loads)
     assert cands[("b", 1)].matched_blocks == 7 and cands[("b", 1)].tier_counts() == (3, 4, 0)
-    assert cands[("a", 0)].matched_blocks == 0 and cands[("a", 0)].load.running == 1
+    assert cands[("a", 0)].matched_blocks == 0 and cands[("a", 0)].load.running_requests == 1
     assert Candidate("x", 0, 5).tier_counts() == (5, 0, 0)
     assert Candidate("x", 0, 5, (1, 2, 2)).tier_counts()[Tier.STORAGE] == 2
 
@@ -217,9 +219,9 @@ def test_queue_estimate_counts_prefill_backlog_and_slot_wait() -> None:
     lat = LatencyModel(
         prefill_s_per_token=1e-4, decode_s_per_token=1e-2, max_running=2, mean_output_tokens=100
     )
-    assert lat.queue_seconds(NodeLoad(running=1, prefill_tokens=1000)) == pytest.approx(0.1)
+    assert lat.queue_seconds(NodeLoad(running_requests=1, prefill_tokens=1000)) == pytest.approx(0.1)
     # 2 running + 1 waiting + this one = 2 over the 2 slots: 2 * 100 * 0.01 / 2 = 1.0 s
-    assert lat.queue_seconds(NodeLoad(running=2, waiting=1)) == pytest.approx(1.0)
+    assert lat.queue_seconds(NodeLoad(running_requests=2, waiting_requests=1)) == pytest.approx(1.0)
 
 
 def hashes(*runs: tuple[int, int]) -> list[BlockHash64]:
@@ -266,7 +268,7 @@ def test_remembered_placement_obeys_the_balance_cap() -> None:
     p = PrefixAwarePolicy(seed=3, balance_abs=4, balance_rel=1.5)
     convo = hashes((7000, 128))
     a = p.choose(RouteRequest(128 * BS, BS, convo, 0.0), nodes(4)).node_id
-    over = [Candidate(c.node_id, 0, 0, (), NodeLoad(running=9) if c.node_id == a else c.load)
+    over = [Candidate(c.node_id, 0, 0, (), NodeLoad(running_requests=9) if c.node_id == a else c.load)
             for c in nodes(4)]
     d = p.choose(RouteRequest(128 * BS + 8, BS, convo, 0.01), over)
     assert d.node_id != a and "over the balance cap" in d.why, d.why

@@ -14,8 +14,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvcoord.agent.relay import REPLAY_ONLY_PROBES_WARN, BlockMirror, Relay
-from kvcoord.agent.zmq_wire import (
+from kvcoord.engine.relay import REPLAY_ONLY_PROBES_WARN, BlockMirror, Relay
+from kvcoord.engine.zmq_wire import (
     END_SEQ,
     EndpointError,
     ReplayClient,

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvcoord.agent.relay import REPLAY_ONLY_PROBES_WARN
+from kvcoord.engine.relay import REPLAY_ONLY_PROBES_WARN
 from kvcoord.hashing import HashProfile
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorClient
 from tests.procs import free_port, kvcoord_cmd, make_certs, running, stop, wait_for_port

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from kvcoord.agent.reporter import NodeLoad, Reporter
+from kvcoord.agent.reporter import Reporter
 from kvcoord.events import BlockRemoved, BlockStored, Tier
 from kvcoord.hashing import HashProfile, block_hashes64
+from kvcoord.load import NodeLoad
 from kvcoord.router.client import AsyncCoordinatorClient, NodeStatus
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import RedisServer, redis_server

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvcoord.agent.relay import REPLAY_ONLY_PROBES_WARN, Relay
+from kvcoord.engine.relay import REPLAY_ONLY_PROBES_WARN, Relay
 from kvcoord.router.client import CoordinatorClient
 from kvcoord.sim.engine import PromptSource
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port

@@ -27,20 +27,30 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
 import grpc.aio
 
+from kvcoord.agent.link import (
+    CoordinatorEndpoint,
+    Link,
+    LinkStats,
+    Pending,
+    ReporterOptions,
+    ReporterStats,
+    Sealed,
+    batch_message,
+    batches_message,
+)
 from kvcoord.events import STORE, Tier
 from kvcoord.hashing import to_block_hash64
+from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity, open_aio_channel
 from kvcoord.validate import Op, ops_of
-from kvcoord.wire import TokenSampler, fill_event, snapshot_to_proto
+from kvcoord.wire import TokenSampler, fill_event, load_to_proto, snapshot_to_proto
 
 __all__ = [
     "AGENT_VERSION",
@@ -62,23 +72,6 @@ INGEST_METHOD = "/kvcoord.v2.Coordinator/Ingest"
 
 
 # --- public value types ----------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class NodeLoad:
-    """A node's load as reported for placement."""
-
-    running_requests: int = 0
-    waiting_requests: int = 0
-    kv_usage: float = 0.0
-
-    def to_proto(self) -> pb.Load:
-        return pb.Load(running_requests=self.running_requests, waiting_requests=self.waiting_requests,
-                       kv_usage=self.kv_usage)
-
-    @classmethod
-    def from_proto(cls, msg: pb.Load) -> NodeLoad:
-        return cls(msg.running_requests, msg.waiting_requests, msg.kv_usage)
-
-
 SnapshotProvider = Callable[[int], Iterable[tuple[int, Tier]]]
 """dp_rank -> every (block hash, tier) the node holds on that rank. Called in the event loop; must
 describe the state after every event submitted so far (the pool or relay mirror, read synchronously)."""
@@ -103,177 +96,6 @@ def hash_profile_to_proto(profile: _ProfileLike) -> pb.HashProfile:
     return pb.HashProfile(algo=profile.algo, block_size=profile.block_size, style=profile.style,
                           none_hash_fingerprint=profile.fingerprint(),
                           engine_release=profile.engine_release or "")
-
-
-@dataclass(frozen=True, slots=True)
-class CoordinatorEndpoint:
-    address: str
-    security: ChannelSecurity | None = None
-    """None: the reporter's default security."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReporterOptions:
-    max_batch_events: int = 512
-    max_batch_blocks: int = 1024
-    flush_interval: float = 0.01
-    """Seconds a partial batch may wait for more events."""
-    max_unacked_batches: int = 8192
-    """Per coordinator; beyond it the queue is dropped and a snapshot replaces it."""
-    snapshot_chunk_entries: int = 65536
-    backoff_initial: float = 0.05
-    backoff_max: float = 5.0
-    welcome_timeout: float = 5.0
-    default_lease_seconds: float = 10.0
-    max_message_bytes: int = 64 << 20
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_events", "max_batch_blocks", "max_unacked_batches", "snapshot_chunk_entries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.flush_interval < 0 or self.backoff_initial <= 0 or self.backoff_max < self.backoff_initial:
-            raise ValueError("flush_interval must be >= 0 and 0 < backoff_initial <= backoff_max")
-
-
-@dataclass(slots=True)
-class LinkStats:
-    """Counters of one coordinator stream."""
-
-    address: str
-    connected: bool = False
-    batches_sent: int = 0
-    batches_acked: int = 0
-    batches_resent: int = 0
-    snapshots_sent: int = 0
-    snapshot_requests: int = 0
-    heartbeats_sent: int = 0
-    reconnects: int = 0
-    overflows: int = 0
-    unacked: int = 0
-    acked_seq: int = 0
-    last_error: str = ""
-    refused: str = ""
-    """Non-empty: the coordinator refused this node for good (a token not allowed for it, an unknown model
-    in strict mode, an invalid Hello); the link stopped retrying. The status and message."""
-    hash_mismatch: str = ""
-    """The coordinator says this node's hashes cannot match its own (seed, algorithm, block size, style)."""
-
-
-@dataclass(slots=True)
-class ReporterStats:
-    node_id: str
-    epoch: int
-    last_seq: int
-    events_submitted: int
-    batches_sealed: int
-    links: list[LinkStats] = field(default_factory=list)
-
-    def total(self, name: str) -> int:
-        return sum(int(getattr(link, name)) for link in self.links)
-
-
-# --- internals -------------------------------------------------------------------------------
-class _Sealed:
-    """A numbered batch, serialized once (``EventBatch`` bytes) and shared by every coordinator's queue."""
-
-    __slots__ = ("blocks", "body", "seq")
-
-    def __init__(self, seq: int, body: bytes, blocks: int) -> None:
-        self.seq = seq
-        self.body = body
-        self.blocks = blocks
-
-
-class _Pending:
-    """A batch being filled: the events go straight into its message (no copy at sealing)."""
-
-    __slots__ = ("blocks", "msg", "timer")
-
-    def __init__(self, ts: float, rank: int) -> None:
-        self.msg = pb.EventBatch(ts=ts, dp_rank=rank)
-        self.blocks = 0
-        self.timer: asyncio.TimerHandle | None = None
-
-
-class _Link:
-    """One coordinator: its stream task, unacked queue (contiguous seqs) and counters."""
-
-    __slots__ = ("endpoint", "force_snapshot", "high_sent", "security", "snap_wait",
-                 "snapshot_requested", "stats", "task", "unacked", "wakeup")
-
-    def __init__(self, endpoint: CoordinatorEndpoint, security: ChannelSecurity) -> None:
-        self.endpoint = endpoint
-        self.security = security
-        self.unacked: deque[_Sealed] = deque()
-        self.stats = LinkStats(endpoint.address)
-        self.wakeup = asyncio.Event()
-        self.snapshot_requested = False
-        self.force_snapshot = False
-        self.high_sent = 0
-        self.snap_wait = -1
-        """Seq of a snapshot sent but not yet acked (-1: none)."""
-        self.task: asyncio.Task[None] | None = None
-
-    def settled(self) -> bool:
-        """Nothing sealed or snapshotted is waiting for this coordinator's ack."""
-        return (not self.unacked and not self.force_snapshot and not self.snapshot_requested
-                and self.snap_wait < 0)
-
-    def on_ack(self, seq: int) -> None:
-        self.stats.batches_acked += self.drop_through(seq)
-        self.stats.acked_seq = max(self.stats.acked_seq, seq)
-        if seq >= self.snap_wait:
-            self.snap_wait = -1
-
-    def drop_through(self, seq: int) -> int:
-        n = 0
-        q = self.unacked
-        while q and q[0].seq <= seq:
-            q.popleft()
-            n += 1
-        return n
-
-    def group_after(self, cursor: int, max_bytes: int) -> list[_Sealed]:
-        """The queued batches after ``cursor`` that fit one message (at least one; contiguous seqs)."""
-        q = self.unacked
-        pos = max(0, cursor - q[0].seq + 1)
-        out = [q[pos]]
-        size = len(q[pos].body)
-        for i in range(pos + 1, min(len(q), pos + MAX_GROUP_BATCHES)):
-            size += len(q[i].body) + 8
-            if size > max_bytes:
-                break
-            out.append(q[i])
-        return out
-
-    def next_after(self, cursor: int) -> _Sealed | None:
-        q = self.unacked
-        if not q:
-            return None
-        pos = cursor - q[0].seq + 1
-        if pos < 0:
-            pos = 0
-        return q[pos] if pos < len(q) else None
-
-
-def _batch_message(body: bytes) -> bytes:
-    """``AgentMessage{batch}`` around one sealed ``EventBatch``."""
-    msg = pb.AgentMessage()
-    msg.batch.MergeFromString(body)
-    return msg.SerializeToString()
-
-
-def _batches_message(bodies: Sequence[bytes]) -> bytes:
-    """``AgentMessage{batches}`` around several sealed ``EventBatch``es (consecutive seqs)."""
-    msg = pb.AgentMessage()
-    group = msg.batches.batches
-    for body in bodies:
-        group.add().MergeFromString(body)
-    return msg.SerializeToString()
-
-
-MAX_GROUP_BATCHES = 64
-"""At most this many queued batches go out in one ``EventBatches`` message (also bounded by bytes)."""
 
 
 def _raw(data: bytes) -> bytes:
@@ -342,8 +164,8 @@ class Reporter:
         self._endpoints = [c if isinstance(c, CoordinatorEndpoint) else CoordinatorEndpoint(c)
                            for c in coordinators]
         self._default_security = default_sec
-        self._links: list[_Link] = []
-        self._pending: dict[int, _Pending] = {}
+        self._links: list[Link] = []
+        self._pending: dict[int, Pending] = {}
         self._last_seq = 0
         self._events_submitted = 0
         self._batches_sealed = 0
@@ -366,7 +188,7 @@ class Reporter:
         self._loop_thread = threading.get_ident()
         self._ack_event = asyncio.Event()
         for ep in self._endpoints:
-            link = _Link(ep, ep.security or self._default_security)
+            link = Link(ep, ep.security or self._default_security)
             self._links.append(link)
             link.task = asyncio.create_task(self._run_link(link), name=f"kvcoord-reporter-{ep.address}")
 
@@ -472,7 +294,7 @@ class Reporter:
         for ev, op in zip(events, ops, strict=True):
             p = self._pending.get(rank)
             if p is None:
-                p = self._pending[rank] = _Pending(ts, rank)
+                p = self._pending[rank] = Pending(ts, rank)
             sample = sampler.pick(ev) if op.kind == STORE else None
             fill_event(p.msg.events.add(), op, ev, sample)
             if sample is not None:
@@ -496,7 +318,7 @@ class Reporter:
         self._batches_sealed += 1
         seq = self._last_seq
         p.msg.seq = seq
-        sealed = _Sealed(seq, p.msg.SerializeToString(), p.blocks)
+        sealed = Sealed(seq, p.msg.SerializeToString(), p.blocks)
         limit = self.options.max_unacked_batches
         for link in self._links:
             if len(link.unacked) >= limit:
@@ -544,7 +366,7 @@ class Reporter:
         out[-1].final = True
         return out
 
-    async def _send_snapshot(self, link: _Link, call: grpc.aio.StreamStreamCall) -> int:
+    async def _send_snapshot(self, link: Link, call: grpc.aio.StreamStreamCall) -> int:
         link.force_snapshot = True  # until the final chunk is written
         chunks = self._take_snapshot()
         seq = chunks[0].seq
@@ -559,7 +381,7 @@ class Reporter:
         return seq
 
     # -- streams --
-    def _hello(self, link: _Link) -> bytes:
+    def _hello(self, link: Link) -> bytes:
         next_seq = link.unacked[0].seq if link.unacked else self._last_seq + 1
         hello = pb.Hello(node_id=self.node_id, model=self.model, dp_ranks=self.dp_ranks, epoch=self.epoch,
                          agent_version=AGENT_VERSION, next_seq=next_seq, serving_url=self.serving_url)
@@ -567,7 +389,7 @@ class Reporter:
             hello.hash_profile.CopyFrom(self._profile)
         return pb.AgentMessage(hello=hello).SerializeToString()
 
-    async def _run_link(self, link: _Link) -> None:
+    async def _run_link(self, link: Link) -> None:
         opts = self.options
         backoff = opts.backoff_initial
         last_logged = ""
@@ -605,7 +427,7 @@ class Reporter:
             backoff = min(backoff * 2, opts.backoff_max)
             link.stats.reconnects += 1
 
-    def _refuse(self, link: _Link) -> None:
+    def _refuse(self, link: Link) -> None:
         link.stats.refused = link.stats.last_error
         log.error("coordinator %s refused node %s for good (%s); not retrying", link.endpoint.address,
                   self.node_id, link.stats.refused)
@@ -616,13 +438,13 @@ class Reporter:
         """``address: reason`` of every coordinator that refused this node for good."""
         return [f"{lk.endpoint.address}: {lk.stats.refused}" for lk in self._links if lk.stats.refused]
 
-    def _mismatch(self, link: _Link, message: str) -> None:
+    def _mismatch(self, link: Link, message: str) -> None:
         if message and message != link.stats.hash_mismatch:
             log.error("coordinator %s: this node's block hashes do not match its profile, so its cache "
                       "will not be found by token lookups: %s", link.endpoint.address, message)
         link.stats.hash_mismatch = message
 
-    async def _session(self, link: _Link) -> bool:
+    async def _session(self, link: Link) -> bool:
         """One stream's life. Returns True if it got as far as a Welcome."""
         opts = self.options
         channel = open_aio_channel(link.endpoint.address, link.security, opts.max_message_bytes)
@@ -663,7 +485,7 @@ class Reporter:
         if code is not None and code != grpc.StatusCode.OK:
             raise _StreamClosed(f"{code.name}: {await call.details()}", code)
 
-    def _on_welcome(self, link: _Link, w: pb.Welcome) -> int:
+    def _on_welcome(self, link: Link, w: pb.Welcome) -> int:
         """Apply the coordinator's view; returns the cursor (last seq it has) for the writer."""
         if w.HasField("verify"):
             self.sampler.configure(w.verify)
@@ -688,7 +510,7 @@ class Reporter:
         link.snapshot_requested = need
         return acked
 
-    async def _write_loop(self, link: _Link, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None],
+    async def _write_loop(self, link: Link, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None],
                           cursor: int, hb_interval: float) -> None:
         next_hb = time.monotonic() + hb_interval
         stats = link.stats
@@ -710,9 +532,9 @@ class Reporter:
             if b is not None:
                 group = link.group_after(cursor, max_group_bytes)
                 if len(group) == 1:
-                    await call.write(_batch_message(b.body))
+                    await call.write(batch_message(b.body))
                 else:
-                    await call.write(_batches_message([g.body for g in group]))
+                    await call.write(batches_message([g.body for g in group]))
                 cursor = group[-1].seq
                 stats.batches_sent += len(group)
                 if group[0].seq <= link.high_sent:
@@ -722,7 +544,7 @@ class Reporter:
             now = time.monotonic()
             if now >= next_hb:
                 load = self._load() if self._load is not None else None
-                hb = pb.AgentHeartbeat(load=load.to_proto() if load is not None else None)
+                hb = pb.AgentHeartbeat(load=load_to_proto(load) if load is not None else None)
                 await call.write(pb.AgentMessage(heartbeat=hb).SerializeToString())
                 stats.heartbeats_sent += 1
                 next_hb = now + hb_interval
@@ -730,7 +552,7 @@ class Reporter:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(link.wakeup.wait(), next_hb - now)
 
-    async def _read_loop(self, link: _Link, call: grpc.aio.StreamStreamCall) -> None:
+    async def _read_loop(self, link: Link, call: grpc.aio.StreamStreamCall) -> None:
         assert self._ack_event is not None
         try:
             while True:

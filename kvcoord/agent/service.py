@@ -1,7 +1,7 @@
 """``kvcoord agent``: relay one engine's ZMQ KV events to one or more coordinators, until SIGTERM.
 
-One :class:`~kvcoord.agent.relay.Relay` per engine DP rank (vLLM offsets each rank's ports by the rank)
-feeds a shared :class:`~kvcoord.agent.relay.BlockMirror` and a :class:`~kvcoord.agent.reporter.Reporter`.
+One :class:`~kvcoord.engine.relay.Relay` per engine DP rank (vLLM offsets each rank's ports by the rank)
+feeds a shared :class:`~kvcoord.engine.relay.BlockMirror` and a :class:`~kvcoord.agent.reporter.Reporter`.
 The agent exits 1 when every coordinator refused the node for good (a token not allowed for it, an
 unknown model in strict mode): retrying could not change the answer, so it says why once and stops.
 """
@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcoord.agent.relay import BlockMirror, EventSink, Relay
 from kvcoord.agent.reporter import Reporter
-from kvcoord.agent.zmq_wire import offset_endpoint_port
+from kvcoord.engine.relay import BlockMirror, EventSink, Relay
+from kvcoord.engine.zmq_wire import offset_endpoint_port
 from kvcoord.hashing import HashProfile
 from kvcoord.transport import ChannelSecurity
 

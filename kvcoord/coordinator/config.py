@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from kvcoord.events import Tier
+from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, HASH_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
 from kvcoord.index.uri import check_index_uri
 from kvcoord.transport import split_hostport
@@ -142,7 +142,7 @@ class CoordinatorConfig:
     lease_seconds: float = 10.0
     strict_models: bool = False
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
-    tier_weights: tuple[float, float, float] = (1.0, 0.8, 0.5)
+    tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS
     limits: Limits = field(default_factory=Limits)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)

@@ -21,10 +21,11 @@ from typing import TypeVar
 
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.metrics import Metrics
-from kvcoord.coordinator.registry import EXPIRED, Load, NodeRecord, NodeRegistry
+from kvcoord.coordinator.registry import EXPIRED, NodeRecord, NodeRegistry
 from kvcoord.coordinator.shared import PUBLISH_SECONDS, REFRESH_SECONDS, NodeDirectory, SharedNode
 from kvcoord.coordinator.verify import HashVerifier
-from kvcoord.index.base import Index, IndexStats, InvalidEvent, QuickStats
+from kvcoord.index.base import Index, IndexStats, InvalidEvent
+from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 
 log = logging.getLogger("kvcoord.coordinator")
@@ -311,7 +312,7 @@ class CoordinatorState:
             try:
                 # The cheap figures: an exact distinct-block count can mean scanning millions of
                 # fields on a sharded backend, not something to do every stats interval.
-                stats = await (index.quick_stats() if isinstance(index, QuickStats) else index.stats())
+                stats = await index.quick_stats()
             except Exception as exc:
                 self.stats_failed(exc)
             else:
@@ -347,21 +348,18 @@ class CoordinatorState:
         """
         index = self.index
         try:
-            if not isinstance(index, QuickStats):
-                stats = await index.stats()
-            else:
-                stats = await index.quick_stats()
-                if stats.blocks_upper_bound:
-                    async with self._exact_lock:
-                        cached = self._exact
-                        if cached is None or time.monotonic() - cached[0] >= EXACT_STATS_SECONDS:
-                            cached = self._exact = (time.monotonic(), await index.stats())
-                    stats = dataclasses.replace(
-                        stats,
-                        blocks=cached[1].blocks,
-                        blocks_by_model=cached[1].blocks_by_model,
-                        blocks_upper_bound=cached[1].blocks_upper_bound,
-                    )
+            stats = await index.quick_stats()
+            if stats.blocks_upper_bound:
+                async with self._exact_lock:
+                    cached = self._exact
+                    if cached is None or time.monotonic() - cached[0] >= EXACT_STATS_SECONDS:
+                        cached = self._exact = (time.monotonic(), await index.stats())
+                stats = dataclasses.replace(
+                    stats,
+                    blocks=cached[1].blocks,
+                    blocks_by_model=cached[1].blocks_by_model,
+                    blocks_upper_bound=cached[1].blocks_upper_bound,
+                )
         except Exception as exc:
             self.stats_failed(exc)
             return self.last_stats, True
@@ -380,8 +378,7 @@ class CoordinatorState:
         # heartbeat republishes only once the true deadline moved by half the slack.
         return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
                           heard + lease + self._slack(), self.replica_id, heard,
-                          Load(rec.load.running_requests, rec.load.waiting_requests, rec.load.kv_usage),
-                          rec.serving_url)
+                          rec.load, rec.serving_url)
 
     def _slack(self) -> float:
         return min(2.0, self.registry.lease / 2)
@@ -437,7 +434,7 @@ class CoordinatorState:
                 models[n.model] = n.deadline
         self.shared, self._shared_models = view, models
 
-    def live_node(self, node_id: str, model: str, now: float, now_wall: float) -> tuple[Load, str] | None:
+    def live_node(self, node_id: str, model: str, now: float, now_wall: float) -> tuple[NodeLoad, str] | None:
         """``(load, serving url)`` of ``node_id`` if lookups of ``model`` may report it now: this replica's
         record, or (replicas) another replica's that heard from the node later."""
         rec = self.registry.get(node_id)

@@ -35,12 +35,18 @@ from google.protobuf.message import DecodeError
 
 from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.core import CoordinatorState, Push
-from kvcoord.coordinator.registry import AnnouncedProfile, Load, NodeRecord
+from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.index.base import InvalidEvent
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import Hashes, Op
-from kvcoord.wire import event_counts, ops_from_proto, samples_from_proto, snapshot_from_proto
+from kvcoord.wire import (
+    event_counts,
+    load_from_proto,
+    ops_from_proto,
+    samples_from_proto,
+    snapshot_from_proto,
+)
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
 
@@ -58,11 +64,6 @@ class IngestAbort(Exception):
 
 
 _KINDS = {"stored": "block_stored", "removed": "block_removed", "cleared": "all_blocks_cleared"}
-
-
-def load_from_proto(load: pb.Load) -> Load:
-    kv = float(load.kv_usage)
-    return Load(int(load.running_requests), int(load.waiting_requests), kv if 0.0 <= kv <= 1.0 else 0.0)
 
 
 @dataclass(slots=True)
@@ -515,4 +516,4 @@ class IngestSession:
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=pending.seq))]
 
 
-__all__ = ["IngestAbort", "IngestSession", "load_from_proto"]
+__all__ = ["IngestAbort", "IngestSession"]

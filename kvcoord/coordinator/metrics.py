@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 from collections import Counter as PyCounter
 from typing import Any
@@ -15,7 +14,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvcoord.events import Tier
-from kvcoord.index.base import IndexStats
+from kvcoord.index.base import BackendMetrics, Index, IndexStats
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
@@ -39,9 +38,9 @@ class IndexBackendCollector(Collector):
     The backend does not import prometheus; reading its counters here costs nothing on its hot path.
     """
 
-    def __init__(self, metrics: Any, buckets: tuple[float, ...], backend: str) -> None:
+    def __init__(self, metrics: BackendMetrics, backend: str) -> None:
         self._m = metrics
-        self._buckets = buckets
+        self._buckets = metrics.latency_buckets
         self._backend = backend
 
     def collect(self) -> list[Metric]:
@@ -70,15 +69,14 @@ class IndexBackendCollector(Collector):
         )
         reconnects.add_metric([self._backend], float(m.reconnects))
         out: list[Metric] = [rt, errors, reconnects]
-        if hasattr(m, "reclaimed_entries"):
-            reclaimed = CounterMetricFamily(
-                "kvcoord_index_reclaimed_entries",
-                "Entries of removed/cleared locations reclaimed by the backend",
-                labels=["backend"],
-            )
-            reclaimed.add_metric([self._backend], float(m.reclaimed_entries))
-            out.append(reclaimed)
-        mirror = getattr(m, "mirror", None)
+        reclaimed = CounterMetricFamily(
+            "kvcoord_index_reclaimed_entries",
+            "Entries of removed/cleared locations reclaimed by the backend",
+            labels=["backend"],
+        )
+        reclaimed.add_metric([self._backend], float(m.reclaimed_entries))
+        out.append(reclaimed)
+        mirror = m.mirror
         if mirror is not None:
             ready = GaugeMetricFamily(
                 "kvcoord_index_mirror_ready", "1 while lookups are answered from the index's in-memory copy"
@@ -205,15 +203,11 @@ class Metrics:
         for result in VERIFY_RESULTS:
             self._child(self.hash_verifications, result)
 
-    def register_index(self, index: object) -> bool:
+    def register_index(self, index: Index) -> bool:
         """Export the backend's own metrics when it keeps them (the Redis backend does)."""
-        m = getattr(index, "metrics", None)
-        needed = ("latency_counts", "round_trip_seconds", "errors", "connection_errors", "reconnects")
-        if m is None or not all(hasattr(m, a) for a in needed):
+        if index.metrics is None:
             return False
-        module = sys.modules.get(type(index).__module__)
-        buckets: tuple[float, ...] = tuple(getattr(module, "LATENCY_BUCKETS", ()))
-        self.registry.register(IndexBackendCollector(m, buckets, str(getattr(index, "backend", "unknown"))))
+        self.registry.register(IndexBackendCollector(index.metrics, index.backend))
         return True
 
     def _child(self, metric: Any, label: str) -> Any:

@@ -12,19 +12,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvcoord.load import NodeLoad
+
 ACTIVE = "active"
 DRAINING = "draining"
 RESYNCING = "resyncing"
 HASH_MISMATCH = "hash_mismatch"
 EXPIRED = "expired"
 STATES = (ACTIVE, DRAINING, RESYNCING, HASH_MISMATCH, EXPIRED)
-
-
-@dataclass(slots=True)
-class Load:
-    running_requests: int = 0
-    waiting_requests: int = 0
-    kv_usage: float = 0.0
 
 
 @dataclass(slots=True)
@@ -48,7 +43,7 @@ class NodeRecord:
     epoch: int
     last_seq: int = 0
     last_heard: float = field(default_factory=time.monotonic)
-    load: Load = field(default_factory=Load)
+    load: NodeLoad = field(default_factory=NodeLoad)
     announced: AnnouncedProfile | None = None
     resyncing: bool = True
     """Waiting for a snapshot: the node's entries are not trustworthy and it is left out of lookups."""

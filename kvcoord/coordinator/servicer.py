@@ -19,15 +19,16 @@ from google.protobuf.message import DecodeError, Message
 
 from kvcoord.coordinator.auth import ROUTER, Authenticator, AuthError, Principal
 from kvcoord.coordinator.core import CoordinatorState
-from kvcoord.coordinator.ingest import IngestAbort, IngestSession, load_from_proto
-from kvcoord.coordinator.registry import Load, NodeRecord
+from kvcoord.coordinator.ingest import IngestAbort, IngestSession
+from kvcoord.coordinator.registry import NodeRecord
 from kvcoord.coordinator.shared import SharedNode
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys, block_hashes64
 from kvcoord.index.base import NodeKey, NodeMatch
+from kvcoord.load import NodeLoad
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import InvalidEvent, unpack_u64
-from kvcoord.wire import unpack_tokens
+from kvcoord.wire import load_from_proto, load_to_proto, unpack_tokens
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -76,10 +77,8 @@ def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.Node
     )
 
 
-def _load_pb(load: Load) -> pb.Load:
-    return pb.Load(
-        running_requests=load.running_requests, waiting_requests=load.waiting_requests, kv_usage=load.kv_usage
-    )
+def _load_pb(load: NodeLoad) -> pb.Load:
+    return load_to_proto(load)
 
 
 def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
@@ -456,7 +455,7 @@ class CoordinatorServicer:
         now, now_wall = time.monotonic(), time.time()
         live_node = st.live_node
         w0, w1, w2 = st.config.tier_weights
-        live: list[tuple[float, int, str, int, tuple[int, ...], Load, str]] = []
+        live: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str]] = []
         for node_id, rank, matched, tiers in matches:
             info = live_node(node_id, model, now, now_wall)
             if info is None or matched <= 0:
@@ -476,10 +475,7 @@ class CoordinatorServicer:
                 tc.cpu = tiers[1]
                 if len(tiers) > 2:
                     tc.storage = tiers[2]
-            ld, out = rec, nm.load
-            out.running_requests = ld.running_requests
-            out.waiting_requests = ld.waiting_requests
-            out.kv_usage = ld.kv_usage
+            load_to_proto(rec, nm.load)
         return resp
 
     # --- nodes ------------------------------------------------------------------------------

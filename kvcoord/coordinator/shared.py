@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvcoord.coordinator.registry import ACTIVE, HASH_MISMATCH, Load
+from kvcoord.coordinator.registry import ACTIVE, HASH_MISMATCH
 from kvcoord.index.uri import is_redis, parse_redis_uri
+from kvcoord.load import NodeLoad
 
 log = logging.getLogger("kvcoord.coordinator.shared")
 
@@ -53,7 +54,7 @@ class SharedNode:
     """Replica id of the publisher."""
     heard: float
     """Wall-clock time the owner last heard from the node (orders two replicas' records)."""
-    load: Load = field(default_factory=Load)
+    load: NodeLoad = field(default_factory=NodeLoad)
     url: str = ""
     """The engine's serving URL its agent announced."""
 
@@ -90,7 +91,7 @@ class SharedNode:
             deadline=float(d["deadline"]),
             owner=str(d["owner"]),
             heard=float(d["heard"]),
-            load=Load(int(ld[0]), int(ld[1]), float(ld[2])),
+            load=NodeLoad(int(ld[0]), int(ld[1]), float(ld[2])),
             url=str(d.get("url", "")),
         )
 

@@ -25,7 +25,6 @@ __all__ = [
     "NodeKey",
     "NodeMatch",
     "Op",
-    "QuickStats",
     "SnapshotEntry",
     "run_inline",
 ]
@@ -81,14 +80,40 @@ class IndexStats:
     """``blocks``/``blocks_by_model`` are an upper bound, not exact (see :class:`QuickStats`)."""
 
 
-@runtime_checkable
-class QuickStats(Protocol):
-    """A backend whose exact ``stats`` is expensive offers a cheap variant for periodic gauges."""
+class MirrorStatus(Protocol):
+    """A backend's in-memory copy of a remote index, when it keeps one."""
 
-    async def quick_stats(self) -> IndexStats:
-        """Like ``stats`` but cheap enough to call every few seconds: ``blocks`` may be an upper bound
-        (then ``blocks_upper_bound`` is set), and retirements may not be reclaimed yet."""
-        ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def loads(self) -> int: ...
+    @property
+    def entries_applied(self) -> int: ...
+    @property
+    def lookups(self) -> int: ...
+
+
+class BackendMetrics(Protocol):
+    """Counters a remote backend keeps of its own round trips; the coordinator exports them (the
+    backend does not import Prometheus). ``latency_counts``: round trips per bucket bound,
+    non-cumulative, with one more slot for +Inf."""
+
+    @property
+    def latency_buckets(self) -> tuple[float, ...]: ...
+    @property
+    def latency_counts(self) -> list[int]: ...
+    @property
+    def round_trip_seconds(self) -> float: ...
+    @property
+    def errors(self) -> int: ...
+    @property
+    def connection_errors(self) -> int: ...
+    @property
+    def reconnects(self) -> int: ...
+    @property
+    def reclaimed_entries(self) -> int: ...
+    @property
+    def mirror(self) -> MirrorStatus | None: ...
 
 
 @runtime_checkable
@@ -100,6 +125,11 @@ class Index(Protocol):
     inline: bool
     """True when no method ever suspends (an in-process backend): code outside an event loop, such as the
     simulator, may run its coroutines to completion at once with :func:`run_inline`."""
+
+    @property
+    def metrics(self) -> BackendMetrics | None:
+        """The backend's own round-trip counters (a remote backend), or None."""
+        ...
 
     async def apply(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
         """Apply one node's validated ops in order (:func:`kvcoord.validate.ops_of` of events, or
@@ -143,6 +173,11 @@ class Index(Protocol):
 
     async def stats(self) -> IndexStats:
         """Counts of entries, blocks, nodes, and an estimate of bytes held."""
+        ...
+
+    async def quick_stats(self) -> IndexStats:
+        """Like ``stats`` but cheap enough to call every few seconds: ``blocks`` may be an upper bound
+        (then ``blocks_upper_bound`` is set), and retirements may not be reclaimed yet."""
         ...
 
     async def ping(self) -> bool:

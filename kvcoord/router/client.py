@@ -13,13 +13,13 @@ from typing import Any, Protocol
 import grpc
 import grpc.aio
 
-from kvcoord.agent.reporter import NodeLoad
 from kvcoord.events import Tier
+from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.transport import ChannelSecurity, open_aio_channel, open_channel
 from kvcoord.validate import pack_u64
-from kvcoord.wire import pack_tokens
+from kvcoord.wire import load_from_proto, load_to_proto, pack_tokens
 
 __all__ = [
     "AsyncCoordinatorClient",
@@ -66,8 +66,7 @@ class NodeLookup:
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "dp_rank": self.dp_rank, "matched_blocks": self.matched_blocks,
                 "tiers": dict(self.tiers),
-                "load": {"running_requests": self.load.running_requests,
-                         "waiting_requests": self.load.waiting_requests, "kv_usage": self.load.kv_usage}}
+                "load": self.load.to_json()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +87,7 @@ class LookupResult:
         nodes = [
             NodeLookup(n.node_id, n.dp_rank, n.matched_blocks,
                        {"GPU": n.tiers.gpu, "CPU": n.tiers.cpu, "STORAGE": n.tiers.storage},
-                       NodeLoad.from_proto(n.load))
+                       load_from_proto(n.load))
             for n in msg.nodes
         ]
         return cls(msg.model, msg.block_size, msg.num_blocks, nodes)
@@ -117,15 +116,14 @@ class NodeStatus:
                     "none_hash_fingerprint": hp.none_hash_fingerprint, "engine_release": hp.engine_release}
                    if n.HasField("hash_profile") else None)
         return cls(n.node_id, n.model, tuple(n.dp_ranks), n.state, n.epoch, n.last_seq,
-                   n.last_heartbeat_age_seconds, NodeLoad.from_proto(n.load), n.hash_mismatch,
+                   n.last_heartbeat_age_seconds, load_from_proto(n.load), n.hash_mismatch,
                    n.hash_mismatch_reason, profile, n.replica)
 
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "model": self.model, "dp_ranks": list(self.dp_ranks),
                 "state": self.state, "epoch": self.epoch, "last_seq": self.last_seq,
                 "last_heartbeat_age_seconds": round(self.last_heartbeat_age_seconds, 3),
-                "load": {"running_requests": self.load.running_requests,
-                         "waiting_requests": self.load.waiting_requests, "kv_usage": self.load.kv_usage},
+                "load": self.load.to_json(),
                 "hash_mismatch": self.hash_mismatch, "hash_mismatch_reason": self.hash_mismatch_reason,
                 "hash_profile": self.hash_profile, "replica": self.replica}
 
@@ -278,7 +276,7 @@ class CoordinatorClient:
         return [NodeStatus.from_proto(n) for n in resp.nodes]
 
     def heartbeat(self, node_id: str, epoch: int, load: NodeLoad | None = None) -> HeartbeatResult:
-        req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=(load or NodeLoad()).to_proto())
+        req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=load_to_proto(load or NodeLoad()))
         resp = self._call(self._stub.Heartbeat, req)
         return HeartbeatResult(resp.lease_seconds, resp.known)
 
@@ -337,7 +335,7 @@ class AsyncCoordinatorClient:
         return [NodeStatus.from_proto(n) for n in resp.nodes]
 
     async def heartbeat(self, node_id: str, epoch: int, load: NodeLoad | None = None) -> HeartbeatResult:
-        req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=(load or NodeLoad()).to_proto())
+        req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=load_to_proto(load or NodeLoad()))
         resp = await self._call(self._stub.Heartbeat, req)
         return HeartbeatResult(resp.lease_seconds, resp.known)
 

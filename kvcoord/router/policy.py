@@ -26,34 +26,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple, Protocol
 
-from kvcoord.events import Tier
+from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey, NodeMatch
-
-DEFAULT_TIER_WEIGHTS: tuple[float, float, float] = (1.0, 0.8, 0.5)
-"""Fraction of a block's prefill a hit on each tier saves (GPU, CPU, STORAGE).
-
-A GPU hit is free; a CPU hit costs a PCIe copy (about a fifth of recomputing it for an 8B model);
-a storage hit costs a disk or network read, about half of recomputing it."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeLoad:
-    """What a router knows about one node's current work."""
-
-    running: int = 0
-    """Requests admitted (prefilling or decoding)."""
-    waiting: int = 0
-    """Requests queued on the node, not yet admitted."""
-    kv_usage: float = 0.0
-    """Fraction of the node's KV blocks in use by running requests (0..1)."""
-    prefill_tokens: int = 0
-    """Prompt tokens the node still has to prefill before it can start a new request's prefill
-    (queued requests' uncached tokens plus the unfinished part of the current prefill)."""
-
-    @property
-    def in_flight(self) -> int:
-        return self.running + self.waiting
+from kvcoord.load import NodeLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +120,7 @@ class LatencyModel:
         time for enough running requests to finish: slots free up about every
         ``mean_output_tokens * t_d / max_running`` seconds.
         """
-        over = load.running + load.waiting + 1 - self.max_running
+        over = load.in_flight + 1 - self.max_running
         slot_wait = (
             over * self.mean_output_tokens * self.decode_s_per_token / self.max_running if over > 0 else 0.0
         )

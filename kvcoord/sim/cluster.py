@@ -32,9 +32,9 @@ from kvcoord.agent.pool import BlockPool, KVCacheBlock
 from kvcoord.events import KVEvent
 from kvcoord.hashing import BlockHash64, HashProfile
 from kvcoord.index.base import Index, NodeKey, NodeMatch, run_inline
+from kvcoord.load import NodeLoad
 from kvcoord.router.policy import (
     LatencyModel,
-    NodeLoad,
     Policy,
     RouteRequest,
     candidates_from_matches,
@@ -295,8 +295,8 @@ def _simulate(
     def loads(now: float) -> dict[NodeKey, NodeLoad]:
         return {
             nd.key: NodeLoad(
-                running=nd.running,
-                waiting=len(nd.queue),
+                running_requests=nd.running,
+                waiting_requests=len(nd.queue),
                 kv_usage=nd.pool.usage,
                 prefill_tokens=int(max(0.0, nd.prefill_free_at - now) / t_p if t_p > 0 else 0)
                 + nd.queued_estimate,

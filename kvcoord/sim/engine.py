@@ -2,7 +2,7 @@
 
 A real :class:`kvcoord.agent.pool.BlockPool` serves a seeded synthetic workload (prompts that
 share a few long prefixes, plus unique suffixes and generated tokens) and every engine step's
-KV events leave through :class:`kvcoord.agent.zmq_wire.ZmqEventPublisher`, exactly as vLLM
+KV events leave through :class:`kvcoord.engine.zmq_wire.ZmqEventPublisher`, exactly as vLLM
 publishes them: PUB + ROUTER replay, ``buffer_steps``, DP-rank port offsets. A relay cannot tell
 it from vLLM. ``--state-file`` exposes the pool's contents so a test can compare an index with it.
 
@@ -28,7 +28,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcoord.agent.pool import BlockPool
-from kvcoord.agent.zmq_wire import ZmqEventPublisher
+from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import KVEventBatch
 from kvcoord.hashing import HashProfile, RequestKeys, check_algo
 

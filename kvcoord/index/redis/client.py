@@ -48,6 +48,7 @@ class RedisMetrics:
     up: bool = True
     mirror: Any = None
     """The lookup mirror (``ready``, ``loads``, ``entries_applied``, ``lookups``), or None."""
+    latency_buckets: tuple[float, ...] = LATENCY_BUCKETS
 
     def observe(self, seconds: float) -> None:
         self.round_trips += 1

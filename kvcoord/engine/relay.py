@@ -5,7 +5,7 @@ It subscribes to the engine's PUB socket, decodes every batch with
 sampled for verification), and keeps the stream whole:
 
 - a sequence gap (HWM drop, slow joiner, a paused agent) is filled from the engine's replay
-  ROUTER socket (:class:`kvcoord.agent.zmq_wire.ReplayClient`); the first message also counts,
+  ROUTER socket (:class:`kvcoord.engine.zmq_wire.ReplayClient`); the first message also counts,
   so an agent started after its engine first replays the engine's buffered history;
 - a sequence that goes backwards on the live stream means the engine restarted: the mirror of
   that stream's DP ranks is cleared, an ``AllBlocksCleared`` is forwarded, and the new stream is
@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 
 from kvcoord import validate
-from kvcoord.agent.zmq_wire import (
+from kvcoord.engine.zmq_wire import (
     FrameError,
     ReplayClient,
     ReplayError,

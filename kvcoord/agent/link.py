@@ -1,0 +1,198 @@
+"""One coordinator as a reporter sees it: its options, counters, unacked queue and the message framing.
+
+Split from :mod:`kvcoord.agent.reporter` (which runs the streams): the data a stream carries and keeps,
+without the asyncio and gRPC machinery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.transport import ChannelSecurity
+
+__all__ = [
+    "MAX_GROUP_BATCHES",
+    "CoordinatorEndpoint",
+    "Link",
+    "LinkStats",
+    "Pending",
+    "ReporterOptions",
+    "ReporterStats",
+    "Sealed",
+    "batch_message",
+    "batches_message",
+]
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorEndpoint:
+    address: str
+    security: ChannelSecurity | None = None
+    """None: the reporter's default security."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReporterOptions:
+    max_batch_events: int = 512
+    max_batch_blocks: int = 1024
+    flush_interval: float = 0.01
+    """Seconds a partial batch may wait for more events."""
+    max_unacked_batches: int = 8192
+    """Per coordinator; beyond it the queue is dropped and a snapshot replaces it."""
+    snapshot_chunk_entries: int = 65536
+    backoff_initial: float = 0.05
+    backoff_max: float = 5.0
+    welcome_timeout: float = 5.0
+    default_lease_seconds: float = 10.0
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_events", "max_batch_blocks", "max_unacked_batches", "snapshot_chunk_entries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.flush_interval < 0 or self.backoff_initial <= 0 or self.backoff_max < self.backoff_initial:
+            raise ValueError("flush_interval must be >= 0 and 0 < backoff_initial <= backoff_max")
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """Counters of one coordinator stream."""
+
+    address: str
+    connected: bool = False
+    batches_sent: int = 0
+    batches_acked: int = 0
+    batches_resent: int = 0
+    snapshots_sent: int = 0
+    snapshot_requests: int = 0
+    heartbeats_sent: int = 0
+    reconnects: int = 0
+    overflows: int = 0
+    unacked: int = 0
+    acked_seq: int = 0
+    last_error: str = ""
+    refused: str = ""
+    """Non-empty: the coordinator refused this node for good (a token not allowed for it, an unknown model
+    in strict mode, an invalid Hello); the link stopped retrying. The status and message."""
+    hash_mismatch: str = ""
+    """The coordinator says this node's hashes cannot match its own (seed, algorithm, block size, style)."""
+
+
+@dataclass(slots=True)
+class ReporterStats:
+    node_id: str
+    epoch: int
+    last_seq: int
+    events_submitted: int
+    batches_sealed: int
+    links: list[LinkStats] = field(default_factory=list)
+
+    def total(self, name: str) -> int:
+        return sum(int(getattr(link, name)) for link in self.links)
+
+
+# --- internals -------------------------------------------------------------------------------
+class Sealed:
+    """A numbered batch, serialized once (``EventBatch`` bytes) and shared by every coordinator's queue."""
+
+    __slots__ = ("blocks", "body", "seq")
+
+    def __init__(self, seq: int, body: bytes, blocks: int) -> None:
+        self.seq = seq
+        self.body = body
+        self.blocks = blocks
+
+
+class Pending:
+    """A batch being filled: the events go straight into its message (no copy at sealing)."""
+
+    __slots__ = ("blocks", "msg", "timer")
+
+    def __init__(self, ts: float, rank: int) -> None:
+        self.msg = pb.EventBatch(ts=ts, dp_rank=rank)
+        self.blocks = 0
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Link:
+    """One coordinator: its stream task, unacked queue (contiguous seqs) and counters."""
+
+    __slots__ = ("endpoint", "force_snapshot", "high_sent", "security", "snap_wait",
+                 "snapshot_requested", "stats", "task", "unacked", "wakeup")
+
+    def __init__(self, endpoint: CoordinatorEndpoint, security: ChannelSecurity) -> None:
+        self.endpoint = endpoint
+        self.security = security
+        self.unacked: deque[Sealed] = deque()
+        self.stats = LinkStats(endpoint.address)
+        self.wakeup = asyncio.Event()
+        self.snapshot_requested = False
+        self.force_snapshot = False
+        self.high_sent = 0
+        self.snap_wait = -1
+        """Seq of a snapshot sent but not yet acked (-1: none)."""
+        self.task: asyncio.Task[None] | None = None
+
+    def settled(self) -> bool:
+        """Nothing sealed or snapshotted is waiting for this coordinator's ack."""
+        return (not self.unacked and not self.force_snapshot and not self.snapshot_requested
+                and self.snap_wait < 0)
+
+    def on_ack(self, seq: int) -> None:
+        self.stats.batches_acked += self.drop_through(seq)
+        self.stats.acked_seq = max(self.stats.acked_seq, seq)
+        if seq >= self.snap_wait:
+            self.snap_wait = -1
+
+    def drop_through(self, seq: int) -> int:
+        n = 0
+        q = self.unacked
+        while q and q[0].seq <= seq:
+            q.popleft()
+            n += 1
+        return n
+
+    def group_after(self, cursor: int, max_bytes: int) -> list[Sealed]:
+        """The queued batches after ``cursor`` that fit one message (at least one; contiguous seqs)."""
+        q = self.unacked
+        pos = max(0, cursor - q[0].seq + 1)
+        out = [q[pos]]
+        size = len(q[pos].body)
+        for i in range(pos + 1, min(len(q), pos + MAX_GROUP_BATCHES)):
+            size += len(q[i].body) + 8
+            if size > max_bytes:
+                break
+            out.append(q[i])
+        return out
+
+    def next_after(self, cursor: int) -> Sealed | None:
+        q = self.unacked
+        if not q:
+            return None
+        pos = cursor - q[0].seq + 1
+        if pos < 0:
+            pos = 0
+        return q[pos] if pos < len(q) else None
+
+
+def batch_message(body: bytes) -> bytes:
+    """``AgentMessage{batch}`` around one sealed ``EventBatch``."""
+    msg = pb.AgentMessage()
+    msg.batch.MergeFromString(body)
+    return msg.SerializeToString()
+
+
+def batches_message(bodies: Sequence[bytes]) -> bytes:
+    """``AgentMessage{batches}`` around several sealed ``EventBatch``es (consecutive seqs)."""
+    msg = pb.AgentMessage()
+    group = msg.batches.batches
+    for body in bodies:
+        group.add().MergeFromString(body)
+    return msg.SerializeToString()
+
+
+MAX_GROUP_BATCHES = 64
+"""At most this many queued batches go out in one ``EventBatches`` message (also bounded by bytes)."""

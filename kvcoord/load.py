@@ -1,0 +1,31 @@
+"""A node's load: one type from the engine's metrics through the agent, the coordinator and the client
+to the placement policy, named as vLLM's metrics and the wire name its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["NodeLoad"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """What is known of one node's current work."""
+
+    running_requests: int = 0
+    """Requests admitted, prefilling or decoding (vLLM's ``vllm:num_requests_running``)."""
+    waiting_requests: int = 0
+    """Requests queued on the node, not yet admitted (``vllm:num_requests_waiting``)."""
+    kv_usage: float = 0.0
+    """Fraction of the node's KV blocks in use, 0..1 (``vllm:kv_cache_usage_perc``)."""
+    prefill_tokens: int = 0
+    """Prompt tokens the node still has to prefill before a new request's prefill can start: a router's
+    (or the simulator's) own estimate; 0 when unknown."""
+
+    @property
+    def in_flight(self) -> int:
+        return self.running_requests + self.waiting_requests
+
+    def to_json(self) -> dict[str, int | float]:
+        return {"running_requests": self.running_requests, "waiting_requests": self.waiting_requests,
+                "kv_usage": self.kv_usage}
