@@ -6,25 +6,33 @@ from typing import Any, TypeVar
 _Row = TypeVar("_Row", bound=tuple[Any, ...])
 
 # --- hash chains (hashchain.c; Python twin: kvcoord.hashing._chain_reference) ---------------------
+C_DIGESTS: dict[str, int]
+"""Digests this build computes in C, by name (``sha256`` needs OpenSSL at build time; ``xxh3_128``)."""
+
 def cbor_chain(
-    hash_fn: Callable[[bytes], object],
+    hasher: Callable[[bytes], object] | int,
     call_digest: bool,
     parent: bytes,
     tokens: object,
     block_size: int,
     count: int,
     tails: bytes | list[bytes],
+    keys_only: bool = False,
     /,
-) -> list[bytes]: ...
+) -> list[bytes] | bytes: ...
 def pickle_chain(
-    hash_fn: Callable[[bytes], object],
+    hasher: Callable[[bytes], object] | int,
     call_digest: bool,
     parent: bytes,
     tokens: object,
     block_size: int,
     count: int,
+    keys_only: bool = False,
     /,
-) -> list[bytes]: ...
+) -> list[bytes] | bytes: ...
+
+# --- JSON integer arrays (jsonints.c; twin: msgspec's typed decode in kvcoord.coordinator.httpapi) ---
+def json_int_array(data: bytes | memoryview, kind: str, /) -> bytes | None: ...
 
 # --- the memory index's table (table.c; Python twin: kvcoord.index.memory._Model) ------------------
 class Table:

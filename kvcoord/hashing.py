@@ -390,8 +390,11 @@ def _as_tokens(token_ids: Iterable[int]) -> array[int]:
 
     Non-integers raise ``ValueError``, as do ids outside 0..2**64-1 (no tokenizer has them).
     """
-    if isinstance(token_ids, array) and token_ids.typecode == "Q":
-        return token_ids
+    if isinstance(token_ids, array) and token_ids.typecode in ("Q", "I"):
+        return token_ids  # uint32 ids (the HTTP API's, the wire's) need no widening
+    if isinstance(token_ids, memoryview) and token_ids.format in ("Q", "I") and token_ids.c_contiguous:
+        # packed ids (the HTTP API's JSON parser, the gRPC wire): read in place, like an array
+        return cast("array[int]", token_ids)
     if isinstance(token_ids, str | bytes | bytearray):
         raise ValueError("token ids must be a sequence of integers")
     try:
@@ -419,12 +422,28 @@ def _chain(
     if fast and native is not None:
         digests = _chain_native(algo, prev, arr, block_size, extras)
         if digests is not None:
-            return digests
+            return cast(list[BlockDigest], digests)  # BlockDigest is bytes at runtime
     return _chain_reference(algo, prev, arr, block_size, extras)
 
 
 _PICKLE_C_MAX_BLOCK = 4096
 """Largest block the C pickler writes (a larger one's pickle could span several pickle frames)."""
+
+
+def _chain_keys(
+    algo: HashAlgo,
+    none_hash: bytes,
+    arr: array[int],
+    block_size: int,
+    extras: Sequence[tuple[Any, ...] | None],
+) -> list[BlockHash64]:
+    """The uint64 keys of ``len(extras)`` full blocks from the root: from the C chain's packed keys where it
+    runs (no digest objects at all), else each digest reduced by :func:`to_block_hash64`."""
+    if extras and native is not None:
+        keys = _chain_native(algo, none_hash, arr, block_size, extras, keys_only=True)
+        if keys is not None:
+            return cast(list[BlockHash64], memoryview(keys).cast("Q").tolist())
+    return [to_block_hash64(d) for d in _chain(algo, none_hash, None, arr, block_size, extras)]
 
 
 def _chain_native(
@@ -433,7 +452,9 @@ def _chain_native(
     arr: array[int],
     block_size: int,
     extras: Sequence[tuple[Any, ...] | None],
-) -> list[BlockDigest] | None:
+    *,
+    keys_only: bool = False,
+) -> Any:
     """The chain in C, hashed by the reference's own ``hashlib``/``xxhash`` functions; None where only
     the reference applies (pickle chains with extra keys, blocks past 4096 tokens, parents of 256+ bytes:
     pickle's memo makes the identity of extra-key objects part of the input, so those are not rewritten).
@@ -446,7 +467,10 @@ def _chain_native(
     assert native is not None
     count = len(extras)
     sha = algo.startswith("sha256")
-    ctor: Callable[[bytes], object] = hashlib.sha256 if sha else _xxhash.xxh3_128_digest
+    # The digest in C where this build has it (no Python call per block), else the reference's own.
+    code = native.C_DIGESTS.get("sha256" if sha else "xxh3_128") if len(prev) < 256 else None
+    ctor: Callable[[bytes], object] | int = code if code is not None else (
+        hashlib.sha256 if sha else _xxhash.xxh3_128_digest)
     if algo.endswith("_cbor"):
         tails: bytes | list[bytes] = b"\xf6"  # CBOR null: no extra keys in any block
         if extras.count(None) != count:
@@ -457,12 +481,10 @@ def _chain_native(
                 if e is not last and e != last:
                     last, last_tail = e, cbor2.dumps(e, canonical=True)
                 tails.append(last_tail)
-        digests = native.cbor_chain(ctor, sha, prev, arr, block_size, count, tails)
-    elif block_size <= _PICKLE_C_MAX_BLOCK and len(prev) < 256 and extras.count(None) == count:
-        digests = native.pickle_chain(ctor, sha, prev, arr, block_size, count)
-    else:
-        return None
-    return cast(list[BlockDigest], digests)  # BlockDigest is bytes at runtime
+        return native.cbor_chain(ctor, sha, prev, arr, block_size, count, tails, keys_only)
+    if block_size <= _PICKLE_C_MAX_BLOCK and len(prev) < 256 and extras.count(None) == count:
+        return native.pickle_chain(ctor, sha, prev, arr, block_size, count, keys_only)
+    return None
 
 
 def _chain_reference(
@@ -523,8 +545,12 @@ def hash_request_tokens(
 def block_hashes64(
     profile: HashProfile, token_ids: Iterable[int], keys: RequestKeys | None = None
 ) -> list[BlockHash64]:
-    """The uint64 keys (vLLM's int ``ExternalBlockHash``) of a request's full blocks."""
-    return [to_block_hash64(d) for d in hash_request_tokens(profile, token_ids, keys)]
+    """The uint64 keys (vLLM's int ``ExternalBlockHash``) of a request's full blocks (a lookup's hot path:
+    natively, no digest is ever a Python object)."""
+    arr = _as_tokens(token_ids)
+    count = len(arr) // profile.block_size
+    extras = _extra_keys_range(keys, profile.style, profile.block_size, 0, count, 0)
+    return _chain_keys(profile.algo, profile.none_hash(), arr, profile.block_size, extras)
 
 
 def coarsen(hashes: Sequence[T], factor: int) -> list[T]:

@@ -29,13 +29,18 @@ else:
     native = None  # type: ignore[assignment]
 # ``native``: the extension module, or None when it is not built or ``KVCOORD_NATIVE=0``.
 
-PATHS = ("hash", "index", "walk")
-"""Hot paths with a native implementation: hash chains, the memory index's table, the Redis holder walk."""
+PATHS = ("hash", "index", "walk", "json")
+"""Hot paths with a native implementation: hash chains, the memory index's table, the Redis holder walk,
+the HTTP API's integer arrays."""
 
 
 def native_paths() -> tuple[str, ...]:
-    """The hot paths running natively in this process (empty: all pure Python)."""
-    return PATHS if native is not None else ()
+    """The hot paths running natively in this process (empty: all pure Python); ``hash`` names the digests
+    hashed in C too, e.g. ``hash(sha256+xxh3_128)`` (``sha256`` needs OpenSSL at build time)."""
+    if native is None:
+        return ()
+    digests = "+".join(sorted(native.C_DIGESTS))
+    return tuple(f"hash({digests})" if p == "hash" else p for p in PATHS)
 
 
 __all__ = ["ENV", "PATHS", "enabled", "native", "native_paths"]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from types import FrameType
 
 import pytest
 
@@ -17,6 +20,19 @@ from tests.redis_servers import (
 )
 
 redis_server, redis_cluster = redis_session_fixtures()
+
+# Coordinators the tests start serve no HTTP API unless a test asks (--http-listen, or http_listen in its
+# config): the default port is fixed, and tests run next to each other and to whatever else the host runs.
+os.environ.setdefault("KVCOORD_HTTP_LISTEN", "")
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (``timeout``, CI cancelling) tears down like Ctrl-C, so fixtures stop what they started."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 IndexFactory = Callable[[pytest.FixtureRequest], Awaitable[Index]]
 """Makes a fresh, empty index. Gets the pytest request so it can pull in e.g. a redis-server fixture

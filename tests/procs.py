@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -16,6 +17,24 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 FIXTURES = SHARED / "fixtures"
 TRACES = SHARED / "traces"
+
+
+_LIVE: set[subprocess.Popen[bytes]] = set()
+"""Every process a test started and has not reaped yet; killed at exit whatever happened."""
+
+
+def spawn(cmd: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
+    """``Popen`` in a new process group, remembered until :func:`stop` reaps it."""
+    proc: subprocess.Popen[bytes] = subprocess.Popen(list(cmd), start_new_session=True, **kwargs)  # type: ignore[call-overload]
+    _LIVE.add(proc)
+    return proc
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for proc in list(_LIVE):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -45,12 +64,11 @@ def running(cmd: Sequence[str], *, env: dict[str, str] | None = None, log: Path 
             cwd: Path = REPO) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``cmd`` in its own process group; on exit SIGTERM it (then SIGKILL) and reap it."""
     out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(
-        list(cmd),
+    proc = spawn(
+        cmd,
         stdout=out,
         stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
-        start_new_session=True,
         cwd=cwd,
     )
     try:
@@ -74,6 +92,7 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> int:
             proc.wait()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    _LIVE.discard(proc)
     return proc.returncode
 
 

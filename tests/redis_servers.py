@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from kvcoord.index import Index
-from tests.procs import free_port, wait_for_port
+from tests.procs import free_port, spawn, stop, wait_for_port
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
@@ -65,9 +65,7 @@ class RedisServer:
             "--maxmemory-policy", "noeviction",
             *self.extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        self.proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_port(self.port)
         deadline = time.monotonic() + 15
         while True:
@@ -81,11 +79,11 @@ class RedisServer:
     def kill(self) -> None:
         """SIGKILL the server (a crash: nothing is saved) and reap it."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        stop(proc)
 
     def restart(self) -> None:
         self.kill()

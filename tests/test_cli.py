@@ -75,7 +75,7 @@ def poll(read: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout:
     (("agent", "--coordinator", "127.0.0.1:1", "--node-id", "n", "--model", "m", "--zmq-endpoint", "tcp://h"),
      ("--zmq-endpoint", "tcp://HOST:PORT")),
     (("agent", "--coordinator", "127.0.0.1:1", "--node-id", "n", "--model", "m",
-      "--zmq-endpoint", "127.0.0.1:5557"), ("not a ZMQ endpoint",)),
+      "--zmq-endpoint", "127.0.0.1:5557"), ("invalid ZMQ endpoint", "missing scheme")),
     (("sim-engine", "--zmq-bind", "tcp://*:notaport"), ("--zmq-bind",)),
     (("serve", "--index", "redis://127.0.0.1:6379/0?bucket=4"),
      ("unknown option 'bucket'", "allowed: buckets")),

@@ -11,7 +11,9 @@ from kvcoord.agent.reporter import Reporter
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.events import BlockStored, Tier
+from kvcoord.load import NodeLoad
 from kvcoord.router.client import CoordinatorClient, CoordinatorError, build_lookup_request
+from kvcoord.router.policy import LeastLoadedPolicy, place
 from kvcoord.wire import unpack_tokens
 from tests.procs import free_port
 
@@ -19,8 +21,8 @@ from tests.procs import free_port
 @pytest.mark.parametrize(
     ("kw", "reason"),
     [
-        ({}, "exactly one of tokens or hashes"),
-        ({"tokens": [1], "hashes": [2]}, "exactly one of tokens or hashes"),
+        ({}, "exactly one of tokens, hashes, prompt or messages"),
+        ({"tokens": [1], "hashes": [2]}, "exactly one of tokens, hashes, prompt or messages"),
         ({"hashes": [-1]}, r"block hashes must be integers in 0..2\*\*64-1"),
         ({"tokens": [1, 2**32]}, r"token ids must be integers in 0..2\*\*32-1"),
         ({"hashes": [1], "lora_name": "x"}, "token queries only"),
@@ -46,7 +48,7 @@ def test_request_carries_every_key() -> None:
 
 
 async def test_sync_client_against_a_server() -> None:
-    cfg = CoordinatorConfig(listen=f"127.0.0.1:{free_port()}", metrics_listen="")
+    cfg = CoordinatorConfig(listen=f"127.0.0.1:{free_port()}", metrics_listen="", http_listen="")
     async with CoordinatorServer(cfg) as server:
         held: dict[int, Tier] = {7: Tier.CPU}  # the engine's state, as its snapshot reports it
         rep = Reporter([server.address], node_id="n1", model="m", epoch=3,
@@ -64,7 +66,7 @@ async def test_sync_client_against_a_server() -> None:
                     r = c.lookup("m", hashes=[7, 8, 9, 10])
                     assert (r.num_blocks, len(r.nodes)) == (4, 1)
                     n = r.nodes[0]
-                    assert (n.node_id, n.dp_rank, n.matched_blocks, n.tiers) == (
+                    assert (n.node_id, n.dp_rank, n.matched_blocks, n.tiers_by_name()) == (
                         "n1", 0, 3, {"GPU": 2, "CPU": 1, "STORAGE": 0})
                     assert c.lookup("m", hashes=[7], candidates=[("other", 0)]).nodes == []
                     assert [x.node_id for x in c.list_nodes()] == ["n1"]
@@ -81,3 +83,39 @@ async def test_sync_client_against_a_server() -> None:
             await asyncio.to_thread(sync_part)
         finally:
             await rep.close()
+
+
+async def test_place_takes_the_clients_answer() -> None:
+    """``place(client.lookup(...))``: the client's answer is the policies' input, loads and tiers included."""
+    cfg = CoordinatorConfig(listen=f"127.0.0.1:{free_port()}", metrics_listen="", http_listen="")
+    async with CoordinatorServer(cfg) as server:
+        loads = {"busy": NodeLoad(running_requests=40, waiting_requests=30), "idle": NodeLoad()}
+        reps = [Reporter([server.address], node_id=n, model="m", snapshot=lambda rank: [],
+                         load=lambda n=n: loads[n])  # type: ignore[misc]
+                for n in loads]
+        for rep in reps:
+            await rep.start()
+        try:
+            for rep in reps:
+                await rep.wait_connected(10)
+            reps[0].submit(0, [BlockStored(block_hashes=(1, 2, 3), parent_block_hash=None, token_ids=(),
+                                           block_size=4, medium="CPU")])
+            await reps[0].wait_acked(10)
+
+            def sync_part() -> None:
+                with CoordinatorClient(server.address) as c:
+                    for n, load in loads.items():  # what the reporters' heartbeats also say
+                        c.heartbeat(n, next(r.epoch for r in reps if r.node_id == n), load)
+                    answer = c.lookup("m", hashes=[1, 2, 3], include_unmatched=True)
+                    assert [(n.node_id, n.matched_blocks, n.tier_counts()) for n in answer.nodes] == [
+                        ("busy", 3, (0, 3, 0)), ("idle", 0, (0, 0, 0))]
+                    assert answer.nodes[0].load.in_flight == 70
+                    # A 3-block CPU hit does not outweigh 70 requests queued ahead: the idle node wins.
+                    assert place(answer).node_id == "idle"
+                    assert place(c.lookup("m", hashes=[1, 2, 3])).node_id == "busy"  # matched nodes only
+                    assert place(answer, LeastLoadedPolicy()).node_id == "idle"
+
+            await asyncio.to_thread(sync_part)
+        finally:
+            for rep in reps:
+                await rep.close()

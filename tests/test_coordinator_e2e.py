@@ -277,7 +277,7 @@ async def test_gap_leads_to_snapshot(tmp_path: Path) -> None:
                 ack = await call.read()
                 assert ack.WhichOneof("msg") == "ack" and ack.ack.seq == 4
                 r = await client.lookup(MODEL, tokens=TOKENS)
-                got = [(n.node_id, n.matched_blocks, n.tiers["CPU"]) for n in r.nodes]
+                got = [(n.node_id, n.matched_blocks, n.tiers_by_name()["CPU"]) for n in r.nodes]
                 assert got == [("node-g", 12, 12)]
                 await call.write(batch(5, removed(11)))  # held on CPU: a GPU removal is a no-op
                 assert (await call.read()).ack.seq == 5

@@ -61,7 +61,7 @@ async def serving(
     if toml is not None:
         path = tmp_path / "kvcoord.toml"
         path.write_text(toml)
-    ov: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", **overrides}
+    ov: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "", **overrides}
     ov.setdefault("models", [f"{MODEL},algo=sha256_cbor,block_size=4,seed=42"])
     cfg = load_config(path, env={}, overrides=ov)
     server = CoordinatorServer(cfg, index=index)

@@ -433,8 +433,9 @@ def test_ports_agree_across_dockerfile_compose_k8s_and_prometheus() -> None:
     cmd = exec_form(df.last("CMD") or "[]")
     grpc_port = hostport(flag(cmd, "--listen"))[1]
     metrics_port = hostport(flag(cmd, "--metrics-listen"))[1]
+    http_port = hostport(flag(cmd, "--http-listen"))[1]
     expose = {int(p.split("/")[0]) for p in (df.last("EXPOSE") or "").split()}
-    assert expose == {grpc_port, metrics_port}
+    assert expose == {grpc_port, http_port, metrics_port}
     assert hostport(flag(healthcheck_cmd(df), "--coordinator")) == ("127.0.0.1", grpc_port)
 
     # compose
@@ -442,8 +443,9 @@ def test_ports_agree_across_dockerfile_compose_k8s_and_prometheus() -> None:
     coord = svcs["coordinator"]["command"]
     assert hostport(flag(coord, "--listen")) == ("0.0.0.0", grpc_port)
     assert hostport(flag(coord, "--metrics-listen")) == ("0.0.0.0", metrics_port)
+    assert hostport(flag(coord, "--http-listen")) == ("0.0.0.0", http_port)
     published = {int(str(p).rsplit(":", 1)[1]) for p in svcs["coordinator"]["ports"]}
-    assert published == {grpc_port, metrics_port}
+    assert published == {grpc_port, http_port, metrics_port}
     hc = svcs["coordinator"]["healthcheck"]["test"]
     assert hostport(flag(hc, "--coordinator")) == ("127.0.0.1", grpc_port)
     agents = kvcoord_services("agent")
@@ -482,10 +484,11 @@ def test_ports_agree_across_dockerfile_compose_k8s_and_prometheus() -> None:
     docs = k8s_docs()
     _, cfg = configmap_toml(docs)
     assert hostport(cfg["listen"])[1] == grpc_port and hostport(cfg["metrics_listen"])[1] == metrics_port
+    assert hostport(cfg["http_listen"])[1] == http_port
     dep = kind(docs, "Deployment", "kvcoord")
     c = container(dep, "coordinator")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+    assert ports == {"grpc": grpc_port, "http": http_port, "metrics": metrics_port}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] in (grpc_port, "grpc"), probe
     svc = kind(docs, "Service", "kvcoord")
@@ -1083,9 +1086,11 @@ def _local_stack(redis_url: str) -> tuple[list[tuple[str, list[str], dict[str, s
     coord_cmd = services()["coordinator"]["command"]
     grpc_in = hostport(flag(coord_cmd, "--listen"))[1]
     metrics_in = hostport(flag(coord_cmd, "--metrics-listen"))[1]
+    http_in = hostport(flag(coord_cmd, "--http-listen"))[1]
     common = {
         f"0.0.0.0:{grpc_in}": f"127.0.0.1:{gport}",
         f"0.0.0.0:{metrics_in}": f"127.0.0.1:{mport}",
+        f"0.0.0.0:{http_in}": f"127.0.0.1:{free_port()}",
         f"coordinator:{grpc_in}": f"127.0.0.1:{gport}",
         flag(coord_cmd, "--index"): redis_url,
     }

@@ -582,7 +582,10 @@ def test_native_chains_reject_bad_arguments() -> None:
         sha, True, b"p", toks, 4, 2
     )
     bad: list[tuple[tuple[Any, ...], type[Exception], str]] = [
-        ((sha, True, b"p", array("I", range(8)), 4, 2, b"\xf6"), TypeError, "uint64"),
+        ((sha, True, b"p", array("H", range(8)), 4, 2, b"\xf6"), TypeError, "uint64 or uint32"),
+        ((7, True, b"p", toks, 4, 2, b"\xf6"), ValueError, "unknown digest code"),
+        ((2, True, bytes(256), toks, 4, 2, b"\xf6"), ValueError, "shorter than 256"),
+        (("sha", True, b"p", toks, 4, 2, b"\xf6"), TypeError, "digest code or a callable"),
         ((sha, True, b"p", [0, 1, 2, 3], 4, 1, b"\xf6"), TypeError, "bytes-like"),
         ((sha, True, b"p", toks, 4, 3, b"\xf6"), ValueError, "fewer tokens"),
         ((sha, True, b"p", toks, -1, 1, b"\xf6"), ValueError, ">= 0"),
@@ -590,7 +593,7 @@ def test_native_chains_reject_bad_arguments() -> None:
         ((sha, True, b"p", toks, 4, 2, [b"\xf6"]), TypeError, "tails"),
         ((sha, True, b"p", toks, 4, 2, [b"\xf6", "x"]), TypeError, "tails"),
         ((sha, False, b"p", toks, 4, 2, b"\xf6"), TypeError, "must return bytes"),
-        ((hashlib.sha256, True, b"p", toks, 4, 2), TypeError, "7 arguments"),
+        ((hashlib.sha256, True, b"p", toks, 4, 2), TypeError, "7 or 8 arguments"),
     ]
     for args, exc, needle in bad:
         with pytest.raises(exc, match=needle):
@@ -600,7 +603,7 @@ def test_native_chains_reject_bad_arguments() -> None:
         ((sha, True, b"p", array("Q", range(4097)), 4097, 1), ValueError, "4096"),
         ((sha, True, b"p", toks, 4, 3), ValueError, "fewer tokens"),
         ((sha, True, b"p", array("q", range(8)), 4, 2), TypeError, "uint64"),
-        ((sha, True, b"p", toks, 4), TypeError, "6 arguments"),
+        ((sha, True, b"p", toks, 4), TypeError, "6 or 7 arguments"),
     ]
     for args, exc, needle in pickle_bad:
         with pytest.raises(exc, match=needle):
@@ -621,3 +624,37 @@ def test_native_chains_reject_bad_arguments() -> None:
 
     with pytest.raises(KeyError, match="boom"):
         native.cbor_chain(failing, False, b"p", toks, 4, 2, b"\xf6")
+
+
+@pytest.mark.skipif(native is None, reason="needs the C extension")
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    block_size=st.integers(1, 9),
+    parent=st.binary(min_size=0, max_size=40),
+    cbor_form=st.booleans(),
+)
+def test_c_digests_and_keys_are_the_python_hash_functions(tokens: list[int], block_size: int, parent: bytes,
+                                                          cbor_form: bool) -> None:
+    """The chain hashed in C (OpenSSL SHA-256, vendored XXH3-128) is the chain hashed by hashlib and the
+    xxhash package, digest for digest; keys_only gives each digest's uint64 key, vLLM's int form; uint32
+    and uint64 token buffers give the same chain."""
+    assert native is not None
+    count = len(tokens) // block_size
+    wide, narrow = array("Q", tokens), array("I", tokens)
+    algos = (("sha256", hashlib.sha256, True), ("xxh3_128", xxhash.xxh3_128_digest, False))
+    for name, fn, call_digest in algos:
+        code = native.C_DIGESTS.get(name)
+        if code is None:
+            continue
+
+        def run(h: Any, t: Any, keys: bool = False, call_digest: bool = call_digest) -> Any:
+            if cbor_form:
+                return native.cbor_chain(h, call_digest, parent, t, block_size, count, b"\xf6", keys)
+            return native.pickle_chain(h, call_digest, parent, t, block_size, count, keys)
+
+        digests = run(fn, wide)
+        assert run(code, wide) == digests == run(code, narrow) == run(fn, narrow)
+        keys = memoryview(run(code, narrow, True)).cast("Q").tolist()
+        assert keys == [to_block_hash64(d) for d in digests]
+        assert memoryview(run(fn, wide, True)).cast("Q").tolist() == keys

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import pickle
 import random
@@ -21,9 +22,10 @@ import time
 from array import array
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import cbor2
+import msgspec
 import pytest
 import xxhash
 
@@ -42,7 +44,10 @@ def test_native_is_built_when_required() -> None:
         if os.environ.get("KVCOORD_REQUIRE_SPEEDUPS") and switch.enabled:
             pytest.fail("kvcoord._native is not built (needs a C compiler and the Python headers)")
         pytest.skip("native code not built or KVCOORD_NATIVE=0: every hot path runs in Python")
-    assert switch.native_paths() == switch.PATHS == ("hash", "index", "walk")
+    assert switch.PATHS == ("hash", "index", "walk", "json")
+    digests = "+".join(sorted(native.C_DIGESTS))
+    assert switch.native_paths() == (f"hash({digests})", "index", "walk", "json")
+    assert "sha256" in native.C_DIGESTS or os.environ.get("KVCOORD_OPENSSL") == "0"  # CI builds with OpenSSL
     for name in ("cbor_chain", "pickle_chain", "Table", "validate_u64_seq", "u64_view", "mirror_walk"):
         assert hasattr(native, name), name
 
@@ -578,7 +583,7 @@ def _tokens_arg(rng: random.Random, tokens: list[int]) -> tuple[object, bool]:
         return memoryview(bytes(k) + array("Q", tokens).tobytes())[k:].cast("Q"), True
     if kind == 1:
         return rng.choice([tokens, bytes(8 * len(tokens)), array("q", [t >> 1 for t in tokens]),
-                           array("I", [t & 0xFFFF for t in tokens]), None]), False
+                           array("H", [t & 0xFFFF for t in tokens]), None]), False
     if kind == 2 and len(tokens) > 1:
         return memoryview(array("Q", tokens * 2))[::2], False
     if kind == 3:
@@ -606,15 +611,21 @@ def fuzz_chains(rng: random.Random, steps: int) -> None:
             digest = hashlib.sha256(msg).digest() * 8
             return digest[: rng.choice(sizes)]
 
-        hash_fn: Callable[[bytes], object] = recorder
+        hash_fn: Callable[[bytes], object] | int = recorder
         call_digest = False
+        reference: Callable[[bytes], bytes] | None = None  # the digest the chain must produce
         roll = rng.random()
         if roll < 0.1:
-            hash_fn, call_digest = hashlib.sha256, True
+            hash_fn, call_digest, reference = hashlib.sha256, True, lambda m: hashlib.sha256(m).digest()
         elif roll < 0.15:
-            hash_fn = xxhash.xxh3_128_digest
+            hash_fn = reference = xxhash.xxh3_128_digest
         elif roll < 0.18:
             hash_fn = rng.choice([lambda m: "str", lambda m: bytearray(32), lambda m: 1 / 0])
+        elif roll < 0.3:  # hashed in C: a digest code
+            name = rng.choice(sorted(native.C_DIGESTS))
+            hash_fn = rng.choice([native.C_DIGESTS[name], native.C_DIGESTS[name], 0, 99, -1])
+            reference = (lambda m: hashlib.sha256(m).digest()) if name == "sha256" else xxhash.xxh3_128_digest
+        keys_only = reference is not None and rng.random() < 0.5
         cbor = rng.random() < 0.5
         tails: object = b"\xf6"
         tail_list: list[bytes] = [b"\xf6"] * count
@@ -627,25 +638,103 @@ def fuzz_chains(rng: random.Random, steps: int) -> None:
             parent, block_size = rng.choice([("p", block_size), (parent, -1), (parent, 2**70)])  # type: ignore[assignment]
         try:
             if cbor:
-                got = native.cbor_chain(hash_fn, call_digest, parent, tok, block_size, count, tails)  # type: ignore[arg-type]
+                got = native.cbor_chain(hash_fn, call_digest, parent, tok, block_size, count, tails,  # type: ignore[arg-type]
+                                        keys_only)
             else:
-                got = native.pickle_chain(hash_fn, call_digest, parent, tok, block_size, count)
+                got = native.pickle_chain(hash_fn, call_digest, parent, tok, block_size, count, keys_only)  # type: ignore[arg-type]
         except (*_ERRORS, ZeroDivisionError):
             continue
-        assert tok_ok and isinstance(parent, bytes) and len(got) == count
-        prevs = [parent, *got]
+        assert tok_ok and isinstance(parent, bytes)
+        assert hash_fn not in (0, 99, -1), "a bad digest code was accepted"
+        assert len(got) == (8 * count if keys_only else count)
+        prev = parent
         for i in range(count):
             block = tuple(tokens[i * block_size : (i + 1) * block_size])
             if cbor:
-                want = b"\x83" + cbor2.dumps(prevs[i]) + cbor2.dumps(block) + tail_list[i]
+                want = b"\x83" + cbor2.dumps(prev) + cbor2.dumps(block) + tail_list[i]
             else:
-                want = pickle.dumps((prevs[i], block, None), protocol=5)
+                want = pickle.dumps((prev, block, None), protocol=5)
             if hash_fn is recorder:
                 assert messages[i] == want, (cbor, i)
-            elif call_digest:
-                assert got[i] == hashlib.sha256(want).digest()
-            elif hash_fn is xxhash.xxh3_128_digest:
-                assert got[i] == xxhash.xxh3_128_digest(want)
+                prev = got[i]
+                continue
+            assert reference is not None
+            prev = reference(want)
+            if keys_only:
+                assert memoryview(got).cast("Q")[i] == int.from_bytes(prev, "big") & (2**64 - 1)
+            else:
+                assert got[i] == prev
+
+
+# --- the JSON integer arrays of the HTTP API, against msgspec's typed decode ------------------------------
+_U32_LIST = list[Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]]
+
+
+def _json_ints_oracle(data: bytes, kind: str) -> list[int] | None:
+    """What msgspec (the definition) makes of ``data``: the values as the fast path packs them, or None."""
+    try:
+        if kind == "I":
+            return msgspec.json.decode(data, type=_U32_LIST)
+        values = msgspec.json.decode(data, type=list[int])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    if any(not -(2**63) <= v <= 2**64 - 1 for v in values):
+        return None
+    return [v & (2**64 - 1) for v in values]
+
+
+def _json_ints_case(rng: random.Random) -> bytes:
+    values: list[object] = [rng.choice([rng.randrange(2**32), rng.randrange(2**64), -rng.randrange(2**63 + 1),
+                                        0, 2**32, 2**64, -(2**63) - 1, 1.5, "1", None, True, [1]])
+                            for _ in range(rng.randrange(0, 12))]
+    ws = ["", " ", "\n", "\t", "\r\n  "]
+    text = "[" + rng.choice(ws) + ("," + rng.choice(ws)).join(
+        json.dumps(v) if not isinstance(v, int) or rng.random() < 0.9
+        else rng.choice([f"0{v}", f"{v}e0", f"{v}.0"]) for v in values) + rng.choice(ws) + "]"
+    data = bytearray((rng.choice(ws) + text + rng.choice(ws)).encode())
+    if data and rng.random() < 0.2:  # corrupt a byte, drop one, or cut it short
+        i = rng.randrange(len(data))
+        op = rng.randrange(3)
+        if op == 0:
+            data[i] = rng.randrange(256)
+        elif op == 1:
+            del data[i]
+        else:
+            del data[i:]
+    return bytes(data)
+
+
+def fuzz_json_ints(rng: random.Random, steps: int) -> None:
+    """json_int_array claims an input only when msgspec decodes it to the same values; it always claims a
+    plainly written valid array (or the fast path would be dead)."""
+    assert native is not None
+    for _ in range(steps):
+        kind = rng.choice("IQ")
+        data = _json_ints_case(rng)
+        got = native.json_int_array(memoryview(data) if rng.random() < 0.3 else data, kind)
+        want = _json_ints_oracle(data, kind)
+        if got is not None:
+            assert want is not None, data
+            assert list(memoryview(got).cast(kind)) == want, data
+    for _ in range(steps // 4 + 1):
+        limit = 2**32 if rng.random() < 0.5 else 2**63
+        plain = [rng.randrange(limit) for _ in range(rng.randrange(20))]
+        got = native.json_int_array(json.dumps(plain).encode(), "I" if limit == 2**32 else "Q")
+        assert got is not None and list(memoryview(got).cast("I" if limit == 2**32 else "Q")) == plain
+
+
+@pytest.mark.skipif(native is None, reason="needs the C extension")
+def test_json_int_arrays_are_msgspecs() -> None:
+    fuzz_json_ints(random.Random(13), 3000)
+    assert native is not None
+    bad_inputs = (b"", b"[", b"[1,]", b"[,1]", b"[01]", b"[1 2]", b"[1]x", b"[-1]", b"{}", b"[1e3]",
+                  b"[4294967296]")
+    for bad in bad_inputs:
+        assert native.json_int_array(bad, "I") is None, bad
+    assert native.json_int_array(b" [ -9223372036854775808 , 18446744073709551615 ] ", "Q") == (
+        array("Q", [2**63, 2**64 - 1]).tobytes())
+    with pytest.raises(ValueError, match="kind"):
+        native.json_int_array(b"[1]", "q")
 
 
 FUZZERS: dict[str, Callable[[random.Random, int], None]] = {
@@ -653,6 +742,7 @@ FUZZERS: dict[str, Callable[[random.Random, int], None]] = {
     "u64": fuzz_u64,
     "walk": fuzz_walk,
     "chains": fuzz_chains,
+    "json": fuzz_json_ints,
 }
 
 
@@ -695,3 +785,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

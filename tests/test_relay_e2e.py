@@ -154,7 +154,8 @@ async def index_diff(addr: str, pool: set[tuple[int, int]], gone: set[int]) -> l
                 res = await client.lookup(MODEL, hashes=chunk)
                 held = {(n.node_id, n.dp_rank): n for n in res.nodes}
                 node = held.get((NODE, 0))
-                if node is None or node.matched_blocks != len(chunk) or node.tiers[name] != len(chunk):
+                if (node is None or node.matched_blocks != len(chunk)
+                        or node.tiers_by_name()[name] != len(chunk)):
                     missing = [h for h in chunk if not await _holds(client, h, name)]
                     problems.append(f"{len(missing)} pool blocks on {name} missing from the index, "
                                     f"e.g. {missing[:3]}")
@@ -175,7 +176,7 @@ async def index_diff(addr: str, pool: set[tuple[int, int]], gone: set[int]) -> l
 
 async def _holds(client: AsyncCoordinatorClient, h: int, tier: str | None) -> bool:
     res = await client.lookup(MODEL, hashes=[h])
-    return any(n.matched_blocks == 1 and (tier is None or n.tiers[tier] == 1) for n in res.nodes)
+    return any(n.matched_blocks == 1 and (tier is None or n.tiers_by_name()[tier] == 1) for n in res.nodes)
 
 
 class Checker:

@@ -53,7 +53,7 @@ def _serve(stack: contextlib.ExitStack, redis: RedisServer, tmp: Path, name: str
 
 
 def _view(res: Any) -> list[tuple[object, ...]]:
-    return [(n.node_id, n.dp_rank, n.matched_blocks, tuple(sorted(n.tiers.items())),
+    return [(n.node_id, n.dp_rank, n.matched_blocks, tuple(sorted(n.tiers_by_name().items())),
              (n.load.running_requests, n.load.waiting_requests)) for n in res.nodes]
 
 

@@ -109,6 +109,7 @@ def _engine_cmd(pub: int, replay: int, coordinator: str, state: Path, *extra: st
 def _serve_cmd(gport: int) -> list[str]:
     return kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}",
                        "--metrics-listen", f"127.0.0.1:{free_port()}",
+                       "--http-listen", f"127.0.0.1:{free_port()}",
                        "--model", f"{MODEL},algo=sha256_cbor,block_size=8,seed=0")
 
 

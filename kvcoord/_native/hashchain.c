@@ -2,14 +2,63 @@
  * kvcoord.hashing._chain_reference, the definition).
  *
  * vLLM's block hash is H(serialise((parent, tuple(tokens), extra_keys))) with canonical CBOR or pickle
- * protocol 5. The serialised bytes are simple enough to write byte by byte; what makes the Python path
- * slow is the per-token and per-block interpreter work, not the hashing. Each block's message is
- * written here and hashed by the *same* Python hash callable the reference uses (hashlib.sha256 +
- * .digest(), or xxhash.xxh3_128_digest), so this file carries no digest implementation of its own.
+ * protocol 5. The serialised bytes are simple enough to write byte by byte. Each block's message is
+ * written here, then hashed either in C (DIGEST_SHA256: OpenSSL's SHA256, when the build found OpenSSL;
+ * DIGEST_XXH3_128: the vendored xxHash, canonical big-endian form) or by a Python hash callable
+ * (hashlib.sha256 + .digest(), xxhash.xxh3_128_digest: what the reference itself calls). The C digests
+ * keep a chain free of any Python call per block; the tests prove both equal to the reference.
+ *
+ * With keys_only, the answer is the packed uint64 keys (vLLM's int form of each digest: its last 8 bytes,
+ * big-endian) instead of the digests, which is all a lookup needs.
  */
 #include "native.h"
 
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include "vendor/xxhash.h"
+
+#ifdef KVN_HAVE_OPENSSL
+#define OPENSSL_SUPPRESS_DEPRECATED
+#include <openssl/sha.h>
+#endif
+
+#define DIGEST_SHA256 1
+#define DIGEST_XXH3_128 2
+
 static PyObject *str_digest; /* interned "digest", set by kvn_hashchain_init */
+
+/* The chain's hasher and the previous digest: in C (code > 0) the digest lives in `prev`; with a Python
+ * callable it is the bytes object `prev_obj` (a strong reference). */
+typedef struct {
+    int code;
+    PyObject *fn;
+    int call_digest;
+    unsigned char prev[256];
+    Py_ssize_t plen;
+    PyObject *prev_obj;
+} chain_state;
+
+static const unsigned char *
+prev_bytes(const chain_state *st, Py_ssize_t *len)
+{
+    if (st->code) {
+        *len = st->plen;
+        return st->prev;
+    }
+    *len = PyBytes_GET_SIZE(st->prev_obj);
+    return (const unsigned char *)PyBytes_AS_STRING(st->prev_obj);
+}
+
+/* vLLM's int form of a digest: int.from_bytes(digest, "big") & (2**64 - 1). */
+static inline uint64_t
+digest_key(const unsigned char *d, Py_ssize_t len)
+{
+    uint64_t key = 0;
+    for (Py_ssize_t k = len > 8 ? len - 8 : 0; k < len; k++) {
+        key = (key << 8) | d[k];
+    }
+    return key;
+}
 
 /* Append the CBOR head of (major type, n) at p; return the number of bytes written (1..9). */
 static Py_ssize_t
@@ -70,52 +119,165 @@ hash_message(PyObject *hash_fn, int call_digest, const unsigned char *buf, Py_ss
     return digest;
 }
 
-/* The arguments both chains share: (hash_fn, call_digest, parent, tokens, block_size, count). */
+/* The arguments both chains share: (hasher, call_digest, parent, tokens, block_size, count[, ...]).
+ * hasher is a DIGEST_* code (an int) or a Python callable; st->prev/prev_obj starts as the parent. */
 static int
-chain_args(PyObject *const *args, int *call_digest, Py_ssize_t *block_size, Py_ssize_t *count)
+chain_args(PyObject *const *args, chain_state *st, Py_ssize_t *block_size, Py_ssize_t *count)
 {
-    *call_digest = PyObject_IsTrue(args[1]);
-    if (*call_digest < 0) {
-        return -1;
-    }
+    memset(st, 0, sizeof *st);
     if (!PyBytes_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "parent must be bytes");
         return -1;
     }
+    if (PyLong_Check(args[0])) {
+        long code = PyLong_AsLong(args[0]);
+        if (code == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+#ifndef KVN_HAVE_OPENSSL
+        if (code == DIGEST_SHA256) {
+            PyErr_SetString(PyExc_ValueError, "this build has no C SHA-256 (OpenSSL was not found)");
+            return -1;
+        }
+#endif
+        if (code != DIGEST_SHA256 && code != DIGEST_XXH3_128) {
+            PyErr_SetString(PyExc_ValueError, "unknown digest code");
+            return -1;
+        }
+        if (PyBytes_GET_SIZE(args[2]) >= 256) {
+            PyErr_SetString(PyExc_ValueError, "parent must be shorter than 256 bytes");
+            return -1;
+        }
+        st->code = (int)code;
+        st->plen = PyBytes_GET_SIZE(args[2]);
+        if (st->plen > 0) {
+            memcpy(st->prev, PyBytes_AS_STRING(args[2]), (size_t)st->plen);
+        }
+    } else {
+        if (!PyCallable_Check(args[0])) {
+            PyErr_SetString(PyExc_TypeError, "hasher must be a digest code or a callable");
+            return -1;
+        }
+        st->call_digest = PyObject_IsTrue(args[1]);
+        if (st->call_digest < 0) {
+            return -1;
+        }
+        st->fn = args[0];
+        st->prev_obj = Py_NewRef(args[2]);
+    }
     *block_size = PyLong_AsSsize_t(args[4]);
     if (*block_size == -1 && PyErr_Occurred()) {
-        return -1;
+        goto fail;
     }
     *count = PyLong_AsSsize_t(args[5]);
     if (*count == -1 && PyErr_Occurred()) {
-        return -1;
+        goto fail;
     }
     if (*block_size < 0 || *count < 0) {
         PyErr_SetString(PyExc_ValueError, "block_size and count must be >= 0");
-        return -1;
+        goto fail;
+    }
+    return 0;
+fail:
+    Py_CLEAR(st->prev_obj);
+    return -1;
+}
+
+/* Hash one block's message and advance the chain. The digest goes to out[i] (a list) when out is not
+ * NULL, its key to keys[i] when keys is not NULL. 0, or -1 with an exception. */
+static int
+chain_step(chain_state *st, const unsigned char *msg, Py_ssize_t len, PyObject *out, Py_ssize_t i,
+           unsigned char *keys)
+{
+    const unsigned char *d;
+    Py_ssize_t dlen;
+    if (st->code == DIGEST_XXH3_128) {
+        XXH128_canonical_t c;
+        XXH128_canonicalFromHash(&c, XXH3_128bits(msg, (size_t)len));
+        memcpy(st->prev, c.digest, 16);
+        st->plen = 16;
+    }
+#ifdef KVN_HAVE_OPENSSL
+    else if (st->code == DIGEST_SHA256) {
+        /* The low-level calls: OpenSSL 3's one-shot SHA256() fetches an EVP provider on every call,
+         * which costs more than hashing a 100-byte block. */
+        SHA256_CTX ctx;
+        SHA256_Init(&ctx);
+        SHA256_Update(&ctx, msg, (size_t)len);
+        SHA256_Final(st->prev, &ctx);
+        st->plen = 32;
+    }
+#endif
+    if (st->code) {
+        d = st->prev;
+        dlen = st->plen;
+        if (out != NULL) {
+            PyObject *b = PyBytes_FromStringAndSize((const char *)d, dlen);
+            if (b == NULL) {
+                return -1;
+            }
+            PyList_SET_ITEM(out, i, b);
+        }
+    } else {
+        PyObject *digest = hash_message(st->fn, st->call_digest, msg, len);
+        if (digest == NULL) {
+            return -1;
+        }
+        if (out != NULL) {
+            PyList_SET_ITEM(out, i, Py_NewRef(digest));
+        }
+        Py_SETREF(st->prev_obj, digest);
+        d = (const unsigned char *)PyBytes_AS_STRING(digest);
+        dlen = PyBytes_GET_SIZE(digest);
+    }
+    if (keys != NULL) {
+        uint64_t key = digest_key(d, dlen);
+        memcpy(keys + 8 * i, &key, 8);
     }
     return 0;
 }
 
-/* Token j of a uint64 buffer that need not be 8-aligned (a memoryview slice cast to 'Q' is not). */
-static inline uint64_t
-load_u64(const unsigned char *p, Py_ssize_t j)
+/* The chain's answer container: a list of count digests, or (keys_only) a bytes of count uint64 keys. */
+static int
+chain_output(int keys_only, Py_ssize_t count, PyObject **out, PyObject **keys)
 {
-    uint64_t v;
-    memcpy(&v, p + 8 * j, sizeof v);
+    *out = NULL;
+    *keys = NULL;
+    if (keys_only) {
+        *keys = PyBytes_FromStringAndSize(NULL, 8 * count);
+        return *keys == NULL ? -1 : 0;
+    }
+    *out = PyList_New(count);
+    return *out == NULL ? -1 : 0;
+}
+
+/* Token j of a uint64 or uint32 buffer that need not be aligned (a memoryview slice cast to 'Q' is not). */
+static inline uint64_t
+load_token(const unsigned char *p, Py_ssize_t itemsize, Py_ssize_t j)
+{
+    if (itemsize == 8) {
+        uint64_t v;
+        memcpy(&v, p + 8 * j, sizeof v);
+        return v;
+    }
+    uint32_t v;
+    memcpy(&v, p + 4 * j, sizeof v);
     return v;
 }
 
-/* The uint64 token buffer, checked to hold count blocks; 0, or -1 with an exception (view released). */
+/* The token buffer (array('Q') or array('I')), checked to hold count blocks; 0, or -1 with an exception
+ * (view released). */
 static int
 token_view(PyObject *tokens, Py_buffer *view, Py_ssize_t block_size, Py_ssize_t count)
 {
     if (PyObject_GetBuffer(tokens, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         return -1;
     }
-    if (view->itemsize != 8 || view->format == NULL || strcmp(view->format, "Q") != 0) { /* native uint64 */
-        PyErr_SetString(PyExc_TypeError, "tokens must be a uint64 buffer (array('Q'))");
-    } else if (block_size != 0 && view->len / 8 / block_size < count) {
+    int u64 = view->itemsize == 8 && view->format != NULL && strcmp(view->format, "Q") == 0;
+    int u32 = view->itemsize == 4 && view->format != NULL && strcmp(view->format, "I") == 0;
+    if (!u64 && !u32) { /* native uint64 or uint32 */
+        PyErr_SetString(PyExc_TypeError, "tokens must be a uint64 or uint32 buffer (array('Q'), array('I'))");
+    } else if (block_size != 0 && view->len / view->itemsize / block_size < count) {
         PyErr_SetString(PyExc_ValueError, "fewer tokens than count * block_size");
     } else {
         return 0;
@@ -124,68 +286,81 @@ token_view(PyObject *tokens, Py_buffer *view, Py_ssize_t block_size, Py_ssize_t 
     return -1;
 }
 
+/* The optional keys_only argument (index `at`): 0 or 1, or -1 with an exception. */
+static int
+keys_only_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at)
+{
+    return nargs > at ? PyObject_IsTrue(args[at]) : 0;
+}
+
 PyDoc_STRVAR(cbor_chain_doc,
-"cbor_chain(hash_fn, call_digest, parent, tokens, block_size, count, tails) -> list[bytes]\n\n"
+"cbor_chain(hasher, call_digest, parent, tokens, block_size, count, tails, keys_only=False)\n\n"
 "Digests of `count` chained blocks: block i hashes canonical CBOR of\n"
 "(previous digest or `parent`, tuple(tokens[i*block_size:(i+1)*block_size]), <tail>)\n"
 "where the tail is already-encoded CBOR of the extra keys (b'\\xf6' for None): `tails` is\n"
 "one bytes object for every block or a list of `count` bytes objects. `tokens` is a\n"
-"buffer of uint64 (array('Q')). The digest is hash_fn(message), then .digest() of that\n"
-"when `call_digest` is true (hashlib constructors).");
+"buffer of uint64 or uint32 (array('Q'), array('I')). `hasher` is a digest code (1: SHA-256,\n"
+"2: XXH3-128, hashed in C) or a callable: the digest is hasher(message), then .digest() of that\n"
+"when `call_digest` is true (hashlib constructors). Returns a list of digests, or with keys_only\n"
+"the bytes of `count` native uint64 keys (each digest's last 8 bytes, big-endian).");
 
 static PyObject *
 cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "cbor_chain takes 7 arguments");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "cbor_chain takes 7 or 8 arguments");
         return NULL;
     }
-    int call_digest;
+    chain_state st;
     Py_ssize_t block_size, count;
-    if (chain_args(args, &call_digest, &block_size, &count) < 0) {
+    if (chain_args(args, &st, &block_size, &count) < 0) {
         return NULL;
     }
+    PyObject *out = NULL, *keys = NULL, *result = NULL;
+    unsigned char *buf = NULL;
+    int keys_only = keys_only_arg(args, nargs, 7);
     PyObject *tails = args[6];
     int shared_tail = PyBytes_Check(tails);
+    if (keys_only < 0) {
+        Py_XDECREF(st.prev_obj);
+        return NULL;
+    }
     if (!shared_tail && !PyList_Check(tails)) {
         PyErr_SetString(PyExc_TypeError, "tails must be bytes or a list of count bytes");
+        Py_XDECREF(st.prev_obj);
         return NULL;
     }
     Py_buffer view;
     if (token_view(args[3], &view, block_size, count) < 0) {
+        Py_XDECREF(st.prev_obj);
         return NULL;
     }
-    PyObject *out = NULL;
-    unsigned char *buf = NULL;
     Py_ssize_t cap = 0; /* scratch message buffer, grown to the largest message */
     const unsigned char *tokens = (const unsigned char *)view.buf;
-    PyObject *prev = args[2]; /* borrowed: parent, or the previous digest held by `out` */
     unsigned char bs_head[9];
     Py_ssize_t bs_head_len = cbor_head(bs_head, 4, (uint64_t)block_size);
-    out = PyList_New(count);
-    if (out == NULL) {
+    if (chain_output(keys_only, count, &out, &keys) < 0) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *tail = tails;
         if (!shared_tail) {
-            /* checked per block: hash_fn may run Python code that changes the list */
+            /* checked per block: a hash callable may run Python code that changes the list */
             if (PyList_GET_SIZE(tails) != count || !PyBytes_Check(PyList_GET_ITEM(tails, i))) {
                 PyErr_SetString(PyExc_TypeError, "tails must be bytes or a list of count bytes");
-                Py_CLEAR(out);
                 goto done;
             }
             tail = PyList_GET_ITEM(tails, i);
         }
-        Py_ssize_t plen = PyBytes_GET_SIZE(prev);
+        Py_ssize_t plen;
+        const unsigned char *prev = prev_bytes(&st, &plen);
         Py_ssize_t tlen = PyBytes_GET_SIZE(tail);
         Py_ssize_t need = 10 + plen + bs_head_len + 9 * block_size + tlen;
         if (need > cap) {
             unsigned char *nb = PyMem_Realloc(buf, (size_t)need);
             if (nb == NULL) {
                 PyErr_NoMemory();
-                Py_CLEAR(out);
                 goto done;
             }
             buf = nb;
@@ -194,29 +369,32 @@ cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         unsigned char *p = buf;
         *p++ = 0x83; /* array of 3: (parent, tokens, extra keys) */
         p += cbor_head(p, 2, (uint64_t)plen);
-        memcpy(p, PyBytes_AS_STRING(prev), (size_t)plen);
+        if (plen > 0) {
+            memcpy(p, prev, (size_t)plen);
+        }
         p += plen;
         memcpy(p, bs_head, (size_t)bs_head_len);
         p += bs_head_len;
-        const unsigned char *t = tokens + 8 * i * block_size;
+        const unsigned char *t = tokens + view.itemsize * i * block_size;
         for (Py_ssize_t j = 0; j < block_size; j++) {
-            p += cbor_head(p, 0, load_u64(t, j));
+            p += cbor_head(p, 0, load_token(t, view.itemsize, j));
         }
         memcpy(p, PyBytes_AS_STRING(tail), (size_t)tlen);
         p += tlen;
-        PyObject *digest = hash_message(args[0], call_digest, buf, p - buf);
-        if (digest == NULL) {
-            Py_CLEAR(out);
+        if (chain_step(&st, buf, p - buf, out, i,
+                       keys != NULL ? (unsigned char *)PyBytes_AS_STRING(keys) : NULL) < 0) {
             goto done;
         }
-        PyList_SET_ITEM(out, i, digest); /* steals the reference */
-        prev = digest;
     }
+    result = keys_only ? Py_NewRef(keys) : Py_NewRef(out);
 
 done:
+    Py_XDECREF(out);
+    Py_XDECREF(keys);
+    Py_XDECREF(st.prev_obj);
     PyMem_Free(buf);
     PyBuffer_Release(&view);
-    return out;
+    return result;
 }
 
 /* pickle protocol 5 of one non-negative int, exactly as CPython's _pickle writes it (save_long). */
@@ -256,47 +434,60 @@ pickle_uint(unsigned char *p, uint64_t v)
 #define PICKLE_MAX_BLOCK 4096 /* past this a block's pickle may span frames (64 KiB): not written here */
 
 PyDoc_STRVAR(pickle_chain_doc,
-"pickle_chain(hash_fn, call_digest, parent, tokens, block_size, count) -> list[bytes]\n\n"
+"pickle_chain(hasher, call_digest, parent, tokens, block_size, count, keys_only=False)\n\n"
 "vLLM's sha256 / xxhash chain for blocks without extra keys: block i hashes\n"
 "pickle.dumps((previous digest or `parent`, tuple(tokens[i*block_size:(i+1)*block_size]), None),\n"
 "protocol=5), byte for byte as CPython's pickler writes it (one frame, memoized bytes and tuples).\n"
-"`tokens` is array('Q'); block_size at most 4096. hash_fn as for cbor_chain.");
+"`tokens` is array('Q') or array('I'); block_size at most 4096. hasher, call_digest and keys_only\n"
+"as for cbor_chain.");
 
 static PyObject *
 pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "pickle_chain takes 6 arguments");
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "pickle_chain takes 6 or 7 arguments");
         return NULL;
     }
-    int call_digest;
+    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) >= 256) {
+        PyErr_SetString(PyExc_ValueError, "need a bytes parent shorter than 256 bytes and block_size <= 4096");
+        return NULL;
+    }
+    chain_state st;
     Py_ssize_t block_size, count;
-    if (chain_args(args, &call_digest, &block_size, &count) < 0) {
+    if (chain_args(args, &st, &block_size, &count) < 0) {
         return NULL;
     }
-    if (PyBytes_GET_SIZE(args[2]) >= 256 || block_size > PICKLE_MAX_BLOCK) {
-        PyErr_SetString(PyExc_ValueError, "need a parent shorter than 256 bytes and block_size <= 4096");
+    int keys_only = keys_only_arg(args, nargs, 6);
+    if (keys_only < 0 || block_size > PICKLE_MAX_BLOCK) {
+        if (keys_only >= 0) {
+            PyErr_SetString(PyExc_ValueError, "need a parent shorter than 256 bytes and block_size <= 4096");
+        }
+        Py_XDECREF(st.prev_obj);
         return NULL;
     }
     Py_buffer view;
     if (token_view(args[3], &view, block_size, count) < 0) {
+        Py_XDECREF(st.prev_obj);
         return NULL;
     }
-    PyObject *out = NULL;
+    PyObject *out = NULL, *keys = NULL, *result = NULL;
     const unsigned char *tokens = (const unsigned char *)view.buf;
-    PyObject *prev = args[2];
     unsigned char *buf = PyMem_Malloc((size_t)(32 + 255 + 11 * block_size));
     if (buf == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    out = PyList_New(count);
-    if (out == NULL) {
+    if (chain_output(keys_only, count, &out, &keys) < 0) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        Py_ssize_t plen = PyBytes_GET_SIZE(prev);
+        Py_ssize_t plen;
+        const unsigned char *prev = prev_bytes(&st, &plen);
+        if (plen >= 256) { /* a callable's digest: hash_message keeps them shorter, checked again here */
+            PyErr_SetString(PyExc_ValueError, "digest too long for the pickle chain");
+            goto done;
+        }
         unsigned char *p = buf;
         *p++ = 0x80; /* PROTO 5 */
         *p++ = 5;
@@ -306,10 +497,12 @@ pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         unsigned char *frame = p;
         *p++ = 'C'; /* SHORT_BINBYTES: the parent digest */
         *p++ = (unsigned char)plen;
-        memcpy(p, PyBytes_AS_STRING(prev), (size_t)plen);
+        if (plen > 0) {
+            memcpy(p, prev, (size_t)plen);
+        }
         p += plen;
         *p++ = 0x94; /* MEMOIZE */
-        const unsigned char *t = tokens + 8 * i * block_size;
+        const unsigned char *t = tokens + view.itemsize * i * block_size;
         if (block_size == 0) {
             *p++ = ')'; /* EMPTY_TUPLE (not memoized) */
         } else {
@@ -317,7 +510,7 @@ pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                 *p++ = '('; /* MARK */
             }
             for (Py_ssize_t j = 0; j < block_size; j++) {
-                p += pickle_uint(p, load_u64(t, j));
+                p += pickle_uint(p, load_token(t, view.itemsize, j));
             }
             *p++ = block_size == 1 ? 0x85 : block_size == 2 ? 0x86 : block_size == 3 ? 0x87 : 't';
             *p++ = 0x94; /* MEMOIZE */
@@ -330,18 +523,19 @@ pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         for (int k = 0; k < 8; k++) {
             frame_len[k] = (unsigned char)(flen >> (8 * k));
         }
-        PyObject *digest = hash_message(args[0], call_digest, buf, p - buf);
-        if (digest == NULL) {
-            Py_CLEAR(out);
+        if (chain_step(&st, buf, p - buf, out, i,
+                       keys != NULL ? (unsigned char *)PyBytes_AS_STRING(keys) : NULL) < 0) {
             goto done;
         }
-        PyList_SET_ITEM(out, i, digest);
-        prev = digest; /* shorter than 256: hash_message checked */
     }
+    result = keys_only ? Py_NewRef(keys) : Py_NewRef(out);
 done:
+    Py_XDECREF(out);
+    Py_XDECREF(keys);
+    Py_XDECREF(st.prev_obj);
     PyMem_Free(buf);
     PyBuffer_Release(&view);
-    return out;
+    return result;
 }
 
 PyMethodDef kvn_hashchain_methods[] = {
@@ -353,9 +547,22 @@ PyMethodDef kvn_hashchain_methods[] = {
 int
 kvn_hashchain_init(PyObject *module)
 {
-    (void)module;
     if (str_digest == NULL) {
         str_digest = PyUnicode_InternFromString("digest");
     }
-    return str_digest == NULL ? -1 : 0;
+    if (str_digest == NULL) {
+        return -1;
+    }
+    /* The digests this build hashes in C, by vLLM's name for the function: hashing.py picks the code. */
+#ifdef KVN_HAVE_OPENSSL
+    PyObject *codes = Py_BuildValue("{s:i,s:i}", "sha256", DIGEST_SHA256, "xxh3_128", DIGEST_XXH3_128);
+#else
+    PyObject *codes = Py_BuildValue("{s:i}", "xxh3_128", DIGEST_XXH3_128);
+#endif
+    if (codes == NULL) {
+        return -1;
+    }
+    int r = PyModule_AddObjectRef(module, "C_DIGESTS", codes);
+    Py_DECREF(codes);
+    return r;
 }

@@ -1,7 +1,8 @@
 /* kvcoord._native: the one C extension of kvcoord (see kvcoord/native.py, the switch).
  *
  * One file per hot path, each with a pure-Python twin that is the fallback and the tests' oracle:
- *   hashchain.c  vLLM's block-hash chains (kvcoord.hashing): cbor_chain, pickle_chain
+ *   hashchain.c  vLLM's block-hash chains (kvcoord.hashing): cbor_chain, pickle_chain, C_DIGESTS
+ *   jsonints.c   JSON integer arrays to packed integers (kvcoord.coordinator.httpapi): json_int_array
  *   table.c      the memory index's block table (kvcoord.index.memory): Table, validate_u64_seq, u64_view
  *   walk.c       the Redis lookup mirror's holder walk (kvcoord.index.redis.mirror): mirror_walk
  *   module.c     PyInit__native, which adds each file's functions and types
@@ -50,6 +51,7 @@ kvn_check_row_class(PyObject *cls, int none_ok)
 
 /* Each file's part of the module: its functions (NULL-terminated) and an init hook. */
 extern PyMethodDef kvn_hashchain_methods[];
+extern PyMethodDef kvn_jsonints_methods[];
 extern PyMethodDef kvn_table_methods[];
 extern PyMethodDef kvn_walk_methods[];
 int kvn_hashchain_init(PyObject *module);

@@ -82,16 +82,21 @@ class FreeKVCacheBlockQueue:
     __slots__ = ("fake_free_list_head", "fake_free_list_tail", "num_free_blocks")
 
     def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self.fake_free_list_head = KVCacheBlock(-1)
-        self.fake_free_list_tail = KVCacheBlock(-1)
-        self.num_free_blocks = len(blocks)
-        prev = self.fake_free_list_head
+        head = self.fake_free_list_head = KVCacheBlock(-1)
+        tail = self.fake_free_list_tail = KVCacheBlock(-1)
+        self.num_free_blocks = 0
+        self._splice(head, blocks, tail)
+
+    def _splice(self, prev: KVCacheBlock, blocks: Sequence[KVCacheBlock], nxt: KVCacheBlock) -> None:
+        """Link ``blocks``, in order, between the adjacent ``prev`` and ``nxt``: the one relinking loop
+        behind the constructor, :meth:`append_n` and :meth:`prepend_n`."""
         for block in blocks:
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
-        prev.next_free_block = self.fake_free_list_tail
-        self.fake_free_list_tail.prev_free_block = prev
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        self.num_free_blocks += len(blocks)
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -156,13 +161,7 @@ class FreeKVCacheBlockQueue:
             return
         last = self.fake_free_list_tail.prev_free_block
         assert last is not None, "tail sentinel lost its link"
-        for block in blocks:
-            last.next_free_block = block
-            block.prev_free_block = last
-            last = block
-        last.next_free_block = self.fake_free_list_tail
-        self.fake_free_list_tail.prev_free_block = last
-        self.num_free_blocks += len(blocks)
+        self._splice(last, blocks, self.fake_free_list_tail)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Queue ``blocks`` at the front, keeping their order (``blocks[0]`` is evicted first)."""
@@ -170,14 +169,7 @@ class FreeKVCacheBlockQueue:
             return
         first = self.fake_free_list_head.next_free_block
         assert first is not None, "head sentinel lost its link"
-        prev = self.fake_free_list_head
-        for block in blocks:
-            prev.next_free_block = block
-            block.prev_free_block = prev
-            prev = block
-        prev.next_free_block = first
-        first.prev_free_block = prev
-        self.num_free_blocks += len(blocks)
+        self._splice(self.fake_free_list_head, blocks, first)
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """Front to back. For tests and invariant checks, not the hot path."""

@@ -53,6 +53,7 @@ from kvcoord.hashing import (
     RequestBlockHasher,
     RequestKeys,
     published_extra_keys,
+    to_block_hash64,
 )
 
 __all__ = [
@@ -204,7 +205,7 @@ class BlockPool:
             self._events.append(event)
 
     def _external(self, digest: bytes) -> EngineHash:
-        if self.hash_form == "int":
+        if self.hash_form == "int":  # to_block_hash64 of a digest, inlined: this runs per block
             return int.from_bytes(digest, "big") & UINT64_MASK
         return bytes(digest)
 
@@ -451,7 +452,7 @@ class BlockPool:
         entries: list[tuple[BlockHash64, Tier]] = []
         tier = self.tier
         for key in self.cached_block_hash_to_block:
-            entries.append((BlockHash64(int.from_bytes(key[:-GROUP_ID_BYTES], "big") & UINT64_MASK), tier))
+            entries.append((to_block_hash64(key[:-GROUP_ID_BYTES]), tier))
         return {self.dp_rank: entries}
 
     def cached_hashes(self) -> set[BlockHash64]:
@@ -528,7 +529,7 @@ class BlockPool:
             num_cached_tokens=len(hits) * bs,
             block_ids=tuple(b.block_id for b in req.blocks),
             num_new_blocks=num_new,
-            block_hashes=tuple(BlockHash64(int.from_bytes(d, "big") & UINT64_MASK) for d in digests),
+            block_hashes=tuple(map(to_block_hash64, digests)),
         )
 
     def extend(self, request_id: str, token_ids: Sequence[int]) -> int:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcoord.agent.engine_metrics import EngineMetrics
 from kvcoord.agent.reporter import Reporter
 from kvcoord.engine.relay import BlockMirror, EventSink, Relay
 from kvcoord.engine.zmq_wire import offset_endpoint_port
@@ -52,6 +53,11 @@ class AgentConfig:
     replay_timeout: float = 2.0
     stats_file: str | None = None
     stats_interval: float = 0.2
+    engine_metrics_url: str | None = None
+    """The engine's Prometheus page (vLLM's ``/metrics``): its load goes into heartbeats."""
+    engine_metrics_interval: float = 1.0
+    serving_url: str = ""
+    """The engine's OpenAI-compatible base URL, announced in the Hello for routers ("" : none)."""
 
 
 def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> list[Relay]:
@@ -69,8 +75,10 @@ def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> l
     return relays
 
 
-def agent_status(relays: Sequence[Relay], reporter: Reporter) -> dict[str, Any]:
-    """What ``--stats-file`` holds: each relay's position and counters, the reporter's links."""
+def agent_status(relays: Sequence[Relay], reporter: Reporter,
+                 engine_metrics: EngineMetrics | None = None) -> dict[str, Any]:
+    """What ``--stats-file`` holds: each relay's position and counters, the reporter's links, and the
+    engine-metrics scraper's health (``engine_metrics``: null without ``--engine-metrics-url``)."""
     rs = reporter.stats()
     return {
         "node_id": rs.node_id,
@@ -82,6 +90,8 @@ def agent_status(relays: Sequence[Relay], reporter: Reporter) -> dict[str, Any]:
         if relays else {},
         "reporter": {"epoch": rs.epoch, "last_seq": rs.last_seq, "events_submitted": rs.events_submitted,
                      "links": [asdict(link) for link in rs.links]},
+        "serving_url": reporter.serving_url,
+        "engine_metrics": engine_metrics.status() if engine_metrics is not None else None,
     }
 
 
@@ -93,10 +103,10 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 async def _write_stats(path: Path, interval: float, relays: Sequence[Relay], reporter: Reporter,
-                       stop: asyncio.Event) -> None:
+                       scraper: EngineMetrics | None, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            _write_json(path, agent_status(relays, reporter))
+            _write_json(path, agent_status(relays, reporter, scraper))
         except OSError as exc:
             log.warning("cannot write %s: %s", path, exc)
         with contextlib.suppress(TimeoutError):
@@ -116,9 +126,12 @@ async def _cancel_tasks(tasks: Sequence[asyncio.Task[Any]], timeout: float) -> N
 async def run_agent(config: AgentConfig) -> None:
     """Relay until SIGTERM/SIGINT. Raises :class:`AgentRefused` when every coordinator refused the node."""
     mirror = BlockMirror()
+    scraper = (EngineMetrics(config.engine_metrics_url, config.model, interval=config.engine_metrics_interval)
+               if config.engine_metrics_url else None)
     rep = Reporter(list(config.coordinators), node_id=config.node_id, model=config.model,
                    snapshot=mirror.rank_entries, dp_ranks=config.dp_ranks, security=config.security,
-                   hash_profile=config.hash_profile)
+                   hash_profile=config.hash_profile, load=scraper.load if scraper is not None else None,
+                   serving_url=config.serving_url)
     relays = build_relays(config, rep, mirror)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -126,8 +139,10 @@ async def run_agent(config: AgentConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await rep.start()
     tasks = [asyncio.create_task(r.run(stop), name=f"relay-{r.endpoint}") for r in relays]
+    if scraper is not None:  # its own task: a slow engine page never delays a relay
+        tasks.append(asyncio.create_task(scraper.run(stop), name="engine-metrics"))
     if config.stats_file:
-        writer = _write_stats(Path(config.stats_file), config.stats_interval, relays, rep, stop)
+        writer = _write_stats(Path(config.stats_file), config.stats_interval, relays, rep, scraper, stop)
         tasks.append(asyncio.create_task(writer, name="stats-file"))
     log.info("agent %s: relaying %s to %s", config.node_id, ", ".join(r.endpoint for r in relays),
              ", ".join(config.coordinators))
@@ -150,7 +165,7 @@ async def run_agent(config: AgentConfig) -> None:
             loop.remove_signal_handler(sig)
         if config.stats_file:  # the final word: streams closed, counters complete
             try:
-                _write_json(Path(config.stats_file), agent_status(relays, rep))
+                _write_json(Path(config.stats_file), agent_status(relays, rep, scraper))
             except OSError as exc:
                 log.warning("cannot write %s: %s", config.stats_file, exc)
     if rep.refused.is_set():

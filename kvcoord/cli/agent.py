@@ -65,7 +65,46 @@ def add(sub: Subparsers) -> None:
                         "reporter: {..}} here")
     p.add_argument("--stats-interval", type=POSITIVE_FLOAT, default=0.2,
                    help="seconds between stats-file writes")
+    e = p.add_argument_group(
+        "engine load and URL",
+        "The engine's own load (vLLM's vllm:num_requests_running, vllm:num_requests_waiting, "
+        "vllm:kv_cache_usage_perc) rides in heartbeats, so lookups return it; its serving URL is announced "
+        "to routers. A failed scrape is logged once per outage; after a few seconds without a good one the "
+        "load is reported as unknown (zeros). --stats-file shows engine_metrics {url, ok, last_error, "
+        "age_seconds}.")
+    e.add_argument("--engine-metrics-url", default=None, type=HTTP_URL, metavar="URL",
+                   help="the engine's Prometheus page, e.g. http://127.0.0.1:8000/metrics")
+    e.add_argument("--engine-metrics-interval", type=POSITIVE_FLOAT, default=1.0,
+                   help="seconds between scrapes (default 1)")
+    e.add_argument("--serving-url", default=None, type=HTTP_URL, metavar="URL",
+                   help="the engine's OpenAI-compatible base URL, announced in the Hello (default: "
+                        "--engine-metrics-url without its /metrics, if it ends so; else none)")
     p.set_defaults(func=run)
+
+
+def HTTP_URL(text: str) -> str:
+    """An ``http://`` or ``https://`` URL with a host."""
+    from urllib.parse import urlsplit
+
+    url = text.strip()
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError for a bad port)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL with a host")
+    return url
+
+
+def serving_url(args: argparse.Namespace) -> str:
+    """``--serving-url``, else the metrics URL's base when it ends in ``/metrics``, else ""."""
+    if args.serving_url:
+        return str(args.serving_url).rstrip("/")
+    metrics = args.engine_metrics_url
+    if metrics and metrics.rstrip("/").endswith("/metrics"):
+        return str(metrics.rstrip("/")[: -len("/metrics")])
+    return ""
 
 
 def coordinators(values: list[str]) -> tuple[str, ...]:
@@ -126,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         zmq_endpoint=args.zmq_endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
         dp_ranks=dp_ranks(args.dp_ranks), security=security(args), hash_profile=hash_profile(args),
         signed_hashes=args.signed_hashes, replay_timeout=args.replay_timeout, stats_file=args.stats_file,
-        stats_interval=args.stats_interval,
+        stats_interval=args.stats_interval, engine_metrics_url=args.engine_metrics_url,
+        engine_metrics_interval=args.engine_metrics_interval, serving_url=serving_url(args),
     )
     try:
         asyncio.run(run_agent(config))

@@ -91,14 +91,12 @@ NONNEG_INT = _type("integer", _number(int, 0, strict=False))
 def _zmq_endpoint(text: str) -> str:
     """A ZMQ endpoint vLLM would accept: ``tcp://HOST:PORT`` (``*`` binds every interface), ``ipc://PATH``
     or ``inproc://NAME``."""
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
-        raise ValueError(f"{text!r} is not a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH or inproc://NAME)")
-    if scheme == "tcp":
-        host, colon, port = rest.rpartition(":")
-        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{text!r} is not tcp://HOST:PORT with a port in 1..65535")
-    return text
+    from kvcoord.engine.zmq_wire import check_endpoint  # zmq loads only for commands that use it
+
+    try:
+        return check_endpoint(text)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (expected tcp://HOST:PORT, ipc://PATH or inproc://NAME)") from None
 
 
 ZMQ_ENDPOINT = _type("endpoint", _zmq_endpoint)

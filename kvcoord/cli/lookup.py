@@ -31,7 +31,14 @@ def add(sub: Subparsers) -> None:
     g.add_argument("--tokens", help="comma separated token ids")
     g.add_argument("--tokens-file", help="file with a JSON list of token ids ('-' for stdin)")
     g.add_argument("--hashes", help="comma separated uint64 block hashes (as the engine published them)")
+    g.add_argument("--prompt", help="a completion prompt (tokenized by the coordinator, as the engine would)")
+    g.add_argument("--messages-file", metavar="FILE",
+                   help="OpenAI chat messages ('-' for stdin): a JSON list of messages, or a chat request "
+                        "object with messages and optionally tools and chat_template_kwargs; the coordinator "
+                        "applies the model's chat template as vLLM does")
     add_extra_keys(p)
+    p.add_argument("--include-unmatched", action="store_true",
+                   help="also list the live nodes holding none of it (what a placement policy weighs)")
     p.add_argument("--candidate", action="append", default=[], metavar="NODE_ID[:DP_RANK]",
                    help="only consider these nodes (repeatable; default: every live node)")
     p.set_defaults(func=run)
@@ -52,6 +59,29 @@ def read_tokens_file(path: str) -> list[int]:
     return data
 
 
+def read_messages_file(path: str) -> dict[str, Any]:
+    """A chat (a list of messages, or a chat request object) from a file ('-': stdin), as lookup keywords."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise CliError(f"--messages-file: cannot read {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--messages-file: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if isinstance(data, list):
+        data = {"messages": data}
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        raise CliError("--messages-file: expected a JSON list of messages or an object with \"messages\"")
+    out: dict[str, Any] = {"messages": data["messages"]}
+    for key, kind in (("tools", list), ("chat_template_kwargs", dict), ("add_generation_prompt", bool)):
+        if data.get(key) is not None:
+            if not isinstance(data[key], kind):
+                raise CliError(f"--messages-file: {key} must be a JSON {kind.__name__}")
+            out[key] = data[key]
+    return out
+
+
 def _candidates(specs: list[str]) -> list[tuple[str, int]]:
     out = []
     for spec in specs:
@@ -65,7 +95,15 @@ def _candidates(specs: list[str]) -> list[tuple[str, int]]:
 def query_of(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as :meth:`~kvcoord.router.client.CoordinatorClient.lookup` keywords, validated whole."""
     query: dict[str, Any] = {}
-    if args.hashes is not None:
+    if args.prompt is not None or args.messages_file is not None:
+        given = [k for k in extra_keys_given(args) if k not in ("--lora-name", "--cache-salt")]
+        if given:
+            raise CliError(f"{', '.join(given)}: token queries only (a prompt takes --lora-name and "
+                           "--cache-salt)")
+        text = {"prompt": args.prompt} if args.prompt is not None else read_messages_file(args.messages_file)
+        query.update(text)
+        query.update(lora_name=args.lora_name, cache_salt=args.cache_salt)
+    elif args.hashes is not None:
         given = extra_keys_given(args)
         if given:
             verb = "applies" if len(given) == 1 else "apply"
@@ -81,6 +119,8 @@ def query_of(args: argparse.Namespace) -> dict[str, Any]:
     candidates = _candidates(args.candidate)
     if candidates:
         query["candidates"] = candidates
+    if args.include_unmatched:
+        query["include_unmatched"] = True
     return query
 
 

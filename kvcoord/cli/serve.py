@@ -1,4 +1,4 @@
-"""``kvcoord serve``: the coordinator (gRPC, Prometheus metrics), until SIGTERM or SIGINT."""
+"""``kvcoord serve``: the coordinator (gRPC, HTTP API, Prometheus metrics), until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ if TYPE_CHECKING:
 
 
 def add(sub: Subparsers) -> None:
-    p = sub.add_parser("serve", help="run the coordinator (gRPC + Prometheus metrics)")
+    p = sub.add_parser("serve", help="run the coordinator (gRPC, HTTP API, Prometheus metrics)")
     p.add_argument("--listen", default=None, help="gRPC HOST:PORT (default 127.0.0.1:50051)")
     p.add_argument("--metrics-listen", default=None,
                    help="metrics HOST:PORT (default 127.0.0.1:9400; '' disables)")
+    p.add_argument("--http-listen", default=None,
+                   help="HTTP API HOST:PORT, Dynamo's indexer API (default 127.0.0.1:8090; '' disables)")
     p.add_argument("--index", default=None, help="memory | redis://host:port/db | redis+cluster://h:p,...")
     p.add_argument("--config", default=None, help="TOML configuration file (default: $KVCOORD_CONFIG)")
     p.add_argument("--lease-seconds", type=POSITIVE_FLOAT, default=None, help="node lease (default 10)")
@@ -42,6 +44,7 @@ def add(sub: Subparsers) -> None:
 CONFIG_FLAGS = (
     "listen",
     "metrics_listen",
+    "http_listen",
     "index",
     "lease_seconds",
     "strict_models",
@@ -69,7 +72,8 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvcoord.agent.fleet import Fleet
     from kvcoord.coordinator.server import serve
 
-    asyncio.run(serve(config_from_args(args)))
+    asyncio.run(serve(config_from_args(args), runner_factory=Fleet))
     return 0

@@ -19,6 +19,17 @@ from kvcoord.cli.common import (
 )
 
 
+def LISTEN(text: str) -> str:
+    """A listen address, ``HOST:PORT`` (port 0: any free port)."""
+    from kvcoord.transport import split_hostport
+
+    try:
+        split_hostport(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
 def add(sub: Subparsers) -> None:
     p = sub.add_parser("sim-engine", help="a stand-in engine publishing vLLM-exact KV events")
     p.add_argument("--zmq-bind", default="tcp://*:5557", type=ZMQ_ENDPOINT,
@@ -36,16 +47,19 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--medium", default="GPU")
     p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
     p.add_argument("--rate", type=NONNEG_FLOAT, default=20.0,
-                   help="requests per second (0: as fast as possible)")
+                   help="synthetic requests per second (0: as fast as possible; with --http-listen, "
+                        "--rate 0 --requests 0 means no synthetic workload: serve HTTP only)")
     p.add_argument("--requests", type=NONNEG_INT, default=0,
                    help="stop after N requests (0: run until SIGTERM); SIGUSR1 serves N more")
-    p.add_argument("--linger", action="store_true", help="after --requests, serve replay until SIGTERM")
+    p.add_argument("--linger", action="store_true",
+                   help="after --requests, serve replay until SIGTERM (always so with --http-listen)")
     p.add_argument("--concurrency", type=POSITIVE_INT, default=8,
                    help="requests kept running (holding blocks)")
     p.add_argument("--prefixes", type=NONNEG_INT, default=8, help="distinct shared prompt prefixes")
     p.add_argument("--prefix-len", type=NONNEG_INT, default=256)
     p.add_argument("--suffix-len", type=NONNEG_INT, default=64)
-    p.add_argument("--output-len", type=NONNEG_INT, default=32)
+    p.add_argument("--output-len", type=NONNEG_INT, default=32,
+                   help="tokens each synthetic request generates; also HTTP requests' default max_tokens")
     p.add_argument("--buffer-steps", type=POSITIVE_INT, default=10_000, help="batches kept for replay")
     p.add_argument("--hwm", type=POSITIVE_INT, default=100_000, help="PUB high-water mark")
     p.add_argument("--form", choices=["map", "array"], default="map",
@@ -61,6 +75,7 @@ def add(sub: Subparsers) -> None:
                         "--tokens-file` and `kvcoord hash` read it)")
     p.add_argument("--cache-salt", default=None,
                    help="every request's cache_salt (an extra key of its block hashes)")
+    _add_http(p)
     g = p.add_argument_group(
         "router-style lookups",
         "Before admitting each request, ask a coordinator how much of the prompt each node holds, as a "
@@ -79,6 +94,20 @@ def add(sub: Subparsers) -> None:
     g.add_argument("--lookup-queue", type=POSITIVE_INT, default=64,
                    help="lookups waiting to be sent; more are dropped and counted (default 64)")
     p.set_defaults(func=run)
+
+
+def _add_http(p: argparse.ArgumentParser) -> None:
+    h = p.add_argument_group(
+        "OpenAI-compatible HTTP",
+        "vLLM's API on the same pool: /v1/completions, /v1/chat/completions (streaming), /tokenize (the "
+        "toy tokenizer of kvcoord.sim.toktok), /v1/models, /health, /metrics (vLLM's names). The engine then "
+        "stays up until SIGTERM.")
+    h.add_argument("--http-listen", default=None, type=LISTEN, metavar="HOST:PORT",
+                   help="serve HTTP here, e.g. 127.0.0.1:8000 (default: off)")
+    h.add_argument("--token-interval", type=NONNEG_FLOAT, default=0.002,
+                   help="seconds per generated token of an HTTP request (default 0.002)")
+    h.add_argument("--max-num-seqs", type=POSITIVE_INT, default=256,
+                   help="HTTP requests running at once; more wait (vllm:num_requests_waiting)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,11 +17,13 @@ from typing import Any, cast
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, HASH_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
 from kvcoord.index.uri import check_index_uri
+from kvcoord.tokenize import ChatTemplateContentFormat, TokenizerSpec
 from kvcoord.transport import split_hostport
 
 EXAMPLE_TOML = """\
 listen = "127.0.0.1:50051"          # gRPC HOST:PORT
 metrics_listen = "127.0.0.1:9400"   # Prometheus HOST:PORT; "" disables
+http_listen = "127.0.0.1:8090"      # HTTP API (Dynamo's indexer API) HOST:PORT; "" disables
 index = "memory"                    # memory | redis://host:port/db | redis+cluster://h:p,...
 index_key_prefix = "kvcoord"
 lease_seconds = 10.0                # a node silent this long vanishes from lookups
@@ -65,12 +67,16 @@ block_size = 16
 seed = "42"                         # NONE_HASH seed; default: $PYTHONHASHSEED (or the release default)
 style = "untagged"                  # untagged | tagged; default from engine_release, else untagged
 engine_release = "0.30"             # optional: vLLM release whose defaults apply
+tokenizer = "/models/Qwen3-0.6B"    # optional, for lookups by prompt or chat: a local Hugging Face
+                                    # tokenizer directory, or the engine URL http://vllm:8000 (its /tokenize)
+# chat_template = "template.jinja"  # as the engine's --chat-template (local tokenizers only)
 """
 
 ENV_VARS: dict[str, str] = {
     "KVCOORD_CONFIG": "config",
     "KVCOORD_LISTEN": "listen",
     "KVCOORD_METRICS_LISTEN": "metrics_listen",
+    "KVCOORD_HTTP_LISTEN": "http_listen",
     "KVCOORD_INDEX": "index",
     "KVCOORD_INDEX_KEY_PREFIX": "index_key_prefix",
     "KVCOORD_LEASE_SECONDS": "lease_seconds",
@@ -87,10 +93,11 @@ ENV_VARS: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """One model's hash profile, as configured."""
+    """One model's hash profile and, for lookups by prompt or chat, its tokenizer."""
 
     name: str
     profile: HashProfile
+    tokenizer: TokenizerSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +144,8 @@ class AuthConfig:
 class CoordinatorConfig:
     listen: str = "127.0.0.1:50051"
     metrics_listen: str = "127.0.0.1:9400"
+    http_listen: str = "127.0.0.1:8090"
+    """The HTTP API (:mod:`kvcoord.coordinator.httpapi`); "" disables it."""
     index: str = "memory"
     index_key_prefix: str = "kvcoord"
     lease_seconds: float = 10.0
@@ -245,9 +254,50 @@ def env_seed() -> str | None:
     return seed
 
 
+_TOKENIZER_KEYS = {"tokenizer", "chat_template", "chat_template_content_format",
+                   "default_chat_template_kwargs", "tokenizer_timeout"}
+_CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: str | None,
+                base: Path | None = None) -> ModelConfig:
+    """A ``[models."NAME"]`` table (or ``--model`` spec): the hash profile, and the tokenizer if named (a
+    local directory, relative to ``base``, or an engine's ``http(s)://`` URL whose ``/tokenize`` is used)."""
+    profile = build_profile(where, {k: v for k, v in table.items() if k not in _TOKENIZER_KEYS},
+                            default_seed)
+    if "tokenizer" not in table:
+        extra = sorted(_TOKENIZER_KEYS & set(table))
+        if extra:
+            raise ConfigError(f"{where}: {', '.join(extra)} need 'tokenizer'")
+        return ModelConfig(name, profile)
+
+    def local(key: str) -> str:
+        value = _as_str(f"{where}.{key}", table[key])
+        if value.startswith(("http://", "https://")) or base is None:
+            return value
+        return str(base / value)
+
+    content_format = _as_str(f"{where}.chat_template_content_format",
+                             table.get("chat_template_content_format", "auto"))
+    if content_format not in _CONTENT_FORMATS:
+        raise ConfigError(f"{where}.chat_template_content_format: {content_format!r} is not one of "
+                          f"{', '.join(_CONTENT_FORMATS)}")
+    kwargs = table.get("default_chat_template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{where}.default_chat_template_kwargs: expected a table")
+    spec = TokenizerSpec(
+        local("tokenizer"),
+        timeout=_as_float(f"{where}.tokenizer_timeout", table.get("tokenizer_timeout", 5.0)),
+        chat_template=local("chat_template") if "chat_template" in table else None,
+        chat_template_content_format=cast(ChatTemplateContentFormat, content_format),
+        default_chat_template_kwargs=kwargs,
+    )
+    return ModelConfig(name, profile, spec)
+
+
 def build_profile(where: str, table: Mapping[str, Any], default_seed: str | None) -> HashProfile:
     """A hash profile from a ``[models.NAME]`` table (or the equivalent ``--model`` spec)."""
-    _check_keys(where, table, {"algo", "block_size", "seed", "style", "engine_release"})
+    _check_keys(where, table, {"algo", "block_size", "seed", "style", "engine_release"} | _TOKENIZER_KEYS)
     if "algo" not in table or "block_size" not in table:
         raise ConfigError(f"{where}: 'algo' and 'block_size' are required")
     algo_s = _as_str(f"{where}.algo", table["algo"])
@@ -281,7 +331,7 @@ def build_profile(where: str, table: Mapping[str, Any], default_seed: str | None
 
 
 def parse_model_spec(spec: str, default_seed: str | None) -> ModelConfig:
-    """``NAME,algo=sha256_cbor,block_size=16[,seed=S][,style=tagged][,engine_release=0.31]``."""
+    """``NAME,algo=sha256_cbor,block_size=16[,seed=S][,style=tagged][,engine_release=0.31][,tokenizer=T]``."""
     name, _, rest = spec.partition(",")
     name = name.strip()
     if not name or not rest:
@@ -294,7 +344,7 @@ def parse_model_spec(spec: str, default_seed: str | None) -> ModelConfig:
         if not eq:
             raise ConfigError(f"--model {spec!r}: {part!r} is not key=value")
         table[key.strip()] = value.strip()
-    return ModelConfig(name, build_profile(f"--model {name}", table, default_seed))
+    return build_model(f"--model {name}", name, table, default_seed, Path.cwd())
 
 
 def _read_token(where: str, item: Mapping[str, Any], base: Path, env: Mapping[str, str]) -> str:
@@ -357,7 +407,7 @@ def _parse_auth(where: str, table: Mapping[str, Any], base: Path, env: Mapping[s
 def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> None:
     if key in ("listen",):
         values[key] = check_hostport(where, _as_str(where, raw))
-    elif key == "metrics_listen":
+    elif key in ("metrics_listen", "http_listen"):
         values[key] = check_hostport(where, _as_str(where, raw), allow_empty=True)
     elif key == "index":
         uri = _as_str(where, raw)
@@ -379,6 +429,7 @@ def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> 
 _TOP_SCALARS = {
     "listen",
     "metrics_listen",
+    "http_listen",
     "index",
     "index_key_prefix",
     "lease_seconds",
@@ -387,6 +438,107 @@ _TOP_SCALARS = {
 }
 _TOP_TABLES = {"tier_weights", "limits", "verify", "tls", "auth", "models"}
 _LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}
+
+
+@dataclass(slots=True)
+class _Settings:
+    """What the sources have set so far, layer by layer; :meth:`build` checks and freezes it."""
+
+    default_seed: str | None
+    values: dict[str, Any] = field(default_factory=dict)
+    limits: dict[str, int] = field(default_factory=dict)
+    tls: dict[str, str | None] = field(default_factory=dict)
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+    weights: list[float] = field(default_factory=lambda: list(CoordinatorConfig().tier_weights))
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def read_file(self, path: str | os.PathLike[str], env: Mapping[str, str]) -> None:
+        """The TOML file: every key checked, relative paths taken from the file's directory."""
+        where0 = str(path)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"config {where0}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {where0}: {exc}") from None
+        base = Path(path).resolve().parent
+        _check_keys(f"config {where0}", data, _TOP_SCALARS | _TOP_TABLES)
+        for key in _TOP_SCALARS & set(data):
+            _apply_scalar(self.values, key, data[key], f"config {where0}: {key}")
+        if "tier_weights" in data:
+            tw = _as_table("tier_weights", data["tier_weights"])
+            _check_keys("tier_weights", tw, {t.name for t in Tier})
+            for t in Tier:
+                if t.name in tw:
+                    self.weights[t.value] = _as_float(f"tier_weights.{t.name}", tw[t.name], positive=False)
+        if "limits" in data:
+            lt = _as_table("limits", data["limits"])
+            _check_keys("limits", lt, _LIMIT_KEYS)
+            for k, v in lt.items():
+                self.limits[k] = _as_int(f"limits.{k}", v)
+        if "verify" in data:
+            self.verify = _parse_verify(_as_table("verify", data["verify"]))
+        if "tls" in data:
+            tt = _as_table("tls", data["tls"])
+            _check_keys("tls", tt, {"cert", "key", "client_ca"})
+            for k, v in tt.items():
+                self.tls[k] = str(base / _as_str(f"tls.{k}", v))
+        if "auth" in data:
+            self.auth = _parse_auth("auth", _as_table("auth", data["auth"]), base, env)
+        if "models" in data:
+            for name, raw in _as_table("models", data["models"]).items():
+                where = f'models."{name}"'
+                self.models[name] = build_model(where, name, _as_table(where, raw), self.default_seed, base)
+
+    def apply(self, key: str, raw: Any, where: str) -> None:
+        """One environment variable or flag (``where`` names it in errors)."""
+        if key in _TOP_SCALARS:
+            _apply_scalar(self.values, key, raw, where)
+        elif key in _LIMIT_KEYS:
+            self.limits[key] = _as_int(where, raw)
+        elif key in ("tls_cert", "tls_key", "tls_client_ca"):
+            self.tls[key.removeprefix("tls_")] = _as_str(where, raw)
+        elif key == "models":
+            for spec in raw:
+                m = parse_model_spec(spec, self.default_seed)
+                self.models[m.name] = m
+        elif key in ("agent_tokens", "router_tokens", "admin_tokens"):
+            self.auth = _merge_flag_tokens(self.auth, key, raw)
+        else:
+            raise ConfigError(f"{where}: unknown setting")
+
+    def build(self) -> CoordinatorConfig:
+        """The checks that span sources (TLS pairs, strict models), then the frozen configuration."""
+        tls_cfg = TlsConfig(**self.tls)
+        if (tls_cfg.cert is None) != (tls_cfg.key is None):
+            raise ConfigError("tls: cert and key must be given together")
+        if tls_cfg.client_ca is not None and tls_cfg.cert is None:
+            raise ConfigError("tls: client_ca (mutual TLS) needs cert and key")
+        if self.values.get("strict_models") and not self.models:
+            raise ConfigError("strict_models is set but no [models] are configured")
+        weights = self.weights
+        return CoordinatorConfig(
+            **self.values,
+            models=self.models,
+            tier_weights=(weights[0], weights[1], weights[2]),
+            limits=Limits(**self.limits),
+            verify=self.verify,
+            tls=tls_cfg,
+            auth=self.auth,
+        )
+
+
+def _parse_verify(vt: Mapping[str, Any]) -> VerifyConfig:
+    dv = VerifyConfig()
+    _check_keys("verify", vt, {f.name for f in dataclasses.fields(VerifyConfig)})
+    return VerifyConfig(
+        enabled=_as_bool("verify.enabled", vt.get("enabled", True)),
+        first=_as_int("verify.first", vt.get("first", dv.first), minimum=0),
+        sample_every=_as_int("verify.sample_every", vt.get("sample_every", dv.sample_every)),
+        lru_size=_as_int("verify.lru_size", vt.get("lru_size", dv.lru_size)),
+    )
 
 
 def load_config(
@@ -405,100 +557,20 @@ def load_config(
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if path is None:
         path = overrides.get("config") or env.get("KVCOORD_CONFIG") or None
-    default_seed = env_seed()
-    values: dict[str, Any] = {}
-    limits: dict[str, int] = {}
-    tls: dict[str, str | None] = {}
-    models: dict[str, ModelConfig] = {}
-    weights = list(CoordinatorConfig().tier_weights)
-    verify = VerifyConfig()
-    auth = AuthConfig()
-
+    settings = _Settings(env_seed())
     if path:
-        where0 = str(path)
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as exc:
-            raise ConfigError(f"config {where0}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config {where0}: {exc}") from None
-        base = Path(path).resolve().parent
-        _check_keys(f"config {where0}", data, _TOP_SCALARS | _TOP_TABLES)
-        for key in _TOP_SCALARS & set(data):
-            _apply_scalar(values, key, data[key], f"config {where0}: {key}")
-        if "tier_weights" in data:
-            tw = _as_table("tier_weights", data["tier_weights"])
-            _check_keys("tier_weights", tw, {t.name for t in Tier})
-            for t in Tier:
-                if t.name in tw:
-                    weights[t.value] = _as_float(f"tier_weights.{t.name}", tw[t.name], positive=False)
-        if "limits" in data:
-            lt = _as_table("limits", data["limits"])
-            _check_keys("limits", lt, _LIMIT_KEYS)
-            for k, v in lt.items():
-                limits[k] = _as_int(f"limits.{k}", v)
-        if "verify" in data:
-            vt = _as_table("verify", data["verify"])
-            dv = VerifyConfig()
-            _check_keys("verify", vt, {f.name for f in dataclasses.fields(VerifyConfig)})
-            verify = VerifyConfig(
-                enabled=_as_bool("verify.enabled", vt.get("enabled", True)),
-                first=_as_int("verify.first", vt.get("first", dv.first), minimum=0),
-                sample_every=_as_int("verify.sample_every", vt.get("sample_every", dv.sample_every)),
-                lru_size=_as_int("verify.lru_size", vt.get("lru_size", dv.lru_size)),
-            )
-        if "tls" in data:
-            tt = _as_table("tls", data["tls"])
-            _check_keys("tls", tt, {"cert", "key", "client_ca"})
-            for k, v in tt.items():
-                tls[k] = str(base / _as_str(f"tls.{k}", v))
-        if "auth" in data:
-            auth = _parse_auth("auth", _as_table("auth", data["auth"]), base, env)
-        if "models" in data:
-            for name, raw in _as_table("models", data["models"]).items():
-                where = f'models."{name}"'
-                models[name] = ModelConfig(name, build_profile(where, _as_table(where, raw), default_seed))
-
+        settings.read_file(path, env)
     merged: dict[str, Any] = {}
     for var, key in ENV_VARS.items():
-        if key != "config" and env.get(var):
+        # An empty value is unset, except for a listener, where "" means off (KVCOORD_HTTP_LISTEN="").
+        if key != "config" and (env.get(var) or (var in env and key in ("metrics_listen", "http_listen"))):
             merged[key] = (env[var], var)
     for key, value in overrides.items():
         if key != "config":
             merged[key] = (value, f"--{key.replace('_', '-')}")
     for key, (raw, where) in merged.items():
-        if key in _TOP_SCALARS:
-            _apply_scalar(values, key, raw, where)
-        elif key in _LIMIT_KEYS:
-            limits[key] = _as_int(where, raw)
-        elif key in ("tls_cert", "tls_key", "tls_client_ca"):
-            tls[key.removeprefix("tls_")] = _as_str(where, raw)
-        elif key == "models":
-            for spec in raw:
-                m = parse_model_spec(spec, default_seed)
-                models[m.name] = m
-        elif key in ("agent_tokens", "router_tokens", "admin_tokens"):
-            auth = _merge_flag_tokens(auth, key, raw)
-        else:
-            raise ConfigError(f"{where}: unknown setting")
-
-    tls_cfg = TlsConfig(**tls)
-    if (tls_cfg.cert is None) != (tls_cfg.key is None):
-        raise ConfigError("tls: cert and key must be given together")
-    if tls_cfg.client_ca is not None and tls_cfg.cert is None:
-        raise ConfigError("tls: client_ca (mutual TLS) needs cert and key")
-    if values.get("strict_models") and not models:
-        raise ConfigError("strict_models is set but no [models] are configured")
-    return CoordinatorConfig(
-        **values,
-        models=models,
-        tier_weights=(weights[0], weights[1], weights[2]),
-        limits=Limits(**limits),
-        verify=verify,
-        tls=tls_cfg,
-        auth=auth,
-    )
+        settings.apply(key, raw, where)
+    return settings.build()
 
 
 def _merge_flag_tokens(auth: AuthConfig, key: str, raw: object) -> AuthConfig:

@@ -27,6 +27,7 @@ from kvcoord.coordinator.verify import HashVerifier
 from kvcoord.index.base import Index, IndexStats, InvalidEvent
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.tokenize import TokenizerCache
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -88,6 +89,8 @@ class CoordinatorState:
         self._push: dict[str, tuple[int, Push]] = {}
         self.index_generation: str | None = None
         self.metrics.index_up.labels(index.backend).set(1)
+        self.tokenizers = TokenizerCache({m.name: m.tokenizer for m in config.models.values() if m.tokenizer})
+        """The models' tokenizers (lookups by prompt or chat), each opened on first use."""
 
     # --- streams ----------------------------------------------------------------------------
     def attach(self, node_id: str, stream_gen: int, push: Push) -> None:
@@ -240,6 +243,15 @@ class CoordinatorState:
             rec.model,
             reason,
         )
+
+    def drop_node(self, node_id: str) -> None:
+        """Forget ``node_id`` now (RemoveNode, an unregistered engine): out of lookups at once, its record
+        withdrawn from the other replicas, its entries reclaimed in the background."""
+        rec = self.registry.remove(node_id)
+        if rec is not None:
+            self.node_removed(rec)
+        self.remove_in_background(node_id)
+        self.metrics.set_nodes(self.registry.by_state())
 
     def remove_in_background(self, node_id: str, *, heard: float | None = None) -> None:
         """Reclaim a node's index entries off the request path; the registry already hides it.
@@ -521,3 +533,5 @@ class CoordinatorState:
                 await task
         if self.directory is not None:
             await self.directory.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.tokenizers.aclose(), timeout=1.0)

@@ -13,8 +13,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from kvcoord import __version__
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
+from kvcoord.native import native_paths
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
@@ -111,6 +113,30 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._declare_ingest(r)
+        self._declare_index(r)
+        self._declare_histograms(r)
+        self._declare_verify_and_resync(r)
+        # Plain totals for the Stats RPC (prometheus counters are not meant to be read back).
+        self.applied_by_type: PyCounter[str] = PyCounter()
+        self.rejected_by_reason: PyCounter[str] = PyCounter()
+        self.hash_mismatch_total = 0
+        self.snapshots_requested_total = 0
+        self.leases_expired_total = 0
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self._known_series: set[tuple[str, str]] = set()
+        self._known_models: set[str] = set()
+        # labels(...) costs a lock and a tuple-keyed lookup per call; the hot paths use cached children.
+        self._children: dict[tuple[int, str], Any] = {}
+        self._rejected_children: dict[tuple[str, str], Any] = {}
+        self._create_at_zero()
+        self.build_info = Gauge("kvcoord_build_info", "1, labelled with this build: version and the hot "
+                                "paths running natively", ["version", "native"], registry=r)
+        self.build_info.labels(__version__, ",".join(native_paths()) or "none").set(1)
+
+    def _declare_ingest(self, r: CollectorRegistry) -> None:
+        """Events and batches as agents stream them in."""
         self.events_applied = Counter(
             "kvcoord_events_applied", "KV events applied to the index", ["type"], registry=r
         )
@@ -120,6 +146,9 @@ class Metrics:
         self.batches = Counter(
             "kvcoord_batches", "Event batches received, by outcome", ["outcome"], registry=r
         )
+
+    def _declare_index(self, r: CollectorRegistry) -> None:
+        """The index's size and health, the registry's nodes and open streams (refreshed periodically)."""
         self.entries = Gauge(
             "kvcoord_index_entries",
             "(block, location) entries by model and tier",
@@ -143,6 +172,9 @@ class Metrics:
         )
         self.nodes = Gauge("kvcoord_nodes", "Registered nodes by state", ["state"], registry=r)
         self.streams = Gauge("kvcoord_ingest_streams", "Open agent ingest streams", registry=r)
+
+    def _declare_histograms(self, r: CollectorRegistry) -> None:
+        """Lookup latency, how much of a query the best node held, and ingest lag."""
         self.lookup_latency = Histogram(
             "kvcoord_lookup_latency_seconds",
             "Lookup handling time",
@@ -162,6 +194,9 @@ class Metrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+
+    def _declare_verify_and_resync(self, r: CollectorRegistry) -> None:
+        """Hash verification, snapshots and leases: the signs of an engine out of step."""
         self.hash_mismatches = Counter(
             "kvcoord_hash_mismatches", "Engine hashes that did not verify", ["model"], registry=r
         )
@@ -177,19 +212,9 @@ class Metrics:
         self.leases_expired = Counter(
             "kvcoord_leases_expired", "Nodes dropped for missing their lease", registry=r
         )
-        # Plain totals for the Stats RPC (prometheus counters are not meant to be read back).
-        self.applied_by_type: PyCounter[str] = PyCounter()
-        self.rejected_by_reason: PyCounter[str] = PyCounter()
-        self.hash_mismatch_total = 0
-        self.snapshots_requested_total = 0
-        self.leases_expired_total = 0
-        self._http: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
-        self._known_series: set[tuple[str, str]] = set()
-        self._known_models: set[str] = set()
-        # labels(...) costs a lock and a tuple-keyed lookup per call; the hot paths use cached children.
-        self._children: dict[tuple[int, str], Any] = {}
-        self._rejected_children: dict[tuple[str, str], Any] = {}
+
+    def _create_at_zero(self) -> None:
+        """Every bounded label set's series exists at 0 from the start (see the note on BATCH_OUTCOMES)."""
         # Bounded label sets only (never per node): models come in through model_seen.
         for outcome in BATCH_OUTCOMES:
             self._child(self.batches, outcome)

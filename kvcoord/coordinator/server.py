@@ -10,8 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
+import shutil
 import signal
 import sys
+import tempfile
+from collections.abc import Callable
 from types import TracebackType
 
 import grpc
@@ -21,17 +25,24 @@ from grpc_reflection.v1alpha import reflection
 from kvcoord.coordinator.auth import Authenticator
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.engines import EngineRunner, Engines, open_engine_store
+from kvcoord.coordinator.httpapi import HttpApi
+from kvcoord.coordinator.httpd import HttpServer
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
-from kvcoord.coordinator.tls import server_credentials
+from kvcoord.coordinator.tls import server_credentials, server_ssl_context
 from kvcoord.index import Index, open_index
-from kvcoord.transport import ListenError, check_bindable, split_hostport
+from kvcoord.native import native_paths
+from kvcoord.transport import ChannelSecurity, ListenError, check_bindable, split_hostport
 
 log = logging.getLogger("kvcoord.coordinator")
 
+RunnerFactory = Callable[[str, ChannelSecurity], EngineRunner]
+"""Builds the relays of registered engines from the coordinator's private address and its credentials."""
+
 LIVENESS = "kvcoord.liveness"
 """Health service name that is SERVING while the process runs, whatever the index does: the liveness
-probe's. ``""`` and ``kvcoord.v1.Coordinator`` follow the index (readiness): a Redis outage must take
+probe's. ``""`` and ``kvcoord.v2.Coordinator`` follow the index (readiness): a Redis outage must take
 a replica out of rotation, not get it restarted."""
 
 
@@ -39,9 +50,17 @@ class CoordinatorServer:
     """One coordinator instance: ``await start()``, use ``port``/``metrics_port``, ``await stop()``."""
 
     def __init__(
-        self, config: CoordinatorConfig, index: Index | None = None, *, close_index: bool | None = None
+        self, config: CoordinatorConfig, index: Index | None = None, *, close_index: bool | None = None,
+        runner_factory: RunnerFactory | None = None,
     ) -> None:
         self.config = config
+        self._runner_factory = runner_factory
+        """Relays engines registered over HTTP (``kvcoord serve`` passes the agent's); None: ``/register``
+        answers 501."""
+        self._internal_dir: str | None = None
+        self.engines: Engines | None = None
+        self._http: HttpServer | None = None
+        self.http_port: int | None = None
         self._index = index
         self._close_index = close_index if close_index is not None else index is None
         self.state: CoordinatorState | None = None
@@ -68,6 +87,56 @@ class CoordinatorServer:
         state = self.state = CoordinatorState(cfg, index, directory=directory)
         state.metrics.register_index(index)
         state.metrics.model_seen(*cfg.models)
+        auth = Authenticator(cfg.auth)
+        for address in (cfg.listen, cfg.metrics_listen, cfg.http_listen):
+            if address:
+                check_bindable(address)
+        internal = self._internal_security(auth) if self._runner_factory is not None else None
+        await self._start_grpc(state, auth, internal is not None)
+        up = False
+        with contextlib.suppress(Exception):
+            up = bool(await asyncio.wait_for(index.ping(), timeout=2.0))
+        state.index_up = up
+        state.metrics.index_up.labels(index.backend).set(1 if up else 0)
+        assert state.on_health is not None
+        await state.on_health(up)
+        if not up:
+            log.warning("index backend %s does not answer; serving NOT_SERVING until it does", index.backend)
+        await state.refresh()
+        if cfg.metrics_listen:
+            host, port = split_hostport(cfg.metrics_listen)
+            try:
+                self.metrics_port = state.metrics.serve(host, port)
+            except OSError as exc:
+                await self.stop()
+                raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
+        if internal is not None:
+            assert self._runner_factory is not None and self._internal_dir is not None
+            runner = self._runner_factory(f"unix:{self._internal_dir}/grpc.sock", internal)
+            self.engines = Engines(open_engine_store(cfg.index, key_prefix=cfg.index_key_prefix), runner,
+                                   state.replica_id, self._profile_block_size, state.drop_node)
+        if cfg.http_listen:
+            await self._start_http(state, auth)
+        state.start_background()
+        if self.engines is not None:
+            self.engines.start()
+
+    def _profile_block_size(self, model: str) -> int | None:
+        profile = self.config.profile(model)
+        return profile.block_size if profile is not None else None
+
+    def _internal_security(self, auth: Authenticator) -> ChannelSecurity:
+        """The private socket the coordinator's own relays (registered engines) stream to: a unix socket
+        in a directory only this user can enter, with a token of its own when auth is on."""
+        self._internal_dir = tempfile.mkdtemp(prefix="kvcoord-")
+        if not auth.enabled:
+            return ChannelSecurity()
+        token = secrets.token_urlsafe(32)
+        auth.add_agent_token(token, frozenset({"*"}))
+        return ChannelSecurity(token=token)
+
+    async def _start_grpc(self, state: CoordinatorState, auth: Authenticator, internal: bool) -> None:
+        cfg = self.config
         opts = [
             ("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
             ("grpc.max_send_message_length", max(cfg.limits.max_message_bytes, 4 * 1024 * 1024)),
@@ -77,20 +146,19 @@ class CoordinatorServer:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         server = grpc.aio.server(options=opts)
-        servicer = self._servicer = CoordinatorServicer(state, Authenticator(cfg.auth))
+        servicer = self._servicer = CoordinatorServicer(state, auth)
         server.add_generic_rpc_handlers((servicer.generic_handler(),))
         hs = self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         await hs.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-        check_bindable(cfg.listen)
-        if cfg.metrics_listen:
-            check_bindable(cfg.metrics_listen)
         try:
             if cfg.tls.enabled:
                 self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls))
             else:
                 self.port = server.add_insecure_port(cfg.listen)
+            if internal:
+                server.add_insecure_port(f"unix:{self._internal_dir}/grpc.sock")
         except RuntimeError as exc:
             raise ListenError(f"cannot listen on {cfg.listen}: {exc}") from None
         if not self.port:
@@ -106,23 +174,18 @@ class CoordinatorServer:
             await hs.set(SERVICE, status)
 
         state.on_health = on_health
-        up = False
-        with contextlib.suppress(Exception):
-            up = bool(await asyncio.wait_for(index.ping(), timeout=2.0))
-        state.index_up = up
-        state.metrics.index_up.labels(index.backend).set(1 if up else 0)
-        await on_health(up)
-        if not up:
-            log.warning("index backend %s does not answer; serving NOT_SERVING until it does", index.backend)
-        await state.refresh()
-        if cfg.metrics_listen:
-            host, port = split_hostport(cfg.metrics_listen)
-            try:
-                self.metrics_port = state.metrics.serve(host, port)
-            except OSError as exc:
-                await self.stop()
-                raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
-        state.start_background()
+
+    async def _start_http(self, state: CoordinatorState, auth: Authenticator) -> None:
+        cfg = self.config
+        api = HttpApi(state, self.engines, auth)
+        http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)])
+        host, port = split_hostport(cfg.http_listen)
+        try:
+            ssl_context = server_ssl_context(cfg.tls) if cfg.tls.enabled else None
+            self.http_port = await http.start(host, port, ssl_context)
+        except OSError as exc:
+            await self.stop()
+            raise ListenError(f"cannot listen on {cfg.http_listen}: {exc.strerror or exc}") from None
 
     async def stop(self, grace: float = 0.5) -> None:
         """Stop serving within ``grace`` plus a little.
@@ -137,6 +200,10 @@ class CoordinatorServer:
         if self._health is not None:
             with contextlib.suppress(Exception):
                 await self._health.enter_graceful_shutdown()
+        if self._http is not None:
+            await self._http.stop(grace=min(grace, 0.5))
+        if self.engines is not None:
+            await self.engines.close()  # its relays' streams end before the server's are cut
         if self._servicer is not None:
             await self._servicer.shutdown_streams(timeout=max(grace, 0.2))
         if self._server is not None:
@@ -144,6 +211,8 @@ class CoordinatorServer:
         if self.state is not None:
             await self.state.stop_background()
             self.state.metrics.close()
+        if self._internal_dir is not None:
+            shutil.rmtree(self._internal_dir, ignore_errors=True)
         if self._close_index and self._index is not None:
             try:
                 await asyncio.wait_for(self._index.close(), timeout=1.0)
@@ -163,13 +232,13 @@ class CoordinatorServer:
         await self.stop()
 
 
-async def serve(config: CoordinatorConfig) -> None:
+async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop within about a second."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before listening, so an early signal still stops cleanly
         loop.add_signal_handler(sig, stop.set)
-    server = CoordinatorServer(config)
+    server = CoordinatorServer(config, runner_factory=runner_factory)
     try:
         await server.start()
     except BaseException:
@@ -186,9 +255,13 @@ async def serve(config: CoordinatorConfig) -> None:
     security = "mTLS" if config.tls.client_ca else "TLS" if config.tls.enabled else "plaintext"
     if config.auth.enabled:
         security += ", token auth"
+    http = "http off"
+    if server.http_port:
+        http = f"http {split_hostport(config.http_listen)[0]}:{server.http_port}"
     print(
-        f"kvcoord serve: grpc {server.address} ({security}), metrics {metrics}, "
-        f"index {server.state.index.backend}, models: {', '.join(sorted(config.models)) or 'any'}",
+        f"kvcoord serve: grpc {server.address} ({security}), {http}, metrics {metrics}, "
+        f"index {server.state.index.backend}, models: {', '.join(sorted(config.models)) or 'any'}, "
+        f"native: {','.join(native_paths()) or 'none (pure Python)'}",
         file=sys.stderr,
         flush=True,
     )

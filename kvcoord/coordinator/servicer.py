@@ -1,4 +1,4 @@
-"""The ``kvcoord.v1.Coordinator`` gRPC service.
+"""The ``kvcoord.v2.Coordinator`` gRPC service.
 
 Requests are deserialised by the handlers here rather than by gRPC, so that a malformed message
 gets ``INVALID_ARGUMENT`` with the parser's reason instead of a generic internal error.
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
+from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
@@ -20,10 +22,20 @@ from google.protobuf.message import DecodeError, Message
 from kvcoord.coordinator.auth import ROUTER, Authenticator, AuthError, Principal
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.ingest import IngestAbort, IngestSession
+from kvcoord.coordinator.lookup import (
+    INTERNAL,
+    INVALID,
+    NO_PROFILE,
+    NOT_FOUND,
+    TOKENIZER_DOWN,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    LookupFailed,
+    Lookups,
+)
 from kvcoord.coordinator.registry import NodeRecord
 from kvcoord.coordinator.shared import SharedNode
-from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys, block_hashes64
-from kvcoord.index.base import NodeKey, NodeMatch
+from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
 from kvcoord.load import NodeLoad
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
@@ -33,8 +45,42 @@ from kvcoord.wire import load_from_proto, load_to_proto, unpack_tokens
 log = logging.getLogger("kvcoord.coordinator")
 
 SERVICE = "kvcoord.v2.Coordinator"
+_LOOKUP_STATUS = {
+    INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    NO_PROFILE: grpc.StatusCode.FAILED_PRECONDITION,
+    UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
+    INTERNAL: grpc.StatusCode.INTERNAL,
+    TOKENIZER_DOWN: grpc.StatusCode.UNAVAILABLE,
+}
 SHUTTING_DOWN = "coordinator shutting down: reconnect to another replica, or retry shortly"
 M = TypeVar("M", bound=Message)
+
+
+def _prompt_query(q: pb.PromptQuery) -> dict[str, Any]:
+    """A PromptQuery's text fields as :meth:`Lookups.tokens_of` keywords (its JSON fields decoded)."""
+
+    def loads(field: str, kind: type) -> Any:
+        raw = getattr(q, field)
+        if not raw:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:
+            raise LookupFailed(INVALID, f"PromptQuery.{field} is not JSON: {exc}") from None
+        if not isinstance(value, kind):
+            raise LookupFailed(INVALID, f"PromptQuery.{field} must be a JSON {kind.__name__}")
+        return value
+
+    messages = loads("messages_json", list)
+    if q.prompt and messages is not None:
+        raise LookupFailed(INVALID, "PromptQuery: give prompt or messages_json, not both")
+    return {"prompt": q.prompt if messages is None else None, "messages": messages,
+            "tools": loads("tools_json", list),
+            "chat_template_kwargs": loads("chat_template_kwargs_json", dict),
+            "add_special_tokens": q.add_special_tokens if q.HasField("add_special_tokens") else None,
+            "add_generation_prompt": q.add_generation_prompt if q.HasField("add_generation_prompt") else None}
 
 
 class Malformed:
@@ -211,6 +257,7 @@ class CoordinatorServicer:
 
     def __init__(self, state: CoordinatorState, auth: Authenticator) -> None:
         self.state = state
+        self.lookups = Lookups(state)
         self.auth = auth
         self._ingest_tasks: set[asyncio.Task[Any]] = set()
         self.shutting_down = False
@@ -354,40 +401,23 @@ class CoordinatorServicer:
         await self._check(request, context)
         assert isinstance(request, pb.LookupRequest)
         await self._principal(context)
-        st, cfg = self.state, self.state.config
-        model = request.model
-        if not model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "LookupRequest.model is required")
-        profile = cfg.profile(model)
-        if profile is None and cfg.strict_models:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"unknown model {model!r} (strict_models; configured: {', '.join(sorted(cfg.models))})",
-            )
-        limit = cfg.limits.max_query_blocks
+        try:
+            return await self._answer(request)
+        except LookupFailed as exc:
+            await context.abort(_LOOKUP_STATUS[exc.kind], exc.message)
+            raise  # unreachable: abort raises
+
+    async def _answer(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        lookups, model = self.lookups, request.model
         which = request.WhichOneof("query")
         hashes: Sequence[BlockHash64]
-        num_tokens = 0
+        block_size = num_tokens = 0
         if which == "tokens":
-            if profile is None:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"model {model!r} has no hash profile configured, so token ids cannot be "
-                    f'hashed: query by block hashes, or configure [models."{model}"]',
-                )
-            assert profile is not None
             q = request.tokens
             try:
                 tokens = unpack_tokens(q.token_ids)
             except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"TokenQuery.{exc}")
-            num_tokens = len(tokens)
-            nblocks = num_tokens // profile.block_size
-            if nblocks > limit:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"query has {nblocks} blocks ({num_tokens} tokens); max_query_blocks is {limit}",
-                )
+                raise LookupFailed(INVALID, f"TokenQuery.{exc}") from None
             try:
                 keys = RequestKeys(
                     lora_name=q.lora_name if q.HasField("lora_name") else None,
@@ -396,86 +426,48 @@ class CoordinatorServicer:
                     mm_items=tuple(MultiModalItem(m.identifier, m.offset, m.length) for m in q.mm_items),
                     prompt_embeds_digests=tuple(q.prompt_embeds_digests) if q.prompt_embeds_digests else None,
                 )
-                hashes = block_hashes64(profile, tokens, None if keys.empty else keys)
             except (ValueError, TypeError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot hash the query: {exc}")
+                raise LookupFailed(INVALID, f"cannot hash the query: {exc}") from None
+            profile, hashes = lookups.hash_tokens(model, tokens, keys)
+            block_size, num_tokens = profile.block_size, len(tokens)
         elif which == "hashes":
+            known = lookups.profile(model)
             raw = request.hashes.block_hashes
-            if len(raw) // 8 > limit:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"query has {len(raw) // 8} blocks; max_query_blocks is {limit}",
-                )
+            lookups.check_blocks(len(raw) // 8, "")
             try:
                 hashes = unpack_u64(raw, "HashQuery")
             except InvalidEvent as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise LookupFailed(INVALID, str(exc)) from None
+            block_size = known.block_size if known is not None else 0
         elif which == "prompt":
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "lookups by prompt need a tokenizer")
+            pq = request.prompt
+            tokens = array("I", await lookups.tokens_of(model, **_prompt_query(pq)))
+            keys = None
+            if pq.HasField("lora_name") or pq.HasField("cache_salt"):
+                keys = RequestKeys(lora_name=pq.lora_name if pq.HasField("lora_name") else None,
+                                   cache_salt=pq.cache_salt if pq.HasField("cache_salt") else None)
+            profile, hashes = lookups.hash_tokens(model, tokens, keys)
+            block_size, num_tokens = profile.block_size, len(tokens)
         else:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "LookupRequest needs either tokens or hashes"
-            )
-        candidates: set[NodeKey] | None = {(c.node_id, c.dp_rank) for c in request.candidates} or None
-        matches: list[NodeMatch] = []
-        if hashes and (st.registry.has_live(model) if st.directory is None else st.has_live(model)):
-            if not st.index_up:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(st.index_down_reason))
-            try:
-                matches = await st.index.match(model, hashes, candidates)
-            except (ConnectionError, TimeoutError, OSError) as exc:
-                # The backend is unreachable: NOT_SERVING until a probe finds it back.
-                reason = f"{type(exc).__name__}: {exc}"
-                st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
-                await st.index_down(reason)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable(reason))
-            except Exception as exc:
-                # A bug or a bad answer, not an outage: this request fails, health stays as it is.
-                name = type(exc).__name__
-                st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
-                await context.abort(grpc.StatusCode.INTERNAL, f"index match failed: {name}: {exc}")
-        resp = self._answer(model, profile.block_size if profile is not None else 0, len(hashes), matches)
-        resp.num_tokens = num_tokens
-        return resp
-
-    def _unavailable(self, reason: str) -> str:
-        backend = self.state.index.backend
-        return (
-            f"index backend {backend} is unavailable ({reason or 'not answering'}); this coordinator "
-            "reports NOT_SERVING until it is back: retry shortly or ask another replica"
-        )
-
-    def _answer(
-        self, model: str, block_size: int, num_blocks: int, matches: list[NodeMatch]
-    ) -> pb.LookupResponse:
-        resp = pb.LookupResponse(model=model, block_size=block_size, num_blocks=num_blocks)
-        if not matches:
-            return resp
-        st = self.state
-        now, now_wall = time.monotonic(), time.time()
-        live_node = st.live_node
-        w0, w1, w2 = st.config.tier_weights
-        live: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str]] = []
-        for node_id, rank, matched, tiers in matches:
-            info = live_node(node_id, model, now, now_wall)
-            if info is None or matched <= 0:
-                continue
-            t = (*tiers[:3], 0, 0, 0) if len(tiers) < 3 else tiers
-            score = t[0] * w0 + t[1] * w1 + t[2] * w2
-            live.append((-score, -matched, node_id, rank, tiers, info[0], info[1]))
-        live.sort(key=lambda x: x[:4])
+            lookups.profile(model)
+            raise LookupFailed(INVALID, "LookupRequest needs either tokens or hashes")
+        candidates = {(c.node_id, c.dp_rank) for c in request.candidates} or None
+        matches = await lookups.match(model, hashes, candidates, request.include_unmatched)
+        resp = pb.LookupResponse(model=model, block_size=block_size, num_blocks=len(hashes),
+                                 num_tokens=num_tokens)
         add = resp.nodes.add
-        for _, neg_matched, node_id, rank, tiers, rec, url in live:
+        for m in matches:
             # Filled in place (nested message constructors would be built, then copied in).
-            nm = add(node_id=node_id, dp_rank=rank, matched_blocks=-neg_matched, trust="exact",
-                     serving_url=url)
-            tc = nm.tiers
-            tc.gpu = tiers[0]
-            if len(tiers) > 1:
-                tc.cpu = tiers[1]
-                if len(tiers) > 2:
-                    tc.storage = tiers[2]
-            load_to_proto(rec, nm.load)
+            nm = add(node_id=m.node_id, dp_rank=m.dp_rank, matched_blocks=m.matched_blocks, trust=m.trust,
+                     serving_url=m.serving_url)
+            tiers, tc = m.tiers, nm.tiers
+            if tiers:
+                tc.gpu = tiers[0]
+                if len(tiers) > 1:
+                    tc.cpu = tiers[1]
+                    if len(tiers) > 2:
+                        tc.storage = tiers[2]
+            load_to_proto(m.load, nm.load)
         return resp
 
     # --- nodes ------------------------------------------------------------------------------
@@ -543,11 +535,8 @@ class CoordinatorServicer:
         self, request: pb.RemoveNodeRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.RemoveNodeResponse:
         rec = await self._manage(request, context, "remove")
-        self.state.registry.remove(rec.node_id)
-        self.state.node_removed(rec)
-        self.state.remove_in_background(rec.node_id)
+        self.state.drop_node(rec.node_id)
         log.info("node %s: removed", rec.node_id)
-        self.state.metrics.set_nodes(self.state.registry.by_state())
         return pb.RemoveNodeResponse()
 
     # --- stats ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 import grpc
@@ -25,3 +26,18 @@ def server_credentials(cfg: TlsConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
         [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
+
+
+def server_ssl_context(cfg: TlsConfig) -> ssl.SSLContext:
+    """The same certificate (and client CA) for the HTTP API. Raises ConfigError when a file is bad."""
+    if cfg.cert is None or cfg.key is None:
+        raise ConfigError("tls: cert and key are required")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cfg.cert, cfg.key)
+        if cfg.client_ca:
+            ctx.load_verify_locations(cfg.client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls: cannot load the certificate: {exc}") from None
+    return ctx

@@ -42,6 +42,44 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SEQ_BYTES = 8
 
 
+def check_endpoint(text: str, *, connect: bool = False) -> str:
+    """``text`` if it is a ZMQ endpoint kvcoord can use (``tcp://HOST:PORT``, ``ipc://PATH``, ``inproc://NAME``;
+    with ``connect``, a ``tcp://`` address to dial: not ``*``). Otherwise ``ValueError`` saying what is
+    wrong, in the words of Dynamo's indexer (``invalid ZMQ endpoint `X`: missing TCP port``)."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"invalid ZMQ endpoint `{text}`: {why}")
+
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        raise bad("missing scheme")
+    if scheme not in ("tcp", "ipc", "inproc"):
+        raise bad(f"unsupported scheme `{scheme}`")
+    if connect and scheme != "tcp":
+        raise bad(f"the coordinator relays tcp:// endpoints only, not `{scheme}`")
+    if not rest:
+        raise bad("missing address")
+    if scheme != "tcp":
+        return text
+    if rest.startswith("["):
+        host, close, tail = rest[1:].partition("]")
+        if not close or not tail.startswith(":"):
+            raise bad("missing TCP port")
+        port = tail[1:]
+    else:
+        host, colon, port = rest.partition(":")
+        if not colon or ":" in port:
+            raise bad("missing TCP port")
+    if not host:
+        raise bad("missing TCP host")
+    if not port.isdigit() or not port.isascii():
+        raise bad("invalid TCP port: invalid digit found in string" if port else "missing TCP port")
+    if int(port) > 65535:
+        raise bad("invalid TCP port: number too large to fit in target type")
+    if connect and (host == "*" or int(port) == 0):
+        raise bad("not an address to connect to (a bind address?)")
+    return text
+
+
 def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:
     """vLLM's per-DP-rank endpoint: tcp port + rank, ``inproc://x`` -> ``inproc://x_dp<rank>``."""
     if not endpoint or dp_rank == 0:

@@ -226,6 +226,7 @@ class MemoryIndex:
         self._sweeper = loop.create_task(self._sweep_loop(), name="kvcoord-index-sweep")
 
     async def _sweep_loop(self) -> None:
+        """Reclaim in chunks, yielding to the event loop between them, until nothing is pending."""
         while self._pending:
             self._sweep_some(self._sweep_chunk)
             await asyncio.sleep(0)
@@ -324,9 +325,7 @@ class MemoryIndex:
 
     async def stats(self) -> IndexStats:
         # Finish sweeps cooperatively so a big reclaim does not stall the event loop in one go.
-        while self._pending:
-            self._sweep_some(self._sweep_chunk)
-            await asyncio.sleep(0)
+        await self._sweep_loop()
         return self.stats_sync()
 
     async def quick_stats(self) -> IndexStats:

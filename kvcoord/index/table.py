@@ -201,13 +201,18 @@ class PyTable:
         self.sweep_pos = end
         if end < len(keys):
             return end - start, False
-        done = self.sweep_mask
         self.sweep_keys = None
+        return end - start, self.end_sweep()
+
+    def end_sweep(self) -> bool:
+        """A sweep pass finished: the slots dead when it began are free again. True when none is left
+        dead (slots retired during the pass wait for the next one)."""
+        done = self.sweep_mask
         self.sweep_mask = 0
         self.dead &= ~done
         for slot in slots_of(done):
             heapq.heappush(self.free, slot)
-        return end - start, not self.dead
+        return not self.dead
 
     def store(self, slot: int, tier: int, hashes: Sequence[int]) -> int:
         """Add ``hashes`` on ``tier`` for ``slot``; returns entries actually added."""
@@ -309,7 +314,8 @@ class PyTable:
         raw = self.match_raw(hashes, candidates)
         return list(itertools.starmap(cls, raw)) if cls is not None else raw
 
-    def match_raw(self, hashes: Sequence[int], candidates: Collection[NodeKey] | None) -> list[RawMatch]:
+    def candidate_mask(self, candidates: Collection[NodeKey] | None) -> int:
+        """The live slots a match may answer with: all of them, or those of ``candidates``."""
         m = self.live
         if candidates is not None:
             cand = 0
@@ -320,6 +326,14 @@ class PyTable:
                 if s is not None:
                     cand |= bits[s]
             m &= cand
+        return m
+
+    def match_raw(self, hashes: Sequence[int], candidates: Collection[NodeKey] | None) -> list[RawMatch]:
+        """The prefix walk: where each slot's run of held blocks ends, then :meth:`rows` for the answer.
+
+        The walk stays in this one function, with no call per block: the mask of slots still matching
+        is AND-ed over chunks of lookups that double while nothing changes, bisecting where it does."""
+        m = self.candidate_mask(candidates)
         if not m:
             return []
         get = self.blocks.get
@@ -362,8 +376,11 @@ class PyTable:
                 break
         if m and n:
             runs.append((n, m))
-        if not runs:
-            return []
+        return self.rows(hashes, runs) if runs else []
+
+    def rows(self, hashes: Sequence[int], runs: list[tuple[int, int]]) -> list[RawMatch]:
+        """One row per slot from the walk's ``runs`` (``(length, mask)``, lengths ascending), longest
+        first; per-tier counts only where a block of the run sits on another tier than GPU."""
         names, dps = self.names, self.dps
         tiered = self.tiered
         odd: list[tuple[int, _Tiers]] = []
@@ -487,13 +504,8 @@ class NativeTable(PyTable):
         visited, finished = self.table.sweep_step(budget)
         if not finished:
             return visited, False
-        done = self.sweep_mask
         self.sweeping = False
-        self.sweep_mask = 0
-        self.dead &= ~done
-        for slot in slots_of(done):
-            heapq.heappush(self.free, slot)
-        return visited, not self.dead
+        return visited, self.end_sweep()
 
     def match(
         self, hashes: Sequence[int], candidates: Collection[NodeKey] | None, cls: type[NodeMatch] | None

@@ -1,1 +1,1 @@
-"""Generated protobuf and gRPC modules (``kvcoord.proto.v1``); sources in ``proto/kvcoord/v1``."""
+"""Generated protobuf and gRPC modules (``kvcoord.proto.v2``); sources in ``proto/kvcoord/v2``."""

@@ -6,23 +6,25 @@ Errors from the coordinator surface as :class:`CoordinatorError` carrying the gR
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 import grpc.aio
 
-from kvcoord.events import Tier
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
+from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.transport import ChannelSecurity, open_aio_channel, open_channel
 from kvcoord.validate import pack_u64
 from kvcoord.wire import load_from_proto, load_to_proto, pack_tokens
 
 __all__ = [
     "AsyncCoordinatorClient",
+    "Candidate",
     "ChannelSecurity",
     "CoordinatorClient",
     "CoordinatorError",
@@ -30,12 +32,10 @@ __all__ = [
     "HeartbeatResult",
     "LookupResult",
     "NodeLoad",
-    "NodeLookup",
     "NodeStatus",
 ]
 
 _UINT64_MAX = (1 << 64) - 1
-_TIER_NAMES = tuple(t.name for t in Tier)
 
 
 class CoordinatorError(RuntimeError):
@@ -52,45 +52,14 @@ class CoordinatorError(RuntimeError):
 
 
 # --- results -----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class NodeLookup:
-    """How much of the query one ``(node_id, dp_rank)`` holds."""
-
-    node_id: str
-    dp_rank: int
-    matched_blocks: int
-    tiers: dict[str, int]
-    """Matched blocks per tier name (``GPU``, ``CPU``, ``STORAGE``)."""
-    load: NodeLoad
-
-    def to_json(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "dp_rank": self.dp_rank, "matched_blocks": self.matched_blocks,
-                "tiers": dict(self.tiers),
-                "load": self.load.to_json()}
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """The coordinator's answer: query size and the live nodes holding a prefix of it, best first."""
-
-    model: str
-    block_size: int
-    num_blocks: int
-    nodes: list[NodeLookup]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "block_size": self.block_size, "num_blocks": self.num_blocks,
-                "nodes": [n.to_json() for n in self.nodes]}
-
-    @classmethod
-    def from_proto(cls, msg: pb.LookupResponse) -> LookupResult:
-        nodes = [
-            NodeLookup(n.node_id, n.dp_rank, n.matched_blocks,
-                       {"GPU": n.tiers.gpu, "CPU": n.tiers.cpu, "STORAGE": n.tiers.storage},
-                       load_from_proto(n.load))
-            for n in msg.nodes
-        ]
-        return cls(msg.model, msg.block_size, msg.num_blocks, nodes)
+def lookup_result(msg: pb.LookupResponse) -> LookupResult:
+    """The wire answer as the type the placement policies take."""
+    nodes = [
+        Candidate(n.node_id, n.dp_rank, n.matched_blocks, (n.tiers.gpu, n.tiers.cpu, n.tiers.storage),
+                  load_from_proto(n.load), n.serving_url, n.trust or "exact")
+        for n in msg.nodes
+    ]
+    return LookupResult(msg.model, msg.block_size, msg.num_blocks, nodes, msg.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +155,13 @@ class _MMItem(Protocol):
 MMItemLike = _MMItem | tuple[str, int, int]
 
 
+def _set_optional(msg: Any, **fields: object) -> None:
+    """Set the ``optional`` fields that were given (None: left unset, so the coordinator's default holds)."""
+    for name, value in fields.items():
+        if value is not None:
+            setattr(msg, name, value)
+
+
 def build_lookup_request(
     model: str,
     *,
@@ -197,27 +173,49 @@ def build_lookup_request(
     mm_items: Sequence[MMItemLike] = (),
     prompt_embeds_digests: Sequence[bytes] | None = None,
     candidates: Iterable[tuple[str, int]] | None = None,
+    include_unmatched: bool = False,
+    prompt: str | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    add_special_tokens: bool | None = None,
+    add_generation_prompt: bool | None = None,
 ) -> pb.LookupRequest:
-    """Validate locally (exactly one of tokens/hashes; uint64 values) and build the request."""
+    """Validate locally (exactly one of tokens, hashes, prompt or messages; uint64 values) and build the
+    request. A prompt or chat is tokenized by the coordinator with the model's tokenizer, as the engine's
+    OpenAI server would (``add_special_tokens`` defaults to True for a prompt, False for a chat)."""
     if not model:
         raise ValueError("model must be non-empty")
-    if (tokens is None) == (hashes is None):
-        raise ValueError("give exactly one of tokens or hashes")
+    given = sum(x is not None for x in (tokens, hashes, prompt, messages))
+    if given != 1:
+        raise ValueError("give exactly one of tokens, hashes, prompt or messages")
+    if (tools is not None or chat_template_kwargs is not None or add_generation_prompt is not None) and (
+        messages is None
+    ):
+        raise ValueError("tools, chat_template_kwargs and add_generation_prompt apply to chat messages only")
     req = pb.LookupRequest(model=model)
-    if tokens is not None:
+    if prompt is not None or messages is not None:
+        if lora_path or mm_items or prompt_embeds_digests:
+            raise ValueError("lora_path, multimodal items and prompt embeds apply to token queries only")
+        pq = req.prompt
+        if prompt is not None:
+            pq.prompt = prompt
+        else:
+            pq.messages_json = json.dumps(list(messages or ()))
+        if tools is not None:
+            pq.tools_json = json.dumps(list(tools))
+        if chat_template_kwargs is not None:
+            pq.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs))
+        _set_optional(pq, add_special_tokens=add_special_tokens, add_generation_prompt=add_generation_prompt,
+                      lora_name=lora_name, cache_salt=cache_salt)
+        req.prompt.SetInParent()
+    elif tokens is not None:
         q = req.tokens
         q.token_ids = pack_tokens(tokens)
-        if lora_name is not None:
-            q.lora_name = lora_name
-        if lora_path is not None:
-            q.lora_path = lora_path
-        if cache_salt is not None:
-            q.cache_salt = cache_salt
+        _set_optional(q, lora_name=lora_name, lora_path=lora_path, cache_salt=cache_salt)
         for item in mm_items:
-            if isinstance(item, tuple):
-                ident, off, length = item
-            else:
-                ident, off, length = item.identifier, item.offset, item.length
+            ident, off, length = (item if isinstance(item, tuple)
+                                  else (item.identifier, item.offset, item.length))
             if off < 0 or length < 0:
                 raise ValueError(f"multimodal item {ident!r}: offset and length must be >= 0")
             q.mm_items.add(identifier=ident, offset=off, length=length)
@@ -233,6 +231,7 @@ def build_lookup_request(
         req.hashes.SetInParent()
     for node_id, rank in candidates or ():
         req.candidates.add(node_id=node_id, dp_rank=rank)
+    req.include_unmatched = include_unmatched
     return req
 
 
@@ -266,7 +265,7 @@ class CoordinatorClient:
 
     def lookup(self, model: str, **query: Any) -> LookupResult:
         """See :func:`build_lookup_request` for the query keywords (tokens= or hashes=, keys, candidates)."""
-        return LookupResult.from_proto(self._call(self._stub.Lookup, build_lookup_request(model, **query)))
+        return lookup_result(self._call(self._stub.Lookup, build_lookup_request(model, **query)))
 
     def stats(self) -> CoordinatorStats:
         return CoordinatorStats.from_proto(self._call(self._stub.Stats, pb.StatsRequest()))
@@ -320,7 +319,7 @@ class AsyncCoordinatorClient:
 
     async def lookup(self, model: str, **query: Any) -> LookupResult:
         resp = await self._call(self._stub.Lookup, build_lookup_request(model, **query))
-        return LookupResult.from_proto(resp)
+        return lookup_result(resp)
 
     async def lookup_raw(self, request: pb.LookupRequest) -> pb.LookupResponse:
         """A prebuilt request, without result conversion (for hot paths and benchmarks)."""

@@ -23,36 +23,14 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import ClassVar, NamedTuple, Protocol
 
-from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
+from kvcoord.events import DEFAULT_TIER_WEIGHTS
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey, NodeMatch
 from kvcoord.load import NodeLoad
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One routable ``(node, dp_rank)`` with its prefix match for this request and its load."""
-
-    node_id: str
-    dp_rank: int = 0
-    matched_blocks: int = 0
-    tiers: tuple[int, ...] = ()
-    """Matched blocks per tier, indexed by ``Tier`` value; empty means all on GPU."""
-    load: NodeLoad = field(default_factory=NodeLoad)
-
-    @property
-    def key(self) -> NodeKey:
-        return (self.node_id, self.dp_rank)
-
-    def tier_counts(self) -> tuple[int, int, int]:
-        """``(gpu, cpu, storage)`` matched blocks; an empty ``tiers`` counts every block as GPU."""
-        if not self.tiers:
-            return (self.matched_blocks, 0, 0)
-        t = (*self.tiers, 0, 0, 0)
-        return (t[Tier.GPU], t[Tier.CPU], t[Tier.STORAGE])
+from kvcoord.router.answer import Candidate, LookupResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +297,7 @@ class PrefixAwarePolicy:
             # Routed there, not reported yet: count it as held (on GPU) on that node.
             age = request.now - recalled.placed_at
             candidates = [
-                Candidate(c.node_id, c.dp_rank, recalled.depth, (recalled.depth,), c.load)
+                replace(c, matched_blocks=recalled.depth, tiers=(recalled.depth,))
                 if c.key == recalled.key
                 else c
                 for c in candidates
@@ -520,7 +498,7 @@ class ApproximatePolicy:
         _require(candidates)
         believed = self.memory.match(request.block_hashes, request.now, [c.key for c in candidates])
         guessed = [
-            Candidate(c.node_id, c.dp_rank, believed[c.key], (believed[c.key],), c.load) for c in candidates
+            replace(c, matched_blocks=believed[c.key], tiers=(believed[c.key],)) for c in candidates
         ]
         d = self.inner.choose(request, guessed)
         self.memory.record(d.key, request.block_hashes, request.now)
@@ -552,3 +530,13 @@ def make_policy(
     if name == "random":
         return RandomPolicy(seed)
     raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})")
+
+
+def place(answer: LookupResult, policy: Policy | None = None, *, now: float = 0.0,
+          block_hashes: Sequence[BlockHash64] = ()) -> Decision:
+    """Where to send the request ``answer`` is the lookup of: ``policy`` (default: prefix-aware) over the
+    answer's nodes. Ask the lookup with ``include_unmatched=True`` so that idle nodes holding nothing are
+    candidates too; raises ``ValueError`` when the answer names no node at all."""
+    num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
+    request = RouteRequest(num_tokens, max(1, answer.block_size), block_hashes, now)
+    return (policy or PrefixAwarePolicy()).choose(request, answer.nodes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
@@ -222,39 +223,33 @@ def simulate(
         adapter.close()
 
 
-def _simulate(
-    workload: Workload,
-    policy: Policy,
-    profile: HashProfile,
-    config: ClusterConfig,
-    adapter: SimBackend,
-    keep_decisions: int,
-    progress: Progress | None,
-) -> PolicyResult:
-    lat = config.latency
-    bs = profile.block_size
-    nodes = [
-        _Node(i, BlockPool(config.blocks_per_node, profile, removal_events="vllm"))
-        for i in range(config.nodes)
-    ]
-    for nd in nodes:
-        adapter.attach(nd.node_id, nd.pool)
-    adapter.start()
-    heap: list[tuple[float, int, int, int, list[KVCacheBlock]]] = []
-    seq = 0
-    ttft: list[float] = []
-    completion: list[float] = []
-    overhead: list[float] = []
-    decisions: list[str] = []
-    hit_total = prefill_total = prompt_total = 0
-    t_p, t_d = lat.prefill_s_per_token, lat.decode_s_per_token
-    max_running = lat.max_running
-    uses_index = policy.uses_index
+class _Run:
+    """One replay's mutable state: the nodes, the finish-event heap and the running totals.
 
-    def try_start(node: _Node, now: float) -> None:
-        nonlocal seq, hit_total, prefill_total
-        pool = node.pool
-        while node.queue and node.running < max_running:
+    A class rather than closures in one long function, so admission (:meth:`try_start`), completion
+    (:meth:`finish`) and the load report (:meth:`loads`) can be read, and tested, one at a time."""
+
+    __slots__ = (
+        "adapter", "bs", "completion", "heap", "hit_total", "max_running", "nodes", "prefill_total",
+        "prompt_total", "seq", "t_d", "t_p", "ttft",
+    )
+
+    def __init__(self, nodes: list[_Node], adapter: SimBackend, lat: LatencyModel, bs: int) -> None:
+        self.nodes = nodes
+        self.adapter = adapter
+        self.bs = bs
+        self.t_p, self.t_d = lat.prefill_s_per_token, lat.decode_s_per_token
+        self.max_running = lat.max_running
+        self.heap: list[tuple[float, int, int, int, list[KVCacheBlock]]] = []
+        self.seq = 0
+        self.ttft: list[float] = []
+        self.completion: list[float] = []
+        self.hit_total = self.prefill_total = self.prompt_total = 0
+
+    def try_start(self, node: _Node, now: float) -> None:
+        """Admit queued requests on ``node`` while a slot is free and the queue head's prompt fits."""
+        pool, bs, t_p, t_d = node.pool, self.bs, self.t_p, self.t_d
+        while node.queue and node.running < self.max_running:
             req, estimate = node.queue[0]
             n = req.num_tokens
             hits = pool.find_longest_cache_hit(req.digests, (n - 1) // bs)
@@ -269,30 +264,41 @@ def _simulate(
             pool.cache_full_blocks(blocks, req.digests, len(hits), n // bs, req.tokens)
             events = pool.take_events()
             if events:
-                adapter.apply(node.node_id, events)
+                self.adapter.apply(node.node_id, events)
             node.running += 1
             cached = len(hits) * bs
             uncached = n - cached
             node.hit_tokens += cached
             node.prefill_tokens += uncached
-            hit_total += cached
-            prefill_total += uncached
+            self.hit_total += cached
+            self.prefill_total += uncached
             start = max(now, node.prefill_free_at)
             end = start + uncached * t_p
             node.prefill_free_at = end
-            ttft.append(end - req.arrival)
+            self.ttft.append(end - req.arrival)
             done = end + req.output_tokens * t_d
-            completion.append(done - req.arrival)
-            seq += 1
-            heapq.heappush(heap, (done, seq, _FINISH, node.idx, blocks))
+            self.completion.append(done - req.arrival)
+            self.seq += 1
+            heapq.heappush(self.heap, (done, self.seq, _FINISH, node.idx, blocks))
 
-    def finish(node: _Node, now: float, blocks: list[KVCacheBlock]) -> None:
+    def finish(self, node: _Node, now: float, blocks: list[KVCacheBlock]) -> None:
+        """A request on ``node`` completes: free its blocks (they stay cached) and admit the next."""
         node.pool.free_blocks(reversed(blocks))
         node.running -= 1
         node.change_in_system(now, -1)
-        try_start(node, now)
+        self.try_start(node, now)
 
-    def loads(now: float) -> dict[NodeKey, NodeLoad]:
+    def finish_until(self, until: float, now: float) -> float:
+        """Complete every request done by ``until``; the time of the last one (``now`` if none)."""
+        heap, nodes = self.heap, self.nodes
+        while heap and heap[0][0] <= until:
+            now, _, _, ni, blocks = heapq.heappop(heap)
+            self.finish(nodes[ni], now, blocks)
+        return now
+
+    def loads(self, now: float) -> dict[NodeKey, NodeLoad]:
+        """What each node would report to the router at ``now``."""
+        t_p = self.t_p
         return {
             nd.key: NodeLoad(
                 running_requests=nd.running,
@@ -301,21 +307,76 @@ def _simulate(
                 prefill_tokens=int(max(0.0, nd.prefill_free_at - now) / t_p if t_p > 0 else 0)
                 + nd.queued_estimate,
             )
-            for nd in nodes
+            for nd in self.nodes
         }
 
+    def enqueue(self, node: _Node, req: SimRequest, matched_blocks: int, now: float) -> None:
+        """The router sent ``req`` to ``node``: queue it with its estimated uncached tokens."""
+        node.served += 1
+        node.change_in_system(now, +1)
+        estimate = max(0, req.num_tokens - matched_blocks * self.bs)
+        node.queue.append((req, estimate))
+        node.queued_estimate += estimate
+        self.try_start(node, now)
+
+    def result(self, policy: str, requests: int, now: float, overhead: list[float],
+               decisions: list[str]) -> PolicyResult:
+        """Close the in-system integrals at the makespan and gather the totals."""
+        nodes = self.nodes
+        stuck = [nd.node_id for nd in nodes if nd.queue]
+        if stuck:
+            raise RuntimeError(f"requests never admitted on {stuck}")
+        span = max(now, 1e-9)
+        for nd in nodes:
+            nd.change_in_system(span, 0)
+        return PolicyResult(
+            policy=policy,
+            requests=requests,
+            prompt_tokens=self.prompt_total,
+            hit_tokens=self.hit_total,
+            prefill_tokens=self.prefill_total,
+            ttft=self.ttft,
+            completion=self.completion,
+            node_requests=[nd.served for nd in nodes],
+            node_prefill_tokens=[nd.prefill_tokens for nd in nodes],
+            node_mean_in_system=[nd.area / span for nd in nodes],
+            makespan=span,
+            overhead_us=overhead,
+            sample_decisions=decisions,
+        )
+
+
+def _simulate(
+    workload: Workload,
+    policy: Policy,
+    profile: HashProfile,
+    config: ClusterConfig,
+    adapter: SimBackend,
+    keep_decisions: int,
+    progress: Progress | None,
+) -> PolicyResult:
+    bs = profile.block_size
+    nodes = [
+        _Node(i, BlockPool(config.blocks_per_node, profile, removal_events="vllm"))
+        for i in range(config.nodes)
+    ]
+    for nd in nodes:
+        adapter.attach(nd.node_id, nd.pool)
+    adapter.start()
+    run = _Run(nodes, adapter, config.latency, bs)
+    overhead: list[float] = []
+    decisions: list[str] = []
+    uses_index = policy.uses_index
     by_key = {nd.key: nd for nd in nodes}
     now = 0.0
     total = len(workload.requests)
     for routed, req in enumerate(workload.requests):
         if progress is not None and routed % PROGRESS_EVERY == 0:
             progress(routed, total)
-        while heap and heap[0][0] <= req.arrival:
-            now, _, _, ni, blocks = heapq.heappop(heap)
-            finish(nodes[ni], now, blocks)
+        run.finish_until(req.arrival, now)
         now = req.arrival
-        prompt_total += req.num_tokens
-        node_loads = loads(now)
+        run.prompt_total += req.num_tokens
+        node_loads = run.loads(now)
         route = RouteRequest(req.num_tokens, bs, req.hashes, now, req.request_id)
         adapter.sync()
         t0 = time.perf_counter()
@@ -324,34 +385,6 @@ def _simulate(
         overhead.append((time.perf_counter() - t0) * 1e6)
         if len(decisions) < keep_decisions:
             decisions.append(f"{req.request_id}: {decision.why}")
-        node = by_key[decision.key]
-        node.served += 1
-        node.change_in_system(now, +1)
-        estimate = max(0, req.num_tokens - decision.matched_blocks * bs)
-        node.queue.append((req, estimate))
-        node.queued_estimate += estimate
-        try_start(node, now)
-    while heap:
-        now, _, _, ni, blocks = heapq.heappop(heap)
-        finish(nodes[ni], now, blocks)
-    stuck = [nd.node_id for nd in nodes if nd.queue]
-    if stuck:
-        raise RuntimeError(f"requests never admitted on {stuck}")
-    span = max(now, 1e-9)
-    for nd in nodes:
-        nd.change_in_system(span, 0)
-    return PolicyResult(
-        policy=policy.name,
-        requests=len(workload.requests),
-        prompt_tokens=prompt_total,
-        hit_tokens=hit_total,
-        prefill_tokens=prefill_total,
-        ttft=ttft,
-        completion=completion,
-        node_requests=[nd.served for nd in nodes],
-        node_prefill_tokens=[nd.prefill_tokens for nd in nodes],
-        node_mean_in_system=[nd.area / span for nd in nodes],
-        makespan=span,
-        overhead_us=overhead,
-        sample_decisions=decisions,
-    )
+        run.enqueue(by_key[decision.key], req, decision.matched_blocks, now)
+    now = run.finish_until(math.inf, now)
+    return run.result(policy.name, total, now, overhead, decisions)

@@ -6,37 +6,45 @@ KV events leave through :class:`kvcoord.engine.zmq_wire.ZmqEventPublisher`, exac
 publishes them: PUB + ROUTER replay, ``buffer_steps``, DP-rank port offsets. A relay cannot tell
 it from vLLM. ``--state-file`` exposes the pool's contents so a test can compare an index with it.
 
-With ``--lookup-coordinator`` the engine also acts as its own router: before admitting a request it
-asks the coordinator (a real gRPC Lookup, off the hot loop) how much of the prompt each node holds,
-so a demo shows live lookups and hit rates with nothing but ``kvcoord`` commands.
+With ``--http-listen`` it also serves vLLM's OpenAI-compatible API (:mod:`kvcoord.sim.http`): those
+requests go through the same pool, one generated token per ``--token-interval``, and publish their KV
+events the same way. Everything runs on one asyncio loop, which alone owns the pool (it is not
+thread-safe): workload steps and HTTP requests interleave, never race.
+
+With ``--lookup-coordinator`` the engine also acts as its own router (:mod:`kvcoord.sim.lookups`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
 import logging
 import os
-import queue
 import random
 import signal
-import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvcoord.agent.pool import BlockPool
+from kvcoord.agent.blocks import PoolExhausted
+from kvcoord.agent.pool import Admission, BlockPool
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import KVEventBatch
 from kvcoord.hashing import HashProfile, RequestKeys, check_algo
+from kvcoord.sim.lookups import LookupProbe, open_lookups
 
 if TYPE_CHECKING:
-    from kvcoord.router.client import CoordinatorClient
     from kvcoord.transport import ChannelSecurity
 
 log = logging.getLogger(__name__)
+
+__all__ = ["PromptSource", "SimEngine", "SimEngineConfig", "run_sim_engine", "workload_enabled",
+           "write_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +81,24 @@ class SimEngineConfig:
     """Where the last prompt served is written (a JSON list of token ids, what ``kvcoord lookup
     --tokens-file`` and ``kvcoord hash`` read), every ``state_interval``."""
     cache_salt: str | None = None
+    http_listen: str | None = None
+    """``HOST:PORT`` of the OpenAI-compatible HTTP server (None: no HTTP)."""
+    token_interval: float = 0.002
+    """Seconds per generated token of an HTTP request (streams get one chunk per token)."""
+    max_num_seqs: int = 256
+    """HTTP requests running at once; more wait in the queue (``vllm:num_requests_waiting``)."""
     lookup_coordinator: str | None = None
     lookup_model: str | None = None
     lookup_node_id: str | None = None
     lookup_security: ChannelSecurity | None = None
     lookup_timeout: float = 0.5
     lookup_queue: int = 64
+
+
+def workload_enabled(config: SimEngineConfig) -> bool:
+    """The synthetic workload runs unless HTTP is on and ``--rate 0 --requests 0`` (serve HTTP only).
+    Without HTTP, rate 0 keeps its meaning: as fast as possible."""
+    return not (config.http_listen is not None and config.rate == 0 and config.requests == 0)
 
 
 class PromptSource:
@@ -104,187 +124,158 @@ class PromptSource:
         return [self._rng.randrange(self.vocab) for _ in range(self.output_len)]
 
 
-class LookupStats:
-    """Counters of the engine's router-style lookups (written under ``lookup`` in the state file)."""
-
-    __slots__ = ("best_is_self", "best_matched_blocks", "dropped", "errors", "hits", "last_error",
-                 "local_cached_blocks", "lookups", "query_blocks", "self_matched_blocks")
-
-    def __init__(self) -> None:
-        self.lookups = 0
-        """Lookups answered."""
-        self.errors = 0
-        """Lookups that failed (coordinator down, timeout, refused)."""
-        self.dropped = 0
-        """Lookups never sent because the queue was full (the coordinator is slow or down)."""
-        self.hits = 0
-        """Answered lookups where some node held at least one block."""
-        self.query_blocks = 0
-        self.best_matched_blocks = 0
-        """Sum over answered lookups of the best node's matched blocks."""
-        self.best_is_self = 0
-        """Answered hits where this engine was (one of) the best node(s)."""
-        self.self_matched_blocks = 0
-        """What the coordinator says this engine holds (``--lookup-node-id`` at this dp rank)..."""
-        self.local_cached_blocks = 0
-        """...and what its pool actually held when the request was queued (same answered lookups)."""
-        self.last_error = ""
-
-
-class _PendingLookup:
-    __slots__ = ("keys", "local_cached_blocks", "tokens")
-
-    def __init__(self, tokens: list[int], keys: RequestKeys | None, local_cached_blocks: int) -> None:
-        self.tokens = tokens
-        self.keys = keys
-        self.local_cached_blocks = local_cached_blocks
-
-
-def _key_query(keys: RequestKeys | None) -> dict[str, Any]:
-    """The request's extra keys as :meth:`CoordinatorClient.lookup` keywords."""
-    if keys is None:
-        return {}
-    return {"lora_name": keys.lora_name, "lora_path": keys.lora_path, "cache_salt": keys.cache_salt,
-            "mm_items": keys.mm_items, "prompt_embeds_digests": keys.prompt_embeds_digests}
-
-
-class LookupProbe:
-    """Asks the coordinator, as a router would, how much of each prompt the nodes hold.
-
-    The engine's loop only enqueues (never waits): one worker thread makes the real gRPC Lookup with a
-    short timeout, and a full queue drops the query and counts it. Coordinator errors are counted and
-    logged once per outage, so the engine keeps serving while the coordinator is down.
-    """
-
-    def __init__(self, client: CoordinatorClient, model: str, *, node_id: str | None, dp_rank: int,
-                 queue_size: int = 64) -> None:
-        self.client = client
-        self.model = model
-        self.node_id = node_id
-        self.dp_rank = dp_rank
-        self._queue: queue.Queue[_PendingLookup] = queue.Queue(queue_size)
-        self._lock = threading.Lock()
-        self._closing = threading.Event()
-        self._failing = False
-        self.stats = LookupStats()
-        self._thread = threading.Thread(target=self._run, name="sim-engine-lookups", daemon=True)
-        self._thread.start()
-
-    def submit(self, tokens: list[int], keys: RequestKeys | None, local_cached_blocks: int) -> bool:
-        """Queue one lookup; False (and counted as dropped) when the worker is behind."""
-        try:
-            self._queue.put_nowait(_PendingLookup(tokens, keys, local_cached_blocks))
-        except queue.Full:
-            with self._lock:
-                self.stats.dropped += 1
-            return False
-        return True
-
-    def _run(self) -> None:
-        while not self._closing.is_set():
-            try:
-                item = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if self._closing.is_set():
-                break
-            self._lookup(item)
-
-    def _lookup(self, item: _PendingLookup) -> None:
-        try:
-            result = self.client.lookup(self.model, tokens=item.tokens, **_key_query(item.keys))
-        except Exception as exc:  # CoordinatorError, or a channel closed under us at shutdown
-            with self._lock:
-                self.stats.errors += 1
-                self.stats.last_error = str(exc)
-            if not self._failing and not self._closing.is_set():
-                log.warning("sim-engine: lookups failing (counted in the state file; logged once per "
-                            "outage): %s", exc)
-            self._failing = True
-            return
-        if self._failing:
-            log.info("sim-engine: lookups answered again after %d errors", self.stats.errors)
-            self._failing = False
-        best = result.nodes[0].matched_blocks if result.nodes else 0
-        mine = next((n.matched_blocks for n in result.nodes
-                     if n.node_id == self.node_id and n.dp_rank == self.dp_rank), 0)
-        with self._lock:
-            s = self.stats
-            s.lookups += 1
-            s.hits += best > 0
-            s.query_blocks += result.num_blocks
-            s.best_matched_blocks += best
-            s.best_is_self += bool(best) and mine == best
-            s.self_matched_blocks += mine
-            s.local_cached_blocks += item.local_cached_blocks
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            out = {name: getattr(self.stats, name) for name in LookupStats.__slots__}
-        out["pending"] = self._queue.qsize()
-        return out
-
-    def begin_close(self) -> None:
-        """Tell the worker to stop after the RPC in flight (``close`` waits for it)."""
-        self._closing.set()
-
-    def close(self, timeout: float = 1.0) -> None:
-        """Stop the worker (an RPC in flight ends within its timeout), then close the channel."""
-        self._closing.set()
-        self._thread.join(timeout)
-        self.client.close()
-
-
 class SimEngine:
-    """Admits requests into the pool, finishes the oldest beyond ``concurrency``, publishes per step."""
+    """The pool's only owner: workload steps and HTTP requests (admit, one token at a time, finish).
+
+    Workload requests finish at once and stay "running" (holding blocks) until more than ``concurrency``
+    of them are; the oldest is finished first whenever a request needs its blocks. HTTP requests are
+    admitted in arrival order while fewer than ``max_num_seqs`` run and the pool can hold them (after
+    finishing every workload request if need be); the others wait. Not thread-safe: one event loop.
+    """
 
     def __init__(self, pool: BlockPool, publisher: ZmqEventPublisher, workload: PromptSource, *,
                  concurrency: int, keys: RequestKeys | None = None,
-                 lookups: LookupProbe | None = None) -> None:
+                 lookups: LookupProbe | None = None, max_num_seqs: int = 256) -> None:
         self.pool = pool
         self.publisher = publisher
         self.workload = workload
         self.concurrency = concurrency
         self.keys = keys
         self.lookups = lookups
+        self.max_num_seqs = max_num_seqs
         self.running: deque[str] = deque()
+        """Workload requests holding blocks, oldest first."""
         self.requests_done = 0
         self.hit_tokens = 0
+        """Prompt tokens served from the cache (every request: vLLM's ``prefix_cache_hits``)."""
         self.prompt_tokens = 0
+        """Prompt tokens admitted (``prefix_cache_queries``, ``prompt_tokens``)."""
+        self.generation_tokens = 0
+        self.skipped = 0
+        """Workload prompts dropped because HTTP requests held the pool."""
         self.last_prompt: list[int] = []
-        self._next_id = 0
+        self.http_running = 0
+        self.http_done = 0
+        self.closing = False
+        """Set at shutdown: HTTP requests stop generating."""
+        self._waiting: deque[tuple[asyncio.Future[Admission], str, list[int], RequestKeys | None]] = deque()
+        self._ids = itertools.count()
 
-    def step(self) -> None:
-        """One request through the engine: admit (evicting as needed), decode, publish the events."""
-        rid = f"req-{self._next_id}"
-        self._next_id += 1
-        prompt = self.workload.prompt()
-        if self.lookups is not None:  # a router asks before the request lands anywhere
-            local = self.pool.count_cached_blocks(self.pool.hash_prompt(prompt, self.keys))
-            self.lookups.submit(prompt, self.keys, local)
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output the pool can ever hold (every block but the null one)."""
+        return (self.pool.num_blocks - 1) * self.pool.block_size
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for fut, *_ in self._waiting if not fut.done())
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def _admit_now(self, rid: str, prompt: list[int], keys: RequestKeys | None) -> Admission | None:
+        """Admit, finishing workload requests (oldest first) until the prompt fits; None if it cannot.
+        The caller publishes (one batch per engine step, as vLLM)."""
         while True:
-            adm = self.pool.admit(rid, prompt, self.keys)
+            adm = self.pool.admit(rid, prompt, keys)
             if adm is not None:
                 break
             if not self.running:
-                log.warning("prompt of %d tokens does not fit in the pool; skipped", len(prompt))
-                self._publish()
-                return
+                return None
             self.pool.finish(self.running.popleft())
         self.prompt_tokens += adm.num_tokens
         self.hit_tokens += adm.num_cached_tokens
         self.last_prompt = prompt
+        return adm
+
+    def step(self) -> None:
+        """One workload request through the engine: admit (evicting as needed), decode, publish."""
+        rid = self.new_request_id()
+        prompt = self.workload.prompt()
+        if self.lookups is not None:  # a router asks before the request lands anywhere
+            local = self.pool.count_cached_blocks(self.pool.hash_prompt(prompt, self.keys))
+            self.lookups.submit(prompt, self.keys, local)
+        adm = self._admit_now(rid, prompt, self.keys)
+        if adm is None:
+            if not self.skipped and not self.http_running:
+                log.warning("prompt of %d tokens does not fit in the pool; skipped", len(prompt))
+            self.skipped += 1
+            self._publish()
+            return
         self.running.append(rid)
         out = self.workload.output()
         if out:
             try:
                 self.pool.extend(rid, out)
-            except Exception:  # PoolExhausted: the request stops generating, as a preempted one would
+                self.generation_tokens += len(out)
+            except PoolExhausted:  # the request stops generating, as a preempted one would
                 log.debug("pool full while decoding %s", rid)
         while len(self.running) > self.concurrency:
             self.pool.finish(self.running.popleft())
         self.requests_done += 1
         self._publish()
+
+    # --------------------------------------------------------------- HTTP requests
+
+    async def admit(self, rid: str, prompt: Sequence[int], keys: RequestKeys | None) -> Admission:
+        """Admit an HTTP request now, or wait in line (FIFO) until it fits. The prompt (plus its output)
+        must fit in ``max_model_len``, which the caller checks."""
+        tokens = list(prompt)
+        if not self._waiting and self.http_running < self.max_num_seqs:
+            adm = self._admit_now(rid, tokens, keys)
+            if adm is not None:
+                self.http_running += 1
+                self._publish()  # the prefill's step: its stored (and evicted) blocks
+                return adm
+        fut: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
+        entry = (fut, rid, tokens, keys)
+        self._waiting.append(entry)
+        self._drain()  # in line behind nobody who could not start: start now
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # admitted just as the caller gave up
+                self.finish(rid)
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(entry)
+            raise
+
+    def extend_one(self, rid: str, token: int) -> bool:
+        """Append one generated token (finishing workload requests for room); False when the pool is full
+        of other HTTP requests (the request then stops, as vLLM's would at its length limit)."""
+        while True:
+            try:
+                self.pool.extend(rid, [token])
+                break
+            except PoolExhausted:
+                if not self.running:
+                    return False
+                self.pool.finish(self.running.popleft())
+        self.generation_tokens += 1
+        self._publish()
+        return True
+
+    def finish(self, rid: str) -> None:
+        """End an HTTP request and admit whoever now fits."""
+        self.pool.finish(rid)
+        self.http_running -= 1
+        self.http_done += 1
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._waiting and self.http_running < self.max_num_seqs:
+            fut, rid, prompt, keys = self._waiting[0]
+            if fut.done():  # its caller went away
+                self._waiting.popleft()
+                continue
+            adm = self._admit_now(rid, prompt, keys)
+            if adm is None:
+                return
+            self._waiting.popleft()
+            self.http_running += 1
+            self._publish()
+            fut.set_result(adm)
 
     def _publish(self) -> None:
         events = self.pool.take_events()
@@ -300,6 +291,9 @@ class SimEngine:
             "requests_done": self.requests_done,
             "prompt_tokens": self.prompt_tokens,
             "hit_tokens": self.hit_tokens,
+            "generation_tokens": self.generation_tokens,
+            "skipped": self.skipped,
+            "http": {"running": self.http_running, "waiting": self.num_waiting, "done": self.http_done},
         }
         if self.lookups is not None:
             out["lookup"] = self.lookups.snapshot()
@@ -313,51 +307,107 @@ def write_state(path: Path, state: Any) -> None:
     os.replace(tmp, path)
 
 
-def _serve(engine: SimEngine, config: SimEngineConfig, interval: float, target: int, stop: threading.Event,
-           state_file: Path | None) -> None:
-    """Serve requests at ``interval`` until ``target`` are done (0: until ``stop``)."""
-    next_at = time.monotonic()
-    last_state = 0.0
-    prompt_file = Path(config.prompt_file) if config.prompt_file else None
-    while not stop.is_set() and (target == 0 or engine.requests_done < target):
-        engine.step()
-        now = time.monotonic()
-        if now - last_state >= config.state_interval:
-            if state_file is not None or prompt_file is not None:
-                engine.publisher.flush(1.0)
-            if state_file is not None:
-                write_state(state_file, {**engine.state(), "target": target, "finished": False})
-            if prompt_file is not None and engine.last_prompt:
-                write_state(prompt_file, engine.last_prompt)
-            last_state = now
-        next_at += interval
-        delay = next_at - time.monotonic()
-        if delay > 0:
-            stop.wait(delay)
-        else:
-            next_at = time.monotonic()
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
 
 
-def _open_lookups(config: SimEngineConfig) -> LookupProbe | None:
-    """The router-style lookups, as a started probe (None without a coordinator)."""
-    if config.lookup_coordinator is None:
-        return None
-    from kvcoord.router.client import CoordinatorClient
+class _Driver:
+    """The workload loop, its state-file writes and its SIGUSR1 bursts, on the engine's event loop."""
 
-    client = CoordinatorClient(config.lookup_coordinator, security=config.lookup_security,
-                               timeout=config.lookup_timeout)
-    return LookupProbe(client, config.lookup_model or config.model, node_id=config.lookup_node_id,
-                       dp_rank=config.dp_rank, queue_size=config.lookup_queue)
+    def __init__(self, engine: SimEngine, config: SimEngineConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.stop = asyncio.Event()
+        self.wake = asyncio.Event()
+        self.bursts = 0
+        self.target = config.requests
+        self.state_file = Path(config.state_file) if config.state_file else None
+        self.prompt_file = Path(config.prompt_file) if config.prompt_file else None
+
+    def on_stop(self) -> None:
+        self.stop.set()
+        self.wake.set()
+
+    def on_more(self) -> None:
+        self.bursts += 1
+        self.wake.set()
+
+    def write_files(self, *, flush: bool, finished: bool = False) -> None:
+        """State and prompt files. ``flush`` first waits (bounded) for queued batches to leave, so the
+        state's ``next_seq`` covers the blocks it lists; the loop is blocked that long, on purpose."""
+        engine = self.engine
+        if flush and (self.state_file is not None or self.prompt_file is not None):
+            engine.publisher.flush(1.0)
+        if self.state_file is not None:
+            write_state(self.state_file, {**engine.state(), "target": self.target, "finished": finished})
+        if self.prompt_file is not None and engine.last_prompt:
+            write_state(self.prompt_file, engine.last_prompt)
+
+    async def serve(self, interval: float) -> None:
+        """Serve workload requests at ``interval`` until ``target`` are done (0: until ``stop``)."""
+        engine = self.engine
+        next_at = time.monotonic()
+        last_state = 0.0
+        while not self.stop.is_set() and (self.target == 0 or engine.requests_done < self.target):
+            engine.step()
+            now = time.monotonic()
+            if now - last_state >= self.config.state_interval:
+                self.write_files(flush=True)
+                last_state = now
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                await _wait(self.stop, delay)
+            else:  # as fast as possible, but HTTP requests and signals still get their turn
+                next_at = time.monotonic()
+                await asyncio.sleep(0)
+
+    def _finished(self) -> bool:
+        return self.engine.requests_done >= self.target > 0
+
+    async def run(self) -> None:
+        """The workload (unless HTTP-only), then lingering (replay, HTTP) until SIGTERM or SIGUSR1."""
+        config = self.config
+        interval = 1.0 / config.rate if config.rate > 0 else 0.0
+        workload = workload_enabled(config)
+        linger = config.linger or config.http_listen is not None
+        refresh = config.state_interval if config.http_listen is not None else 0.5
+        while True:
+            if workload:
+                await self.serve(interval)
+            if not self.stop.is_set():  # on SIGTERM, shutdown() sends what it can in its own bound
+                self.engine.publisher.flush(1.0)
+            self.write_files(flush=False, finished=self._finished())
+            # After --requests, keep serving replay requests (a real engine stays up) until signalled;
+            # SIGUSR1 asks for another --requests requests (load tests drive bursts this way).
+            bursts_apply = workload and config.requests > 0
+            while not self.stop.is_set() and linger and not (bursts_apply and self.bursts):
+                if not bursts_apply:  # HTTP only, or an endless workload: nothing to add
+                    self.bursts = 0
+                await _wait(self.wake, refresh)
+                self.wake.clear()
+                if self.state_file is not None and (self.engine.lookups is not None or config.http_listen):
+                    self.write_files(flush=config.http_listen is not None, finished=self._finished())
+            if self.stop.is_set() or self.bursts == 0 or config.requests == 0:
+                break
+            self.target += self.bursts * config.requests
+            self.bursts = 0
+            log.info("sim-engine: SIGUSR1, serving up to request %d", self.target)
 
 
-def run_sim_engine(config: SimEngineConfig) -> None:
-    """Serve until SIGTERM/SIGINT (or ``requests`` are done, unless ``linger``)."""
+def _build(config: SimEngineConfig) -> SimEngine:
+    """Pool, lookups and a bound publisher; nothing is left open when one of them fails."""
     profile = HashProfile(algo=check_algo(config.algo), block_size=config.block_size, seed=config.hash_seed)
     profile.resolved_seed()  # an unresolvable seed is a usage error now, not a crash at the first request
+    if config.http_listen is not None:
+        from kvcoord.transport import check_bindable
+
+        check_bindable(config.http_listen)  # port in use: one line, before anything is published
     keys = RequestKeys(cache_salt=config.cache_salt) if config.cache_salt is not None else None
     pool = BlockPool(config.num_blocks, profile, hash_form=config.hash_form, medium=config.medium,
                      dp_rank=config.dp_rank, removal_events=config.removal_events)
-    lookups = _open_lookups(config)
+    lookups = open_lookups(config)
     try:
         publisher = ZmqEventPublisher(config.dp_rank, config.zmq_bind, config.replay_bind,
                                       buffer_steps=config.buffer_steps, hwm=config.hwm, topic=config.topic,
@@ -368,53 +418,44 @@ def run_sim_engine(config: SimEngineConfig) -> None:
         raise
     workload = PromptSource(config.seed, prefixes=config.prefixes, prefix_len=config.prefix_len,
                             suffix_len=config.suffix_len, output_len=config.output_len)
-    engine = SimEngine(pool, publisher, workload, concurrency=config.concurrency, keys=keys, lookups=lookups)
-    stop = threading.Event()
-    wake = threading.Event()
-    bursts = [0]
+    return SimEngine(pool, publisher, workload, concurrency=config.concurrency, keys=keys, lookups=lookups,
+                     max_num_seqs=config.max_num_seqs)
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-        wake.set()
 
-    def on_more(signum: int, frame: FrameType | None) -> None:
-        bursts[0] += 1
-        wake.set()
+async def _main(engine: SimEngine, config: SimEngineConfig) -> None:
+    driver = _Driver(engine, config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, driver.on_stop)
+    loop.add_signal_handler(signal.SIGUSR1, driver.on_more)
+    server = None
+    try:
+        if config.http_listen is not None:
+            from kvcoord.sim.http import SimHttpServer
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGUSR1, on_more)
-    state_file = Path(config.state_file) if config.state_file else None
+            server = SimHttpServer(engine, model=config.model, token_interval=config.token_interval,
+                                   default_max_tokens=config.output_len, dp_rank=config.dp_rank)
+            await server.start(config.http_listen)
+        await driver.run()
+    finally:
+        engine.closing = True
+        if server is not None:
+            await server.close()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            loop.remove_signal_handler(sig)
+
+
+def run_sim_engine(config: SimEngineConfig) -> None:
+    """Serve until SIGTERM/SIGINT (or ``requests`` are done, unless ``linger`` or HTTP)."""
+    engine = _build(config)
+    publisher, lookups = engine.publisher, engine.lookups
     log.info("sim-engine %s: publishing on %s (replay %s), dp rank %d", config.model, publisher.endpoint,
              publisher.replay_endpoint, config.dp_rank)
     if lookups is not None:
         log.info("sim-engine: looking up each prompt on %s (model %s)", config.lookup_coordinator,
                  lookups.model)
-    interval = 1.0 / config.rate if config.rate > 0 else 0.0
-    target = config.requests
     try:
-        while True:
-            _serve(engine, config, interval, target, stop, state_file)
-            if not stop.is_set():  # on SIGTERM, shutdown() below sends what it can in its own bound
-                publisher.flush(1.0)
-            if state_file is not None:
-                write_state(state_file, {**engine.state(), "target": target,
-                                         "finished": engine.requests_done >= target > 0})
-            if config.prompt_file and engine.last_prompt:
-                write_state(Path(config.prompt_file), engine.last_prompt)
-            # After --requests, keep serving replay requests (a real engine stays up) until signalled;
-            # SIGUSR1 asks for another --requests requests (load tests drive bursts this way).
-            while not stop.is_set() and config.linger and bursts[0] == 0:
-                wake.wait(0.5)
-                wake.clear()
-                if state_file is not None and lookups is not None:  # answers still arriving
-                    write_state(state_file, {**engine.state(), "target": target,
-                                             "finished": engine.requests_done >= target > 0})
-            if stop.is_set() or bursts[0] == 0 or config.requests == 0:
-                break
-            target += bursts[0] * config.requests
-            bursts[0] = 0
-            log.info("sim-engine: SIGUSR1, serving up to request %d", target)
+        asyncio.run(_main(engine, config))
     finally:
         if lookups is not None:
             lookups.begin_close()  # its worker winds down while the publisher drains
@@ -423,6 +464,8 @@ def run_sim_engine(config: SimEngineConfig) -> None:
             lookups.close()
     log.info("sim-engine: %d requests, %.1f%% prompt tokens from cache", engine.requests_done,
              100.0 * engine.hit_tokens / max(1, engine.prompt_tokens))
+    if engine.http_done:
+        log.info("sim-engine: %d HTTP requests served", engine.http_done)
     if lookups is not None:
         st = lookups.snapshot()
         log.info("sim-engine: %d lookups (%d hits), %d errors, %d dropped", st["lookups"], st["hits"],

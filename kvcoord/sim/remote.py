@@ -115,8 +115,7 @@ class CoordinatorBackend(SimBackend):
         result = await self._client.lookup(self.model, hashes=list(hashes))
         n = len(self.prefix)
         return [
-            NodeMatch(m.node_id[n:], m.dp_rank, m.matched_blocks,
-                      (m.tiers.get("GPU", 0), m.tiers.get("CPU", 0), m.tiers.get("STORAGE", 0)))
+            NodeMatch(m.node_id[n:], m.dp_rank, m.matched_blocks, m.tier_counts())
             for m in result.nodes
             if m.node_id.startswith(self.prefix)
         ]

@@ -28,6 +28,11 @@ PROGRESS_SECONDS = 5.0
 """A policy run reports its progress at most this often."""
 
 
+_SYNTHETIC = SyntheticSpec()
+_CLUSTER = ClusterConfig()
+"""The defaults below come from the configurations that own them, so they are written once."""
+
+
 @dataclass(frozen=True, slots=True)
 class SimulateConfig:
     """A simulation: the workload, the cluster and cost model, the policies (``kvcoord simulate --help``)."""
@@ -36,18 +41,18 @@ class SimulateConfig:
     synthetic: bool = False
     limit: int | None = None
     time_scale: float = 1.0
-    requests: int = 2000
-    groups: int = 16
-    prompts_per_group: int = 32
-    system_tokens: int = 2048
-    question_tokens: int = 128
-    output_tokens: int = 256
-    turns: int = 4
-    zipf: float = 1.1
-    rate: float = 10.0
-    nodes: int = 8
-    blocks_per_node: int = 25_000
-    max_running: int = 32
+    requests: int = _SYNTHETIC.requests
+    groups: int = _SYNTHETIC.groups
+    prompts_per_group: int = _SYNTHETIC.prompts_per_group
+    system_tokens: int = _SYNTHETIC.system_tokens
+    question_tokens: int = _SYNTHETIC.question_tokens
+    output_tokens: int = _SYNTHETIC.output_tokens
+    turns: int = _SYNTHETIC.turns
+    zipf: float = _SYNTHETIC.zipf
+    rate: float = _SYNTHETIC.rate
+    nodes: int = _CLUSTER.nodes
+    blocks_per_node: int = _CLUSTER.blocks_per_node
+    max_running: int = _CLUSTER.latency.max_running
     prefill_us_per_token: float = 50.0
     decode_ms_per_token: float = 15.0
     block_size: int = 16
@@ -146,19 +151,8 @@ def _run_policy(job: tuple[str, int]) -> dict[str, Any]:
     return row
 
 
-def run_simulate(args: SimulateConfig) -> None:
-    """Replay the workload under every requested policy; the table on stdout, JSON/PNG when asked."""
-    if args.coordinator is not None and args.index != "memory":
-        raise ValueError("give --index or --coordinator, not both")
-    if args.plot is not None:
-        check_plotting()  # before minutes of simulation, not after
-    names = _policies(args.policies)
-    profile = HashProfile(check_algo(args.hash_algo), args.block_size, seed=args.hash_seed)
-    t0 = time.perf_counter()
-    workload = _workload(args, profile)
-    if not workload.requests:
-        raise ValueError("the workload has no requests")
-    load_s = time.perf_counter() - t0
+def _cluster(args: SimulateConfig, workload: Workload) -> ClusterConfig:
+    """The fleet and its cost model; the mean output length comes from the workload."""
     mean_out = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
     latency = LatencyModel(
         prefill_s_per_token=args.prefill_us_per_token * 1e-6,
@@ -166,13 +160,12 @@ def run_simulate(args: SimulateConfig) -> None:
         max_running=args.max_running,
         mean_output_tokens=mean_out,
     )
-    config = ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency)
-    print(
-        f"workload {workload.name}: {len(workload.requests)} requests over {workload.duration:.0f} s, "
-        f"{sum(r.num_tokens for r in workload.requests):,} prompt tokens (built in {load_s:.1f} s); "
-        f"{config.nodes} nodes x {config.blocks_per_node} blocks of {profile.block_size}",
-        file=sys.stderr,
-    )
+    return ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency)
+
+
+def _run_jobs(args: SimulateConfig, names: list[str], workload: Workload, profile: HashProfile,
+              config: ClusterConfig) -> list[dict[str, Any]]:
+    """One row per (policy, seed), in parallel processes with ``--jobs``."""
     global _SHARED
     _SHARED = (workload, profile, config, args)
     try:
@@ -182,13 +175,15 @@ def run_simulate(args: SimulateConfig) -> None:
 
             # fork: the children share the (large) workload copy-on-write instead of pickling it
             with multiprocessing.get_context("fork").Pool(min(args.jobs, len(jobs))) as workers:
-                runs = workers.map(_run_policy, jobs)
-        else:
-            runs = [_run_policy(job) for job in jobs]
+                return workers.map(_run_policy, jobs)
+        return [_run_policy(job) for job in jobs]
     finally:
         _SHARED = None
-    rows = [average_seeds([r for r in runs if r["policy"] == name]) for name in names]
-    print(table(rows), file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
+
+
+def _report(args: SimulateConfig, workload: Workload, profile: HashProfile, config: ClusterConfig,
+            rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``--json`` document: the workload, the cluster, one row per policy (and every run with seeds)."""
     report: dict[str, Any] = {
         "workload": {
             "name": workload.name,
@@ -203,7 +198,7 @@ def run_simulate(args: SimulateConfig) -> None:
             "blocks_per_node": config.blocks_per_node,
             "block_size": profile.block_size,
             "hash_algo": profile.algo,
-            "max_running": latency.max_running,
+            "max_running": config.latency.max_running,
             "prefill_us_per_token": args.prefill_us_per_token,
             "decode_ms_per_token": args.decode_ms_per_token,
             "index": f"coordinator {args.coordinator}" if args.coordinator else args.index,
@@ -214,8 +209,34 @@ def run_simulate(args: SimulateConfig) -> None:
     }
     if args.seeds > 1:
         report["runs"] = runs
+    return report
+
+
+def run_simulate(args: SimulateConfig) -> None:
+    """Replay the workload under every requested policy; the table on stdout, JSON/PNG when asked."""
+    if args.coordinator is not None and args.index != "memory":
+        raise ValueError("give --index or --coordinator, not both")
+    if args.plot is not None:
+        check_plotting()  # before minutes of simulation, not after
+    names = _policies(args.policies)
+    profile = HashProfile(check_algo(args.hash_algo), args.block_size, seed=args.hash_seed)
+    t0 = time.perf_counter()
+    workload = _workload(args, profile)
+    if not workload.requests:
+        raise ValueError("the workload has no requests")
+    load_s = time.perf_counter() - t0
+    config = _cluster(args, workload)
+    print(
+        f"workload {workload.name}: {len(workload.requests)} requests over {workload.duration:.0f} s, "
+        f"{sum(r.num_tokens for r in workload.requests):,} prompt tokens (built in {load_s:.1f} s); "
+        f"{config.nodes} nodes x {config.blocks_per_node} blocks of {profile.block_size}",
+        file=sys.stderr,
+    )
+    runs = _run_jobs(args, names, workload, profile, config)
+    rows = [average_seeds([r for r in runs if r["policy"] == name]) for name in names]
+    print(table(rows), file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
     if args.json is not None:
-        text = json.dumps(report, indent=2)
+        text = json.dumps(_report(args, workload, profile, config, rows, runs), indent=2)
         if args.json == "-":
             print(text)
         else:

@@ -50,6 +50,12 @@ class RedisMetrics:
     """The lookup mirror (``ready``, ``loads``, ``entries_applied``, ``lookups``), or None."""
     latency_buckets: tuple[float, ...] = LATENCY_BUCKETS
 
+    def answered(self) -> None:
+        """A round trip or ping succeeded: up again, counting a reconnect if it had been down."""
+        if not self.up:
+            self.up = True
+            self.reconnects += 1
+
     def observe(self, seconds: float) -> None:
         self.round_trips += 1
         self.round_trip_seconds += seconds
@@ -270,9 +276,7 @@ class RedisConnection:
                 raise IndexUnavailable(f"redis unavailable: {e}") from e
             raise
         self.metrics.observe(time.perf_counter() - t0)
-        if not self.metrics.up:
-            self.metrics.up = True
-            self.metrics.reconnects += 1
+        self.metrics.answered()
         return res
 
     async def eval(self, script: _Script, tag: str, *args: object) -> Any:

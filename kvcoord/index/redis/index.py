@@ -485,9 +485,7 @@ class RedisIndex:
             self.metrics.errors += 1
             self.metrics.up = False
             return False
-        if not self.metrics.up:
-            self.metrics.up = True
-            self.metrics.reconnects += 1
+        self.metrics.answered()
         return True
 
     async def generation(self) -> str:

@@ -870,7 +870,12 @@ class LookupRequest(_message.Message):
     HASHES_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
+    INCLUDE_UNMATCHED_FIELD_NUMBER: _builtins.int
     model: _builtins.str
+    include_unmatched: _builtins.bool
+    """Also answer the live nodes (of `candidates`, or of the model) that hold none of the query, with
+    matched_blocks 0, after those that do: what a placement policy needs to weigh load as well.
+    """
     @_builtins.property
     def tokens(self) -> Global___TokenQuery: ...
     @_builtins.property
@@ -889,10 +894,11 @@ class LookupRequest(_message.Message):
         hashes: Global___HashQuery | None = ...,
         prompt: Global___PromptQuery | None = ...,
         candidates: _abc.Iterable[Global___NodeRef] | None = ...,
+        include_unmatched: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "prompt", b"prompt", "query", b"query", "tokens", b"tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "hashes", b"hashes", "model", b"model", "prompt", b"prompt", "query", b"query", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "hashes", b"hashes", "include_unmatched", b"include_unmatched", "model", b"model", "prompt", b"prompt", "query", b"query", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_query: _TypeAlias = _typing.Literal["tokens", "hashes", "prompt"]  # noqa: Y015
     _WhichOneofArgType_query: _TypeAlias = _typing.Literal["query", b"query"]  # noqa: Y015
@@ -986,7 +992,7 @@ class LookupResponse(_message.Message):
     """query tokens (0 for a hash query)"""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeMatch]:
-        """live nodes with matched_blocks > 0, best first"""
+        """live nodes with matched_blocks > 0, best first (see include_unmatched)"""
 
     def __init__(
         self,

@@ -1,9 +1,9 @@
 """The backend's Lua scripts, one ``.lua`` file each beside this module (package data).
 
 Most scripts start with the shared prelude ``common.lua`` (bucket tag, holder records, change feed,
-retire), prepended here, after the script's ``#!lua`` line if it has one. Blank lines sit where the
-scripts had them when they were Python strings, so each script's source, hence its SHA1 (Redis's script
-cache, shared with replicas of the previous release) and its line numbers in Redis's errors, is unchanged.
+retire), prepended here, after the script's ``#!lua`` line if it has one. A script's SHA1 (Redis's script
+cache) is that of the whole text, so a change to the prelude changes every such script's: EVALSHA then
+misses once per server and falls back to EVAL, which caches the new one.
 """
 
 from __future__ import annotations

@@ -10,19 +10,27 @@ end
 -- holder records: 5 bytes each (location id u32 BE, tier mask u8), sorted by id; mask 0 deletes.
 -- Sorted, so that blocks held by the same locations (on the same tiers) have byte-identical holder
 -- strings however their stores interleaved: the lookup walk then compares one interned string per block.
-local function holders_set(s, id, m)
-  local key = spack('>I4', id)
-  if not s then
-    if m == 0 then return nil end
-    return key .. char(m)
-  end
+-- holder_find: where location `id` (its packed id `key`) sits or would sit in holder string `s`, and
+-- its tier mask there (0: absent; a record never stores mask 0). The one search of the records: the
+-- write script's per-block loop calls it too.
+local function holder_find(s, id, key)
   local lo, hi = 0, #s / 5
   while lo < hi do
     local mid = floor((lo + hi) / 2)
     if sunpack('>I4', s, mid * 5 + 1) < id then lo = mid + 1 else hi = mid end
   end
   local p = lo * 5 + 1
-  if p <= #s and sub(s, p, p + 3) == key then
+  if p <= #s and sub(s, p, p + 3) == key then return p, byte(s, p + 4) end
+  return p, 0
+end
+local function holders_set(s, id, m)
+  local key = spack('>I4', id)
+  if not s then
+    if m == 0 then return nil end
+    return key .. char(m)
+  end
+  local p, had = holder_find(s, id, key)
+  if had ~= 0 then
     if m == 0 then
       if #s == 5 then return nil end
       return sub(s, 1, p - 1) .. sub(s, p + 5)

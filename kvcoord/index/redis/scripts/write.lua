@@ -46,15 +46,7 @@ local function apply_batch(a)
       if first then s = iv[i] or false end
       -- this location's place in the block's sorted holder records, and its tier mask there (0: absent)
       local p, m = 1, 0
-      if s then
-        local lo, hi = 0, #s / 5
-        while lo < hi do
-          local mid = floor((lo + hi) / 2)
-          if sunpack('>I4', s, mid * 5 + 1) < id then lo = mid + 1 else hi = mid end
-        end
-        p = lo * 5 + 1
-        if p <= #s and sub(s, p, p + 3) == key then m = byte(s, p + 4) end
-      end
+      if s then p, m = holder_find(s, id, key) end
       if setting == (band(m, bb) ~= 0) then
         noop = noop + 1
       else

@@ -1,0 +1,491 @@
+"""Engines registered over HTTP (``POST /register``, Dynamo's indexer API): the coordinator relays them.
+
+A stock vLLM fleet then needs no sidecar. Each registered *instance* (Dynamo's ``instance_id``) is one
+kvcoord node, ``node_id = str(instance_id)``, with one listener (ZMQ endpoint, optional replay endpoint)
+per DP rank. Relaying is the agent's job, done in-process by an :class:`EngineRunner` (the agent's relay
+and reporter, over a private socket to this coordinator), so a registered engine gets exactly what an
+agent gives: gap replay, restart detection, a mirror of its blocks and a snapshot whenever the index
+needs one (also after the coordinator itself restarts: the relay replays the engine's buffer from 0).
+
+Registrations live in an :class:`EngineStore`: in-process for the memory index, one Redis hash for the
+Redis index, so every replica sees every registration. Exactly one replica relays each instance: it
+holds the instance's owner key (``SET NX PX``, renewed every :data:`CLAIM_SECONDS`); when that replica
+dies its key lapses after :data:`OWNER_LEASE_SECONDS` and the next replica to claim it takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from kvcoord.engine.zmq_wire import check_endpoint
+from kvcoord.index.uri import is_redis, parse_redis_uri
+
+log = logging.getLogger("kvcoord.coordinator.engines")
+
+__all__ = ["DEFAULT_GROUP", "Engine", "EngineRunner", "EngineStore", "Engines", "Listener",
+           "RegistrationError", "open_engine_store", "partition_model"]
+
+DEFAULT_GROUP = "default"
+CLAIM_SECONDS = 1.0
+"""How often each replica renews its instances and claims unowned ones."""
+OWNER_LEASE_SECONDS = 3.0
+"""How long an owner key outlives its replica: the longest a dead replica's engines go unrelayed."""
+
+
+def partition_model(model_name: str, routing_group: str) -> str:
+    """The index's model key of a Dynamo partition ``(model_name, routing_group)``: the model name itself
+    for the default group (so agents and registered engines of one model share it), else ``name@group``."""
+    return model_name if routing_group == DEFAULT_GROUP else f"{model_name}@{routing_group}"
+
+
+@dataclass(frozen=True, slots=True)
+class Listener:
+    """One DP rank of a registered instance."""
+
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """One registered instance: a kvcoord node relayed by the coordinator."""
+
+    instance_id: int
+    model_name: str
+    routing_group: str
+    block_size: int
+    listeners: tuple[Listener, ...]
+    """Sorted by rank, one per rank."""
+    serving_url: str = ""
+
+    @property
+    def node_id(self) -> str:
+        return str(self.instance_id)
+
+    @property
+    def model(self) -> str:
+        return partition_model(self.model_name, self.routing_group)
+
+    def encode(self) -> str:
+        return json.dumps({"instance_id": self.instance_id, "model_name": self.model_name,
+                           "routing_group": self.routing_group, "block_size": self.block_size,
+                           "listeners": [[x.dp_rank, x.endpoint, x.replay_endpoint] for x in self.listeners],
+                           "serving_url": self.serving_url}, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> Engine:
+        d: dict[str, Any] = json.loads(raw)
+        listeners = tuple(Listener(int(r), str(e), None if p is None else str(p))
+                          for r, e, p in d["listeners"])
+        return cls(int(d["instance_id"]), str(d["model_name"]), str(d["routing_group"]), int(d["block_size"]),
+                   listeners, str(d.get("serving_url", "")))
+
+
+class RegistrationError(Exception):
+    """A refused (un)registration: ``status`` is the HTTP status Dynamo's indexer answers, ``message``
+    its error text."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class EngineRunner(Protocol):
+    """Relays engines in this process (:class:`kvcoord.agent.fleet.Fleet`)."""
+
+    async def start(self, engine: Engine) -> None:
+        """Relay ``engine`` (restarting it if it already runs under another definition)."""
+        ...
+
+    async def stop(self, instance_id: int) -> None: ...
+
+    def status(self, instance_id: int) -> dict[int, tuple[str, str]]:
+        """``{dp_rank: (status, last_error)}``; status ``pending``, ``active`` or ``failed``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class EngineStore(Protocol):
+    """Where registrations and owner keys live. Methods raise ``ConnectionError`` when it is down."""
+
+    async def all(self) -> dict[int, Engine]: ...
+
+    async def swap(self, instance_id: int, old: Engine | None, new: Engine | None) -> bool:
+        """Replace the registration if it still is ``old`` (None: absent); False if it changed meanwhile."""
+        ...
+
+    async def claim(self, instance_id: int, replica: str, status: str, lease: float) -> bool:
+        """Become (or stay) the instance's owner for ``lease`` seconds; False when another replica is."""
+        ...
+
+    async def release(self, instance_id: int, replica: str) -> None: ...
+
+    async def owners(self) -> dict[int, tuple[str, str]]:
+        """``{instance_id: (replica, status json)}`` of the owner keys alive now."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryEngineStore:
+    """One process: registrations last as long as it does (as in Dynamo's indexer)."""
+
+    def __init__(self) -> None:
+        self._engines: dict[int, Engine] = {}
+        self._owners: dict[int, tuple[str, str]] = {}
+
+    async def all(self) -> dict[int, Engine]:
+        return dict(self._engines)
+
+    async def swap(self, instance_id: int, old: Engine | None, new: Engine | None) -> bool:
+        if self._engines.get(instance_id) != old:
+            return False
+        if new is None:
+            self._engines.pop(instance_id, None)
+        else:
+            self._engines[instance_id] = new
+        return True
+
+    async def claim(self, instance_id: int, replica: str, status: str, lease: float) -> bool:
+        self._owners[instance_id] = (replica, status)
+        return True
+
+    async def release(self, instance_id: int, replica: str) -> None:
+        self._owners.pop(instance_id, None)
+
+    async def owners(self) -> dict[int, tuple[str, str]]:
+        return {k: v for k, v in self._owners.items() if k in self._engines}
+
+    async def close(self) -> None:
+        return None
+
+
+_SWAP_LUA = r"""
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if (ARGV[2] == '' and not cur) or cur == ARGV[2] then
+  if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1])
+  else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+  return 1
+end
+return 0
+"""
+_CLAIM_LUA = r"""
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+local now = tonumber(ARGV[4])
+if cur then
+  local ok, c = pcall(cjson.decode, cur)
+  if ok and type(c) == 'table' and c.replica ~= ARGV[2] and tonumber(c.expires or 0) > now then return 0 end
+end
+local rec = {replica = ARGV[2], status = ARGV[3], expires = now + tonumber(ARGV[5])}
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
+return 1
+"""
+_RELEASE_LUA = r"""
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  local ok, c = pcall(cjson.decode, cur)
+  if ok and type(c) == 'table' and c.replica == ARGV[2] then redis.call('HDEL', KEYS[1], ARGV[1]) end
+end
+return 1
+"""
+
+
+class RedisEngineStore:
+    """Registrations and owner records as two Redis hashes in one hash slot (``{prefix}:engines`` and
+    ``{prefix}:engine-owners``). Owner records carry their expiry (Redis server time, so replicas' clocks
+    need not agree) instead of per-field TTLs, which Redis 7.2 lacks."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self._r = client
+        self.key = f"{{{prefix}}}:engines"
+        self.owners_key = f"{{{prefix}}}:engine-owners"
+        self._swap = client.register_script(_SWAP_LUA)
+        self._claim = client.register_script(_CLAIM_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
+
+    async def _now(self) -> float:
+        sec, usec = await self._r.time()
+        return float(sec) + float(usec) / 1e6
+
+    async def all(self) -> dict[int, Engine]:
+        try:
+            raw: dict[bytes, bytes] = await self._r.hgetall(self.key)
+        except Exception as exc:
+            raise ConnectionError(f"engine registrations: {exc}") from exc
+        out: dict[int, Engine] = {}
+        for k, v in raw.items():
+            try:
+                out[int(k)] = Engine.decode(v)
+            except (ValueError, KeyError, TypeError):
+                log.warning("skipping an undecodable engine registration %r", k)
+        return out
+
+    async def swap(self, instance_id: int, old: Engine | None, new: Engine | None) -> bool:
+        args = [str(instance_id), old.encode() if old else "", new.encode() if new else ""]
+        try:
+            return bool(await self._swap(keys=[self.key], args=args))
+        except Exception as exc:
+            raise ConnectionError(f"engine registrations: {exc}") from exc
+
+    async def claim(self, instance_id: int, replica: str, status: str, lease: float) -> bool:
+        try:
+            now = await self._now()
+            return bool(await self._claim(keys=[self.owners_key],
+                                          args=[str(instance_id), replica, status, repr(now), repr(lease)]))
+        except Exception as exc:
+            raise ConnectionError(f"engine owners: {exc}") from exc
+
+    async def release(self, instance_id: int, replica: str) -> None:
+        try:
+            await self._release(keys=[self.owners_key], args=[str(instance_id), replica])
+        except Exception as exc:
+            raise ConnectionError(f"engine owners: {exc}") from exc
+
+    async def owners(self) -> dict[int, tuple[str, str]]:
+        try:
+            now = await self._now()
+            raw: dict[bytes, bytes] = await self._r.hgetall(self.owners_key)
+        except Exception as exc:
+            raise ConnectionError(f"engine owners: {exc}") from exc
+        out: dict[int, tuple[str, str]] = {}
+        for k, v in raw.items():
+            try:
+                d = json.loads(v)
+                if float(d["expires"]) > now:
+                    out[int(k)] = (str(d["replica"]), str(d.get("status", "")))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._r.aclose()
+
+
+def open_engine_store(uri: str, *, key_prefix: str = "kvcoord") -> EngineStore:
+    """The store that goes with an index URI: Redis for a Redis index, else this process's memory."""
+    if is_redis(uri):
+        parsed = parse_redis_uri(uri)
+        return RedisEngineStore(parsed.client(), parsed.prefix or key_prefix)
+    return MemoryEngineStore()
+
+
+def _u32(value: int | None, default: int = 0) -> int:
+    return default if value is None else value
+
+
+class Engines:
+    """Registrations by Dynamo's rules, and this replica's share of the relaying."""
+
+    def __init__(self, store: EngineStore, runner: EngineRunner, replica_id: str,
+                 block_size_of: Callable[[str], int | None],
+                 on_removed: Callable[[str], None]) -> None:
+        self.store = store
+        self.runner = runner
+        self.replica_id = replica_id
+        self._block_size_of = block_size_of
+        """A model's configured block size (its hash profile), None when it has no profile."""
+        self._on_removed = on_removed
+        """Drops an unregistered instance's node (registry, shared record, index entries)."""
+        self._running: dict[int, Engine] = {}
+        self._known: dict[int, Engine] = {}
+        self._failed: dict[int, tuple[Engine, str]] = {}
+        """Registrations whose relay could not start here, with why (retried when they change)."""
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    # --- the API's operations --------------------------------------------------------------
+    async def register(self, instance_id: int, model_name: str, routing_group: str, block_size: int,
+                       dp_rank: int | None, endpoint: str, replay_endpoint: str | None,
+                       serving_url: str = "") -> None:
+        """Add one listener, or raise :class:`RegistrationError` with Dynamo's status and message."""
+        for what, value in (("", endpoint), ("replay ", replay_endpoint)):
+            if value is None:
+                continue
+            try:
+                check_endpoint(value, connect=True)
+            except ValueError as exc:
+                raise RegistrationError(400, f"invalid {what}endpoint `{value}`: {exc}"
+                                        if what else str(exc)) from None
+        rank = _u32(dp_rank)
+        listener = Listener(rank, endpoint, replay_endpoint)
+        model = partition_model(model_name, routing_group)
+        for _ in range(8):
+            engines = await self.store.all()
+            old = engines.get(instance_id)
+            # Dynamo's order: the instance's own conflicts, then the partition's block size.
+            if old is not None and old.model != model:
+                raise RegistrationError(409, f"instance {instance_id} is already registered for "
+                                             f"model={old.model_name} routing_group={old.routing_group}")
+            if old is not None and any(x.dp_rank == rank for x in old.listeners):
+                raise RegistrationError(409, f"instance {instance_id} dp_rank {rank} already registered")
+            self._check_partition(engines, model, model_name, routing_group, block_size)
+            if old is None:
+                new = Engine(instance_id, model_name, routing_group, block_size, (listener,), serving_url)
+            else:
+                listeners = tuple(sorted((*old.listeners, listener), key=lambda x: x.dp_rank))
+                new = replace(old, listeners=listeners, serving_url=serving_url or old.serving_url)
+            if await self.store.swap(instance_id, old, new):
+                log.info("engine %d (%s) dp_rank %d registered: %s", instance_id, model, rank, endpoint)
+                with contextlib.suppress(ConnectionError):  # registered; the loop retries the claim
+                    await self.sync()  # relaying (here, or by whichever replica claims it) before the answer
+                return
+        raise RegistrationError(409, f"instance {instance_id}: concurrent registrations; retry")
+
+    def _check_partition(self, engines: dict[int, Engine], model: str, model_name: str, routing_group: str,
+                         block_size: int) -> None:
+        existing = self._block_size_of(model)
+        if existing is None:
+            existing = next((e.block_size for e in engines.values() if e.model == model), None)
+        if existing is not None and existing != block_size:
+            raise RegistrationError(409, f"block_size mismatch for model={model_name} routing_group="
+                                         f"{routing_group}: existing={existing}, requested={block_size}")
+
+    async def unregister(self, instance_id: int, model_name: str, routing_group: str | None,
+                         dp_rank: int | None) -> None:
+        """Remove a listener or a whole instance (Dynamo's dispatch), or raise :class:`RegistrationError`."""
+        for _ in range(8):
+            engines = await self.store.all()
+            old = engines.get(instance_id)
+            if old is None:
+                raise RegistrationError(404, f"instance {instance_id} not found")
+            other_group = routing_group is not None and old.routing_group != routing_group
+            if old.model_name != model_name or other_group:
+                raise RegistrationError(404, f"instance {instance_id} is registered for "
+                                             f"model={old.model_name} routing_group={old.routing_group}")
+            new: Engine | None = None
+            if routing_group is not None and dp_rank is not None:
+                if all(x.dp_rank != dp_rank for x in old.listeners):
+                    raise RegistrationError(404, f"instance {instance_id} dp_rank {dp_rank} not found")
+                left = tuple(x for x in old.listeners if x.dp_rank != dp_rank)
+                new = replace(old, listeners=left) if left else None
+            if await self.store.swap(instance_id, old, new):
+                log.info("engine %d (%s) unregistered%s", instance_id, old.model,
+                         f" dp_rank {dp_rank}" if new is not None else "")
+                with contextlib.suppress(ConnectionError):
+                    await self.sync()
+                return
+        raise RegistrationError(409, f"instance {instance_id}: concurrent registrations; retry")
+
+    async def workers(self) -> list[tuple[Engine, dict[int, tuple[str, str]], str]]:
+        """Every registration, its listeners' status as its relaying replica reports it, and that
+        replica's id ("" while none relays it)."""
+        engines = await self.store.all()
+        owners = await self.store.owners()
+        out = []
+        for iid in sorted(engines):
+            engine = engines[iid]
+            status: dict[int, tuple[str, str]] = {x.dp_rank: ("pending", "") for x in engine.listeners}
+            owner = owners.get(iid)
+            if iid in self._running or iid in self._failed:  # relayed here: the live status
+                status.update((r, v) for r, v in self._status(iid).items() if r in status)
+            elif owner is not None:
+                try:
+                    for rank, (st, err) in json.loads(owner[1]).items():
+                        if int(rank) in status:
+                            status[int(rank)] = (str(st), str(err))
+                except (ValueError, TypeError, AttributeError):
+                    pass
+            relayed_by = self.replica_id if iid in self._running else owner[0] if owner is not None else ""
+            out.append((engine, status, relayed_by))
+        return out
+
+    def _status(self, iid: int) -> dict[int, tuple[str, str]]:
+        failed = self._failed.get(iid)
+        if failed is not None:
+            return {x.dp_rank: ("failed", failed[1]) for x in failed[0].listeners}
+        return self.runner.status(iid)
+
+    def block_size(self, model: str) -> int | None:
+        """The block size registrations of ``model`` declared (as of the last sync)."""
+        return next((e.block_size for e in self._known.values() if e.model == model), None)
+
+    def has_model(self, model: str) -> bool:
+        return any(e.model == model for e in self._known.values())
+
+    # --- relaying ----------------------------------------------------------------------------
+    async def sync(self) -> None:
+        """Claim or renew this replica's instances; start, restart or stop their relays to match."""
+        async with self._lock:
+            engines = await self.store.all()
+            self._known = engines
+            for iid in [i for i, (e, _) in self._failed.items() if engines.get(i) != e]:
+                del self._failed[iid]  # changed: try again
+                if iid not in engines:
+                    await self.store.release(iid, self.replica_id)
+            for iid, engine in engines.items():
+                status = json.dumps({str(r): list(v) for r, v in self._status(iid).items()})
+                if await self.store.claim(iid, self.replica_id, status, OWNER_LEASE_SECONDS):
+                    cur = self._running.get(iid)
+                    if cur != engine and iid not in self._failed:
+                        if cur is not None:
+                            await self.runner.stop(iid)
+                            del self._running[iid]
+                            if {x.dp_rank for x in cur.listeners} - {x.dp_rank for x in engine.listeners}:
+                                self._on_removed(engine.node_id)  # a rank went: its entries go too
+                        try:
+                            await self.runner.start(engine)
+                        except Exception as exc:  # this engine's problem: the others are still relayed
+                            why = f"{type(exc).__name__}: {exc}"
+                            log.error("engine %d (%s): cannot relay it: %s", iid, engine.model, why)
+                            self._failed[iid] = (engine, why)
+                            continue
+                        self._running[iid] = engine
+                elif iid in self._running:
+                    log.warning("engine %d: another replica relays it now; stopping here", iid)
+                    await self.runner.stop(iid)
+                    del self._running[iid]
+                else:
+                    self._failed.pop(iid, None)  # another replica's now
+            for iid in [i for i in self._running if i not in engines]:
+                engine = self._running.pop(iid)
+                await self.runner.stop(iid)
+                await self.store.release(iid, self.replica_id)
+                self._on_removed(engine.node_id)
+
+    async def _loop(self) -> None:
+        failing = ""
+        while True:
+            try:
+                await self.sync()
+                if failing:
+                    log.warning("engine registrations: reachable again")
+                failing = ""
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                if why != failing:  # once per distinct failure, not every second
+                    log.warning("engine registrations: %s (retrying every %.0f s)", why, CLAIM_SECONDS)
+                failing = why
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                # Jittered, so replicas that start together do not claim in lockstep.
+                await asyncio.wait_for(self._wake.wait(), CLAIM_SECONDS * random.uniform(0.8, 1.0))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvcoord-engines")
+
+    async def close(self) -> None:
+        """Stop relaying and hand this replica's instances over at once (their owner keys go)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self.runner.close()
+        for iid in list(self._running):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.store.release(iid, self.replica_id), timeout=0.5)
+        self._running.clear()
+        await self.store.close()

@@ -1,0 +1,570 @@
+"""The HTTP API: NVIDIA Dynamo's standalone KV indexer API (``python -m dynamo.indexer``), served by the
+coordinator, so Dynamo's indexer clients can use kvcoord as it is.
+
+Routes, request and answer JSON, status codes and error texts follow Dynamo 1.6.1's indexer
+(``lib/kv-router/src/services/indexer/server.rs``; tested against the real service in
+``tests/test_http_dynamo_compat.py``). kvcoord adds fields where it knows more and never changes the
+meaning of Dynamo's. The deliberate differences (README, "HTTP API"):
+
+- ``/query_by_hash`` takes the *engine's* block hashes (vLLM's ``block_hashes``, as uint64 or as their
+  int64 reinterpretation), because kvcoord indexes the engines' own chained hashes; Dynamo takes its own
+  block-local xxh3 hashes.
+- Errors are ``{"error": "..."}`` JSON everywhere, with Dynamo's status codes (Dynamo answers body
+  extractor failures, 400/413/415/422, in ``text/plain``).
+- ``/query`` also takes ``prompt`` or ``messages`` (OpenAI chat) instead of ``token_ids``, tokenized
+  with the model's tokenizer; answers add ``model``, ``block_size``, ``num_blocks``, ``num_tokens`` and
+  ``nodes`` (kvcoord's answer, best first, with per-tier counts, load and the engine URL).
+- ``/register`` takes ``tcp://`` endpoints only, and ``serving_url`` (the engine's HTTP URL) besides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from array import array
+from collections.abc import Awaitable, Sequence
+from typing import Annotated, Any, cast
+from urllib.parse import parse_qs
+
+import msgspec
+
+from kvcoord.coordinator.auth import ADMIN, AGENT, OPEN, Authenticator, AuthError
+from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.engines import DEFAULT_GROUP, Engines, RegistrationError, partition_model
+from kvcoord.coordinator.httpd import JSON, Request, Response, Route, json_error
+from kvcoord.coordinator.lookup import INVALID, NO_PROFILE, NOT_FOUND, LiveMatch, LookupFailed, Lookups
+from kvcoord.events import Tier
+from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
+from kvcoord.index.base import run_inline
+from kvcoord.native import native
+
+log = logging.getLogger("kvcoord.http")
+
+__all__ = ["QUERY_BODY_LIMIT", "HttpApi"]
+
+QUERY_BODY_LIMIT = 8 * 1024 * 1024
+"""Dynamo's body limit of ``/query`` and ``/query_by_hash`` (8 MiB); the other routes have 2 MiB."""
+
+U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+"""At most 2**64-1 as well: checked after decoding (msgspec's bounds stop at int64)."""
+
+
+class QueryBody(msgspec.Struct):
+    model_name: str
+    token_ids: list[U32] | None = None
+    """With :data:`FastQueryBody` first, this typed form decodes only what the fast path leaves."""
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    # kvcoord's own:
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_unmatched: bool = False
+
+
+class FastQueryBody(msgspec.Struct):
+    """``/query`` with ``token_ids`` left as raw JSON for :func:`packed_ints` (the 8k-id list is most of
+    the decoding time); every other field as :class:`QueryBody` has it."""
+
+    model_name: str
+    token_ids: msgspec.Raw = msgspec.Raw()
+    """Empty when absent (msgspec decodes no ``Raw | None`` union)."""
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_unmatched: bool = False
+
+
+class FastQueryByHashBody(msgspec.Struct):
+    block_hashes: msgspec.Raw
+    model_name: str
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP
+    cache_salt: str | None = None
+    include_unmatched: bool = False
+
+
+class QueryByHashBody(msgspec.Struct):
+    block_hashes: list[int]
+    model_name: str
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP
+    cache_salt: str | None = None
+    include_unmatched: bool = False
+
+
+class RegisterBody(msgspec.Struct):
+    instance_id: U64
+    endpoint: str
+    model_name: str
+    block_size: U32
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP
+    dp_rank: U32 | None = None
+    replay_endpoint: str | None = None
+    additional_salt: str | None = None
+    additionalsalt: str | None = None
+    serving_url: str = ""
+
+
+class UnregisterBody(msgspec.Struct):
+    instance_id: U64
+    model_name: str
+    routing_group: str | None = None
+    tenant_id: str | None = None
+    dp_rank: U32 | None = None
+
+
+_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
+    t: msgspec.json.Decoder(t) for t in (QueryBody, QueryByHashBody, RegisterBody, UnregisterBody,
+                                         FastQueryBody, FastQueryByHashBody)
+}
+
+
+def packed_ints(raw: msgspec.Raw, kind: str) -> memoryview | None:
+    """A raw JSON integer array as packed ints, a memoryview of format ``kind`` ('I' uint32 token ids, 'Q'
+    uint64 keys of int64/uint64 hashes), by the native parser; None when it does not claim the input (then
+    msgspec decodes the body typed, and its value or its error is the answer)."""
+    if not len(raw) or native is None:
+        return None
+    packed = native.json_int_array(raw, kind)
+    if packed is None:
+        return None
+    return memoryview(packed).cast("I" if kind == "I" else "Q")
+_encode = msgspec.json.Encoder().encode
+_OK = Response(200, b'{"status":"ok"}', JSON)
+_CREATED = Response(201, b'{"status":"ok"}', JSON)
+_STORAGE_TIERS = {Tier.GPU: "device", Tier.CPU: "host_pinned", Tier.STORAGE: "disk"}
+
+
+class BadBody(Exception):
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
+def decode_body(req: Request, kind: type[Any]) -> Any:
+    """The JSON body as ``kind``: 415 without a JSON content type, 400 for bad JSON, 422 for a wrong shape."""
+    ctype = req.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
+        raise BadBody(json_error(415, "Expected request with `Content-Type: application/json`"))
+    decoder, body = _DECODERS[kind], req.body
+    try:
+        try:
+            value = decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            # Dynamo's serde stops after the JSON value and ignores what follows it: so do we.
+            end = _TRAILING.search(str(exc))
+            if end is None or isinstance(exc, msgspec.ValidationError):
+                raise
+            body = body[:int(end.group(1)) - 1]  # msgspec counts bytes from 1
+            value = decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        why = f"Failed to deserialize the JSON body into the target type: {exc}"
+        raise BadBody(json_error(422, why)) from None
+    except msgspec.DecodeError as exc:
+        raise BadBody(json_error(400, f"Failed to parse the request body as JSON: {exc}")) from None
+    repeated = _repeated_field(body, _json_keys(kind))
+    if repeated is not None:  # msgspec keeps the last value; serde refuses, and so does Dynamo
+        raise BadBody(json_error(422, "Failed to deserialize the JSON body into the target type: "
+                                      f"duplicate field `{repeated}`"))
+    return value
+
+
+_TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
+_KEY_END = re.compile(rb"[ \t\r\n]*:")
+_ALIASES = {"additionalsalt": "additional_salt"}
+"""JSON keys that set the same field as another (serde ``alias``): giving both is a duplicate."""
+
+
+_KEYS: dict[type[Any], dict[bytes, str]] = {}
+
+
+def _json_keys(kind: type[Any]) -> dict[bytes, str]:
+    """The JSON keys of a body struct, each with the field it sets."""
+    keys = _KEYS.get(kind)
+    if keys is None:
+        keys = _KEYS[kind] = {name.encode(): _ALIASES.get(name, name) for name in kind.__struct_fields__}
+    return keys
+
+
+def _repeated_field(body: bytes, keys: dict[bytes, str]) -> str | None:
+    """A field the body's top-level object sets twice, if any. A scan of the string literals alone (the
+    big token and hash arrays hold none), so a few microseconds; a repeat seen at any depth is confirmed
+    on the top-level object by a full parse (rare)."""
+    seen: set[str] = set()
+    find = body.find
+    start = find(b'"')
+    while start >= 0:
+        end = find(b'"', start + 1)
+        while end > 0 and body[end - 1] == 0x5C:  # escaped, unless the backslashes escape each other
+            back = end - 1
+            while body[back - 1] == 0x5C:
+                back -= 1
+            if (end - back) % 2 == 0:
+                break
+            end = find(b'"', end + 1)
+        if end < 0:
+            return None
+        name = keys.get(body[start + 1:end])
+        if name is not None and _KEY_END.match(body, end + 1):
+            if name in seen:
+                return _top_level_repeat(body, keys)
+            seen.add(name)
+        start = find(b'"', end + 1)
+    return None
+
+
+def _top_level_repeat(body: bytes, keys: dict[bytes, str]) -> str | None:
+    found: list[str | None] = [None]
+
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        names = [keys.get(k.encode()) for k, _ in items]
+        found[0] = next((n for i, n in enumerate(names) if n is not None and n in names[:i]), None)
+
+    try:
+        json.loads(body, object_pairs_hook=pairs)  # the last object it sees is the top-level one
+    except ValueError:
+        return None
+    return found[0]
+
+
+def _check_u64(name: str, value: int) -> None:
+    if value > UINT64_MASK:
+        raise BadBody(json_error(422, "Failed to deserialize the JSON body into the target type: "
+                                      f"{name}: {value} is not a uint64"))
+
+
+def _worker_id(node_id: str) -> int | str:
+    """Dynamo's ``worker_id`` is a number: a registered engine's node id is its instance id."""
+    if node_id.isascii() and node_id.isdigit() and int(node_id) <= UINT64_MASK:
+        return int(node_id)
+    return node_id
+
+
+def _json(status: int, data: object) -> Response:
+    return Response(status, _encode(data), JSON)
+
+
+_LOOKUP_HTTP = {INVALID: 400, NOT_FOUND: 404, NO_PROFILE: 400, "unavailable": 503, "unimplemented": 501,
+                "internal": 500, "tokenizer_down": 503}
+
+
+class HttpApi:
+    """The routes over one coordinator's state."""
+
+    def __init__(self, state: CoordinatorState, engines: Engines | None, auth: Authenticator) -> None:
+        self.state = state
+        self.lookups = Lookups(state)
+        self.engines = engines
+        self.auth = auth
+
+    def routes(self) -> dict[str, Route]:
+        return {
+            "/query": Route({"POST": self.query}, QUERY_BODY_LIMIT),
+            "/query_by_hash": Route({"POST": self.query_by_hash}, QUERY_BODY_LIMIT),
+            "/register": Route({"POST": self.register}),
+            "/unregister": Route({"POST": self.unregister}),
+            "/workers": Route({"GET": self.workers}),
+            "/dump": Route({"GET": self.dump}),
+            "/health": Route({"GET": self.health}),
+        }
+
+    # --- auth ------------------------------------------------------------------------------
+    def authorize(self, req: Request) -> Response | None:
+        """The gRPC API's tokens: any known token may query; registering needs an admin token.
+        ``/health`` is open (probes carry no secrets)."""
+        if not self.auth.enabled or req.path == "/health":
+            return None
+        header = req.headers.get("authorization")
+        try:
+            principal = self.auth.principal([("authorization", header)] if header is not None else [])
+        except AuthError as exc:
+            return Response(401, _encode({"error": exc.message}), JSON, [("www-authenticate", "Bearer")])
+        if req.path in ("/register", "/unregister") and principal.role not in (ADMIN, OPEN) and not (
+            principal.role == AGENT and "*" in principal.nodes
+        ):
+            return json_error(403, f"a {principal.role} token may not {req.path[1:]} engines (admin only)")
+        return None
+
+    # --- lookups ---------------------------------------------------------------------------
+    def _known(self, model: str) -> bool:
+        """A partition Dynamo would have: configured, registered, or served by some node."""
+        st = self.state
+        if st.config.profile(model) is not None:
+            return True
+        if self.engines is not None and self.engines.has_model(model):
+            return True
+        if any(r.model == model for r in st.registry):
+            return True
+        return any(n.model == model for n in st.shared.values())
+
+    def _partition(self, model_name: str, routing_group: str) -> str:
+        model = partition_model(model_name, routing_group)
+        if not self._known(model):
+            raise LookupFailed(NOT_FOUND, f"no indexer for model={model_name} routing_group={routing_group}")
+        return model
+
+    def _block_size(self, model: str) -> int:
+        profile = self.state.config.profile(model)
+        if profile is not None:
+            return profile.block_size
+        if self.engines is not None:
+            registered = self.engines.block_size(model)
+            if registered is not None:
+                return registered
+        for rec in self.state.registry:
+            if rec.model == model and rec.announced is not None and rec.announced.block_size:
+                return rec.announced.block_size
+        return 0
+
+    def query(self, req: Request) -> Response | Awaitable[Response]:
+        t0 = time.perf_counter()
+        try:
+            fast: FastQueryBody = decode_body(req, FastQueryBody)
+            tokens: memoryview | array[int] | None = packed_ints(fast.token_ids, "I")
+            body: FastQueryBody | QueryBody = fast
+            if tokens is None and len(fast.token_ids):
+                body = decode_body(req, QueryBody)
+                if body.token_ids is not None:  # else ``null``
+                    tokens = array("I", body.token_ids)
+            if tokens is None and body.prompt is None and body.messages is None:  # 422 before 404, as Dynamo
+                raise BadBody(json_error(422, "Failed to deserialize the JSON body into the target "
+                                              "type: missing field `token_ids`"))
+            model = self._partition(body.model_name, body.routing_group)
+            if tokens is None:
+                return self._query_text(model, body, t0)
+            keys = None
+            if body.lora_name or body.cache_salt:
+                keys = RequestKeys(lora_name=body.lora_name or None, cache_salt=body.cache_salt or None)
+            profile, hashes = self.lookups.hash_tokens(model, tokens, keys)
+            return self._answer(model, profile.block_size, hashes, len(tokens), body.include_unmatched,
+                                "tokens", t0)
+        except BadBody as exc:
+            return exc.response
+        except LookupFailed as exc:
+            return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+
+    async def _query_text(self, model: str, body: FastQueryBody | QueryBody, t0: float) -> Response:
+        """A lookup by ``prompt`` or chat ``messages``: tokenized as the engine does, then by tokens."""
+        try:
+            ids = await self.lookups.tokens_of(
+                model, prompt=body.prompt, messages=body.messages, tools=body.tools,
+                add_special_tokens=body.add_special_tokens, add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs)
+            keys = None
+            if body.lora_name or body.cache_salt:
+                keys = RequestKeys(lora_name=body.lora_name or None, cache_salt=body.cache_salt or None)
+            tokens = array("I", ids)
+            profile, hashes = self.lookups.hash_tokens(model, tokens, keys)
+            answer = self._answer(model, profile.block_size, hashes, len(tokens), body.include_unmatched,
+                                  "prompt", t0)
+        except LookupFailed as exc:
+            return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+        return answer if isinstance(answer, Response) else await answer
+
+    def query_by_hash(self, req: Request) -> Response | Awaitable[Response]:
+        t0 = time.perf_counter()
+        try:
+            fast: FastQueryByHashBody = decode_body(req, FastQueryByHashBody)
+            keys = packed_ints(fast.block_hashes, "Q")
+            body: FastQueryByHashBody | QueryByHashBody = fast
+            hashes: Sequence[BlockHash64]
+            if keys is None:
+                body = decode_body(req, QueryByHashBody)
+                raw = body.block_hashes
+                if raw and (min(raw) < -(1 << 63) or max(raw) > UINT64_MASK):
+                    bad = next(h for h in raw if not -(1 << 63) <= h <= UINT64_MASK)
+                    raise BadBody(json_error(422, "Failed to deserialize the JSON body into the target type: "
+                                                  f"block_hashes: {bad} is neither an int64 nor a uint64"))
+                hashes = [BlockHash64(h & UINT64_MASK) for h in raw]
+            else:
+                hashes = cast(Sequence[BlockHash64], keys)
+            if body.cache_salt is not None:  # before the partition's 404, as Dynamo
+                return json_error(400, "cache_salt is not accepted by /query_by_hash; block_hashes must "
+                                       "already include the intended cache salt")
+            model = self._partition(body.model_name, body.routing_group)
+            self.lookups.check_blocks(len(hashes), "")
+            return self._answer(model, self._block_size(model), hashes, 0, body.include_unmatched,
+                                "hashes", t0)
+        except BadBody as exc:
+            return exc.response
+        except LookupFailed as exc:
+            return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+
+    def _answer(self, model: str, block_size: int, hashes: Sequence[BlockHash64], num_tokens: int,
+                include_unmatched: bool, query: str, t0: float) -> Response | Awaitable[Response]:
+        """Match, then answer: at once on an in-process index (no task), else when the backend answers."""
+        coro = self.lookups.match(model, hashes, None, include_unmatched)
+        if self.state.index.inline:
+            try:
+                matches = run_inline(coro)
+            except LookupFailed as exc:
+                return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+            return self._scores(model, block_size, len(hashes), num_tokens, matches, query, t0)
+
+        async def later() -> Response:
+            try:
+                matches = await coro
+            except LookupFailed as exc:
+                return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+            return self._scores(model, block_size, len(hashes), num_tokens, matches, query, t0)
+
+        return later()
+
+    def _scores(self, model: str, block_size: int, num_blocks: int, num_tokens: int,
+                matches: list[LiveMatch], query: str, t0: float) -> Response:
+        """Dynamo's ``ScoreResponse`` (tokens; ``scores`` GPU only; ``cpu`` and ``disk`` cumulative through
+        the faster tiers), then kvcoord's answer."""
+        bs = block_size or 1
+        scores: dict[str, dict[str, int]] = {}
+        instances: dict[str, dict[str, Any]] = {}
+        nodes = []
+        for m in matches:
+            t = (*m.tiers, 0, 0, 0) if m.tiers else (m.matched_blocks, 0, 0)
+            gpu, cpu, disk = t[0] * bs, (t[0] + t[1]) * bs, m.matched_blocks * bs
+            rank = str(m.dp_rank)
+            if m.matched_blocks:
+                if gpu:
+                    scores.setdefault(m.node_id, {})[rank] = gpu
+                inst = instances.get(m.node_id)
+                if inst is None:
+                    instances[m.node_id] = {"longest_matched": max(gpu, cpu, disk), "gpu": gpu,
+                                            "dp": {rank: gpu}, "cpu": cpu, "disk": disk}
+                else:
+                    inst["dp"][rank] = gpu
+                    inst["gpu"], inst["cpu"] = max(inst["gpu"], gpu), max(inst["cpu"], cpu)
+                    inst["disk"] = max(inst["disk"], disk)
+                    inst["longest_matched"] = max(inst["longest_matched"], gpu, cpu, disk)
+            node: dict[str, Any] = {"node_id": m.node_id, "dp_rank": m.dp_rank,
+                                    "matched_blocks": m.matched_blocks,
+                                    "tiers": {"GPU": t[0], "CPU": t[1], "STORAGE": t[2]},
+                                    "load": m.load.to_json(), "trust": m.trust}
+            if m.serving_url:
+                node["serving_url"] = m.serving_url
+            nodes.append(node)
+        resp = _json(200, {"scores": scores, "frequencies": [], "instances": instances, "model": model,
+                           "block_size": block_size, "num_blocks": num_blocks, "num_tokens": num_tokens,
+                           "nodes": nodes})
+        metrics = self.state.metrics
+        metrics.lookup_done(query, time.perf_counter() - t0)
+        if num_blocks:
+            metrics.matched_fraction.observe(max((m.matched_blocks for m in matches), default=0) / num_blocks)
+        return resp
+
+    # --- registration ----------------------------------------------------------------------
+    async def register(self, req: Request) -> Response:
+        if self.engines is None:
+            return json_error(501, "engine registration is off on this coordinator")
+        try:
+            b: RegisterBody = decode_body(req, RegisterBody)
+            _check_u64("instance_id", b.instance_id)
+            await self.engines.register(b.instance_id, b.model_name, b.routing_group, b.block_size, b.dp_rank,
+                                        b.endpoint, b.replay_endpoint, b.serving_url)
+        except BadBody as exc:
+            return exc.response
+        except RegistrationError as exc:
+            return json_error(exc.status, exc.message)
+        except ConnectionError as exc:
+            return json_error(503, f"registrations unavailable: {exc}")
+        return _CREATED
+
+    async def unregister(self, req: Request) -> Response:
+        if self.engines is None:
+            return json_error(501, "engine registration is off on this coordinator")
+        try:
+            b: UnregisterBody = decode_body(req, UnregisterBody)
+            _check_u64("instance_id", b.instance_id)
+            await self.engines.unregister(b.instance_id, b.model_name, b.routing_group, b.dp_rank)
+        except BadBody as exc:
+            return exc.response
+        except RegistrationError as exc:
+            return json_error(exc.status, exc.message)
+        except ConnectionError as exc:
+            return json_error(503, f"registrations unavailable: {exc}")
+        return _OK
+
+    async def workers(self, req: Request) -> Response:
+        params = parse_qs(req.query, keep_blank_values=True)
+        for name in ("model_name", "routing_group", "tenant_id"):  # Dynamo's (serde) query fields
+            if len(params.get(name, ())) > 1:
+                return json_error(400, f"Failed to deserialize query string: duplicate field `{name}`")
+        if self.engines is None:
+            return _json(200, [])
+        model_name = params.get("model_name", [None])[-1]
+        group = params.get("routing_group", [None])[-1]
+        try:
+            listed = await self.engines.workers()
+        except ConnectionError as exc:
+            return json_error(503, f"registrations unavailable: {exc}")
+        out = []
+        for engine, status, relayed_by in listed:
+            if (model_name is not None and engine.model_name != model_name) or (
+                group is not None and engine.routing_group != group
+            ):
+                continue
+            listeners: dict[str, dict[str, str]] = {}
+            for x in engine.listeners:
+                st, err = status.get(x.dp_rank, ("pending", ""))
+                info = {"endpoint": x.endpoint, "status": st}
+                if err:
+                    info["last_error"] = err
+                listeners[str(x.dp_rank)] = info
+            states = {v["status"] for v in listeners.values()}
+            overall = next((s for s in ("failed", "pending", "active") if s in states), "paused")
+            out.append({"instance_id": engine.instance_id, "source": "zmq", "status": overall,
+                        "model_name": engine.model_name, "routing_group": engine.routing_group,
+                        "block_size": engine.block_size,
+                        "endpoints": {str(x.dp_rank): x.endpoint for x in engine.listeners},
+                        "listeners": listeners, "serving_url": engine.serving_url, "relayed_by": relayed_by})
+        return _json(200, out)
+
+    async def dump(self, req: Request) -> Response:
+        """Dynamo's dump shape, kvcoord's content: per partition, one ``stored`` event per node, rank and
+        tier listing its blocks (``block_hash`` = ``tokens_hash`` = the engine's hash; no chains)."""
+        st = self.state
+        out: dict[str, dict[str, Any]] = {}
+        now, now_wall = time.monotonic(), time.time()
+        for rec in list(st.registry):
+            if st.live_node(rec.node_id, rec.model, now, now_wall) is None:
+                continue
+            name, _, group = rec.model.partition("@")
+            part = out.setdefault(f"{name}:{group or DEFAULT_GROUP}",
+                                  {"block_size": self._block_size(rec.model), "events": []})
+            for rank in rec.dp_ranks:
+                try:
+                    entries = await st.index.export_node(rec.model, rec.node_id, rank)
+                except Exception as exc:
+                    part["error"] = f"{type(exc).__name__}: {exc}"
+                    continue
+                by_tier: dict[int, list[int]] = {}
+                for h, held in entries:
+                    by_tier.setdefault(int(held), []).append(int(h))
+                for tier, hs in sorted(by_tier.items()):
+                    blocks = [{"block_hash": h, "tokens_hash": h, "mm_extra_info": None} for h in hs]
+                    part["events"].append({
+                        "worker_id": _worker_id(rec.node_id),
+                        "storage_tier": _STORAGE_TIERS.get(Tier(tier), "disk"), "residency_domain": "worker",
+                        "event": {"event_id": len(part["events"]), "dp_rank": rank, "data": {"stored": {
+                            "parent_hash": None, "start_position": None, "blocks": blocks}}}})
+        return _json(200, out)
+
+    def health(self, req: Request) -> Response:
+        """200 while the index serves, 503 while it is down (the readiness a load balancer wants)."""
+        if self.state.index_up:
+            return Response(200)
+        return json_error(503, self.lookups.unavailable(self.state.index_down_reason))

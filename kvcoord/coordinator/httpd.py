@@ -1,0 +1,356 @@
+"""A small HTTP/1.1 server for the coordinator's HTTP API: asyncio transports and ``httptools``' parser.
+
+Why not a framework: a lookup is a few hundred microseconds of work, and a framework's request objects,
+middleware and task per request cost about as much again (aiohttp: ~250 us more per 57 KB ``/query``,
+measured in ``benchmarks/bench_vs_dynamo_service.py``). What it does:
+
+- keep-alive and pipelining (answers go out in request order), ``Content-Length`` or chunked bodies,
+  ``Expect: 100-continue``;
+- a body limit per route: 413 before a byte of an oversized body is read (but 404/405 first);
+- 404 (empty) for an unknown path, 405 with ``Allow`` for a known path and another method, ``HEAD``
+  wherever ``GET`` is served;
+- a handler may answer at once (a plain :class:`Response`) or with an awaitable: a lookup on an
+  in-process index never pays for a task;
+- a malformed request gets 400 and the connection is closed; nothing reaches a handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import ssl
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from email.utils import formatdate
+
+import httptools
+
+log = logging.getLogger("kvcoord.http")
+
+__all__ = ["JSON", "HttpServer", "Request", "Response", "Route", "json_error"]
+
+_REASONS = {
+    100: "Continue", 200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
+    403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large",
+    415: "Unsupported Media Type", 422: "Unprocessable Entity", 500: "Internal Server Error",
+    501: "Not Implemented", 503: "Service Unavailable",
+}
+_MAX_HEADER_BYTES = 64 * 1024
+_LINGER_SECONDS = 2.0
+"""How long a refused request's connection still takes (and drops) the client's bytes before it closes."""
+JSON = "application/json"
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    """Lower-cased names; a repeated header keeps its last value."""
+    body: bytes
+    peer: str = ""
+
+
+@dataclass(slots=True)
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str | None = None
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+Handler = Callable[[Request], "Response | Awaitable[Response]"]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One path: its handler per method, and the largest body it reads."""
+
+    methods: dict[str, Handler]
+    body_limit: int = 2 * 1024 * 1024
+
+    @property
+    def allow(self) -> str:
+        names = set(self.methods)
+        if "GET" in names:
+            names.add("HEAD")
+        return ",".join(sorted(names))
+
+
+_date_cache: list[object] = [0, b""]
+
+
+def _date() -> bytes:
+    """The ``Date`` header's value, formatted once per second."""
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache[0], _date_cache[1] = now, formatdate(now, usegmt=True).encode()
+    value = _date_cache[1]
+    assert isinstance(value, bytes)
+    return value
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parse, dispatch in order, write."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.peer = ""
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._header_bytes = 0
+        self._body: list[bytes] = []
+        self._body_len = 0
+        self._limit = 0
+        self._rejected: Response | None = None
+        self._refused: Response | None = None
+        self._queue: deque[tuple[Request | None, Response | None, bool]] = deque()
+        self._busy = False
+        self._closing = False
+        self._linger: asyncio.TimerHandle | None = None
+        self._unread = False
+
+    # --- asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.transport = None
+        if self._linger is not None:
+            self._linger.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(json_error(501, "protocol upgrades are not supported"))
+        except httptools.HttpParserError as exc:
+            if self._rejected is not None:  # an oversized body refused before it was read
+                self._fail(self._rejected)
+            else:
+                self._fail(json_error(400, f"malformed HTTP request: {exc}"))
+
+    # --- httptools callbacks ---------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = {}
+        self._header_bytes = 0
+        self._body = []
+        self._body_len = 0
+        self._rejected = None
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > _MAX_HEADER_BYTES:
+            raise httptools.HttpParserError("URL too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > _MAX_HEADER_BYTES:
+            raise httptools.HttpParserError("headers too large")
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        path = httptools.parse_url(self._url).path.decode("latin-1", "replace")
+        route = self.server.routes.get(path)
+        self._limit = route.body_limit if route is not None else Route({}).body_limit
+        # Routing comes before the body (as in axum): an unknown path or method is refused with 404/405,
+        # never 413, and without reading a body the client has not sent yet.
+        self._refused = self.server.misrouted(self.parser.get_method().decode("latin-1"), path)
+        expect = self._headers.get("expect", "").lower() == "100-continue"
+        length = self._headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self._limit:
+            self._rejected = self._refused or _limit_exceeded()
+            raise httptools.HttpParserError("body over the route's limit")
+        if expect and self._refused is not None:
+            self._rejected = self._refused
+            raise httptools.HttpParserError("refused before the body")
+        if expect and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_len += len(body)
+        if self._body_len > self._limit:
+            self._rejected = self._refused or _limit_exceeded()
+            raise httptools.HttpParserError("body over the route's limit")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parsed = httptools.parse_url(self._url)
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        method = self.parser.get_method().decode("latin-1")
+        req = Request(method, parsed.path.decode("latin-1", "replace"),
+                      (parsed.query or b"").decode("latin-1", "replace"), self._headers, body, self.peer)
+        keep = self.parser.should_keep_alive()
+        self._queue.append((req, None, keep))
+        if not self._busy:
+            self._drain()
+
+    # --- dispatch --------------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Answer queued requests in order; an awaitable answer holds the queue until it is done."""
+        while self._queue and self.transport is not None:
+            req, ready, keep = self._queue.popleft()
+            resp = ready
+            if resp is None:
+                assert req is not None
+                try:
+                    result = self.server.dispatch(req)
+                except Exception:
+                    log.exception("HTTP %s %s failed", req.method, req.path)
+                    result = json_error(500, "internal error")
+                if not isinstance(result, Response):
+                    self._busy = True
+                    self.transport.pause_reading()
+                    task = asyncio.ensure_future(result)
+                    self.server.tasks.add(task)
+                    task.add_done_callback(functools.partial(self._finished, req=req, keep=keep))
+                    return
+                resp = result
+            self._write(resp, keep, head=req is not None and req.method == "HEAD")
+            if not keep:
+                self._close()
+                return
+
+    def _finished(self, task: asyncio.Future[Response], *, req: Request, keep: bool) -> None:
+        self.server.tasks.discard(task)
+        self._busy = False
+        if self.transport is None:
+            return
+        if task.cancelled():
+            resp = json_error(503, "server shutting down")
+            keep = False
+        elif task.exception() is not None:
+            log.error("HTTP %s %s failed", req.method, req.path, exc_info=task.exception())
+            resp = json_error(500, "internal error")
+        else:
+            resp = task.result()
+        self._queue.appendleft((req, resp, keep))  # req: a HEAD answer goes without its body
+        self.transport.resume_reading()
+        self._drain()
+
+    def _write(self, resp: Response, keep: bool, *, head: bool = False) -> None:
+        assert self.transport is not None
+        status = resp.status
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}".encode(),
+                 self.server.extra_headers + b"date: " + _date(),
+                 b"content-length: " + str(len(resp.body)).encode()]
+        if resp.content_type is not None:
+            lines.append(b"content-type: " + resp.content_type.encode())
+        for name, value in resp.headers:
+            lines.append(f"{name}: {value}".encode("latin-1"))
+        if not keep:
+            lines.append(b"connection: close")
+        lines.append(b"\r\n")
+        head_bytes = b"\r\n".join(lines)
+        if head or not resp.body:
+            self.transport.write(head_bytes)
+        else:
+            self.transport.write(head_bytes + resp.body)
+
+    def _fail(self, resp: Response) -> None:
+        """A request that cannot be parsed or read: answer it (after those before it) and close."""
+        self._closing = True
+        self._unread = True
+        self._queue.append((None, resp, False))
+        if not self._busy:
+            self._drain()
+
+    def _close(self, *, linger: bool = True) -> None:
+        """Close; after a refused request, lingering: the client may still be sending the body, and
+        closing with unread bytes resets the connection, which can destroy the answer before the client
+        reads it. So half-close (FIN after the answer), drop what still arrives, close in a moment."""
+        self._closing = True
+        transport = self.transport
+        if transport is None:
+            return
+        if linger and self._unread and self._linger is None and transport.can_write_eof():
+            transport.write_eof()
+            self._linger = asyncio.get_running_loop().call_later(_LINGER_SECONDS, transport.close)
+        else:
+            transport.close()
+
+
+def json_error(status: int, message: str) -> Response:
+    """The one error shape of the HTTP API: ``{"error": "<one line>"}``."""
+    return Response(status, json.dumps({"error": message}, separators=(",", ":")).encode(), JSON)
+
+
+def _limit_exceeded() -> Response:
+    return json_error(413, "Failed to buffer the request body: length limit exceeded")
+
+
+class HttpServer:
+    """Serves ``routes`` on one listener; ``authorize`` (optional) screens every request first."""
+
+    def __init__(self, routes: dict[str, Route],
+                 authorize: Callable[[Request], Response | None] | None = None,
+                 headers: Sequence[tuple[str, str]] = ()) -> None:
+        self.routes = routes
+        self.authorize = authorize
+        self.extra_headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
+        """Sent with every answer (e.g. which replica answered)."""
+        self.connections: set[_Connection] = set()
+        self.tasks: set[asyncio.Future[Response]] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    def misrouted(self, method: str, path: str) -> Response | None:
+        """404 (empty) for an unknown path, 405 with ``Allow`` for another method; None if routed."""
+        route = self.routes.get(path)
+        if route is None:
+            return Response(404)
+        if (method == "HEAD" and "GET" not in route.methods) or (
+            method != "HEAD" and method not in route.methods
+        ):
+            return Response(405, headers=[("allow", route.allow)])
+        return None
+
+    def dispatch(self, req: Request) -> Response | Awaitable[Response]:
+        refused = self.misrouted(req.method, req.path)
+        if refused is not None:
+            return refused
+        handler = self.routes[req.path].methods["GET" if req.method == "HEAD" else req.method]
+        if self.authorize is not None:
+            refused = self.authorize(req)
+            if refused is not None:
+                return refused
+        return handler(req)
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
+                                                ssl=ssl_context, reuse_address=True, backlog=1024)
+        sock = self._server.sockets[0]
+        self.port = int(sock.getsockname()[1])
+        return self.port
+
+    async def stop(self, grace: float = 0.5) -> None:
+        """Stop accepting, give running handlers ``grace`` seconds, then close every connection."""
+        if self._server is None:
+            return
+        self._server.close()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=grace)
+        for task in list(self.tasks):
+            task.cancel()
+        for conn in list(self.connections):
+            conn._close(linger=False)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
+        self._server = None

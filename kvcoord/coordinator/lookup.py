@@ -1,0 +1,198 @@
+"""Lookups, whatever the transport: hash the query with the model's profile, match it in the index, keep
+the live nodes, order them. The gRPC servicer and the HTTP API both answer from here, so the two cannot
+disagree on what a query means, which nodes count, or which error a bad query gets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes64
+from kvcoord.index.base import NodeKey
+from kvcoord.load import NodeLoad
+from kvcoord.tokenize import TokenizeError
+
+__all__ = ["INTERNAL", "INVALID", "NOT_FOUND", "NO_PROFILE", "TOKENIZER_DOWN", "UNAVAILABLE", "UNIMPLEMENTED",
+           "LiveMatch", "LookupFailed", "Lookups"]
+
+INVALID = "invalid"
+NOT_FOUND = "not_found"
+NO_PROFILE = "no_profile"
+UNAVAILABLE = "unavailable"
+UNIMPLEMENTED = "unimplemented"
+INTERNAL = "internal"
+TOKENIZER_DOWN = "tokenizer_down"
+"""The model's tokenizer is broken or unreachable (its engine down): the lookup cannot be answered."""
+
+log = logging.getLogger("kvcoord.coordinator")
+
+
+class LookupFailed(Exception):
+    """A refused lookup: ``kind`` (one of the constants above) picks the status, ``message`` is one line."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class LiveMatch(NamedTuple):
+    """One live ``(node, dp_rank)`` in an answer, best first."""
+
+    node_id: str
+    dp_rank: int
+    matched_blocks: int
+    tiers: tuple[int, ...]
+    load: NodeLoad
+    serving_url: str
+    trust: str
+
+
+class Lookups:
+    """The lookup path over one coordinator's state."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: CoordinatorState) -> None:
+        self.state = state
+
+    def profile(self, model: str) -> HashProfile | None:
+        """The model's hash profile; None when it has none (hash queries still work). Raises
+        ``NOT_FOUND`` for a model the configuration does not name under ``strict_models``."""
+        if not model:
+            raise LookupFailed(INVALID, "model is required")
+        cfg = self.state.config
+        profile = cfg.profile(model)
+        if profile is None and cfg.strict_models:
+            raise LookupFailed(NOT_FOUND, f"unknown model {model!r} (strict_models; configured: "
+                                          f"{', '.join(sorted(cfg.models))})")
+        return profile
+
+    def hashing_profile(self, model: str) -> HashProfile:
+        """The profile token ids of ``model`` are hashed with; ``NO_PROFILE`` when it has none."""
+        profile = self.profile(model)
+        if profile is None:
+            raise LookupFailed(NO_PROFILE, f"model {model!r} has no hash profile configured, so token ids "
+                                           f'cannot be hashed: query by block hashes, or configure '
+                                           f'[models."{model}"]')
+        return profile
+
+    def check_blocks(self, num_blocks: int, what: str) -> None:
+        limit = self.state.config.limits.max_query_blocks
+        if num_blocks > limit:
+            raise LookupFailed(INVALID, f"query has {num_blocks} blocks{what}; max_query_blocks is {limit}")
+
+    def hash_tokens(self, model: str, tokens: Sequence[int] | array[int],
+                    keys: RequestKeys | None = None) -> tuple[HashProfile, list[BlockHash64]]:
+        """The engine's block hashes of ``tokens``' full blocks, by the model's profile."""
+        profile = self.hashing_profile(model)
+        n = len(tokens)
+        self.check_blocks(n // profile.block_size, f" ({n} tokens)")
+        try:
+            return profile, block_hashes64(profile, tokens, None if keys is None or keys.empty else keys)
+        except (ValueError, TypeError) as exc:
+            raise LookupFailed(INVALID, f"cannot hash the query: {exc}") from None
+
+    async def tokens_of(self, model: str, *, prompt: str | None = None, messages: Sequence[Any] | None = None,
+                        tools: Sequence[Any] | None = None, add_special_tokens: bool | None = None,
+                        add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+                        chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The token ids the engine's OpenAI server makes of a completion ``prompt`` or chat ``messages``
+        (its defaults: special tokens added to a prompt, not to a rendered chat). A tokenizer that cannot
+        answer fails the lookup, naming the model: it never becomes a lookup of nothing."""
+        if (prompt is None) == (messages is None):
+            raise LookupFailed(INVALID, "give exactly one of a prompt or chat messages")
+        self.hashing_profile(model)  # before spending milliseconds on tokens that could not be hashed
+        cache = self.state.tokenizers
+        if cache.spec(model) is None:
+            raise LookupFailed(NO_PROFILE, f"model {model!r} has no tokenizer configured, so prompts cannot "
+                                           f'be tokenized: set tokenizer in [models."{model}"], or query '
+                                           "by token ids")
+        try:
+            if prompt is not None:
+                return await cache.encode_prompt(model, prompt, add_special_tokens=add_special_tokens
+                                                 if add_special_tokens is not None else True)
+            assert messages is not None
+            return await cache.encode_chat(
+                model, messages, tools=tools,
+                add_generation_prompt=add_generation_prompt if add_generation_prompt is not None else True,
+                continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                add_special_tokens=bool(add_special_tokens))
+        except TokenizeError as exc:
+            self.state.log_once(f"tokenize:{model}:{exc.bad_request}", logging.WARNING, "%s", exc)
+            raise LookupFailed(INVALID if exc.bad_request else TOKENIZER_DOWN, str(exc)) from None
+
+    def serves(self, model: str) -> bool:
+        """Some live node (of this replica or, with replicas, any) serves ``model``."""
+        st = self.state
+        return st.registry.has_live(model) if st.directory is None else st.has_live(model)
+
+    async def match(self, model: str, hashes: Sequence[BlockHash64],
+                    candidates: Collection[NodeKey] | None = None,
+                    include_unmatched: bool = False) -> list[LiveMatch]:
+        """The live nodes holding a leading run of ``hashes``, best first by the tier weights (with
+        ``include_unmatched``, then the other live nodes of the model, or of ``candidates``)."""
+        st = self.state
+        matches = []
+        if hashes and self.serves(model):
+            if not st.index_up:
+                raise LookupFailed(UNAVAILABLE, self.unavailable(st.index_down_reason))
+            try:
+                matches = await st.index.match(model, hashes, candidates or None)
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                # The backend is unreachable: NOT_SERVING until a probe finds it back.
+                reason = f"{type(exc).__name__}: {exc}"
+                st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
+                await st.index_down(reason)
+                raise LookupFailed(UNAVAILABLE, self.unavailable(reason)) from None
+            except Exception as exc:
+                # A bug or a bad answer, not an outage: this request fails, health stays as it is.
+                name = type(exc).__name__
+                st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
+                raise LookupFailed(INTERNAL, f"index match failed: {name}: {exc}") from None
+        now, now_wall = time.monotonic(), time.time()
+        live_node = st.live_node
+        w0, w1, w2 = st.config.tier_weights
+        scored: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str]] = []
+        for node_id, rank, matched, tiers in matches:
+            info = live_node(node_id, model, now, now_wall)
+            if info is None or matched <= 0:
+                continue
+            t = (*tiers, 0, 0, 0) if len(tiers) < 3 else tiers
+            scored.append((-(t[0] * w0 + t[1] * w1 + t[2] * w2), -matched, node_id, rank, tiers, *info))
+        scored.sort(key=lambda x: x[:4])
+        out = [LiveMatch(node_id, rank, -neg, tiers, load, url, "exact")
+               for _, neg, node_id, rank, tiers, load, url in scored]
+        if include_unmatched:
+            seen = {(m.node_id, m.dp_rank) for m in out}
+            out.extend(self._unmatched(model, seen, candidates, now, now_wall))
+        return out
+
+    def _unmatched(self, model: str, seen: set[NodeKey], candidates: Collection[NodeKey] | None,
+                   now: float, now_wall: float) -> list[LiveMatch]:
+        st = self.state
+        keys: set[NodeKey] = set()
+        for rec in st.registry:
+            if rec.model == model:
+                keys.update((rec.node_id, r) for r in rec.dp_ranks)
+        for other in st.remote_nodes():
+            if other.model == model:
+                keys.update((other.node_id, r) for r in other.dp_ranks)
+        if candidates:
+            keys &= set(candidates)
+        out = []
+        for key in sorted(keys - seen):
+            info = st.live_node(key[0], model, now, now_wall)
+            if info is not None:
+                out.append(LiveMatch(key[0], key[1], 0, (), info[0], info[1], "exact"))
+        return out
+
+    def unavailable(self, reason: str) -> str:
+        backend = self.state.index.backend
+        return (f"index backend {backend} is unavailable ({reason or 'not answering'}); this coordinator "
+                "reports NOT_SERVING until it is back: retry shortly or ask another replica")

@@ -1,0 +1,78 @@
+"""The lookup answer: what the client returns and what the placement policies take, one type for both.
+
+``place(client.lookup(model, tokens=..., include_unmatched=True))`` works because the client builds these
+from the wire and the policies read nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcoord.events import Tier
+from kvcoord.index.base import NodeKey
+from kvcoord.load import NodeLoad
+
+__all__ = ["TIER_NAMES", "Candidate", "LookupResult"]
+
+TIER_NAMES: tuple[str, ...] = tuple(t.name for t in Tier)
+"""``("GPU", "CPU", "STORAGE")``: the keys of ``tiers`` in JSON answers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One routable ``(node, dp_rank)``: how many leading blocks of the query it holds, and its load."""
+
+    node_id: str
+    dp_rank: int = 0
+    matched_blocks: int = 0
+    tiers: tuple[int, ...] = ()
+    """Matched blocks per tier, indexed by ``Tier`` value; empty means all on GPU."""
+    load: NodeLoad = field(default_factory=NodeLoad)
+    serving_url: str = ""
+    """The engine's own URL, as its agent (or registration) announced it; empty when unknown."""
+    trust: str = "exact"
+    """How far the coordinator vouches for the match: ``exact`` while the node's stream is whole."""
+
+    @property
+    def key(self) -> NodeKey:
+        return (self.node_id, self.dp_rank)
+
+    def tier_counts(self) -> tuple[int, int, int]:
+        """``(gpu, cpu, storage)`` matched blocks; an empty ``tiers`` counts every block as GPU."""
+        if not self.tiers:
+            return (self.matched_blocks, 0, 0)
+        t = (*self.tiers, 0, 0, 0)
+        return (t[Tier.GPU], t[Tier.CPU], t[Tier.STORAGE])
+
+    def tiers_by_name(self) -> dict[str, int]:
+        return dict(zip(TIER_NAMES, self.tier_counts(), strict=True))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node_id": self.node_id, "dp_rank": self.dp_rank,
+                               "matched_blocks": self.matched_blocks, "tiers": self.tiers_by_name(),
+                               "load": self.load.to_json(), "trust": self.trust}
+        if self.serving_url:
+            out["serving_url"] = self.serving_url
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The coordinator's answer: the query's size and the live nodes holding a prefix of it, best first
+    (with ``include_unmatched``, every live node of the model, those holding nothing last)."""
+
+    model: str
+    block_size: int
+    num_blocks: int
+    nodes: list[Candidate]
+    num_tokens: int = 0
+    """Tokens the query had (0 for a query by hashes)."""
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.nodes[0] if self.nodes and self.nodes[0].matched_blocks else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "block_size": self.block_size, "num_blocks": self.num_blocks,
+                "num_tokens": self.num_tokens, "nodes": [n.to_json() for n in self.nodes]}
