@@ -37,7 +37,8 @@ def _has_libcrypto() -> bool:
                      "SHA256((const unsigned char*)\"\", 0, d);return d[0] & 0;}\n")
         try:
             objs = cc.compile([src], output_dir=tmp)
-            cc.link_executable(objs, os.path.join(tmp, "probe"), libraries=["crypto"])
+            # linked as the extension will be (LDSHARED carries LDFLAGS, e.g. the sanitizers' runtime)
+            cc.link_shared_object(objs, os.path.join(tmp, "probe.so"), libraries=["crypto"])
         except (CompileError, LinkError, OSError):
             return False
     return True

@@ -44,13 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
 import grpc.aio
-from kvcoord.events_proto import events_to_proto
 
 from kvcoord.agent.reporter import INGEST_METHOD, Reporter, ReporterOptions
 from kvcoord.events import BlockStored
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.validate import ops_of, pack_u64
+from kvcoord.wire import events_to_proto, snapshot_to_proto
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 CHAIN = 512
@@ -138,7 +139,7 @@ class RawStream:
         while True:
             part = hashes[start:start + SNAP_CHUNK]
             start += SNAP_CHUNK
-            snap = pb.Snapshot(epoch=1, seq=0, dp_rank=0, block_hashes=part, final=start >= len(hashes))
+            snap = snapshot_to_proto(1, 0, 0, part, (), start >= len(hashes))
             await self.call.write(pb.AgentMessage(snapshot=snap).SerializeToString())
             if snap.final:
                 break
@@ -165,7 +166,7 @@ async def load_nodes(address: str, contents: dict[str, list[int]], parallel: int
 async def bench_lookup(address: str, queries: list[list[int]],
                        samples: int) -> tuple[list[float], list[float]]:
     async with AsyncCoordinatorClient(address, timeout=30) as client:
-        reqs = [pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=c)) for c in queries]
+        reqs = [pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=pack_u64(c))) for c in queries]
         resp = await client.lookup_raw(reqs[0])
         assert resp.num_blocks == CHAIN and resp.nodes and resp.nodes[0].matched_blocks == CHAIN, resp
         for i in range(min(200, samples)):  # warm up
@@ -216,7 +217,7 @@ def apply_rate(work: list[Batches]) -> float:
     for a, node in enumerate(work):
         nid = f"ingest-{a}"
         for batch in node:
-            index.apply_sync(INGEST_MODEL, nid, 0, batch)
+            index.apply_sync(INGEST_MODEL, nid, 0, ops_of(batch))
     return blocks_of(work) / (time.perf_counter() - t0)
 
 

@@ -48,20 +48,30 @@ A GPU hit is free; a CPU hit costs a PCIe copy (about a fifth of recomputing it 
 a storage hit costs a disk or network read, about half of recomputing it."""
 
 _MEDIUM_ALIASES: dict[str, Tier] = {
+    # vLLM and SGLang's names, and every name Dynamo's KV router maps (lib/kv-router: device, host_pinned,
+    # disk, external), so an event either indexer accepts lands on the same tier here.
+    "": Tier.GPU,
     "GPU": Tier.GPU,
     "CUDA": Tier.GPU,
     "DEVICE": Tier.GPU,
     "HBM": Tier.GPU,
     "CPU": Tier.CPU,
     "CPU_PINNED": Tier.CPU,
+    "CPU_TIER1": Tier.CPU,
     "HOST": Tier.CPU,
+    "HOST_PINNED": Tier.CPU,
     "DRAM": Tier.CPU,
     "STORAGE": Tier.STORAGE,
+    "CPU_TIER2": Tier.STORAGE,
     "DISK": Tier.STORAGE,
+    "NVME": Tier.STORAGE,
     "SSD": Tier.STORAGE,
     "LOCAL_FILE": Tier.STORAGE,
     "FILE": Tier.STORAGE,
+    "EXTERNAL": Tier.STORAGE,
+    "NETWORK": Tier.STORAGE,
     "REMOTE": Tier.STORAGE,
+    "SHARED": Tier.STORAGE,
 }
 
 

@@ -1,11 +1,21 @@
 """A node's load: one type from the engine's metrics through the agent, the coordinator and the client
-to the placement policy, named as vLLM's metrics and the wire name its fields."""
+to the placement policy, named as vLLM's metrics and the wire name its fields. Also the names of a
+node's trust, which travels the same way from the coordinator to the policies."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NodeLoad"]
+__all__ = ["APPROXIMATE", "DEGRADED", "EXACT", "RESYNCING", "TRUSTS", "NodeLoad"]
+
+EXACT = "exact"
+RESYNCING = "resyncing"
+DEGRADED = "degraded"
+APPROXIMATE = "approximate"
+TRUSTS = (EXACT, RESYNCING, DEGRADED, APPROXIMATE)
+"""A node's trust (the wire's ``trust``): how far lookups vouch for its entries. The coordinator
+computes it (``kvcoord.coordinator.registry.trust_state``), the placement policies weigh it.
+``approximate`` (a node without KV events) is on the wire but not computed yet."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""What a valid event is, once: the rules that turn engine events into index operations.
+"""What valid input is, once: the rules that turn engine events into index operations, the bounds a
+batch or node must stay within, and the identities (node ids, model names) clients may use.
 
 Every path into an index goes through here: the relay's mirror and the in-process index take
 :func:`ops_of` of decoded events, the coordinator takes :func:`kvcoord.wire.ops_from_proto` of the wire,
@@ -9,6 +10,7 @@ batch before anything changes. Errors are :class:`InvalidEvent` naming the event
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence
@@ -27,13 +29,19 @@ __all__ = [
     "Hashes",
     "InvalidEvent",
     "Op",
+    "OverLimit",
     "SnapshotEntry",
+    "check_batch_bounds",
+    "check_model",
+    "check_node_entries",
+    "check_node_id",
     "check_target",
     "group",
     "hashes64",
     "indexable_kind",
     "ops_of",
     "pack_u64",
+    "shown",
     "snapshot_columns",
     "snapshot_per_tier",
     "tier",
@@ -57,6 +65,14 @@ SnapshotEntry: TypeAlias = tuple[BlockHash64, Tier]
 
 class InvalidEvent(ValueError):
     """An event that cannot be applied (bad hash, unknown medium, wrong type). Nothing was applied."""
+
+
+class OverLimit(InvalidEvent):
+    """Valid input past a configured bound (``limit`` names the setting). Nothing was applied."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class Op(NamedTuple):
@@ -98,14 +114,79 @@ _MEDIUM_TIERS: dict[str | None, int] = {None: 0}
 """Media already normalised (bounded: known names only, at most 64)."""
 
 
+SHOWN_CHARS = 64
+"""Characters of an untrusted string that errors and logs echo (see :func:`shown`)."""
+
+
+def shown(value: object, limit: int = SHOWN_CHARS, *, quote: bool = True) -> str:
+    """An untrusted value as errors and log lines may echo it: ``repr`` (control characters, bidi
+    overrides and look-alikes escaped; without quotes when ``quote`` is false) cut to ``limit``
+    characters. A status trailer or log line built from a client's 100 KB node id stays short, and
+    cannot forge a line or hide what it says."""
+    if not isinstance(value, str):
+        text = ascii(value)
+        return text if len(text) <= limit else f"{text[:limit]}..."
+    text = ascii(value[:limit])
+    if not quote:
+        text = text[1:-1]
+    return text if len(value) <= limit else f"{text}... ({len(value)} chars)"
+
+
+NODE_ID_RULE = "1-253 ASCII letters, digits, '.', '_', ':' or '-', starting and ending with a letter or digit"
+MODEL_RULE = "1-256 ASCII letters, digits, '.', '_', ':', '-', '/', '@' or '+'"
+_NODE_ID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._:-]{0,251}[A-Za-z0-9])?")
+_MODEL = re.compile(r"[A-Za-z0-9._:/@+-]{1,256}")
+
+
+def check_node_id(node_id: object, where: str = "node_id") -> str:
+    """A node id as a client may name one: Kubernetes DNS-1123-label-like (plus ``.``, ``_``, ``:``
+    for host names, pod names and ``host:port``), so logs, dashboards and ``kvcoord nodes`` cannot
+    be made to show one node as another (NUL, trailing space, look-alike or right-to-left tricks)."""
+    if not isinstance(node_id, str) or _NODE_ID.fullmatch(node_id) is None:
+        raise InvalidEvent(f"{where} {shown(node_id)} is not a valid node id ({NODE_ID_RULE})")
+    return node_id
+
+
+def check_model(model: object, where: str = "model") -> str:
+    """A model name (``Qwen/Qwen3-0.6B``, ``/models/llama``, ``name@routing_group``): as node ids,
+    printable ASCII without spaces, and ``/``, ``@``, ``+`` as well."""
+    if not isinstance(model, str) or _MODEL.fullmatch(model) is None:
+        raise InvalidEvent(f"{where} {shown(model)} is not a valid model name ({MODEL_RULE})")
+    return model
+
+
+def check_batch_bounds(ops: Sequence[Op], held: int, *, max_hashes: int, max_entries: int) -> int:
+    """A validated batch against its bounds, before it is applied: at most ``max_hashes`` block hashes
+    over all its events, and a node holding ``held`` entries may not pass ``max_entries``. Returns
+    the entries it may add (an upper bound: a store of a held block adds none)."""
+    total = adds = 0
+    for op in ops:
+        n = len(op.hashes)
+        total += n
+        if op.kind == STORE and op.indexable:
+            adds += n
+    if total > max_hashes:
+        raise OverLimit("max_hashes_per_batch",
+                        f"{total} block hashes in one batch; max_hashes_per_batch is {max_hashes}")
+    check_node_entries(held + adds, max_entries)
+    return adds
+
+
+def check_node_entries(entries: int, max_entries: int) -> None:
+    """A node may hold at most ``max_entries`` entries (a batch's or snapshot's upper bound)."""
+    if entries > max_entries:
+        raise OverLimit("max_entries_per_node",
+                        f"the node would hold up to {entries} entries; max_entries_per_node is {max_entries}")
+
+
 def check_target(model: object, node_id: object, dp_rank: object) -> None:
     """The ``(model, node_id, dp_rank)`` an update or snapshot is for."""
     if not isinstance(model, str):
         raise InvalidEvent(f"model must be a string, not {type(model).__name__}")
     if not isinstance(node_id, str) or not node_id:
-        raise InvalidEvent(f"node_id must be a non-empty string, not {node_id!r}")
+        raise InvalidEvent(f"node_id must be a non-empty string, not {shown(node_id)}")
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
-        raise InvalidEvent(f"dp_rank must be a non-negative int, not {dp_rank!r}")
+        raise InvalidEvent(f"dp_rank must be a non-negative int, not {shown(dp_rank)}")
 
 
 def hashes64(raw: object, where: str) -> Hashes:

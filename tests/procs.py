@@ -44,6 +44,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A port ``p`` with ``p + 1`` free too (an engine's ZMQ PUB and replay)."""
+    while True:
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+
+
 def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 15.0) -> None:
     """Block until something accepts on ``host:port``; raise TimeoutError otherwise."""
     deadline = time.monotonic() + timeout

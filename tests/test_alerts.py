@@ -1,13 +1,16 @@
 """The alert rules fire and the dashboard shows data, checked against a real Prometheus.
 
-The end-to-end test starts a real ``prometheus`` that scrapes two real ``kvcoord serve`` processes every
-second and evaluates deploy/prometheus/alerts.yml with only the ``for:`` durations shortened. Then it
-causes each rule's condition for real: an engine whose hashes do not verify, events with an old engine
-timestamp, a node that stops heart-beating, an invalid batch, a killed redis-server, a stopped
-coordinator. It waits for Prometheus to report each alert ``firing``, and runs every Grafana panel query
-against the same Prometheus. The fast tests check that every labelled counter the alerts and panels
-read exists at 0 before its first increment; without that, ``rate()`` and ``increase()`` see no
-increase and an alert on a first event never fires.
+The end-to-end test starts a real ``prometheus`` that scrapes two real ``kvcoord serve`` processes and a
+real ``kvcoord route`` every second and evaluates deploy/prometheus/alerts.yml with only the ``for:``
+durations shortened. Then it causes each rule's condition for real: an engine whose hashes do not verify,
+events with an old engine timestamp, a node that stops heart-beating, an invalid batch, a killed
+redis-server, a stopped coordinator; and for the router, two sim-engines whose agents announce each
+other's ``--serving-url`` (swapped sidecar flags: the index is right about which engine holds a prefix, but
+the router sends the request to the other one, whose cache is cold, so achieved falls far below
+predicted) and a router left without its coordinator. It waits for Prometheus to report each alert
+``firing``, and runs every Grafana panel query against the same Prometheus. The fast tests check that
+every labelled counter the alerts and panels read exists at 0 before its first increment; without that,
+``rate()`` and ``increase()`` see no increase and an alert on a first event never fires.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import grpc
 import pytest
 import yaml
@@ -250,16 +255,17 @@ def shortened_rules(dest: Path) -> list[dict[str, Any]]:
     return rules
 
 
-def scrape_config(dest: Path, targets: Sequence[str]) -> str:
-    """The shipped prometheus.yml with 1s intervals and the test's targets; returns the job name.
-    Its rule_files stay as shipped: relative, so they resolve next to ``dest``."""
+def scrape_config(dest: Path, coordinators: Sequence[str], routers: Sequence[str]) -> tuple[str, str]:
+    """The shipped prometheus.yml with 1s intervals and the test's targets; returns the job names
+    (coordinators, routers). Its rule_files stay as shipped: relative, so they resolve next to ``dest``."""
     cfg = yaml.safe_load((DEPLOY_PROMETHEUS / "prometheus.yml").read_text())
     cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    (job,) = cfg["scrape_configs"]
-    job["static_configs"] = [{"targets": list(targets)}]
+    coord_job, route_job = cfg["scrape_configs"]
+    coord_job["static_configs"] = [{"targets": list(coordinators)}]
+    route_job["static_configs"] = [{"targets": list(routers)}]
     assert cfg["rule_files"] == ["alerts.yml"], cfg["rule_files"]
     dest.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return str(job["job_name"])
+    return str(coord_job["job_name"]), str(route_job["job_name"])
 
 
 # --- Grafana panel queries -------------------------------------------------------------------------
@@ -436,12 +442,119 @@ def serve_cmd(grpc_port: int, metrics_port: int, *extra: str) -> list[str]:
                        "--metrics-listen", f"127.0.0.1:{metrics_port}", *extra)
 
 
+# --- a router in front of two sim-engines whose agents announce each other's URL -------------------
+SIM_MODEL = "sim-model"
+SIM_BLOCK = 8
+SIM_HASHING = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(SIM_BLOCK))
+SIM_SPEC = f"{SIM_MODEL},algo=sha256_cbor,block_size={SIM_BLOCK},seed=0"
+"""The main coordinator's profile for the sim-engines (a tokenizer= is added: engine-1's /tokenize)."""
+
+
+@dataclass
+class SimNode:
+    node: str
+    http: int
+    pub: int
+    replay: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+
+def sim_engine_cmd(n: SimNode) -> list[str]:
+    """A sim-engine serving HTTP only (no synthetic workload) and publishing its KV events."""
+    return kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{n.pub}",
+                       "--replay-bind", f"tcp://127.0.0.1:{n.replay}", "--model", SIM_MODEL, *SIM_HASHING,
+                       "--http-listen", f"127.0.0.1:{n.http}", "--rate", "0", "--requests", "0",
+                       "--num-blocks", "4096")
+
+
+def agent_cmd(coordinator: str, n: SimNode, serving: SimNode) -> list[str]:
+    """An agent relaying ``n``'s KV events and announcing ``serving``'s URL: the other engine's, in the
+    test (two sidecars given each other's --serving-url)."""
+    return kvcoord_cmd("agent", "--coordinator", coordinator, "--node-id", n.node, "--model", SIM_MODEL,
+                       "--zmq-endpoint", f"tcp://127.0.0.1:{n.pub}",
+                       "--replay-endpoint", f"tcp://127.0.0.1:{n.replay}", "--serving-url", serving.url)
+
+
+class Chats:
+    """Chat requests through ``kvcoord route``, each with a system prompt of its own (~170 tokens)."""
+
+    def __init__(self, route: str, coordinator: str) -> None:
+        self.route, self.coordinator = route, coordinator
+        self.running = True
+        self.statuses: dict[int, int] = {}
+
+    @staticmethod
+    def messages(i: int) -> list[dict[str, str]]:
+        system = f"prompt-{i} " + " ".join(f"rule-{i}-{k}" for k in range(160))
+        return [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]
+
+    async def _post(self, s: aiohttp.ClientSession, i: int) -> None:
+        body = {"model": SIM_MODEL, "messages": self.messages(i), "max_tokens": 2}
+        async with s.post(f"{self.route}/v1/chat/completions", json=body) as resp:
+            await resp.read()
+            self.statuses[resp.status] = self.statuses.get(resp.status, 0) + 1
+
+    async def pairs(self, limit: int = 50) -> None:
+        """Each prompt twice: the second once the coordinator's index holds the first one's blocks, so the
+        router places it on the node whose events reported them (and, with swapped URLs, reaches the
+        other, cold engine)."""
+        async with aiohttp.ClientSession() as s, grpc.aio.insecure_channel(self.coordinator) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            for i in range(limit):
+                if not self.running:
+                    return
+                await self._post(s, i)
+                query = pb.LookupRequest(model=SIM_MODEL, prompt=pb.PromptQuery(
+                    messages_json=json.dumps(self.messages(i))))
+                while self.running:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        if any(n.matched_blocks > 0 for n in (await stub.Lookup(query, timeout=30)).nodes):
+                            break
+                    await asyncio.sleep(0.05)
+                await self._post(s, i)
+
+    async def steady(self, first: int) -> None:
+        """One new prompt after another until stopped."""
+        async with aiohttp.ClientSession() as s:
+            i = first
+            while self.running:
+                with contextlib.suppress(aiohttp.ClientError):
+                    await self._post(s, i)
+                i += 1
+                await asyncio.sleep(0.1)  # pacing the traffic, not waiting for anything
+
+
+def route_backends(address: str) -> dict[str, str]:
+    """The router's node -> URL map (its /health), empty while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=5) as resp:
+            return dict(json.load(resp).get("backends", {}))
+    except OSError:
+        return {}
+
+
+def route_quality(address: str) -> str:
+    """The router's placement and decision-quality counters, for a failure message."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError as exc:
+        return f"router /metrics: {exc}"
+    keep = ("_tokens_total", "hit_outcomes_total", "placements_total", "degraded_total", "retries_total")
+    return "\n".join(line for line in text.splitlines()
+                     if line.startswith("kvcoord_route_") and any(k in line for k in keep))
+
+
 # --- the end-to-end test ---------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
     """Two coordinators (the Redis-backed one of compose and k8s, and an in-memory one with a 1s lease),
-    one Prometheus running the shipped rules; every rule is made to fire by its real cause."""
+    a router in front of two sim-engines on the first, one Prometheus running the shipped rules; every
+    rule is made to fire by its real cause."""
     if PROMETHEUS_BIN is None:
         pytest.skip("prometheus is not installed (apt-get install prometheus)")
     if shutil.which(REDIS_SERVER) is None:
@@ -458,11 +571,13 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
     rules_dir.mkdir()
     rules = shortened_rules(rules_dir / "alerts.yml")
     ports: set[int] = set()
-    while len(ports) < 5:  # free_port() may hand out a port twice in a row
+    while len(ports) < 13:  # free_port() may hand out a port twice in a row
         ports.add(free_port())
-    main_g, main_m, lease_g, lease_m, prom_port = sorted(ports)
+    main_g, main_m, lease_g, lease_m, prom_port, route_port, dead_port, *sim = sorted(ports)
     main_inst, lease_inst = f"127.0.0.1:{main_m}", f"127.0.0.1:{lease_m}"
-    job = scrape_config(rules_dir / "prometheus.yml", [main_inst, lease_inst])
+    route_inst = f"127.0.0.1:{route_port}"
+    job, route_job = scrape_config(rules_dir / "prometheus.yml", [main_inst, lease_inst], [route_inst])
+    sims = [SimNode(f"node-{i}", *sim[3 * i:3 * i + 3]) for i in range(2)]
 
     # alert -> (phase that causes it, labels it must carry)
     expect: dict[str, tuple[str, dict[str, str]]] = {
@@ -473,20 +588,26 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
         "KvcoordEventsRejected": ("traffic", {"reason": "unknown_dp_rank"}),
         "KvcoordIndexBackendDown": ("redis_down", {"instance": main_inst, "backend": "redis"}),
         "KvcoordCoordinatorDown": ("coordinator_down", {"instance": main_inst, "job": job}),
+        "KvcoordRouteAchievedBelowPredicted": ("traffic", {"instance": route_inst, "job": route_job}),
+        "KvcoordRouteDegraded": ("coordinator_down", {"instance": route_inst, "job": route_job}),
     }
     assert set(expect) == {r["alert"] for r in rules}, "every rule in alerts.yml needs a cause here"
-    logs = {name: tmp_path / f"{name}.log" for name in ("main", "lease", "prometheus")}
+    names = ("main", "lease", "prometheus", "route", *(n.node for n in sims),
+             *(f"agent-{n.node}" for n in sims))
+    logs = {name: tmp_path / f"{name}.log" for name in names}
     fired: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         redis = stack.enter_context(redis_server())
         main = stack.enter_context(running(serve_cmd(
             main_g, main_m, "--index", redis.url, "--lease-seconds", "60",
             "--model", f"{MODEL},algo={PROFILE.algo},block_size={PROFILE.block_size},seed=42",
+            "--model", f"{SIM_SPEC},tokenizer={sims[0].url}",
         ), log=logs["main"]))  # fmt: skip
         stack.enter_context(running(serve_cmd(lease_g, lease_m, "--lease-seconds", "1"), log=logs["lease"]))
         try:
             for port in (main_g, main_m, lease_g, lease_m):
                 wait_for_port(port, timeout=60)
+            main_addr, lease_addr = f"127.0.0.1:{main_g}", f"127.0.0.1:{lease_g}"
             stack.enter_context(running([
                 PROMETHEUS_BIN, f"--config.file={rules_dir / 'prometheus.yml'}",
                 f"--storage.tsdb.path={tmp_path / 'prometheus-data'}",
@@ -507,7 +628,7 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
 
                 wait_until(all_firing, f"{names} to fire", lambda: (
                     f"not firing: {sorted(set(names) - set(fired))}\nalerts: "
-                    f"{json.dumps(prom.alerts(), indent=1)}\n{agents}"))
+                    f"{json.dumps(prom.alerts(), indent=1)}\n{agents}\n{route_quality(route_inst)}"))
                 for n in names:  # fired because of this phase's cause, not before it
                     assert _ts(fired[n]["activeAt"]) >= since - SLOP, (n, fired[n], since)
 
@@ -518,7 +639,8 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
                        == {main_inst, lease_inst}, "both coordinators scraped")  # fmt: skip
             scraped = time.time()
             zero = prom.query(f'kvcoord_hash_mismatches_total{{instance="{main_inst}"}}')
-            assert [(r["metric"]["model"], r["value"][1]) for r in zero] == [(MODEL, "0")], zero
+            got = sorted((r["metric"]["model"], r["value"][1]) for r in zero)
+            assert got == [(MODEL, "0"), (SIM_MODEL, "0")], zero
             for name, labels in (("kvcoord_events_rejected_total", ("type", "reason")),
                                  ("kvcoord_batches_total", ("outcome",)),
                                  ("kvcoord_snapshots_requested_total", ("reason",)),
@@ -528,14 +650,37 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
                 assert len({tuple(r["metric"][k] for k in labels) for r in result}) == len(result)
             wait_until(lambda: prom.last_evaluation() >= scraped, "a rule evaluation over the first scrapes")
             early = {a["labels"]["alertname"] for a in prom.alerts()} & {
-                n for n, (p, _) in expect.items() if p == "traffic"}
+                "KvcoordRouteDegraded", *(n for n, (p, _) in expect.items() if p == "traffic")}
             assert not early, f"active before their cause: {early}"
+
+            # The router's fleet: two sim-engines, their agents (each announcing the other's URL), the
+            # router; scraped, its counters at 0.
+            for n in sims:
+                stack.enter_context(running(sim_engine_cmd(n), log=logs[n.node]))
+            for n, other in zip(sims, sims[::-1], strict=True):
+                wait_for_port(n.http, timeout=60)
+                stack.enter_context(running(agent_cmd(main_addr, n, other), log=logs[f"agent-{n.node}"]))
+            # A static backend nobody listens on: picked once, it costs a retry and a backend failure.
+            stack.enter_context(running(kvcoord_cmd(
+                "route", "--coordinator", main_addr, "--listen", route_inst, "--model", SIM_MODEL,
+                "--deadline-ms", "2000", "--refresh-interval", "0.5", "--seed", "7",
+                "--backend", f"node-dead=http://127.0.0.1:{dead_port}",
+            ), log=logs["route"]))  # fmt: skip
+            wait_for_port(route_port, timeout=60)
+            wait_until(lambda: prom.query(f'up{{job="{route_job}"}} == 1'), "the router scraped")
+            wait_until(lambda: {n.node for n in sims} <= set(route_backends(route_inst)),
+                       "the router to learn both engines' URLs from the coordinator",
+                       lambda: route_backends(route_inst))
+            for name in ("kvcoord_route_predicted_tokens_total", "kvcoord_route_achieved_tokens_total",
+                         "kvcoord_route_degraded_total", "kvcoord_route_degraded_mode"):
+                result = prom.query(f'{name}{{instance="{route_inst}"}}')
+                assert result and {r["value"][1] for r in result} == {"0"}, (name, result)
 
             # 2. Traffic: a healthy engine and routers looking its prompt up; an engine started without
             #    PYTHONHASHSEED; one whose events arrive two minutes late; one that sends a batch for a dp
-            #    rank it never announced; on the other coordinator, a node that leaves without a word.
+            #    rank it never announced; on the other coordinator, a node that leaves without a word; chats
+            #    through the router, whose nodes' agents announce each other's engine.
             since = time.time()
-            main_addr, lease_addr = f"127.0.0.1:{main_g}", f"127.0.0.1:{lease_g}"
             good = Agent(main_addr, "engine-good", MODEL)
             unseeded = Agent(main_addr, "engine-unseeded", MODEL)
             late = Agent(main_addr, "engine-late", MODEL)
@@ -549,6 +694,8 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             bg.submit(leaving.run([batch(1, [chain(tokens[:32], good_hashes[:2])])], leave=True))
             router = Router(main_addr)
             bg.submit(router.run(tokens, good_hashes))
+            chats = Chats(f"http://{route_inst}", main_addr)
+            chatting = bg.submit(chats.pairs())
             wait_firing("traffic", since)
             # The Hello alone made the lease coordinator export its (unconfigured) model's counter, at 0.
             hello_made = prom.query(f'kvcoord_hash_mismatches_total{{instance="{lease_inst}"}}')
@@ -560,7 +707,9 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             wait_until(lambda: router.answered >= 10, "lookups answered", lambda: router.answered)
             wait_until(lambda: not panel_problems(prom), "every dashboard panel to return data",
                        lambda: "\n".join(panel_problems(prom)))
-            router.running = False
+            router.running = chats.running = False
+            chatting.result(timeout=DEADLINE)
+            assert set(chats.statuses) == {200}, chats.statuses  # the dead backend's requests were retried
 
             # 4. The index backend dies.
             since = time.time()
@@ -570,7 +719,12 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             # 5. The coordinator stops.
             since = time.time()
             stop(main)
+            degraded = Chats(f"http://{route_inst}", main_addr)
+            bg.submit(degraded.steady(first=1000))
             wait_firing("coordinator_down", since)
+            wait_until(lambda: degraded.statuses.get(200), "a degraded request answered",  # least-loaded
+                       lambda: degraded.statuses)
+            degraded.running = False
 
             for r in prom.rules():  # no rule failed to evaluate
                 assert r["health"] == "ok", r

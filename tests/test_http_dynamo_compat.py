@@ -555,15 +555,15 @@ async def test_same_events_same_answers(tmp_path: Path) -> None:
 
 MEDIA: dict[str | None, tuple[str, ...]] = {
     # medium: the tier a block lands on in both (Dynamo's names), none if both drop it.
-    None: ("gpu",), "GPU": ("gpu",), "DEVICE": ("gpu",), "CPU": ("cpu",), "CPU_PINNED": ("cpu",),
-    "DISK": ("disk",), "STORAGE": ("disk",), "REMOTE": ("disk",),
+    None: ("gpu",), "": ("gpu",), "GPU": ("gpu",), "DEVICE": ("gpu",), "CPU": ("cpu",),
+    "CPU_PINNED": ("cpu",), "CPU_TIER1": ("cpu",), "DISK": ("disk",), "STORAGE": ("disk",),
+    "REMOTE": ("disk",), "CPU_TIER2": ("disk",), "NVME": ("disk",), "EXTERNAL": ("disk",),
+    "NETWORK": ("disk",), "SHARED": ("disk",),
 }
 KNOWN_MEDIA: dict[str | None, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    # KNOWN (kvcoord's event decoding, kvcoord/events.py + kvcoord/engine/relay.py, not the HTTP layer):
-    # medium: (Dynamo's tier, kvcoord's). kvcoord refuses media Dynamo takes (and then treats the whole
-    # batch as lost: it clears the rank's blocks), and takes names Dynamo drops.
-    "": (("gpu",), ()), "CPU_TIER2": (("disk",), ()), "NVME": (("disk",), ()), "EXTERNAL": (("disk",), ()),
-    "gpu": ((), ("gpu",)), "SSD": ((), ("disk",)), "HOST": ((), ("cpu",)),
+    # Deliberate (kvcoord/events.py _MEDIUM_ALIASES): medium: (Dynamo's tier, kvcoord's). kvcoord takes
+    # every name Dynamo takes, and also vLLM/SGLang spellings that Dynamo silently drops.
+    "gpu": ((), ("gpu",)), "SSD": ((), ("disk",)), "HOST": ((), ("cpu",)), "HOST_PINNED": ((), ("cpu",)),
 }
 
 

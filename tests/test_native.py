@@ -704,23 +704,75 @@ def _json_ints_case(rng: random.Random) -> bytes:
     return bytes(data)
 
 
+def _take(data: bytes, kind: str) -> bytes | None:
+    """The array parser through json_take_ints: ``data`` as the value of a one-member object."""
+    assert native is not None
+    taken = native.json_take_ints(b'{"ids":' + data + b"}", "ids", kind)
+    return taken[0] if taken is not None else None
+
+
+class _Body(msgspec.Struct):
+    ids: _U32_LIST | None = None
+    model_name: str = ""
+    other: Any = None
+    flag: bool = False
+
+
+def _json_body_case(rng: random.Random) -> bytes:
+    """An object holding an id array among other members: escaped strings, nesting, literals, numbers,
+    repeated or escaped keys, odd whitespace, trailing bytes; sometimes corrupted."""
+    ws = ["", " ", "\n", "\t"]
+    members = [("ids", None), ("model_name", '"m\\"x\\u00e9"'), ("other", rng.choice(
+        ['{"a": [1, {"b": "}]"}], "c": null}', "[[[]]]", "-1.5e3", "true", "NaN", '"x', "[1,]", "{}"])),
+        ("flag", rng.choice(["false", "true", "1", "nul"]))]
+    rng.shuffle(members)
+    if rng.random() < 0.1:
+        members.append(rng.choice([("ids", "[1]"), ("model_name", '"n"'), ("i\\u0064s", "[2]")]))
+    parts = []
+    for key, value in members:
+        if value is None:
+            if rng.random() < 0.1:
+                continue  # no ids at all
+            value = _json_ints_case(rng).decode("latin-1")
+        parts.append(f'{rng.choice(ws)}"{key}"{rng.choice(ws)}:{rng.choice(ws)}{value}')
+    text = "{" + ",".join(parts) + rng.choice(ws) + "}" + rng.choice(["", " ", "\n", " trailing"])
+    return text.encode("latin-1")
+
+
 def fuzz_json_ints(rng: random.Random, steps: int) -> None:
-    """json_int_array claims an input only when msgspec decodes it to the same values; it always claims a
-    plainly written valid array (or the fast path would be dead)."""
+    """The id array is claimed only when msgspec decodes it to the same values, and the rest of the object
+    handed back decodes (when it does) to what msgspec makes of the whole body; a plainly written valid
+    body is always claimed (or the fast path would be dead)."""
     assert native is not None
     for _ in range(steps):
         kind = rng.choice("IQ")
         data = _json_ints_case(rng)
-        got = native.json_int_array(memoryview(data) if rng.random() < 0.3 else data, kind)
+        got = _take(data, kind)
         want = _json_ints_oracle(data, kind)
         if got is not None:
             assert want is not None, data
             assert list(memoryview(got).cast(kind)) == want, data
+        body = _json_body_case(rng)
+        taken = native.json_take_ints(memoryview(body) if rng.random() < 0.3 else body, "ids", "I")
+        if taken is None:
+            continue
+        packed, rest = taken
+        try:
+            fast = msgspec.json.decode(rest, type=_Body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue  # the server then decodes the whole body the typed way
+        whole = msgspec.json.decode(body[:body.rindex(b"}") + 1], type=_Body)  # what the slow path decodes
+        ids = list(memoryview(packed).cast("I")) if packed is not None else None
+        assert (ids, fast.model_name, fast.other, fast.flag) == (whole.ids, whole.model_name, whole.other,
+                                                                 whole.flag), body
     for _ in range(steps // 4 + 1):
         limit = 2**32 if rng.random() < 0.5 else 2**63
         plain = [rng.randrange(limit) for _ in range(rng.randrange(20))]
-        got = native.json_int_array(json.dumps(plain).encode(), "I" if limit == 2**32 else "Q")
-        assert got is not None and list(memoryview(got).cast("I" if limit == 2**32 else "Q")) == plain
+        body = json.dumps({"model_name": "m", "ids": plain, "x": {"y": [1, "]"]}}).encode()
+        taken = native.json_take_ints(body, "ids", "I" if limit == 2**32 else "Q")
+        assert taken is not None and taken[0] is not None
+        assert list(memoryview(taken[0]).cast("I" if limit == 2**32 else "Q")) == plain
+        assert msgspec.json.decode(taken[1]) == {"model_name": "m", "ids": None, "x": {"y": [1, "]"]}}
 
 
 @pytest.mark.skipif(native is None, reason="needs the C extension")
@@ -728,13 +780,16 @@ def test_json_int_arrays_are_msgspecs() -> None:
     fuzz_json_ints(random.Random(13), 3000)
     assert native is not None
     bad_inputs = (b"", b"[", b"[1,]", b"[,1]", b"[01]", b"[1 2]", b"[1]x", b"[-1]", b"{}", b"[1e3]",
-                  b"[4294967296]")
+                  b"[4294967296]", b"[1] [2]")
     for bad in bad_inputs:
-        assert native.json_int_array(bad, "I") is None, bad
-    assert native.json_int_array(b" [ -9223372036854775808 , 18446744073709551615 ] ", "Q") == (
+        assert _take(bad, "I") is None, bad
+    assert _take(b" [ -9223372036854775808 , 18446744073709551615 ] ", "Q") == (
         array("Q", [2**63, 2**64 - 1]).tobytes())
+    for body in (b'{"ids":[1],"ids":[2]}', b'{"i\\u0064s":[1]}', b"[1]", b'{"ids":[1]', b'{"ids":[1],}'):
+        assert native.json_take_ints(body, "ids", "I") is None, body
+    assert native.json_take_ints(b'{"a":1}', "ids", "I") == (None, b'{"a":1}')
     with pytest.raises(ValueError, match="kind"):
-        native.json_int_array(b"[1]", "q")
+        native.json_take_ints(b"{}", "ids", "q")
 
 
 FUZZERS: dict[str, Callable[[random.Random, int], None]] = {

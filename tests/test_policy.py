@@ -8,6 +8,7 @@ from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeMatch
 from kvcoord.load import NodeLoad
+from kvcoord.router.answer import LookupResult
 from kvcoord.router.policy import (
     POLICY_NAMES,
     ApproximatePolicy,
@@ -22,6 +23,7 @@ from kvcoord.router.policy import (
     RouteRequest,
     candidates_from_matches,
     make_policy,
+    place,
 )
 
 BS = 16
@@ -315,3 +317,50 @@ def test_placement_memory_keeps_checkpoints_in_a_bounded_lru() -> None:
     assert PlacementMemory(capacity=0).recall(hashes((100, 10))) is None
     with pytest.raises(ValueError, match="affinity"):
         PrefixAwarePolicy(affinity_stride=0)
+
+
+# --- degraded nodes (trust) ----------------------------------------------------------------------
+def _degraded_pair(exact_blocks: int = 30) -> list[Candidate]:
+    """n0 degraded with 40 leading blocks, n1 exact with ``exact_blocks``; equal (idle) loads."""
+    return [Candidate("n0", 0, 40, (), NodeLoad(), trust="degraded"),
+            Candidate("n1", 0, exact_blocks, (), NodeLoad())]
+
+
+def test_degraded_trust_counts_its_matches_as_exact() -> None:
+    d = PrefixAwarePolicy(seed=1, degraded="trust").choose(req(64 * BS), _degraded_pair())
+    assert d.node_id == "n0" and d.matched_blocks == 40
+    assert "n0 is degraded (its hashes failed verification), its blocks counted at 1" in d.why
+
+
+def test_degraded_discount_is_the_default_and_halves_its_blocks() -> None:
+    p = PrefixAwarePolicy(seed=1)
+    assert p.degraded == "discount" and p.degraded_weight == 0.5
+    d = p.choose(req(64 * BS), _degraded_pair())
+    assert d.node_id == "n1"  # 40 * 0.5 = 20 < 30
+    assert "best holder n0 (40 blocks) is degraded, its blocks counted at 0.5" in d.why
+    # Still preferred when its discounted hit beats the exact node's.
+    d = p.choose(req(64 * BS), _degraded_pair(exact_blocks=10))
+    assert d.node_id == "n0" and "n0 is degraded" in d.why
+    assert p.saved_tokens(req(64 * BS), _degraded_pair()[0]) == 20 * BS
+
+
+def test_degraded_ignore_holds_nothing_but_stays_a_candidate() -> None:
+    p = PrefixAwarePolicy(seed=1, degraded="ignore")
+    assert p.choose(req(64 * BS), _degraded_pair(exact_blocks=1)).node_id == "n1"
+    busy = [Candidate("n0", 0, 40, (), NodeLoad(), trust="degraded"),
+            Candidate("n1", 0, 0, (), NodeLoad(running_requests=3))]
+    d = p.choose(req(64 * BS), busy)
+    assert d.node_id == "n0" and d.matched_blocks == 0  # chosen on load alone
+    assert "replicating" not in d.why
+
+
+def test_place_takes_the_degraded_option_for_its_default_policy() -> None:
+    answer = LookupResult("m", BS, 64, _degraded_pair(), 64 * BS)
+    assert place(answer).node_id == "n1"
+    assert place(answer, degraded="trust").node_id == "n0"
+    with pytest.raises(ValueError, match="give it to the policy"):
+        place(answer, PrefixAwarePolicy(), degraded="trust")
+    with pytest.raises(ValueError, match="degraded must be one of"):
+        PrefixAwarePolicy(degraded="maybe")
+    with pytest.raises(ValueError, match="degraded_weight"):
+        PrefixAwarePolicy(degraded_weight=2.0)

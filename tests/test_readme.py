@@ -49,21 +49,36 @@ def _lookup(out: str) -> dict[str, Any]:
     return answer
 
 
+def _run_router_snippet(coordinator: str, prompt_file: Path) -> Any:
+    """The README's Python router snippet, run against the quick start's coordinator and model."""
+    text = README.read_text()
+    start = text.index("```python\n", text.index("Routers query it")) + len("```python\n")
+    code = text[start : text.index("```", start)]
+    assert '"coord:50051"' in code and '"Qwen/Qwen3-0.6B"' in code, code
+    code = code.replace('"coord:50051"', repr(coordinator)).replace('"Qwen/Qwen3-0.6B"', '"demo"')
+    scope: dict[str, Any] = {"prompt_token_ids": json.loads(prompt_file.read_text())}
+    exec(compile(code, "README.md", "exec"), scope)
+    return scope["decision"]
+
+
 @pytest.mark.slow
 def test_quick_start_ends_in_a_hit(tmp_path: Path) -> None:
     commands = shell_block("## Quick start")
     assert commands[0] == "pip install .", commands  # done: the suite runs on the installed package
-    grpc, metrics, pub, replay = free_port(), free_port(), free_port(), free_port()
-    swaps = {"127.0.0.1:50051": f"127.0.0.1:{grpc}", ":5557": f":{pub}", ":5558": f":{replay}"}
+    grpc, metrics, http, pub, replay = free_port(), free_port(), free_port(), free_port(), free_port()
+    swaps = {"127.0.0.1:50051": f"127.0.0.1:{grpc}", "127.0.0.1:8090": f"127.0.0.1:{http}",
+             ":5557": f":{pub}", ":5558": f":{replay}"}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-               KVCOORD_LISTEN=f"127.0.0.1:{grpc}", KVCOORD_METRICS_LISTEN=f"127.0.0.1:{metrics}")
+               KVCOORD_LISTEN=f"127.0.0.1:{grpc}", KVCOORD_METRICS_LISTEN=f"127.0.0.1:{metrics}",
+               KVCOORD_HTTP_LISTEN=f"127.0.0.1:{http}")
     background = [c for c in commands[1:] if c.endswith("&")]
     foreground = [c for c in commands[1:] if not c.endswith("&")]
     assert [c.split()[:3] for c in background] == [
         ["kvcoord", "serve", "--model"], ["PYTHONHASHSEED=42", "kvcoord", "sim-engine"],
         ["PYTHONHASHSEED=42", "kvcoord", "agent"]]
     assert any("--tokens-file" in c for c in foreground) and any("--hashes" in c for c in foreground)
+    assert any(c.startswith("curl -s 127.0.0.1:8090/query") for c in foreground)
 
     def swapped(command: str) -> str:
         for old, new in swaps.items():
@@ -81,9 +96,10 @@ def test_quick_start_ends_in_a_hit(tmp_path: Path) -> None:
             outputs = [subprocess.run(["bash", "-c", swapped(c)], env=env, cwd=tmp_path, capture_output=True,
                                       text=True, timeout=60) for c in foreground]
             lookups = [_lookup(o.stdout) for c, o in zip(foreground, outputs, strict=True)
-                       if c.startswith("kvcoord lookup") and o.returncode == 0 and o.stdout]
-            hits = [lk for lk in lookups if lk["nodes"] and lk["nodes"][0]["node_id"] == "node-a"]
-            if len(hits) == 2 and all(o.returncode == 0 for o in outputs):
+                       if c.startswith(("kvcoord lookup", "curl")) and o.returncode == 0 and o.stdout]
+            hits = [lk for lk in lookups if lk.get("nodes") and lk["nodes"][0]["node_id"] == "node-a"]
+            if len(hits) == 3 and all(o.returncode == 0 for o in outputs):
+                placed = _run_router_snippet(f"127.0.0.1:{grpc}", tmp_path / "prompt.json")
                 break
             if time.monotonic() > deadline:
                 said = [(o.returncode, o.stdout, o.stderr) for o in outputs]
@@ -92,7 +108,9 @@ def test_quick_start_ends_in_a_hit(tmp_path: Path) -> None:
             time.sleep(0.5)
     stats = json.loads(outputs[[c.startswith("kvcoord stats") for c in foreground].index(True)].stdout)
     assert [n["node_id"] for n in stats["nodes"]] == ["node-a"] and stats["entries"] > 0
-    for answer in hits:  # (the engine rewrites prompt.json as it serves: the two may be different prompts)
+    assert placed.node_id == "node-a" and placed.matched_blocks > 0, placed
+    assert hits[2]["scores"]["node-a"]["0"] == hits[2]["nodes"][0]["matched_blocks"] * 16  # Dynamo's: tokens
+    for answer in hits:  # (the engine rewrites prompt.json as it serves: they may be different prompts)
         assert answer["model"] == "demo" and answer["block_size"] == 16 and answer["num_blocks"] > 0
         assert 0 < answer["nodes"][0]["matched_blocks"] <= answer["num_blocks"]
         assert answer["nodes"][0]["tiers"]["GPU"] == answer["nodes"][0]["matched_blocks"]

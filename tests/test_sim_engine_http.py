@@ -23,7 +23,7 @@ from kvcoord.agent.engine_metrics import parse_engine_load
 from kvcoord.load import NodeLoad
 from kvcoord.sim import toktok
 from kvcoord.sim.engine import PromptSource
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 
 MODEL = "sim-model"
 BLOCK = 8
@@ -38,22 +38,10 @@ def _engine_cmd(http: int, pub: int, *extra: str) -> list[str]:
                        "--http-listen", f"127.0.0.1:{http}", *extra)
 
 
-def _free_pair() -> int:
-    """A port ``p`` with ``p + 1`` free too (PUB and replay)."""
-    while True:
-        p = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + 1))
-            except OSError:
-                continue
-        return p
-
-
 @contextlib.contextmanager
 def _http_engine(tmp_path: Path, *extra: str, name: str = "engine") -> Iterator[tuple[str, int, Any]]:
     """A sim-engine serving HTTP only (``--rate 0 --requests 0``), unless ``extra`` says otherwise."""
-    http, pub = free_port(), _free_pair()
+    http, pub = free_port(), free_port_pair()
     flags = extra if "--rate" in extra else ("--rate", "0", "--requests", "0", *extra)
     with running(_engine_cmd(http, pub, *flags), log=tmp_path / f"{name}.log") as proc:
         wait_for_port(http, timeout=30)
@@ -231,7 +219,7 @@ def test_http_port_in_use_is_one_line_and_publishes_nothing(tmp_path: Path) -> N
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen(1)
-    pub = _free_pair()
+    pub = free_port_pair()
     state = tmp_path / "state.json"
     try:
         out = subprocess.run(_engine_cmd(held.getsockname()[1], pub, "--state-file", str(state)),
@@ -380,7 +368,7 @@ async def test_agent_carries_engine_load_into_lookups_and_stats(tmp_path: Path) 
 def test_agent_scrape_failures_are_counted_logged_once_and_recover(tmp_path: Path) -> None:
     """No engine on the metrics URL: the agent keeps relaying, says why in its stats file (load unknown,
     zeros), logs the outage once; when the engine comes up, scrapes succeed again."""
-    http, pub, gport = free_port(), _free_pair(), free_port()
+    http, pub, gport = free_port(), free_port_pair(), free_port()
     stats = tmp_path / "agent-stats.json"
     log = tmp_path / "agent.log"
 

@@ -2,7 +2,7 @@
  *
  * One file per hot path, each with a pure-Python twin that is the fallback and the tests' oracle:
  *   hashchain.c  vLLM's block-hash chains (kvcoord.hashing): cbor_chain, pickle_chain, C_DIGESTS
- *   jsonints.c   JSON integer arrays to packed integers (kvcoord.coordinator.httpapi): json_int_array
+ *   jsonints.c   JSON integer arrays to packed integers (kvcoord.coordinator.httpapi): json_take_ints
  *   table.c      the memory index's block table (kvcoord.index.memory): Table, validate_u64_seq, u64_view
  *   walk.c       the Redis lookup mirror's holder walk (kvcoord.index.redis.mirror): mirror_walk
  *   module.c     PyInit__native, which adds each file's functions and types

@@ -18,7 +18,8 @@ from kvcoord.cli.common import LOG_LEVELS, CliError, Parser
 
 __all__ = ["COMMANDS", "CliError", "build_parser", "main"]
 
-COMMANDS = ("hash", "serve", "lookup", "stats", "admin", "health", "agent", "sim_engine", "simulate")
+COMMANDS = ("hash", "serve", "lookup", "stats", "admin", "health", "agent", "sim_engine", "simulate", "route",
+            "epp")
 """Modules of this package that add subcommands, in ``--help`` order (``admin`` adds nodes, drain, remove)."""
 
 

@@ -159,7 +159,13 @@ def hash_profile(args: argparse.Namespace) -> HashProfile | None:
 
 def run(args: argparse.Namespace) -> int:
     from kvcoord.agent.service import AgentConfig, AgentRefused, run_agent
+    from kvcoord.validate import check_model, check_node_id
 
+    try:  # the coordinator would refuse the Hello: say so before connecting
+        check_node_id(args.node_id, "--node-id")
+        check_model(args.model, "--model")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     config = AgentConfig(
         coordinators=coordinators(args.coordinator), node_id=args.node_id, model=args.model,
         zmq_endpoint=args.zmq_endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,

@@ -13,10 +13,12 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 if TYPE_CHECKING:
+    import asyncio
+
     from kvcoord.transport import ChannelSecurity
 
 TOKEN_ENV = "KVCOORD_TOKEN"
@@ -81,7 +83,16 @@ def _number(kind: type[int] | type[float], minimum: float, strict: bool) -> Call
     return check
 
 
+def _hostports(text: str) -> str:
+    """Coordinator replicas, comma-separated (a client reads from the next one while one is down)."""
+    parts = [part.strip() for part in text.split(",")]
+    for part in parts:
+        parse_hostport(part)
+    return ",".join(parts)
+
+
 HOSTPORT = _type("HOST:PORT", _hostport)
+HOSTPORTS = _type("HOST:PORT[,HOST:PORT...]", _hostports)
 POSITIVE_FLOAT = _type("number", _number(float, 0.0, strict=True))
 NONNEG_FLOAT = _type("number", _number(float, 0.0, strict=False))
 POSITIVE_INT = _type("integer", _number(int, 0, strict=True))
@@ -103,10 +114,16 @@ ZMQ_ENDPOINT = _type("endpoint", _zmq_endpoint)
 
 
 def add_connection(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, token: bool = True,
-                   required: bool = True, timeout: float | None = 10.0) -> None:
-    """``--coordinator`` and the flags every client command connects with, named alike everywhere."""
-    p.add_argument("--coordinator", required=required, default=None, type=HOSTPORT, metavar="HOST:PORT",
-                   help="the coordinator's gRPC address")
+                   required: bool = True, timeout: float | None = 10.0, replicas: bool = True) -> None:
+    """``--coordinator`` and the flags every client command connects with, named alike everywhere.
+    ``replicas``: the command's client takes several addresses (reads move on while one is down)."""
+    if replicas:
+        p.add_argument("--coordinator", required=required, default=None, type=HOSTPORTS,
+                       metavar="HOST:PORT[,HOST:PORT...]",
+                       help="the coordinator's gRPC address; several replicas comma-separated")
+    else:
+        p.add_argument("--coordinator", required=required, default=None, type=HOSTPORT, metavar="HOST:PORT",
+                       help="the coordinator's gRPC address")
     if token:
         p.add_argument("--token", default=None,
                        help=f"bearer token (router, agent or admin; default: ${TOKEN_ENV})")
@@ -228,3 +245,18 @@ def rpc_failed(command: str, exc: Exception) -> int:
     """A coordinator refused or could not be reached: one line, exit 1."""
     print(f"kvcoord {command}: {exc}", file=sys.stderr)
     return 1
+
+
+def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """``asyncio.run(main(stop))`` with ``stop`` set on SIGTERM or SIGINT: a server's graceful stop."""
+    import asyncio
+    import signal
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(run())

@@ -16,7 +16,7 @@ def add(sub: Subparsers) -> None:
         "otherwise (NOT_SERVING, unknown service, unreachable). For container HEALTHCHECKs; "
         "Kubernetes can use its native grpc probe instead.",
     )
-    add_connection(p, token=False, timeout=3.0)
+    add_connection(p, token=False, timeout=3.0, replicas=False)
     p.add_argument("--service", default="", help="service name to check (default: '' = the whole server)")
     p.set_defaults(func=run)
 

@@ -30,6 +30,16 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--max-message-bytes", type=POSITIVE_INT, default=None)
     p.add_argument("--max-events-per-batch", type=POSITIVE_INT, default=None)
     p.add_argument("--max-query-blocks", type=POSITIVE_INT, default=None)
+    p.add_argument("--max-hashes-per-batch", type=POSITIVE_INT, default=None,
+                   help="block hashes over all events of one batch (default 262144)")
+    p.add_argument("--max-entries-per-node", type=POSITIVE_INT, default=None,
+                   help="entries one node may hold over its ranks (default 16777216)")
+    p.add_argument("--max-staged-snapshot-blocks", type=POSITIVE_INT, default=None,
+                   help="blocks of unfinished snapshots held over all streams (default 33554432)")
+    p.add_argument("--max-streams", type=POSITIVE_INT, default=None,
+                   help="concurrent ingest streams; more get RESOURCE_EXHAUSTED (default 10000)")
+    p.add_argument("--hello-timeout-s", type=POSITIVE_FLOAT, default=None,
+                   help="close an ingest stream that sends no Hello within this (default 5)")
     p.add_argument("--tls-cert", default=None, help="PEM server certificate")
     p.add_argument("--tls-key", default=None, help="PEM server key")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")
@@ -51,6 +61,11 @@ CONFIG_FLAGS = (
     "max_message_bytes",
     "max_events_per_batch",
     "max_query_blocks",
+    "max_hashes_per_batch",
+    "max_entries_per_node",
+    "max_streams",
+    "max_staged_snapshot_blocks",
+    "hello_timeout_s",
     "tls_cert",
     "tls_key",
     "tls_client_ca",

@@ -56,7 +56,7 @@ def add(sub: Subparsers) -> None:
         "against a running coordinator",
         "Nodes stream their events through real reporters and the router looks prefixes up over gRPC (same "
         "table; the routing overhead includes the network). The run's nodes are removed at the end.")
-    add_connection(r, required=False, timeout=None)
+    add_connection(r, required=False, timeout=None, replicas=False)
     o = p.add_argument_group("routing and output")
     o.add_argument("--policies", default="prefix-aware,approximate,least-loaded,round-robin,random",
                    help="comma separated policies to compare")

@@ -1,5 +1,10 @@
 """Bearer-token auth: agent tokens bound to node ids, router tokens that may only query, admin tokens.
 
+What each role may call (README, "Configuration"; ``tests/test_roles.py`` checks every cell): every token
+may query (Lookup, ListNodes, Stats, Ping, and the HTTP lookups, ``/workers``, ``/dump``); an agent token
+may also publish (Ingest, Heartbeat) for the nodes it is bound to; only an admin token may DrainNode and
+RemoveNode, and register engines over HTTP (or an agent token bound to ``"*"``).
+
 Tokens arrive in the ``authorization: Bearer <token>`` metadata. They are stored as SHA-256
 digests, so lookups do not leak timing about the token text. Health and reflection are not
 authenticated (probes must work without secrets).
@@ -34,9 +39,10 @@ class Principal:
             return True
         return self.role == AGENT and ("*" in self.nodes or node_id in self.nodes)
 
-    def may_manage(self, node_id: str) -> bool:
-        """DrainNode / RemoveNode: admins, or an agent for its own nodes."""
-        return self.may_publish(node_id)
+    def may_manage(self) -> bool:
+        """DrainNode / RemoveNode: admins only. An agent may not take its own node out of lookups:
+        operators decide that, and a leaked agent token must not be able to hide a healthy node."""
+        return self.role in (OPEN, ADMIN)
 
 
 OPEN_PRINCIPAL = Principal(OPEN)

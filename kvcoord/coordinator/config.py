@@ -39,6 +39,11 @@ max_message_bytes = 16777216
 max_events_per_batch = 4096
 max_query_blocks = 8192
 max_snapshot_blocks = 16777216
+max_staged_snapshot_blocks = 33554432  # unfinished snapshots over all streams (~9 bytes a block)
+max_hashes_per_batch = 262144       # block hashes over all events of one batch
+max_entries_per_node = 16777216     # entries (block, rank, tier) one node may hold, over its ranks
+max_streams = 10000                 # concurrent ingest streams (as Redis' maxclients)
+hello_timeout_s = 5.0               # a stream that sends no Hello this long is closed
 
 [verify]                            # engine hash verification on a sample of BlockStored chains
 enabled = true
@@ -84,6 +89,11 @@ ENV_VARS: dict[str, str] = {
     "KVCOORD_MAX_MESSAGE_BYTES": "max_message_bytes",
     "KVCOORD_MAX_EVENTS_PER_BATCH": "max_events_per_batch",
     "KVCOORD_MAX_QUERY_BLOCKS": "max_query_blocks",
+    "KVCOORD_MAX_HASHES_PER_BATCH": "max_hashes_per_batch",
+    "KVCOORD_MAX_ENTRIES_PER_NODE": "max_entries_per_node",
+    "KVCOORD_MAX_STREAMS": "max_streams",
+    "KVCOORD_MAX_STAGED_SNAPSHOT_BLOCKS": "max_staged_snapshot_blocks",
+    "KVCOORD_HELLO_TIMEOUT_S": "hello_timeout_s",
     "KVCOORD_TLS_CERT": "tls_cert",
     "KVCOORD_TLS_KEY": "tls_key",
     "KVCOORD_TLS_CLIENT_CA": "tls_client_ca",
@@ -106,6 +116,16 @@ class Limits:
     max_events_per_batch: int = 4096
     max_query_blocks: int = 8192
     max_snapshot_blocks: int = 1 << 24
+    max_staged_snapshot_blocks: int = 1 << 25
+    """Blocks of unfinished snapshots held over all streams: the memory they may take (~9 bytes each)."""
+    max_hashes_per_batch: int = 1 << 18
+    """Block hashes over every event of one batch (``max_events_per_batch`` counts events only)."""
+    max_entries_per_node: int = 1 << 24
+    """Entries one node may hold over its ranks (an upper-bound count the coordinator keeps)."""
+    max_streams: int = 10000
+    """Concurrent ingest streams, as Redis' ``maxclients``: one more is refused with RESOURCE_EXHAUSTED."""
+    hello_timeout_s: float = 5.0
+    """Seconds a new ingest stream has to send its Hello before it is closed (DEADLINE_EXCEEDED)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,6 +458,11 @@ _TOP_SCALARS = {
 }
 _TOP_TABLES = {"tier_weights", "limits", "verify", "tls", "auth", "models"}
 _LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}
+_FLOAT_LIMITS = {"hello_timeout_s"}
+
+
+def _as_limit(where: str, key: str, value: object) -> int | float:
+    return _as_float(where, value) if key in _FLOAT_LIMITS else _as_int(where, value)
 
 
 @dataclass(slots=True)
@@ -446,7 +471,8 @@ class _Settings:
 
     default_seed: str | None
     values: dict[str, Any] = field(default_factory=dict)
-    limits: dict[str, int] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+    """Limit name -> int (``hello_timeout_s``: float), as :class:`Limits` takes them."""
     tls: dict[str, str | None] = field(default_factory=dict)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     weights: list[float] = field(default_factory=lambda: list(CoordinatorConfig().tier_weights))
@@ -477,7 +503,7 @@ class _Settings:
             lt = _as_table("limits", data["limits"])
             _check_keys("limits", lt, _LIMIT_KEYS)
             for k, v in lt.items():
-                self.limits[k] = _as_int(f"limits.{k}", v)
+                self.limits[k] = _as_limit(f"limits.{k}", k, v)
         if "verify" in data:
             self.verify = _parse_verify(_as_table("verify", data["verify"]))
         if "tls" in data:
@@ -497,7 +523,7 @@ class _Settings:
         if key in _TOP_SCALARS:
             _apply_scalar(self.values, key, raw, where)
         elif key in _LIMIT_KEYS:
-            self.limits[key] = _as_int(where, raw)
+            self.limits[key] = _as_limit(where, key, raw)
         elif key in ("tls_cert", "tls_key", "tls_client_ca"):
             self.tls[key.removeprefix("tls_")] = _as_str(where, raw)
         elif key == "models":

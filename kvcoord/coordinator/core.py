@@ -24,7 +24,7 @@ from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import EXPIRED, NodeRecord, NodeRegistry
 from kvcoord.coordinator.shared import PUBLISH_SECONDS, REFRESH_SECONDS, NodeDirectory, SharedNode
 from kvcoord.coordinator.verify import HashVerifier
-from kvcoord.index.base import Index, IndexStats, InvalidEvent
+from kvcoord.index.base import FencedWrite, Index, IndexStats, InvalidEvent
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.tokenize import TokenizerCache
@@ -71,6 +71,8 @@ class CoordinatorState:
         self._published: dict[str, tuple[object, float]] = {}
         self._removed: list[SharedNode] = []
         self.index_down_reason = ""
+        self.staged_snapshot_blocks = 0
+        """Snapshot blocks held by unfinished snapshots over all streams (``max_staged_snapshot_blocks``)."""
         self._gen_lock = asyncio.Lock()
         self._probe_lock = asyncio.Lock()
         self.registry = NodeRegistry(config.lease_seconds)
@@ -87,6 +89,8 @@ class CoordinatorState:
         self._logged: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._push: dict[str, tuple[int, Push]] = {}
+        self._reclaim_tried: set[tuple[str, int]] = set()
+        """(node, fencing token) of dead owners' nodes this replica tried to reclaim (once each)."""
         self.index_generation: str | None = None
         self.metrics.index_up.labels(index.backend).set(1)
         self.tokenizers = TokenizerCache({m.name: m.tokenizer for m in config.models.values() if m.tokenizer})
@@ -182,7 +186,8 @@ class CoordinatorState:
         down and retries once a probe says it is back; meanwhile ``keep_alive``'s lease is renewed
         (its stream is open, it is the coordinator that stalls it). ``still_wanted`` is asked before
         each retry; when it says no (e.g. the backend came back empty and the node now resyncs, or the
-        stream was superseded) the call is abandoned: returns ``(False, None)``.
+        stream was superseded) the call is abandoned: returns ``(False, None)``. So is a write the
+        backend refused because another replica took the node over (fencing): see :meth:`fenced_out`.
         """
         backoff = RETRY_INITIAL
         while True:
@@ -190,6 +195,9 @@ class CoordinatorState:
                 return True, await fn()
             except (asyncio.CancelledError, InvalidEvent):
                 raise
+            except FencedWrite as exc:
+                self.fenced_out(exc, keep_alive)
+                return False, None
             except Exception as exc:
                 self.log_once(
                     f"index-fail:{type(exc).__name__}",
@@ -212,6 +220,21 @@ class CoordinatorState:
             if still_wanted is not None and not still_wanted():
                 return False, None
 
+    def fenced_out(self, exc: FencedWrite, rec: NodeRecord | None) -> None:
+        """Another replica claimed ``exc.node_id`` after this one (this one was paused or cut off): the
+        backend refused the write and counted it. Let the node go without touching its entries (they are
+        the new owner's now): out of the registry, so that the stream of ``rec`` ends at once (its agent
+        reconnects, wherever its address leads, and a replica it lands on claims the node again), and its
+        record withdrawn (the new owner's, a later claim, is kept: see ``SharedNode.outranks``)."""
+        node_id = exc.node_id
+        self.log_once(f"fenced:{node_id}:{self.index.fence_token(node_id)}", logging.WARNING,
+                      "node %s: %s; dropping the node from this replica (logged once per stale token)",
+                      node_id, exc)
+        if rec is not None and self.registry.get(node_id) is rec:
+            self.registry.remove(node_id)
+            self.node_removed(rec)
+            self.update_node_gauges()
+
     # --- logging ----------------------------------------------------------------------------
     def log_once(self, key: str, level: int, msg: str, *args: object) -> None:
         """Log a recurring problem once per key, so a misbehaving agent cannot flood the log."""
@@ -230,6 +253,7 @@ class CoordinatorState:
         rec.hash_mismatch = True
         rec.hash_mismatch_reason = reason
         self.metrics.hash_mismatch(rec.model)
+        self.update_node_gauges()
         entry = self._push.get(rec.node_id)
         if notify and entry is not None and entry[0] == rec.stream_gen:
             notice = pb.NodeNotice(state="hash_mismatch", message=reason)
@@ -244,6 +268,10 @@ class CoordinatorState:
             reason,
         )
 
+    def update_node_gauges(self) -> None:
+        """``kvcoord_nodes{state}`` and ``kvcoord_nodes_by_trust{trust}`` from this replica's registry."""
+        self.metrics.set_nodes(self.registry.by_state(), self.registry.by_trust())
+
     def drop_node(self, node_id: str) -> None:
         """Forget ``node_id`` now (RemoveNode, an unregistered engine): out of lookups at once, its record
         withdrawn from the other replicas, its entries reclaimed in the background."""
@@ -251,7 +279,7 @@ class CoordinatorState:
         if rec is not None:
             self.node_removed(rec)
         self.remove_in_background(node_id)
-        self.metrics.set_nodes(self.registry.by_state())
+        self.update_node_gauges()
 
     def remove_in_background(self, node_id: str, *, heard: float | None = None) -> None:
         """Reclaim a node's index entries off the request path; the registry already hides it.
@@ -267,7 +295,9 @@ class CoordinatorState:
                     other = await self.directory.fetch(node_id)
                 except Exception:
                     other = None
-                if other is not None and other.owner != self.replica_id and other.heard > wall_of(heard):
+                mine = self.index.fence_token(node_id)
+                if (other is not None and other.owner != self.replica_id
+                        and other.outranks(mine, wall_of(heard))):
                     log.info("node %s: owned by replica %s now; its entries stay", node_id, other.owner)
                     return
             # Under the node's lock, like every index write for it: an apply already waiting on the
@@ -300,7 +330,7 @@ class CoordinatorState:
             )
             self.remove_in_background(rec.node_id, heard=rec.last_heard)
         if expired:
-            self.metrics.set_nodes(self.registry.by_state())
+            self.update_node_gauges()
         return expired
 
     async def refresh(self) -> None:
@@ -331,7 +361,7 @@ class CoordinatorState:
                 self.stats_ok()
                 self.last_stats = stats
                 self.metrics.set_index_stats(stats)
-        self.metrics.set_nodes(self.registry.by_state())
+        self.update_node_gauges()
 
     def stats_failed(self, exc: BaseException) -> None:
         """An index stats call failed: the figures kept are stale (said in Stats), warned once per run
@@ -388,9 +418,10 @@ class CoordinatorState:
         heard = now_wall - (now - rec.last_heard)
         # Published with slack: readers keep the node until at least the owner's own deadline, and a
         # heartbeat republishes only once the true deadline moved by half the slack.
+        trust, reason = rec.trust
         return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
                           heard + lease + self._slack(), self.replica_id, heard,
-                          rec.load, rec.serving_url)
+                          rec.load, rec.serving_url, self.index.fence_token(rec.node_id), trust, reason)
 
     def _slack(self) -> float:
         return min(2.0, self.registry.lease / 2)
@@ -409,9 +440,10 @@ class CoordinatorState:
         for rec in self.registry:
             node = self._shared_record(rec, now, now_wall)
             other = self.shared.get(rec.node_id)
-            if other is not None and other.owner != self.replica_id and other.heard > node.heard:
+            if (other is not None and other.owner != self.replica_id
+                    and other.outranks(node.fence, node.heard)):
                 continue  # moved to another replica; our record is stale
-            sig = (node.model, node.dp_ranks, node.state, node.epoch, node.load)
+            sig = (node.model, node.dp_ranks, node.state, node.epoch, node.load, node.fence, node.trust)
             last = self._published.get(rec.node_id)
             if last is None or last[0] != sig or node.deadline - last[1] > half:
                 out.append(node)
@@ -433,7 +465,8 @@ class CoordinatorState:
         for node_id in [k for k in self._published if k not in known]:
             del self._published[node_id]
         for n in nodes:
-            self._published[n.node_id] = ((n.model, n.dp_ranks, n.state, n.epoch, n.load), n.deadline)
+            sig = (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust)
+            self._published[n.node_id] = (sig, n.deadline)
 
     async def read_shared(self) -> None:
         """Refresh the view of every replica's node records."""
@@ -445,27 +478,60 @@ class CoordinatorState:
             if n.state in ("active", "hash_mismatch") and n.deadline > models.get(n.model, 0.0):
                 models[n.model] = n.deadline
         self.shared, self._shared_models = view, models
+        self._reclaim_dead(view)
 
-    def live_node(self, node_id: str, model: str, now: float, now_wall: float) -> tuple[NodeLoad, str] | None:
-        """``(load, serving url)`` of ``node_id`` if lookups of ``model`` may report it now: this replica's
-        record, or (replicas) another replica's that heard from the node later."""
+    def _reclaim_dead(self, view: dict[str, SharedNode]) -> None:
+        """Remove the entries of nodes whose owner died: another replica's record past its deadline (and
+        a grace as long again as the slack, for clocks), of a node this replica does not hold. Guarded by
+        the record's fencing token: the backend removes nothing if the node was claimed since (it came
+        back), and fences that token out, so a late owner cannot resume writing on top of the removal."""
+        grace = self._slack()
+        now_wall = time.time()
+        for node_id, n in view.items():
+            key = (node_id, n.fence)
+            mine = self.registry.get(node_id)
+            if (n.owner == self.replica_id or not n.fence or n.deadline + grace > now_wall
+                    or (mine is not None and not mine.expired) or key in self._reclaim_tried):
+                continue
+            if len(self._reclaim_tried) >= 100_000:
+                self._reclaim_tried.clear()
+            self._reclaim_tried.add(key)
+            self._keep(asyncio.get_running_loop().create_task(
+                self._reclaim_node(n), name=f"kvcoord-reclaim-{node_id}"))
+
+    async def _reclaim_node(self, n: SharedNode) -> None:
+        try:
+            done = await self.index.reclaim_node(n.node_id, n.fence)
+        except Exception as exc:
+            self._reclaim_tried.discard((n.node_id, n.fence))  # tried again at the next read
+            log.debug("reclaiming node %s failed: %s", n.node_id, exc)
+            return
+        if done:
+            log.info("node %s: its replica %s stopped publishing (deadline passed %.1fs ago); its "
+                     "entries were reclaimed", n.node_id, n.owner, time.time() - n.deadline)
+
+    def live_node(self, node_id: str, model: str, now: float,
+                  now_wall: float) -> tuple[NodeLoad, str, str] | None:
+        """``(load, serving url, trust)`` of ``node_id`` if lookups of ``model`` may report it now: this
+        replica's record, or (replicas) another replica's that outranks it (a later claim, or heard it
+        later)."""
         rec = self.registry.get(node_id)
         other = self.shared.get(node_id) if self.directory is not None else None
         if rec is not None and (
             other is None
             or other.owner == self.replica_id
-            or other.heard <= now_wall - (now - rec.last_heard)
+            or not other.outranks(self.index.fence_token(node_id), now_wall - (now - rec.last_heard))
         ):
             if rec.model == model and rec.live(now, self.registry.lease):
-                return rec.load, rec.serving_url
+                return rec.load, rec.serving_url, rec.trust[0]
             return None
         if other is not None and other.model == model and other.live(now_wall):
-            return other.load, other.url
+            return other.load, other.url, other.trust
         return None
 
     def remote_nodes(self) -> list[SharedNode]:
         """Nodes whose stream another replica holds, as last read from the directory (a node this
-        replica also knows counts as remote only when the other replica heard from it later)."""
+        replica also knows counts as remote only when the other replica's record outranks its own)."""
         out: list[SharedNode] = []
         if self.directory is None:
             return out
@@ -474,7 +540,8 @@ class CoordinatorState:
             if other.owner == self.replica_id:
                 continue
             rec = self.registry.get(node_id)
-            if rec is not None and other.heard <= now_wall - (now - rec.last_heard):
+            mine = now_wall - (now - rec.last_heard) if rec is not None else 0.0
+            if rec is not None and not other.outranks(self.index.fence_token(node_id), mine):
                 continue
             out.append(other)
         return out

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from kvcoord.engine.zmq_wire import check_endpoint
 from kvcoord.index.uri import is_redis, parse_redis_uri
+from kvcoord.validate import check_model, shown
 
 log = logging.getLogger("kvcoord.coordinator.engines")
 
@@ -316,8 +317,17 @@ class Engines:
             try:
                 check_endpoint(value, connect=True)
             except ValueError as exc:
-                raise RegistrationError(400, f"invalid {what}endpoint `{value}`: {exc}"
+                shown_value = shown(value, 256, quote=False)
+                raise RegistrationError(400, f"invalid {what}endpoint `{shown_value}`: {exc}"
                                         if what else str(exc)) from None
+        for what, name in (("model_name", model_name), ("routing_group", routing_group)):
+            # The partition becomes the index's model name ("name@group"): a confusable one is refused.
+            # An empty one is registered, as Dynamo does, and its relay shows failed (see /workers).
+            try:
+                if name:
+                    check_model(name, what)
+            except ValueError as exc:
+                raise RegistrationError(400, str(exc)) from None
         rank = _u32(dp_rank)
         listener = Listener(rank, endpoint, replay_endpoint)
         model = partition_model(model_name, routing_group)
@@ -337,7 +347,8 @@ class Engines:
                 listeners = tuple(sorted((*old.listeners, listener), key=lambda x: x.dp_rank))
                 new = replace(old, listeners=listeners, serving_url=serving_url or old.serving_url)
             if await self.store.swap(instance_id, old, new):
-                log.info("engine %d (%s) dp_rank %d registered: %s", instance_id, model, rank, endpoint)
+                log.info("engine %d (%s) dp_rank %d registered: %s", instance_id, model, rank,
+                         shown(endpoint))
                 with contextlib.suppress(ConnectionError):  # registered; the loop retries the claim
                     await self.sync()  # relaying (here, or by whichever replica claims it) before the answer
                 return

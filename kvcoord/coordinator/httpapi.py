@@ -39,6 +39,7 @@ from kvcoord.events import Tier
 from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
 from kvcoord.index.base import run_inline
 from kvcoord.native import native
+from kvcoord.validate import shown
 
 log = logging.getLogger("kvcoord.http")
 
@@ -71,12 +72,12 @@ class QueryBody(msgspec.Struct):
 
 
 class FastQueryBody(msgspec.Struct):
-    """``/query`` with ``token_ids`` left as raw JSON for :func:`packed_ints` (the 8k-id list is most of
-    the decoding time); every other field as :class:`QueryBody` has it."""
+    """``/query`` once :func:`decode_fast` has taken ``token_ids`` out (the 8k-id list is most of the
+    decoding time); every other field as :class:`QueryBody` has it."""
 
     model_name: str
-    token_ids: msgspec.Raw = msgspec.Raw()
-    """Empty when absent (msgspec decodes no ``Raw | None`` union)."""
+    token_ids: None = None
+    """Taken out (null) or absent."""
     routing_group: str = DEFAULT_GROUP
     tenant_id: str = DEFAULT_GROUP
     lora_name: str | None = None
@@ -91,8 +92,8 @@ class FastQueryBody(msgspec.Struct):
 
 
 class FastQueryByHashBody(msgspec.Struct):
-    block_hashes: msgspec.Raw
     model_name: str
+    block_hashes: None = None
     routing_group: str = DEFAULT_GROUP
     tenant_id: str = DEFAULT_GROUP
     cache_salt: str | None = None
@@ -136,16 +137,6 @@ _DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
 }
 
 
-def packed_ints(raw: msgspec.Raw, kind: str) -> memoryview | None:
-    """A raw JSON integer array as packed ints, a memoryview of format ``kind`` ('I' uint32 token ids, 'Q'
-    uint64 keys of int64/uint64 hashes), by the native parser; None when it does not claim the input (then
-    msgspec decodes the body typed, and its value or its error is the answer)."""
-    if not len(raw) or native is None:
-        return None
-    packed = native.json_int_array(raw, kind)
-    if packed is None:
-        return None
-    return memoryview(packed).cast("I" if kind == "I" else "Q")
 _encode = msgspec.json.Encoder().encode
 _OK = Response(200, b'{"status":"ok"}', JSON)
 _CREATED = Response(201, b'{"status":"ok"}', JSON)
@@ -157,11 +148,38 @@ class BadBody(Exception):
         self.response = response
 
 
-def decode_body(req: Request, kind: type[Any]) -> Any:
-    """The JSON body as ``kind``: 415 without a JSON content type, 400 for bad JSON, 422 for a wrong shape."""
+def _check_json(req: Request) -> None:
     ctype = req.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
         raise BadBody(json_error(415, "Expected request with `Content-Type: application/json`"))
+
+
+def decode_fast(req: Request, kind: type[Any], key: str, ints: str) -> tuple[Any, memoryview | None] | None:
+    """The body as ``kind`` with its integer array ``key`` packed natively (``ints``: 'I' uint32, 'Q' uint64
+    keys), in one scan; None when the native scanner does not claim the body (then :func:`decode_body`
+    decodes it typed, and its value or its error is the answer)."""
+    _check_json(req)
+    if native is None:
+        return None
+    taken = native.json_take_ints(req.body, key, ints)
+    if taken is None:
+        return None
+    packed, rest = taken
+    try:
+        value = _DECODERS[kind].decode(rest)
+    except msgspec.ValidationError as exc:
+        why = f"Failed to deserialize the JSON body into the target type: {exc}"
+        raise BadBody(json_error(422, why)) from None
+    except msgspec.DecodeError:
+        return None
+    if packed is None:
+        return value, None
+    return value, memoryview(packed).cast("I" if ints == "I" else "Q")
+
+
+def decode_body(req: Request, kind: type[Any]) -> Any:
+    """The JSON body as ``kind``: 415 without a JSON content type, 400 for bad JSON, 422 for a wrong shape."""
+    _check_json(req)
     decoder, body = _DECODERS[kind], req.body
     try:
         try:
@@ -316,7 +334,8 @@ class HttpApi:
     def _partition(self, model_name: str, routing_group: str) -> str:
         model = partition_model(model_name, routing_group)
         if not self._known(model):
-            raise LookupFailed(NOT_FOUND, f"no indexer for model={model_name} routing_group={routing_group}")
+            raise LookupFailed(NOT_FOUND, f"no indexer for model={shown(model_name, quote=False)} "
+                                          f"routing_group={shown(routing_group, quote=False)}")
         return model
 
     def _block_size(self, model: str) -> int:
@@ -335,13 +354,14 @@ class HttpApi:
     def query(self, req: Request) -> Response | Awaitable[Response]:
         t0 = time.perf_counter()
         try:
-            fast: FastQueryBody = decode_body(req, FastQueryBody)
-            tokens: memoryview | array[int] | None = packed_ints(fast.token_ids, "I")
-            body: FastQueryBody | QueryBody = fast
-            if tokens is None and len(fast.token_ids):
+            fast = decode_fast(req, FastQueryBody, "token_ids", "I")
+            body: FastQueryBody | QueryBody
+            tokens: memoryview | array[int] | None
+            if fast is not None:
+                body, tokens = fast
+            else:
                 body = decode_body(req, QueryBody)
-                if body.token_ids is not None:  # else ``null``
-                    tokens = array("I", body.token_ids)
+                tokens = array("I", body.token_ids) if body.token_ids is not None else None
             if tokens is None and body.prompt is None and body.messages is None:  # 422 before 404, as Dynamo
                 raise BadBody(json_error(422, "Failed to deserialize the JSON body into the target "
                                               "type: missing field `token_ids`"))
@@ -380,13 +400,17 @@ class HttpApi:
     def query_by_hash(self, req: Request) -> Response | Awaitable[Response]:
         t0 = time.perf_counter()
         try:
-            fast: FastQueryByHashBody = decode_body(req, FastQueryByHashBody)
-            keys = packed_ints(fast.block_hashes, "Q")
-            body: FastQueryByHashBody | QueryByHashBody = fast
+            fast = decode_fast(req, FastQueryByHashBody, "block_hashes", "Q")
+            body: FastQueryByHashBody | QueryByHashBody
             hashes: Sequence[BlockHash64]
-            if keys is None:
-                body = decode_body(req, QueryByHashBody)
-                raw = body.block_hashes
+            keys = None
+            if fast is not None:
+                body, keys = fast
+                if keys is None:  # absent: the typed decode says so, as Dynamo would
+                    fast = None
+            if fast is None or keys is None:
+                typed: QueryByHashBody = decode_body(req, QueryByHashBody)
+                body, raw = typed, typed.block_hashes
                 if raw and (min(raw) < -(1 << 63) or max(raw) > UINT64_MASK):
                     bad = next(h for h in raw if not -(1 << 63) <= h <= UINT64_MASK)
                     raise BadBody(json_error(422, "Failed to deserialize the JSON body into the target type: "

@@ -23,6 +23,7 @@ Ordering contract (shared with kvcoord.agent.reporter):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from array import array
@@ -34,13 +35,24 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvcoord.coordinator.auth import Principal
+from kvcoord.coordinator.config import Limits
 from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
-from kvcoord.index.base import InvalidEvent
+from kvcoord.index.base import ApplyResult, InvalidEvent
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import Hashes, Op
+from kvcoord.validate import (
+    Hashes,
+    Op,
+    OverLimit,
+    check_batch_bounds,
+    check_model,
+    check_node_entries,
+    check_node_id,
+    shown,
+)
 from kvcoord.wire import (
+    check_ranks,
     event_counts,
     load_from_proto,
     ops_from_proto,
@@ -50,7 +62,6 @@ from kvcoord.wire import (
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
 
-MAX_ID_LEN = 256
 MAX_DP_RANKS = 1024
 
 
@@ -64,6 +75,28 @@ class IngestAbort(Exception):
 
 
 _KINDS = {"stored": "block_stored", "removed": "block_removed", "cleared": "all_blocks_cleared"}
+
+
+TRIM_BLOCKS = 1 << 20
+"""A dropped snapshot this large (8 MB and up) hands its memory back to the OS at once."""
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
+def release_memory() -> None:
+    """Return freed heap to the OS (glibc keeps large freed blocks in its arenas once its mmap threshold
+    has grown, so an abandoned multi-GB snapshot would otherwise stay in the RSS)."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 @dataclass(slots=True)
@@ -101,9 +134,13 @@ class IngestSession:
         self._pending: _PendingSnapshot | None = None
 
     async def handle_bytes(self, data: bytes) -> list[pb.CoordinatorMessage]:
-        """``handle`` for a serialised AgentMessage; one that does not parse is INVALID_ARGUMENT."""
+        """``handle`` for a serialised AgentMessage; one that does not parse, or names a dp rank past
+        uint32 (which protobuf would silently cut to its low bits), is INVALID_ARGUMENT."""
         try:
             msg = pb.AgentMessage.FromString(data)
+            check_ranks(data, msg.WhichOneof("msg"))
+        except InvalidEvent as exc:
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except (DecodeError, ValueError, RuntimeError) as exc:
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"malformed AgentMessage: {str(exc) or type(exc).__name__}"
@@ -136,9 +173,20 @@ class IngestSession:
         )
 
     def close(self) -> None:
-        """The stream ended: forget how to reach it."""
+        """The stream ended: forget how to reach it, and release its unfinished snapshot."""
+        self._drop_pending()
         if self.rec is not None:
             self.state.detach(self.rec.node_id, self.gen)
+
+    def _drop_pending(self) -> None:
+        """Forget the unfinished snapshot (before any error is raised, so no traceback keeps it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            count = pending.count
+            self.state.staged_snapshot_blocks -= count
+            del pending
+            if count >= TRIM_BLOCKS:
+                release_memory()
 
     def _owned(self) -> NodeRecord:
         rec = self.rec
@@ -161,14 +209,11 @@ class IngestSession:
         cfg = self.state.config
         if self.rec is not None:
             raise IngestAbort(grpc.StatusCode.FAILED_PRECONDITION, "second Hello on one stream")
-        if not hello.node_id or len(hello.node_id) > MAX_ID_LEN:
-            raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"Hello.node_id must be 1..{MAX_ID_LEN} characters"
-            )
-        if not hello.model or len(hello.model) > MAX_ID_LEN:
-            raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"Hello.model must be 1..{MAX_ID_LEN} characters"
-            )
+        try:
+            check_node_id(hello.node_id, "Hello.node_id")
+            check_model(hello.model, "Hello.model")
+        except InvalidEvent as exc:
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         ranks = tuple(sorted(set(hello.dp_ranks))) or (0,)
         if len(ranks) != len(hello.dp_ranks) and hello.dp_ranks:
             raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, "Hello.dp_ranks has duplicates")
@@ -178,12 +223,13 @@ class IngestSession:
             )
         if not self.principal.may_publish(hello.node_id):
             raise IngestAbort(
-                grpc.StatusCode.PERMISSION_DENIED, f"this token may not publish for node {hello.node_id!r}"
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this token may not publish for node {shown(hello.node_id)}",
             )
         if cfg.profile(hello.model) is None and cfg.strict_models:
             raise IngestAbort(
                 grpc.StatusCode.NOT_FOUND,
-                f"unknown model {hello.model!r} (strict_models; configured: "
+                f"unknown model {shown(hello.model)} (strict_models; configured: "
                 f"{', '.join(sorted(cfg.models)) or 'none'})",
             )
         return ranks
@@ -195,6 +241,8 @@ class IngestSession:
         rec, resume = st.registry.hello(
             hello.node_id, hello.model, ranks, hello.epoch, index_ok=st.index_up, next_seq=hello.next_seq
         )
+        if not resume:  # a new owner: fence out earlier ones (a resumed stream keeps its token)
+            await st.index.claim(rec.node_id)
         st.metrics.model_seen(hello.model)
         self.rec, self.gen = rec, rec.stream_gen
         rec.serving_url = hello.serving_url
@@ -225,6 +273,7 @@ class IngestSession:
             )
         if not resume:
             st.metrics.snapshot_requested("hello")
+        st.update_node_gauges()
         log.info(
             "node %s (model %s, ranks %s) epoch %d: %s",
             hello.node_id,
@@ -244,7 +293,7 @@ class IngestSession:
     # --- batches ----------------------------------------------------------------------------
     def _request_snapshot(self, rec: NodeRecord, reason: str, detail: str) -> list[pb.CoordinatorMessage]:
         rec.resyncing = True
-        self._pending = None
+        self._drop_pending()
         self.state.metrics.snapshot_requested(reason)
         req = pb.SnapshotRequest(epoch=self.epoch, reason=f"{reason}: {detail}")
         return [pb.CoordinatorMessage(snapshot_request=req)]
@@ -308,16 +357,42 @@ class IngestSession:
                                 f"dp_rank {batch.dp_rank} is not in the Hello's {list(self.dp_ranks)}")
         return None
 
+    def _check_bounds(self, rec: NodeRecord, ops: Sequence[Op], batch: pb.EventBatch) -> None:
+        """Refuse a valid batch past ``max_hashes_per_batch``, or one that could take the node past
+        ``max_entries_per_node``: RESOURCE_EXHAUSTED, nothing applied. The node's entries now miss this
+        batch, so it resyncs: its agent reconnects with a snapshot (bounded too), never this batch."""
+        lim = self.state.config.limits
+        try:
+            check_batch_bounds(ops, rec.entries, max_hashes=lim.max_hashes_per_batch,
+                               max_entries=lim.max_entries_per_node)
+        except OverLimit as exc:
+            m = self.state.metrics
+            m.batch("too_large")
+            per_batch = exc.limit == "max_hashes_per_batch"
+            for ev in batch.events:
+                m.rejected(_KINDS.get(ev.WhichOneof("event") or "", "unknown"),
+                           "max_hashes_per_batch" if per_batch else "max_entries_per_node")
+            rec.resyncing = True
+            self.state.log_once(f"bound:{exc.limit}:{rec.node_id}", logging.WARNING,
+                                "node %s: batch %d refused: %s (logged once per node)",
+                                rec.node_id, batch.seq, exc)
+            raise IngestAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"batch {batch.seq}: {exc}") from None
+
     async def _apply(self, rec: NodeRecord, dp_rank: int, ops: Sequence[Op]) -> bool:
         """Apply through index outages (the batch stays unacked and is retried; re-applying a batch that
-        half-reached the backend is safe, events are idempotent). False: abandoned (a snapshot follows)."""
+        half-reached the backend is safe, events are idempotent). False: abandoned (a snapshot follows).
+        Keeps ``rec.entries`` (what the node holds, for ``max_entries_per_node``) current."""
         st = self.state
-        done, _ = await st.call_index(
+        done, res = await st.call_index(
             lambda: st.index.apply(self.model, rec.node_id, dp_rank, ops),
             f"apply for node {rec.node_id}",
             rec,
             lambda: self._wanted(rec, need_sync=True),
         )
+        if isinstance(res, ApplyResult):
+            rec.entries = max(0, rec.entries + res.stored - res.removed - res.cleared)
+        if not done:
+            self._owned()  # fenced out by another replica (or superseded): the stream ends now
         return done
 
     async def _batch(
@@ -336,6 +411,7 @@ class IngestSession:
                 ops = ops_from_proto(batch.events)
             except InvalidEvent as exc:
                 return self._reject(rec, batch, "invalid_event", str(exc))
+            self._check_bounds(rec, ops, batch)
             if not await self._apply(rec, batch.dp_rank, ops):
                 st.metrics.batch("awaiting_snapshot")
                 return []
@@ -386,6 +462,12 @@ class IngestSession:
         async with st.registry.lock(rec.node_id):
             rec = self._owned()
             if rec.resyncing or first.seq != rec.last_seq + 1:
+                return None
+            lim = st.config.limits
+            try:  # (the one-by-one path refuses the batch that is past a bound)
+                check_batch_bounds(ops, rec.entries, max_hashes=lim.max_hashes_per_batch,
+                                   max_entries=lim.max_entries_per_node)
+            except OverLimit:
                 return None
             if not await self._apply(rec, first.dp_rank, ops):
                 st.metrics.batch("awaiting_snapshot")
@@ -447,18 +529,19 @@ class IngestSession:
         if pending is None:
             pending = self._pending = _PendingSnapshot(snap.epoch, snap.seq)
         elif pending.seq != snap.seq:
-            self._pending = None
+            first, pending = pending.seq, None
+            self._drop_pending()
             raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"snapshot chunks disagree on seq ({pending.seq} then {snap.seq})",
+                grpc.StatusCode.INVALID_ARGUMENT, f"snapshot chunks disagree on seq ({first} then {snap.seq})"
             )
+        st, limits = self.state, self.state.config.limits
         pending.count += len(hashes)
-        limit = self.state.config.limits.max_snapshot_blocks
-        if pending.count > limit:
-            self._pending = None
-            raise IngestAbort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"snapshot exceeds max_snapshot_blocks ({limit})"
-            )
+        st.staged_snapshot_blocks += len(hashes)
+        refusal = self._over_budget(pending.count, limits)
+        if refusal is not None:
+            pending = None  # nothing in this frame may keep the staged blocks alive
+            self._drop_pending()
+            raise IngestAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         rank = snap.dp_rank
         held = pending.hashes.setdefault(rank, array("Q"))
         held_tiers = pending.tiers.setdefault(rank, bytearray())
@@ -469,12 +552,41 @@ class IngestSession:
             held_tiers.extend(tiers or bytes(len(hashes)))
         return pending
 
+    def _over_budget(self, count: int, limits: Limits) -> str | None:
+        """Why the snapshot being staged (``count`` blocks so far) must be refused, if it must."""
+        if count > limits.max_snapshot_blocks:
+            return f"snapshot exceeds max_snapshot_blocks ({limits.max_snapshot_blocks})"
+        try:
+            check_node_entries(count, limits.max_entries_per_node)
+        except OverLimit as exc:
+            return f"snapshot: {exc}"
+        staged = self.state.staged_snapshot_blocks
+        if staged > limits.max_staged_snapshot_blocks:
+            self.state.metrics.stream_refused("snapshot_budget")
+            log.warning("node %s: snapshot refused: %d blocks staged over all streams "
+                        "(max_staged_snapshot_blocks %d)", self.node_id, staged,
+                        limits.max_staged_snapshot_blocks)
+            return (f"snapshot staging is full: {staged} blocks of unfinished snapshots over all streams, "
+                    f"max_staged_snapshot_blocks is {limits.max_staged_snapshot_blocks}; retry later")
+        return None
+
     async def _snapshot(self, rec: NodeRecord, snap: pb.Snapshot) -> list[pb.CoordinatorMessage]:
-        st = self.state
         pending = self._stage(snap)
         if not snap.final:
             return []
-        self._pending = None
+        self._pending = None  # detached, still counted as staged until it is applied or abandoned
+        count = pending.count
+        try:
+            return await self._apply_snapshot(rec, pending)
+        finally:
+            self.state.staged_snapshot_blocks -= count
+            del pending
+            if count >= TRIM_BLOCKS:
+                release_memory()
+
+    async def _apply_snapshot(self, rec: NodeRecord,
+                              pending: _PendingSnapshot) -> list[pb.CoordinatorMessage]:
+        st = self.state
         reg = st.registry
         node_lock = reg.lock(rec.node_id)
         while True:
@@ -506,11 +618,13 @@ class IngestSession:
             if not done:
                 return []
             rec.indexed = keep
+            rec.entries = pending.count
             rec.last_seq = pending.seq
             rec.resyncing = False
         finally:
             node_lock.release()
         st.metrics.snapshots_applied.inc()
+        st.update_node_gauges()
         log.info("node %s epoch %d: snapshot applied at seq %d (%d blocks over %d ranks)",
                  rec.node_id, self.epoch, pending.seq, pending.count, len(self.dp_ranks))
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=pending.seq))]

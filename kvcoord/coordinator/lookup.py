@@ -16,6 +16,7 @@ from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes6
 from kvcoord.index.base import NodeKey
 from kvcoord.load import NodeLoad
 from kvcoord.tokenize import TokenizeError
+from kvcoord.validate import shown
 
 __all__ = ["INTERNAL", "INVALID", "NOT_FOUND", "NO_PROFILE", "TOKENIZER_DOWN", "UNAVAILABLE", "UNIMPLEMENTED",
            "LiveMatch", "LookupFailed", "Lookups"]
@@ -51,6 +52,8 @@ class LiveMatch(NamedTuple):
     load: NodeLoad
     serving_url: str
     trust: str
+    """The node's trust state (``NodeRecord.trust``): ``exact`` or ``degraded`` (resyncing nodes are in
+    no answer)."""
 
 
 class Lookups:
@@ -69,7 +72,7 @@ class Lookups:
         cfg = self.state.config
         profile = cfg.profile(model)
         if profile is None and cfg.strict_models:
-            raise LookupFailed(NOT_FOUND, f"unknown model {model!r} (strict_models; configured: "
+            raise LookupFailed(NOT_FOUND, f"unknown model {shown(model)} (strict_models; configured: "
                                           f"{', '.join(sorted(cfg.models))})")
         return profile
 
@@ -77,9 +80,9 @@ class Lookups:
         """The profile token ids of ``model`` are hashed with; ``NO_PROFILE`` when it has none."""
         profile = self.profile(model)
         if profile is None:
-            raise LookupFailed(NO_PROFILE, f"model {model!r} has no hash profile configured, so token ids "
-                                           f'cannot be hashed: query by block hashes, or configure '
-                                           f'[models."{model}"]')
+            raise LookupFailed(NO_PROFILE, f"model {shown(model)} has no hash profile configured, so token "
+                                           "ids cannot be hashed: query by block hashes, or configure "
+                                           "it in [models]")
         return profile
 
     def check_blocks(self, num_blocks: int, what: str) -> None:
@@ -110,8 +113,8 @@ class Lookups:
         self.hashing_profile(model)  # before spending milliseconds on tokens that could not be hashed
         cache = self.state.tokenizers
         if cache.spec(model) is None:
-            raise LookupFailed(NO_PROFILE, f"model {model!r} has no tokenizer configured, so prompts cannot "
-                                           f'be tokenized: set tokenizer in [models."{model}"], or query '
+            raise LookupFailed(NO_PROFILE, f"model {shown(model)} has no tokenizer configured, so prompts "
+                                           "cannot be tokenized: set its tokenizer in [models], or query "
                                            "by token ids")
         try:
             if prompt is not None:
@@ -124,7 +127,7 @@ class Lookups:
                 continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
                 add_special_tokens=bool(add_special_tokens))
         except TokenizeError as exc:
-            self.state.log_once(f"tokenize:{model}:{exc.bad_request}", logging.WARNING, "%s", exc)
+            self.state.log_once(f"tokenize:{shown(model)}:{exc.bad_request}", logging.WARNING, "%s", exc)
             raise LookupFailed(INVALID if exc.bad_request else TOKENIZER_DOWN, str(exc)) from None
 
     def serves(self, model: str) -> bool:
@@ -158,7 +161,7 @@ class Lookups:
         now, now_wall = time.monotonic(), time.time()
         live_node = st.live_node
         w0, w1, w2 = st.config.tier_weights
-        scored: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str]] = []
+        scored: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str, str]] = []
         for node_id, rank, matched, tiers in matches:
             info = live_node(node_id, model, now, now_wall)
             if info is None or matched <= 0:
@@ -166,8 +169,8 @@ class Lookups:
             t = (*tiers, 0, 0, 0) if len(tiers) < 3 else tiers
             scored.append((-(t[0] * w0 + t[1] * w1 + t[2] * w2), -matched, node_id, rank, tiers, *info))
         scored.sort(key=lambda x: x[:4])
-        out = [LiveMatch(node_id, rank, -neg, tiers, load, url, "exact")
-               for _, neg, node_id, rank, tiers, load, url in scored]
+        out = [LiveMatch(node_id, rank, -neg, tiers, load, url, trust)
+               for _, neg, node_id, rank, tiers, load, url, trust in scored]
         if include_unmatched:
             seen = {(m.node_id, m.dp_rank) for m in out}
             out.extend(self._unmatched(model, seen, candidates, now, now_wall))
@@ -189,7 +192,7 @@ class Lookups:
         for key in sorted(keys - seen):
             info = st.live_node(key[0], model, now, now_wall)
             if info is not None:
-                out.append(LiveMatch(key[0], key[1], 0, (), info[0], info[1], "exact"))
+                out.append(LiveMatch(key[0], key[1], 0, (), *info))
         return out
 
     def unavailable(self, reason: str) -> str:

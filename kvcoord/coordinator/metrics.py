@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from kvcoord import __version__
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
+from kvcoord.load import TRUSTS
 from kvcoord.native import native_paths
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -29,9 +30,12 @@ BATCH_OUTCOMES = ("applied", "duplicate", "gap", "awaiting_snapshot", "rejected"
 EVENT_TYPES = ("block_stored", "block_removed", "all_blocks_cleared")
 REJECTED_TYPES = (*EVENT_TYPES, "unknown", "none")
 """``events_rejected{type}``: an event with no kind set is ``unknown``; an empty batch adds 0 to ``none``."""
-REJECT_REASONS = ("unknown_dp_rank", "invalid_event")
+REJECT_REASONS = ("unknown_dp_rank", "invalid_event", "max_hashes_per_batch", "max_entries_per_node")
 SNAPSHOT_REASONS = ("hello", "gap", "invalid_batch", "index_reset")
 VERIFY_RESULTS = ("ok", "mismatch", "skipped")
+STREAM_REFUSALS = ("max_streams", "hello_timeout", "snapshot_budget")
+"""``ingest_streams_refused{reason}``: past ``max_streams``, no Hello within ``hello_timeout_s``, or a
+snapshot past ``max_staged_snapshot_blocks``."""
 
 
 class IndexBackendCollector(Collector):
@@ -78,6 +82,19 @@ class IndexBackendCollector(Collector):
         )
         reclaimed.add_metric([self._backend], float(m.reclaimed_entries))
         out.append(reclaimed)
+        fenced = CounterMetricFamily(
+            "kvcoord_index_fenced_writes",
+            "Writes the backend refused: another replica had claimed the node since (fencing tokens)",
+            labels=["backend"],
+        )
+        fenced.add_metric([self._backend], float(m.fenced_writes))
+        reclaimed_nodes = CounterMetricFamily(
+            "kvcoord_index_reclaimed_nodes",
+            "Nodes of a dead replica whose entries this replica removed after their lease",
+            labels=["backend"],
+        )
+        reclaimed_nodes.add_metric([self._backend], float(m.reclaimed_nodes))
+        out += [fenced, reclaimed_nodes]
         mirror = m.mirror
         if mirror is not None:
             ready = GaugeMetricFamily(
@@ -171,7 +188,16 @@ class Metrics:
             "kvcoord_index_up", "1 when the index backend answers its ping", ["backend"], registry=r
         )
         self.nodes = Gauge("kvcoord_nodes", "Registered nodes by state", ["state"], registry=r)
+        self.nodes_by_trust = Gauge(
+            "kvcoord_nodes_by_trust", "Registered nodes (not expired) by trust state", ["trust"], registry=r
+        )
+        for trust in TRUSTS:
+            self.nodes_by_trust.labels(trust).set(0)
         self.streams = Gauge("kvcoord_ingest_streams", "Open agent ingest streams", registry=r)
+        self.streams_refused = Counter(
+            "kvcoord_ingest_streams_refused", "Ingest streams refused, or closed for sending no Hello",
+            ["reason"], registry=r,
+        )
 
     def _declare_histograms(self, r: CollectorRegistry) -> None:
         """Lookup latency, how much of a query the best node held, and ingest lag."""
@@ -227,6 +253,8 @@ class Metrics:
             self._child(self.snapshots_requested, reason)
         for result in VERIFY_RESULTS:
             self._child(self.hash_verifications, result)
+        for reason in STREAM_REFUSALS:
+            self._child(self.streams_refused, reason)
 
     def register_index(self, index: Index) -> bool:
         """Export the backend's own metrics when it keeps them (the Redis backend does)."""
@@ -270,6 +298,9 @@ class Metrics:
         self._rejected_child(kind, reason).inc(n)
         self.rejected_by_reason[reason] += n
 
+    def stream_refused(self, reason: str) -> None:
+        self._child(self.streams_refused, reason).inc()
+
     def snapshot_requested(self, reason: str) -> None:
         self._child(self.snapshots_requested, reason).inc()
         self.snapshots_requested_total += 1
@@ -305,9 +336,11 @@ class Metrics:
             self.blocks.labels(model).set(0)
         self._known_models |= models
 
-    def set_nodes(self, by_state: dict[str, int]) -> None:
+    def set_nodes(self, by_state: dict[str, int], by_trust: dict[str, int]) -> None:
         for state in ("active", "draining", "resyncing", "hash_mismatch", "expired"):
             self.nodes.labels(state).set(by_state.get(state, 0))
+        for trust in TRUSTS:
+            self.nodes_by_trust.labels(trust).set(by_trust.get(trust, 0))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server on a daemon thread; returns the bound port.

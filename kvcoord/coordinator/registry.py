@@ -12,14 +12,37 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvcoord.load import NodeLoad
+from kvcoord.load import DEGRADED, EXACT, RESYNCING, TRUSTS, NodeLoad
 
 ACTIVE = "active"
 DRAINING = "draining"
-RESYNCING = "resyncing"
 HASH_MISMATCH = "hash_mismatch"
 EXPIRED = "expired"
 STATES = (ACTIVE, DRAINING, RESYNCING, HASH_MISMATCH, EXPIRED)
+"""Node states; ``resyncing`` is also a trust state (:data:`kvcoord.load.TRUSTS`), with the same meaning."""
+
+
+
+def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool) -> tuple[str, str]:
+    """``(trust, reason)`` of a node: the one rule, for this replica's records and others' alike.
+
+    - ``degraded``: its hashes failed verification (``mismatch`` is the reason), first because it holds
+      across a resync of the same engine process. It ends only with a new epoch (the engine or agent
+      restarted: the Hello clears the mark and verification starts over) or when the node is removed
+      or expires and comes back; the mark is never cleared while the same process keeps publishing,
+      since its hashes will not change.
+    - ``resyncing``: waiting for a snapshot (after a Hello that could not resume, a gap, an index
+      outage) or expired (its entries are being reclaimed; it needs a snapshot to be served again).
+      It ends when the snapshot is applied.
+    - ``exact``: in sync, every batch applied in order.
+    """
+    if mismatch is not None:
+        return DEGRADED, mismatch
+    if expired:
+        return RESYNCING, "lease expired: entries reclaimed, a snapshot is required when it reconnects"
+    if resyncing:
+        return RESYNCING, "waiting for the node's snapshot"
+    return EXACT, ""
 
 
 @dataclass(slots=True)
@@ -60,6 +83,9 @@ class NodeRecord:
     """Sampled BlockStored chains verified (or tried)."""
     serving_url: str = ""
     """The engine's OpenAI-compatible base URL, as its agent announced it (empty: not announced)."""
+    entries: int = 0
+    """Entries the node holds over its ranks, as its snapshot and applied batches counted them (an upper
+    bound: a snapshot may repeat a block): what ``max_entries_per_node`` is checked against."""
 
     @property
     def state(self) -> str:
@@ -72,6 +98,12 @@ class NodeRecord:
         if self.hash_mismatch:
             return HASH_MISMATCH
         return ACTIVE
+
+    @property
+    def trust(self) -> tuple[str, str]:
+        """``(trust, reason)``: see :func:`trust_state`."""
+        return trust_state(self.hash_mismatch_reason if self.hash_mismatch else None,
+                           resyncing=self.resyncing, expired=self.expired)
 
     def live(self, now: float, lease: float) -> bool:
         """Served in lookups: heard from within the lease, in sync, and not draining."""
@@ -245,4 +277,14 @@ class NodeRegistry:
             if state != EXPIRED and now - rec.last_heard > self.lease:
                 state = EXPIRED  # past its lease; the sweeper has not run yet
             out[state] += 1
+        return out
+
+    def by_trust(self) -> dict[str, int]:
+        """Nodes by trust state, every state present; expired nodes (and those past their lease) are not
+        counted: they are in no lookup answer."""
+        out = dict.fromkeys(TRUSTS, 0)
+        now = time.monotonic()
+        for rec in self._nodes.values():
+            if not rec.expired and now - rec.last_heard <= self.lease:
+                out[rec.trust[0]] += 1
         return out

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import time
+import traceback
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,13 +34,13 @@ from kvcoord.coordinator.lookup import (
     LookupFailed,
     Lookups,
 )
-from kvcoord.coordinator.registry import NodeRecord
+from kvcoord.coordinator.registry import NodeRecord, trust_state
 from kvcoord.coordinator.shared import SharedNode
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
-from kvcoord.load import NodeLoad
+from kvcoord.load import DEGRADED, RESYNCING, NodeLoad
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import InvalidEvent, unpack_u64
+from kvcoord.validate import InvalidEvent, shown, unpack_u64
 from kvcoord.wire import load_from_proto, load_to_proto, unpack_tokens
 
 log = logging.getLogger("kvcoord.coordinator")
@@ -109,6 +110,8 @@ def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.Node
     state = node.state
     if state != "expired" and (now_wall - node.heard > lease or now_wall > node.deadline):
         state = "expired"
+    trust, reason = trust_state(node.trust_reason if node.trust == DEGRADED else None,
+                                resyncing=node.trust == RESYNCING, expired=state == "expired")
     return pb.NodeInfo(
         node_id=node.node_id,
         model=node.model,
@@ -120,6 +123,8 @@ def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.Node
         hash_mismatch=state == "hash_mismatch",
         replica=node.owner,
         serving_url=node.url,
+        trust=trust,
+        trust_reason=reason,
     )
 
 
@@ -131,6 +136,8 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
     state = rec.state
     if state != "expired" and now - rec.last_heard > lease:
         state = "expired"
+    trust, reason = trust_state(rec.hash_mismatch_reason if rec.hash_mismatch else None,
+                                resyncing=rec.resyncing, expired=state == "expired")
     info = pb.NodeInfo(
         node_id=rec.node_id,
         model=rec.model,
@@ -143,6 +150,8 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
         hash_mismatch=rec.hash_mismatch,
         hash_mismatch_reason=rec.hash_mismatch_reason,
         serving_url=rec.serving_url,
+        trust=trust,
+        trust_reason=reason,
     )
     if rec.announced is not None:
         a = rec.announced
@@ -318,13 +327,14 @@ class CoordinatorServicer:
     async def _manage(self, request: Any, context: grpc.aio.ServicerContext, what: str) -> NodeRecord:
         await self._check(request, context)
         principal = await self._principal(context)
-        if principal.role == ROUTER or not principal.may_manage(request.node_id):
+        if not principal.may_manage():
             await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"this token may not {what} node {request.node_id!r}"
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"a {principal.role} token may not {what} nodes (admin only)",
             )
         rec = self.state.registry.get(request.node_id)
         if rec is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {request.node_id!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {shown(request.node_id)}")
         assert rec is not None
         return rec
 
@@ -338,21 +348,21 @@ class CoordinatorServicer:
             )
         if self.shutting_down:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        await self._check_streams(context)
         outbox = _Outbox(context)
         session = IngestSession(self.state, principal, outbox.put, outbox.ack)
         self.state.metrics.streams.inc()
         task = asyncio.current_task()
         if task is not None:
             self._ingest_tasks.add(task)
+        messages = aiter(request_iterator)
         try:
-            async for data in request_iterator:
-                try:
-                    out = await session.handle_bytes(data)
-                except IngestAbort as exc:
-                    await self._abort_ingest(session, context, outbox, exc)
+            first = await self._first_message(messages, context)
+            if first is None or not await self._handle(session, context, outbox, first):
+                return
+            async for data in messages:
+                if not await self._handle(session, context, outbox, data):
                     return
-                for reply in out:
-                    outbox.put(reply)
             await outbox.drain()
         except asyncio.CancelledError:
             if not self.shutting_down:
@@ -368,6 +378,55 @@ class CoordinatorServicer:
             session.close()
             outbox.close()
             self.state.metrics.streams.dec()
+
+    async def _check_streams(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a stream past ``max_streams`` (as Redis' ``maxclients``): RESOURCE_EXHAUSTED, counted."""
+        limit = self.state.config.limits.max_streams
+        if len(self._ingest_tasks) >= limit:
+            self.state.metrics.stream_refused("max_streams")
+            self.state.log_once("refused:max_streams", logging.WARNING,
+                                "ingest stream from %s refused: %d streams open, max_streams is %d "
+                                "(logged once)", context.peer(), len(self._ingest_tasks), limit)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many ingest streams: max_streams is {limit}; retry later")
+
+    async def _first_message(
+        self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> bytes | None:
+        """The stream's first message (its Hello), or None when the stream ended. A stream that sends
+        nothing within ``hello_timeout_s`` is closed with DEADLINE_EXCEEDED: idle, it would hold memory
+        and a ``max_streams`` slot forever."""
+        timeout = self.state.config.limits.hello_timeout_s
+        try:
+            return await asyncio.wait_for(anext(messages), timeout)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            pass
+        self.state.metrics.stream_refused("hello_timeout")
+        self.state.log_once("refused:hello_timeout", logging.INFO,
+                            "ingest stream from %s closed: no Hello within %g s (logged once)",
+                            context.peer(), timeout)
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no Hello within hello_timeout_s ({timeout:g} s): send Hello first")
+        return None  # unreachable: abort raises
+
+    async def _handle(
+        self, session: IngestSession, context: grpc.aio.ServicerContext, outbox: _Outbox, data: bytes
+    ) -> bool:
+        """One message of the stream, its replies queued; False once the stream was aborted."""
+        try:
+            out = await session.handle_bytes(data)
+        except IngestAbort as exc:
+            # gRPC keeps the abort's exception, and through its traceback the frames' locals (a staged
+            # snapshot can be gigabytes): drop them, and the session's state, before aborting.
+            traceback.clear_frames(exc.__traceback__)
+            session.close()
+            await self._abort_ingest(session, context, outbox, exc)
+            return False
+        for reply in out:
+            outbox.put(reply)
+        return True
 
     async def _abort_ingest(
         self, session: IngestSession, context: grpc.aio.ServicerContext, outbox: _Outbox, exc: IngestAbort
@@ -500,7 +559,7 @@ class CoordinatorServicer:
         if principal.role == ROUTER or not principal.may_publish(request.node_id):
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"this token may not heartbeat for node {request.node_id!r}",
+                f"this token may not heartbeat for node {shown(request.node_id)}",
             )
         reg = self.state.registry
         rec = reg.get(request.node_id)
@@ -528,7 +587,7 @@ class CoordinatorServicer:
             log.info("node %s: drain ended (served in lookups again)", rec.node_id)
         else:
             log.info("node %s: draining (left out of lookups)", rec.node_id)
-        self.state.metrics.set_nodes(self.state.registry.by_state())
+        self.state.update_node_gauges()
         return pb.DrainNodeResponse()
 
     async def RemoveNode(

@@ -7,9 +7,15 @@ otherwise filter the node out. So each replica publishes its nodes to a :class:`
 back every :data:`REFRESH_SECONDS`. The lease is carried as a wall-clock *deadline*, so a replica that
 dies leaves records that expire on their own.
 
-Ownership: a record names the replica that wrote it and when it last heard the node. A write only
-replaces a record of the same owner or an older one (one Lua script, atomic), so a replica holding a
-stale record of a node that moved to another replica cannot overwrite the new owner's record.
+Ownership: a record names the replica that wrote it, its fencing token for the node and when it last
+heard the node. A write only replaces a record of the same owner or one it outranks (a lower token, or
+without tokens an earlier heard; one Lua script, atomic), so a replica holding a stale record of a
+node that moved to another replica cannot overwrite the new owner's record.
+
+Fencing: a record also carries the owner's fencing token for the node (see
+:meth:`kvcoord.index.base.Index.claim`). Any replica that reads a record long past its deadline, of a
+node it does not hold, reclaims the node's entries with that token: the backend removes them only if
+nobody claimed the node since (``CoordinatorState._reclaim_dead``).
 
 The memory backend is single-process: it has no directory (``open_directory`` returns None) and the
 registry alone decides, exactly as before.
@@ -26,7 +32,7 @@ from typing import Any, Protocol
 
 from kvcoord.coordinator.registry import ACTIVE, HASH_MISMATCH
 from kvcoord.index.uri import is_redis, parse_redis_uri
-from kvcoord.load import NodeLoad
+from kvcoord.load import EXACT, NodeLoad
 
 log = logging.getLogger("kvcoord.coordinator.shared")
 
@@ -57,9 +63,24 @@ class SharedNode:
     load: NodeLoad = field(default_factory=NodeLoad)
     url: str = ""
     """The engine's serving URL its agent announced."""
+    fence: int = 0
+    """The owner's fencing token for the node (0: none yet): what a reclaim of a dead owner's node
+    checks, so that it never removes a node that was claimed again since."""
+    trust: str = EXACT
+    """The owner's ``NodeRecord.trust`` (a record of a replica that predates it: ``exact``, what that
+    replica answers)."""
+    trust_reason: str = ""
 
     def live(self, now_wall: float) -> bool:
         return self.state in _SERVED and now_wall <= self.deadline
+
+    def outranks(self, fence: int, heard: float) -> bool:
+        """Whether this record wins over another owner's with ``fence`` and ``heard``: the later claim
+        (higher fencing token) when both have one, else the later heard. The token decides first
+        because a stale owner woken up may hear the node later (messages it had buffered)."""
+        if self.fence and fence and self.fence != fence:
+            return self.fence > fence
+        return self.heard > heard
 
     def encode(self) -> str:
         return json.dumps(
@@ -74,6 +95,9 @@ class SharedNode:
                 "heard": self.heard,
                 "load": [self.load.running_requests, self.load.waiting_requests, self.load.kv_usage],
                 "url": self.url,
+                "fence": self.fence,
+                "trust": self.trust,
+                "trust_reason": self.trust_reason,
             },
             separators=(",", ":"),
         )
@@ -93,6 +117,9 @@ class SharedNode:
             heard=float(d["heard"]),
             load=NodeLoad(int(ld[0]), int(ld[1]), float(ld[2])),
             url=str(d.get("url", "")),
+            fence=int(d.get("fence", 0)),
+            trust=str(d.get("trust") or EXACT),
+            trust_reason=str(d.get("trust_reason", "")),
         )
 
 
@@ -100,7 +127,7 @@ class NodeDirectory(Protocol):
     """Where replicas publish and read node records. Methods raise ``ConnectionError`` when down."""
 
     async def publish(self, nodes: Sequence[SharedNode]) -> None:
-        """Write ``nodes``; a record of another owner that heard the node later is kept instead."""
+        """Write ``nodes``; a record of another owner that outranks one (``SharedNode.outranks``) is kept."""
         ...
 
     async def fetch_all(self) -> dict[str, SharedNode]:
@@ -113,17 +140,21 @@ class NodeDirectory(Protocol):
 
 
 _PUBLISH_LUA = r"""
-for i = 1, #ARGV, 4 do
+for i = 1, #ARGV, 5 do
   local cur = redis.call('HGET', KEYS[1], ARGV[i])
   local write = true
   if cur then
     local ok, c = pcall(cjson.decode, cur)
-    if ok and type(c) == 'table' and c.owner ~= ARGV[i + 1]
-        and tonumber(c.heard or 0) > tonumber(ARGV[i + 2]) then
-      write = false
+    if ok and type(c) == 'table' and c.owner ~= ARGV[i + 1] then
+      local cf, f = tonumber(c.fence or 0) or 0, tonumber(ARGV[i + 3])
+      if cf > 0 and f > 0 and cf ~= f then
+        write = f > cf
+      else
+        write = not (tonumber(c.heard or 0) > tonumber(ARGV[i + 2]))
+      end
     end
   end
-  if write then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3]) end
+  if write then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 4]) end
 end
 return 1
 """
@@ -147,7 +178,7 @@ class RedisDirectory:
             return
         args: list[object] = []
         for n in nodes:
-            args += [n.node_id, n.owner, repr(n.heard), n.encode()]
+            args += [n.node_id, n.owner, repr(n.heard), str(n.fence), n.encode()]
         try:
             await self._script(keys=[self.key], args=args)
         except Exception as exc:

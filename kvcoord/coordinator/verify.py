@@ -17,6 +17,7 @@ from typing import Any
 from kvcoord.coordinator.config import VerifyConfig, env_seed
 from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
 from kvcoord.hashing import BlockDigest, HashProfile, hash_block_tokens, to_block_hash64
+from kvcoord.validate import shown
 from kvcoord.wire import Sample
 
 log = logging.getLogger("kvcoord.coordinator.verify")
@@ -39,18 +40,20 @@ def compare_announced(announced: AnnouncedProfile, profile: HashProfile) -> str 
     theirs = announced.none_hash_fingerprint
     if theirs and ours and theirs != ours:
         return (
-            f"seed: the engine's NONE_HASH fingerprint {theirs[:12]}… differs from the coordinator's "
-            f"{ours[:12]}… (set the model's seed, or PYTHONHASHSEED, to the engine's)"
+            f"seed: the engine's NONE_HASH fingerprint {shown(theirs[:12], quote=False)}… differs from the "
+            f"coordinator's {ours[:12]}… (set the model's seed, or PYTHONHASHSEED, to the engine's)"
         )
     if announced.algo and announced.algo != profile.algo:
-        return f"algorithm: the engine hashes with {announced.algo}, the profile says {profile.algo}"
+        return (f"algorithm: the engine hashes with {shown(announced.algo, quote=False)}, the profile says "
+                f"{profile.algo}")
     if announced.block_size and announced.block_size != profile.block_size:
         return (
             f"block size: the engine uses {announced.block_size}-token blocks, the profile says "
             f"{profile.block_size}"
         )
     if announced.style and announced.style != profile.style:
-        return f"extra-key style: the engine uses {announced.style}, the profile says {profile.style}"
+        return (f"extra-key style: the engine uses {shown(announced.style, quote=False)}, the profile says "
+                f"{profile.style}")
     return None
 
 

@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from kvcoord.events import KVEventBatch, encode_vllm_batch
+from kvcoord.validate import shown
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +48,15 @@ def check_endpoint(text: str, *, connect: bool = False) -> str:
     with ``connect``, a ``tcp://`` address to dial: not ``*``). Otherwise ``ValueError`` saying what is
     wrong, in the words of Dynamo's indexer (``invalid ZMQ endpoint `X`: missing TCP port``)."""
     def bad(why: str) -> ValueError:
-        return ValueError(f"invalid ZMQ endpoint `{text}`: {why}")
+        return ValueError(f"invalid ZMQ endpoint `{shown(text, 256, quote=False)}`: {why}")
 
     scheme, sep, rest = text.partition("://")
     if not sep:
         raise bad("missing scheme")
     if scheme not in ("tcp", "ipc", "inproc"):
-        raise bad(f"unsupported scheme `{scheme}`")
+        raise bad(f"unsupported scheme `{shown(scheme, quote=False)}`")
     if connect and scheme != "tcp":
-        raise bad(f"the coordinator relays tcp:// endpoints only, not `{scheme}`")
+        raise bad(f"the coordinator relays tcp:// endpoints only, not `{shown(scheme, quote=False)}`")
     if not rest:
         raise bad("missing address")
     if scheme != "tcp":

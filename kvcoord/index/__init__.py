@@ -7,6 +7,7 @@ from typing import Any
 
 from kvcoord.index.base import (
     ApplyResult,
+    FencedWrite,
     Index,
     IndexStats,
     InvalidEvent,
@@ -19,6 +20,7 @@ from kvcoord.index.uri import check_index_uri, is_memory
 
 __all__ = [
     "ApplyResult",
+    "FencedWrite",
     "Index",
     "IndexStats",
     "InvalidEvent",

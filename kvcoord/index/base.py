@@ -19,6 +19,7 @@ from kvcoord.validate import InvalidEvent, Op, SnapshotEntry
 
 __all__ = [
     "ApplyResult",
+    "FencedWrite",
     "Index",
     "IndexStats",
     "InvalidEvent",
@@ -46,6 +47,16 @@ class NodeMatch(NamedTuple):
     matched_blocks: int
     tiers: tuple[int, ...]
     """Blocks of the matched run per tier, indexed by ``Tier`` value (GPU, CPU, STORAGE)."""
+
+
+class FencedWrite(Exception):
+    """A shared backend refused a write for ``node_id``: another process claimed the node after this one
+    did (:meth:`Index.claim`), so this one is a stale owner (paused, partitioned) and must drop it.
+    Nothing of the refused call was applied."""
+
+    def __init__(self, node_id: str, message: str) -> None:
+        super().__init__(message)
+        self.node_id = node_id
 
 
 @dataclass(slots=True)
@@ -113,6 +124,10 @@ class BackendMetrics(Protocol):
     @property
     def reclaimed_entries(self) -> int: ...
     @property
+    def fenced_writes(self) -> int: ...
+    @property
+    def reclaimed_nodes(self) -> int: ...
+    @property
     def mirror(self) -> MirrorStatus | None: ...
 
 
@@ -129,6 +144,26 @@ class Index(Protocol):
     @property
     def metrics(self) -> BackendMetrics | None:
         """The backend's own round-trip counters (a remote backend), or None."""
+        ...
+
+    async def claim(self, node_id: str) -> None:
+        """This process takes ``node_id`` over (a new ingest stream, not a resumed one). A shared backend
+        gives the node a new fencing token, higher than any before, at this process's next write for it,
+        and from then on refuses writes for the node (``apply``, ``replace_node``, ``clear``,
+        ``remove_node``) from processes holding an older token: each raises :class:`FencedWrite`.
+        A process that never claimed a node writes unfenced (library use, admin removal). Single-process
+        backends do nothing."""
+        ...
+
+    def fence_token(self, node_id: str) -> int:
+        """The fencing token this process holds for ``node_id`` (0: none; always 0 when single-process)."""
+        ...
+
+    async def reclaim_node(self, node_id: str, token: int) -> bool:
+        """Remove a dead owner's ``node_id`` (as ``remove_node``) only if its fencing token is still
+        ``token`` (nobody claimed it since that owner did), and fence that token out. True if it removed
+        something.
+        Single-process backends never need it: False."""
         ...
 
     async def apply(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:

@@ -306,6 +306,15 @@ class MemoryIndex:
     ) -> list[NodeMatch]:
         return self.match_sync(model, hashes, candidates)
 
+    async def claim(self, node_id: str) -> None:
+        """Nothing to fence: this index lives in one process."""
+
+    def fence_token(self, node_id: str) -> int:
+        return 0
+
+    async def reclaim_node(self, node_id: str, token: int) -> bool:
+        return False
+
     async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
         self.clear_sync(model, node_id, dp_rank)
         self._kick()

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvcoord.events import Tier
 from kvcoord.index.base import NodeKey
-from kvcoord.load import NodeLoad
+from kvcoord.load import EXACT, NodeLoad
 
 __all__ = ["TIER_NAMES", "Candidate", "LookupResult"]
 
@@ -31,8 +31,9 @@ class Candidate:
     load: NodeLoad = field(default_factory=NodeLoad)
     serving_url: str = ""
     """The engine's own URL, as its agent (or registration) announced it; empty when unknown."""
-    trust: str = "exact"
-    """How far the coordinator vouches for the match: ``exact`` while the node's stream is whole."""
+    trust: str = EXACT
+    """How far the coordinator vouches for the match: ``exact`` while the node's stream is whole,
+    ``degraded`` when its hashes failed verification (the policies' ``degraded`` option decides)."""
 
     @property
     def key(self) -> NodeKey:

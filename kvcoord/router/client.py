@@ -6,7 +6,9 @@ Errors from the coordinator surface as :class:`CoordinatorError` carrying the gR
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,7 +16,7 @@ from typing import Any, Protocol
 import grpc
 import grpc.aio
 
-from kvcoord.load import NodeLoad
+from kvcoord.load import EXACT, NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.router.answer import Candidate, LookupResult
@@ -56,7 +58,7 @@ def lookup_result(msg: pb.LookupResponse) -> LookupResult:
     """The wire answer as the type the placement policies take."""
     nodes = [
         Candidate(n.node_id, n.dp_rank, n.matched_blocks, (n.tiers.gpu, n.tiers.cpu, n.tiers.storage),
-                  load_from_proto(n.load), n.serving_url, n.trust or "exact")
+                  load_from_proto(n.load), n.serving_url, n.trust or EXACT)
         for n in msg.nodes
     ]
     return LookupResult(msg.model, msg.block_size, msg.num_blocks, nodes, msg.num_tokens)
@@ -77,6 +79,11 @@ class NodeStatus:
     hash_profile: dict[str, Any] | None
     replica: str = ""
     """Id of the coordinator replica holding the node's stream; empty: the one that answered."""
+    serving_url: str = ""
+    """The engine's own URL, as its agent announced it; empty when unknown."""
+    trust: str = EXACT
+    """``exact``, ``resyncing`` or ``degraded`` (see the README's Semantics); ``trust_reason`` says why."""
+    trust_reason: str = ""
 
     @classmethod
     def from_proto(cls, n: pb.NodeInfo) -> NodeStatus:
@@ -86,7 +93,8 @@ class NodeStatus:
                    if n.HasField("hash_profile") else None)
         return cls(n.node_id, n.model, tuple(n.dp_ranks), n.state, n.epoch, n.last_seq,
                    n.last_heartbeat_age_seconds, load_from_proto(n.load), n.hash_mismatch,
-                   n.hash_mismatch_reason, profile, n.replica)
+                   n.hash_mismatch_reason, profile, n.replica, n.serving_url, n.trust or EXACT,
+                   n.trust_reason)
 
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "model": self.model, "dp_ranks": list(self.dp_ranks),
@@ -94,7 +102,8 @@ class NodeStatus:
                 "last_heartbeat_age_seconds": round(self.last_heartbeat_age_seconds, 3),
                 "load": self.load.to_json(),
                 "hash_mismatch": self.hash_mismatch, "hash_mismatch_reason": self.hash_mismatch_reason,
-                "hash_profile": self.hash_profile, "replica": self.replica}
+                "hash_profile": self.hash_profile, "replica": self.replica,
+                "trust": self.trust, "trust_reason": self.trust_reason}
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,20 +245,61 @@ def build_lookup_request(
 
 
 # --- clients ---------------------------------------------------------------------------------
-class CoordinatorClient:
-    """Blocking client. ``timeout`` (seconds) bounds every call."""
+IDEMPOTENT = frozenset({"Lookup", "Stats", "ListNodes", "Ping"})
+"""The calls a client may repeat on another replica: they only read."""
+RETRY_PAUSE = 0.05
+"""Seconds between rounds over all replicas, while every one of them is unavailable."""
 
-    def __init__(self, address: str, *, security: ChannelSecurity | None = None, timeout: float = 5.0,
-                 max_message_bytes: int = 64 << 20) -> None:
-        self.address = address
+
+def replica_addresses(address: str | Sequence[str]) -> list[str]:
+    """``"h1:p1,h2:p2"`` or a list: the coordinator replicas, in order of preference."""
+    parts = address.split(",") if isinstance(address, str) else list(address)
+    out = [a.strip() for a in parts if a.strip()]
+    if not out:
+        raise ValueError("no coordinator address given")
+    return out
+
+
+class _Replicas:
+    """Which replica a client asks: the last one that answered, then the others in turn. An idempotent
+    call that finds its replica UNAVAILABLE (refused, reset, restarting) is repeated on the next one until
+    the call's deadline; other errors, and every error of a call that writes, are the answer."""
+
+    __slots__ = ("addresses", "current")
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.current = 0
+
+    def retry(self, name: str, exc: Any, tried: int, deadline: float) -> float | None:
+        """After a failure on ``current``: the pause before the next attempt (there moves ``current``), or
+        None to raise."""
+        if name not in IDEMPOTENT or len(self.addresses) < 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        pause = 0.0 if tried % len(self.addresses) else RETRY_PAUSE
+        if time.monotonic() + pause >= deadline:
+            return None
+        self.current = (self.current + 1) % len(self.addresses)
+        return pause
+
+
+class CoordinatorClient:
+    """Blocking client. ``timeout`` (seconds) bounds every call. ``address`` may name several replicas
+    (``"h1:p1,h2:p2"`` or a list): reads go to one and move to the next while it is unavailable."""
+
+    def __init__(self, address: str | Sequence[str], *, security: ChannelSecurity | None = None,
+                 timeout: float = 5.0, max_message_bytes: int = 64 << 20) -> None:
+        self._replicas = _Replicas(replica_addresses(address))
+        self.address = ",".join(self._replicas.addresses)
         self.security = security or ChannelSecurity()
         self.timeout = timeout
-        self._channel = open_channel(address, self.security, max_message_bytes)
-        self._stub = pbg.CoordinatorStub(self._channel)
+        self._channels = [open_channel(a, self.security, max_message_bytes) for a in self._replicas.addresses]
+        self._stubs = [pbg.CoordinatorStub(c) for c in self._channels]
         self._md = self.security.metadata() or None
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -257,53 +307,64 @@ class CoordinatorClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, timeout=self.timeout, metadata=self._md)
-        except grpc.RpcError as exc:
-            raise CoordinatorError.from_rpc(exc) from None
+    def _call(self, name: str, request: Any) -> Any:
+        deadline = time.monotonic() + self.timeout
+        tried = 0
+        while True:
+            method = getattr(self._stubs[self._replicas.current], name)
+            try:
+                return method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._md)
+            except grpc.RpcError as exc:
+                tried += 1
+                pause = self._replicas.retry(name, exc, tried, deadline)
+                if pause is None:
+                    raise CoordinatorError.from_rpc(exc) from None
+                time.sleep(pause)
 
     def lookup(self, model: str, **query: Any) -> LookupResult:
         """See :func:`build_lookup_request` for the query keywords (tokens= or hashes=, keys, candidates)."""
-        return lookup_result(self._call(self._stub.Lookup, build_lookup_request(model, **query)))
+        return lookup_result(self._call("Lookup", build_lookup_request(model, **query)))
 
     def stats(self) -> CoordinatorStats:
-        return CoordinatorStats.from_proto(self._call(self._stub.Stats, pb.StatsRequest()))
+        return CoordinatorStats.from_proto(self._call("Stats", pb.StatsRequest()))
 
     def list_nodes(self, model: str = "") -> list[NodeStatus]:
-        resp = self._call(self._stub.ListNodes, pb.ListNodesRequest(model=model))
+        resp = self._call("ListNodes", pb.ListNodesRequest(model=model))
         return [NodeStatus.from_proto(n) for n in resp.nodes]
 
     def heartbeat(self, node_id: str, epoch: int, load: NodeLoad | None = None) -> HeartbeatResult:
         req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=load_to_proto(load or NodeLoad()))
-        resp = self._call(self._stub.Heartbeat, req)
+        resp = self._call("Heartbeat", req)
         return HeartbeatResult(resp.lease_seconds, resp.known)
 
     def drain(self, node_id: str, *, undrain: bool = False) -> None:
         """Leave ``node_id`` out of lookups (``undrain=True``: serve it again)."""
-        self._call(self._stub.DrainNode, pb.DrainNodeRequest(node_id=node_id, undrain=undrain))
+        self._call("DrainNode", pb.DrainNodeRequest(node_id=node_id, undrain=undrain))
 
     def remove(self, node_id: str) -> None:
-        self._call(self._stub.RemoveNode, pb.RemoveNodeRequest(node_id=node_id))
+        self._call("RemoveNode", pb.RemoveNodeRequest(node_id=node_id))
 
     def ping(self) -> None:
-        self._call(self._stub.Ping, pb.PingRequest())
+        self._call("Ping", pb.PingRequest())
 
 
 class AsyncCoordinatorClient:
     """asyncio client; same methods as :class:`CoordinatorClient`, as coroutines."""
 
-    def __init__(self, address: str, *, security: ChannelSecurity | None = None, timeout: float = 5.0,
-                 max_message_bytes: int = 64 << 20) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], *, security: ChannelSecurity | None = None,
+                 timeout: float = 5.0, max_message_bytes: int = 64 << 20) -> None:
+        self._replicas = _Replicas(replica_addresses(address))
+        self.address = ",".join(self._replicas.addresses)
         self.security = security or ChannelSecurity()
         self.timeout = timeout
-        self._channel = open_aio_channel(address, self.security, max_message_bytes)
-        self._stub = pbg.CoordinatorStub(self._channel)
+        self._channels = [open_aio_channel(a, self.security, max_message_bytes)
+                          for a in self._replicas.addresses]
+        self._stubs = [pbg.CoordinatorStub(c) for c in self._channels]
         self._md = self.security.metadata() or None
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncCoordinatorClient:
         return self
@@ -311,39 +372,48 @@ class AsyncCoordinatorClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return await method(request, timeout=self.timeout, metadata=self._md)
-        except grpc.aio.AioRpcError as exc:
-            raise CoordinatorError.from_rpc(exc) from None
+    async def _call(self, name: str, request: Any) -> Any:
+        deadline = time.monotonic() + self.timeout
+        tried = 0
+        while True:
+            method = getattr(self._stubs[self._replicas.current], name)
+            try:
+                return await method(request, timeout=max(0.001, deadline - time.monotonic()),
+                                    metadata=self._md)
+            except grpc.aio.AioRpcError as exc:
+                tried += 1
+                pause = self._replicas.retry(name, exc, tried, deadline)
+                if pause is None:
+                    raise CoordinatorError.from_rpc(exc) from None
+                await asyncio.sleep(pause)
 
     async def lookup(self, model: str, **query: Any) -> LookupResult:
-        resp = await self._call(self._stub.Lookup, build_lookup_request(model, **query))
+        resp = await self._call("Lookup", build_lookup_request(model, **query))
         return lookup_result(resp)
 
     async def lookup_raw(self, request: pb.LookupRequest) -> pb.LookupResponse:
         """A prebuilt request, without result conversion (for hot paths and benchmarks)."""
-        resp: pb.LookupResponse = await self._call(self._stub.Lookup, request)
+        resp: pb.LookupResponse = await self._call("Lookup", request)
         return resp
 
     async def stats(self) -> CoordinatorStats:
-        return CoordinatorStats.from_proto(await self._call(self._stub.Stats, pb.StatsRequest()))
+        return CoordinatorStats.from_proto(await self._call("Stats", pb.StatsRequest()))
 
     async def list_nodes(self, model: str = "") -> list[NodeStatus]:
-        resp = await self._call(self._stub.ListNodes, pb.ListNodesRequest(model=model))
+        resp = await self._call("ListNodes", pb.ListNodesRequest(model=model))
         return [NodeStatus.from_proto(n) for n in resp.nodes]
 
     async def heartbeat(self, node_id: str, epoch: int, load: NodeLoad | None = None) -> HeartbeatResult:
         req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=load_to_proto(load or NodeLoad()))
-        resp = await self._call(self._stub.Heartbeat, req)
+        resp = await self._call("Heartbeat", req)
         return HeartbeatResult(resp.lease_seconds, resp.known)
 
     async def drain(self, node_id: str, *, undrain: bool = False) -> None:
         """Leave ``node_id`` out of lookups (``undrain=True``: serve it again)."""
-        await self._call(self._stub.DrainNode, pb.DrainNodeRequest(node_id=node_id, undrain=undrain))
+        await self._call("DrainNode", pb.DrainNodeRequest(node_id=node_id, undrain=undrain))
 
     async def remove(self, node_id: str) -> None:
-        await self._call(self._stub.RemoveNode, pb.RemoveNodeRequest(node_id=node_id))
+        await self._call("RemoveNode", pb.RemoveNodeRequest(node_id=node_id))
 
     async def ping(self) -> None:
-        await self._call(self._stub.Ping, pb.PingRequest())
+        await self._call("Ping", pb.PingRequest())

@@ -29,7 +29,7 @@ from typing import ClassVar, NamedTuple, Protocol
 from kvcoord.events import DEFAULT_TIER_WEIGHTS
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey, NodeMatch
-from kvcoord.load import NodeLoad
+from kvcoord.load import DEGRADED, NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 
 
@@ -241,6 +241,11 @@ class PrefixAwarePolicy:
     bonus for the node that evicted it. Measured on the Mooncake conversation trace (5 seeds), such
     stickiness lowered the hit rate by 0.2 points: a node that evicted a session is the node whose
     cache churns fastest, the worst place to rebuild it.
+
+    **Degraded nodes** (a candidate whose ``trust`` is ``degraded``: its hashes failed verification, so
+    its matches may be wrong) per ``degraded``: ``"discount"`` (default) counts its matched blocks at
+    ``degraded_weight`` (0.5), ``"ignore"`` treats it as holding nothing (it stays a candidate, chosen
+    on load), ``"trust"`` takes its matches as exact.
     """
 
     uses_index: ClassVar[bool] = True
@@ -256,7 +261,13 @@ class PrefixAwarePolicy:
         work_weight: float = 2.0,
         affinity_entries: int = 65_536,
         affinity_stride: int = 32,
+        degraded: str = "discount",
+        degraded_weight: float = 0.5,
     ) -> None:
+        if degraded not in DEGRADED_MODES:
+            raise ValueError(f"degraded must be one of {', '.join(DEGRADED_MODES)}, got {degraded!r}")
+        if not 0.0 <= degraded_weight <= 1.0:
+            raise ValueError(f"degraded_weight must be in [0, 1], got {degraded_weight}")
         if affinity_entries < 0 or affinity_stride < 1:
             raise ValueError("affinity_entries must be >= 0 and affinity_stride >= 1")
         if work_weight < 1.0:
@@ -273,11 +284,17 @@ class PrefixAwarePolicy:
         self.balance_rel = balance_rel
         self.work_weight = work_weight
         self.memory = PlacementMemory(affinity_entries, affinity_stride)
+        self.degraded = degraded
+        self.degraded_weight = {"discount": degraded_weight, "ignore": 0.0, "trust": 1.0}[degraded]
+        """What a degraded candidate's matched blocks count for."""
 
     def saved_tokens(self, request: RouteRequest, c: Candidate) -> float:
         g, cpu, sto = c.tier_counts()
         w = self.tier_weights
-        return min(float(request.num_tokens), request.block_size * (w[0] * g + w[1] * cpu + w[2] * sto))
+        held = w[0] * g + w[1] * cpu + w[2] * sto
+        if c.trust == DEGRADED:
+            held *= self.degraded_weight
+        return min(float(request.num_tokens), request.block_size * held)
 
     def cost(self, request: RouteRequest, c: Candidate) -> float:
         """Expected TTFT on ``c`` in seconds (the formula in the class docstring)."""
@@ -287,6 +304,10 @@ class PrefixAwarePolicy:
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _require(candidates)
+        if self.degraded == "ignore":
+            # Held nothing, as far as this decision (and its explanation) goes.
+            candidates = [replace(c, matched_blocks=0, tiers=()) if c.trust == DEGRADED else c
+                          for c in candidates]
         recalled = self.memory.recall(request.block_hashes)
         inflight = ""
         if (
@@ -318,6 +339,9 @@ class PrefixAwarePolicy:
             f"{(best_cost - queue) * 1e3:.1f} + queue {queue * 1e3:.1f}"
         )
         why += inflight
+        if chosen.trust == DEGRADED and self.degraded != "ignore":
+            why += (f"; {_name(chosen)} is degraded (its hashes failed verification), its blocks counted "
+                    f"at {self.degraded_weight:g}")
         if len(ties) > 1:
             why += f"; {len(ties)} tied, picked at random"
         top = max(sorted(candidates, key=lambda c: c.key), key=lambda c: c.matched_blocks)
@@ -328,13 +352,19 @@ class PrefixAwarePolicy:
                     f"cap ({top.load.in_flight} in flight > {cap:.1f})"
                 )
             else:
+                busier = (f"is degraded, its blocks counted at {self.degraded_weight:g}"
+                          if top.trust == DEGRADED and self.degraded_weight < 1 else "is busier")
                 why += (
-                    f"; replicating: best holder {_name(top)} ({top.matched_blocks} blocks) is busier "
+                    f"; replicating: best holder {_name(top)} ({top.matched_blocks} blocks) {busier} "
                     f"(cost {self.cost(request, top) * 1e3:.1f} ms)"
                 )
         own = self.latency.prefill_s_per_token * (request.num_tokens - saved)
         self.memory.record(request.block_hashes, chosen.key, request.now, request.now + queue + own)
         return Decision(chosen.node_id, chosen.dp_rank, why, chosen.matched_blocks, best_cost)
+
+
+DEGRADED_MODES: tuple[str, ...] = ("discount", "ignore", "trust")
+"""How :class:`PrefixAwarePolicy` counts a degraded candidate's matches."""
 
 
 class Placement(NamedTuple):
@@ -533,10 +563,13 @@ def make_policy(
 
 
 def place(answer: LookupResult, policy: Policy | None = None, *, now: float = 0.0,
-          block_hashes: Sequence[BlockHash64] = ()) -> Decision:
+          block_hashes: Sequence[BlockHash64] = (), degraded: str | None = None) -> Decision:
     """Where to send the request ``answer`` is the lookup of: ``policy`` (default: prefix-aware) over the
     answer's nodes. Ask the lookup with ``include_unmatched=True`` so that idle nodes holding nothing are
-    candidates too; raises ``ValueError`` when the answer names no node at all."""
+    candidates too; raises ``ValueError`` when the answer names no node at all. ``degraded`` (one of
+    ``DEGRADED_MODES``) configures the default policy; a policy passed in has its own setting."""
+    if policy is not None and degraded is not None:
+        raise ValueError("degraded configures the default policy: give it to the policy you pass instead")
     num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
     request = RouteRequest(num_tokens, max(1, answer.block_size), block_hashes, now)
-    return (policy or PrefixAwarePolicy()).choose(request, answer.nodes)
+    return (policy or PrefixAwarePolicy(degraded=degraded or "discount")).choose(request, answer.nodes)

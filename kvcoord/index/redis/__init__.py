@@ -18,6 +18,7 @@ script touches one bucket only. A bucket holds whole nodes (all their models and
 ``T:fwd:<id>``            hash   block hash -> tier mask: one location's blocks (clear, export, reclaim)
 ``T:cnt``                 hash   ``<id>:<tier>`` -> entries, so ``stats`` never counts entries one by one
 ``T:dead`` / ``T:cur``    list   retired location ids waiting for reclaim, and their HSCAN cursors
+``T:fence:<node>``        str    the node's fencing token: the highest a replica claimed it with
 ========================  =====  ====================================================================
 
 A lookup runs one read-only script per bucket that walks the query's hashes through ``T:inv:<model>``,
@@ -68,6 +69,16 @@ per-block Redis work. The copy is eventually consistent with Redis (a feed entry
 millisecond or so), and a client's own writes are visible to its next lookup (``apply`` waits for its
 entry). See :class:`~kvcoord.index.redis.mirror.LookupMirror` for loading, gaps and
 outages.
+
+Fencing (replicas on one Redis): a replica that takes a node over claims it (``claim``); its next write
+for the node first gets a new token from ``T:fence:<node>``, higher than any before (at least Redis's
+clock in microseconds, so a Redis restarted empty still issues higher ones). Every write script
+(write, begin, commit, clear, remove_node) carries the writer's token and checks it in the same atomic
+call: an older token is refused (-1; ``FencedWrite``, counted in ``fenced_writes``), so a replica that
+was paused or cut off while another took its node over cannot write over the new owner. A write of a
+client that never claimed the node carries ``0`` and is not fenced (library use, an admin removal).
+``reclaim_node`` removes a dead owner's node only while the token is still that owner's, and then
+issues a new one, fencing the dead owner out for good.
 
 Entries are only ever lost if Redis loses them: run Redis with ``maxmemory-policy noeviction`` (an
 evicted ``T:inv`` field would silently hide a block that a node still holds; with ``noeviction`` a

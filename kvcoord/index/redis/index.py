@@ -21,7 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from kvcoord import validate
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index.base import ApplyResult, IndexStats, NodeKey, NodeMatch, Op, SnapshotEntry
+from kvcoord.index.base import ApplyResult, FencedWrite, IndexStats, NodeKey, NodeMatch, Op, SnapshotEntry
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import (
     _EXEC,
@@ -100,6 +100,8 @@ class RedisIndex:
         self._mirror = LookupMirror(self._conn, self._tags) if mirror else None
         """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
         self.metrics.mirror = self._mirror
+        self._fence: dict[str, int | None] = {}
+        """Per claimed node, the fencing token this client holds (None: claimed, token not issued yet)."""
 
     # ------------------------------------------------------------------------------------ opening
 
@@ -153,6 +155,50 @@ class RedisIndex:
 
     # ---------------------------------------------------------------------------------- the protocol
 
+    async def claim(self, node_id: str) -> None:
+        """Lazily: the token is issued by the node's next write (inside the caller's retries, so a
+        Hello never waits for Redis). Writes in between carry the old token, and a write issued by a
+        stale owner after the new owner's first write is refused."""
+        self._fence[node_id] = None
+
+    def fence_token(self, node_id: str) -> int:
+        return self._fence.get(node_id) or 0
+
+    async def _token(self, node_id: str) -> str:
+        """The token this client's writes for ``node_id`` carry ('0': it never claimed the node)."""
+        if node_id not in self._fence:
+            return "0"
+        tok = self._fence[node_id]
+        if tok is None:
+            await self._check_layout()
+            tok = int(await self._conn.eval(lua.CLAIM, self.tag_of(node_id), node_id))
+            # concurrent first writes may each issue one: keep the highest, or we would fence ourselves
+            tok = max(tok, self._fence.get(node_id) or 0)
+            self._fence[node_id] = tok
+        return str(tok)
+
+    def _fenced(self, node_id: str, what: str) -> FencedWrite:
+        """Count a refused write (the stale token is kept: later writes are refused too, until a claim)."""
+        self.metrics.fenced_writes += 1
+        return FencedWrite(
+            node_id, f"{what} refused by Redis: another replica claimed the node since (this one's fencing "
+            f"token {self._fence.get(node_id)} is stale)"
+        )
+
+    async def reclaim_node(self, node_id: str, token: int) -> bool:
+        """Retire a dead owner's node unless it was claimed since (its token moved past ``token``). False
+        also when there was nothing left to retire (the owner had removed the node itself)."""
+        if token <= 0:
+            return False
+        tag = self.tag_of(node_id)
+        res = int(await self._conn.eval(lua.REMOVE_NODE, tag, node_id, str(token), "1"))
+        if res <= 0:
+            return False
+        self.metrics.reclaimed_nodes += 1
+        self._wake_reclaimer()
+        await self._mirror_sync(tag)
+        return True
+
     async def apply(self, model: str, node_id: str, dp_rank: int, ops_in: Sequence[Op]) -> ApplyResult:
         validate.check_target(model, node_id, dp_rank)
         ops, skipped = compile_ops(ops_in)
@@ -160,7 +206,8 @@ class RedisIndex:
         if not ops:
             return result
         await self._check_layout()
-        batch: list[object] = [_loc_name(model, node_id, dp_rank), node_id, "A", len(ops)]
+        token = await self._token(node_id)
+        batch: list[object] = [_loc_name(model, node_id, dp_rank), node_id, "A", token, len(ops)]
         blocks = 0
         for op, blob in ops:
             batch.append(op)
@@ -170,6 +217,8 @@ class RedisIndex:
         new, _dup, removed, unknown, cleared, skipped_removals, seq = await self._writes.submit(
             bucket, batch, blocks
         )
+        if new < 0:
+            raise self._fenced(node_id, "apply")
         if self._mirror is not None and seq:
             await self._mirror.caught_up(self._tags[bucket], seq)  # read-your-writes on this replica
         result.stored = int(new)
@@ -300,12 +349,20 @@ class RedisIndex:
     async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
         validate.check_target(model, node_id, dp_rank)
         lf = _loc_name(model, node_id, dp_rank)
-        if await self._conn.eval(lua.CLEAR, self.tag_of(node_id), lf, node_id):
+        token = await self._token(node_id)
+        res = int(await self._conn.eval(lua.CLEAR, self.tag_of(node_id), lf, node_id, token))
+        if res < 0:
+            raise self._fenced(node_id, "clear")
+        if res:
             self._wake_reclaimer()
         await self._mirror_sync(self.tag_of(node_id))
 
     async def remove_node(self, node_id: str) -> None:
-        if await self._conn.eval(lua.REMOVE_NODE, self.tag_of(node_id), node_id):
+        token = await self._token(node_id)
+        res = int(await self._conn.eval(lua.REMOVE_NODE, self.tag_of(node_id), node_id, token, "0"))
+        if res < 0:
+            raise self._fenced(node_id, "remove_node")
+        if res:
             self._wake_reclaimer()
         await self._mirror_sync(self.tag_of(node_id))
 
@@ -349,9 +406,12 @@ class RedisIndex:
         await self._check_layout()
         tag = self.tag_of(node_id)
         lf = _loc_name(model, node_id, dp_rank)
-        pending = int(await self._conn.eval(lua.BEGIN, tag, lf, node_id))
+        token = await self._token(node_id)
+        pending = int(await self._conn.eval(lua.BEGIN, tag, lf, node_id, token))
+        if pending < 0:
+            raise self._fenced(node_id, "replace_node")
         try:
-            committed = await self._fill_pending(tag, lf, node_id, pending, per_tier)
+            committed = await self._fill_pending(tag, lf, node_id, pending, per_tier, token)
         except rexc.ResponseError as e:
             if "ABORTED" not in str(e):
                 raise
@@ -366,14 +426,21 @@ class RedisIndex:
             log.info("replace_node %s/%s/%d lost to a concurrent remove_node", model, node_id, dp_rank)
 
     async def _fill_pending(
-        self, tag: str, lf: str, node_id: str, pending: int, per_tier: Sequence[Sequence[int]]
+        self, tag: str, lf: str, node_id: str, pending: int, per_tier: Sequence[Sequence[int]], token: str
     ) -> Any:
-        """Store a snapshot into the pending location in chunks, then swap it in (COMMIT's answer)."""
+        """Store a snapshot into the pending location in chunks, then swap it in (COMMIT's answer).
+        Raises ``FencedWrite`` when the node was claimed by another client meanwhile."""
         for t, hs in enumerate(per_tier):
             for s in range(0, len(hs), _REPLACE_CHUNK):
                 blob = _pack(hs[s : s + _REPLACE_CHUNK])
-                await self._conn.eval(lua.WRITE, tag, lf, node_id, str(pending), 1, f"S{t}", blob)
-        return await self._conn.eval(lua.COMMIT, tag, lf, node_id, str(pending))
+                res = await self._conn.eval(lua.WRITE, tag, lf, node_id, str(pending), token, 1,
+                                            f"S{t}", blob)
+                if int(res[0]) < 0:
+                    raise self._fenced(node_id, "replace_node")
+        committed = int(await self._conn.eval(lua.COMMIT, tag, lf, node_id, str(pending), token))
+        if committed < 0:
+            raise self._fenced(node_id, "replace_node")
+        return committed
 
     # ---------------------------------------------------------------------------------- stats
 

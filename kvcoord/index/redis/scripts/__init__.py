@@ -34,18 +34,25 @@ def _load(name: str, *, prelude: bool = True) -> _Script:
 
 WRITE = _load("write.lua")
 """ARGV: tag, then one or more batches, each: location name, node, mode ('A' apply to the live location,
-or a pending id to fill), op count, then (op, blob) pairs: 'S<tier>' store, 'R<tier>' or
-'R<tier>:<group>' remove (blob = packed 8-byte hashes), 'G<group>' remember a non-indexable group of
-this location, 'C' AllBlocksCleared. Batches apply in order; returns 6 counts per batch, then the feed
-seq of the call's changes (0: none) while the feed is on."""
+or a pending id to fill), the node's fencing token ('0': unfenced), op count, then (op, blob) pairs:
+'S<tier>' store, 'R<tier>' or 'R<tier>:<group>' remove (blob = packed 8-byte hashes), 'G<group>'
+remember a non-indexable group of this location, 'C' AllBlocksCleared. Batches apply in order; returns
+6 counts per batch (the first -1: fenced, nothing of the batch applied), then the feed seq of the
+call's changes (0: none) while the feed is on."""
 BEGIN = _load("begin.lua")
-"""ARGV: tag, location name, node. Starts a pending (invisible) location for replace_node."""
+"""ARGV: tag, location name, node, fencing token. Starts a pending (invisible) location for replace_node;
+returns its id (-1: fenced)."""
 COMMIT = _load("commit.lua")
-"""ARGV: tag, location name, node, pending id. Swaps the pending location in, retiring the old one."""
+"""ARGV: tag, location name, node, pending id, fencing token. Swaps the pending location in, retiring the
+old one (-1: fenced)."""
 CLEAR = _load("clear.lua")
-"""ARGV: tag, location name, node. AllBlocksCleared for one location: returns the entries it dropped."""
+"""ARGV: tag, location name, node, fencing token. AllBlocksCleared for one location: returns the entries
+it dropped (-1: fenced)."""
 REMOVE_NODE = _load("remove_node.lua")
-"""ARGV: tag, node. Retires every location (all models, ranks, pending fills) of one node."""
+"""ARGV: tag, node, fencing token, '1' for a reclaim. Retires every location (all models, ranks, pending
+fills) of one node (-1: fenced; a reclaim: the token is no longer exactly the one given)."""
+CLAIM = _load("claim.lua")
+"""ARGV: tag, node. A new fencing token for the node, higher than any before (see common.lua)."""
 REMOVE_PENDING = _load("remove_pending.lua")
 """ARGV: tag, location name, node, pending id: abandons a replace_node fill that failed midway."""
 RECLAIM = _load("reclaim.lua")

@@ -1,4 +1,5 @@
 local lf, node, id = ARGV[2], ARGV[3], ARGV[4]
+if fenced(node, ARGV[5]) then return -1 end
 if redis.call('HEXISTS', tag .. ':pend', id) == 0 then return 0 end
 local old = redis.call('HGET', tag .. ':loc', lf)
 if old then retire(old, lf, node) end

@@ -115,3 +115,24 @@ local function retire(id, lf, node)
   call('RPUSH', tag .. ':dead', id .. ':' .. lf)
   return (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
 end
+-- Fencing tokens, one per node (T:fence:<node>): a client claims a node with a token above any issued
+-- before (at least the server time in microseconds, so a Redis restarted empty still issues higher
+-- ones), and every write for the node carries its token; an older token is refused (the script
+-- answers -1 and changes nothing). '0' is unfenced (a client that never claimed the node). A key lost
+-- with Redis's data is adopted by the first fenced writer; the highest token wins from then on.
+local function new_token(node)
+  local k = tag .. ':fence:' .. node
+  local t = call('TIME')
+  local tok = math.max((tonumber(call('GET', k)) or 0) + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
+  local s = string.format('%.0f', tok)
+  call('SET', k, s)
+  return s
+end
+local function fenced(node, tok)
+  if tok == '0' then return false end
+  local k = tag .. ':fence:' .. node
+  local cur, mine = tonumber(call('GET', k)) or 0, tonumber(tok)
+  if mine < cur then return true end
+  if mine > cur then call('SET', k, tok) end
+  return false
+end

@@ -1,3 +1,11 @@
+-- ARGV[4] '1': reclaiming a dead owner's node, only while its token is still exactly ARGV[3]; the
+-- token is then fenced out (a new one is issued), so that owner can never write for the node again
+if ARGV[4] == '1' then
+  if redis.call('GET', tag .. ':fence:' .. ARGV[2]) ~= ARGV[3] then return -1 end
+  new_token(ARGV[2])
+elseif fenced(ARGV[2], ARGV[3]) then
+  return -1
+end
 local key = tag .. ':node:' .. ARGV[2]
 local ids = redis.call('SMEMBERS', key)
 for i = 1, #ids do

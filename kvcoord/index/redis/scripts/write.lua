@@ -6,12 +6,17 @@ while a <= #ARGV do
   if mode ~= 'A' and call('HEXISTS', tag .. ':pend', mode) == 0 then
     return redis.error_reply('ABORTED pending location gone')
   end
-  a = a + 4 + 2 * tonumber(ARGV[a + 3])
+  a = a + 5 + 2 * tonumber(ARGV[a + 4])
 end
 local out = {}
 local function apply_batch(a)
   local lf, node, mode = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  local last = a + 3 + 2 * tonumber(ARGV[a + 3])
+  local last = a + 4 + 2 * tonumber(ARGV[a + 4])
+  if fenced(node, ARGV[a + 3]) then  -- another client claimed the node since: nothing of it applies
+    local n = #out
+    out[n + 1] = -1; out[n + 2] = 0; out[n + 3] = 0; out[n + 4] = 0; out[n + 5] = 0; out[n + 6] = 0
+    return last + 1
+  end
   local inv = tag .. ':inv:' .. model_of(lf)
   local skipkey = tag .. ':skip:' .. node
   local id, fwd
@@ -68,7 +73,7 @@ local function apply_batch(a)
     flush_hash(inv, order, fi, true)
     return changed, noop
   end
-  for o = a + 4, last, 2 do
+  for o = a + 5, last, 2 do
     local op, blob = ARGV[o], ARGV[o + 1]
     local kind = sub(op, 1, 1)
     if kind == 'C' then

@@ -1,0 +1,101 @@
+"""``kvcoord epp``: a Gateway API Inference Extension endpoint picker (Envoy ``ext_proc`` v3) that places
+each request on the node holding the most of its prefix."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvcoord.cli.common import (
+    HOSTPORT,
+    NONNEG_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    CliError,
+    Subparsers,
+    add_connection,
+    parse_hostport,
+    run_until_signalled,
+    security,
+)
+from kvcoord.gateway import POLICIES
+
+
+def add(sub: Subparsers) -> None:
+    p = sub.add_parser("epp", help="Gateway API endpoint picker: Envoy ext_proc, prefix-aware picks",
+                       description="Serve Envoy's ext_proc v3 as a Gateway API Inference Extension endpoint "
+                                   "picker: read each request's body, look its prompt up on the coordinator, "
+                                   "pick a node, answer x-gateway-destination-endpoint (header and envoy.lb "
+                                   "metadata, with fallbacks).")
+    add_connection(p, timeout=0.5)
+    p.add_argument("--listen", default="0.0.0.0:9002", type=HOSTPORT, metavar="HOST:PORT",
+                   help="ext_proc and grpc.health.v1 address (default 0.0.0.0:9002, the EPP's port)")
+    p.add_argument("--backend", action="append", default=[], metavar="NODE=ADDR:PORT",
+                   help="a node's endpoint (repeatable; wins over the serving URL its agent announced)")
+    p.add_argument("--policy", default="prefix-aware", choices=POLICIES,
+                   help="placement (default prefix-aware)")
+    p.add_argument("--fallbacks", type=NONNEG_INT, default=2,
+                   help="endpoints listed after the pick, for Envoy's retries (default 2)")
+    p.add_argument("--max-in-flight", type=NONNEG_INT, default=0, metavar="N",
+                   help="a node with N requests in flight takes no more; 429 when all are "
+                        "(default 0: no limit)")
+    p.add_argument("--max-waiting", type=NONNEG_INT, default=0, metavar="N",
+                   help="a node with N queued requests takes no more; 429 when all are "
+                        "(default 0: no limit)")
+    p.add_argument("--request-body-mode", default="buffered", choices=("buffered", "full-duplex"),
+                   help="Envoy's request_body_mode when its first message does not say (default buffered)")
+    p.add_argument("--refresh-interval", type=POSITIVE_FLOAT, default=2.0, metavar="SECONDS",
+                   help="how often the node list is reloaded from ListNodes (default 2)")
+    p.add_argument("--max-body-bytes", type=POSITIVE_INT, default=16 << 20,
+                   help="larger request bodies get 413 (default 16 MiB)")
+    p.add_argument("--metrics-listen", default=None, type=HOSTPORT, metavar="HOST:PORT",
+                   help="Prometheus /metrics address (default: none)")
+    p.add_argument("--health-listen", default=None, type=HOSTPORT, metavar="HOST:PORT",
+                   help="also serve grpc.health.v1 alone, in plaintext, here (for kubelet probes under TLS)")
+    p.add_argument("--listen-tls-cert", default=None, help="PEM certificate: serve ext_proc over TLS")
+    p.add_argument("--listen-tls-key", default=None, help="PEM key of --listen-tls-cert")
+    p.set_defaults(func=run)
+
+
+def backends(specs: list[str]) -> dict[str, str]:
+    """``NODE=ADDR:PORT`` flags as a mapping; the address must be an IP (Envoy's original_dst needs one)."""
+    import ipaddress
+
+    out: dict[str, str] = {}
+    for spec in specs:
+        node, sep, addr = spec.partition("=")
+        if not sep or not node or not addr:
+            raise CliError(f"--backend {spec!r}: expected NODE=ADDR:PORT")
+        try:
+            host, port = parse_hostport(addr)
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise CliError(f"--backend {spec!r}: ADDR:PORT must be an IP address and a port, "
+                           "e.g. 10.0.0.5:8000") from None
+        if node in out:
+            raise CliError(f"--backend: node {node!r} given twice")
+        out[node] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.listen_tls_cert is None) != (args.listen_tls_key is None):
+        raise CliError("--listen-tls-cert and --listen-tls-key must be given together")
+    static = backends(args.backend)
+    try:
+        from kvcoord.gateway.epp import EppConfig, serve_epp
+    except ImportError as exc:  # the Envoy protobufs are an extra
+        if (exc.name or "").split(".")[0] in ("envoy", "xds", "udpa", "validate"):
+            raise CliError("needs Envoy's protobufs: pip install 'kvcoord[epp]' (xds-protos)") from None
+        raise
+    from kvcoord.gateway.picker import PickerConfig
+
+    picker = PickerConfig(static_backends=static, policy=args.policy, fallbacks=args.fallbacks,
+                          max_in_flight=args.max_in_flight, max_waiting=args.max_waiting)
+    config = EppConfig(coordinator=args.coordinator, listen=args.listen, security=security(args),
+                       timeout=args.timeout, picker=picker, mode=args.request_body_mode,
+                       refresh_seconds=args.refresh_interval, max_body_bytes=args.max_body_bytes,
+                       metrics_listen=args.metrics_listen, health_listen=args.health_listen,
+                       tls_cert=args.listen_tls_cert,
+                       tls_key=args.listen_tls_key)
+    run_until_signalled(lambda stop: serve_epp(config, stop))
+    return 0

@@ -1,0 +1,102 @@
+"""``kvcoord route``: an OpenAI-compatible proxy that places each request on the engine holding most of
+its prefix (:mod:`kvcoord.gateway.route`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvcoord.cli.common import (
+    NONNEG_INT,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    CliError,
+    Subparsers,
+    add_connection,
+    run_until_signalled,
+    security,
+)
+from kvcoord.gateway import POLICIES
+
+
+def _listen(text: str) -> str:
+    """A listen address, ``HOST:PORT`` (port 0: any free port)."""
+    from kvcoord.transport import split_hostport
+
+    try:
+        split_hostport(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
+def _backend(text: str) -> tuple[str, str]:
+    from kvcoord.gateway.route_backends import parse_backend
+
+    try:
+        return parse_backend(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_listen.__name__ = "HOST:PORT"
+_backend.__name__ = "NODE=URL"
+
+
+def add(sub: Subparsers) -> None:
+    p = sub.add_parser("route", help="OpenAI-compatible router placing requests by prefix",
+                       description="An OpenAI-compatible HTTP proxy in front of the engines: "
+                       "/v1/completions, /v1/chat/completions (streaming), /v1/models, /health, /metrics. "
+                       "Each request is looked up (the coordinator tokenizes it as the engine will) and "
+                       "placed by the prefix-aware policy; x-kvcoord-* response headers say where and why.")
+    add_connection(p, required=False, timeout=5.0)
+    p.add_argument("--listen", default="127.0.0.1:8000", type=_listen, metavar="HOST:PORT",
+                   help="where to serve the OpenAI API (default 127.0.0.1:8000)")
+    p.add_argument("--backend", action="append", default=[], type=_backend, metavar="NODE=URL",
+                   help="a node's engine URL, e.g. node-a=http://10.0.0.5:8000 (repeatable; overrides the "
+                        "URL its agent announced; a node the coordinator does not list is still a candidate)")
+    p.add_argument("--model", default=None,
+                   help="model of requests that name none")
+    p.add_argument("--deadline-ms", type=POSITIVE_FLOAT, default=50.0,
+                   help="a lookup slower than this places least-loaded instead (default 50)")
+    p.add_argument("--policy", choices=POLICIES, default="prefix-aware",
+                   help="placement policy (default prefix-aware; the others ask no lookup)")
+    p.add_argument("--refresh-interval", type=POSITIVE_FLOAT, default=2.0,
+                   help="seconds between ListNodes calls that learn serving URLs and loads (default 2)")
+    p.add_argument("--connect-timeout", type=POSITIVE_FLOAT, default=2.0,
+                   help="seconds to connect to a backend before trying the next (default 2)")
+    p.add_argument("--max-attempts", type=POSITIVE_INT, default=3,
+                   help="backends tried per request before answering 503 (default 3)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR|URL",
+                   help="tokenize here instead of in the coordinator: a Hugging Face tokenizer directory "
+                        "or an engine URL (its /tokenize); lookups then go by token ids and the policy "
+                        "remembers prefixes routed but not yet reported, so a burst sharing a new prefix "
+                        "stays together")
+    p.add_argument("--seed", type=NONNEG_INT, default=None, help="tie-break RNG seed (default: random)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcoord.gateway.route import RouteConfig, serve_route
+
+    backends = dict(args.backend)
+    if len(backends) != len(args.backend):
+        dup = next(n for n, _ in args.backend if [b for b, _ in args.backend].count(n) > 1)
+        raise CliError(f"--backend {dup}: given twice")
+    if args.coordinator is None and (args.policy == "prefix-aware" or not backends):
+        raise CliError("--coordinator is required (only --policy least-loaded|round-robin|random with "
+                       "--backend runs without one)")
+    config = RouteConfig(coordinator=args.coordinator, security=security(args), listen=args.listen,
+                         backends=backends, model=args.model, deadline_ms=args.deadline_ms,
+                         policy=args.policy,
+                         rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,
+                         connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, seed=args.seed,
+                         tokenizer=args.tokenizer)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is optional
+        pass
+
+    run_until_signalled(lambda stop: serve_route(config, stop))
+    return 0

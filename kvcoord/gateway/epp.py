@@ -1,0 +1,346 @@
+"""``kvcoord epp``: a Gateway API Inference Extension endpoint picker, an Envoy ``ext_proc`` v3 server.
+
+Envoy opens one bidirectional ``Process`` stream per HTTP request. With the request body ``BUFFERED``
+it sends the request headers (answered at once, unchanged), then the whole body (answered with the pick:
+the ``x-gateway-destination-endpoint`` header mutation, ``clear_route_cache`` and the ``envoy.lb``
+dynamic metadata), then the trailers if it forwards them. With ``FULL_DUPLEX_STREAMED`` (the mode the
+reference picker uses) the headers answer waits for the whole body, which is then sent back unchanged as a
+streamed body. A request without a body is placed on its headers. Whatever cannot be placed ends at the
+proxy with an ImmediateResponse: 400 for a body that is not an OpenAI request, 413 for one cut short by
+Envoy's buffer, 503 when no endpoint is eligible, 429 when every eligible endpoint is saturated.
+
+``grpc.health.v1`` answers for ``""``, ``liveness``, ``readiness`` and the ext_proc service name, as the
+protocol's health section defines them, and ``inference-extension`` (the name the reference deployment
+probes): ready once the endpoint table was loaded (or static backends given). ``--health-listen`` adds a
+plaintext health-only port for kubelet probes when ext_proc is served over TLS. Prometheus counters on
+``--metrics-listen``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvcoord.gateway import extproc as xp
+from kvcoord.gateway.picker import Pick, Picker, PickerConfig, PickFailed
+from kvcoord.gateway.requests import BadRequest, query_of_body
+from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.transport import ChannelSecurity, ListenError, check_bindable, split_hostport
+
+__all__ = ["EppConfig", "EppServer", "serve_epp"]
+
+log = logging.getLogger("kvcoord.gateway.epp")
+
+READY_NAMES = ("", "readiness", "inference-extension", xp.SERVICE_NAME)
+"""Health names that turn SERVING once the picker can pick (``liveness`` is SERVING from the start)."""
+
+PICK_HEADER = "x-kvcoord-pick"
+"""Request header set next to the destination: the policy's reason for this endpoint, after ``degraded;``
+when the index was not consulted (for the engine's and Envoy's logs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EppConfig:
+    coordinator: str
+    listen: str = "0.0.0.0:9002"
+    security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    timeout: float = 0.5
+    """Seconds per coordinator RPC: keep it well under Envoy's ext_proc ``message_timeout``."""
+    picker: PickerConfig = field(default_factory=PickerConfig)
+    mode: str = xp.BUFFERED
+    """Request body mode when Envoy does not announce one (``protocol_config``)."""
+    refresh_seconds: float = 2.0
+    max_body_bytes: int = 16 << 20
+    metrics_listen: str | None = None
+    health_listen: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+class EppMetrics:
+    """The picker's Prometheus families, on a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvcoord_epp_requests", "Requests answered, by outcome", ["outcome"],
+                                registry=r)
+        self.pick_seconds = Histogram("kvcoord_epp_pick_seconds", "Body received to pick sent", registry=r,
+                                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
+        self.open_streams = Gauge("kvcoord_epp_open_streams", "ext_proc streams holding a pick", registry=r)
+        self.served = Counter("kvcoord_epp_served", "Responses the data plane reported, by endpoint",
+                              ["endpoint"], registry=r)
+        self.outages = Gauge("kvcoord_epp_lookup_outages",
+                             "Models whose lookups fail (picked least-loaded meanwhile)", registry=r)
+
+
+def _pick_headers(pick: Pick) -> dict[str, str]:
+    why = pick.why.encode("ascii", "replace").decode()[:300]
+    return {PICK_HEADER: why if pick.prefix_aware else f"degraded; {why}"}
+
+
+class _Stream:
+    """One HTTP request's ext_proc stream: the protocol state machine. ``handle`` returns the responses
+    a message calls for (none while a full-duplex body is still arriving)."""
+
+    def __init__(self, epp: EppServer) -> None:
+        self.epp = epp
+        self.mode: str | None = ""
+        self.subset: list[str] | None = None
+        self.body = bytearray()
+        self.picked: list[str] = []
+        self.done = False
+        """An ImmediateResponse went out: Envoy ends the request, later messages are not answered."""
+        self.echo_response = False
+        """The response body streams through this picker (``FULL_DUPLEX_STREAMED``): send it back."""
+
+    def release(self) -> None:
+        if self.picked:
+            self.epp.picker.in_flight.end(self.picked[0])
+            self.epp.metrics.open_streams.dec()
+            self.picked = []
+
+    async def handle(self, req: Any) -> list[Any]:
+        if self.done:
+            return []
+        if req.observability_mode:  # Envoy ignores every answer then: a picker has nothing to say
+            if not self.epp.warned_observability:
+                self.epp.warned_observability = True
+                log.warning("Envoy runs this ext_proc filter in observability_mode: picks cannot be applied")
+            return []
+        if self.mode == "":
+            self.mode = xp.mode_of(req, self.epp.config.mode)
+            self.echo_response = xp.response_streamed(req, self.mode == xp.FULL_DUPLEX)
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            return await self._headers(req)
+        if kind == "request_body":
+            return await self._body(req.request_body.body, req.request_body.end_of_stream)
+        if kind == "request_trailers":
+            return await self._trailers()
+        return self._response_phase(req, kind)
+
+    def fail(self, exc: PickFailed | BadRequest) -> list[Any]:
+        self.done = True
+        self.epp.metrics.requests.labels(exc.reason).inc()
+        log.info("answering %d (%s): %s", exc.status, exc.reason, exc.message)
+        extra = {"retry-after": "1"} if exc.status == 429 else None
+        return [xp.immediate_response(exc.status, exc.message, f"kvcoord_epp_{exc.reason}", extra)]
+
+    def _hold(self, pick: Pick) -> None:
+        self.picked = pick.endpoints
+        self.epp.picker.in_flight.begin(pick.endpoints[0])
+        self.epp.metrics.open_streams.inc()
+        self.epp.metrics.requests.labels("picked" if pick.prefix_aware else "degraded").inc()
+        log.debug("picked %s: %s", ",".join(pick.endpoints), pick.why)
+
+    async def _headers(self, req: Any) -> list[Any]:
+        self.subset = xp.subset_hint(req)
+        if self.mode is None:
+            return self.fail(PickFailed(500, "unsupported_mode", "the ext_proc request body mode must be "
+                                         "BUFFERED or FULL_DUPLEX_STREAMED for an endpoint picker"))
+        if not req.request_headers.end_of_stream and self.mode != xp.HEADERS_ONLY:
+            return [] if self.mode == xp.FULL_DUPLEX else [xp.headers_response()]
+        try:
+            pick = await self.epp.picker.pick_without_body(self.subset)
+        except PickFailed as exc:
+            return self.fail(exc)
+        self._hold(pick)
+        return [xp.headers_response(pick.endpoints, _pick_headers(pick))]
+
+    async def _pick_body(self, complete: bool) -> Pick | list[Any]:
+        started = time.perf_counter()
+        try:
+            model, query = query_of_body(bytes(self.body), complete)
+            pick = await self.epp.picker.pick(model, query, self.subset)
+        except (PickFailed, BadRequest) as exc:
+            return self.fail(exc)
+        self.epp.metrics.pick_seconds.observe(time.perf_counter() - started)
+        self.epp.metrics.outages.set(len(self.epp.picker.outages))
+        self._hold(pick)
+        return pick
+
+    async def _body(self, chunk: bytes, end_of_stream: bool) -> list[Any]:
+        if self.picked:  # a body after the pick: passed on as it is
+            return ([xp.streamed_body_response(chunk, end_of_stream)] if self.mode == xp.FULL_DUPLEX
+                    else [xp.body_response()])
+        self.body += chunk
+        if len(self.body) > self.epp.config.max_body_bytes:
+            return self.fail(BadRequest(f"request body over {self.epp.config.max_body_bytes} bytes", 413))
+        if self.mode == xp.BUFFERED:
+            # Envoy sends a buffered body once: end_of_stream is false only when trailers follow.
+            pick = await self._pick_body(complete=end_of_stream)
+            if isinstance(pick, list):
+                return pick
+            return [xp.body_response(pick.endpoints, _pick_headers(pick))]
+        if not end_of_stream:
+            return []
+        return await self._duplex_pick(end_of_stream=True)
+
+    async def _duplex_pick(self, end_of_stream: bool) -> list[Any]:
+        pick = await self._pick_body(complete=True)
+        if isinstance(pick, list):
+            return pick
+        return [xp.headers_response(pick.endpoints, _pick_headers(pick)),
+                *xp.streamed_body_responses(bytes(self.body), end_of_stream)]
+
+    async def _trailers(self) -> list[Any]:
+        if self.mode == xp.FULL_DUPLEX and not self.picked:
+            answers = await self._duplex_pick(end_of_stream=False)
+            return answers if self.done else [*answers, xp.trailers_response()]
+        return [xp.trailers_response()]
+
+    def _response_phase(self, req: Any, kind: str | None) -> list[Any]:
+        if kind == "response_headers":
+            served = xp.served_endpoint(req)
+            if served:
+                self.epp.metrics.served.labels(served).inc()
+            return [xp.response_headers_response()]
+        if kind == "response_body":
+            if self.echo_response:
+                rb = req.response_body
+                return [xp.streamed_body_response(rb.body, rb.end_of_stream, response=True)]
+            return [xp.body_response(response=True)]
+        if kind == "response_trailers":
+            return [xp.trailers_response(response=True)]
+        return []
+
+
+class EppServer:
+    """The ext_proc and health gRPC server, the coordinator client and the endpoint-table refresher."""
+
+    def __init__(self, config: EppConfig) -> None:
+        self.config = config
+        self.metrics = EppMetrics()
+        self.client = AsyncCoordinatorClient(config.coordinator, security=config.security,
+                                             timeout=config.timeout)
+        self.picker = Picker(self.client, config.picker)
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._refresher: asyncio.Task[None] | None = None
+        self._metrics_server: Any = None
+        self.warned_observability = False
+
+    async def Process(self, requests: AsyncIterator[Any],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """The ext_proc stream (gRPC method name)."""
+        stream = _Stream(self)
+        try:
+            async for req in requests:
+                try:
+                    answers = await stream.handle(req)
+                except Exception:  # a bug must not leave Envoy waiting on the message: answer 500
+                    log.exception("ext_proc message failed")
+                    answers = stream.fail(PickFailed(500, "internal", "the endpoint picker failed"))
+                for resp in answers:
+                    yield resp
+        finally:
+            stream.release()
+
+    async def _set_ready(self, ready: bool) -> None:
+        hc = health_pb2.HealthCheckResponse
+        status = hc.SERVING if ready else hc.NOT_SERVING
+        for service in READY_NAMES:
+            await self._health.set(service, status)
+
+    async def _refreshed(self, ok: bool) -> None:
+        if ok:
+            await self._set_ready(True)
+
+    async def refresh_once(self) -> None:
+        """One ``ListNodes`` (failures are logged by the table, once per run of them)."""
+        await self._refreshed(await self.picker.refresh())
+
+    async def _refresh_loop(self) -> None:
+        await self.picker.table.run(self.client, self.config.refresh_seconds, self._refreshed)
+
+    async def start(self) -> None:
+        """Health and metrics first, then the node list, then the ext_proc port (gRPC listens as soon as
+        a port is added): once that port accepts, the probes answer and the node list is loaded."""
+        cfg = self.config
+        check_bindable(cfg.listen)
+        await self._health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self._set_ready(bool(cfg.picker.static_backends))
+        if cfg.metrics_listen:
+            check_bindable(cfg.metrics_listen)
+            host, mport = split_hostport(cfg.metrics_listen)
+            self._metrics_server, _ = start_http_server(mport, host, registry=self.metrics.registry)
+        await self.refresh_once()
+        if cfg.health_listen:
+            self._health_server = await self._start_health(cfg.health_listen)
+        options = [("grpc.so_reuseport", 0), ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.max_receive_message_length", cfg.max_body_bytes + (1 << 20))]
+        server = grpc.aio.server(options=options)
+        epg.add_ExternalProcessorServicer_to_server(self, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            if cfg.tls_cert and cfg.tls_key:
+                creds = grpc.ssl_server_credentials([(_read(cfg.tls_key), _read(cfg.tls_cert))])
+                self.port = server.add_secure_port(cfg.listen, creds)
+            else:
+                self.port = server.add_insecure_port(cfg.listen)
+        except RuntimeError as exc:
+            raise ListenError(f"cannot listen on {cfg.listen}: {exc}") from None
+        await server.start()
+        self._server = server
+        self._refresher = asyncio.create_task(self._refresh_loop())
+        log.info("kvcoord epp: ext_proc on %s (%s body mode unless Envoy says otherwise), coordinator %s",
+                 cfg.listen, cfg.mode, cfg.coordinator)
+
+    async def _start_health(self, listen: str) -> grpc.aio.Server:
+        """grpc.health.v1 alone, in plaintext (kubelet's gRPC probes speak no TLS)."""
+        check_bindable(listen)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            if not server.add_insecure_port(listen):
+                raise ListenError(f"cannot listen on {listen}")
+        except RuntimeError as exc:
+            raise ListenError(f"cannot listen on {listen}: {exc}") from None
+        await server.start()
+        return server
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self._health.enter_graceful_shutdown()
+        for srv in (self._server, self._health_server):
+            if srv is not None:
+                await srv.stop(grace)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        await self.client.close()
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ListenError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+async def serve_epp(config: EppConfig, stop: asyncio.Event) -> None:
+    """Run until ``stop`` is set."""
+    server = EppServer(config)
+    try:
+        await server.start()
+        await stop.wait()
+    finally:
+        await server.stop()

@@ -1,0 +1,293 @@
+"""The endpoint picker's decision: an OpenAI request body in, an ordered list of ``ip:port`` out.
+
+Per request: the body's prompt or chat goes to the coordinator's lookup (which tokenizes it as the engine
+will, and answers every live node of the model with its match, load and serving URL); nodes without a
+known address, outside the data plane's subset hint, or saturated are left out; the placement policy
+(:func:`kvcoord.router.policy.place`) picks one; the others follow as fallbacks, cheapest first.
+
+Endpoints are ``host:port`` of the engine's serving URL (its agent announces it to the coordinator) or
+a static ``--backend NODE=ADDR:PORT``, which wins. The node table refreshed from ``ListNodes``
+(:mod:`kvcoord.gateway.nodes`) keeps them for picks that need no lookup (requests without a body) and
+for degraded picks: when the coordinator fails or is slow (:mod:`kvcoord.gateway.outage`), the pick is
+least-loaded over the last known nodes, and says so.
+
+Saturation (the 429 of the protocol): a node is saturated when its in-flight requests (the larger of
+what its engine reports and the streams this picker has open on it) reach ``max_in_flight``, or its
+queue reaches ``max_waiting``; a request whose every eligible node is saturated is shed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvcoord.load import NodeLoad
+from kvcoord.router.answer import Candidate, LookupResult
+from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError, NodeStatus
+from kvcoord.router.policy import (
+    Decision,
+    LeastLoadedPolicy,
+    Policy,
+    PrefixAwarePolicy,
+    RouteRequest,
+    make_policy,
+    place,
+)
+
+from .nodes import InFlight, NodeTable
+from .outage import Outages
+from .requests import BadRequest, query_of_body
+
+__all__ = [
+    "BadRequest",
+    "EndpointTable",
+    "Pick",
+    "PickFailed",
+    "Picker",
+    "PickerConfig",
+    "endpoint_of_url",
+    "query_of_body",
+]
+
+log = logging.getLogger("kvcoord.gateway.epp")
+
+
+class PickFailed(Exception):
+    """The request cannot be placed: ``status`` is the HTTP status the proxy answers with, ``reason`` a
+    short token for metrics and Envoy's response details."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+# --- endpoints -----------------------------------------------------------------------------------
+def endpoint_of_url(url: str) -> str | None:
+    """``host:port`` of an engine URL (``http://10.0.0.5:8000/v1`` → ``10.0.0.5:8000``; the scheme's
+    default port when none is given); ``None`` when it has no host."""
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    if not host:
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+class EndpointTable(NodeTable):
+    """The shared node table, with each node's endpoint: ``ip:port`` as Envoy's ``original_dst`` cluster
+    needs (a serving URL naming a host is resolved: first address, cached until the next refresh)."""
+
+    def __init__(self, static: Mapping[str, str]) -> None:
+        super().__init__(static, log)
+        self._resolved: dict[str, str] = {}
+
+    async def endpoint(self, node_id: str, serving_url: str) -> str | None:
+        if node_id in self.static:
+            return self.static[node_id]
+        if not serving_url:
+            known = self.nodes.get(node_id)
+            serving_url = known.serving_url if known is not None else ""
+        ep = endpoint_of_url(serving_url) if serving_url else None
+        if ep is None:
+            return None
+        host, _, port = ep.rpartition(":")
+        if _is_ip(host):
+            return ep
+        if ep not in self._resolved:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("node %s: cannot resolve %s: %s", node_id, host, exc)
+                return None
+            addr = str(infos[0][4][0])
+            self._resolved[ep] = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+        return self._resolved[ep]
+
+    def update(self, nodes: Iterable[NodeStatus]) -> None:
+        super().update(nodes)
+        self._resolved.clear()
+
+
+# --- the pick ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PickerConfig:
+    static_backends: Mapping[str, str] = field(default_factory=dict)
+    policy: str = "prefix-aware"
+    fallbacks: int = 2
+    """Endpoints after the pick in the comma separated list (Envoy tries them in order on retry)."""
+    max_in_flight: int = 0
+    """0: no limit."""
+    max_waiting: int = 0
+    """0: no limit."""
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    endpoints: list[str]
+    """The pick first, then the fallbacks; distinct ``ip:port``."""
+    node_id: str
+    why: str
+    prefix_aware: bool
+    matched_blocks: int = 0
+
+
+_PER_REQUEST = frozenset({"FAILED_PRECONDITION", "NOT_FOUND"})
+"""Lookup refusals that concern the request's model (no hash profile or tokenizer), not the coordinator."""
+
+
+@dataclass(slots=True)
+class _Eligible:
+    candidate: Candidate
+    endpoint: str
+
+
+class Picker:
+    """One per ``kvcoord epp``: the coordinator client, the endpoint table, the policy and the streams
+    this picker has open per endpoint."""
+
+    def __init__(self, client: AsyncCoordinatorClient, config: PickerConfig) -> None:
+        self.client = client
+        self.config = config
+        self.table = EndpointTable(config.static_backends)
+        self.policy: Policy = make_policy(config.policy, config.seed)
+        self.fallback_policy = LeastLoadedPolicy(config.seed)
+        self.in_flight: InFlight[str] = InFlight()
+        """Streams picked to each endpoint and not yet ended (the in-flight count the engine may not show)."""
+        self.outages = Outages(log, "picking least-loaded from the last known nodes", probe_seconds=1.0)
+        """Models whose lookups fail (coordinator down or slow, their tokenizer down)."""
+        self._refused: set[str] = set()
+        """Models the coordinator has no profile or tokenizer for (warned once each)."""
+
+    async def refresh(self) -> bool:
+        """Reload the endpoint table from ``ListNodes``; False when that failed (the table is kept)."""
+        return await self.table.refresh(self.client)
+
+    def _saturated(self, load: NodeLoad) -> bool:
+        cfg = self.config
+        return bool((cfg.max_in_flight and load.in_flight >= cfg.max_in_flight)
+                    or (cfg.max_waiting and load.waiting_requests >= cfg.max_waiting))
+
+    async def _eligible(self, candidates: Sequence[Candidate],
+                        subset: Sequence[str] | None) -> list[_Eligible]:
+        """Candidates with an endpoint, inside the subset hint, each with its load adjusted; raises 503."""
+        allowed = None if subset is None else set(subset)
+        out: list[_Eligible] = []
+        for c in candidates:
+            endpoint = await self.table.endpoint(c.node_id, c.serving_url)
+            if endpoint is None:
+                log.debug("node %s has no known endpoint (no serving URL, no --backend)", c.node_id)
+                continue
+            host = endpoint.rpartition(":")[0]
+            if allowed is not None and not {endpoint, host, host.strip("[]")} & allowed:
+                continue
+            out.append(_Eligible(replace(c, load=self.in_flight.merged(endpoint, c.load)), endpoint))
+        if not out:
+            where = "in the subset hint" if subset is not None else "with a known address"
+            raise PickFailed(503, "no_endpoint",
+                             f"no eligible endpoint {where} ({len(candidates)} nodes known)")
+        return out
+
+    def _unsaturated(self, eligible: list[_Eligible]) -> list[_Eligible]:
+        free = [e for e in eligible if not self._saturated(e.candidate.load)]
+        if not free:
+            cfg = self.config
+            raise PickFailed(429, "shed", f"all {len(eligible)} eligible endpoints are saturated "
+                                          f"(max in flight {cfg.max_in_flight or '-'}, "
+                                          f"max waiting {cfg.max_waiting or '-'})")
+        return free
+
+    def _ordered(self, chosen: _Eligible, rest: list[_Eligible], request: RouteRequest) -> list[str]:
+        """The pick, then up to ``fallbacks`` other endpoints, cheapest first."""
+        policy = self.policy
+        if isinstance(policy, PrefixAwarePolicy):
+            rest = sorted(rest, key=lambda e: (policy.cost(request, e.candidate), e.candidate.key))
+        else:
+            rest = sorted(rest, key=lambda e: (-e.candidate.matched_blocks, e.candidate.load.in_flight,
+                                               e.candidate.key))
+        out = [chosen.endpoint]
+        for e in rest:
+            if len(out) > self.config.fallbacks:
+                break
+            if e.endpoint not in out:
+                out.append(e.endpoint)
+        return out
+
+    def _decide(self, answer: LookupResult, eligible: list[_Eligible],
+                policy: Policy) -> tuple[Decision, list[str]]:
+        free = self._unsaturated(eligible)
+        by_key = {e.candidate.key: e for e in free}
+        view = LookupResult(answer.model, answer.block_size, answer.num_blocks,
+                            [e.candidate for e in free], answer.num_tokens)
+        decision = place(view, policy, now=time.monotonic())
+        chosen = by_key[decision.key]
+        num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
+        request = RouteRequest(num_tokens, max(1, answer.block_size))
+        rest = [e for e in free if e is not chosen]
+        return decision, self._ordered(chosen, rest, request)
+
+    async def pick(self, model: str, query: Mapping[str, Any], subset: Sequence[str] | None) -> Pick:
+        """Place one request (the body's model and lookup keywords)."""
+        outage = self.outages.waiting(model)
+        if outage is not None:
+            return await self._degraded(model, subset, f"coordinator {outage.error}")
+        if query.get("continue_final_message"):
+            return await self._degraded(model, subset, "continue_final_message (the index cannot be asked)")
+        try:
+            answer = await self.client.lookup(model, include_unmatched=True, **query)
+        except CoordinatorError as exc:
+            code = getattr(exc.code, "name", "")
+            if code == "INVALID_ARGUMENT":
+                raise BadRequest(f"the coordinator refused the prompt: {exc.details}") from None
+            if code in _PER_REQUEST:  # this model has no profile or tokenizer: no outage, nothing to wait for
+                if model not in self._refused:
+                    self._refused.add(model)
+                    log.warning("model %s: the coordinator cannot look it up (%s): picked least-loaded",
+                                model, exc)
+                return await self._degraded(model, subset, f"coordinator {exc}")
+            self.outages.failed(exc, model)
+            return await self._degraded(model, subset, f"coordinator {exc}")
+        except ValueError as exc:  # refused before sending (build_lookup_request)
+            raise BadRequest(str(exc)) from None
+        self.outages.answered(model)
+        for c in answer.nodes:  # known from now on, for degraded picks even before ListNodes names it
+            self.table.learn(c.node_id, c.serving_url, model, (c.dp_rank,), {c.dp_rank: c.load})
+        eligible = await self._eligible([*answer.nodes, *self._unlisted(model, answer)], subset)
+        decision, endpoints = self._decide(answer, eligible, self.policy)
+        return Pick(endpoints, decision.node_id, decision.why, True, decision.matched_blocks)
+
+    def _unlisted(self, model: str, answer: LookupResult) -> list[Candidate]:
+        """Nodes listed as serving that lookups leave out (resyncing after a reconnect, a hash mismatch;
+        static backends the coordinator does not know), as holding nothing."""
+        return self.table.candidates(model, exclude=[c.node_id for c in answer.nodes], ever=False)
+
+    async def _degraded(self, model: str | None, subset: Sequence[str] | None, reason: str | None) -> Pick:
+        """Least-loaded over the last known nodes (no prefix information): lookup failed, or no body."""
+        eligible = await self._eligible(self.table.candidates(model), subset)
+        answer = LookupResult(model or "", 1, 0, [e.candidate for e in eligible])
+        decision, endpoints = self._decide(answer, eligible, self.fallback_policy)
+        why = decision.why if reason is None else f"{decision.why}; not prefix-aware: {reason}"
+        return Pick(endpoints, decision.node_id, why, False)
+
+    async def pick_without_body(self, subset: Sequence[str] | None) -> Pick:
+        """A request with no body (``GET /v1/models``): least-loaded of every known node."""
+        return await self._degraded(None, subset, None)

@@ -1,0 +1,433 @@
+"""``kvcoord route``: an OpenAI-compatible HTTP proxy that places each request by prefix.
+
+Per request: the coordinator tokenizes the prompt or chat as the engine will and answers which nodes hold
+how much of it (:mod:`kvcoord.gateway.route_place`); the prefix-aware policy picks one, weighing tier, load
+and the requests this router already has in flight (:mod:`kvcoord.gateway.route_backends`); the request is
+forwarded and the answer streamed back event by event (:mod:`kvcoord.gateway.route_sse`). Response
+headers say where it went and why; ``/metrics`` has the decision-quality figures
+(:mod:`kvcoord.gateway.route_metrics`).
+
+Faults: a connect failure or a 5xx before the first byte is retried on the next-best node; a backend
+that dies mid-stream ends that stream with an SSE error event; either leaves the node out until its
+``/health`` answers. A coordinator that is down or slower than the deadline turns placement into
+least-loaded, visibly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from kvcoord.router.answer import Candidate
+from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.router.policy import Decision, make_policy
+from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
+
+from .route_backends import Backends
+from .route_metrics import RouteMetrics, predicted_tokens
+from .route_place import Placer, Plan, node_label
+from .route_sse import SseRelay, error_event
+
+__all__ = ["RouteConfig", "RouteServer", "serve_route"]
+
+log = logging.getLogger("kvcoord.route")
+
+_HOP = frozenset({"host", "content-length", "content-type", "connection", "keep-alive", "transfer-encoding",
+                  "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"})
+"""Request headers not forwarded: hop-by-hop ones, and those the router sets itself."""
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteConfig:
+    """``kvcoord route``'s flags, typed."""
+
+    coordinator: str | None
+    security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    listen: str = "127.0.0.1:8000"
+    backends: Mapping[str, str] = field(default_factory=dict)
+    model: str | None = None
+    """Model for requests that name none (and the model whose nodes ``/v1/models`` lists first)."""
+    deadline_ms: float = 50.0
+    policy: str = "prefix-aware"
+    rpc_timeout: float = 5.0
+    refresh_interval: float = 2.0
+    """Seconds between ListNodes calls (serving URLs, loads, which nodes are live)."""
+    connect_timeout: float = 2.0
+    health_interval: float = 0.5
+    """Seconds between ``/health`` probes of a node left out after a failure."""
+    max_attempts: int = 3
+    seed: int | None = None
+    tokenizer: str | None = None
+    """The engines' tokenizer (a local directory, or an engine URL for its /tokenize): the router then
+    looks up by token ids and remembers the blocks it routed (see :mod:`kvcoord.gateway.route_place`)."""
+
+
+def _openai_error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _header_safe(text: str, limit: int = 512) -> str:
+    return "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in text)[:limit]
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One forwarding of a request: where, what was predicted, what happened."""
+
+    decision: Decision
+    chosen: Candidate
+    predicted: int = 0
+    outcome: str = ""
+
+
+class RouteServer:
+    """The proxy. :meth:`start` listens and starts the background refresh; :meth:`close` stops it all."""
+
+    def __init__(self, config: RouteConfig) -> None:
+        self.config = config
+        self.metrics = RouteMetrics()
+        self.backends = Backends(config.backends)
+        self.client = (AsyncCoordinatorClient(config.coordinator, security=config.security,
+                                              timeout=config.deadline_ms / 1000.0)
+                       if config.coordinator else None)
+        self.rpc = (AsyncCoordinatorClient(config.coordinator, security=config.security,
+                                           timeout=config.rpc_timeout) if config.coordinator else None)
+        self.placer = Placer(self.client, self.backends, make_policy(config.policy, config.seed),
+                             self.metrics, seed=config.seed)
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        return app
+
+    async def start(self) -> None:
+        """Listen on ``config.listen``; :class:`ListenError` (one line) when it cannot, ``TokenizeError``
+        when ``--tokenizer`` cannot be opened."""
+        if self.config.tokenizer:
+            from kvcoord.tokenize import open_tokenizer
+
+            name, source = self.config.model or "default", self.config.tokenizer
+            self.placer.tokenizer = await asyncio.to_thread(open_tokenizer, name, source)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              timeout=aiohttp.ClientTimeout(total=None,
+                                                                            connect=self.config.connect_timeout))
+        host, port = split_hostport(self.config.listen)
+        runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host or None, port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            await self._session.close()
+            raise ListenError(f"cannot listen on {self.config.listen}: {exc.strerror or exc}") from None
+        self._runner = runner
+        self.port = int(runner.addresses[0][1]) if runner.addresses else port
+        if self.rpc is not None:
+            await self.refresh()
+            self._tasks.append(asyncio.create_task(self.backends.table.run(self.rpc,
+                                                                           self.config.refresh_interval)))
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+        log.info("route: OpenAI-compatible API on http://%s:%d (coordinator %s, policy %s, %d static "
+                 "backends)",
+                 host or "0.0.0.0", self.port, self.config.coordinator or "none", self.config.policy,
+                 len(self.config.backends))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+        for client in (self.client, self.rpc):
+            if client is not None:
+                await client.close()
+        if self.placer.tokenizer is not None:
+            await self.placer.tokenizer.aclose()
+
+    # ------------------------------------------------------------------ background
+    async def refresh(self) -> None:
+        """One ListNodes: serving URLs, loads and liveness of every node (static URLs win)."""
+        assert self.rpc is not None
+        await self.backends.table.refresh(self.rpc)
+
+    async def _health_loop(self) -> None:
+        """Probe suspect nodes' ``/health``; a 200 brings a node back."""
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            for node_id in list(self.backends.suspect()):
+                if await self._healthy(self.backends.url(node_id)) and self.backends.mark_healthy(node_id):
+                    self.metrics.suspect.labels(node_id).set(0)
+                    log.info("route: %s answers /health again; routing to it", node_id)
+
+    async def _healthy(self, url: str) -> bool:
+        assert self._session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout)
+            async with self._session.get(f"{url}/health", timeout=timeout) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    def _fail(self, node_id: str, kind: str, detail: str) -> None:
+        self.metrics.backend_failures.labels(node_id, kind).inc()
+        if self.backends.mark_failed(node_id, f"{kind}: {detail}"):
+            self.metrics.suspect.labels(node_id).set(1)
+            log.warning("route: %s failed (%s: %s); leaving it out until its /health answers",
+                        node_id, kind, detail)
+
+    # ------------------------------------------------------------------ endpoints
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, "chat")
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "prefix_aware": self.placer.outage_since is None,
+                                  "backends": self.backends.urls(), "suspect": self.backends.suspect()})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        for key, n in self.backends.in_flight().items():
+            self.metrics.in_flight.labels(node_label(key)).set(n)
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The union of the healthy backends' ``/v1/models`` (first answer per model id)."""
+        assert self._session is not None
+        urls = [u for n, u in self.backends.urls().items() if not self.backends.is_suspect(n)]
+
+        async def one(url: str) -> list[Any]:
+            try:
+                async with self._session.get(f"{url}/v1/models",  # type: ignore[union-attr]
+                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    data = await r.json(content_type=None) if r.status == 200 else {}
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                return []
+            items = data.get("data") if isinstance(data, dict) else None
+            return items if isinstance(items, list) else []
+
+        seen: dict[str, Any] = {}
+        for items in await asyncio.gather(*(one(u) for u in urls)):
+            for card in items:
+                if isinstance(card, dict) and isinstance(card.get("id"), str):
+                    seen.setdefault(card["id"], card)
+        if not seen and not urls:
+            return _openai_error(503, "no backend known yet", "ServiceUnavailableError")
+        return web.json_response({"object": "list", "data": list(seen.values())})
+
+    # ------------------------------------------------------------------ proxying
+    async def _proxy(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            self.metrics.requests.labels(endpoint, "bad_request").inc()
+            return _openai_error(400, "request body must be a JSON object")
+        model = body.get("model") or self.config.model or ""
+        if not isinstance(model, str) or (not model and self.placer.policy.uses_index):
+            self.metrics.requests.labels(endpoint, "bad_request").inc()
+            return _openai_error(400, "the request names no model (and kvcoord route has no --model)")
+        plan = await self.placer.plan(model, body, chat=endpoint == "chat")
+        plan.started = t0
+        payload, strip_usage = _payload(raw, body)
+        resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0)
+        self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
+        return resp
+
+    async def _attempts(self, request: web.Request, endpoint: str, plan: Plan, payload: bytes,
+                        strip_usage: bool, t0: float) -> web.StreamResponse:
+        path = request.path
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers["Content-Type"] = "application/json"
+        headers["Accept-Encoding"] = "identity"  # bodies pass through as they are: never compressed
+        attempts = 0
+        while attempts < self.config.max_attempts:
+            picked = self.placer.choose(plan)
+            if picked is None:
+                break
+            attempts += 1
+            attempt = _Attempt(*picked)
+            r = plan.request
+            if plan.prefix_aware:
+                blocks = attempt.chosen.matched_blocks
+                attempt.predicted = predicted_tokens(blocks, r.block_size, r.num_tokens)
+            self.metrics.overhead_seconds.observe(time.perf_counter() - t0 - plan.lookup_seconds)
+            resp = await self._forward(request, plan, attempt, path, headers, payload, strip_usage, attempts)
+            if resp is not None:
+                self.metrics.requests.labels(endpoint, attempt.outcome).inc()
+                if plan.prefix_aware:  # the prediction of the node that answered, once per request
+                    self.metrics.predicted(attempt.chosen.matched_blocks, plan.best_blocks, r.block_size,
+                                           r.num_tokens)
+                return resp
+        self.metrics.requests.labels(endpoint, "no_backend").inc()
+        why = f"{plan.reason}: {plan.detail}" if plan.detail else plan.reason or "no routable node"
+        return _openai_error(503, f"kvcoord route: no backend could take the request for model "
+                             f"{plan.model!r} after {attempts} attempts ({why})", "ServiceUnavailableError")
+
+    def _route_headers(self, plan: Plan, attempt: _Attempt, attempts: int) -> dict[str, str]:
+        d, c = attempt.decision, attempt.chosen
+        out = {"x-kvcoord-node": node_label(d.key), "x-kvcoord-prefix-aware": "true" if plan.prefix_aware
+               else "false", "x-kvcoord-reason": _header_safe(d.why if plan.prefix_aware or plan.policy
+                                                             else f"{plan.reason}; {d.why}"),
+               "x-kvcoord-attempts": str(attempts)}
+        if plan.prefix_aware:
+            out.update({"x-kvcoord-matched-blocks": str(c.matched_blocks),
+                        "x-kvcoord-predicted-cached-tokens": str(attempt.predicted),
+                        "x-kvcoord-best-blocks": str(plan.best_blocks)})
+        return out
+
+    async def _forward(self, request: web.Request, plan: Plan, attempt: _Attempt, path: str,
+                       headers: dict[str, str], payload: bytes, strip_usage: bool,
+                       attempts: int) -> web.StreamResponse | None:
+        """Send to the chosen node; None means "try the next one" (nothing reached the client yet)."""
+        assert self._session is not None
+        key, node_id = attempt.decision.key, attempt.decision.node_id
+        # Prefill this adds to the node's queue, as the policy saw it (its memory of in-flight placements
+        # included); ``predicted`` stays the index's view, which is what the quality metrics judge.
+        r = plan.request
+        prefill = max(0, r.num_tokens - predicted_tokens(attempt.decision.matched_blocks, r.block_size,
+                                                         r.num_tokens))
+        send = dict(headers)
+        if self.backends.multi_rank(node_id):
+            send["X-data-parallel-rank"] = str(key[1])
+        self.backends.begin(key, prefill)
+        self.metrics.placements.labels(node_label(key), str(plan.prefix_aware).lower()).inc()
+        try:
+            try:
+                upstream = await self._session.post(attempt.chosen.serving_url + path, data=payload,
+                                                    headers=send)
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                self._fail(node_id, "connect", f"{type(exc).__name__}: {exc}")
+                self.metrics.retries.labels("connect").inc()
+                return None
+            async with upstream:
+                if upstream.status >= 500:
+                    await upstream.read()
+                    self._fail(node_id, "status_5xx", f"HTTP {upstream.status}")
+                    self.metrics.retries.labels("status_5xx").inc()
+                    return None
+                self.metrics.first_byte_seconds.observe(time.perf_counter() - plan.started)
+                route_headers = self._route_headers(plan, attempt, attempts)
+                if upstream.content_type == "text/event-stream":
+                    return await self._relay_stream(request, plan, attempt, upstream, route_headers,
+                                                    strip_usage, prefill)
+                return await self._relay_whole(plan, attempt, upstream, route_headers, prefill)
+        finally:
+            self.backends.end(key)
+
+    async def _relay_whole(self, plan: Plan, attempt: _Attempt, upstream: aiohttp.ClientResponse,
+                           route_headers: dict[str, str], prefill: int) -> web.StreamResponse | None:
+        try:
+            data = await upstream.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self._fail(attempt.decision.node_id, "connect", f"{type(exc).__name__}: {exc}")
+            self.metrics.retries.labels("connect").inc()
+            return None
+        self.backends.prefilled(attempt.decision.key, prefill)
+        attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
+        if plan.prefix_aware and upstream.status == 200:
+            usage = None
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                obj = json.loads(data)
+                usage = obj.get("usage") if isinstance(obj, dict) else None
+            self.metrics.achieved(attempt.predicted, usage if isinstance(usage, dict) else None)
+        ctype = upstream.headers.get("Content-Type", "application/json")
+        return web.Response(body=data, status=upstream.status,
+                            headers={"Content-Type": ctype, **route_headers})
+
+    async def _relay_stream(self, request: web.Request, plan: Plan, attempt: _Attempt,
+                            upstream: aiohttp.ClientResponse, route_headers: dict[str, str],
+                            strip_usage: bool, prefill: int) -> web.StreamResponse:
+        node_id = attempt.decision.node_id
+        resp = web.StreamResponse(status=upstream.status, headers={
+            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache", **route_headers})
+        await resp.prepare(request)
+        relay = SseRelay(strip_usage=strip_usage)
+        first = True
+        attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
+        held = b""  # the events ending in [DONE]: sent with the end of the body, in one write
+        try:
+            async for piece in upstream.content.iter_any():
+                if first:
+                    self.backends.prefilled(attempt.decision.key, prefill)
+                    first = False
+                out = relay.feed(piece)
+                if held and out:
+                    await resp.write(held)
+                    held = b""
+                if out.endswith(_DONE):
+                    held = out
+                elif out:
+                    await resp.write(out)
+            held += relay.rest()
+        except ConnectionResetError:  # the client went away: so does the upstream request
+            attempt.outcome = "client_gone"
+            return resp
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if not held:  # [DONE] already came: the answer is whole, only the connection's end was lost
+                attempt.outcome = "midstream_failure"
+                self._fail(node_id, "midstream", f"{type(exc).__name__}: {exc}")
+                held = error_event(f"kvcoord route: backend {node_id} failed mid-stream "
+                                   f"({type(exc).__name__}); the answer is incomplete")
+        if plan.prefix_aware and upstream.status == 200 and attempt.outcome == "ok":
+            self.metrics.achieved(attempt.predicted, relay.usage)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof(held)
+        return resp
+
+
+def _payload(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
+    """The body to send upstream, and whether the router asked for usage the client did not ask for."""
+    if body.get("stream") is not True:
+        return raw, False
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
+        return raw, False
+    if options is not None and not isinstance(options, dict):
+        return raw, False  # malformed: the engine says how
+    new = dict(body)
+    new["stream_options"] = {**(options or {}), "include_usage": True}
+    return json.dumps(new, separators=(",", ":")).encode(), True
+
+
+async def serve_route(config: RouteConfig, stop: asyncio.Event) -> None:
+    """Run until ``stop`` is set."""
+    server = RouteServer(config)
+    await server.start()
+    try:
+        await stop.wait()
+    finally:
+        await server.close()

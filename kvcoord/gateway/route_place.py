@@ -1,0 +1,196 @@
+"""Where ``kvcoord route`` sends a request: the lookup (with its deadline and outage bookkeeping), the
+candidates and the policy's choice, as one :class:`Plan` per request.
+
+By default the coordinator tokenizes the prompt or chat as the engine will (lookups by ``prompt`` /
+``messages``, see :mod:`kvcoord.tokenize`), so the router needs no tokenizer. With a tokenizer of its own
+(``--tokenizer``) the router looks up by token ids and also knows the prompt's blocks, which feeds the
+policy's memory of prefixes routed but not yet reported by the engine (a burst sharing a new prefix then
+stays on one node). When the coordinator cannot answer in time the router places least-loaded, says so
+in a header and a metric, and logs once per outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import xxhash
+
+from kvcoord.hashing import BlockHash64
+from kvcoord.router.answer import Candidate, LookupResult
+from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
+from kvcoord.router.policy import Decision, LeastLoadedPolicy, Policy, RouteRequest, place
+from kvcoord.tokenize import Tokenizer
+
+from .outage import Outages
+from .requests import BadRequest, NotAskable, body_query, tokenize
+from .route_backends import Backends
+from .route_metrics import RouteMetrics
+
+__all__ = ["Placer", "Plan", "block_keys"]
+
+log = logging.getLogger("kvcoord.route")
+
+_OUTAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+def block_keys(tokens: list[int], block_size: int, salt: str = "") -> list[BlockHash64]:
+    """One key per full block, each naming the whole prefix up to it (a chained xxh3 of the ids and the
+    cache salt). Private to the router: only its placement memory compares them, never with the engine's."""
+    h = xxhash.xxh3_64(salt.encode())
+    data = b"".join(t.to_bytes(8, "little") for t in tokens)
+    step = block_size * 8
+    out = []
+    for i in range(len(tokens) // block_size):
+        h.update(data[i * step:(i + 1) * step])
+        out.append(BlockHash64(h.intdigest()))
+    return out
+
+
+@dataclass(slots=True)
+class Plan:
+    """One request's placement: candidates in play, and how the first pick was made."""
+
+    model: str
+    prefix_aware: bool
+    reason: str
+    """Why the pick was not prefix-aware, a short code such as ``coordinator_unavailable`` (the
+    ``kvcoord_route_degraded_total`` label), or the non-index policy; "" when it was."""
+    candidates: list[Candidate]
+    request: RouteRequest
+    best_blocks: int = 0
+    lookup_seconds: float = 0.0
+    detail: str = ""
+    """What went wrong with the lookup, for logs and the 503 body (headers carry ``reason`` only)."""
+    policy: Policy | None = None
+    """The configured policy when it needs no index; None: prefix-aware if ``prefix_aware``, else
+    least-loaded."""
+    tried: set[tuple[str, int]] = field(default_factory=set)
+    started: float = 0.0
+    """``perf_counter()`` when the request arrived."""
+
+    def remaining(self, backends: Backends) -> list[Candidate]:
+        return [c for c in self.candidates if c.key not in self.tried and not backends.is_suspect(c.node_id)]
+
+
+class Placer:
+    """Lookup, candidates, choice. ``client`` is None without a coordinator (static backends only)."""
+
+    def __init__(self, client: AsyncCoordinatorClient | None, backends: Backends, policy: Policy,
+                 metrics: RouteMetrics, *, clock: Callable[[], float] = time.monotonic,
+                 seed: int | None = None, tokenizer: Tokenizer | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.backends = backends
+        self.policy = policy
+        self.fallback_policy = LeastLoadedPolicy(seed)
+        self.metrics = metrics
+        self.clock = clock
+        self.outages = Outages(log, "placing least-loaded", probe_seconds=0.0, clock=clock)
+        """The coordinator as a whole (key ""); every request probes (the lookup deadline bounds it)."""
+        self._lookup_errors: set[str] = set()
+
+    @property
+    def outage_since(self) -> float | None:
+        return self.outages.since()
+
+    async def plan(self, model: str, body: dict[str, Any], *, chat: bool) -> Plan:
+        """Ask the index (if the policy uses it) and build the candidates; never raises for a coordinator
+        problem: that becomes a least-loaded plan with the reason."""
+        now = self.clock()
+        if not self.policy.uses_index or self.client is None:
+            return Plan(model, False, f"policy {self.policy.name}", self.backends.fallback(model),
+                        RouteRequest(0, 1, (), now), policy=self.policy)
+        try:
+            query = body_query(body, chat=chat, batches=False)
+        except (BadRequest, NotAskable) as exc:  # a malformed body: the engine will say how, in its words
+            self.metrics.degraded.labels("unsupported_prompt").inc()
+            return self._degraded(model, "unsupported_prompt", str(exc))
+        tokens: list[int] | None = None
+        if self.tokenizer is not None:
+            try:
+                tokens = await tokenize(self.tokenizer, query)
+            except ValueError as exc:  # TokenizeError, an invalid chat: the engine will say how
+                self.metrics.degraded.labels("tokenize_error").inc()
+                return self._degraded(model, "tokenize_error", str(exc))
+            salt = {"cache_salt": query["cache_salt"]} if "cache_salt" in query else {}
+            query = {"tokens": tokens, **salt}
+        elif query.pop("continue_final_message", False):
+            self.metrics.degraded.labels("unsupported_prompt").inc()
+            return self._degraded(model, "unsupported_prompt", "the index cannot be asked about "
+                                  "continue_final_message")
+        t0 = time.perf_counter()
+        try:
+            answer = await self.client.lookup(model, include_unmatched=True, **query)
+        except CoordinatorError as exc:
+            return self._failed(model, exc)
+        except ValueError as exc:  # the query itself is malformed: the engine will say how
+            self.metrics.degraded.labels("lookup_error").inc()
+            return self._degraded(model, "lookup_error", str(exc))
+        took = time.perf_counter() - t0
+        self.metrics.lookup_seconds.observe(took)
+        self._answered()
+        keys = (block_keys(tokens, answer.block_size, str(query.get("cache_salt") or ""))
+                if tokens is not None and answer.block_size > 0 else [])
+        return self._from_answer(model, answer, now, took, keys)
+
+    def _from_answer(self, model: str, answer: LookupResult, now: float, took: float,
+                     keys: list[BlockHash64]) -> Plan:
+        candidates = self.backends.routable(answer.nodes)
+        num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
+        request = RouteRequest(num_tokens, max(1, answer.block_size), keys, now)
+        if not candidates:
+            self.metrics.degraded.labels("no_routable_node").inc()
+            plan = self._degraded(model, "no_routable_node", "the lookup named no node with a serving URL")
+            plan.request = request
+            plan.lookup_seconds = took
+            return plan
+        best = max(c.matched_blocks for c in candidates)
+        return Plan(model, True, "", candidates, request, best, took)
+
+    def _degraded(self, model: str, reason: str, detail: str) -> Plan:
+        return Plan(model, False, reason, self.backends.fallback(model),
+                    RouteRequest(0, 1, (), self.clock()), detail=detail)
+
+    def _failed(self, model: str, exc: CoordinatorError) -> Plan:
+        if exc.code in _OUTAGE:
+            deadline = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            reason = "deadline" if deadline else "coordinator_unavailable"
+            self.metrics.degraded.labels(reason).inc()
+            if self.outages.failed(exc):
+                self.metrics.degraded_now.set(1)
+                self.metrics.coordinator_up.set(0)
+            return self._degraded(model, reason, exc.details or str(exc))
+        self.metrics.degraded.labels("lookup_error").inc()
+        key = f"{getattr(exc.code, 'name', exc.code)}"
+        if key not in self._lookup_errors:
+            self._lookup_errors.add(key)
+            log.warning("route: lookup refused (%s); such requests are placed least-loaded", exc)
+        return self._degraded(model, "lookup_error", str(exc))
+
+    def _answered(self) -> None:
+        self._lookup_errors.clear()
+        if self.outages.answered():
+            self.metrics.degraded_now.set(0)
+            self.metrics.coordinator_up.set(1)
+
+    def choose(self, plan: Plan) -> tuple[Decision, Candidate] | None:
+        """The best candidate not tried yet and not suspect, or None when none is left."""
+        left = plan.remaining(self.backends)
+        if not left:
+            return None
+        policy = plan.policy or (self.policy if plan.prefix_aware else self.fallback_policy)
+        r = plan.request
+        answer = LookupResult(plan.model, r.block_size, r.num_tokens // r.block_size, left, r.num_tokens)
+        decision = place(answer, policy, now=r.now, block_hashes=r.block_hashes)
+        chosen = next(c for c in left if c.key == decision.key)
+        plan.tried.add(decision.key)
+        return decision, chosen
+
+
+def node_label(key: tuple[str, int]) -> str:
+    return key[0] if key[1] == 0 else f"{key[0]}/{key[1]}"

@@ -1,0 +1,1 @@
+return new_token(ARGV[2])
