@@ -33,7 +33,7 @@ from kvcoord.engine.relay import BlockMirror, Relay
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier, encode_vllm_batch
 from kvcoord.hashing import to_block_hash64
-from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.wire import snapshot_to_proto
 from tests.procs import free_port
 
 
@@ -76,8 +76,12 @@ class CountingSink:
     def __init__(self) -> None:
         self.events = 0
 
-    def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float) -> None:
+    def submit(self, dp_rank: int, events: Sequence[KVEvent], ts: float | None = None,
+               ops: Sequence[Any] | None = None, spans: Sequence[int] | None = None) -> None:
         self.events += len(events)
+
+    def history_lost(self, dp_rank: int, reason: str) -> None:
+        pass
 
 
 def make_payloads(n: int, blocks_per_store: int, block_size: int, seed: int = 0) -> tuple[list[bytes], int]:
@@ -169,7 +173,7 @@ def snapshot_figures(n_blocks: int, repeat: int) -> None:
 
     def to_proto(hs: Sequence[int], ts: Sequence[int]) -> None:
         for s in range(0, len(hs), chunk):
-            pb.Snapshot(epoch=1, seq=1, dp_rank=0, block_hashes=hs[s:s + chunk], tiers=ts[s:s + chunk])
+            snapshot_to_proto(1, 1, 0, hs[s:s + chunk], ts[s:s + chunk], False)
 
     def old_path() -> None:  # former mirror + the reporter's per-entry conversion
         hs: list[int] = []

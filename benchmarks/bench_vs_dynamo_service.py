@@ -373,6 +373,26 @@ class Side:
     pid: int
     http_port: int
     log: Path | None
+    agents: tuple[int, ...] = ()
+    """``--agents``: the pids of kvcoord's ``kvcoord agent`` processes (their CPU counts in its ingest)."""
+
+    def ingest_cpu(self) -> float:
+        return cpu_seconds(self.pid) + sum(cpu_seconds(p) for p in self.agents)
+
+
+def start_agents(stack: contextlib.ExitStack, args: argparse.Namespace, gport: int,
+                 pubs: list[tuple[str, str]]) -> tuple[int, ...]:
+    """``--agents``: one ``kvcoord agent`` per engine (node id = its instance id), as on GPU hosts."""
+    from tests.procs import kvcoord_cmd, running
+
+    pids = []
+    for i, (ep, rep) in enumerate(pubs):
+        cmd = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", str(i + 1),
+                          "--model", MODEL, "--zmq-endpoint", ep, "--replay-endpoint", rep,
+                          "--algo", args.algo, "--block-size", str(BLOCK), "--hash-seed", "42")
+        log = LOG_DIR / f"kvcoord-bench-vs-dynamo-agent{i + 1}.log"
+        pids.append(stack.enter_context(running(cmd, log=log)).pid)
+    return tuple(pids)
 
 
 @contextlib.contextmanager
@@ -693,8 +713,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"services: kvcoord serve pid {kv.pid} (HTTP :{kv.http_port}, gRPC :{gport}; log {kv.log}), "
               f"Dynamo indexer pid {dyn.pid} --threads {args.threads} (HTTP :{dyn.http_port}; log {dyn.log})",
               file=sys.stderr)
-        for s in sides:
-            register(s, addrs)
+        if args.agents:
+            kv.agents = start_agents(stack, args, gport, addrs)
+            register(dyn, addrs)
+        else:
+            for s in sides:
+                register(s, addrs)
 
         # Hello: until both sides hold every engine's hello block. A SUB that was not subscribed yet
         # loses it, and Dynamo replays a gap only when the next live batch shows it, so an engine
@@ -716,7 +740,8 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit("the services never applied every engine's hello batch")
 
         # Ingest: everything else, as fast as the publishers send; each side polled until caught up.
-        cpu0 = {s.name: cpu_seconds(s.pid) for s in sides}
+        cpu0 = {s.name: s.ingest_cpu() for s in sides}
+        agents0 = sum(cpu_seconds(p) for p in kv.agents)
         me0 = time.process_time()
         done: dict[str, tuple[float, float]] = {}
         t0 = time.perf_counter()
@@ -728,7 +753,9 @@ def main(args: argparse.Namespace) -> int:
         t_pub = time.perf_counter() - t0
 
         def caught_up(s: Side) -> None:
-            done.setdefault(s.name, (time.perf_counter() - t0, cpu_seconds(s.pid) - cpu0[s.name]))
+            done.setdefault(s.name, (time.perf_counter() - t0, s.ingest_cpu() - cpu0[s.name]))
+            if s is kv and kv.agents:
+                out["agents_cpu_s"] = sum(cpu_seconds(p) for p in kv.agents) - agents0
 
         wait_applied(sides, wl.sentinel, args.ingest_timeout, on_done=caught_up)
         events = wl.events - sum(count_blocks(wl.batches[e][0].events)[0] for e in range(args.engines))
@@ -828,6 +855,12 @@ def report(out: dict[str, Any]) -> None:
     print(f"(all batches sent {ing['published_s']:.2f} s after the first; this process, publishers + "
           f"polling: {ing['publisher_process_cpu_s']:.2f} s CPU; both services ingest at once, from the same "
           "sockets)")
+    if "agents_cpu_s" in out:
+        agents = out["agents_cpu_s"]
+        print(f"kvcoord ingests through {w['engines']} `kvcoord agent` processes (--agents): agents "
+              f"{agents:.2f} s CPU, coordinator {ing[KV]['cpu_s'] - agents:.2f} s (the kvcoord row is both)")
+    else:
+        print("kvcoord relays the registered engines itself (in-process, no agents)")
     print(f"lookup phase, {lk['wall_s']:.1f} s: service CPU kvcoord {lk[KV]['cpu_s']:.2f} s (HTTP and gRPC "
           f"rows), Dynamo {lk[DYN]['cpu_s']:.2f} s")
     st = out["kvcoord_stats"]
@@ -866,6 +899,10 @@ if __name__ == "__main__":
     ap.add_argument("--cases", type=lambda v: v.split(","), default=list(CASES),
                     help=f"comma-separated subset of {','.join(CASES)} (default: all)")
     ap.add_argument("--no-grpc", action="store_true", help="skip the gRPC rows")
+    ap.add_argument("--agents", action="store_true",
+                    help="kvcoord ingests through one `kvcoord agent` process per engine (as on GPU hosts) "
+                         "instead of relaying registered engines itself; its ingest CPU is the coordinator's "
+                         "plus the agents'")
     ap.add_argument("--ingest-timeout", type=float, default=300.0, help="seconds (default 300)")
     ap.add_argument("--client-timeout", type=float, default=900.0, help="seconds (default 900)")
     ap.add_argument("--profile-kvcoord", default=None, metavar="PATH",

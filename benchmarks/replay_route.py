@@ -7,7 +7,9 @@ blocks each, vLLM-exact KV events on ZMQ), one ``kvcoord agent`` per engine anno
 requests are sent to route as token-id prompts to ``/v1/completions`` at their (time-scaled) trace
 arrival times, ``max_tokens`` = the trace's output length; achieved hits are the engines'
 ``usage.prompt_tokens_details.cached_tokens``. ``kvcoord simulate`` runs the same K requests with
-``--json`` under the same seed, with its decode time set to the engines' token interval.
+``--json`` under the same seed, with its decode time set to the engines' token interval; route's policy
+is given the simulator's cost model (``--prefill-us-per-token``, ``--decode-ms-per-token``,
+``--max-running`` and the workload's mean output length), so both weigh load against cached prefix alike.
 
 Prompt tokens are those of :func:`kvcoord.sim.workload.load_mooncake` (each trace hash id expands into
 512 deterministic tokens), taken modulo the sim-engine's vocabulary (the workload draws ids below 2**17,
@@ -88,6 +90,7 @@ def _fleet(tmp: Path, args: argparse.Namespace, policy: str) -> Iterator[str]:
                               "--max-num-seqs", str(args.max_running))
             stack.enter_context(running(cmd, log=tmp / f"{policy}-{node}.log"))
         serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "",
+                            "--http-listen", "",
                             "--model", f"{MODEL},algo={ALGO},block_size={BLOCK},seed={HASH_SEED}")
         stack.enter_context(running(serve, log=tmp / f"{policy}-serve.log"))
         wait_for_port(gport, timeout=60)
@@ -99,7 +102,12 @@ def _fleet(tmp: Path, args: argparse.Namespace, policy: str) -> Iterator[str]:
             stack.enter_context(running(cmd, log=tmp / f"{policy}-agent-{node}.log"))
         route = kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{gport}", "--listen", f"127.0.0.1:{rport}",
                             "--model", MODEL, "--policy", policy, "--deadline-ms", "2000",
-                            "--refresh-interval", "0.5", "--seed", str(args.seed))
+                            "--refresh-interval", "0.5", "--seed", str(args.seed),
+                            # the simulator's cost model, so both policies weigh load alike
+                            "--prefill-us-per-token", str(args.prefill_us_per_token),
+                            "--decode-ms-per-token", str(args.token_interval * 1e3),
+                            "--max-running", str(args.max_running),
+                            "--mean-output-tokens", str(args.mean_output_tokens))
         stack.enter_context(running(route, log=tmp / f"{policy}-route.log"))
         wait_for_port(rport, timeout=60)
         asyncio.run(_until_backends(_http(rport), args.nodes))
@@ -200,6 +208,7 @@ def main() -> None:
     args = ap.parse_args()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     reqs = _requests(args)
+    args.mean_output_tokens = sum(r[2] for r in reqs) / len(reqs)  # as simulate takes it off the workload
     print(f"{len(reqs)} requests over {reqs[-1][0]:.0f} s, {sum(len(r[1]) for r in reqs):,} prompt tokens; "
           f"{args.nodes} nodes x {args.blocks_per_node} blocks of {BLOCK}; load average "
           f"{os.getloadavg()[0]:.2f}")

@@ -1,9 +1,10 @@
 """What valid input is, once: the rules that turn engine events into index operations, the bounds a
 batch or node must stay within, and the identities (node ids, model names) clients may use.
 
-Every path into an index goes through here: the relay's mirror and the in-process index take
-:func:`ops_of` of decoded events, the coordinator takes :func:`kvcoord.wire.ops_from_proto` of the wire,
-which applies the same rules field by field. An :class:`Op` is valid by construction (uint64 hashes,
+Every path into an index goes through here: the in-process index takes :func:`ops_of` of decoded events,
+the relay (its mirror, the reporter, the coordinator's in-process feed) :func:`op_runs` (runs of like
+events as one op), the coordinator :func:`kvcoord.wire.ops_from_proto` of the wire, which applies the
+same rules field by field. An :class:`Op` is valid by construction (uint64 hashes,
 a known tier, a non-negative group), so an index never validates and a bad event rejects its whole
 batch before anything changes. Errors are :class:`InvalidEvent` naming the event's position.
 """
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidEvent",
     "Op",
     "OverLimit",
+    "Runs",
     "SnapshotEntry",
     "check_batch_bounds",
     "check_model",
@@ -39,6 +41,8 @@ __all__ = [
     "group",
     "hashes64",
     "indexable_kind",
+    "merge_runs",
+    "op_runs",
     "ops_of",
     "pack_u64",
     "shown",
@@ -250,8 +254,8 @@ def indexable_kind(kind: object, where: str) -> bool:
 
 
 def ops_of(events: Sequence[Any]) -> list[Op]:
-    """Validate a whole batch of events (model structs or the relay's views) into ops, before anything
-    is mutated anywhere; the first bad event raises ``InvalidEvent`` naming its position."""
+    """Validate a whole batch of events (model structs or the relay's views) into ops, one per event,
+    before anything is mutated anywhere; the first bad event raises ``InvalidEvent`` naming its position."""
     if not isinstance(events, Sequence) or isinstance(events, NOT_SEQ):
         raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
     ops: list[Op] = []
@@ -270,6 +274,99 @@ def ops_of(events: Sequence[Any]) -> list[Op]:
         ops.append(Op(kind, tier(ev.medium, where), hashes64(ev.block_hashes, where),
                       group(ev.group_idx, where), indexable))
     return ops
+
+
+Runs: TypeAlias = tuple[list[Op], list[int]]
+"""A batch's ops with each run of like events merged (see :func:`merge_runs`), and the events each op
+stands for, in order (they add up to the batch's events)."""
+
+
+def op_runs(events: Sequence[Any]) -> Runs:
+    """``merge_runs(ops_of(events))``, without a per-event op when every event takes the common form;
+    raises as :func:`ops_of` does."""
+    fast = _merged_fast(events)
+    return fast if fast is not None else merge_runs(ops_of(events))
+
+
+def merge_runs(ops: Sequence[Op]) -> Runs:
+    """``ops`` (one per event) with each run of consecutive stores (or removals) of one tier, group and
+    indexability as one op of all their hashes, in order. Exact for every index and the relay's mirror:
+    they apply an op's hashes one by one, idempotently, so a run applies as its events would (and counts
+    add up). A batch of 1-block removals (vLLM frees blocks one event each) then costs one op, not
+    hundreds."""
+    out: list[Op] = []
+    spans: list[int] = []
+    run: list[BlockHash64] | None = None
+    for op in ops:
+        last = out[-1] if out else None
+        if (last is not None and op.kind != CLEAR and op.kind == last.kind and op.tier == last.tier
+                and op.group == last.group and op.indexable == last.indexable):
+            if run is None:
+                run = list(last.hashes)
+                out[-1] = last._replace(hashes=run)
+            run.extend(op.hashes)
+            spans[-1] += 1
+        else:
+            out.append(op)
+            spans.append(1)
+            run = None
+    return out, spans
+
+
+def _merged_fast(events: Sequence[Any]) -> Runs | None:
+    """:func:`op_runs` of a batch whose events all take the common form (int hashes in a list or tuple,
+    a known or no medium, a plain group, a known or no spec kind), checking each run's hashes at once;
+    None when one does not (the slow path then names the bad event, if any)."""
+    if type(events) not in FAST_SEQ:
+        return None
+    ops: list[Op] = []
+    spans: list[int] = []
+    known = _MEDIUM_TIERS
+    key: tuple[int, int, int | None, bool] | None = None
+    run: list[BlockHash64] = []
+    first: Sequence[BlockHash64] = EMPTY
+    n = 0
+    for ev in events:
+        kind = getattr(ev, "KIND", None)
+        if kind == CLEAR:
+            if key is not None:
+                ops.append(Op(*key[:2], first if n == 1 else run, *key[2:]))
+                spans.append(n)
+                key = None
+            ops.append(CLEAR_OP)
+            spans.append(1)
+            continue
+        if kind == STORE:
+            spec = ev.kv_cache_spec_kind
+            if spec is not None and type(spec) is not str:
+                return None
+            indexable = spec is None or spec in FULL_ATTENTION_KINDS
+        elif kind == REMOVE:
+            indexable = True
+        else:
+            return None
+        medium, g, hashes = ev.medium, ev.group_idx, ev.block_hashes
+        t = known.get(medium) if medium is None or type(medium) is str else None
+        if t is None or type(hashes) not in FAST_SEQ or not (g is None or (type(g) is int and g >= 0)):
+            return None
+        k = (kind, t, g, indexable)
+        if k == key:
+            if n == 1:
+                run = list(first)
+            run += hashes
+            n += 1
+            continue
+        if key is not None:
+            ops.append(Op(*key[:2], first if n == 1 else run, *key[2:]))
+            spans.append(n)
+        key, first, n = k, hashes, 1
+    if key is not None:
+        ops.append(Op(*key[:2], first if n == 1 else run, *key[2:]))
+        spans.append(n)
+    for op in ops:
+        if op.hashes and not u64_ok(op.hashes):
+            return None
+    return ops, spans
 
 
 def snapshot_per_tier(hashes: Sequence[BlockHash64], tiers: bytes = b"") -> list[Hashes]:

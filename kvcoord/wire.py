@@ -18,11 +18,11 @@ from typing import Any, NamedTuple
 import msgspec
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from kvcoord.events import CLEAR, STORE, ExtraKeys, Tier, stored_extra_keys, stored_tokens
+from kvcoord.events import CLEAR, REMOVE, STORE, ExtraKeys, Tier, stored_extra_keys, stored_tokens
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import NTIERS, InvalidEvent, Op, indexable_kind, ops_of, pack_u64, unpack_u64
+from kvcoord.validate import CLEAR_OP, NTIERS, InvalidEvent, Op, indexable_kind, ops_of, pack_u64, unpack_u64
 
 _LITTLE = sys.byteorder == "little"
 _U32_MAX = 0xFFFFFFFF
@@ -90,29 +90,34 @@ class TokenSampler:
 
 
 # --- events -----------------------------------------------------------------------------------
-def fill_event(out: pb.KVEvent, op: Op, ev: Any, sample: Sample | None) -> None:
-    """Write one validated op (and the event it came from) into ``out``, a ``kvcoord.v2.KVEvent`` (in
-    place: a batch's events are added to it, wrapping built messages would copy them)."""
-    if op.kind == CLEAR:
+def fill_event(out: pb.KVEvent, op: Op, ev: Any, sample: Sample | None, packed: bytes | None = None) -> None:
+    """Write one validated event into ``out``, a ``kvcoord.v2.KVEvent`` (in place: a batch's events are
+    added to it, wrapping built messages would copy them): its kind, tier and group from ``op`` (its own,
+    or that of the run it is in), its hashes as ``packed`` (default: ``op``'s, packed)."""
+    kind, tier, hashes, group, _ = op
+    if kind == CLEAR:
         out.cleared.SetInParent()
         return
-    packed = pack_u64(op.hashes)
-    if op.kind != STORE:
+    if packed is None:
+        packed = pack_u64(hashes)
+    if kind != STORE:
         removed = out.removed
         removed.block_hashes = packed
-        removed.tier = pb.Tier.ValueType(op.tier)
-        if op.group is not None:
-            removed.group_idx = op.group
+        if tier:
+            removed.tier = pb.Tier.ValueType(tier)
+        if group is not None:
+            removed.group_idx = group
         return
     s = out.stored
     s.block_hashes = packed
-    s.tier = pb.Tier.ValueType(op.tier)
+    if tier:
+        s.tier = pb.Tier.ValueType(tier)
     s.block_size = ev.block_size
     parent = ev.parent_block_hash
     if parent is not None:
         s.parent_block_hash = to_block_hash64(parent)
-    if op.group is not None:
-        s.group_idx = op.group
+    if group is not None:
+        s.group_idx = group
     if ev.kv_cache_spec_kind is not None:
         s.kv_cache_spec_kind = ev.kv_cache_spec_kind
     if sample is not None:
@@ -144,36 +149,64 @@ def _sample_to_proto(sample: Sample, s: pb.BlockStored) -> None:
         s.parent_block_digest = sample.parent
 
 
-def _tier(value: int, where: str) -> int:
-    if not 0 <= value < NTIERS:
-        raise InvalidEvent(f"{where}: unknown tier {value}")
-    return value
+def as_received(sample: Sample) -> Sample:
+    """``sample`` as the coordinator reads it back from the wire (:func:`fill_event`, then
+    :func:`samples_from_proto`), without the round trip: for the coordinator's own relays."""
+    tokens = sample.token_ids
+    if tokens and not all(0 <= t <= _U32_MAX for t in (min(tokens), max(tokens))):
+        return Sample((), None, (), sample.block_size, None, None)  # not verified, as on the wire
+    hashes = sample.block_hashes
+    if not (hashes and isinstance(hashes[0], bytes)):
+        hashes = tuple(to_block_hash64(h) for h in hashes)
+    parent = sample.parent
+    if parent is not None and not isinstance(parent, bytes):
+        parent = to_block_hash64(parent)
+    return Sample(hashes, parent, tuple(tokens), sample.block_size, sample.lora_name, sample.extra_keys)
 
 
-def ops_from_proto(events: Sequence[pb.KVEvent]) -> list[Op]:
-    """The wire's events as validated ops; ``InvalidEvent`` names the first bad one."""
+def ops_from_proto(events: Sequence[pb.KVEvent], *, merge: bool = False) -> list[Op]:
+    """The wire's events as validated ops; ``InvalidEvent`` names the first bad one. ``merge``: each run
+    of like events as one op (:func:`kvcoord.validate.merge_runs`; their packed hashes joined once)."""
     ops: list[Op] = []
-    append = ops.append
+    key: tuple[int, int, int | None, bool] | None = None
+    parts: list[bytes] = []
     for i, m in enumerate(events):
         which = m.WhichOneof("event")
-        if which == "stored":
-            s = m.stored
-            where = f"event {i}"
-            indexable = True
-            if s.HasField("kv_cache_spec_kind"):
-                indexable = indexable_kind(s.kv_cache_spec_kind, where)
-            append(Op(STORE, _tier(s.tier, where), unpack_u64(s.block_hashes, where),
-                      s.group_idx if s.HasField("group_idx") else None, indexable))
-        elif which == "removed":
-            r = m.removed
-            where = f"event {i}"
-            append(Op(1, _tier(r.tier, where), unpack_u64(r.block_hashes, where),
-                      r.group_idx if r.HasField("group_idx") else None, True))
+        if which == "removed":
+            e: pb.BlockRemoved | pb.BlockStored = m.removed
+            k = (REMOVE, e.tier, e.group_idx if e.HasField("group_idx") else None, True)
+        elif which == "stored":
+            e = m.stored
+            indexable = (not e.HasField("kv_cache_spec_kind")
+                         or indexable_kind(e.kv_cache_spec_kind, f"event {i}"))
+            k = (STORE, e.tier, e.group_idx if e.HasField("group_idx") else None, indexable)
         elif which == "cleared":
-            append(Op(CLEAR, 0, (), None, True))
+            if key is not None:
+                ops.append(_run_op(key, parts))
+                key = None
+            ops.append(CLEAR_OP)
+            continue
         else:
             raise InvalidEvent(f"event {i}: KVEvent has no event set")
+        if not 0 <= k[1] < NTIERS:
+            raise InvalidEvent(f"event {i}: unknown tier {k[1]}")
+        data = e.block_hashes
+        if len(data) % 8:
+            raise InvalidEvent(f"event {i}: block_hashes is {len(data)} bytes, not a multiple of 8")
+        if merge and k == key:
+            parts.append(data)
+            continue
+        if key is not None:
+            ops.append(_run_op(key, parts))
+        key, parts = k, [data]
+    if key is not None:
+        ops.append(_run_op(key, parts))
     return ops
+
+
+def _run_op(key: tuple[int, int, int | None, bool], parts: list[bytes]) -> Op:
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    return Op(key[0], key[1], unpack_u64(data, "run"), key[2], key[3])
 
 
 def samples_from_proto(events: Sequence[pb.KVEvent]) -> list[tuple[int, Sample]]:

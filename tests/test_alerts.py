@@ -7,7 +7,9 @@ events with an old engine timestamp, a node that stops heart-beating, an invalid
 redis-server, a stopped coordinator; and for the router, two sim-engines whose agents announce each
 other's ``--serving-url`` (swapped sidecar flags: the index is right about which engine holds a prefix, but
 the router sends the request to the other one, whose cache is cold, so achieved falls far below
-predicted) and a router left without its coordinator. It waits for Prometheus to report each alert
+predicted), a router left without its coordinator, and a router killed (SIGKILL). The engine whose hashes
+do not verify is also the node in trust state ``degraded``. Alerts on a target being down are shown
+not to fire while it is scraped. It waits for Prometheus to report each alert
 ``firing``, and runs every Grafana panel query against the same Prometheus. The fast tests check that
 every labelled counter the alerts and panels read exists at 0 before its first increment; without that,
 ``rate()`` and ``increase()`` see no increase and an alert on a first event never fires.
@@ -21,8 +23,10 @@ import concurrent.futures
 import contextlib
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import threading
 import time
 import urllib.error
@@ -42,7 +46,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcoord.coordinator import metrics as kvmetrics
-from kvcoord.coordinator.ingest import _KINDS as _PROTO_KINDS
+from kvcoord.coordinator.incoming import KINDS as _BATCH_KINDS
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.events import BlockStored
 from kvcoord.hashing import HashProfile, block_hashes64
@@ -113,13 +117,16 @@ def test_label_sets_are_exactly_what_the_call_sites_pass() -> None:
     assert set(kvmetrics.SNAPSHOT_REASONS) == (
         _literals("snapshot_requested", 0, _metrics) | _literals("_request_snapshot", 1, _self))
     assert set(kvmetrics.VERIFY_RESULTS) == _literals("_result", 0, _self)  # the verifier's callback
-    # Reasons come through the ingest session's _reject. Its "undecodable_<kind>" form needs an
-    # EventDecodeError, which the protobuf decoders the coordinator uses never raise: left to first use.
-    reasons = _literals("_reject", 2, _self) | _literals("rejected", 1, _metrics)
+    # Reasons come through the ingest session's _reject and _count_rejected. The "undecodable_<kind>" form
+    # needs an EventDecodeError, which the protobuf decoders the coordinator uses never raise: left to
+    # first use.
+    reasons = (_literals("_reject", 2, _self) | _literals("_count_rejected", 1, _self)
+               | _literals("rejected", 1, _metrics))
     assert set(kvmetrics.REJECT_REASONS) == reasons
-    assert set(kvmetrics.EVENT_TYPES) == set(_PROTO_KINDS.values()) == _literals("applied", 0, _metrics)
-    # a rejected event's type: proto_event_kind (the kind mapping, "unknown" otherwise), or "none"
-    types = {*_PROTO_KINDS.values(), "unknown"} | _literals("rejected", 0, _metrics)
+    kinds = set(_BATCH_KINDS) - {"unknown"}  # what batches are counted by, less an event of no known kind
+    assert set(kvmetrics.EVENT_TYPES) == kinds == _literals("applied", 0, _metrics)
+    # a rejected event's type: its kind as batches count it ("unknown" for none known), or "none"
+    types = set(_BATCH_KINDS) | _literals("rejected", 0, _metrics)
     assert set(kvmetrics.REJECTED_TYPES) == types
 
 
@@ -527,6 +534,11 @@ class Chats:
                 await asyncio.sleep(0.1)  # pacing the traffic, not waiting for anything
 
 
+def route_down_active(prom: Prometheus) -> bool:
+    """KvcoordRouteDown pending or firing."""
+    return any(a["labels"].get("alertname") == "KvcoordRouteDown" for a in prom.alerts())
+
+
 def route_backends(address: str) -> dict[str, str]:
     """The router's node -> URL map (its /health), empty while it does not answer."""
     try:
@@ -583,6 +595,7 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
     expect: dict[str, tuple[str, dict[str, str]]] = {
         "KvcoordHashMismatch": ("traffic", {"model": MODEL}),
         "KvcoordNodeHashMismatch": ("traffic", {}),
+        "KvcoordNodeDegraded": ("traffic", {}),
         "KvcoordIngestLagHigh": ("traffic", {}),
         "KvcoordLeasesExpiring": ("traffic", {"instance": lease_inst}),
         "KvcoordEventsRejected": ("traffic", {"reason": "unknown_dp_rank"}),
@@ -590,6 +603,7 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
         "KvcoordCoordinatorDown": ("coordinator_down", {"instance": main_inst, "job": job}),
         "KvcoordRouteAchievedBelowPredicted": ("traffic", {"instance": route_inst, "job": route_job}),
         "KvcoordRouteDegraded": ("coordinator_down", {"instance": route_inst, "job": route_job}),
+        "KvcoordRouteDown": ("route_down", {"instance": route_inst, "job": route_job}),
     }
     assert set(expect) == {r["alert"] for r in rules}, "every rule in alerts.yml needs a cause here"
     names = ("main", "lease", "prometheus", "route", *(n.node for n in sims),
@@ -641,7 +655,8 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             zero = prom.query(f'kvcoord_hash_mismatches_total{{instance="{main_inst}"}}')
             got = sorted((r["metric"]["model"], r["value"][1]) for r in zero)
             assert got == [(MODEL, "0"), (SIM_MODEL, "0")], zero
-            for name, labels in (("kvcoord_events_rejected_total", ("type", "reason")),
+            for name, labels in (("kvcoord_nodes_by_trust", ("trust",)),
+                                 ("kvcoord_events_rejected_total", ("type", "reason")),
                                  ("kvcoord_batches_total", ("outcome",)),
                                  ("kvcoord_snapshots_requested_total", ("reason",)),
                                  ("kvcoord_hash_verifications_total", ("result",))):
@@ -661,13 +676,16 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
                 wait_for_port(n.http, timeout=60)
                 stack.enter_context(running(agent_cmd(main_addr, n, other), log=logs[f"agent-{n.node}"]))
             # A static backend nobody listens on: picked once, it costs a retry and a backend failure.
-            stack.enter_context(running(kvcoord_cmd(
+            route = stack.enter_context(running(kvcoord_cmd(
                 "route", "--coordinator", main_addr, "--listen", route_inst, "--model", SIM_MODEL,
                 "--deadline-ms", "2000", "--refresh-interval", "0.5", "--seed", "7",
                 "--backend", f"node-dead=http://127.0.0.1:{dead_port}",
             ), log=logs["route"]))  # fmt: skip
             wait_for_port(route_port, timeout=60)
             wait_until(lambda: prom.query(f'up{{job="{route_job}"}} == 1'), "the router scraped")
+            route_up = time.time()  # KvcoordRouteDown was active before the router started; it resolves
+            wait_until(lambda: prom.last_evaluation() >= route_up, "an evaluation with the router up")
+            assert not route_down_active(prom), prom.alerts()
             wait_until(lambda: {n.node for n in sims} <= set(route_backends(route_inst)),
                        "the router to learn both engines' URLs from the coordinator",
                        lambda: route_backends(route_inst))
@@ -702,6 +720,9 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             assert [(r["metric"]["model"], r["value"][1]) for r in hello_made] == [(LEASE_MODEL, "0")]
             assert any(r.WhichOneof("msg") == "notice" and r.notice.state == "hash_mismatch"
                        for r in unseeded.replies), unseeded
+            # KvcoordNodeDegraded: that node, and only it, is in trust state degraded
+            trust = prom.query(f'kvcoord_nodes_by_trust{{instance="{main_inst}",trust="degraded"}}')
+            assert [r["value"][1] for r in trust] == ["1"], trust
 
             # 3. Every dashboard panel has data from this Prometheus.
             wait_until(lambda: router.answered >= 10, "lookups answered", lambda: router.answered)
@@ -725,6 +746,14 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             wait_until(lambda: degraded.statuses.get(200), "a degraded request answered",  # least-loaded
                        lambda: degraded.statuses)
             degraded.running = False
+
+            # 6. The router dies (SIGKILL: no goodbye). Up to here it was scraped, so its down alert was
+            #    never active since it started.
+            assert not route_down_active(prom), prom.alerts()
+            since = time.time()
+            os.killpg(route.pid, signal.SIGKILL)
+            stop(route)
+            wait_firing("route_down", since)
 
             for r in prom.rules():  # no rule failed to evaluate
                 assert r["health"] == "ok", r

@@ -514,9 +514,9 @@ def test_ports_agree_across_dockerfile_compose_k8s_and_prometheus() -> None:
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
     assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    pdb = kind(docs, "PodDisruptionBudget")
+    pdb = kind(docs, "PodDisruptionBudget", "kvcoord")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    sm = kind(docs, "ServiceMonitor")
+    sm = kind(docs, "ServiceMonitor", "kvcoord")
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
     # The ServiceMonitor's job label is the Service name: the same job as the compose scrape config.
@@ -588,6 +588,63 @@ def test_k8s_coordinator_replicas_resources_secrets_and_probes() -> None:
         assert flag(cmd, "--tls-ca").startswith(mounts["tls"] + "/")
         want = "kvcoord.v2.Coordinator" if probe == "readinessProbe" else LIVENESS
         assert flag(cmd, "--service") == want, probe
+
+
+def test_k8s_route_agrees_with_the_coordinator_engines_and_prometheus() -> None:
+    """kvcoord route in Kubernetes: it looks up on the coordinator Service with the router token, probes
+    its own /health, learns engines from the agents' --serving-url (the vLLM port, by pod IP), and its
+    Service and ServiceMonitor give Prometheus the job the compose config and KvcoordRouteDown name."""
+    docs = k8s_docs()
+    dep = kind(docs, "Deployment", "kvcoord-route")
+    c = container(dep, "route")
+    args = c["args"]
+    assert args[0] == "route" and _is_kvcoord_image(c["image"])
+    assert c["image"] == container(kind(docs, "Deployment", "kvcoord"), "coordinator")["image"]
+    coord_svc = kind(docs, "Service", "kvcoord")
+    grpc_port = next(p["port"] for p in coord_svc["spec"]["ports"] if p["name"] == "grpc")
+    assert flag(args, "--coordinator") == f"{coord_svc['metadata']['name']}:{grpc_port}"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert hostport(flag(args, "--listen")) == ("0.0.0.0", ports["http"]) and set(ports) == {"http"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    # the token the coordinator binds to routers, from the same Secret key
+    coord_env = env_of(container(kind(docs, "Deployment", "kvcoord"), "coordinator"))
+    ref = env_of(c)["KVCOORD_TOKEN"]["valueFrom"]["secretKeyRef"]
+    want = coord_env["KVCOORD_ROUTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == (want["name"], want["key"])
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and c["resources"]["requests"]["cpu"]
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    # the model its agents serve; the agents announce the engine's OpenAI port by pod IP
+    vllm = kind(docs, "Deployment", "vllm-qwen3")
+    agent = container(vllm, "kvcoord-agent")
+    assert flag(args, "--model") == flag(agent["args"], "--model")
+    vllm_port = next(p["containerPort"] for p in container(vllm, "vllm")["ports"] if p["name"] == "http")
+    assert flag(agent["args"], "--serving-url") == f"http://$(POD_IP):{vllm_port}"
+    assert env_of(agent)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # Service, PodDisruptionBudget and ServiceMonitor select these pods and this port
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    svc = kind(docs, "Service", "kvcoord-route")
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
+        ("http", ports["http"], "http")]
+    assert kind(docs, "PodDisruptionBudget", "kvcoord-route")["spec"]["selector"]["matchLabels"].items() <= (
+        labels.items())
+    sm = kind(docs, "ServiceMonitor", "kvcoord-route")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert [(e["port"], e["path"]) for e in sm["spec"]["endpoints"]] == [("http", "/metrics")]
+    # neither ServiceMonitor selects the other's Service (each job stays about its own targets)
+    coord_sm = kind(docs, "ServiceMonitor", "kvcoord")
+    assert not coord_sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert not sm["spec"]["selector"]["matchLabels"].items() <= coord_svc["metadata"]["labels"].items()
+    _, route_job = yaml_docs(PROMETHEUS / "prometheus.yml")[0]["scrape_configs"]
+    assert route_job["job_name"] == svc["metadata"]["name"] and "jobLabel" not in sm["spec"]
+    # TLS overlay: the router trusts the coordinator's CA like the agents do
+    tls = container(kind(k8s_tls_docs(), "Deployment", "kvcoord-route"), "route")
+    mounts = {m["name"]: m["mountPath"] for m in tls["volumeMounts"]}
+    assert flag(tls["args"], "--tls-ca") == mounts["kvcoord-ca"] + "/ca.crt"
+    tls_agent = container(kind(k8s_tls_docs(), "Deployment", "vllm-qwen3"), "kvcoord-agent")
+    assert flag(tls_agent["args"], "--tls-ca") == flag(tls["args"], "--tls-ca")
 
 
 def _load_toml_text(text: str, env: dict[str, str]) -> Any:
@@ -694,7 +751,8 @@ def test_alert_rules_cover_the_issue_and_match_the_prometheusrule() -> None:
     rules = alert_rules()
     exprs = " ".join(r["expr"] for r in rules)
     for metric in ("kvcoord_hash_mismatches_total", "kvcoord_ingest_lag_seconds_bucket",
-                   "kvcoord_leases_expired_total", "kvcoord_index_up", "kvcoord_events_rejected_total"):
+                   "kvcoord_leases_expired_total", "kvcoord_index_up", "kvcoord_events_rejected_total",
+                   "kvcoord_nodes_by_trust"):
         assert metric in exprs, f"no alert on {metric}"
     names = [r["alert"] for r in rules]
     assert len(names) == len(set(names))
@@ -715,9 +773,9 @@ def test_alert_rules_cover_the_issue_and_match_the_prometheusrule() -> None:
         assert (PROMETHEUS / rule_file).resolve() == (PROMETHEUS / "alerts.yml").resolve()
         d, _, name = posixpath.join(config_dir, rule_file).rpartition("/")
         assert (REPO / mounts[d] / name).resolve() == (PROMETHEUS / "alerts.yml").resolve()
-    job = prom["scrape_configs"][0]["job_name"]
+    jobs = {sc["job_name"] for sc in prom["scrape_configs"]}
     ups = re.findall(r'up\{job="([^"]+)"\}', exprs)
-    assert ups and set(ups) == {job}
+    assert set(ups) == jobs == {"kvcoord", "kvcoord-route"}, "every scrape job has its down alert"
 
 
 def test_grafana_provisioning_matches_compose_and_dashboard() -> None:
@@ -1100,6 +1158,31 @@ def test_kustomize_renders_base_and_tls_overlay() -> None:
                 assert containers(got) == containers(d)
             if d["kind"] != "Namespace":
                 assert got["metadata"]["namespace"] == "kvcoord"
+
+
+def test_kubernetes_validate_accepts_every_rendered_manifest(tmp_path: Path) -> None:
+    """The real kubernetes-validate (strict: no unknown fields) on what ``kubectl kustomize`` renders, base
+    and TLS overlay; only the Prometheus Operator's kinds have no schema there (kustomize and promtool
+    check those)."""
+    tool = (shutil.which("kubernetes-validate")
+            or shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent)))
+    if shutil.which("kubectl") is None or tool is None:
+        pytest.skip("kubectl or kubernetes-validate is not installed (pip install kubernetes-validate)")
+    for root in (K8S, K8S / "tls"):
+        out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        rendered = tmp_path / f"{root.name}.yaml"
+        rendered.write_text(out.stdout)
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        res = subprocess.run([tool, "--strict", str(rendered)], capture_output=True, text=True, timeout=120)
+        report = res.stdout + res.stderr
+        assert res.returncode == 0, report
+        for d in docs:
+            name = f"{d['kind'].lower()}/{d['metadata']['name']}"
+            if d["apiVersion"].startswith("monitoring.coreos.com/"):
+                assert f"kind {d['kind']} with api version {d['apiVersion']}" in report, report
+            else:
+                assert f"passed for resource {name} " in report, (name, report)
 
 
 # --- the compose demo, run without Docker -----------------------------------------------------------

@@ -610,11 +610,56 @@ def test_table_keeps_nodes_through_an_empty_listing() -> None:
     (("--coordinator", "127.0.0.1:1", "--listen-tls-cert", "c.pem"), "together"),
     (("--coordinator", "127.0.0.1:1", "--max-in-flight", "-1"), "must be >= 0"),
     (("--coordinator", "127.0.0.1:1", "--request-body-mode", "streamed"), "invalid choice"),
+    (("--coordinator", "127.0.0.1:1", "--degraded", "sometimes"), "invalid choice: 'sometimes'"),
+    (("--coordinator", "127.0.0.1:1", "--decode-ms-per-token", "-3"), "must be > 0"),
 ])
 def test_cli_mistakes_are_one_line(flags: tuple[str, ...], words: str) -> None:
     out = subprocess.run(kvcoord_cmd("epp", *flags), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     assert len(out.stderr.strip().splitlines()) == 1 and words in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("flags", "want"), [((), "discount"), (("--degraded", "ignore"), "ignore"),
+                                           (("--degraded", "trust"), "trust")])
+async def test_degraded_flag_reaches_the_policy(flags: tuple[str, ...], want: str) -> None:
+    """``--degraded`` goes through the real parser, the command's config and ``make_policy`` into the
+    policy the server picks with; with a non-index policy it is accepted and unused."""
+    from kvcoord.cli import build_parser
+    from kvcoord.cli.epp import epp_config
+    from kvcoord.gateway.epp import EppServer
+    from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy
+
+    for policy, reads in (("prefix-aware", True), ("least-loaded", False)):
+        args = build_parser().parse_args(["epp", "--coordinator", "127.0.0.1:1", "--policy", policy, *flags])
+        server = EppServer(epp_config(args))
+        try:
+            got = server.picker.policy
+            assert got.name == policy
+            if reads:
+                assert isinstance(got, PrefixAwarePolicy) and got.degraded == want
+                assert got.latency == LatencyModel()
+        finally:
+            await server.client.close()
+
+
+async def test_cost_model_flags_reach_the_policy() -> None:
+    """The latency model's flags (named as ``kvcoord simulate``'s) reach the picker's prefix-aware policy."""
+    from kvcoord.cli import build_parser
+    from kvcoord.cli.epp import epp_config
+    from kvcoord.gateway.epp import EppServer
+    from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy
+
+    args = build_parser().parse_args(["epp", "--coordinator", "127.0.0.1:1", "--prefill-us-per-token", "2.5",
+                                      "--decode-ms-per-token", "10", "--max-running", "4",
+                                      "--mean-output-tokens", "64"])
+    server = EppServer(epp_config(args))
+    try:
+        got = server.picker.policy
+        assert isinstance(got, PrefixAwarePolicy)
+        assert got.latency == LatencyModel(prefill_s_per_token=2.5e-6, decode_s_per_token=10e-3,
+                                           max_running=4, mean_output_tokens=64.0)
+    finally:
+        await server.client.close()
 
 
 def test_docs_commands_parse() -> None:

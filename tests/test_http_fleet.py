@@ -6,8 +6,10 @@ Real ``redis-server``, real ``kvcoord serve`` subprocesses, vLLM-exact ZMQ publi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import random
 import signal
 import subprocess
 import time
@@ -138,3 +140,122 @@ def test_registered_engines_survive_their_relaying_replica(tmp_path: Path) -> No
     finally:
         for pub in pubs:
             pub.shutdown()
+
+
+async def test_in_process_feed_keeps_the_index_equal_to_the_pool() -> None:
+    """``kvcoord serve`` relays a registered engine through its in-process feed (no gRPC): the index holds
+    exactly the engine's pool, every event is counted as the engine published it (1-block removals merged
+    into one op each run still count one each), and a resync request is answered with a snapshot."""
+    from kvcoord.agent.fleet import Fleet
+    from kvcoord.agent.pool import BlockPool
+    from kvcoord.coordinator.config import load_config
+    from kvcoord.coordinator.server import CoordinatorServer
+
+    overrides: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "127.0.0.1:0",
+                                 "models": [f"{MODEL},algo=sha256_cbor,block_size={BS},seed=42"]}
+    server = CoordinatorServer(load_config(None, env={}, overrides=overrides), runner_factory=Fleet)
+    await server.start()
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub = ZmqEventPublisher(0, endpoint, replay, bind=True)
+    pool = BlockPool(40, PROFILE)
+    rng = random.Random(7)
+    published = {"stored": 0, "removed": 0}
+    step = 0
+    try:
+        state, engines = server.state, server.engines
+        assert state is not None and engines is not None
+        await engines.register(7, MODEL, "default", BS, 0, endpoint, replay)
+
+        async def wait_for(cond: Any, what: str) -> None:
+            deadline = time.monotonic() + DEADLINE
+            while not await cond():
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out waiting for {what}")
+                await asyncio.sleep(0.02)
+
+        async def in_sync() -> bool:
+            rec = state.registry.get("7")
+            return rec is not None and not rec.resyncing
+
+        async def equal() -> bool:
+            held = {h for h, _ in await state.index.export_node(MODEL, "7", 0)}
+            return held == pool.cached_hashes()
+
+        def publish(n: int) -> None:
+            nonlocal step
+            for _ in range(n):
+                step += 1
+                tokens = [rng.randrange(1000) for _ in range(BS * rng.randint(1, 12) + 1)]
+                if pool.admit(f"r{step}", tokens) is not None:
+                    pool.finish(f"r{step}")
+                events = pool.take_events()
+                for ev in events:
+                    kind = "stored" if isinstance(ev, BlockStored) else "removed"
+                    published[kind] += 1
+                if events:
+                    pub.publish(KVEventBatch(ts=time.time(), events=tuple(events)))
+
+        await wait_for(in_sync, "the feed's first snapshot")
+        publish(60)
+        await wait_for(equal, "the index to hold the pool")
+        applied = state.metrics.applied_by_type
+        assert published["removed"] > 20  # the pool is small: evictions happened, one event per block
+        assert applied["block_stored"] == published["stored"]
+        assert applied["block_removed"] == published["removed"]
+        reg = state.metrics.registry
+
+        async def snapshots() -> float:
+            return reg.get_sample_value("kvcoord_snapshots_applied_total") or 0.0
+
+        before = await snapshots()
+        assert state.resync_all("test: index reset") == 1
+        publish(40)
+
+        async def resynced() -> bool:
+            return await snapshots() > before
+
+        await wait_for(resynced, "the snapshot that answers the resync")
+        await wait_for(in_sync, "the node back in sync")
+        publish(20)
+        await wait_for(equal, "the index to hold the pool after the resync")
+    finally:
+        pub.shutdown()
+        await server.stop()
+
+
+async def test_in_process_feed_replaces_an_overflowing_queue_with_a_snapshot() -> None:
+    """Batches that pile up while the index stalls are bounded as a reporter's: past
+    ``max_unacked_batches`` the queue is dropped and the mirror's snapshot replaces it, exactly."""
+    from kvcoord.agent.link import ReporterOptions
+    from kvcoord.agent.local import LocalFeed
+    from kvcoord.coordinator.config import load_config
+    from kvcoord.coordinator.server import CoordinatorServer
+    from kvcoord.engine.relay import BlockMirror
+    from kvcoord.events import BlockRemoved
+    from kvcoord.validate import op_runs
+
+    overrides: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "",
+                                 "models": [f"{MODEL},algo=sha256_cbor,block_size={BS},seed=42"]}
+    server = CoordinatorServer(load_config(None, env={}, overrides=overrides))
+    await server.start()
+    mirror = BlockMirror()
+    assert server.state is not None
+    feed = LocalFeed(server.state, node_id="n1", model=MODEL, snapshot=mirror.rank_entries, dp_ranks=[0],
+                     options=ReporterOptions(max_unacked_batches=2))
+    try:
+        for i in range(5):  # not started yet: nothing drains the queue
+            events = [BlockStored(block_hashes=(100 + i, 200 + i), parent_block_hash=None, token_ids=(),
+                                  block_size=BS), BlockRemoved(block_hashes=(100 + i,))]
+            ops, spans = op_runs(events)
+            mirror.commit(0, ops)
+            feed.submit(0, events, 1.0, ops, spans)
+        assert feed.overflows >= 1
+        await feed.start()
+        deadline = time.monotonic() + DEADLINE
+        while not feed.settled() or {h for h, _ in await server.state.index.export_node(MODEL, "n1", 0)} != \
+                {200 + i for i in range(5)}:
+            assert time.monotonic() < deadline, "the snapshot never replaced the dropped batches"
+            await asyncio.sleep(0.02)
+    finally:
+        await feed.close()
+        await server.stop()

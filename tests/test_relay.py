@@ -33,10 +33,14 @@ class RecordingSink:
 
     def __init__(self) -> None:
         self.batches: list[tuple[int, tuple[KVEvent, ...], float]] = []
+        self.lost: list[tuple[int, str]] = []
 
     def submit(self, dp_rank: int, events: Sequence[Any], ts: float | None = None,
-               ops: Sequence[Any] | None = None) -> None:
+               ops: Sequence[Any] | None = None, spans: Sequence[int] | None = None) -> None:
         self.batches.append((dp_rank, tuple(to_model(ev) for ev in events), ts or 0.0))
+
+    def history_lost(self, dp_rank: int, reason: str) -> None:
+        self.lost.append((dp_rank, reason))
 
 
 class DroppingPublisher(ZmqEventPublisher):
@@ -325,6 +329,10 @@ async def test_malformed_frames_counted_and_skipped(ports: Ports, caplog: pytest
                                                     *(b.events for b in batches[13:])]
             assert relay.stats.malformed == {"truncated": 1, "unknown_event": 2, "frames": 1, "seq": 1}
             assert relay.stats.lost_batches == 3 and relay.stats.unrecoverable_gaps == 3
+            # each loss is also reported as lost history (the coordinator marks the rank degraded)
+            assert [dp for dp, _ in sink.lost] == [0, 0, 0], sink.lost
+            assert sorted(why.split(" are gone")[0] for _, why in sink.lost) == [
+                f"history lost: 1 batch(es) from seq {seq}" for seq in (10, 11, 12)], sink.lost
             logged = [r for r in caplog.records if "skipping malformed" in r.getMessage()]
             assert len(logged) == 4
             lost = [r for r in caplog.records if r.levelname == "WARNING" and "are lost" in r.getMessage()]
@@ -531,3 +539,64 @@ async def test_unrecoverable_gap_clears_the_mirror(ports: Ports, replay: bool,
         stop_ev.set()
         await asyncio.wait_for(task, 2.0)
         pub.shutdown()
+
+
+def _random_events(rng: random.Random, n: int) -> list[KVEvent]:
+    """Events of every form the fast path must take or hand over: int and digest hashes, media, groups,
+    spec kinds (indexable or not), clears, empty stores."""
+    out: list[KVEvent] = []
+    for _ in range(n):
+        medium = rng.choice([None, "GPU", "cpu", "CPU_PINNED", "DISK"])
+        group = rng.choice([None, 0, 1])
+        hashes: tuple[Any, ...] = tuple(rng.randrange(2, 1 << 64) for _ in range(rng.choice([0, 1, 1, 1, 3])))
+        if rng.random() < 0.05:
+            hashes = tuple(rng.randbytes(32) for _ in hashes)
+        r = rng.random()
+        if r < 0.05:
+            out.append(AllBlocksCleared())
+        elif r < 0.35:
+            out.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=(), block_size=4,
+                                   medium=medium, group_idx=group,
+                                   kv_cache_spec_kind=rng.choice([None, "full_attention", "sliding_window"])))
+        else:
+            out.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
+    return out
+
+
+def test_merged_ops_are_the_runs_of_the_plain_ones_and_apply_alike() -> None:
+    """``op_runs`` (the relay's fast path) equals ``merge_runs(ops_of())`` on every batch, its spans add up
+    to the events, and a mirror fed merged ops ends equal to one fed an op per event."""
+    from kvcoord import validate
+
+    rng = random.Random(12)
+    plain_mirror, merged_mirror = BlockMirror(), BlockMirror()
+    for _ in range(400):
+        events = _random_events(rng, rng.randint(1, 40))
+        if rng.random() < 0.5:  # long runs of 1-block removals, as vLLM frees blocks
+            events += [BlockRemoved(block_hashes=(rng.randrange(2, 1 << 64),)) for _ in range(30)]
+        plain = validate.ops_of(events)
+        merged, spans = validate.op_runs(events)
+        slow, slow_spans = validate.merge_runs(plain)
+        assert [(*op[:2], list(op[2]), *op[3:]) for op in merged] == \
+            [(*op[:2], list(op[2]), *op[3:]) for op in slow]
+        assert spans == slow_spans and sum(spans) == len(events)
+        assert sum(len(op.hashes) for op in merged) == sum(len(op.hashes) for op in plain)
+        plain_mirror.commit(0, plain)
+        merged_mirror.commit(0, merged)
+    assert merged_mirror.snapshot()
+    assert sorted(merged_mirror.snapshot()[0]) == sorted(plain_mirror.snapshot()[0])
+
+
+def test_merged_ops_refuse_what_plain_ops_refuse() -> None:
+    """A bad event fails the merged path exactly as the plain one, naming the same event."""
+    from kvcoord import validate
+
+    good = BlockRemoved(block_hashes=(5,))
+    for bad in (BlockRemoved(block_hashes=(5,), medium="tape"), BlockRemoved(block_hashes=(-1,)),
+                BlockRemoved(block_hashes=(5,), group_idx=-2), "not an event"):
+        events: list[Any] = [good, good, bad, good]
+        with pytest.raises(validate.InvalidEvent) as plain:
+            validate.ops_of(events)
+        with pytest.raises(validate.InvalidEvent) as merged:
+            validate.op_runs(events)
+        assert str(merged.value) == str(plain.value) and "event 2" in str(plain.value)

@@ -381,3 +381,29 @@ async def test_snapshot_from_a_relay_mirror_takes_its_columns_whole() -> None:
             assert all(isinstance(t, Tier) for t in tiers)
         finally:
             await r.close()
+
+
+async def test_merged_runs_still_go_out_one_wire_event_per_event() -> None:
+    """The relay hands over runs of like events as one op each (``op_runs``, with ``spans``): the wire
+    still carries every event as its own, with its own hashes, also when a run crosses a batch bound."""
+    from kvcoord.validate import op_runs
+
+    port = free_port()
+    s = Script()
+    async with scripted_server(s, port):
+        opts = ReporterOptions(max_batch_events=4, max_batch_blocks=64, flush_interval=0.005)
+        r = await reporter(port, options=opts)
+        try:
+            evs: list[KVEvent] = [stored(1, 2), stored(3)]
+            evs += [BlockRemoved(block_hashes=(h,)) for h in range(20, 27)]
+            evs += [BlockRemoved(block_hashes=(40, 41), medium="CPU"), AllBlocksCleared(),
+                    BlockRemoved(block_hashes=(50,))]
+            runs, spans = op_runs(evs)
+            assert len(runs) < len(evs) and sum(spans) == len(evs)
+            r.submit(0, evs, ts=1.0, ops=runs, spans=spans)
+            await r.wait_acked(5)
+            got = batches(s)
+            assert [len(b.events) for b in got] == [4, 4, 4]
+            assert [op for b in got for op in ops(b.events)] == ops(evs)
+        finally:
+            await r.close()

@@ -332,12 +332,37 @@ async def test_coordinator_outage_degrades_visibly_and_recovers(fleet: Fleet) ->
     (["--backend", "a=http://h:1"], "--coordinator is required"),
     (["--coordinator", "127.0.0.1:1", "--deadline-ms", "0"], "must be > 0"),
     (["--coordinator", "127.0.0.1:1", "--tokenizer", "/nonexistent"], "not a directory"),
+    (["--coordinator", "127.0.0.1:1", "--degraded", "sometimes"], "invalid choice: 'sometimes'"),
+    (["--coordinator", "127.0.0.1:1", "--prefill-us-per-token", "0"], "must be > 0"),
+    (["--coordinator", "127.0.0.1:1", "--max-running", "x"], "--max-running"),
 ])
 def test_cli_mistakes_are_one_line(args: list[str], message: str) -> None:
     out = subprocess.run(kvcoord_cmd("route", *args), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+async def test_degraded_flag_reaches_the_policy(fleet: Fleet, tmp_path: Path) -> None:
+    """``--degraded`` and the cost model's flags reach the policy a running router places with (its /health
+    reads the policy object); without them it has the policy's defaults."""
+    port = free_port()
+    cmd = kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{fleet.gport}", "--listen", f"127.0.0.1:{port}",
+                      "--model", MODEL, "--degraded", "ignore", "--prefill-us-per-token", "1",
+                      "--decode-ms-per-token", "20", "--max-running", "8", "--mean-output-tokens", "100")
+    given = {"max_running": 8, "prefill_us_per_token": 1.0, "decode_ms_per_token": 20.0,
+             "mean_output_tokens": 100.0}
+    defaults = {"max_running": 32, "prefill_us_per_token": 50.0, "decode_ms_per_token": 15.0,
+                "mean_output_tokens": 350.0}
+    with running(cmd, log=tmp_path / "route-ignore.log"):
+        await asyncio.to_thread(wait_for_port, port, "127.0.0.1", 30)
+        async with aiohttp.ClientSession() as s:
+            for base, want, latency in ((f"http://127.0.0.1:{port}", "ignore", given),
+                                        (fleet.route, "discount", defaults)):
+                async with s.get(f"{base}/health") as resp:
+                    health = await resp.json()
+                assert (health["policy"], health["degraded"]) == ("prefix-aware", want), health
+                assert health["latency"] == pytest.approx(latency), health
 
 
 def test_listen_port_in_use_is_one_line() -> None:
@@ -356,6 +381,21 @@ def test_listen_port_in_use_is_one_line() -> None:
 
 
 # --- units ----------------------------------------------------------------------------------------------
+def test_one_outage_rule_for_route_and_epp() -> None:
+    """Every gRPC code is either an outage (the coordinator failed to answer) or a refusal of the request;
+    route and epp both ask :func:`kvcoord.gateway.outage.is_outage`."""
+    import grpc
+
+    from kvcoord.gateway import picker, route_place
+    from kvcoord.gateway.outage import REFUSAL_CODES, is_outage
+
+    outages = {c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK and is_outage(c)}
+    assert outages == {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "UNKNOWN", "INTERNAL", "DATA_LOSS"}
+    assert {c.name for c in grpc.StatusCode} - outages - {"OK"} == REFUSAL_CODES
+    assert is_outage("UNAVAILABLE") and not is_outage("UNAUTHENTICATED") and is_outage("SOMETHING_NEW")
+    assert route_place.is_outage is picker.is_outage is is_outage
+
+
 def test_block_keys_name_whole_prefixes() -> None:
     from kvcoord.gateway.route_place import block_keys
 
@@ -508,6 +548,30 @@ async def test_a_coordinator_slower_than_the_deadline_degrades(fleet: Fleet, tmp
     finally:
         never.set()
         await runner.cleanup()
+
+
+async def test_a_placed_prompt_counts_as_queued_prefill_until_its_first_byte_or_the_model_says_done() -> None:
+    """A non-streaming answer's first byte comes after decoding: the prompt is counted as queued prefill
+    only as long as the cost model says the node needs for it (plus what was queued ahead), and a handle
+    released twice (first byte, then the attempt's end) subtracts once."""
+    from kvcoord.gateway.route_backends import Backends
+    from kvcoord.load import NodeLoad
+
+    b = Backends()
+    key = ("n1", 0)
+    first = b.begin(key, 1000)  # no model: until the first byte
+    timed = b.begin(key, 500, 1e-4)  # 1000 ahead + 500 at 100 us/token: done after 0.15 s at the latest
+    assert b.merged_load(key, NodeLoad()).prefill_tokens == 1500
+    deadline = time.monotonic() + 30
+    while b.merged_load(key, NodeLoad()).prefill_tokens != 1000:
+        assert time.monotonic() < deadline, "the cost model's bound never released the prompt"
+        await asyncio.sleep(0.05)
+    timed.done()
+    first.done()
+    first.done()
+    assert b.merged_load(key, NodeLoad()).prefill_tokens == 0
+    b.begin(key, 10).done()
+    assert b.work.pending(key) == 0
 
 
 def test_backends_merge_own_work_into_reported_load_and_keep_nodes_through_a_restart() -> None:

@@ -44,12 +44,12 @@ from kvcoord.agent.link import (
     batch_message,
     batches_message,
 )
-from kvcoord.events import STORE, Tier
+from kvcoord.events import CLEAR, STORE, Tier
 from kvcoord.hashing import to_block_hash64
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity, open_aio_channel
-from kvcoord.validate import Op, ops_of
+from kvcoord.validate import Op, ops_of, pack_u64
 from kvcoord.wire import TokenSampler, fill_event, load_to_proto, snapshot_to_proto
 
 __all__ = [
@@ -119,6 +119,14 @@ PERMANENT = frozenset({
 """Statuses that refuse a stream before its Welcome for a reason a retry cannot change: the link stops."""
 
 
+def check_node(node_id: str, model: str, dp_ranks: Sequence[int]) -> None:
+    """What a reporter (or the in-process feed) refuses to start with: ``ValueError``."""
+    if not node_id or not model:
+        raise ValueError("node_id and model must be non-empty")
+    if not dp_ranks or any(r < 0 for r in dp_ranks) or len(set(dp_ranks)) != len(dp_ranks):
+        raise ValueError(f"dp_ranks must be distinct non-negative ints, got {list(dp_ranks)}")
+
+
 # --- the reporter ----------------------------------------------------------------------------
 class Reporter:
     """Streams one node's KV events to one or more coordinators. Use inside a running asyncio loop:
@@ -141,10 +149,7 @@ class Reporter:
     ) -> None:
         if not coordinators:
             raise ValueError("at least one coordinator address is needed")
-        if not node_id or not model:
-            raise ValueError("node_id and model must be non-empty")
-        if not dp_ranks or any(r < 0 for r in dp_ranks) or len(set(dp_ranks)) != len(dp_ranks):
-            raise ValueError(f"dp_ranks must be distinct non-negative ints, got {list(dp_ranks)}")
+        check_node(node_id, model, dp_ranks)
         self.node_id = node_id
         self.model = model
         self.dp_ranks: tuple[int, ...] = tuple(dp_ranks)
@@ -166,6 +171,8 @@ class Reporter:
         self._default_security = default_sec
         self._links: list[Link] = []
         self._pending: dict[int, Pending] = {}
+        self._lost: dict[int, str] = {}
+        """Ranks whose history the relay lost (``history_lost``), until their next AllBlocksCleared."""
         self._last_seq = 0
         self._events_submitted = 0
         self._batches_sealed = 0
@@ -220,13 +227,14 @@ class Reporter:
 
     # -- engine side --
     def submit(self, dp_rank: int, events: Sequence[Any], ts: float | None = None,
-               ops: Sequence[Op] | None = None) -> None:
+               ops: Sequence[Op] | None = None, spans: Sequence[int] | None = None) -> None:
         """Queue one dp rank's events (engine timestamp ``ts``, default now). Never blocks on the network.
 
         ``events`` are model events or the relay's views; ``ops`` their validated form when the caller
-        has it already (``kvcoord.validate.ops_of(events)``). Raises ``ValueError`` (queueing nothing) for
-        an unknown rank or an invalid event. Thread-safe: from another thread the events are handed to
-        the reporter's loop.
+        has it already: ``kvcoord.validate.ops_of(events)``, or ``op_runs(events)`` with its ``spans`` (the
+        events each op stands for; every event still goes on the wire as its own). Raises ``ValueError``
+        (queueing nothing) for an unknown rank or an invalid event. Thread-safe: from another thread the
+        events are handed to the reporter's loop.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("reporter is not running")
@@ -236,11 +244,39 @@ class Reporter:
             return
         if ops is None:
             ops = ops_of(events)
+        if spans is None:
+            spans = [1] * len(ops)
         stamp = time.time() if ts is None else float(ts)
         if threading.get_ident() == self._loop_thread:
-            self._add(dp_rank, events, ops, stamp)
+            self._add(dp_rank, events, ops, spans, stamp)
         else:
-            self._loop.call_soon_threadsafe(self._add, dp_rank, events, ops, stamp)
+            self._loop.call_soon_threadsafe(self._add, dp_rank, events, ops, spans, stamp)
+
+    def history_lost(self, dp_rank: int, reason: str) -> None:
+        """The relay lost batches of ``dp_rank`` it cannot recover: tell the coordinator, after the
+        events submitted so far, that the rank's history is incomplete (``reason``, one line). The
+        mark stays with the rank (snapshots carry it too) until an AllBlocksCleared of it is submitted.
+        Thread-safe, as :meth:`submit`."""
+        if self._loop is None or self._closed:
+            raise RuntimeError("reporter is not running")
+        if dp_rank not in self.dp_ranks:
+            raise ValueError(f"dp_rank {dp_rank} is not one of this node's ranks {list(self.dp_ranks)}")
+        if threading.get_ident() == self._loop_thread:
+            self._mark_lost(dp_rank, reason)
+        else:
+            self._loop.call_soon_threadsafe(self._mark_lost, dp_rank, reason)
+
+    def _mark_lost(self, rank: int, reason: str) -> None:
+        """The mark goes on the rank's pending batch (or an empty one), sealed at once: events submitted
+        later (an engine's AllBlocksCleared among them) must come after it."""
+        if self._closing:
+            return
+        self._lost[rank] = reason
+        p = self._pending.get(rank)
+        if p is None:
+            p = self._pending[rank] = Pending(time.time(), rank)
+        p.msg.history_lost = reason
+        self._seal(rank)
 
     async def flush(self) -> None:
         """Seal every partial batch now (their seqs are assigned; sending follows)."""
@@ -285,26 +321,46 @@ class Reporter:
         return self._last_seq
 
     # -- batching (event loop only) --
-    def _add(self, rank: int, events: Sequence[Any], ops: Sequence[Op], ts: float) -> None:
+    def _add(self, rank: int, events: Sequence[Any], ops: Sequence[Op], spans: Sequence[int],
+             ts: float) -> None:
+        """Every event into the rank's pending batch as its own wire event; a run's hashes are packed
+        once and sliced per event. Seals at the batch bounds; a partial batch waits ``flush_interval``."""
         if self._closing:
             return
         opts = self.options
-        sampler = self.sampler
+        max_events, max_blocks = opts.max_batch_events, opts.max_batch_blocks
+        pick = self.sampler.pick if self.sampler.active else None
         self._events_submitted += len(events)
-        for ev, op in zip(events, ops, strict=True):
-            p = self._pending.get(rank)
-            if p is None:
-                p = self._pending[rank] = Pending(ts, rank)
-            sample = sampler.pick(ev) if op.kind == STORE else None
-            fill_event(p.msg.events.add(), op, ev, sample)
-            if sample is not None:
-                p.msg.sampled = True
-            p.blocks += max(1, len(op.hashes))
-            if len(p.msg.events) >= opts.max_batch_events or p.blocks >= opts.max_batch_blocks:
-                self._seal(rank)
-            elif p.timer is None:
-                assert self._loop is not None
-                p.timer = self._loop.call_later(opts.flush_interval, self._seal, rank)
+        p = self._pending.get(rank)
+        count = len(p.msg.events) if p is not None else 0
+        e = 0
+        for op, span in zip(ops, spans, strict=True):
+            kind = op[0]
+            if kind == CLEAR:
+                self._lost.pop(rank, None)  # the engine starts from nothing: its history is whole again
+            packed = pack_u64(op[2]) if kind != CLEAR else b""
+            pos = 0
+            for ev in events[e:e + span] if span > 1 else (events[e],):
+                piece = packed
+                if span > 1:
+                    piece = packed[pos:pos + 8 * len(ev.block_hashes)]
+                    pos += len(piece)
+                if p is None:
+                    p = self._pending[rank] = Pending(ts, rank)
+                    count = 0
+                sample = pick(ev) if pick is not None and kind == STORE else None
+                fill_event(p.msg.events.add(), op, ev, sample, piece)
+                if sample is not None:
+                    p.msg.sampled = True
+                count += 1
+                p.blocks += max(1, len(piece) >> 3)
+                if count >= max_events or p.blocks >= max_blocks:
+                    self._seal(rank)
+                    p = None
+            e += span
+        if p is not None and p.timer is None:
+            assert self._loop is not None
+            p.timer = self._loop.call_later(opts.flush_interval, self._seal, rank)
 
     def _seal(self, rank: int) -> None:
         p = self._pending.pop(rank, None)
@@ -312,7 +368,7 @@ class Reporter:
             return
         if p.timer is not None:
             p.timer.cancel()
-        if not p.msg.events:
+        if not p.msg.events and not p.msg.HasField("history_lost"):
             return
         self._last_seq += 1
         self._batches_sealed += 1
@@ -339,32 +395,8 @@ class Reporter:
     def _take_snapshot(self) -> list[pb.Snapshot]:
         """Seal pending batches, then read the whole state synchronously (atomic in the loop)."""
         self._seal_all()
-        seq = self._last_seq
-        chunk = self.options.snapshot_chunk_entries
-        out: list[pb.Snapshot] = []
-        for rank in self.dp_ranks:
-            entries = self._snapshot(rank)
-            columns = getattr(entries, "columns", None)
-            hashes: Sequence[int]
-            tiers: Sequence[int]
-            if columns is not None:
-                # The relay's RankSnapshot: already validated uint64 ints and Tier members, handed over
-                # whole; read-only, only sliced here.
-                hashes, tiers = columns()
-            else:
-                hashes, tiers = [], []
-                for h, tier in entries:
-                    hashes.append(to_block_hash64(h))
-                    tiers.append(int(Tier(tier)))
-            start = 0
-            while True:
-                out.append(snapshot_to_proto(self.epoch, seq, rank, hashes[start:start + chunk],
-                                             tiers[start:start + chunk], False))
-                start += chunk
-                if start >= len(hashes):
-                    break
-        out[-1].final = True
-        return out
+        return snapshot_chunks(self._snapshot, self.dp_ranks, self.epoch, self._last_seq,
+                               self.options.snapshot_chunk_entries, self._lost)
 
     async def _send_snapshot(self, link: Link, call: grpc.aio.StreamStreamCall) -> int:
         link.force_snapshot = True  # until the final chunk is written
@@ -579,6 +611,39 @@ class Reporter:
                     log.debug("coordinator %s: ignoring %s", link.endpoint.address, kind)
         finally:
             link.wakeup.set()
+
+
+def snapshot_chunks(provide: SnapshotProvider, ranks: Sequence[int], epoch: int, seq: int,
+                    chunk: int, lost: Mapping[int, str] | None = None) -> list[pb.Snapshot]:
+    """The node's whole state at ``seq`` as snapshot chunks (``final`` on the last), read synchronously
+    from ``provide`` (so atomic in the event loop); ``lost``: ranks whose history is incomplete (their
+    first chunk carries ``history_lost``)."""
+    out: list[pb.Snapshot] = []
+    for rank in ranks:
+        entries = provide(rank)
+        columns = getattr(entries, "columns", None)
+        hashes: Sequence[int]
+        tiers: Sequence[int]
+        if columns is not None:
+            # The relay's RankSnapshot: already validated uint64 ints and Tier members, handed over
+            # whole; read-only, only sliced here.
+            hashes, tiers = columns()
+        else:
+            hashes, tiers = [], []
+            for h, tier in entries:
+                hashes.append(to_block_hash64(h))
+                tiers.append(int(Tier(tier)))
+        start, first = 0, len(out)
+        while True:
+            out.append(snapshot_to_proto(epoch, seq, rank, hashes[start:start + chunk],
+                                         tiers[start:start + chunk], False))
+            start += chunk
+            if start >= len(hashes):
+                break
+        if lost and rank in lost:
+            out[first].history_lost = lost[rank]
+    out[-1].final = True
+    return out
 
 
 def snapshot_from_mapping(state: Mapping[int, Iterable[tuple[int, Tier]]]) -> SnapshotProvider:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 if TYPE_CHECKING:
     import asyncio
 
+    from kvcoord.router.policy import LatencyModel
     from kvcoord.transport import ChannelSecurity
 
 TOKEN_ENV = "KVCOORD_TOKEN"
@@ -132,6 +133,44 @@ def add_connection(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, toke
     if timeout is not None:
         p.add_argument("--timeout", type=POSITIVE_FLOAT, default=timeout,
                        help=f"seconds per RPC (default {timeout:g})")
+
+
+def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean_output: bool) -> None:
+    """The latency model's flags (:class:`kvcoord.router.policy.LatencyModel`): the simulator's hardware
+    and the cost the prefix-aware policy weighs load with, named alike in ``simulate``, ``route`` and
+    ``epp`` so that a router can be run with the model a simulation assumed. ``mean_output``: the command
+    takes the mean output length as a flag (the simulator reads it off its workload)."""
+    p.add_argument("--max-running", type=POSITIVE_INT, default=32,
+                   help="concurrent requests per node (default 32)")
+    p.add_argument("--prefill-us-per-token", type=POSITIVE_FLOAT, default=50.0,
+                   help="prefill time per uncached prompt token, in microseconds (default 50)")
+    p.add_argument("--decode-ms-per-token", type=POSITIVE_FLOAT, default=15.0,
+                   help="decode time per output token, in milliseconds (default 15)")
+    if mean_output:
+        p.add_argument("--mean-output-tokens", type=NONNEG_FLOAT, default=350.0,
+                       help="expected output length of a running request, for the wait-for-a-slot "
+                            "estimate (default 350)")
+
+
+def cost_model(args: argparse.Namespace, mean_output_tokens: float | None = None) -> LatencyModel:
+    """The :class:`LatencyModel` of :func:`add_cost_model`'s flags (``mean_output_tokens`` wins over the
+    flag)."""
+    from kvcoord.router.policy import LatencyModel
+
+    mean = mean_output_tokens if mean_output_tokens is not None else args.mean_output_tokens
+    return LatencyModel(prefill_s_per_token=args.prefill_us_per_token / 1e6,
+                        decode_s_per_token=args.decode_ms_per_token / 1e3,
+                        max_running=args.max_running, mean_output_tokens=mean)
+
+
+def add_degraded(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """How the prefix-aware policy counts a degraded node (``route`` and ``epp``)."""
+    from kvcoord.router.policy import DEGRADED_MODES
+
+    p.add_argument("--degraded", choices=DEGRADED_MODES, default="discount",
+                   help="how prefix-aware counts the blocks of a node in trust state degraded (its hashes "
+                        "failed verification): discount (default, at half), ignore (as holding nothing), "
+                        "or trust (in full)")
 
 
 def add_tls_client(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str = "") -> None:

@@ -4,6 +4,7 @@ each request on the node holding the most of its prefix."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kvcoord.cli.common import (
     HOSTPORT,
@@ -13,11 +14,17 @@ from kvcoord.cli.common import (
     CliError,
     Subparsers,
     add_connection,
+    add_cost_model,
+    add_degraded,
+    cost_model,
     parse_hostport,
     run_until_signalled,
     security,
 )
 from kvcoord.gateway import POLICIES
+
+if TYPE_CHECKING:
+    from kvcoord.gateway.epp import EppConfig
 
 
 def add(sub: Subparsers) -> None:
@@ -33,6 +40,10 @@ def add(sub: Subparsers) -> None:
                    help="a node's endpoint (repeatable; wins over the serving URL its agent announced)")
     p.add_argument("--policy", default="prefix-aware", choices=POLICIES,
                    help="placement (default prefix-aware)")
+    add_degraded(p)
+    add_cost_model(p.add_argument_group(
+        "policy cost model", "How prefix-aware weighs a node's queue against its cached prefix (as "
+        "kvcoord route and kvcoord simulate take it)"), mean_output=True)
     p.add_argument("--fallbacks", type=NONNEG_INT, default=2,
                    help="endpoints listed after the pick, for Envoy's retries (default 2)")
     p.add_argument("--max-in-flight", type=NONNEG_INT, default=0, metavar="N",
@@ -77,25 +88,33 @@ def backends(specs: list[str]) -> dict[str, str]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
+def epp_config(args: argparse.Namespace) -> EppConfig:
+    """The parsed flags as the picker's configuration; raises CliError for what cannot run."""
     if (args.listen_tls_cert is None) != (args.listen_tls_key is None):
         raise CliError("--listen-tls-cert and --listen-tls-key must be given together")
     static = backends(args.backend)
     try:
-        from kvcoord.gateway.epp import EppConfig, serve_epp
+        from kvcoord.gateway.epp import EppConfig
     except ImportError as exc:  # the Envoy protobufs are an extra
         if (exc.name or "").split(".")[0] in ("envoy", "xds", "udpa", "validate"):
             raise CliError("needs Envoy's protobufs: pip install 'kvcoord[epp]' (xds-protos)") from None
         raise
     from kvcoord.gateway.picker import PickerConfig
 
-    picker = PickerConfig(static_backends=static, policy=args.policy, fallbacks=args.fallbacks,
-                          max_in_flight=args.max_in_flight, max_waiting=args.max_waiting)
-    config = EppConfig(coordinator=args.coordinator, listen=args.listen, security=security(args),
-                       timeout=args.timeout, picker=picker, mode=args.request_body_mode,
-                       refresh_seconds=args.refresh_interval, max_body_bytes=args.max_body_bytes,
-                       metrics_listen=args.metrics_listen, health_listen=args.health_listen,
-                       tls_cert=args.listen_tls_cert,
-                       tls_key=args.listen_tls_key)
+    picker = PickerConfig(static_backends=static, policy=args.policy, degraded=args.degraded,
+                          latency=cost_model(args),
+                          fallbacks=args.fallbacks, max_in_flight=args.max_in_flight,
+                          max_waiting=args.max_waiting)
+    return EppConfig(coordinator=args.coordinator, listen=args.listen, security=security(args),
+                     timeout=args.timeout, picker=picker, mode=args.request_body_mode,
+                     refresh_seconds=args.refresh_interval, max_body_bytes=args.max_body_bytes,
+                     metrics_listen=args.metrics_listen, health_listen=args.health_listen,
+                     tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcoord.gateway.epp import serve_epp
+
+    config = epp_config(args)
     run_until_signalled(lambda stop: serve_epp(config, stop))
     return 0

@@ -4,6 +4,7 @@ its prefix (:mod:`kvcoord.gateway.route`)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kvcoord.cli.common import (
     NONNEG_INT,
@@ -12,10 +13,16 @@ from kvcoord.cli.common import (
     CliError,
     Subparsers,
     add_connection,
+    add_cost_model,
+    add_degraded,
+    cost_model,
     run_until_signalled,
     security,
 )
 from kvcoord.gateway import POLICIES
+
+if TYPE_CHECKING:
+    from kvcoord.gateway.route import RouteConfig
 
 
 def _listen(text: str) -> str:
@@ -60,6 +67,11 @@ def add(sub: Subparsers) -> None:
                    help="a lookup slower than this places least-loaded instead (default 50)")
     p.add_argument("--policy", choices=POLICIES, default="prefix-aware",
                    help="placement policy (default prefix-aware; the others ask no lookup)")
+    add_degraded(p)
+    add_cost_model(p.add_argument_group(
+        "policy cost model", "How prefix-aware weighs a node's queue against its cached prefix (the "
+        "defaults describe an 8B model on one H100; give a simulation's figures to route as it assumed)"),
+        mean_output=True)
     p.add_argument("--refresh-interval", type=POSITIVE_FLOAT, default=2.0,
                    help="seconds between ListNodes calls that learn serving URLs and loads (default 2)")
     p.add_argument("--connect-timeout", type=POSITIVE_FLOAT, default=2.0,
@@ -75,8 +87,9 @@ def add(sub: Subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvcoord.gateway.route import RouteConfig, serve_route
+def route_config(args: argparse.Namespace) -> RouteConfig:
+    """The parsed flags as the router's configuration; raises CliError for a combination that cannot run."""
+    from kvcoord.gateway.route import RouteConfig
 
     backends = dict(args.backend)
     if len(backends) != len(args.backend):
@@ -85,12 +98,18 @@ def run(args: argparse.Namespace) -> int:
     if args.coordinator is None and (args.policy == "prefix-aware" or not backends):
         raise CliError("--coordinator is required (only --policy least-loaded|round-robin|random with "
                        "--backend runs without one)")
-    config = RouteConfig(coordinator=args.coordinator, security=security(args), listen=args.listen,
-                         backends=backends, model=args.model, deadline_ms=args.deadline_ms,
-                         policy=args.policy,
-                         rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,
-                         connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, seed=args.seed,
-                         tokenizer=args.tokenizer)
+    return RouteConfig(coordinator=args.coordinator, security=security(args), listen=args.listen,
+                       backends=backends, model=args.model, deadline_ms=args.deadline_ms,
+                       policy=args.policy, degraded=args.degraded, latency=cost_model(args),
+                       rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,
+                       connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, seed=args.seed,
+                       tokenizer=args.tokenizer)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvcoord.gateway.route import serve_route
+
+    config = route_config(args)
     try:
         import uvloop
 

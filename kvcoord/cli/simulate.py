@@ -10,6 +10,7 @@ from kvcoord.cli.common import (
     POSITIVE_INT,
     Subparsers,
     add_connection,
+    add_cost_model,
     add_hash_seed,
     security,
 )
@@ -43,11 +44,7 @@ def add(sub: Subparsers) -> None:
     c.add_argument("--nodes", type=POSITIVE_INT, default=8)
     c.add_argument("--blocks-per-node", type=POSITIVE_INT, default=25_000,
                    help="KV blocks per node (default 25000)")
-    c.add_argument("--max-running", type=POSITIVE_INT, default=32, help="concurrent requests per node")
-    c.add_argument("--prefill-us-per-token", type=POSITIVE_FLOAT, default=50.0,
-                   help="prefill time per uncached token")
-    c.add_argument("--decode-ms-per-token", type=POSITIVE_FLOAT, default=15.0,
-                   help="decode time per output token")
+    add_cost_model(c, mean_output=False)
     c.add_argument("--block-size", type=POSITIVE_INT, default=16)
     c.add_argument("--hash-algo", default="xxhash_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
     add_hash_seed(c, default="kvcoord-sim")

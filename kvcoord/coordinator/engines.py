@@ -2,10 +2,11 @@
 
 A stock vLLM fleet then needs no sidecar. Each registered *instance* (Dynamo's ``instance_id``) is one
 kvcoord node, ``node_id = str(instance_id)``, with one listener (ZMQ endpoint, optional replay endpoint)
-per DP rank. Relaying is the agent's job, done in-process by an :class:`EngineRunner` (the agent's relay
-and reporter, over a private socket to this coordinator), so a registered engine gets exactly what an
-agent gives: gap replay, restart detection, a mirror of its blocks and a snapshot whenever the index
-needs one (also after the coordinator itself restarts: the relay replays the engine's buffer from 0).
+per DP rank. Relaying is the agent's job, done in-process by an :class:`EngineRunner` (the agent's relay,
+feeding this coordinator's ingest session directly: :class:`kvcoord.agent.local.LocalFeed`), so a
+registered engine gets exactly what an agent gives: gap replay, restart detection, a mirror of its blocks
+and a snapshot whenever the index needs one (also after the coordinator itself restarts: the relay
+replays the engine's buffer from 0).
 
 Registrations live in an :class:`EngineStore`: in-process for the memory index, one Redis hash for the
 Redis index, so every replica sees every registration. Exactly one replica relays each instance: it

@@ -38,6 +38,7 @@ from kvcoord.coordinator.lookup import INVALID, NO_PROFILE, NOT_FOUND, LiveMatch
 from kvcoord.events import Tier
 from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
 from kvcoord.index.base import run_inline
+from kvcoord.load import NodeLoad
 from kvcoord.native import native
 from kvcoord.validate import shown
 
@@ -282,6 +283,62 @@ _LOOKUP_HTTP = {INVALID: 400, NOT_FOUND: 404, NO_PROFILE: 400, "unavailable": 50
                 "internal": 500, "tokenizer_down": 503}
 
 
+class _Tiers(msgspec.Struct):
+    GPU: int
+    CPU: int
+    STORAGE: int
+
+
+class _Node(msgspec.Struct, omit_defaults=True):
+    """One entry of the answer's ``nodes``: kvcoord's view of a live (node, dp rank), best first."""
+
+    node_id: str
+    dp_rank: int
+    matched_blocks: int
+    tiers: _Tiers
+    load: msgspec.Raw
+    trust: str
+    serving_url: str | None = None
+
+
+class _Instance(msgspec.Struct):
+    """Dynamo's per-instance entry of ``instances`` (tokens)."""
+
+    longest_matched: int
+    gpu: int
+    dp: dict[str, int]
+    cpu: int
+    disk: int
+
+
+class _Answer(msgspec.Struct):
+    """The ``/query`` and ``/query_by_hash`` answer: Dynamo's fields first, then kvcoord's."""
+
+    scores: dict[str, dict[str, int]]
+    frequencies: tuple[int, ...]
+    """Always empty: Dynamo's indexer service answers no frequencies either."""
+    instances: dict[str, _Instance]
+    model: str
+    block_size: int
+    num_blocks: int
+    num_tokens: int
+    nodes: list[_Node]
+
+
+_LOAD_JSON: dict[NodeLoad, msgspec.Raw] = {}
+
+
+def _load_json(load: NodeLoad) -> msgspec.Raw:
+    """``load.to_json()`` encoded, remembered per value: a node's load changes once per heartbeat, not
+    per lookup."""
+    raw = _LOAD_JSON.get(load)
+    if raw is None:
+        if len(_LOAD_JSON) >= 4096:
+            _LOAD_JSON.clear()
+        raw = _LOAD_JSON[load] = msgspec.Raw(_encode(load.to_json()))
+    return raw
+
+
 class HttpApi:
     """The routes over one coordinator's state."""
 
@@ -456,38 +513,31 @@ class HttpApi:
         the faster tiers), then kvcoord's answer."""
         bs = block_size or 1
         scores: dict[str, dict[str, int]] = {}
-        instances: dict[str, dict[str, Any]] = {}
+        instances: dict[str, _Instance] = {}
         nodes = []
-        for m in matches:
-            t = (*m.tiers, 0, 0, 0) if m.tiers else (m.matched_blocks, 0, 0)
-            gpu, cpu, disk = t[0] * bs, (t[0] + t[1]) * bs, m.matched_blocks * bs
-            rank = str(m.dp_rank)
-            if m.matched_blocks:
+        best = 0
+        for node_id, rank, matched, t, load, url, trust in matches:
+            g, c, d = (t[0], t[1], t[2]) if len(t) >= 3 else (*t, 0, 0, 0)[:3] if t else (matched, 0, 0)
+            if matched:
+                best = max(best, matched)
+                gpu, cpu, disk = g * bs, (g + c) * bs, matched * bs
                 if gpu:
-                    scores.setdefault(m.node_id, {})[rank] = gpu
-                inst = instances.get(m.node_id)
+                    scores.setdefault(node_id, {})[str(rank)] = gpu
+                inst = instances.get(node_id)
                 if inst is None:
-                    instances[m.node_id] = {"longest_matched": max(gpu, cpu, disk), "gpu": gpu,
-                                            "dp": {rank: gpu}, "cpu": cpu, "disk": disk}
+                    instances[node_id] = _Instance(max(gpu, cpu, disk), gpu, {str(rank): gpu}, cpu, disk)
                 else:
-                    inst["dp"][rank] = gpu
-                    inst["gpu"], inst["cpu"] = max(inst["gpu"], gpu), max(inst["cpu"], cpu)
-                    inst["disk"] = max(inst["disk"], disk)
-                    inst["longest_matched"] = max(inst["longest_matched"], gpu, cpu, disk)
-            node: dict[str, Any] = {"node_id": m.node_id, "dp_rank": m.dp_rank,
-                                    "matched_blocks": m.matched_blocks,
-                                    "tiers": {"GPU": t[0], "CPU": t[1], "STORAGE": t[2]},
-                                    "load": m.load.to_json(), "trust": m.trust}
-            if m.serving_url:
-                node["serving_url"] = m.serving_url
-            nodes.append(node)
-        resp = _json(200, {"scores": scores, "frequencies": [], "instances": instances, "model": model,
-                           "block_size": block_size, "num_blocks": num_blocks, "num_tokens": num_tokens,
-                           "nodes": nodes})
+                    inst.dp[str(rank)] = gpu
+                    inst.gpu, inst.cpu = max(inst.gpu, gpu), max(inst.cpu, cpu)
+                    inst.disk = max(inst.disk, disk)
+                    inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
+            nodes.append(_Node(node_id, rank, matched, _Tiers(g, c, d), _load_json(load), trust, url or None))
+        resp = Response(200, _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens,
+                                             nodes)), JSON)
         metrics = self.state.metrics
         metrics.lookup_done(query, time.perf_counter() - t0)
         if num_blocks:
-            metrics.matched_fraction.observe(max((m.matched_blocks for m in matches), default=0) / num_blocks)
+            metrics.matched_fraction.observe(best / num_blocks)
         return resp
 
     # --- registration ----------------------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -37,8 +36,10 @@ from google.protobuf.message import DecodeError
 from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.config import Limits
 from kvcoord.coordinator.core import CoordinatorState, Push
+from kvcoord.coordinator.incoming import KINDS, Incoming, WireBatch
 from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
+from kvcoord.events import CLEAR
 from kvcoord.index.base import ApplyResult, InvalidEvent
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import (
@@ -51,18 +52,13 @@ from kvcoord.validate import (
     check_node_id,
     shown,
 )
-from kvcoord.wire import (
-    check_ranks,
-    event_counts,
-    load_from_proto,
-    ops_from_proto,
-    samples_from_proto,
-    snapshot_from_proto,
-)
+from kvcoord.wire import check_ranks, load_from_proto, snapshot_from_proto
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
 
 MAX_DP_RANKS = 1024
+LOST_CHARS = 200
+"""Characters of an agent's lost-history reason the node's ``trust_reason`` keeps (see :func:`shown`)."""
 
 
 class IngestAbort(Exception):
@@ -72,9 +68,6 @@ class IngestAbort(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-_KINDS = {"stored": "block_stored", "removed": "block_removed", "cleared": "all_blocks_cleared"}
 
 
 TRIM_BLOCKS = 1 << 20
@@ -103,9 +96,20 @@ def release_memory() -> None:
 class _PendingSnapshot:
     epoch: int
     seq: int
-    hashes: dict[int, array[int]] = field(default_factory=dict)
+    hashes: dict[int, list[Hashes]] = field(default_factory=dict)
+    """Each rank's chunks as they arrived (views of the messages' bytes), joined once when applied:
+    staging copies nothing (growing one array re-copied it all, and boxing every hash into it took ~4 ms
+    a 65,536-block chunk: 8 flooding streams stalled lookups by 40-300 ms)."""
     tiers: dict[int, bytearray] = field(default_factory=dict)
     count: int = 0
+    lost: dict[int, str] = field(default_factory=dict)
+    """Ranks whose chunks carried ``history_lost``."""
+
+    def joined(self, rank: int) -> Hashes:
+        """``rank``'s staged hashes as one flat uint64 view."""
+        parts = cast("list[memoryview]", self.hashes.get(rank, []))
+        flat = memoryview(parts[0]) if len(parts) == 1 else memoryview(b"".join(parts)).cast("Q")
+        return cast("Hashes", flat)
 
 
 class IngestSession:
@@ -159,9 +163,9 @@ class IngestSession:
         rec = self._owned()
         self.state.registry.heard(rec)
         if which == "batch":
-            return await self._batch(rec, msg.batch)
+            return await self._batch(rec, WireBatch(msg.batch))
         if which == "batches":
-            return await self._batches(rec, msg.batches.batches)
+            return await self._batches(rec, [WireBatch(b) for b in msg.batches.batches])
         if which == "snapshot":
             return await self._snapshot(rec, msg.snapshot)
         if which == "heartbeat":
@@ -171,6 +175,17 @@ class IngestSession:
         raise IngestAbort(
             grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage (no hello/batch/snapshot/heartbeat)"
         )
+
+    async def batches(self, batches: Sequence[Incoming]) -> list[pb.CoordinatorMessage]:
+        """Batches fed in-process (after a Hello through :meth:`handle`), exactly as if they had come
+        in one ``EventBatches`` message (one alone: as one ``EventBatch``)."""
+        if self.rec is None:
+            raise IngestAbort(grpc.StatusCode.FAILED_PRECONDITION, "batch before Hello")
+        rec = self._owned()
+        self.state.registry.heard(rec)
+        if len(batches) == 1:
+            return await self._batch(rec, batches[0])
+        return await self._batches(rec, batches)
 
     def close(self) -> None:
         """The stream ended: forget how to reach it, and release its unfinished snapshot."""
@@ -298,14 +313,19 @@ class IngestSession:
         req = pb.SnapshotRequest(epoch=self.epoch, reason=f"{reason}: {detail}")
         return [pb.CoordinatorMessage(snapshot_request=req)]
 
+    def _count_rejected(self, batch: Incoming, reason: str) -> None:
+        m = self.state.metrics
+        for kind, n in zip(KINDS, batch.kinds(), strict=True):
+            if n:
+                m.rejected(kind, reason, n)
+
     def _reject(
-        self, rec: NodeRecord, batch: pb.EventBatch, reason: str, detail: str
+        self, rec: NodeRecord, batch: Incoming, reason: str, detail: str
     ) -> list[pb.CoordinatorMessage]:
         m = self.state.metrics
         m.batch("rejected")
-        for ev in batch.events:
-            m.rejected(_KINDS.get(ev.WhichOneof("event") or "", "unknown"), reason)
-        if not batch.events:
+        self._count_rejected(batch, reason)
+        if not batch.size():
             m.rejected("none", reason, 0)
         self.state.log_once(
             f"reject:{reason}",
@@ -325,17 +345,17 @@ class IngestSession:
             return []
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=seq))]
 
-    def _check_size(self, batch: pb.EventBatch) -> None:
+    def _check_size(self, batch: Incoming) -> None:
         limit = self.state.config.limits.max_events_per_batch
-        if len(batch.events) > limit:
+        if batch.size() > limit:
             self.state.metrics.batch("too_large")
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"batch {batch.seq} has {len(batch.events)} events; max_events_per_batch is {limit}",
+                f"batch {batch.seq} has {batch.size()} events; max_events_per_batch is {limit}",
             )
 
     def _ordering(
-        self, rec: NodeRecord, batch: pb.EventBatch, defer_ack: bool
+        self, rec: NodeRecord, batch: Incoming, defer_ack: bool
     ) -> list[pb.CoordinatorMessage] | None:
         """The reply when this batch is not the next one to apply (None: apply it)."""
         st = self.state
@@ -357,7 +377,7 @@ class IngestSession:
                                 f"dp_rank {batch.dp_rank} is not in the Hello's {list(self.dp_ranks)}")
         return None
 
-    def _check_bounds(self, rec: NodeRecord, ops: Sequence[Op], batch: pb.EventBatch) -> None:
+    def _check_bounds(self, rec: NodeRecord, ops: Sequence[Op], batch: Incoming) -> None:
         """Refuse a valid batch past ``max_hashes_per_batch``, or one that could take the node past
         ``max_entries_per_node``: RESOURCE_EXHAUSTED, nothing applied. The node's entries now miss this
         batch, so it resyncs: its agent reconnects with a snapshot (bounded too), never this batch."""
@@ -369,9 +389,7 @@ class IngestSession:
             m = self.state.metrics
             m.batch("too_large")
             per_batch = exc.limit == "max_hashes_per_batch"
-            for ev in batch.events:
-                m.rejected(_KINDS.get(ev.WhichOneof("event") or "", "unknown"),
-                           "max_hashes_per_batch" if per_batch else "max_entries_per_node")
+            self._count_rejected(batch, "max_hashes_per_batch" if per_batch else "max_entries_per_node")
             rec.resyncing = True
             self.state.log_once(f"bound:{exc.limit}:{rec.node_id}", logging.WARNING,
                                 "node %s: batch %d refused: %s (logged once per node)",
@@ -396,7 +414,7 @@ class IngestSession:
         return done
 
     async def _batch(
-        self, rec: NodeRecord, batch: pb.EventBatch, *, defer_ack: bool = False
+        self, rec: NodeRecord, batch: Incoming, *, defer_ack: bool = False
     ) -> list[pb.CoordinatorMessage]:
         """One numbered batch. ``defer_ack``: return the Ack as a reply (the group it belongs to sends
         one Ack) instead of queueing it at once."""
@@ -408,7 +426,7 @@ class IngestSession:
             if early is not None:
                 return early
             try:
-                ops = ops_from_proto(batch.events)
+                ops = batch.ops()
             except InvalidEvent as exc:
                 return self._reject(rec, batch, "invalid_event", str(exc))
             self._check_bounds(rec, ops, batch)
@@ -418,13 +436,14 @@ class IngestSession:
             rec = self._owned()
             rec.last_seq = batch.seq
             rec.indexed.add((self.model, batch.dp_rank))
+            self._note_history(rec, batch.dp_rank, ops, batch.history_lost)
         self._account(batch)
         if batch.sampled:
             self._verify(rec, batch)
         return self._acked(batch.seq, defer_ack)
 
     async def _batches(
-        self, rec: NodeRecord, batches: Sequence[pb.EventBatch]
+        self, rec: NodeRecord, batches: Sequence[Incoming]
     ) -> list[pb.CoordinatorMessage]:
         """Each batch on its own, in order, as if sent alone. Acks are cumulative: a group gets one
         Ack, for its last applied batch, after every batch of it was handled (and before any other
@@ -441,7 +460,7 @@ class IngestSession:
         return out
 
     async def _group(
-        self, rec: NodeRecord, batches: Sequence[pb.EventBatch]
+        self, rec: NodeRecord, batches: Sequence[Incoming]
     ) -> list[pb.CoordinatorMessage] | None:
         """Several batches in one index call, when that ends exactly as applying them one by one would:
         consecutive seqs right after the last, one known dp rank, none too large or sampled, the node in
@@ -452,10 +471,11 @@ class IngestSession:
         limit = self.state.config.limits.max_events_per_batch
         ops: list[Op] = []
         for k, b in enumerate(batches):
-            if b.seq != first.seq + k or b.dp_rank != first.dp_rank or b.sampled or len(b.events) > limit:
+            if (b.seq != first.seq + k or b.dp_rank != first.dp_rank or b.sampled or b.size() > limit
+                    or b.history_lost is not None):
                 return None
             try:
-                ops += ops_from_proto(b.events)
+                ops += b.ops()
             except InvalidEvent:
                 return None  # one batch is bad: the one-by-one path applies those before it
         st = self.state
@@ -475,18 +495,37 @@ class IngestSession:
             rec = self._owned()
             rec.last_seq = batches[-1].seq
             rec.indexed.add((self.model, first.dp_rank))
+            self._note_history(rec, first.dp_rank, ops, None)
         for b in batches:
             self._account(b)
         return self._acked(batches[-1].seq, defer=True)
 
-    def _verify(self, rec: NodeRecord, batch: pb.EventBatch) -> None:
+    def _note_history(self, rec: NodeRecord, rank: int, ops: Sequence[Op], lost: str | None) -> None:
+        """Keep ``rank``'s lost-history mark (see ``trust_state``): an AllBlocksCleared among the applied
+        ``ops`` ends it (the engine starts from nothing again); the batch's ``history_lost`` then sets it,
+        as it stands for after the batch's events (a relay sends its own clear and the mark together)."""
+        marks = rec.history_lost
+        before = marks.get(rank)
+        if before is not None and any(op[0] == CLEAR for op in ops):
+            del marks[rank]
+        if lost is not None:
+            marks[rank] = shown(lost, LOST_CHARS, quote=False)
+        if marks.get(rank) == before:
+            return
+        self.state.update_node_gauges()
+        now = marks.get(rank)
+        self.state.log_once(f"history:{rec.node_id}:{self.epoch}:{rank}:{now is None}", logging.WARNING,
+                            "node %s dp rank %d: %s (logged once per node, rank and change)", rec.node_id,
+                            rank, f"degraded: {now}" if now is not None else "history whole again: exact")
+
+    def _verify(self, rec: NodeRecord, batch: Incoming) -> None:
         """Hash verification of an applied batch's samples; a mismatch marks the node (and tells it)."""
         st = self.state
         profile = st.config.profile(self.model)
         if profile is None or rec.hash_mismatch or not st.verifier.cfg.enabled:
             return
         try:
-            samples = [s for _, s in samples_from_proto(batch.events)]
+            samples = batch.samples()
         except InvalidEvent as exc:
             st.log_once(f"bad-sample:{rec.node_id}", logging.WARNING,
                         "node %s: unusable verification sample: %s", rec.node_id, exc)
@@ -495,10 +534,10 @@ class IngestSession:
         if reason is not None:
             st.mark_hash_mismatch(rec, reason)
 
-    def _account(self, batch: pb.EventBatch) -> None:
+    def _account(self, batch: Incoming) -> None:
         m = self.state.metrics
         m.batch("applied")
-        stored, removed, cleared = event_counts(batch.events)
+        stored, removed, cleared, _ = batch.kinds()
         if stored:
             m.applied("block_stored", stored)
         if removed:
@@ -543,11 +582,15 @@ class IngestSession:
             self._drop_pending()
             raise IngestAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         rank = snap.dp_rank
-        held = pending.hashes.setdefault(rank, array("Q"))
+        if snap.HasField("history_lost"):
+            pending.lost[rank] = shown(snap.history_lost, LOST_CHARS, quote=False)
+        held = pending.hashes.setdefault(rank, [])
         held_tiers = pending.tiers.setdefault(rank, bytearray())
-        if tiers and len(held_tiers) < len(held):
-            held_tiers.extend(bytes(len(held) - len(held_tiers)))  # earlier chunks were all GPU
-        held.extend(hashes)
+        if tiers:
+            before = sum(len(part) for part in held)
+            if len(held_tiers) < before:
+                held_tiers.extend(bytes(before - len(held_tiers)))  # earlier chunks were all GPU
+        held.append(hashes)  # unpack_u64's flat buffer: kept, not copied
         if tiers or held_tiers:
             held_tiers.extend(tiers or bytes(len(hashes)))
         return pending
@@ -604,8 +647,7 @@ class IngestSession:
 
             async def replace() -> None:
                 for rank in self.dp_ranks:
-                    held = pending.hashes.get(rank, array("Q"))
-                    await st.index.replace_node(self.model, node_id, rank, cast("Hashes", memoryview(held)),
+                    await st.index.replace_node(self.model, node_id, rank, pending.joined(rank),
                                                 bytes(pending.tiers.get(rank, b"")))
                 for model, rank in sorted(indexed - keep):
                     await st.index.clear(model, node_id, rank)
@@ -621,6 +663,7 @@ class IngestSession:
             rec.entries = pending.count
             rec.last_seq = pending.seq
             rec.resyncing = False
+            rec.history_lost = dict(pending.lost)  # the snapshot says it all, marks included
         finally:
             node_lock.release()
         st.metrics.snapshots_applied.inc()

@@ -163,12 +163,14 @@ class Lookups:
         w0, w1, w2 = st.config.tier_weights
         scored: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str, str]] = []
         for node_id, rank, matched, tiers in matches:
+            if matched <= 0:
+                continue
             info = live_node(node_id, model, now, now_wall)
-            if info is None or matched <= 0:
+            if info is None:
                 continue
             t = (*tiers, 0, 0, 0) if len(tiers) < 3 else tiers
             scored.append((-(t[0] * w0 + t[1] * w1 + t[2] * w2), -matched, node_id, rank, tiers, *info))
-        scored.sort(key=lambda x: x[:4])
+        scored.sort()  # (node, rank) is unique: the first four fields decide, the rest is never compared
         out = [LiveMatch(node_id, rank, -neg, tiers, load, url, trust)
                for _, neg, node_id, rank, tiers, load, url, trust in scored]
         if include_unmatched:

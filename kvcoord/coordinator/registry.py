@@ -23,14 +23,19 @@ STATES = (ACTIVE, DRAINING, RESYNCING, HASH_MISMATCH, EXPIRED)
 
 
 
-def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool) -> tuple[str, str]:
+def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool,
+                history_lost: str | None = None) -> tuple[str, str]:
     """``(trust, reason)`` of a node: the one rule, for this replica's records and others' alike.
 
-    - ``degraded``: its hashes failed verification (``mismatch`` is the reason), first because it holds
-      across a resync of the same engine process. It ends only with a new epoch (the engine or agent
+    - ``degraded``: its hashes failed verification (``mismatch`` is the reason), or its agent lost
+      history (``history_lost``: batches the engine published that its relay could not recover, so the
+      index lacks what they stored); a mismatch is the reason when both apply. Degraded comes first
+      because both hold across a resync. A mismatch ends only with a new epoch (the engine or agent
       restarted: the Hello clears the mark and verification starts over) or when the node is removed
       or expires and comes back; the mark is never cleared while the same process keeps publishing,
-      since its hashes will not change.
+      since its hashes will not change. Lost history of a rank ends with an ``AllBlocksCleared`` of
+      that rank (the engine starts from nothing: everything is known again), a snapshot of it without
+      the mark, or a new epoch, the same ways back.
     - ``resyncing``: waiting for a snapshot (after a Hello that could not resume, a gap, an index
       outage) or expired (its entries are being reclaimed; it needs a snapshot to be served again).
       It ends when the snapshot is applied.
@@ -38,6 +43,8 @@ def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool) -> tupl
     """
     if mismatch is not None:
         return DEGRADED, mismatch
+    if history_lost is not None:
+        return DEGRADED, history_lost
     if expired:
         return RESYNCING, "lease expired: entries reclaimed, a snapshot is required when it reconnects"
     if resyncing:
@@ -83,6 +90,8 @@ class NodeRecord:
     """Sampled BlockStored chains verified (or tried)."""
     serving_url: str = ""
     """The engine's OpenAI-compatible base URL, as its agent announced it (empty: not announced)."""
+    history_lost: dict[int, str] = field(default_factory=dict)
+    """``{dp_rank: reason}``: ranks whose agent lost history it cannot recover (see :func:`trust_state`)."""
     entries: int = 0
     """Entries the node holds over its ranks, as its snapshot and applied batches counted them (an upper
     bound: a snapshot may repeat a block): what ``max_entries_per_node`` is checked against."""
@@ -102,8 +111,13 @@ class NodeRecord:
     @property
     def trust(self) -> tuple[str, str]:
         """``(trust, reason)``: see :func:`trust_state`."""
+        return self.trust_at(expired=self.expired)
+
+    def trust_at(self, *, expired: bool) -> tuple[str, str]:
+        """:attr:`trust`, with ``expired`` as the caller sees it (past its lease, not yet swept)."""
+        lost = "; ".join(f"dp rank {r}: {why}" for r, why in sorted(self.history_lost.items())) or None
         return trust_state(self.hash_mismatch_reason if self.hash_mismatch else None,
-                           resyncing=self.resyncing, expired=self.expired)
+                           resyncing=self.resyncing, expired=expired, history_lost=lost)
 
     def live(self, now: float, lease: float) -> bool:
         """Served in lookups: heard from within the lease, in sync, and not draining."""
@@ -203,6 +217,7 @@ class NodeRegistry:
                 rec.draining = False
                 rec.hash_mismatch = False
                 rec.hash_mismatch_reason = ""
+                rec.history_lost.clear()
                 rec.verify_seen = 0
             rec.model, rec.dp_ranks, rec.epoch = model, dp_ranks, epoch
             rec.last_seq = 0

@@ -37,8 +37,9 @@ from kvcoord.transport import ChannelSecurity, ListenError, check_bindable, spli
 
 log = logging.getLogger("kvcoord.coordinator")
 
-RunnerFactory = Callable[[str, ChannelSecurity], EngineRunner]
-"""Builds the relays of registered engines from the coordinator's private address and its credentials."""
+RunnerFactory = Callable[[str, ChannelSecurity, CoordinatorState], EngineRunner]
+"""Builds the relays of registered engines from the coordinator's private address, its credentials and
+its state (relays may feed its ingest in-process)."""
 
 LIVENESS = "kvcoord.liveness"
 """Health service name that is SERVING while the process runs, whatever the index does: the liveness
@@ -112,7 +113,7 @@ class CoordinatorServer:
                 raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
         if internal is not None:
             assert self._runner_factory is not None and self._internal_dir is not None
-            runner = self._runner_factory(f"unix:{self._internal_dir}/grpc.sock", internal)
+            runner = self._runner_factory(f"unix:{self._internal_dir}/grpc.sock", internal, state)
             self.engines = Engines(open_engine_store(cfg.index, key_prefix=cfg.index_key_prefix), runner,
                                    state.replica_id, self._profile_block_size, state.drop_node)
         if cfg.http_listen:

@@ -136,8 +136,7 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
     state = rec.state
     if state != "expired" and now - rec.last_heard > lease:
         state = "expired"
-    trust, reason = trust_state(rec.hash_mismatch_reason if rec.hash_mismatch else None,
-                                resyncing=rec.resyncing, expired=state == "expired")
+    trust, reason = rec.trust_at(expired=state == "expired")
     info = pb.NodeInfo(
         node_id=rec.node_id,
         model=rec.model,

@@ -16,6 +16,9 @@ sampled for verification), and keeps the stream whole:
   of the stream's DP ranks is cleared and ``AllBlocksCleared`` forwarded (counted in
   ``unrecoverable_gaps``); it refills as the engine stores blocks again. Reporting too little
   costs a cache miss, reporting too much costs a misrouted request;
+- whenever batches are lost for good (at a join the replay buffer no longer reaches back, or a gap),
+  the sink is told (``history_lost``, after the clear): the coordinator marks the rank ``degraded``
+  with the reason until the engine clears it (``AllBlocksCleared``) or a new epoch starts over;
 - a malformed frame or batch is counted by kind, logged once per kind, and skipped.
 
 Every good batch updates the :class:`BlockMirror` (what the index should hold for this node) and
@@ -59,11 +62,18 @@ Snapshot = dict[int, list[tuple[BlockHash64, Tier]]]
 
 
 class EventSink(Protocol):
-    """Where the relay forwards batches (the reporter). ``submit`` must not block."""
+    """Where the relay forwards batches (the reporter, or the coordinator's in-process feed). Neither
+    method may block."""
 
     def submit(self, dp_rank: int, events: Sequence[Any], ts: float | None = None,
-               ops: Sequence[validate.Op] | None = None) -> None:
-        """Forward one batch: ``events`` (model events or views) and their validated ``ops``."""
+               ops: Sequence[validate.Op] | None = None, spans: Sequence[int] | None = None) -> None:
+        """Forward one batch: ``events`` (model events or views), their validated ``ops`` and the
+        events each op stands for (``spans``: runs of like events are one op, see
+        :func:`kvcoord.validate.op_runs`; None: one op per event)."""
+
+    def history_lost(self, dp_rank: int, reason: str) -> None:
+        """The rank's history is incomplete from here on (batches the relay could not recover): the
+        coordinator marks it ``degraded`` with ``reason`` until the engine clears its cache."""
 
 
 _Op = validate.Op
@@ -115,9 +125,10 @@ class BlockMirror:
         self._skip_groups: dict[int, set[int]] = {}
 
     @staticmethod
-    def prepare(events: Sequence[KVEvent]) -> list[_Op]:
-        """Validate a whole batch without touching the mirror, by the index's rules; ValueError if bad."""
-        return validate.ops_of(events)
+    def prepare(events: Sequence[KVEvent]) -> validate.Runs:
+        """Validate a whole batch without touching the mirror, by the index's rules; ValueError if bad.
+        Runs of like events become one op each (:func:`kvcoord.validate.op_runs`): ``(ops, spans)``."""
+        return validate.op_runs(events)
 
     def commit(self, dp_rank: int, ops: Sequence[_Op]) -> None:
         """Apply prepared operations (cannot fail)."""
@@ -143,7 +154,7 @@ class BlockMirror:
                     s.clear()
 
     def apply(self, dp_rank: int, events: Sequence[KVEvent]) -> None:
-        self.commit(dp_rank, self.prepare(events))
+        self.commit(dp_rank, self.prepare(events)[0])
 
     def clear(self, dp_rank: int) -> None:
         self._ranks.pop(dp_rank, None)
@@ -256,7 +267,8 @@ class Relay:
         return self.mirror.snapshot()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Relay until ``stop`` is set (reacts within ~0.1 s)."""
+        """Relay until ``stop`` is set (noticed within the idle probe interval, at most 1 s; owners that
+        stop at once cancel the task as well)."""
         sub = subscribe_socket(self._ctx, self.endpoint, self.topic, hwm=self._hwm)
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)  # synchronous view for non-blocking drains
         if self.replay_endpoint:
@@ -267,7 +279,10 @@ class Relay:
             await self._probe()  # catch up on what the engine published before we joined
             idle_since = loop.time()
             while not stop.is_set():
-                if not await sub.poll(timeout=100):
+                # Wake for the next idle probe, not more often: 8 idle relays polling every 100 ms cost
+                # a coordinator ~2-4% of a core.
+                wait_ms = int((idle_since + self._idle_probe - loop.time()) * 1000)
+                if not await sub.poll(timeout=min(max(wait_ms, 1), 1000)):
                     if loop.time() - idle_since >= self._idle_probe:
                         await self._probe()  # a quiet stream may hide a dropped tail
                         idle_since = loop.time()
@@ -315,7 +330,7 @@ class Relay:
         self._last_payload = payload
         try:
             batch = decode_vllm_views(payload, signed_hashes=self._signed)
-            ops = self.mirror.prepare(batch.events)
+            ops, spans = self.mirror.prepare(batch.events)
         except EventDecodeError as exc:
             self._bad_batch(seq, exc.kind, str(exc))
             return None
@@ -329,7 +344,7 @@ class Relay:
         self._ranks_seen.add(dp)
         self._started = True
         self.mirror.commit(dp, ops)
-        self.sink.submit(dp, batch.events, batch.ts, ops)
+        self.sink.submit(dp, batch.events, batch.ts, ops, spans)
         st = self.stats
         st.batches += 1
         st.events += len(batch.events)
@@ -432,6 +447,7 @@ class Relay:
         (and the clear forwarded) before the stream goes on: the index then under-reports until the
         engine stores those blocks again, which costs cache hits, never correctness. A relay that
         joins late without the engine's history loses nothing it had, so nothing is cleared then.
+        Either way the sink is told the ranks' history is incomplete (:meth:`_history_lost`).
         """
         first = self._expected
         self.stats.lost_batches += n
@@ -439,6 +455,7 @@ class Relay:
         if not self._started:
             log.warning("%s: stream (re)joined at batch %d; the %d earlier batch(es) are gone (%s)",
                         self.endpoint, self._expected, n, why)
+            self._history_lost(n, first, why, sorted(self._allowed or self._ranks_seen | {self._default_dp}))
             return
         self.stats.unrecoverable_gaps += 1
         cleared = 0
@@ -452,6 +469,16 @@ class Relay:
                 "refill as the engine stores blocks again (unrecoverable gap #%d, %d batch(es) lost in all)",
                 self.endpoint, first, first + n - 1, why, cleared, sorted(self._ranks_seen),
                 self.stats.unrecoverable_gaps, self.stats.lost_batches)
+        self._history_lost(n, first, why, sorted(self._ranks_seen))
+
+    def _history_lost(self, n: int, first: int, why: str, ranks: list[int]) -> None:
+        """Tell the sink the ranks' history is incomplete: the index lacks what the lost batches stored
+        (at a join) or what the engine still holds from before the gap (after the clear)."""
+        if n <= 0:
+            return
+        reason = f"history lost: {n} batch(es) from seq {first} are gone ({why})"
+        for dp in ranks:
+            self.sink.history_lost(dp, reason)
 
     def _restart(self, why: str) -> None:
         self.stats.restarts += 1

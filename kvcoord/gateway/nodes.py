@@ -26,7 +26,7 @@ from kvcoord.load import NodeLoad
 from kvcoord.router.answer import Candidate
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError, NodeStatus
 
-__all__ = ["ROUTABLE_STATES", "InFlight", "KnownNode", "NodeTable"]
+__all__ = ["ROUTABLE_STATES", "InFlight", "KnownNode", "NodeTable", "Prefill"]
 
 ROUTABLE_STATES = frozenset({"active", "resyncing", "hash_mismatch"})
 """Node states that still serve requests (their index entries may be stale; their engine is not)."""
@@ -139,6 +139,30 @@ class NodeTable:
                 await then(ok)
 
 
+class Prefill(Generic[K]):
+    """One request's prompt tokens, counted as queued prefill on its node from placement until its first
+    byte comes back, or until the cost model says the prefill is done (``seconds``), whichever is first.
+    The second bound matters for non-streaming answers, whose first byte comes only after decoding:
+    counted until then, a node busy decoding would look busy prefilling, and placement would shun the
+    holder of a prefix for load it does not have. :meth:`done` is idempotent."""
+
+    __slots__ = ("_key", "_timer", "_tokens", "_work")
+
+    def __init__(self, work: InFlight[K], key: K, tokens: int, seconds: float = 0.0) -> None:
+        self._work, self._key, self._tokens = work, key, tokens
+        self._timer: asyncio.TimerHandle | None = None
+        if tokens and seconds > 0:
+            self._timer = asyncio.get_running_loop().call_later(seconds, self.done)
+
+    def done(self) -> None:
+        if self._tokens:
+            self._work.prefilled(self._key, self._tokens)
+            self._tokens = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class InFlight(Generic[K]):
     """Requests this front door has open per key (node or endpoint), and the prompt tokens it sent
     there that have not produced a first byte yet."""
@@ -155,6 +179,10 @@ class InFlight(Generic[K]):
     def prefilled(self, key: K, prefill_tokens: int) -> None:
         """The first byte came back: the request's prefill is done."""
         self._prefill[key] = max(0, self._prefill.get(key, 0) - prefill_tokens)
+
+    def pending(self, key: K) -> int:
+        """Prompt tokens sent to ``key`` and still counted as being prefilled."""
+        return self._prefill.get(key, 0)
 
     def end(self, key: K) -> None:
         self._open[key] = max(0, self._open.get(key, 0) - 1)

@@ -33,6 +33,7 @@ from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError, NodeStatus
 from kvcoord.router.policy import (
     Decision,
+    LatencyModel,
     LeastLoadedPolicy,
     Policy,
     PrefixAwarePolicy,
@@ -42,7 +43,7 @@ from kvcoord.router.policy import (
 )
 
 from .nodes import InFlight, NodeTable
-from .outage import Outages
+from .outage import Outages, is_outage
 from .requests import BadRequest, query_of_body
 
 __all__ = [
@@ -132,6 +133,10 @@ class EndpointTable(NodeTable):
 class PickerConfig:
     static_backends: Mapping[str, str] = field(default_factory=dict)
     policy: str = "prefix-aware"
+    degraded: str = "discount"
+    """How prefix-aware counts nodes in trust state ``degraded``: one of ``DEGRADED_MODES``."""
+    latency: LatencyModel | None = None
+    """The prefix-aware policy's cost model (None: :class:`LatencyModel`'s defaults)."""
     fallbacks: int = 2
     """Endpoints after the pick in the comma separated list (Envoy tries them in order on retry)."""
     max_in_flight: int = 0
@@ -151,10 +156,6 @@ class Pick:
     matched_blocks: int = 0
 
 
-_PER_REQUEST = frozenset({"FAILED_PRECONDITION", "NOT_FOUND"})
-"""Lookup refusals that concern the request's model (no hash profile or tokenizer), not the coordinator."""
-
-
 @dataclass(slots=True)
 class _Eligible:
     candidate: Candidate
@@ -169,7 +170,8 @@ class Picker:
         self.client = client
         self.config = config
         self.table = EndpointTable(config.static_backends)
-        self.policy: Policy = make_policy(config.policy, config.seed)
+        self.policy: Policy = make_policy(config.policy, config.seed, degraded=config.degraded,
+                                           latency=config.latency)
         self.fallback_policy = LeastLoadedPolicy(config.seed)
         self.in_flight: InFlight[str] = InFlight()
         """Streams picked to each endpoint and not yet ended (the in-flight count the engine may not show)."""
@@ -258,7 +260,7 @@ class Picker:
             code = getattr(exc.code, "name", "")
             if code == "INVALID_ARGUMENT":
                 raise BadRequest(f"the coordinator refused the prompt: {exc.details}") from None
-            if code in _PER_REQUEST:  # this model has no profile or tokenizer: no outage, nothing to wait for
+            if not is_outage(exc.code):  # refused (no profile or tokenizer, a token): nothing to wait for
                 if model not in self._refused:
                     self._refused.add(model)
                     log.warning("model %s: the coordinator cannot look it up (%s): picked least-loaded",

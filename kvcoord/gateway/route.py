@@ -28,11 +28,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
-from kvcoord.router.policy import Decision, make_policy
+from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
+from .nodes import Prefill
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
 from .route_place import Placer, Plan, node_label
@@ -60,6 +62,10 @@ class RouteConfig:
     """Model for requests that name none (and the model whose nodes ``/v1/models`` lists first)."""
     deadline_ms: float = 50.0
     policy: str = "prefix-aware"
+    degraded: str = "discount"
+    """How prefix-aware counts nodes in trust state ``degraded``: one of ``DEGRADED_MODES``."""
+    latency: LatencyModel | None = None
+    """The prefix-aware policy's cost model (None: :class:`LatencyModel`'s defaults)."""
     rpc_timeout: float = 5.0
     refresh_interval: float = 2.0
     """Seconds between ListNodes calls (serving URLs, loads, which nodes are live)."""
@@ -71,6 +77,15 @@ class RouteConfig:
     tokenizer: str | None = None
     """The engines' tokenizer (a local directory, or an engine URL for its /tokenize): the router then
     looks up by token ids and remembers the blocks it routed (see :mod:`kvcoord.gateway.route_place`)."""
+
+
+def _latency_json(model: LatencyModel | None) -> dict[str, float] | None:
+    """The policy's cost model in the units of its flags (``/health`` shows what a router decides with)."""
+    if model is None:
+        return None
+    return {"max_running": model.max_running, "prefill_us_per_token": model.prefill_s_per_token * 1e6,
+            "decode_ms_per_token": model.decode_s_per_token * 1e3,
+            "mean_output_tokens": model.mean_output_tokens}
 
 
 def _openai_error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
@@ -104,8 +119,11 @@ class RouteServer:
                        if config.coordinator else None)
         self.rpc = (AsyncCoordinatorClient(config.coordinator, security=config.security,
                                            timeout=config.rpc_timeout) if config.coordinator else None)
-        self.placer = Placer(self.client, self.backends, make_policy(config.policy, config.seed),
-                             self.metrics, seed=config.seed)
+        policy = make_policy(config.policy, config.seed, degraded=config.degraded, latency=config.latency)
+        self.placer = Placer(self.client, self.backends, policy, self.metrics, seed=config.seed)
+        latency = getattr(policy, "latency", None)
+        self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
+        """How long a placed prompt counts as queued prefill at most (see :class:`Prefill`)."""
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -211,7 +229,10 @@ class RouteServer:
         return await self._proxy(request, "chat")
 
     async def health(self, request: web.Request) -> web.Response:
+        policy = self.placer.policy
         return web.json_response({"status": "ok", "prefix_aware": self.placer.outage_since is None,
+                                  "policy": policy.name, "degraded": getattr(policy, "degraded", None),
+                                  "latency": _latency_json(getattr(policy, "latency", None)),
                                   "backends": self.backends.urls(), "suspect": self.backends.suspect()})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
@@ -322,7 +343,7 @@ class RouteServer:
         send = dict(headers)
         if self.backends.multi_rank(node_id):
             send["X-data-parallel-rank"] = str(key[1])
-        self.backends.begin(key, prefill)
+        queued = self.backends.begin(key, prefill, self._prefill_s_per_token)
         self.metrics.placements.labels(node_label(key), str(plan.prefix_aware).lower()).inc()
         try:
             try:
@@ -342,20 +363,22 @@ class RouteServer:
                 route_headers = self._route_headers(plan, attempt, attempts)
                 if upstream.content_type == "text/event-stream":
                     return await self._relay_stream(request, plan, attempt, upstream, route_headers,
-                                                    strip_usage, prefill)
-                return await self._relay_whole(plan, attempt, upstream, route_headers, prefill)
+                                                    strip_usage, queued)
+                return await self._relay_whole(plan, attempt, upstream, route_headers, queued)
         finally:
+            queued.done()  # a failed attempt's prompt is not queued there any more either
             self.backends.end(key)
 
     async def _relay_whole(self, plan: Plan, attempt: _Attempt, upstream: aiohttp.ClientResponse,
-                           route_headers: dict[str, str], prefill: int) -> web.StreamResponse | None:
+                           route_headers: dict[str, str],
+                           queued: Prefill[NodeKey]) -> web.StreamResponse | None:
         try:
             data = await upstream.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             self._fail(attempt.decision.node_id, "connect", f"{type(exc).__name__}: {exc}")
             self.metrics.retries.labels("connect").inc()
             return None
-        self.backends.prefilled(attempt.decision.key, prefill)
+        queued.done()
         attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
         if plan.prefix_aware and upstream.status == 200:
             usage = None
@@ -369,7 +392,7 @@ class RouteServer:
 
     async def _relay_stream(self, request: web.Request, plan: Plan, attempt: _Attempt,
                             upstream: aiohttp.ClientResponse, route_headers: dict[str, str],
-                            strip_usage: bool, prefill: int) -> web.StreamResponse:
+                            strip_usage: bool, queued: Prefill[NodeKey]) -> web.StreamResponse:
         node_id = attempt.decision.node_id
         resp = web.StreamResponse(status=upstream.status, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
@@ -382,7 +405,7 @@ class RouteServer:
         try:
             async for piece in upstream.content.iter_any():
                 if first:
-                    self.backends.prefilled(attempt.decision.key, prefill)
+                    queued.done()
                     first = False
                 out = relay.feed(piece)
                 if held and out:

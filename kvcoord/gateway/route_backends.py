@@ -20,7 +20,7 @@ from kvcoord.load import NodeLoad
 from kvcoord.router.answer import Candidate
 from kvcoord.router.client import NodeStatus
 
-from .nodes import InFlight, KnownNode, NodeTable
+from .nodes import InFlight, KnownNode, NodeTable, Prefill
 
 __all__ = ["Backends", "parse_backend", "valid_url"]
 
@@ -105,8 +105,13 @@ class Backends:
         return bool(node.address) and node.node_id not in self._suspect
 
     # ------------------------------------------------------------------ in-flight work
-    def begin(self, key: NodeKey, prefill_tokens: int) -> None:
+    def begin(self, key: NodeKey, prefill_tokens: int, prefill_s_per_token: float = 0.0) -> Prefill[NodeKey]:
+        """A request placed on ``key``: open, and its uncached prompt tokens queued for prefill until the
+        returned handle is done (at the first byte, or at the latest once the node could have prefilled
+        what was queued ahead plus these tokens at ``prefill_s_per_token``; 0: at the first byte)."""
+        ahead = self.work.pending(key)
         self.work.begin(key, prefill_tokens)
+        return Prefill(self.work, key, prefill_tokens, prefill_s_per_token * (ahead + prefill_tokens))
 
     def prefilled(self, key: NodeKey, prefill_tokens: int) -> None:
         """The first byte came back: the request's prefill is done."""

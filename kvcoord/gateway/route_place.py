@@ -26,7 +26,7 @@ from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.router.policy import Decision, LeastLoadedPolicy, Policy, RouteRequest, place
 from kvcoord.tokenize import Tokenizer
 
-from .outage import Outages
+from .outage import Outages, is_outage
 from .requests import BadRequest, NotAskable, body_query, tokenize
 from .route_backends import Backends
 from .route_metrics import RouteMetrics
@@ -34,9 +34,6 @@ from .route_metrics import RouteMetrics
 __all__ = ["Placer", "Plan", "block_keys"]
 
 log = logging.getLogger("kvcoord.route")
-
-_OUTAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-
 
 def block_keys(tokens: list[int], block_size: int, salt: str = "") -> list[BlockHash64]:
     """One key per full block, each naming the whole prefix up to it (a chained xxh3 of the ids and the
@@ -157,7 +154,7 @@ class Placer:
                     RouteRequest(0, 1, (), self.clock()), detail=detail)
 
     def _failed(self, model: str, exc: CoordinatorError) -> Plan:
-        if exc.code in _OUTAGE:
+        if is_outage(exc.code):
             deadline = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
             reason = "deadline" if deadline else "coordinator_unavailable"
             self.metrics.degraded.labels(reason).inc()

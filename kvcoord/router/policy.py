@@ -547,10 +547,12 @@ def make_policy(
     latency: LatencyModel | None = None,
     tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS,
     ttl: float = 120.0,
+    degraded: str = "discount",
 ) -> Policy:
-    """Build a policy by name (one of ``POLICY_NAMES``)."""
+    """Build a policy by name (one of ``POLICY_NAMES``). ``degraded`` (one of ``DEGRADED_MODES``): how
+    prefix-aware counts the matches of nodes in trust state ``degraded``; the other policies ignore it."""
     if name == "prefix-aware":
-        return PrefixAwarePolicy(seed, latency=latency, tier_weights=tier_weights)
+        return PrefixAwarePolicy(seed, latency=latency, tier_weights=tier_weights, degraded=degraded)
     if name == "approximate":
         return ApproximatePolicy(seed, ttl=ttl, latency=latency, tier_weights=tier_weights)
     if name == "least-loaded":

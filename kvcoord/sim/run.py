@@ -155,8 +155,8 @@ def _cluster(args: SimulateConfig, workload: Workload) -> ClusterConfig:
     """The fleet and its cost model; the mean output length comes from the workload."""
     mean_out = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
     latency = LatencyModel(
-        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
-        decode_s_per_token=args.decode_ms_per_token * 1e-3,
+        prefill_s_per_token=args.prefill_us_per_token / 1e6,
+        decode_s_per_token=args.decode_ms_per_token / 1e3,
         max_running=args.max_running,
         mean_output_tokens=mean_out,
     )

@@ -346,12 +346,19 @@ class EventBatch(_message.Message):
     DP_RANK_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
     SAMPLED_FIELD_NUMBER: _builtins.int
+    HISTORY_LOST_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     ts: _builtins.float
     """the engine's timestamp (seconds since the Unix epoch)"""
     dp_rank: _builtins.int
     sampled: _builtins.bool
     """some event carries a verification sample"""
+    history_lost: _builtins.str
+    """Set: after this batch the rank's history is incomplete, why in one line (the agent's relay could not
+    recover batches the engine published: its replay buffer no longer reached back, at a join or after
+    a gap). The events may be none. The rank is `degraded` until an AllBlocksCleared of it, a snapshot
+    that does not carry the mark, or a new epoch. Agents that predate it never set it.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVEvent]: ...
     def __init__(
@@ -362,12 +369,15 @@ class EventBatch(_message.Message):
         dp_rank: _builtins.int = ...,
         events: _abc.Iterable[Global___KVEvent] | None = ...,
         sampled: _builtins.bool = ...,
+        history_lost: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_history_lost", b"_history_lost", "history_lost", b"history_lost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "events", b"events", "sampled", b"sampled", "seq", b"seq", "ts", b"ts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_history_lost", b"_history_lost", "dp_rank", b"dp_rank", "events", b"events", "history_lost", b"history_lost", "sampled", b"sampled", "seq", b"seq", "ts", b"ts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__history_lost: _TypeAlias = _typing.Literal["history_lost"]  # noqa: Y015
+    _WhichOneofArgType__history_lost: _TypeAlias = _typing.Literal["_history_lost", b"_history_lost"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__history_lost) -> _WhichOneofReturnType__history_lost | None: ...
 
 Global___EventBatch: _TypeAlias = EventBatch  # noqa: Y015
 
@@ -409,6 +419,7 @@ class Snapshot(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    HISTORY_LOST_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     seq: _builtins.int
     dp_rank: _builtins.int
@@ -417,6 +428,10 @@ class Snapshot(_message.Message):
     tiers: _builtins.bytes
     """one byte per block (a Tier value); empty: all GPU"""
     final: _builtins.bool
+    history_lost: _builtins.str
+    """Set on a chunk: this rank's state lacks history (as EventBatch.history_lost, which it carries over a
+    snapshot that supersedes the batch that said so). Unset on every chunk of a rank: its state is whole.
+    """
     def __init__(
         self,
         *,
@@ -426,12 +441,15 @@ class Snapshot(_message.Message):
         block_hashes: _builtins.bytes = ...,
         tiers: _builtins.bytes = ...,
         final: _builtins.bool = ...,
+        history_lost: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_history_lost", b"_history_lost", "history_lost", b"history_lost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "dp_rank", b"dp_rank", "epoch", b"epoch", "final", b"final", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_history_lost", b"_history_lost", "block_hashes", b"block_hashes", "dp_rank", b"dp_rank", "epoch", b"epoch", "final", b"final", "history_lost", b"history_lost", "seq", b"seq", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__history_lost: _TypeAlias = _typing.Literal["history_lost"]  # noqa: Y015
+    _WhichOneofArgType__history_lost: _TypeAlias = _typing.Literal["_history_lost", b"_history_lost"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__history_lost) -> _WhichOneofReturnType__history_lost | None: ...
 
 Global___Snapshot: _TypeAlias = Snapshot  # noqa: Y015
 
