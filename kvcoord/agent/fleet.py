@@ -1,11 +1,10 @@
 """The agent, run by the coordinator for the engines registered with it (``POST /register``).
 
 Each registered instance gets what ``kvcoord agent`` gives an engine: one :class:`~kvcoord.engine.relay.Relay`
-per listener (DP rank), a shared :class:`~kvcoord.engine.relay.BlockMirror`, and a sink for its batches:
-given the coordinator's state, a :class:`~kvcoord.agent.local.LocalFeed` into this process's ingest session
-(no protobuf, no gRPC); otherwise a :class:`~kvcoord.agent.reporter.Reporter` streaming to the coordinator
-over its private socket. Either way a registered engine and an agent's engine are indexed by the same
-session code, down to the acks and snapshots.
+per listener (DP rank), a shared :class:`~kvcoord.engine.relay.BlockMirror`, and, where an agent has its
+reporter, a :class:`~kvcoord.agent.local.LocalFeed` into this process's ingest session (no protobuf, no
+gRPC). A registered engine and an agent's engine are indexed by the same session code, down to the acks
+and snapshots.
 """
 
 from __future__ import annotations
@@ -18,11 +17,9 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from kvcoord.agent.local import LocalFeed
-from kvcoord.agent.reporter import Reporter
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import Engine
 from kvcoord.engine.relay import BlockMirror, Relay
-from kvcoord.transport import ChannelSecurity
 
 log = logging.getLogger("kvcoord.agent.fleet")
 
@@ -32,21 +29,17 @@ __all__ = ["Fleet"]
 @dataclass(slots=True)
 class _Running:
     engine: Engine
-    reporter: Reporter | LocalFeed
+    reporter: LocalFeed
     relays: dict[int, Relay]
     tasks: dict[int, asyncio.Task[None]]
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Fleet:
-    """Relays registered engines to the coordinator at ``address`` (implements ``EngineRunner``)."""
+    """Relays registered engines into the coordinator whose ``state`` it is given (an ``EngineRunner``)."""
 
-    def __init__(self, address: str, security: ChannelSecurity | None = None,
-                 state: CoordinatorState | None = None) -> None:
-        self.address = address
-        self.security = security or ChannelSecurity()
+    def __init__(self, state: CoordinatorState) -> None:
         self.state = state
-        """The coordinator's own state: batches go into its ingest in-process (None: over gRPC)."""
         self._ctx = zmq.asyncio.Context()
         self._running: dict[int, _Running] = {}
 
@@ -54,14 +47,8 @@ class Fleet:
         await self.stop(engine.instance_id)
         mirror = BlockMirror()
         ranks = [x.dp_rank for x in engine.listeners]
-        rep: Reporter | LocalFeed
-        if self.state is not None:
-            rep = LocalFeed(self.state, node_id=engine.node_id, model=engine.model,
-                            snapshot=mirror.rank_entries, dp_ranks=ranks, serving_url=engine.serving_url)
-        else:
-            rep = Reporter([self.address], node_id=engine.node_id, model=engine.model,
-                           snapshot=mirror.rank_entries, dp_ranks=ranks, security=self.security,
-                           serving_url=engine.serving_url)
+        rep = LocalFeed(self.state, node_id=engine.node_id, model=engine.model,
+                        snapshot=mirror.rank_entries, dp_ranks=ranks, serving_url=engine.serving_url)
         relays = {x.dp_rank: Relay(x.endpoint, rep, replay_endpoint=x.replay_endpoint, mirror=mirror,
                                    ctx=self._ctx, default_dp_rank=x.dp_rank, allowed_ranks={x.dp_rank})
                   for x in engine.listeners}

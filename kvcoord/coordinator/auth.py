@@ -72,10 +72,6 @@ class Authenticator:
         for token in cfg.admin_tokens:
             self._by_digest[_digest(token)] = Principal(ADMIN)
 
-    def add_agent_token(self, token: str, nodes: frozenset[str]) -> None:
-        """One more agent token (the coordinator's own relays use one); auth must already be on."""
-        self._by_digest[_digest(token)] = Principal(AGENT, nodes)
-
     def principal(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
         """Raises :class:`AuthError` (UNAUTHENTICATED) for a missing, malformed or unknown token."""
         if not self.enabled:

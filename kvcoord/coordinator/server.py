@@ -10,11 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
-import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from types import TracebackType
 
@@ -33,13 +30,12 @@ from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials, server_ssl_context
 from kvcoord.index import Index, open_index
 from kvcoord.native import native_paths
-from kvcoord.transport import ChannelSecurity, ListenError, check_bindable, split_hostport
+from kvcoord.transport import ListenError, check_bindable, split_hostport
 
 log = logging.getLogger("kvcoord.coordinator")
 
-RunnerFactory = Callable[[str, ChannelSecurity, CoordinatorState], EngineRunner]
-"""Builds the relays of registered engines from the coordinator's private address, its credentials and
-its state (relays may feed its ingest in-process)."""
+RunnerFactory = Callable[[CoordinatorState], EngineRunner]
+"""Builds the relays of registered engines, which feed the coordinator's ingest in-process."""
 
 LIVENESS = "kvcoord.liveness"
 """Health service name that is SERVING while the process runs, whatever the index does: the liveness
@@ -58,7 +54,6 @@ class CoordinatorServer:
         self._runner_factory = runner_factory
         """Relays engines registered over HTTP (``kvcoord serve`` passes the agent's); None: ``/register``
         answers 501."""
-        self._internal_dir: str | None = None
         self.engines: Engines | None = None
         self._http: HttpServer | None = None
         self.http_port: int | None = None
@@ -92,8 +87,7 @@ class CoordinatorServer:
         for address in (cfg.listen, cfg.metrics_listen, cfg.http_listen):
             if address:
                 check_bindable(address)
-        internal = self._internal_security(auth) if self._runner_factory is not None else None
-        await self._start_grpc(state, auth, internal is not None)
+        await self._start_grpc(state, auth)
         up = False
         with contextlib.suppress(Exception):
             up = bool(await asyncio.wait_for(index.ping(), timeout=2.0))
@@ -111,9 +105,8 @@ class CoordinatorServer:
             except OSError as exc:
                 await self.stop()
                 raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
-        if internal is not None:
-            assert self._runner_factory is not None and self._internal_dir is not None
-            runner = self._runner_factory(f"unix:{self._internal_dir}/grpc.sock", internal, state)
+        if self._runner_factory is not None:
+            runner = self._runner_factory(state)
             self.engines = Engines(open_engine_store(cfg.index, key_prefix=cfg.index_key_prefix), runner,
                                    state.replica_id, self._profile_block_size, state.drop_node)
         if cfg.http_listen:
@@ -126,17 +119,7 @@ class CoordinatorServer:
         profile = self.config.profile(model)
         return profile.block_size if profile is not None else None
 
-    def _internal_security(self, auth: Authenticator) -> ChannelSecurity:
-        """The private socket the coordinator's own relays (registered engines) stream to: a unix socket
-        in a directory only this user can enter, with a token of its own when auth is on."""
-        self._internal_dir = tempfile.mkdtemp(prefix="kvcoord-")
-        if not auth.enabled:
-            return ChannelSecurity()
-        token = secrets.token_urlsafe(32)
-        auth.add_agent_token(token, frozenset({"*"}))
-        return ChannelSecurity(token=token)
-
-    async def _start_grpc(self, state: CoordinatorState, auth: Authenticator, internal: bool) -> None:
+    async def _start_grpc(self, state: CoordinatorState, auth: Authenticator) -> None:
         cfg = self.config
         opts = [
             ("grpc.max_receive_message_length", cfg.limits.max_message_bytes),
@@ -158,8 +141,6 @@ class CoordinatorServer:
                 self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls))
             else:
                 self.port = server.add_insecure_port(cfg.listen)
-            if internal:
-                server.add_insecure_port(f"unix:{self._internal_dir}/grpc.sock")
         except RuntimeError as exc:
             raise ListenError(f"cannot listen on {cfg.listen}: {exc}") from None
         if not self.port:
@@ -212,8 +193,6 @@ class CoordinatorServer:
         if self.state is not None:
             await self.state.stop_background()
             self.state.metrics.close()
-        if self._internal_dir is not None:
-            shutil.rmtree(self._internal_dir, ignore_errors=True)
         if self._close_index and self._index is not None:
             try:
                 await asyncio.wait_for(self._index.close(), timeout=1.0)
