@@ -23,6 +23,7 @@ Ordering contract (shared with kvcoord.agent.reporter):
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import time
@@ -616,6 +617,9 @@ class IngestSession:
     async def _snapshot(self, rec: NodeRecord, snap: pb.Snapshot) -> list[pb.CoordinatorMessage]:
         pending = self._stage(snap)
         if not snap.final:
+            # Yield to the loop: a stream's buffered chunks are read without suspending, so 8 flooding
+            # streams were staged back to back for 50-140 ms while lookups waited.
+            await asyncio.sleep(0)
             return []
         self._pending = None  # detached, still counted as staged until it is applied or abandoned
         count = pending.count
