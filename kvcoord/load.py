@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["APPROXIMATE", "DEGRADED", "EXACT", "RESYNCING", "TRUSTS", "NodeLoad"]
+__all__ = ["APPROXIMATE", "DEGRADED", "EXACT", "HASH_MISMATCH", "HISTORY_LOST", "RESYNCING", "TRUSTS",
+           "TRUST_CAUSES", "NodeLoad"]
 
 EXACT = "exact"
 RESYNCING = "resyncing"
@@ -16,6 +17,13 @@ TRUSTS = (EXACT, RESYNCING, DEGRADED, APPROXIMATE)
 """A node's trust (the wire's ``trust``): how far lookups vouch for its entries. The coordinator
 computes it (``kvcoord.coordinator.registry.trust_state``), the placement policies weigh it.
 ``approximate`` (a node without KV events) is on the wire but not computed yet."""
+
+HASH_MISMATCH = "hash_mismatch"
+HISTORY_LOST = "history_lost"
+TRUST_CAUSES = (HASH_MISMATCH, HISTORY_LOST)
+"""Why a node is ``degraded`` (the wire's ``trust_cause``; empty for any other trust): its hashes failed
+verification, so its entries may be wrong, or its relay lost batches, so entries are missing but every
+one the index holds is real. A policy weighs the two differently."""
 
 
 @dataclass(frozen=True, slots=True)

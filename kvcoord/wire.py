@@ -90,11 +90,15 @@ class TokenSampler:
 
 
 # --- events -----------------------------------------------------------------------------------
-def fill_event(out: pb.KVEvent, op: Op, ev: Any, sample: Sample | None, packed: bytes | None = None) -> None:
+def fill_event(out: pb.KVEvent, op: Op, ev: Any, sample: Sample | None, packed: bytes | None = None,
+               events: int = 1) -> None:
     """Write one validated event into ``out``, a ``kvcoord.v2.KVEvent`` (in place: a batch's events are
     added to it, wrapping built messages would copy them): its kind, tier and group from ``op`` (its own,
-    or that of the run it is in), its hashes as ``packed`` (default: ``op``'s, packed)."""
+    or that of the run it is in), its hashes as ``packed`` (default: ``op``'s, packed). ``events`` > 1:
+    it stands for that many like events (a run, ``ev`` its first), whose hashes ``packed`` holds."""
     kind, tier, hashes, group, _ = op
+    if events > 1:
+        out.events = events
     if kind == CLEAR:
         out.cleared.SetInParent()
         return
@@ -275,10 +279,13 @@ def _tuplify(value: object) -> object:
     return value
 
 
-def event_counts(events: Sequence[pb.KVEvent]) -> tuple[int, int, int]:
-    """``(stored, removed, cleared)`` events of a batch, for metrics."""
-    kinds = [m.WhichOneof("event") for m in events]
-    return kinds.count("stored"), kinds.count("removed"), kinds.count("cleared")
+def event_counts(events: Sequence[pb.KVEvent]) -> tuple[int, int, int, int]:
+    """``(stored, removed, cleared, unknown)`` engine events of a batch, for metrics: a wire event counts
+    its ``events`` (a run), one when unset."""
+    counts = {"stored": 0, "removed": 0, "cleared": 0, None: 0}
+    for m in events:
+        counts[m.WhichOneof("event")] += m.events or 1
+    return counts["stored"], counts["removed"], counts["cleared"], counts[None]
 
 
 # --- snapshots, tokens, loads, profiles -----------------------------------------------------------

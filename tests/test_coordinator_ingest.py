@@ -412,6 +412,8 @@ async def test_batch_over_max_events_is_invalid_argument(index: Index) -> None:
             err.details() or ""
         )
         assert await export(index) == []
+        # The node lacks that batch now: it must resync (a snapshot), not be sent the batch again.
+        assert (await c.node("n1")).state == "resyncing"
 
 
 async def test_oversized_message_is_resource_exhausted(index: Index) -> None:

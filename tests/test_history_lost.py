@@ -17,19 +17,24 @@ import re
 import subprocess
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvcoord.coordinator.registry import NodeRecord
+from kvcoord.coordinator.shared import SharedNode
 from kvcoord.events import AllBlocksCleared, BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from tests.procs import free_port, kvcoord_cmd, running, stop, wait_for_port
+from tests.redis_servers import RedisServer
 from tests.test_coordinator_ingest import Agent, ack_seq
 from tests.test_coordinator_ingest import stored as wire_stored
+from tests.test_coordinator_ingest import until as until_async
 from tests.test_relay import DroppingPublisher
 from tests.test_trust import HASHES, chain, coordinator
 
@@ -139,13 +144,14 @@ class Stack:
                 out[labels.split('trust="', 1)[1].split('"', 1)[0]] = float(value)
         return out
 
-    def http_trust(self, node: str, hashes: list[int]) -> str | None:
+    def http_trust(self, node: str, hashes: list[int]) -> tuple[str, str | None] | None:
+        """``(trust, trust_cause)`` of ``node`` in a ``/query_by_hash`` answer (cause None: omitted)."""
         body = json.dumps({"block_hashes": hashes, "model_name": MODEL}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.http}/query_by_hash", data=body, method="POST",
                                      headers={"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             nodes = json.loads(resp.read())["nodes"]
-        return next((str(n["trust"]) for n in nodes if n["node_id"] == node), None)
+        return next(((n["trust"], n.get("trust_cause")) for n in nodes if n["node_id"] == node), None)
 
 
 @contextlib.contextmanager
@@ -168,8 +174,9 @@ def degraded_by_lost_history(s: Stack, node: str) -> None:
     until(lambda: s.held(node, range(EARLY)) == list(range(LOST, EARLY)), "the replayed blocks indexed")
     assert s.client.stats().entries == BUFFER
     answer = s.client.lookup(MODEL, tokens=tokens(EARLY - 1))
-    assert [(n.node_id, n.matched_blocks, n.trust) for n in answer.nodes] == [(node, 1, "degraded")]
-    assert s.http_trust(node, [block(LOST)]) == "degraded"
+    assert [(n.node_id, n.matched_blocks, n.trust, n.trust_cause) for n in answer.nodes] == [
+        (node, 1, "degraded", "history_lost")]
+    assert s.http_trust(node, [block(LOST)]) == ("degraded", "history_lost")
     until(lambda: s.trust_gauge().get("degraded") == 1.0, "kvcoord_nodes_by_trust{trust=degraded} 1")
     assert s.trust_gauge()["exact"] == 0.0
 
@@ -188,8 +195,9 @@ def exact_after_a_clear(s: Stack, node: str) -> None:
     until(lambda: s.held(node, range(EARLY + 1)) == [EARLY], "the index holding only the new block")
     assert s.client.stats().entries == 1
     answer = s.client.lookup(MODEL, tokens=tokens(EARLY))
-    assert [(n.node_id, n.matched_blocks, n.trust) for n in answer.nodes] == [(node, 1, "exact")]
-    assert s.http_trust(node, [block(EARLY)]) == "exact"
+    assert [(n.node_id, n.matched_blocks, n.trust, n.trust_cause) for n in answer.nodes] == [
+        (node, 1, "exact", "")]
+    assert s.http_trust(node, [block(EARLY)]) == ("exact", None)
     until(lambda: s.trust_gauge().get("exact") == 1.0, "kvcoord_nodes_by_trust{trust=exact} 1")
     assert s.trust_gauge()["degraded"] == 0.0
 
@@ -275,10 +283,16 @@ async def test_the_rule_on_the_wire() -> None:
             nodes = (await c.lookup_hashes(HASHES)).nodes
             return max((n.matched_blocks for n in nodes), default=0)
 
+        async def cause() -> str:
+            """The lookup answer's ``trust_cause`` of n1 (which is in it, held or not)."""
+            nodes = (await c.lookup_hashes(HASHES, include_unmatched=True)).nodes
+            return next(n.trust_cause for n in nodes if n.node_id == "n1")
+
         await batch(1, [wire_stored(HASHES, block_size=BS)])  # as an older agent sends: no field
         assert (await trust(), await matched()) == (("exact", ""), 4)
         await batch(2, [], why)  # the mark alone: entries untouched
-        assert (await trust(), await matched()) == (("degraded", f"dp rank 0: {why}"), 4)
+        assert (await trust(), await matched(), await cause()) == (
+            ("degraded", f"dp rank 0: {why}"), 4, "history_lost")
         await batch(3, [pb.KVEvent(cleared=pb.AllBlocksCleared())], why)  # a relay's clear, then its mark
         assert (await trust(), await matched()) == (("degraded", f"dp rank 0: {why}"), 0)
         await batch(4, [pb.KVEvent(cleared=pb.AllBlocksCleared())])  # the engine's clear
@@ -296,7 +310,7 @@ async def test_the_rule_on_the_wire() -> None:
         await a.send(batch=pb.EventBatch(seq=6, events=[chain(bad, sampled=True)], sampled=True))
         notice = await a.recv()
         assert notice.notice.state == "hash_mismatch" and ack_seq(await a.recv()) == 6
-        assert await trust() == ("degraded", notice.notice.message)
+        assert (await trust(), await cause()) == (("degraded", notice.notice.message), "hash_mismatch")
         await a.close()
         # A new epoch (the agent or engine restarted) starts over: resyncing, then exact with its snapshot.
         b = Agent(c, "n1", epoch=2)
@@ -305,3 +319,46 @@ async def test_the_rule_on_the_wire() -> None:
         await b.snapshot(0)
         assert await trust() == ("exact", "")
         await b.close()
+
+
+async def test_another_replica_reports_the_cause(redis_server: RedisServer) -> None:
+    """Replica b holds no stream of the node: its lookups carry the owner's cause (lost history, not a
+    mismatch), and a record of a replica that predates the cause reads as before (no cause)."""
+    ov = {"index": redis_server.url, "index_key_prefix": f"cause-{uuid.uuid4().hex[:8]}"}
+    why = "history lost: 3 batch(es) from seq 0 are gone (test)"
+    async with coordinator(**ov) as a, coordinator(**ov) as b:
+        n1 = Agent(a, "n1")
+        await n1.start()
+        await n1.send(batch=pb.EventBatch(seq=1, dp_rank=0, events=[wire_stored(HASHES, block_size=BS)],
+                                          history_lost=why))
+        assert ack_seq(await n1.recv()) == 1
+
+        async def seen() -> bool:
+            nodes = (await b.lookup_hashes(HASHES)).nodes
+            got = [(n.node_id, n.trust, n.trust_cause) for n in nodes]
+            return got == [("n1", "degraded", "history_lost")]
+
+        await until_async(seen, timeout=15.0)
+        assert (await b.node("n1")).trust_reason == f"dp rank 0: {why}"
+        await n1.close()
+    old = SharedNode("n1", MODEL, (0,), "active", 1, 0.0, "r", 0.0, trust="degraded", trust_reason="x",
+                     trust_cause="history_lost")
+    raw = json.loads(old.encode())
+    assert raw["trust_cause"] == "history_lost" and SharedNode.decode(old.encode()) == old
+    del raw["trust_cause"]
+    assert SharedNode.decode(json.dumps(raw)).trust_cause == ""
+
+
+def test_the_reason_names_three_lost_ranks_and_counts_the_rest() -> None:
+    """A bad agent may mark 1024 ranks with long reasons: the reason stays short."""
+    rec = NodeRecord("n1", MODEL, tuple(range(1024)), epoch=1, resyncing=False)
+    assert rec.trust == ("exact", "", "")
+    rec.history_lost = {r: "x" * 200 for r in reversed(range(1024))}
+    trust = rec.trust
+    assert (trust.state, trust.cause) == ("degraded", "history_lost")
+    shown = "; ".join(f"dp rank {r}: {'x' * 200}" for r in range(3))
+    assert trust.reason == shown + "; and 1021 more rank(s)"
+    rec.history_lost = {5: "a", 2: "b"}
+    assert rec.trust.reason == "dp rank 2: b; dp rank 5: a"
+    rec.hash_mismatch, rec.hash_mismatch_reason = True, "seed"
+    assert rec.trust == ("degraded", "seed", "hash_mismatch")

@@ -7,7 +7,7 @@ import pytest
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeMatch
-from kvcoord.load import NodeLoad
+from kvcoord.load import HASH_MISMATCH, HISTORY_LOST, NodeLoad
 from kvcoord.router.answer import LookupResult
 from kvcoord.router.policy import (
     POLICY_NAMES,
@@ -320,10 +320,31 @@ def test_placement_memory_keeps_checkpoints_in_a_bounded_lru() -> None:
 
 
 # --- degraded nodes (trust) ----------------------------------------------------------------------
-def _degraded_pair(exact_blocks: int = 30) -> list[Candidate]:
-    """n0 degraded with 40 leading blocks, n1 exact with ``exact_blocks``; equal (idle) loads."""
-    return [Candidate("n0", 0, 40, (), NodeLoad(), trust="degraded"),
+def _degraded_pair(exact_blocks: int = 30, cause: str = "") -> list[Candidate]:
+    """n0 degraded (by ``cause``; none: a coordinator that predates it) with 40 leading blocks, n1 exact
+    with ``exact_blocks``; equal (idle) loads."""
+    return [Candidate("n0", 0, 40, (), NodeLoad(), trust="degraded", trust_cause=cause),
             Candidate("n1", 0, exact_blocks, (), NodeLoad())]
+
+
+def test_lost_history_counts_in_full_a_hash_mismatch_is_discounted() -> None:
+    """Lost history means missing blocks, not wrong ones: the default setting leaves its real matches
+    whole, and still halves a node whose hashes failed verification."""
+    p = PrefixAwarePolicy(seed=1)
+    d = p.choose(req(64 * BS), _degraded_pair(cause=HISTORY_LOST))
+    assert d.node_id == "n0" and d.matched_blocks == 40
+    assert "n0 is degraded (lost history: some blocks missing), its matches are real and counted in full" \
+        in d.why
+    assert p.saved_tokens(req(64 * BS), _degraded_pair(cause=HISTORY_LOST)[0]) == 40 * BS
+    d = p.choose(req(64 * BS), _degraded_pair(cause=HASH_MISMATCH))
+    assert d.node_id == "n1" and "best holder n0 (40 blocks) is degraded, its blocks counted at 0.5" in d.why
+    ignore = PrefixAwarePolicy(seed=1, degraded="ignore")
+    assert ignore.choose(req(64 * BS), _degraded_pair(cause=HISTORY_LOST)).node_id == "n0"
+    d = ignore.choose(req(64 * BS), _degraded_pair(exact_blocks=1, cause=HASH_MISMATCH))
+    assert d.node_id == "n1" and "lost history" not in d.why
+    lost = Candidate("n0", trust="degraded", trust_cause=HISTORY_LOST)
+    assert lost.to_json()["trust_cause"] == HISTORY_LOST
+    assert "trust_cause" not in Candidate("n1").to_json()
 
 
 def test_degraded_trust_counts_its_matches_as_exact() -> None:

@@ -383,9 +383,10 @@ async def test_snapshot_from_a_relay_mirror_takes_its_columns_whole() -> None:
             await r.close()
 
 
-async def test_merged_runs_still_go_out_one_wire_event_per_event() -> None:
-    """The relay hands over runs of like events as one op each (``op_runs``, with ``spans``): the wire
-    still carries every event as its own, with its own hashes, also when a run crosses a batch bound."""
+async def test_merged_runs_go_out_as_one_wire_event_each() -> None:
+    """The relay hands over runs of like events as one op each (``op_runs``, with ``spans``): each run
+    goes on the wire as one event standing for them all (``KVEvent.events``), cut where a run crosses a
+    batch bound (batches count engine events)."""
     from kvcoord.validate import op_runs
 
     port = free_port()
@@ -403,7 +404,11 @@ async def test_merged_runs_still_go_out_one_wire_event_per_event() -> None:
             r.submit(0, evs, ts=1.0, ops=runs, spans=spans)
             await r.wait_acked(5)
             got = batches(s)
-            assert [len(b.events) for b in got] == [4, 4, 4]
-            assert [op for b in got for op in ops(b.events)] == ops(evs)
+            assert [sum(e.events or 1 for e in b.events) for b in got] == [4, 4, 4]
+            assert [len(b.events) for b in got] == [2, 1, 4]
+
+            def blocks(xs: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:  # per block, runs or not
+                return [(k, t, h, g, i) for k, t, hs, g, i in xs for h in hs or [None]]
+            assert blocks([op for b in got for op in ops(b.events)]) == blocks(ops(evs))
         finally:
             await r.close()

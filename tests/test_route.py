@@ -574,7 +574,7 @@ async def test_a_placed_prompt_counts_as_queued_prefill_until_its_first_byte_or_
     assert b.work.pending(key) == 0
 
 
-def test_backends_merge_own_work_into_reported_load_and_keep_nodes_through_a_restart() -> None:
+async def test_backends_merge_own_work_into_reported_load_and_keep_nodes_through_a_restart() -> None:
     from kvcoord.gateway.route_backends import Backends
     from kvcoord.load import NodeLoad
     from kvcoord.router.answer import Candidate
@@ -582,11 +582,10 @@ def test_backends_merge_own_work_into_reported_load_and_keep_nodes_through_a_res
     b = Backends({"static": "http://10.0.0.9:8000/"})
     b.listed([("n1", "http://10.0.0.1:8000", MODEL, (0,), NodeLoad(1, 1)),
               ("n2", "http://10.0.0.2:8000", MODEL, (0,), NodeLoad())])
-    for _ in range(3):
-        b.begin(("n1", 0), 100)
+    queued = [b.begin(("n1", 0), 100) for _ in range(3)]
     load = b.merged_load(("n1", 0), NodeLoad(1, 1))
     assert (load.in_flight, load.waiting_requests, load.prefill_tokens) == (3, 1, 300)
-    b.prefilled(("n1", 0), 100)
+    queued[0].done()
     b.end(("n1", 0))
     assert b.merged_load(("n1", 0), NodeLoad(4, 0)).in_flight == 4  # reported wins when higher
     assert b.merged_load(("n1", 0), NodeLoad()).prefill_tokens == 200

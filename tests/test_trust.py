@@ -100,11 +100,12 @@ async def test_every_surface_says_each_nodes_trust() -> None:
         agents = await fleet(c)
         # gRPC Lookup: the degraded node is still answered (live), and says so.
         resp = await c.lookup_hashes(HASHES)
-        assert sorted((n.node_id, n.matched_blocks, n.trust) for n in resp.nodes) == [
-            ("degraded", 4, "degraded"), ("exact", 4, "exact")]
+        assert sorted((n.node_id, n.matched_blocks, n.trust, n.trust_cause) for n in resp.nodes) == [
+            ("degraded", 4, "degraded", "hash_mismatch"), ("exact", 4, "exact", "")]
         resp = await c.lookup_hashes(HASHES, include_unmatched=True)
-        assert {n.node_id: n.trust for n in resp.nodes} == {
-            "degraded": "degraded", "exact": "exact", "verify": "degraded"}
+        assert {n.node_id: (n.trust, n.trust_cause) for n in resp.nodes} == {
+            "degraded": ("degraded", "hash_mismatch"), "exact": ("exact", ""),
+            "verify": ("degraded", "hash_mismatch")}
         # ListNodes and Stats.
         for nodes in ((await c.stub.ListNodes(pb.ListNodesRequest())).nodes, (await c.stats()).nodes):
             got = {n.node_id: (n.state, n.trust) for n in nodes}
@@ -122,8 +123,9 @@ async def test_every_surface_says_each_nodes_trust() -> None:
                                ("/query_by_hash", {"block_hashes": HASHES, "model_name": MODEL})):
                 async with s.post(base + path, json=body) as r:
                     assert r.status == 200, await r.text()
-                    got = {n["node_id"]: n["trust"] for n in (await r.json())["nodes"]}
-                assert got == {"exact": "exact", "degraded": "degraded"}, path
+                    nodes = (await r.json())["nodes"]
+                got = {n["node_id"]: (n["trust"], n.get("trust_cause")) for n in nodes}
+                assert got == {"exact": ("exact", None), "degraded": ("degraded", "hash_mismatch")}, path
         # The gauge: expired nodes aside, every node once.
         assert {t: gauge(c, t) for t in ("exact", "resyncing", "degraded", "approximate")} == {
             "exact": 1.0, "resyncing": 1.0, "degraded": 2.0, "approximate": 0.0}
@@ -132,7 +134,8 @@ async def test_every_surface_says_each_nodes_trust() -> None:
             stats = await client.stats()
             assert {n.node_id: n.to_json()["trust"] for n in stats.nodes}["degraded"] == "degraded"
             answer = await client.lookup(MODEL, tokens=TOKENS)
-            assert {n.node_id: n.trust for n in answer.nodes} == {"exact": "exact", "degraded": "degraded"}
+            assert {n.node_id: (n.trust, n.trust_cause) for n in answer.nodes} == {
+                "exact": ("exact", ""), "degraded": ("degraded", "hash_mismatch")}
             assert place(answer, degraded="trust").node_id in {"exact", "degraded"}
             assert place(answer).node_id == "exact"  # discounted: the exact node holds more
         proc = await asyncio.create_subprocess_exec(*kvcoord_cmd("nodes", "--coordinator", c.server.address),
@@ -191,6 +194,7 @@ async def test_another_replica_reports_the_owners_trust(redis_server: RedisServe
         info = await b.node("n1")
         assert info.replica and info.trust_reason == (await a.node("n1")).trust_reason
         resp = await b.lookup_hashes(HASHES, include_unmatched=True)
-        assert {n.node_id: n.trust for n in resp.nodes} == {"n1": "degraded", "n2": "exact"}
+        assert {n.node_id: (n.trust, n.trust_cause) for n in resp.nodes} == {
+            "n1": ("degraded", "hash_mismatch"), "n2": ("exact", "")}
         await ok.close()
 

@@ -10,7 +10,6 @@ and snapshots.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -77,8 +76,11 @@ class Fleet:
         if run is None:
             return {}
         out: dict[int, tuple[str, str]] = {}
+        feed = run.reporter
         for rank, task in run.tasks.items():
-            if task.done():
+            if feed.refused:  # its events would go nowhere: say so, not "active"
+                out[rank] = ("failed", f"refused: {feed.refused}")
+            elif task.done():
                 exc = None if task.cancelled() else task.exception()
                 out[rank] = ("failed", f"{type(exc).__name__}: {exc}" if exc is not None else "stopped")
             else:
@@ -86,7 +88,6 @@ class Fleet:
         return out
 
     async def close(self) -> None:
-        for iid in list(self._running):
-            with contextlib.suppress(Exception):
-                await self.stop(iid)
+        """Stop every engine at once: each may take its 0.5 s bounds, and SIGTERM has a second or two."""
+        await asyncio.gather(*(self.stop(iid) for iid in list(self._running)), return_exceptions=True)
         self._ctx.term()

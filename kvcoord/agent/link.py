@@ -7,9 +7,13 @@ without the asyncio and gRPC machinery.
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import attrgetter
+from typing import Any
 
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity
@@ -25,6 +29,7 @@ __all__ = [
     "Sealed",
     "batch_message",
     "batches_message",
+    "run_piece",
 ]
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +112,15 @@ class Sealed:
 
 
 class Pending:
-    """A batch being filled: the events go straight into its message (no copy at sealing)."""
+    """A batch being filled: the events go straight into its message (no copy at sealing). ``events``
+    counts the engine's events in it (a wire event may stand for a run of them)."""
 
-    __slots__ = ("blocks", "msg", "timer")
+    __slots__ = ("blocks", "events", "msg", "timer")
 
     def __init__(self, ts: float, rank: int) -> None:
         self.msg = pb.EventBatch(ts=ts, dp_rank=rank)
         self.blocks = 0
+        self.events = 0
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -196,3 +203,39 @@ def batches_message(bodies: Sequence[bytes]) -> bytes:
 
 MAX_GROUP_BATCHES = 64
 """At most this many queued batches go out in one ``EventBatches`` message (also bounded by bytes)."""
+
+
+_HASHES = attrgetter("block_hashes")
+
+
+def run_piece(run: Sequence[Any], i: int, pos: int, size: int, stores: bool, samples: Sequence[object] | None,
+              room_events: int, room_blocks: int) -> tuple[int, int]:
+    """Where the wire event that starts at ``run[i]`` of a run of like events ends: ``(j, end)``, it
+    stands for ``run[i:j]``, whose hashes end at byte ``end`` of the run's ``size`` packed bytes (``pos``:
+    where they start). A removal run that fits the batch's room goes whole without per-event work;
+    otherwise the cut falls where the batch fills (``room_events`` events, or ``room_blocks`` blocks),
+    and a store run is also cut at a change of block size or spec kind and around a sampled event (of
+    ``samples``, one per event), which goes alone with its tokens."""
+    n = len(run)
+    if not stores:
+        if n - i <= room_events and max(1, (size - pos) >> 3) < room_blocks:
+            return n, size
+        blocks = list(accumulate(map(len, map(_HASHES, run[i:i + room_events]))))  # cumulative
+        k = min(len(blocks), bisect_left(blocks, room_blocks) + 1) if room_blocks > 1 else 1
+        return i + k, pos + 8 * blocks[k - 1]
+    first = run[i]
+    block_size, spec = first.block_size, first.kv_cache_spec_kind
+    j, end, blocks_in = i, pos, 0
+    while j < n:
+        ev = run[j]
+        if j > i and (ev.block_size != block_size or ev.kv_cache_spec_kind != spec
+                      or (samples is not None and samples[j] is not None)):
+            break
+        width = len(ev.block_hashes)
+        blocks_in += width
+        end += 8 * width
+        j += 1
+        if j - i >= room_events or max(1, blocks_in) >= room_blocks or (samples is not None
+                                                                         and samples[j - 1] is not None):
+            break
+    return j, end

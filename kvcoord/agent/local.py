@@ -197,6 +197,7 @@ class LocalFeed:
                 await self._send_snapshot(session)
             elif self._queue:
                 self._replies(await session.batches([self._next_batch()]))
+                await asyncio.sleep(0)  # an in-process index never suspends: let lookups in between
             elif self._closing:
                 return
             elif time.monotonic() >= next_hb:
@@ -230,10 +231,10 @@ class LocalFeed:
         lost: str | None = None
         while (lost is None and q and q[0][0] == rank and len(ops) < opts.max_batch_events
                and blocks < opts.max_batch_blocks):
-            _, item_ops, _, (s, r, c, _), item_samples, lost = q[0]
+            _, item_ops, item_ts, (s, r, c, _), item_samples, lost = q[0]
             room = opts.max_batch_events - len(ops)
             if len(item_ops) > room:
-                q[0] = (rank, item_ops[room:], ts, (0, 0, 0, 0), [], lost)
+                q[0] = (rank, item_ops[room:], item_ts, (0, 0, 0, 0), [], lost)
                 item_ops, lost = item_ops[:room], None
             else:
                 q.popleft()

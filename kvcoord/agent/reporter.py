@@ -43,6 +43,7 @@ from kvcoord.agent.link import (
     Sealed,
     batch_message,
     batches_message,
+    run_piece,
 )
 from kvcoord.events import CLEAR, STORE, Tier
 from kvcoord.hashing import to_block_hash64
@@ -50,7 +51,7 @@ from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity, open_aio_channel
 from kvcoord.validate import Op, ops_of, pack_u64
-from kvcoord.wire import TokenSampler, fill_event, load_to_proto, snapshot_to_proto
+from kvcoord.wire import Sample, TokenSampler, fill_event, load_to_proto, snapshot_to_proto
 
 __all__ = [
     "AGENT_VERSION",
@@ -232,9 +233,9 @@ class Reporter:
 
         ``events`` are model events or the relay's views; ``ops`` their validated form when the caller
         has it already: ``kvcoord.validate.ops_of(events)``, or ``op_runs(events)`` with its ``spans`` (the
-        events each op stands for; every event still goes on the wire as its own). Raises ``ValueError``
-        (queueing nothing) for an unknown rank or an invalid event. Thread-safe: from another thread the
-        events are handed to the reporter's loop.
+        events each op stands for; a run goes on the wire as one event, ``KVEvent.events``). Raises
+        ``ValueError`` (queueing nothing) for an unknown rank or an invalid event. Thread-safe: from
+        another thread the events are handed to the reporter's loop.
         """
         if self._loop is None or self._closed:
             raise RuntimeError("reporter is not running")
@@ -323,44 +324,47 @@ class Reporter:
     # -- batching (event loop only) --
     def _add(self, rank: int, events: Sequence[Any], ops: Sequence[Op], spans: Sequence[int],
              ts: float) -> None:
-        """Every event into the rank's pending batch as its own wire event; a run's hashes are packed
-        once and sliced per event. Seals at the batch bounds; a partial batch waits ``flush_interval``."""
+        """The events into the rank's pending batch, each run of like events (an op of ``op_runs``) as
+        one wire event standing for them all, cut only at the batch bounds and (stores) around a sampled
+        event. Seals at the bounds; a partial batch waits ``flush_interval``."""
         if self._closing:
             return
-        opts = self.options
-        max_events, max_blocks = opts.max_batch_events, opts.max_batch_blocks
         pick = self.sampler.pick if self.sampler.active else None
         self._events_submitted += len(events)
-        p = self._pending.get(rank)
-        count = len(p.msg.events) if p is not None else 0
         e = 0
         for op, span in zip(ops, spans, strict=True):
-            kind = op[0]
-            if kind == CLEAR:
-                self._lost.pop(rank, None)  # the engine starts from nothing: its history is whole again
-            packed = pack_u64(op[2]) if kind != CLEAR else b""
-            pos = 0
-            for ev in events[e:e + span] if span > 1 else (events[e],):
-                piece = packed
-                if span > 1:
-                    piece = packed[pos:pos + 8 * len(ev.block_hashes)]
-                    pos += len(piece)
-                if p is None:
-                    p = self._pending[rank] = Pending(ts, rank)
-                    count = 0
-                sample = pick(ev) if pick is not None and kind == STORE else None
-                fill_event(p.msg.events.add(), op, ev, sample, piece)
-                if sample is not None:
-                    p.msg.sampled = True
-                count += 1
-                p.blocks += max(1, len(piece) >> 3)
-                if count >= max_events or p.blocks >= max_blocks:
-                    self._seal(rank)
-                    p = None
+            run = events[e:e + span] if span > 1 else (events[e],)
             e += span
+            if op[0] == CLEAR:
+                self._lost.pop(rank, None)  # the engine starts from nothing: its history is whole again
+            samples = [pick(ev) for ev in run] if pick is not None and op[0] == STORE else None
+            self._add_run(rank, ts, op, run, pack_u64(op[2]), samples)
+        p = self._pending.get(rank)
         if p is not None and p.timer is None:
             assert self._loop is not None
-            p.timer = self._loop.call_later(opts.flush_interval, self._seal, rank)
+            p.timer = self._loop.call_later(self.options.flush_interval, self._seal, rank)
+
+    def _add_run(self, rank: int, ts: float, op: Op, run: Sequence[Any], packed: bytes,
+                 samples: list[Sample | None] | None) -> None:
+        """One run (``op``, its events and packed hashes) as wire events (see :func:`run_piece`)."""
+        opts = self.options
+        i = pos = 0
+        while i < len(run):
+            p = self._pending.get(rank)
+            if p is None:
+                p = self._pending[rank] = Pending(ts, rank)
+            j, end = run_piece(run, i, pos, len(packed), op[0] == STORE, samples,
+                               opts.max_batch_events - p.events, opts.max_batch_blocks - p.blocks)
+            sample = samples[i] if samples is not None and j == i + 1 else None
+            piece = packed if pos == 0 and end == len(packed) else packed[pos:end]
+            fill_event(p.msg.events.add(), op, run[i], sample, piece, j - i)
+            if sample is not None:
+                p.msg.sampled = True
+            p.events += j - i
+            p.blocks += max(1, len(piece) >> 3)
+            if p.events >= opts.max_batch_events or p.blocks >= opts.max_batch_blocks:
+                self._seal(rank)
+            i, pos = j, end
 
     def _seal(self, rank: int) -> None:
         p = self._pending.pop(rank, None)

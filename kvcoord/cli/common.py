@@ -136,20 +136,26 @@ def add_connection(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, toke
 
 
 def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean_output: bool) -> None:
-    """The latency model's flags (:class:`kvcoord.router.policy.LatencyModel`): the simulator's hardware
-    and the cost the prefix-aware policy weighs load with, named alike in ``simulate``, ``route`` and
-    ``epp`` so that a router can be run with the model a simulation assumed. ``mean_output``: the command
-    takes the mean output length as a flag (the simulator reads it off its workload)."""
-    p.add_argument("--max-running", type=POSITIVE_INT, default=32,
-                   help="concurrent requests per node (default 32)")
-    p.add_argument("--prefill-us-per-token", type=POSITIVE_FLOAT, default=50.0,
-                   help="prefill time per uncached prompt token, in microseconds (default 50)")
-    p.add_argument("--decode-ms-per-token", type=POSITIVE_FLOAT, default=15.0,
-                   help="decode time per output token, in milliseconds (default 15)")
+    """The latency model's flags (:class:`kvcoord.router.policy.LatencyModel`, whose defaults they show):
+    the simulator's hardware and the cost the prefix-aware policy weighs load with, named alike in
+    ``simulate``, ``route`` and ``epp`` so that a router can be run with the model a simulation assumed.
+    ``mean_output``: the command takes the mean output length as a flag (the simulator reads it off its
+    workload)."""
+    from kvcoord.router.policy import LatencyModel
+
+    d = LatencyModel().flags()
+    p.add_argument("--max-running", type=POSITIVE_INT, default=int(d["max_running"]),
+                   help=f"concurrent requests per node (default {d['max_running']:g})")
+    p.add_argument("--prefill-us-per-token", type=POSITIVE_FLOAT, default=d["prefill_us_per_token"],
+                   help=f"prefill time per uncached prompt token, in microseconds (default "
+                        f"{d['prefill_us_per_token']:g})")
+    p.add_argument("--decode-ms-per-token", type=POSITIVE_FLOAT, default=d["decode_ms_per_token"],
+                   help=f"decode time per output token, in milliseconds (default "
+                        f"{d['decode_ms_per_token']:g})")
     if mean_output:
-        p.add_argument("--mean-output-tokens", type=NONNEG_FLOAT, default=350.0,
+        p.add_argument("--mean-output-tokens", type=NONNEG_FLOAT, default=d["mean_output_tokens"],
                        help="expected output length of a running request, for the wait-for-a-slot "
-                            "estimate (default 350)")
+                            f"estimate (default {d['mean_output_tokens']:g})")
 
 
 def cost_model(args: argparse.Namespace, mean_output_tokens: float | None = None) -> LatencyModel:
@@ -158,19 +164,20 @@ def cost_model(args: argparse.Namespace, mean_output_tokens: float | None = None
     from kvcoord.router.policy import LatencyModel
 
     mean = mean_output_tokens if mean_output_tokens is not None else args.mean_output_tokens
-    return LatencyModel(prefill_s_per_token=args.prefill_us_per_token / 1e6,
-                        decode_s_per_token=args.decode_ms_per_token / 1e3,
-                        max_running=args.max_running, mean_output_tokens=mean)
+    return LatencyModel.from_flags(prefill_us_per_token=args.prefill_us_per_token,
+                                   decode_ms_per_token=args.decode_ms_per_token,
+                                   max_running=args.max_running, mean_output_tokens=mean)
 
 
 def add_degraded(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """How the prefix-aware policy counts a degraded node (``route`` and ``epp``)."""
-    from kvcoord.router.policy import DEGRADED_MODES
+    """How the prefix-aware policy counts a node whose hashes failed verification (``route`` and ``epp``)."""
+    from kvcoord.router.policy import DEGRADED_MODES, DEGRADED_WEIGHT
 
     p.add_argument("--degraded", choices=DEGRADED_MODES, default="discount",
-                   help="how prefix-aware counts the blocks of a node in trust state degraded (its hashes "
-                        "failed verification): discount (default, at half), ignore (as holding nothing), "
-                        "or trust (in full)")
+                   help="how prefix-aware counts the blocks of a node degraded by a hash mismatch (its "
+                        f"hashes failed verification): discount (default, at {DEGRADED_WEIGHT:g}), ignore "
+                        "(as holding nothing), or trust (in full); a node degraded by lost history (missing "
+                        "blocks, real matches) always counts in full")
 
 
 def add_tls_client(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str = "") -> None:

@@ -418,10 +418,11 @@ class CoordinatorState:
         heard = now_wall - (now - rec.last_heard)
         # Published with slack: readers keep the node until at least the owner's own deadline, and a
         # heartbeat republishes only once the true deadline moved by half the slack.
-        trust, reason = rec.trust
+        trust, reason, cause = rec.trust
         return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
                           heard + lease + self._slack(), self.replica_id, heard,
-                          rec.load, rec.serving_url, self.index.fence_token(rec.node_id), trust, reason)
+                          rec.load, rec.serving_url, self.index.fence_token(rec.node_id), trust, reason,
+                          cause)
 
     def _slack(self) -> float:
         return min(2.0, self.registry.lease / 2)
@@ -443,7 +444,8 @@ class CoordinatorState:
             if (other is not None and other.owner != self.replica_id
                     and other.outranks(node.fence, node.heard)):
                 continue  # moved to another replica; our record is stale
-            sig = (node.model, node.dp_ranks, node.state, node.epoch, node.load, node.fence, node.trust)
+            sig = (node.model, node.dp_ranks, node.state, node.epoch, node.load, node.fence, node.trust,
+                   node.trust_cause)
             last = self._published.get(rec.node_id)
             if last is None or last[0] != sig or node.deadline - last[1] > half:
                 out.append(node)
@@ -465,7 +467,7 @@ class CoordinatorState:
         for node_id in [k for k in self._published if k not in known]:
             del self._published[node_id]
         for n in nodes:
-            sig = (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust)
+            sig = (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust, n.trust_cause)
             self._published[n.node_id] = (sig, n.deadline)
 
     async def read_shared(self) -> None:
@@ -511,10 +513,10 @@ class CoordinatorState:
                      "entries were reclaimed", n.node_id, n.owner, time.time() - n.deadline)
 
     def live_node(self, node_id: str, model: str, now: float,
-                  now_wall: float) -> tuple[NodeLoad, str, str] | None:
-        """``(load, serving url, trust)`` of ``node_id`` if lookups of ``model`` may report it now: this
-        replica's record, or (replicas) another replica's that outranks it (a later claim, or heard it
-        later)."""
+                  now_wall: float) -> tuple[NodeLoad, str, str, str] | None:
+        """``(load, serving url, trust, trust cause)`` of ``node_id`` if lookups of ``model`` may report it
+        now: this replica's record, or (replicas) another replica's that outranks it (a later claim, or
+        heard it later)."""
         rec = self.registry.get(node_id)
         other = self.shared.get(node_id) if self.directory is not None else None
         if rec is not None and (
@@ -523,10 +525,11 @@ class CoordinatorState:
             or not other.outranks(self.index.fence_token(node_id), now_wall - (now - rec.last_heard))
         ):
             if rec.model == model and rec.live(now, self.registry.lease):
-                return rec.load, rec.serving_url, rec.trust[0]
+                trust = rec.trust
+                return rec.load, rec.serving_url, trust.state, trust.cause
             return None
         if other is not None and other.model == model and other.live(now_wall):
-            return other.load, other.url, other.trust
+            return other.load, other.url, other.trust, other.trust_cause
         return None
 
     def remote_nodes(self) -> list[SharedNode]:

@@ -72,38 +72,29 @@ class QueryBody(msgspec.Struct):
     include_unmatched: bool = False
 
 
-class FastQueryBody(msgspec.Struct):
+class FastQueryBody(QueryBody):
     """``/query`` once :func:`decode_fast` has taken ``token_ids`` out (the 8k-id list is most of the
-    decoding time); every other field as :class:`QueryBody` has it."""
+    decoding time); every other field is :class:`QueryBody`'s."""
 
-    model_name: str
     token_ids: None = None
     """Taken out (null) or absent."""
-    routing_group: str = DEFAULT_GROUP
-    tenant_id: str = DEFAULT_GROUP
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    prompt: str | None = None
-    messages: list[Any] | None = None
-    tools: list[Any] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    include_unmatched: bool = False
-
-
-class FastQueryByHashBody(msgspec.Struct):
-    model_name: str
-    block_hashes: None = None
-    routing_group: str = DEFAULT_GROUP
-    tenant_id: str = DEFAULT_GROUP
-    cache_salt: str | None = None
-    include_unmatched: bool = False
 
 
 class QueryByHashBody(msgspec.Struct):
     block_hashes: list[int]
     model_name: str
+    routing_group: str = DEFAULT_GROUP
+    tenant_id: str = DEFAULT_GROUP
+    cache_salt: str | None = None
+    include_unmatched: bool = False
+
+
+class FastQueryByHashBody(msgspec.Struct):
+    """``/query_by_hash`` once :func:`decode_fast` has taken ``block_hashes`` out (a subclass cannot
+    narrow the required ``list[int]`` to ``None``, so the five other fields are repeated here)."""
+
+    model_name: str
+    block_hashes: None = None
     routing_group: str = DEFAULT_GROUP
     tenant_id: str = DEFAULT_GROUP
     cache_salt: str | None = None
@@ -299,6 +290,8 @@ class _Node(msgspec.Struct, omit_defaults=True):
     load: msgspec.Raw
     trust: str
     serving_url: str | None = None
+    trust_cause: str = ""
+    """Why degraded (``hash_mismatch`` or ``history_lost``); omitted when exact."""
 
 
 class _Instance(msgspec.Struct):
@@ -325,17 +318,20 @@ class _Answer(msgspec.Struct):
     nodes: list[_Node]
 
 
-_LOAD_JSON: dict[NodeLoad, msgspec.Raw] = {}
+_LOAD_JSON: dict[int, tuple[NodeLoad, msgspec.Raw]] = {}
 
 
 def _load_json(load: NodeLoad) -> msgspec.Raw:
-    """``load.to_json()`` encoded, remembered per value: a node's load changes once per heartbeat, not
-    per lookup."""
-    raw = _LOAD_JSON.get(load)
-    if raw is None:
-        if len(_LOAD_JSON) >= 4096:
-            _LOAD_JSON.clear()
-        raw = _LOAD_JSON[load] = msgspec.Raw(_encode(load.to_json()))
+    """``load.to_json()`` encoded, remembered per object: a node keeps one load object until its next
+    heartbeat, and an identity lookup skips the dataclass's Python-level ``__hash__``/``__eq__`` (the
+    entry holds the object, so its id cannot be reused while it is cached)."""
+    hit = _LOAD_JSON.get(id(load))
+    if hit is not None and hit[0] is load:
+        return hit[1]
+    if len(_LOAD_JSON) >= 4096:
+        _LOAD_JSON.clear()
+    raw = msgspec.Raw(_encode(load.to_json()))
+    _LOAD_JSON[id(load)] = (load, raw)
     return raw
 
 
@@ -516,7 +512,7 @@ class HttpApi:
         instances: dict[str, _Instance] = {}
         nodes = []
         best = 0
-        for node_id, rank, matched, t, load, url, trust in matches:
+        for node_id, rank, matched, t, load, url, trust, cause in matches:
             g, c, d = (t[0], t[1], t[2]) if len(t) >= 3 else (*t, 0, 0, 0)[:3] if t else (matched, 0, 0)
             if matched:
                 best = max(best, matched)
@@ -531,7 +527,8 @@ class HttpApi:
                     inst.gpu, inst.cpu = max(inst.gpu, gpu), max(inst.cpu, cpu)
                     inst.disk = max(inst.disk, disk)
                     inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
-            nodes.append(_Node(node_id, rank, matched, _Tiers(g, c, d), _load_json(load), trust, url or None))
+            nodes.append(_Node(node_id, rank, matched, _Tiers(g, c, d), _load_json(load), trust, url or None,
+                               cause))
         resp = Response(200, _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens,
                                              nodes)), JSON)
         metrics = self.state.metrics

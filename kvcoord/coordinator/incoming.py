@@ -37,10 +37,12 @@ class Incoming(Protocol):
         """Set: the rank's history is incomplete after this batch (why, as the agent said it)."""
         ...
     def size(self) -> int:
-        """Events in the batch."""
+        """What ``max_events_per_batch`` is checked against: engine events off the wire, ops from the
+        coordinator's own relays."""
         ...
     def ops(self) -> Sequence[Op]:
-        """The validated ops, one per event (``InvalidEvent`` names the first bad one)."""
+        """The validated ops; a run of like events may be one op (``InvalidEvent`` names the first bad
+        event)."""
         ...
     def kinds(self) -> tuple[int, int, int, int]:
         """Events per :data:`KINDS` entry."""
@@ -53,22 +55,29 @@ class Incoming(Protocol):
 class WireBatch:
     """An ``EventBatch`` off the gRPC stream (converted only when asked)."""
 
-    __slots__ = ("dp_rank", "history_lost", "msg", "sampled", "seq", "ts")
+    __slots__ = ("_kinds", "_ops", "dp_rank", "history_lost", "msg", "sampled", "seq", "ts")
 
     def __init__(self, msg: pb.EventBatch) -> None:
         self.msg = msg
         self.seq, self.dp_rank, self.ts, self.sampled = msg.seq, msg.dp_rank, msg.ts, msg.sampled
         self.history_lost = msg.history_lost if msg.HasField("history_lost") else None
+        self._kinds: tuple[int, int, int, int] | None = None
+        self._ops: Sequence[Op] | None = None
 
     def size(self) -> int:
-        return len(self.msg.events)
+        """Engine events: a wire event standing for a run counts its ``events``."""
+        return sum(self.kinds())
 
     def ops(self) -> Sequence[Op]:
-        return ops_from_proto(self.msg.events, merge=True)
+        """Converted once: a group that falls back to one by one asks again."""
+        if self._ops is None:
+            self._ops = ops_from_proto(self.msg.events, merge=True)
+        return self._ops
 
     def kinds(self) -> tuple[int, int, int, int]:
-        stored, removed, cleared = event_counts(self.msg.events)
-        return stored, removed, cleared, len(self.msg.events) - stored - removed - cleared
+        if self._kinds is None:
+            self._kinds = event_counts(self.msg.events)
+        return self._kinds
 
     def samples(self) -> Sequence[Sample]:
         return [s for _, s in samples_from_proto(self.msg.events)]
@@ -91,6 +100,9 @@ class LocalBatch:
         return bool(self.sample_list)
 
     def size(self) -> int:
+        """Ops, not engine events (a run of like events is one op): these come from the coordinator's
+        own relays, in batches the feed bounds itself, and ``max_events_per_batch`` guards against
+        agents, so it must not cut a relay's engine batch of many one-block removals."""
         return len(self.op_list)
 
     def ops(self) -> Sequence[Op]:

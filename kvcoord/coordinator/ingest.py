@@ -346,10 +346,14 @@ class IngestSession:
             return []
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=seq))]
 
-    def _check_size(self, batch: Incoming) -> None:
+    def _check_size(self, rec: NodeRecord, batch: Incoming) -> None:
+        """Refuse a batch past ``max_events_per_batch`` before decoding it: INVALID_ARGUMENT, nothing
+        applied. The node then lacks this batch, so it resyncs, as past the other bounds: its agent
+        reconnects with a snapshot instead of sending the same batch again."""
         limit = self.state.config.limits.max_events_per_batch
         if batch.size() > limit:
             self.state.metrics.batch("too_large")
+            rec.resyncing = True
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"batch {batch.seq} has {batch.size()} events; max_events_per_batch is {limit}",
@@ -420,9 +424,9 @@ class IngestSession:
         """One numbered batch. ``defer_ack``: return the Ack as a reply (the group it belongs to sends
         one Ack) instead of queueing it at once."""
         st = self.state
-        self._check_size(batch)
         async with st.registry.lock(rec.node_id):
             rec = self._owned()
+            self._check_size(rec, batch)
             early = self._ordering(rec, batch, defer_ack)
             if early is not None:
                 return early

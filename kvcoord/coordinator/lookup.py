@@ -54,6 +54,8 @@ class LiveMatch(NamedTuple):
     trust: str
     """The node's trust state (``NodeRecord.trust``): ``exact`` or ``degraded`` (resyncing nodes are in
     no answer)."""
+    trust_cause: str
+    """Why degraded (``Trust.cause``: ``hash_mismatch`` or ``history_lost``); empty when exact."""
 
 
 class Lookups:
@@ -161,7 +163,7 @@ class Lookups:
         now, now_wall = time.monotonic(), time.time()
         live_node = st.live_node
         w0, w1, w2 = st.config.tier_weights
-        scored: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str, str]] = []
+        scored: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str, str, str]] = []
         for node_id, rank, matched, tiers in matches:
             if matched <= 0:
                 continue
@@ -171,8 +173,8 @@ class Lookups:
             t = (*tiers, 0, 0, 0) if len(tiers) < 3 else tiers
             scored.append((-(t[0] * w0 + t[1] * w1 + t[2] * w2), -matched, node_id, rank, tiers, *info))
         scored.sort()  # (node, rank) is unique: the first four fields decide, the rest is never compared
-        out = [LiveMatch(node_id, rank, -neg, tiers, load, url, trust)
-               for _, neg, node_id, rank, tiers, load, url, trust in scored]
+        out = [LiveMatch(node_id, rank, -neg, tiers, load, url, trust, cause)
+               for _, neg, node_id, rank, tiers, load, url, trust, cause in scored]
         if include_unmatched:
             seen = {(m.node_id, m.dp_rank) for m in out}
             out.extend(self._unmatched(model, seen, candidates, now, now_wall))

@@ -8,24 +8,38 @@ reclaims the node's entries in the background.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from kvcoord.load import DEGRADED, EXACT, RESYNCING, TRUSTS, NodeLoad
+from kvcoord.load import DEGRADED, EXACT, HISTORY_LOST, RESYNCING, TRUSTS, NodeLoad
+from kvcoord.load import HASH_MISMATCH as HASH_MISMATCH  # also a node state (STATES)
 
 ACTIVE = "active"
 DRAINING = "draining"
-HASH_MISMATCH = "hash_mismatch"
 EXPIRED = "expired"
 STATES = (ACTIVE, DRAINING, RESYNCING, HASH_MISMATCH, EXPIRED)
 """Node states; ``resyncing`` is also a trust state (:data:`kvcoord.load.TRUSTS`), with the same meaning."""
 
 
+LOST_RANKS_SHOWN = 3
+"""Lost ranks named in a trust reason; the rest are counted (an agent may announce 1024 ranks)."""
+
+
+class Trust(NamedTuple):
+    """A node's trust (:data:`kvcoord.load.TRUSTS`), why in words, and why for machines (``cause``:
+    :data:`kvcoord.load.TRUST_CAUSES`, empty unless degraded)."""
+
+    state: str
+    reason: str
+    cause: str
+
 
 def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool,
-                history_lost: str | None = None) -> tuple[str, str]:
-    """``(trust, reason)`` of a node: the one rule, for this replica's records and others' alike.
+                history_lost: str | None = None) -> Trust:
+    """``(trust, reason, cause)`` of a node: the one rule, for this replica's records and others' alike.
 
     - ``degraded``: its hashes failed verification (``mismatch`` is the reason), or its agent lost
       history (``history_lost``: batches the engine published that its relay could not recover, so the
@@ -40,16 +54,23 @@ def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool,
       outage) or expired (its entries are being reclaimed; it needs a snapshot to be served again).
       It ends when the snapshot is applied.
     - ``exact``: in sync, every batch applied in order.
+
+    ``cause`` tells the two degraded cases apart (``hash_mismatch``: entries may be wrong;
+    ``history_lost``: entries are missing, those held are real); it is empty for any other trust.
     """
     if mismatch is not None:
-        return DEGRADED, mismatch
+        return Trust(DEGRADED, mismatch, HASH_MISMATCH)
     if history_lost is not None:
-        return DEGRADED, history_lost
+        return Trust(DEGRADED, history_lost, HISTORY_LOST)
     if expired:
-        return RESYNCING, "lease expired: entries reclaimed, a snapshot is required when it reconnects"
+        return Trust(RESYNCING, "lease expired: entries reclaimed, a snapshot is required when it reconnects",
+                     "")
     if resyncing:
-        return RESYNCING, "waiting for the node's snapshot"
-    return EXACT, ""
+        return Trust(RESYNCING, "waiting for the node's snapshot", "")
+    return Trust(EXACT, "", "")
+
+
+_EXACT = trust_state(None, resyncing=False, expired=False)
 
 
 @dataclass(slots=True)
@@ -109,13 +130,20 @@ class NodeRecord:
         return ACTIVE
 
     @property
-    def trust(self) -> tuple[str, str]:
-        """``(trust, reason)``: see :func:`trust_state`."""
+    def trust(self) -> Trust:
+        """See :func:`trust_state`."""
         return self.trust_at(expired=self.expired)
 
-    def trust_at(self, *, expired: bool) -> tuple[str, str]:
+    def trust_at(self, *, expired: bool) -> Trust:
         """:attr:`trust`, with ``expired`` as the caller sees it (past its lease, not yet swept)."""
-        lost = "; ".join(f"dp rank {r}: {why}" for r, why in sorted(self.history_lost.items())) or None
+        if not (self.hash_mismatch or self.history_lost or expired or self.resyncing):
+            return _EXACT  # nothing to weigh: asked per node of every lookup answer
+        lost = None
+        if self.history_lost and not self.hash_mismatch:  # a mismatch is the reason: not built for nothing
+            shown = heapq.nsmallest(LOST_RANKS_SHOWN, self.history_lost)
+            lost = "; ".join(f"dp rank {r}: {self.history_lost[r]}" for r in shown)
+            if len(self.history_lost) > LOST_RANKS_SHOWN:
+                lost += f"; and {len(self.history_lost) - LOST_RANKS_SHOWN} more rank(s)"
         return trust_state(self.hash_mismatch_reason if self.hash_mismatch else None,
                            resyncing=self.resyncing, expired=expired, history_lost=lost)
 

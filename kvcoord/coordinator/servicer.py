@@ -37,7 +37,7 @@ from kvcoord.coordinator.lookup import (
 from kvcoord.coordinator.registry import NodeRecord, trust_state
 from kvcoord.coordinator.shared import SharedNode
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
-from kvcoord.load import DEGRADED, RESYNCING, NodeLoad
+from kvcoord.load import DEGRADED, HISTORY_LOST, RESYNCING, NodeLoad
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import InvalidEvent, shown, unpack_u64
@@ -110,8 +110,10 @@ def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.Node
     state = node.state
     if state != "expired" and (now_wall - node.heard > lease or now_wall > node.deadline):
         state = "expired"
-    trust, reason = trust_state(node.trust_reason if node.trust == DEGRADED else None,
-                                resyncing=node.trust == RESYNCING, expired=state == "expired")
+    degraded = node.trust_reason if node.trust == DEGRADED else None
+    lost = node.trust_cause == HISTORY_LOST  # a replica that predates the cause: a mismatch, as before
+    trust, reason, _ = trust_state(None if lost else degraded, resyncing=node.trust == RESYNCING,
+                                   expired=state == "expired", history_lost=degraded if lost else None)
     return pb.NodeInfo(
         node_id=node.node_id,
         model=node.model,
@@ -136,7 +138,7 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
     state = rec.state
     if state != "expired" and now - rec.last_heard > lease:
         state = "expired"
-    trust, reason = rec.trust_at(expired=state == "expired")
+    trust, reason, _ = rec.trust_at(expired=state == "expired")
     info = pb.NodeInfo(
         node_id=rec.node_id,
         model=rec.model,
@@ -517,7 +519,7 @@ class CoordinatorServicer:
         for m in matches:
             # Filled in place (nested message constructors would be built, then copied in).
             nm = add(node_id=m.node_id, dp_rank=m.dp_rank, matched_blocks=m.matched_blocks, trust=m.trust,
-                     serving_url=m.serving_url)
+                     serving_url=m.serving_url, trust_cause=m.trust_cause)
             tiers, tc = m.tiers, nm.tiers
             if tiers:
                 tc.gpu = tiers[0]

@@ -70,6 +70,8 @@ class SharedNode:
     """The owner's ``NodeRecord.trust`` (a record of a replica that predates it: ``exact``, what that
     replica answers)."""
     trust_reason: str = ""
+    trust_cause: str = ""
+    """The owner's ``Trust.cause`` (a replica that predates it: empty, a degraded node taken as before)."""
 
     def live(self, now_wall: float) -> bool:
         return self.state in _SERVED and now_wall <= self.deadline
@@ -98,6 +100,7 @@ class SharedNode:
                 "fence": self.fence,
                 "trust": self.trust,
                 "trust_reason": self.trust_reason,
+                "trust_cause": self.trust_cause,
             },
             separators=(",", ":"),
         )
@@ -120,6 +123,7 @@ class SharedNode:
             fence=int(d.get("fence", 0)),
             trust=str(d.get("trust") or EXACT),
             trust_reason=str(d.get("trust_reason", "")),
+            trust_cause=str(d.get("trust_cause", "")),
         )
 
 

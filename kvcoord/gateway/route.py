@@ -81,11 +81,7 @@ class RouteConfig:
 
 def _latency_json(model: LatencyModel | None) -> dict[str, float] | None:
     """The policy's cost model in the units of its flags (``/health`` shows what a router decides with)."""
-    if model is None:
-        return None
-    return {"max_running": model.max_running, "prefill_us_per_token": model.prefill_s_per_token * 1e6,
-            "decode_ms_per_token": model.decode_s_per_token * 1e3,
-            "mean_output_tokens": model.mean_output_tokens}
+    return model.flags() if model is not None else None
 
 
 def _openai_error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:

@@ -113,10 +113,6 @@ class Backends:
         self.work.begin(key, prefill_tokens)
         return Prefill(self.work, key, prefill_tokens, prefill_s_per_token * (ahead + prefill_tokens))
 
-    def prefilled(self, key: NodeKey, prefill_tokens: int) -> None:
-        """The first byte came back: the request's prefill is done."""
-        self.work.prefilled(key, prefill_tokens)
-
     def end(self, key: NodeKey) -> None:
         self.work.end(key)
 

@@ -33,7 +33,10 @@ class Candidate:
     """The engine's own URL, as its agent (or registration) announced it; empty when unknown."""
     trust: str = EXACT
     """How far the coordinator vouches for the match: ``exact`` while the node's stream is whole,
-    ``degraded`` when its hashes failed verification (the policies' ``degraded`` option decides)."""
+    ``degraded`` when its hashes failed verification or its relay lost history (``trust_cause``)."""
+    trust_cause: str = ""
+    """Why degraded: ``hash_mismatch`` (matches may be wrong: the policies' ``degraded`` option
+    decides) or ``history_lost`` (blocks are missing, the matches are real); empty otherwise."""
 
     @property
     def key(self) -> NodeKey:
@@ -55,6 +58,8 @@ class Candidate:
                                "load": self.load.to_json(), "trust": self.trust}
         if self.serving_url:
             out["serving_url"] = self.serving_url
+        if self.trust_cause:
+            out["trust_cause"] = self.trust_cause
         return out
 
 

@@ -58,7 +58,7 @@ def lookup_result(msg: pb.LookupResponse) -> LookupResult:
     """The wire answer as the type the placement policies take."""
     nodes = [
         Candidate(n.node_id, n.dp_rank, n.matched_blocks, (n.tiers.gpu, n.tiers.cpu, n.tiers.storage),
-                  load_from_proto(n.load), n.serving_url, n.trust or EXACT)
+                  load_from_proto(n.load), n.serving_url, n.trust or EXACT, n.trust_cause)
         for n in msg.nodes
     ]
     return LookupResult(msg.model, msg.block_size, msg.num_blocks, nodes, msg.num_tokens)

@@ -29,7 +29,7 @@ from typing import ClassVar, NamedTuple, Protocol
 from kvcoord.events import DEFAULT_TIER_WEIGHTS
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey, NodeMatch
-from kvcoord.load import DEGRADED, NodeLoad
+from kvcoord.load import DEGRADED, HISTORY_LOST, NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 
 
@@ -82,6 +82,21 @@ class LatencyModel:
     max_running: int = 32
     mean_output_tokens: float = 350.0
     """Expected decode length of a running request, for the wait-for-a-slot estimate."""
+
+    @classmethod
+    def from_flags(cls, *, prefill_us_per_token: float, decode_ms_per_token: float, max_running: int,
+                   mean_output_tokens: float) -> LatencyModel:
+        """From the units the command-line flags use (µs and ms), as ``simulate``, ``route`` and ``epp``
+        take them."""
+        return cls(prefill_s_per_token=prefill_us_per_token / 1e6,
+                   decode_s_per_token=decode_ms_per_token / 1e3, max_running=max_running,
+                   mean_output_tokens=mean_output_tokens)
+
+    def flags(self) -> dict[str, float]:
+        """The model in the flags' units (the inverse of :meth:`from_flags`)."""
+        return {"max_running": self.max_running, "prefill_us_per_token": self.prefill_s_per_token * 1e6,
+                "decode_ms_per_token": self.decode_s_per_token * 1e3,
+                "mean_output_tokens": self.mean_output_tokens}
 
     def __post_init__(self) -> None:
         if self.prefill_s_per_token < 0 or self.decode_s_per_token < 0:
@@ -198,6 +213,17 @@ class LeastLoadedPolicy:
         )
 
 
+DEGRADED_WEIGHT = 0.5
+"""What ``degraded="discount"`` counts the matched blocks of a candidate whose hashes failed verification
+at, by default."""
+
+
+def _suspect(c: Candidate) -> bool:
+    """Whether ``c``'s matches may be wrong: degraded, unless by lost history alone (missing blocks,
+    real matches). A coordinator that predates ``trust_cause`` sends none: taken as a mismatch."""
+    return c.trust == DEGRADED and c.trust_cause != HISTORY_LOST
+
+
 class PrefixAwarePolicy:
     """Minimise expected time to first token, without hot-spotting a shared prefix.
 
@@ -242,10 +268,11 @@ class PrefixAwarePolicy:
     stickiness lowered the hit rate by 0.2 points: a node that evicted a session is the node whose
     cache churns fastest, the worst place to rebuild it.
 
-    **Degraded nodes** (a candidate whose ``trust`` is ``degraded``: its hashes failed verification, so
-    its matches may be wrong) per ``degraded``: ``"discount"`` (default) counts its matched blocks at
-    ``degraded_weight`` (0.5), ``"ignore"`` treats it as holding nothing (it stays a candidate, chosen
-    on load), ``"trust"`` takes its matches as exact.
+    **Degraded nodes** whose hashes failed verification (``trust`` ``degraded``, ``trust_cause``
+    ``hash_mismatch`` or unknown), so their matches may be wrong, per ``degraded``: ``"discount"``
+    (default) counts its matched blocks at ``degraded_weight`` (0.5), ``"ignore"`` treats it as holding
+    nothing (it stays a candidate, chosen on load), ``"trust"`` takes its matches as exact. A node
+    degraded by lost history (``history_lost``) lacks some blocks but every match is real: counted in full.
     """
 
     uses_index: ClassVar[bool] = True
@@ -262,7 +289,7 @@ class PrefixAwarePolicy:
         affinity_entries: int = 65_536,
         affinity_stride: int = 32,
         degraded: str = "discount",
-        degraded_weight: float = 0.5,
+        degraded_weight: float = DEGRADED_WEIGHT,
     ) -> None:
         if degraded not in DEGRADED_MODES:
             raise ValueError(f"degraded must be one of {', '.join(DEGRADED_MODES)}, got {degraded!r}")
@@ -292,7 +319,7 @@ class PrefixAwarePolicy:
         g, cpu, sto = c.tier_counts()
         w = self.tier_weights
         held = w[0] * g + w[1] * cpu + w[2] * sto
-        if c.trust == DEGRADED:
+        if _suspect(c):
             held *= self.degraded_weight
         return min(float(request.num_tokens), request.block_size * held)
 
@@ -306,7 +333,7 @@ class PrefixAwarePolicy:
         _require(candidates)
         if self.degraded == "ignore":
             # Held nothing, as far as this decision (and its explanation) goes.
-            candidates = [replace(c, matched_blocks=0, tiers=()) if c.trust == DEGRADED else c
+            candidates = [replace(c, matched_blocks=0, tiers=()) if _suspect(c) else c
                           for c in candidates]
         recalled = self.memory.recall(request.block_hashes)
         inflight = ""
@@ -339,9 +366,12 @@ class PrefixAwarePolicy:
             f"{(best_cost - queue) * 1e3:.1f} + queue {queue * 1e3:.1f}"
         )
         why += inflight
-        if chosen.trust == DEGRADED and self.degraded != "ignore":
+        if _suspect(chosen) and self.degraded != "ignore":
             why += (f"; {_name(chosen)} is degraded (its hashes failed verification), its blocks counted "
                     f"at {self.degraded_weight:g}")
+        elif chosen.trust == DEGRADED and chosen.trust_cause == HISTORY_LOST:
+            why += (f"; {_name(chosen)} is degraded (lost history: some blocks missing), its matches are "
+                    "real and counted in full")
         if len(ties) > 1:
             why += f"; {len(ties)} tied, picked at random"
         top = max(sorted(candidates, key=lambda c: c.key), key=lambda c: c.matched_blocks)
@@ -353,7 +383,7 @@ class PrefixAwarePolicy:
                 )
             else:
                 busier = (f"is degraded, its blocks counted at {self.degraded_weight:g}"
-                          if top.trust == DEGRADED and self.degraded_weight < 1 else "is busier")
+                          if _suspect(top) and self.degraded_weight < 1 else "is busier")
                 why += (
                     f"; replicating: best holder {_name(top)} ({top.matched_blocks} blocks) {busier} "
                     f"(cost {self.cost(request, top) * 1e3:.1f} ms)"
@@ -364,7 +394,7 @@ class PrefixAwarePolicy:
 
 
 DEGRADED_MODES: tuple[str, ...] = ("discount", "ignore", "trust")
-"""How :class:`PrefixAwarePolicy` counts a degraded candidate's matches."""
+"""How :class:`PrefixAwarePolicy` counts the matches of a candidate whose hashes failed verification."""
 
 
 class Placement(NamedTuple):

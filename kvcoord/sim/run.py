@@ -53,8 +53,8 @@ class SimulateConfig:
     nodes: int = _CLUSTER.nodes
     blocks_per_node: int = _CLUSTER.blocks_per_node
     max_running: int = _CLUSTER.latency.max_running
-    prefill_us_per_token: float = 50.0
-    decode_ms_per_token: float = 15.0
+    prefill_us_per_token: float = _CLUSTER.latency.flags()["prefill_us_per_token"]
+    decode_ms_per_token: float = _CLUSTER.latency.flags()["decode_ms_per_token"]
     block_size: int = 16
     hash_algo: str = "xxhash_cbor"
     hash_seed: str = "kvcoord-sim"
@@ -154,12 +154,9 @@ def _run_policy(job: tuple[str, int]) -> dict[str, Any]:
 def _cluster(args: SimulateConfig, workload: Workload) -> ClusterConfig:
     """The fleet and its cost model; the mean output length comes from the workload."""
     mean_out = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
-    latency = LatencyModel(
-        prefill_s_per_token=args.prefill_us_per_token / 1e6,
-        decode_s_per_token=args.decode_ms_per_token / 1e3,
-        max_running=args.max_running,
-        mean_output_tokens=mean_out,
-    )
+    latency = LatencyModel.from_flags(prefill_us_per_token=args.prefill_us_per_token,
+                                      decode_ms_per_token=args.decode_ms_per_token,
+                                      max_running=args.max_running, mean_output_tokens=mean_out)
     return ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency)
 
 

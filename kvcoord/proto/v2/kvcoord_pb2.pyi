@@ -225,6 +225,14 @@ class KVEvent(_message.Message):
     STORED_FIELD_NUMBER: _builtins.int
     REMOVED_FIELD_NUMBER: _builtins.int
     CLEARED_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    events: _builtins.int
+    """The engine's events this one stands for (0: one). An agent sends a run of like events (consecutive
+    stores or removals of one tier and group; stores also of one block size and spec kind, none of
+    them sampled) as one event of all their hashes, in order, so neither side pays per engine event
+    (vLLM frees blocks one event each). A store run carries its first event's parent. The coordinator
+    counts `events` engine events (events_applied, max_events_per_batch). Agents that predate it: 0.
+    """
     @_builtins.property
     def stored(self) -> Global___BlockStored: ...
     @_builtins.property
@@ -237,10 +245,11 @@ class KVEvent(_message.Message):
         stored: Global___BlockStored | None = ...,
         removed: Global___BlockRemoved | None = ...,
         cleared: Global___AllBlocksCleared | None = ...,
+        events: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cleared", b"cleared", "event", b"event", "events", b"events", "removed", b"removed", "stored", b"stored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["stored", "removed", "cleared"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
@@ -960,6 +969,7 @@ class NodeMatch(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     TRUST_FIELD_NUMBER: _builtins.int
     SERVING_URL_FIELD_NUMBER: _builtins.int
+    TRUST_CAUSE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     dp_rank: _builtins.int
     matched_blocks: _builtins.int
@@ -967,6 +977,11 @@ class NodeMatch(_message.Message):
     """exact | resyncing | degraded | approximate"""
     serving_url: _builtins.str
     """the engine's URL its agent announced, if any"""
+    trust_cause: _builtins.str
+    """Why trust is degraded: hash_mismatch (its hashes failed verification: matches may be wrong) or
+    history_lost (its relay lost batches: blocks are missing, the matches are real); empty otherwise
+    (and from coordinators that predate it).
+    """
     @_builtins.property
     def tiers(self) -> Global___TierCounts: ...
     @_builtins.property
@@ -983,10 +998,11 @@ class NodeMatch(_message.Message):
         load: Global___Load | None = ...,
         trust: _builtins.str = ...,
         serving_url: _builtins.str = ...,
+        trust_cause: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "tiers", b"tiers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "load", b"load", "matched_blocks", b"matched_blocks", "node_id", b"node_id", "serving_url", b"serving_url", "tiers", b"tiers", "trust", b"trust"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "load", b"load", "matched_blocks", b"matched_blocks", "node_id", b"node_id", "serving_url", b"serving_url", "tiers", b"tiers", "trust", b"trust", "trust_cause", b"trust_cause"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
