@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -64,6 +65,19 @@ def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 15.0) -> 
             return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+def until(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    """Poll ``cond`` (from a thread or synchronous test) until it returns something truthy, and return
+    that; AssertionError naming ``what`` after ``timeout`` seconds. Conditions, never fixed sleeps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
 
 
 def kvcoord_cmd(*args: str) -> list[str]:

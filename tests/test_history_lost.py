@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from kvcoord.events import AllBlocksCleared, BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.client import CoordinatorClient, NodeStatus
-from tests.procs import free_port, kvcoord_cmd, running, stop, wait_for_port
+from tests.procs import free_port, kvcoord_cmd, running, stop, until, wait_for_port
 from tests.redis_servers import RedisServer
 from tests.test_coordinator_ingest import Agent, ack_seq
 from tests.test_coordinator_ingest import stored as wire_stored
@@ -47,18 +47,6 @@ EARLY = 30
 LOST = EARLY - BUFFER
 REASON = (f"dp rank 0: history lost: {LOST} batch(es) from seq 0 are gone "
           f"(the replay buffer now starts at {LOST})")
-DEADLINE = 30.0
-
-
-def until(cond: Callable[[], Any], what: str) -> Any:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {DEADLINE}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def tokens(i: int) -> list[int]:

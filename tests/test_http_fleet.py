@@ -22,7 +22,7 @@ from typing import Any
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.redis_servers import redis_server
 
 MODEL = "fleet-model"
@@ -67,17 +67,6 @@ def fleet(tmp: Path) -> Iterator[list[Replica]]:
             wait_for_port(http)
             replicas.append(Replica(name, http, proc))
         yield replicas
-
-
-def until(cond: Any, what: str) -> Any:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def stored(tokens: list[int]) -> KVEventBatch:

@@ -513,7 +513,7 @@ class HttpApi:
         nodes = []
         best = 0
         for node_id, rank, matched, t, load, url, trust, cause in matches:
-            g, c, d = (t[0], t[1], t[2]) if len(t) >= 3 else (*t, 0, 0, 0)[:3] if t else (matched, 0, 0)
+            g, c, d = (*t, 0, 0)[:3] if t else (matched, 0, 0)  # no tiers: all on GPU
             if matched:
                 best = max(best, matched)
                 gpu, cpu, disk = g * bs, (g + c) * bs, matched * bs

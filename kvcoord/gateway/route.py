@@ -79,11 +79,6 @@ class RouteConfig:
     looks up by token ids and remembers the blocks it routed (see :mod:`kvcoord.gateway.route_place`)."""
 
 
-def _latency_json(model: LatencyModel | None) -> dict[str, float] | None:
-    """The policy's cost model in the units of its flags (``/health`` shows what a router decides with)."""
-    return model.flags() if model is not None else None
-
-
 def _openai_error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return web.json_response(body, status=status)
@@ -226,9 +221,10 @@ class RouteServer:
 
     async def health(self, request: web.Request) -> web.Response:
         policy = self.placer.policy
+        latency = getattr(policy, "latency", None)  # the cost model it decides with, in its flags' units
         return web.json_response({"status": "ok", "prefix_aware": self.placer.outage_since is None,
                                   "policy": policy.name, "degraded": getattr(policy, "degraded", None),
-                                  "latency": _latency_json(getattr(policy, "latency", None)),
+                                  "latency": latency.flags() if isinstance(latency, LatencyModel) else None,
                                   "backends": self.backends.urls(), "suspect": self.backends.suspect()})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
