@@ -56,6 +56,7 @@ class Table:
     def sweep_begin(self, slots: list[int] | tuple[int, ...], /) -> None: ...
     def sweep_step(self, budget: int, /) -> tuple[int, bool]: ...
     def nbytes(self) -> int: ...
+    def layout(self) -> int: ...
 
 def validate_u64_seq(seq: object, /) -> bool: ...
 def u64_view(seq: object, /) -> Sequence[int] | None: ...
@@ -69,3 +70,31 @@ def mirror_walk(
     cls: type[_Row],
     /,
 ) -> list[_Row] | None: ...
+
+# --- the HTTP API's lookup answers (answer.c; twin: kvcoord.coordinator.httpapi's handler) ---------
+class AnswerModel:
+    """One partition's view for :func:`answer_lookup` (see kvcoord.coordinator.fastpath)."""
+
+    def __init__(
+        self,
+        table: Table,
+        layout: int,
+        generation: int,
+        valid_until: float,
+        chain: tuple[str, int, bytes, int] | None,
+        hash_block_size: int,
+        max_blocks: int,
+        weights: tuple[float, float, float],
+        model: bytes,
+        slots: list[tuple[int, int, bytes, bytes] | None],
+    ) -> None: ...
+
+def answer_lookup(
+    data: bytes,
+    models: dict[str, AnswerModel],
+    generation: int,
+    now: float,
+    head: bytes,
+    may_query: Callable[[str], bool] | None,
+    /,
+) -> tuple[bytes, int, int, int] | str | None: ...

@@ -468,7 +468,7 @@ def _chain_native(
     count = len(extras)
     sha = algo.startswith("sha256")
     # The digest in C where this build has it (no Python call per block), else the reference's own.
-    code = native.C_DIGESTS.get("sha256" if sha else "xxh3_128") if len(prev) < 256 else None
+    code = _c_digest(algo, prev)
     ctor: Callable[[bytes], object] | int = code if code is not None else (
         hashlib.sha256 if sha else _xxhash.xxh3_128_digest)
     if algo.endswith("_cbor"):
@@ -484,6 +484,30 @@ def _chain_native(
         return native.cbor_chain(ctor, sha, prev, arr, block_size, count, tails, keys_only)
     if block_size <= _PICKLE_C_MAX_BLOCK and len(prev) < 256 and extras.count(None) == count:
         return native.pickle_chain(ctor, sha, prev, arr, block_size, count, keys_only)
+    return None
+
+
+def _c_digest(algo: HashAlgo, prev: bytes) -> int | None:
+    """The C digest code the native chain hashes ``algo`` with from ``prev``; None where this build has
+    none (then it calls the reference's own digest per block)."""
+    if native is None or len(prev) >= 256:
+        return None
+    return native.C_DIGESTS.get("sha256" if algo.startswith("sha256") else "xxh3_128")
+
+
+def native_keys_plan(profile: HashProfile) -> tuple[str, int, bytes, int] | None:
+    """``(kind, digest code, NONE_HASH, block_size)``: how :func:`block_hashes64` runs for a request
+    without extra keys when it runs wholly in C (``native.cbor_chain`` or ``pickle_chain`` with a C
+    digest, those arguments, ``keys_only``); None where it would not. The HTTP API's native answers hash
+    with exactly this call, so their keys are this function's."""
+    prev = profile.none_hash()
+    code = _c_digest(profile.algo, prev)
+    if code is None:
+        return None
+    if profile.algo.endswith("_cbor"):
+        return "cbor", code, prev, profile.block_size
+    if profile.block_size <= _PICKLE_C_MAX_BLOCK:
+        return "pickle", code, prev, profile.block_size
     return None
 
 
@@ -636,6 +660,7 @@ __all__ = [
     "hash_sha256_cbor",
     "hash_xxhash",
     "hash_xxhash_cbor",
+    "native_keys_plan",
     "parse_release",
     "published_extra_keys",
     "to_block_hash64",

@@ -83,7 +83,7 @@ EOF
 say "native-vs-Python tests under ASan/UBSan"
 # --capture=sys: a sanitizer writes its report to fd 2, which must reach the log even when it aborts
 "${run[@]}" "$py" -m pytest -q -p no:cacheprovider --capture=sys \
-  tests/test_hashing.py tests/test_index_memory.py tests/test_native.py \
+  tests/test_hashing.py tests/test_index_memory.py tests/test_native.py tests/test_fastpath.py \
   "tests/test_redis_mirror.py::test_c_mirror_walk_is_the_python_walk"
 
 say "fuzz (at most ${fuzz_seconds}s / ${fuzz_iterations} rounds)"

@@ -34,6 +34,7 @@ from kvcoord import native as switch
 from kvcoord.index.base import NodeMatch
 from kvcoord.native import native
 from tests.procs import REPO
+from tests.test_fastpath import fuzz_answer
 
 needs_native = pytest.mark.skipif(native is None, reason="native code not built or KVCOORD_NATIVE=0")
 
@@ -45,11 +46,12 @@ def test_native_is_built_when_required() -> None:
         if os.environ.get("KVCOORD_REQUIRE_SPEEDUPS") and switch.enabled:
             pytest.fail("kvcoord._native is not built (needs a C compiler and the Python headers)")
         pytest.skip("native code not built or KVCOORD_NATIVE=0: every hot path runs in Python")
-    assert switch.PATHS == ("hash", "index", "walk", "json")
+    assert switch.PATHS == ("hash", "index", "walk", "json", "lookup")
     digests = "+".join(sorted(native.C_DIGESTS))
-    assert switch.native_paths() == (f"hash({digests})", "index", "walk", "json")
+    assert switch.native_paths() == (f"hash({digests})", "index", "walk", "json", "lookup")
     assert "sha256" in native.C_DIGESTS or os.environ.get("KVCOORD_OPENSSL") == "0"  # CI builds with OpenSSL
-    for name in ("cbor_chain", "pickle_chain", "Table", "validate_u64_seq", "u64_view", "mirror_walk"):
+    for name in ("cbor_chain", "pickle_chain", "Table", "validate_u64_seq", "u64_view", "mirror_walk",
+                 "answer_lookup", "AnswerModel"):
         assert hasattr(native, name), name
 
 
@@ -831,6 +833,7 @@ FUZZERS: dict[str, Callable[[random.Random, int], None]] = {
     "walk": fuzz_walk,
     "chains": fuzz_chains,
     "json": fuzz_json_ints,
+    "answer": fuzz_answer,
 }
 
 

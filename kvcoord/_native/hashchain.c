@@ -304,8 +304,8 @@ PyDoc_STRVAR(cbor_chain_doc,
 "when `call_digest` is true (hashlib constructors). Returns a list of digests, or with keys_only\n"
 "the bytes of `count` native uint64 keys (each digest's last 8 bytes, big-endian).");
 
-static PyObject *
-cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+PyObject *
+kvn_cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     if (nargs != 7 && nargs != 8) {
@@ -441,8 +441,8 @@ PyDoc_STRVAR(pickle_chain_doc,
 "`tokens` is array('Q') or array('I'); block_size at most 4096. hasher, call_digest and keys_only\n"
 "as for cbor_chain.");
 
-static PyObject *
-pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+PyObject *
+kvn_pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     if (nargs != 6 && nargs != 7) {
@@ -539,8 +539,8 @@ done:
 }
 
 PyMethodDef kvn_hashchain_methods[] = {
-    {"cbor_chain", (PyCFunction)(void (*)(void))cbor_chain, METH_FASTCALL, cbor_chain_doc},
-    {"pickle_chain", (PyCFunction)(void (*)(void))pickle_chain, METH_FASTCALL, pickle_chain_doc},
+    {"cbor_chain", (PyCFunction)(void (*)(void))kvn_cbor_chain, METH_FASTCALL, cbor_chain_doc},
+    {"pickle_chain", (PyCFunction)(void (*)(void))kvn_pickle_chain, METH_FASTCALL, pickle_chain_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,20 +16,7 @@
 #define MAX_DEPTH 64 /* nesting json_take_ints skips through; deeper answers None */
 #define MAX_KEYS 64  /* top-level members it tracks for repeats; more answers None */
 
-static inline int
-json_ws(unsigned char c)
-{
-    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
-}
-
-static inline const unsigned char *
-skip_ws(const unsigned char *p, const unsigned char *end)
-{
-    while (p < end && json_ws(*p)) {
-        p++;
-    }
-    return p;
-}
+#define skip_ws kvn_json_skip_ws
 
 /* How many of the 8 bytes of x (little-endian: the first byte lowest) are leading ASCII digits, 0..8. */
 static inline int
@@ -54,8 +41,8 @@ digits_value(uint64_t x, int n)
 
 /* Parse the int array starting at *pp ('[') into out (capacity cap values of width 4 or 8). On success
  * returns the count and leaves *pp after ']'; -1 when the input is not a plain int array that fits. */
-static Py_ssize_t
-parse_int_array(const unsigned char **pp, const unsigned char *end, int u32, unsigned char *out,
+Py_ssize_t
+kvn_json_int_array(const unsigned char **pp, const unsigned char *end, int u32, unsigned char *out,
                 Py_ssize_t cap)
 {
     const unsigned char *p = *pp;
@@ -189,7 +176,7 @@ packed_array(const unsigned char **pp, const unsigned char *end, int u32, int *c
     if (out == NULL) {
         return NULL;
     }
-    Py_ssize_t n = parse_int_array(pp, end, u32, (unsigned char *)PyBytes_AS_STRING(out), cap);
+    Py_ssize_t n = kvn_json_int_array(pp, end, u32, (unsigned char *)PyBytes_AS_STRING(out), cap);
     if (n < 0) {
         Py_DECREF(out);
         return NULL;
@@ -202,8 +189,8 @@ packed_array(const unsigned char **pp, const unsigned char *end, int u32, int *c
 }
 
 /* Skip one JSON string at p ('"'); the position after it, or NULL when it is not a valid string. */
-static const unsigned char *
-skip_string(const unsigned char *p, const unsigned char *end, int *escaped)
+const unsigned char *
+kvn_json_skip_string(const unsigned char *p, const unsigned char *end, int *escaped)
 {
     p++;
     while (p < end) {
@@ -236,7 +223,7 @@ skip_value(const unsigned char *p, const unsigned char *end, int depth)
     unsigned char c = *p;
     if (c == '"') {
         int escaped = 0;
-        return skip_string(p, end, &escaped);
+        return kvn_json_skip_string(p, end, &escaped);
     }
     if (c == '[' || c == '{') {
         unsigned char close = c == '[' ? ']' : '}';
@@ -247,7 +234,7 @@ skip_value(const unsigned char *p, const unsigned char *end, int depth)
         for (;;) {
             if (c == '{') {
                 int escaped = 0;
-                if (p == end || *p != '"' || (p = skip_string(p, end, &escaped)) == NULL) {
+                if (p == end || *p != '"' || (p = kvn_json_skip_string(p, end, &escaped)) == NULL) {
                     return NULL;
                 }
                 p = skip_ws(p, end);
@@ -332,7 +319,7 @@ json_take_ints(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto none;
         }
         const unsigned char *kstart = p + 1;
-        p = skip_string(p, end, &escaped);
+        p = kvn_json_skip_string(p, end, &escaped);
         if (p == NULL || escaped || nkeys == MAX_KEYS) {
             goto none;
         }

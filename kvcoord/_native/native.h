@@ -5,6 +5,8 @@
  *   jsonints.c   JSON integer arrays to packed integers (kvcoord.coordinator.httpapi): json_take_ints
  *   table.c      the memory index's block table (kvcoord.index.memory): Table, validate_u64_seq, u64_view
  *   walk.c       the Redis lookup mirror's holder walk (kvcoord.index.redis.mirror): mirror_walk
+ *   answer.c     the HTTP API's lookup answer in one call (kvcoord.coordinator.fastpath): answer_lookup,
+ *                AnswerModel; its twin is the Python handler (kvcoord.coordinator.httpapi)
  *   module.c     PyInit__native, which adds each file's functions and types
  *
  * Rules every file keeps (the sanitizer step, scripts/sanitize.sh, fuzzes them under ASan and UBSan):
@@ -49,12 +51,48 @@ kvn_check_row_class(PyObject *cls, int none_ok)
     return 0;
 }
 
+/* JSON scanning (jsonints.c), shared with answer.c. */
+static inline const unsigned char *
+kvn_json_skip_ws(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) {
+        p++;
+    }
+    return p;
+}
+/* The int array at *pp ('[') into out (room for cap values, 4 bytes each when u32, else 8): the count,
+ * *pp after ']'; -1 when it is not a plain array of decimal ints that fit. */
+Py_ssize_t kvn_json_int_array(const unsigned char **pp, const unsigned char *end, int u32, unsigned char *out,
+                              Py_ssize_t cap);
+/* The position after the JSON string at p ('"'), *escaped set when it holds a backslash; NULL when it is
+ * not a string (escapes themselves are not checked). */
+const unsigned char *kvn_json_skip_string(const unsigned char *p, const unsigned char *end, int *escaped);
+
+/* The block table (table.c), shared with answer.c. */
+typedef struct {
+    uint32_t slot;
+    uint32_t matched;
+    uint32_t cpu;
+    uint32_t sto;
+} KvnRow;
+int kvn_is_table(PyObject *o);
+uint64_t kvn_table_layout(PyObject *table); /* see Table.layout */
+/* Table.match's rows for the live slots, from uint64 keys (no Python code runs): *rows (PyMem_Free it;
+ * NULL when none) longest first, ties by set_order's rank. 0, or -1 with MemoryError. */
+int kvn_table_rows(PyObject *table, const uint64_t *keys, Py_ssize_t nkeys, KvnRow **rows, size_t *nrows);
+
+/* The hash chains (hashchain.c) as C calls, shared with answer.c: the module functions themselves. */
+PyObject *kvn_cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *kvn_pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 /* Each file's part of the module: its functions (NULL-terminated) and an init hook. */
 extern PyMethodDef kvn_hashchain_methods[];
 extern PyMethodDef kvn_jsonints_methods[];
 extern PyMethodDef kvn_table_methods[];
 extern PyMethodDef kvn_walk_methods[];
+extern PyMethodDef kvn_answer_methods[];
 int kvn_hashchain_init(PyObject *module);
 int kvn_table_init(PyObject *module);
+int kvn_answer_init(PyObject *module);
 
 #endif /* KVCOORD_NATIVE_H */

@@ -78,6 +78,7 @@ typedef struct {
     uint8_t *sweeping;
     uint32_t *rank;
     uint32_t nslots;
+    uint64_t layout; /* bumped by set_live and set_order: a view of the slots taken before is stale */
     /* sweep pass */
     int sweep_active;
     size_t sweep_pos;
@@ -823,6 +824,7 @@ Table_set_live(Table *t, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     t->live[slot] = (uint8_t)flag;
+    t->layout++;
     Py_RETURN_NONE;
 }
 
@@ -838,15 +840,11 @@ Table_set_order(Table *t, PyObject *order)
         /* cannot fail: validated above and items are ints */
         t->rank[(uint32_t)PyLong_AsLong(items[i])] = (uint32_t)i;
     }
+    t->layout++;
     Py_RETURN_NONE;
 }
 
-typedef struct {
-    uint32_t slot;
-    uint32_t matched;
-    uint32_t cpu;
-    uint32_t sto;
-} Row;
+typedef KvnRow Row; /* (slot, matched, cpu, sto): native.h */
 
 /* A big group (e.g. every node matched the same run): place rows by rank, O(nslots + n).
  * 0 done, -1 memory error, 1 ranks not usable (out of range or repeated): use the fallback sort. */
@@ -923,81 +921,40 @@ PyDoc_STRVAR(match_doc,
 "to set_order; built as `cls` (a NamedTuple) or plain tuples when cls is None. A hash that is not\n"
 "a uint64 int ends the run there.");
 
-static PyObject *
-Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
+/* The walk of every match (Table.match, kvn_table_rows): for the slots whose state byte is 1, rows
+ * (slot, matched, cpu, sto) of the gap-free leading run of the query each holds, longest first, ties by
+ * rank. The query is qh[0..nq) when q is NULL, else the Python ints q[0..nq), converted into qh (room
+ * for nq) as the walk reaches them, so a run that stops early converts little; the first that is not a
+ * uint64 int ends the query there. *rows_out (PyMem; NULL when nothing matched) holds *nrows_out rows.
+ * Runs no Python code. 0, or -1 with MemoryError. */
+static int
+match_walk(Table *t, uint8_t *state, PyObject **q, uint64_t *qh, Py_ssize_t nq, Row **rows_out,
+           size_t *nrows_out)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "match(hashes, candidates, keys, cls)");
-        return NULL;
-    }
-    PyObject *cands = args[1], *keys = args[2], *cls = args[3];
-    if (!PyList_Check(keys)) {
-        PyErr_SetString(PyExc_TypeError, "keys must be a list");
-        return NULL;
-    }
-    if (kvn_check_row_class(cls, 1) < 0) {
-        return NULL;
-    }
-    if (cands != Py_None && !PyList_Check(cands) && !PyTuple_Check(cands)) {
-        PyErr_SetString(PyExc_TypeError, "candidates must be a list/tuple of slots or None");
-        return NULL;
-    }
-    PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence");
-    if (seq == NULL) {
-        return NULL;
-    }
     uint32_t ns = t->nslots;
-    Py_ssize_t nq = PySequence_Fast_GET_SIZE(seq);
-    PyObject **q = PySequence_Fast_ITEMS(seq);
-    /* scratch: state (0 out, 1 candidate, 2 surviving), seen stamp, cpu/sto counts, survivor list */
-    uint8_t *state = NULL;
-    uint32_t *scratch = NULL;
-    uint64_t *qh = NULL;
     Row *rows = NULL;
     size_t nrows = 0;
-    PyObject *out = NULL;
-    if (ns == 0 || nq == 0 || t->used == 0) {
-        Py_DECREF(seq);
-        return PyList_New(0);
-    }
-    state = PyMem_Malloc(ns);
-    scratch = PyMem_Malloc((size_t)ns * 4 * sizeof(uint32_t));
-    if (state == NULL || scratch == NULL) {
+    *rows_out = NULL;
+    *nrows_out = 0;
+    /* scratch: seen stamp, cpu/sto counts, survivor list */
+    uint32_t *scratch = PyMem_Malloc((size_t)ns * 4 * sizeof(uint32_t));
+    if (scratch == NULL) {
         PyErr_NoMemory();
-        goto done;
+        return -1;
     }
     uint32_t *seen = scratch, *cpu = scratch + ns, *sto = scratch + 2 * (size_t)ns;
     uint32_t *surv = scratch + 3 * (size_t)ns;
-    if (cands == Py_None) {
-        memcpy(state, t->live, ns);
-    }
-    else {
-        memset(state, 0, ns);
-        Py_ssize_t nc = PySequence_Fast_GET_SIZE(cands);
-        PyObject **ci = PySequence_Fast_ITEMS(cands);
-        for (Py_ssize_t i = 0; i < nc; i++) {
-            uint32_t s;
-            if (parse_slot(ci[i], &s) < 0) {
-                goto done;
-            }
-            if (s < ns) {
-                state[s] = t->live[s];
-            }
-        }
-    }
     uint32_t nsurv = 0;
     Py_ssize_t i;
     Py_ssize_t qlen = nq; /* cut at the first element that is not a uint64 int */
-    Py_ssize_t nconv = 0;
+    Py_ssize_t nconv = q == NULL ? nq : 0;
     const Holder *prev = NULL;
     uint32_t prevn = 0;
     int prev_exc = 0;
     Holder onebuf[2]; /* single holders are copied out; two buffers so `prev` stays valid */
     int ob = 0;
-    qh = PyMem_Malloc((size_t)nq * sizeof(uint64_t));
-    if (qh == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    for (Py_ssize_t k = 0; q == NULL && k < nq && k < MATCH_PF_DIST; k++) {
+        prefetch_key(t, qh[k]);
     }
     for (i = 0; i < qlen; i++) {
         /* convert ahead in chunks, so the bucket MATCH_PF_DIST blocks further on can be prefetched */
@@ -1056,7 +1013,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
             rows = PyMem_Malloc((size_t)nsurv * sizeof(Row));
             if (rows == NULL) {
                 PyErr_NoMemory();
-                goto done;
+                goto fail;
             }
             prev = h;
             prevn = hn;
@@ -1139,14 +1096,105 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
         }
         if (sort_group(rows, lo, hi, t->rank, ns) < 0) {
             PyErr_NoMemory();
-            goto done;
+            goto fail;
         }
         lo = hi;
     }
+    PyMem_Free(scratch);
+    *rows_out = rows;
+    *nrows_out = nrows;
+    return 0;
+fail:
+    PyMem_Free(scratch);
+    PyMem_Free(rows);
+    return -1;
+}
+
+int
+kvn_table_rows(PyObject *table, const uint64_t *keys, Py_ssize_t nkeys, KvnRow **rows, size_t *nrows)
+{
+    Table *t = (Table *)table;
+    *rows = NULL;
+    *nrows = 0;
+    if (t->nslots == 0 || nkeys == 0 || t->used == 0) {
+        return 0;
+    }
+    uint8_t *state = PyMem_Malloc(t->nslots);
+    if (state == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(state, t->live, t->nslots);
+    /* the walk only reads the keys (q is NULL: nothing to convert) */
+    int r = match_walk(t, state, NULL, (uint64_t *)(uintptr_t)keys, nkeys, rows, nrows);
+    PyMem_Free(state);
+    return r;
+}
+
+static PyObject *
+Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "match(hashes, candidates, keys, cls)");
+        return NULL;
+    }
+    PyObject *cands = args[1], *keys = args[2], *cls = args[3];
+    if (!PyList_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "keys must be a list");
+        return NULL;
+    }
+    if (kvn_check_row_class(cls, 1) < 0) {
+        return NULL;
+    }
+    if (cands != Py_None && !PyList_Check(cands) && !PyTuple_Check(cands)) {
+        PyErr_SetString(PyExc_TypeError, "candidates must be a list/tuple of slots or None");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "hashes must be a sequence");
+    if (seq == NULL) {
+        return NULL;
+    }
+    uint32_t ns = t->nslots;
+    Py_ssize_t nq = PySequence_Fast_GET_SIZE(seq);
+    PyObject **q = PySequence_Fast_ITEMS(seq);
+    /* state: 0 out, 1 candidate, 2 surviving */
+    uint8_t *state = NULL;
+    uint64_t *qh = NULL;
+    Row *rows = NULL;
+    size_t nrows = 0;
+    PyObject *out = NULL;
+    if (ns == 0 || nq == 0 || t->used == 0) {
+        Py_DECREF(seq);
+        return PyList_New(0);
+    }
+    state = PyMem_Malloc(ns);
+    qh = PyMem_Malloc((size_t)nq * sizeof(uint64_t));
+    if (state == NULL || qh == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (cands == Py_None) {
+        memcpy(state, t->live, ns);
+    }
+    else {
+        memset(state, 0, ns);
+        Py_ssize_t nc = PySequence_Fast_GET_SIZE(cands);
+        PyObject **ci = PySequence_Fast_ITEMS(cands);
+        for (Py_ssize_t i = 0; i < nc; i++) {
+            uint32_t s;
+            if (parse_slot(ci[i], &s) < 0) {
+                goto done;
+            }
+            if (s < ns) {
+                state[s] = t->live[s];
+            }
+        }
+    }
+    if (match_walk(t, state, q, qh, nq, &rows, &nrows) < 0) {
+        goto done;
+    }
     PyMem_Free(state);
     state = NULL;
-    PyMem_Free(scratch);
-    scratch = NULL;
 
     /* build the answer: no table access from here on (object creation may run arbitrary code) */
     out = PyList_New((Py_ssize_t)nrows);
@@ -1229,7 +1277,6 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_DECREF(seq);
     PyMem_Free(state);
-    PyMem_Free(scratch);
     PyMem_Free(qh);
     PyMem_Free(rows);
     return out;
@@ -1375,6 +1422,12 @@ Table_sweep_step(Table *t, PyObject *arg)
 }
 
 static PyObject *
+Table_layout(Table *t, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLongLong(t->layout);
+}
+
+static PyObject *
 Table_nbytes(Table *t, PyObject *Py_UNUSED(ignored))
 {
     size_t b = sizeof(Table) + t->cap * sizeof(Bucket) + t->many_bytes +
@@ -1431,6 +1484,8 @@ static PyMethodDef Table_methods[] = {
      "sweep_begin(slots): start a pass that strips these (retired) slots from every key."},
     {"sweep_step", (PyCFunction)Table_sweep_step, METH_O, sweep_step_doc},
     {"nbytes", (PyCFunction)Table_nbytes, METH_NOARGS, "nbytes() -> int: memory held by the table."},
+    {"layout", (PyCFunction)Table_layout, METH_NOARGS,
+     "layout() -> int: bumped by every set_live and set_order (a view of the slots built before is stale)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1543,6 +1598,18 @@ PyMethodDef kvn_table_methods[] = {
     {"u64_view", u64_view, METH_O, u64_view_doc},
     {NULL, NULL, 0, NULL},
 };
+
+int
+kvn_is_table(PyObject *o)
+{
+    return Py_IS_TYPE(o, &TableType);
+}
+
+uint64_t
+kvn_table_layout(PyObject *table)
+{
+    return ((Table *)table)->layout;
+}
 
 int
 kvn_table_init(PyObject *module)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from kvcoord.coordinator.registry import CHANGES
 from kvcoord.engine.zmq_wire import check_endpoint
 from kvcoord.index.uri import is_redis, parse_redis_uri
 from kvcoord.validate import check_model, shown
@@ -432,6 +433,7 @@ class Engines:
         async with self._lock:
             engines = await self.store.all()
             self._known = engines
+            CHANGES.bump()  # block sizes and known models feed the HTTP API's native answers
             for iid in [i for i, (e, _) in self._failed.items() if engines.get(i) != e]:
                 del self._failed[iid]  # changed: try again
                 if iid not in engines:

@@ -372,8 +372,17 @@ class HttpApi:
             return json_error(403, f"a {principal.role} token may not {req.path[1:]} engines (admin only)")
         return None
 
+    def may_query(self, header: str) -> bool:
+        """Whether an ``authorization`` header's token may look up: :meth:`authorize`'s rule for the
+        lookup routes (any known token), for the native answers (``kvcoord.coordinator.fastpath``)."""
+        try:
+            self.auth.principal([("authorization", header)])
+        except AuthError:
+            return False
+        return True
+
     # --- lookups ---------------------------------------------------------------------------
-    def _known(self, model: str) -> bool:
+    def known(self, model: str) -> bool:
         """A partition Dynamo would have: configured, registered, or served by some node."""
         st = self.state
         if st.config.profile(model) is not None:
@@ -386,12 +395,12 @@ class HttpApi:
 
     def _partition(self, model_name: str, routing_group: str) -> str:
         model = partition_model(model_name, routing_group)
-        if not self._known(model):
+        if not self.known(model):
             raise LookupFailed(NOT_FOUND, f"no indexer for model={shown(model_name, quote=False)} "
                                           f"routing_group={shown(routing_group, quote=False)}")
         return model
 
-    def _block_size(self, model: str) -> int:
+    def block_size(self, model: str) -> int:
         profile = self.state.config.profile(model)
         if profile is not None:
             return profile.block_size
@@ -476,7 +485,7 @@ class HttpApi:
                                        "already include the intended cache salt")
             model = self._partition(body.model_name, body.routing_group)
             self.lookups.check_blocks(len(hashes), "")
-            return self._answer(model, self._block_size(model), hashes, 0, body.include_unmatched,
+            return self._answer(model, self.block_size(model), hashes, 0, body.include_unmatched,
                                 "hashes", t0)
         except BadBody as exc:
             return exc.response
@@ -502,6 +511,17 @@ class HttpApi:
             return self._scores(model, block_size, len(hashes), num_tokens, matches, query, t0)
 
         return later()
+
+    @staticmethod
+    def node_tail(node_id: str, rank: int, load: NodeLoad, url: str, trust: str, cause: str) -> bytes:
+        """The answer's ``nodes`` entry of a live (node, rank) after its ``tiers``: encoded as
+        :meth:`_scores` encodes it, for answers built natively (``kvcoord.coordinator.fastpath``)."""
+        entry = _encode(_Node(node_id, rank, 0, _Tiers(0, 0, 0), _load_json(load), trust, url or None, cause))
+        head = (b'{"node_id":' + _encode(node_id) + b',"dp_rank":' + str(rank).encode()
+                + b',"matched_blocks":0,"tiers":{"GPU":0,"CPU":0,"STORAGE":0}')
+        if not entry.startswith(head):
+            raise AssertionError("a nodes entry does not start as expected")
+        return entry[len(head):]
 
     def _scores(self, model: str, block_size: int, num_blocks: int, num_tokens: int,
                 matches: list[LiveMatch], query: str, t0: float) -> Response:
@@ -615,7 +635,7 @@ class HttpApi:
                 continue
             name, _, group = rec.model.partition("@")
             part = out.setdefault(f"{name}:{group or DEFAULT_GROUP}",
-                                  {"block_size": self._block_size(rec.model), "events": []})
+                                  {"block_size": self.block_size(rec.model), "events": []})
             for rank in rec.dp_ranks:
                 try:
                     entries = await st.index.export_node(rec.model, rec.node_id, rank)

@@ -11,7 +11,10 @@ measured in ``benchmarks/bench_vs_dynamo_service.py``). What it does:
   wherever ``GET`` is served;
 - a handler may answer at once (a plain :class:`Response`) or with an awaitable: a lookup on an
   in-process index never pays for a task;
-- a malformed request gets 400 and the connection is closed; nothing reaches a handler.
+- a malformed request gets 400 and the connection is closed; nothing reaches a handler;
+- ``answer`` (optional) may answer a whole request in one call before any of this runs
+  (:mod:`kvcoord.coordinator.fastpath`): offered every chunk that arrives between requests, it answers
+  or declines, and what it declines goes the usual way.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import httptools
 
 log = logging.getLogger("kvcoord.http")
 
-__all__ = ["JSON", "HttpServer", "Request", "Response", "Route", "json_error"]
+__all__ = ["JSON", "HttpServer", "Request", "Response", "Route", "json_error", "render"]
 
 _REASONS = {
     100: "Continue", 200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
@@ -118,6 +121,8 @@ class _Connection(asyncio.Protocol):
         self._closing = False
         self._linger: asyncio.TimerHandle | None = None
         self._unread = False
+        self._between = True
+        """No request partly read: the next bytes start one (the only time ``answer`` is offered them)."""
 
     # --- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -135,6 +140,12 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        answer = self.server.answer
+        if answer is not None and self._between and not self._queue and not self._busy:
+            out = answer(data, self.server.head_200())
+            if out is not None and self.transport is not None:
+                self.transport.write(out)
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -147,6 +158,7 @@ class _Connection(asyncio.Protocol):
 
     # --- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
+        self._between = False
         self._url = b""
         self._headers = {}
         self._header_bytes = 0
@@ -191,6 +203,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._between = True
         parsed = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         method = self.parser.get_method().decode("latin-1")
@@ -246,22 +259,7 @@ class _Connection(asyncio.Protocol):
 
     def _write(self, resp: Response, keep: bool, *, head: bool = False) -> None:
         assert self.transport is not None
-        status = resp.status
-        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}".encode(),
-                 self.server.extra_headers + b"date: " + _date(),
-                 b"content-length: " + str(len(resp.body)).encode()]
-        if resp.content_type is not None:
-            lines.append(b"content-type: " + resp.content_type.encode())
-        for name, value in resp.headers:
-            lines.append(f"{name}: {value}".encode("latin-1"))
-        if not keep:
-            lines.append(b"connection: close")
-        lines.append(b"\r\n")
-        head_bytes = b"\r\n".join(lines)
-        if head or not resp.body:
-            self.transport.write(head_bytes)
-        else:
-            self.transport.write(head_bytes + resp.body)
+        self.transport.write(render(resp, keep, self.server.extra_headers, head=head))
 
     def _fail(self, resp: Response) -> None:
         """A request that cannot be parsed or read: answer it (after those before it) and close."""
@@ -286,6 +284,23 @@ class _Connection(asyncio.Protocol):
             transport.close()
 
 
+def render(resp: Response, keep: bool, extra_headers: bytes = b"", *, head: bool = False) -> bytes:
+    """An answer's bytes: status line, ``extra_headers`` (whole lines), date, length, type, its own
+    headers; without the body when ``head`` (a HEAD request)."""
+    status = resp.status
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}".encode(),
+             extra_headers + b"date: " + _date(), b"content-length: " + str(len(resp.body)).encode()]
+    if resp.content_type is not None:
+        lines.append(b"content-type: " + resp.content_type.encode())
+    for name, value in resp.headers:
+        lines.append(f"{name}: {value}".encode("latin-1"))
+    if not keep:
+        lines.append(b"connection: close")
+    lines.append(b"\r\n")
+    head_bytes = b"\r\n".join(lines)
+    return head_bytes if head or not resp.body else head_bytes + resp.body
+
+
 def json_error(status: int, message: str) -> Response:
     """The one error shape of the HTTP API: ``{"error": "<one line>"}``."""
     return Response(status, json.dumps({"error": message}, separators=(",", ":")).encode(), JSON)
@@ -300,15 +315,28 @@ class HttpServer:
 
     def __init__(self, routes: dict[str, Route],
                  authorize: Callable[[Request], Response | None] | None = None,
-                 headers: Sequence[tuple[str, str]] = ()) -> None:
+                 headers: Sequence[tuple[str, str]] = (),
+                 answer: Callable[[bytes, bytes], bytes | None] | None = None) -> None:
         self.routes = routes
         self.authorize = authorize
+        self.answer = answer
+        """Whole requests answered in one call, or None (see the module's docstring)."""
+        self._head: tuple[bytes, bytes] = (b"", b"")
         self.extra_headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
         """Sent with every answer (e.g. which replica answered)."""
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Future[Response]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
+
+    def head_200(self) -> bytes:
+        """A 200 answer's status line and headers up to the value of ``content-length``, as
+        :meth:`_Connection._write` writes them (``Date`` changes once a second)."""
+        date = _date()
+        if self._head[0] is not date:
+            self._head = (date, b"HTTP/1.1 200 OK\r\n" + self.extra_headers + b"date: " + date
+                          + b"\r\ncontent-length: ")
+        return self._head[1]
 
     def misrouted(self, method: str, path: str) -> Response | None:
         """404 (empty) for an unknown path, 405 with ``Allow`` for another method; None if routed."""

@@ -38,7 +38,7 @@ from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.config import Limits
 from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.incoming import KINDS, Incoming, WireBatch
-from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
+from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import CLEAR
 from kvcoord.index.base import ApplyResult, InvalidEvent
@@ -517,6 +517,7 @@ class IngestSession:
             marks[rank] = shown(lost, LOST_CHARS, quote=False)
         if marks.get(rank) == before:
             return
+        CHANGES.bump()  # changed in place: lookups' views of the node are stale
         self.state.update_node_gauges()
         now = marks.get(rank)
         self.state.log_once(f"history:{rec.node_id}:{self.epoch}:{rank}:{now is None}", logging.WARNING,

@@ -73,6 +73,29 @@ def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool,
 _EXACT = trust_state(None, resyncing=False, expired=False)
 
 
+class Changes:
+    """A count of changes to what lookups report of nodes: any record's model, ranks, liveness flags,
+    trust marks, load or URL, and records coming and going (every such change sets a watched field of
+    :class:`NodeRecord`), plus registrations. The HTTP API's native answers are built from views that
+    name the count they were taken at (``kvcoord.coordinator.fastpath``): a view is stale once it moved."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def bump(self) -> None:
+        self.count += 1
+
+
+CHANGES = Changes()
+"""One per process (several coordinators in one process only rebuild more often)."""
+
+_WATCHED = frozenset({"model", "dp_ranks", "resyncing", "draining", "expired", "hash_mismatch", "load",
+                      "serving_url", "history_lost"})
+"""The :class:`NodeRecord` fields lookups read (``live``, ``trust``, the answer's load and URL)."""
+
+
 @dataclass(slots=True)
 class AnnouncedProfile:
     """The hash profile an agent announced in its Hello (never a seed)."""
@@ -112,10 +135,16 @@ class NodeRecord:
     serving_url: str = ""
     """The engine's OpenAI-compatible base URL, as its agent announced it (empty: not announced)."""
     history_lost: dict[int, str] = field(default_factory=dict)
-    """``{dp_rank: reason}``: ranks whose agent lost history it cannot recover (see :func:`trust_state`)."""
+    """``{dp_rank: reason}``: ranks whose agent lost history it cannot recover (see :func:`trust_state`).
+    Changed in place only with :data:`CHANGES` bumped."""
     entries: int = 0
     """Entries the node holds over its ranks, as its snapshot and applied batches counted them (an upper
     bound: a snapshot may repeat a block): what ``max_entries_per_node`` is checked against."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in _WATCHED:
+            CHANGES.count += 1
 
     @property
     def state(self) -> str:
@@ -246,6 +275,7 @@ class NodeRegistry:
                 rec.hash_mismatch = False
                 rec.hash_mismatch_reason = ""
                 rec.history_lost.clear()
+                CHANGES.bump()
                 rec.verify_seen = 0
             rec.model, rec.dp_ranks, rec.epoch = model, dp_ranks, epoch
             rec.last_seq = 0

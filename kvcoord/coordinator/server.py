@@ -23,6 +23,7 @@ from kvcoord.coordinator.auth import Authenticator
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import EngineRunner, Engines, open_engine_store
+from kvcoord.coordinator.fastpath import NativeAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpServer
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
@@ -160,7 +161,9 @@ class CoordinatorServer:
     async def _start_http(self, state: CoordinatorState, auth: Authenticator) -> None:
         cfg = self.config
         api = HttpApi(state, self.engines, auth)
-        http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)])
+        answer = NativeAnswers(api).answer if NativeAnswers.available(api) else None
+        http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)],
+                                       answer)
         host, port = split_hostport(cfg.http_listen)
         try:
             ssl_context = server_ssl_context(cfg.tls) if cfg.tls.enabled else None

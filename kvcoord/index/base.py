@@ -9,6 +9,11 @@ was refused whole before anything was applied.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcoord._native import Table
+
 from collections.abc import Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
@@ -164,6 +169,14 @@ class Index(Protocol):
         ``token`` (nobody claimed it since that owner did), and fence that token out. True if it removed
         something.
         Single-process backends never need it: False."""
+        ...
+
+    def native_view(self, model: str) -> tuple[Table, list[NodeKey | None]] | None:
+        """``model``'s native block table (a ``kvcoord._native.Table``, its tie-break order current) and
+        its slot keys (``(node_id, dp_rank)`` per slot, None where free), for answers computed wholly in C
+        (the HTTP API's native lookups); None where this backend has no such table (then lookups go
+        through :meth:`match`). The view is read at once, on the event loop, and never kept past a
+        change of ``Table.layout()``."""
         ...
 
     async def apply(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:

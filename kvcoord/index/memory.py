@@ -36,6 +36,11 @@ Not thread-safe: use it from one thread (the coordinator's event loop).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcoord._native import Table
+
 import asyncio
 import contextlib
 import sys
@@ -246,6 +251,13 @@ class MemoryIndex:
         if mi is None:
             return []
         return cast("list[NodeMatch]", mi.match(hashes, candidates, NodeMatch))
+
+    def native_view(self, model: str) -> tuple[Table, list[NodeKey | None]] | None:
+        """See :meth:`Index.native_view`: the C core's table, when this index runs it."""
+        mi = self._models.get(model)
+        if not isinstance(mi, NativeTable):
+            return None
+        return mi.ordered_table(), mi.slot_key
 
     def export_node_sync(self, model: str, node_id: str, dp_rank: int) -> list[SnapshotEntry]:
         """Every (block, tier) of ``(node_id, dp_rank)``, sorted. O(blocks of the model): rare path."""

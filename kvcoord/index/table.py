@@ -5,6 +5,11 @@ memory and sweep bookkeeping; they differ only in where the blocks live (see :mo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcoord._native import Table
+
 import heapq
 import itertools
 import sys
@@ -507,11 +512,16 @@ class NativeTable(PyTable):
         self.sweeping = False
         return visited, self.end_sweep()
 
+    def ordered_table(self) -> Table:
+        """The C table with its tie-break order current (set again after a slot was bound)."""
+        if self.order is None:
+            self.table.set_order(self.sort_order())
+        return self.table
+
     def match(
         self, hashes: Sequence[int], candidates: Collection[NodeKey] | None, cls: type[NodeMatch] | None
     ) -> list[RawMatch]:
-        if self.order is None:
-            self.table.set_order(self.sort_order())
+        self.ordered_table()
         cand: list[int] | None = None
         if candidates is not None:
             get = self.slot_of.get

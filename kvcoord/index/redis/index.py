@@ -3,6 +3,11 @@ parts (keys, scripts, connection, write queue, mirror); the package docstring de
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcoord._native import Table
+
 import asyncio
 import contextlib
 import functools
@@ -236,6 +241,10 @@ class RedisIndex:
         for node_id, rank in candidates:
             want.setdefault(self.bucket_of(node_id), set()).add(_loc_name(model, node_id, rank).encode())
         return want
+
+    def native_view(self, model: str) -> tuple[Table, list[NodeKey | None]] | None:
+        """None: Redis holds the blocks (lookups go through :meth:`match` and its mirror)."""
+        return None
 
     async def match(
         self,

@@ -1,0 +1,414 @@
+"""The HTTP API's native lookup answers (``kvcoord/_native/answer.c``, ``kvcoord.coordinator.fastpath``)
+equal the Python handler's byte for byte, over random fleets, queries and changes; what the native path
+does not claim still gets the handler's answer; and a node that stops being live is never answered from a
+stale view."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcoord.coordinator.auth import Authenticator
+from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.fastpath import NativeAnswers
+from kvcoord.coordinator.httpapi import HttpApi
+from kvcoord.coordinator.httpd import HttpServer, Request, Response, render
+from kvcoord.coordinator.registry import CHANGES, NodeRecord
+from kvcoord.hashing import HashProfile, block_hashes64
+from kvcoord.index.memory import MemoryIndex
+from kvcoord.load import NodeLoad
+from kvcoord.native import native
+from kvcoord.validate import CLEAR, STORE
+
+pytestmark = pytest.mark.skipif(native is None, reason="the native extension is not built")
+
+BS = 4
+MODELS = ["m,algo=sha256_cbor,block_size=4,seed=42", "p,algo=sha256,block_size=4,seed=7",
+          "x,algo=xxhash_cbor,block_size=4,seed=1"]
+PROFILES = {"m": HashProfile(algo="sha256_cbor", block_size=BS, seed="42"),
+            "p": HashProfile(algo="sha256", block_size=BS, seed="7"),
+            "x": HashProfile(algo="xxhash_cbor", block_size=BS, seed="1")}
+NODE_IDS = ["a", "b", "node-3", "123", 'q"uote', "ü-node", "back\\slash", "z" * 40]
+EXTRA = [("x-kvcoord-replica", "r1")]
+
+
+class Fleet:
+    """One coordinator's state with the HTTP API over it, driven directly (no streams)."""
+
+    def __init__(self, rng: random.Random, **overrides: Any) -> None:
+        cfg = load_config(None, env={}, overrides={"listen": "127.0.0.1:0", "metrics_listen": "",
+                                                   "http_listen": "", "models": MODELS, **overrides})
+        self.rng = rng
+        self.state = CoordinatorState(cfg, MemoryIndex())
+        self.api = HttpApi(self.state, None, Authenticator(cfg.auth))
+        self.native = NativeAnswers(self.api)
+        self.server = HttpServer(self.api.routes(), self.api.authorize, EXTRA)
+        self.tokens = [rng.randrange(0, 1 << 17) for _ in range(40 * BS)]
+        self.chains = {m: block_hashes64(p, self.tokens) for m, p in PROFILES.items()}
+        self.chains["m@g1"] = self.chains["m"]
+
+    def node(self, node_id: str, model: str, ranks: tuple[int, ...]) -> NodeRecord:
+        rec, _ = self.state.registry.hello(node_id, model, ranks, 1, index_ok=True)
+        rec.resyncing = False
+        rng = self.rng
+        rec.load = NodeLoad(rng.randrange(0, 9), rng.randrange(0, 9), rng.choice([0.0, 0.25, 1.0]))
+        rec.serving_url = self.rng.choice(["", "http://10.0.0.1:8000"])
+        for rank in ranks:
+            self.store(model, node_id, rank)
+        return rec
+
+    def store(self, model: str, node_id: str, rank: int) -> None:
+        chain = self.chains[model]
+        upto = self.rng.randrange(0, len(chain) + 1)
+        cut = self.rng.randrange(0, upto + 1)
+        tier = self.rng.randrange(0, 3)
+        ops = [(STORE, self.rng.choice([0, tier]), chain[:cut], None, True),
+               (STORE, tier, chain[cut:upto], None, True)]
+        self.state.index.apply_sync(model, node_id, rank, ops)  # type: ignore[attr-defined]
+
+    def populate(self) -> None:
+        for node_id in self.rng.sample(NODE_IDS, self.rng.randrange(1, len(NODE_IDS) + 1)):
+            model = self.rng.choice(["m", "m", "p", "x", "m@g1"])
+            ranks = tuple(sorted(self.rng.sample(range(4), self.rng.randrange(1, 4))))
+            self.node(node_id, model, ranks)
+
+    def mutate(self) -> None:
+        """One change a coordinator sees: states, loads, blocks, nodes coming and going."""
+        recs = list(self.state.registry)
+        rng, st = self.rng, self.state
+        if not recs or rng.random() < 0.1:
+            self.node(rng.choice(NODE_IDS) + "-new", rng.choice(["m", "p", "x"]), (0,))
+            return
+        rec = rng.choice(recs)
+        what = rng.randrange(9)
+        if what == 0:
+            rec.draining = not rec.draining
+        elif what == 1:
+            rec.load = NodeLoad(rng.randrange(0, 50), rng.randrange(0, 50), rng.random())
+        elif what == 2:
+            rec.resyncing = not rec.resyncing
+        elif what == 3:
+            rec.hash_mismatch, rec.hash_mismatch_reason = True, "sampled chain did not verify"
+        elif what == 4:
+            rec.history_lost = {rec.dp_ranks[0]: "20 batch(es) from seq 0 are gone"}
+        elif what == 5:
+            st.registry.remove(rec.node_id)
+            st.index.remove_node_sync(rec.node_id)  # type: ignore[attr-defined]
+        elif what == 6:
+            st.index.apply_sync(rec.model, rec.node_id, rec.dp_ranks[0], [(CLEAR, 0, (), None, True)])  # type: ignore[attr-defined]
+        elif what == 7:
+            self.store(rec.model, rec.node_id, rng.choice(rec.dp_ranks))
+        else:
+            rec.serving_url = rng.choice(["", "http://10.0.0.2:8000/v1"])
+
+    def query(self, rng: random.Random | None = None) -> tuple[str, dict[str, Any]]:
+        rng = rng or self.rng
+        model = rng.choice(["m", "m", "p", "x", "m@g1", "unknown"])
+        name, _, group = model.partition("@")
+        n = rng.randrange(0, 42)
+        body: dict[str, Any] = {"model_name": name}
+        if group or rng.random() < 0.2:
+            body["routing_group"] = group or "default"
+        if rng.random() < 0.15:
+            body["tenant_id"] = "t"
+        if rng.random() < 0.5:
+            chain: list[int] = [*self.chains.get(model, self.chains["m"])[:n]]
+            if rng.random() < 0.3:
+                chain = [*chain, rng.randrange(0, 1 << 64)]
+            body["block_hashes"] = [h - (1 << 64) if h >= 1 << 63 and rng.random() < 0.5 else h
+                                    for h in chain]
+            if rng.random() < 0.1:
+                body["cache_salt"] = None
+            return "/query_by_hash", body
+        tokens = self.tokens[: n * BS + rng.randrange(0, BS)]
+        if rng.random() < 0.3 and tokens:
+            tokens = [*tokens[:-1], (tokens[-1] + 1) % (1 << 17)]
+        body["token_ids"] = tokens
+        if rng.random() < 0.1:
+            body["lora_name"] = None
+        if rng.random() < 0.1:
+            body["include_unmatched"] = False
+        return "/query", body
+
+    def handler(self, path: str, body: bytes) -> bytes:
+        """The Python handler's answer, as the server writes it."""
+        req = Request("POST", path, "", {"content-type": "application/json"}, body)
+        resp = self.api.query(req) if path == "/query" else self.api.query_by_hash(req)
+        assert isinstance(resp, Response)
+        return undated(render(resp, True, self.server.extra_headers))
+
+    def answer(self, raw: bytes) -> bytes | None:
+        """The native answer (without its Date), or None where it declines."""
+        got = self.native.answer(raw, self.server.head_200())
+        return None if got is None else undated(got)
+
+
+def undated(answer: bytes) -> bytes:
+    """An answer without its Date header (a second may turn between two answers compared)."""
+    return re.sub(rb"\r\ndate: [^\r]*", b"", answer, count=1)
+
+
+def raw_request(path: str, body: bytes, headers: str = "content-type: application/json\r\n") -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nhost: kvcoord\r\n{headers}content-length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def encodings(body: dict[str, Any], rng: random.Random) -> bytes:
+    style = rng.randrange(3)
+    if style == 0:
+        return json.dumps(body, separators=(",", ":")).encode()
+    if style == 1:
+        return json.dumps(body).encode()
+    return (" \n" + json.dumps(body, indent=1) + "\r\n").encode()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_native_answers_equal_the_handlers(seed: int) -> None:
+    rng = random.Random(seed)
+    fleet = Fleet(rng)
+    fleet.populate()
+    claimed = 0
+    for _ in range(250):
+        if rng.random() < 0.3:
+            fleet.mutate()
+        path, body = fleet.query()
+        data = encodings(body, rng)
+        expected = fleet.handler(path, data)
+        got = fleet.answer(raw_request(path, data))
+        if got is not None:
+            assert got == expected, (path, body)
+            claimed += 1
+        elif body["model_name"] in PROFILES and "routing_group" not in body:
+            # a configured model with a table: always claimed
+            assert fleet.state.index.native_view(body["model_name"]) is None, (path, body)
+    assert claimed > 100
+
+
+def test_views_follow_every_change() -> None:
+    """A view is stale, and rebuilt, after a change of a watched field, a new slot, or its lease."""
+    rng = random.Random(1)
+    fleet = Fleet(rng, lease_seconds=5.0)
+    rec = fleet.node("a", "m", (0,))
+    fleet.state.index.apply_sync("m", "a", 0, [(STORE, 0, fleet.chains["m"][:8], None, True)])  # type: ignore[attr-defined]
+    data = json.dumps({"model_name": "m", "block_hashes": fleet.chains["m"][:8]}).encode()
+    raw = raw_request("/query_by_hash", data)
+    head = fleet.server.head_200()
+    assert native is not None
+
+    def hit() -> bool:
+        got = fleet.answer(raw)
+        assert got == fleet.handler("/query_by_hash", data)
+        return b'"node_id":"a"' in got
+
+    assert hit()
+    view = fleet.native.views["m"]
+    now = time.monotonic()
+    assert isinstance(native.answer_lookup(raw, fleet.native.views, CHANGES.count, now, head, None), tuple)
+    # past the lease the view is stale (the registry would answer without the node by then)
+    later = rec.last_heard + 5.001
+    assert native.answer_lookup(raw, fleet.native.views, CHANGES.count, later, head, None) == "m"
+    before = CHANGES.count
+    rec.draining = True
+    assert CHANGES.count > before
+    assert native.answer_lookup(raw, fleet.native.views, CHANGES.count, now, head, None) == "m"
+    assert not hit() and fleet.native.views["m"] is not view
+    rec.draining = False
+    assert hit()
+    fleet.node("b", "m", (0,))  # a new slot moves the table's layout
+    layout_view = fleet.native.views["m"]
+    assert native.answer_lookup(raw, fleet.native.views, CHANGES.count, now, head, None) == "m"
+    assert hit() and fleet.native.views["m"] is not layout_view
+
+
+def test_what_is_not_claimed_goes_to_the_handler() -> None:
+    rng = random.Random(3)
+    fleet = Fleet(rng)
+    fleet.node("a", "m", (0,))
+    tokens = fleet.tokens[:16]
+    good = json.dumps({"model_name": "m", "token_ids": tokens}).encode()
+    too_many = fleet.state.config.limits.max_query_blocks
+    assert fleet.answer(raw_request("/query", good)) is not None
+    for raw in [
+        raw_request("/query", good)[:-1],  # the body still arriving
+        raw_request("/query", good) * 2,  # pipelined
+        raw_request("/query", good, "content-type: application/json\r\nexpect: 100-continue\r\n"),
+        raw_request("/query", good, "content-type: text/plain\r\n"),
+        raw_request("/query", good, "content-type: application/json\r\nconnection: close\r\n"),
+        raw_request("/query", good, "content-type: application/json\r\ntransfer-encoding: chunked\r\n"),
+        raw_request("/query?x=1", good),
+        raw_request("/health", good),
+        raw_request("/query", json.dumps({"model_name": "m", "token_ids": tokens, "prompt": "hi"}).encode()),
+        raw_request("/query", json.dumps({"model_name": "m", "token_ids": tokens,
+                                          "lora_name": "l"}).encode()),
+        raw_request("/query", json.dumps({"model_name": "m", "token_ids": tokens,
+                                          "cache_salt": "s"}).encode()),
+        raw_request("/query", json.dumps({"model_name": "m", "token_ids": tokens,
+                                          "include_unmatched": True}).encode()),
+        raw_request("/query", b'{"model_name":"m","model_name":"m","token_ids":[1,2,3,4]}'),
+        raw_request("/query", b'{"model_name":"\\u006d","token_ids":[1,2,3,4]}'),
+        raw_request("/query", b'{"model_name":"m","token_ids":[1,2,3,4.0]}'),
+        raw_request("/query", b'{"model_name":"m","token_ids":[1,2,3,4294967296]}'),
+        raw_request("/query", b'{"model_name":"m","token_ids":[1,2,3,4]} trailing'),
+        raw_request("/query", b'{"model_name":"\xff","token_ids":[1,2,3,4]}'),
+        raw_request("/query", b'{"model_name":"m","token_ids":null}'),
+        raw_request("/query", b'{"model_name":"m"}'),
+        raw_request("/query_by_hash", json.dumps({"model_name": "m", "block_hashes": [1],
+                                                  "cache_salt": "s"}).encode()),
+        raw_request("/query_by_hash", b'{"model_name":"m","block_hashes":[18446744073709551616]}'),
+        raw_request("/query", json.dumps({"model_name": "m",
+                                          "token_ids": [1] * BS * (too_many + 1)}).encode()),
+        raw_request("/query_by_hash", json.dumps({"model_name": "m",
+                                                  "block_hashes": [1] * (too_many + 1)}).encode()),
+        b"GET /query HTTP/1.1\r\n\r\n",
+        b"POST /query HTTP/1.0\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+    ]:
+        assert fleet.answer(raw) is None, raw[:120]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_bytes_are_answered_exactly_or_left_alone(data: st.DataObject) -> None:
+    """Random edits of real requests: the native path declines, or answers as the handler does on the
+    body it parsed; the index never changes."""
+    fleet = _shared_fleet()
+    path, body = fleet.query(random.Random(data.draw(st.integers(0, 1 << 32))))
+    raw = bytearray(raw_request(path, json.dumps(body).encode()))
+    for _ in range(data.draw(st.integers(0, 3))):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        edit = data.draw(st.sampled_from(["flip", "drop", "insert"]))
+        if edit == "flip":
+            raw[at] = data.draw(st.sampled_from(list(b' ,:"[]{}-0123456789e.\\\r\nA\x00\xff')))
+        elif edit == "drop":
+            del raw[at]
+        else:
+            raw.insert(at, data.draw(st.integers(0, 255)))
+    before = fleet.state.index.stats_sync()  # type: ignore[attr-defined]
+    got = fleet.answer(bytes(raw))
+    if got is not None:
+        claimed_path = "/query_by_hash" if raw.startswith(b"POST /query_by_hash ") else "/query"
+        assert got == fleet.handler(claimed_path, bytes(raw[raw.index(b"\r\n\r\n") + 4:]))
+    assert fleet.state.index.stats_sync() == before  # type: ignore[attr-defined]
+
+
+_FLEET: list[Fleet] = []
+
+
+def _shared_fleet() -> Fleet:
+    if not _FLEET:
+        fleet = Fleet(random.Random(11), lease_seconds=3600.0)
+        fleet.populate()
+        _FLEET.append(fleet)
+    return _FLEET[0]
+
+
+async def _exchange(port: int, chunks: list[bytes], answers: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for chunk in chunks:
+            writer.write(chunk)
+            await writer.drain()
+            await asyncio.sleep(0)
+        out = b""
+        for _ in range(answers):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            out += b"\r\n".join(line for line in head.split(b"\r\n") if not line.startswith(b"date:"))
+            out += await reader.readexactly(length)
+        return out
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def _cases(fleet: Fleet) -> Iterator[tuple[list[bytes], int]]:
+    good = json.dumps({"model_name": "m", "token_ids": fleet.tokens[:64]}).encode()
+    by_hash = json.dumps({"model_name": "m", "block_hashes": fleet.chains["m"][:20]}).encode()
+    req, hreq = raw_request("/query", good), raw_request("/query_by_hash", by_hash)
+    yield [req], 1
+    yield [req[:30], req[30:]], 1  # split inside the headers
+    yield [req[: len(req) - 10], req[len(req) - 10:]], 1  # split inside the body
+    yield [req + hreq], 2  # pipelined
+    yield [req, hreq, req], 3  # keep-alive, one after another
+    yield [b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" + req], 2
+    yield [raw_request("/query", b'{"model_name":"nope","token_ids":[1,2,3,4]}')], 1
+    yield [raw_request("/query", b'{"model_name":"m","token_ids":[1,2,3,4]', )[:-1] + b"x"], 1
+
+
+async def test_live_servers_with_and_without_native_answers_agree() -> None:
+    """The same bytes to two real servers over one state, one with native answers: the same answers,
+    split or pipelined."""
+    fleet = Fleet(random.Random(5))
+    fleet.populate()
+    fleet.node("a", "m", (0, 1))
+    fast = HttpServer(fleet.api.routes(), fleet.api.authorize, EXTRA, fleet.native.answer)
+    slow = HttpServer(fleet.api.routes(), fleet.api.authorize, EXTRA)
+    ports = [await fast.start("127.0.0.1", 0), await slow.start("127.0.0.1", 0)]
+    try:
+        for chunks, answers in _cases(fleet):
+            got = [await _exchange(port, chunks, answers) for port in ports]
+            assert got[0] == got[1], chunks
+        assert fleet.native.views, "the native path answered nothing"
+    finally:
+        await fast.stop()
+        await slow.stop()
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic cm91dGVy", "Bearer router-secret"])
+def test_with_tokens_only_a_token_that_may_look_up_is_answered(header: str | None) -> None:
+    fleet = Fleet(random.Random(4), router_tokens=["router-secret"], admin_tokens=["admin-secret"])
+    fleet.node("a", "m", (0,))
+    body = json.dumps({"model_name": "m", "block_hashes": fleet.chains["m"][:8]}).encode()
+    extra = f"authorization: {header}\r\n" if header is not None else ""
+    raw = raw_request("/query_by_hash", body, "content-type: application/json\r\n" + extra)
+    req = Request("POST", "/query_by_hash", "", {"content-type": "application/json",
+                                                 **({"authorization": header} if header else {})}, body)
+    refused = fleet.api.authorize(req)
+    got = fleet.answer(raw)
+    if refused is not None:  # the handler's 401 answers it
+        assert got is None and refused.status == 401
+    else:
+        assert got == fleet.handler("/query_by_hash", body)
+
+
+def fuzz_answer(rng: random.Random, steps: int) -> None:
+    """For the sanitizer step (``python -m tests.test_native``): random fleets, changes and edited
+    requests; every claimed answer is the handler's, and bad AnswerModel arguments raise, never crash."""
+    assert native is not None
+    fleet = Fleet(rng, lease_seconds=3600.0)
+    fleet.populate()
+    for _ in range(steps):
+        if rng.random() < 0.3:
+            fleet.mutate()
+        path, body = fleet.query()
+        raw = bytearray(raw_request(path, encodings(body, rng)))
+        for _ in range(rng.randrange(0, 3)):
+            at = rng.randrange(len(raw))
+            if rng.random() < 0.5:
+                raw[at] = rng.randrange(256)
+            else:
+                del raw[at:at + rng.randrange(1, 8)]
+        got = fleet.answer(bytes(raw))
+        if got is not None:
+            claimed_path = "/query_by_hash" if raw.startswith(b"POST /query_by_hash ") else "/query"
+            assert got == fleet.handler(claimed_path, bytes(raw[raw.index(b"\r\n\r\n") + 4:]))
+    table = native.Table()
+    good: list[Any] = [table, 0, 0, 1.0, None, 4, 10, (1.0, 0.8, 0.5), b'"m"', [None]]
+    bad_values: list[Any] = [None, -1, "x", 1 << 70, [("a",)], [(5, 0, b"k", b"t")], ("cbor", 1, b"", 0),
+                             ("nope", 1, b"", 4), (1.0,), b"", [(0, -1, b"k", b"t")]]
+    for _ in range(steps):
+        args = list(good)
+        args[rng.randrange(len(args))] = rng.choice(bad_values)
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
+            native.AnswerModel(*args)
