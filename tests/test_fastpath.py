@@ -365,6 +365,26 @@ async def test_live_servers_with_and_without_native_answers_agree() -> None:
         await slow.stop()
 
 
+@pytest.mark.parametrize(("ctype", "claimed"), [
+    ("application/json", True), ("Application/JSON", True), ("application/json; charset=utf-8", True),
+    ("application/json ;charset=utf-8", True), ("application/jsonx", False),
+    ("application/problem+json", False), ("text/json", False)])
+def test_content_types(ctype: str, claimed: bool) -> None:
+    fleet = Fleet(random.Random(6))
+    fleet.node("a", "m", (0,))
+    body = json.dumps({"model_name": "m", "token_ids": fleet.tokens[:32]}).encode()
+    got = fleet.answer(raw_request("/query", body, f"content-type: {ctype}\r\n"))
+    if not claimed:
+        assert got is None
+    else:
+        req = Request("POST", "/query", "", {"content-type": ctype}, body)
+        resp = fleet.api.query(req)
+        assert isinstance(resp, Response) and resp.status == 200
+        assert got == undated(render(resp, True, fleet.server.extra_headers))
+    if claimed:
+        assert fleet.state.metrics.native_answers._value.get() == 1
+
+
 @pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic cm91dGVy", "Bearer router-secret"])
 def test_with_tokens_only_a_token_that_may_look_up_is_answered(header: str | None) -> None:
     fleet = Fleet(random.Random(4), router_tokens=["router-secret"], admin_tokens=["admin-secret"])

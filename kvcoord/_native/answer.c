@@ -285,10 +285,18 @@ header_line(const unsigned char *p, const unsigned char *eol, Py_ssize_t *length
         return 1;
     }
     if (lower_eq(name, nlen, "content-type")) {
+        /* application/json, parameters (charset=...) allowed, as the handler's check reads it */
+        Py_ssize_t t = 0;
+        while (t < vlen && p[t] != ';') {
+            t++;
+        }
+        while (t > 0 && (p[t - 1] == ' ' || p[t - 1] == '\t')) {
+            t--;
+        }
         if (*json) {
             return 0;
         }
-        *json = lower_eq(p, vlen, "application/json");
+        *json = lower_eq(p, t, "application/json");
         return *json;
     }
     if (lower_eq(name, nlen, "connection")) {

@@ -87,6 +87,7 @@ class NativeAnswers:
             return None
         resp, route, num_blocks, best = got
         metrics = st.metrics
+        metrics.native_answers.inc()
         metrics.lookup_done(_ROUTES[route], time.perf_counter() - t0)
         if num_blocks:
             metrics.matched_fraction.observe(best / num_blocks)

@@ -208,6 +208,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.native_answers = Counter(
+            "kvcoord_lookup_native_answers_total",
+            "HTTP lookups answered by the native path (the rest of kvcoord_lookup_latency_seconds' "
+            "count went through the Python handler)",
+            registry=r,
+        )
         self.matched_fraction = Histogram(
             "kvcoord_lookup_matched_fraction",
             "Best node's matched blocks / query blocks",
