@@ -432,3 +432,25 @@ def fuzz_answer(rng: random.Random, steps: int) -> None:
         args[rng.randrange(len(args))] = rng.choice(bad_values)
         with contextlib.suppress(TypeError, ValueError, OverflowError):
             native.AnswerModel(*args)
+
+
+def test_trust_is_per_dp_rank() -> None:
+    """Lost history degrades the rank that lost it; a hash mismatch, the node's one verification, all."""
+    fleet = Fleet(random.Random(8))
+    rec = fleet.node("a", "m", (0, 1))
+    for rank in (0, 1):
+        fleet.state.index.apply_sync("m", "a", rank, [(STORE, 0, fleet.chains["m"][:6], None, True)])  # type: ignore[attr-defined]
+    body = json.dumps({"model_name": "m", "block_hashes": fleet.chains["m"][:6]}).encode()
+
+    def trusts() -> dict[int, tuple[str, str]]:
+        got = fleet.answer(raw_request("/query_by_hash", body))
+        assert got is not None and got == fleet.handler("/query_by_hash", body)
+        nodes = json.loads(got.split(b"\r\n\r\n", 1)[1])["nodes"]
+        return {n["dp_rank"]: (n["trust"], n.get("trust_cause", "")) for n in nodes}
+
+    assert trusts() == {0: ("exact", ""), 1: ("exact", "")}
+    rec.history_lost = {1: "20 batch(es) from seq 0 are gone"}
+    assert trusts() == {0: ("exact", ""), 1: ("degraded", "history_lost")}
+    assert rec.trust.state == "degraded"  # the node's own trust (ListNodes, metrics): its worst rank
+    rec.hash_mismatch, rec.hash_mismatch_reason = True, "sampled chain did not verify"
+    assert trusts() == {0: ("degraded", "hash_mismatch"), 1: ("degraded", "hash_mismatch")}

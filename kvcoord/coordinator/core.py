@@ -512,11 +512,12 @@ class CoordinatorState:
             log.info("node %s: its replica %s stopped publishing (deadline passed %.1fs ago); its "
                      "entries were reclaimed", n.node_id, n.owner, time.time() - n.deadline)
 
-    def live_node(self, node_id: str, model: str, now: float,
-                  now_wall: float) -> tuple[NodeLoad, str, str, str] | None:
+    def live_node(self, node_id: str, model: str, now: float, now_wall: float,
+                  rank: int | None = None) -> tuple[NodeLoad, str, str, str] | None:
         """``(load, serving url, trust, trust cause)`` of ``node_id`` if lookups of ``model`` may report it
         now: this replica's record, or (replicas) another replica's that outranks it (a later claim, or
-        heard it later)."""
+        heard it later). With ``rank``, the trust is that dp rank's (``NodeRecord.rank_trust``; another
+        replica's record has the node's only)."""
         rec = self.registry.get(node_id)
         other = self.shared.get(node_id) if self.directory is not None else None
         if rec is not None and (
@@ -525,7 +526,7 @@ class CoordinatorState:
             or not other.outranks(self.index.fence_token(node_id), now_wall - (now - rec.last_heard))
         ):
             if rec.model == model and rec.live(now, self.registry.lease):
-                trust = rec.trust
+                trust = rec.trust if rank is None else rec.rank_trust(rank)
                 return rec.load, rec.serving_url, trust.state, trust.cause
             return None
         if other is not None and other.model == model and other.live(now_wall):

@@ -122,7 +122,7 @@ class NativeAnswers:
             rec = st.registry.get(node_id)
             if rec is not None and not (rec.expired or rec.resyncing or rec.draining):
                 valid_until = min(valid_until, rec.last_heard + lease)  # live until then at most
-            info = st.live_node(node_id, model, now, now_wall)
+            info = st.live_node(node_id, model, now, now_wall, rank)
             if info is None:
                 slots.append(None)
                 continue

@@ -167,7 +167,7 @@ class Lookups:
         for node_id, rank, matched, tiers in matches:
             if matched <= 0:
                 continue
-            info = live_node(node_id, model, now, now_wall)
+            info = live_node(node_id, model, now, now_wall, rank)
             if info is None:
                 continue
             t = (*tiers, 0, 0, 0) if len(tiers) < 3 else tiers
@@ -194,7 +194,7 @@ class Lookups:
             keys &= set(candidates)
         out = []
         for key in sorted(keys - seen):
-            info = st.live_node(key[0], model, now, now_wall)
+            info = st.live_node(key[0], model, now, now_wall, key[1])
             if info is not None:
                 out.append(LiveMatch(key[0], key[1], 0, (), *info))
         return out

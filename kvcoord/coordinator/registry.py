@@ -176,6 +176,17 @@ class NodeRecord:
         return trust_state(self.hash_mismatch_reason if self.hash_mismatch else None,
                            resyncing=self.resyncing, expired=expired, history_lost=lost)
 
+    def rank_trust(self, rank: int) -> Trust:
+        """The trust of one dp rank, as lookups report it: a mismatch, a resync and an expiry are the
+        node's (one stream, one verification); lost history is the rank's own, so a rank that lost nothing
+        stays exact beside one that did."""
+        if not (self.hash_mismatch or self.history_lost or self.expired or self.resyncing):
+            return _EXACT
+        lost = self.history_lost.get(rank)
+        return trust_state(self.hash_mismatch_reason if self.hash_mismatch else None,
+                           resyncing=self.resyncing, expired=self.expired,
+                           history_lost=f"dp rank {rank}: {lost}" if lost is not None else None)
+
     def live(self, now: float, lease: float) -> bool:
         """Served in lookups: heard from within the lease, in sync, and not draining."""
         return not (self.expired or self.resyncing or self.draining) and now - self.last_heard <= lease
