@@ -192,7 +192,7 @@ def test_native_answers_equal_the_handlers(seed: int) -> None:
         elif body["model_name"] in PROFILES and "routing_group" not in body:
             # a configured model with a table: always claimed
             assert fleet.state.index.native_view(body["model_name"]) is None, (path, body)
-    assert claimed > 100
+    assert claimed > 60
 
 
 def test_views_follow_every_change() -> None:
@@ -222,13 +222,19 @@ def test_views_follow_every_change() -> None:
     rec.draining = True
     assert CHANGES.count > before
     assert native.answer_lookup(raw, fleet.native.views, CHANGES.count, now, head, None) == "m"
-    assert not hit() and fleet.native.views["m"] is not view
+    assert not hit() and fleet.native.views["m"] is view  # brought up to date in place: one node changed
     rec.draining = False
     assert hit()
+    rec.load = NodeLoad(running_requests=77)
+    assert hit() and fleet.native.views["m"] is view
+    assert b'"running_requests":77' in (fleet.answer(raw) or b"")
     fleet.node("b", "m", (0,))  # a new slot moves the table's layout
     layout_view = fleet.native.views["m"]
     assert native.answer_lookup(raw, fleet.native.views, CHANGES.count, now, head, None) == "m"
     assert hit() and fleet.native.views["m"] is not layout_view
+    fleet.state.registry.remove("a")
+    assert fleet.answer(raw) == fleet.handler("/query_by_hash", data)
+    assert b'"node_id":"a"' not in fleet.handler("/query_by_hash", data)
 
 
 def test_what_is_not_claimed_goes_to_the_handler() -> None:

@@ -108,6 +108,42 @@ model_chain(AnswerModel *m, PyObject *chain)
     return 0;
 }
 
+/* One slot's entry: None (not in answers) or (node index, dp rank, key json, tail json), node index
+ * below `nodes_max`. 0, or -1 raised (the slot unchanged). */
+static int
+slot_entry(AnswerModel *m, uint32_t i, PyObject *it, unsigned long nodes_max)
+{
+    SlotView *v = &m->slots[i];
+    if (it == Py_None) {
+        Py_CLEAR(v->key);
+        Py_CLEAR(v->tail);
+        v->live = 0;
+        return 0;
+    }
+    if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 4 || !PyBytes_Check(PyTuple_GET_ITEM(it, 2)) ||
+        !PyBytes_Check(PyTuple_GET_ITEM(it, 3))) {
+        PyErr_SetString(PyExc_TypeError, "a slot must be None or (node, rank, key, tail)");
+        return -1;
+    }
+    unsigned long node = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(it, 0));
+    unsigned long rank = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLong(PyTuple_GET_ITEM(it, 1));
+    if (PyErr_Occurred() || node >= nodes_max || rank > UINT32_MAX) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "node index past the slots, or a rank past uint32");
+        }
+        return -1;
+    }
+    Py_XSETREF(v->key, Py_NewRef(PyTuple_GET_ITEM(it, 2)));
+    Py_XSETREF(v->tail, Py_NewRef(PyTuple_GET_ITEM(it, 3)));
+    v->live = 1;
+    v->node = (uint32_t)node;
+    v->rank = (uint32_t)rank;
+    if (v->node + 1 > m->nnodes) {
+        m->nnodes = v->node + 1;
+    }
+    return 0;
+}
+
 /* slots: a list, per slot None (not in answers) or (node index, dp rank, key json, tail json). */
 static int
 model_slots(AnswerModel *m, PyObject *slots)
@@ -124,35 +160,59 @@ model_slots(AnswerModel *m, PyObject *slots)
     }
     m->nslots = (uint32_t)n;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *it = PyList_GET_ITEM(slots, i);
-        if (it == Py_None) {
-            continue;
-        }
-        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 4 || !PyBytes_Check(PyTuple_GET_ITEM(it, 2)) ||
-            !PyBytes_Check(PyTuple_GET_ITEM(it, 3))) {
-            PyErr_SetString(PyExc_TypeError, "a slot must be None or (node, rank, key, tail)");
+        /* the slot list is the caller's: read each item once, nothing here runs Python code */
+        if (slot_entry(m, (uint32_t)i, PyList_GET_ITEM(slots, i), (unsigned long)n) < 0) {
             return -1;
-        }
-        unsigned long node = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(it, 0));
-        unsigned long rank = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(it, 1));
-        if (PyErr_Occurred() || node >= (unsigned long)n || rank > UINT32_MAX) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_ValueError, "node index past the slots, or a rank past uint32");
-            }
-            return -1;
-        }
-        SlotView *v = &m->slots[i];
-        v->live = 1;
-        v->node = (uint32_t)node;
-        v->rank = (uint32_t)rank;
-        v->key = Py_NewRef(PyTuple_GET_ITEM(it, 2));
-        v->tail = Py_NewRef(PyTuple_GET_ITEM(it, 3));
-        if (v->node + 1 > m->nnodes) {
-            m->nnodes = v->node + 1;
         }
     }
     return 0;
 }
+
+static PyObject *
+AnswerModel_set_slot(AnswerModel *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_slot(slot, entry)");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[0]);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (i < 0 || i >= (Py_ssize_t)m->nslots) {
+        PyErr_SetString(PyExc_IndexError, "slot out of range");
+        return NULL;
+    }
+    if (slot_entry(m, (uint32_t)i, args[1], m->nslots) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+AnswerModel_renew(AnswerModel *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "renew(generation, valid_until)");
+        return NULL;
+    }
+    unsigned long long generation = PyLong_AsUnsignedLongLong(args[0]);
+    double valid_until = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    m->generation = generation;
+    m->valid_until = valid_until;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef AnswerModel_methods[] = {
+    {"set_slot", (PyCFunction)(void (*)(void))AnswerModel_set_slot, METH_FASTCALL,
+     "set_slot(slot, entry): one slot's entry anew (None, or (node, rank, key, tail))."},
+    {"renew", (PyCFunction)(void (*)(void))AnswerModel_renew, METH_FASTCALL,
+     "renew(generation, valid_until): the view is current at this change count, until then."},
+    {NULL, NULL, 0, NULL},
+};
 
 static PyObject *
 AnswerModel_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -206,6 +266,7 @@ static PyTypeObject AnswerModelType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = AnswerModel_new,
     .tp_dealloc = (destructor)AnswerModel_dealloc,
+    .tp_methods = AnswerModel_methods,
 };
 
 /* ------------------------------------------------------------------------------------ the request */

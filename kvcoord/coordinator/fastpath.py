@@ -34,7 +34,7 @@ from kvcoord.hashing import native_keys_plan
 from kvcoord.native import native
 
 if TYPE_CHECKING:
-    from kvcoord._native import AnswerModel
+    from kvcoord._native import AnswerModel, Table
     from kvcoord.coordinator.httpapi import HttpApi
 
 log = logging.getLogger("kvcoord.http")
@@ -51,12 +51,13 @@ _encode = msgspec.json.Encoder().encode
 class NativeAnswers:
     """``answer(data, head)``: the HTTP answer of one request, or None for the Python handler."""
 
-    __slots__ = ("api", "failed", "may_query", "views")
+    __slots__ = ("_kept", "api", "failed", "may_query", "views")
 
     def __init__(self, api: HttpApi) -> None:
         self.api = api
         self.views: dict[str, AnswerModel] = {}
-        """Per partition, its ``AnswerModel`` (rebuilt when the native call says it is stale)."""
+        """Per partition, its ``AnswerModel`` (refreshed when the native call says it is stale)."""
+        self._kept: dict[str, _Kept] = {}
         self.failed = False
         self.may_query = api.may_query if api.auth.enabled else None
 
@@ -75,7 +76,7 @@ class NativeAnswers:
         try:
             got = native.answer_lookup(data, self.views, CHANGES.count, now, head, self.may_query)
             if isinstance(got, str):
-                if not self._build(got, now):
+                if not self._refresh(got, now):
                     return None
                 got = native.answer_lookup(data, self.views, CHANGES.count, now, head, self.may_query)
         except Exception:  # a bug or out of memory: this request goes to the handler, once logged
@@ -93,10 +94,51 @@ class NativeAnswers:
             metrics.matched_fraction.observe(best / num_blocks)
         return resp
 
+    def _refresh(self, model: str, now: float) -> bool:
+        """Bring partition ``model``'s view up to date: the slots of the nodes changed since it was
+        taken, or (table layout moved, a lease may have run out, something else changed, or no view yet)
+        a view built anew. False (and no view kept) where the handler must answer."""
+        kept = self._kept.get(model)
+        changed = CHANGES.since(kept.generation) if kept is not None else None
+        if (kept is None or changed is None or None in changed or now > kept.valid_until
+                or kept.table.layout() != kept.layout or self.views.get(model) is not kept.view):
+            return self._build(model, now)
+        view = kept.view
+        assert view is not None
+        registry = self.api.state.registry
+        now_wall, generation = time.time(), CHANGES.count
+        for node_id in changed:
+            assert node_id is not None
+            rec = registry.get(node_id)
+            if rec is not None and rec.model == model:
+                kept.members.add(node_id)
+            elif node_id in kept.members:  # a node left the partition, which may be unknown now
+                return self._build(model, now)
+            for slot, rank in kept.by_node.get(node_id, ()):
+                view.set_slot(slot, self._slot(kept, model, node_id, rank, now, now_wall))
+        kept.generation = generation
+        view.renew(generation, kept.valid_until)
+        return True
+
+    def _slot(self, kept: _Kept, model: str, node_id: str, rank: int, now: float,
+              now_wall: float) -> tuple[int, int, bytes, bytes] | None:
+        """One (node, rank)'s entry of a view: None unless lookups may report it now."""
+        st, api = self.api.state, self.api
+        rec = st.registry.get(node_id)
+        if rec is not None and not (rec.expired or rec.resyncing or rec.draining):
+            kept.valid_until = min(kept.valid_until, rec.last_heard + st.registry.lease)  # live until then
+        info = st.live_node(node_id, model, now, now_wall, rank)
+        if info is None:
+            return None
+        load, url, trust, cause = info
+        node = kept.nodes.setdefault(node_id, len(kept.nodes))
+        return node, rank, _encode(node_id), api.node_tail(node_id, rank, load, url, trust, cause)
+
     def _build(self, model: str, now: float) -> bool:
         """A fresh view of partition ``model``; False (and none kept) where the handler must answer."""
         assert native is not None
         self.views.pop(model, None)
+        self._kept.pop(model, None)
         api, st = self.api, self.api.state
         if not api.known(model):
             return False
@@ -109,29 +151,41 @@ class NativeAnswers:
         except LookupFailed:
             profile = None
         chain = native_keys_plan(profile) if profile is not None else None
-        generation, layout = CHANGES.count, table.layout()
-        valid_until = now + MAX_VIEW_AGE
-        lease, now_wall = st.registry.lease, time.time()
-        nodes: dict[str, int] = {}
+        kept = _Kept(table, CHANGES.count, now + MAX_VIEW_AGE)
+        kept.members = {rec.node_id for rec in st.registry if rec.model == model}
+        now_wall = time.time()
         slots: list[tuple[int, int, bytes, bytes] | None] = []
-        for key in slot_keys:
+        for slot, key in enumerate(slot_keys):
             if key is None:
                 slots.append(None)
                 continue
             node_id, rank = key
-            rec = st.registry.get(node_id)
-            if rec is not None and not (rec.expired or rec.resyncing or rec.draining):
-                valid_until = min(valid_until, rec.last_heard + lease)  # live until then at most
-            info = st.live_node(node_id, model, now, now_wall, rank)
-            if info is None:
-                slots.append(None)
-                continue
-            load, url, trust, cause = info
-            slots.append((nodes.setdefault(node_id, len(nodes)), rank, _encode(node_id),
-                          api.node_tail(node_id, rank, load, url, trust, cause)))
+            kept.by_node.setdefault(node_id, []).append((slot, rank))
+            slots.append(self._slot(kept, model, node_id, rank, now, now_wall))
         cfg = st.config
         w0, w1, w2 = cfg.tier_weights
-        self.views[model] = native.AnswerModel(
-            table, layout, generation, valid_until, chain, api.block_size(model), cfg.limits.max_query_blocks,
-            (w0, w1, w2), _encode(model), slots)
+        kept.view = native.AnswerModel(
+            table, kept.layout, kept.generation, kept.valid_until, chain, api.block_size(model),
+            cfg.limits.max_query_blocks, (w0, w1, w2), _encode(model), slots)
+        self.views[model] = kept.view
+        self._kept[model] = kept
         return True
+
+
+class _Kept:
+    """What the Python side keeps of one view: what it was taken at, and where each node's slots are."""
+
+    __slots__ = ("by_node", "generation", "layout", "members", "nodes", "table", "valid_until", "view")
+
+    def __init__(self, table: Table, generation: int, valid_until: float) -> None:
+        self.table = table
+        self.layout = table.layout()
+        self.generation = generation
+        self.valid_until = valid_until
+        self.by_node: dict[str, list[tuple[int, int]]] = {}
+        """node id -> its (slot, dp rank)s in the table, as of the layout."""
+        self.nodes: dict[str, int] = {}
+        """node id -> its index in the view (groups its ranks in the answer)."""
+        self.members: set[str] = set()
+        """The nodes whose records are of this partition (the last one leaving may make it unknown)."""
+        self.view: AnswerModel | None = None

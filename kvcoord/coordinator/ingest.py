@@ -517,7 +517,7 @@ class IngestSession:
             marks[rank] = shown(lost, LOST_CHARS, quote=False)
         if marks.get(rank) == before:
             return
-        CHANGES.bump()  # changed in place: lookups' views of the node are stale
+        CHANGES.bump(rec.node_id)  # changed in place: lookups' views of the node are stale
         self.state.update_node_gauges()
         now = marks.get(rank)
         self.state.log_once(f"history:{rec.node_id}:{self.epoch}:{rank}:{now is None}", logging.WARNING,

@@ -74,23 +74,45 @@ _EXACT = trust_state(None, resyncing=False, expired=False)
 
 
 class Changes:
-    """A count of changes to what lookups report of nodes: any record's model, ranks, liveness flags,
-    trust marks, load or URL, and records coming and going (every such change sets a watched field of
-    :class:`NodeRecord`), plus registrations. The HTTP API's native answers are built from views that
-    name the count they were taken at (``kvcoord.coordinator.fastpath``): a view is stale once it moved."""
+    """The changes to what lookups report of nodes, counted and logged: any record's model, ranks,
+    liveness flags, trust marks, load or URL, and records coming and going (every such change sets a
+    watched field of :class:`NodeRecord`), plus registrations. The HTTP API's native answers are built
+    from views that name the count they were taken at (``kvcoord.coordinator.fastpath``): a view is stale
+    once it moved, and brought up to date from the nodes logged since."""
 
-    __slots__ = ("count",)
+    __slots__ = ("base", "count", "log")
+
+    LOG_MAX = 4096
+    """Changes kept; a view older than the log is rebuilt whole."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.base = 0
+        self.log: list[str | None] = []
+        """Change ``base + i + 1`` was of node ``log[i]`` (None: not of one node)."""
 
-    def bump(self) -> None:
+    def bump(self, node_id: str | None = None) -> None:
+        """One change, of ``node_id``'s record or (None) of something else."""
         self.count += 1
+        log = self.log
+        log.append(node_id)
+        if len(log) > self.LOG_MAX:
+            drop = len(log) // 2
+            del log[:drop]
+            self.base += drop
+
+    def since(self, count: int) -> set[str | None] | None:
+        """The nodes changed after change ``count`` (None among them: something else did); None when
+        the log no longer reaches back that far."""
+        if count < self.base:
+            return None
+        return set(self.log[count - self.base:])
 
 
 CHANGES = Changes()
 """One per process (several coordinators in one process only rebuild more often)."""
 
+_UNSET = object()
 _WATCHED = frozenset({"model", "dp_ranks", "resyncing", "draining", "expired", "hash_mismatch", "load",
                       "serving_url", "history_lost"})
 """The :class:`NodeRecord` fields lookups read (``live``, ``trust``, the answer's load and URL)."""
@@ -142,9 +164,13 @@ class NodeRecord:
     bound: a snapshot may repeat a block): what ``max_entries_per_node`` is checked against."""
 
     def __setattr__(self, name: str, value: object) -> None:
+        if name not in _WATCHED:
+            object.__setattr__(self, name, value)
+            return
+        old = getattr(self, name, _UNSET)
         object.__setattr__(self, name, value)
-        if name in _WATCHED:
-            CHANGES.count += 1
+        if old is _UNSET or old != value:  # a heartbeat with the same load changes nothing
+            CHANGES.bump(getattr(self, "node_id", None))
 
     @property
     def state(self) -> str:
@@ -286,7 +312,7 @@ class NodeRegistry:
                 rec.hash_mismatch = False
                 rec.hash_mismatch_reason = ""
                 rec.history_lost.clear()
-                CHANGES.bump()
+                CHANGES.bump(node_id)
                 rec.verify_seen = 0
             rec.model, rec.dp_ranks, rec.epoch = model, dp_ranks, epoch
             rec.last_seq = 0
