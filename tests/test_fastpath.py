@@ -460,3 +460,21 @@ def test_trust_is_per_dp_rank() -> None:
     assert rec.trust.state == "degraded"  # the node's own trust (ListNodes, metrics): its worst rank
     rec.hash_mismatch, rec.hash_mismatch_reason = True, "sampled chain did not verify"
     assert trusts() == {0: ("degraded", "hash_mismatch"), 1: ("degraded", "hash_mismatch")}
+
+
+def test_a_lapsed_node_heard_again_is_answered_at_once() -> None:
+    """Past its lease (not yet swept) a node is in no answer; a heartbeat then makes it live again without
+    changing any watched field, and the next native answer has it, as the handler's does."""
+    fleet = Fleet(random.Random(9), lease_seconds=5.0)
+    rec = fleet.node("a", "m", (0,))
+    fleet.node("b", "m", (0,))
+    for node in ("a", "b"):
+        fleet.state.index.apply_sync("m", node, 0, [(STORE, 0, fleet.chains["m"][:6], None, True)])  # type: ignore[attr-defined]
+    body = json.dumps({"model_name": "m", "block_hashes": fleet.chains["m"][:6]}).encode()
+    raw = raw_request("/query_by_hash", body)
+    rec.last_heard = time.monotonic() - 6.0  # as if 6 s went by without a word from it
+    lapsed = fleet.answer(raw)
+    assert lapsed == fleet.handler("/query_by_hash", body) and b'"node_id":"a"' not in lapsed
+    fleet.state.registry.heard(rec)
+    again = fleet.answer(raw)
+    assert again == fleet.handler("/query_by_hash", body) and b'"node_id":"a"' in again

@@ -107,6 +107,8 @@ class NativeAnswers:
         assert view is not None
         registry = self.api.state.registry
         now_wall, generation = time.time(), CHANGES.count
+        changed |= kept.lapsed  # asked again at every lookup while lapsed (below)
+        kept.lapsed = set()
         for node_id in changed:
             assert node_id is not None
             rec = registry.get(node_id)
@@ -117,7 +119,7 @@ class NativeAnswers:
             for slot, rank in kept.by_node.get(node_id, ()):
                 view.set_slot(slot, self._slot(kept, model, node_id, rank, now, now_wall))
         kept.generation = generation
-        view.renew(generation, kept.valid_until)
+        view.renew(generation, now if kept.lapsed else kept.valid_until)
         return True
 
     def _slot(self, kept: _Kept, model: str, node_id: str, rank: int, now: float,
@@ -126,7 +128,11 @@ class NativeAnswers:
         st, api = self.api.state, self.api
         rec = st.registry.get(node_id)
         if rec is not None and not (rec.expired or rec.resyncing or rec.draining):
-            kept.valid_until = min(kept.valid_until, rec.last_heard + st.registry.lease)  # live until then
+            deadline = rec.last_heard + st.registry.lease
+            if deadline >= now:
+                kept.valid_until = min(kept.valid_until, deadline)  # live until then at most
+            elif rec.model == model:  # lapsed, not expired yet: live again at its next heartbeat,
+                kept.lapsed.add(node_id)  # which changes no watched field
         info = st.live_node(node_id, model, now, now_wall, rank)
         if info is None:
             return None
@@ -165,8 +171,8 @@ class NativeAnswers:
         cfg = st.config
         w0, w1, w2 = cfg.tier_weights
         kept.view = native.AnswerModel(
-            table, kept.layout, kept.generation, kept.valid_until, chain, api.block_size(model),
-            cfg.limits.max_query_blocks, (w0, w1, w2), _encode(model), slots)
+            table, kept.layout, kept.generation, now if kept.lapsed else kept.valid_until, chain,
+            api.block_size(model), cfg.limits.max_query_blocks, (w0, w1, w2), _encode(model), slots)
         self.views[model] = kept.view
         self._kept[model] = kept
         return True
@@ -175,7 +181,8 @@ class NativeAnswers:
 class _Kept:
     """What the Python side keeps of one view: what it was taken at, and where each node's slots are."""
 
-    __slots__ = ("by_node", "generation", "layout", "members", "nodes", "table", "valid_until", "view")
+    __slots__ = ("by_node", "generation", "lapsed", "layout", "members", "nodes", "table", "valid_until",
+                 "view")
 
     def __init__(self, table: Table, generation: int, valid_until: float) -> None:
         self.table = table
@@ -186,6 +193,8 @@ class _Kept:
         """node id -> its (slot, dp rank)s in the table, as of the layout."""
         self.nodes: dict[str, int] = {}
         """node id -> its index in the view (groups its ranks in the answer)."""
+        self.lapsed: set[str] = set()
+        """Nodes past their lease, not yet expired: their slots are looked at again at every lookup."""
         self.members: set[str] = set()
         """The nodes whose records are of this partition (the last one leaving may make it unknown)."""
         self.view: AnswerModel | None = None
