@@ -22,7 +22,17 @@ from kvcoord.events import CLEAR, REMOVE, STORE, ExtraKeys, Tier, stored_extra_k
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import CLEAR_OP, NTIERS, InvalidEvent, Op, indexable_kind, ops_of, pack_u64, unpack_u64
+from kvcoord.validate import (
+    CLEAR_OP,
+    NTIERS,
+    InvalidEvent,
+    Op,
+    indexable_kind,
+    ops_of,
+    pack_u64,
+    u64_ok,
+    unpack_u64,
+)
 
 _LITTLE = sys.byteorder == "little"
 _U32_MAX = 0xFFFFFFFF
@@ -81,9 +91,12 @@ class TokenSampler:
         self._seen += 1
         if self._seen > self.first and (not self.every or self._seen % self.every):
             return None
-        sent = self._sent
-        for h in ev.block_hashes:
-            sent[to_block_hash64(h)] = None
+        sent, hashes = self._sent, ev.block_hashes
+        if u64_ok(hashes):
+            sent.update(dict.fromkeys(hashes))  # plain uint64 ints, the common case: no per-hash call
+        else:
+            for h in hashes:
+                sent[to_block_hash64(h)] = None
         while len(sent) > self.memory:
             sent.popitem(last=False)
         return Sample.of(ev)

@@ -15,6 +15,7 @@ from itertools import accumulate
 from operator import attrgetter
 from typing import Any
 
+from kvcoord.engine.zmq_wire import Wakeup
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity
 
@@ -135,7 +136,7 @@ class Link:
         self.security = security
         self.unacked: deque[Sealed] = deque()
         self.stats = LinkStats(endpoint.address)
-        self.wakeup = asyncio.Event()
+        self.wakeup = Wakeup()
         self.snapshot_requested = False
         self.force_snapshot = False
         self.high_sent = 0
@@ -185,20 +186,38 @@ class Link:
         return q[pos] if pos < len(q) else None
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: bytes, body: bytes) -> bytes:
+    """A length-delimited protobuf field: ``tag``, the length as a varint, the bytes."""
+    return b"".join((tag, _varint(len(body)), body))
+
+
+_BATCH_TAG = b"\x12"
+"""``AgentMessage.batch`` (field 2, length-delimited)."""
+_BATCHES_TAG = b"\x2a"
+"""``AgentMessage.batches`` (field 5, length-delimited)."""
+_GROUP_ITEM_TAG = b"\x0a"
+"""``EventBatches.batches`` (field 1, length-delimited)."""
+
+
 def batch_message(body: bytes) -> bytes:
-    """``AgentMessage{batch}`` around one sealed ``EventBatch``."""
-    msg = pb.AgentMessage()
-    msg.batch.MergeFromString(body)
-    return msg.SerializeToString()
+    """``AgentMessage{batch}`` around one sealed ``EventBatch``: framed as bytes (an embedded message is
+    its tag, length and serialized bytes), not parsed and serialized again."""
+    return _field(_BATCH_TAG, body)
 
 
 def batches_message(bodies: Sequence[bytes]) -> bytes:
-    """``AgentMessage{batches}`` around several sealed ``EventBatch``es (consecutive seqs)."""
-    msg = pb.AgentMessage()
-    group = msg.batches.batches
-    for body in bodies:
-        group.add().MergeFromString(body)
-    return msg.SerializeToString()
+    """``AgentMessage{batches}`` around several sealed ``EventBatch``es (consecutive seqs), framed as
+    :func:`batch_message` is."""
+    return _field(_BATCHES_TAG, b"".join([_field(_GROUP_ITEM_TAG, body) for body in bodies]))
 
 
 MAX_GROUP_BATCHES = 64

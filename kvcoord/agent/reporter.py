@@ -45,7 +45,7 @@ from kvcoord.agent.link import (
     batches_message,
     run_piece,
 )
-from kvcoord.events import CLEAR, STORE, Tier
+from kvcoord.events import CLEAR, REMOVE, STORE, Tier
 from kvcoord.hashing import to_block_hash64
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
@@ -331,13 +331,28 @@ class Reporter:
             return
         pick = self.sampler.pick if self.sampler.active else None
         self._events_submitted += len(events)
+        opts, pending = self.options, self._pending
         e = 0
         for op, span in zip(ops, spans, strict=True):
+            kind = op[0]
+            if kind == REMOVE:  # most events: a removal run that fits the batch goes whole, no slicing
+                p = pending.get(rank)
+                if p is None:
+                    p = pending[rank] = Pending(ts, rank)
+                blocks = max(1, len(op[2]))
+                if span <= opts.max_batch_events - p.events and blocks < opts.max_batch_blocks - p.blocks:
+                    fill_event(p.msg.events.add(), op, events[e], None, pack_u64(op[2]), span)
+                    p.events += span
+                    p.blocks += blocks
+                    e += span
+                    if p.events >= opts.max_batch_events:
+                        self._seal(rank)
+                    continue
             run = events[e:e + span] if span > 1 else (events[e],)
             e += span
-            if op[0] == CLEAR:
+            if kind == CLEAR:
                 self._lost.pop(rank, None)  # the engine starts from nothing: its history is whole again
-            samples = [pick(ev) for ev in run] if pick is not None and op[0] == STORE else None
+            samples = [pick(ev) for ev in run] if pick is not None and kind == STORE else None
             self._add_run(rank, ts, op, run, pack_u64(op[2]), samples)
         p = self._pending.get(rank)
         if p is not None and p.timer is None:
@@ -585,8 +600,7 @@ class Reporter:
                 stats.heartbeats_sent += 1
                 next_hb = now + hb_interval
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(link.wakeup.wait(), next_hb - now)
+            await link.wakeup.wait(next_hb - now)
 
     async def _read_loop(self, link: Link, call: grpc.aio.StreamStreamCall) -> None:
         assert self._ack_event is not None

@@ -43,6 +43,7 @@ from kvcoord.engine.zmq_wire import (
     FrameError,
     ReplayClient,
     ReplayError,
+    SocketWaiter,
     parse_pub_frames,
     subscribe_socket,
 )
@@ -270,7 +271,7 @@ class Relay:
         """Relay until ``stop`` is set (noticed within the idle probe interval, at most 1 s; owners that
         stop at once cancel the task as well)."""
         sub = subscribe_socket(self._ctx, self.endpoint, self.topic, hwm=self._hwm)
-        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)  # synchronous view for non-blocking drains
+        readable = SocketWaiter(sub)
         if self.replay_endpoint:
             self._replay = ReplayClient(self._ctx, self.replay_endpoint, timeout=self._replay_timeout)
         self.ready.set()
@@ -281,8 +282,8 @@ class Relay:
             while not stop.is_set():
                 # Wake for the next idle probe, not more often: 8 idle relays polling every 100 ms cost
                 # a coordinator ~2-4% of a core.
-                wait_ms = int((idle_since + self._idle_probe - loop.time()) * 1000)
-                if not await sub.poll(timeout=min(max(wait_ms, 1), 1000)):
+                wait = min(max(idle_since + self._idle_probe - loop.time(), 0.001), 1.0)
+                if not await readable.wait(wait):
                     if loop.time() - idle_since >= self._idle_probe:
                         await self._probe()  # a quiet stream may hide a dropped tail
                         idle_since = loop.time()
@@ -292,13 +293,14 @@ class Relay:
                 # every DRAIN_BURST frames: a backlog must not starve the reporter or a SIGTERM handler.
                 for _ in range(DRAIN_BURST):
                     try:
-                        frames = raw.recv_multipart(zmq.NOBLOCK)
+                        frames = sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     await self.on_frames(frames)
                 else:
                     await asyncio.sleep(0)
         finally:
+            readable.close()
             sub.close(linger=0)
             if self._replay is not None:
                 self._replay.close()

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgspec
 import zmq
@@ -334,10 +334,13 @@ class ReplayClient:
             raise
 
 
-def subscribe_socket(ctx: zmq.asyncio.Context, endpoint: str, topic: str, *, hwm: int = 100_000
-                     ) -> zmq.asyncio.Socket:
-    """A SUB socket on ``endpoint`` filtered by ``topic`` (connect, or bind for wildcard endpoints)."""
-    sock = ctx.socket(zmq.SUB)
+def subscribe_socket(ctx: zmq.Context[Any], endpoint: str, topic: str, *, hwm: int = 100_000
+                     ) -> zmq.Socket[bytes]:
+    """A SUB socket on ``endpoint`` filtered by ``topic`` (connect, or bind for wildcard endpoints).
+
+    A synchronous socket (of any context, an asyncio one included): the relay receives without
+    blocking and waits on its FD with a :class:`SocketWaiter`."""
+    sock: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.set_hwm(hwm)
     sock.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
@@ -351,3 +354,109 @@ def subscribe_socket(ctx: zmq.asyncio.Context, endpoint: str, topic: str, *, hwm
             sock.close(linger=0)
         raise _endpoint_error("bind" if _binds(endpoint) else "connect", endpoint, exc) from None
     return sock
+
+
+class SocketWaiter:
+    """Waits in the event loop until a synchronous ZMQ socket has a message, on its FD, for one future
+    and one timer per wait (a :class:`Wakeup`). zmq.asyncio's ``poll`` builds a poller, futures and a
+    reader registration each call.
+
+    The socket's FD only signals activity, and only ``ZMQ_EVENTS`` says whether a message is there (asking
+    it also rearms the FD), so :meth:`wait` asks first and again after every wakeup. The FD's reader stays
+    registered between waits and removes itself when it fires while nobody waits: a relay busy elsewhere
+    (a replay) must not make the loop spin on a readable FD.
+    """
+
+    __slots__ = ("_armed", "_fd", "_loop", "_sock", "_wake")
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self._sock = sock
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._armed = False
+        self._wake = Wakeup()
+
+    def _on_readable(self) -> None:
+        if self._wake.waiting:
+            self._wake.set()
+        else:
+            self._disarm()
+
+    def _disarm(self) -> None:
+        if self._armed and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+        self._armed = False
+
+    async def wait(self, timeout: float) -> bool:
+        """True once a message can be received without blocking; False after ``timeout`` seconds."""
+        sock = self._sock
+        if _readable(sock):
+            return True
+        loop = self._loop = asyncio.get_running_loop()
+        if not self._armed:
+            loop.add_reader(self._fd, self._on_readable)
+            self._armed = True
+        deadline = loop.time() + timeout
+        while True:
+            self._wake.clear()
+            await self._wake.wait(deadline - loop.time())
+            if _readable(sock):
+                return True
+            if loop.time() >= deadline:
+                return False
+
+    def close(self) -> None:
+        """Unregister the FD (before the socket closes)."""
+        self._disarm()
+
+
+def _readable(sock: zmq.Socket[Any]) -> bool:
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+class Wakeup:
+    """``asyncio.Event``'s ``set``/``clear`` for one waiter, whose :meth:`wait` with a timeout costs one
+    future and one timer handle: ``asyncio.wait_for`` wraps each wait in a new task, and a relay that keeps
+    up with its engine waits once per frame (as the reporter's writer does once per message)."""
+
+    __slots__ = ("_flag", "_waiter")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._flag = True
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def clear(self) -> None:
+        self._flag = False
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    @property
+    def waiting(self) -> bool:
+        """Someone is in :meth:`wait`."""
+        return self._waiter is not None
+
+    async def wait(self, timeout: float) -> bool:
+        """Until set, or ``timeout`` seconds; whether it is set."""
+        if self._flag:
+            return True
+        loop = asyncio.get_running_loop()
+        fut = self._waiter = loop.create_future()
+        handle = loop.call_later(max(0.0, timeout), _release, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self._waiter = None
+        return self._flag
+
+
+def _release(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
