@@ -418,6 +418,9 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
         env["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
     if args.malloc_trim_threshold is not None:
         env["MALLOC_TRIM_THRESHOLD_"] = str(args.malloc_trim_threshold)
+    for kv in args.server_env:
+        k, _, v = kv.partition("=")
+        env[k] = v
     return env
 
 
@@ -463,6 +466,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--malloc-arena-max", type=int, default=0, help="MALLOC_ARENA_MAX for the server")
     ap.add_argument("--malloc-trim-threshold", type=int, default=None,
                     help="MALLOC_TRIM_THRESHOLD_ (bytes) for the server")
+    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for the server (repeatable)")
     ap.add_argument("--seed", type=int, default=15)
     ap.add_argument("--py-spy", default="", metavar="OUT", help="py-spy record the server over the flood")
     ap.add_argument("--py-spy-format", default="raw", choices=("raw", "speedscope", "flamegraph"))

@@ -4,8 +4,8 @@ Before: every stream could stage up to ``max_snapshot_blocks`` (16.7M blocks) of
 two such streams took the coordinator to 5 GB, and an aborted stream's staged blocks stayed referenced
 through the abort's traceback. Now one budget, ``max_staged_snapshot_blocks``, caps the blocks staged
 over all streams: the stream that would pass it is refused (RESOURCE_EXHAUSTED, counted), a stream that
-ends or is aborted releases its share at once (and, past 8 MB, hands the memory back with
-``malloc_trim``).
+ends or is aborted releases its share at once (and, past one 512 KB chunk, asks for a reclaim: the ended
+streams' garbage collected, then ``malloc_trim``).
 
 A real ``kvcoord serve`` with its flags; agents are raw gRPC streams. Waits poll for their condition.
 """
@@ -13,11 +13,14 @@ A real ``kvcoord serve`` with its flags; agents are raw gRPC streams. Waits poll
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import weakref
 from pathlib import Path
 
 import grpc
 
+from kvcoord.coordinator.reclaim import release_memory
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.wire import snapshot_to_proto
@@ -95,3 +98,29 @@ async def test_one_budget_over_all_streams_and_released_when_a_stream_ends(tmp_p
             # Only the finished snapshots reached the index: node-a's and node-d's, none of b's or c's.
             stats = await stub.Stats(pb.StatsRequest(), timeout=DEADLINE)
             assert stats.entries == (2 * CHUNK + 10) + (4 * CHUNK + 10), stats.entries
+
+
+async def test_an_ended_snapshot_soon_collects_the_garbage_of_ended_streams() -> None:
+    """An ended ingest RPC is a reference cycle inside grpc (its state, the abort's traceback, the frames
+    holding its last message): ``release_memory``, asked for when a staged snapshot ends, collects such
+    cycles soon instead of leaving them to the rare full collections (each wave of a flood stayed in
+    the RSS)."""
+
+    class Cycle:
+        me: object = None
+
+    gc.disable()  # only the reclaim may collect it
+    try:
+        garbage = Cycle()
+        garbage.me = garbage
+        gone = weakref.ref(garbage)
+        del garbage
+        release_memory()
+        release_memory()  # coalesced with the first
+
+        async def collected() -> bool:
+            return gone() is None
+
+        await eventually(collected, "the cycle collected by the reclaim")
+    finally:
+        gc.enable()

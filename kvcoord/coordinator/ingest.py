@@ -24,7 +24,6 @@ Ordering contract (shared with kvcoord.agent.reporter):
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.config import Limits
 from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.incoming import KINDS, Incoming, WireBatch
+from kvcoord.coordinator.reclaim import release_memory
 from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import CLEAR
@@ -71,26 +71,8 @@ class IngestAbort(Exception):
         self.message = message
 
 
-TRIM_BLOCKS = 1 << 20
-"""A dropped snapshot this large (8 MB and up) hands its memory back to the OS at once."""
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    return trim
-
-
-_TRIM = _malloc_trim()
-
-
-def release_memory() -> None:
-    """Return freed heap to the OS (glibc keeps large freed blocks in its arenas once its mmap threshold
-    has grown, so an abandoned multi-GB snapshot would otherwise stay in the RSS)."""
-    if _TRIM is not None:
-        _TRIM(0)
+TRIM_BLOCKS = 1 << 16
+"""A snapshot this large (one agent chunk, 512 KB, and up) that ends or is dropped asks for a reclaim."""
 
 
 @dataclass(slots=True)

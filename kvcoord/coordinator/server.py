@@ -26,6 +26,7 @@ from kvcoord.coordinator.engines import EngineRunner, Engines, open_engine_store
 from kvcoord.coordinator.fastpath import NativeAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpServer
+from kvcoord.coordinator.reclaim import limit_arenas
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials, server_ssl_context
@@ -129,6 +130,10 @@ class CoordinatorServer:
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            # No BDP probing: it grows each stream's receive window to megabytes, which gRPC fills with
+            # the messages of streams that are about to be refused (8 flooding snapshot streams: +25 MB
+            # of RSS). A pending read still opens the window to its message's size.
+            ("grpc.http2.bdp_probe", 0),
         ]
         server = grpc.aio.server(options=opts)
         servicer = self._servicer = CoordinatorServicer(state, auth)
@@ -217,6 +222,7 @@ class CoordinatorServer:
 
 async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop within about a second."""
+    limit_arenas()  # before gRPC starts its threads
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before listening, so an early signal still stops cleanly
