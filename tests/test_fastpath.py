@@ -12,6 +12,7 @@ import random
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,12 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcoord.coordinator.auth import Authenticator
-from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.config import ConfigError, load_config
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.fastpath import NativeAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpServer, Request, Response, render
-from kvcoord.coordinator.registry import CHANGES, NodeRecord
+from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.load import NodeLoad
@@ -478,3 +479,34 @@ def test_a_lapsed_node_heard_again_is_answered_at_once() -> None:
     fleet.state.registry.heard(rec)
     again = fleet.answer(raw)
     assert again == fleet.handler("/query_by_hash", body) and b'"node_id":"a"' in again
+
+
+def test_partitions_without_a_profile_follow_their_nodes() -> None:
+    """A partition known only through its nodes: its block size is the one they announced, and with its
+    last record gone (even one expired before) it is unknown again, natively as by the handler."""
+    fleet = Fleet(random.Random(10))
+    rec, _ = fleet.state.registry.hello("a", "u", (0,), 1, index_ok=True)
+    rec.resyncing = False
+    hashes = block_hashes64(PROFILES["m"], fleet.tokens)[:5]
+    fleet.state.index.apply_sync("u", "a", 0, [(STORE, 0, hashes, None, True)])  # type: ignore[attr-defined]
+    body = json.dumps({"model_name": "u", "block_hashes": hashes}).encode()
+    raw = raw_request("/query_by_hash", body)
+    assert fleet.answer(raw) == fleet.handler("/query_by_hash", body)
+    assert b'"block_size":0' in fleet.handler("/query_by_hash", body)
+    rec.announced = AnnouncedProfile("sha256", 16)
+    assert fleet.answer(raw) == fleet.handler("/query_by_hash", body)
+    assert b'"block_size":16' in fleet.handler("/query_by_hash", body)
+    rec.expired = True
+    assert fleet.answer(raw) == fleet.handler("/query_by_hash", body)
+    fleet.state.registry.remove("a")
+    assert fleet.handler("/query_by_hash", body).startswith(b"HTTP/1.1 404")
+    assert fleet.answer(raw) is None
+
+
+@pytest.mark.parametrize("weight", ["inf", "-inf", "nan"])
+def test_tier_weights_must_be_finite(weight: str, tmp_path: Path) -> None:
+    """0 x inf is nan: no order would hold, natively or in Python."""
+    path = tmp_path / "c.toml"
+    path.write_text(f'[tier_weights]\nGPU = {weight}\n')
+    with pytest.raises(ConfigError, match="finite"):
+        load_config(path, env={})

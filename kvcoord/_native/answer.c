@@ -197,8 +197,11 @@ AnswerModel_renew(AnswerModel *m, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     unsigned long long generation = PyLong_AsUnsignedLongLong(args[0]);
+    if (generation == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
     double valid_until = PyFloat_AsDouble(args[1]);
-    if (PyErr_Occurred()) {
+    if (valid_until == -1.0 && PyErr_Occurred()) {
         return NULL;
     }
     m->generation = generation;
@@ -896,6 +899,11 @@ answer(AnswerModel *m, int route, QueryBody *qb, PyObject *head)
     if (keys == NULL) {
         return NULL;
     }
+    if (kvn_table_layout(m->table) != m->layout) {
+        /* hashing allocated, and the GC may have run Python code that moved a slot: ask again */
+        Py_XDECREF(owner);
+        return NULL;
+    }
     /* unaligned packed keys (a bytes' data is aligned; the body's hashes were copied into PyMem) */
     if (kvn_table_rows(m->table, keys, nkeys, &rows, &nrows) < 0 ||
         (hits = live_hits(m, rows, nrows, &nh, &best)) == NULL) {
@@ -919,7 +927,7 @@ answer(AnswerModel *m, int route, QueryBody *qb, PyObject *head)
     } else {
         PyObject *bytes = PyBytes_FromStringAndSize(resp.p, (Py_ssize_t)resp.n);
         if (bytes != NULL) {
-            out = Py_BuildValue("(Nini)", bytes, route, nkeys, (int)best);
+            out = Py_BuildValue("(Ninn)", bytes, route, nkeys, (Py_ssize_t)best);
         }
     }
     PyMem_Free(resp.p);
@@ -974,8 +982,11 @@ answer_lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     unsigned long long generation = PyLong_AsUnsignedLongLong(args[2]);
+    if (generation == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
     double now = PyFloat_AsDouble(args[3]);
-    if (PyErr_Occurred()) {
+    if (now == -1.0 && PyErr_Occurred()) {
         return NULL;
     }
     HttpRequest req;

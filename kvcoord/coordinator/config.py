@@ -7,6 +7,7 @@ The file format is documented in :data:`EXAMPLE_TOML`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -223,6 +224,8 @@ def _as_float(where: str, value: object, *, positive: bool = True) -> float:
             raise ConfigError(f"{where}: {value!r} is not a number") from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if not math.isfinite(value):  # an inf tier weight makes 0 * inf = nan scores: no order at all
+        raise ConfigError(f"{where}: must be a finite number, got {value}")
     if positive and not value > 0:
         raise ConfigError(f"{where}: must be > 0, got {value}")
     if not positive and value < 0:

@@ -432,8 +432,9 @@ class Engines:
         """Claim or renew this replica's instances; start, restart or stop their relays to match."""
         async with self._lock:
             engines = await self.store.all()
+            if engines != self._known:
+                CHANGES.bump()  # block sizes and known models feed the HTTP API's native answers
             self._known = engines
-            CHANGES.bump()  # block sizes and known models feed the HTTP API's native answers
             for iid in [i for i, (e, _) in self._failed.items() if engines.get(i) != e]:
                 del self._failed[iid]  # changed: try again
                 if iid not in engines:

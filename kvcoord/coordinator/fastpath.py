@@ -101,7 +101,8 @@ class NativeAnswers:
         kept = self._kept.get(model)
         changed = CHANGES.since(kept.generation) if kept is not None else None
         if (kept is None or changed is None or None in changed or now > kept.valid_until
-                or kept.table.layout() != kept.layout or self.views.get(model) is not kept.view):
+                or kept.table.layout() != kept.layout or self.views.get(model) is not kept.view
+                or self.api.block_size(model) != kept.block_size):
             return self._build(model, now)
         view = kept.view
         assert view is not None
@@ -127,10 +128,10 @@ class NativeAnswers:
         """One (node, rank)'s entry of a view: None unless lookups may report it now."""
         st, api = self.api.state, self.api
         rec = st.registry.get(node_id)
+        lease = st.registry.lease
         if rec is not None and not (rec.expired or rec.resyncing or rec.draining):
-            deadline = rec.last_heard + st.registry.lease
-            if deadline >= now:
-                kept.valid_until = min(kept.valid_until, deadline)  # live until then at most
+            if now - rec.last_heard <= lease:  # NodeRecord.live's test; stale a microsecond early
+                kept.valid_until = min(kept.valid_until, rec.last_heard + lease - 1e-6)
             elif rec.model == model:  # lapsed, not expired yet: live again at its next heartbeat,
                 kept.lapsed.add(node_id)  # which changes no watched field
         info = st.live_node(node_id, model, now, now_wall, rank)
@@ -157,7 +158,7 @@ class NativeAnswers:
         except LookupFailed:
             profile = None
         chain = native_keys_plan(profile) if profile is not None else None
-        kept = _Kept(table, CHANGES.count, now + MAX_VIEW_AGE)
+        kept = _Kept(table, CHANGES.count, now + MAX_VIEW_AGE, api.block_size(model))
         kept.members = {rec.node_id for rec in st.registry if rec.model == model}
         now_wall = time.time()
         slots: list[tuple[int, int, bytes, bytes] | None] = []
@@ -172,7 +173,7 @@ class NativeAnswers:
         w0, w1, w2 = cfg.tier_weights
         kept.view = native.AnswerModel(
             table, kept.layout, kept.generation, now if kept.lapsed else kept.valid_until, chain,
-            api.block_size(model), cfg.limits.max_query_blocks, (w0, w1, w2), _encode(model), slots)
+            kept.block_size, cfg.limits.max_query_blocks, (w0, w1, w2), _encode(model), slots)
         self.views[model] = kept.view
         self._kept[model] = kept
         return True
@@ -181,11 +182,13 @@ class NativeAnswers:
 class _Kept:
     """What the Python side keeps of one view: what it was taken at, and where each node's slots are."""
 
-    __slots__ = ("by_node", "generation", "lapsed", "layout", "members", "nodes", "table", "valid_until",
-                 "view")
+    __slots__ = ("block_size", "by_node", "generation", "lapsed", "layout", "members", "nodes", "table",
+                 "valid_until", "view")
 
-    def __init__(self, table: Table, generation: int, valid_until: float) -> None:
+    def __init__(self, table: Table, generation: int, valid_until: float, block_size: int) -> None:
         self.table = table
+        self.block_size = block_size
+        """The partition's block size as :meth:`HttpApi.block_size` gave it (/query_by_hash answers)."""
         self.layout = table.layout()
         self.generation = generation
         self.valid_until = valid_until

@@ -114,8 +114,9 @@ CHANGES = Changes()
 
 _UNSET = object()
 _WATCHED = frozenset({"model", "dp_ranks", "resyncing", "draining", "expired", "hash_mismatch", "load",
-                      "serving_url", "history_lost"})
-"""The :class:`NodeRecord` fields lookups read (``live``, ``trust``, the answer's load and URL)."""
+                      "serving_url", "history_lost", "announced"})
+"""The :class:`NodeRecord` fields lookups read (``live``, ``trust``, the answer's load and URL, the
+announced block size of a model without a profile)."""
 
 
 @dataclass(slots=True)
@@ -342,6 +343,7 @@ class NodeRegistry:
         if rec is not None:
             rec.expired = True
             rec.stream_gen += 1
+            CHANGES.bump(node_id)  # gone, even if it had expired already (its model may be unknown now)
         return rec
 
     def expire_due(self, now: float | None = None) -> list[NodeRecord]:
@@ -352,6 +354,7 @@ class NodeRegistry:
             if rec.expired:
                 if now - rec.expired_at > self.retain_expired:
                     del self._nodes[rec.node_id]
+                    CHANGES.bump(rec.node_id)
             elif now - rec.last_heard > self.lease:
                 rec.expired = True
                 rec.expired_at = now
