@@ -9,11 +9,13 @@ Workloads:
 - ``shared-prefix``: 64 system prompts of 2048 tokens (128 blocks), 16 questions each of 128 tokens
   (8 blocks), spread the same way; queries are 4 new questions per prompt.
 
-Both indexes get identical events: ours as ``BlockStored`` objects through ``MemoryIndex.apply_sync``,
+Both indexes get identical events: ours as ``BlockStored`` objects validated (``kvcoord.validate.ops_of``,
+timed) into ``MemoryIndex.apply_sync``,
 Dynamo's as pre-encoded JSON ``KvCacheEvent`` bytes through ``RadixTree.apply_event``. Encoding is outside
 the timed region; each timed chunk ends with a ``find_matches`` so Dynamo's worker thread has drained.
-A match is timed through ``MemoryIndex.match_raw_sync`` (plain tuples; what the coordinator's Lookup
-calls) and ``MemoryIndex.match_sync`` (the protocol's sorted ``NodeMatch`` list) vs
+A match is timed through ``MemoryIndex.match_sync`` (the protocol's sorted ``NodeMatch`` list: what the
+coordinator's Lookup calls) and, as "raw", the C table's own call with plain tuples for rows (through
+``MemoryIndex.native_view``; the pure-Python core has none) vs
 ``RadixTree.find_matches(...).scores``; results are cross-checked.
 
 ``--core`` picks the MemoryIndex core (``auto``: the C extension when built, else pure Python).
@@ -205,7 +207,7 @@ def run_workload(name: str, reqs: Sequence[Request], queries: Sequence[Request],
     eid = 0
     for ci, chunk in enumerate(_chunks(events, CHUNK_EVENTS)):
         mine = [
-            (names[e.node], [BlockStored(tuple(e.chained), e.parent, (), BLOCK_TOKENS)]) for e in chunk
+            (names[e.node], [BlockStored(list(e.chained), e.parent, (), BLOCK_TOKENS)]) for e in chunk
         ]
         theirs = []
         for e in chunk:
@@ -221,7 +223,7 @@ def run_workload(name: str, reqs: Sequence[Request], queries: Sequence[Request],
                 apply = ours.apply_sync
                 c0, t0 = time.process_time(), time.perf_counter()
                 for node, evs in mine:
-                    apply(MODEL, node, 0, evs)
+                    apply(MODEL, node, 0, ops_of(evs))  # validation timed too, as the events arrive
                 res.ours_apply_s += time.perf_counter() - t0
                 res.ours_apply_cpu += time.process_time() - c0
             else:
@@ -236,7 +238,10 @@ def run_workload(name: str, reqs: Sequence[Request], queries: Sequence[Request],
     res.entries, res.est_bytes = st.entries, st.bytes
     gc.collect()
     match = ours.match_sync
-    raw = ours.match_raw_sync
+    view = ours.native_view(MODEL)
+
+    def raw(model: str, hashes: Sequence[int]) -> object:  # the C table's rows as plain tuples
+        return view[0].match(hashes, None, view[1], None) if view is not None else match(model, hashes)
     find = tree.find_matches
     perf = time.perf_counter
     for qi, q in enumerate(queries):
