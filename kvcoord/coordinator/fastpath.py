@@ -12,7 +12,8 @@ back: the handler then answers it, errors included. It answers from a view of ea
 (:class:`AnswerModel`): the index's C table, each live slot's node with its answer entry already
 encoded, and the hash profile. A view names the registry's change count
 (:data:`kvcoord.coordinator.registry.CHANGES`), the table's layout and a time it is valid until (the
-first lease that may run out), so a node that stops being live is never reported from a stale view.
+first lease that may run out), so a node that stops being live is never reported from a stale view; a
+stale view is brought up to date from the change log, slot by slot for the nodes changed since.
 
 With auth on, a request is claimed only with a token the handler would let look up (the same check, called
 from C). Off (every lookup through the handler) without the native extension, with replicas (liveness
