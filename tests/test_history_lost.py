@@ -157,6 +157,7 @@ def degraded_by_lost_history(s: Stack, node: str) -> None:
     until(marked, f"{node} degraded")
     info = s.node(node)
     assert info is not None and info.trust_reason == REASON, info
+    assert info.trust_cause == "history_lost", info
     assert not info.hash_mismatch and info.hash_mismatch_reason == ""
     # The index content is unchanged by the marking: the batches the buffer still held, nothing else.
     until(lambda: s.held(node, range(EARLY)) == list(range(LOST, EARLY)), "the replayed blocks indexed")

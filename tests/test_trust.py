@@ -112,6 +112,8 @@ async def test_every_surface_says_each_nodes_trust() -> None:
             assert got == {"exact": ("active", "exact"), "degraded": ("hash_mismatch", "degraded"),
                            "verify": ("hash_mismatch", "degraded"), "resync": ("resyncing", "resyncing")}
             why = {n.node_id: n.trust_reason for n in nodes}
+            assert {n.node_id: n.trust_cause for n in nodes} == {
+                "exact": "", "degraded": "hash_mismatch", "verify": "hash_mismatch", "resync": ""}
             assert why["exact"] == "" and why["resync"] == "waiting for the node's snapshot"
             assert why["degraded"].startswith("algorithm: the engine hashes with xxhash")
             assert why["verify"] == next(n.hash_mismatch_reason for n in nodes if n.node_id == "verify")
@@ -143,6 +145,7 @@ async def test_every_surface_says_each_nodes_trust() -> None:
         out, _ = await proc.communicate()
         assert proc.returncode == 0
         listed = {n["node_id"]: (n["trust"], n["trust_reason"]) for n in json.loads(out)["nodes"]}
+        assert {n["node_id"]: n["trust_cause"] for n in json.loads(out)["nodes"]}["verify"] == "hash_mismatch"
         assert listed["resync"] == ("resyncing", "waiting for the node's snapshot")
         assert listed["degraded"][0] == "degraded" and listed["exact"] == ("exact", "")
         for a in agents.values():

@@ -112,8 +112,8 @@ def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.Node
         state = "expired"
     degraded = node.trust_reason if node.trust == DEGRADED else None
     lost = node.trust_cause == HISTORY_LOST  # a replica that predates the cause: a mismatch, as before
-    trust, reason, _ = trust_state(None if lost else degraded, resyncing=node.trust == RESYNCING,
-                                   expired=state == "expired", history_lost=degraded if lost else None)
+    trust, reason, cause = trust_state(None if lost else degraded, resyncing=node.trust == RESYNCING,
+                                       expired=state == "expired", history_lost=degraded if lost else None)
     return pb.NodeInfo(
         node_id=node.node_id,
         model=node.model,
@@ -127,6 +127,7 @@ def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.Node
         serving_url=node.url,
         trust=trust,
         trust_reason=reason,
+        trust_cause=cause,
     )
 
 
@@ -138,7 +139,7 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
     state = rec.state
     if state != "expired" and now - rec.last_heard > lease:
         state = "expired"
-    trust, reason, _ = rec.trust_at(expired=state == "expired")
+    trust, reason, cause = rec.trust_at(expired=state == "expired")
     info = pb.NodeInfo(
         node_id=rec.node_id,
         model=rec.model,
@@ -153,6 +154,7 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
         serving_url=rec.serving_url,
         trust=trust,
         trust_reason=reason,
+        trust_cause=cause,
     )
     if rec.announced is not None:
         a = rec.announced

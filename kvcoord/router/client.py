@@ -84,6 +84,8 @@ class NodeStatus:
     trust: str = EXACT
     """``exact``, ``resyncing`` or ``degraded`` (see the README's Semantics); ``trust_reason`` says why."""
     trust_reason: str = ""
+    trust_cause: str = ""
+    """Why degraded, for machines: ``hash_mismatch`` or ``history_lost``; empty otherwise."""
 
     @classmethod
     def from_proto(cls, n: pb.NodeInfo) -> NodeStatus:
@@ -94,7 +96,7 @@ class NodeStatus:
         return cls(n.node_id, n.model, tuple(n.dp_ranks), n.state, n.epoch, n.last_seq,
                    n.last_heartbeat_age_seconds, load_from_proto(n.load), n.hash_mismatch,
                    n.hash_mismatch_reason, profile, n.replica, n.serving_url, n.trust or EXACT,
-                   n.trust_reason)
+                   n.trust_reason, n.trust_cause)
 
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "model": self.model, "dp_ranks": list(self.dp_ranks),
@@ -103,7 +105,7 @@ class NodeStatus:
                 "load": self.load.to_json(),
                 "hash_mismatch": self.hash_mismatch, "hash_mismatch_reason": self.hash_mismatch_reason,
                 "hash_profile": self.hash_profile, "replica": self.replica,
-                "trust": self.trust, "trust_reason": self.trust_reason}
+                "trust": self.trust, "trust_reason": self.trust_reason, "trust_cause": self.trust_cause}
 
 
 @dataclass(frozen=True, slots=True)

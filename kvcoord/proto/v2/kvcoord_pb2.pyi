@@ -1068,6 +1068,7 @@ class NodeInfo(_message.Message):
     TRUST_FIELD_NUMBER: _builtins.int
     TRUST_REASON_FIELD_NUMBER: _builtins.int
     SERVING_URL_FIELD_NUMBER: _builtins.int
+    TRUST_CAUSE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model: _builtins.str
     state: _builtins.str
@@ -1086,6 +1087,8 @@ class NodeInfo(_message.Message):
     """exact | resyncing | degraded | approximate"""
     trust_reason: _builtins.str
     serving_url: _builtins.str
+    trust_cause: _builtins.str
+    """degraded: hash_mismatch | history_lost; else empty"""
     @_builtins.property
     def dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1110,10 +1113,11 @@ class NodeInfo(_message.Message):
         trust: _builtins.str = ...,
         trust_reason: _builtins.str = ...,
         serving_url: _builtins.str = ...,
+        trust_cause: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hash_profile", b"hash_profile", "load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "hash_mismatch_reason", b"hash_mismatch_reason", "hash_profile", b"hash_profile", "last_heartbeat_age_seconds", b"last_heartbeat_age_seconds", "last_seq", b"last_seq", "load", b"load", "model", b"model", "node_id", b"node_id", "replica", b"replica", "serving_url", b"serving_url", "state", b"state", "trust", b"trust", "trust_reason", b"trust_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "hash_mismatch_reason", b"hash_mismatch_reason", "hash_profile", b"hash_profile", "last_heartbeat_age_seconds", b"last_heartbeat_age_seconds", "last_seq", b"last_seq", "load", b"load", "model", b"model", "node_id", b"node_id", "replica", b"replica", "serving_url", b"serving_url", "state", b"state", "trust", b"trust", "trust_cause", b"trust_cause", "trust_reason", b"trust_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
