@@ -67,17 +67,19 @@ def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 15.0) -> 
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
-def until(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    """Poll ``cond`` (from a thread or synchronous test) until it returns something truthy, and return
-    that; AssertionError naming ``what`` after ``timeout`` seconds. Conditions, never fixed sleeps."""
+def until(cond: Callable[[], Any], what: str, timeout: float = 30.0,
+          diagnose: Callable[[], object] = lambda: "", interval: float = 0.05) -> Any:
+    """Poll ``cond`` (from a thread or synchronous test) every ``interval`` seconds until it returns
+    something truthy, and return that; AssertionError naming ``what`` (and ``diagnose()``) after
+    ``timeout`` seconds. Conditions, never fixed sleeps."""
     deadline = time.monotonic() + timeout
     while True:
         got = cond()
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
+        time.sleep(interval)
 
 
 def kvcoord_cmd(*args: str) -> list[str]:

@@ -54,7 +54,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
 from kvcoord.validate import pack_u64
 from kvcoord.wire import events_to_proto, pack_tokens
-from tests.procs import FIXTURES, REPO, free_port, kvcoord_cmd, running, stop, wait_for_port
+from tests.procs import FIXTURES, REPO, free_port, kvcoord_cmd, running, stop, until, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 
 PROMETHEUS_BIN = shutil.which("prometheus")
@@ -235,15 +235,9 @@ def _ts(rfc3339: str) -> float:
 
 def wait_until(cond: Callable[[], T | None], what: str, diagnose: Callable[[], object] = lambda: "",
                timeout: float = DEADLINE) -> T:
-    """Poll ``cond`` until it returns something truthy; fail naming ``what`` (and ``diagnose()``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
-        time.sleep(0.25)
+    """:func:`tests.procs.until` at this file's pace (Prometheus evaluates every second or so)."""
+    got: T = until(cond, what, timeout, diagnose, interval=0.25)
+    return got
 
 
 def shortened_rules(dest: Path) -> list[dict[str, Any]]:
