@@ -10,7 +10,7 @@ refusal itself). One run:
   ``--max-staged-snapshot-blocks BUDGET``) on free ports, optionally with the glibc knobs an operator would
   set (``--malloc-arena-max``, ``--malloc-trim-threshold``).
 - Index: ``--nodes`` agent streams (Hello, then a finished snapshot: some of 32 shared 512-block "system
-  prompts" plus unique blocks, in 65,536-block chunks as ``kvcoord agent`` sends them), kept alive with
+  prompts" plus unique blocks, in chunks of the size ``kvcoord agent`` sends), kept alive with
   heartbeats for the whole run.
 - Lookups: a separate client process sends sequential HTTP ``/query_by_hash`` lookups (a shared prefix cut
   at 256-512 blocks plus 64 unknown blocks; every answer must match) at ``--lookup-rate`` per second, from
@@ -54,6 +54,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kvcoord.agent.link import ReporterOptions  # noqa: E402
 from kvcoord.proto.v2 import kvcoord_pb2 as pb  # noqa: E402
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg  # noqa: E402
 from kvcoord.wire import snapshot_to_proto  # noqa: E402
@@ -62,7 +63,7 @@ from tests.test_hardening import hello  # noqa: E402
 
 MODEL = "flood-model"
 PREFIXES, PREFIX_BLOCKS = 32, 512
-AGENT_CHUNK = 65536
+AGENT_CHUNK = ReporterOptions().snapshot_chunk_entries
 """``kvcoord agent``'s default ``snapshot_chunk_entries``."""
 BYTES_PER_BLOCK = 9
 """What the config documents for a staged block (8 bytes of hash, 1 of tier when one is sent)."""

@@ -72,7 +72,7 @@ class IngestAbort(Exception):
 
 
 TRIM_BLOCKS = 1 << 16
-"""A snapshot this large (one agent chunk, 512 KB, and up) that ends or is dropped asks for a reclaim."""
+"""A snapshot this large (512 KB of hashes and up) that ends or is dropped asks for a reclaim."""
 
 
 @dataclass(slots=True)
