@@ -16,7 +16,7 @@ APPROXIMATE = "approximate"
 TRUSTS = (EXACT, RESYNCING, DEGRADED, APPROXIMATE)
 """A node's trust (the wire's ``trust``): how far lookups vouch for its entries. The coordinator
 computes it (``kvcoord.coordinator.registry.trust_state``), the placement policies weigh it.
-``approximate`` (a node without KV events) is on the wire but not computed yet."""
+``approximate``: a node whose engine publishes no KV events (``kvcoord agent --no-kv-events``)."""
 
 HASH_MISMATCH = "hash_mismatch"
 HISTORY_LOST = "history_lost"

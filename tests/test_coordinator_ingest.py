@@ -138,9 +138,11 @@ class Agent:
         assert msg is not grpc.aio.EOF, "stream ended"
         return msg
 
-    async def hello(self, next_seq: int = 1, profile: pb.HashProfile | None = None) -> pb.Welcome:
+    async def hello(self, next_seq: int = 1, profile: pb.HashProfile | None = None, *,
+                    no_kv_events: bool = False) -> pb.Welcome:
         h = pb.Hello(
-            node_id=self.node, model=self.model, dp_ranks=self.ranks, epoch=self.epoch, next_seq=next_seq
+            node_id=self.node, model=self.model, dp_ranks=self.ranks, epoch=self.epoch, next_seq=next_seq,
+            no_kv_events=no_kv_events,
         )
         if profile is not None:
             h.hash_profile.CopyFrom(profile)

@@ -170,6 +170,27 @@ def test_approximate_remembers_what_it_routed_until_the_ttl() -> None:
     assert p.memory.match([BlockHash64(1000 + i) for i in range(64)], 15.5, [first.key]) == {first.key: 0}
 
 
+def test_prefix_aware_matches_approximate_nodes_against_what_it_routed_them() -> None:
+    """A node without KV events (trust approximate) always answers 0 matched: prefix-aware counts what it
+    sent there within ``approximate_ttl`` instead, so a conversation stays where its prefix is."""
+    p = PrefixAwarePolicy(seed=1, approximate_ttl=10.0)
+    blind = Candidate("blind", 0, 0, (), NodeLoad(), trust="approximate")
+    busy = Candidate("events", 0, 0, (), NodeLoad(running_requests=3))
+    first = p.choose(req(64 * BS, hashes=64, now=0.0), [busy, blind])
+    assert first.node_id == "blind" and first.matched_blocks == 0
+    assert "publishes no KV events" in first.why
+    # Later the node with events is idle and blind is busier; blind is believed to hold the prefix.
+    idle = Candidate("events", 0, 0, (), NodeLoad())
+    loaded = Candidate("blind", 0, 0, (), NodeLoad(prefill_tokens=256), trust="approximate")
+    again = p.choose(req(64 * BS, hashes=64, now=5.0), [idle, loaded])
+    assert (again.node_id, again.matched_blocks) == ("blind", 64)
+    # An exact node's zero is believed: the memory only stands in for approximate nodes.
+    exact = Candidate("blind", 0, 0, (), NodeLoad(prefill_tokens=256))
+    assert p.choose(req(64 * BS, hashes=64, now=6.0), [idle, exact]).node_id == "events"
+    # Past the TTL the belief is gone and load decides.
+    assert p.choose(req(64 * BS, hashes=64, now=30.0), [idle, loaded]).node_id == "events"
+
+
 def test_routed_memory_sweep_drops_only_expired_entries() -> None:
     m = RoutedPrefixMemory(ttl=1.0)
     m.record(("a", 0), [BlockHash64(1), BlockHash64(2)], now=0.0)

@@ -365,6 +365,55 @@ async def test_agent_carries_engine_load_into_lookups_and_stats(tmp_path: Path) 
                 assert all(isinstance(r, asyncio.CancelledError) for r in results), results
 
 
+async def test_an_engine_without_kv_events_is_served_approximate_with_its_load(tmp_path: Path) -> None:
+    """`kvcoord agent --no-kv-events` (an engine started without KV events): no relay, the node is live
+    with trust approximate, and lookups and `kvcoord nodes` show its real load and URL."""
+    gport = free_port()
+    agent_stats = tmp_path / "agent-stats.json"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(_serve_cmd(gport), env={"KVCOORD_LEASE_SECONDS": "3"},
+                                    log=tmp_path / "serve.log"))
+        base, _, _ = stack.enter_context(_http_engine(tmp_path, "--max-num-seqs", "1",
+                                                      "--token-interval", "0.01"))
+        wait_for_port(gport, timeout=30)
+        stack.enter_context(running(kvcoord_cmd(
+            "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", "node-y", "--model", MODEL,
+            "--no-kv-events", "--engine-metrics-url", f"{base}/metrics", "--engine-metrics-interval", "0.2",
+            "--stats-file", str(agent_stats)), log=tmp_path / "agent.log"))
+        async with aiohttp.ClientSession() as s:
+            async def hold() -> None:
+                body = {"prompt": "a long story", "max_tokens": 10_000, "stream": True}
+                async with s.post(f"{base}/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    async for _ in resp.content.iter_any():
+                        pass
+
+            stream = asyncio.create_task(hold())
+            try:
+                tokens = tmp_path / "tokens.json"
+                tokens.write_text(json.dumps(list(range(1, 4 * BLOCK + 1))))
+
+                def served() -> Any:
+                    res = _cli_json("lookup", "--coordinator", f"127.0.0.1:{gport}", "--model", MODEL,
+                                    "--tokens-file", str(tokens), "--include-unmatched")
+                    node = next((n for n in res["nodes"] if n["node_id"] == "node-y"), None)
+                    return node if node and node["load"]["running_requests"] >= 1 else None
+
+                node = await _until(served, "lookup to show the approximate node with its load")
+                assert (node["matched_blocks"], node["trust"], node.get("serving_url")) == (
+                    0, "approximate", base)
+                nodes = _cli_json("nodes", "--coordinator", f"127.0.0.1:{gport}")["nodes"]
+                listed = {n["node_id"]: n for n in nodes}
+                assert listed["node-y"]["trust"] == "approximate" and listed["node-y"]["state"] == "active"
+                assert "no KV events" in listed["node-y"]["trust_reason"]
+                status = json.loads(agent_stats.read_text())
+                assert status["relays"] == [] and status["engine_metrics"]["ok"], status
+            finally:
+                stream.cancel()
+                results = await asyncio.gather(stream, return_exceptions=True)
+                assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+
+
 def test_agent_scrape_failures_are_counted_logged_once_and_recover(tmp_path: Path) -> None:
     """No engine on the metrics URL: the agent keeps relaying, says why in its stats file (load unknown,
     zeros), logs the outage once; when the engine comes up, scrapes succeed again."""

@@ -1,4 +1,4 @@
-"""Per-node trust states (exact, resyncing, degraded) over a real in-process coordinator.
+"""Per-node trust states (exact, resyncing, degraded, approximate) over a real in-process coordinator.
 
 Each node is driven by a hand-written ingest stream (``tests.test_coordinator_ingest.Agent``), and the
 trust is read back through every surface: gRPC Lookup, ListNodes and Stats, HTTP ``/query``, the
@@ -19,6 +19,7 @@ import aiohttp
 import grpc
 
 from kvcoord.coordinator import CoordinatorServer, load_config
+from kvcoord.coordinator.registry import NO_KV_EVENTS
 from kvcoord.events import BlockStored
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index.memory import MemoryIndex
@@ -188,16 +189,72 @@ async def test_another_replica_reports_the_owners_trust(redis_server: RedisServe
         ok = Agent(a, "n2")
         await ok.start()
         assert ack_seq(await ok.batch(1, [chain(HASHES, sampled=False)])) == 1
+        blind = Agent(a, "n3")
+        await blind.hello(no_kv_events=True)
+        await blind.snapshot(0)
 
         async def seen() -> bool:
             nodes = (await b.stub.ListNodes(pb.ListNodesRequest())).nodes
-            return {n.node_id: n.trust for n in nodes} == {"n1": "degraded", "n2": "exact"}
+            return {n.node_id: n.trust for n in nodes} == {
+                "n1": "degraded", "n2": "exact", "n3": "approximate"}
 
         await until(seen, timeout=15.0)
         info = await b.node("n1")
         assert info.replica and info.trust_reason == (await a.node("n1")).trust_reason
         resp = await b.lookup_hashes(HASHES, include_unmatched=True)
         assert {n.node_id: (n.trust, n.trust_cause) for n in resp.nodes} == {
-            "n1": ("degraded", "hash_mismatch"), "n2": ("exact", "")}
+            "n1": ("degraded", "hash_mismatch"), "n2": ("exact", ""), "n3": ("approximate", "")}
+        assert (await b.node("n3")).trust_reason == NO_KV_EVENTS
         await ok.close()
+        await blind.close()
 
+
+
+async def test_a_node_without_kv_events_is_approximate_and_holds_nothing() -> None:
+    """An agent whose engine publishes no KV events says so in its Hello: after its (empty) snapshot the
+    node is live and ``approximate`` everywhere; a batch or a snapshot block from it is refused with the
+    index unchanged; a Hello with events (a new epoch) makes it an ordinary node again."""
+    async with coordinator() as c:
+        ok = Agent(c, "exact")
+        await ok.start()
+        assert ack_seq(await ok.batch(1, [chain(HASHES, sampled=False)])) == 1
+        blind = Agent(c, "blind")
+        assert (await blind.hello(no_kv_events=True)).snapshot_required
+        assert (await c.node("blind")).trust == "resyncing"
+        await blind.snapshot(0)
+        info = await c.node("blind")
+        assert (info.state, info.trust, info.trust_cause) == ("active", "approximate", "")
+        assert info.trust_reason == NO_KV_EVENTS and "no KV events" in NO_KV_EVENTS
+        assert (gauge(c, "approximate"), gauge(c, "exact")) == (1.0, 1.0)
+        resp = await c.lookup_hashes(HASHES, include_unmatched=True)
+        assert {n.node_id: (n.matched_blocks, n.trust) for n in resp.nodes} == {
+            "exact": (4, "exact"), "blind": (0, "approximate")}
+        assert {n.node_id: n.trust for n in (await c.stats()).nodes}["blind"] == "approximate"
+        async with AsyncCoordinatorClient(c.server.address) as client:
+            answer = await client.lookup(MODEL, hashes=HASHES, include_unmatched=True)
+            assert {n.node_id: n.trust for n in answer.nodes} == {"exact": "exact", "blind": "approximate"}
+        before = await c.stats()
+        # A batch: refused, nothing applied.
+        await blind.send(batch=pb.EventBatch(seq=1, events=[chain(HASHES, sampled=False)], ts=1.0))
+        err = await blind.aborted()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "no_kv_events" in (err.details() or "")
+        # A snapshot with blocks: refused too, on a new stream of the same process.
+        again = Agent(c, "blind")
+        await again.hello(no_kv_events=True)
+        block = pb.Snapshot(epoch=1, seq=0, dp_rank=0, block_hashes=b"\x01" * 8, final=True)
+        await again.send(snapshot=block)
+        err = await again.aborted()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "heartbeats and empty snapshots" in (
+            err.details() or "")
+        after = await c.stats()
+        assert (after.entries, after.blocks) == (before.entries, before.blocks)
+        assert [n.node_id for n in (await c.lookup_hashes(HASHES)).nodes] == ["exact"]
+        # The engine restarted with KV events: an ordinary node once its snapshot is in.
+        fresh = Agent(c, "blind", epoch=2)
+        await fresh.start()
+        assert ack_seq(await fresh.batch(1, [chain(HASHES, sampled=False)])) == 1
+        info = await c.node("blind")
+        assert (info.trust, info.trust_reason) == ("exact", "")
+        assert gauge(c, "approximate") == 0.0
+        for a in (ok, blind, again, fresh):
+            await a.close()

@@ -147,6 +147,7 @@ class Reporter:
         security: ChannelSecurity | None = None,
         options: ReporterOptions | None = None,
         serving_url: str = "",
+        kv_events: bool = True,
     ) -> None:
         if not coordinators:
             raise ValueError("at least one coordinator address is needed")
@@ -165,6 +166,8 @@ class Reporter:
         self._load = load
         self.serving_url = serving_url
         """The engine's OpenAI-compatible base URL, announced in the Hello for routers."""
+        self.kv_events = kv_events
+        """False: the engine publishes no KV events, and the Hello says so (the node is ``approximate``)."""
         self.options = options or ReporterOptions()
         default_sec = security or ChannelSecurity()
         self._endpoints = [c if isinstance(c, CoordinatorEndpoint) else CoordinatorEndpoint(c)
@@ -435,7 +438,8 @@ class Reporter:
     def _hello(self, link: Link) -> bytes:
         next_seq = link.unacked[0].seq if link.unacked else self._last_seq + 1
         hello = pb.Hello(node_id=self.node_id, model=self.model, dp_ranks=self.dp_ranks, epoch=self.epoch,
-                         agent_version=AGENT_VERSION, next_seq=next_seq, serving_url=self.serving_url)
+                         agent_version=AGENT_VERSION, next_seq=next_seq, serving_url=self.serving_url,
+                         no_kv_events=not self.kv_events)
         if self._profile is not None:
             hello.hash_profile.CopyFrom(self._profile)
         return pb.AgentMessage(hello=hello).SerializeToString()

@@ -41,8 +41,9 @@ class AgentConfig:
     coordinators: tuple[str, ...]
     node_id: str
     model: str
-    zmq_endpoint: str
-    """The engine's rank-0 PUB endpoint; rank r is on its port + r."""
+    zmq_endpoint: str | None
+    """The engine's rank-0 PUB endpoint; rank r is on its port + r. None: the engine publishes no KV
+    events, so nothing is relayed and the Hello says so (load and URL only; trust ``approximate``)."""
     replay_endpoint: str | None = None
     topic: str = ""
     dp_ranks: tuple[int, ...] = (0,)
@@ -61,8 +62,11 @@ class AgentConfig:
 
 
 def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> list[Relay]:
-    """One relay per DP rank, on vLLM's per-rank port offsets of the rank-0 endpoints."""
-    relays = []
+    """One relay per DP rank, on vLLM's per-rank port offsets of the rank-0 endpoints (none without
+    KV events)."""
+    relays: list[Relay] = []
+    if config.zmq_endpoint is None:
+        return relays
     for rank in config.dp_ranks:
         endpoint = offset_endpoint_port(config.zmq_endpoint, rank)
         assert endpoint is not None
@@ -131,7 +135,7 @@ async def run_agent(config: AgentConfig) -> None:
     rep = Reporter(list(config.coordinators), node_id=config.node_id, model=config.model,
                    snapshot=mirror.rank_entries, dp_ranks=config.dp_ranks, security=config.security,
                    hash_profile=config.hash_profile, load=scraper.load if scraper is not None else None,
-                   serving_url=config.serving_url)
+                   serving_url=config.serving_url, kv_events=config.zmq_endpoint is not None)
     relays = build_relays(config, rep, mirror)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -144,7 +148,8 @@ async def run_agent(config: AgentConfig) -> None:
     if config.stats_file:
         writer = _write_stats(Path(config.stats_file), config.stats_interval, relays, rep, scraper, stop)
         tasks.append(asyncio.create_task(writer, name="stats-file"))
-    log.info("agent %s: relaying %s to %s", config.node_id, ", ".join(r.endpoint for r in relays),
+    log.info("agent %s: relaying %s to %s", config.node_id,
+             ", ".join(r.endpoint for r in relays) or "no KV events (load and URL only)",
              ", ".join(config.coordinators))
     stopper = asyncio.create_task(stop.wait())
     refused = asyncio.create_task(rep.refused.wait())

@@ -32,8 +32,11 @@ def add(sub: Subparsers) -> None:
                    help="the coordinator (repeat or comma-separate for several)")
     p.add_argument("--node-id", required=True)
     p.add_argument("--model", required=True)
-    p.add_argument("--zmq-endpoint", required=True, type=ZMQ_ENDPOINT,
-                   help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--zmq-endpoint", default=None, type=ZMQ_ENDPOINT,
+                   help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557 (or --no-kv-events)")
+    p.add_argument("--no-kv-events", action="store_true",
+                   help="the engine publishes no KV events (vLLM without --kv-events-config): report its "
+                        "load and URL only; lookups show the node with trust 'approximate'")
     p.add_argument("--replay-endpoint", default=None, type=ZMQ_ENDPOINT,
                    help="the engine's ROUTER replay endpoint")
     p.add_argument("--topic", default="")
@@ -129,6 +132,18 @@ def dp_ranks(text: str) -> tuple[int, ...]:
     return tuple(ranks)
 
 
+def check_event_source(args: argparse.Namespace) -> None:
+    """Exactly one of ``--zmq-endpoint`` and ``--no-kv-events``, and no relay flag without events."""
+    if args.no_kv_events:
+        flags = (("--zmq-endpoint", args.zmq_endpoint), ("--replay-endpoint", args.replay_endpoint),
+                 ("--topic", args.topic), ("--signed-hashes", args.signed_hashes))
+        given = [f for f, v in flags if v]
+        if given:
+            raise CliError(f"--no-kv-events relays no events: drop {given[0]}")
+    elif args.zmq_endpoint is None:
+        raise CliError("--zmq-endpoint is required (or --no-kv-events for an engine without KV events)")
+
+
 def hash_profile(args: argparse.Namespace) -> HashProfile | None:
     """``--algo`` and friends as the profile the Hello announces (None: announce nothing).
 
@@ -166,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         check_model(args.model, "--model")
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    check_event_source(args)
     config = AgentConfig(
         coordinators=coordinators(args.coordinator), node_id=args.node_id, model=args.model,
         zmq_endpoint=args.zmq_endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,

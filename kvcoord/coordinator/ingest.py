@@ -145,6 +145,8 @@ class IngestSession:
             )
         rec = self._owned()
         self.state.registry.heard(rec)
+        if which in ("batch", "batches"):
+            self._check_events(rec)
         if which == "batch":
             return await self._batch(rec, WireBatch(msg.batch))
         if which == "batches":
@@ -165,6 +167,7 @@ class IngestSession:
         if self.rec is None:
             raise IngestAbort(grpc.StatusCode.FAILED_PRECONDITION, "batch before Hello")
         rec = self._owned()
+        self._check_events(rec)
         self.state.registry.heard(rec)
         if len(batches) == 1:
             return await self._batch(rec, batches[0])
@@ -237,7 +240,8 @@ class IngestSession:
         st, cfg = self.state, self.state.config
         profile = cfg.profile(hello.model)
         rec, resume = st.registry.hello(
-            hello.node_id, hello.model, ranks, hello.epoch, index_ok=st.index_up, next_seq=hello.next_seq
+            hello.node_id, hello.model, ranks, hello.epoch, index_ok=st.index_up, next_seq=hello.next_seq,
+            no_kv_events=hello.no_kv_events,
         )
         if not resume:  # a new owner: fence out earlier ones (a resumed stream keeps its token)
             await st.index.claim(rec.node_id)
@@ -400,6 +404,15 @@ class IngestSession:
             self._owned()  # fenced out by another replica (or superseded): the stream ends now
         return done
 
+    @staticmethod
+    def _check_events(rec: NodeRecord, blocks: int = 1) -> None:
+        """A node whose Hello said its engine publishes no KV events sends none (nor snapshot blocks):
+        INVALID_ARGUMENT, nothing applied, so an ``approximate`` node never holds entries."""
+        if rec.no_kv_events and blocks:
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"node {shown(rec.node_id)} said in its Hello that its engine publishes no KV "
+                              "events (no_kv_events): it may send heartbeats and empty snapshots only")
+
     async def _batch(
         self, rec: NodeRecord, batch: Incoming, *, defer_ack: bool = False
     ) -> list[pb.CoordinatorMessage]:
@@ -552,6 +565,8 @@ class IngestSession:
             hashes, tiers = snapshot_from_proto(snap)
         except InvalidEvent as exc:
             raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if self.rec is not None:
+            self._check_events(self.rec, len(hashes))
         pending = self._pending
         if pending is None:
             pending = self._pending = _PendingSnapshot(snap.epoch, snap.seq)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvcoord.load import DEGRADED, EXACT, HISTORY_LOST, RESYNCING, TRUSTS, NodeLoad
+from kvcoord.load import APPROXIMATE, DEGRADED, EXACT, HISTORY_LOST, RESYNCING, TRUSTS, NodeLoad
 from kvcoord.load import HASH_MISMATCH as HASH_MISMATCH  # also a node state (STATES)
 
 ACTIVE = "active"
@@ -38,7 +38,7 @@ class Trust(NamedTuple):
 
 
 def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool,
-                history_lost: str | None = None) -> Trust:
+                history_lost: str | None = None, no_kv_events: bool = False) -> Trust:
     """``(trust, reason, cause)`` of a node: the one rule, for this replica's records and others' alike.
 
     - ``degraded``: its hashes failed verification (``mismatch`` is the reason), or its agent lost
@@ -53,6 +53,9 @@ def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool,
     - ``resyncing``: waiting for a snapshot (after a Hello that could not resume, a gap, an index
       outage) or expired (its entries are being reclaimed; it needs a snapshot to be served again).
       It ends when the snapshot is applied.
+    - ``approximate``: in sync, but its engine publishes no KV events (its agent said so in the Hello):
+      the index holds nothing of it, so a lookup's zero is unknown, not a miss. A Hello without the
+      flag (the engine got KV events) ends it.
     - ``exact``: in sync, every batch applied in order.
 
     ``cause`` tells the two degraded cases apart (``hash_mismatch``: entries may be wrong;
@@ -67,9 +70,12 @@ def trust_state(mismatch: str | None, *, resyncing: bool, expired: bool,
                      "")
     if resyncing:
         return Trust(RESYNCING, "waiting for the node's snapshot", "")
+    if no_kv_events:
+        return Trust(APPROXIMATE, NO_KV_EVENTS, "")
     return Trust(EXACT, "", "")
 
 
+NO_KV_EVENTS = "the engine publishes no KV events: only its load is known"
 _EXACT = trust_state(None, resyncing=False, expired=False)
 
 
@@ -114,7 +120,7 @@ CHANGES = Changes()
 
 _UNSET = object()
 _WATCHED = frozenset({"model", "dp_ranks", "resyncing", "draining", "expired", "hash_mismatch", "load",
-                      "serving_url", "history_lost", "announced"})
+                      "serving_url", "history_lost", "announced", "no_kv_events"})
 """The :class:`NodeRecord` fields lookups read (``live``, ``trust``, the answer's load and URL, the
 announced block size of a model without a profile)."""
 
@@ -157,6 +163,8 @@ class NodeRecord:
     """Sampled BlockStored chains verified (or tried)."""
     serving_url: str = ""
     """The engine's OpenAI-compatible base URL, as its agent announced it (empty: not announced)."""
+    no_kv_events: bool = False
+    """Its agent's Hello said the engine publishes no KV events: trust ``approximate``, no batches."""
     history_lost: dict[int, str] = field(default_factory=dict)
     """``{dp_rank: reason}``: ranks whose agent lost history it cannot recover (see :func:`trust_state`).
     Changed in place only with :data:`CHANGES` bumped."""
@@ -192,7 +200,7 @@ class NodeRecord:
 
     def trust_at(self, *, expired: bool) -> Trust:
         """:attr:`trust`, with ``expired`` as the caller sees it (past its lease, not yet swept)."""
-        if not (self.hash_mismatch or self.history_lost or expired or self.resyncing):
+        if not (self.hash_mismatch or self.history_lost or expired or self.resyncing or self.no_kv_events):
             return _EXACT  # nothing to weigh: asked per node of every lookup answer
         lost = None
         if self.history_lost and not self.hash_mismatch:  # a mismatch is the reason: not built for nothing
@@ -201,18 +209,21 @@ class NodeRecord:
             if len(self.history_lost) > LOST_RANKS_SHOWN:
                 lost += f"; and {len(self.history_lost) - LOST_RANKS_SHOWN} more rank(s)"
         return trust_state(self.hash_mismatch_reason if self.hash_mismatch else None,
-                           resyncing=self.resyncing, expired=expired, history_lost=lost)
+                           resyncing=self.resyncing, expired=expired, history_lost=lost,
+                           no_kv_events=self.no_kv_events)
 
     def rank_trust(self, rank: int) -> Trust:
         """The trust of one dp rank, as lookups report it: a mismatch, a resync and an expiry are the
         node's (one stream, one verification); lost history is the rank's own, so a rank that lost nothing
         stays exact beside one that did."""
-        if not (self.hash_mismatch or self.history_lost or self.expired or self.resyncing):
+        if not (self.hash_mismatch or self.history_lost or self.expired or self.resyncing
+                or self.no_kv_events):
             return _EXACT
         lost = self.history_lost.get(rank)
         return trust_state(self.hash_mismatch_reason if self.hash_mismatch else None,
                            resyncing=self.resyncing, expired=self.expired,
-                           history_lost=f"dp rank {rank}: {lost}" if lost is not None else None)
+                           history_lost=f"dp rank {rank}: {lost}" if lost is not None else None,
+                           no_kv_events=self.no_kv_events)
 
     def live(self, now: float, lease: float) -> bool:
         """Served in lookups: heard from within the lease, in sync, and not draining."""
@@ -285,10 +296,12 @@ class NodeRegistry:
         *,
         index_ok: bool,
         next_seq: int = 0,
+        no_kv_events: bool = False,
     ) -> tuple[NodeRecord, bool]:
         """Register a (re)connecting node. Returns the record and whether the stream resumes where
-        the node left off (same epoch, model and ranks, in sync, not expired, index reachable, and the
-        agent can resend everything after the last applied seq: ``next_seq`` 0 = unknown)."""
+        the node left off (same epoch, model, ranks and ``no_kv_events``, in sync, not expired, index
+        reachable, and the agent can resend everything after the last applied seq: ``next_seq`` 0 =
+        unknown)."""
         now = time.monotonic()
         rec = self._nodes.get(node_id)
         resume = (
@@ -298,6 +311,7 @@ class NodeRegistry:
             and rec.epoch == epoch
             and rec.model == model
             and rec.dp_ranks == dp_ranks
+            and rec.no_kv_events == no_kv_events
             and index_ok
             and now - rec.last_heard <= self.lease
             and (next_seq == 0 or next_seq <= rec.last_seq + 1)
@@ -318,6 +332,7 @@ class NodeRegistry:
             rec.model, rec.dp_ranks, rec.epoch = model, dp_ranks, epoch
             rec.last_seq = 0
             rec.resyncing = True
+        rec.no_kv_events = no_kv_events
         rec.last_heard = now
         rec.stream_gen += 1
         return rec, resume

@@ -37,7 +37,7 @@ from kvcoord.coordinator.lookup import (
 from kvcoord.coordinator.registry import NodeRecord, trust_state
 from kvcoord.coordinator.shared import SharedNode
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
-from kvcoord.load import DEGRADED, HISTORY_LOST, RESYNCING, NodeLoad
+from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, RESYNCING, NodeLoad
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import InvalidEvent, shown, unpack_u64
@@ -113,7 +113,8 @@ def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.Node
     degraded = node.trust_reason if node.trust == DEGRADED else None
     lost = node.trust_cause == HISTORY_LOST  # a replica that predates the cause: a mismatch, as before
     trust, reason, cause = trust_state(None if lost else degraded, resyncing=node.trust == RESYNCING,
-                                       expired=state == "expired", history_lost=degraded if lost else None)
+                                       expired=state == "expired", history_lost=degraded if lost else None,
+                                       no_kv_events=node.trust == APPROXIMATE)
     return pb.NodeInfo(
         node_id=node.node_id,
         model=node.model,

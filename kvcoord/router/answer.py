@@ -33,7 +33,8 @@ class Candidate:
     """The engine's own URL, as its agent (or registration) announced it; empty when unknown."""
     trust: str = EXACT
     """How far the coordinator vouches for the match: ``exact`` while the node's stream is whole,
-    ``degraded`` when its hashes failed verification or its relay lost history (``trust_cause``)."""
+    ``degraded`` when its hashes failed verification or its relay lost history (``trust_cause``),
+    ``approximate`` when its engine publishes no KV events (a zero means unknown)."""
     trust_cause: str = ""
     """Why degraded: ``hash_mismatch`` (matches may be wrong: the policies' ``degraded`` option
     decides) or ``history_lost`` (blocks are missing, the matches are real); empty otherwise."""

@@ -29,7 +29,7 @@ from typing import ClassVar, NamedTuple, Protocol
 from kvcoord.events import DEFAULT_TIER_WEIGHTS
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey, NodeMatch
-from kvcoord.load import DEGRADED, HISTORY_LOST, NodeLoad
+from kvcoord.load import APPROXIMATE, DEGRADED, EXACT, HISTORY_LOST, NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 
 
@@ -273,6 +273,11 @@ class PrefixAwarePolicy:
     (default) counts its matched blocks at ``degraded_weight`` (0.5), ``"ignore"`` treats it as holding
     nothing (it stays a candidate, chosen on load), ``"trust"`` takes its matches as exact. A node
     degraded by lost history (``history_lost``) lacks some blocks but every match is real: counted in full.
+
+    **Approximate nodes** (``trust`` ``approximate``: the engine publishes no KV events, so the index's
+    zero says nothing) are matched against what this router sent them within ``approximate_ttl`` s
+    (:class:`RoutedPrefixMemory`, as :class:`ApproximatePolicy` does for every node), so a fleet that
+    mixes engines with and without KV events still keeps conversations where their prefixes are.
     """
 
     uses_index: ClassVar[bool] = True
@@ -290,6 +295,7 @@ class PrefixAwarePolicy:
         affinity_stride: int = 32,
         degraded: str = "discount",
         degraded_weight: float = DEGRADED_WEIGHT,
+        approximate_ttl: float = 120.0,
     ) -> None:
         if degraded not in DEGRADED_MODES:
             raise ValueError(f"degraded must be one of {', '.join(DEGRADED_MODES)}, got {degraded!r}")
@@ -314,6 +320,8 @@ class PrefixAwarePolicy:
         self.degraded = degraded
         self.degraded_weight = {"discount": degraded_weight, "ignore": 0.0, "trust": 1.0}[degraded]
         """What a degraded candidate's matched blocks count for."""
+        self.routed = RoutedPrefixMemory(approximate_ttl)
+        """What this router sent to approximate nodes (written only when one is chosen)."""
 
     def saved_tokens(self, request: RouteRequest, c: Candidate) -> float:
         g, cpu, sto = c.tier_counts()
@@ -335,6 +343,11 @@ class PrefixAwarePolicy:
             # Held nothing, as far as this decision (and its explanation) goes.
             candidates = [replace(c, matched_blocks=0, tiers=()) if _suspect(c) else c
                           for c in candidates]
+        guessed = [c.key for c in candidates if c.trust == APPROXIMATE]
+        if guessed:
+            believed = self.routed.match(request.block_hashes, request.now, guessed)
+            candidates = [replace(c, matched_blocks=believed[c.key], tiers=(believed[c.key],))
+                          if c.key in believed else c for c in candidates]
         recalled = self.memory.recall(request.block_hashes)
         inflight = ""
         if (
@@ -372,6 +385,9 @@ class PrefixAwarePolicy:
         elif chosen.trust == DEGRADED and chosen.trust_cause == HISTORY_LOST:
             why += (f"; {_name(chosen)} is degraded (lost history: some blocks missing), its matches are "
                     "real and counted in full")
+        elif chosen.trust == APPROXIMATE:
+            why += f"; {_name(chosen)} publishes no KV events: its blocks are what this router sent it"
+            self.routed.record(chosen.key, request.block_hashes, request.now)
         if len(ties) > 1:
             why += f"; {len(ties)} tied, picked at random"
         top = max(sorted(candidates, key=lambda c: c.key), key=lambda c: c.matched_blocks)
@@ -557,8 +573,10 @@ class ApproximatePolicy:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _require(candidates)
         believed = self.memory.match(request.block_hashes, request.now, [c.key for c in candidates])
-        guessed = [
-            replace(c, matched_blocks=believed[c.key], tiers=(believed[c.key],)) for c in candidates
+        guessed = [  # every match is this memory's: an approximate node needs no second guess
+            replace(c, matched_blocks=believed[c.key], tiers=(believed[c.key],),
+                    trust=EXACT if c.trust == APPROXIMATE else c.trust)
+            for c in candidates
         ]
         d = self.inner.choose(request, guessed)
         self.memory.record(d.key, request.block_hashes, request.now)

@@ -309,6 +309,7 @@ class Hello(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     NEXT_SEQ_FIELD_NUMBER: _builtins.int
     SERVING_URL_FIELD_NUMBER: _builtins.int
+    NO_KV_EVENTS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model: _builtins.str
     epoch: _builtins.int
@@ -318,6 +319,11 @@ class Hello(_message.Message):
     """the seq of the next batch the agent will send"""
     serving_url: _builtins.str
     """the engine's OpenAI-compatible base URL, for routers"""
+    no_kv_events: _builtins.bool
+    """Set: the engine publishes no KV events (vLLM without --kv-events-config, say). The agent reports load
+    and URL only; its snapshots are empty and it sends no batches. Lookups show the node with trust
+    `approximate`: its zero matched blocks mean unknown, not nothing cached.
+    """
     @_builtins.property
     def dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -335,10 +341,11 @@ class Hello(_message.Message):
         agent_version: _builtins.str = ...,
         next_seq: _builtins.int = ...,
         serving_url: _builtins.str = ...,
+        no_kv_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hash_profile", b"hash_profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_profile", b"hash_profile", "model", b"model", "next_seq", b"next_seq", "node_id", b"node_id", "serving_url", b"serving_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_profile", b"hash_profile", "model", b"model", "next_seq", b"next_seq", "no_kv_events", b"no_kv_events", "node_id", b"node_id", "serving_url", b"serving_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
