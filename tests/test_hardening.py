@@ -123,6 +123,46 @@ async def test_silent_streams_are_closed_and_streams_are_capped(tmp_path: Path) 
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
+async def test_registered_engines_count_as_ingest_streams(tmp_path: Path) -> None:
+    """An engine registered over HTTP is relayed in-process: it counts in the streams gauge and against
+    max_streams (before, in-process feeds were invisible to both), and at most max_streams listeners can
+    be registered (429, one line; nothing registered)."""
+    port, mport, hport = free_port(), free_port(), free_port()
+    cmd = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
+                      "--http-listen", f"127.0.0.1:{hport}", "--max-streams", "2")
+
+    async def register(session: aiohttp.ClientSession, instance: int) -> tuple[int, Any]:
+        body = {"instance_id": instance, "endpoint": f"tcp://127.0.0.1:{free_port()}", "model_name": MODEL,
+                "block_size": 16}
+        async with session.post(f"http://127.0.0.1:{hport}/register", json=body) as r:
+            return r.status, await r.json(content_type=None)
+
+    with running(cmd, log=tmp_path / "serve.log"):
+        for p in (port, mport, hport):
+            wait_for_port(p)
+        async with aiohttp.ClientSession() as session, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            assert (await register(session, 1))[0] == 201
+
+            async def streams(n: int) -> bool:
+                return f"kvcoord_ingest_streams {n}.0" in scrape(mport)
+
+            await eventually(lambda: streams(1), "the registered engine's feed in the gauge")
+            stub = pbg.CoordinatorStub(ch)
+            a = stub.Ingest()
+            await a.write(hello("node-a"))
+            assert (await asyncio.wait_for(a.read(), DEADLINE)).WhichOneof("msg") == "welcome"
+            await eventually(lambda: streams(2), "both streams in the gauge")
+            code, details = await status(stub.Ingest())
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams is 2" in details, details
+            assert (await register(session, 2))[0] == 201
+            got, body = await register(session, 3)
+            assert got == 429 and "max_streams is 2" in body["error"] and "\n" not in body["error"], body
+            async with session.get(f"http://127.0.0.1:{hport}/workers") as r:
+                assert sorted(w["instance_id"] for w in await r.json()) == [1, 2]
+            a.cancel()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
 # --- batch and node bounds ------------------------------------------------------------------------------
 @contextlib.asynccontextmanager
 async def coordinator(**overrides: Any) -> AsyncIterator[Coord]:

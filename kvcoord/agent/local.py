@@ -129,12 +129,16 @@ class LocalFeed:
     # -- lifecycle --
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kvcoord-local-feed-{self.node_id}")
+        self.state.local_feeds += 1  # an ingest stream, as far as the gauge and max_streams go
+        self.state.metrics.streams.inc()
 
     async def close(self, timeout: float = 0.5) -> None:
         """Apply what is queued (for up to ``timeout``), then stop."""
         if self._task is None or self._closing:
             return
         self._closing = True
+        self.state.local_feeds -= 1
+        self.state.metrics.streams.dec()
         self._wake.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._task), timeout)

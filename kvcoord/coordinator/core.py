@@ -73,6 +73,9 @@ class CoordinatorState:
         self.index_down_reason = ""
         self.staged_snapshot_blocks = 0
         """Snapshot blocks held by unfinished snapshots over all streams (``max_staged_snapshot_blocks``)."""
+        self.local_feeds = 0
+        """In-process ingest feeds (engines registered over HTTP, relayed here): each counts as an ingest
+        stream, in the ``streams`` gauge and against ``max_streams``."""
         self._gen_lock = asyncio.Lock()
         self._probe_lock = asyncio.Lock()
         self.registry = NodeRegistry(config.lease_seconds)

@@ -386,11 +386,13 @@ class CoordinatorServicer:
     async def _check_streams(self, context: grpc.aio.ServicerContext) -> None:
         """Refuse a stream past ``max_streams`` (as Redis' ``maxclients``): RESOURCE_EXHAUSTED, counted."""
         limit = self.state.config.limits.max_streams
-        if len(self._ingest_tasks) >= limit:
+        open_streams = len(self._ingest_tasks) + self.state.local_feeds
+        if open_streams >= limit:
             self.state.metrics.stream_refused("max_streams")
             self.state.log_once("refused:max_streams", logging.WARNING,
-                                "ingest stream from %s refused: %d streams open, max_streams is %d "
-                                "(logged once)", context.peer(), len(self._ingest_tasks), limit)
+                                "ingest stream from %s refused: %d streams open (%d of them registered "
+                                "engines relayed here), max_streams is %d (logged once)", context.peer(),
+                                open_streams, self.state.local_feeds, limit)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many ingest streams: max_streams is {limit}; retry later")
 
