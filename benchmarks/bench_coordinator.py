@@ -58,7 +58,8 @@ CHAIN = 512
 BLOCK = 16
 MODEL = "bench-model"
 INGEST_MODEL = "bench-ingest"
-SNAP_CHUNK = 65536
+SNAP_CHUNK = ReporterOptions().snapshot_chunk_entries
+"""Blocks per Snapshot message, as ``kvcoord agent`` sends them (65,536 before 2026-12-01 21:44 UTC)."""
 
 Batches = list[list[BlockStored]]
 

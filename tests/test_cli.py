@@ -82,6 +82,8 @@ def poll(read: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout:
       "--zmq-endpoint", "tcp://127.0.0.1:5557"), ("--no-kv-events relays no events: drop --zmq-endpoint",)),
     (("agent", "--coordinator", "127.0.0.1:1", "--node-id", "n", "--model", "m", "--no-kv-events",
       "--replay-endpoint", "tcp://127.0.0.1:5558"), ("drop --replay-endpoint",)),
+    (("agent", "--coordinator", "127.0.0.1:1", "--node-id", "n", "--model", "m", "--no-kv-events",
+      "--algo", "xxhash", "--block-size", "16"), ("drop --algo",)),
     (("sim-engine", "--zmq-bind", "tcp://*:notaport"), ("--zmq-bind",)),
     (("serve", "--index", "redis://127.0.0.1:6379/0?bucket=4"),
      ("unknown option 'bucket'", "allowed: buckets")),

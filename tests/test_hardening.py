@@ -125,8 +125,8 @@ async def test_silent_streams_are_closed_and_streams_are_capped(tmp_path: Path) 
 
 async def test_registered_engines_count_as_ingest_streams(tmp_path: Path) -> None:
     """An engine registered over HTTP is relayed in-process: it counts in the streams gauge and against
-    max_streams (before, in-process feeds were invisible to both), and at most max_streams listeners can
-    be registered (429, one line; nothing registered)."""
+    max_streams (before, in-process feeds were invisible to both), and at most max_streams engines can be
+    registered (429, one line; nothing registered)."""
     port, mport, hport = free_port(), free_port(), free_port()
     cmd = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
                       "--http-listen", f"127.0.0.1:{hport}", "--max-streams", "2")

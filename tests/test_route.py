@@ -396,14 +396,93 @@ def test_one_outage_rule_for_route_and_epp() -> None:
     assert route_place.is_outage is picker.is_outage is is_outage
 
 
-def test_block_keys_name_whole_prefixes() -> None:
-    from kvcoord.gateway.route_place import block_keys
+async def test_route_keys_its_memories_on_the_coordinators_hashes_and_follows_an_approximate_node() -> None:
+    """Route's plan carries the prompt's block hashes as the coordinator computed them (asked with
+    ``want_block_hashes``, so no router-side tokenizer is needed), and with them the prefix-aware policy
+    sends a conversation back to the node without KV events it sent it to before."""
+    import grpc
 
-    a, b = list(range(40)), list(range(16)) + [99] * 24
-    ka, kb = block_keys(a, 8), block_keys(b, 8)
-    assert len(ka) == 5 and ka[:2] == kb[:2] and all(x != y for x, y in zip(ka[2:], kb[2:], strict=True))
-    assert block_keys(a, 8, "salt")[0] != ka[0]
-    assert block_keys(a[:7], 8) == []
+    from kvcoord.coordinator import CoordinatorServer, load_config
+    from kvcoord.gateway.route_backends import Backends
+    from kvcoord.gateway.route_metrics import RouteMetrics
+    from kvcoord.gateway.route_place import Placer
+    from kvcoord.hashing import HashProfile, block_hashes64
+    from kvcoord.proto.v2 import kvcoord_pb2 as pb
+    from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
+    from kvcoord.router.client import AsyncCoordinatorClient
+    from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy
+    from tests.test_coordinator_ingest import Agent, Coord
+
+    ov = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "",
+          "models": [f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0"]}
+    server = CoordinatorServer(load_config(None, env={}, overrides=ov))
+    await server.start()
+    channel = grpc.aio.insecure_channel(server.address)
+    coord = Coord(server, channel, pbg.CoordinatorStub(channel), None)  # type: ignore[arg-type]
+    agents: dict[str, Agent] = {}
+    try:
+        for node, blind in (("events", False), ("blind", True)):
+            a = agents[node] = Agent(coord, node, model=MODEL)
+            await a.send(hello=pb.Hello(node_id=node, model=MODEL, dp_ranks=[0], epoch=1, next_seq=1,
+                                        serving_url=f"http://{node}.invalid:8000", no_kv_events=blind))
+            assert (await a.recv()).WhichOneof("msg") == "welcome"
+            await a.snapshot(0)
+
+        async def load(node: str, running: int) -> None:
+            await agents[node].send(heartbeat=pb.AgentHeartbeat(load=pb.Load(running_requests=running)))
+
+        async with AsyncCoordinatorClient(server.address) as client:
+            now = [0.0]
+            # One slot a node, one output token: each running request costs 15 ms of queue, less than
+            # the 51 ms of prefill the prompt's 64 blocks save, so only a believed hit outweighs load.
+            latency = LatencyModel(max_running=1, mean_output_tokens=1.0)
+            placer = Placer(client, Backends(), PrefixAwarePolicy(seed=3, latency=latency), RouteMetrics(),
+                            clock=lambda: now[0])
+            prompt = list(range(1, 64 * BLOCK + 1))
+
+            async def place_once() -> str:
+                plan = await placer.plan(MODEL, {"model": MODEL, "prompt": prompt}, chat=False)
+                assert plan.prefix_aware, plan.reason
+                profile = HashProfile("sha256_cbor", BLOCK, seed="0")
+                assert list(plan.request.block_hashes) == list(block_hashes64(profile, prompt))
+                picked = placer.choose(plan)
+                assert picked is not None
+                return picked[0].node_id
+
+            await load("events", 4)
+
+            async def both_loaded() -> bool:
+                nodes = {n.node_id: n.load.running_requests for n in (await client.stats()).nodes}
+                return nodes == {"events": 4, "blind": 0}
+
+            await until_async(both_loaded)
+            assert await place_once() == "blind"
+            # Later: the node with events is idle, blind busier; blind is believed to hold the prompt.
+            await load("events", 0)
+            await load("blind", 2)
+
+            async def swapped() -> bool:
+                nodes = {n.node_id: n.load.running_requests for n in (await client.stats()).nodes}
+                return nodes == {"events": 0, "blind": 2}
+
+            await until_async(swapped)
+            now[0] = 5.0
+            assert await place_once() == "blind"
+            # Past the memory's 120 s the belief is gone: load decides.
+            now[0] = 200.0
+            assert await place_once() == "events"
+    finally:
+        for a in agents.values():
+            await a.close()
+        await channel.close()
+        await server.stop()
+
+
+async def until_async(cond: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 def test_sse_relay_passes_whole_events_and_strips_only_the_usage_event() -> None:

@@ -246,6 +246,12 @@ async def test_a_node_without_kv_events_is_approximate_and_holds_nothing() -> No
         err = await again.aborted()
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "heartbeats and empty snapshots" in (
             err.details() or "")
+        # An empty snapshot with a lost-history mark (it would make the node degraded): refused too.
+        marked = Agent(c, "blind")
+        await marked.hello(no_kv_events=True)
+        mark = pb.Snapshot(epoch=1, seq=0, dp_rank=0, final=True, history_lost="gone")
+        await marked.send(snapshot=mark)
+        assert (await marked.aborted()).code() == grpc.StatusCode.INVALID_ARGUMENT
         after = await c.stats()
         assert (after.entries, after.blocks) == (before.entries, before.blocks)
         assert [n.node_id for n in (await c.lookup_hashes(HASHES)).nodes] == ["exact"]
@@ -256,5 +262,5 @@ async def test_a_node_without_kv_events_is_approximate_and_holds_nothing() -> No
         info = await c.node("blind")
         assert (info.trust, info.trust_reason) == ("exact", "")
         assert gauge(c, "approximate") == 0.0
-        for a in (ok, blind, again, fresh):
+        for a in (ok, blind, again, marked, fresh):
             await a.close()

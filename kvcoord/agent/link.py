@@ -49,8 +49,8 @@ class ReporterOptions:
     max_unacked_batches: int = 8192
     """Per coordinator; beyond it the queue is dropped and a snapshot replaces it."""
     snapshot_chunk_entries: int = 16384
-    """Blocks per Snapshot message (128 KB of hashes): gRPC holds about two messages of each stream in
-    flight, so this is what a snapshot stream costs the coordinator beyond its staged blocks."""
+    """Blocks per Snapshot message (128 KB of hashes): gRPC holds about two and a half messages of each
+    stream in flight, so this sets what a snapshot stream costs the coordinator beyond its staged blocks."""
     backoff_initial: float = 0.05
     backoff_max: float = 5.0
     welcome_timeout: float = 5.0

@@ -133,10 +133,13 @@ def dp_ranks(text: str) -> tuple[int, ...]:
 
 
 def check_event_source(args: argparse.Namespace) -> None:
-    """Exactly one of ``--zmq-endpoint`` and ``--no-kv-events``, and no relay flag without events."""
+    """Exactly one of ``--zmq-endpoint`` and ``--no-kv-events``, and no relay or hash flag without
+    events (an announced profile could only mark the node mismatched)."""
     if args.no_kv_events:
         flags = (("--zmq-endpoint", args.zmq_endpoint), ("--replay-endpoint", args.replay_endpoint),
-                 ("--topic", args.topic), ("--signed-hashes", args.signed_hashes))
+                 ("--topic", args.topic), ("--signed-hashes", args.signed_hashes), ("--algo", args.algo),
+                 ("--block-size", args.block_size), ("--hash-seed", args.hash_seed),
+                 ("--engine-release", args.engine_release), ("--style", args.style))
         given = [f for f, v in flags if v]
         if given:
             raise CliError(f"--no-kv-events relays no events: drop {given[0]}")

@@ -292,10 +292,12 @@ class Engines:
 
     def __init__(self, store: EngineStore, runner: EngineRunner, replica_id: str,
                  block_size_of: Callable[[str], int | None],
-                 on_removed: Callable[[str], None], max_listeners: int = 1 << 62) -> None:
+                 on_removed: Callable[[str], None], max_engines: int = 1 << 62) -> None:
         self.store = store
-        self.max_listeners = max_listeners
-        """Registered listeners over all engines at most (``max_streams``: each is an ingest feed)."""
+        self.max_engines = max_engines
+        """Registered engines at most, over all replicas (``max_streams``: each is one relay's ingest
+        feed on some replica). Checked before the store's swap, not in it: concurrent registrations of
+        new instances may pass it together."""
         self.runner = runner
         self.replica_id = replica_id
         self._block_size_of = block_size_of
@@ -345,9 +347,9 @@ class Engines:
             if old is not None and any(x.dp_rank == rank for x in old.listeners):
                 raise RegistrationError(409, f"instance {instance_id} dp_rank {rank} already registered")
             self._check_partition(engines, model, model_name, routing_group, block_size)
-            if sum(len(e.listeners) for e in engines.values()) >= self.max_listeners:
-                raise RegistrationError(429, f"too many registered listeners: max_streams is "
-                                             f"{self.max_listeners}; unregister one first")
+            if old is None and len(engines) >= self.max_engines:
+                raise RegistrationError(429, f"too many registered engines: max_streams is "
+                                             f"{self.max_engines}; unregister one first")
             if old is None:
                 new = Engine(instance_id, model_name, routing_group, block_size, (listener,), serving_url)
             else:

@@ -14,7 +14,8 @@ meaning of Dynamo's. The deliberate differences (README, "HTTP API"):
 - ``/query`` also takes ``prompt`` or ``messages`` (OpenAI chat) instead of ``token_ids``, tokenized
   with the model's tokenizer; answers add ``model``, ``block_size``, ``num_blocks``, ``num_tokens`` and
   ``nodes`` (kvcoord's answer, best first, with per-tier counts, load and the engine URL).
-- ``/register`` takes ``tcp://`` endpoints only, and ``serving_url`` (the engine's HTTP URL) besides.
+- ``/register`` takes ``tcp://`` endpoints only, and ``serving_url`` (the engine's HTTP URL) besides;
+  past ``max_streams`` registered engines it answers 429 (Dynamo has no such limit).
 """
 
 from __future__ import annotations

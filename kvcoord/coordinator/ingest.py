@@ -257,7 +257,7 @@ class IngestSession:
             rec.announced = AnnouncedProfile(
                 hp.algo, hp.block_size, hp.style, hp.none_hash_fingerprint, hp.engine_release
             )
-            if profile is not None:
+            if profile is not None and not rec.no_kv_events:  # no hashes to mismatch: stays approximate
                 reason = compare_announced(rec.announced, profile)
                 if reason is not None:
                     st.mark_hash_mismatch(rec, reason, notify=False)  # said in the Welcome
@@ -405,10 +405,10 @@ class IngestSession:
         return done
 
     @staticmethod
-    def _check_events(rec: NodeRecord, blocks: int = 1) -> None:
-        """A node whose Hello said its engine publishes no KV events sends none (nor snapshot blocks):
-        INVALID_ARGUMENT, nothing applied, so an ``approximate`` node never holds entries."""
-        if rec.no_kv_events and blocks:
+    def _check_events(rec: NodeRecord, carries: bool = True) -> None:
+        """A node whose Hello said its engine publishes no KV events sends none (nor snapshot blocks or
+        marks): INVALID_ARGUMENT, nothing applied, so an ``approximate`` node never holds entries."""
+        if rec.no_kv_events and carries:
             raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"node {shown(rec.node_id)} said in its Hello that its engine publishes no KV "
                               "events (no_kv_events): it may send heartbeats and empty snapshots only")
@@ -565,8 +565,8 @@ class IngestSession:
             hashes, tiers = snapshot_from_proto(snap)
         except InvalidEvent as exc:
             raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if self.rec is not None:
-            self._check_events(self.rec, len(hashes))
+        if self.rec is not None:  # a lost-history mark would make the node degraded: refused as well
+            self._check_events(self.rec, len(hashes) > 0 or snap.HasField("history_lost"))
         pending = self._pending
         if pending is None:
             pending = self._pending = _PendingSnapshot(snap.epoch, snap.seq)

@@ -52,8 +52,8 @@ class LiveMatch(NamedTuple):
     load: NodeLoad
     serving_url: str
     trust: str
-    """The node's trust state (``NodeRecord.trust``): ``exact`` or ``degraded`` (resyncing nodes are in
-    no answer)."""
+    """The node's trust state (``NodeRecord.trust``): ``exact``, ``degraded`` or ``approximate``
+    (resyncing nodes are in no answer)."""
     trust_cause: str
     """Why degraded (``Trust.cause``: ``hash_mismatch`` or ``history_lost``); empty when exact."""
 

@@ -193,7 +193,8 @@ class Metrics:
         )
         for trust in TRUSTS:
             self.nodes_by_trust.labels(trust).set(0)
-        self.streams = Gauge("kvcoord_ingest_streams", "Open agent ingest streams", registry=r)
+        self.streams = Gauge("kvcoord_ingest_streams", "Open agent ingest streams, engines registered over "
+                             "HTTP and relayed here included", registry=r)
         self.streams_refused = Counter(
             "kvcoord_ingest_streams_refused", "Ingest streams refused, or closed for sending no Hello",
             ["reason"], registry=r,

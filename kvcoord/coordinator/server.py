@@ -111,7 +111,7 @@ class CoordinatorServer:
             runner = self._runner_factory(state)
             self.engines = Engines(open_engine_store(cfg.index, key_prefix=cfg.index_key_prefix), runner,
                                    state.replica_id, self._profile_block_size, state.drop_node,
-                                   max_listeners=cfg.limits.max_streams)
+                                   max_engines=cfg.limits.max_streams)
         if cfg.http_listen:
             await self._start_http(state, auth)
         state.start_background()

@@ -40,7 +40,7 @@ from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
 from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, RESYNCING, NodeLoad
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import InvalidEvent, shown, unpack_u64
+from kvcoord.validate import InvalidEvent, pack_u64, shown, unpack_u64
 from kvcoord.wire import load_from_proto, load_to_proto, unpack_tokens
 
 log = logging.getLogger("kvcoord.coordinator")
@@ -520,6 +520,8 @@ class CoordinatorServicer:
         matches = await lookups.match(model, hashes, candidates, request.include_unmatched)
         resp = pb.LookupResponse(model=model, block_size=block_size, num_blocks=len(hashes),
                                  num_tokens=num_tokens)
+        if request.want_block_hashes:
+            resp.block_hashes = raw if which == "hashes" else pack_u64(hashes)
         add = resp.nodes.add
         for m in matches:
             # Filled in place (nested message constructors would be built, then copied in).

@@ -239,7 +239,7 @@ class Picker:
         free = self._unsaturated(eligible)
         by_key = {e.candidate.key: e for e in free}
         view = LookupResult(answer.model, answer.block_size, answer.num_blocks,
-                            [e.candidate for e in free], answer.num_tokens)
+                            [e.candidate for e in free], answer.num_tokens, answer.block_hashes)
         decision = place(view, policy, now=time.monotonic())
         chosen = by_key[decision.key]
         num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
@@ -255,7 +255,7 @@ class Picker:
         if query.get("continue_final_message"):
             return await self._degraded(model, subset, "continue_final_message (the index cannot be asked)")
         try:
-            answer = await self.client.lookup(model, include_unmatched=True, **query)
+            answer = await self.client.lookup(model, include_unmatched=True, want_block_hashes=True, **query)
         except CoordinatorError as exc:
             code = getattr(exc.code, "name", "")
             if code == "INVALID_ARGUMENT":

@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import xxhash
 
-from kvcoord.hashing import BlockHash64
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.router.policy import Decision, LeastLoadedPolicy, Policy, RouteRequest, place
@@ -31,22 +29,9 @@ from .requests import BadRequest, NotAskable, body_query, tokenize
 from .route_backends import Backends
 from .route_metrics import RouteMetrics
 
-__all__ = ["Placer", "Plan", "block_keys"]
+__all__ = ["Placer", "Plan"]
 
 log = logging.getLogger("kvcoord.route")
-
-def block_keys(tokens: list[int], block_size: int, salt: str = "") -> list[BlockHash64]:
-    """One key per full block, each naming the whole prefix up to it (a chained xxh3 of the ids and the
-    cache salt). Private to the router: only its placement memory compares them, never with the engine's."""
-    h = xxhash.xxh3_64(salt.encode())
-    data = b"".join(t.to_bytes(8, "little") for t in tokens)
-    step = block_size * 8
-    out = []
-    for i in range(len(tokens) // block_size):
-        h.update(data[i * step:(i + 1) * step])
-        out.append(BlockHash64(h.intdigest()))
-    return out
-
 
 @dataclass(slots=True)
 class Plan:
@@ -122,7 +107,7 @@ class Placer:
                                   "continue_final_message")
         t0 = time.perf_counter()
         try:
-            answer = await self.client.lookup(model, include_unmatched=True, **query)
+            answer = await self.client.lookup(model, include_unmatched=True, want_block_hashes=True, **query)
         except CoordinatorError as exc:
             return self._failed(model, exc)
         except ValueError as exc:  # the query itself is malformed: the engine will say how
@@ -131,15 +116,12 @@ class Placer:
         took = time.perf_counter() - t0
         self.metrics.lookup_seconds.observe(took)
         self._answered()
-        keys = (block_keys(tokens, answer.block_size, str(query.get("cache_salt") or ""))
-                if tokens is not None and answer.block_size > 0 else [])
-        return self._from_answer(model, answer, now, took, keys)
+        return self._from_answer(model, answer, now, took)
 
-    def _from_answer(self, model: str, answer: LookupResult, now: float, took: float,
-                     keys: list[BlockHash64]) -> Plan:
+    def _from_answer(self, model: str, answer: LookupResult, now: float, took: float) -> Plan:
         candidates = self.backends.routable(answer.nodes)
         num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
-        request = RouteRequest(num_tokens, max(1, answer.block_size), keys, now)
+        request = RouteRequest(num_tokens, max(1, answer.block_size), answer.block_hashes, now)
         if not candidates:
             self.metrics.degraded.labels("no_routable_node").inc()
             plan = self._degraded(model, "no_routable_node", "the lookup named no node with a serving URL")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcoord.events import Tier
+from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey
 from kvcoord.load import EXACT, NodeLoad
 
@@ -75,6 +76,9 @@ class LookupResult:
     nodes: list[Candidate]
     num_tokens: int = 0
     """Tokens the query had (0 for a query by hashes)."""
+    block_hashes: tuple[BlockHash64, ...] = ()
+    """The query's block hashes, when asked for (``want_block_hashes``): what a router keys its own
+    memories on when the coordinator tokenized the prompt."""
 
     @property
     def best(self) -> Candidate | None:

@@ -21,7 +21,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.transport import ChannelSecurity, open_aio_channel, open_channel
-from kvcoord.validate import pack_u64
+from kvcoord.validate import pack_u64, unpack_u64
 from kvcoord.wire import load_from_proto, load_to_proto, pack_tokens
 
 __all__ = [
@@ -61,7 +61,8 @@ def lookup_result(msg: pb.LookupResponse) -> LookupResult:
                   load_from_proto(n.load), n.serving_url, n.trust or EXACT, n.trust_cause)
         for n in msg.nodes
     ]
-    return LookupResult(msg.model, msg.block_size, msg.num_blocks, nodes, msg.num_tokens)
+    hashes = tuple(unpack_u64(msg.block_hashes, "LookupResponse"))
+    return LookupResult(msg.model, msg.block_size, msg.num_blocks, nodes, msg.num_tokens, hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,8 @@ class NodeStatus:
     serving_url: str = ""
     """The engine's own URL, as its agent announced it; empty when unknown."""
     trust: str = EXACT
-    """``exact``, ``resyncing`` or ``degraded`` (see the README's Semantics); ``trust_reason`` says why."""
+    """``exact``, ``resyncing``, ``degraded`` or ``approximate`` (see the README's Semantics);
+    ``trust_reason`` says why."""
     trust_reason: str = ""
     trust_cause: str = ""
     """Why degraded, for machines: ``hash_mismatch`` or ``history_lost``; empty otherwise."""
@@ -185,6 +187,7 @@ def build_lookup_request(
     prompt_embeds_digests: Sequence[bytes] | None = None,
     candidates: Iterable[tuple[str, int]] | None = None,
     include_unmatched: bool = False,
+    want_block_hashes: bool = False,
     prompt: str | None = None,
     messages: Sequence[Mapping[str, Any]] | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -243,6 +246,7 @@ def build_lookup_request(
     for node_id, rank in candidates or ():
         req.candidates.add(node_id=node_id, dp_rank=rank)
     req.include_unmatched = include_unmatched
+    req.want_block_hashes = want_block_hashes
     return req
 
 

@@ -617,9 +617,11 @@ def place(answer: LookupResult, policy: Policy | None = None, *, now: float = 0.
     """Where to send the request ``answer`` is the lookup of: ``policy`` (default: prefix-aware) over the
     answer's nodes. Ask the lookup with ``include_unmatched=True`` so that idle nodes holding nothing are
     candidates too; raises ``ValueError`` when the answer names no node at all. ``degraded`` (one of
-    ``DEGRADED_MODES``) configures the default policy; a policy passed in has its own setting."""
+    ``DEGRADED_MODES``) configures the default policy; a policy passed in has its own setting.
+    ``block_hashes`` (default: the answer's, asked with ``want_block_hashes=True``) key the policy's
+    memories of its own placements."""
     if policy is not None and degraded is not None:
         raise ValueError("degraded configures the default policy: give it to the policy you pass instead")
     num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
-    request = RouteRequest(num_tokens, max(1, answer.block_size), block_hashes, now)
+    request = RouteRequest(num_tokens, max(1, answer.block_size), block_hashes or answer.block_hashes, now)
     return (policy or PrefixAwarePolicy(degraded=degraded or "discount")).choose(request, answer.nodes)

@@ -905,10 +905,15 @@ class LookupRequest(_message.Message):
     PROMPT_FIELD_NUMBER: _builtins.int
     CANDIDATES_FIELD_NUMBER: _builtins.int
     INCLUDE_UNMATCHED_FIELD_NUMBER: _builtins.int
+    WANT_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     include_unmatched: _builtins.bool
     """Also answer the live nodes (of `candidates`, or of the model) that hold none of the query, with
     matched_blocks 0, after those that do: what a placement policy needs to weigh load as well.
+    """
+    want_block_hashes: _builtins.bool
+    """Also answer the query's block hashes (LookupResponse.block_hashes): a router whose coordinator
+    tokenizes keys its own memories (in-flight placements, what it sent nodes without KV events) on them.
     """
     @_builtins.property
     def tokens(self) -> Global___TokenQuery: ...
@@ -929,10 +934,11 @@ class LookupRequest(_message.Message):
         prompt: Global___PromptQuery | None = ...,
         candidates: _abc.Iterable[Global___NodeRef] | None = ...,
         include_unmatched: _builtins.bool = ...,
+        want_block_hashes: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "prompt", b"prompt", "query", b"query", "tokens", b"tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "hashes", b"hashes", "include_unmatched", b"include_unmatched", "model", b"model", "prompt", b"prompt", "query", b"query", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "hashes", b"hashes", "include_unmatched", b"include_unmatched", "model", b"model", "prompt", b"prompt", "query", b"query", "tokens", b"tokens", "want_block_hashes", b"want_block_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_query: _TypeAlias = _typing.Literal["tokens", "hashes", "prompt"]  # noqa: Y015
     _WhichOneofArgType_query: _TypeAlias = _typing.Literal["query", b"query"]  # noqa: Y015
@@ -1024,6 +1030,7 @@ class LookupResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     block_size: _builtins.int
     """block size the query was hashed with (0: hashes, unknown model)"""
@@ -1031,6 +1038,8 @@ class LookupResponse(_message.Message):
     """query blocks"""
     num_tokens: _builtins.int
     """query tokens (0 for a hash query)"""
+    block_hashes: _builtins.bytes
+    """with want_block_hashes: the query's, packed little-endian uint64"""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeMatch]:
         """live nodes with matched_blocks > 0, best first (see include_unmatched)"""
@@ -1043,10 +1052,11 @@ class LookupResponse(_message.Message):
         num_blocks: _builtins.int = ...,
         nodes: _abc.Iterable[Global___NodeMatch] | None = ...,
         num_tokens: _builtins.int = ...,
+        block_hashes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "model", b"model", "nodes", b"nodes", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "model", b"model", "nodes", b"nodes", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
