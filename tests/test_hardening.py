@@ -123,6 +123,28 @@ async def test_silent_streams_are_closed_and_streams_are_capped(tmp_path: Path) 
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
+async def test_a_feed_refused_for_good_frees_its_stream_slot() -> None:
+    """A registered engine whose feed the coordinator refuses for good (strict models, an unknown one)
+    stops relaying and no longer counts as an ingest stream."""
+    ov: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "",
+                          "strict_models": True, "models": [f"{MODEL},algo=sha256_cbor,block_size=16,seed=0"]}
+    server = CoordinatorServer(load_config(None, env={}, overrides=ov), index=MemoryIndex(),
+                               runner_factory=Fleet)
+    await server.start()
+    try:
+        state, engines = server.state, server.engines
+        assert state is not None and engines is not None
+        await engines.register(7, "unknown-model", "default", 16, 0, f"tcp://127.0.0.1:{free_port()}", None)
+
+        async def freed() -> bool:
+            gauge = state.metrics.registry.get_sample_value("kvcoord_ingest_streams")
+            return state.local_feeds == 0 and gauge == 0.0 and state.registry.get("7") is None
+
+        await eventually(freed, "the refused feed's slot back")
+    finally:
+        await server.stop()
+
+
 async def test_registered_engines_count_as_ingest_streams(tmp_path: Path) -> None:
     """An engine registered over HTTP is relayed in-process: it counts in the streams gauge and against
     max_streams (before, in-process feeds were invisible to both), and at most max_streams engines can be

@@ -128,17 +128,13 @@ class LocalFeed:
 
     # -- lifecycle --
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"kvcoord-local-feed-{self.node_id}")
-        self.state.local_feeds += 1  # an ingest stream, as far as the gauge and max_streams go
-        self.state.metrics.streams.inc()
+        self._task = asyncio.create_task(self._counted(), name=f"kvcoord-local-feed-{self.node_id}")
 
     async def close(self, timeout: float = 0.5) -> None:
         """Apply what is queued (for up to ``timeout``), then stop."""
         if self._task is None or self._closing:
             return
         self._closing = True
-        self.state.local_feeds -= 1
-        self.state.metrics.streams.dec()
         self._wake.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
@@ -151,6 +147,17 @@ class LocalFeed:
         return not self._queue and not self._need_snapshot
 
     # -- the stream --
+    async def _counted(self) -> None:
+        """:meth:`_run`, counted as an ingest stream (the gauge, ``max_streams``) while it runs: until
+        closed, or refused for good."""
+        self.state.local_feeds += 1
+        self.state.metrics.streams.inc()
+        try:
+            await self._run()
+        finally:
+            self.state.local_feeds -= 1
+            self.state.metrics.streams.dec()
+
     async def _run(self) -> None:
         backoff = self.options.backoff_initial
         while True:
