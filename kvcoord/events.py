@@ -189,8 +189,15 @@ def _derive(cls: type[KVEvent], *, array_like: bool, signed: bool = False, exact
         else:
             fields.append((f.name, typ, f.default))
     bases = () if (exact or view) else (cls,)  # model forms stay KVEvents until made canonical
-    return msgspec.defstruct(name, fields, bases=bases, tag=name, array_like=array_like, omit_defaults=True,
-                             gc=False, frozen=True, namespace={"KIND": cls.KIND})
+    struct = msgspec.defstruct(name, fields, bases=bases, tag=name, array_like=array_like, omit_defaults=True,
+                               gc=False, frozen=True, namespace={"KIND": cls.KIND})
+    if view:
+        _VIEWS.append(struct)
+    return struct
+
+
+_VIEWS: list[type[msgspec.Struct]] = []
+"""Every view struct :func:`_derive` built (see :data:`VIEW_TYPES`)."""
 
 
 class _Form:
@@ -364,6 +371,10 @@ _MODEL = _Form(signed=False, view=False)
 _MODEL_SIGNED = _Form(signed=True, view=False)
 _VIEW = _Form(signed=False, view=True)
 _VIEW_SIGNED = _Form(signed=True, view=True)
+VIEW_TYPES: frozenset[type[Any]] = frozenset(_VIEWS)
+"""The relay's view structs. Only the decoder builds them, so their fields have the declared types
+(``medium`` a str or None, ``group_idx`` an int >= 0 or None, ``block_hashes`` a tuple): a run of them
+needs those checks once (:func:`kvcoord.validate.op_runs`)."""
 
 
 def decode_vllm_batch(payload: bytes, *, signed_hashes: bool = False) -> KVEventBatch:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import Any, NamedTuple, TypeAlias, cast
 
-from kvcoord.events import CLEAR, FULL_ATTENTION_KINDS, REMOVE, STORE, Tier, normalize_medium
+from kvcoord.events import CLEAR, FULL_ATTENTION_KINDS, REMOVE, STORE, VIEW_TYPES, Tier, normalize_medium
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.native import native
 
@@ -336,26 +336,43 @@ def merge_runs(ops: Sequence[Op]) -> Runs:
     return out, spans
 
 
+_NO_SPEC = object()
+"""The spec kind of a run of removals: they have none, so class, medium and group decide."""
+
+
 def _merged_fast(events: Sequence[Any]) -> Runs | None:
     """:func:`op_runs` of a batch whose events all take the common form (int hashes in a list or tuple,
     a known or no medium, a plain group, a known or no spec kind), checking each run's hashes at once;
-    None when one does not (the slow path then names the bad event, if any)."""
+    None when one does not (the slow path then names the bad event, if any). A decoded view (of
+    :data:`kvcoord.events.VIEW_TYPES`) with the class, medium, group and spec kind of the event before it
+    continues that event's run without the checks: msgspec typed its fields, and equal values map alike."""
     if type(events) not in FAST_SEQ:
         return None
     ops: list[Op] = []
     spans: list[int] = []
-    known = _MEDIUM_TIERS
+    known, typed = _MEDIUM_TIERS, VIEW_TYPES
     key: tuple[int, int, int | None, bool] | None = None
     run: list[BlockHash64] = []
     first: Sequence[BlockHash64] = EMPTY
     n = 0
+    cls: type[Any] | None = None
+    medium: Any = None
+    g: Any = None
+    spec: Any = None
     for ev in events:
+        if (type(ev) is cls and ev.medium == medium and ev.group_idx == g
+                and (spec is _NO_SPEC or ev.kv_cache_spec_kind == spec)):
+            if n == 1:
+                run = list(first)
+            run += ev.block_hashes
+            n += 1
+            continue
         kind = getattr(ev, "KIND", None)
         if kind == CLEAR:
             if key is not None:
                 ops.append(Op(*key[:2], first if n == 1 else run, *key[2:]))
                 spans.append(n)
-                key = None
+                key = cls = None
             ops.append(CLEAR_OP)
             spans.append(1)
             continue
@@ -365,13 +382,14 @@ def _merged_fast(events: Sequence[Any]) -> Runs | None:
                 return None
             indexable = spec is None or spec in FULL_ATTENTION_KINDS
         elif kind == REMOVE:
-            indexable = True
+            indexable, spec = True, _NO_SPEC
         else:
             return None
         medium, g, hashes = ev.medium, ev.group_idx, ev.block_hashes
         t = known.get(medium) if medium is None or type(medium) is str else None
         if t is None or type(hashes) not in FAST_SEQ or not (g is None or (type(g) is int and g >= 0)):
             return None
+        cls = type(ev) if type(ev) in typed else None
         k = (kind, t, g, indexable)
         if k == key:
             if n == 1:

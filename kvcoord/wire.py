@@ -149,10 +149,10 @@ def event_to_proto(op: Op, ev: Any, sample: Sample | None = None) -> pb.KVEvent:
 
 
 def _sample_to_proto(sample: Sample, s: pb.BlockStored) -> None:
-    tokens = sample.token_ids
-    if tokens and not all(0 <= t <= _U32_MAX for t in (min(tokens), max(tokens))):
+    try:
+        packed = array("I", sample.token_ids)  # checks the range as it packs (no min/max pass first)
+    except OverflowError:
         return  # ids past uint32 (no tokenizer has them): this event simply is not verified
-    packed = array("I", tokens)
     if not _LITTLE:
         packed.byteswap()
     s.token_ids = packed.tobytes()

@@ -587,6 +587,36 @@ def test_merged_ops_are_the_runs_of_the_plain_ones_and_apply_alike() -> None:
     assert sorted(merged_mirror.snapshot()[0]) == sorted(plain_mirror.snapshot()[0])
 
 
+def test_merged_ops_of_decoded_views_are_the_runs_of_the_plain_ones() -> None:
+    """The relay's decoded views (whose runs skip the per-event checks) merge as model events do, and a
+    view that breaks its run's form (an unknown medium, a digest hash) fails or falls back as ``ops_of``."""
+    from kvcoord import validate
+    from kvcoord.events import VIEW_TYPES, decode_vllm_views, encode_vllm_batch
+
+    rng = random.Random(13)
+    for _ in range(300):
+        events = _random_events(rng, rng.randint(1, 40))
+        if rng.random() < 0.5:
+            events += [BlockRemoved(block_hashes=(rng.randrange(2, 1 << 64),), medium="GPU", group_idx=0)
+                       for _ in range(30)]
+        views = decode_vllm_views(encode_vllm_batch(KVEventBatch(1.0, tuple(events)))).events
+        assert all(type(v) in VIEW_TYPES for v in views)
+        merged, spans = validate.op_runs(views)
+        slow, slow_spans = validate.merge_runs(validate.ops_of(views))
+        assert [(*op[:2], list(op[2]), *op[3:]) for op in merged] == \
+            [(*op[:2], list(op[2]), *op[3:]) for op in slow]
+        assert spans == slow_spans and sum(spans) == len(events)
+    run = [BlockRemoved(block_hashes=(5 + i,), medium="GPU", group_idx=0) for i in range(3)]
+    digest = BlockRemoved(block_hashes=(b"\x01" * 32,), medium="GPU", group_idx=0)
+    views = decode_vllm_views(encode_vllm_batch(KVEventBatch(1.0, (*run, digest, *run)))).events
+    ops, spans = validate.op_runs(views)
+    assert spans == [7] and list(ops[0].hashes) == [5, 6, 7, 0x0101010101010101, 5, 6, 7]
+    tape = BlockRemoved(block_hashes=(9,), medium="tape", group_idx=0)
+    views = decode_vllm_views(encode_vllm_batch(KVEventBatch(1.0, (*run, tape)))).events
+    with pytest.raises(validate.InvalidEvent, match="event 3"):
+        validate.op_runs(views)
+
+
 def test_merged_ops_refuse_what_plain_ops_refuse() -> None:
     """A bad event fails the merged path exactly as the plain one, naming the same event."""
     from kvcoord import validate

@@ -141,3 +141,16 @@ async def test_reporter_runs_verify_and_apply_exactly(index: Index) -> None:
         reg = c.server.state.metrics.registry
         assert reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "ok"}) == 4
         assert not reg.get_sample_value("kvcoord_hash_verifications_total", {"result": "mismatch"})
+
+
+def test_sampled_tokens_go_packed_unless_past_uint32() -> None:
+    """A sampled store's token ids go as little-endian uint32; ids a uint32 cannot hold (none a tokenizer
+    has) leave the event unverified, with no tokens, instead of failing the batch."""
+    from kvcoord.validate import ops_of
+    from kvcoord.wire import Sample, event_to_proto
+
+    for tokens, sent in (((1, 2, 0xFFFFFFFF, 0), True), ((), True), ((1, 1 << 32), False), ((-1, 2), False)):
+        ev = BlockStored(block_hashes=(7,), parent_block_hash=None, token_ids=tokens, block_size=4)
+        msg = event_to_proto(ops_of([ev])[0], ev, Sample.of(ev)).stored
+        assert msg.block_hashes == (7).to_bytes(8, "little") and msg.block_size == 4
+        assert msg.token_ids == (b"".join(t.to_bytes(4, "little") for t in tokens) if sent else b"")

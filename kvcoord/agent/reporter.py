@@ -371,8 +371,11 @@ class Reporter:
             p = self._pending.get(rank)
             if p is None:
                 p = self._pending[rank] = Pending(ts, rank)
-            j, end = run_piece(run, i, pos, len(packed), op[0] == STORE, samples,
-                               opts.max_batch_events - p.events, opts.max_batch_blocks - p.blocks)
+            if len(run) == 1:  # most store ops: one event, which always goes whole
+                j, end = 1, len(packed)
+            else:
+                j, end = run_piece(run, i, pos, len(packed), op[0] == STORE, samples,
+                                   opts.max_batch_events - p.events, opts.max_batch_blocks - p.blocks)
             sample = samples[i] if samples is not None and j == i + 1 else None
             piece = packed if pos == 0 and end == len(packed) else packed[pos:end]
             fill_event(p.msg.events.add(), op, run[i], sample, piece, j - i)
