@@ -145,7 +145,7 @@ class IngestSession:
             )
         rec = self._owned()
         self.state.registry.heard(rec)
-        if which in ("batch", "batches"):
+        if rec.no_kv_events and which in ("batch", "batches"):  # one attribute read per message
             self._check_events(rec)
         if which == "batch":
             return await self._batch(rec, WireBatch(msg.batch))

@@ -61,7 +61,7 @@ def lookup_result(msg: pb.LookupResponse) -> LookupResult:
                   load_from_proto(n.load), n.serving_url, n.trust or EXACT, n.trust_cause)
         for n in msg.nodes
     ]
-    hashes = tuple(unpack_u64(msg.block_hashes, "LookupResponse"))
+    hashes = tuple(unpack_u64(msg.block_hashes, "LookupResponse")) if msg.block_hashes else ()
     return LookupResult(msg.model, msg.block_size, msg.num_blocks, nodes, msg.num_tokens, hashes)
 
 
