@@ -204,11 +204,12 @@ async def test_wire_frames_and_replay_are_vllm_exact(ports: Ports) -> None:
         frames = await sub.recv_multipart()
         assert frames[0] == b"kv" and len(frames[1]) == 8 and len(frames) == 3
         client = ReplayClient(ctx, f"tcp://127.0.0.1:{ports.replay}", timeout=2.0)
-        items = await client.fetch(0)
+        items, whole = await client.fetch(0)
+        assert whole
         # buffer_steps=3: only the last three batches are kept.
         seqs = [s for s, _ in items]
         assert len(seqs) == min(3, pub.next_seq) and seqs == sorted(seqs) and seqs[-1] == pub.next_seq - 1
-        assert await client.fetch(pub.next_seq) == []
+        assert await client.fetch(pub.next_seq) == ([], True)
         client.close()
     finally:
         pub.shutdown()
@@ -233,6 +234,59 @@ async def test_steady_stream_and_late_join(ports: Ports) -> None:
                                                    for e in b.events if not isinstance(e, AllBlocksCleared))
     finally:
         pub.shutdown()
+
+
+async def test_replay_answer_longer_than_the_router_pipe(ports: Ports) -> None:
+    """A relay joining 4,000 batches late: vLLM's ROUTER answers with all of them, drops what does not fit
+    its pipe (about a thousand, end marker included), and the relay asks again from its first hole until
+    it has every one. Nothing is lost (this was an unrecoverable gap, or a replay timeout)."""
+    batches = make_batches(4000, seed=12)
+    pub = ports.publisher()
+    sink = RecordingSink()
+    try:
+        await publish_all(pub, batches)
+        async with running_relay(ports, sink) as relay:
+            await wait_for(lambda: relay.expected_seq == len(batches), "the whole backlog")
+            assert relay.stats.lost_batches == 0 and relay.stats.unrecoverable_gaps == 0 and not sink.lost
+            assert relay.stats.replay_partial >= 1  # the first answer really was cut short
+            assert snapshot_of(relay) == expected_mirror(batches)
+            assert [b[1] for b in sink.batches] == [b.events for b in batches]
+    finally:
+        pub.shutdown()
+
+
+async def test_replay_answer_with_holes_is_asked_again() -> None:
+    """A replay server that drops messages from the middle of its answer (as a full ROUTER pipe does), end
+    marker included: the client returns what arrived, marked incomplete; the next ask is whole."""
+    ctx = zmq.asyncio.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = ReplayClient(ctx, f"tcp://127.0.0.1:{port}", timeout=2.0, settle=0.2)
+    asks = 0
+
+    async def serve() -> None:
+        nonlocal asks
+        while True:
+            ident, _, start_bytes = await router.recv_multipart()
+            start, asks = int.from_bytes(start_bytes, "big"), asks + 1
+            for seq in range(start, 10):
+                if asks > 1 or seq not in (6, 7):
+                    await router.send_multipart((ident, b"", seq.to_bytes(8, "big"), b"p%d" % seq))
+            if asks > 1:
+                await router.send_multipart((ident, b"", END_SEQ, b""))
+
+    task = asyncio.create_task(serve())
+    try:
+        items, whole = await client.fetch(2)
+        assert not whole and [s for s, _ in items] == [2, 3, 4, 5, 8, 9]
+        items, whole = await client.fetch(5)
+        assert whole and [s for s, _ in items] == [5, 6, 7, 8, 9]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        client.close()
+        router.close(linger=0)
 
 
 @pytest.mark.parametrize("cls", [ZmqEventPublisher, TopicReplayPublisher], ids=["vllm_reply", "topic_reply"])

@@ -210,6 +210,8 @@ class RelayStats:
     duplicates: int = 0
     restarts: int = 0
     replay_failures: int = 0
+    replay_partial: int = 0
+    """Replay answers that arrived cut short (the ROUTER dropped messages) and were asked for again."""
     replay_only_probes: int = 0
     """Replay probes that delivered batches while no live PUB frame had ever arrived (see the warning)."""
     malformed: Counter[str] = field(default_factory=Counter)
@@ -402,26 +404,50 @@ class Relay:
         The request starts one batch early: the engine must send back exactly the payload we
         applied last. No answer for it, or a different payload, means the engine restarted (and
         may already have published past our position, which sequence numbers alone cannot show).
+        An answer cut short on the way (see :class:`ReplayClient`) is applied up to its first hole and
+        asked for again from there, for as long as each answer brings something new.
         """
         assert self._replay is not None
-        anchor = self._expected - 1
-        items = await self._replay.fetch(max(anchor, 0))
-        if (anchor >= 0 and self._last_payload is not None
-                and (not items or (items[0][0] == anchor and items[0][1] != self._last_payload))):
-            self._restart(f"the replay buffer no longer matches batch {anchor}")
-            items = await self._replay.fetch(0)
+        while True:
+            start = max(self._expected - 1, 0)
+            items, whole = await self._replay.fetch(start)
+            if (self._expected > 0 and self._last_payload is not None
+                    and (not items or (items[0][0] == start and items[0][1] != self._last_payload))):
+                self._restart(f"the replay buffer no longer matches batch {start}")
+                start = 0
+                items, whole = await self._replay.fetch(0)
+            before = self._expected
+            ended = self._apply_replayed(items, start, live_seq)
+            if ended is None:
+                return
+            if whole and ended:
+                return
+            if self._expected == before:
+                raise ReplayError(f"replay from {self._replay.endpoint} came incomplete, with nothing new")
+            self.stats.replay_partial += 1
+
+    def _apply_replayed(self, items: list[tuple[int, bytes]], start: int,
+                        live_seq: int | None) -> bool | None:
+        """Apply a replay answer's batches from ``expected`` on: True if all of them were, False at a hole
+        in the answer (messages dropped on the way: it began at ``start``, so the buffer still held them),
+        None where the buffer no longer reaches back (what it lacks is lost; see :meth:`_lost`)."""
+        rolled = bool(items) and items[0][0] > start
         for seq, payload in items:
             if seq < self._expected:
                 continue
             if seq > self._expected:
+                if not rolled:
+                    return False
                 if live_seq is not None and seq > live_seq:
                     # The buffer starts past the live batch in hand: only the batches before it are
                     # lost; it and the ones queued behind it on the SUB socket come next.
                     self._lost(live_seq - self._expected, f"the replay buffer now starts at {seq}")
-                    return
+                    return None
                 self._lost(seq - self._expected, f"the replay buffer now starts at {seq}")
+            rolled = False
             self.stats.replayed_batches += 1
             self.handle_payload(seq, payload)
+        return True
 
     async def _heal(self, live_seq: int) -> None:
         start = self._expected

@@ -286,12 +286,21 @@ class ReplayClient:
     reads them all. Replies are accepted with or without a topic frame (``[b"", seq, payload]``
     as vLLM sends, ``[b"", topic, seq, payload]``, or without the empty delimiter): the last two
     frames are always ``seq, payload``. The stream ends at the ``-1`` marker.
+
+    A ROUTER drops what does not fit its peer's pipe (about a thousand messages), silently: an answer
+    longer than that arrives with holes and without its end marker. So an answer that stops arriving
+    after it started (``settle`` seconds without a message) is returned as it is, marked incomplete;
+    the caller applies what is contiguous and asks again from there.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, timeout: float = 2.0) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, timeout: float = 2.0,
+                 settle: float = 0.5) -> None:
         self._ctx = ctx
         self.endpoint = endpoint
         self.timeout = timeout
+        """Seconds to wait for the answer to begin."""
+        self.settle = min(settle, timeout)
+        """Seconds without a message, once the answer began, after which it is taken as cut short."""
         self._sock: zmq.asyncio.Socket | None = None
 
     def _socket(self) -> zmq.asyncio.Socket:
@@ -307,28 +316,34 @@ class ReplayClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    async def fetch(self, start_seq: int) -> list[tuple[int, bytes]]:
-        """Every buffered ``(seq, payload)`` with ``seq >= start_seq``, in order.
+    async def fetch(self, start_seq: int) -> tuple[list[tuple[int, bytes]], bool]:
+        """Every buffered ``(seq, payload)`` with ``seq >= start_seq`` that arrived, in order, and whether
+        the answer was whole (its end marker arrived). An incomplete one may have holes.
 
-        Raises :class:`ReplayError` on timeout (the socket is then replaced, so a late answer
-        cannot be mistaken for the next request's).
+        Raises :class:`ReplayError` when no answer begins in time or a reply is malformed. After either, or
+        an incomplete answer, the socket is replaced, so a late message cannot pass for the next answer's.
         """
         sock = self._socket()
         await sock.send_multipart((b"", start_seq.to_bytes(SEQ_BYTES, "big")))
         out: list[tuple[int, bytes]] = []
-        deadline = asyncio.get_running_loop().time() + self.timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
         try:
             while True:
-                remaining = deadline - asyncio.get_running_loop().time()
+                remaining = deadline - loop.time()
                 if remaining <= 0 or not await sock.poll(timeout=int(remaining * 1000) + 1):
+                    if out:
+                        self.close()
+                        return out, False
                     raise ReplayError(f"replay from {self.endpoint} timed out after {self.timeout}s")
                 frames = await sock.recv_multipart()
                 if len(frames) < 2 or len(frames[-2]) != SEQ_BYTES:
                     raise ReplayError(f"malformed replay reply ({len(frames)} frames)")
                 seq_bytes, payload = frames[-2], frames[-1]
                 if seq_bytes == END_SEQ:
-                    return out
+                    return out, True
                 out.append((int.from_bytes(seq_bytes, "big"), payload))
+                deadline = loop.time() + self.settle
         except BaseException:
             self.close()
             raise
