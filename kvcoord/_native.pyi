@@ -71,9 +71,9 @@ def mirror_walk(
     /,
 ) -> list[_Row] | None: ...
 
-# --- the HTTP API's lookup answers (answer.c; twin: kvcoord.coordinator.httpapi's handler) ---------
+# --- the HTTP API's lookup answers (answer.c, answerer.c; twin: kvcoord.coordinator.httpapi's handler) ---
 class AnswerModel:
-    """One partition's view for :func:`answer_lookup` (see kvcoord.coordinator.fastpath)."""
+    """One partition's view for the :class:`Answerer` (see kvcoord.coordinator.fastpath)."""
 
     def __init__(
         self,
@@ -91,12 +91,30 @@ class AnswerModel:
     def set_slot(self, slot: int, entry: tuple[int, int, bytes, bytes] | None, /) -> None: ...
     def renew(self, generation: int, valid_until: float, /) -> None: ...
 
-def answer_lookup(
-    data: bytes,
-    models: dict[str, AnswerModel],
-    generation: int,
-    now: float,
-    head: bytes,
-    may_query: Callable[[str], bool] | None,
-    /,
-) -> tuple[bytes, int, int, int] | str | None: ...
+class Tally:
+    """A histogram's counts as plain numbers (tally.c; twin: kvcoord.coordinator.metrics.PyTally)."""
+
+    def __init__(self, bounds: tuple[float, ...], /) -> None: ...
+    def observe(self, value: float, /) -> None: ...
+    def counts(self) -> tuple[tuple[int, ...], float]: ...
+
+class Answerer:
+    """A request's bytes in, its whole HTTP answer out, or None for the Python handler (answerer.c)."""
+
+    def __init__(
+        self,
+        views: dict[str, AnswerModel],
+        changes: object,
+        refresh: Callable[[str, float], bool],
+        gate: object,
+        may_query: Callable[[str], bool] | None,
+        on_error: Callable[[BaseException], object],
+        extra_headers: bytes,
+        tally_tokens: Tally,
+        tally_hashes: Tally,
+        tally_matched: Tally,
+        /,
+    ) -> None: ...
+    def __call__(self, data: bytes, /) -> bytes | None: ...
+    @property
+    def answered(self) -> int: ...

@@ -12,6 +12,7 @@ import random
 import re
 import time
 from collections.abc import Iterator
+from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,10 @@ from hypothesis import strategies as st
 from kvcoord.coordinator.auth import Authenticator
 from kvcoord.coordinator.config import ConfigError, load_config
 from kvcoord.coordinator.core import CoordinatorState
-from kvcoord.coordinator.fastpath import NativeAnswers
+from kvcoord.coordinator.fastpath import MAX_VIEW_AGE, NativeAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpServer, Request, Response, render
+from kvcoord.coordinator.metrics import PyTally
 from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index.memory import MemoryIndex
@@ -55,8 +57,8 @@ class Fleet:
         self.rng = rng
         self.state = CoordinatorState(cfg, MemoryIndex())
         self.api = HttpApi(self.state, None, Authenticator(cfg.auth))
-        self.native = NativeAnswers(self.api)
         self.server = HttpServer(self.api.routes(), self.api.authorize, EXTRA)
+        self.native = NativeAnswers(self.api, self.server.extra_headers)
         self.tokens = [rng.randrange(0, 1 << 17) for _ in range(40 * BS)]
         self.chains = {m: block_hashes64(p, self.tokens) for m, p in PROFILES.items()}
         self.chains["m@g1"] = self.chains["m"]
@@ -153,7 +155,7 @@ class Fleet:
 
     def answer(self, raw: bytes) -> bytes | None:
         """The native answer (without its Date), or None where it declines."""
-        got = self.native.answer(raw, self.server.head_200())
+        got = self.native.answer(raw)
         return None if got is None else undated(got)
 
 
@@ -206,38 +208,79 @@ def test_views_follow_every_change() -> None:
     fleet.state.index.apply_sync("m", "a", 0, [(STORE, 0, fleet.chains["m"][:8], None, True)])  # type: ignore[attr-defined]
     data = json.dumps({"model_name": "m", "block_hashes": fleet.chains["m"][:8]}).encode()
     raw = raw_request("/query_by_hash", data)
-    head = fleet.server.head_200()
     assert native is not None
+    refreshed: list[str] = []
+    refresh = fleet.native._refresh
 
-    def hit() -> bool:
-        got = fleet.answer(raw)
-        assert got == fleet.handler("/query_by_hash", data)
+    def recording(model: str, now: float) -> bool:
+        refreshed.append(model)
+        return refresh(model, now)
+
+    answer = native.Answerer(fleet.native.views, CHANGES, recording, fleet.state, None, fleet.native._failed,
+                             fleet.server.extra_headers, *(native.Tally((1.0,)) for _ in range(3)))
+
+    def hit(stale: bool = False) -> bool:
+        del refreshed[:]
+        got = answer(raw)
+        assert got is not None and undated(got) == fleet.handler("/query_by_hash", data)
+        assert refreshed == (["m"] if stale else []), refreshed
         return b'"node_id":"a"' in got
 
-    assert hit()
+    assert hit(stale=True)  # no view yet
     view = fleet.native.views["m"]
-    now = time.monotonic()
-    assert isinstance(native.answer_lookup(raw, fleet.native.views, CHANGES.count, now, head, None), tuple)
-    # past the lease the view is stale (the registry would answer without the node by then)
-    later = rec.last_heard + 3600.001
-    assert native.answer_lookup(raw, fleet.native.views, CHANGES.count, later, head, None) == "m"
+    assert hit()
+    # a view is valid for a while at most, and stale after it (a lease may have run out by then)
+    assert fleet.native._kept["m"].valid_until <= time.monotonic() + MAX_VIEW_AGE
+    fleet.native._kept["m"].valid_until = 0.0
+    view.renew(CHANGES.count, 0.0)
+    assert hit(stale=True) and fleet.native.views["m"] is not view
+    view = fleet.native.views["m"]
     before = CHANGES.count
     rec.draining = True
     assert CHANGES.count > before
-    assert native.answer_lookup(raw, fleet.native.views, CHANGES.count, now, head, None) == "m"
-    assert not hit() and fleet.native.views["m"] is view  # brought up to date in place: one node changed
+    assert not hit(stale=True) and fleet.native.views["m"] is view  # brought up to date in place: one node
     rec.draining = False
-    assert hit()
+    assert hit(stale=True)
     rec.load = NodeLoad(running_requests=77)
-    assert hit() and fleet.native.views["m"] is view
+    assert hit(stale=True) and fleet.native.views["m"] is view
     assert b'"running_requests":77' in (fleet.answer(raw) or b"")
     fleet.node("b", "m", (0,))  # a new slot moves the table's layout
     layout_view = fleet.native.views["m"]
-    assert native.answer_lookup(raw, fleet.native.views, CHANGES.count, now, head, None) == "m"
-    assert hit() and fleet.native.views["m"] is not layout_view
+    assert hit(stale=True) and fleet.native.views["m"] is not layout_view
     fleet.state.registry.remove("a")
     assert fleet.answer(raw) == fleet.handler("/query_by_hash", data)
     assert b'"node_id":"a"' not in fleet.handler("/query_by_hash", data)
+
+
+def test_the_date_header_is_the_handlers() -> None:
+    """The native head's ``date`` is RFC 7231's, as the handler's (email.utils.formatdate) writes it."""
+    fleet = Fleet(random.Random(2))
+    fleet.node("a", "m", (0,))
+    raw = raw_request("/query", json.dumps({"model_name": "m", "token_ids": fleet.tokens[:8]}).encode())
+    before = int(time.time())
+    got = fleet.native.answer(raw)
+    after = int(time.time())
+    assert got is not None
+    date = re.search(rb"\r\ndate: ([^\r]*)\r\n", got)
+    assert date is not None
+    assert date.group(1).decode() in {formatdate(t, usegmt=True) for t in range(before, after + 1)}
+
+
+def test_tally_is_its_twin() -> None:
+    """kvcoord._native.Tally and PyTally bucket and sum alike (bounds as the metrics use them)."""
+    assert native is not None
+    rng = random.Random(7)
+    for bounds in [(0.0, 0.1, 0.5, 1.0), (0.0001, 0.001, 1.0), (), (-1.0, 2.5)]:
+        a, b = native.Tally(bounds), PyTally(bounds)
+        for _ in range(500):
+            v = rng.choice([*bounds, 0.0, rng.uniform(-2, 3), rng.random() * 1e-3])
+            a.observe(v)
+            b.observe(v)
+        assert a.counts() == b.counts()
+    with pytest.raises(ValueError):
+        native.Tally((1.0, 1.0))
+    with pytest.raises(ValueError):
+        PyTally((1.0, 1.0))
 
 
 def test_what_is_not_claimed_goes_to_the_handler() -> None:
@@ -391,7 +434,7 @@ def test_content_types(ctype: str, claimed: bool) -> None:
         assert isinstance(resp, Response) and resp.status == 200
         assert got == undated(render(resp, True, fleet.server.extra_headers))
     if claimed:
-        assert fleet.state.metrics.native_answers._value.get() == 1
+        assert fleet.state.metrics.registry.get_sample_value("kvcoord_lookup_native_answers_total") == 1
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic cm91dGVy", "Bearer router-secret"])
@@ -441,6 +484,16 @@ def fuzz_answer(rng: random.Random, steps: int) -> None:
         args[rng.randrange(len(args))] = rng.choice(bad_values)
         with contextlib.suppress(TypeError, ValueError, OverflowError):
             native.AnswerModel(*args)
+    tally = native.Tally((1.0,))
+    answerer: list[Any] = [{}, CHANGES, lambda m, now: True, fleet.state, None, lambda exc: None, b"",
+                           tally, tally, tally]
+    for _ in range(steps // 4 + 1):
+        args = list(answerer)
+        args[rng.randrange(len(args))] = rng.choice([*bad_values, {"m": None}, object()])
+        with contextlib.suppress(TypeError, ValueError, OverflowError, AttributeError):
+            native.Answerer(*args)(raw_request("/query", b'{"model_name":"m","token_ids":[1,2,3,4]}'))
+        with contextlib.suppress(TypeError, ValueError):
+            native.Tally(tuple(rng.choice([0.5, -1.0, float("nan"), 2.0]) for _ in range(rng.randrange(40))))
 
 
 def test_trust_is_per_dp_rank() -> None:

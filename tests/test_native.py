@@ -51,7 +51,7 @@ def test_native_is_built_when_required() -> None:
     assert switch.native_paths() == (f"hash({digests})", "index", "walk", "json", "lookup")
     assert "sha256" in native.C_DIGESTS or os.environ.get("KVCOORD_OPENSSL") == "0"  # CI builds with OpenSSL
     for name in ("cbor_chain", "pickle_chain", "Table", "validate_u64_seq", "u64_view", "mirror_walk",
-                 "answer_lookup", "AnswerModel"):
+                 "Answerer", "AnswerModel", "Tally"):
         assert hasattr(native, name), name
 
 

@@ -236,19 +236,42 @@ async def test_steady_stream_and_late_join(ports: Ports) -> None:
         pub.shutdown()
 
 
-async def test_replay_answer_longer_than_the_router_pipe(ports: Ports) -> None:
-    """A relay joining 4,000 batches late: vLLM's ROUTER answers with all of them, drops what does not fit
-    its pipe (about a thousand, end marker included), and the relay asks again from its first hole until
-    it has every one. Nothing is lost (this was an unrecoverable gap, or a replay timeout)."""
+class CuttingReplayPublisher(ZmqEventPublisher):
+    """Answers each replay request with its first ``keep`` batches and nothing after them (no end marker),
+    then a hole of one: what a ROUTER whose pipe filled up sends, every time."""
+
+    keep = 900
+
+    def _service_replay(self) -> None:
+        assert self._replay is not None
+        client, _, start = self._replay.recv_multipart()
+        items = [(seq, payload) for seq, payload in self._buffer if seq >= int.from_bytes(start, "big")]
+        end = len(items) <= self.keep
+        if not end:
+            items = [*items[:self.keep], items[self.keep + 1]]
+        for seq, payload in items:
+            self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        if end:
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+@pytest.mark.parametrize("cls", [ZmqEventPublisher, CuttingReplayPublisher], ids=["vllm", "cut_answers"])
+async def test_replay_answer_longer_than_the_router_pipe(ports: Ports, cls: type[ZmqEventPublisher]) -> None:
+    """A relay joining 4,000 batches late. vLLM's ROUTER answers with all of them and drops what does not fit
+    its peer's pipe (about a thousand, end marker included) when the relay does not read fast enough; the
+    relay applies each answer up to its first hole and asks again from there. Nothing is lost (this was an
+    unrecoverable gap, or a replay timeout). ``cut_answers`` cuts every long answer, so the asking again
+    is certain to happen."""
     batches = make_batches(4000, seed=12)
-    pub = ports.publisher()
+    pub = ports.publisher(cls)
     sink = RecordingSink()
     try:
         await publish_all(pub, batches)
         async with running_relay(ports, sink) as relay:
             await wait_for(lambda: relay.expected_seq == len(batches), "the whole backlog")
             assert relay.stats.lost_batches == 0 and relay.stats.unrecoverable_gaps == 0 and not sink.lost
-            assert relay.stats.replay_partial >= 1  # the first answer really was cut short
+            if cls is CuttingReplayPublisher:
+                assert relay.stats.replay_partial >= 4000 // CuttingReplayPublisher.keep - 1
             assert snapshot_of(relay) == expected_mirror(batches)
             assert [b[1] for b in sink.batches] == [b.events for b in batches]
     finally:

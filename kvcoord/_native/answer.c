@@ -6,15 +6,17 @@
  * Why: below ~256 blocks a lookup's own work (hash, match) is a few microseconds, and the Python around
  * it (HTTP callbacks, routing, decoding, per-node liveness and answer objects) cost ~80 us per request.
  *
- *   answer_lookup(data, models, generation, now, head) -> None | str | (bytes, route, num_blocks, best)
+ *   kvn_answer_request(data, models, generation, now, head, may_query, &res): 0 | 1 | 2 | -1
  *
- * None: not claimed (anything but one complete, plain request: another route or method, chunked, a
+ * 0: not claimed (anything but one complete, plain request: another route or method, chunked, a
  * body still arriving, pipelined requests, Expect, Connection other than keep-alive, with auth on a token
  * that may_query refuses or none, a body with keys or
  * values this parser does not vouch for, lora_name / cache_salt / include_unmatched set, too many blocks,
- * no hash profile): the caller runs the Python handler. str: the partition's AnswerModel is missing or
- * stale (another generation, past valid_until, or the table's slots moved): the caller builds it and asks
- * again. A tuple: the answer, with what the caller's metrics need (route 1 tokens, 2 hashes).
+ * no hash profile): the caller runs the Python handler. 2: the partition's AnswerModel is missing or
+ * stale (another generation, past valid_until, or the table's slots moved): res.out is its name (str),
+ * for the caller to build it and ask again. 1: res.out is the answer (bytes), with what the caller's
+ * metrics need (route 1 tokens, 2 hashes; the query's blocks; the best node's). -1: raised.
+ * The caller is the Answerer (answerer.c).
  *
  * AnswerModel is the Python side's view of one partition at one generation: the table, each live slot's
  * node (its id and the tail of its `nodes` entry, already JSON, encoded by the twin's own encoder), the
@@ -264,7 +266,7 @@ static PyTypeObject AnswerModelType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvcoord._native.AnswerModel",
     .tp_doc = "AnswerModel(table, layout, generation, valid_until, chain, hash_block_size, max_blocks,\n"
-              "weights, model, slots): one partition's view for answer_lookup (see answer.c).",
+              "weights, model, slots): one partition's view for the Answerer (see answer.c).",
     .tp_basicsize = sizeof(AnswerModel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = AnswerModel_new,
@@ -884,9 +886,10 @@ query_keys(const AnswerModel *m, int route, QueryBody *qb, Py_ssize_t *nkeys, Py
     return (const uint64_t *)PyBytes_AS_STRING(keys);
 }
 
-/* The answer of a parsed request on a fresh model view, or NULL (with or without an exception). */
+/* The answer of a parsed request on a fresh model view (bytes; *nkeys and *best set), or NULL (with or
+ * without an exception). */
 static PyObject *
-answer(AnswerModel *m, int route, QueryBody *qb, PyObject *head)
+answer(AnswerModel *m, int route, QueryBody *qb, PyObject *head, Py_ssize_t *nkeys_out, Py_ssize_t *best_out)
 {
     Py_ssize_t nkeys = 0;
     PyObject *owner = NULL, *out = NULL;
@@ -925,10 +928,9 @@ answer(AnswerModel *m, int route, QueryBody *qb, PyObject *head)
     if (body.failed || resp.failed) {
         PyErr_NoMemory();
     } else {
-        PyObject *bytes = PyBytes_FromStringAndSize(resp.p, (Py_ssize_t)resp.n);
-        if (bytes != NULL) {
-            out = Py_BuildValue("(Ninn)", bytes, route, nkeys, (Py_ssize_t)best);
-        }
+        out = PyBytes_FromStringAndSize(resp.p, (Py_ssize_t)resp.n);
+        *nkeys_out = nkeys;
+        *best_out = (Py_ssize_t)best;
     }
     PyMem_Free(resp.p);
 done:
@@ -965,72 +967,53 @@ authorized(PyObject *may_query, const HttpRequest *req)
     return r;
 }
 
-PyDoc_STRVAR(answer_lookup_doc,
-"answer_lookup(data, models, generation, now, head, may_query) -> None | str | tuple[bytes, int, int, int]\n\n"
-"`data`: all bytes received of one HTTP request; `models`: {partition: AnswerModel}; `head`: the\n"
-"answer's status line and headers up to the value of content-length; `may_query`: None (auth off) or\n"
-"a callable taking the authorization header's value, True when it may look up. See answer.c.");
-
-static PyObject *
-answer_lookup(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+int
+kvn_answer_request(PyObject *data, PyObject *models, uint64_t generation, double now, PyObject *head,
+                   PyObject *may_query, KvnAnswered *res)
 {
-    (void)self;
-    if (nargs != 6 || !PyBytes_Check(args[0]) || !PyDict_Check(args[1]) || !PyBytes_Check(args[4]) ||
-        (args[5] != Py_None && !PyCallable_Check(args[5]))) {
-        PyErr_SetString(PyExc_TypeError,
-                        "answer_lookup(data: bytes, models: dict, generation, now, head: bytes, may_query)");
-        return NULL;
-    }
-    unsigned long long generation = PyLong_AsUnsignedLongLong(args[2]);
-    if (generation == (unsigned long long)-1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    double now = PyFloat_AsDouble(args[3]);
-    if (now == -1.0 && PyErr_Occurred()) {
-        return NULL;
-    }
     HttpRequest req;
     QueryBody qb = {0};
-    PyObject *key = NULL, *result = NULL;
+    PyObject *key = NULL;
     AnswerModel *m = NULL;
-    /* the request bytes stay alive with args[0], a bytes (immutable) for the whole call */
-    if (!parse_http((const unsigned char *)PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]), &req)) {
-        Py_RETURN_NONE;
+    int r;
+    res->out = NULL;
+    /* the request bytes stay alive with data, a bytes (immutable), for the whole call */
+    if (!parse_http((const unsigned char *)PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), &req)) {
+        return 0;
     }
-    int r = authorized(args[5], &req);
+    r = authorized(may_query, &req);
     if (r > 0) {
         r = parse_body(req.body, req.body_len, req.route, &qb);
     }
     if (r <= 0 || (key = partition_key(&qb)) == NULL) {
+        r = PyErr_Occurred() ? -1 : 0;
         goto done;
     }
-    PyObject *found = PyDict_GetItemWithError(args[1], key);
+    PyObject *found = PyDict_GetItemWithError(models, key);
     if (found == NULL || !Py_IS_TYPE(found, &AnswerModelType)) {
-        if (!PyErr_Occurred()) {
-            result = Py_NewRef(key); /* build it */
+        if (PyErr_Occurred()) {
+            r = -1;
+        } else {
+            res->out = Py_NewRef(key); /* build it */
+            r = 2;
         }
         goto done;
     }
     m = (AnswerModel *)Py_NewRef(found); /* held: the answer allocates, and the GC may run Python code */
     if (m->generation != generation || now > m->valid_until || kvn_table_layout(m->table) != m->layout) {
-        result = Py_NewRef(key);
+        res->out = Py_NewRef(key);
+        r = 2;
         goto done;
     }
-    result = answer(m, req.route, &qb, args[4]);
+    res->route = req.route;
+    res->out = answer(m, req.route, &qb, head, &res->nkeys, &res->best);
+    r = res->out != NULL ? 1 : (PyErr_Occurred() ? -1 : 0);
 done:
     PyMem_Free(qb.ints);
     Py_XDECREF(key);
     Py_XDECREF(m);
-    if (result == NULL && !PyErr_Occurred()) {
-        Py_RETURN_NONE;
-    }
-    return result;
+    return r;
 }
-
-PyMethodDef kvn_answer_methods[] = {
-    {"answer_lookup", (PyCFunction)(void (*)(void))answer_lookup, METH_FASTCALL, answer_lookup_doc},
-    {NULL, NULL, 0, NULL},
-};
 
 int
 kvn_answer_init(PyObject *module)
@@ -1038,13 +1021,8 @@ kvn_answer_init(PyObject *module)
     if (cbor_null == NULL) {
         cbor_null = PyBytes_FromStringAndSize("\xf6", 1);
     }
-    if (cbor_null == NULL || PyType_Ready(&AnswerModelType) < 0) {
+    if (cbor_null == NULL) {
         return -1;
     }
-    Py_INCREF(&AnswerModelType);
-    if (PyModule_AddObject(module, "AnswerModel", (PyObject *)&AnswerModelType) < 0) {
-        Py_DECREF(&AnswerModelType);
-        return -1;
-    }
-    return 0;
+    return kvn_add_type(module, "AnswerModel", &AnswerModelType);
 }

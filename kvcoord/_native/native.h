@@ -5,8 +5,11 @@
  *   jsonints.c   JSON integer arrays to packed integers (kvcoord.coordinator.httpapi): json_take_ints
  *   table.c      the memory index's block table (kvcoord.index.memory): Table, validate_u64_seq, u64_view
  *   walk.c       the Redis lookup mirror's holder walk (kvcoord.index.redis.mirror): mirror_walk
- *   answer.c     the HTTP API's lookup answer in one call (kvcoord.coordinator.fastpath): answer_lookup,
- *                AnswerModel; its twin is the Python handler (kvcoord.coordinator.httpapi)
+ *   answer.c     the HTTP API's lookup answer in one call (kvcoord.coordinator.fastpath): AnswerModel,
+ *                kvn_answer_request; its twin is the Python handler (kvcoord.coordinator.httpapi)
+ *   answerer.c   Answerer: a connection's bytes in, the answer out, with its metrics and the views kept
+ *                fresh (the Python wrapper it replaces was the twin: kvcoord.coordinator.fastpath)
+ *   tally.c      Tally: a histogram as plain counts (twin: kvcoord.coordinator.metrics.PyTally)
  *   module.c     PyInit__native, which adds each file's functions and types
  *
  * Rules every file keeps (the sanitizer step, scripts/sanitize.sh, fuzzes them under ASan and UBSan):
@@ -51,6 +54,21 @@ kvn_check_row_class(PyObject *cls, int none_ok)
     return 0;
 }
 
+/* Ready `type` and add it to `module` as `name`: 0, or -1 raised. */
+static inline int
+kvn_add_type(PyObject *module, const char *name, PyTypeObject *type)
+{
+    if (PyType_Ready(type) < 0) {
+        return -1;
+    }
+    Py_INCREF(type);
+    if (PyModule_AddObject(module, name, (PyObject *)type) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    return 0;
+}
+
 /* JSON scanning (jsonints.c), shared with answer.c. */
 static inline const unsigned char *
 kvn_json_skip_ws(const unsigned char *p, const unsigned char *end)
@@ -85,14 +103,37 @@ int kvn_table_rows(PyObject *table, const uint64_t *keys, Py_ssize_t nkeys, KvnR
 PyObject *kvn_cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *kvn_pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* Tally (tally.c), shared with answerer.c. */
+#define KVN_TALLY_MAX_BOUNDS 31
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t nbounds;
+    double bounds[KVN_TALLY_MAX_BOUNDS];
+    unsigned long long counts[KVN_TALLY_MAX_BOUNDS + 1]; /* the last one: past every bound */
+    double sum;
+} KvnTally;
+extern PyTypeObject KvnTallyType;
+void kvn_tally_observe(KvnTally *t, double v);
+
+/* One HTTP lookup request (answer.c), for answerer.c. */
+typedef struct {
+    PyObject *out;       /* new reference: the answer (bytes), or the stale partition's name (str) */
+    int route;           /* 1 tokens, 2 hashes */
+    Py_ssize_t nkeys;    /* the query's blocks */
+    Py_ssize_t best;     /* the best node's matched blocks */
+} KvnAnswered;
+int kvn_answer_request(PyObject *data, PyObject *models, uint64_t generation, double now, PyObject *head,
+                       PyObject *may_query, KvnAnswered *res);
+
 /* Each file's part of the module: its functions (NULL-terminated) and an init hook. */
 extern PyMethodDef kvn_hashchain_methods[];
 extern PyMethodDef kvn_jsonints_methods[];
 extern PyMethodDef kvn_table_methods[];
 extern PyMethodDef kvn_walk_methods[];
-extern PyMethodDef kvn_answer_methods[];
 int kvn_hashchain_init(PyObject *module);
 int kvn_table_init(PyObject *module);
 int kvn_answer_init(PyObject *module);
+int kvn_answerer_init(PyObject *module);
+int kvn_tally_init(PyObject *module);
 
 #endif /* KVCOORD_NATIVE_H */

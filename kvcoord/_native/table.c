@@ -1614,13 +1614,5 @@ kvn_table_layout(PyObject *table)
 int
 kvn_table_init(PyObject *module)
 {
-    if (PyType_Ready(&TableType) < 0) {
-        return -1;
-    }
-    Py_INCREF(&TableType);
-    if (PyModule_AddObject(module, "Table", (PyObject *)&TableType) < 0) {
-        Py_DECREF(&TableType);
-        return -1;
-    }
-    return 0;
+    return kvn_add_type(module, "Table", &TableType);
 }

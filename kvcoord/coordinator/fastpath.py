@@ -1,5 +1,7 @@
 """The HTTP API's lookups answered in one native call: a whole ``POST /query`` (token ids) or
-``POST /query_by_hash`` request in, the whole HTTP answer out (``kvcoord/_native/answer.c``).
+``POST /query_by_hash`` request in, the whole HTTP answer out (``kvcoord/_native/answer.c``), with its
+metrics, called by the server as it is (an ``Answerer``, ``kvcoord/_native/answerer.c``): no Python runs
+for a request unless a view must be brought up to date.
 
 Why: below a few hundred blocks the lookup itself (hash, match) is microseconds, and the Python around it
 (HTTP callbacks, routing, decoding, per-node liveness, answer objects) cost ~80 us a request; that fixed
@@ -35,8 +37,10 @@ from kvcoord.hashing import native_keys_plan
 from kvcoord.native import native
 
 if TYPE_CHECKING:
-    from kvcoord._native import AnswerModel, Table
+    from kvcoord._native import Answerer, AnswerModel, Table
+    from kvcoord._native import Tally as NativeTally
     from kvcoord.coordinator.httpapi import HttpApi
+    from kvcoord.coordinator.metrics import Tally
 
 log = logging.getLogger("kvcoord.http")
 
@@ -45,22 +49,30 @@ __all__ = ["MAX_VIEW_AGE", "NativeAnswers"]
 MAX_VIEW_AGE = 0.25
 """Seconds a view is trusted at most, even with nothing seen to change (a backstop, not the rule)."""
 
-_ROUTES = {1: "tokens", 2: "hashes"}
 _encode = msgspec.json.Encoder().encode
 
 
 class NativeAnswers:
-    """``answer(data, head)``: the HTTP answer of one request, or None for the Python handler."""
+    """``answer(data)``: the HTTP answer of one request, or None for the Python handler; a native
+    ``Answerer`` (answerer.c), which calls back here only to bring a stale view up to date."""
 
-    __slots__ = ("_kept", "api", "failed", "may_query", "views")
+    __slots__ = ("_kept", "answer", "api", "failed", "views")
 
-    def __init__(self, api: HttpApi) -> None:
+    def __init__(self, api: HttpApi, extra_headers: bytes = b"") -> None:
+        assert native is not None
         self.api = api
         self.views: dict[str, AnswerModel] = {}
         """Per partition, its ``AnswerModel`` (refreshed when the native call says it is stale)."""
         self._kept: dict[str, _Kept] = {}
         self.failed = False
-        self.may_query = api.may_query if api.auth.enabled else None
+        st = api.state
+        metrics = st.metrics
+        self.answer: Answerer = native.Answerer(
+            self.views, CHANGES, self._refresh, st, api.may_query if api.auth.enabled else None,
+            self._failed, extra_headers, _native(metrics.lookup_tally("tokens")),
+            _native(metrics.lookup_tally("hashes")), _native(metrics.matched_fraction))
+        """``extra_headers``: the header lines the server sends with every answer (``HttpServer``'s)."""
+        metrics.answerers.append(self.answer)
 
     @staticmethod
     def available(api: HttpApi) -> bool:
@@ -68,32 +80,11 @@ class NativeAnswers:
         st = api.state
         return native is not None and st.directory is None
 
-    def answer(self, data: bytes, head: bytes) -> bytes | None:
-        st = self.api.state
-        if not st.index_up or native is None:
-            return None
-        t0 = time.perf_counter()
-        now = time.monotonic()
-        try:
-            got = native.answer_lookup(data, self.views, CHANGES.count, now, head, self.may_query)
-            if isinstance(got, str):
-                if not self._refresh(got, now):
-                    return None
-                got = native.answer_lookup(data, self.views, CHANGES.count, now, head, self.may_query)
-        except Exception:  # a bug or out of memory: this request goes to the handler, once logged
-            if not self.failed:
-                log.exception("native lookup answer failed; the Python handler answers")
-                self.failed = True
-            return None
-        if not isinstance(got, tuple):
-            return None
-        resp, route, num_blocks, best = got
-        metrics = st.metrics
-        metrics.native_answers.inc()
-        metrics.lookup_done(_ROUTES[route], time.perf_counter() - t0)
-        if num_blocks:
-            metrics.matched_fraction.observe(best / num_blocks)
-        return resp
+    def _failed(self, exc: BaseException) -> None:
+        """A bug or out of memory on the way: this request goes to the handler, the first one logged."""
+        if not self.failed:
+            log.error("native lookup answer failed; the Python handler answers", exc_info=exc)
+            self.failed = True
 
     def _refresh(self, model: str, now: float) -> bool:
         """Bring partition ``model``'s view up to date: the slots of the nodes changed since it was
@@ -178,6 +169,12 @@ class NativeAnswers:
         self.views[model] = kept.view
         self._kept[model] = kept
         return True
+
+
+def _native(tally: Tally) -> NativeTally:
+    """A tally the metrics made native (they do wherever the extension is built)."""
+    assert native is not None and isinstance(tally, native.Tally)
+    return tally
 
 
 class _Kept:

@@ -142,7 +142,7 @@ class _Connection(asyncio.Protocol):
             return
         answer = self.server.answer
         if answer is not None and self._between and not self._queue and not self._busy:
-            out = answer(data, self.server.head_200())
+            out = answer(data)
             if out is not None and self.transport is not None:
                 self.transport.write(out)
                 return
@@ -316,27 +316,18 @@ class HttpServer:
     def __init__(self, routes: dict[str, Route],
                  authorize: Callable[[Request], Response | None] | None = None,
                  headers: Sequence[tuple[str, str]] = (),
-                 answer: Callable[[bytes, bytes], bytes | None] | None = None) -> None:
+                 answer: Callable[[bytes], bytes | None] | None = None) -> None:
         self.routes = routes
         self.authorize = authorize
         self.answer = answer
-        """Whole requests answered in one call, or None (see the module's docstring)."""
-        self._head: tuple[bytes, bytes] = (b"", b"")
+        """Whole requests answered in one call, or None (see the module's docstring); its answers carry
+        :attr:`extra_headers` and a 200's head as :func:`render` writes it."""
         self.extra_headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
         """Sent with every answer (e.g. which replica answered)."""
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Future[Response]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
-
-    def head_200(self) -> bytes:
-        """A 200 answer's status line and headers up to the value of ``content-length``, as
-        :meth:`_Connection._write` writes them (``Date`` changes once a second)."""
-        date = _date()
-        if self._head[0] is not date:
-            self._head = (date, b"HTTP/1.1 200 OK\r\n" + self.extra_headers + b"date: " + date
-                          + b"\r\ncontent-length: ")
-        return self._head[1]
 
     def misrouted(self, method: str, path: str) -> Response | None:
         """404 (empty) for an unknown path, 405 with ``Allow`` for another method; None if routed."""

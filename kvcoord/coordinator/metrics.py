@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import socket
 import threading
+from bisect import bisect_left
 from collections import Counter as PyCounter
-from typing import Any
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
@@ -17,7 +20,7 @@ from kvcoord import __version__
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
 from kvcoord.load import TRUSTS
-from kvcoord.native import native_paths
+from kvcoord.native import native, native_paths
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
@@ -36,6 +39,85 @@ VERIFY_RESULTS = ("ok", "mismatch", "skipped")
 STREAM_REFUSALS = ("max_streams", "hello_timeout", "snapshot_budget")
 """``ingest_streams_refused{reason}``: past ``max_streams``, no Hello within ``hello_timeout_s``, or a
 snapshot past ``max_staged_snapshot_blocks``."""
+
+
+class Tally(Protocol):
+    """A histogram's counts as plain numbers: ``kvcoord._native.Tally`` or its twin :class:`PyTally`."""
+
+    def observe(self, value: float, /) -> None: ...
+    def counts(self) -> tuple[tuple[int, ...], float]: ...
+
+
+class PyTally:
+    """The Python twin of ``kvcoord._native.Tally`` (tally.c): the fallback, and the tests' oracle.
+
+    Why not prometheus_client's Histogram: its ``observe`` takes a lock and walks Python objects (~1.5 us),
+    more than a native lookup answer costs; a tally is exported at scrape time (:class:`LookupCollector`).
+    """
+
+    __slots__ = ("_bounds", "_counts", "_sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        if any(not b < c for b, c in pairwise(bounds)):
+            raise ValueError("bounds must increase")
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float, /) -> None:
+        """One value into the first bucket whose bound is not below it (the last: past every bound)."""
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def counts(self) -> tuple[tuple[int, ...], float]:
+        return tuple(self._counts), self._sum
+
+
+def new_tally(bounds: tuple[float, ...]) -> Tally:
+    """A native tally where the extension is built, else its twin."""
+    return native.Tally(bounds) if native is not None else PyTally(bounds)
+
+
+class _Answered(Protocol):
+    @property
+    def answered(self) -> int: ...
+
+
+def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
+    """Cumulative ``(le, count)`` pairs, ``+Inf`` last, labelled as prometheus_client labels them (``repr``
+    of the float, for bounds like these)."""
+    out, cum = [], 0
+    for bound, n in zip(bounds, counts, strict=False):
+        cum += n
+        out.append((repr(float(bound)), float(cum)))
+    out.append(("+Inf", float(sum(counts))))
+    return out
+
+
+class LookupCollector(Collector):
+    """Lookup latency by query kind, the best node's share of each query, and the native answers, from
+    plain tallies that the lookup paths (the native one included) update without prometheus_client."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> list[Metric]:
+        m = self._m
+        latency = HistogramMetricFamily("kvcoord_lookup_latency_seconds", "Lookup handling time",
+                                        labels=["query"])
+        for query, tally in sorted(m.lookup_tallies.items()):
+            counts, total = tally.counts()
+            latency.add_metric([query], _histogram_buckets(_LATENCY_BUCKETS, counts), sum_value=total)
+        native_answers = CounterMetricFamily(
+            "kvcoord_lookup_native_answers",
+            "HTTP lookups answered by the native path (the rest of kvcoord_lookup_latency_seconds' "
+            "count went through the Python handler)")
+        native_answers.add_metric([], float(sum(a.answered for a in m.answerers)))
+        matched = HistogramMetricFamily("kvcoord_lookup_matched_fraction",
+                                        "Best node's matched blocks / query blocks")
+        counts, total = m.matched_fraction.counts()
+        matched.add_metric([], _histogram_buckets(_FRACTION_BUCKETS, counts), sum_value=total)
+        return [latency, native_answers, matched]
 
 
 class IndexBackendCollector(Collector):
@@ -202,25 +284,13 @@ class Metrics:
 
     def _declare_histograms(self, r: CollectorRegistry) -> None:
         """Lookup latency, how much of a query the best node held, and ingest lag."""
-        self.lookup_latency = Histogram(
-            "kvcoord_lookup_latency_seconds",
-            "Lookup handling time",
-            ["query"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.native_answers = Counter(
-            "kvcoord_lookup_native_answers_total",
-            "HTTP lookups answered by the native path (the rest of kvcoord_lookup_latency_seconds' "
-            "count went through the Python handler)",
-            registry=r,
-        )
-        self.matched_fraction = Histogram(
-            "kvcoord_lookup_matched_fraction",
-            "Best node's matched blocks / query blocks",
-            buckets=_FRACTION_BUCKETS,
-            registry=r,
-        )
+        self.lookup_tallies: dict[str, Tally] = {q: new_tally(_LATENCY_BUCKETS) for q in ("tokens", "hashes")}
+        """``kvcoord_lookup_latency_seconds{query}``, per query kind."""
+        self.matched_fraction = new_tally(_FRACTION_BUCKETS)
+        """``kvcoord_lookup_matched_fraction``."""
+        self.answerers: list[_Answered] = []
+        """The native answer paths, whose ``answered`` make ``kvcoord_lookup_native_answers_total``."""
+        r.register(LookupCollector(self))
         self.ingest_lag = Histogram(
             "kvcoord_ingest_lag_seconds",
             "Engine event timestamp to applied",
@@ -295,7 +365,13 @@ class Metrics:
         self._child(self.batches, outcome).inc(n)
 
     def lookup_done(self, query: str, seconds: float) -> None:
-        self._child(self.lookup_latency, query).observe(seconds)
+        self.lookup_tally(query).observe(seconds)
+
+    def lookup_tally(self, query: str) -> Tally:
+        tally = self.lookup_tallies.get(query)
+        if tally is None:
+            tally = self.lookup_tallies[query] = new_tally(_LATENCY_BUCKETS)
+        return tally
 
     def applied(self, kind: str, n: int = 1) -> None:
         self._child(self.events_applied, kind).inc(n)

@@ -167,9 +167,9 @@ class CoordinatorServer:
     async def _start_http(self, state: CoordinatorState, auth: Authenticator) -> None:
         cfg = self.config
         api = HttpApi(state, self.engines, auth)
-        answer = NativeAnswers(api).answer if NativeAnswers.available(api) else None
-        http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)],
-                                       answer)
+        http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)])
+        if NativeAnswers.available(api):
+            http.answer = NativeAnswers(api, http.extra_headers).answer
         host, port = split_hostport(cfg.http_listen)
         try:
             ssl_context = server_ssl_context(cfg.tls) if cfg.tls.enabled else None
