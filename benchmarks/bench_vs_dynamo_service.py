@@ -52,8 +52,12 @@ built extensions), the load average, and with ``--json`` everything printed. Ser
 ``$TMPDIR/kvcoord-bench-vs-dynamo-{serve,indexer}.log``. Everything started is killed on exit, on
 Ctrl-C and on SIGTERM. About a minute with the defaults.
 
+``--pin same|split`` fixes where the lookups run (see :func:`pin`): on a VM a wakeup across vCPUs costs
+more than a small lookup, and where the kernel puts the processes otherwise decides the comparison.
+
 Usage: ``python benchmarks/bench_vs_dynamo_service.py [--algo sha256_cbor] [--engines 8] [--events 300000]
-[--requests 2000] [--threads 4] [--cases tokens512,...] [--no-grpc] [--json out.json]``
+[--requests 2000] [--threads 4] [--cases tokens512,...] [--no-grpc] [--pin none|same|split]
+[--json out.json]``
 """
 
 from __future__ import annotations
@@ -538,6 +542,8 @@ def run_client(spec_path: str, out_path: str) -> None:
     from kvcoord.router.client import CoordinatorClient
 
     spec = pickle.loads(Path(spec_path).read_bytes())
+    if "client_cpus" in spec:
+        os.sched_setaffinity(0, spec["client_cpus"])
     n, warm = spec["requests"], spec["warmup"]
     kv = Http("127.0.0.1", spec["kv_port"])
     dyn = Http("127.0.0.1", spec["dyn_port"])
@@ -650,6 +656,27 @@ def run_client(spec_path: str, out_path: str) -> None:
 
 
 # --- the run ------------------------------------------------------------------------------------
+def pin(how: str, pids: Sequence[int]) -> set[int] | None:
+    """``--pin``: set the services' CPUs (every thread) for the lookups; the client's CPUs, or None.
+
+    On a VM, a wakeup across vCPUs (the client's request waking a server parked on the other one, and the
+    answer waking the client) costs tens of microseconds, more than a small lookup; where each process runs
+    is up to the kernel and what else runs. ``same`` puts the client and both services on one CPU (no
+    cross-CPU wakeup: the requests' own work decides), ``split`` the services on one and the client on
+    another (every exchange crosses), ``none`` leaves it to the kernel."""
+    if how == "none":
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 and how == "split":
+        raise SystemExit("--pin split needs two CPUs")
+    server, client = {cpus[-1]}, ({cpus[-1]} if how == "same" else {cpus[0]})
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), server)
+    return client
+
+
 def code_state() -> dict[str, Any]:
     """Which kvcoord was measured: the commit, and a digest of the working tree's package sources and
     built extensions (the tree may hold uncommitted work), with the newest file's time."""
@@ -779,6 +806,9 @@ def main(args: argparse.Namespace) -> int:
                 "cases": [c for c in cases if f"{c['kind']}{c['blocks']}" in args.cases],
                 "phases": ["http"] if args.no_grpc else ["http", "grpc"]}
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-vs-dynamo-")))
+        client_cpus = pin(args.pin, [s.pid for s in sides])
+        if client_cpus is not None:
+            spec["client_cpus"] = client_cpus
         (tmp / "spec.pkl").write_bytes(pickle.dumps(spec))
         cpu1 = {s.name: cpu_seconds(s.pid) for s in sides}
         t1 = time.perf_counter()
@@ -816,8 +846,9 @@ def report(out: dict[str, Any]) -> None:
     a, w, code = out["args"], out["workload"], out["code"]
     print(f"\nkvcoord vs Dynamo indexer service: algo {a['algo']}, {w['engines']} engines, "
           f"{w['block_events']:,} block events ({w['stored']:,} stored, {w['removed']:,} removed, "
-          f"{w['held_at_end']:,} held at the end), Dynamo --threads {a['threads']}; {a['requests']} timed "
-          f"requests per case after {a['warmup']}; started {out['started']}, load average "
+          f"{w['held_at_end']:,} held at the end), Dynamo --threads {a['threads']}, "
+          f"--pin {a.get('pin', 'none')}; {a['requests']} timed requests per case after {a['warmup']}; "
+          f"started {out['started']}, load average "
           f"{out['loadavg_start'][0]:.2f} -> {out['loadavg_end'][0]:.2f}; kvcoord {code['head']} + working "
           f"tree {code['tree_digest']} (newest file {code['newest_file']})")
     print("\n| case | kvcoord p50 / p99 (µs) | Dynamo p50 / p99 (µs) | ratio p50 | ratio p99 "
@@ -903,6 +934,9 @@ if __name__ == "__main__":
                     help="kvcoord ingests through one `kvcoord agent` process per engine (as on GPU hosts) "
                          "instead of relaying registered engines itself; its ingest CPU is the coordinator's "
                          "plus the agents'")
+    ap.add_argument("--pin", choices=("none", "same", "split"), default="none",
+                    help="lookups: the client and both services on one CPU (same), the services on one and "
+                         "the client on another (split), or wherever the kernel puts them (none, default)")
     ap.add_argument("--ingest-timeout", type=float, default=300.0, help="seconds (default 300)")
     ap.add_argument("--client-timeout", type=float, default=900.0, help="seconds (default 900)")
     ap.add_argument("--profile-kvcoord", default=None, metavar="PATH",
