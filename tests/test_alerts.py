@@ -701,7 +701,10 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             agents += [good, unseeded, late, rejecting, leaving]
             bg.submit(good.run([batch(1, [chain(tokens, good_hashes)])]))
             bg.submit(unseeded.run([batch(1, [chain(tokens, bad_hashes)])]))
-            bg.submit(late.run([batch(1, [chain(tokens[:64], good_hashes[:4])], age=120.0)]))
+            # a hundred late batches: the alert is on the 99th percentile of every batch's lag, and the
+            # other agents send a batch per engine step, promptly
+            bg.submit(late.run([batch(seq, [chain(tokens[:64], good_hashes[:4])], age=120.0)
+                                for seq in range(1, 101)]))
             bg.submit(rejecting.run([batch(1, [chain(tokens[:16], good_hashes[:1])], dp_rank=7)]))
             bg.submit(leaving.run([batch(1, [chain(tokens[:32], good_hashes[:2])])], leave=True))
             router = Router(main_addr)

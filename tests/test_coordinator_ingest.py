@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from kvcoord.coordinator import CoordinatorServer, load_config
+from kvcoord.coordinator.servicer import _Outbox
 from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import HashProfile
 from kvcoord.index import Index
@@ -233,6 +234,36 @@ async def test_hello_batches_ack_and_lookup(index: Index) -> None:
         assert stats.events_applied == {"block_stored": 2, "block_removed": 1}
         assert stats.nodes[0].state == "active" and stats.nodes[0].last_seq == 2
         await a.close()
+
+
+async def test_acks_queued_together_go_out_as_one() -> None:
+    """Acks are cumulative: ten queued before the stream's writer runs are one Ack write (of the last seq);
+    another message keeps its place among them; drain() writes at once whatever is queued."""
+
+    class Written:  # what a gRPC servicer context is to the outbox: something that writes
+        def __init__(self) -> None:
+            self.out: list[pb.CoordinatorMessage] = []
+
+        async def write(self, msg: pb.CoordinatorMessage) -> None:
+            self.out.append(msg)
+
+    ctx = Written()
+    box = _Outbox(ctx, ack_interval=0.0)  # type: ignore[arg-type]
+    for seq in range(1, 11):
+        box.ack(1, seq)
+    box.put(pb.CoordinatorMessage(snapshot_request=pb.SnapshotRequest(epoch=1, reason="gap")))
+    box.ack(1, 11)
+    box.ack(1, 12)
+    await box.drain()
+    assert [m.WhichOneof("msg") for m in ctx.out] == ["ack", "snapshot_request", "ack"]
+    assert [m.ack.seq for m in ctx.out if m.HasField("ack")] == [10, 12]
+    box.ack(1, 13)
+    slow = _Outbox(ctx, ack_interval=3600.0)  # type: ignore[arg-type]
+    slow.ack(1, 14)
+    await slow.drain()  # not an hour: drain flushes
+    assert ctx.out[-1].ack.seq == 14
+    box.close()
+    slow.close()
 
 
 async def test_duplicate_is_dropped_and_reacked(index: Index) -> None:

@@ -169,6 +169,49 @@ async def test_batches_are_numbered_acked_and_lossless() -> None:
             await r.close()
 
 
+async def test_an_idle_stream_sends_at_once_and_a_busy_one_coalesces() -> None:
+    """A stream waiting for work takes a batch at once, whatever ``flush_interval`` says; what is submitted
+    while it writes goes in its next message, sealed when the write is done."""
+    port = free_port()
+    s = Script()
+    async with scripted_server(s, port):
+        opts = ReporterOptions(flush_interval=30.0, backoff_initial=0.02, backoff_max=0.1)
+        r = await reporter(port, {0: {}}, options=opts)
+        try:
+            await r.wait_connected(SLOW)
+            await until(lambda: r._links[0].idle, what="the writer waiting for work")
+            r.submit(0, [stored(1)])
+            await until(lambda: len(batches(s)) == 1, timeout=SLOW, what="the first batch, without the timer")
+            await until(lambda: r._links[0].idle, what="the writer waiting again")
+            for h in range(2, 12):  # one burst: the first seals at once, the rest wait behind its write
+                r.submit(0, [stored(h)])
+            await r.wait_acked(SLOW)
+            assert r.last_seq == 3 and [b.seq for b in batches(s)] == [1, 2, 3]
+            assert [len(b.events) for b in batches(s)] == [1, 1, 9]
+        finally:
+            await r.close()
+
+
+async def test_linger_holds_a_batch_for_more_events() -> None:
+    """With ``linger`` a batch waits for more events even with the stream free (until the linger ends or
+    a flush)."""
+    port = free_port()
+    s = Script()
+    async with scripted_server(s, port):
+        r = await reporter(port, {0: {}}, options=ReporterOptions(linger=30.0, backoff_initial=0.02))
+        try:
+            await r.wait_connected(SLOW)
+            await until(lambda: r._links[0].idle, what="the writer waiting for work")
+            r.submit(0, [stored(1)])
+            await asyncio.sleep(0.05)
+            r.submit(0, [stored(2)])
+            assert r.last_seq == 0 and batches(s) == []
+            await r.wait_acked(SLOW)  # seals what is pending
+            assert [len(b.events) for b in batches(s)] == [2]
+        finally:
+            await r.close()
+
+
 async def test_size_limits_split_batches() -> None:
     port = free_port()
     s = Script()
@@ -250,8 +293,7 @@ async def test_snapshot_request_flushes_pending_and_chunks() -> None:
         r = await reporter(port, state, dp_ranks=(0, 1), options=opts)
         try:
             await until(lambda: bool(s.streams), what="stream")
-            r.submit(0, [stored(6)])  # pending: the long flush interval keeps it unsealed
-            assert r.last_seq == 0
+            r.submit(0, [stored(6)])  # sealed at once (the stream waits for work) or pending behind a write
             await s.streams[0].write(pb.CoordinatorMessage(snapshot_request=pb.SnapshotRequest(epoch=7,
                                                                                                  reason="gap")))
             await until(lambda: any(c.final for c in snapshots(s)), what="final chunk")

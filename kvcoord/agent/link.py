@@ -45,7 +45,12 @@ class ReporterOptions:
     max_batch_events: int = 512
     max_batch_blocks: int = 1024
     flush_interval: float = 0.01
-    """Seconds a partial batch may wait for more events."""
+    """Seconds a partial batch may wait for more events while every stream is busy writing (or down). With
+    a stream waiting for work, events go at once: a wakeup (a timer) less per batch, and no added lag."""
+    linger: float = 0.0
+    """Seconds a batch waits for more events even with a stream free (0: none). An engine publishes a
+    batch per scheduler step, and each message costs both sides a few thread wakeups; lingering sends
+    several steps a message, for that much more index lag (benchmarks/README.md, "Agent CPU")."""
     max_unacked_batches: int = 8192
     """Per coordinator; beyond it the queue is dropped and a snapshot replaces it."""
     snapshot_chunk_entries: int = 16384
@@ -61,8 +66,9 @@ class ReporterOptions:
         for name in ("max_batch_events", "max_batch_blocks", "max_unacked_batches", "snapshot_chunk_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.flush_interval < 0 or self.backoff_initial <= 0 or self.backoff_max < self.backoff_initial:
-            raise ValueError("flush_interval must be >= 0 and 0 < backoff_initial <= backoff_max")
+        if self.flush_interval < 0 or self.linger < 0 or self.backoff_initial <= 0 or (
+                self.backoff_max < self.backoff_initial):
+            raise ValueError("flush_interval and linger must be >= 0 and 0 < backoff_initial <= backoff_max")
 
 
 @dataclass(slots=True)
@@ -130,7 +136,7 @@ class Pending:
 class Link:
     """One coordinator: its stream task, unacked queue (contiguous seqs) and counters."""
 
-    __slots__ = ("endpoint", "force_snapshot", "high_sent", "security", "snap_wait",
+    __slots__ = ("endpoint", "force_snapshot", "high_sent", "idle", "security", "snap_wait",
                  "snapshot_requested", "stats", "task", "unacked", "wakeup")
 
     def __init__(self, endpoint: CoordinatorEndpoint, security: ChannelSecurity) -> None:
@@ -145,6 +151,8 @@ class Link:
         self.snap_wait = -1
         """Seq of a snapshot sent but not yet acked (-1: none)."""
         self.task: asyncio.Task[None] | None = None
+        self.idle = False
+        """The stream's writer is connected and waiting for something to send (cleared when woken)."""
 
     def settled(self) -> bool:
         """Nothing sealed or snapshotted is waiting for this coordinator's ack."""

@@ -329,7 +329,8 @@ class Reporter:
              ts: float) -> None:
         """The events into the rank's pending batch, each run of like events (an op of ``op_runs``) as
         one wire event standing for them all, cut only at the batch bounds and (stores) around a sampled
-        event. Seals at the bounds; a partial batch waits ``flush_interval``."""
+        event. Seals at the bounds, and at once when a stream waits for work; otherwise a partial batch
+        waits for a writer to finish (or ``flush_interval``)."""
         if self._closing:
             return
         pick = self.sampler.pick if self.sampler.active else None
@@ -358,9 +359,16 @@ class Reporter:
             samples = [pick(ev) for ev in run] if pick is not None and kind == STORE else None
             self._add_run(rank, ts, op, run, pack_u64(op[2]), samples)
         p = self._pending.get(rank)
-        if p is not None and p.timer is None:
+        if p is None:
+            return
+        linger = self.options.linger
+        if not linger and any(link.idle for link in self._links):
+            self._seal(rank)  # a stream waits for work: send now, no timer (a wakeup less per batch)
+        elif p.timer is None:
+            # lingering, or the streams are busy writing: what arrives meanwhile goes in the next message,
+            # sealed when a writer runs out of work (not lingering) or by this timer
             assert self._loop is not None
-            p.timer = self._loop.call_later(self.options.flush_interval, self._seal, rank)
+            p.timer = self._loop.call_later(linger or self.options.flush_interval, self._seal, rank)
 
     def _add_run(self, rank: int, ts: float, op: Op, run: Sequence[Any], packed: bytes,
                  samples: list[Sample | None] | None) -> None:
@@ -411,6 +419,7 @@ class Reporter:
                                 link.endpoint.address, limit)
             link.unacked.append(sealed)
             link.wakeup.set()
+            link.idle = False
 
     def _seal_all(self) -> None:
         for rank in list(self._pending):
@@ -607,7 +616,14 @@ class Reporter:
                 stats.heartbeats_sent += 1
                 next_hb = now + hb_interval
                 continue
-            await link.wakeup.wait(next_hb - now)
+            if self._pending and not self.options.linger:
+                self._seal_all()  # what arrived while this stream was writing: its next message
+                continue
+            link.idle = True
+            try:
+                await link.wakeup.wait(next_hb - now)
+            finally:
+                link.idle = False
 
     async def _read_loop(self, link: Link, call: grpc.aio.StreamStreamCall) -> None:
         assert self._ack_event is not None

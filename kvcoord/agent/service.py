@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcoord.agent.engine_metrics import EngineMetrics
-from kvcoord.agent.reporter import Reporter
+from kvcoord.agent.reporter import Reporter, ReporterOptions
 from kvcoord.engine.relay import BlockMirror, EventSink, Relay
 from kvcoord.engine.zmq_wire import offset_endpoint_port
 from kvcoord.hashing import HashProfile
@@ -59,6 +59,8 @@ class AgentConfig:
     engine_metrics_interval: float = 1.0
     serving_url: str = ""
     """The engine's OpenAI-compatible base URL, announced in the Hello for routers ("" : none)."""
+    linger: float = 0.0
+    """Seconds a batch waits for more events before it goes (``ReporterOptions.linger``)."""
 
 
 def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> list[Relay]:
@@ -135,7 +137,8 @@ async def run_agent(config: AgentConfig) -> None:
     rep = Reporter(list(config.coordinators), node_id=config.node_id, model=config.model,
                    snapshot=mirror.rank_entries, dp_ranks=config.dp_ranks, security=config.security,
                    hash_profile=config.hash_profile, load=scraper.load if scraper is not None else None,
-                   serving_url=config.serving_url, kv_events=config.zmq_endpoint is not None)
+                   serving_url=config.serving_url, kv_events=config.zmq_endpoint is not None,
+                   options=ReporterOptions(linger=config.linger))
     relays = build_relays(config, rep, mirror)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

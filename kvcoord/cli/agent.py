@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvcoord.cli.common import (
+    NONNEG_FLOAT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
     TOKEN_ENV,
@@ -61,6 +62,10 @@ def add(sub: Subparsers) -> None:
                    help="extra-key style (default: from --engine-release, else untagged)")
     p.add_argument("--signed-hashes", action="store_true",
                    help="accept SGLang's signed int64 block hashes (reinterpreted as uint64)")
+    p.add_argument("--linger", type=NONNEG_FLOAT, default=0.0, metavar="SECONDS",
+                   help="how long a batch waits for more events before it is sent (default 0: at once); "
+                        "e.g. 0.05 sends several engine steps per message, for less CPU here and on the "
+                        "coordinator and up to that much more index lag")
     p.add_argument("--replay-timeout", type=POSITIVE_FLOAT, default=2.0,
                    help="seconds to wait for a replay answer")
     p.add_argument("--stats-file", default=None,
@@ -192,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         signed_hashes=args.signed_hashes, replay_timeout=args.replay_timeout, stats_file=args.stats_file,
         stats_interval=args.stats_interval, engine_metrics_url=args.engine_metrics_url,
         engine_metrics_interval=args.engine_metrics_interval, serving_url=serving_url(args),
+        linger=args.linger,
     )
     try:
         asyncio.run(run_agent(config))

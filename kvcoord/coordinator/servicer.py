@@ -171,27 +171,29 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
     return info
 
 
-ACK_INTERVAL = 0.005
+ACK_INTERVAL = 0.05
 SHUTDOWN_DRAIN = 0.25  # seconds a stopping coordinator waits for a stream's pending replies
-"""Minimum seconds between two Acks on one stream; acks are cumulative, so a busy stream's acks
-coalesce (agents never block on acks: they only bound the agent's resend queue)."""
+"""Seconds an Ack waits for the ones after it on one stream: acks are cumulative, so they coalesce
+(agents never block on acks: they only bound the agent's resend queue). Each Ack costs both sides a
+gRPC message, three thread wakeups or so; an engine publishing one batch per scheduler step would
+otherwise cost an Ack per batch."""
 
 
 class _Outbox:
     """Replies of one ingest stream, written by their own task so reading never waits for a write.
 
-    Acks are cumulative: an Ack queued right behind another unsent Ack replaces it, and Acks are
-    written at most every ``ack_interval``, so a busy stream gets one Ack write per interval instead of
-    one per batch (each write costs the server about as much as applying a small batch). Order with
-    other messages is kept, and those are never delayed behind the interval unless an Ack is ahead.
+    Acks are cumulative: an Ack queued right behind another unsent Ack replaces it, and an Ack waits
+    ``ack_interval`` before it is written, so a stream gets at most one Ack write per interval instead of
+    one per batch (each write costs both sides about as much as applying a small batch). Order with
+    other messages is kept, and those are never delayed behind the interval unless an Ack is ahead;
+    :meth:`drain` writes what is queued at once.
     """
 
-    __slots__ = ("_context", "_empty", "_flush", "_last_ack", "_queue", "_task", "_wake", "ack_interval")
+    __slots__ = ("_context", "_empty", "_flush", "_queue", "_task", "_wake", "ack_interval")
 
     def __init__(self, context: grpc.aio.ServicerContext, ack_interval: float = ACK_INTERVAL) -> None:
         self._context = context
         self.ack_interval = ack_interval
-        self._last_ack = -1e9
         self._flush = False
         self._queue: deque[pb.CoordinatorMessage | tuple[int, int]] = deque()
         self._wake = asyncio.Event()
@@ -226,19 +228,13 @@ class _Outbox:
 
     async def _run(self) -> None:
         q = self._queue
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 while q:
                     msg = q[0]
                     if len(q) == 1 and type(msg) is tuple and not self._flush:
-                        # At most one Ack per ack_interval: when the last one went out recently, let the
-                        # acks of the batches arriving meanwhile collapse into this one. An idle
-                        # stream's first Ack goes out at once.
-                        wait = self._last_ack + self.ack_interval - loop.time()
-                        if wait > 0:
-                            await asyncio.sleep(wait)
-                        self._last_ack = loop.time()
+                        # Let the acks of the batches arriving meanwhile collapse into this one.
+                        await asyncio.sleep(self.ack_interval)
                     out = q.popleft()
                     if type(out) is tuple:
                         out = pb.CoordinatorMessage(ack=pb.Ack(epoch=out[0], seq=out[1]))
