@@ -407,7 +407,7 @@ def start_agents(stack: contextlib.ExitStack, args: argparse.Namespace, gport: i
         cmd = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", str(i + 1),
                           "--model", MODEL, "--zmq-endpoint", ep, "--replay-endpoint", rep,
                           "--algo", args.algo, "--block-size", str(BLOCK), "--hash-seed", "42",
-                          "--linger", str(args.linger))
+                          *(("--linger", str(args.linger)) if args.linger else ()))
         log = LOG_DIR / f"kvcoord-bench-vs-dynamo-agent{i + 1}.log"
         pids.append(stack.enter_context(running(cmd, log=log)).pid)
     return tuple(pids)

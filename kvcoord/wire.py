@@ -150,12 +150,9 @@ def event_to_proto(op: Op, ev: Any, sample: Sample | None = None) -> pb.KVEvent:
 
 def _sample_to_proto(sample: Sample, s: pb.BlockStored) -> None:
     try:
-        packed = array("I", sample.token_ids)  # checks the range as it packs (no min/max pass first)
-    except OverflowError:
+        s.token_ids = pack_tokens(sample.token_ids)
+    except ValueError:
         return  # ids past uint32 (no tokenizer has them): this event simply is not verified
-    if not _LITTLE:
-        packed.byteswap()
-    s.token_ids = packed.tobytes()
     if sample.lora_name is not None:
         s.lora_name = sample.lora_name
     if sample.extra_keys is not None:
@@ -170,8 +167,10 @@ def as_received(sample: Sample) -> Sample:
     """``sample`` as the coordinator reads it back from the wire (:func:`fill_event`, then
     :func:`samples_from_proto`), without the round trip: for the coordinator's own relays."""
     tokens = sample.token_ids
-    if tokens and not all(0 <= t <= _U32_MAX for t in (min(tokens), max(tokens))):
-        return Sample((), None, (), sample.block_size, None, None)  # not verified, as on the wire
+    try:
+        pack_tokens(tokens)  # the wire's own test: what does not pack is not verified
+    except ValueError:
+        return Sample((), None, (), sample.block_size, None, None)
     hashes = sample.block_hashes
     if not (hashes and isinstance(hashes[0], bytes)):
         hashes = tuple(to_block_hash64(h) for h in hashes)
@@ -323,7 +322,8 @@ def snapshot_from_proto(snap: pb.Snapshot) -> tuple[Sequence[BlockHash64], bytes
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Token ids as packed little-endian uint32 (``ValueError`` for ids outside uint32)."""
+    """Token ids as packed little-endian uint32 (``ValueError`` for ids outside uint32: the range check is
+    the packing itself, no min/max pass first)."""
     try:
         packed = array("I", tokens)
     except (OverflowError, TypeError):

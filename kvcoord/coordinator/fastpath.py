@@ -71,7 +71,8 @@ class NativeAnswers:
             self.views, CHANGES, self._refresh, st, api.may_query if api.auth.enabled else None,
             self._failed, extra_headers, _native(metrics.lookup_tally("tokens")),
             _native(metrics.lookup_tally("hashes")), _native(metrics.matched_fraction))
-        """``extra_headers``: the header lines the server sends with every answer (``HttpServer``'s)."""
+        """The call itself; its answers carry ``extra_headers``, the lines the server sends with every
+        answer (``HttpServer.extra_headers``), and feed the lookup metrics' tallies."""
         metrics.answerers.append(self.answer)
 
     @staticmethod

@@ -136,7 +136,8 @@ class BlockMirror:
         tiers = self._ranks.get(dp_rank)
         if tiers is None:
             tiers = self._ranks[dp_rank] = tuple(set() for _ in _TIERS)
-        skip = self._skip_groups.setdefault(dp_rank, set())
+            self._skip_groups[dp_rank] = set()
+        skip = self._skip_groups[dp_rank]
         for kind, tier, hashes, group, indexable in ops:
             if kind == validate.STORE:
                 if not indexable:
