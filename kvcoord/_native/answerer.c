@@ -67,13 +67,31 @@ current_head(Answerer *a)
         return NULL;
     }
     char date[64];
-    snprintf(date, sizeof date, "%s, %02d %s %04d %02d:%02d:%02d GMT", days[tm.tm_wday % 7], tm.tm_mday,
-             months[tm.tm_mon % 12], tm.tm_year + 1900, tm.tm_hour, tm.tm_min, tm.tm_sec);
-    PyObject *head = PyBytes_FromFormat("HTTP/1.1 200 OK\r\n%sdate: %s\r\ncontent-length: ",
-                                        PyBytes_AS_STRING(a->extra), date);
+    int dlen = snprintf(date, sizeof date, "%s, %02d %s %04d %02d:%02d:%02d GMT", days[tm.tm_wday % 7],
+                        tm.tm_mday, months[tm.tm_mon % 12], tm.tm_year + 1900, tm.tm_hour, tm.tm_min, tm.tm_sec);
+    static const char status[] = "HTTP/1.1 200 OK\r\n", date_name[] = "date: ", length[] = "\r\ncontent-length: ";
+    Py_ssize_t xlen = PyBytes_GET_SIZE(a->extra); /* copied whole: the extra lines' bytes as given */
+    if (dlen < 0 || (size_t)dlen >= sizeof date) {
+        PyErr_SetString(PyExc_OverflowError, "the date does not fit");
+        return NULL;
+    }
+    PyObject *head = PyBytes_FromStringAndSize(
+        NULL, (Py_ssize_t)(sizeof status - 1 + sizeof date_name - 1 + sizeof length - 1) + xlen + dlen);
     if (head == NULL) {
         return NULL;
     }
+    char *p = PyBytes_AS_STRING(head);
+    memcpy(p, status, sizeof status - 1);
+    p += sizeof status - 1;
+    if (xlen > 0) {
+        memcpy(p, PyBytes_AS_STRING(a->extra), (size_t)xlen);
+        p += xlen;
+    }
+    memcpy(p, date_name, sizeof date_name - 1);
+    p += sizeof date_name - 1;
+    memcpy(p, date, (size_t)dlen);
+    p += dlen;
+    memcpy(p, length, sizeof length - 1);
     Py_XSETREF(a->head, head);
     a->head_sec = now;
     return head;
@@ -116,10 +134,14 @@ answer_fresh(Answerer *a, PyObject *data, double now, KvnAnswered *res)
 {
     PyObject *head = current_head(a);
     uint64_t gen;
-    if (head == NULL || generation(a, &gen) < 0) {
+    if (head == NULL) {
         return -1;
     }
-    Py_INCREF(head); /* the refresh below may run code that replaces a->head */
+    Py_INCREF(head); /* held: reading the count or a refresh may run code that replaces a->head */
+    if (generation(a, &gen) < 0) {
+        Py_DECREF(head);
+        return -1;
+    }
     int r = kvn_answer_request(data, a->views, gen, now, head, a->may_query, res);
     if (r == 2) {
         PyObject *nowf = PyFloat_FromDouble(now);
