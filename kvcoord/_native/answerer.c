@@ -57,7 +57,9 @@ current_head(Answerer *a)
     static const char *days[] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
     static const char *months[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
                                    "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
-    time_t now = time(NULL);
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt); /* time.time()'s clock: time(NULL) is the coarse one, a tick behind */
+    time_t now = rt.tv_sec;
     if (a->head != NULL && now == a->head_sec) {
         return a->head;
     }
