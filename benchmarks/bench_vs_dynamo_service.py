@@ -19,6 +19,7 @@ One run, both services, the same data:
   hello (so every SUB is connected; an engine a side missed publishes its hello again, since Dynamo
   replays a gap only when a later live batch reveals it), the rest is published as fast as the
   publishers send, or with ``--rate R`` as engines publish, R batches a second each, all stepping at once
+  (vLLM's data-parallel ranks) or with ``--stagger`` each in its own phase (independent replicas)
   (payloads msgpack-encoded beforehand, byte for byte what ``ZmqEventPublisher`` would
   encode, so the benchmark's own encoding is not in the window), and each side is polled (``POST
   /query`` every 20 ms for a one-block sentinel each engine stores last) until it has applied
@@ -786,12 +787,13 @@ def main(args: argparse.Namespace) -> int:
         me0 = time.process_time()
         done: dict[str, tuple[float, float]] = {}
         t0 = time.perf_counter()
-        if args.rate:  # as engines do: one batch per scheduler step, every engine stepping at once
-            for i in range(1, max(map(len, payloads))):
-                for e, pub in enumerate(pubs):
-                    if i < len(payloads[e]):
-                        pub.publish_encoded(payloads[e][i])
-                time.sleep(max(0.0, t0 + i / args.rate - time.perf_counter()))
+        if args.rate:  # as engines do: one batch per scheduler step; all at once, or each in its own phase
+            phase = [e / args.engines if args.stagger else 0.0 for e in range(args.engines)]
+            steps = sorted((i + phase[e], e, i) for e in range(args.engines)
+                           for i in range(1, len(payloads[e])))
+            for at, e, i in steps:
+                time.sleep(max(0.0, t0 + (at - 1) / args.rate - time.perf_counter()))
+                pubs[e].publish_encoded(payloads[e][i])
         else:
             for e, pub in enumerate(pubs):
                 for b in payloads[e][1:]:
@@ -960,6 +962,9 @@ if __name__ == "__main__":
     ap.add_argument("--rate", type=float, default=0.0,
                     help="batches per second each engine publishes (a vLLM engine publishes one per "
                          "scheduler step, every 10-50 ms); default 0: as fast as the publishers send")
+    ap.add_argument("--stagger", action="store_true",
+                    help="with --rate: each engine steps in its own phase (independent replicas) rather than "
+                         "all at once (vLLM's data-parallel ranks step together)")
     ap.add_argument("--pin", choices=("none", "same", "split"), default="none",
                     help="lookups: the client and both services on one CPU (same), the services on one and "
                          "the client on another (split), or wherever the kernel puts them (none, default)")
