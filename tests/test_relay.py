@@ -284,7 +284,7 @@ async def test_replay_answer_with_holes_is_asked_again() -> None:
     ctx = zmq.asyncio.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = ReplayClient(ctx, f"tcp://127.0.0.1:{port}", timeout=2.0, settle=0.2)
+    client = ReplayClient(ctx, f"tcp://127.0.0.1:{port}", timeout=2.0, settle=0.5)
     asks = 0
 
     async def serve() -> None:

@@ -330,8 +330,8 @@ class ReplayClient:
         deadline = loop.time() + self.timeout
         try:
             while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0 or not await sock.poll(timeout=int(remaining * 1000) + 1):
+                remaining = max(0.0, deadline - loop.time())  # past it (the loop was busy): look once more
+                if not await sock.poll(timeout=int(remaining * 1000) + 1):
                     if out:
                         self.close()
                         return out, False
