@@ -25,6 +25,7 @@ from kvcoord.coordinator.auth import AGENT, Principal
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.incoming import LocalBatch
 from kvcoord.coordinator.ingest import IngestAbort, IngestSession
+from kvcoord.engine.zmq_wire import Wakeup
 from kvcoord.events import CLEAR, REMOVE, STORE
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import Op, op_runs
@@ -69,7 +70,7 @@ class LocalFeed:
         self._lost: dict[int, str] = {}
         """Ranks whose history the relay lost, until their next AllBlocksCleared (as the reporter's)."""
         self._need_snapshot = True
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -215,8 +216,7 @@ class LocalFeed:
                 await session.handle(pb.AgentMessage(heartbeat=pb.AgentHeartbeat()))
                 next_hb = time.monotonic() + interval
             else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(0.0, next_hb - time.monotonic()))
+                await self._wake.wait(next_hb - time.monotonic())
 
     async def _send_snapshot(self, session: IngestSession) -> None:
         """The mirror now, at the last seq: it already holds every batch still queued (a relay commits
