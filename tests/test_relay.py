@@ -268,7 +268,7 @@ async def test_replay_answer_longer_than_the_router_pipe(ports: Ports, cls: type
     try:
         await publish_all(pub, batches)
         async with running_relay(ports, sink) as relay:
-            await wait_for(lambda: relay.expected_seq == len(batches), "the whole backlog")
+            await wait_for(lambda: relay.expected_seq == len(batches), "the whole backlog", timeout=60)
             assert relay.stats.lost_batches == 0 and relay.stats.unrecoverable_gaps == 0 and not sink.lost
             if cls is CuttingReplayPublisher:
                 assert relay.stats.replay_partial >= 4000 // CuttingReplayPublisher.keep - 1
@@ -284,7 +284,7 @@ async def test_replay_answer_with_holes_is_asked_again() -> None:
     ctx = zmq.asyncio.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = ReplayClient(ctx, f"tcp://127.0.0.1:{port}", timeout=2.0, settle=0.5)
+    client = ReplayClient(ctx, f"tcp://127.0.0.1:{port}", timeout=2.0, settle=2.0)
     asks = 0
 
     async def serve() -> None:
@@ -310,6 +310,47 @@ async def test_replay_answer_with_holes_is_asked_again() -> None:
             await task
         client.close()
         router.close(linger=0)
+
+
+class StallingReplayPublisher(DroppingPublisher):
+    """The first answer from each start seq stops after its first batch (the relay's anchor), with no end
+    marker: an answer that stalled before anything new arrived. Asked again from there, it answers whole."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.stalled: set[int] = set()
+        super().__init__(*args, **kwargs)
+
+    def _service_replay(self) -> None:
+        assert self._replay is not None
+        client, _, start_bytes = self._replay.recv_multipart()
+        start = int.from_bytes(start_bytes, "big")
+        items = [(seq, payload) for seq, payload in self._buffer if seq >= start]
+        stall = len(items) > 1 and start not in self.stalled
+        if stall:
+            self.stalled.add(start)
+            items = items[:1]
+        for seq, payload in items:
+            self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        if not stall:
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+async def test_an_answer_stalled_before_anything_new_is_asked_again(ports: Ports) -> None:
+    """A gap whose first replay answer stops after the anchor (nothing new, no end marker) is asked for once
+    more rather than given up: nothing is lost (this cleared the ranks as an unrecoverable gap)."""
+    batches = make_batches(40, seed=13)
+    pub = ports.publisher(StallingReplayPublisher, drop={5, 6, 20})
+    sink = RecordingSink()
+    try:
+        async with running_relay(ports, sink) as relay:
+            await publish_all(pub, batches)
+            await wait_for(lambda: relay.expected_seq == 40, "healed stream")
+            assert relay.stats.lost_batches == 0 and relay.stats.unrecoverable_gaps == 0 and not sink.lost
+            assert pub.stalled and relay.stats.replay_partial >= 1
+            assert snapshot_of(relay) == expected_mirror(batches)
+            assert [b[1] for b in sink.batches] == [b.events for b in batches]
+    finally:
+        pub.shutdown()
 
 
 @pytest.mark.parametrize("cls", [ZmqEventPublisher, TopicReplayPublisher], ids=["vllm_reply", "topic_reply"])

@@ -185,6 +185,7 @@ async def test_an_idle_stream_sends_at_once_and_a_busy_one_coalesces() -> None:
             await until(lambda: r._links[0].idle, what="the writer waiting again")
             for h in range(2, 12):  # one burst: the first seals at once, the rest wait behind its write
                 r.submit(0, [stored(h)])
+            await until(lambda: len(batches(s)) == 3, timeout=SLOW, what="the rest, sealed after the write")
             await r.wait_acked(SLOW)
             assert r.last_seq == 3 and [b.seq for b in batches(s)] == [1, 2, 3]
             assert [len(b.events) for b in batches(s)] == [1, 1, 9]

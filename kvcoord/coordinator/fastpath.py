@@ -56,11 +56,13 @@ class NativeAnswers:
     """``answer(data)``: the HTTP answer of one request, or None for the Python handler; a native
     ``Answerer`` (answerer.c), which calls back here only to bring a stale view up to date."""
 
-    __slots__ = ("_kept", "answer", "api", "failed", "views")
+    __slots__ = ("_kept", "answer", "api", "failed", "max_view_age", "views")
 
-    def __init__(self, api: HttpApi, extra_headers: bytes = b"") -> None:
+    def __init__(self, api: HttpApi, extra_headers: bytes = b"", max_view_age: float = MAX_VIEW_AGE) -> None:
         assert native is not None
         self.api = api
+        self.max_view_age = max_view_age
+        """Seconds a view is trusted without a change (a lease may run out meanwhile)."""
         self.views: dict[str, AnswerModel] = {}
         """Per partition, its ``AnswerModel`` (refreshed when the native call says it is stale)."""
         self._kept: dict[str, _Kept] = {}
@@ -151,7 +153,7 @@ class NativeAnswers:
         except LookupFailed:
             profile = None
         chain = native_keys_plan(profile) if profile is not None else None
-        kept = _Kept(table, CHANGES.count, now + MAX_VIEW_AGE, api.block_size(model))
+        kept = _Kept(table, CHANGES.count, now + self.max_view_age, api.block_size(model))
         kept.members = {rec.node_id for rec in st.registry if rec.model == model}
         now_wall = time.time()
         slots: list[tuple[int, int, bytes, bytes] | None] = []

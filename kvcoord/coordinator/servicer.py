@@ -36,6 +36,7 @@ from kvcoord.coordinator.lookup import (
 )
 from kvcoord.coordinator.registry import NodeRecord, trust_state
 from kvcoord.coordinator.shared import SharedNode
+from kvcoord.engine.zmq_wire import Wakeup
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
 from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, RESYNCING, NodeLoad
 from kvcoord.native import native_paths
@@ -190,11 +191,12 @@ class _Outbox:
     """
 
     __slots__ = ("_context", "_empty", "_flush", "_queue", "_task", "_wake", "ack_interval")
+    # _flush: a Wakeup, so that drain() also cuts short an Ack already waiting out its interval
 
     def __init__(self, context: grpc.aio.ServicerContext, ack_interval: float = ACK_INTERVAL) -> None:
         self._context = context
         self.ack_interval = ack_interval
-        self._flush = False
+        self._flush = Wakeup()
         self._queue: deque[pb.CoordinatorMessage | tuple[int, int]] = deque()
         self._wake = asyncio.Event()
         self._empty = asyncio.Event()
@@ -232,9 +234,9 @@ class _Outbox:
             while True:
                 while q:
                     msg = q[0]
-                    if len(q) == 1 and type(msg) is tuple and not self._flush:
+                    if len(q) == 1 and type(msg) is tuple:
                         # Let the acks of the batches arriving meanwhile collapse into this one.
-                        await asyncio.sleep(self.ack_interval)
+                        await self._flush.wait(self.ack_interval)
                     out = q.popleft()
                     if type(out) is tuple:
                         out = pb.CoordinatorMessage(ack=pb.Ack(epoch=out[0], seq=out[1]))
@@ -248,8 +250,9 @@ class _Outbox:
     async def drain(self) -> None:
         """Until everything queued is written (or the writer died with the stream)."""
         if self._task is not None:
-            self._flush = True
+            self._flush.set()
             await self._empty.wait()
+            self._flush.clear()
 
     def close(self) -> None:
         task = self._task

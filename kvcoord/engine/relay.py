@@ -406,9 +406,11 @@ class Relay:
         applied last. No answer for it, or a different payload, means the engine restarted (and
         may already have published past our position, which sequence numbers alone cannot show).
         An answer cut short on the way (see :class:`ReplayClient`) is applied up to its first hole and
-        asked for again from there, for as long as each answer brings something new.
+        asked for again from there, for as long as each answer brings something new (an answer that
+        stalled before its first new batch is asked for once more).
         """
         assert self._replay is not None
+        stalled = 0
         while True:
             start = max(self._expected - 1, 0)
             items, whole = await self._replay.fetch(start)
@@ -423,8 +425,10 @@ class Relay:
                 return
             if whole and ended:
                 return
-            if self._expected == before:
-                raise ReplayError(f"replay from {self._replay.endpoint} came incomplete, with nothing new")
+            stalled = stalled + 1 if self._expected == before else 0
+            if stalled > 1:
+                raise ReplayError(f"replay from {self._replay.endpoint} came incomplete twice, with nothing "
+                                  "new")
             self.stats.replay_partial += 1
 
     def _apply_replayed(self, items: list[tuple[int, bytes]], start: int,
@@ -432,7 +436,7 @@ class Relay:
         """Apply a replay answer's batches from ``expected`` on: True if all of them were, False at a hole
         in the answer (messages dropped on the way: it began at ``start``, so the buffer still held them),
         None where the buffer no longer reaches back (what it lacks is lost; see :meth:`_lost`)."""
-        rolled = bool(items) and items[0][0] > start
+        rolled = bool(items) and items[0][0] > start  # a cut answer lost its tail, never its first message
         for seq, payload in items:
             if seq < self._expected:
                 continue
