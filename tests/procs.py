@@ -38,22 +38,34 @@ def _kill_leftovers() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports this process was given: the kernel may give a released port again at once, and a test that asks
+for several before its servers bind them got the same one twice (two servers, one port)."""
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free a moment ago on 127.0.0.1, and not given out before in this process."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def free_port_pair() -> int:
     """A port ``p`` with ``p + 1`` free too (an engine's ZMQ PUB and replay)."""
     while True:
         p = free_port()
+        if p + 1 in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", p + 1))
             except OSError:
                 continue
+        _HANDED_OUT.add(p + 1)
         return p
 
 
