@@ -173,11 +173,11 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
 
 
 ACK_INTERVAL = 0.05
-SHUTDOWN_DRAIN = 0.25  # seconds a stopping coordinator waits for a stream's pending replies
 """Seconds an Ack waits for the ones after it on one stream: acks are cumulative, so they coalesce
 (agents never block on acks: they only bound the agent's resend queue). Each Ack costs both sides a
 gRPC message, three thread wakeups or so; an engine publishing one batch per scheduler step would
 otherwise cost an Ack per batch."""
+SHUTDOWN_DRAIN = 0.25  # seconds a stopping coordinator waits for a stream's pending replies
 
 
 class _Outbox:
