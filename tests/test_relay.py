@@ -18,6 +18,7 @@ from kvcoord.engine.relay import REPLAY_ONLY_PROBES_WARN, BlockMirror, Relay
 from kvcoord.engine.zmq_wire import (
     END_SEQ,
     EndpointError,
+    FrameReader,
     ReplayClient,
     ZmqEventPublisher,
     offset_endpoint_port,
@@ -176,6 +177,77 @@ async def publish_all(pub: ZmqEventPublisher, batches: Sequence[KVEventBatch]) -
     for b in batches:
         pub.publish(b)
     await asyncio.to_thread(pub.flush)
+
+
+@contextlib.contextmanager
+def inproc_pair(n: int) -> Any:
+    """A PUSH -> PULL pair in one context with ``n`` messages ``[b"%d"]`` already queued on the PULL side."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://reader")
+        push.connect("inproc://reader")
+        for i in range(n):
+            push.send_multipart([b"%d" % i])
+        yield pull
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
+async def test_frame_reader_pauses_where_take_says_and_resumes_there() -> None:
+    taken: list[int] = []
+
+    def take(frames: list[bytes]) -> bool:
+        taken.append(int(frames[0]))
+        return taken[-1] != 4
+
+    with inproc_pair(10) as pull:
+        reader = FrameReader(pull, take)
+        reader.resume()
+        assert await reader.wake.wait(DEADLINE)
+        assert taken == [0, 1, 2, 3, 4] and reader.paused and reader.error is None
+        await asyncio.sleep(0.05)
+        assert taken == [0, 1, 2, 3, 4]  # the rest waits on the socket while paused
+        reader.wake.clear()
+        reader.resume()
+        await wait_for(lambda: len(taken) == 10, "the rest taken")
+        assert taken == list(range(10)) and not reader.wake.is_set()
+        reader.close()
+
+
+async def test_frame_reader_lets_the_loop_run_between_bursts() -> None:
+    taken: list[bytes] = []
+    seen: list[int] = []
+
+    def take(frames: list[bytes]) -> bool:
+        taken.append(frames[0])
+        return True
+
+    with inproc_pair(200) as pull:
+        reader = FrameReader(pull, take, burst=16)
+        reader.resume()
+        while len(taken) < 200:
+            await asyncio.sleep(0)
+            seen.append(len(taken))
+        reader.close()
+    assert seen[0] < 200 and len(seen) > 1  # this task ran while a backlog was being read
+
+
+async def test_frame_reader_hands_an_exception_to_its_task() -> None:
+    def take(frames: list[bytes]) -> bool:
+        if frames[0] == b"2":
+            raise ValueError("bad sink")
+        return True
+
+    with inproc_pair(5) as pull:
+        reader = FrameReader(pull, take)
+        reader.resume()
+        assert await reader.wake.wait(DEADLINE)
+        assert isinstance(reader.error, ValueError) and reader.paused
+        assert pull.recv_multipart(zmq.NOBLOCK) == [b"3"]  # nothing past the failure was taken
+        reader.close()
 
 
 def test_offset_endpoint_port() -> None:

@@ -209,7 +209,8 @@ class LocalFeed:
                 await self._send_snapshot(session)
             elif self._queue:
                 self._replies(await session.batches([self._next_batch()]))
-                await asyncio.sleep(0)  # an in-process index never suspends: let lookups in between
+                if self._queue:
+                    await asyncio.sleep(0)  # an in-process index never suspends: let lookups in between
             elif self._closing:
                 return
             elif time.monotonic() >= next_hb:

@@ -41,9 +41,9 @@ import zmq.asyncio
 from kvcoord import validate
 from kvcoord.engine.zmq_wire import (
     FrameError,
+    FrameReader,
     ReplayClient,
     ReplayError,
-    SocketWaiter,
     parse_pub_frames,
     subscribe_socket,
 )
@@ -258,6 +258,10 @@ class Relay:
         """A batch was applied since the relay started or the engine last restarted."""
         self._logged: set[str] = set()
         self._replay: ReplayClient | None = None
+        self._gap: tuple[int, bytes] | None = None
+        """The live message the reader paused at, batches missing before it (the task heals them)."""
+        self._last_frame = 0.0
+        """``time.monotonic()`` of the last live message."""
         self.ready = asyncio.Event()
         """Set once the SUB socket is connected (a test can start publishing then)."""
 
@@ -272,61 +276,77 @@ class Relay:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set (noticed within the idle probe interval, at most 1 s; owners that
-        stop at once cancel the task as well)."""
+        stop at once cancel the task as well).
+
+        Batches in order are handled by the socket's reader callback (:class:`FrameReader`), with no task
+        switch per batch; this task wakes only for the idle probe and for a gap to heal, with the
+        reader paused meanwhile."""
         sub = subscribe_socket(self._ctx, self.endpoint, self.topic, hwm=self._hwm)
-        readable = SocketWaiter(sub)
+        reader = FrameReader(sub, self._take, burst=DRAIN_BURST)
         if self.replay_endpoint:
             self._replay = ReplayClient(self._ctx, self.replay_endpoint, timeout=self._replay_timeout)
         self.ready.set()
-        loop = asyncio.get_running_loop()
         try:
             await self._probe()  # catch up on what the engine published before we joined
-            idle_since = loop.time()
+            self._last_frame = time.monotonic()
             while not stop.is_set():
+                reader.wake.clear()
+                reader.resume()
                 # Wake for the next idle probe, not more often: 8 idle relays polling every 100 ms cost
                 # a coordinator ~2-4% of a core.
-                wait = min(max(idle_since + self._idle_probe - loop.time(), 0.001), 1.0)
-                if not await readable.wait(wait):
-                    if loop.time() - idle_since >= self._idle_probe:
-                        await self._probe()  # a quiet stream may hide a dropped tail
-                        idle_since = loop.time()
-                    continue
-                idle_since = loop.time()
-                # Drain what is queued without going back through the event loop each time, but yield
-                # every DRAIN_BURST frames: a backlog must not starve the reporter or a SIGTERM handler.
-                for _ in range(DRAIN_BURST):
-                    try:
-                        frames = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    await self.on_frames(frames)
-                else:
-                    await asyncio.sleep(0)
+                quiet = time.monotonic() - self._last_frame
+                await reader.wake.wait(min(max(self._idle_probe - quiet, 0.001), 1.0))
+                if reader.error is not None:
+                    raise reader.error
+                gap, self._gap = self._gap, None
+                if gap is not None:
+                    await self._after_gap(*gap)
+                elif time.monotonic() - self._last_frame >= self._idle_probe:
+                    reader.pause()
+                    await self._probe()  # a quiet stream may hide a dropped tail
+                    self._last_frame = time.monotonic()
         finally:
-            readable.close()
+            reader.close()
             sub.close(linger=0)
             if self._replay is not None:
                 self._replay.close()
 
+    def _take(self, frames: list[bytes]) -> bool:
+        """The reader's callback: handle one live message; False (the reader pauses) at a gap to heal."""
+        self._last_frame = time.monotonic()
+        self._gap = self._live(frames)
+        return self._gap is None
+
     async def on_frames(self, frames: list[bytes]) -> None:
-        """Handle one live PUB message ``[topic, seq, payload]``."""
+        """Handle one live PUB message ``[topic, seq, payload]``, healing a gap before it."""
+        gap = self._live(frames)
+        if gap is not None:
+            await self._after_gap(*gap)
+
+    def _live(self, frames: list[bytes]) -> tuple[int, bytes] | None:
+        """Handle one live PUB message, unless batches are missing before it: then ``(seq, payload)``,
+        for :meth:`_after_gap`."""
         self.stats.frames += 1
         try:
             seq, payload = parse_pub_frames(frames)
         except FrameError as exc:
             self._malformed(exc.kind, str(exc))
-            return
+            return None
         if self._last_live is not None and seq <= self._last_live:
             self._restart(f"sequence went back to {seq} after {self._last_live}")
         self._last_live = seq
         if seq < self._expected:
             self.stats.duplicates += 1  # already applied from a replay
-            return
+            return None
         if seq > self._expected:
-            await self._heal(seq)
-            if seq < self._expected:
-                return
+            return seq, payload
         self.handle_payload(seq, payload)
+        return None
+
+    async def _after_gap(self, seq: int, payload: bytes) -> None:
+        await self._heal(seq)
+        if seq >= self._expected:
+            self.handle_payload(seq, payload)
 
     def handle_payload(self, seq: int, payload: bytes) -> Any:
         """Decode, validate, apply to the mirror and forward one batch (returned, as views); None if it
