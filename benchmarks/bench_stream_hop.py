@@ -1,11 +1,14 @@
 """What one paced message costs on an agent-to-coordinator hop: a grpc.aio client stream against a plain
-asyncio TCP stream (length-prefixed), both sides, CPU per message.
+asyncio TCP stream (length-prefixed), both sides, CPU per message; and what receiving an engine's ZMQ PUB
+stream costs at the least: a thread blocked in ``recv`` against kvcoord's :class:`FrameReader` in an event
+loop (the relay's receive path).
 
 An engine publishes one batch per scheduler step, so an agent sends one small message every 10-50 ms and
 both ends wake for each. Two processes per row (sender, receiver), one stream, ``--size``-byte messages at
 ``--rate`` a second; CPU is the scheduler's runtime of every thread of each process
 (``/proc/<pid>/task/*/schedstat``) over ``--messages`` messages. The ``none`` row paces the sender's loop
-without sending: its timer wakeups, the baseline to subtract from the sender's figure.
+without sending: its timer wakeups, the baseline to subtract from the sender's figure. The ``zmq-*`` rows
+publish on a PUB socket; their receiver figure is a SUB socket's, ZeroMQ's I/O thread included.
 
 Command: ``.venv/bin/python benchmarks/bench_stream_hop.py [--rounds 3]``
 """
@@ -24,8 +27,11 @@ import sys
 from pathlib import Path
 
 import grpc
+import zmq
 
-KINDS = ("tcp", "grpc", "none")
+from kvcoord.engine.zmq_wire import FrameReader
+
+KINDS = ("tcp", "grpc", "none", "zmq-block", "zmq-reader")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -36,7 +42,26 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def receive_blocking(port: int) -> None:
+    """A SUB socket read by a thread blocked in ``recv``: the least a Python process can pay a message."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    print("ready", flush=True)
+    while True:
+        sub.recv_multipart()
+
+
 async def receive(kind: str, port: int) -> None:
+    if kind == "zmq-reader":
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.bind(f"tcp://127.0.0.1:{port}")
+        reader = FrameReader(sub, lambda frames: True)
+        reader.resume()
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+        return
     if kind == "grpc":
         async def handler(it: object, ctx: object) -> bytes:
             async for _ in it:  # type: ignore[attr-defined]
@@ -70,7 +95,16 @@ async def receive(kind: str, port: int) -> None:
 async def send(kind: str, port: int, args: argparse.Namespace) -> None:
     msg = os.urandom(args.size)
     loop = asyncio.get_running_loop()
-    if kind == "grpc":
+    if kind.startswith("zmq"):
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.connect(f"tcp://127.0.0.1:{port}")
+        seq = 0
+
+        async def write() -> None:
+            nonlocal seq
+            seq += 1
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), msg])
+    elif kind == "grpc":
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         call = channel.stream_unary("/hop.Hop/Send")()
 
@@ -142,7 +176,9 @@ def main() -> int:
     ap.add_argument("--send", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--receive", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.receive:
+    if args.receive and args.receive[0] == "zmq-block":
+        receive_blocking(int(args.receive[1]))
+    elif args.receive:
         asyncio.run(receive(args.receive[0], int(args.receive[1])))
         return 0
     if args.send:
