@@ -261,7 +261,7 @@ class Relay:
         self._gap: tuple[int, bytes] | None = None
         """The live message the reader paused at, batches missing before it (the task heals them)."""
         self._last_frame = 0.0
-        """``time.monotonic()`` of the last live message."""
+        """``time.monotonic()`` of the last live message, or of the last replay probe (or the start)."""
         self.ready = asyncio.Event()
         """Set once the SUB socket is connected (a test can start publishing then)."""
 
@@ -279,8 +279,9 @@ class Relay:
         stop at once cancel the task as well).
 
         Batches in order are handled by the socket's reader callback (:class:`FrameReader`), with no task
-        switch per batch; this task wakes only for the idle probe and for a gap to heal, with the
-        reader paused meanwhile."""
+        switch per batch. This task wakes at least once a second (for ``stop``), for a gap to heal or a
+        failure of the reader, and probes the replay socket after ``idle_probe`` seconds without a live
+        message; the reader is paused while it heals or probes."""
         sub = subscribe_socket(self._ctx, self.endpoint, self.topic, hwm=self._hwm)
         reader = FrameReader(sub, self._take, burst=DRAIN_BURST)
         if self.replay_endpoint:
@@ -317,15 +318,9 @@ class Relay:
         self._gap = self._live(frames)
         return self._gap is None
 
-    async def on_frames(self, frames: list[bytes]) -> None:
-        """Handle one live PUB message ``[topic, seq, payload]``, healing a gap before it."""
-        gap = self._live(frames)
-        if gap is not None:
-            await self._after_gap(*gap)
-
     def _live(self, frames: list[bytes]) -> tuple[int, bytes] | None:
-        """Handle one live PUB message, unless batches are missing before it: then ``(seq, payload)``,
-        for :meth:`_after_gap`."""
+        """Handle one live PUB message ``[topic, seq, payload]``, unless batches are missing before it:
+        then ``(seq, payload)``, for :meth:`_after_gap`."""
         self.stats.frames += 1
         try:
             seq, payload = parse_pub_frames(frames)

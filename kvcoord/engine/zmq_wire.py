@@ -382,12 +382,13 @@ class FrameReader:
     ``wake``, which the owning task waits on. :meth:`resume` goes on where it stopped.
 
     The FD only signals activity and ``ZMQ_EVENTS`` says whether a message is there (asking it rearms the
-    FD), so the reader asks before every receive; it takes at most ``burst`` messages per callback and
-    then lets the loop run (a backlog must not starve other tasks or a SIGTERM handler). While paused it
-    is unregistered, so a readable FD nobody reads cannot make the loop spin.
+    FD), so the reader asks before every receive. One chain of reads runs at a time: at most ``burst``
+    messages in a row, then the loop runs its other callbacks before the next ``burst`` (a backlog must
+    not starve other tasks or a SIGTERM handler). While paused it is unregistered and nothing of it is
+    queued, so a readable FD nobody reads cannot make the loop spin, and a closed socket is never read.
     """
 
-    __slots__ = ("_armed", "_burst", "_fd", "_loop", "_sock", "_take", "error", "paused", "wake")
+    __slots__ = ("_armed", "_burst", "_fd", "_loop", "_sock", "_soon", "_take", "error", "paused", "wake")
 
     def __init__(self, sock: zmq.Socket[Any], take: Callable[[list[bytes]], bool], *,
                  burst: int = 64) -> None:
@@ -397,6 +398,8 @@ class FrameReader:
         self._burst = burst
         self._loop: asyncio.AbstractEventLoop | None = None
         self._armed = False
+        self._soon: asyncio.Handle | None = None
+        """The next read of the chain, queued in the loop."""
         self.paused = True
         self.error: Exception | None = None
         self.wake = Wakeup()
@@ -406,24 +409,38 @@ class FrameReader:
         if not self.paused:
             return
         self.paused = False
+        self.error = None
         loop = self._loop = asyncio.get_running_loop()
         if not self._armed:
-            loop.add_reader(self._fd, self._read)
+            loop.add_reader(self._fd, self._on_fd)
             self._armed = True
-        loop.call_soon(self._read)  # the FD may have signalled while nobody listened
+        self._again(loop)  # the FD may have signalled while nobody listened
 
     def pause(self) -> None:
         """Stop reading until :meth:`resume`."""
         self.paused = True
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         if self._armed and self._loop is not None:
             self._loop.remove_reader(self._fd)
         self._armed = False
 
     close = pause
 
+    def _again(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._soon is None:
+            self._soon = loop.call_soon(self._queued)
+
+    def _queued(self) -> None:
+        self._soon = None
+        self._read()
+
+    def _on_fd(self) -> None:
+        if self._soon is None:  # else the queued read comes first, and reads on
+            self._read()
+
     def _read(self) -> None:
-        if self.paused:
-            return
         sock, take = self._sock, self._take
         try:
             for _ in range(self._burst):
@@ -439,7 +456,7 @@ class FrameReader:
             self.wake.set()
             return
         assert self._loop is not None
-        self._loop.call_soon(self._read)
+        self._again(self._loop)
 
 
 def _readable(sock: zmq.Socket[Any]) -> bool:
@@ -448,8 +465,8 @@ def _readable(sock: zmq.Socket[Any]) -> bool:
 
 class Wakeup:
     """``asyncio.Event``'s ``set``/``clear`` for one waiter, whose :meth:`wait` with a timeout costs one
-    future and one timer handle: ``asyncio.wait_for`` wraps each wait in a new task, and a relay that keeps
-    up with its engine waits once per frame (as the reporter's writer does once per message)."""
+    future and one timer handle: ``asyncio.wait_for`` wraps each wait in a new task, and the reporter's
+    writer waits once per message."""
 
     __slots__ = ("_flag", "_waiter")
 
