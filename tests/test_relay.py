@@ -208,8 +208,9 @@ async def test_frame_reader_pauses_where_take_says_and_resumes_there() -> None:
         reader.resume()
         assert await reader.wake.wait(DEADLINE)
         assert taken == [0, 1, 2, 3, 4] and reader.paused and reader.error is None
-        await asyncio.sleep(0.05)
-        assert taken == [0, 1, 2, 3, 4]  # the rest waits on the socket while paused
+        for _ in range(10):  # the rest is queued on the socket already: a reader that read on would have
+            await asyncio.sleep(0)
+        assert taken == [0, 1, 2, 3, 4]  # it waits there while paused
         reader.wake.clear()
         reader.resume()
         await wait_for(lambda: len(taken) == 10, "the rest taken")
@@ -241,11 +242,16 @@ async def test_frame_reader_lets_the_loop_run_between_bursts() -> None:
 async def test_frame_reader_closed_with_a_read_queued_reads_nothing_more() -> None:
     taken: list[bytes] = []
     errors: list[dict[str, Any]] = []
+
+    def take(frames: list[bytes]) -> bool:
+        taken.append(frames[0])
+        return True
+
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
     try:
         with inproc_pair(3) as pull:
-            reader = FrameReader(pull, lambda frames: taken.append(frames[0]) is None)
+            reader = FrameReader(pull, take)
             reader.resume()  # queues a read
             reader.close()
         for _ in range(5):  # the socket is closed now: a read left queued would fail in the loop
