@@ -1,0 +1,295 @@
+"""deploy/k8s run as an operator applies it, without a cluster: what ``kubectl kustomize`` renders (the
+same manifests read from disk when kubectl is absent) becomes local processes.
+
+Each pod's containers run their own args and env (Secrets given by the test, the downward API's pod name
+and IP), the ConfigMap mounted as a file; addresses are rewritten the way the pod network would resolve
+them: a pod's own ``0.0.0.0``/``127.0.0.1``/``*``/``$(POD_IP)`` ports become free local ports of that pod,
+a Service's ``name:port`` the local port of the first pod its selector picks. Redis runs the manifest's
+args on a real ``redis-server``; vLLM is a ``kvcoord sim-engine`` given the vLLM container's model, hash
+flags, ``PYTHONHASHSEED``, ``--port`` and ``--kv-events-config``. As in the compose test, the test sends
+chats through route and reads the answers' headers and both components' /metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
+from tests.redis_servers import REDIS_SERVER, redis_server
+from tests.test_deploy import (
+    K8S,
+    _get_json,
+    _is_kvcoord_image,
+    _loadgen_chat,
+    _poll,
+    _post_json,
+    configmap_toml,
+    containers,
+    flag,
+    k8s_docs,
+    kind,
+    parse_exposition,
+    total,
+)
+
+SECRETS = {"kvcoord-tokens": {"agent-token": "agent-t", "router-token": "router-t", "admin-token": "admin-t"}}
+"""The Secrets docs/deploy.md has the operator create (values made up)."""
+REPLICAS = {"vllm-qwen3": 2}
+"""Pods run per Deployment (1 when not named): two engines to choose between; one coordinator and one
+router are enough for what route's answers show (a Service reaches the first pod its selector picks)."""
+_ADDRESS = re.compile(r"(?<![\w.$-])(\$\(POD_IP\)|\*|[A-Za-z0-9][\w.-]*):(\d+)(?![\d])")
+_LOCAL_HOSTS = {"0.0.0.0", "127.0.0.1", "localhost", "*", "$(POD_IP)"}
+
+
+def rendered_k8s() -> list[dict[str, Any]]:
+    """``kubectl kustomize deploy/k8s`` when kubectl is installed, else the base manifests read directly."""
+    if shutil.which("kubectl") is None:
+        return k8s_docs()
+    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@dataclass
+class Pod:
+    name: str
+    deployment: dict[str, Any]
+    ports: dict[int, int] = field(default_factory=dict)
+    """container port -> local port, allocated on first use."""
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self.deployment["spec"]["template"]["metadata"]["labels"])
+
+    def local(self, port: int) -> int:
+        if port not in self.ports:
+            self.ports[port] = free_port()
+        return self.ports[port]
+
+
+@dataclass
+class Cluster:
+    """The rendered manifests' pods and Services, resolved to local ports."""
+
+    docs: list[dict[str, Any]]
+    tmp: Path
+    pods: list[Pod] = field(default_factory=list)
+    redis_port: int = 0
+
+    def __post_init__(self) -> None:
+        for d in self.docs:
+            if d["kind"] == "Deployment":
+                name = d["metadata"]["name"]
+                self.pods += [Pod(f"{name}-{i}", d) for i in range(REPLICAS.get(name, 1))]
+
+    def pods_of(self, deployment: str) -> list[Pod]:
+        return [p for p in self.pods if p.deployment["metadata"]["name"] == deployment]
+
+    def service_port(self, name: str, port: int) -> int | None:
+        """The local port behind Service ``name``'s ``port`` (None: no such Service or port)."""
+        svcs = [d for d in self.docs if d["kind"] == "Service" and d["metadata"]["name"] == name]
+        if not svcs:
+            return None
+        (svc,) = svcs
+        sp = next((p for p in svc["spec"]["ports"] if p["port"] == port), None)
+        assert sp is not None, f"Service {name} has no port {port}"
+        selector = svc["spec"]["selector"]
+        pods = [p for p in self.pods if selector.items() <= p.labels.items()]
+        assert pods, f"Service {name} selects no pod"
+        pod = pods[0]
+        target = sp.get("targetPort", sp["port"])
+        if isinstance(target, str):  # a named container port
+            named = [cp["containerPort"] for c in containers(pod.deployment) for cp in c.get("ports", [])
+                     if cp.get("name") == target]  # fmt: skip
+            assert len(named) == 1, f"Service {name}: port name {target} in {pod.name}"
+            target = named[0]
+        if pod.deployment["metadata"]["name"] == "kvcoord-redis":
+            return self.redis_port
+        return pod.local(int(target))
+
+    def rewrite(self, pod: Pod, text: str) -> str:
+        """Every ``host:port`` the pod would reach, as the local address it is at here."""
+
+        def repl(m: re.Match[str]) -> str:
+            host, port = m.group(1), int(m.group(2))
+            if host in _LOCAL_HOSTS:
+                return f"127.0.0.1:{pod.local(port)}"
+            local = self.service_port(host, port)
+            return m.group(0) if local is None else f"127.0.0.1:{local}"
+
+        return _ADDRESS.sub(repl, text)
+
+
+def _env(pod: Pod, c: dict[str, Any]) -> dict[str, str]:
+    """A container's env: literal values, the test's Secrets, the downward API's pod name and IP."""
+    out: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            out[e["name"]] = str(e["value"])
+            continue
+        src = e["valueFrom"]
+        if "secretKeyRef" in src:
+            ref = src["secretKeyRef"]
+            out[e["name"]] = SECRETS[ref["name"]][ref["key"]]
+        else:
+            path = src["fieldRef"]["fieldPath"]
+            out[e["name"]] = {"metadata.name": pod.name, "status.podIP": "127.0.0.1"}[path]
+    return out
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion in args; ``$(POD_IP)`` stays for :meth:`Cluster.rewrite`."""
+    return re.sub(r"\$\(([A-Z_][A-Z0-9_]*)\)",
+                  lambda m: m.group(0) if m.group(1) == "POD_IP" else env.get(m.group(1), m.group(0)), arg)
+
+
+def _mounts(cluster: Cluster, pod: Pod, c: dict[str, Any]) -> dict[str, str]:
+    """configMap volumes mounted by ``c``: mount path -> a local directory holding the keys as files, the
+    addresses in them rewritten (the coordinator's TOML names its listen ports, Redis and the engines)."""
+    volumes = {v["name"]: v for v in pod.deployment["spec"]["template"]["spec"].get("volumes", [])}
+    out = {}
+    for m in c.get("volumeMounts", []):
+        cm_ref = volumes[m["name"]].get("configMap")
+        if cm_ref is None:
+            continue
+        cm = kind(cluster.docs, "ConfigMap", cm_ref["name"])
+        local = cluster.tmp / pod.name / m["name"]
+        local.mkdir(parents=True)
+        for key, text in cm["data"].items():
+            (local / key).write_text(cluster.rewrite(pod, text))
+        out[m["mountPath"]] = str(local)
+    return out
+
+
+def _sim_engine_args(pod: Pod, c: dict[str, Any], seed: int) -> list[str]:
+    """``kvcoord sim-engine`` standing in for the vLLM container: its model, hash profile, HTTP port and
+    KV events publisher (vLLM's ``--kv-events-config``)."""
+    args = list(c["args"])
+    assert c["command"] == ["vllm", "serve"] and not args[0].startswith("-"), c["command"]
+    events = json.loads(flag(args, "--kv-events-config"))
+    assert events["publisher"] == "zmq" and events["enable_kv_cache_events"] is True
+    return ["sim-engine", "--model", args[0], "--algo", flag(args, "--prefix-caching-hash-algo"),
+            "--block-size", flag(args, "--block-size"), "--zmq-bind", events["endpoint"],
+            "--replay-bind", events["replay_endpoint"], "--topic", events["topic"],
+            "--buffer-steps", str(events["buffer_steps"]), "--hwm", str(events["hwm"]),
+            "--http-listen", f"0.0.0.0:{flag(args, '--port')}", "--seed", str(seed),
+            "--rate", "0", "--requests", "0"]  # fmt: skip
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+
+
+def local_processes(cluster: Cluster) -> list[Proc]:
+    """Every container of every pod, as a local command, Redis first, then in the manifests' order."""
+    out: list[Proc] = []
+    for i, pod in enumerate(cluster.pods):
+        for c in containers(pod.deployment):
+            env = _env(pod, c)
+            mounts = _mounts(cluster, pod, c)
+            if _is_kvcoord_image(c["image"]):
+                argv = [_expand(a, env) for a in c["args"]]
+            elif c["image"].startswith("vllm/"):
+                argv = _sim_engine_args(pod, c, seed=i)
+            elif c["image"].startswith("redis:"):
+                continue  # the test's redis-server runs these args
+            else:
+                raise AssertionError(f"{pod.name}/{c['name']}: no local stand-in for {c['image']}")
+            for path, local in mounts.items():
+                argv = [a.replace(path + "/", local + "/") for a in argv]
+            cmd = kvcoord_cmd(*[cluster.rewrite(pod, a) for a in argv])
+            out.append(Proc(f"{pod.name}-{c['name']}", cmd, env))
+    return out
+
+
+def _redis_args(docs: list[dict[str, Any]]) -> list[str]:
+    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvcoord-redis"]
+    args = list(containers(dep)[0]["args"])
+    assert args[0] == "redis-server", args
+    return args[1:]
+
+
+def test_k8s_tokenizer_is_the_engines_service_not_one_pod() -> None:
+    """The coordinator tokenizes route's text with the engines' /tokenize through a Service selecting every
+    engine pod on their OpenAI port: one engine down does not turn lookups off fleet-wide."""
+    docs = rendered_k8s()
+    _, cfg = configmap_toml(docs)
+    vllm = kind(docs, "Deployment", "vllm-qwen3")
+    (engine,) = [c for c in containers(vllm) if c["name"] == "vllm"]
+    model = engine["args"][0]
+    m = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", cfg["models"][model]["tokenizer"])
+    assert m, cfg["models"][model]
+    svc = kind(docs, "Service", m.group(1))
+    assert svc["spec"]["selector"].items() <= vllm["spec"]["template"]["metadata"]["labels"].items()
+    (sp,) = [p for p in svc["spec"]["ports"] if p["port"] == int(m.group(2))]
+    (http,) = [p for p in engine["ports"] if p["name"] == "http"]
+    assert sp["targetPort"] in (http["name"], http["containerPort"])
+    assert int(flag(engine["args"], "--port")) == http["containerPort"]
+
+
+@pytest.mark.slow
+def test_k8s_route_is_prefix_aware_out_of_the_box(tmp_path: Path) -> None:
+    """What ``kubectl apply -k deploy/k8s`` runs, run locally with its own args, env and ConfigMap: route
+    must place chats by prefix (not ``lookup_error; least-loaded``: the coordinator needs a tokenizer for
+    the model), the coordinator show lookups with hits, and the engines serve what the index predicted."""
+    if shutil.which(REDIS_SERVER) is None:
+        pytest.skip("redis-server is not installed")
+    docs = rendered_k8s()
+    with redis_server(*_redis_args(docs)) as redis, contextlib.ExitStack() as stack:
+        cluster = Cluster(docs, tmp_path, redis_port=redis.port)
+        procs = local_processes(cluster)
+        (coord,) = cluster.pods_of("kvcoord")
+        (route,) = cluster.pods_of("kvcoord-route")
+        running_procs = {}
+        try:
+            for p in procs:
+                running_procs[p.name] = stack.enter_context(running(p.cmd, env=p.env,
+                                                                    log=tmp_path / f"{p.name}.log"))
+            mport = coord.local(9400)
+            route_url = f"http://127.0.0.1:{route.local(8000)}"
+            wait_for_port(mport, timeout=30)
+            wait_for_port(route.local(8000), timeout=30)
+            _poll(mport, lambda sc: total(sc, "kvcoord_nodes", state="active") == 2, "both nodes", timeout=60)
+            until(lambda: len(_get_json(f"{route_url}/health").get("backends", {})) == 2,
+                  "route learning both engines' URLs", timeout=60, interval=0.1)
+            headers = []
+            for i in range(40):
+                status, h = _post_json(f"{route_url}/v1/chat/completions", _loadgen_chat(i))
+                assert status == 200, h
+                headers.append(h)
+            reasons = [h["x-kvcoord-reason"] for h in headers]
+            assert not any("lookup_error" in r for r in reasons), reasons
+            # (the first lookups may miss route's --deadline-ms while the tokenizer connection warms up)
+            assert sum(h["x-kvcoord-prefix-aware"] == "true" for h in headers) >= len(headers) / 2, reasons
+            sc = _poll(mport, lambda sc: (
+                total(sc, "kvcoord_lookup_latency_seconds_count") >= 20
+                and total(sc, "kvcoord_lookup_matched_fraction_sum") > 0
+            ), "lookups by tokens with hits", timeout=60)  # fmt: skip
+            assert total(sc, "kvcoord_hash_mismatches_total") == 0
+            assert total(sc, "kvcoord_events_rejected_total") == 0
+            with urllib.request.urlopen(f"{route_url}/metrics", timeout=5) as resp:
+                routed = parse_exposition(resp.read().decode())
+            assert total(routed, "kvcoord_route_hit_outcomes_total", outcome="below") == 0
+            achieved = total(routed, "kvcoord_route_achieved_tokens_total")
+            assert achieved >= 0.5 * total(routed, "kvcoord_route_prompt_tokens_total"), achieved
+            for name, proc in running_procs.items():
+                assert proc.poll() is None, f"{name} exited"
+        except BaseException:
+            for name in running_procs:
+                print(f"--- {name}\n" + (tmp_path / f"{name}.log").read_text()[-3000:])
+            raise
+
