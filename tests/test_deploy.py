@@ -52,6 +52,7 @@ COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 K8S = DEPLOY / "k8s"
 K8S_BASE = K8S / "base"
+K8S_EPP = K8S / "epp"
 PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvcoord.json"
@@ -104,6 +105,11 @@ def k8s_docs(root: Path = K8S_BASE) -> list[dict[str, Any]]:
         if path.name != "kustomization.yaml":
             docs.extend(yaml_docs(path))
     return docs
+
+
+def k8s_epp_docs() -> list[dict[str, Any]]:
+    """The base manifests and the epp/ overlay's own (what kustomize renders for it)."""
+    return k8s_docs() + k8s_docs(K8S_EPP)
 
 
 def k8s_tls_docs() -> list[dict[str, Any]]:
@@ -318,7 +324,7 @@ def kvcoord_invocations() -> list[tuple[str, list[str]]]:
         test = svc.get("healthcheck", {}).get("test")
         if isinstance(test, list) and "kvcoord" in test:
             found.append((f"compose {name} healthcheck", test[test.index("kvcoord") + 1 :]))
-    for label, docs in (("k8s", k8s_docs()), ("k8s/tls", k8s_tls_docs())):
+    for label, docs in (("k8s", k8s_docs()), ("k8s/tls", k8s_tls_docs()), ("k8s/epp", k8s_docs(K8S_EPP))):
         for d in docs:
             if d["kind"] != "Deployment":
                 continue
@@ -357,7 +363,7 @@ def _help_flags(text: str) -> set[str]:
 def test_deploy_files_use_real_kvcoord_commands_and_flags() -> None:
     invocations = kvcoord_invocations()
     where_all = {w.split()[0].split(":")[0] for w, _ in invocations}
-    assert {"Dockerfile", "compose", "k8s", "k8s/tls", "README.md", "docs/deploy.md"} <= where_all
+    assert {"Dockerfile", "compose", "k8s", "k8s/tls", "k8s/epp", "README.md", "docs/deploy.md"} <= where_all
     subcommands = set(re.findall(r"^\s{4}([a-z][a-z-]+)\s", cli_help(None), re.M))
     assert {"serve", "agent", "sim-engine", "health"} <= subcommands
     top_flags = _help_flags(cli_help(None))
@@ -1173,7 +1179,7 @@ def test_promtool_checks_the_shipped_config_and_rules(tmp_path: Path) -> None:
 def test_kustomize_renders_base_and_tls_overlay() -> None:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
-    for root, expected in ((K8S, k8s_docs()), (K8S / "tls", k8s_tls_docs())):
+    for root, expected in ((K8S, k8s_docs()), (K8S / "tls", k8s_tls_docs()), (K8S_EPP, k8s_epp_docs())):
         out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -1187,15 +1193,20 @@ def test_kustomize_renders_base_and_tls_overlay() -> None:
                 assert got["metadata"]["namespace"] == "kvcoord"
 
 
+_CRD_GROUPS = {"monitoring.coreos.com", "inference.networking.k8s.io", "gateway.networking.k8s.io"}
+"""API groups of custom resources: no schema in kubernetes-validate."""
+
+
 def test_kubernetes_validate_accepts_every_rendered_manifest(tmp_path: Path) -> None:
-    """The real kubernetes-validate (strict: no unknown fields) on what ``kubectl kustomize`` renders, base
-    and TLS overlay; only the Prometheus Operator's kinds have no schema there (kustomize and promtool
-    check those)."""
+    """The real kubernetes-validate (strict: no unknown fields) on what ``kubectl kustomize`` renders, base,
+    TLS and epp overlays; only the Prometheus Operator's kinds and the Gateway API's (HTTPRoute,
+    InferencePool) have no schema there (kustomize and promtool check the first, tests/test_deploy_k8s.py
+    the InferencePool's fields)."""
     tool = (shutil.which("kubernetes-validate")
             or shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent)))
     if shutil.which("kubectl") is None or tool is None:
         pytest.skip("kubectl or kubernetes-validate is not installed (pip install kubernetes-validate)")
-    for root in (K8S, K8S / "tls"):
+    for root in (K8S, K8S / "tls", K8S_EPP):
         out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rendered = tmp_path / f"{root.name}.yaml"
@@ -1206,7 +1217,7 @@ def test_kubernetes_validate_accepts_every_rendered_manifest(tmp_path: Path) -> 
         assert res.returncode == 0, report
         for d in docs:
             name = f"{d['kind'].lower()}/{d['metadata']['name']}"
-            if d["apiVersion"].startswith("monitoring.coreos.com/"):
+            if d["apiVersion"].split("/")[0] in _CRD_GROUPS:
                 assert f"kind {d['kind']} with api version {d['apiVersion']}" in report, report
             else:
                 assert f"passed for resource {name} " in report, (name, report)

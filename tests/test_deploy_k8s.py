@@ -12,20 +12,25 @@ chats through route and reads the answers' headers and both components' /metrics
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
 import shutil
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2
 
-from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
+from tests.procs import free_port, kvcoord_cmd, make_certs, running, until, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 from tests.test_deploy import (
     K8S,
@@ -42,9 +47,10 @@ from tests.test_deploy import (
     parse_exposition,
     total,
 )
+from tests.test_epp import Envoy, health_of, request_body, request_headers, set_headers
 
-SECRETS = {"kvcoord-tokens": {"agent-token": "agent-t", "router-token": "router-t", "admin-token": "admin-t"}}
-"""The Secrets docs/deploy.md has the operator create (values made up)."""
+TOKENS = {"agent-token": "agent-t", "router-token": "router-t", "admin-token": "admin-t"}
+"""The kvcoord-tokens Secret docs/deploy.md has the operator create (values made up)."""
 REPLICAS = {"vllm-qwen3": 2}
 """Pods run per Deployment (1 when not named): two engines to choose between; one coordinator and one
 router are enough for what route's answers show (a Service reaches the first pod its selector picks)."""
@@ -52,11 +58,12 @@ _ADDRESS = re.compile(r"(?<![\w.$-])(\$\(POD_IP\)|\*|[A-Za-z0-9][\w.-]*):(\d+)(?
 _LOCAL_HOSTS = {"0.0.0.0", "127.0.0.1", "localhost", "*", "$(POD_IP)"}
 
 
-def rendered_k8s() -> list[dict[str, Any]]:
-    """``kubectl kustomize deploy/k8s`` when kubectl is installed, else the base manifests read directly."""
+def rendered_k8s(root: Path = K8S) -> list[dict[str, Any]]:
+    """``kubectl kustomize ROOT`` when kubectl is installed, else the manifests read directly (the base,
+    plus an overlay's own files)."""
     if shutil.which("kubectl") is None:
-        return k8s_docs()
-    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+        return k8s_docs() + (k8s_docs(root) if root != K8S else [])
+    out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -84,6 +91,8 @@ class Cluster:
 
     docs: list[dict[str, Any]]
     tmp: Path
+    secrets: dict[str, dict[str, str]]
+    """Secret name -> key -> content: what the operator creates before applying (docs/deploy.md)."""
     pods: list[Pod] = field(default_factory=list)
     redis_port: int = 0
 
@@ -131,7 +140,7 @@ class Cluster:
         return _ADDRESS.sub(repl, text)
 
 
-def _env(pod: Pod, c: dict[str, Any]) -> dict[str, str]:
+def _env(cluster: Cluster, pod: Pod, c: dict[str, Any]) -> dict[str, str]:
     """A container's env: literal values, the test's Secrets, the downward API's pod name and IP."""
     out: dict[str, str] = {}
     for e in c.get("env", []):
@@ -141,7 +150,7 @@ def _env(pod: Pod, c: dict[str, Any]) -> dict[str, str]:
         src = e["valueFrom"]
         if "secretKeyRef" in src:
             ref = src["secretKeyRef"]
-            out[e["name"]] = SECRETS[ref["name"]][ref["key"]]
+            out[e["name"]] = cluster.secrets[ref["name"]][ref["key"]]
         else:
             path = src["fieldRef"]["fieldPath"]
             out[e["name"]] = {"metadata.name": pod.name, "status.podIP": "127.0.0.1"}[path]
@@ -155,19 +164,24 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 
 
 def _mounts(cluster: Cluster, pod: Pod, c: dict[str, Any]) -> dict[str, str]:
-    """configMap volumes mounted by ``c``: mount path -> a local directory holding the keys as files, the
-    addresses in them rewritten (the coordinator's TOML names its listen ports, Redis and the engines)."""
+    """configMap and Secret volumes mounted by ``c``: mount path -> a local directory holding the keys as
+    files; a ConfigMap's with the addresses rewritten (the coordinator's TOML names its listen ports,
+    Redis and the engines)."""
     volumes = {v["name"]: v for v in pod.deployment["spec"]["template"]["spec"].get("volumes", [])}
     out = {}
     for m in c.get("volumeMounts", []):
-        cm_ref = volumes[m["name"]].get("configMap")
-        if cm_ref is None:
+        vol = volumes[m["name"]]
+        if "configMap" in vol:
+            data = {k: cluster.rewrite(pod, t)
+                    for k, t in kind(cluster.docs, "ConfigMap", vol["configMap"]["name"])["data"].items()}
+        elif "secret" in vol:
+            data = cluster.secrets[vol["secret"]["secretName"]]
+        else:
             continue
-        cm = kind(cluster.docs, "ConfigMap", cm_ref["name"])
-        local = cluster.tmp / pod.name / m["name"]
+        local = cluster.tmp / pod.name / c["name"] / m["name"]
         local.mkdir(parents=True)
-        for key, text in cm["data"].items():
-            (local / key).write_text(cluster.rewrite(pod, text))
+        for key, text in data.items():
+            (local / key).write_text(text)
         out[m["mountPath"]] = str(local)
     return out
 
@@ -199,7 +213,7 @@ def local_processes(cluster: Cluster) -> list[Proc]:
     out: list[Proc] = []
     for i, pod in enumerate(cluster.pods):
         for c in containers(pod.deployment):
-            env = _env(pod, c)
+            env = _env(cluster, pod, c)
             mounts = _mounts(cluster, pod, c)
             if _is_kvcoord_image(c["image"]):
                 argv = [_expand(a, env) for a in c["args"]]
@@ -241,55 +255,194 @@ def test_k8s_tokenizer_is_the_engines_service_not_one_pod() -> None:
     assert int(flag(engine["args"], "--port")) == http["containerPort"]
 
 
+_POOL_SPEC = {"selector", "targetPorts", "endpointPickerRef", "appProtocol"}
+_PICKER_REF = {"group", "kind", "name", "port", "failureMode"}
+"""InferencePool's v1 fields (api/v1/inferencepool_types.go of gateway-api-inference-extension): no
+schema for it in kubernetes-validate, so unknown fields are caught here."""
+
+
+def test_k8s_epp_overlay_agrees_with_the_pool_engines_and_coordinator() -> None:
+    """deploy/k8s/epp: the InferencePool (v1 fields only) selects the engine pods on the port their agents
+    announce; its endpointPickerRef names the epp Service's port, which reaches the picker's --listen; the
+    picker asks the coordinator Service with the router token, is probed on its plaintext health port and
+    scraped on --metrics-listen; the HTTPRoute sends to the pool."""
+    docs = rendered_k8s(K8S / "epp")
+    pool = kind(docs, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    assert set(spec) <= _POOL_SPEC and {"selector", "targetPorts", "endpointPickerRef"} <= set(spec), spec
+    assert set(spec["selector"]) == {"matchLabels"}
+    vllm = kind(docs, "Deployment", "vllm-qwen3")
+    assert spec["selector"]["matchLabels"].items() <= vllm["spec"]["template"]["metadata"]["labels"].items()
+    (engine,) = [c for c in containers(vllm) if c["name"] == "vllm"]
+    (agent,) = [c for c in containers(vllm) if c["name"] == "kvcoord-agent"]
+    (http,) = [p["containerPort"] for p in engine["ports"] if p["name"] == "http"]
+    assert spec["targetPorts"] == [{"number": http}]
+    assert flag(agent["args"], "--serving-url") == f"http://$(POD_IP):{http}"  # the picker's endpoints
+    ref = spec["endpointPickerRef"]
+    assert set(ref) <= _PICKER_REF and ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    svc = kind(docs, "Service", ref["name"])
+    (sp,) = [p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    epp = kind(docs, "Deployment", "kvcoord-epp")
+    assert svc["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    (c,) = containers(epp)
+    args = c["args"]
+    assert args[0] == "epp" and _is_kvcoord_image(c["image"])
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports[sp["targetPort"]] == int(flag(args, "--listen").rsplit(":", 1)[1])
+    health = int(flag(args, "--health-listen").rsplit(":", 1)[1])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == health, probe
+    assert c["readinessProbe"]["grpc"]["service"] == "readiness"
+    coord_svc = kind(docs, "Service", "kvcoord")
+    (grpc_port,) = [p["port"] for p in coord_svc["spec"]["ports"] if p["name"] == "grpc"]
+    assert flag(args, "--coordinator") == f"kvcoord:{grpc_port}"
+    token = next(e for e in c["env"] if e["name"] == "KVCOORD_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert (token["name"], token["key"]) == ("kvcoord-tokens", "router-token")
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    for key in ("--listen-tls-cert", "--listen-tls-key"):
+        assert flag(args, key).startswith(mounts["tls"] + "/"), key
+    sm = kind(docs, "ServiceMonitor", "kvcoord-epp")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (metrics,) = [p for p in svc["spec"]["ports"] if p["name"] == sm["spec"]["endpoints"][0]["port"]]
+    assert ports[metrics["targetPort"]] == int(flag(args, "--metrics-listen").rsplit(":", 1)[1])
+    route = kind(docs, "HTTPRoute")
+    backends = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                         "name": pool["metadata"]["name"]}]
+    if shutil.which("kubectl") is not None:  # the overlay's own resources land in the base's namespace
+        assert all(d["metadata"].get("namespace") == "kvcoord" for d in docs if d["kind"] != "Namespace")
+
+
+@contextlib.contextmanager
+def k8s_stack(root: Path, tmp: Path, secrets: dict[str, dict[str, str]] | None = None) -> Iterator[Cluster]:
+    """Every pod of ``kubectl kustomize ROOT`` as local processes on a real redis-server; yields once the
+    coordinator has both engines' nodes active. Prints every log when the body fails."""
+    if shutil.which(REDIS_SERVER) is None:
+        pytest.skip("redis-server is not installed")
+    docs = rendered_k8s(root)
+    with redis_server(*_redis_args(docs)) as redis, contextlib.ExitStack() as stack:
+        cluster = Cluster(docs, tmp, {"kvcoord-tokens": TOKENS, **(secrets or {})}, redis_port=redis.port)
+        procs = local_processes(cluster)
+        started = {}
+        try:
+            for p in procs:
+                started[p.name] = stack.enter_context(running(p.cmd, env=p.env, log=tmp / f"{p.name}.log"))
+            (coord,) = cluster.pods_of("kvcoord")
+            wait_for_port(coord.local(9400), timeout=30)
+            _poll(coord.local(9400), lambda sc: total(sc, "kvcoord_nodes", state="active") == 2, "both nodes",
+                  timeout=60)
+            yield cluster
+            for name, proc in started.items():
+                assert proc.poll() is None, f"{name} exited"
+        except BaseException:
+            for name in started:
+                print(f"--- {name}\n" + (tmp / f"{name}.log").read_text()[-3000:])
+            raise
+
+
 @pytest.mark.slow
 def test_k8s_route_is_prefix_aware_out_of_the_box(tmp_path: Path) -> None:
     """What ``kubectl apply -k deploy/k8s`` runs, run locally with its own args, env and ConfigMap: route
     must place chats by prefix (not ``lookup_error; least-loaded``: the coordinator needs a tokenizer for
     the model), the coordinator show lookups with hits, and the engines serve what the index predicted."""
-    if shutil.which(REDIS_SERVER) is None:
-        pytest.skip("redis-server is not installed")
-    docs = rendered_k8s()
-    with redis_server(*_redis_args(docs)) as redis, contextlib.ExitStack() as stack:
-        cluster = Cluster(docs, tmp_path, redis_port=redis.port)
-        procs = local_processes(cluster)
+    with k8s_stack(K8S, tmp_path) as cluster:
         (coord,) = cluster.pods_of("kvcoord")
         (route,) = cluster.pods_of("kvcoord-route")
-        running_procs = {}
-        try:
-            for p in procs:
-                running_procs[p.name] = stack.enter_context(running(p.cmd, env=p.env,
-                                                                    log=tmp_path / f"{p.name}.log"))
-            mport = coord.local(9400)
-            route_url = f"http://127.0.0.1:{route.local(8000)}"
-            wait_for_port(mport, timeout=30)
-            wait_for_port(route.local(8000), timeout=30)
-            _poll(mport, lambda sc: total(sc, "kvcoord_nodes", state="active") == 2, "both nodes", timeout=60)
-            until(lambda: len(_get_json(f"{route_url}/health").get("backends", {})) == 2,
-                  "route learning both engines' URLs", timeout=60, interval=0.1)
-            headers = []
-            for i in range(40):
-                status, h = _post_json(f"{route_url}/v1/chat/completions", _loadgen_chat(i))
-                assert status == 200, h
-                headers.append(h)
-            reasons = [h["x-kvcoord-reason"] for h in headers]
-            assert not any("lookup_error" in r for r in reasons), reasons
-            # (the first lookups may miss route's --deadline-ms while the tokenizer connection warms up)
-            assert sum(h["x-kvcoord-prefix-aware"] == "true" for h in headers) >= len(headers) / 2, reasons
-            sc = _poll(mport, lambda sc: (
-                total(sc, "kvcoord_lookup_latency_seconds_count") >= 20
-                and total(sc, "kvcoord_lookup_matched_fraction_sum") > 0
-            ), "lookups by tokens with hits", timeout=60)  # fmt: skip
-            assert total(sc, "kvcoord_hash_mismatches_total") == 0
-            assert total(sc, "kvcoord_events_rejected_total") == 0
-            with urllib.request.urlopen(f"{route_url}/metrics", timeout=5) as resp:
-                routed = parse_exposition(resp.read().decode())
-            assert total(routed, "kvcoord_route_hit_outcomes_total", outcome="below") == 0
-            achieved = total(routed, "kvcoord_route_achieved_tokens_total")
-            assert achieved >= 0.5 * total(routed, "kvcoord_route_prompt_tokens_total"), achieved
-            for name, proc in running_procs.items():
-                assert proc.poll() is None, f"{name} exited"
-        except BaseException:
-            for name in running_procs:
-                print(f"--- {name}\n" + (tmp_path / f"{name}.log").read_text()[-3000:])
-            raise
+        mport = coord.local(9400)
+        route_url = f"http://127.0.0.1:{route.local(8000)}"
+        wait_for_port(route.local(8000), timeout=30)
+        until(lambda: len(_get_json(f"{route_url}/health").get("backends", {})) == 2,
+              "route learning both engines' URLs", timeout=60, interval=0.1)
+        headers = []
+        for i in range(40):
+            status, h = _post_json(f"{route_url}/v1/chat/completions", _loadgen_chat(i))
+            assert status == 200, h
+            headers.append(h)
+        reasons = [h["x-kvcoord-reason"] for h in headers]
+        assert not any("lookup_error" in r for r in reasons), reasons
+        # (the first lookups may miss route's --deadline-ms while the tokenizer connection warms up)
+        assert sum(h["x-kvcoord-prefix-aware"] == "true" for h in headers) >= len(headers) / 2, reasons
+        sc = _poll(mport, lambda sc: (
+            total(sc, "kvcoord_lookup_latency_seconds_count") >= 20
+            and total(sc, "kvcoord_lookup_matched_fraction_sum") > 0
+        ), "lookups with hits", timeout=60)  # fmt: skip
+        assert total(sc, "kvcoord_hash_mismatches_total") == 0
+        assert total(sc, "kvcoord_events_rejected_total") == 0
+        with urllib.request.urlopen(f"{route_url}/metrics", timeout=5) as resp:
+            routed = parse_exposition(resp.read().decode())
+        assert total(routed, "kvcoord_route_hit_outcomes_total", outcome="below") == 0
+        achieved = total(routed, "kvcoord_route_achieved_tokens_total")
+        assert achieved >= 0.5 * total(routed, "kvcoord_route_prompt_tokens_total"), achieved
 
+
+def _pool_endpoints(cluster: Cluster) -> set[str]:
+    """The InferencePool's members as a gateway sees them, podIP:targetPort, in local addresses."""
+    pool = kind(cluster.docs, "InferencePool")
+    selector = pool["spec"]["selector"]["matchLabels"]
+    (port,) = [p["number"] for p in pool["spec"]["targetPorts"]]
+    members = [p for p in cluster.pods if selector.items() <= p.labels.items()]
+    return {cluster.rewrite(p, f"$(POD_IP):{port}") for p in members}
+
+
+async def _gateway_pick(address: str, ca: bytes, body: bytes) -> tuple[str, str]:
+    """One request as the gateway's Envoy sends it to the picker (TLS, buffered body): the destination
+    endpoint and ``x-kvcoord-pick``."""
+    async with grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca),
+                                       options=[("grpc.ssl_target_name_override", "localhost")]) as ch:
+        envoy = Envoy(ch)
+        await envoy.send(request_headers())
+        [resp] = await envoy.send(request_body(body))
+        await envoy.close()
+    assert resp.WhichOneof("response") == "request_body", resp
+    headers = set_headers(resp.request_body.response)
+    return headers["x-gateway-destination-endpoint"], headers["x-kvcoord-pick"]
+
+
+@pytest.mark.slow
+def test_k8s_epp_picks_the_pool_members_by_prefix(tmp_path: Path) -> None:
+    """``kubectl apply -k deploy/k8s/epp`` run locally: the epp Deployment's own args, its TLS Secret and
+    the router token. Once its health port says ready, the picker (reached through the Service the
+    InferencePool's endpointPickerRef names) answers every request with a member of the pool, podIP and
+    targetPort, prefix-aware: its endpoints are the coordinator's nodes, whose agents announce the same
+    address. Chats sharing a system prompt go to one engine."""
+    certs = make_certs(tmp_path / "pki")
+    tls = {"tls.crt": certs["server_crt"].read_text(), "tls.key": certs["server_key"].read_text()}
+    with k8s_stack(K8S / "epp", tmp_path, {"kvcoord-epp-tls": tls}) as cluster:
+        pool = kind(cluster.docs, "InferencePool")
+        ref = pool["spec"]["endpointPickerRef"]
+        assert ref.get("kind", "Service") == "Service"
+        address = cluster.rewrite(cluster.pods[0], f"{ref['name']}:{ref['port']['number']}")
+        (epp,) = cluster.pods_of("kvcoord-epp")
+        (probe,) = [c["readinessProbe"]["grpc"] for c in containers(epp.deployment)]
+        health = f"127.0.0.1:{epp.local(probe['port'])}"
+        wait_for_port(epp.local(probe["port"]), timeout=30)
+        until(lambda: health_of(health, probe["service"]) == health_pb2.HealthCheckResponse.SERVING,
+              "the picker ready", timeout=60, interval=0.1)
+        members = _pool_endpoints(cluster)
+        assert len(members) == 2, members
+        ca = certs["ca_crt"].read_bytes()
+        vllm = kind(cluster.docs, "Deployment", "vllm-qwen3")
+        model = next(c for c in containers(vllm) if c["name"] == "vllm")["args"][0]
+
+        def pick(prompt: int) -> tuple[str, str]:
+            body = json.dumps({**_loadgen_chat(prompt), "model": model}).encode()
+            endpoint, why = asyncio.run(_gateway_pick(address, ca, body))
+            assert endpoint in members, (endpoint, members)
+            assert why.startswith("prefix-aware: "), why  # the index was consulted (a tokenizer is set)
+            return endpoint, why
+
+        def holder(prompt: int, endpoint: str) -> bool:
+            got, why = pick(prompt)
+            m = re.search(r"\((\d+) blocks\)", why)
+            return got == endpoint and m is not None and int(m.group(1)) > 0
+
+        for prompt in (0, 1):
+            first, _ = pick(prompt)
+            # the gateway forwards the chat there; the engine's KV events then reach the index
+            chat = {**_loadgen_chat(prompt), "model": model}
+            assert _post_json(f"http://{first}/v1/chat/completions", chat)[0] == 200
+            until(lambda p=prompt, e=first: holder(p, e), f"picks of prompt {prompt} following its prefix to "
+                  f"{first}", timeout=60, interval=0.1)
+            assert all(holder(prompt, first) for _ in range(4))
