@@ -390,6 +390,34 @@ def test_deploy_files_use_real_kvcoord_commands_and_flags() -> None:
                 raise AssertionError(f"{where}: kvcoord {line} does not parse: {err.getvalue()}") from exc
 
 
+def test_readme_command_table_names_every_subcommand() -> None:
+    """README.md's table of commands has a row for each ``kvcoord`` subcommand, and no row for one that
+    does not exist."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("| command | does |")
+    rows = text[start : text.index("\n\n", start)].splitlines()[2:]
+    listed = [m.group(1) for row in rows if (m := re.match(r"\| `kvcoord ([a-z][a-z-]*)", row))]
+    assert len(listed) == len(rows) == len(set(listed)), rows
+    subcommands = set(re.findall(r"^\s{4}([a-z][a-z-]+)\s", cli_help(None), re.M))
+    assert set(listed) == subcommands, (sorted(subcommands - set(listed)), sorted(set(listed) - subcommands))
+
+
+def test_deploy_doc_port_table_lists_every_served_port() -> None:
+    """docs/deploy.md's port table names every port the image exposes and every port of a kvcoord Service
+    in the Kubernetes manifests (base and epp overlay)."""
+    text = (REPO / "docs" / "deploy.md").read_text()
+    start = text.index("| port | what |")
+    rows = text[start : text.index("\n\n", start)].splitlines()[2:]
+    listed = {int(p) for row in rows for p in re.findall(r"\d+", row.split("|")[1])}
+    exposed = {int(p.split("/")[0]) for p in (dockerfile().last("EXPOSE") or "").split()}
+    assert exposed <= listed, sorted(exposed - listed)
+    for d in k8s_epp_docs():
+        name = d["metadata"]["name"]
+        if d["kind"] == "Service" and name.startswith("kvcoord") and name != "kvcoord-redis":
+            ports = {p["port"] for p in d["spec"]["ports"]}
+            assert ports <= listed, (name, sorted(ports - listed))
+
+
 # --- files parse; Dockerfile ---------------------------------------------------------------------
 def test_every_deploy_file_parses() -> None:
     files = [COMPOSE, *sorted(p for p in DEPLOY.rglob("*") if p.is_file())]
