@@ -15,7 +15,13 @@ from typing import Any
 import grpc
 import grpc.aio
 
-__all__ = ["ChannelSecurity", "open_aio_channel", "open_channel"]
+__all__ = ["CAUSE_METADATA", "TOKENIZER_CAUSE", "ChannelSecurity", "open_aio_channel", "open_channel"]
+
+CAUSE_METADATA = "kvcoord-cause"
+"""Trailing metadata of a failed RPC naming its cause where the status code alone cannot: a lookup's
+UNAVAILABLE says ``tokenizer`` when the model's tokenizer failed, not the coordinator, so a router does
+not report a coordinator outage for it."""
+TOKENIZER_CAUSE = "tokenizer"
 
 
 @dataclass(frozen=True, slots=True)

@@ -639,8 +639,8 @@ def test_k8s_route_agrees_with_the_coordinator_engines_and_prometheus() -> None:
     assert flag(args, "--coordinator") == f"{coord_svc['metadata']['name']}:{grpc_port}"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert hostport(flag(args, "--listen")) == ("0.0.0.0", ports["http"]) and set(ports) == {"http"}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    for probe, path in (("startupProbe", "/live"), ("readinessProbe", "/health"), ("livenessProbe", "/live")):
+        assert c[probe]["httpGet"] == {"path": path, "port": "http"}, probe
     # the token the coordinator binds to routers, from the same Secret key
     coord_env = env_of(container(kind(docs, "Deployment", "kvcoord"), "coordinator"))
     ref = env_of(c)["KVCOORD_TOKEN"]["valueFrom"]["secretKeyRef"]

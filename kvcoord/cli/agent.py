@@ -31,8 +31,8 @@ def add(sub: Subparsers) -> None:
     p = sub.add_parser("agent", help="relay one engine's ZMQ KV events to the coordinator")
     p.add_argument("--coordinator", required=True, action="append", metavar="HOST:PORT",
                    help="the coordinator (repeat or comma-separate for several)")
-    p.add_argument("--node-id", required=True)
-    p.add_argument("--model", required=True)
+    p.add_argument("--node-id", required=True, help="this engine's node id, unique in the fleet")
+    p.add_argument("--model", required=True, help="the model the engine serves, as the coordinator names it")
     p.add_argument("--zmq-endpoint", default=None, type=ZMQ_ENDPOINT,
                    help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557 (or --no-kv-events)")
     p.add_argument("--no-kv-events", action="store_true",
@@ -40,7 +40,7 @@ def add(sub: Subparsers) -> None:
                         "load and URL only; lookups show the node with trust 'approximate'")
     p.add_argument("--replay-endpoint", default=None, type=ZMQ_ENDPOINT,
                    help="the engine's ROUTER replay endpoint")
-    p.add_argument("--topic", default="")
+    p.add_argument("--topic", default="", help="ZMQ topic of the engine's KV events (default: all)")
     p.add_argument("--dp-ranks", default="0",
                    help="engine DP ranks to relay, comma separated: rank r publishes on the (rank-0) "
                         "endpoints' port + r, as vLLM offsets them (default 0)")

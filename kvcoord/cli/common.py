@@ -41,6 +41,24 @@ class Parser(argparse.ArgumentParser):
         sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
         sys.exit(2)
 
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """As argparse's, but flags a subcommand does not know are reported by that subcommand, so the
+        line names its help (``kvcoord serve --help``), not the top level's."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._command_parser(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the subcommand ``parsed`` ran (``self`` when none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest or "", None) or "")
+                if chosen is not None:
+                    return chosen._command_parser(parsed) if isinstance(chosen, Parser) else chosen
+        return self
+
 
 def _type(name: str, check: Callable[[str], Any]) -> Callable[[str], Any]:
     """An argparse ``type=`` whose ValueError message becomes the one-line error."""

@@ -26,7 +26,8 @@ def add(sub: Subparsers) -> None:
     )
     p.add_argument("--algo", required=True, help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
     add_hash_seed(p, "--seed")
-    p.add_argument("--block-size", type=POSITIVE_INT, required=True)
+    p.add_argument("--block-size", type=POSITIVE_INT, required=True,
+                   help="tokens per KV block, as the engine's --block-size")
     p.add_argument("--style", choices=["untagged", "tagged"], default=None,
                    help="extra-key style: untagged (vLLM <= 0.30) or tagged (vLLM >= 0.31); "
                    "default: from --engine-release, else untagged")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from kvcoord.cli.common import Subparsers, add_connection, security
 
@@ -22,7 +23,8 @@ def add(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """One Check RPC, so a HEALTHCHECK costs one short connection."""
+    """One Check RPC, so a HEALTHCHECK costs one short connection; anything but SERVING also says why in
+    one line on stderr (a probe's log shows it, stdout stays JSON)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -42,4 +44,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         channel.close()
     print(json.dumps(result))
-    return 0 if result["status"] == "SERVING" else 1
+    if result["status"] == "SERVING":
+        return 0
+    why = f" ({result['error']})" if "error" in result else ""
+    print(f"kvcoord health: {args.coordinator} is {result['status']}{why}", file=sys.stderr)
+    return 1

@@ -26,7 +26,7 @@ from kvcoord.cli.common import (
 def add(sub: Subparsers) -> None:
     p = sub.add_parser("lookup", help="ask the coordinator which nodes hold a prompt's prefix")
     add_connection(p)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the model to look up (its hash profile and tokenizer)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--tokens", help="comma separated token ids")
     g.add_argument("--tokens-file", help="file with a JSON list of token ids ('-' for stdin)")

@@ -27,9 +27,12 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--model", action="append", default=None,
                    metavar="NAME,algo=A,block_size=N[,seed=S][,style=S][,engine_release=R]",
                    help="a model's hash profile (repeatable; adds to the config file's [models])")
-    p.add_argument("--max-message-bytes", type=POSITIVE_INT, default=None)
-    p.add_argument("--max-events-per-batch", type=POSITIVE_INT, default=None)
-    p.add_argument("--max-query-blocks", type=POSITIVE_INT, default=None)
+    p.add_argument("--max-message-bytes", type=POSITIVE_INT, default=None,
+                   help="largest gRPC message accepted (default 16777216)")
+    p.add_argument("--max-events-per-batch", type=POSITIVE_INT, default=None,
+                   help="events in one ingest batch; more are refused (default 4096)")
+    p.add_argument("--max-query-blocks", type=POSITIVE_INT, default=None,
+                   help="blocks one lookup may ask about; more are refused (default 8192)")
     p.add_argument("--max-hashes-per-batch", type=POSITIVE_INT, default=None,
                    help="block hashes over all events of one batch (default 262144)")
     p.add_argument("--max-entries-per-node", type=POSITIVE_INT, default=None,
@@ -47,7 +50,8 @@ def add(sub: Subparsers) -> None:
                    help="agent token bound to node ids (repeatable; prefer the config file)")
     p.add_argument("--router-token", action="append", default=None, metavar="TOKEN",
                    help="query-only token (repeatable; prefer the config file)")
-    p.add_argument("--admin-token", action="append", default=None, metavar="TOKEN")
+    p.add_argument("--admin-token", action="append", default=None, metavar="TOKEN",
+                   help="token for every RPC, drain and remove included (repeatable; prefer the config file)")
     p.set_defaults(func=run)
 
 

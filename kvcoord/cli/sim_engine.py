@@ -36,15 +36,15 @@ def add(sub: Subparsers) -> None:
                    help="PUB endpoint, always bound (rank 0; rank r uses port + r); agents connect to it")
     p.add_argument("--replay-bind", default=None, type=ZMQ_ENDPOINT,
                    help="ROUTER replay endpoint, always bound, e.g. tcp://*:5558")
-    p.add_argument("--topic", default="")
-    p.add_argument("--model", default="sim-model")
-    p.add_argument("--dp-rank", type=NONNEG_INT, default=0)
-    p.add_argument("--block-size", type=POSITIVE_INT, default=16)
-    p.add_argument("--num-blocks", type=POSITIVE_INT, default=2048)
+    p.add_argument("--topic", default="", help="ZMQ topic of the published KV events")
+    p.add_argument("--model", default="sim-model", help="model name served and published")
+    p.add_argument("--dp-rank", type=NONNEG_INT, default=0, help="data-parallel rank of this engine")
+    p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=POSITIVE_INT, default=2048, help="KV cache size in blocks")
     p.add_argument("--algo", default="sha256_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
     add_hash_seed(p)
     p.add_argument("--hash-form", choices=["int", "bytes"], default="int", help="how events carry hashes")
-    p.add_argument("--medium", default="GPU")
+    p.add_argument("--medium", default="GPU", help="storage medium named in the events (GPU, CPU, ...)")
     p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
     p.add_argument("--rate", type=NONNEG_FLOAT, default=20.0,
                    help="synthetic requests per second (0: as fast as possible; with --http-listen, "
@@ -56,8 +56,10 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--concurrency", type=POSITIVE_INT, default=8,
                    help="requests kept running (holding blocks)")
     p.add_argument("--prefixes", type=NONNEG_INT, default=8, help="distinct shared prompt prefixes")
-    p.add_argument("--prefix-len", type=NONNEG_INT, default=256)
-    p.add_argument("--suffix-len", type=NONNEG_INT, default=64)
+    p.add_argument("--prefix-len", type=NONNEG_INT, default=256,
+                   help="tokens of the shared prefix of synthetic requests")
+    p.add_argument("--suffix-len", type=NONNEG_INT, default=64,
+                   help="tokens after the prefix, unique per synthetic request")
     p.add_argument("--output-len", type=NONNEG_INT, default=32,
                    help="tokens each synthetic request generates; also HTTP requests' default max_tokens")
     p.add_argument("--buffer-steps", type=POSITIVE_INT, default=10_000, help="batches kept for replay")

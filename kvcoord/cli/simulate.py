@@ -34,18 +34,18 @@ def add(sub: Subparsers) -> None:
     w.add_argument("--groups", type=POSITIVE_INT, default=16, help="synthetic: system prompts")
     w.add_argument("--prompts-per-group", type=POSITIVE_INT, default=32,
                    help="synthetic: conversations per group")
-    w.add_argument("--system-tokens", type=POSITIVE_INT, default=2048)
-    w.add_argument("--question-tokens", type=POSITIVE_INT, default=128)
-    w.add_argument("--output-tokens", type=POSITIVE_INT, default=256)
+    w.add_argument("--system-tokens", type=POSITIVE_INT, default=2048, help="synthetic: system prompt length")
+    w.add_argument("--question-tokens", type=POSITIVE_INT, default=128, help="synthetic: tokens per question")
+    w.add_argument("--output-tokens", type=POSITIVE_INT, default=256, help="synthetic: tokens per answer")
     w.add_argument("--turns", type=POSITIVE_INT, default=4, help="synthetic: turns per conversation")
     w.add_argument("--zipf", type=POSITIVE_FLOAT, default=1.1, help="synthetic: group popularity exponent")
     w.add_argument("--rate", type=POSITIVE_FLOAT, default=10.0, help="synthetic: Poisson arrivals per second")
     c = p.add_argument_group("cluster and cost model")
-    c.add_argument("--nodes", type=POSITIVE_INT, default=8)
+    c.add_argument("--nodes", type=POSITIVE_INT, default=8, help="engines in the simulated fleet")
     c.add_argument("--blocks-per-node", type=POSITIVE_INT, default=25_000,
                    help="KV blocks per node (default 25000)")
     add_cost_model(c, mean_output=False)
-    c.add_argument("--block-size", type=POSITIVE_INT, default=16)
+    c.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
     c.add_argument("--hash-algo", default="xxhash_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
     add_hash_seed(c, default="kvcoord-sim")
     c.add_argument("--index", default="memory", help="index backend URI (default: in-process memory)")
@@ -59,7 +59,7 @@ def add(sub: Subparsers) -> None:
                    help="comma separated policies to compare")
     o.add_argument("--ttl", type=POSITIVE_FLOAT, default=120.0,
                    help="approximate policy: routed-prefix memory TTL (s)")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--seed", type=int, default=0, help="RNG seed of the workload and the policies")
     o.add_argument("--seeds", type=POSITIVE_INT, default=1,
                    help="run each policy with seeds SEED..SEED+N-1 and report means and min-max ranges")
     o.add_argument("--jobs", type=POSITIVE_INT, default=1, help="policies simulated in parallel processes")

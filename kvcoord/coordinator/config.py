@@ -308,8 +308,17 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
     kwargs = table.get("default_chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
         raise ConfigError(f"{where}.default_chat_template_kwargs: expected a table")
+    source = local("tokenizer")
+    if not source.startswith(("http://", "https://")):
+        from kvcoord.tokenize import TokenizeError
+        from kvcoord.tokenize.local import check_directory
+
+        try:
+            check_directory(name, source)
+        except TokenizeError as exc:
+            raise ConfigError(f"{where}: tokenizer {exc.source}: {exc.reason}") from None
     spec = TokenizerSpec(
-        local("tokenizer"),
+        source,
         timeout=_as_float(f"{where}.tokenizer_timeout", table.get("tokenizer_timeout", 5.0)),
         chat_template=local("chat_template") if "chat_template" in table else None,
         chat_template_content_format=cast(ChatTemplateContentFormat, content_format),

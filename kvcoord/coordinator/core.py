@@ -27,7 +27,8 @@ from kvcoord.coordinator.verify import HashVerifier
 from kvcoord.index.base import FencedWrite, Index, IndexStats, InvalidEvent
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.tokenize import TokenizerCache
+from kvcoord.tokenize import TokenizeError, TokenizerCache
+from kvcoord.validate import shown
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -564,6 +565,19 @@ class CoordinatorState:
         self._keep(loop.create_task(self._refresh_loop(), name="kvcoord-refresh"))
         if self.directory is not None:
             self._keep(loop.create_task(self._directory_loop(), name="kvcoord-directory"))
+        if self.tokenizers.models():
+            self._keep(loop.create_task(self._warm_tokenizers(), name="kvcoord-tokenizers"))
+
+    async def _warm_tokenizers(self) -> None:
+        """Open every model's tokenizer at start and tokenize one short prompt, so the first lookups by
+        text are not slower than a router's deadline; one line each, whether it answered or not yet."""
+        for model in self.tokenizers.models():
+            try:
+                took = await self.tokenizers.warm(model)
+            except TokenizeError as exc:
+                log.info("%s: lookups by text fail until it answers (tried at start)", exc)
+            else:
+                log.info("tokenizer for model %s warm in %.0f ms", shown(model), took * 1000)
 
     async def _lease_loop(self) -> None:
         period = min(1.0, max(0.02, self.config.lease_seconds / 5))

@@ -288,6 +288,10 @@ class Metrics:
         """``kvcoord_lookup_latency_seconds{query}``, per query kind."""
         self.matched_fraction = new_tally(_FRACTION_BUCKETS)
         """``kvcoord_lookup_matched_fraction``."""
+        self.lookups_cancelled = Counter(
+            "kvcoord_lookups_cancelled", "gRPC lookups the client gave up on before the answer (its deadline "
+            "passed or it cancelled, as a router does after --deadline-ms): not answered, not an error",
+            registry=r)
         self.answerers: list[_Answered] = []
         """The native answer paths, whose ``answered`` make ``kvcoord_lookup_native_answers_total``."""
         r.register(LookupCollector(self))

@@ -41,6 +41,7 @@ from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
 from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, RESYNCING, NodeLoad
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.transport import CAUSE_METADATA, TOKENIZER_CAUSE
 from kvcoord.validate import InvalidEvent, pack_u64, shown, unpack_u64
 from kvcoord.wire import load_from_proto, load_to_proto, unpack_tokens
 
@@ -264,6 +265,27 @@ class _Outbox:
                 task.cancel()
 
 
+_GRPC_LOGGER = "grpc._cython.cygrpc"
+_ABANDONED = f"ExecuteBatchError raised in core by servicer method [/{SERVICE}/Lookup]"
+
+
+class _AbandonedLookups(logging.Filter):
+    """The lookups abandoned in the last microseconds, after :meth:`CoordinatorServicer._unless_abandoned`
+    looked: gRPC's core fails to send their answer and logs an ERROR traceback. A client's deadline is
+    normal work: count it, as the other abandoned lookups, and keep it out of the log."""
+
+    def __init__(self, state: CoordinatorState) -> None:
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != _ABANDONED:
+            return True
+        self.state.metrics.lookups_cancelled.inc()
+        log.debug("a lookup's client went away before its answer was sent")
+        return False
+
+
 class CoordinatorServicer:
     """RPC handlers over a :class:`CoordinatorState`."""
 
@@ -273,6 +295,8 @@ class CoordinatorServicer:
         self.auth = auth
         self._ingest_tasks: set[asyncio.Task[Any]] = set()
         self.shutting_down = False
+        self._abandoned = _AbandonedLookups(state)
+        logging.getLogger(_GRPC_LOGGER).addFilter(self._abandoned)
 
     async def shutdown_streams(self, timeout: float) -> int:
         """Coordinator stopping: end every open Ingest stream with UNAVAILABLE now (not after the
@@ -281,6 +305,7 @@ class CoordinatorServicer:
         Waits (up to ``timeout``) until each stream's status is sent: if gRPC's own shutdown got
         there first, agents would see a bare "Cancelling all calls". Returns how many were ended."""
         self.shutting_down = True
+        logging.getLogger(_GRPC_LOGGER).removeFilter(self._abandoned)
         tasks = list(self._ingest_tasks)
         for task in tasks:
             task.cancel()
@@ -451,6 +476,10 @@ class CoordinatorServicer:
             resp = await self._lookup(request, context)
             if isinstance(request, pb.LookupRequest):
                 query = request.WhichOneof("query") or "none"
+            self._unless_abandoned(context)
+        except asyncio.CancelledError:
+            self.state.metrics.lookups_cancelled.inc()
+            raise
         finally:
             # Aborted lookups (bad input, index down) count too, as query="invalid".
             self.state.metrics.lookup_done(query, time.perf_counter() - t0)
@@ -468,8 +497,19 @@ class CoordinatorServicer:
         try:
             return await self._answer(request)
         except LookupFailed as exc:
-            await context.abort(_LOOKUP_STATUS[exc.kind], exc.message)
+            self._unless_abandoned(context)
+            cause = ((CAUSE_METADATA, TOKENIZER_CAUSE),) if exc.kind == TOKENIZER_DOWN else ()
+            await context.abort(_LOOKUP_STATUS[exc.kind], exc.message, trailing_metadata=cause)
             raise  # unreachable: abort raises
+
+    def _unless_abandoned(self, context: grpc.aio.ServicerContext) -> None:
+        """Raise CancelledError when the client already gave up on this lookup (cancelled, or its deadline
+        passed while the answer was computed): nobody waits for the answer, and sending it would fail in
+        gRPC's core, which logs an ERROR traceback (``ExecuteBatchError``). gRPC takes a CancelledError as
+        the end of a cancelled call; it is counted, as a router's deadline is part of normal work."""
+        remaining = context.time_remaining()
+        if context.cancelled() or (remaining is not None and remaining <= 0):
+            raise asyncio.CancelledError("the client abandoned the lookup")
 
     async def _answer(self, request: pb.LookupRequest) -> pb.LookupResponse:
         lookups, model = self.lookups, request.model

@@ -38,6 +38,7 @@ from .nodes import Prefill
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
 from .route_place import Placer, Plan, node_label
+from .route_ready import Readiness
 from .route_sse import SseRelay, error_event
 
 __all__ = ["RouteConfig", "RouteServer", "serve_route"]
@@ -112,6 +113,8 @@ class RouteServer:
                                            timeout=config.rpc_timeout) if config.coordinator else None)
         policy = make_policy(config.policy, config.seed, degraded=config.degraded, latency=config.latency)
         self.placer = Placer(self.client, self.backends, policy, self.metrics, seed=config.seed)
+        self.readiness = Readiness(self.client, self.placer, self._models, timeout=config.rpc_timeout,
+                                   pause=min(1.0, config.refresh_interval))
         latency = getattr(policy, "latency", None)
         self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
         """How long a placed prompt counts as queued prefill at most (see :class:`Prefill`)."""
@@ -127,6 +130,7 @@ class RouteServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.metrics_page)
         return app
 
@@ -158,6 +162,7 @@ class RouteServer:
             self._tasks.append(asyncio.create_task(self.backends.table.run(self.rpc,
                                                                            self.config.refresh_interval)))
         self._tasks.append(asyncio.create_task(self._health_loop()))
+        self._tasks.append(asyncio.create_task(self.readiness.run()))
         log.info("route: OpenAI-compatible API on http://%s:%d (coordinator %s, policy %s, %d static "
                  "backends)",
                  host or "0.0.0.0", self.port, self.config.coordinator or "none", self.config.policy,
@@ -219,13 +224,28 @@ class RouteServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy(request, "chat")
 
+    def _models(self) -> list[str]:
+        """The models this router serves: ``--model`` and every model ListNodes names now."""
+        listed = {n.model for n in self.backends.table.nodes.values() if n.listed and n.model}
+        return sorted(listed | ({self.config.model} if self.config.model else set()))
+
     async def health(self, request: web.Request) -> web.Response:
+        """200 when ready, else 503 with the reason (:mod:`kvcoord.gateway.route_ready`)."""
+        ready, status, reason = self.readiness.state()
+        self.metrics.ready.set(1 if ready else 0)
         policy = self.placer.policy
         latency = getattr(policy, "latency", None)  # the cost model it decides with, in its flags' units
-        return web.json_response({"status": "ok", "prefix_aware": self.placer.outage_since is None,
+        prefix_aware = self.placer.outage_since is None and not self.placer.tokenizer_outages
+        return web.json_response({"status": status, "reason": reason, "prefix_aware": prefix_aware,
                                   "policy": policy.name, "degraded": getattr(policy, "degraded", None),
                                   "latency": latency.flags() if isinstance(latency, LatencyModel) else None,
-                                  "backends": self.backends.urls(), "suspect": self.backends.suspect()})
+                                  "warm": sorted(self.readiness.warm),
+                                  "backends": self.backends.urls(), "suspect": self.backends.suspect()},
+                                 status=200 if ready else 503)
+
+    async def live(self, request: web.Request) -> web.Response:
+        """200 while the process serves (a liveness probe): readiness is ``/health``'s."""
+        return web.json_response({"status": "ok"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         for key, n in self.backends.in_flight().items():

@@ -23,15 +23,20 @@ from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.router.policy import Decision, LeastLoadedPolicy, Policy, RouteRequest, place
 from kvcoord.tokenize import Tokenizer
+from kvcoord.transport import TOKENIZER_CAUSE
 
 from .outage import Outages, is_outage
 from .requests import BadRequest, NotAskable, body_query, tokenize
 from .route_backends import Backends
 from .route_metrics import RouteMetrics
 
-__all__ = ["Placer", "Plan"]
+__all__ = ["AUTH_REFUSALS", "Placer", "Plan"]
 
 log = logging.getLogger("kvcoord.route")
+
+AUTH_REFUSALS = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
+"""Codes that refuse this router's token rather than one request: the router is not ready until a lookup
+is answered again."""
 
 @dataclass(slots=True)
 class Plan:
@@ -74,6 +79,13 @@ class Placer:
         self.clock = clock
         self.outages = Outages(log, "placing least-loaded", probe_seconds=0.0, clock=clock)
         """The coordinator as a whole (key ""); every request probes (the lookup deadline bounds it)."""
+        self.tokenizer_outages = Outages(log, "placing its text prompts least-loaded", probe_seconds=0.0,
+                                         clock=clock)
+        """Models whose tokenizer fails behind an answering coordinator (e.g. the one engine whose
+        /tokenize it uses is down): their own reason, ``tokenize_error``, and the coordinator stays up."""
+        self.refused: CoordinatorError | None = None
+        """The coordinator refused this router's token (UNAUTHENTICATED, PERMISSION_DENIED) and has not
+        answered a lookup since: ``/health`` reports not ready."""
         self._lookup_errors: set[str] = set()
 
     @property
@@ -116,6 +128,7 @@ class Placer:
         took = time.perf_counter() - t0
         self.metrics.lookup_seconds.observe(took)
         self._answered()
+        self.tokenizer_outages.answered(model)
         return self._from_answer(model, answer, now, took)
 
     def _from_answer(self, model: str, answer: LookupResult, now: float, took: float) -> Plan:
@@ -136,6 +149,11 @@ class Placer:
                     RouteRequest(0, 1, (), self.clock()), detail=detail)
 
     def _failed(self, model: str, exc: CoordinatorError) -> Plan:
+        if exc.cause == TOKENIZER_CAUSE:  # the coordinator answered: its tokenizer for this model failed
+            self._answered()
+            self.metrics.degraded.labels("tokenize_error").inc()
+            self.tokenizer_outages.failed(exc, model)
+            return self._degraded(model, "tokenize_error", exc.details or str(exc))
         if is_outage(exc.code):
             deadline = exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
             reason = "deadline" if deadline else "coordinator_unavailable"
@@ -146,6 +164,8 @@ class Placer:
             return self._degraded(model, reason, exc.details or str(exc))
         self.metrics.degraded.labels("lookup_error").inc()
         key = f"{getattr(exc.code, 'name', exc.code)}"
+        if key in AUTH_REFUSALS:
+            self.refused = exc
         if key not in self._lookup_errors:
             self._lookup_errors.add(key)
             log.warning("route: lookup refused (%s); such requests are placed least-loaded", exc)
@@ -153,6 +173,7 @@ class Placer:
 
     def _answered(self) -> None:
         self._lookup_errors.clear()
+        self.refused = None
         if self.outages.answered():
             self.metrics.degraded_now.set(0)
             self.metrics.coordinator_up.set(1)

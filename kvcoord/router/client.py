@@ -20,7 +20,7 @@ from kvcoord.load import EXACT, NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.router.answer import Candidate, LookupResult
-from kvcoord.transport import ChannelSecurity, open_aio_channel, open_channel
+from kvcoord.transport import CAUSE_METADATA, ChannelSecurity, open_aio_channel, open_channel
 from kvcoord.validate import pack_u64, unpack_u64
 from kvcoord.wire import load_from_proto, load_to_proto, pack_tokens
 
@@ -41,16 +41,23 @@ _UINT64_MAX = (1 << 64) - 1
 
 
 class CoordinatorError(RuntimeError):
-    """An RPC failed; ``code`` is the ``grpc.StatusCode``, ``details`` the coordinator's message."""
+    """An RPC failed; ``code`` is the ``grpc.StatusCode``, ``details`` the coordinator's message, ``cause``
+    what the coordinator named as the cause (``kvcoord.transport.CAUSE_METADATA``; e.g. ``tokenizer``:
+    the model's tokenizer failed, the coordinator did not), "" when it named none."""
 
-    def __init__(self, code: Any, details: str) -> None:
+    def __init__(self, code: Any, details: str, cause: str = "") -> None:
         self.code = code
         self.details = details
+        self.cause = cause
         super().__init__(f"{getattr(code, 'name', code)}: {details}")
 
     @classmethod
     def from_rpc(cls, exc: Any) -> CoordinatorError:
-        return cls(exc.code(), exc.details() or "")
+        cause = ""
+        for key, value in exc.trailing_metadata() or ():
+            if key == CAUSE_METADATA:
+                cause = value.decode() if isinstance(value, bytes) else str(value)
+        return cls(exc.code(), exc.details() or "", cause)
 
 
 # --- results -----------------------------------------------------------------------------------
@@ -378,8 +385,8 @@ class AsyncCoordinatorClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, name: str, request: Any) -> Any:
-        deadline = time.monotonic() + self.timeout
+    async def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         tried = 0
         while True:
             method = getattr(self._stubs[self._replicas.current], name)
@@ -393,8 +400,9 @@ class AsyncCoordinatorClient:
                     raise CoordinatorError.from_rpc(exc) from None
                 await asyncio.sleep(pause)
 
-    async def lookup(self, model: str, **query: Any) -> LookupResult:
-        resp = await self._call("Lookup", build_lookup_request(model, **query))
+    async def lookup(self, model: str, *, timeout: float | None = None, **query: Any) -> LookupResult:
+        """``timeout`` (seconds) overrides the client's for this call."""
+        resp = await self._call("Lookup", build_lookup_request(model, **query), timeout)
         return lookup_result(resp)
 
     async def lookup_raw(self, request: pb.LookupRequest) -> pb.LookupResponse:
@@ -421,5 +429,5 @@ class AsyncCoordinatorClient:
     async def remove(self, node_id: str) -> None:
         await self._call("RemoveNode", pb.RemoveNodeRequest(node_id=node_id))
 
-    async def ping(self) -> None:
-        await self._call("Ping", pb.PingRequest())
+    async def ping(self, *, timeout: float | None = None) -> None:
+        await self._call("Ping", pb.PingRequest(), timeout)

@@ -203,6 +203,14 @@ class TokenizerCache:
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
             add_special_tokens=add_special_tokens)
 
+    async def warm(self, model: str) -> float:
+        """Open ``model``'s tokenizer and tokenize a short prompt, so that the first lookup pays neither for
+        loading a directory nor for the HTTP client's first connection (a router's deadline is tens of
+        milliseconds); returns the seconds it took. Raises :class:`TokenizeError` as a lookup would."""
+        t0 = time.perf_counter()
+        await self.encode_prompt(model, "kvcoord warm-up")
+        return time.perf_counter() - t0
+
     async def aclose(self) -> None:
         """Close every opened tokenizer (their connections); they reopen on next use."""
         with self._lock:

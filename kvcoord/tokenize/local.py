@@ -39,7 +39,7 @@ from kvcoord.tokenize.chat import consolidate_developer, dump_tools, normalize_m
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["LocalTokenizer", "merge_kwargs"]
+__all__ = ["LocalTokenizer", "check_directory", "merge_kwargs"]
 
 INSTALL_HINT = "transformers is not installed: pip install 'kvcoord[tokenize]'"
 
@@ -132,6 +132,18 @@ INLINE_CHARS = 2048
 """Prompts shorter than this are encoded on the caller's thread (well under a millisecond); longer ones in a
 worker thread."""
 
+def check_directory(model: str, directory: str | os.PathLike[str]) -> None:
+    """Raise :class:`TokenizeError` unless ``directory`` looks like a tokenizer directory: the cheap part
+    of :meth:`LocalTokenizer.load`, which the coordinator runs on its configuration so that a wrong path
+    is refused at start, not at the first lookup."""
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise TokenizeError(model, "not a directory (expected a local tokenizer directory or an "
+                            "http(s):// engine URL; nothing is downloaded)", source=str(path))
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise TokenizeError(model, "no tokenizer.json or tokenizer_config.json in it", source=str(path))
+
+
 class LocalTokenizer:
     """A Hugging Face tokenizer directory on this machine, producing vLLM 0.33's token ids.
 
@@ -184,11 +196,7 @@ class LocalTokenizer:
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise TokenizeError(
                 model, f"bad chat_template_content_format {chat_template_content_format!r}", source=source)
-        if not path.is_dir():
-            raise TokenizeError(model, "not a directory (expected a local tokenizer directory or an "
-                                "http(s):// engine URL; nothing is downloaded)", source=source)
-        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-            raise TokenizeError(model, "no tokenizer.json or tokenizer_config.json in it", source=source)
+        check_directory(model, path)
         template = _load_template_option(model, source, chat_template)
         if (why := _refusal(path, template)) is not None:
             raise TokenizeError(model, f"not supported: {why}", source=source)
