@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -1373,8 +1374,19 @@ def _loadgen_chat(i: int) -> dict[str, Any]:
 
 
 def _get_json(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return cast(dict[str, Any], json.load(resp))
+    """The JSON body whatever the status: route's /health is 503, with its reason, until it is ready."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return cast(dict[str, Any], json.load(resp))
+    except urllib.error.HTTPError as err:
+        with err:
+            return cast(dict[str, Any], json.load(err))
+
+
+def route_ready(url: str, backends: int) -> bool:
+    """Route's readiness (/health 200, ``status`` ok) with ``backends`` engines' URLs learned."""
+    health = _get_json(f"{url}/health")
+    return health.get("status") == "ok" and len(health.get("backends", {})) >= backends
 
 
 def _post_json(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str]]:
@@ -1410,8 +1422,8 @@ def test_compose_demo_stack_routes_by_prefix_and_shows_hits(tmp_path: Path) -> N
             wait_for_port(int(local.route.rsplit(":", 1)[1]), timeout=30)
             _poll(mport, lambda sc: total(sc, "kvcoord_nodes", state="active") == 2, "both nodes", timeout=60)
             deadline = time.monotonic() + 60
-            while len(_get_json(f"{local.route}/health").get("backends", {})) < 2:  # route's ListNodes
-                assert time.monotonic() < deadline, "route never learned both engines' URLs"
+            while not route_ready(local.route, 2):  # route's ListNodes, warm-up and token
+                assert time.monotonic() < deadline, "route never became ready with both engines' URLs"
                 time.sleep(0.1)
             chat = f"{local.route}/v1/chat/completions"
             headers = []

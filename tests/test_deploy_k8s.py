@@ -34,7 +34,6 @@ from tests.procs import free_port, kvcoord_cmd, make_certs, running, until, wait
 from tests.redis_servers import REDIS_SERVER, redis_server
 from tests.test_deploy import (
     K8S,
-    _get_json,
     _is_kvcoord_image,
     _loadgen_chat,
     _poll,
@@ -45,6 +44,7 @@ from tests.test_deploy import (
     k8s_docs,
     kind,
     parse_exposition,
+    route_ready,
     total,
 )
 from tests.test_epp import Envoy, health_of, request_body, request_headers, set_headers
@@ -353,8 +353,8 @@ def test_k8s_route_is_prefix_aware_out_of_the_box(tmp_path: Path) -> None:
         mport = coord.local(9400)
         route_url = f"http://127.0.0.1:{route.local(8000)}"
         wait_for_port(route.local(8000), timeout=30)
-        until(lambda: len(_get_json(f"{route_url}/health").get("backends", {})) == 2,
-              "route learning both engines' URLs", timeout=60, interval=0.1)
+        until(lambda: route_ready(route_url, 2), "route ready with both engines' URLs", timeout=60,
+              interval=0.1)
         headers = []
         for i in range(40):
             status, h = _post_json(f"{route_url}/v1/chat/completions", _loadgen_chat(i))
