@@ -374,6 +374,8 @@ def open_engine_store(uri: str, *, key_prefix: str = "kvcoord", state_dir: str =
     """The store that goes with an index URI: Redis for a Redis index, else this process's memory (kept in
     ``state_dir`` when given). ValueError when ``state_dir`` cannot be used."""
     if is_redis(uri):
+        if state_dir:
+            log.warning("state_dir %s is not used: the Redis index keeps registrations itself", state_dir)
         parsed = parse_redis_uri(uri)
         return RedisEngineStore(parsed.client(), parsed.prefix or key_prefix)
     return MemoryEngineStore(state_dir or None)
