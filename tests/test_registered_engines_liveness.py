@@ -23,6 +23,7 @@ from typing import Any
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from kvcoord.router.policy import place
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
+from tests.redis_servers import redis_server
 
 MODEL = "reg-model"
 BS = 8
@@ -268,6 +269,31 @@ def test_registrations_survive_a_restart_of_serve_with_a_state_dir(tmp_path: Pat
 
     # Without --state-dir they are forgotten (as Dynamo's indexer forgets them).
     with serve(tmp_path, "c") as srv:
+        assert srv.workers() == {}
+
+
+def test_redis_keeps_registrations_across_a_restart_of_serve(tmp_path: Path) -> None:
+    """The Redis index needs no state_dir: registrations live in its ``{prefix}:engines`` hash."""
+    sim = new_sim()
+    with redis_server() as redis, sim_engine(tmp_path, sim, "1"):
+        store_prompt(sim)
+        with serve(tmp_path, "a", "--index", redis.url) as srv:
+            status, reply = srv.call("POST", "/register", sim.registration(7))
+            assert status == 201, reply
+            until(lambda: serving(srv, "7"), "engine 7 in the answers", DEADLINE, srv.diagnose)
+        with serve(tmp_path, "b", "--index", redis.url) as srv:
+            until(lambda: "engine registrations: 1 at start, kept in Redis" in srv.log.read_text(),
+                  "the start-up line", DEADLINE, srv.diagnose)
+            until(lambda: serving(srv, "7"), "engine 7 back after the restart", DEADLINE, srv.diagnose)
+
+
+def test_a_bad_metrics_url_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    sim = new_sim()
+    with serve(tmp_path, "a") as srv:
+        for url in ("ftp://127.0.0.1/metrics", "http://", "not a url", "http://h:1/metrics?x=1", "h" * 5000):
+            status, reply = srv.call("POST", "/register", {**sim.registration(7), "metrics_url": url})
+            assert status == 400 and "invalid metrics_url" in reply["error"], reply
+            assert "\n" not in reply["error"] and len(reply["error"]) < 400, reply
         assert srv.workers() == {}
 
 
