@@ -1089,9 +1089,10 @@ class NodeInfo(_message.Message):
     node_id: _builtins.str
     model: _builtins.str
     state: _builtins.str
-    """active | draining | expired | hash_mismatch | resyncing; a"""
+    """active | draining | expired | hash_mismatch | resyncing; a registered engine out of the answers:
+    connecting | unreachable | failed
+    """
     epoch: _builtins.int
-    """registered engine out of the answers: connecting | unreachable | failed"""
     last_seq: _builtins.int
     last_heartbeat_age_seconds: _builtins.float
     hash_mismatch: _builtins.bool
