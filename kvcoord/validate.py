@@ -17,6 +17,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import Any, NamedTuple, TypeAlias, cast
+from urllib.parse import urlsplit
 
 from kvcoord.events import CLEAR, FULL_ATTENTION_KINDS, REMOVE, STORE, VIEW_TYPES, Tier, normalize_medium
 from kvcoord.hashing import BlockHash64, to_block_hash64
@@ -51,6 +52,7 @@ __all__ = [
     "tier",
     "u64_ok",
     "unpack_u64",
+    "valid_url",
 ]
 
 NTIERS = len(Tier)
@@ -160,6 +162,21 @@ def check_model(model: object, where: str = "model") -> str:
     if not isinstance(model, str) or _MODEL.fullmatch(model) is None:
         raise InvalidEvent(f"{where} {shown(model)} is not a valid model name ({MODEL_RULE})")
     return model
+
+
+def valid_url(url: str) -> str:
+    """An engine's URL (its base, or its ``/metrics``): ``http(s)://HOST[:PORT][/path]`` without a query,
+    returned without a trailing slash; ValueError otherwise."""
+    url = url.strip().rstrip("/")
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+        parts = urlsplit("")
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.query:
+        raise ValueError(f"{url!r} is not an http(s)://HOST:PORT URL")
+    return url
 
 
 def check_batch_bounds(ops: Sequence[Op], held: int, *, max_hashes: int, max_entries: int) -> int:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import zmq.asyncio
 
+from kvcoord.agent.engine_metrics import EngineMetrics
 from kvcoord.agent.local import LocalFeed
 from kvcoord.coordinator.core import CoordinatorState
-from kvcoord.coordinator.engines import Engine
+from kvcoord.coordinator.engines import ACTIVE, CONNECTING, FAILED, UNREACHABLE, Engine
 from kvcoord.engine.relay import BlockMirror, Relay
 
 log = logging.getLogger("kvcoord.agent.fleet")
@@ -31,7 +33,15 @@ class _Running:
     reporter: LocalFeed
     relays: dict[int, Relay]
     tasks: dict[int, asyncio.Task[None]]
+    started: float
+    scraper: EngineMetrics | None = None
+    scraping: asyncio.Task[None] | None = None
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def answered_at(self) -> float | None:
+        """When every rank had last answered: the node is there only while all of its ranks are."""
+        times = [r.answered_at for r in self.relays.values()]
+        return None if any(t is None for t in times) else min(t for t in times if t is not None)
 
 
 class Fleet:
@@ -46,16 +56,25 @@ class Fleet:
         await self.stop(engine.instance_id)
         mirror = BlockMirror()
         ranks = [x.dp_rank for x in engine.listeners]
+        lease = self.state.config.lease_seconds
+        scraper = EngineMetrics(engine.metrics_url, engine.model_name) if engine.metrics_url else None
         rep = LocalFeed(self.state, node_id=engine.node_id, model=engine.model,
-                        snapshot=mirror.rank_entries, dp_ranks=ranks, serving_url=engine.serving_url)
+                        snapshot=mirror.rank_entries, dp_ranks=ranks, serving_url=engine.serving_url,
+                        answered=lambda: run.answered_at(),
+                        load=scraper.load if scraper is not None else None)
+        # Probed several times a lease, so an idle engine that is there keeps its lease.
         relays = {x.dp_rank: Relay(x.endpoint, rep, replay_endpoint=x.replay_endpoint, mirror=mirror,
-                                   ctx=self._ctx, default_dp_rank=x.dp_rank, allowed_ranks={x.dp_rank})
+                                   ctx=self._ctx, default_dp_rank=x.dp_rank, allowed_ranks={x.dp_rank},
+                                   idle_probe=min(1.0, lease / 4), replay_timeout=min(2.0, lease / 3))
                   for x in engine.listeners}
-        run = _Running(engine, rep, relays, {})
+        run = _Running(engine, rep, relays, {}, time.monotonic(), scraper)
         await rep.start()
         for rank, relay in relays.items():
             run.tasks[rank] = asyncio.create_task(relay.run(run.stop),
                                                   name=f"kvcoord-relay-{engine.instance_id}-{rank}")
+        if scraper is not None:  # its own task: a slow engine page never delays a relay
+            run.scraping = asyncio.create_task(scraper.run(run.stop),
+                                               name=f"kvcoord-engine-metrics-{engine.instance_id}")
         self._running[engine.instance_id] = run
         log.info("relaying engine %d (%s): %s", engine.instance_id, engine.model,
                  ", ".join(f"dp {x.dp_rank} {x.endpoint}" for x in engine.listeners))
@@ -65,10 +84,11 @@ class Fleet:
         if run is None:
             return
         run.stop.set()
-        for task in run.tasks.values():
+        tasks = [*run.tasks.values(), *([run.scraping] if run.scraping is not None else [])]
+        for task in tasks:
             task.cancel()
-        if run.tasks:
-            await asyncio.wait(list(run.tasks.values()), timeout=0.5)
+        if tasks:
+            await asyncio.wait(tasks, timeout=0.5)
         await run.reporter.close(timeout=0.5)
 
     def status(self, instance_id: int) -> dict[int, tuple[str, str]]:
@@ -79,13 +99,28 @@ class Fleet:
         feed = run.reporter
         for rank, task in run.tasks.items():
             if feed.refused:  # its events would go nowhere: say so, not "active"
-                out[rank] = ("failed", f"refused: {feed.refused}")
+                out[rank] = (FAILED, f"refused: {feed.refused}")
             elif task.done():
                 exc = None if task.cancelled() else task.exception()
-                out[rank] = ("failed", f"{type(exc).__name__}: {exc}" if exc is not None else "stopped")
+                out[rank] = (FAILED, f"{type(exc).__name__}: {exc}" if exc is not None else "stopped")
             else:
-                out[rank] = ("active", "") if run.relays[rank].ready.is_set() else ("pending", "")
+                out[rank] = self._liveness(run, run.relays[rank])
         return out
+
+    def _liveness(self, run: _Running, relay: Relay) -> tuple[str, str]:
+        """A running relay's status by its engine's last answer, and why when it is not ``active``."""
+        lease, now = self.state.config.lease_seconds, time.monotonic()
+        at = relay.answered_at
+        if at is not None and now - at <= lease:
+            return ACTIVE, ""
+        asked = f"replay {relay.replay_endpoint}" if relay.replay_endpoint else "its PUB connection"
+        if at is None:
+            if now - run.started <= lease:
+                return CONNECTING, f"waiting for a first answer from {relay.endpoint} ({asked})"
+            return UNREACHABLE, (f"nothing answered at {relay.endpoint} ({asked}) in "
+                                 f"{now - run.started:.0f} s of relaying")
+        return UNREACHABLE, (f"no events and no answer from {relay.endpoint} ({asked}) for {now - at:.0f} s "
+                             f"(lease {lease:g} s)")
 
     async def close(self) -> None:
         """Stop every engine at once: each may take its 0.5 s bounds, and SIGTERM has a second or two."""

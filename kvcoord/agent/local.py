@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcoord.agent.link import ReporterOptions
@@ -27,9 +27,10 @@ from kvcoord.coordinator.incoming import LocalBatch
 from kvcoord.coordinator.ingest import IngestAbort, IngestSession
 from kvcoord.engine.zmq_wire import Wakeup
 from kvcoord.events import CLEAR, REMOVE, STORE
+from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import Op, op_runs
-from kvcoord.wire import Sample, TokenSampler, as_received
+from kvcoord.wire import Sample, TokenSampler, as_received, load_to_proto
 
 log = logging.getLogger("kvcoord.agent.local")
 
@@ -49,8 +50,18 @@ class LocalFeed:
 
     def __init__(self, state: CoordinatorState, *, node_id: str, model: str, snapshot: SnapshotProvider,
                  dp_ranks: Sequence[int], serving_url: str = "", options: ReporterOptions | None = None,
-                 epoch: int | None = None) -> None:
+                 epoch: int | None = None, answered: Callable[[], float | None] | None = None,
+                 load: Callable[[], NodeLoad] | None = None) -> None:
         check_node(node_id, model, dp_ranks)
+        self._answered = answered
+        """When the engine last answered (``time.monotonic()``, None: never), as its relays saw it; None:
+        always there. The node's lease runs from that moment: the feed says Hello only once the engine
+        answered within the lease, and its heartbeats stop when it no longer does, so a dead engine leaves
+        lookups as an agent's node does when its heartbeats stop."""
+        self._load = load
+        """The engine's load for every heartbeat (its ``/metrics``, scraped); None: unknown."""
+        self.unreachable = False
+        """The engine has not answered within the lease (logged once each time it goes)."""
         self.state = state
         self.node_id, self.model, self.serving_url = node_id, model, serving_url
         self.dp_ranks: tuple[int, ...] = tuple(dp_ranks)
@@ -159,9 +170,32 @@ class LocalFeed:
             self.state.local_feeds -= 1
             self.state.metrics.streams.dec()
 
+    def answered_at(self) -> float | None:
+        """When the engine last answered, if within the lease; None when it has not (or not yet)."""
+        now = time.monotonic()
+        if self._answered is None:
+            return now
+        at = self._answered()
+        if at is None or now - at > self.state.config.lease_seconds:
+            return None
+        return at
+
+    async def _until_answered(self) -> bool:
+        """Wait until the engine answers (False: closed first): a node is announced only once its engine
+        is there, so a registration of an address where nothing listens is never in a lookup answer."""
+        poll = min(0.25, self.state.config.lease_seconds / 8)
+        while not self._closing:
+            if self.answered_at() is not None:
+                return True
+            self._wake.clear()
+            await self._wake.wait(poll)
+        return False
+
     async def _run(self) -> None:
         backoff = self.options.backoff_initial
         while True:
+            if not await self._until_answered():
+                return
             session = IngestSession(self.state, _PRINCIPAL, self._push, self._ack)
             welcomed = False
             try:
@@ -201,7 +235,7 @@ class LocalFeed:
 
     async def _pump(self, session: IngestSession) -> None:
         """Feed batches and snapshots until closed (and drained); heartbeats keep the lease."""
-        interval = self.state.config.lease_seconds / 3.0
+        interval = self.state.config.lease_seconds / 4.0
         next_hb = time.monotonic() + interval
         while True:
             self._wake.clear()
@@ -214,10 +248,29 @@ class LocalFeed:
             elif self._closing:
                 return
             elif time.monotonic() >= next_hb:
-                await session.handle(pb.AgentMessage(heartbeat=pb.AgentHeartbeat()))
+                await self._heartbeat(session)
                 next_hb = time.monotonic() + interval
             else:
                 await self._wake.wait(next_hb - time.monotonic())
+
+    async def _heartbeat(self, session: IngestSession) -> None:
+        """Renew the lease from when the engine last answered, with its load; none while it does not."""
+        answered = self.answered_at()
+        if answered is None:
+            if not self.unreachable:
+                self.unreachable = True
+                log.warning("node %s: its engine answered neither events nor replay probes within the lease "
+                            "(%.1f s): it leaves lookup answers until it answers again", self.node_id,
+                            self.state.config.lease_seconds)
+            return
+        if self.unreachable:
+            self.unreachable = False
+            log.info("node %s: its engine answers again", self.node_id)
+        load = self._load() if self._load is not None else None
+        await session.handle(pb.AgentMessage(heartbeat=pb.AgentHeartbeat(
+            load=load_to_proto(load) if load is not None else None)))
+        if self._answered is not None and session.rec is not None:
+            self.state.registry.heard(session.rec, at=answered)
 
     async def _send_snapshot(self, session: IngestSession) -> None:
         """The mirror now, at the last seq: it already holds every batch still queued (a relay commits

@@ -22,6 +22,9 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--index", default=None, help="memory | redis://host:port/db | redis+cluster://h:p,...")
     p.add_argument("--config", default=None, help="TOML configuration file (default: $KVCOORD_CONFIG)")
     p.add_argument("--lease-seconds", type=POSITIVE_FLOAT, default=None, help="node lease (default 10)")
+    p.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="with the memory index, keep engines registered over HTTP (POST /register) in "
+                        "DIR/engines.json across restarts (default: not kept; Redis keeps them itself)")
     p.add_argument("--strict-models", action="store_const", const=True, default=None,
                    help="refuse models that are not configured")
     p.add_argument("--model", action="append", default=None,
@@ -61,6 +64,7 @@ CONFIG_FLAGS = (
     "http_listen",
     "index",
     "lease_seconds",
+    "state_dir",
     "strict_models",
     "max_message_bytes",
     "max_events_per_batch",

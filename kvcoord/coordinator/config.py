@@ -28,6 +28,8 @@ http_listen = "127.0.0.1:8090"      # HTTP API (Dynamo's indexer API) HOST:PORT;
 index = "memory"                    # memory | redis://host:port/db | redis+cluster://h:p,...
 index_key_prefix = "kvcoord"
 lease_seconds = 10.0                # a node silent this long vanishes from lookups
+state_dir = "/var/lib/kvcoord"      # memory index: engines registered over HTTP survive a restart
+                                    # (kept in engines.json there); "" (default): forgotten at exit
 strict_models = false               # true: only the models below may ingest or be queried
 
 [tier_weights]                      # orders lookup answers: sum of per-tier matched blocks x weight
@@ -86,6 +88,7 @@ ENV_VARS: dict[str, str] = {
     "KVCOORD_INDEX": "index",
     "KVCOORD_INDEX_KEY_PREFIX": "index_key_prefix",
     "KVCOORD_LEASE_SECONDS": "lease_seconds",
+    "KVCOORD_STATE_DIR": "state_dir",
     "KVCOORD_STRICT_MODELS": "strict_models",
     "KVCOORD_MAX_MESSAGE_BYTES": "max_message_bytes",
     "KVCOORD_MAX_EVENTS_PER_BATCH": "max_events_per_batch",
@@ -170,6 +173,9 @@ class CoordinatorConfig:
     index: str = "memory"
     index_key_prefix: str = "kvcoord"
     lease_seconds: float = 10.0
+    state_dir: str = ""
+    """With the memory index, where registrations (``POST /register``) are kept across restarts ("" none;
+    the Redis index keeps them in Redis)."""
     strict_models: bool = False
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
     tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS
@@ -448,7 +454,7 @@ def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> 
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         values[key] = uri
-    elif key == "index_key_prefix":
+    elif key == "index_key_prefix" or key == "state_dir":
         values[key] = _as_str(where, raw)
     elif key == "lease_seconds" or key == "stats_interval":
         values[key] = _as_float(where, raw)
@@ -465,6 +471,7 @@ _TOP_SCALARS = {
     "index",
     "index_key_prefix",
     "lease_seconds",
+    "state_dir",
     "strict_models",
     "stats_interval",
 }
@@ -505,6 +512,8 @@ class _Settings:
         _check_keys(f"config {where0}", data, _TOP_SCALARS | _TOP_TABLES)
         for key in _TOP_SCALARS & set(data):
             _apply_scalar(self.values, key, data[key], f"config {where0}: {key}")
+        if self.values.get("state_dir"):  # relative to the file, as its other paths are
+            self.values["state_dir"] = str(base / self.values["state_dir"])
         if "tier_weights" in data:
             tw = _as_table("tier_weights", data["tier_weights"])
             _check_keys("tier_weights", tw, {t.name for t in Tier})

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from kvcoord.coordinator.config import CoordinatorConfig
+from kvcoord.coordinator.engines import RelayedNode
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import EXPIRED, NodeRecord, NodeRegistry
 from kvcoord.coordinator.shared import PUBLISH_SECONDS, REFRESH_SECONDS, NodeDirectory, SharedNode
@@ -74,6 +75,9 @@ class CoordinatorState:
         self.index_down_reason = ""
         self.staged_snapshot_blocks = 0
         """Snapshot blocks held by unfinished snapshots over all streams (``max_staged_snapshot_blocks``)."""
+        self.relayed_nodes: Callable[[], dict[str, RelayedNode]] | None = None
+        """The registered engines this replica relays, with their status (``ListNodes`` shows the ones in no
+        answer); None: it relays none."""
         self.local_feeds = 0
         """In-process ingest feeds (engines registered over HTTP, relayed here): each counts as an ingest
         stream, in the ``streams`` gauge and against ``max_streams``."""

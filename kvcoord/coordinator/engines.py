@@ -20,26 +20,51 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
 
 from kvcoord.coordinator.registry import CHANGES
 from kvcoord.engine.zmq_wire import check_endpoint
 from kvcoord.index.uri import is_redis, parse_redis_uri
-from kvcoord.validate import check_model, shown
+from kvcoord.validate import check_model, shown, valid_url
 
 log = logging.getLogger("kvcoord.coordinator.engines")
 
-__all__ = ["DEFAULT_GROUP", "Engine", "EngineRunner", "EngineStore", "Engines", "Listener",
-           "RegistrationError", "open_engine_store", "partition_model"]
+__all__ = ["DEFAULT_GROUP", "RELAY_STATES", "Engine", "EngineRunner", "EngineStore", "Engines", "Listener",
+           "RegistrationError", "RelayedNode", "open_engine_store", "overall", "partition_model"]
 
 DEFAULT_GROUP = "default"
 CLAIM_SECONDS = 1.0
 """How often each replica renews its instances and claims unowned ones."""
 OWNER_LEASE_SECONDS = 3.0
 """How long an owner key outlives its replica: the longest a dead replica's engines go unrelayed."""
+
+PENDING, CONNECTING, ACTIVE, UNREACHABLE, FAILED = "pending", "connecting", "active", "unreachable", "failed"
+RELAY_STATES = (FAILED, UNREACHABLE, CONNECTING, PENDING, ACTIVE)
+"""A registered engine's listener, as ``/workers`` and ``kvcoord_registered_engines{state}`` show it, worst
+first (an instance is as its worst listener): its relay cannot run (or the index refused the node); no
+events and no answer from the engine within the lease (the node is in no lookup answer); relaying for less
+than a lease and no answer yet; no replica relays it yet; answered within the lease (events, a replay
+probe, or with no replay socket its PUB connection)."""
+
+
+def overall(states: Iterable[str]) -> str:
+    """An instance's status: its worst listener's (:data:`RELAY_STATES`)."""
+    seen = set(states)
+    return next((s for s in RELAY_STATES if s in seen), PENDING)
+
+
+class RelayedNode(NamedTuple):
+    """A registered engine this replica relays, as ``ListNodes`` shows it while it is in no lookup answer."""
+
+    model: str
+    dp_ranks: tuple[int, ...]
+    status: str
+    reason: str
 
 
 def partition_model(model_name: str, routing_group: str) -> str:
@@ -68,6 +93,8 @@ class Engine:
     listeners: tuple[Listener, ...]
     """Sorted by rank, one per rank."""
     serving_url: str = ""
+    metrics_url: str = ""
+    """The engine's Prometheus page (vLLM's ``/metrics``): its load, scraped for lookups; "" none."""
 
     @property
     def node_id(self) -> str:
@@ -78,10 +105,13 @@ class Engine:
         return partition_model(self.model_name, self.routing_group)
 
     def encode(self) -> str:
-        return json.dumps({"instance_id": self.instance_id, "model_name": self.model_name,
-                           "routing_group": self.routing_group, "block_size": self.block_size,
-                           "listeners": [[x.dp_rank, x.endpoint, x.replay_endpoint] for x in self.listeners],
-                           "serving_url": self.serving_url}, separators=(",", ":"), sort_keys=True)
+        listeners = [[x.dp_rank, x.endpoint, x.replay_endpoint] for x in self.listeners]
+        d: dict[str, Any] = {"instance_id": self.instance_id, "model_name": self.model_name,
+                             "routing_group": self.routing_group, "block_size": self.block_size,
+                             "listeners": listeners, "serving_url": self.serving_url}
+        if self.metrics_url:  # only when set: a registration stored before it existed encodes as it was
+            d["metrics_url"] = self.metrics_url
+        return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Engine:
@@ -89,7 +119,7 @@ class Engine:
         listeners = tuple(Listener(int(r), str(e), None if p is None else str(p))
                           for r, e, p in d["listeners"])
         return cls(int(d["instance_id"]), str(d["model_name"]), str(d["routing_group"]), int(d["block_size"]),
-                   listeners, str(d.get("serving_url", "")))
+                   listeners, str(d.get("serving_url", "")), str(d.get("metrics_url", "")))
 
 
 class RegistrationError(Exception):
@@ -112,7 +142,7 @@ class EngineRunner(Protocol):
     async def stop(self, instance_id: int) -> None: ...
 
     def status(self, instance_id: int) -> dict[int, tuple[str, str]]:
-        """``{dp_rank: (status, last_error)}``; status ``pending``, ``active`` or ``failed``."""
+        """``{dp_rank: (status, last_error)}``: :data:`RELAY_STATES` but ``pending``."""
         ...
 
     async def close(self) -> None: ...
@@ -120,6 +150,9 @@ class EngineRunner(Protocol):
 
 class EngineStore(Protocol):
     """Where registrations and owner keys live. Methods raise ``ConnectionError`` when it is down."""
+
+    kept: str
+    """Where registrations are kept, in words (the start-up line)."""
 
     async def all(self) -> dict[int, Engine]: ...
 
@@ -140,12 +173,28 @@ class EngineStore(Protocol):
     async def close(self) -> None: ...
 
 
-class MemoryEngineStore:
-    """One process: registrations last as long as it does (as in Dynamo's indexer)."""
+STATE_FILE = "engines.json"
+"""The memory store's registrations under ``state_dir``."""
 
-    def __init__(self) -> None:
+
+class MemoryEngineStore:
+    """One process: registrations last as long as it does (as in Dynamo's indexer), or, given a
+    ``state_dir``, across its restarts: each change is written to :data:`STATE_FILE` there (a temporary file
+    renamed over it, so a crash leaves the old file or the new one, never half of one) before it takes
+    effect, and the file is read at start. Owner keys are never kept: this process is the only owner."""
+
+    def __init__(self, state_dir: str | None = None) -> None:
         self._engines: dict[int, Engine] = {}
         self._owners: dict[int, tuple[str, str]] = {}
+        self.path = Path(state_dir, STATE_FILE) if state_dir else None
+        self.kept = (f"kept in {self.path}" if self.path is not None
+                     else "kept in memory only (set state_dir to keep them across restarts)")
+        if self.path is not None:
+            self._engines = _read_state(self.path)
+            try:
+                _write_state(self.path, self._engines)  # a state_dir that cannot be written fails the start
+            except ConnectionError as exc:
+                raise ValueError(f"state_dir: {exc}") from None
 
     async def all(self) -> dict[int, Engine]:
         return dict(self._engines)
@@ -153,10 +202,14 @@ class MemoryEngineStore:
     async def swap(self, instance_id: int, old: Engine | None, new: Engine | None) -> bool:
         if self._engines.get(instance_id) != old:
             return False
+        engines = dict(self._engines)
         if new is None:
-            self._engines.pop(instance_id, None)
+            engines.pop(instance_id, None)
         else:
-            self._engines[instance_id] = new
+            engines[instance_id] = new
+        if self.path is not None:
+            _write_state(self.path, engines)  # ConnectionError: refused, and nothing changed
+        self._engines = engines
         return True
 
     async def claim(self, instance_id: int, replica: str, status: str, lease: float) -> bool:
@@ -171,6 +224,47 @@ class MemoryEngineStore:
 
     async def close(self) -> None:
         return None
+
+
+def _read_state(path: Path) -> dict[int, Engine]:
+    """The registrations a state file holds (none when it does not exist yet); ValueError when it cannot
+    be read or is not one: a start that would silently forget them is refused."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"state_dir: cannot create {path.parent}: {exc.strerror or exc}") from None
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise ValueError(f"state_dir: cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(raw)
+        listed = data.get("engines") if isinstance(data, dict) and data.get("version") == 1 else None
+        if not isinstance(listed, list):
+            raise ValueError("expected {\"version\": 1, \"engines\": [...]}")
+        engines = [Engine.decode(json.dumps(e)) for e in listed]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"state_dir: {path} is not a registrations file ({exc}); move it away to start "
+                         "without its registrations") from None
+    return {e.instance_id: e for e in engines}
+
+
+def _write_state(path: Path, engines: dict[int, Engine]) -> None:
+    """Replace the state file atomically; ConnectionError (the store is unavailable) when it cannot."""
+    data = {"version": 1, "engines": [json.loads(engines[i].encode()) for i in sorted(engines)]}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ConnectionError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 _SWAP_LUA = r"""
@@ -212,6 +306,7 @@ class RedisEngineStore:
         self._r = client
         self.key = f"{{{prefix}}}:engines"
         self.owners_key = f"{{{prefix}}}:engine-owners"
+        self.kept = f"kept in Redis (hash {self.key})"
         self._swap = client.register_script(_SWAP_LUA)
         self._claim = client.register_script(_CLAIM_LUA)
         self._release = client.register_script(_RELEASE_LUA)
@@ -275,12 +370,15 @@ class RedisEngineStore:
             await self._r.aclose()
 
 
-def open_engine_store(uri: str, *, key_prefix: str = "kvcoord") -> EngineStore:
-    """The store that goes with an index URI: Redis for a Redis index, else this process's memory."""
+def open_engine_store(uri: str, *, key_prefix: str = "kvcoord", state_dir: str = "") -> EngineStore:
+    """The store that goes with an index URI: Redis for a Redis index, else this process's memory (kept in
+    ``state_dir`` when given). ValueError when ``state_dir`` cannot be used."""
     if is_redis(uri):
+        if state_dir:
+            log.warning("state_dir %s is not used: the Redis index keeps registrations itself", state_dir)
         parsed = parse_redis_uri(uri)
         return RedisEngineStore(parsed.client(), parsed.prefix or key_prefix)
-    return MemoryEngineStore()
+    return MemoryEngineStore(state_dir or None)
 
 
 def _u32(value: int | None, default: int = 0) -> int:
@@ -292,8 +390,11 @@ class Engines:
 
     def __init__(self, store: EngineStore, runner: EngineRunner, replica_id: str,
                  block_size_of: Callable[[str], int | None],
-                 on_removed: Callable[[str], None], max_engines: int = 1 << 62) -> None:
+                 on_removed: Callable[[str], None], max_engines: int = 1 << 62,
+                 on_states: Callable[[dict[str, int]], None] | None = None) -> None:
         self.store = store
+        self._on_states = on_states
+        """Told after each sync how many instances this replica relays are in each of :data:`RELAY_STATES`."""
         self.max_engines = max_engines
         """Registered engines at most, over all replicas (``max_streams``: each is one relay's ingest
         feed on some replica). Checked before the store's swap, not in it: concurrent registrations of
@@ -315,8 +416,14 @@ class Engines:
     # --- the API's operations --------------------------------------------------------------
     async def register(self, instance_id: int, model_name: str, routing_group: str, block_size: int,
                        dp_rank: int | None, endpoint: str, replay_endpoint: str | None,
-                       serving_url: str = "") -> None:
+                       serving_url: str = "", metrics_url: str = "") -> None:
         """Add one listener, or raise :class:`RegistrationError` with Dynamo's status and message."""
+        if metrics_url:
+            try:
+                metrics_url = valid_url(metrics_url)
+            except ValueError:
+                raise RegistrationError(400, f"invalid metrics_url {shown(metrics_url, 256)}: expected "
+                                             "http(s)://HOST[:PORT]/metrics") from None
         for what, value in (("", endpoint), ("replay ", replay_endpoint)):
             if value is None:
                 continue
@@ -351,10 +458,12 @@ class Engines:
                 raise RegistrationError(429, f"too many registered engines: max_streams is "
                                              f"{self.max_engines}; unregister one first")
             if old is None:
-                new = Engine(instance_id, model_name, routing_group, block_size, (listener,), serving_url)
+                new = Engine(instance_id, model_name, routing_group, block_size, (listener,), serving_url,
+                             metrics_url)
             else:
                 listeners = tuple(sorted((*old.listeners, listener), key=lambda x: x.dp_rank))
-                new = replace(old, listeners=listeners, serving_url=serving_url or old.serving_url)
+                new = replace(old, listeners=listeners, serving_url=serving_url or old.serving_url,
+                              metrics_url=metrics_url or old.metrics_url)
             if await self.store.swap(instance_id, old, new):
                 log.info("engine %d (%s) dp_rank %d registered: %s", instance_id, model, rank,
                          shown(endpoint))
@@ -406,7 +515,7 @@ class Engines:
         out = []
         for iid in sorted(engines):
             engine = engines[iid]
-            status: dict[int, tuple[str, str]] = {x.dp_rank: ("pending", "") for x in engine.listeners}
+            status: dict[int, tuple[str, str]] = {x.dp_rank: (PENDING, "") for x in engine.listeners}
             owner = owners.get(iid)
             if iid in self._running or iid in self._failed:  # relayed here: the live status
                 status.update((r, v) for r, v in self._status(iid).items() if r in status)
@@ -424,8 +533,28 @@ class Engines:
     def _status(self, iid: int) -> dict[int, tuple[str, str]]:
         failed = self._failed.get(iid)
         if failed is not None:
-            return {x.dp_rank: ("failed", failed[1]) for x in failed[0].listeners}
+            return {x.dp_rank: (FAILED, failed[1]) for x in failed[0].listeners}
         return self.runner.status(iid)
+
+    def relayed_nodes(self) -> dict[str, RelayedNode]:
+        """The instances relayed here, by node id, with their status and why (``ListNodes`` shows those
+        that have no node record, or one in no answer)."""
+        out = {}
+        for iid, engine in [*self._running.items(), *((i, e) for i, (e, _) in self._failed.items())]:
+            status = self._status(iid)
+            state = overall(st for st, _ in status.values())
+            reason = next((err for st, err in status.values() if st == state and err), "")
+            out[engine.node_id] = RelayedNode(engine.model, tuple(x.dp_rank for x in engine.listeners), state,
+                                              reason)
+        return out
+
+    def _count_states(self) -> None:
+        if self._on_states is None:
+            return
+        counts = dict.fromkeys(RELAY_STATES, 0)
+        for node in self.relayed_nodes().values():
+            counts[node.status] += 1
+        self._on_states(counts)
 
     def block_size(self, model: str) -> int | None:
         """The block size registrations of ``model`` declared (as of the last sync)."""
@@ -475,12 +604,17 @@ class Engines:
                 await self.runner.stop(iid)
                 await self.store.release(iid, self.replica_id)
                 self._on_removed(engine.node_id)
+            self._count_states()
 
     async def _loop(self) -> None:
         failing = ""
+        started = False
         while True:
             try:
                 await self.sync()
+                if not started:
+                    started = True
+                    log.info("engine registrations: %d at start, %s", len(self._known), self.store.kept)
                 if failing:
                     log.warning("engine registrations: reachable again")
                 failing = ""

@@ -14,8 +14,12 @@ meaning of Dynamo's. The deliberate differences (README, "HTTP API"):
 - ``/query`` also takes ``prompt`` or ``messages`` (OpenAI chat) instead of ``token_ids``, tokenized
   with the model's tokenizer; answers add ``model``, ``block_size``, ``num_blocks``, ``num_tokens`` and
   ``nodes`` (kvcoord's answer, best first, with per-tier counts, load and the engine URL).
-- ``/register`` takes ``tcp://`` endpoints only, and ``serving_url`` (the engine's HTTP URL) besides;
-  past ``max_streams`` registered engines it answers 429 (Dynamo has no such limit).
+- ``/register`` takes ``tcp://`` endpoints only, and ``serving_url`` (the engine's HTTP URL) and
+  ``metrics_url`` (its ``/metrics``, scraped for its load) besides; past ``max_streams`` registered
+  engines it answers 429 (Dynamo has no such limit).
+- ``/workers`` says ``active`` only of an engine that answered within the lease (events or a replay probe):
+  else ``connecting``, ``unreachable`` (it is then in no lookup answer) or ``failed``; Dynamo says
+  ``active`` of any registration, an address where nothing listens included.
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ import msgspec
 
 from kvcoord.coordinator.auth import ADMIN, AGENT, OPEN, Authenticator, AuthError
 from kvcoord.coordinator.core import CoordinatorState
-from kvcoord.coordinator.engines import DEFAULT_GROUP, Engines, RegistrationError, partition_model
+from kvcoord.coordinator.engines import (
+    DEFAULT_GROUP,
+    PENDING,
+    Engines,
+    RegistrationError,
+    overall,
+    partition_model,
+)
 from kvcoord.coordinator.httpd import JSON, Request, Response, Route, json_error
 from kvcoord.coordinator.lookup import INVALID, NO_PROFILE, NOT_FOUND, LiveMatch, LookupFailed, Lookups
 from kvcoord.events import Tier
@@ -114,6 +125,7 @@ class RegisterBody(msgspec.Struct):
     additional_salt: str | None = None
     additionalsalt: str | None = None
     serving_url: str = ""
+    metrics_url: str = ""
 
 
 class UnregisterBody(msgspec.Struct):
@@ -566,7 +578,7 @@ class HttpApi:
             b: RegisterBody = decode_body(req, RegisterBody)
             _check_u64("instance_id", b.instance_id)
             await self.engines.register(b.instance_id, b.model_name, b.routing_group, b.block_size, b.dp_rank,
-                                        b.endpoint, b.replay_endpoint, b.serving_url)
+                                        b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url)
         except BadBody as exc:
             return exc.response
         except RegistrationError as exc:
@@ -611,18 +623,18 @@ class HttpApi:
                 continue
             listeners: dict[str, dict[str, str]] = {}
             for x in engine.listeners:
-                st, err = status.get(x.dp_rank, ("pending", ""))
+                st, err = status.get(x.dp_rank, (PENDING, ""))
                 info = {"endpoint": x.endpoint, "status": st}
                 if err:
                     info["last_error"] = err
                 listeners[str(x.dp_rank)] = info
-            states = {v["status"] for v in listeners.values()}
-            overall = next((s for s in ("failed", "pending", "active") if s in states), "paused")
-            out.append({"instance_id": engine.instance_id, "source": "zmq", "status": overall,
+            out.append({"instance_id": engine.instance_id, "source": "zmq",
+                        "status": overall(v["status"] for v in listeners.values()),
                         "model_name": engine.model_name, "routing_group": engine.routing_group,
                         "block_size": engine.block_size,
                         "endpoints": {str(x.dp_rank): x.endpoint for x in engine.listeners},
-                        "listeners": listeners, "serving_url": engine.serving_url, "relayed_by": relayed_by})
+                        "listeners": listeners, "serving_url": engine.serving_url, "relayed_by": relayed_by,
+                        **({"metrics_url": engine.metrics_url} if engine.metrics_url else {})})
         return _json(200, out)
 
     async def dump(self, req: Request) -> Response:

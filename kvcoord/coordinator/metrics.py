@@ -17,6 +17,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvcoord import __version__
+from kvcoord.coordinator.engines import RELAY_STATES
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
 from kvcoord.load import TRUSTS
@@ -275,6 +276,12 @@ class Metrics:
         )
         for trust in TRUSTS:
             self.nodes_by_trust.labels(trust).set(0)
+        self.registered_engines = Gauge(
+            "kvcoord_registered_engines", "Engines registered over HTTP that this replica relays, by state: "
+            "active (answered within the lease), connecting, unreachable (in no lookup answer), failed, "
+            "pending", ["state"], registry=r)
+        for state in RELAY_STATES:
+            self.registered_engines.labels(state).set(0)
         self.streams = Gauge("kvcoord_ingest_streams", "Open agent ingest streams, engines registered over "
                              "HTTP and relayed here included", registry=r)
         self.streams_refused = Counter(
@@ -422,6 +429,10 @@ class Metrics:
         for model in self._known_models - models:
             self.blocks.labels(model).set(0)
         self._known_models |= models
+
+    def set_registered_engines(self, by_state: dict[str, int]) -> None:
+        for state in RELAY_STATES:
+            self.registered_engines.labels(state).set(by_state.get(state, 0))
 
     def set_nodes(self, by_state: dict[str, int], by_trust: dict[str, int]) -> None:
         for state in ("active", "draining", "resyncing", "hash_mismatch", "expired"):

@@ -341,8 +341,17 @@ class NodeRegistry:
         """True while stream generation ``gen`` still owns ``rec`` (not superseded, removed, expired)."""
         return rec.stream_gen == gen and not rec.expired and self._nodes.get(rec.node_id) is rec
 
-    def heard(self, rec: NodeRecord) -> None:
-        rec.last_heard = time.monotonic()
+    def heard(self, rec: NodeRecord, at: float | None = None) -> None:
+        """``rec`` was heard from now, or (``at``, monotonic) when its engine last answered: a registered
+        engine's lease runs from there, not from its in-process feed's heartbeat. A lease that moved back
+        is a change (views built on the later one must not outlive it)."""
+        if at is None:
+            rec.last_heard = time.monotonic()
+            return
+        at = min(at, time.monotonic())
+        if at < rec.last_heard:
+            CHANGES.bump(rec.node_id)
+        rec.last_heard = at
 
     def drain(self, node_id: str, draining: bool = True) -> bool:
         """Set (or with ``draining=False`` end) a node's drain; False for an unknown node."""

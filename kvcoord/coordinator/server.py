@@ -108,10 +108,13 @@ class CoordinatorServer:
                 await self.stop()
                 raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
         if self._runner_factory is not None:
+            # The store first: a state_dir that cannot be used refuses the start before any relay exists.
+            store = open_engine_store(cfg.index, key_prefix=cfg.index_key_prefix, state_dir=cfg.state_dir)
             runner = self._runner_factory(state)
-            self.engines = Engines(open_engine_store(cfg.index, key_prefix=cfg.index_key_prefix), runner,
-                                   state.replica_id, self._profile_block_size, state.drop_node,
-                                   max_engines=cfg.limits.max_streams)
+            self.engines = Engines(store, runner, state.replica_id, self._profile_block_size, state.drop_node,
+                                   max_engines=cfg.limits.max_streams,
+                                   on_states=state.metrics.set_registered_engines)
+            state.relayed_nodes = self.engines.relayed_nodes
         if cfg.http_listen:
             await self._start_http(state, auth)
         state.start_background()

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvcoord.coordinator.auth import ROUTER, Authenticator, AuthError, Principal
 from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.engines import ACTIVE
 from kvcoord.coordinator.ingest import IngestAbort, IngestSession
 from kvcoord.coordinator.lookup import (
     INTERNAL,
@@ -595,6 +596,19 @@ class CoordinatorServicer:
         for other in self.state.remote_nodes():
             if not model or other.model == model:
                 out[other.node_id] = remote_node_info(other, now_wall, lease)
+        relayed = self.state.relayed_nodes() if self.state.relayed_nodes is not None else {}
+        for node_id, node in relayed.items():
+            if (model and node.model != model) or node.status == ACTIVE:
+                continue
+            info = out.get(node_id)
+            if info is None:  # its engine never answered (or not for longer than an expired record is kept)
+                info = out[node_id] = pb.NodeInfo(node_id=node_id, model=node.model,
+                                                  dp_ranks=list(node.dp_ranks), trust=RESYNCING)
+            elif info.state != "expired":
+                continue  # still in answers, or out of them for a reason of its own
+            info.state = node.status
+            info.trust_reason = f"registered engine {node.status}: {node.reason}" if node.reason else (
+                f"registered engine {node.status}")
         return [out[k] for k in sorted(out)]
 
     async def Heartbeat(

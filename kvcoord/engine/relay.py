@@ -42,6 +42,7 @@ from kvcoord import validate
 from kvcoord.engine.zmq_wire import (
     FrameError,
     FrameReader,
+    PeerMonitor,
     ReplayClient,
     ReplayError,
     parse_pub_frames,
@@ -262,6 +263,12 @@ class Relay:
         """The live message the reader paused at, batches missing before it (the task heals them)."""
         self._last_frame = 0.0
         """``time.monotonic()`` of the last live message, or of the last replay probe (or the start)."""
+        self.answered_at: float | None = None
+        """``time.monotonic()`` when the engine last showed it is there: a live message, a replay answer, or
+        (without a replay endpoint) its PUB socket's ZMTP handshake or heartbeat while connected. None:
+        never. PUB/SUB alone says nothing (ZMQ connects lazily), so this is the relay's liveness."""
+        self._monitor: PeerMonitor | None = None
+        """Without a replay endpoint: the SUB socket's peers (see :meth:`_probe`)."""
         self.ready = asyncio.Event()
         """Set once the SUB socket is connected (a test can start publishing then)."""
 
@@ -282,7 +289,11 @@ class Relay:
         switch per batch. This task wakes at least once a second (for ``stop``), for a gap to heal or a
         failure of the reader, and probes the replay socket after ``idle_probe`` seconds without a live
         message; the reader is paused while it heals or probes."""
-        sub = subscribe_socket(self._ctx, self.endpoint, self.topic, hwm=self._hwm)
+        # Without a replay socket to ask, the PUB connection itself says whether the engine is there.
+        self._monitor = None if self.replay_endpoint else PeerMonitor(self._ctx)
+        sub = subscribe_socket(self._ctx, self.endpoint, self.topic, hwm=self._hwm,
+                               heartbeat=None if self.replay_endpoint else self._idle_probe,
+                               monitor=self._monitor)
         reader = FrameReader(sub, self._take, burst=DRAIN_BURST)
         if self.replay_endpoint:
             self._replay = ReplayClient(self._ctx, self.replay_endpoint, timeout=self._replay_timeout)
@@ -309,12 +320,14 @@ class Relay:
         finally:
             reader.close()
             sub.close(linger=0)
+            if self._monitor is not None:
+                self._monitor.close()
             if self._replay is not None:
                 self._replay.close()
 
     def _take(self, frames: list[bytes]) -> bool:
         """The reader's callback: handle one live message; False (the reader pauses) at a gap to heal."""
-        self._last_frame = time.monotonic()
+        self._last_frame = self.answered_at = time.monotonic()
         self._gap = self._live(frames)
         return self._gap is None
 
@@ -385,12 +398,16 @@ class Relay:
             self._lost(1, f"batch {seq} is malformed ({kind})", quiet=quiet)
 
     async def _probe(self) -> None:
-        """Catch up from the replay socket; quiet on failure (the engine may be down)."""
+        """Catch up from the replay socket; quiet on failure (the engine may be down). Without one, see
+        whether the PUB endpoint still has its engine."""
         if self._replay is None:
+            if self._monitor is not None and self._monitor.connected():
+                self.answered_at = time.monotonic()
             return
         replayed = self.stats.replayed_batches
         try:
             await self._catch_up()
+            self.answered_at = time.monotonic()
         except ReplayError as exc:
             self.stats.replay_failures += 1
             log.debug("%s: replay probe failed: %s", self.endpoint, exc)
@@ -478,6 +495,7 @@ class Relay:
             return
         try:
             await self._catch_up(live_seq)
+            self.answered_at = time.monotonic()
         except ReplayError as exc:
             self.stats.replay_failures += 1
             self._lost(live_seq - self._expected, f"replay failed: {exc}")

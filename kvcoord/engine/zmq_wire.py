@@ -350,15 +350,24 @@ class ReplayClient:
             raise
 
 
-def subscribe_socket(ctx: zmq.Context[Any], endpoint: str, topic: str, *, hwm: int = 100_000
+def subscribe_socket(ctx: zmq.Context[Any], endpoint: str, topic: str, *, hwm: int = 100_000,
+                     heartbeat: float | None = None, monitor: PeerMonitor | None = None
                      ) -> zmq.Socket[bytes]:
     """A SUB socket on ``endpoint`` filtered by ``topic`` (connect, or bind for wildcard endpoints).
 
     A synchronous socket (of any context, an asyncio one included): the relay receives without
-    blocking, from its FD's reader callback (a :class:`FrameReader`)."""
+    blocking, from its FD's reader callback (a :class:`FrameReader`). ``heartbeat``: seconds between
+    ZMTP pings, so a peer that vanished without closing is disconnected after three missed ones;
+    ``monitor`` watches its peers from before it connects."""
     sock: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.set_hwm(hwm)
+    if heartbeat is not None:
+        ms = max(1, int(heartbeat * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ms)
+    if monitor is not None:
+        monitor.attach(sock)
     sock.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
     try:
         if _binds(endpoint):
@@ -370,6 +379,44 @@ def subscribe_socket(ctx: zmq.Context[Any], endpoint: str, topic: str, *, hwm: i
             sock.close(linger=0)
         raise _endpoint_error("bind" if _binds(endpoint) else "connect", endpoint, exc) from None
     return sock
+
+
+class PeerMonitor:
+    """Whether a socket has a peer now: its ZMTP handshakes completed minus its disconnections.
+
+    The one signal of a PUB endpoint that publishes nothing and has no replay socket to ask: ZMQ connects
+    lazily, so a SUB socket gives no error when nothing listens. Read without blocking (:meth:`connected`),
+    from a synchronous PAIR socket on the monitored socket's inproc monitor endpoint."""
+
+    _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+    _seq = 0
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        PeerMonitor._seq += 1
+        self._addr = f"inproc://kvcoord-peer-monitor-{PeerMonitor._seq}-{id(self)}"
+        self._sock: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._peers = 0
+
+    def attach(self, sock: zmq.Socket[bytes]) -> None:
+        """Watch ``sock``: before it connects, so its first handshake is seen."""
+        sock.monitor(self._addr, self._EVENTS)
+        self._sock.connect(self._addr)
+
+    def connected(self) -> bool:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return self._peers > 0
+            event = int.from_bytes(frames[0][:2], "little") if frames and len(frames[0]) >= 2 else 0
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._peers += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._peers = max(0, self._peers - 1)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
 
 
 class FrameReader:

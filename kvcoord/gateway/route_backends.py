@@ -19,28 +19,13 @@ from kvcoord.index.base import NodeKey
 from kvcoord.load import NodeLoad
 from kvcoord.router.answer import Candidate
 from kvcoord.router.client import NodeStatus
+from kvcoord.validate import valid_url
 
 from .nodes import InFlight, KnownNode, NodeTable, Prefill
 
 __all__ = ["Backends", "parse_backend", "valid_url"]
 
 log = logging.getLogger("kvcoord.route")
-
-
-def valid_url(url: str) -> str:
-    """An engine base URL: ``http(s)://HOST[:PORT][/prefix]``, without a trailing slash."""
-    from urllib.parse import urlsplit
-
-    url = url.strip().rstrip("/")
-    try:
-        parts = urlsplit(url)
-        port_ok = parts.port is None or parts.port > 0
-    except ValueError:
-        port_ok = False
-        parts = urlsplit("")
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.query:
-        raise ValueError(f"{url!r} is not an http(s)://HOST:PORT URL")
-    return url
 
 
 def parse_backend(spec: str) -> tuple[str, str]:

@@ -1089,7 +1089,9 @@ class NodeInfo(_message.Message):
     node_id: _builtins.str
     model: _builtins.str
     state: _builtins.str
-    """active | draining | expired | hash_mismatch | resyncing"""
+    """active | draining | expired | hash_mismatch | resyncing; a registered engine out of the answers:
+    connecting | unreachable | failed
+    """
     epoch: _builtins.int
     last_seq: _builtins.int
     last_heartbeat_age_seconds: _builtins.float
