@@ -927,11 +927,6 @@ def epp_scrape() -> Scrape:
     return parse_exposition(generate_latest(m.registry).decode())
 
 
-AFTER_MERGE = {"kvcoord_registered_engines"}
-"""Named by the dashboard ahead of the change that exports it (the registered engines' states, issue 23
-section 1, on another branch): accepted while no coordinator exports it. Delete once one does."""
-
-
 def parse_exposition(text: str) -> Scrape:
     families: dict[str, str] = {}
     labels: dict[str, set[str]] = {}
@@ -1083,9 +1078,6 @@ def test_every_metric_in_rules_and_dashboards_is_exported(coordinator: Coordinat
             sc = (router if name.startswith("kvcoord_route_") else epp if name.startswith("kvcoord_epp_")
                   else coordinator.final)
             family = strip_suffix(name, sc.families)
-            if family is None and name in AFTER_MERGE:
-                series_labels |= {"state"}
-                continue
             if family is None:
                 problems.append(f"{q.where}: {name} is not exported (families: {sorted(sc.families)})")
                 continue
