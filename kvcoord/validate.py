@@ -24,6 +24,7 @@ from kvcoord.native import native
 
 __all__ = [
     "CLEAR",
+    "MAX_JSON_DEPTH",
     "NTIERS",
     "REMOVE",
     "STORE",
@@ -41,6 +42,7 @@ __all__ = [
     "group",
     "hashes64",
     "indexable_kind",
+    "json_too_deep",
     "merge_runs",
     "op_runs",
     "ops_of",
@@ -160,6 +162,27 @@ def check_model(model: object, where: str = "model") -> str:
     if not isinstance(model, str) or _MODEL.fullmatch(model) is None:
         raise InvalidEvent(f"{where} {shown(model)} is not a valid model name ({MODEL_RULE})")
     return model
+
+
+MAX_JSON_DEPTH = 128
+"""How deep a JSON request body may nest (serde_json's limit, as Dynamo's indexer reads bodies)."""
+
+
+def json_too_deep(raw: bytes, value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value``, decoded from the JSON ``raw``, nests deeper than ``limit`` (a top-level object or
+    array is 1). Parsers give up only near Python's recursion limit (a ``RecursionError``), and what they
+    take may still be too deep for the next encoder deeper in the stack. Walked only when ``raw`` has
+    more brackets than ``limit``, so a body of flat arrays costs two ``bytes.count``."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        inner = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else ()
+        stack.extend((x, depth + 1) for x in inner if isinstance(x, dict | list | tuple))
+    return False
 
 
 def check_batch_bounds(ops: Sequence[Op], held: int, *, max_hashes: int, max_entries: int) -> int:
