@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, until, wait_for_port
 
@@ -287,9 +289,10 @@ def test_connections_past_the_cap_are_refused_and_counted(kind: str, tmp_path: P
             return len(held) == 4
 
         def served() -> bool:
-            with contextlib.suppress(OSError):
-                return exchange(s.port, b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")[0] == 200
-            return False
+            """Answered 200 (a 503 until the server has seen a held connection close)."""
+            status = exchange(s.port, b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")[0]
+            refusals[0] += status == 503
+            return status == 200
 
         try:
             until(hold_one, "four connections held")
@@ -315,3 +318,115 @@ def test_oversized_head_does_not_stop_a_keepalive_connection_early(tmp_path: Pat
         assert len(body) > 2 * 65536
         status, _, answer = exchange(s.port, post("/query", body))
         assert status == 200, answer[:200]
+
+
+# --- fuzz: every entry point, as the ingest path is fuzzed ------------------------------------------
+FIELDS = ["model_name", "token_ids", "block_hashes", "routing_group", "tenant_id", "lora_name", "cache_salt",
+          "prompt", "messages", "tools", "include_unmatched", "instance_id", "endpoint", "replay_endpoint",
+          "block_size", "dp_rank", "serving_url", "model", "stream", "stream_options", "max_tokens"]
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False)
+                     | st.text(max_size=12) | st.sampled_from(["m", MODEL, "tcp://127.0.0.1:5557", "user"]),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                  max_size=3),
+                     max_leaves=12)
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> bytes:
+    """A body a hostile or careless client might send: objects of the real fields with values of any
+    type, any JSON, bytes, deep nesting, or a valid-looking body with bytes changed."""
+    kind = draw(st.integers(0, 4))
+    if kind == 0:
+        keys = draw(st.lists(st.sampled_from(FIELDS) | st.text(max_size=8), max_size=6))
+        return json.dumps({k: draw(_JSON) for k in keys}).encode()
+    if kind == 1:
+        return json.dumps(draw(_JSON)).encode()
+    if kind == 2:
+        return draw(st.binary(max_size=200))
+    if kind == 3:
+        depth = draw(st.integers(100, 5000))
+        opener = draw(st.sampled_from([b'{"a":', b"[", b'{"model":"m","x":[']))
+        closer = {b'{"a":': b"}", b"[": b"]", b'{"model":"m","x":[': b"]}"}[opener]
+        return opener * depth + b"1" * (opener != b"[") + closer * depth
+    raw = bytearray(json.dumps({
+        "model_name": MODEL, "token_ids": [1, 2, 3, 4], "block_hashes": [1, 2], "model": MODEL,
+        "prompt": "hi", "messages": [{"role": "user", "content": "x"}], "instance_id": 3,
+        "endpoint": "tcp://127.0.0.1:5557", "block_size": 4}).encode())
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(raw) - 1))
+        raw[at] = draw(st.sampled_from(list(b' ,:"[]{}-0123456789e.\\\x00\xff')))
+    return bytes(raw)
+
+
+_TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-_0123456789!#$%&'*+.^`|~", min_size=1, max_size=12)
+
+
+@st.composite
+def requests(draw: st.DrawFn, paths: list[str]) -> bytes:
+    """One request's bytes: a method and path, headers (some odd), and a body."""
+    method = draw(st.sampled_from(["POST", "POST", "POST", "GET", "HEAD", "PUT", "DELETE"]))
+    query = draw(st.sampled_from(["", "", "?x=1", "?model_name=m&model_name=n"]))
+    path = draw(st.sampled_from(paths)) + query
+    body = draw(bodies()) if method in ("POST", "PUT") else b""
+    ctype = draw(st.sampled_from(["application/json", "application/json", "text/plain", "application/x+json",
+                                  "application/json; charset=utf-8", ""]))
+    headers = [("host", "t"), *([("content-type", ctype)] if ctype else [])]
+    values = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=255), max_size=40)
+    headers += draw(st.lists(st.tuples(_TOKEN, values), max_size=4))
+    if draw(st.booleans()):
+        headers.append(("content-length", str(len(body))))
+        payload = body
+    else:  # chunked, in one or two chunks
+        headers.append(("transfer-encoding", "chunked"))
+        cut = draw(st.integers(0, len(body)))
+        parts = [p for p in (body[:cut], body[cut:]) if p]
+        payload = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    lines = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    head = f"{method} {path} HTTP/1.1\r\n{lines}connection: close\r\n\r\n"
+    return head.encode("latin-1") + payload
+
+
+def _check_answer(kind: str, raw: bytes, status: int, headers: dict[str, str], body: bytes) -> None:
+    assert status < 300 or 400 <= status < 500, (status, raw[:300], body[:300])
+    if status >= 400 and body and raw.split(b" ", 1)[0] != b"HEAD":
+        if headers.get("content-type", "").startswith("application/json"):
+            error_line(kind, body)
+        else:  # aiohttp's own answers (route: 404, 405, a malformed request) are one line of text
+            assert kind == "route" and b"\n" not in body.strip(), (raw[:300], body[:300])
+
+
+@pytest.fixture(scope="module")
+def fuzzed_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Listener]:
+    with serve(tmp_path_factory.mktemp("fuzz-serve")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def fuzzed_route(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Listener]:
+    with route(tmp_path_factory.mktemp("fuzz-route")) as r:
+        yield r
+
+
+SERVE_PATHS = ["/query", "/query_by_hash", "/register", "/unregister", "/workers", "/dump", "/health",
+               "/nope"]
+ROUTE_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/nope"]
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@FUZZ
+@given(raw=requests(SERVE_PATHS))
+def test_fuzzed_requests_to_serve_get_4xx_with_one_line_and_change_nothing(fuzzed_serve: Listener,
+                                                                         raw: bytes) -> None:
+    before = state(fuzzed_serve.port)
+    status, headers, body = exchange(fuzzed_serve.port, raw)
+    _check_answer("serve", raw, status, headers, body)
+    assert status != 201, raw[:300]  # nothing a fuzzer writes registers an engine
+    assert state(fuzzed_serve.port) == before
+
+
+@FUZZ
+@given(raw=requests(ROUTE_PATHS))
+def test_fuzzed_requests_to_route_get_4xx_with_one_line(fuzzed_route: Listener, raw: bytes) -> None:
+    status, headers, body = exchange(fuzzed_route.port, raw)
+    _check_answer("route", raw, status, headers, body)

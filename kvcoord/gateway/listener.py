@@ -6,7 +6,8 @@ for a head that arrives a byte at a time, and takes any number of connections. S
 aiohttp protocol is wrapped: a second parser (httptools, as the coordinator's server uses) follows the
 request framing, and :class:`~kvcoord.coordinator.httpd.HeadWatch` refuses a slow head (408) or a large
 one (431); past ``max_connections`` a new connection gets 503. Each refusal is closed and counted in
-``kvcoord_route_http_refused_total{reason}``.
+``kvcoord_route_http_refused_total{reason}``. A request it cannot parse is answered 400 in one line
+(aiohttp's own answer spans lines, pointing at the bad byte).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ __all__ = ["GuardedSite"]
 
 log = logging.getLogger("kvcoord.route")
 
-_STATUS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+_STATUS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+           503: "Service Unavailable"}
 
 
 def _refusal(status: int, message: str) -> bytes:
@@ -71,11 +73,13 @@ class _Guarded(asyncio.Protocol):
                 return
             try:
                 self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                if self.done:  # a head past the limit, refused from a callback
-                    return
-                self.parser = None  # malformed (aiohttp answers it) or an upgrade: no head is followed
+            except httptools.HttpParserUpgrade:
+                self.parser = None  # aiohttp answers it; no head is followed after
                 self.head.stop()
+            except httptools.HttpParserError as exc:
+                if not self.done:  # (else a head past the limit, refused from a callback)
+                    self._refuse(400, "", f"malformed HTTP request: {' '.join(str(exc).split())}")
+                return
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
@@ -121,12 +125,14 @@ class _Guarded(asyncio.Protocol):
             self._refuse(408, "header_timeout", self.site.limits.timed_out())
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
-        """Answer, half-close and drop what still arrives; closed for good shortly after (closing with
-        unread bytes would reset the connection, and could destroy the answer before it is read)."""
+        """Answer (a refusal counted by ``reason``, or a malformed request with none), half-close and
+        drop what still arrives; closed for good shortly after (closing with unread bytes would reset
+        the connection, and could destroy the answer before it is read)."""
         self.done = True
         self.head.stop()
-        self.site.refused.labels(reason).inc()
-        log.debug("route: refused a client (%s)", reason)
+        if reason:
+            self.site.refused.labels(reason).inc()
+            log.debug("route: refused a client (%s)", reason)
         transport = self.transport
         if transport is None or transport.is_closing():
             return
