@@ -728,6 +728,7 @@ ROWS: list[Row] = [
     Row("/query_by_hash", qbh(block_hashes=None)),
     Row("/query_by_hash", {"model_name": MODEL}),
     Row("/query_by_hash", {"block_hashes": [1]}),
+    Row("/query_by_hash", {"modKl_name": "m1b", "block_hasXes": []}),  # issue 23: both say `block_hashes`
     Row("/query_by_hash", qbh(cache_salt="x")),
     Row("/query_by_hash", qbh(cache_salt="")),
     Row("/query_by_hash", qbh(cache_salt=None)),
