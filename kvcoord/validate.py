@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import Any, NamedTuple, TypeAlias, cast
 
+import msgspec
+
 from kvcoord.events import CLEAR, FULL_ATTENTION_KINDS, REMOVE, STORE, VIEW_TYPES, Tier, normalize_medium
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.native import native
@@ -169,10 +171,11 @@ MAX_JSON_DEPTH = 128
 
 
 def json_too_deep(raw: bytes, value: object, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether ``value``, decoded from the JSON ``raw``, nests deeper than ``limit`` (a top-level object or
-    array is 1). Parsers give up only near Python's recursion limit (a ``RecursionError``), and what they
-    take may still be too deep for the next encoder deeper in the stack. Walked only when ``raw`` has
-    more brackets than ``limit``, so a body of flat arrays costs two ``bytes.count``."""
+    """Whether ``value`` (JSON types, or a msgspec Struct of them), decoded from the JSON ``raw``, nests
+    deeper than ``limit`` (a top-level object or array is 1). Parsers give up only near Python's recursion
+    limit (a ``RecursionError``), and what they take may still be too deep for the next encoder deeper in
+    the stack. Walked only when ``raw`` has more brackets than ``limit``, so a body of flat arrays costs
+    two ``bytes.count``."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
     stack = [(value, 1)]
@@ -180,8 +183,10 @@ def json_too_deep(raw: bytes, value: object, limit: int = MAX_JSON_DEPTH) -> boo
         item, depth = stack.pop()
         if depth > limit:
             return True
+        if isinstance(item, msgspec.Struct):
+            item = msgspec.structs.astuple(item)
         inner = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else ()
-        stack.extend((x, depth + 1) for x in inner if isinstance(x, dict | list | tuple))
+        stack.extend((x, depth + 1) for x in inner if isinstance(x, dict | list | tuple | msgspec.Struct))
     return False
 
 

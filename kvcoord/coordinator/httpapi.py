@@ -163,7 +163,7 @@ def decode_fast(req: Request, kind: type[Any], key: str, ints: str) -> tuple[Any
         value = _DECODERS[kind].decode(rest)
     except (msgspec.DecodeError, RecursionError):
         return None  # an error is decode_body's to word: the same answer with or without the native path
-    if json_too_deep(rest, msgspec.structs.astuple(value)):
+    if json_too_deep(rest, value):
         return None
     if packed is None:
         return value, None
@@ -191,7 +191,7 @@ def decode_body(req: Request, kind: type[Any]) -> Any:
         raise BadBody(json_error(400, f"Failed to parse the request body as JSON: {exc}")) from None
     except RecursionError:
         raise BadBody(_TOO_DEEP) from None
-    if json_too_deep(body, msgspec.structs.astuple(value)):
+    if json_too_deep(body, value):
         raise BadBody(_TOO_DEEP)
     repeated = _repeated_field(body, _json_keys(kind))
     if repeated is not None:  # msgspec keeps the last value; serde refuses, and so does Dynamo
