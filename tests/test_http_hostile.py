@@ -310,6 +310,25 @@ def test_connections_past_the_cap_are_refused_and_counted(kind: str, tmp_path: P
                         "header_timeout") == 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_idle_keepalive_connections_are_closed(kind: str, tmp_path: Path) -> None:
+    """A kept-alive connection that asks nothing more is closed after the idle timeout: idle ones cannot
+    hold the connections the cap allows. One still in use is not."""
+    with listener(kind, tmp_path, "--http-idle-timeout-s", "1") as s, contextlib.ExitStack() as stack:
+        idle, busy = (stack.enter_context(socket.create_connection(("127.0.0.1", s.port), timeout=30))
+                      for _ in range(2))
+        for sock in (idle, busy):
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+            assert read_answer(sock)[0] == 200
+
+        def idle_closed() -> bool:
+            busy.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")  # in use all along: kept
+            assert read_answer(busy)[0] == 200
+            return closed(idle)
+
+        until(idle_closed, f"{kind} to close an idle connection", interval=0.2)
+
+
 def test_oversized_head_does_not_stop_a_keepalive_connection_early(tmp_path: Path) -> None:
     """A head arriving with its body in one read is not taken for a large head (the blank line is
     within the limit), on the native path too."""

@@ -90,6 +90,8 @@ def add(sub: Subparsers) -> None:
                    help="request line and headers at most; else 431 (default 65536)")
     p.add_argument("--http-max-connections", type=POSITIVE_INT, default=1024,
                    help="open client connections at most; one more gets 503, closed (default 1024)")
+    p.add_argument("--http-idle-timeout-s", type=POSITIVE_FLOAT, default=75.0,
+                   help="close a kept-alive client connection idle this long (default 75)")
     p.set_defaults(func=run)
 
 
@@ -112,7 +114,8 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
                        connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, seed=args.seed,
                        tokenizer=args.tokenizer, limits=HttpLimits(args.http_header_timeout_s,
                                                                    args.http_max_header_bytes,
-                                                                   args.http_max_connections))
+                                                                   args.http_max_connections,
+                                                                   args.http_idle_timeout_s))
 
 
 def run(args: argparse.Namespace) -> int:

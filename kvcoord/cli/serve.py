@@ -46,6 +46,8 @@ def add(sub: Subparsers) -> None:
                    help="HTTP API: request line and headers at most; else 431 (default 65536)")
     p.add_argument("--http-max-connections", type=POSITIVE_INT, default=None,
                    help="HTTP API: open connections at most; one more gets 503, closed (default 1024)")
+    p.add_argument("--http-idle-timeout-s", type=POSITIVE_FLOAT, default=None,
+                   help="HTTP API: close a kept-alive connection idle this long (default 75)")
     p.add_argument("--tls-cert", default=None, help="PEM server certificate")
     p.add_argument("--tls-key", default=None, help="PEM server key")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")
@@ -75,6 +77,7 @@ CONFIG_FLAGS = (
     "http_header_timeout_s",
     "http_max_header_bytes",
     "http_max_connections",
+    "http_idle_timeout_s",
     "tls_cert",
     "tls_key",
     "tls_client_ca",

@@ -14,7 +14,8 @@ measured in ``benchmarks/bench_vs_dynamo_service.py``). What it does:
 - a malformed request gets 400 and the connection is closed; nothing reaches a handler;
 - what one client may hold (:class:`HttpLimits`): a request head must arrive within ``header_timeout``
   (408, closed: slowloris) and be at most ``max_header_bytes`` (431); past ``max_connections`` open
-  connections a new one gets 503 and is closed. Each refusal is reported by reason (:data:`REFUSALS`);
+  connections a new one gets 503 and is closed. Each refusal is reported by reason (:data:`REFUSALS`).
+  A connection idle for ``idle_timeout`` (no request in it, none being answered) is closed;
 - ``answer`` (optional) may answer a whole request in one call before any of this runs
   (:mod:`kvcoord.coordinator.fastpath`): offered every chunk that arrives between requests, it answers
   or declines, and what it declines goes the usual way.
@@ -66,6 +67,9 @@ class HttpLimits:
     """The request line and headers, in bytes."""
     max_connections: int = 1024
     """Open connections at once; one more is answered 503 and closed."""
+    idle_timeout: float = 75.0
+    """Seconds a kept-alive connection may wait for its next request (nginx's default): idle ones cannot
+    hold the connections ``max_connections`` allows."""
 
     def too_large(self) -> str:
         return f"request head larger than {self.max_header_bytes} bytes"
@@ -204,6 +208,10 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[str, str] = {}
         self._head = HeadWatch(server.limits, self._head_timed_out)
+        self._active = 0.0
+        """When bytes last came in or an answer went out (loop time): one timer per idle period checks
+        it, instead of a timer per request."""
+        self._idle: asyncio.TimerHandle | None = None
         self._body: list[bytes] = []
         self._body_len = 0
         self._limit = 0
@@ -229,6 +237,9 @@ class _Connection(asyncio.Protocol):
             return
         self.server.connections.add(self)
         self._head.begin()
+        loop = asyncio.get_running_loop()
+        self._active = loop.time()
+        self._idle = loop.call_later(limits.idle_timeout, self._idle_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -236,10 +247,13 @@ class _Connection(asyncio.Protocol):
         if self._linger is not None:
             self._linger.cancel()
         self._head.stop()
+        if self._idle is not None:
+            self._idle.cancel()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
+        self._active = asyncio.get_running_loop().time()
         if self._head.over(data):
             self.server.refused("header_too_large")
             self._fail(json_error(431, self.server.limits.too_large()))
@@ -262,6 +276,20 @@ class _Connection(asyncio.Protocol):
                 self._fail(json_error(400, f"malformed HTTP request: {exc}"))
 
     # --- the head's limits -----------------------------------------------------------------
+    def _idle_check(self) -> None:
+        """Close the connection if nothing came in or went out for ``idle_timeout`` while no request was
+        read or answered (a head has its own clock); else look again when it could be."""
+        self._idle = None
+        if self._closing or self.transport is None:
+            return
+        loop = asyncio.get_running_loop()
+        idle = self.server.limits.idle_timeout
+        left = idle - (loop.time() - self._active)
+        if left <= 0 and self._between and not self._busy and not self._queue:
+            self._close(linger=False)
+            return
+        self._idle = loop.call_later(left if left > 0 else idle, self._idle_check)
+
     def _head_timed_out(self) -> None:
         if self._closing or self.transport is None:
             return
@@ -376,6 +404,7 @@ class _Connection(asyncio.Protocol):
 
     def _write(self, resp: Response, keep: bool, *, head: bool = False) -> None:
         assert self.transport is not None
+        self._active = asyncio.get_running_loop().time()
         self.transport.write(render(resp, keep, self.server.extra_headers, head=head))
 
     def _fail(self, resp: Response) -> None:

@@ -168,7 +168,8 @@ class CoordinatorServer:
         cfg = self.config
         api = HttpApi(state, self.engines, auth)
         lim = cfg.limits
-        limits = HttpLimits(lim.http_header_timeout_s, lim.http_max_header_bytes, lim.http_max_connections)
+        limits = HttpLimits(lim.http_header_timeout_s, lim.http_max_header_bytes, lim.http_max_connections,
+                            lim.http_idle_timeout_s)
         http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)],
                                        limits=limits, on_refused=state.metrics.http_refused)
         if NativeAnswers.available(api):

@@ -150,7 +150,8 @@ class RouteServer:
         host, port = split_hostport(self.config.listen)
         head = self.config.limits.max_header_bytes  # one line or field may be the whole head
         runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False,
-                               max_line_size=head, max_field_size=head)
+                               max_line_size=head, max_field_size=head,
+                               keepalive_timeout=self.config.limits.idle_timeout)
         await runner.setup()
         try:
             await GuardedSite(runner, host or None, port, self.config.limits, self.metrics.registry).start()
