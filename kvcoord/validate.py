@@ -19,12 +19,15 @@ from itertools import compress
 from typing import Any, NamedTuple, TypeAlias, cast
 from urllib.parse import urlsplit
 
+import msgspec
+
 from kvcoord.events import CLEAR, FULL_ATTENTION_KINDS, REMOVE, STORE, VIEW_TYPES, Tier, normalize_medium
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.native import native
 
 __all__ = [
     "CLEAR",
+    "MAX_JSON_DEPTH",
     "NTIERS",
     "REMOVE",
     "STORE",
@@ -42,6 +45,7 @@ __all__ = [
     "group",
     "hashes64",
     "indexable_kind",
+    "json_too_deep",
     "merge_runs",
     "op_runs",
     "ops_of",
@@ -177,6 +181,30 @@ def valid_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or parts.query:
         raise ValueError(f"{url!r} is not an http(s)://HOST:PORT URL")
     return url
+
+
+MAX_JSON_DEPTH = 128
+"""How deep a JSON request body may nest (serde_json's limit, as Dynamo's indexer reads bodies)."""
+
+
+def json_too_deep(raw: bytes, value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` (JSON types, or a msgspec Struct of them), decoded from the JSON ``raw``, nests
+    deeper than ``limit`` (a top-level object or array is 1). Parsers give up only near Python's recursion
+    limit (a ``RecursionError``), and what they take may still be too deep for the next encoder deeper in
+    the stack. Walked only when ``raw`` has more brackets than ``limit``, so a body of flat arrays costs
+    two ``bytes.count``."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, msgspec.Struct):
+            item = msgspec.structs.astuple(item)
+        inner = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else ()
+        stack.extend((x, depth + 1) for x in inner if isinstance(x, dict | list | tuple | msgspec.Struct))
+    return False
 
 
 def check_batch_bounds(ops: Sequence[Op], held: int, *, max_hashes: int, max_entries: int) -> int:

@@ -243,7 +243,7 @@ def samples_from_proto(events: Sequence[pb.KVEvent]) -> list[tuple[int, Sample]]
             raise InvalidEvent(f"{where}: {len(tokens)} token_ids for {n} blocks of {s.block_size}")
         hashes: tuple[int | bytes, ...] = tuple(unpack_u64(s.block_hashes, where))
         if s.block_digests:
-            if len(s.block_digests) % n:
+            if not n or len(s.block_digests) % n:  # no hashes: digests of no block
                 raise InvalidEvent(f"{where}: block_digests is not {n} digests of one size")
             size = len(s.block_digests) // n
             hashes = tuple(s.block_digests[k * size:(k + 1) * size] for k in range(n))
@@ -278,11 +278,13 @@ def _extra_keys(data: bytes, where: str) -> tuple[ExtraKeys, ...] | None:
         return None
     try:
         raw = _EXTRA.decode(data)
+        if raw is None:
+            return None
+        return tuple(None if keys is None else tuple(_tuplify(k) for k in keys) for keys in raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidEvent(f"{where}: extra_keys_msgpack is not a list of arrays: {exc}") from None
-    if raw is None:
-        return None
-    return tuple(None if keys is None else tuple(_tuplify(k) for k in keys) for keys in raw)
+    except RecursionError:
+        raise InvalidEvent(f"{where}: extra_keys_msgpack nests too deeply") from None
 
 
 def _tuplify(value: object) -> object:

@@ -482,6 +482,34 @@ async def test_malformed_messages_are_invalid_argument(index: Index) -> None:
         assert (await index.stats()).entries == 0 and len((await c.stats()).nodes) == 0
 
 
+async def test_unusable_sample_is_invalid_argument_before_anything_is_applied(index: Index) -> None:
+    """Issue 23: a sampled batch whose stored event has no hashes but 32 bytes of digests ended the stream
+    UNKNOWN (a division by zero) after the batch was applied. Now the samples are read first: each
+    unusable one ends the stream with INVALID_ARGUMENT and leaves the index as it was."""
+    no_hashes = pb.BlockStored(block_size=16, block_digests=b"d" * 32)
+    deep_keys = pb.BlockStored(block_hashes=P([7]), block_size=4, token_ids=pack_tokens([1, 2, 3, 4]),
+                               extra_keys_msgpack=b"\x91" * 100_000 + b"\xc0")
+    cases = [(no_hashes, "block_digests"), (deep_keys, "extra_keys_msgpack"),
+             (pb.BlockStored(block_hashes=P([7, 8]), block_size=4, token_ids=pack_tokens(range(8)),
+                             block_digests=b"d" * 3), "block_digests"),
+             (pb.BlockStored(block_hashes=P([7]), block_size=0, token_ids=pack_tokens([1])), "token_ids")]
+    async with serving(index) as c:
+        for event, words in cases:
+            a = Agent(c)
+            await a.hello()
+            await a.snapshot(0, {0: [(1, Tier.GPU)]})
+            assert ack_seq(await a.batch(1, [stored([2], parent=1)])) == 1
+            before = await export(index)
+            await a.send(batch=pb.EventBatch(seq=2, events=[stored([3], parent=2), pb.KVEvent(stored=event)],
+                                             sampled=True))
+            err = await a.aborted()
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            assert "unusable verification sample" in (err.details() or "") and words in (err.details() or "")
+            assert await export(index) == before == [(1, Tier.GPU), (2, Tier.GPU)]
+            assert (await c.node("n1")).state == "resyncing"  # it lacks the batch: a snapshot follows
+            await a.close()
+
+
 async def test_unknown_model_when_strict(index: Index) -> None:
     async with serving(index, strict_models=True) as c:
         a = Agent(c, model="other")

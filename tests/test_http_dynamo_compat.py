@@ -750,6 +750,7 @@ ROWS: list[Row] = [
     Row("/query_by_hash", qbh(block_hashes=None)),
     Row("/query_by_hash", {"model_name": MODEL}),
     Row("/query_by_hash", {"block_hashes": [1]}),
+    Row("/query_by_hash", {"modKl_name": "m1b", "block_hasXes": []}),  # issue 23: both say `block_hashes`
     Row("/query_by_hash", qbh(cache_salt="x")),
     Row("/query_by_hash", qbh(cache_salt="")),
     Row("/query_by_hash", qbh(cache_salt=None)),
@@ -799,6 +800,12 @@ ROWS: list[Row] = [
         note="KNOWN (zmq_wire.check_endpoint): Rust's u16 parser takes a leading `+`"),
     Row("/register", reg(3, endpoint="tcp://[]:5"), kvcoord=400, undo={"instance_id": 3, "model_name": MODEL},
         note="KNOWN (zmq_wire.check_endpoint): Dynamo takes an empty bracketed host"),
+    Row("/register", reg(3, endpoint="tcp://" + "a" * 300 + ":5"), kvcoord=400,
+        undo={"instance_id": 3, "model_name": MODEL},
+        note="deliberate (issue 23): a host is a DNS name of at most 253 characters or an IP address"),
+    Row("/register", reg(3, endpoint="tcp://a..b:5"), kvcoord=400,
+        undo={"instance_id": 3, "model_name": MODEL},
+        note="deliberate (issue 23): a host is a DNS name or an IP address"),
     # /register: shapes.
     Row("/register", {"instance_id": 3, "endpoint": "tcp://127.0.0.1:5", "model_name": MODEL}),
     Row("/register", {"instance_id": 3, "endpoint": "tcp://127.0.0.1:5", "block_size": BS}),

@@ -34,7 +34,7 @@ from kvcoord import native as switch
 from kvcoord.index.base import NodeMatch
 from kvcoord.native import native
 from tests.procs import REPO
-from tests.test_fastpath import fuzz_answer
+from tests.test_fastpath import MALFORMED, fuzz_answer
 
 needs_native = pytest.mark.skipif(native is None, reason="native code not built or KVCOORD_NATIVE=0")
 
@@ -808,6 +808,14 @@ def fuzz_json_ints(rng: random.Random, steps: int) -> None:
         assert taken is not None and taken[0] is not None
         assert list(memoryview(taken[0]).cast("I" if limit == 2**32 else "Q")) == plain
         assert msgspec.json.decode(taken[1]) == {"model_name": "m", "ids": None, "x": {"y": [1, "]"]}}
+        path, malformed = rng.choice(MALFORMED)  # issue 23's malformed lookups, edited: read, never a crash
+        edited = bytearray(malformed)
+        for _ in range(rng.randrange(3)):
+            at = rng.randrange(len(edited))
+            edited[at:at + rng.randrange(2)] = bytes([rng.randrange(256)])
+        hashes = path == "/query_by_hash"
+        key, kind = ("block_hashes", "Q") if hashes else ("token_ids", "I")
+        native.json_take_ints(bytes(edited), key, kind)
 
 
 @pytest.mark.skipif(native is None, reason="needs the C extension")

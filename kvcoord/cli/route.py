@@ -84,11 +84,20 @@ def add(sub: Subparsers) -> None:
                         "remembers prefixes routed but not yet reported, so a burst sharing a new prefix "
                         "stays together")
     p.add_argument("--seed", type=NONNEG_INT, default=None, help="tie-break RNG seed (default: random)")
+    p.add_argument("--http-header-timeout-s", type=POSITIVE_FLOAT, default=10.0,
+                   help="a request head must arrive within this; else 408, closed (default 10)")
+    p.add_argument("--http-max-header-bytes", type=POSITIVE_INT, default=64 * 1024,
+                   help="request line and headers at most; else 431 (default 65536)")
+    p.add_argument("--http-max-connections", type=POSITIVE_INT, default=1024,
+                   help="open client connections at most; one more gets 503, closed (default 1024)")
+    p.add_argument("--http-idle-timeout-s", type=POSITIVE_FLOAT, default=75.0,
+                   help="close a kept-alive client connection idle this long (default 75)")
     p.set_defaults(func=run)
 
 
 def route_config(args: argparse.Namespace) -> RouteConfig:
     """The parsed flags as the router's configuration; raises CliError for a combination that cannot run."""
+    from kvcoord.coordinator.httpd import HttpLimits
     from kvcoord.gateway.route import RouteConfig
 
     backends = dict(args.backend)
@@ -103,7 +112,10 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
                        policy=args.policy, degraded=args.degraded, latency=cost_model(args),
                        rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,
                        connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, seed=args.seed,
-                       tokenizer=args.tokenizer)
+                       tokenizer=args.tokenizer, limits=HttpLimits(args.http_header_timeout_s,
+                                                                   args.http_max_header_bytes,
+                                                                   args.http_max_connections,
+                                                                   args.http_idle_timeout_s))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -46,6 +46,14 @@ def add(sub: Subparsers) -> None:
                    help="concurrent ingest streams; more get RESOURCE_EXHAUSTED (default 10000)")
     p.add_argument("--hello-timeout-s", type=POSITIVE_FLOAT, default=None,
                    help="close an ingest stream that sends no Hello within this (default 5)")
+    p.add_argument("--http-header-timeout-s", type=POSITIVE_FLOAT, default=None,
+                   help="HTTP API: a request head must arrive within this; else 408, closed (default 10)")
+    p.add_argument("--http-max-header-bytes", type=POSITIVE_INT, default=None,
+                   help="HTTP API: request line and headers at most; else 431 (default 65536)")
+    p.add_argument("--http-max-connections", type=POSITIVE_INT, default=None,
+                   help="HTTP API: open connections at most; one more gets 503, closed (default 1024)")
+    p.add_argument("--http-idle-timeout-s", type=POSITIVE_FLOAT, default=None,
+                   help="HTTP API: close a kept-alive connection idle this long (default 75)")
     p.add_argument("--tls-cert", default=None, help="PEM server certificate")
     p.add_argument("--tls-key", default=None, help="PEM server key")
     p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")
@@ -74,6 +82,10 @@ CONFIG_FLAGS = (
     "max_streams",
     "max_staged_snapshot_blocks",
     "hello_timeout_s",
+    "http_header_timeout_s",
+    "http_max_header_bytes",
+    "http_max_connections",
+    "http_idle_timeout_s",
     "tls_cert",
     "tls_key",
     "tls_client_ca",

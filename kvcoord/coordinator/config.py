@@ -47,6 +47,10 @@ max_hashes_per_batch = 262144       # block hashes over all events of one batch
 max_entries_per_node = 16777216     # entries (block, rank, tier) one node may hold, over its ranks
 max_streams = 10000                 # concurrent ingest streams (as Redis' maxclients)
 hello_timeout_s = 5.0               # a stream that sends no Hello this long is closed
+http_header_timeout_s = 10.0        # HTTP API: a request head must arrive within this (408, closed)
+http_max_header_bytes = 65536       # HTTP API: request line and headers at most (431)
+http_max_connections = 1024         # HTTP API: open connections at most (one more: 503, closed)
+http_idle_timeout_s = 75.0          # HTTP API: a kept-alive connection idle this long is closed
 
 [verify]                            # engine hash verification on a sample of BlockStored chains
 enabled = true
@@ -98,6 +102,10 @@ ENV_VARS: dict[str, str] = {
     "KVCOORD_MAX_STREAMS": "max_streams",
     "KVCOORD_MAX_STAGED_SNAPSHOT_BLOCKS": "max_staged_snapshot_blocks",
     "KVCOORD_HELLO_TIMEOUT_S": "hello_timeout_s",
+    "KVCOORD_HTTP_HEADER_TIMEOUT_S": "http_header_timeout_s",
+    "KVCOORD_HTTP_MAX_HEADER_BYTES": "http_max_header_bytes",
+    "KVCOORD_HTTP_MAX_CONNECTIONS": "http_max_connections",
+    "KVCOORD_HTTP_IDLE_TIMEOUT_S": "http_idle_timeout_s",
     "KVCOORD_TLS_CERT": "tls_cert",
     "KVCOORD_TLS_KEY": "tls_key",
     "KVCOORD_TLS_CLIENT_CA": "tls_client_ca",
@@ -130,6 +138,11 @@ class Limits:
     """Concurrent ingest streams, as Redis' ``maxclients``: one more is refused with RESOURCE_EXHAUSTED."""
     hello_timeout_s: float = 5.0
     """Seconds a new ingest stream has to send its Hello before it is closed (DEADLINE_EXCEEDED)."""
+    http_header_timeout_s: float = 10.0
+    """The HTTP API's :class:`~kvcoord.coordinator.httpd.HttpLimits` (a slow client's head: 408)."""
+    http_max_header_bytes: int = 64 * 1024
+    http_max_connections: int = 1024
+    http_idle_timeout_s: float = 75.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,7 +490,7 @@ _TOP_SCALARS = {
 }
 _TOP_TABLES = {"tier_weights", "limits", "verify", "tls", "auth", "models"}
 _LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}
-_FLOAT_LIMITS = {"hello_timeout_s"}
+_FLOAT_LIMITS = {"hello_timeout_s", "http_header_timeout_s", "http_idle_timeout_s"}
 
 
 def _as_limit(where: str, key: str, value: object) -> int | float:

@@ -52,7 +52,7 @@ from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
 from kvcoord.index.base import run_inline
 from kvcoord.load import NodeLoad
 from kvcoord.native import native
-from kvcoord.validate import shown
+from kvcoord.validate import MAX_JSON_DEPTH, json_too_deep, shown
 
 log = logging.getLogger("kvcoord.http")
 
@@ -161,8 +161,9 @@ def _check_json(req: Request) -> None:
 
 def decode_fast(req: Request, kind: type[Any], key: str, ints: str) -> tuple[Any, memoryview | None] | None:
     """The body as ``kind`` with its integer array ``key`` packed natively (``ints``: 'I' uint32, 'Q' uint64
-    keys), in one scan; None when the native scanner does not claim the body (then :func:`decode_body`
-    decodes it typed, and its value or its error is the answer)."""
+    keys), in one scan; None when the native scanner does not claim the body or the rest is not ``kind``
+    (then :func:`decode_body` decodes it typed, and its value or its error is the answer: a missing or
+    mistyped field is named as the full struct's field order names it, with or without the native path)."""
     _check_json(req)
     if native is None:
         return None
@@ -172,10 +173,9 @@ def decode_fast(req: Request, kind: type[Any], key: str, ints: str) -> tuple[Any
     packed, rest = taken
     try:
         value = _DECODERS[kind].decode(rest)
-    except msgspec.ValidationError as exc:
-        why = f"Failed to deserialize the JSON body into the target type: {exc}"
-        raise BadBody(json_error(422, why)) from None
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
+        return None  # an error is decode_body's to word: the same answer with or without the native path
+    if json_too_deep(rest, value):
         return None
     if packed is None:
         return value, None
@@ -201,6 +201,10 @@ def decode_body(req: Request, kind: type[Any]) -> Any:
         raise BadBody(json_error(422, why)) from None
     except msgspec.DecodeError as exc:
         raise BadBody(json_error(400, f"Failed to parse the request body as JSON: {exc}")) from None
+    except RecursionError:
+        raise BadBody(_TOO_DEEP) from None
+    if json_too_deep(body, value):
+        raise BadBody(_TOO_DEEP)
     repeated = _repeated_field(body, _json_keys(kind))
     if repeated is not None:  # msgspec keeps the last value; serde refuses, and so does Dynamo
         raise BadBody(json_error(422, "Failed to deserialize the JSON body into the target type: "
@@ -208,6 +212,8 @@ def decode_body(req: Request, kind: type[Any]) -> Any:
     return value
 
 
+_TOO_DEEP = json_error(400, f"Failed to parse the request body as JSON: nested deeper than {MAX_JSON_DEPTH} "
+                                 "levels")
 _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
 _KEY_END = re.compile(rb"[ \t\r\n]*:")
 _ALIASES = {"additionalsalt": "additional_salt"}
@@ -261,7 +267,7 @@ def _top_level_repeat(body: bytes, keys: dict[bytes, str]) -> str | None:
 
     try:
         json.loads(body, object_pairs_hook=pairs)  # the last object it sees is the top-level one
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return found[0]
 

@@ -12,6 +12,10 @@ measured in ``benchmarks/bench_vs_dynamo_service.py``). What it does:
 - a handler may answer at once (a plain :class:`Response`) or with an awaitable: a lookup on an
   in-process index never pays for a task;
 - a malformed request gets 400 and the connection is closed; nothing reaches a handler;
+- what one client may hold (:class:`HttpLimits`): a request head must arrive within ``header_timeout``
+  (408, closed: slowloris) and be at most ``max_header_bytes`` (431); past ``max_connections`` open
+  connections a new one gets 503 and is closed. Each refusal is reported by reason (:data:`REFUSALS`).
+  A connection idle for ``idle_timeout`` (no request in it, none being answered) is closed;
 - ``answer`` (optional) may answer a whole request in one call before any of this runs
   (:mod:`kvcoord.coordinator.fastpath`): offered every chunk that arrives between requests, it answers
   or declines, and what it declines goes the usual way.
@@ -36,18 +40,111 @@ import httptools
 
 log = logging.getLogger("kvcoord.http")
 
-__all__ = ["JSON", "HttpServer", "Request", "Response", "Route", "json_error", "render"]
+__all__ = ["JSON", "REFUSALS", "HeadWatch", "HttpLimits", "HttpServer", "Request", "Response", "Route",
+           "json_error", "render"]
 
 _REASONS = {
     100: "Continue", 200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
-    403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 413: "Payload Too Large",
-    415: "Unsupported Media Type", 422: "Unprocessable Entity", 500: "Internal Server Error",
+    403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict",
+    413: "Payload Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Entity",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error",
     501: "Not Implemented", 503: "Service Unavailable",
 }
-_MAX_HEADER_BYTES = 64 * 1024
 _LINGER_SECONDS = 2.0
 """How long a refused request's connection still takes (and drops) the client's bytes before it closes."""
 JSON = "application/json"
+REFUSALS = ("header_timeout", "header_too_large", "max_connections")
+"""Why a listener refused a client (the label of its ``..._http_refused_total`` counter)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one client may hold of an HTTP listener, so a few slow or greedy ones cannot starve the rest."""
+
+    header_timeout: float = 10.0
+    """Seconds from a connection's start, or a request's first byte, to the end of the request's head."""
+    max_header_bytes: int = 64 * 1024
+    """The request line and headers, in bytes."""
+    max_connections: int = 1024
+    """Open connections at once; one more is answered 503 and closed."""
+    idle_timeout: float = 75.0
+    """Seconds a kept-alive connection may wait for its next request (nginx's default): idle ones cannot
+    hold the connections ``max_connections`` allows."""
+
+    def too_large(self) -> str:
+        return f"request head larger than {self.max_header_bytes} bytes"
+
+    def timed_out(self) -> str:
+        return f"request head not received within {self.header_timeout:g} s"
+
+    def too_many(self) -> str:
+        return f"too many connections (max_connections {self.max_connections})"
+
+
+class HeadWatch:
+    """One connection's request heads against :class:`HttpLimits`: their size and their clock. For this
+    module's server and ``kvcoord route``'s aiohttp listener, each feeding it its parser's events. Sizes
+    are counted as received too: httptools holds a header line whole before its callback, so the
+    callbacks alone would let one endless line grow without bound."""
+
+    __slots__ = ("_on_timeout", "_timer", "in_head", "limits", "parsed", "received")
+
+    def __init__(self, limits: HttpLimits, on_timeout: Callable[[], None]) -> None:
+        self.limits = limits
+        self._on_timeout = on_timeout
+        self._timer: asyncio.TimerHandle | None = None
+        self.in_head = True
+        """The next bytes belong to a request's head (between requests too)."""
+        self.received = 0
+        self.parsed = 0
+
+    def over(self, data: bytes) -> bool:
+        """Whether ``data``, just received, takes the head being read past the limit: its blank line is
+        not within it. (Still in the head: its blank line was not in the bytes before.)"""
+        if not self.in_head:
+            return False
+        limit = self.limits.max_header_bytes
+        before = self.received
+        self.received = before + len(data)
+        if self.received <= limit:
+            return False
+        if before <= limit and data.startswith((b"\n", b"\r\n", b"\n\r\n")):
+            return False  # the blank line began in the bytes before
+        return data.find(b"\r\n\r\n", 0, max(0, limit - before)) < 0
+
+    def grew(self, n: int) -> bool:
+        """The parser read ``n`` more bytes of URL or headers: whether the head is now past the limit."""
+        self.parsed += n
+        return self.parsed > self.limits.max_header_bytes
+
+    def begin(self) -> None:
+        """A connection's start or a request's first byte: the head's clock runs (if not already)."""
+        self.parsed = 0
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.limits.header_timeout, self._fire)
+
+    def headers_done(self) -> None:
+        self.in_head = False
+        self.stop()
+
+    def message_done(self) -> None:
+        """The request is read: the next bytes start a head (its clock starts with them)."""
+        self.in_head = True
+        self.received = 0
+
+    def answered(self) -> None:
+        """Whole requests were taken at once (no parser saw them): no head is being read."""
+        self.stop()
+        self.received = 0
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._on_timeout()
 
 
 @dataclass(slots=True)
@@ -110,7 +207,11 @@ class _Connection(asyncio.Protocol):
         self.peer = ""
         self._url = b""
         self._headers: dict[str, str] = {}
-        self._header_bytes = 0
+        self._head = HeadWatch(server.limits, self._head_timed_out)
+        self._active = 0.0
+        """When bytes last came in or an answer went out (loop time): one timer per idle period checks
+        it, instead of a timer per request."""
+        self._idle: asyncio.TimerHandle | None = None
         self._body: list[bytes] = []
         self._body_len = 0
         self._limit = 0
@@ -129,21 +230,39 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
+        limits = self.server.limits
+        if len(self.server.connections) >= limits.max_connections:
+            self.server.refused("max_connections")
+            self._fail(json_error(503, limits.too_many()))
+            return
         self.server.connections.add(self)
+        self._head.begin()
+        loop = asyncio.get_running_loop()
+        self._active = loop.time()
+        self._idle = loop.call_later(limits.idle_timeout, self._idle_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         self.transport = None
         if self._linger is not None:
             self._linger.cancel()
+        self._head.stop()
+        if self._idle is not None:
+            self._idle.cancel()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
+            return
+        self._active = asyncio.get_running_loop().time()
+        if self._head.over(data):
+            self.server.refused("header_too_large")
+            self._fail(json_error(431, self.server.limits.too_large()))
             return
         answer = self.server.answer
         if answer is not None and self._between and not self._queue and not self._busy:
             out = answer(data)
             if out is not None and self.transport is not None:
+                self._head.answered()
                 self.transport.write(out)
                 return
         try:
@@ -151,33 +270,58 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(json_error(501, "protocol upgrades are not supported"))
         except httptools.HttpParserError as exc:
-            if self._rejected is not None:  # an oversized body refused before it was read
+            if self._rejected is not None:  # refused before it was read: an oversized head or body
                 self._fail(self._rejected)
             else:
                 self._fail(json_error(400, f"malformed HTTP request: {exc}"))
 
+    # --- the head's limits -----------------------------------------------------------------
+    def _idle_check(self) -> None:
+        """Close the connection if nothing came in or went out for ``idle_timeout`` while no request was
+        read or answered (a head has its own clock); else look again when it could be."""
+        self._idle = None
+        if self._closing or self.transport is None:
+            return
+        loop = asyncio.get_running_loop()
+        idle = self.server.limits.idle_timeout
+        left = idle - (loop.time() - self._active)
+        if left <= 0 and self._between and not self._busy and not self._queue:
+            self._close(linger=False)
+            return
+        self._idle = loop.call_later(left if left > 0 else idle, self._idle_check)
+
+    def _head_timed_out(self) -> None:
+        if self._closing or self.transport is None:
+            return
+        self.server.refused("header_timeout")
+        self._fail(json_error(408, self.server.limits.timed_out()))
+
     # --- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._between = False
+        self._head.begin()
         self._url = b""
         self._headers = {}
-        self._header_bytes = 0
         self._body = []
         self._body_len = 0
         self._rejected = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        if len(self._url) > _MAX_HEADER_BYTES:
-            raise httptools.HttpParserError("URL too long")
+        self._head_grew(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_bytes += len(name) + len(value)
-        if self._header_bytes > _MAX_HEADER_BYTES:
-            raise httptools.HttpParserError("headers too large")
+        self._head_grew(len(name) + len(value))
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
+    def _head_grew(self, n: int) -> None:
+        if self._head.grew(n):
+            self.server.refused("header_too_large")
+            self._rejected = json_error(431, self.server.limits.too_large())
+            raise httptools.HttpParserError("request head too large")
+
     def on_headers_complete(self) -> None:
+        self._head.headers_done()
         path = httptools.parse_url(self._url).path.decode("latin-1", "replace")
         route = self.server.routes.get(path)
         self._limit = route.body_limit if route is not None else Route({}).body_limit
@@ -204,6 +348,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._between = True
+        self._head.message_done()
         parsed = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         method = self.parser.get_method().decode("latin-1")
@@ -259,6 +404,7 @@ class _Connection(asyncio.Protocol):
 
     def _write(self, resp: Response, keep: bool, *, head: bool = False) -> None:
         assert self.transport is not None
+        self._active = asyncio.get_running_loop().time()
         self.transport.write(render(resp, keep, self.server.extra_headers, head=head))
 
     def _fail(self, resp: Response) -> None:
@@ -316,8 +462,13 @@ class HttpServer:
     def __init__(self, routes: dict[str, Route],
                  authorize: Callable[[Request], Response | None] | None = None,
                  headers: Sequence[tuple[str, str]] = (),
-                 answer: Callable[[bytes], bytes | None] | None = None) -> None:
+                 answer: Callable[[bytes], bytes | None] | None = None,
+                 limits: HttpLimits | None = None,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.routes = routes
+        self.limits = limits or HttpLimits()
+        self._on_refused = on_refused
+        """Told each refusal's reason (:data:`REFUSALS`), for a metric."""
         self.authorize = authorize
         self.answer = answer
         """Whole requests answered in one call, or None (see the module's docstring); its answers carry
@@ -328,6 +479,11 @@ class HttpServer:
         self.tasks: set[asyncio.Future[Response]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
+
+    def refused(self, reason: str) -> None:
+        log.debug("HTTP: refused a client (%s)", reason)
+        if self._on_refused is not None:
+            self._on_refused(reason)
 
     def misrouted(self, method: str, path: str) -> Response | None:
         """404 (empty) for an unknown path, 405 with ``Allow`` for another method; None if routed."""

@@ -53,7 +53,7 @@ from kvcoord.validate import (
     check_node_id,
     shown,
 )
-from kvcoord.wire import check_ranks, load_from_proto, snapshot_from_proto
+from kvcoord.wire import Sample, check_ranks, load_from_proto, snapshot_from_proto
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
 
@@ -429,6 +429,7 @@ class IngestSession:
                 ops = batch.ops()
             except InvalidEvent as exc:
                 return self._reject(rec, batch, "invalid_event", str(exc))
+            samples = self._samples(rec, batch)
             self._check_bounds(rec, ops, batch)
             if not await self._apply(rec, batch.dp_rank, ops):
                 st.metrics.batch("awaiting_snapshot")
@@ -438,8 +439,8 @@ class IngestSession:
             rec.indexed.add((self.model, batch.dp_rank))
             self._note_history(rec, batch.dp_rank, ops, batch.history_lost)
         self._account(batch)
-        if batch.sampled:
-            self._verify(rec, batch)
+        if samples:
+            self._verify(rec, samples)
         return self._acked(batch.seq, defer_ack)
 
     async def _batches(
@@ -519,17 +520,29 @@ class IngestSession:
                             "node %s dp rank %d: %s (logged once per node, rank and change)", rec.node_id,
                             rank, f"degraded: {now}" if now is not None else "history whole again: exact")
 
-    def _verify(self, rec: NodeRecord, batch: Incoming) -> None:
+    def _samples(self, rec: NodeRecord, batch: Incoming) -> Sequence[Sample]:
+        """A sampled batch's verification samples, read before anything is applied: one that cannot be
+        read (the agent's fault, not the engine's) ends the stream with INVALID_ARGUMENT, nothing applied;
+        the node then lacks the batch and resyncs, as past ``max_events_per_batch``."""
+        if not batch.sampled:
+            return ()
+        try:
+            return batch.samples()
+        except InvalidEvent as exc:
+            rec.resyncing = True
+            self.state.metrics.batch("rejected")
+            self._count_rejected(batch, "invalid_event")
+            self.state.log_once(f"bad-sample:{rec.node_id}", logging.WARNING,
+                                "node %s: batch %d refused, unusable verification sample: %s (logged once "
+                                "per node)", rec.node_id, batch.seq, exc)
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"batch {batch.seq}: unusable verification sample: {exc}") from None
+
+    def _verify(self, rec: NodeRecord, samples: Sequence[Sample]) -> None:
         """Hash verification of an applied batch's samples; a mismatch marks the node (and tells it)."""
         st = self.state
         profile = st.config.profile(self.model)
         if profile is None or rec.hash_mismatch or not st.verifier.cfg.enabled:
-            return
-        try:
-            samples = batch.samples()
-        except InvalidEvent as exc:
-            st.log_once(f"bad-sample:{rec.node_id}", logging.WARNING,
-                        "node %s: unusable verification sample: %s", rec.node_id, exc)
             return
         reason = st.verifier.check(rec, self.model, profile, samples)
         if reason is not None:

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from kvcoord import __version__
 from kvcoord.coordinator.engines import RELAY_STATES
+from kvcoord.coordinator.httpd import REFUSALS as HTTP_REFUSALS
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
 from kvcoord.load import TRUSTS
@@ -288,6 +289,10 @@ class Metrics:
             "kvcoord_ingest_streams_refused", "Ingest streams refused, or closed for sending no Hello",
             ["reason"], registry=r,
         )
+        self.http_refusals = Counter(
+            "kvcoord_http_refused", "HTTP API clients refused: a head too slow or too large, or past "
+            "max_connections", ["reason"], registry=r,
+        )
 
     def _declare_histograms(self, r: CollectorRegistry) -> None:
         """Lookup latency, how much of a query the best node held, and ingest lag."""
@@ -343,6 +348,8 @@ class Metrics:
             self._child(self.hash_verifications, result)
         for reason in STREAM_REFUSALS:
             self._child(self.streams_refused, reason)
+        for reason in HTTP_REFUSALS:
+            self._child(self.http_refusals, reason)
 
     def register_index(self, index: Index) -> bool:
         """Export the backend's own metrics when it keeps them (the Redis backend does)."""
@@ -394,6 +401,9 @@ class Metrics:
 
     def stream_refused(self, reason: str) -> None:
         self._child(self.streams_refused, reason).inc()
+
+    def http_refused(self, reason: str) -> None:
+        self._child(self.http_refusals, reason).inc()
 
     def snapshot_requested(self, reason: str) -> None:
         self._child(self.snapshots_requested, reason).inc()

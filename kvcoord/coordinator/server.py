@@ -25,7 +25,7 @@ from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import EngineRunner, Engines, open_engine_store
 from kvcoord.coordinator.fastpath import NativeAnswers
 from kvcoord.coordinator.httpapi import HttpApi
-from kvcoord.coordinator.httpd import HttpServer
+from kvcoord.coordinator.httpd import HttpLimits, HttpServer
 from kvcoord.coordinator.reclaim import limit_arenas
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
@@ -170,7 +170,11 @@ class CoordinatorServer:
     async def _start_http(self, state: CoordinatorState, auth: Authenticator) -> None:
         cfg = self.config
         api = HttpApi(state, self.engines, auth)
-        http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)])
+        lim = cfg.limits
+        limits = HttpLimits(lim.http_header_timeout_s, lim.http_max_header_bytes, lim.http_max_connections,
+                            lim.http_idle_timeout_s)
+        http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)],
+                                       limits=limits, on_refused=state.metrics.http_refused)
         if NativeAnswers.available(api):
             http.answer = NativeAnswers(api, http.extra_headers).answer
         host, port = split_hostport(cfg.http_listen)

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -79,7 +81,40 @@ def check_endpoint(text: str, *, connect: bool = False) -> str:
         raise bad("invalid TCP port: number too large to fit in target type")
     if connect and (host == "*" or int(port) == 0):
         raise bad("not an address to connect to (a bind address?)")
+    why = _bad_host(host, bracketed=rest.startswith("["))
+    if why:
+        raise bad(f"invalid TCP host: {why}")
     return text
+
+
+MAX_HOST_CHARS = 253
+"""A DNS name's longest text form (RFC 1035), without a final dot."""
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def _bad_host(host: str, *, bracketed: bool) -> str:
+    """Why ``host`` is not an IP address, a DNS name (labels of letters, digits, ``-`` and ``_``; at most
+    :data:`MAX_HOST_CHARS` characters) or ``*``; "" if it is one."""
+    if bracketed:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return "not an IPv6 address"
+        return ""
+    if host == "*":
+        return ""
+    name = host.removesuffix(".")
+    if len(name) > MAX_HOST_CHARS:
+        return f"{len(name)} characters, at most {MAX_HOST_CHARS}"
+    labels = name.split(".")
+    if not all(_LABEL.fullmatch(label) for label in labels):
+        return "not a DNS name or an IP address"
+    if all(label.isdigit() for label in labels):  # 1.2.3, 999.1.1.1: no name, and no IPv4 address
+        try:
+            ipaddress.IPv4Address(name)
+        except ValueError:
+            return "not an IPv4 address"
+    return ""
 
 
 def offset_endpoint_port(endpoint: str | None, dp_rank: int) -> str | None:

@@ -14,8 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvcoord.tokenize import Tokenizer
+from kvcoord.validate import MAX_JSON_DEPTH, json_too_deep
 
-__all__ = ["BadRequest", "NotAskable", "body_query", "query_of_body", "tokenize"]
+__all__ = ["BadRequest", "NotAskable", "body_query", "json_object", "query_of_body", "tokenize"]
+
+_TOO_DEEP = f"request body is nested deeper than {MAX_JSON_DEPTH} levels"
 
 _CHAT_FIELDS = (("tools", list), ("chat_template_kwargs", dict), ("add_generation_prompt", bool),
                 ("add_special_tokens", bool))
@@ -93,17 +96,29 @@ def body_query(data: Mapping[str, Any], *, chat: bool | None = None, batches: bo
     return query
 
 
-def query_of_body(body: bytes, complete: bool = True) -> tuple[str, dict[str, Any]]:
-    """``(model, lookup keywords)`` of a raw body that must name its model. ``complete=False``: the proxy
-    sent only part of it (its buffer limit), so a parse failure is 413."""
+def json_object(body: bytes, complete: bool = True) -> dict[str, Any]:
+    """The JSON object a request body holds, or :class:`BadRequest` (400; 413 when ``complete`` is false
+    and it does not parse: the proxy sent only part of it). A body nested deeper than
+    :data:`~kvcoord.validate.MAX_JSON_DEPTH` is refused before anything encodes it again."""
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise BadRequest(_TOO_DEEP) from None
     except (ValueError, UnicodeDecodeError) as exc:
         if not complete:
             raise BadRequest("request body incomplete: larger than the proxy's buffer", 413) from None
         raise BadRequest(f"request body is not JSON ({exc})") from None
+    if json_too_deep(body, data):
+        raise BadRequest(_TOO_DEEP)
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
+    return data
+
+
+def query_of_body(body: bytes, complete: bool = True) -> tuple[str, dict[str, Any]]:
+    """``(model, lookup keywords)`` of a raw body that must name its model. ``complete=False``: the proxy
+    sent only part of it (its buffer limit), so a parse failure is 413."""
+    data = json_object(body, complete)
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("request body has no model")

@@ -28,13 +28,16 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from kvcoord.coordinator.httpd import HttpLimits
 from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
+from .listener import GuardedSite
 from .nodes import Prefill
+from .requests import BadRequest, json_object
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
 from .route_place import Placer, Plan, node_label
@@ -75,6 +78,8 @@ class RouteConfig:
     """Seconds between ``/health`` probes of a node left out after a failure."""
     max_attempts: int = 3
     seed: int | None = None
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    """What one client may hold of the listener (header timeout and size, connections)."""
     tokenizer: str | None = None
     """The engines' tokenizer (a local directory, or an engine URL for its /tokenize): the router then
     looks up by token ids and remembers the blocks it routed (see :mod:`kvcoord.gateway.route_place`)."""
@@ -147,10 +152,13 @@ class RouteServer:
                                               timeout=aiohttp.ClientTimeout(total=None,
                                                                             connect=self.config.connect_timeout))
         host, port = split_hostport(self.config.listen)
-        runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False)
+        head = self.config.limits.max_header_bytes  # one line or field may be the whole head
+        runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False,
+                               max_line_size=head, max_field_size=head,
+                               keepalive_timeout=self.config.limits.idle_timeout)
         await runner.setup()
         try:
-            await web.TCPSite(runner, host or None, port).start()
+            await GuardedSite(runner, host or None, port, self.config.limits, self.metrics.registry).start()
         except OSError as exc:
             await runner.cleanup()
             await self._session.close()
@@ -282,12 +290,10 @@ class RouteServer:
         t0 = time.perf_counter()
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            body = None
-        if not isinstance(body, dict):
+            body = json_object(raw)
+        except BadRequest as exc:
             self.metrics.requests.labels(endpoint, "bad_request").inc()
-            return _openai_error(400, "request body must be a JSON object")
+            return _openai_error(400, exc.message)
         model = body.get("model") or self.config.model or ""
         if not isinstance(model, str) or (not model and self.placer.policy.uses_index):
             self.metrics.requests.labels(endpoint, "bad_request").inc()
