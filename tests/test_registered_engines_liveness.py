@@ -287,13 +287,15 @@ def test_redis_keeps_registrations_across_a_restart_of_serve(tmp_path: Path) -> 
             until(lambda: serving(srv, "7"), "engine 7 back after the restart", DEADLINE, srv.diagnose)
 
 
-def test_a_bad_metrics_url_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+def test_a_bad_metrics_or_serving_url_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     sim = new_sim()
     with serve(tmp_path, "a") as srv:
-        for url in ("ftp://127.0.0.1/metrics", "http://", "not a url", "http://h:1/metrics?x=1", "h" * 5000):
-            status, reply = srv.call("POST", "/register", {**sim.registration(7), "metrics_url": url})
-            assert status == 400 and "invalid metrics_url" in reply["error"], reply
-            assert "\n" not in reply["error"] and len(reply["error"]) < 400, reply
+        for field in ("metrics_url", "serving_url"):
+            for url in ("ftp://127.0.0.1/metrics", "http://", "not a url", "http://h:1/metrics?x=1",
+                        "h" * 5000):
+                status, reply = srv.call("POST", "/register", {**sim.registration(7), field: url})
+                assert status == 400 and f"invalid {field}" in reply["error"], reply
+                assert "\n" not in reply["error"] and len(reply["error"]) < 400, reply
         assert srv.workers() == {}
 
 

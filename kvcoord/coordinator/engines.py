@@ -418,12 +418,14 @@ class Engines:
                        dp_rank: int | None, endpoint: str, replay_endpoint: str | None,
                        serving_url: str = "", metrics_url: str = "") -> None:
         """Add one listener, or raise :class:`RegistrationError` with Dynamo's status and message."""
-        if metrics_url:
+        urls = {"serving_url": (serving_url, ""), "metrics_url": (metrics_url, "/metrics")}
+        for what, (url, path) in urls.items():
             try:
-                metrics_url = valid_url(metrics_url)
+                urls[what] = (valid_url(url) if url else "", path)
             except ValueError:
-                raise RegistrationError(400, f"invalid metrics_url {shown(metrics_url, 256)}: expected "
-                                             "http(s)://HOST[:PORT]/metrics") from None
+                raise RegistrationError(400, f"invalid {what} {shown(url, 256)}: expected "
+                                             f"http(s)://HOST[:PORT]{path}") from None
+        serving_url, metrics_url = urls["serving_url"][0], urls["metrics_url"][0]
         for what, value in (("", endpoint), ("replay ", replay_endpoint)):
             if value is None:
                 continue
