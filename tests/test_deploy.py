@@ -58,8 +58,8 @@ PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvcoord.json"
 DOCS = (REPO / "README.md", *(REPO / "docs" / f"{page}.md" for page in (
-    "deploy", "architecture", "configuration", "development", "http-api", "operations", "routing", "semantics",
-    "simulate")))
+    "deploy", "architecture", "configuration", "development", "http-api", "operations", "routing",
+    "semantics", "simulate")))
 """The pages whose shell blocks' ``kvcoord`` commands must parse (docs/epp.md: tests/test_epp.py)."""
 TOKEN_ENV = {"KVCOORD_AGENT_TOKEN": "a", "KVCOORD_ROUTER_TOKEN": "r", "KVCOORD_ADMIN_TOKEN": "x"}
 
