@@ -57,7 +57,10 @@ K8S_EPP = K8S / "epp"
 PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvcoord.json"
-DOCS = (REPO / "README.md", REPO / "docs" / "deploy.md")
+DOCS = (REPO / "README.md", *(REPO / "docs" / f"{page}.md" for page in (
+    "deploy", "architecture", "configuration", "development", "http-api", "operations", "routing",
+    "semantics", "simulate")))
+"""The pages whose shell blocks' ``kvcoord`` commands must parse (docs/epp.md: tests/test_epp.py)."""
 TOKEN_ENV = {"KVCOORD_AGENT_TOKEN": "a", "KVCOORD_ROUTER_TOKEN": "r", "KVCOORD_ADMIN_TOKEN": "x"}
 
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
