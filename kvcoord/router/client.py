@@ -90,7 +90,7 @@ class NodeStatus:
     serving_url: str = ""
     """The engine's own URL, as its agent announced it; empty when unknown."""
     trust: str = EXACT
-    """``exact``, ``resyncing``, ``degraded`` or ``approximate`` (see the README's Semantics);
+    """``exact``, ``resyncing``, ``degraded`` or ``approximate`` (see docs/semantics.md);
     ``trust_reason`` says why."""
     trust_reason: str = ""
     trust_cause: str = ""
