@@ -6,8 +6,8 @@ whole per-batch path (decode, validate, mirror update, forward to a sink), and t
 real ZMQ (publisher thread -> PUB/SUB over tcp -> relay), which includes encoding.
 
 Then a node's snapshot (it runs inside the agent's event loop, so it is how long the loop stalls):
-the former bitmask mirror's per-entry loop (baseline) against the per-tier mirror, each with what
-the reporter does to the entries.
+the former bitmask mirror's per-entry loop (baseline) against the mirror's table columns (it runs on
+the memory index's core), each with what the reporter does to the entries.
 
     .venv/bin/python benchmarks/bench_relay.py [--quick]
 """
@@ -190,7 +190,7 @@ def snapshot_figures(n_blocks: int, repeat: int) -> None:
     entries = n_blocks + len(cpu)
     rows = [("former: bitmask mirror + per-entry reporter loop", old_path),
             ("  its mirror read alone (per entry and tier)", lambda: _bitmask_entries(bitmask) and None),
-            ("now: mirror.rank_entries (per-tier set columns)", lambda: mirror.rank_entries(0) and None),
+            ("now: mirror.rank_entries (the table's columns)", lambda: mirror.rank_entries(0) and None),
             ("now: reporter._take_snapshot (iterates pairs)", lambda: rep._take_snapshot() and None),
             ("columns straight into protos (reporter fast path)", columns_path)]
     print(f"\nsnapshot of {entries:,} (hash, tier) entries, best of {repeat}: the agent's event loop "

@@ -1297,6 +1297,66 @@ pair_cmp(const void *a, const void *b)
     return (x->tier > y->tier) - (x->tier < y->tier);
 }
 
+/* The tier mask slot holds in bucket i (0: none, or the bucket is empty). */
+static inline uint8_t
+slot_mask(const Table *t, size_t i, uint32_t slot)
+{
+    if (t->b[i].tag < C_ONE) {
+        return 0;
+    }
+    if (t->b[i].tag == C_ONE) {
+        return t->b[i].a == slot ? t->b[i].mask : 0;
+    }
+    const Many *m = t->many[t->b[i].a];
+    long at = hsearch(m->h, m->n, slot);
+    return at >= 0 ? m->h[at].mask : 0;
+}
+
+static PyObject *
+Table_columns(Table *t, PyObject *arg)
+{
+    uint32_t slot;
+    if (parse_slot(arg, &slot) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n[NTIERS] = {0};
+    for (size_t i = 0; i < t->cap; i++) {
+        uint8_t mask = slot_mask(t, i, slot);
+        for (int tier = 0; tier < NTIERS; tier++) {
+            n[tier] += (mask >> tier) & 1;
+        }
+    }
+    PyObject *out = PyTuple_New(NTIERS);
+    if (out == NULL) {
+        return NULL;
+    }
+    PyObject *lists[NTIERS];
+    for (int tier = 0; tier < NTIERS; tier++) {
+        lists[tier] = PyList_New(n[tier]);
+        if (lists[tier] == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, tier, lists[tier]);
+        n[tier] = 0;
+    }
+    for (size_t i = 0; i < t->cap; i++) {
+        uint8_t mask = slot_mask(t, i, slot);
+        for (int tier = 0; mask && tier < NTIERS; tier++) {
+            if (!(mask & (1u << tier))) {
+                continue;
+            }
+            PyObject *h = PyLong_FromUnsignedLongLong((unsigned long long)t->b[i].key);
+            if (h == NULL) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyList_SET_ITEM(lists[tier], n[tier]++, h);
+        }
+    }
+    return out;
+}
+
 static PyObject *
 Table_export(Table *t, PyObject *arg)
 {
@@ -1310,22 +1370,7 @@ Table_export(Table *t, PyObject *arg)
         return PyErr_NoMemory();
     }
     for (size_t i = 0; i < t->cap; i++) {
-        if (t->b[i].tag < C_ONE) {
-            continue;
-        }
-        uint8_t mask = 0;
-        if (t->b[i].tag == C_ONE) {
-            if (t->b[i].a == slot) {
-                mask = t->b[i].mask;
-            }
-        }
-        else {
-            Many *m = t->many[t->b[i].a];
-            long at = hsearch(m->h, m->n, slot);
-            if (at >= 0) {
-                mask = m->h[at].mask;
-            }
-        }
+        uint8_t mask = slot_mask(t, i, slot);
         for (uint8_t tier = 0; tier < NTIERS; tier++) {
             if (!(mask & (1u << tier))) {
                 continue;
@@ -1478,6 +1523,8 @@ static PyMethodDef Table_methods[] = {
     {"set_order", (PyCFunction)Table_set_order, METH_O,
      "set_order(slots): tie-break order of match rows (slots sorted by (node_id, dp_rank))."},
     {"match", (PyCFunction)(void (*)(void))Table_match, METH_FASTCALL, match_doc},
+    {"columns", (PyCFunction)Table_columns, METH_O,
+     "columns(slot) -> (gpu, cpu, storage): the hashes slot holds on each tier, in table order."},
     {"export", (PyCFunction)Table_export, METH_O,
      "export(slot) -> list[(hash, tier)]: every entry of slot, sorted."},
     {"sweep_begin", (PyCFunction)Table_sweep_begin, METH_O,

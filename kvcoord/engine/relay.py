@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -56,6 +56,8 @@ from kvcoord.events import (
     decode_vllm_views,
 )
 from kvcoord.hashing import BlockHash64
+from kvcoord.index.base import ApplyResult
+from kvcoord.index.table import Core, PyTable, apply_ops, table_type
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ _Op = validate.Op
 """``(kind, tier, hashes, group_idx, indexable)``: the index's own validated op, by the index's rules."""
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
+_KEY = ("", 0)
+"""The one location of a rank's table (the mirror is one node)."""
 
 
 class RankSnapshot:
@@ -111,20 +115,23 @@ class RankSnapshot:
 
 
 class BlockMirror:
-    """The blocks one node holds: ``{dp_rank: [set of hash64 per tier]}``.
+    """The blocks one node holds, per DP rank: what the index should hold for the node.
 
-    Follows the index's semantics: stores are idempotent, removing an unknown block is a no-op,
-    ``AllBlocksCleared`` drops the rank. Events of groups that are not prefix-indexable (sliding
-    window, Mamba) are ignored, as the index ignores them; a removal is matched to its group by the
-    ``group_idx`` the group's stores announced. One set per tier keeps both updates (``set.update``
-    over a batch's hashes) and snapshots (``list(set)``) at C speed.
+    Built on the memory index's own core: each rank is one location in a table of its own
+    (:mod:`kvcoord.index.table`), and every batch goes through the rule set the index applies
+    (:func:`kvcoord.index.table.apply_ops`: idempotent stores, removals of unknown blocks as no-ops,
+    skipped groups, ``AllBlocksCleared``), so the two cannot disagree. ``core`` picks the table as
+    :class:`~kvcoord.index.memory.MemoryIndex` does. A rank's snapshot reads its table's columns, at C
+    speed on either core.
     """
 
-    __slots__ = ("_ranks", "_skip_groups")
+    __slots__ = ("_ranks", "_table", "counts")
 
-    def __init__(self) -> None:
-        self._ranks: dict[int, tuple[set[BlockHash64], ...]] = {}
-        self._skip_groups: dict[int, set[int]] = {}
+    def __init__(self, *, core: Core = "auto") -> None:
+        self._table = table_type(core)
+        self._ranks: dict[int, PyTable] = {}
+        self.counts = ApplyResult()
+        """What every batch did, summed (the index's counts of the same batches)."""
 
     @staticmethod
     def prepare(events: Sequence[KVEvent]) -> validate.Runs:
@@ -133,35 +140,23 @@ class BlockMirror:
         return validate.op_runs(events)
 
     def commit(self, dp_rank: int, ops: Sequence[_Op]) -> None:
-        """Apply prepared operations (cannot fail)."""
-        tiers = self._ranks.get(dp_rank)
-        if tiers is None:
-            tiers = self._ranks[dp_rank] = tuple(set() for _ in _TIERS)
-            self._skip_groups[dp_rank] = set()
-        skip = self._skip_groups[dp_rank]
-        for kind, tier, hashes, group, indexable in ops:
-            if kind == validate.STORE:
-                if not indexable:
-                    if group is not None:
-                        skip.add(group)
-                    continue
-                if group is not None:
-                    skip.discard(group)
-                tiers[tier].update(hashes)
-            elif kind == validate.REMOVE:
-                if group is not None and group in skip:
-                    continue
-                tiers[tier].difference_update(hashes)
-            else:
-                for s in tiers:
-                    s.clear()
+        """Apply prepared operations (cannot fail). A cleared rank's old entries are swept in steps
+        earned by later batches, as the index sweeps them."""
+        table = self._ranks.get(dp_rank)
+        if table is None:
+            table = self._ranks[dp_rank] = self._table()
+        work = apply_ops(table, _KEY, ops, self.counts)
+        if table.dead:
+            table.sweep(2 * work + 256)
 
     def apply(self, dp_rank: int, events: Sequence[KVEvent]) -> None:
         self.commit(dp_rank, self.prepare(events)[0])
 
     def clear(self, dp_rank: int) -> None:
-        self._ranks.pop(dp_rank, None)
-        self._skip_groups.pop(dp_rank, None)
+        """Drop the rank's blocks, as the ``AllBlocksCleared`` the relay forwards drops them from the
+        index (which keeps the groups it learnt not to index)."""
+        if dp_rank in self._ranks:
+            self.commit(dp_rank, (validate.CLEAR_OP,))
 
     def ranks(self) -> list[int]:
         return sorted(self._ranks)
@@ -169,17 +164,27 @@ class BlockMirror:
     def num_blocks(self, dp_rank: int | None = None) -> int:
         """``(hash, tier)`` entries held (a block on two tiers counts twice, as the index stores it)."""
         if dp_rank is None:
-            return sum(len(s) for tiers in self._ranks.values() for s in tiers)
-        return sum(len(s) for s in self._ranks.get(dp_rank, ()))
+            return sum(self.num_blocks(dp) for dp in self._ranks)
+        table = self._ranks.get(dp_rank)
+        slot = table.slot_of.get(_KEY) if table is not None else None
+        return sum(table.counts[slot]) if table is not None and slot is not None else 0
 
     def rank_entries(self, dp_rank: int) -> RankSnapshot:
         """Every (hash, tier) held on one rank: the reporter's snapshot provider."""
+        table = self._ranks.get(dp_rank)
+        slot = table.slot_of.get(_KEY) if table is not None else None
+        if table is None or slot is None:
+            return RankSnapshot([], [])
+        per_tier = cast("tuple[list[BlockHash64], ...]", table.columns(slot))
         hashes: list[BlockHash64] = []
         tiers: list[Tier] = []
-        for tier, s in zip(_TIERS, self._ranks.get(dp_rank, ()), strict=False):
-            if s:
-                hashes.extend(s)
-                tiers += [tier] * len(s)
+        for tier, held in zip(_TIERS, per_tier, strict=True):
+            if held:
+                if hashes:
+                    hashes += held
+                else:
+                    hashes = held  # a fresh list: the one tier held takes no copy
+                tiers += [tier] * len(held)
         return RankSnapshot(hashes, tiers)
 
     def snapshot(self) -> Snapshot:

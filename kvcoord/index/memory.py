@@ -29,7 +29,8 @@ same hash value is published by several groups, so applying a sliding-window rem
 the full-attention entry. The index therefore remembers, per ``(model, node, dp_rank)``, which
 ``group_idx`` values were seen on non-indexable stores, and skips (counts) removals of those groups.
 Removals without ``group_idx`` or of a group not yet seen are applied; if the block is not held they
-are the usual counted no-op. ``remove_node`` forgets what it learnt about the node's groups.
+are the usual counted no-op. ``remove_node`` forgets what it learnt about the node's groups. These rules
+are :func:`kvcoord.index.table.apply_ops`, which the relay's mirror of a node runs too.
 
 Not thread-safe: use it from one thread (the coordinator's event loop).
 """
@@ -46,7 +47,7 @@ import contextlib
 import sys
 import uuid
 from collections.abc import Collection, Sequence
-from typing import Literal, TypeAlias, cast
+from typing import Literal, cast
 
 from kvcoord import validate
 from kvcoord.events import Tier
@@ -59,17 +60,15 @@ from kvcoord.index.base import (
     NodeMatch,
     SnapshotEntry,
 )
-from kvcoord.index.table import NativeTable, PyTable
+from kvcoord.index.table import Core, NativeTable, PyTable, apply_ops, table_type
 from kvcoord.native import native
 from kvcoord.validate import REMOVE, STORE, Op
 
-__all__ = ["HAVE_C_CORE", "MemoryIndex"]
+__all__ = ["HAVE_C_CORE", "Core", "MemoryIndex"]
 
 HAVE_C_CORE = native is not None
 """Whether the C core is in use (built, and not off by ``KVCOORD_NATIVE=0``): ``MemoryIndex(core="auto")``
 then uses it."""
-
-Core: TypeAlias = Literal["auto", "c", "python"]
 
 
 class MemoryIndex:
@@ -80,14 +79,9 @@ class MemoryIndex:
     metrics: BackendMetrics | None = None
 
     def __init__(self, *, sweep_chunk: int = 20_000, core: Core = "auto") -> None:
-        if core not in ("auto", "c", "python"):
-            raise ValueError(f"core must be 'auto', 'c' or 'python', not {core!r}")
-        if core == "c" and native is None:
-            raise ValueError("core='c' but native code is not built or is off (KVCOORD_NATIVE=0)")
-        use_c = core != "python" and native is not None
-        self.core: Literal["c", "python"] = "c" if use_c else "python"
+        self._model_type: type[PyTable] = table_type(core)
+        self.core: Literal["c", "python"] = "c" if self._model_type is NativeTable else "python"
         """The core in use (``auto`` resolves to ``c`` when the extension is built)."""
-        self._model_type: type[PyTable] = NativeTable if use_c else PyTable
         self._models: dict[str, PyTable] = {}
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
@@ -111,45 +105,15 @@ class MemoryIndex:
 
     def _run(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
         res = ApplyResult()
-        key = (node_id, dp_rank)
         mi = self._models.get(model)
-        work = 0
-        for kind, tier, hashes, group, indexable in ops:
-            if kind == STORE:
-                if not indexable:
-                    res.skipped_group += len(hashes)
-                    if group is not None:
-                        if mi is None:
-                            mi = self._models[model] = self._model_type()
-                        mi.skip_groups.setdefault(key, set()).add(group)
-                    continue
-                if not hashes:
-                    continue
-                if mi is None:
-                    mi = self._models[model] = self._model_type()
-                res.stored += mi.store(mi.slot_for_store(key), tier, hashes)
-                work += len(hashes)
-            elif kind == REMOVE:
-                if mi is None:
-                    res.removed_unknown += len(hashes)
-                    continue
-                if group is not None and group in mi.skip_groups.get(key, ()):
-                    res.skipped_group += len(hashes)
-                    continue
-                slot = mi.slot_of.get(key)
-                if slot is None:
-                    res.removed_unknown += len(hashes)
-                    continue
-                done = mi.remove(slot, tier, hashes)
-                res.removed += done
-                res.removed_unknown += len(hashes) - done
-                work += len(hashes)
-            elif mi is not None:
-                slot = mi.slot_of.get(key)
-                if slot is not None:
-                    res.cleared += mi.retire(slot)
-                    if mi.dead:
-                        self._pending.add(model)
+        if mi is None:
+            if not any(op[0] == STORE for op in ops):  # nothing held, nothing to remember: no table
+                res.removed_unknown = sum(len(op[2]) for op in ops if op[0] == REMOVE)
+                return res
+            mi = self._models[model] = self._model_type()
+        work = apply_ops(mi, (node_id, dp_rank), ops, res)
+        if mi.dead:
+            self._pending.add(model)
         if self._pending:
             self._sweep_some(2 * work + 256)
         return res

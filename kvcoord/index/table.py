@@ -15,15 +15,15 @@ import itertools
 import sys
 from collections.abc import Callable, Collection, Sequence
 from operator import and_, eq, itemgetter, ne, or_
-from typing import TypeAlias, cast
+from typing import Literal, TypeAlias, cast
 
 from kvcoord import validate
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index.base import NodeKey, NodeMatch, SnapshotEntry
+from kvcoord.index.base import ApplyResult, NodeKey, NodeMatch, SnapshotEntry
 from kvcoord.native import native
 
-__all__ = ["NativeTable", "PyTable", "RawMatch", "slots_of"]
+__all__ = ["Core", "NativeTable", "PyTable", "RawMatch", "apply_ops", "slots_of", "table_type"]
 
 _NTIERS = len(Tier)
 
@@ -34,6 +34,8 @@ RawMatch: TypeAlias = tuple[str, int, int, tuple[int, ...]]
 """``(node_id, dp_rank, matched_blocks, tiers)``: a ``NodeMatch`` without the object cost."""
 
 _STORE, _REMOVE, _CLEAR = validate.STORE, validate.REMOVE, validate.CLEAR
+
+Core: TypeAlias = Literal["auto", "c", "python"]
 
 _TIERS = tuple(Tier)
 _BITS01 = bytes.maketrans(b"01", b"\x00\x01")
@@ -426,20 +428,46 @@ class PyTable:
 
     def export(self, slot: int) -> list[SnapshotEntry]:
         """Every (block, tier) of ``slot``, sorted. O(blocks of the model): rare path."""
+        out = [(BlockHash64(h), t) for t, hs in zip(_TIERS, self.columns(slot), strict=True) for h in hs]
+        out.sort()
+        return out
+
+    def columns(self, slot: int) -> tuple[list[int], list[int], list[int]]:
+        """The hashes ``slot`` holds on each tier (GPU, CPU, STORAGE), unsorted. O(blocks of the model);
+        C-level calls only while ``slot`` is the table's one holder (the relay's mirror: one node)."""
         bit = self.bits[slot]
-        out: list[SnapshotEntry] = []
-        tget = self.tiered.get
-        tiers = list(Tier)
-        for h, v in self.blocks.items():
+        blocks, tiered = self.blocks, self.tiered
+        gpu: list[int]
+        cpu: list[int] = []
+        sto: list[int] = []
+        if self.live == bit and not self.dead:  # every key is the slot's (no other slot holds bits)
+            if not tiered:
+                return list(blocks), cpu, sto
+            gpu = list(blocks.keys() - tiered.keys())
+            for h, (g, c, st) in tiered.items():
+                if g:
+                    gpu.append(h)
+                if c:
+                    cpu.append(h)
+                if st:
+                    sto.append(h)
+            return gpu, cpu, sto
+        gpu = []
+        tget = tiered.get
+        for h, v in blocks.items():
             if not v & bit:
                 continue
             tv = tget(h)
             if tv is None:
-                out.append((BlockHash64(h), Tier.GPU))
-            else:
-                out.extend((BlockHash64(h), t) for t in tiers if tv[t] & bit)
-        out.sort()
-        return out
+                gpu.append(h)
+                continue
+            if tv[0] & bit:
+                gpu.append(h)
+            if tv[1] & bit:
+                cpu.append(h)
+            if tv[2] & bit:
+                sto.append(h)
+        return gpu, cpu, sto
 
     def nbytes(self, sample: int = 512) -> int:
         """Dict tables + a sample of keys/values extrapolated (shared slot-bit objects count as free)."""
@@ -531,6 +559,9 @@ class NativeTable(PyTable):
     def export(self, slot: int) -> list[SnapshotEntry]:
         return [(BlockHash64(h), _TIERS[t]) for h, t in self.table.export(slot)]
 
+    def columns(self, slot: int) -> tuple[list[int], list[int], list[int]]:
+        return self.table.columns(slot)
+
     def nbytes(self, sample: int = 512) -> int:
         return (
             self.table.nbytes()
@@ -538,3 +569,50 @@ class NativeTable(PyTable):
             + sum(sys.getsizeof(b) for b in self.bits)
             + 200 * len(self.slot_key)
         )
+
+
+def table_type(core: Core) -> type[PyTable]:
+    """The core ``core`` names (``auto``: C when it was built and is on)."""
+    if core not in ("auto", "c", "python"):
+        raise ValueError(f"core must be 'auto', 'c' or 'python', not {core!r}")
+    if core == "c" and native is None:
+        raise ValueError("core='c' but native code is not built or is off (KVCOORD_NATIVE=0)")
+    return NativeTable if core != "python" and native is not None else PyTable
+
+
+def apply_ops(mi: PyTable, key: NodeKey, ops: Sequence[validate.Op], res: ApplyResult) -> int:
+    """Apply one location's validated ops to ``mi`` in order, counting into ``res``; returns the hashes
+    touched (the sweep budget they earn). The index's rules, stated once (the relay's mirror runs them
+    too): stores are idempotent; a store of a group that is not prefix-indexable is only counted, and
+    its ``group_idx`` remembered for ``key``, so the group's removals are skipped from then on (in hybrid
+    models several groups publish the same hash); a removal of a block not held is a counted no-op;
+    ``AllBlocksCleared`` retires ``key``'s slot (the groups stay remembered)."""
+    work = 0
+    slot_of, skip = mi.slot_of, mi.skip_groups
+    for kind, tier, hashes, group, indexable in ops:
+        if kind == _STORE:
+            if not indexable:
+                res.skipped_group += len(hashes)
+                if group is not None:
+                    skip.setdefault(key, set()).add(group)
+            elif hashes:
+                slot = slot_of.get(key)
+                res.stored += mi.store(mi.slot_for_store(key) if slot is None else slot, tier, hashes)
+                work += len(hashes)
+        elif kind == _REMOVE:
+            if group is not None and skip and group in skip.get(key, ()):
+                res.skipped_group += len(hashes)
+                continue
+            slot = slot_of.get(key)
+            if slot is None:
+                res.removed_unknown += len(hashes)
+                continue
+            done = mi.remove(slot, tier, hashes)
+            res.removed += done
+            res.removed_unknown += len(hashes) - done
+            work += len(hashes)
+        else:
+            slot = slot_of.get(key)
+            if slot is not None:
+                res.cleared += mi.retire(slot)
+    return work
