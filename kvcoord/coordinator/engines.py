@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvcoord.coordinator.registry import CHANGES
 from kvcoord.engine.zmq_wire import check_endpoint
-from kvcoord.index.uri import is_redis, parse_redis_uri
+from kvcoord.index.uri import IndexSpec
 from kvcoord.validate import check_model, shown, valid_url
 
 log = logging.getLogger("kvcoord.coordinator.engines")
@@ -370,14 +370,13 @@ class RedisEngineStore:
             await self._r.aclose()
 
 
-def open_engine_store(uri: str, *, key_prefix: str = "kvcoord", state_dir: str = "") -> EngineStore:
-    """The store that goes with an index URI: Redis for a Redis index, else this process's memory (kept in
+def open_engine_store(spec: IndexSpec, *, state_dir: str = "") -> EngineStore:
+    """The store that goes with an index: Redis for a Redis index, else this process's memory (kept in
     ``state_dir`` when given). ValueError when ``state_dir`` cannot be used."""
-    if is_redis(uri):
+    if spec.redis is not None:
         if state_dir:
             log.warning("state_dir %s is not used: the Redis index keeps registrations itself", state_dir)
-        parsed = parse_redis_uri(uri)
-        return RedisEngineStore(parsed.client(), parsed.prefix or key_prefix)
+        return RedisEngineStore(spec.redis.client(), spec.key_prefix)
     return MemoryEngineStore(state_dir or None)
 
 

@@ -30,7 +30,7 @@ from kvcoord.coordinator.reclaim import limit_arenas
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials, server_ssl_context
-from kvcoord.index import Index, open_index
+from kvcoord.index import Index, open_index, parse_index_uri
 from kvcoord.native import native_paths
 from kvcoord.transport import ListenError, check_bindable, split_hostport
 
@@ -77,11 +77,10 @@ class CoordinatorServer:
 
     async def start(self) -> None:
         cfg = self.config
-        index = (
-            self._index if self._index is not None else open_index(cfg.index, key_prefix=cfg.index_key_prefix)
-        )
+        spec = parse_index_uri(cfg.index, key_prefix=cfg.index_key_prefix)  # checked when cfg was read
+        index = self._index if self._index is not None else open_index(spec)
         self._index = index
-        directory = open_directory(cfg.index, key_prefix=cfg.index_key_prefix)
+        directory = open_directory(spec)
         state = self.state = CoordinatorState(cfg, index, directory=directory)
         state.metrics.register_index(index)
         state.metrics.model_seen(*cfg.models)
@@ -109,7 +108,7 @@ class CoordinatorServer:
                 raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
         if self._runner_factory is not None:
             # The store first: a state_dir that cannot be used refuses the start before any relay exists.
-            store = open_engine_store(cfg.index, key_prefix=cfg.index_key_prefix, state_dir=cfg.state_dir)
+            store = open_engine_store(spec, state_dir=cfg.state_dir)
             runner = self._runner_factory(state)
             self.engines = Engines(store, runner, state.replica_id, self._profile_block_size, state.drop_node,
                                    max_engines=cfg.limits.max_streams,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcoord.coordinator.registry import ACTIVE, HASH_MISMATCH
-from kvcoord.index.uri import is_redis, parse_redis_uri
+from kvcoord.index.uri import IndexSpec, parse_index_uri
 from kvcoord.load import EXACT, NodeLoad
 
 log = logging.getLogger("kvcoord.coordinator.shared")
@@ -174,8 +174,13 @@ class RedisDirectory:
 
     @classmethod
     def from_uri(cls, uri: str, *, key_prefix: str = "kvcoord") -> RedisDirectory:
-        parsed = parse_redis_uri(uri)
-        return cls(parsed.client(), f"{{{parsed.prefix or key_prefix}}}:nodes")
+        return cls.from_spec(parse_index_uri(uri, key_prefix=key_prefix))
+
+    @classmethod
+    def from_spec(cls, spec: IndexSpec) -> RedisDirectory:
+        if spec.redis is None:
+            raise ValueError(f"index URI {spec.uri!r} is not a Redis one")
+        return cls(spec.redis.client(), f"{{{spec.key_prefix}}}:nodes")
 
     async def publish(self, nodes: Sequence[SharedNode]) -> None:
         if not nodes:
@@ -232,8 +237,8 @@ class RedisDirectory:
             log.debug("closing the node directory failed", exc_info=True)
 
 
-def open_directory(uri: str, *, key_prefix: str = "kvcoord") -> NodeDirectory | None:
-    """The directory that goes with an index URI: Redis for ``redis://``/``redis+cluster://``, else None."""
-    if is_redis(uri):
-        return RedisDirectory.from_uri(uri, key_prefix=key_prefix)
+def open_directory(spec: IndexSpec) -> NodeDirectory | None:
+    """The directory that goes with an index: Redis for ``redis://``/``redis+cluster://``, else None."""
+    if spec.redis is not None:
+        return RedisDirectory.from_spec(spec)
     return None

@@ -51,7 +51,7 @@ from kvcoord.index.redis.keys import (
 from kvcoord.index.redis.mirror import LookupMirror
 from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
-from kvcoord.index.uri import parse_redis_uri
+from kvcoord.index.uri import IndexSpec, parse_index_uri
 
 __all__ = ["LATENCY_BUCKETS", "RedisIndex"]
 # LATENCY_BUCKETS is here too: the coordinator's metrics read it from the module defining RedisIndex.
@@ -119,9 +119,15 @@ class RedisIndex:
         answer lookups from an in-memory copy kept current by Redis's change feed; see
         :class:`LookupMirror`). Does not connect.
         """
-        parsed = parse_redis_uri(uri)
-        return cls(parsed.client(), key_prefix=parsed.prefix or key_prefix, buckets=parsed.buckets,
-                   mirror=parsed.mirror)
+        return cls.from_spec(parse_index_uri(uri, key_prefix=key_prefix))
+
+    @classmethod
+    def from_spec(cls, spec: IndexSpec) -> RedisIndex:
+        """From a parsed Redis URI (:func:`kvcoord.index.uri.parse_index_uri`). Does not connect."""
+        parsed = spec.redis
+        if parsed is None:
+            raise ValueError(f"index URI {spec.uri!r} is not a Redis one")
+        return cls(parsed.client(), key_prefix=spec.key_prefix, buckets=parsed.buckets, mirror=parsed.mirror)
 
     def bucket_of(self, node_id: str) -> int:
         """The bucket (hence hash tag, slot and shard) holding every key of ``node_id``."""
