@@ -15,6 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.index import ApplyResult, Index, InvalidEvent, NodeMatch, SnapshotEntry
+from kvcoord.index.base import fence_token, ping
+from kvcoord.index.memory import HAVE_C_CORE
 from kvcoord.validate import ops_of, snapshot_columns
 from tests.conftest import INDEX_FACTORIES
 
@@ -66,9 +68,32 @@ async def observable(
 # ---------------------------------------------------------------------------------------- basics
 
 
-async def test_ping_and_backend_name(index: Index) -> None:
-    assert await index.ping() is True
+async def test_backend_name_and_capabilities(index: Index, index_backend: str) -> None:
+    """The core protocol on every backend; each optional capability present exactly where it means
+    something: fencing and remote on Redis, the native view on the memory index's C core."""
+    assert await ping(index) is True
     assert isinstance(index.backend, str) and index.backend
+    have = {name for name in ("fencing", "native", "remote") if getattr(index, name) is not None}
+    if index_backend.startswith("redis"):
+        assert have == {"fencing", "remote"}
+    else:
+        assert have == ({"native"} if index_backend == "memory" and HAVE_C_CORE else set())
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2)]))
+    assert fence_token(index, "n1") == 0  # never claimed: unfenced
+    quick, exact = await index.stats(exact=False), await index.stats()
+    assert (quick.entries, quick.nodes, exact.entries, exact.blocks) == (2, 1, 2, 2)
+    if index.fencing is not None:
+        await index.fencing.claim("n1")
+        await index.apply(M, "n1", 0, ops_of([stored(3)]))  # the claim's token is issued by this write
+        assert index.fencing.fence_token("n1") > 0
+    if index.native is not None:
+        view = index.native.native_view(M)
+        assert view is not None and ("n1", 0) in view[1]
+        assert index.native.native_view("other-model") is None
+    if index.remote is not None:
+        gen = await index.remote.generation()
+        assert gen and await index.remote.generation() == gen
+        assert await index.remote.ping() and index.remote.metrics.errors == 0
 
 
 async def test_empty_index_matches_nothing(index: Index) -> None:
