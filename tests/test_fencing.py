@@ -26,7 +26,7 @@ import redis
 
 from kvcoord.agent.reporter import Reporter, ReporterOptions
 from kvcoord.coordinator.metrics import PyTally
-from kvcoord.coordinator.shared import RedisDirectory, SharedNode
+from kvcoord.coordinator.shared import SharedNode, open_directory
 from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import BlockHash64, HashProfile, block_hashes64
 from kvcoord.index.base import FencedWrite, fence_token
@@ -163,7 +163,9 @@ async def test_reclaim_only_while_nobody_claimed_since(pair: tuple[RedisIndex, R
 
 async def test_directory_keeps_the_later_claims_record(redis_server: RedisServer) -> None:
     redis_server.flushall()
-    d = RedisDirectory.from_uri(redis_server.url, key_prefix="kvf")
+    index = RedisIndex.from_uri(redis_server.url, key_prefix="kvf")
+    d = open_directory(index)
+    assert d is not None
     now = time.time()
 
     def rec(owner: str, heard: float, fence: int) -> SharedNode:
@@ -183,6 +185,7 @@ async def test_directory_keeps_the_later_claims_record(redis_server: RedisServer
         assert got is not None and got.owner == "d"
     finally:
         await d.close()
+        await index.close()
 
 
 async def test_memory_backend_needs_no_fencing() -> None:

@@ -73,9 +73,10 @@ async def test_backend_name_and_capabilities(index: Index, index_backend: str) -
     something: fencing and remote on Redis, the native view on the memory index's C core."""
     assert await ping(index) is True
     assert isinstance(index.backend, str) and index.backend
-    have = {name for name in ("fencing", "native", "remote") if getattr(index, name) is not None}
+    names = ("fencing", "native", "remote", "node_directory", "engine_store")
+    have = {name for name in names if getattr(index, name) is not None}
     if index_backend.startswith("redis"):
-        assert have == {"fencing", "remote"}
+        assert have == {"fencing", "remote", "node_directory", "engine_store"}
     else:
         assert have == ({"native"} if index_backend == "memory" and HAVE_C_CORE else set())
     await index.apply(M, "n1", 0, ops_of([stored(1, 2)]))
@@ -90,6 +91,19 @@ async def test_backend_name_and_capabilities(index: Index, index_backend: str) -
         view = index.native.native_view(M)
         assert view is not None and ("n1", 0) in view[1]
         assert index.native.native_view("other-model") is None
+    if index.node_directory is not None:
+        record = '{"owner":"r1","heard":1.0,"fence":0}'
+        await index.node_directory.publish([("n1", "r1", 1.0, 0, record)])
+        assert await index.node_directory.fetch("n1") == record.encode()
+        assert await index.node_directory.fetch_all() == {"n1": record.encode()}
+        await index.node_directory.delete(["n1"])
+        assert await index.node_directory.fetch("n1") is None
+    if index.engine_store is not None:
+        assert await index.engine_store.swap(7, "", "seven") and not await index.engine_store.swap(7, "", "x")
+        assert await index.engine_store.all() == {7: b"seven"}
+        assert await index.engine_store.claim(7, "r1", "{}", 5.0) and not await index.engine_store.claim(
+            7, "r2", "{}", 5.0)
+        assert await index.engine_store.owners() == {7: ("r1", "{}")}
     if index.remote is not None:
         gen = await index.remote.generation()
         assert gen and await index.remote.generation() == gen

@@ -79,7 +79,8 @@ async def test_open_index_picks_the_backend(redis_server: RedisServer, redis_clu
 
 
 async def test_one_spec_opens_the_index_the_directory_and_the_engine_store(redis_server: RedisServer) -> None:
-    """The URI is parsed once: its ``prefix`` option (over the configured key prefix) places all three."""
+    """The URI is parsed once: its ``prefix`` option (over the configured key prefix) places the index
+    and the directory and engine store it carries."""
     from kvcoord.coordinator.engines import Engine, Listener, open_engine_store
     from kvcoord.coordinator.shared import SharedNode, open_directory
     from kvcoord.index import parse_index_uri
@@ -88,7 +89,8 @@ async def test_one_spec_opens_the_index_the_directory_and_the_engine_store(redis
     spec = parse_index_uri(redis_server.url + "?prefix=one", key_prefix="configured")
     assert (spec.backend, spec.key_prefix) == ("redis", "one")
     assert parse_index_uri("memory", key_prefix="p").backend == "memory"
-    idx, directory, store = open_index(spec), open_directory(spec), open_engine_store(spec)
+    idx = open_index(spec)
+    directory, store = open_directory(idx), open_engine_store(idx)
     assert directory is not None
     try:
         await idx.apply(M, "n1", 0, ops_of([stored(1)]))
@@ -99,7 +101,7 @@ async def test_one_spec_opens_the_index_the_directory_and_the_engine_store(redis
         await idx.close()
         await directory.close()
         await store.close()
-    assert open_directory(parse_index_uri("memory")) is None
+    assert open_directory(open_index("memory")) is None
     with pytest.raises(ValueError, match="unknown option 'bucket'"):
         parse_index_uri(redis_server.url + "?bucket=4")
 

@@ -82,7 +82,7 @@ class CoordinatorServer:
         spec = parse_index_uri(cfg.index, key_prefix=cfg.index_key_prefix)  # checked when cfg was read
         index = self._index if self._index is not None else open_index(spec)
         self._index = index
-        directory = open_directory(spec)
+        directory = open_directory(index)
         metrics = Metrics()
         state = self.state = CoordinatorState(cfg, metrics.instrument(index), metrics, directory=directory)
         state.metrics.model_seen(*cfg.models)
@@ -110,7 +110,7 @@ class CoordinatorServer:
                 raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
         if self._runner_factory is not None:
             # The store first: a state_dir that cannot be used refuses the start before any relay exists.
-            store = open_engine_store(spec, state_dir=cfg.state_dir)
+            store = open_engine_store(index, state_dir=cfg.state_dir)
             runner = self._runner_factory(state)
             self.engines = Engines(store, runner, state.replica_id, self._profile_block_size, state.drop_node,
                                    max_engines=cfg.limits.max_streams,

@@ -24,6 +24,7 @@ from kvcoord.validate import InvalidEvent, Op, SnapshotEntry
 
 __all__ = [
     "ApplyResult",
+    "EngineRecords",
     "FencedWrite",
     "Fencing",
     "Index",
@@ -32,6 +33,7 @@ __all__ = [
     "NativeView",
     "NodeKey",
     "NodeMatch",
+    "NodeRecords",
     "Op",
     "Remote",
     "SnapshotEntry",
@@ -194,6 +196,48 @@ class Remote(Protocol):
         ...
 
 
+class NodeRecords(Protocol):
+    """Records coordinator replicas publish about the nodes whose streams they hold, kept beside a shared
+    index: the index's ``node_directory``. A record is the coordinator's string, a JSON object with at
+    least ``owner``, ``heard`` and ``fence``. Methods raise ``ConnectionError`` when the store is down."""
+
+    async def publish(self, records: Sequence[tuple[str, str, float, int, str]]) -> None:
+        """Write each ``(node_id, owner, heard, fence, record)``, atomically per call; a stored record of
+        another owner that outranks it is kept (the higher fence when both have one, else the later
+        heard)."""
+        ...
+
+    async def fetch_all(self) -> dict[str, bytes]: ...
+    async def fetch(self, node_id: str) -> bytes | None: ...
+    async def delete(self, node_ids: Sequence[str]) -> None: ...
+
+
+class EngineRecords(Protocol):
+    """Engines registered over HTTP and which replica relays each, kept beside a shared index: the
+    index's ``engine_store``. Registrations are the coordinator's strings. Methods raise
+    ``ConnectionError`` when the store is down."""
+
+    kept: str
+    """Where registrations are kept, in words (the start-up line)."""
+
+    async def all(self) -> dict[int, bytes]: ...
+
+    async def swap(self, instance_id: int, old: str, new: str) -> bool:
+        """Replace the registration if it still is ``old`` ("": absent) by ``new`` ("": delete); False if
+        it changed meanwhile."""
+        ...
+
+    async def claim(self, instance_id: int, replica: str, status: str, lease: float) -> bool:
+        """Become (or stay) the instance's owner for ``lease`` seconds; False when another replica is."""
+        ...
+
+    async def release(self, instance_id: int, replica: str) -> None: ...
+
+    async def owners(self) -> dict[int, tuple[str, str]]:
+        """``{instance_id: (replica, status)}`` of the owner records alive now."""
+        ...
+
+
 @runtime_checkable
 class Index(Protocol):
     """A global block index: eight coroutines, so that remote backends fit the same shape, and the
@@ -210,6 +254,10 @@ class Index(Protocol):
     """C tables for native lookups (the memory index on its C core); None otherwise."""
     remote: Remote | None
     """Health, lifetime and round-trip counters of an out-of-process backend; None in-process."""
+    node_directory: NodeRecords | None
+    """Where replicas sharing the index publish their nodes; None when single-process."""
+    engine_store: EngineRecords | None
+    """Where registrations live when replicas share the index; None: the coordinator keeps its own."""
 
     async def apply(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
         """Apply one node's validated ops in order (:func:`kvcoord.validate.ops_of` of events, or

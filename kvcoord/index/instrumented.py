@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
+    EngineRecords,
     FencedWrite,
     Fencing,
     Index,
@@ -22,6 +23,7 @@ from kvcoord.index.base import (
     NativeView,
     NodeKey,
     NodeMatch,
+    NodeRecords,
     Op,
     Remote,
     SnapshotEntry,
@@ -56,6 +58,8 @@ class InstrumentedIndex:
         self.fencing: Fencing | None = inner.fencing
         self.native: NativeView | None = inner.native
         self.remote: Remote | None = inner.remote
+        self.node_directory: NodeRecords | None = inner.node_directory
+        self.engine_store: EngineRecords | None = inner.engine_store
         self.seconds: dict[str, Observer] = {op: observer() for op in OPS}
         self.errors: dict[str, int] = dict.fromkeys(OPS, 0)
         self.fenced_writes = 0

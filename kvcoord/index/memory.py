@@ -52,11 +52,13 @@ from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
+    EngineRecords,
     Fencing,
     IndexStats,
     NativeView,
     NodeKey,
     NodeMatch,
+    NodeRecords,
     Remote,
     SnapshotEntry,
 )
@@ -81,6 +83,8 @@ class MemoryIndex:
     fencing: Fencing | None = None
     """One process: nothing to fence."""
     remote: Remote | None = None
+    node_directory: NodeRecords | None = None
+    engine_store: EngineRecords | None = None
 
     def __init__(self, *, sweep_chunk: int = 20_000, core: Core = "auto") -> None:
         if core not in ("auto", "c", "python"):

@@ -91,8 +91,9 @@ Modules
 ``keys`` key names and buckets; ``scripts`` the Lua (one ``.lua`` file per script, package data);
 ``client`` the connection (:class:`RedisConnection`: round trips, EVALSHA, the plain-TCP fast path,
 metrics); ``walk`` the client-side holder-string walk; ``writes`` batch packing and the per-bucket
-coalescing write queue; ``mirror`` the lookup mirror; ``index`` :class:`RedisIndex`. The index and the
-mirror share only the connection and the bucket tags.
+coalescing write queue; ``mirror`` the lookup mirror; ``records`` the node directory and engine
+registrations replicas share (the index's ``node_directory`` and ``engine_store``); ``index``
+:class:`RedisIndex`. The index and the mirror share only the connection and the bucket tags.
 """
 
 from __future__ import annotations

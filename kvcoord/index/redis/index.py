@@ -23,12 +23,14 @@ from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
+    EngineRecords,
     FencedWrite,
     Fencing,
     IndexStats,
     NativeView,
     NodeKey,
     NodeMatch,
+    NodeRecords,
     Op,
     Remote,
     SnapshotEntry,
@@ -55,6 +57,7 @@ from kvcoord.index.redis.keys import (
     conf_key,
 )
 from kvcoord.index.redis.mirror import LookupMirror
+from kvcoord.index.redis.records import RedisEngineRecords, RedisNodeRecords
 from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
 from kvcoord.index.uri import IndexSpec, parse_index_uri
@@ -92,6 +95,8 @@ class RedisIndex:
         self.remote: Remote | None = self
         """Health (:meth:`ping`), lifetime (:meth:`generation`) and round-trip counters (``metrics``)."""
         self.native: NativeView | None = None
+        self.node_directory: NodeRecords | None = RedisNodeRecords(client, key_prefix)
+        self.engine_store: EngineRecords | None = RedisEngineRecords(client, key_prefix)
         self.key_prefix = key_prefix
         self.buckets = buckets if buckets is not None else (_DEFAULT_CLUSTER_BUCKETS if self._cluster else 1)
         if self.buckets < 1:
