@@ -163,13 +163,7 @@ class IndexBackendCollector(Collector):
 
     def collect(self) -> list[Metric]:
         m = self._m
-        counts = list(m.latency_counts)
-        cum, total, buckets = 0, 0, []
-        for bound, n in zip(self._buckets, counts, strict=False):
-            cum += n
-            buckets.append((repr(float(bound)), float(cum)))
-        total = cum + sum(counts[len(self._buckets):])
-        buckets.append(("+Inf", float(total)))
+        buckets = _histogram_buckets(self._buckets, list(m.latency_counts))
         rt = HistogramMetricFamily(
             "kvcoord_index_round_trip_seconds", "Index backend round trips (successful)", labels=["backend"]
         )
