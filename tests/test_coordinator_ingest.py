@@ -902,10 +902,27 @@ async def test_health_follows_index_ping(tmp_path: Any) -> None:
 
 # --- index generation ---------------------------------------------------------------------------
 class LosableIndex(MemoryIndex):
-    """A memory index that can lose all it holds at once, as a Redis restarted empty does."""
+    """A memory index that can lose all it holds at once, as a Redis restarted empty does: so, as Redis
+    has, a remote capability whose generation changes then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kvcoord.index.redis import RedisMetrics
+
+        self.remote = self
+        self.metrics = RedisMetrics()
+        self.lost = 0
+
+    async def ping(self) -> bool:
+        return True
+
+    async def generation(self) -> str:
+        return str(self.lost)
 
     def lose_everything(self) -> None:
-        MemoryIndex.__init__(self)  # empty, with a new generation
+        lost = self.lost + 1
+        self.__init__()  # type: ignore[misc]  # empty
+        self.lost = lost
 
 
 async def test_index_that_lost_its_data_gets_every_node_resynced() -> None:
@@ -1070,10 +1087,10 @@ class FaultyIndex(MemoryIndex):
             raise self.match_error
         return await super().match(model, hashes, candidates)
 
-    async def stats(self) -> Any:
+    async def stats(self, *, exact: bool = True) -> Any:
         if self.stats_error is not None:
             raise self.stats_error
-        return await super().stats()
+        return await super().stats(exact=exact)
 
 
 async def test_lookup_bug_is_internal_outage_is_unavailable() -> None:
@@ -1142,7 +1159,7 @@ async def test_redis_refresh_uses_cheap_stats_and_stats_rpc_is_exact(redis_serve
                 await ag.start()
                 assert ack_seq(await ag.batch(1, [stored([1, 2, 3])])) == 1
                 await ag.close()
-            quick = await index.quick_stats()
+            quick = await index.stats(exact=False)
             assert (quick.blocks, quick.blocks_upper_bound) == (6, True)
             st = c.server.state
             assert st is not None

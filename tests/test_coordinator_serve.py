@@ -94,6 +94,10 @@ def test_serve_health_reflection_metrics_and_sigterm(tmp_path: Path) -> None:
             "kvcoord_lookup_matched_fraction_count 1.0",
             "kvcoord_ingest_lag_seconds_count 1.0",
             'kvcoord_index_up{backend="memory"} 1.0',
+            # The index's metrics wrapper (InstrumentedIndex): one match, none failed, nothing fenced.
+            'kvcoord_index_call_seconds_count{backend="memory",op="match"} 1.0',
+            'kvcoord_index_call_errors_total{backend="memory",op="match"} 0.0',
+            'kvcoord_index_fenced_writes_total{backend="memory"} 0.0',
         ):
             assert line in text, line
         for name in (

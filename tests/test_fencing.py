@@ -25,10 +25,12 @@ import pytest
 import redis
 
 from kvcoord.agent.reporter import Reporter, ReporterOptions
-from kvcoord.coordinator.shared import RedisDirectory, SharedNode
+from kvcoord.coordinator.metrics import PyTally
+from kvcoord.coordinator.shared import SharedNode, open_directory
 from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import BlockHash64, HashProfile, block_hashes64
-from kvcoord.index.base import FencedWrite
+from kvcoord.index.base import FencedWrite, fence_token
+from kvcoord.index.instrumented import OPS, InstrumentedIndex
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis import RedisIndex
 from kvcoord.router.client import AsyncCoordinatorClient
@@ -84,17 +86,20 @@ async def test_a_stale_owner_is_refused_every_write(pair: tuple[RedisIndex, Redi
     await b.claim("n")
     await b.replace_node(M, "n", 0, H(4, 5))
     assert b.fence_token("n") > token_a > 0
+    counted = InstrumentedIndex(a, lambda: PyTally((1.0,)))  # the coordinator's metrics wrapper
     stale: list[Callable[[], Awaitable[object]]] = [
-        lambda: a.apply(M, "n", 0, ops_of([stored(9)])),
-        lambda: a.replace_node(M, "n", 0, H(7, 8)),
-        lambda: a.clear(M, "n", 0),
-        lambda: a.remove_node("n"),
+        lambda: counted.apply(M, "n", 0, ops_of([stored(9)])),
+        lambda: counted.replace_node(M, "n", 0, H(7, 8)),
+        lambda: counted.clear(M, "n", 0),
+        lambda: counted.remove_node("n"),
     ]
     for call in stale:
         with pytest.raises(FencedWrite) as info:
             await call()
         assert info.value.node_id == "n"
-    assert a.metrics.fenced_writes == 4 and b.metrics.fenced_writes == 0
+    assert counted.fenced_writes == 4
+    refused = {"apply": 1, "replace_node": 1, "clear": 1, "remove_node": 1}
+    assert counted.errors == {**dict.fromkeys(OPS, 0), **refused}
     assert await held(a) == [4, 5] == await held(b)
     assert [m.node_id for m in await a.match(M, H(4, 5))] == ["n"]
     # A claims the node back (its agent reconnected to it): now B is the stale one.
@@ -158,7 +163,9 @@ async def test_reclaim_only_while_nobody_claimed_since(pair: tuple[RedisIndex, R
 
 async def test_directory_keeps_the_later_claims_record(redis_server: RedisServer) -> None:
     redis_server.flushall()
-    d = RedisDirectory.from_uri(redis_server.url, key_prefix="kvf")
+    index = RedisIndex.from_uri(redis_server.url, key_prefix="kvf")
+    d = open_directory(index)
+    assert d is not None
     now = time.time()
 
     def rec(owner: str, heard: float, fence: int) -> SharedNode:
@@ -178,15 +185,15 @@ async def test_directory_keeps_the_later_claims_record(redis_server: RedisServer
         assert got is not None and got.owner == "d"
     finally:
         await d.close()
+        await index.close()
 
 
 async def test_memory_backend_needs_no_fencing() -> None:
+    """One process: the memory index has no fencing capability, and every write goes through."""
     idx = MemoryIndex()
-    await idx.claim("n")
+    assert idx.fencing is None and fence_token(idx, "n") == 0
     await idx.apply(M, "n", 0, ops_of([stored(1)]))
-    await idx.claim("n")
     await idx.apply(M, "n", 0, ops_of([stored(2)]))
-    assert idx.fence_token("n") == 0 and not await idx.reclaim_node("n", 1)
     assert [h for h, _ in await idx.export_node(M, "n", 0)] == [1, 2]
 
 

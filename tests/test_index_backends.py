@@ -15,6 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.index import ApplyResult, Index, InvalidEvent, NodeMatch, SnapshotEntry
+from kvcoord.index.base import fence_token, ping
+from kvcoord.index.memory import HAVE_C_CORE
 from kvcoord.validate import ops_of, snapshot_columns
 from tests.conftest import INDEX_FACTORIES
 
@@ -66,9 +68,46 @@ async def observable(
 # ---------------------------------------------------------------------------------------- basics
 
 
-async def test_ping_and_backend_name(index: Index) -> None:
-    assert await index.ping() is True
+async def test_backend_name_and_capabilities(index: Index, index_backend: str) -> None:
+    """The core protocol on every backend; each optional capability present exactly where it means
+    something: fencing and remote on Redis, the native view on the memory index's C core."""
+    assert await ping(index) is True
     assert isinstance(index.backend, str) and index.backend
+    names = ("fencing", "native", "remote", "node_directory", "engine_store")
+    have = {name for name in names if getattr(index, name) is not None}
+    if index_backend.startswith("redis"):
+        assert have == {"fencing", "remote", "node_directory", "engine_store"}
+    else:
+        assert have == ({"native"} if index_backend == "memory" and HAVE_C_CORE else set())
+    await index.apply(M, "n1", 0, ops_of([stored(1, 2)]))
+    assert fence_token(index, "n1") == 0  # never claimed: unfenced
+    quick, exact = await index.stats(exact=False), await index.stats()
+    assert (quick.entries, quick.nodes, exact.entries, exact.blocks) == (2, 1, 2, 2)
+    if index.fencing is not None:
+        await index.fencing.claim("n1")
+        await index.apply(M, "n1", 0, ops_of([stored(3)]))  # the claim's token is issued by this write
+        assert index.fencing.fence_token("n1") > 0
+    if index.native is not None:
+        view = index.native.native_view(M)
+        assert view is not None and ("n1", 0) in view[1]
+        assert index.native.native_view("other-model") is None
+    if index.node_directory is not None:
+        record = '{"owner":"r1","heard":1.0,"fence":0}'
+        await index.node_directory.publish([("n1", "r1", 1.0, 0, record)])
+        assert await index.node_directory.fetch("n1") == record.encode()
+        assert await index.node_directory.fetch_all() == {"n1": record.encode()}
+        await index.node_directory.delete(["n1"])
+        assert await index.node_directory.fetch("n1") is None
+    if index.engine_store is not None:
+        assert await index.engine_store.swap(7, "", "seven") and not await index.engine_store.swap(7, "", "x")
+        assert await index.engine_store.all() == {7: b"seven"}
+        assert await index.engine_store.claim(7, "r1", "{}", 5.0) and not await index.engine_store.claim(
+            7, "r2", "{}", 5.0)
+        assert await index.engine_store.owners() == {7: ("r1", "{}")}
+    if index.remote is not None:
+        gen = await index.remote.generation()
+        assert gen and await index.remote.generation() == gen
+        assert await index.remote.ping() and index.remote.metrics.errors == 0
 
 
 async def test_empty_index_matches_nothing(index: Index) -> None:

@@ -78,6 +78,34 @@ async def test_open_index_picks_the_backend(redis_server: RedisServer, redis_clu
         await b.close()
 
 
+async def test_one_spec_opens_the_index_the_directory_and_the_engine_store(redis_server: RedisServer) -> None:
+    """The URI is parsed once: its ``prefix`` option (over the configured key prefix) places the index
+    and the directory and engine store it carries."""
+    from kvcoord.coordinator.engines import Engine, Listener, open_engine_store
+    from kvcoord.coordinator.shared import SharedNode, open_directory
+    from kvcoord.index import parse_index_uri
+
+    redis_server.flushall()
+    spec = parse_index_uri(redis_server.url + "?prefix=one", key_prefix="configured")
+    assert (spec.backend, spec.key_prefix) == ("redis", "one")
+    assert parse_index_uri("memory", key_prefix="p").backend == "memory"
+    idx = open_index(spec)
+    directory, store = open_directory(idx), open_engine_store(idx)
+    assert directory is not None
+    try:
+        await idx.apply(M, "n1", 0, ops_of([stored(1)]))
+        await directory.publish([SharedNode("n1", M, (0,), "active", 1, time.time() + 5, "r1", time.time())])
+        assert await store.swap(7, None, Engine(7, M, "default", 16, (Listener(0, "tcp://127.0.0.1:1"),)))
+        assert {k.split(b":")[0] for k in keys_of(redis_server)} == {b"{one}", b"{one"}
+    finally:
+        await idx.close()
+        await directory.close()
+        await store.close()
+    assert open_directory(open_index("memory")) is None
+    with pytest.raises(ValueError, match="unknown option 'bucket'"):
+        parse_index_uri(redis_server.url + "?bucket=4")
+
+
 @pytest.mark.parametrize(
     "uri",
     ["redis+cluster://", "redis+cluster://hostonly", "redis+cluster://h:1,h:x", "redis+cluster://h:1?nope=1"],

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, HASH_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
-from kvcoord.index.uri import check_index_uri
+from kvcoord.index.uri import parse_index_uri
 from kvcoord.tokenize import ChatTemplateContentFormat, TokenizerSpec
 from kvcoord.transport import split_hostport
 
@@ -463,7 +463,7 @@ def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> 
     elif key == "index":
         uri = _as_str(where, raw)
         try:
-            check_index_uri(uri)
+            parse_index_uri(uri)
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         values[key] = uri

@@ -25,7 +25,7 @@ from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import EXPIRED, NodeRecord, NodeRegistry
 from kvcoord.coordinator.shared import PUBLISH_SECONDS, REFRESH_SECONDS, NodeDirectory, SharedNode
 from kvcoord.coordinator.verify import HashVerifier
-from kvcoord.index.base import FencedWrite, Index, IndexStats, InvalidEvent
+from kvcoord.index.base import FencedWrite, Index, IndexStats, InvalidEvent, fence_token, ping
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.tokenize import TokenizeError, TokenizerCache
@@ -134,8 +134,10 @@ class CoordinatorState:
         """Compare the backend's generation with the last one seen; a change means it lost its data.
         Raises (ConnectionError) when the backend is unreachable."""
         index = self.index
+        if index.remote is None:
+            return  # in-process: its contents live exactly as long as it does
         async with self._gen_lock:  # a slow stale answer must not overwrite a newer one
-            gen = await index.generation()
+            gen = await index.remote.generation()
             old, self.index_generation = self.index_generation, gen
         if old is not None and gen != old:
             n = self.resync_all(f"index_reset: the {index.backend} index lost its contents")
@@ -176,7 +178,7 @@ class CoordinatorState:
             if self.index_up:
                 return True
             try:
-                ok = await asyncio.wait_for(self.index.ping(), timeout=2.0)
+                ok = await asyncio.wait_for(ping(self.index), timeout=2.0)
                 if ok:
                     await self.check_generation()
             except Exception as exc:
@@ -235,7 +237,7 @@ class CoordinatorState:
         reconnects, wherever its address leads, and a replica it lands on claims the node again), and its
         record withdrawn (the new owner's, a later claim, is kept: see ``SharedNode.outranks``)."""
         node_id = exc.node_id
-        self.log_once(f"fenced:{node_id}:{self.index.fence_token(node_id)}", logging.WARNING,
+        self.log_once(f"fenced:{node_id}:{fence_token(self.index, node_id)}", logging.WARNING,
                       "node %s: %s; dropping the node from this replica (logged once per stale token)",
                       node_id, exc)
         if rec is not None and self.registry.get(node_id) is rec:
@@ -303,7 +305,7 @@ class CoordinatorState:
                     other = await self.directory.fetch(node_id)
                 except Exception:
                     other = None
-                mine = self.index.fence_token(node_id)
+                mine = fence_token(self.index, node_id)
                 if (other is not None and other.owner != self.replica_id
                         and other.outranks(mine, wall_of(heard))):
                     log.info("node %s: owned by replica %s now; its entries stay", node_id, other.owner)
@@ -345,7 +347,7 @@ class CoordinatorState:
         """Ping the index and refresh size gauges; flip health when the backend goes up or down."""
         if self.index_up:
             try:
-                up = await asyncio.wait_for(self.index.ping(), timeout=max(0.5, self.config.stats_interval))
+                up = await asyncio.wait_for(ping(self.index), timeout=max(0.5, self.config.stats_interval))
             except Exception:
                 up = False
             if not up:
@@ -362,7 +364,7 @@ class CoordinatorState:
             try:
                 # The cheap figures: an exact distinct-block count can mean scanning millions of
                 # fields on a sharded backend, not something to do every stats interval.
-                stats = await index.quick_stats()
+                stats = await index.stats(exact=False)
             except Exception as exc:
                 self.stats_failed(exc)
             else:
@@ -398,7 +400,7 @@ class CoordinatorState:
         """
         index = self.index
         try:
-            stats = await index.quick_stats()
+            stats = await index.stats(exact=False)
             if stats.blocks_upper_bound:
                 async with self._exact_lock:
                     cached = self._exact
@@ -429,7 +431,7 @@ class CoordinatorState:
         trust, reason, cause = rec.trust
         return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
                           heard + lease + self._slack(), self.replica_id, heard,
-                          rec.load, rec.serving_url, self.index.fence_token(rec.node_id), trust, reason,
+                          rec.load, rec.serving_url, fence_token(self.index, rec.node_id), trust, reason,
                           cause)
 
     def _slack(self) -> float:
@@ -510,8 +512,11 @@ class CoordinatorState:
                 self._reclaim_node(n), name=f"kvcoord-reclaim-{node_id}"))
 
     async def _reclaim_node(self, n: SharedNode) -> None:
+        fencing = self.index.fencing
+        if fencing is None:
+            return  # one process: nobody else wrote the node
         try:
-            done = await self.index.reclaim_node(n.node_id, n.fence)
+            done = await fencing.reclaim_node(n.node_id, n.fence)
         except Exception as exc:
             self._reclaim_tried.discard((n.node_id, n.fence))  # tried again at the next read
             log.debug("reclaiming node %s failed: %s", n.node_id, exc)
@@ -531,7 +536,7 @@ class CoordinatorState:
         if rec is not None and (
             other is None
             or other.owner == self.replica_id
-            or not other.outranks(self.index.fence_token(node_id), now_wall - (now - rec.last_heard))
+            or not other.outranks(fence_token(self.index, node_id), now_wall - (now - rec.last_heard))
         ):
             if rec.model == model and rec.live(now, self.registry.lease):
                 trust = rec.trust if rank is None else rec.rank_trust(rank)
@@ -553,7 +558,7 @@ class CoordinatorState:
                 continue
             rec = self.registry.get(node_id)
             mine = now_wall - (now - rec.last_heard) if rec is not None else 0.0
-            if rec is not None and not other.outranks(self.index.fence_token(node_id), mine):
+            if rec is not None and not other.outranks(fence_token(self.index, node_id), mine):
                 continue
             out.append(other)
         return out

@@ -8,9 +8,10 @@ registered engine gets exactly what an agent gives: gap replay, restart detectio
 and a snapshot whenever the index needs one (also after the coordinator itself restarts: the relay
 replays the engine's buffer from 0).
 
-Registrations live in an :class:`EngineStore`: in-process for the memory index, one Redis hash for the
-Redis index, so every replica sees every registration. Exactly one replica relays each instance: it
-holds the instance's owner key (``SET NX PX``, renewed every :data:`CLAIM_SECONDS`); when that replica
+Registrations live in an :class:`EngineStore`: in-process for the memory index, the Redis index's
+``engine_store`` (one Redis hash) for the Redis index, so every replica sees every registration. Exactly
+one replica relays each instance: it holds the instance's owner record (renewed every
+:data:`CLAIM_SECONDS`); when that replica
 dies its key lapses after :data:`OWNER_LEASE_SECONDS` and the next replica to claim it takes over.
 """
 
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvcoord.coordinator.registry import CHANGES
 from kvcoord.engine.zmq_wire import check_endpoint
-from kvcoord.index.uri import is_redis, parse_redis_uri
+from kvcoord.index.base import EngineRecords, Index
 from kvcoord.validate import check_model, shown, valid_url
 
 log = logging.getLogger("kvcoord.coordinator.engines")
@@ -267,117 +268,47 @@ def _write_state(path: Path, engines: dict[int, Engine]) -> None:
         raise ConnectionError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-_SWAP_LUA = r"""
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if (ARGV[2] == '' and not cur) or cur == ARGV[2] then
-  if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1])
-  else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
-  return 1
-end
-return 0
-"""
-_CLAIM_LUA = r"""
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-local now = tonumber(ARGV[4])
-if cur then
-  local ok, c = pcall(cjson.decode, cur)
-  if ok and type(c) == 'table' and c.replica ~= ARGV[2] and tonumber(c.expires or 0) > now then return 0 end
-end
-local rec = {replica = ARGV[2], status = ARGV[3], expires = now + tonumber(ARGV[5])}
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(rec))
-return 1
-"""
-_RELEASE_LUA = r"""
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if cur then
-  local ok, c = pcall(cjson.decode, cur)
-  if ok and type(c) == 'table' and c.replica == ARGV[2] then redis.call('HDEL', KEYS[1], ARGV[1]) end
-end
-return 1
-"""
+class SharedEngineStore:
+    """Registrations in a shared index's engine records (its ``engine_store``: Redis, so every replica sees
+    every registration), encoded here."""
 
-
-class RedisEngineStore:
-    """Registrations and owner records as two Redis hashes in one hash slot (``{prefix}:engines`` and
-    ``{prefix}:engine-owners``). Owner records carry their expiry (Redis server time, so replicas' clocks
-    need not agree) instead of per-field TTLs, which Redis 7.2 lacks."""
-
-    def __init__(self, client: Any, prefix: str) -> None:
-        self._r = client
-        self.key = f"{{{prefix}}}:engines"
-        self.owners_key = f"{{{prefix}}}:engine-owners"
-        self.kept = f"kept in Redis (hash {self.key})"
-        self._swap = client.register_script(_SWAP_LUA)
-        self._claim = client.register_script(_CLAIM_LUA)
-        self._release = client.register_script(_RELEASE_LUA)
-
-    async def _now(self) -> float:
-        sec, usec = await self._r.time()
-        return float(sec) + float(usec) / 1e6
+    def __init__(self, records: EngineRecords) -> None:
+        self._records = records
+        self.kept = records.kept
 
     async def all(self) -> dict[int, Engine]:
-        try:
-            raw: dict[bytes, bytes] = await self._r.hgetall(self.key)
-        except Exception as exc:
-            raise ConnectionError(f"engine registrations: {exc}") from exc
         out: dict[int, Engine] = {}
-        for k, v in raw.items():
+        for iid, raw in (await self._records.all()).items():
             try:
-                out[int(k)] = Engine.decode(v)
+                out[iid] = Engine.decode(raw)
             except (ValueError, KeyError, TypeError):
-                log.warning("skipping an undecodable engine registration %r", k)
+                log.warning("skipping an undecodable engine registration %r", iid)
         return out
 
     async def swap(self, instance_id: int, old: Engine | None, new: Engine | None) -> bool:
-        args = [str(instance_id), old.encode() if old else "", new.encode() if new else ""]
-        try:
-            return bool(await self._swap(keys=[self.key], args=args))
-        except Exception as exc:
-            raise ConnectionError(f"engine registrations: {exc}") from exc
+        return await self._records.swap(instance_id, old.encode() if old else "", new.encode() if new else "")
 
     async def claim(self, instance_id: int, replica: str, status: str, lease: float) -> bool:
-        try:
-            now = await self._now()
-            return bool(await self._claim(keys=[self.owners_key],
-                                          args=[str(instance_id), replica, status, repr(now), repr(lease)]))
-        except Exception as exc:
-            raise ConnectionError(f"engine owners: {exc}") from exc
+        return await self._records.claim(instance_id, replica, status, lease)
 
     async def release(self, instance_id: int, replica: str) -> None:
-        try:
-            await self._release(keys=[self.owners_key], args=[str(instance_id), replica])
-        except Exception as exc:
-            raise ConnectionError(f"engine owners: {exc}") from exc
+        await self._records.release(instance_id, replica)
 
     async def owners(self) -> dict[int, tuple[str, str]]:
-        try:
-            now = await self._now()
-            raw: dict[bytes, bytes] = await self._r.hgetall(self.owners_key)
-        except Exception as exc:
-            raise ConnectionError(f"engine owners: {exc}") from exc
-        out: dict[int, tuple[str, str]] = {}
-        for k, v in raw.items():
-            try:
-                d = json.loads(v)
-                if float(d["expires"]) > now:
-                    out[int(k)] = (str(d["replica"]), str(d.get("status", "")))
-            except (ValueError, KeyError, TypeError):
-                continue
-        return out
+        return await self._records.owners()
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._r.aclose()
+        """Nothing to release: the records share the index's connection, which the index closes."""
 
 
-def open_engine_store(uri: str, *, key_prefix: str = "kvcoord", state_dir: str = "") -> EngineStore:
-    """The store that goes with an index URI: Redis for a Redis index, else this process's memory (kept in
-    ``state_dir`` when given). ValueError when ``state_dir`` cannot be used."""
-    if is_redis(uri):
+def open_engine_store(index: Index, *, state_dir: str = "") -> EngineStore:
+    """The store that goes with ``index``: its own engine records when it has them (Redis), else this
+    process's memory (kept in ``state_dir`` when given). ValueError when ``state_dir`` cannot be used."""
+    records = index.engine_store
+    if records is not None:
         if state_dir:
             log.warning("state_dir %s is not used: the Redis index keeps registrations itself", state_dir)
-        parsed = parse_redis_uri(uri)
-        return RedisEngineStore(parsed.client(), parsed.prefix or key_prefix)
+        return SharedEngineStore(records)
     return MemoryEngineStore(state_dir or None)
 
 

@@ -144,7 +144,7 @@ class NativeAnswers:
         api, st = self.api, self.api.state
         if not api.known(model):
             return False
-        view = st.index.native_view(model)
+        view = st.index.native.native_view(model) if st.index.native is not None else None
         if view is None:
             return False
         table, slot_keys = view

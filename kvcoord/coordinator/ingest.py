@@ -243,8 +243,8 @@ class IngestSession:
             hello.node_id, hello.model, ranks, hello.epoch, index_ok=st.index_up, next_seq=hello.next_seq,
             no_kv_events=hello.no_kv_events,
         )
-        if not resume:  # a new owner: fence out earlier ones (a resumed stream keeps its token)
-            await st.index.claim(rec.node_id)
+        if not resume and st.index.fencing is not None:  # a new owner: fence out earlier ones (a resumed
+            await st.index.fencing.claim(rec.node_id)  # stream keeps its token)
         st.metrics.model_seen(hello.model)
         self.rec, self.gen = rec, rec.stream_gen
         rec.serving_url = hello.serving_url

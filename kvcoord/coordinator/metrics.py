@@ -21,6 +21,7 @@ from kvcoord.coordinator.engines import RELAY_STATES
 from kvcoord.coordinator.httpd import REFUSALS as HTTP_REFUSALS
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
+from kvcoord.index.instrumented import OPS, InstrumentedIndex
 from kvcoord.load import TRUSTS
 from kvcoord.native import native, native_paths
 
@@ -122,6 +123,33 @@ class LookupCollector(Collector):
         return [latency, native_answers, matched]
 
 
+class IndexCallCollector(Collector):
+    """The index's core calls, as :class:`InstrumentedIndex` counts them: seconds of those that returned
+    and the number that raised, per call, and the writes refused by fencing."""
+
+    def __init__(self, index: InstrumentedIndex) -> None:
+        self._ix = index
+
+    def collect(self) -> list[Metric]:
+        ix, labels = self._ix, ["backend", "op"]
+        seconds = HistogramMetricFamily("kvcoord_index_call_seconds", "Index calls that returned, by call",
+                                        labels=labels)
+        errors = CounterMetricFamily("kvcoord_index_call_errors", "Index calls that raised, by call",
+                                     labels=labels)
+        for op in OPS:
+            counts, total = ix.seconds[op].counts()
+            buckets = _histogram_buckets(_LATENCY_BUCKETS, counts)
+            seconds.add_metric([ix.backend, op], buckets, sum_value=total)
+            errors.add_metric([ix.backend, op], float(ix.errors[op]))
+        fenced = CounterMetricFamily(
+            "kvcoord_index_fenced_writes",
+            "Writes the backend refused: another replica had claimed the node since (fencing tokens)",
+            labels=["backend"],
+        )
+        fenced.add_metric([ix.backend], float(ix.fenced_writes))
+        return [seconds, errors, fenced]
+
+
 class IndexBackendCollector(Collector):
     """Exports a backend's own plain counters (``RedisIndex.metrics``) at scrape time.
 
@@ -135,13 +163,7 @@ class IndexBackendCollector(Collector):
 
     def collect(self) -> list[Metric]:
         m = self._m
-        counts = list(m.latency_counts)
-        cum, total, buckets = 0, 0, []
-        for bound, n in zip(self._buckets, counts, strict=False):
-            cum += n
-            buckets.append((repr(float(bound)), float(cum)))
-        total = cum + sum(counts[len(self._buckets):])
-        buckets.append(("+Inf", float(total)))
+        buckets = _histogram_buckets(self._buckets, list(m.latency_counts))
         rt = HistogramMetricFamily(
             "kvcoord_index_round_trip_seconds", "Index backend round trips (successful)", labels=["backend"]
         )
@@ -166,19 +188,13 @@ class IndexBackendCollector(Collector):
         )
         reclaimed.add_metric([self._backend], float(m.reclaimed_entries))
         out.append(reclaimed)
-        fenced = CounterMetricFamily(
-            "kvcoord_index_fenced_writes",
-            "Writes the backend refused: another replica had claimed the node since (fencing tokens)",
-            labels=["backend"],
-        )
-        fenced.add_metric([self._backend], float(m.fenced_writes))
         reclaimed_nodes = CounterMetricFamily(
             "kvcoord_index_reclaimed_nodes",
             "Nodes of a dead replica whose entries this replica removed after their lease",
             labels=["backend"],
         )
         reclaimed_nodes.add_metric([self._backend], float(m.reclaimed_nodes))
-        out += [fenced, reclaimed_nodes]
+        out.append(reclaimed_nodes)
         mirror = m.mirror
         if mirror is not None:
             ready = GaugeMetricFamily(
@@ -351,12 +367,14 @@ class Metrics:
         for reason in HTTP_REFUSALS:
             self._child(self.http_refusals, reason)
 
-    def register_index(self, index: Index) -> bool:
-        """Export the backend's own metrics when it keeps them (the Redis backend does)."""
-        if index.metrics is None:
-            return False
-        self.registry.register(IndexBackendCollector(index.metrics, index.backend))
-        return True
+    def instrument(self, index: Index) -> InstrumentedIndex:
+        """``index`` wrapped so that its core calls are timed and counted, exported here with the
+        backend's own counters when it keeps them (a remote backend does)."""
+        wrapped = InstrumentedIndex(index, lambda: new_tally(_LATENCY_BUCKETS))
+        self.registry.register(IndexCallCollector(wrapped))
+        if index.remote is not None:
+            self.registry.register(IndexBackendCollector(index.remote.metrics, index.backend))
+        return wrapped
 
     def _child(self, metric: Any, label: str) -> Any:
         key = (id(metric), label)

@@ -26,11 +26,13 @@ from kvcoord.coordinator.engines import EngineRunner, Engines, open_engine_store
 from kvcoord.coordinator.fastpath import NativeAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpLimits, HttpServer
+from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.reclaim import limit_arenas
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials, server_ssl_context
-from kvcoord.index import Index, open_index
+from kvcoord.index import Index, open_index, parse_index_uri
+from kvcoord.index.base import ping
 from kvcoord.native import native_paths
 from kvcoord.transport import ListenError, check_bindable, split_hostport
 
@@ -77,13 +79,12 @@ class CoordinatorServer:
 
     async def start(self) -> None:
         cfg = self.config
-        index = (
-            self._index if self._index is not None else open_index(cfg.index, key_prefix=cfg.index_key_prefix)
-        )
+        spec = parse_index_uri(cfg.index, key_prefix=cfg.index_key_prefix)  # checked when cfg was read
+        index = self._index if self._index is not None else open_index(spec)
         self._index = index
-        directory = open_directory(cfg.index, key_prefix=cfg.index_key_prefix)
-        state = self.state = CoordinatorState(cfg, index, directory=directory)
-        state.metrics.register_index(index)
+        directory = open_directory(index)
+        metrics = Metrics()
+        state = self.state = CoordinatorState(cfg, metrics.instrument(index), metrics, directory=directory)
         state.metrics.model_seen(*cfg.models)
         auth = Authenticator(cfg.auth)
         for address in (cfg.listen, cfg.metrics_listen, cfg.http_listen):
@@ -92,7 +93,7 @@ class CoordinatorServer:
         await self._start_grpc(state, auth)
         up = False
         with contextlib.suppress(Exception):
-            up = bool(await asyncio.wait_for(index.ping(), timeout=2.0))
+            up = bool(await asyncio.wait_for(ping(index), timeout=2.0))
         state.index_up = up
         state.metrics.index_up.labels(index.backend).set(1 if up else 0)
         assert state.on_health is not None
@@ -109,7 +110,7 @@ class CoordinatorServer:
                 raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
         if self._runner_factory is not None:
             # The store first: a state_dir that cannot be used refuses the start before any relay exists.
-            store = open_engine_store(cfg.index, key_prefix=cfg.index_key_prefix, state_dir=cfg.state_dir)
+            store = open_engine_store(index, state_dir=cfg.state_dir)
             runner = self._runner_factory(state)
             self.engines = Engines(store, runner, state.replica_id, self._profile_block_size, state.drop_node,
                                    max_engines=cfg.limits.max_streams,

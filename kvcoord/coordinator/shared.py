@@ -3,17 +3,17 @@
 The index lives in Redis, but liveness (lease), state (resyncing, draining, ...) and load live in the
 registry of the replica that owns the node's ingest stream. A replica without the stream would
 otherwise filter the node out. So each replica publishes its nodes to a :class:`NodeDirectory`
-(one Redis hash, ``{<prefix>}:nodes``: node id -> a small JSON record) and reads the others' records
-back every :data:`REFRESH_SECONDS`. The lease is carried as a wall-clock *deadline*, so a replica that
-dies leaves records that expire on their own.
+(the index's ``node_directory``, one Redis hash ``{<prefix>}:nodes``: node id -> a small JSON record)
+and reads the others' records back every :data:`REFRESH_SECONDS`. The lease is carried as a wall-clock
+*deadline*, so a replica that dies leaves records that expire on their own.
 
 Ownership: a record names the replica that wrote it, its fencing token for the node and when it last
 heard the node. A write only replaces a record of the same owner or one it outranks (a lower token, or
-without tokens an earlier heard; one Lua script, atomic), so a replica holding a stale record of a
-node that moved to another replica cannot overwrite the new owner's record.
+without tokens an earlier heard; one Lua script of ``kvcoord.index.redis``, atomic), so a replica
+holding a stale record of a node that moved to another replica cannot overwrite the new owner's record.
 
 Fencing: a record also carries the owner's fencing token for the node (see
-:meth:`kvcoord.index.base.Index.claim`). Any replica that reads a record long past its deadline, of a
+:meth:`kvcoord.index.base.Fencing.claim`). Any replica that reads a record long past its deadline, of a
 node it does not hold, reclaims the node's entries with that token: the backend removes them only if
 nobody claimed the node since (``CoordinatorState._reclaim_dead``).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcoord.coordinator.registry import ACTIVE, HASH_MISMATCH
-from kvcoord.index.uri import is_redis, parse_redis_uri
+from kvcoord.index.base import Index, NodeRecords
 from kvcoord.load import EXACT, NodeLoad
 
 log = logging.getLogger("kvcoord.coordinator.shared")
@@ -143,58 +143,20 @@ class NodeDirectory(Protocol):
     async def close(self) -> None: ...
 
 
-_PUBLISH_LUA = r"""
-for i = 1, #ARGV, 5 do
-  local cur = redis.call('HGET', KEYS[1], ARGV[i])
-  local write = true
-  if cur then
-    local ok, c = pcall(cjson.decode, cur)
-    if ok and type(c) == 'table' and c.owner ~= ARGV[i + 1] then
-      local cf, f = tonumber(c.fence or 0) or 0, tonumber(ARGV[i + 3])
-      if cf > 0 and f > 0 and cf ~= f then
-        write = f > cf
-      else
-        write = not (tonumber(c.heard or 0) > tonumber(ARGV[i + 2]))
-      end
-    end
-  end
-  if write then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 4]) end
-end
-return 1
-"""
+class SharedDirectory:
+    """The directory on a shared index's node records (the index's ``node_directory``): records are
+    encoded here, and read back with the long-expired ones deleted."""
 
-class RedisDirectory:
-    """The directory as one Redis hash (one key: on a Cluster it lives on one shard, which is fine for
-    a few thousand small records read twice a second)."""
-
-    def __init__(self, client: Any, key: str) -> None:
-        self._r = client
-        self.key = key
-        self._script = client.register_script(_PUBLISH_LUA)
-
-    @classmethod
-    def from_uri(cls, uri: str, *, key_prefix: str = "kvcoord") -> RedisDirectory:
-        parsed = parse_redis_uri(uri)
-        return cls(parsed.client(), f"{{{parsed.prefix or key_prefix}}}:nodes")
+    def __init__(self, records: NodeRecords) -> None:
+        self._records = records
 
     async def publish(self, nodes: Sequence[SharedNode]) -> None:
-        if not nodes:
-            return
-        args: list[object] = []
-        for n in nodes:
-            args += [n.node_id, n.owner, repr(n.heard), str(n.fence), n.encode()]
-        try:
-            await self._script(keys=[self.key], args=args)
-        except Exception as exc:
-            raise ConnectionError(f"node directory: {exc}") from exc
+        await self._records.publish([(n.node_id, n.owner, n.heard, n.fence, n.encode()) for n in nodes])
 
     async def fetch_all(self) -> dict[str, SharedNode]:
-        try:
-            raw: dict[bytes, bytes] = await self._r.hgetall(self.key)
-        except Exception as exc:
-            raise ConnectionError(f"node directory: {exc}") from exc
+        raw = await self._records.fetch_all()
         out: dict[str, SharedNode] = {}
-        stale: list[bytes] = []
+        stale: list[str] = []
         cutoff = time.time() - RETAIN_SECONDS
         for k, v in raw.items():
             try:
@@ -208,16 +170,13 @@ class RedisDirectory:
             out[node.node_id] = node
         if stale:
             try:
-                await self._r.hdel(self.key, *stale)
+                await self._records.delete(stale)
             except Exception:
                 log.debug("deleting stale node records failed", exc_info=True)
         return out
 
     async def fetch(self, node_id: str) -> SharedNode | None:
-        try:
-            raw = await self._r.hget(self.key, node_id)
-        except Exception as exc:
-            raise ConnectionError(f"node directory: {exc}") from exc
+        raw = await self._records.fetch(node_id)
         if raw is None:
             return None
         try:
@@ -226,14 +185,10 @@ class RedisDirectory:
             return None
 
     async def close(self) -> None:
-        try:
-            await self._r.aclose()
-        except Exception:
-            log.debug("closing the node directory failed", exc_info=True)
+        """Nothing to release: the records share the index's connection, which the index closes."""
 
 
-def open_directory(uri: str, *, key_prefix: str = "kvcoord") -> NodeDirectory | None:
-    """The directory that goes with an index URI: Redis for ``redis://``/``redis+cluster://``, else None."""
-    if is_redis(uri):
-        return RedisDirectory.from_uri(uri, key_prefix=key_prefix)
-    return None
+def open_directory(index: Index) -> NodeDirectory | None:
+    """The directory of replicas sharing ``index`` (its ``node_directory``: Redis), else None."""
+    records = index.node_directory
+    return None if records is None else SharedDirectory(records)

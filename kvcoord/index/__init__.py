@@ -16,12 +16,13 @@ from kvcoord.index.base import (
     Op,
     SnapshotEntry,
 )
-from kvcoord.index.uri import check_index_uri, is_memory
+from kvcoord.index.uri import IndexSpec, parse_index_uri
 
 __all__ = [
     "ApplyResult",
     "FencedWrite",
     "Index",
+    "IndexSpec",
     "IndexStats",
     "InvalidEvent",
     "NodeKey",
@@ -30,19 +31,21 @@ __all__ = [
     "SnapshotEntry",
     "apply_events",
     "open_index",
+    "parse_index_uri",
 ]
 
 
-def open_index(uri: str, *, key_prefix: str = "kvcoord") -> Index:
-    """Open a backend from a URI: ``memory``, ``redis://host:port/db`` or ``redis+cluster://h:p,…``."""
-    check_index_uri(uri)
-    if is_memory(uri):
+def open_index(uri: str | IndexSpec, *, key_prefix: str = "kvcoord") -> Index:
+    """Open a backend from a URI (``memory``, ``redis://host:port/db`` or ``redis+cluster://h:p,…``) or
+    from its :class:`IndexSpec` (then ``key_prefix`` is the spec's)."""
+    spec = uri if isinstance(uri, IndexSpec) else parse_index_uri(uri, key_prefix=key_prefix)
+    if spec.redis is None:
         from kvcoord.index.memory import MemoryIndex
 
         return MemoryIndex()
     from kvcoord.index.redis import RedisIndex
 
-    return RedisIndex.from_uri(uri, key_prefix=key_prefix)
+    return RedisIndex.from_spec(spec)
 
 
 async def apply_events(

@@ -24,14 +24,21 @@ from kvcoord.validate import InvalidEvent, Op, SnapshotEntry
 
 __all__ = [
     "ApplyResult",
+    "EngineRecords",
     "FencedWrite",
+    "Fencing",
     "Index",
     "IndexStats",
     "InvalidEvent",
+    "NativeView",
     "NodeKey",
     "NodeMatch",
+    "NodeRecords",
     "Op",
+    "Remote",
     "SnapshotEntry",
+    "fence_token",
+    "ping",
     "run_inline",
 ]
 
@@ -56,7 +63,7 @@ class NodeMatch(NamedTuple):
 
 class FencedWrite(Exception):
     """A shared backend refused a write for ``node_id``: another process claimed the node after this one
-    did (:meth:`Index.claim`), so this one is a stale owner (paused, partitioned) and must drop it.
+    did (:meth:`Fencing.claim`), so this one is a stale owner (paused, partitioned) and must drop it.
     Nothing of the refused call was applied."""
 
     def __init__(self, node_id: str, message: str) -> None:
@@ -129,55 +136,128 @@ class BackendMetrics(Protocol):
     @property
     def reclaimed_entries(self) -> int: ...
     @property
-    def fenced_writes(self) -> int: ...
-    @property
     def reclaimed_nodes(self) -> int: ...
     @property
     def mirror(self) -> MirrorStatus | None: ...
 
 
+class Fencing(Protocol):
+    """Who may write a node, when several processes share one index (Redis): the index's ``fencing``."""
+
+    async def claim(self, node_id: str) -> None:
+        """This process takes ``node_id`` over (a new ingest stream, not a resumed one). The backend
+        gives the node a new fencing token, higher than any before, at this process's next write for it,
+        and from then on refuses writes for the node (``apply``, ``replace_node``, ``clear``,
+        ``remove_node``) from processes holding an older token: each raises :class:`FencedWrite`.
+        A process that never claimed a node writes unfenced (library use, admin removal)."""
+        ...
+
+    def fence_token(self, node_id: str) -> int:
+        """The fencing token this process holds for ``node_id`` (0: none)."""
+        ...
+
+    async def reclaim_node(self, node_id: str, token: int) -> bool:
+        """Remove a dead owner's ``node_id`` (as ``remove_node``) only if its fencing token is still
+        ``token`` (nobody claimed it since that owner did), and fence that token out. True if it removed
+        something."""
+        ...
+
+
+class NativeView(Protocol):
+    """The index's tables as C objects, for answers computed wholly in C: the index's ``native``."""
+
+    def native_view(self, model: str) -> tuple[Table, list[NodeKey | None]] | None:
+        """``model``'s native block table (a ``kvcoord._native.Table``, its tie-break order current) and
+        its slot keys (``(node_id, dp_rank)`` per slot, None where free); None while the model has no
+        table (then lookups go through :meth:`Index.match`). The view is read at once, on the event
+        loop, and never kept past a change of ``Table.layout()``."""
+        ...
+
+
+class Remote(Protocol):
+    """A backend outside this process (Redis): its health, its contents' lifetime and its own round-trip
+    counters. The index's ``remote``; None for an in-process index, which is always up and whose
+    contents live exactly as long as it does."""
+
+    @property
+    def metrics(self) -> BackendMetrics:
+        """The backend's own round-trip counters (the coordinator exports them)."""
+        ...
+
+    async def ping(self) -> bool:
+        """True when the backend can serve."""
+        ...
+
+    async def generation(self) -> str:
+        """An opaque id of the current contents' lifetime. It changes only when everything stored
+        before is gone (e.g. Redis restarted empty), and the coordinator then asks every agent for a
+        snapshot. Cheap (called every stats interval and after every outage); raises
+        ``ConnectionError`` when the backend is unreachable."""
+        ...
+
+
+class NodeRecords(Protocol):
+    """Records coordinator replicas publish about the nodes whose streams they hold, kept beside a shared
+    index: the index's ``node_directory``. A record is the coordinator's string, a JSON object with at
+    least ``owner``, ``heard`` and ``fence``. Methods raise ``ConnectionError`` when the store is down."""
+
+    async def publish(self, records: Sequence[tuple[str, str, float, int, str]]) -> None:
+        """Write each ``(node_id, owner, heard, fence, record)``, atomically per call; a stored record of
+        another owner that outranks it is kept (the higher fence when both have one, else the later
+        heard)."""
+        ...
+
+    async def fetch_all(self) -> dict[str, bytes]: ...
+    async def fetch(self, node_id: str) -> bytes | None: ...
+    async def delete(self, node_ids: Sequence[str]) -> None: ...
+
+
+class EngineRecords(Protocol):
+    """Engines registered over HTTP and which replica relays each, kept beside a shared index: the
+    index's ``engine_store``. Registrations are the coordinator's strings. Methods raise
+    ``ConnectionError`` when the store is down."""
+
+    kept: str
+    """Where registrations are kept, in words (the start-up line)."""
+
+    async def all(self) -> dict[int, bytes]: ...
+
+    async def swap(self, instance_id: int, old: str, new: str) -> bool:
+        """Replace the registration if it still is ``old`` ("": absent) by ``new`` ("": delete); False if
+        it changed meanwhile."""
+        ...
+
+    async def claim(self, instance_id: int, replica: str, status: str, lease: float) -> bool:
+        """Become (or stay) the instance's owner for ``lease`` seconds; False when another replica is."""
+        ...
+
+    async def release(self, instance_id: int, replica: str) -> None: ...
+
+    async def owners(self) -> dict[int, tuple[str, str]]:
+        """``{instance_id: (replica, status)}`` of the owner records alive now."""
+        ...
+
+
 @runtime_checkable
 class Index(Protocol):
-    """A global block index. All methods are coroutines so that remote backends fit the same shape."""
+    """A global block index: eight coroutines, so that remote backends fit the same shape, and the
+    optional capabilities a backend has (each an object, or None where the backend has no such thing)."""
 
     backend: str
     """Short backend name for logs and metrics (``memory``, ``redis``, ``redis-cluster``)."""
     inline: bool
     """True when no method ever suspends (an in-process backend): code outside an event loop, such as the
     simulator, may run its coroutines to completion at once with :func:`run_inline`."""
-
-    @property
-    def metrics(self) -> BackendMetrics | None:
-        """The backend's own round-trip counters (a remote backend), or None."""
-        ...
-
-    async def claim(self, node_id: str) -> None:
-        """This process takes ``node_id`` over (a new ingest stream, not a resumed one). A shared backend
-        gives the node a new fencing token, higher than any before, at this process's next write for it,
-        and from then on refuses writes for the node (``apply``, ``replace_node``, ``clear``,
-        ``remove_node``) from processes holding an older token: each raises :class:`FencedWrite`.
-        A process that never claimed a node writes unfenced (library use, admin removal). Single-process
-        backends do nothing."""
-        ...
-
-    def fence_token(self, node_id: str) -> int:
-        """The fencing token this process holds for ``node_id`` (0: none; always 0 when single-process)."""
-        ...
-
-    async def reclaim_node(self, node_id: str, token: int) -> bool:
-        """Remove a dead owner's ``node_id`` (as ``remove_node``) only if its fencing token is still
-        ``token`` (nobody claimed it since that owner did), and fence that token out. True if it removed
-        something.
-        Single-process backends never need it: False."""
-        ...
-
-    def native_view(self, model: str) -> tuple[Table, list[NodeKey | None]] | None:
-        """``model``'s native block table (a ``kvcoord._native.Table``, its tie-break order current) and
-        its slot keys (``(node_id, dp_rank)`` per slot, None where free), for answers computed wholly in C
-        (the HTTP API's native lookups); None where this backend has no such table (then lookups go
-        through :meth:`match`). The view is read at once, on the event loop, and never kept past a
-        change of ``Table.layout()``."""
-        ...
+    fencing: Fencing | None
+    """Write fencing between processes sharing the index (Redis); None when single-process."""
+    native: NativeView | None
+    """C tables for native lookups (the memory index on its C core); None otherwise."""
+    remote: Remote | None
+    """Health, lifetime and round-trip counters of an out-of-process backend; None in-process."""
+    node_directory: NodeRecords | None
+    """Where replicas sharing the index publish their nodes; None when single-process."""
+    engine_store: EngineRecords | None
+    """Where registrations live when replicas share the index; None: the coordinator keeps its own."""
 
     async def apply(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
         """Apply one node's validated ops in order (:func:`kvcoord.validate.ops_of` of events, or
@@ -219,29 +299,27 @@ class Index(Protocol):
         Raises ``InvalidEvent`` (replacing nothing) for a bad hash or tier."""
         ...
 
-    async def stats(self) -> IndexStats:
-        """Counts of entries, blocks, nodes, and an estimate of bytes held."""
-        ...
-
-    async def quick_stats(self) -> IndexStats:
-        """Like ``stats`` but cheap enough to call every few seconds: ``blocks`` may be an upper bound
-        (then ``blocks_upper_bound`` is set), and retirements may not be reclaimed yet."""
-        ...
-
-    async def ping(self) -> bool:
-        """True when the backend can serve; remote backends check their connection."""
-        ...
-
-    async def generation(self) -> str:
-        """An opaque id of the current contents' lifetime. It changes only when everything stored
-        before is gone (e.g. Redis restarted empty), and the coordinator then asks every agent for a
-        snapshot. Cheap (called every stats interval and after every outage); raises
-        ``ConnectionError`` when the backend is unreachable."""
+    async def stats(self, *, exact: bool = True) -> IndexStats:
+        """Counts of entries, blocks, nodes, and an estimate of bytes held. ``exact=False``: cheap
+        enough to call every few seconds, ``blocks`` may be an upper bound (then ``blocks_upper_bound``
+        is set), and retirements may not be reclaimed yet."""
         ...
 
     async def close(self) -> None:
         """Release connections and background tasks."""
         ...
+
+
+def fence_token(index: Index, node_id: str) -> int:
+    """The fencing token this process holds for ``node_id`` in ``index`` (0: none, or no fencing)."""
+    fencing = index.fencing
+    return 0 if fencing is None else fencing.fence_token(node_id)
+
+
+async def ping(index: Index) -> bool:
+    """Whether ``index`` can serve: its remote's ping; an in-process index always can."""
+    remote = index.remote
+    return True if remote is None else await remote.ping()
 
 
 _T = TypeVar("_T")

@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 import asyncio
 import contextlib
 import sys
-import uuid
 from collections.abc import Collection, Sequence
 from typing import Literal, cast
 
@@ -54,10 +53,14 @@ from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
-    BackendMetrics,
+    EngineRecords,
+    Fencing,
     IndexStats,
+    NativeView,
     NodeKey,
     NodeMatch,
+    NodeRecords,
+    Remote,
     SnapshotEntry,
 )
 from kvcoord.index.table import Core, NativeTable, PyTable, apply_ops, table_type
@@ -76,7 +79,11 @@ class MemoryIndex:
 
     backend = "memory"
     inline = True
-    metrics: BackendMetrics | None = None
+    fencing: Fencing | None = None
+    """One process: nothing to fence."""
+    remote: Remote | None = None
+    node_directory: NodeRecords | None = None
+    engine_store: EngineRecords | None = None
 
     def __init__(self, *, sweep_chunk: int = 20_000, core: Core = "auto") -> None:
         self._model_type: type[PyTable] = table_type(core)
@@ -86,7 +93,8 @@ class MemoryIndex:
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
         self._sweeper: asyncio.Task[None] | None = None
-        self._generation = uuid.uuid4().hex  # contents live and die with the instance
+        self.native: NativeView | None = self if use_c else None
+        """The C core's tables (:meth:`native_view`); the Python core has none."""
 
     # ------------------------------------------------------------------ mutation
 
@@ -217,7 +225,7 @@ class MemoryIndex:
         return cast("list[NodeMatch]", mi.match(hashes, candidates, NodeMatch))
 
     def native_view(self, model: str) -> tuple[Table, list[NodeKey | None]] | None:
-        """See :meth:`Index.native_view`: the C core's table, when this index runs it."""
+        """See :meth:`NativeView.native_view`: the C core's table, when this index runs it."""
         mi = self._models.get(model)
         if not isinstance(mi, NativeTable):
             return None
@@ -282,15 +290,6 @@ class MemoryIndex:
     ) -> list[NodeMatch]:
         return self.match_sync(model, hashes, candidates)
 
-    async def claim(self, node_id: str) -> None:
-        """Nothing to fence: this index lives in one process."""
-
-    def fence_token(self, node_id: str) -> int:
-        return 0
-
-    async def reclaim_node(self, node_id: str, token: int) -> bool:
-        return False
-
     async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
         self.clear_sync(model, node_id, dp_rank)
         self._kick()
@@ -308,20 +307,11 @@ class MemoryIndex:
         self.replace_node_sync(model, node_id, dp_rank, hashes, tiers)
         self._kick()
 
-    async def stats(self) -> IndexStats:
+    async def stats(self, *, exact: bool = True) -> IndexStats:
+        """Exact and cheap here, whatever ``exact`` asks."""
         # Finish sweeps cooperatively so a big reclaim does not stall the event loop in one go.
         await self._sweep_loop()
         return self.stats_sync()
-
-    async def quick_stats(self) -> IndexStats:
-        return await self.stats()  # exact and cheap here
-
-    async def ping(self) -> bool:
-        return True
-
-    async def generation(self) -> str:
-        """Constant for this instance (see ``kvcoord.index.base.Generational``)."""
-        return self._generation
 
     async def close(self) -> None:
         task, self._sweeper = self._sweeper, None

@@ -54,22 +54,43 @@ class RedisUri:
         return aredis.Redis.from_url(self.url, **common)
 
 
-def is_redis(uri: str) -> bool:
+@dataclass(frozen=True, slots=True)
+class IndexSpec:
+    """An index URI parsed once (:func:`parse_index_uri`): what ``open_index``, the engine store and
+    the node directory each open from."""
+
+    uri: str
+    redis: RedisUri | None
+    """Where the Redis index is and its options; None for the memory index."""
+    key_prefix: str = "kvcoord"
+    """The keyspace prefix in force: the URI's ``prefix`` option, else the configured one."""
+
+    @property
+    def backend(self) -> str:
+        """``memory``, ``redis`` or ``redis-cluster``."""
+        if self.redis is None:
+            return "memory"
+        return "redis-cluster" if self.redis.cluster else "redis"
+
+
+def _is_redis(uri: str) -> bool:
     return uri.split("://", 1)[0] in SCHEMES and "://" in uri
 
 
-def is_memory(uri: str) -> bool:
+def _is_memory(uri: str) -> bool:
     return uri in ("", "memory", "memory://")
 
 
-def check_index_uri(uri: str) -> None:
-    """Raise ``ValueError`` (one line, naming what is allowed) for a URI no backend takes."""
-    if is_memory(uri):
-        return
-    if not is_redis(uri):
+def parse_index_uri(uri: str, *, key_prefix: str = "kvcoord") -> IndexSpec:
+    """The one parser of index URIs. ``ValueError`` (one line, naming what is allowed) for a URI no
+    backend takes."""
+    if _is_memory(uri):
+        return IndexSpec(uri, None, key_prefix)
+    if not _is_redis(uri):
         raise ValueError(f"unknown index backend {uri!r}: use 'memory', 'redis://host:port/db' or "
                          "'redis+cluster://host:port,host:port'")
-    parse_redis_uri(uri)
+    parsed = parse_redis_uri(uri)
+    return IndexSpec(uri, parsed, parsed.prefix or key_prefix)
 
 
 def parse_redis_uri(uri: str) -> RedisUri:

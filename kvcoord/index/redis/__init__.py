@@ -74,9 +74,10 @@ Fencing (replicas on one Redis): a replica that takes a node over claims it (``c
 for the node first gets a new token from ``T:fence:<node>``, higher than any before (at least Redis's
 clock in microseconds, so a Redis restarted empty still issues higher ones). Every write script
 (write, begin, commit, clear, remove_node) carries the writer's token and checks it in the same atomic
-call: an older token is refused (-1; ``FencedWrite``, counted in ``fenced_writes``), so a replica that
-was paused or cut off while another took its node over cannot write over the new owner. A write of a
-client that never claimed the node carries ``0`` and is not fenced (library use, an admin removal).
+call: an older token is refused (-1; ``FencedWrite``, counted by the coordinator's
+``InstrumentedIndex``), so a replica that was paused or cut off while another took its node over
+cannot write over the new owner. A write of a client that never claimed the node carries ``0`` and
+is not fenced (library use, an admin removal).
 ``reclaim_node`` removes a dead owner's node only while the token is still that owner's, and then
 issues a new one, fencing the dead owner out for good.
 
@@ -90,8 +91,9 @@ Modules
 ``keys`` key names and buckets; ``scripts`` the Lua (one ``.lua`` file per script, package data);
 ``client`` the connection (:class:`RedisConnection`: round trips, EVALSHA, the plain-TCP fast path,
 metrics); ``walk`` the client-side holder-string walk; ``writes`` batch packing and the per-bucket
-coalescing write queue; ``mirror`` the lookup mirror; ``index`` :class:`RedisIndex`. The index and the
-mirror share only the connection and the bucket tags.
+coalescing write queue; ``mirror`` the lookup mirror; ``records`` the node directory and engine
+registrations replicas share (the index's ``node_directory`` and ``engine_store``); ``index``
+:class:`RedisIndex`. The index and the mirror share only the connection and the bucket tags.
 """
 
 from __future__ import annotations

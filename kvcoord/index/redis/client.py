@@ -45,8 +45,6 @@ class RedisMetrics:
     """Times a round trip succeeded after Redis had been unreachable."""
     reclaimed_entries: int = 0
     """(block, location) pairs of retired locations dropped by reclaim (any tiers count once)."""
-    fenced_writes: int = 0
-    """Writes Redis refused because another client claimed the node since (fencing tokens)."""
     reclaimed_nodes: int = 0
     """Dead owners' nodes this client removed after their lease (``reclaim_node``)."""
     up: bool = True

@@ -3,11 +3,6 @@ parts (keys, scripts, connection, write queue, mirror); the package docstring de
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvcoord._native import Table
-
 import asyncio
 import contextlib
 import functools
@@ -26,7 +21,20 @@ from redis.asyncio.cluster import RedisCluster
 from kvcoord import validate
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index.base import ApplyResult, FencedWrite, IndexStats, NodeKey, NodeMatch, Op, SnapshotEntry
+from kvcoord.index.base import (
+    ApplyResult,
+    EngineRecords,
+    FencedWrite,
+    Fencing,
+    IndexStats,
+    NativeView,
+    NodeKey,
+    NodeMatch,
+    NodeRecords,
+    Op,
+    Remote,
+    SnapshotEntry,
+)
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import (
     _EXEC,
@@ -49,9 +57,10 @@ from kvcoord.index.redis.keys import (
     conf_key,
 )
 from kvcoord.index.redis.mirror import LookupMirror
+from kvcoord.index.redis.records import RedisEngineRecords, RedisNodeRecords
 from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
-from kvcoord.index.uri import parse_redis_uri
+from kvcoord.index.uri import IndexSpec, parse_index_uri
 
 __all__ = ["LATENCY_BUCKETS", "RedisIndex"]
 # LATENCY_BUCKETS is here too: the coordinator's metrics read it from the module defining RedisIndex.
@@ -81,6 +90,13 @@ class RedisIndex:
         self._cluster = isinstance(client, RedisCluster)
         self.backend = "redis-cluster" if self._cluster else "redis"
         self.inline = False
+        self.fencing: Fencing | None = self
+        """Replicas share this index: writes are fenced (:meth:`claim`)."""
+        self.remote: Remote | None = self
+        """Health (:meth:`ping`), lifetime (:meth:`generation`) and round-trip counters (``metrics``)."""
+        self.native: NativeView | None = None
+        self.node_directory: NodeRecords | None = RedisNodeRecords(client, key_prefix)
+        self.engine_store: EngineRecords | None = RedisEngineRecords(client, key_prefix)
         self.key_prefix = key_prefix
         self.buckets = buckets if buckets is not None else (_DEFAULT_CLUSTER_BUCKETS if self._cluster else 1)
         if self.buckets < 1:
@@ -119,9 +135,15 @@ class RedisIndex:
         answer lookups from an in-memory copy kept current by Redis's change feed; see
         :class:`LookupMirror`). Does not connect.
         """
-        parsed = parse_redis_uri(uri)
-        return cls(parsed.client(), key_prefix=parsed.prefix or key_prefix, buckets=parsed.buckets,
-                   mirror=parsed.mirror)
+        return cls.from_spec(parse_index_uri(uri, key_prefix=key_prefix))
+
+    @classmethod
+    def from_spec(cls, spec: IndexSpec) -> RedisIndex:
+        """From a parsed Redis URI (:func:`kvcoord.index.uri.parse_index_uri`). Does not connect."""
+        parsed = spec.redis
+        if parsed is None:
+            raise ValueError(f"index URI {spec.uri!r} is not a Redis one")
+        return cls(parsed.client(), key_prefix=spec.key_prefix, buckets=parsed.buckets, mirror=parsed.mirror)
 
     def bucket_of(self, node_id: str) -> int:
         """The bucket (hence hash tag, slot and shard) holding every key of ``node_id``."""
@@ -183,8 +205,7 @@ class RedisIndex:
         return str(tok)
 
     def _fenced(self, node_id: str, what: str) -> FencedWrite:
-        """Count a refused write (the stale token is kept: later writes are refused too, until a claim)."""
-        self.metrics.fenced_writes += 1
+        """A refused write (the stale token is kept: later writes are refused too, until a claim)."""
         return FencedWrite(
             node_id, f"{what} refused by Redis: another replica claimed the node since (this one's fencing "
             f"token {self._fence.get(node_id)} is stale)"
@@ -241,10 +262,6 @@ class RedisIndex:
         for node_id, rank in candidates:
             want.setdefault(self.bucket_of(node_id), set()).add(_loc_name(model, node_id, rank).encode())
         return want
-
-    def native_view(self, model: str) -> tuple[Table, list[NodeKey | None]] | None:
-        """None: Redis holds the blocks (lookups go through :meth:`match` and its mirror)."""
-        return None
 
     async def match(
         self,
@@ -453,21 +470,18 @@ class RedisIndex:
 
     # ---------------------------------------------------------------------------------- stats
 
-    async def stats(self) -> IndexStats:
-        """Exact for this client's retirements (it reclaims them first); others' are reclaimed in the
+    async def stats(self, *, exact: bool = True) -> IndexStats:
+        """Exact: for this client's retirements (it reclaims them first); others' are reclaimed in the
         background by whichever replica gets there, and until then their blocks may still count.
-
         Distinct blocks of a model spread over several buckets (Cluster) are counted by HSCAN of
-        their inverted hashes: up to millions of fields. Periodic gauges use :meth:`quick_stats`."""
-        if self._reclaimed_gen < self._retired_gen:
-            await self.reclaim()
-        return await self._stats(exact=True)
+        their inverted hashes: up to millions of fields.
 
-    async def quick_stats(self) -> IndexStats:
-        """One script call per bucket, no scan, no reclaim: ``blocks`` is the per-bucket sum, an upper
-        bound when a model spans several buckets (a block held in two buckets counts twice); then
-        ``blocks_upper_bound`` is set."""
-        return await self._stats(exact=False)
+        Not exact (periodic gauges): one script call per bucket, no scan, no reclaim: ``blocks`` is the
+        per-bucket sum, an upper bound when a model spans several buckets (a block held in two buckets
+        counts twice); then ``blocks_upper_bound`` is set."""
+        if exact and self._reclaimed_gen < self._retired_gen:
+            await self.reclaim()
+        return await self._stats(exact=exact)
 
     async def _stats(self, *, exact: bool) -> IndexStats:
         res = await self._conn.eval_many(lua.STATS, [(tag, []) for tag in self._tags])

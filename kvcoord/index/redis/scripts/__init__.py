@@ -14,15 +14,16 @@ from kvcoord.index.redis.client import _Script
 from kvcoord.index.redis.keys import FEED_MAX_ENTRIES
 
 
-def _read(name: str) -> str:
+def read_script(name: str) -> str:
+    """The text of one ``.lua`` file of this package."""
     return (files(__name__) / name).read_text(encoding="utf-8")
 
 
-_COMMON = _read("common.lua").replace("FEED_MAX", str(FEED_MAX_ENTRIES))
+_COMMON = read_script("common.lua").replace("FEED_MAX", str(FEED_MAX_ENTRIES))
 
 
 def _load(name: str, *, prelude: bool = True) -> _Script:
-    src = _read(name)
+    src = read_script(name)
     if prelude:
         head = ""
         if src.startswith("#!"):

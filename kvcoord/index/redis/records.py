@@ -1,0 +1,130 @@
+"""What coordinator replicas share beside the index, kept in the index's Redis: the node directory
+(:class:`RedisNodeRecords`) and the engine registrations with their owner records
+(:class:`RedisEngineRecords`). Records are opaque strings here; the coordinator encodes and decodes them
+(``kvcoord.coordinator.shared`` and ``kvcoord.coordinator.engines``). Each store is one or two hashes in
+one hash slot, written by the Lua scripts of this package (``scripts/*.lua``). They share the index's
+client, and close with it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvcoord.index.redis.scripts import read_script
+
+log = logging.getLogger("kvcoord.index.redis")
+
+__all__ = ["RedisEngineRecords", "RedisNodeRecords"]
+
+
+class RedisNodeRecords:
+    """The node directory as one Redis hash, ``{prefix}:nodes`` (one key: on a Cluster it lives on one
+    shard, which is fine for a few thousand small records read twice a second)."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self._r = client
+        self.key = f"{{{prefix}}}:nodes"
+        self._publish = client.register_script(read_script("publish_node.lua"))
+
+    async def publish(self, records: Sequence[tuple[str, str, float, int, str]]) -> None:
+        args: list[object] = []
+        for node_id, owner, heard, fence, record in records:
+            args += [node_id, owner, repr(heard), str(fence), record]
+        if not args:
+            return
+        try:
+            await self._publish(keys=[self.key], args=args)
+        except Exception as exc:
+            raise ConnectionError(f"node directory: {exc}") from exc
+
+    async def fetch_all(self) -> dict[str, bytes]:
+        try:
+            raw: dict[bytes, bytes] = await self._r.hgetall(self.key)
+        except Exception as exc:
+            raise ConnectionError(f"node directory: {exc}") from exc
+        return {k.decode(errors="replace"): v for k, v in raw.items()}
+
+    async def fetch(self, node_id: str) -> bytes | None:
+        try:
+            raw: bytes | None = await self._r.hget(self.key, node_id)
+        except Exception as exc:
+            raise ConnectionError(f"node directory: {exc}") from exc
+        return raw
+
+    async def delete(self, node_ids: Sequence[str]) -> None:
+        if not node_ids:
+            return
+        try:
+            await self._r.hdel(self.key, *node_ids)
+        except Exception as exc:
+            raise ConnectionError(f"node directory: {exc}") from exc
+
+
+class RedisEngineRecords:
+    """Registrations and owner records as two Redis hashes in one hash slot (``{prefix}:engines`` and
+    ``{prefix}:engine-owners``). Owner records carry their expiry (Redis server time, so replicas' clocks
+    need not agree) instead of per-field TTLs, which Redis 7.2 lacks."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self._r = client
+        self.key = f"{{{prefix}}}:engines"
+        self.owners_key = f"{{{prefix}}}:engine-owners"
+        self.kept = f"kept in Redis (hash {self.key})"
+        self._swap = client.register_script(read_script("swap_engine.lua"))
+        self._claim = client.register_script(read_script("claim_engine.lua"))
+        self._release = client.register_script(read_script("release_engine.lua"))
+
+    async def _now(self) -> float:
+        sec, usec = await self._r.time()
+        return float(sec) + float(usec) / 1e6
+
+    async def all(self) -> dict[int, bytes]:
+        try:
+            raw: dict[bytes, bytes] = await self._r.hgetall(self.key)
+        except Exception as exc:
+            raise ConnectionError(f"engine registrations: {exc}") from exc
+        out: dict[int, bytes] = {}
+        for k, v in raw.items():
+            try:
+                out[int(k)] = v
+            except ValueError:
+                log.warning("skipping an engine registration of a bad instance id %r", k)
+        return out
+
+    async def swap(self, instance_id: int, old: str, new: str) -> bool:
+        try:
+            return bool(await self._swap(keys=[self.key], args=[str(instance_id), old, new]))
+        except Exception as exc:
+            raise ConnectionError(f"engine registrations: {exc}") from exc
+
+    async def claim(self, instance_id: int, replica: str, status: str, lease: float) -> bool:
+        try:
+            now = await self._now()
+            return bool(await self._claim(keys=[self.owners_key],
+                                          args=[str(instance_id), replica, status, repr(now), repr(lease)]))
+        except Exception as exc:
+            raise ConnectionError(f"engine owners: {exc}") from exc
+
+    async def release(self, instance_id: int, replica: str) -> None:
+        try:
+            await self._release(keys=[self.owners_key], args=[str(instance_id), replica])
+        except Exception as exc:
+            raise ConnectionError(f"engine owners: {exc}") from exc
+
+    async def owners(self) -> dict[int, tuple[str, str]]:
+        try:
+            now = await self._now()
+            raw: dict[bytes, bytes] = await self._r.hgetall(self.owners_key)
+        except Exception as exc:
+            raise ConnectionError(f"engine owners: {exc}") from exc
+        out: dict[int, tuple[str, str]] = {}
+        for k, v in raw.items():
+            try:
+                d = json.loads(v)
+                if float(d["expires"]) > now:
+                    out[int(k)] = (str(d["replica"]), str(d.get("status", "")))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
