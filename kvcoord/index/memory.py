@@ -93,7 +93,7 @@ class MemoryIndex:
         self._pending: set[str] = set()
         self._sweep_chunk = sweep_chunk
         self._sweeper: asyncio.Task[None] | None = None
-        self.native: NativeView | None = self if use_c else None
+        self.native: NativeView | None = self if self.core == "c" else None
         """The C core's tables (:meth:`native_view`); the Python core has none."""
 
     # ------------------------------------------------------------------ mutation
