@@ -23,7 +23,7 @@ from kvcoord.coordinator.auth import Authenticator
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import EngineRunner, Engines, open_engine_store
-from kvcoord.coordinator.fastpath import NativeAnswers
+from kvcoord.coordinator.fastpath import FastAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpLimits, HttpServer
 from kvcoord.coordinator.reclaim import limit_arenas
@@ -175,8 +175,8 @@ class CoordinatorServer:
                             lim.http_idle_timeout_s)
         http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)],
                                        limits=limits, on_refused=state.metrics.http_refused)
-        if NativeAnswers.available(api):
-            http.answer = NativeAnswers(api, http.extra_headers).answer
+        if FastAnswers.available(api):
+            api.fast = FastAnswers(api)
         host, port = split_hostport(cfg.http_listen)
         try:
             ssl_context = server_ssl_context(cfg.tls) if cfg.tls.enabled else None
