@@ -311,6 +311,22 @@ def rpc_failed(command: str, exc: Exception) -> int:
     return 1
 
 
+UVLOOP_ENV = "KVCOORD_UVLOOP"
+
+
+def use_uvloop() -> bool:
+    """Run the event loop on uvloop where it is installed (the ``uvloop`` extra) and ``KVCOORD_UVLOOP``
+    is not ``0``: its transports cost an HTTP request fewer microseconds than asyncio's. True if so."""
+    if os.environ.get(UVLOOP_ENV, "1").strip().lower() in ("0", "off", "no", "false"):
+        return False
+    try:
+        import uvloop
+    except ImportError:  # optional
+        return False
+    uvloop.install()
+    return True
+
+
 def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """``asyncio.run(main(stop))`` with ``stop`` set on SIGTERM or SIGINT: a server's graceful stop."""
     import asyncio

@@ -80,19 +80,25 @@ def lookup_answer(state: CoordinatorState, model: str, block_size: int, num_bloc
     instances: dict[str, _Instance] = {}
     best = 0
     for node_id, rank, matched, g, c, _, _ in hits:
-        if matched:
-            best = max(best, matched)
-            gpu, cpu, disk = g * bs, (g + c) * bs, matched * bs
-            if gpu:
-                scores.setdefault(node_id, {})[str(rank)] = gpu
-            inst = instances.get(node_id)
-            if inst is None:
-                instances[node_id] = _Instance(max(gpu, cpu, disk), gpu, {str(rank): gpu}, cpu, disk)
+        if not matched:
+            continue
+        if matched > best:
+            best = matched
+        gpu, cpu, disk, dp = g * bs, (g + c) * bs, matched * bs, str(rank)
+        if gpu:
+            by_rank = scores.get(node_id)
+            if by_rank is None:
+                scores[node_id] = {dp: gpu}
             else:
-                inst.dp[str(rank)] = gpu
-                inst.gpu, inst.cpu = max(inst.gpu, gpu), max(inst.cpu, cpu)
-                inst.disk = max(inst.disk, disk)
-                inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
+                by_rank[dp] = gpu
+        inst = instances.get(node_id)
+        if inst is None:
+            instances[node_id] = _Instance(max(gpu, cpu, disk), gpu, {dp: gpu}, cpu, disk)
+        else:  # another rank of the node: the node's best of each
+            inst.dp[dp] = gpu
+            inst.gpu, inst.cpu = max(inst.gpu, gpu), max(inst.cpu, cpu)
+            inst.disk = max(inst.disk, disk)
+            inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
     nodes = [h[6] for h in hits]
     resp = Response(200, _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens,
                                          nodes)), JSON)

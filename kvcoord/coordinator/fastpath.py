@@ -22,13 +22,14 @@ without a native table (Redis).
 
 from __future__ import annotations
 
+import struct
 import time
 from array import array
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvcoord.coordinator.answers import lookup_answer, node_entry, node_tail
+from kvcoord.coordinator.answers import Hit, lookup_answer, node_entry, node_tail
 from kvcoord.coordinator.httpd import Response
 from kvcoord.coordinator.lookup import LookupFailed
 from kvcoord.coordinator.registry import CHANGES
@@ -50,6 +51,8 @@ _CBOR_NULL = b"\xf6"
 
 _Slot = tuple[str, int, bytes, bytes]
 """A live (node, rank) of a view: node id, dp rank, the node id as JSON, its answer entry's tail."""
+_HitCache = dict[tuple[int, ...], "tuple[float, Hit] | None"]
+_MAX_HITS = 4096
 
 
 class FastAnswers:
@@ -80,11 +83,13 @@ class FastAnswers:
         count = ntokens // bs
         self.api.lookups.check_blocks(count, f" ({ntokens} tokens)")
         keys: list[bytes] | bytes = b""
-        if count:
-            if kind == "cbor":
+        try:
+            if count and kind == "cbor":
                 keys = native.cbor_chain(code, False, parent, tokens, bs, count, _CBOR_NULL, True)
-            else:
+            elif count:
                 keys = native.pickle_chain(code, False, parent, tokens, bs, count, True)
+        except (TypeError, ValueError):  # the general path words the error
+            return None
         assert isinstance(keys, bytes)  # keys_only: the packed uint64 keys
         return self._answer(model, kept, keys, count, ntokens, bs, "tokens", t0)
 
@@ -97,21 +102,19 @@ class FastAnswers:
 
     def _answer(self, model: str, kept: _Kept, keys: bytes | memoryview, nblocks: int, ntokens: int,
                 block_size: int, query: str, t0: float) -> Response | None:
-        packed = memoryview(kept.table.rows(keys)).cast("I")
+        packed = kept.table.rows(keys)
         if kept.table.layout() != kept.layout:  # hashing allocated: a collection may have moved a slot
             return None
-        slots, (w0, w1, w2) = kept.slots, kept.weights
-        scored: list[tuple[float, int, _Slot, int, int, int, int]] = []
-        for i in range(0, len(packed), 4):
-            slot, matched, cpu, sto = packed[i:i + 4]
-            entry = slots[slot] if slot < len(slots) else None
-            if entry is None or not matched:
-                continue
-            gpu = matched - cpu - sto
-            scored.append((-(gpu * w0 + cpu * w1 + sto * w2), len(scored), entry, matched, gpu, cpu, sto))
+        cache = kept.hits
+        if len(cache) > _MAX_HITS:
+            cache.clear()
+        scored: list[tuple[float, int, Hit]] = []
+        for row in _ROW.iter_unpack(packed):
+            got = cache[row] if row in cache else cache.setdefault(row, _hit(kept, *row))
+            if got is not None:
+                scored.append((got[0], len(scored), got[1]))
         scored.sort()  # the table's order (longest, then node and rank) breaks ties, as the handler's sort
-        hits = [(node_id, rank, matched, gpu, cpu, sto, node_entry(key, rank, matched, gpu, cpu, sto, tail))
-                for _, _, (node_id, rank, key, tail), matched, gpu, cpu, sto in scored]
+        hits = [hit for _, _, hit in scored]
         return lookup_answer(self.api.state, model, block_size, nblocks, ntokens, hits, query, t0, "fast")
 
     def _fresh(self, model: str) -> _Kept | None:
@@ -147,6 +150,7 @@ class FastAnswers:
                 return self._build(model, now)
             for slot, rank in kept.by_node.get(node_id, ()):
                 kept.slots[slot] = self._slot(kept, model, node_id, rank, now, now_wall)
+                kept.hits.clear()
         kept.generation = generation
         kept.fresh_until = now if kept.lapsed else kept.valid_until
         return True
@@ -200,11 +204,28 @@ class FastAnswers:
         return True
 
 
+def _hit(kept: _Kept, slot: int, matched: int, cpu: int, sto: int) -> tuple[float, Hit] | None:
+    """A table row as an answer's hit, with its sort key (minus its weighted score); None unless the view
+    reports its slot."""
+    entry = kept.slots[slot] if slot < len(kept.slots) else None
+    if entry is None or not matched:
+        return None
+    node_id, rank, key, tail = entry
+    gpu = matched - cpu - sto
+    w0, w1, w2 = kept.weights
+    return -(gpu * w0 + cpu * w1 + sto * w2), (node_id, rank, matched, gpu, cpu, sto,
+                                                 node_entry(key, rank, matched, gpu, cpu, sto, tail))
+
+
+_ROW = struct.Struct("=4I")
+"""A row of ``Table.rows``: slot, matched blocks, of which on CPU, on storage."""
+
+
 class _Kept:
     """One partition's view: what it was taken at, each slot's entry, and where each node's slots are."""
 
-    __slots__ = ("block_size", "by_node", "chain", "fresh_until", "generation", "lapsed", "layout", "members",
-                 "slots", "table", "valid_until", "weights")
+    __slots__ = ("block_size", "by_node", "chain", "fresh_until", "generation", "hits", "lapsed", "layout",
+                 "members", "slots", "table", "valid_until", "weights")
 
     def __init__(self, table: Table, generation: int, valid_until: float, block_size: int,
                  chain: tuple[str, int, bytes, int] | None, weights: tuple[float, float, float]) -> None:
@@ -223,6 +244,9 @@ class _Kept:
         is lapsed (asked again at every lookup)."""
         self.slots: list[_Slot | None] = []
         """Per table slot, its entry while lookups may report it."""
+        self.hits: _HitCache = {}
+        """Table rows seen, as hits (:func:`_hit`): rows repeat, as prompts share prefixes; emptied when a
+        slot's entry changes, and when it grows past :data:`_MAX_HITS`."""
         self.by_node: dict[str, list[tuple[int, int]]] = {}
         """node id -> its (slot, dp rank)s in the table, as of the layout."""
         self.lapsed: set[str] = set()
