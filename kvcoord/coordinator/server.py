@@ -228,6 +228,11 @@ class CoordinatorServer:
         await self.stop()
 
 
+def loop_name() -> str:
+    """The running event loop: ``uvloop`` (see ``kvcoord.cli.common.use_uvloop``) or ``asyncio``."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
 async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop within about a second."""
     limit_arenas()  # before gRPC starts its threads
@@ -258,7 +263,7 @@ async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None 
     print(
         f"kvcoord serve: grpc {server.address} ({security}), {http}, metrics {metrics}, "
         f"index {server.state.index.backend}, models: {', '.join(sorted(config.models)) or 'any'}, "
-        f"native: {','.join(native_paths()) or 'none (pure Python)'}",
+        f"native: {','.join(native_paths()) or 'none (pure Python)'}, event loop: {loop_name()}",
         file=sys.stderr,
         flush=True,
     )
