@@ -189,6 +189,34 @@ def test_table_refuses_a_released_memoryview() -> None:
 
 
 @needs_native
+def test_table_rows_are_its_matches_packed() -> None:
+    """``Table.rows`` (the HTTP fast path's) gives ``Table.match``'s rows, in its order, as packed
+    (slot, matched, cpu, storage), for bytes and 'Q' memoryviews, aligned or not."""
+    assert native is not None
+    rng = random.Random(12)
+    table = native.Table()
+    chain = [rng.randrange(1 << 64) for _ in range(40)]
+    keys: list[tuple[str, int] | None] = []
+    for slot in range(6):
+        keys.append((f"n{slot}", slot % 2))
+        cut = rng.randrange(0, 41)
+        table.store(slot, 0, chain[:cut // 2])
+        table.store(slot, rng.randrange(3), chain[cut // 2:cut])
+        table.set_live(slot, slot != 3)
+    table.set_order(sorted(range(6), key=lambda s: keys[s] or ("", 0)))
+    for query in (chain, chain[:7], chain[:0], [*chain[:5], 1, *chain[6:]]):
+        packed = array("Q", query).tobytes()
+        expected = []
+        for node_id, rank, matched, tiers in table.match(query, None, keys, None):
+            slot = keys.index((node_id, rank))
+            expected += [slot, matched, tiers[1], tiers[2]]
+        for buf in (packed, memoryview(array("Q", query)), memoryview(b"x" + packed)[1:]):
+            assert memoryview(table.rows(buf)).cast("I").tolist() == expected
+    with pytest.raises(ValueError):
+        table.rows(b"1234567")
+
+
+@needs_native
 def test_table_sweep_of_no_slots_on_an_empty_table() -> None:
     """Found by this file's fuzz under UBSan: the end of a sweep pass called memset(NULL, 0, 0) on a
     table that never had a slot (undefined behaviour, reported as a nonnull-attribute error)."""
