@@ -60,8 +60,8 @@ Ctrl-C and on SIGTERM. About a minute with the defaults.
 more than a small lookup, and where the kernel puts the processes otherwise decides the comparison.
 
 Usage: ``python benchmarks/bench_vs_dynamo_service.py [--algo sha256_cbor] [--engines 8] [--events 300000]
-[--requests 2000] [--threads 4] [--cases tokens512,...] [--no-grpc] [--pin none|same|split]
-[--json out.json]``
+[--requests 2000] [--threads 4] [--cases tokens512,...] [--no-grpc] [--client once|split]
+[--pin none|same|split] [--json out.json]``
 """
 
 from __future__ import annotations
