@@ -297,10 +297,10 @@ def test_serve_stops_on_sigint_and_frees_port(tmp_path: Path) -> None:
         wait_for_port(port)
 
 
-@pytest.mark.parametrize("uvloop_env", ["1", "0"])
-def test_serve_runs_on_uvloop_where_installed_unless_told_not_to(uvloop_env: str, tmp_path: Path) -> None:
-    """uvloop is an optional extra: with it installed, serve's loop is uvloop's, and KVCOORD_UVLOOP=0 keeps
-    asyncio's (the start-up line names it); serve answers either way."""
+@pytest.mark.parametrize("uvloop_env", ["1", "0", ""])
+def test_serve_runs_on_uvloop_only_when_asked(uvloop_env: str, tmp_path: Path) -> None:
+    """uvloop is an optional extra: with it installed, KVCOORD_UVLOOP=1 runs serve's loop on uvloop, and
+    otherwise asyncio's runs it (the start-up line names it); serve answers either way."""
     try:
         import uvloop  # noqa: F401
         installed = True

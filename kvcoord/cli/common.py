@@ -314,10 +314,13 @@ def rpc_failed(command: str, exc: Exception) -> int:
 UVLOOP_ENV = "KVCOORD_UVLOOP"
 
 
-def use_uvloop() -> bool:
-    """Run the event loop on uvloop where it is installed (the ``uvloop`` extra) and ``KVCOORD_UVLOOP``
-    is not ``0``: its transports cost an HTTP request fewer microseconds than asyncio's. True if so."""
-    if os.environ.get(UVLOOP_ENV, "1").strip().lower() in ("0", "off", "no", "false"):
+def use_uvloop(default: bool) -> bool:
+    """Run the event loop on uvloop where it is installed (the ``uvloop`` extra): its transports cost an
+    HTTP request fewer microseconds than asyncio's. ``KVCOORD_UVLOOP`` (``1``/``0``) overrides ``default``
+    (``kvcoord route``: on; ``kvcoord serve``: off, its gRPC, Redis and ZMQ clients are run on asyncio's
+    loop in CI). True if uvloop runs."""
+    value = os.environ.get(UVLOOP_ENV, "").strip().lower()
+    if not (value not in ("0", "off", "no", "false") if value else default):
         return False
     try:
         import uvloop

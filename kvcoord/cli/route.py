@@ -123,6 +123,6 @@ def run(args: argparse.Namespace) -> int:
     from kvcoord.gateway.route import serve_route
 
     config = route_config(args)
-    use_uvloop()
+    use_uvloop(default=True)
     run_until_signalled(lambda stop: serve_route(config, stop))
     return 0

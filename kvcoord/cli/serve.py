@@ -111,6 +111,6 @@ def run(args: argparse.Namespace) -> int:
     from kvcoord.coordinator.server import serve
 
     config = config_from_args(args)
-    use_uvloop()
+    use_uvloop(default=False)
     asyncio.run(serve(config, runner_factory=Fleet))
     return 0
