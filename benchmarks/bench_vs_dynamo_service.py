@@ -28,12 +28,13 @@ One run, both services, the same data:
   meanwhile (the scheduler's runtime of every thread, ``/proc/<pid>/task/*/schedstat``); the CPU figure
   is the one to compare on a shared 2-core machine. Published as fast as possible, a relay drains many
   batches a wakeup; paced, it wakes for every one, which is what it costs next to a real engine.
-- Lookups: a SEPARATE client process (this file with ``--client``), one keep-alive connection per
+- Lookups: a SEPARATE client process (this file with ``--run-client``), one keep-alive connection per
   service, sequential requests, the two services interleaved request by request (alternating which
   goes first), ``--warmup`` then ``--requests`` timed requests per case, on the same prompts for both.
-  Each timed request covers building the JSON body from a Python list of ints (the faster of orjson
-  and msgspec for that case's bodies, chosen once per case, the same for both sides), the HTTP/1.1
-  exchange on a minimal raw-socket client (identical for both), and parsing the JSON answer (orjson).
+  Each timed request covers the HTTP/1.1 exchange on a minimal raw-socket client (identical for both;
+  ``--client once`` writes a request at once, ``--client split`` its head and then its body, as
+  ``http.client`` and ``requests`` do) and parsing the JSON answer (orjson). The JSON bodies are built
+  before (the faster of orjson and msgspec for that case's bodies, the same for both sides).
   Cases: by tokens for 64/128/256/512-block prompts (``/query``), by hashes for 64/512 blocks
   (``/query_by_hash``: Dynamo's own block-local hashes, xxh3_64 seed 1337 of each block's
   little-endian u32 tokens, as i64, for Dynamo; the engine's block hashes, as i64, for kvcoord), and
@@ -59,8 +60,8 @@ Ctrl-C and on SIGTERM. About a minute with the defaults.
 more than a small lookup, and where the kernel puts the processes otherwise decides the comparison.
 
 Usage: ``python benchmarks/bench_vs_dynamo_service.py [--algo sha256_cbor] [--engines 8] [--events 300000]
-[--requests 2000] [--threads 4] [--cases tokens512,...] [--no-grpc] [--pin none|same|split]
-[--json out.json]``
+[--requests 2000] [--threads 4] [--cases tokens512,...] [--no-grpc] [--client once|split]
+[--pin none|same|split] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -131,8 +132,10 @@ def pct(xs: Sequence[float], p: float) -> float:
 class Http:
     """One keep-alive connection; Content-Length framing only (both services send it)."""
 
-    def __init__(self, host: str, port: int, timeout: float = 30.0) -> None:
+    def __init__(self, host: str, port: int, timeout: float = 30.0, split: bool = False) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.split = split
+        """Send a request's head and body in two writes, as ``http.client`` and ``requests`` do."""
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.host = f"{host}:{port}".encode()
         self.buf = bytearray()
@@ -145,9 +148,14 @@ class Http:
         return self._read()
 
     def post(self, path: bytes, body: bytes) -> tuple[int, bytes]:
-        self.sock.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: " + self.host
-                          + b"\r\ncontent-type: application/json\r\ncontent-length: "
-                          + str(len(body)).encode() + b"\r\n\r\n" + body)
+        head = (b"POST " + path + b" HTTP/1.1\r\nhost: " + self.host
+                + b"\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
+                + b"\r\n\r\n")
+        if self.split:
+            self.sock.sendall(head)
+            self.sock.sendall(body)
+        else:
+            self.sock.sendall(head + body)
         return self._read()
 
     def _read(self) -> tuple[int, bytes]:
@@ -560,8 +568,9 @@ def run_client(spec_path: str, out_path: str) -> None:
     if "client_cpus" in spec:
         os.sched_setaffinity(0, spec["client_cpus"])
     n, warm = spec["requests"], spec["warmup"]
-    kv = Http("127.0.0.1", spec["kv_port"])
-    dyn = Http("127.0.0.1", spec["dyn_port"])
+    split = spec.get("client") == "split"
+    kv = Http("127.0.0.1", spec["kv_port"], split=split)
+    dyn = Http("127.0.0.1", spec["dyn_port"], split=split)
     grpc_client = CoordinatorClient(f"127.0.0.1:{spec['grpc_port']}", timeout=30)
     pids = {KV: spec["kv_pid"], DYN: spec["dyn_pid"]}
     rows: list[dict[str, Any]] = []
@@ -614,8 +623,10 @@ def run_client(spec_path: str, out_path: str) -> None:
 
     def http_call(conn: Http, path: bytes, bodies: list[Any],
                   enc: Callable[[Any], bytes]) -> Callable[[int], Any]:
+        encoded = [enc(b) for b in bodies]  # the client's JSON building is the same for both: not timed
+
         def call(p: int) -> Any:
-            st, raw = conn.post(path, enc(bodies[p]))
+            st, raw = conn.post(path, encoded[p])
             if st != 200:
                 raise RuntimeError(f"{path.decode()} -> {st} {raw[:200]!r}")
             return orjson.loads(raw)
@@ -827,7 +838,7 @@ def main(args: argparse.Namespace) -> int:
                 "dyn_port": dyn.http_port, "grpc_port": gport, "kv_pid": kv.pid, "dyn_pid": dyn.pid,
                 "empty": "empty" in args.cases,
                 "cases": [c for c in cases if f"{c['kind']}{c['blocks']}" in args.cases],
-                "phases": ["http"] if args.no_grpc else ["http", "grpc"]}
+                "phases": ["http"] if args.no_grpc else ["http", "grpc"], "client": args.client}
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-vs-dynamo-")))
         client_cpus = pin(args.pin, [s.pid for s in sides])
         if client_cpus is not None:
@@ -835,7 +846,7 @@ def main(args: argparse.Namespace) -> int:
         (tmp / "spec.pkl").write_bytes(pickle.dumps(spec))
         cpu1 = {s.name: cpu_seconds(s.pid) for s in sides}
         t1 = time.perf_counter()
-        client = spawn([sys.executable, str(Path(__file__).resolve()), "--client", str(tmp / "spec.pkl"),
+        client = spawn([sys.executable, str(Path(__file__).resolve()), "--run-client", str(tmp / "spec.pkl"),
                         str(tmp / "out.pkl")])  # stderr inherited: its progress shows as it goes
         try:
             rc = client.wait(timeout=args.client_timeout)
@@ -935,7 +946,7 @@ def _terminate(signum: int, frame: Any) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _terminate)
-    if len(sys.argv) == 4 and sys.argv[1] == "--client":
+    if len(sys.argv) == 4 and sys.argv[1] == "--run-client":
         run_client(sys.argv[2], sys.argv[3])
         sys.exit(0)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -968,6 +979,9 @@ if __name__ == "__main__":
     ap.add_argument("--pin", choices=("none", "same", "split"), default="none",
                     help="lookups: the client and both services on one CPU (same), the services on one and "
                          "the client on another (split), or wherever the kernel puts them (none, default)")
+    ap.add_argument("--client", choices=("once", "split"), default="once",
+                    help="how the HTTP client writes a request: head and body at once (default), or in two "
+                         "writes, head then body, as http.client, requests and urllib3 do")
     ap.add_argument("--ingest-timeout", type=float, default=300.0, help="seconds (default 300)")
     ap.add_argument("--client-timeout", type=float, default=900.0, help="seconds (default 900)")
     ap.add_argument("--profile-kvcoord", default=None, metavar="PATH",

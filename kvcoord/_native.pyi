@@ -53,6 +53,7 @@ class Table:
         /,
     ) -> list[tuple[str, int, int, tuple[int, ...]]]: ...
     def columns(self, slot: int, /) -> tuple[list[int], list[int], list[int]]: ...
+    def rows(self, keys: bytes | memoryview, /) -> bytes: ...
     def export(self, slot: int, /) -> list[tuple[int, int]]: ...
     def sweep_begin(self, slots: list[int] | tuple[int, ...], /) -> None: ...
     def sweep_step(self, budget: int, /) -> tuple[int, bool]: ...
@@ -72,50 +73,10 @@ def mirror_walk(
     /,
 ) -> list[_Row] | None: ...
 
-# --- the HTTP API's lookup answers (answer.c, answerer.c; twin: kvcoord.coordinator.httpapi's handler) ---
-class AnswerModel:
-    """One partition's view for the :class:`Answerer` (see kvcoord.coordinator.fastpath)."""
-
-    def __init__(
-        self,
-        table: Table,
-        layout: int,
-        generation: int,
-        valid_until: float,
-        chain: tuple[str, int, bytes, int] | None,
-        hash_block_size: int,
-        max_blocks: int,
-        weights: tuple[float, float, float],
-        model: bytes,
-        slots: list[tuple[int, int, bytes, bytes] | None],
-    ) -> None: ...
-    def set_slot(self, slot: int, entry: tuple[int, int, bytes, bytes] | None, /) -> None: ...
-    def renew(self, generation: int, valid_until: float, /) -> None: ...
-
+# --- histogram counts (tally.c; twin: kvcoord.coordinator.metrics.PyTally) ----------------------
 class Tally:
     """A histogram's counts as plain numbers (tally.c; twin: kvcoord.coordinator.metrics.PyTally)."""
 
     def __init__(self, bounds: tuple[float, ...], /) -> None: ...
     def observe(self, value: float, /) -> None: ...
     def counts(self) -> tuple[tuple[int, ...], float]: ...
-
-class Answerer:
-    """A request's bytes in, its whole HTTP answer out, or None for the Python handler (answerer.c)."""
-
-    def __init__(
-        self,
-        views: dict[str, AnswerModel],
-        changes: object,
-        refresh: Callable[[str, float], bool],
-        gate: object,
-        may_query: Callable[[str], bool] | None,
-        on_error: Callable[[BaseException], object],
-        extra_headers: bytes,
-        tally_tokens: Tally,
-        tally_hashes: Tally,
-        tally_matched: Tally,
-        /,
-    ) -> None: ...
-    def __call__(self, data: bytes, /) -> bytes | None: ...
-    @property
-    def answered(self) -> int: ...

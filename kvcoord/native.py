@@ -29,9 +29,9 @@ else:
     native = None  # type: ignore[assignment]
 # ``native``: the extension module, or None when it is not built or ``KVCOORD_NATIVE=0``.
 
-PATHS = ("hash", "index", "walk", "json", "lookup")
-"""Hot paths with a native implementation: hash chains, the memory index's table, the Redis holder walk,
-the HTTP API's integer arrays, the HTTP API's whole lookup answers."""
+PATHS = ("hash", "index", "walk", "json")
+"""Hot paths with a native implementation: hash chains, the memory index's table (its matches, and the
+packed rows the HTTP API's fast path answers from), the Redis holder walk, the HTTP API's integer arrays."""
 
 
 def native_paths() -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.validate import pack_u64
 from kvcoord.wire import pack_tokens
-from tests.procs import free_port, kvcoord_cmd, make_certs, running, stop, wait_for_port
+from tests.procs import free_port, kvcoord_cmd, make_certs, running, stop, until, wait_for_port
 
 TIMEOUT = 5.0
 STOP_BOUND = 5.0
@@ -299,3 +299,24 @@ def test_serve_stops_on_sigint_and_frees_port(tmp_path: Path) -> None:
     # The port is free again: a second server binds it.
     with running(cmd, log=tmp_path / "again.log"):
         wait_for_port(port)
+
+
+@pytest.mark.parametrize("uvloop_env", ["1", "0", ""])
+def test_serve_runs_on_uvloop_only_when_asked(uvloop_env: str, tmp_path: Path) -> None:
+    """uvloop is an optional extra: with it installed, KVCOORD_UVLOOP=1 runs serve's loop on uvloop, and
+    otherwise asyncio's runs it (the start-up line names it); serve answers either way."""
+    try:
+        import uvloop  # noqa: F401
+        installed = True
+    except ImportError:
+        installed = False
+    port, http = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    with running(kvcoord_cmd("serve", "--listen", f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{http}",
+                             "--metrics-listen", ""), env={"KVCOORD_UVLOOP": uvloop_env}, log=log):
+        wait_for_port(http, timeout=30)
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=30) as resp:
+            assert resp.status == 200
+        until(lambda: "event loop:" in log.read_text(), "the start-up line")
+    expected = "uvloop" if installed and uvloop_env == "1" else "asyncio"
+    assert f"event loop: {expected}" in log.read_text()

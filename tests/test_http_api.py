@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -135,6 +137,78 @@ async def test_registered_engine_is_relayed_and_found() -> None:
             assert await a.call("GET", "/workers") == (200, [])
     finally:
         pub.shutdown()
+
+
+def _lookup_by_bytes(port: int, raw: bytes, step: int) -> tuple[int, bytes]:
+    """``raw`` written ``step`` bytes at a time on a new connection (each its own segment: no Nagle); the
+    answer's status and body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(0, len(raw), step):
+            sock.sendall(raw[i:i + step])
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += sock.recv(65536)
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        while len(body) < length:
+            body += sock.recv(65536)
+        return int(head.split()[1]), body
+
+
+async def test_every_plain_lookup_takes_the_fast_path_however_it_is_written() -> None:
+    """A lookup by tokens and by hashes, sent at once, as http.client sends it (head, then body), and byte
+    by byte: the same answer each time, and the fast path answered each one (its counter says so)."""
+    pub_port, replay_port = free_port(), free_port()
+    pub = ZmqEventPublisher(0, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", bind=True)
+    tokens = list(range(200, 216))
+    try:
+        pub.publish(KVEventBatch(ts=time.time(), events=[chain(tokens)]))
+        async with api() as a:
+            status, _ = await a.call("POST", "/register", {
+                "instance_id": 9, "endpoint": f"tcp://127.0.0.1:{pub_port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "model_name": MODEL, "block_size": BS})
+            assert status == 201
+
+            async def hit() -> Any:
+                _, answer = await a.call("POST", "/query", {"token_ids": tokens, "model_name": MODEL})
+                return answer["scores"]
+
+            await eventually(hit, "the registered engine's blocks")
+            port = a.server.http_port
+            metric = a.server.state.metrics.registry.get_sample_value
+            bodies = {"/query": json.dumps({"token_ids": tokens, "model_name": MODEL}).encode(),
+                      "/query_by_hash": json.dumps({"block_hashes": block_hashes64(PROFILE, tokens),
+                                                    "model_name": MODEL}).encode()}
+
+            def http_client(path: str) -> tuple[int, bytes]:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
+                try:  # http.client writes the head and the body apart
+                    conn.request("POST", path, bodies[path], {"content-type": "application/json"})
+                    resp = conn.getresponse()
+                    return resp.status, resp.read()
+                finally:
+                    conn.close()
+
+            for path, body in bodies.items():
+                raw = (f"POST {path} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                       f"content-length: {len(body)}\r\n\r\n").encode() + body
+                answers = []
+                sends: list[tuple[Any, ...]] = [(_lookup_by_bytes, port, raw, len(raw)), (http_client, path),
+                                                (_lookup_by_bytes, port, raw, 1)]
+                for send, *args in sends:
+                    fast, handler = metric(*FAST), metric(*HANDLER)
+                    answers.append(await asyncio.to_thread(send, *args))
+                    assert (metric(*FAST), metric(*HANDLER)) == (fast + 1, handler), (path, len(answers))
+                assert answers[0][0] == 200 and b'"9":{"0":16}' in answers[0][1]
+                assert answers[0] == answers[1] == answers[2], path
+    finally:
+        pub.shutdown()
+
+
+FAST = ("kvcoord_lookup_answers_total", {"path": "fast"})
+HANDLER = ("kvcoord_lookup_answers_total", {"path": "handler"})
 
 
 @pytest.mark.parametrize(("path", "body", "status", "error"), [

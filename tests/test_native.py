@@ -46,12 +46,12 @@ def test_native_is_built_when_required() -> None:
         if os.environ.get("KVCOORD_REQUIRE_SPEEDUPS") and switch.enabled:
             pytest.fail("kvcoord._native is not built (needs a C compiler and the Python headers)")
         pytest.skip("native code not built or KVCOORD_NATIVE=0: every hot path runs in Python")
-    assert switch.PATHS == ("hash", "index", "walk", "json", "lookup")
+    assert switch.PATHS == ("hash", "index", "walk", "json")
     digests = "+".join(sorted(native.C_DIGESTS))
-    assert switch.native_paths() == (f"hash({digests})", "index", "walk", "json", "lookup")
+    assert switch.native_paths() == (f"hash({digests})", "index", "walk", "json")
     assert "sha256" in native.C_DIGESTS or os.environ.get("KVCOORD_OPENSSL") == "0"  # CI builds with OpenSSL
     for name in ("cbor_chain", "pickle_chain", "Table", "validate_u64_seq", "u64_view", "mirror_walk",
-                 "Answerer", "AnswerModel", "Tally"):
+                 "json_take_ints", "Tally"):
         assert hasattr(native, name), name
 
 
@@ -186,6 +186,34 @@ def test_table_refuses_a_released_memoryview() -> None:
         with pytest.raises(ValueError, match="released"):
             op(0, 0, view)
     assert len(t) == 0 and t.export(0) == []
+
+
+@needs_native
+def test_table_rows_are_its_matches_packed() -> None:
+    """``Table.rows`` (the HTTP fast path's) gives ``Table.match``'s rows, in its order, as packed
+    (slot, matched, cpu, storage), for bytes and 'Q' memoryviews, aligned or not."""
+    assert native is not None
+    rng = random.Random(12)
+    table = native.Table()
+    chain = [rng.randrange(1 << 64) for _ in range(40)]
+    keys: list[tuple[str, int] | None] = []
+    for slot in range(6):
+        keys.append((f"n{slot}", slot % 2))
+        cut = rng.randrange(0, 41)
+        table.store(slot, 0, chain[:cut // 2])
+        table.store(slot, rng.randrange(3), chain[cut // 2:cut])
+        table.set_live(slot, slot != 3)
+    table.set_order(sorted(range(6), key=lambda s: keys[s] or ("", 0)))
+    for query in (chain, chain[:7], chain[:0], [*chain[:5], 1, *chain[6:]]):
+        packed = array("Q", query).tobytes()
+        expected = []
+        for node_id, rank, matched, tiers in table.match(query, None, keys, None):
+            slot = keys.index((node_id, rank))
+            expected += [slot, matched, tiers[1], tiers[2]]
+        for buf in (packed, memoryview(array("Q", query)), memoryview(b"x" + packed)[1:]):
+            assert memoryview(table.rows(buf)).cast("I").tolist() == expected
+    with pytest.raises(ValueError):
+        table.rows(b"1234567")
 
 
 @needs_native
@@ -841,7 +869,7 @@ FUZZERS: dict[str, Callable[[random.Random, int], None]] = {
     "walk": fuzz_walk,
     "chains": fuzz_chains,
     "json": fuzz_json_ints,
-    "answer": fuzz_answer,
+    "fastpath": fuzz_answer,
 }
 
 

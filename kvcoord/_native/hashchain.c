@@ -304,7 +304,7 @@ PyDoc_STRVAR(cbor_chain_doc,
 "when `call_digest` is true (hashlib constructors). Returns a list of digests, or with keys_only\n"
 "the bytes of `count` native uint64 keys (each digest's last 8 bytes, big-endian).");
 
-PyObject *
+static PyObject *
 kvn_cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -441,7 +441,7 @@ PyDoc_STRVAR(pickle_chain_doc,
 "`tokens` is array('Q') or array('I'); block_size at most 4096. hasher, call_digest and keys_only\n"
 "as for cbor_chain.");
 
-PyObject *
+static PyObject *
 kvn_pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;

@@ -16,7 +16,14 @@
 #define MAX_DEPTH 64 /* nesting json_take_ints skips through; deeper answers None */
 #define MAX_KEYS 64  /* top-level members it tracks for repeats; more answers None */
 
-#define skip_ws kvn_json_skip_ws
+static inline const unsigned char *
+skip_ws(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) {
+        p++;
+    }
+    return p;
+}
 
 /* How many of the 8 bytes of x (little-endian: the first byte lowest) are leading ASCII digits, 0..8. */
 static inline int
@@ -41,7 +48,7 @@ digits_value(uint64_t x, int n)
 
 /* Parse the int array starting at *pp ('[') into out (capacity cap values of width 4 or 8). On success
  * returns the count and leaves *pp after ']'; -1 when the input is not a plain int array that fits. */
-Py_ssize_t
+static Py_ssize_t
 kvn_json_int_array(const unsigned char **pp, const unsigned char *end, int u32, unsigned char *out,
                 Py_ssize_t cap)
 {
@@ -189,7 +196,7 @@ packed_array(const unsigned char **pp, const unsigned char *end, int u32, int *c
 }
 
 /* Skip one JSON string at p ('"'); the position after it, or NULL when it is not a valid string. */
-const unsigned char *
+static const unsigned char *
 kvn_json_skip_string(const unsigned char *p, const unsigned char *end, int *escaped)
 {
     p++;

@@ -26,7 +26,7 @@ PyInit__native(void)
 #endif
     if (PyModule_AddFunctions(m, kvn_hashchain_methods) < 0 || PyModule_AddFunctions(m, kvn_table_methods) < 0 ||
         PyModule_AddFunctions(m, kvn_walk_methods) < 0 || PyModule_AddFunctions(m, kvn_jsonints_methods) < 0 ||
-        kvn_answer_init(m) < 0 || kvn_answerer_init(m) < 0 || kvn_tally_init(m) < 0 ||
+        kvn_tally_init(m) < 0 ||
         kvn_hashchain_init(m) < 0 || kvn_table_init(m) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -3,12 +3,9 @@
  * One file per hot path, each with a pure-Python twin that is the fallback and the tests' oracle:
  *   hashchain.c  vLLM's block-hash chains (kvcoord.hashing): cbor_chain, pickle_chain, C_DIGESTS
  *   jsonints.c   JSON integer arrays to packed integers (kvcoord.coordinator.httpapi): json_take_ints
- *   table.c      the memory index's block table (kvcoord.index.memory): Table, validate_u64_seq, u64_view
+ *   table.c      the memory index's block table (kvcoord.index.memory): Table (its match, and its rows
+ *                packed for the HTTP API's fast path), validate_u64_seq, u64_view
  *   walk.c       the Redis lookup mirror's holder walk (kvcoord.index.redis.mirror): mirror_walk
- *   answer.c     the HTTP API's lookup answer in one call (kvcoord.coordinator.fastpath): AnswerModel,
- *                kvn_answer_request; its twin is the Python handler (kvcoord.coordinator.httpapi)
- *   answerer.c   Answerer: a connection's bytes in, the answer out, with its metrics and the views kept
- *                fresh (the Python wrapper it replaces was the twin: kvcoord.coordinator.fastpath)
  *   tally.c      Tally: a histogram as plain counts (twin: kvcoord.coordinator.metrics.PyTally)
  *   module.c     PyInit__native, which adds each file's functions and types
  *
@@ -69,41 +66,15 @@ kvn_add_type(PyObject *module, const char *name, PyTypeObject *type)
     return 0;
 }
 
-/* JSON scanning (jsonints.c), shared with answer.c. */
-static inline const unsigned char *
-kvn_json_skip_ws(const unsigned char *p, const unsigned char *end)
-{
-    while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) {
-        p++;
-    }
-    return p;
-}
-/* The int array at *pp ('[') into out (room for cap values, 4 bytes each when u32, else 8): the count,
- * *pp after ']'; -1 when it is not a plain array of decimal ints that fit. */
-Py_ssize_t kvn_json_int_array(const unsigned char **pp, const unsigned char *end, int u32, unsigned char *out,
-                              Py_ssize_t cap);
-/* The position after the JSON string at p ('"'), *escaped set when it holds a backslash; NULL when it is
- * not a string (escapes themselves are not checked). */
-const unsigned char *kvn_json_skip_string(const unsigned char *p, const unsigned char *end, int *escaped);
-
-/* The block table (table.c), shared with answer.c. */
+/* The block table (table.c). */
 typedef struct {
     uint32_t slot;
     uint32_t matched;
     uint32_t cpu;
     uint32_t sto;
 } KvnRow;
-int kvn_is_table(PyObject *o);
-uint64_t kvn_table_layout(PyObject *table); /* see Table.layout */
-/* Table.match's rows for the live slots, from uint64 keys (no Python code runs): *rows (PyMem_Free it;
- * NULL when none) longest first, ties by set_order's rank. 0, or -1 with MemoryError. */
-int kvn_table_rows(PyObject *table, const uint64_t *keys, Py_ssize_t nkeys, KvnRow **rows, size_t *nrows);
 
-/* The hash chains (hashchain.c) as C calls, shared with answer.c: the module functions themselves. */
-PyObject *kvn_cbor_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *kvn_pickle_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-
-/* Tally (tally.c), shared with answerer.c. */
+/* Tally (tally.c). */
 #define KVN_TALLY_MAX_BOUNDS 31
 typedef struct {
     PyObject_HEAD
@@ -112,18 +83,6 @@ typedef struct {
     unsigned long long counts[KVN_TALLY_MAX_BOUNDS + 1]; /* the last one: past every bound */
     double sum;
 } KvnTally;
-extern PyTypeObject KvnTallyType;
-void kvn_tally_observe(KvnTally *t, double v);
-
-/* One HTTP lookup request (answer.c), for answerer.c. */
-typedef struct {
-    PyObject *out;       /* new reference: the answer (bytes), or the stale partition's name (str) */
-    int route;           /* 1 tokens, 2 hashes */
-    Py_ssize_t nkeys;    /* the query's blocks */
-    Py_ssize_t best;     /* the best node's matched blocks */
-} KvnAnswered;
-int kvn_answer_request(PyObject *data, PyObject *models, uint64_t generation, double now, PyObject *head,
-                       PyObject *may_query, KvnAnswered *res);
 
 /* Each file's part of the module: its functions (NULL-terminated) and an init hook. */
 extern PyMethodDef kvn_hashchain_methods[];
@@ -132,8 +91,6 @@ extern PyMethodDef kvn_table_methods[];
 extern PyMethodDef kvn_walk_methods[];
 int kvn_hashchain_init(PyObject *module);
 int kvn_table_init(PyObject *module);
-int kvn_answer_init(PyObject *module);
-int kvn_answerer_init(PyObject *module);
 int kvn_tally_init(PyObject *module);
 
 #endif /* KVCOORD_NATIVE_H */

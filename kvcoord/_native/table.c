@@ -1110,7 +1110,7 @@ fail:
     return -1;
 }
 
-int
+static int
 kvn_table_rows(PyObject *table, const uint64_t *keys, Py_ssize_t nkeys, KvnRow **rows, size_t *nrows)
 {
     Table *t = (Table *)table;
@@ -1278,6 +1278,50 @@ done:
     Py_DECREF(seq);
     PyMem_Free(state);
     PyMem_Free(qh);
+    PyMem_Free(rows);
+    return out;
+}
+
+PyDoc_STRVAR(rows_doc,
+"rows(keys) -> bytes: Table.match's rows for the live slots as packed native uint32 quadruples\n"
+"(slot, matched, cpu, storage), longest first, ties by set_order's rank; `keys` is a buffer of\n"
+"native uint64 keys (bytes, or a memoryview of format 'Q'). No Python objects per row: the HTTP\n"
+"API's fast path (kvcoord.coordinator.fastpath) turns them into its answer.");
+
+static PyObject *
+Table_rows(Table *t, PyObject *arg)
+{
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (v.len % 8 != 0) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "keys must be whole uint64s (a multiple of 8 bytes)");
+        return NULL;
+    }
+    Py_ssize_t nkeys = v.len / 8;
+    uint64_t *copy = NULL;
+    const uint64_t *keys = (const uint64_t *)v.buf;
+    if (nkeys > 0 && ((uintptr_t)v.buf % _Alignof(uint64_t)) != 0) { /* unaligned: read through a copy */
+        copy = PyMem_Malloc((size_t)v.len);
+        if (copy == NULL) {
+            PyBuffer_Release(&v);
+            return PyErr_NoMemory();
+        }
+        memcpy(copy, v.buf, (size_t)v.len);
+        keys = copy;
+    }
+    KvnRow *rows = NULL;
+    size_t nrows = 0;
+    int r = kvn_table_rows((PyObject *)t, keys, nkeys, &rows, &nrows); /* runs no Python code */
+    PyMem_Free(copy);
+    PyBuffer_Release(&v);
+    if (r < 0) {
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(rows != NULL ? (const char *)rows : "",
+                                              (Py_ssize_t)(nrows * sizeof(KvnRow)));
     PyMem_Free(rows);
     return out;
 }
@@ -1525,6 +1569,7 @@ static PyMethodDef Table_methods[] = {
     {"match", (PyCFunction)(void (*)(void))Table_match, METH_FASTCALL, match_doc},
     {"columns", (PyCFunction)Table_columns, METH_O,
      "columns(slot) -> (gpu, cpu, storage): the hashes slot holds on each tier, in table order."},
+    {"rows", (PyCFunction)Table_rows, METH_O, rows_doc},
     {"export", (PyCFunction)Table_export, METH_O,
      "export(slot) -> list[(hash, tier)]: every entry of slot, sorted."},
     {"sweep_begin", (PyCFunction)Table_sweep_begin, METH_O,
@@ -1645,18 +1690,6 @@ PyMethodDef kvn_table_methods[] = {
     {"u64_view", u64_view, METH_O, u64_view_doc},
     {NULL, NULL, 0, NULL},
 };
-
-int
-kvn_is_table(PyObject *o)
-{
-    return Py_IS_TYPE(o, &TableType);
-}
-
-uint64_t
-kvn_table_layout(PyObject *table)
-{
-    return ((Table *)table)->layout;
-}
 
 int
 kvn_table_init(PyObject *module)

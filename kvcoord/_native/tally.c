@@ -2,8 +2,7 @@
  * time). Its twin is kvcoord.coordinator.metrics.PyTally.
  *
  * Why: prometheus_client's Histogram.observe takes a lock and walks Python objects, ~1.5 us a call; the
- * HTTP lookups answered natively (answerer.c) observe two histograms a request, which cost more than the
- * answer itself. A value goes to the first bucket whose bound is not below it (Prometheus' `le`; the
+ * HTTP API's lookups observe two histograms a request, a good part of a small lookup's cost. A value goes to the first bucket whose bound is not below it (Prometheus' `le`; the
  * twin's bisect_left), or to the overflow bucket past the last bound; the sum adds every value.
  *
  *   Tally(bounds: tuple[float, ...]) .observe(value) .counts() -> (tuple[int, ...], float)
@@ -47,7 +46,7 @@ Tally_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     return (PyObject *)t;
 }
 
-void
+static void
 kvn_tally_observe(KvnTally *t, double v)
 {
     Py_ssize_t i = 0;
@@ -94,7 +93,7 @@ static PyMethodDef Tally_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-PyTypeObject KvnTallyType = {
+static PyTypeObject KvnTallyType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvcoord._native.Tally",
     .tp_basicsize = sizeof(KvnTally),

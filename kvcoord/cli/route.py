@@ -18,6 +18,7 @@ from kvcoord.cli.common import (
     cost_model,
     run_until_signalled,
     security,
+    use_uvloop,
 )
 from kvcoord.gateway import POLICIES
 
@@ -122,12 +123,6 @@ def run(args: argparse.Namespace) -> int:
     from kvcoord.gateway.route import serve_route
 
     config = route_config(args)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover - uvloop is optional
-        pass
-
+    use_uvloop(default=True)
     run_until_signalled(lambda stop: serve_route(config, stop))
     return 0

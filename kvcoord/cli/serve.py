@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from typing import TYPE_CHECKING
 
-from kvcoord.cli.common import POSITIVE_FLOAT, POSITIVE_INT, Subparsers
+from kvcoord.cli.common import POSITIVE_FLOAT, POSITIVE_INT, Subparsers, use_uvloop
 
 if TYPE_CHECKING:
     from kvcoord.coordinator.config import CoordinatorConfig
@@ -110,5 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcoord.agent.fleet import Fleet
     from kvcoord.coordinator.server import serve
 
-    asyncio.run(serve(config_from_args(args), runner_factory=Fleet))
+    config = config_from_args(args)
+    use_uvloop(default=False)
+    asyncio.run(serve(config, runner_factory=Fleet))
     return 0

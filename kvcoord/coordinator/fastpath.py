@@ -1,93 +1,132 @@
-"""The HTTP API's lookups answered in one native call: a whole ``POST /query`` (token ids) or
-``POST /query_by_hash`` request in, the whole HTTP answer out (``kvcoord/_native/answer.c``), with its
-metrics, called by the server as it is (an ``Answerer``, ``kvcoord/_native/answerer.c``): no Python runs
-for a request unless a view must be brought up to date.
+"""The HTTP API's fast path: a plain lookup (``POST /query`` by token ids, ``POST /query_by_hash``; no
+extra keys, ``include_unmatched`` false) answered from a view of its partition, with no Python object per
+node.
 
-Why: below a few hundred blocks the lookup itself (hash, match) is microseconds, and the Python around it
-(HTTP callbacks, routing, decoding, per-node liveness, answer objects) cost ~80 us a request; that fixed
-cost decided the comparison with Dynamo's indexer service (benchmarks/README.md).
+Why: below a few hundred blocks the lookup itself (hash chain, match) is microseconds; the general path
+around it (liveness per node, an answer object per node) costs as much again. Here the chain is hashed
+in C, the index's C table gives the matched rows packed (``Table.rows``), and each live (node, rank) of
+the view carries its answer entry already encoded.
 
-The Python handler (:class:`kvcoord.coordinator.httpapi.HttpApi`) stays the definition. The native path
-claims only complete, plain requests it can answer exactly as the handler would, byte for byte
-(tests/test_fastpath.py compares the two over random fleets and queries), and hands everything else
-back: the handler then answers it, errors included. It answers from a view of each partition
-(:class:`AnswerModel`): the index's C table, each live slot's node with its answer entry already
-encoded, and the hash profile. A view names the registry's change count
-(:data:`kvcoord.coordinator.registry.CHANGES`), the table's layout and a time it is valid until (the
-first lease that may run out), so a node that stops being live is never reported from a stale view; a
-stale view is brought up to date from the change log, slot by slot for the nodes changed since.
+The handler (:class:`kvcoord.coordinator.httpapi.HttpApi`) frames (``httptools``) and decodes (msgspec)
+every request alike, answers errors itself, and asks this path first for a plain lookup. Both paths
+encode with :func:`kvcoord.coordinator.answers.lookup_answer`, and their answers are byte-identical
+(``tests/test_fastpath.py`` compares them over random fleets, queries and changes).
 
-With auth on, a request is claimed only with a token the handler would let look up (the same check, called
-from C). Off (every lookup through the handler) without the native extension, with replicas (liveness
-there comes from the shared directory, and their index is Redis anyway), and on a backend without a
-native table (Redis).
+A view names the registry's change count (:data:`kvcoord.coordinator.registry.CHANGES`), the table's
+layout and a time it is valid until (the first lease that may run out), so a node that stops being live
+is never reported from a stale view; a stale view is brought up to date from the change log, slot by
+slot for the nodes changed since. Off without the native extension (``KVCOORD_NATIVE=0``: the general
+path is the twin), with replicas (liveness comes from the shared directory there), and on a backend
+without a native table (Redis).
 """
 
 from __future__ import annotations
 
-import logging
+import struct
 import time
+from array import array
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvcoord.coordinator.answers import Hit, lookup_answer, node_entry, node_tail
+from kvcoord.coordinator.httpd import Response
 from kvcoord.coordinator.lookup import LookupFailed
 from kvcoord.coordinator.registry import CHANGES
 from kvcoord.hashing import native_keys_plan
 from kvcoord.native import native
 
 if TYPE_CHECKING:
-    from kvcoord._native import Answerer, AnswerModel, Table
-    from kvcoord._native import Tally as NativeTally
+    from kvcoord._native import Table
     from kvcoord.coordinator.httpapi import HttpApi
-    from kvcoord.coordinator.metrics import Tally
 
-log = logging.getLogger("kvcoord.http")
-
-__all__ = ["MAX_VIEW_AGE", "NativeAnswers"]
+__all__ = ["MAX_VIEW_AGE", "FastAnswers"]
 
 MAX_VIEW_AGE = 0.25
 """Seconds a view is trusted at most, even with nothing seen to change (a backstop, not the rule)."""
 
 _encode = msgspec.json.Encoder().encode
+_CBOR_NULL = b"\xf6"
+"""The CBOR tail of a block without extra keys."""
+
+_Slot = tuple[str, int, bytes, bytes]
+"""A live (node, rank) of a view: node id, dp rank, the node id as JSON, its answer entry's tail."""
+_HitCache = dict[tuple[int, ...], "tuple[float, Hit] | None"]
+_MAX_HITS = 4096
 
 
-class NativeAnswers:
-    """``answer(data)``: the HTTP answer of one request, or None for the Python handler; a native
-    ``Answerer`` (answerer.c), which calls back here only to bring a stale view up to date."""
+class FastAnswers:
+    """:meth:`tokens` and :meth:`hashes`: a plain lookup's answer, or None where the handler's general
+    path must answer it. Views are kept per partition and brought up to date when found stale."""
 
-    __slots__ = ("_kept", "answer", "api", "failed", "max_view_age", "views")
+    __slots__ = ("_kept", "api", "max_view_age")
 
-    def __init__(self, api: HttpApi, extra_headers: bytes = b"", max_view_age: float = MAX_VIEW_AGE) -> None:
+    def __init__(self, api: HttpApi, max_view_age: float = MAX_VIEW_AGE) -> None:
         assert native is not None
         self.api = api
         self.max_view_age = max_view_age
         """Seconds a view is trusted without a change (a lease may run out meanwhile)."""
-        self.views: dict[str, AnswerModel] = {}
-        """Per partition, its ``AnswerModel`` (refreshed when the native call says it is stale)."""
         self._kept: dict[str, _Kept] = {}
-        self.failed = False
-        st = api.state
-        metrics = st.metrics
-        self.answer: Answerer = native.Answerer(
-            self.views, CHANGES, self._refresh, st, api.may_query if api.auth.enabled else None,
-            self._failed, extra_headers, _native(metrics.lookup_tally("tokens")),
-            _native(metrics.lookup_tally("hashes")), _native(metrics.matched_fraction))
-        """The call itself; its answers carry ``extra_headers``, the lines the server sends with every
-        answer (``HttpServer.extra_headers``), and feed the lookup metrics' tallies."""
-        metrics.answerers.append(self.answer)
 
     @staticmethod
     def available(api: HttpApi) -> bool:
-        """Whether this coordinator's lookups can be answered natively at all."""
-        st = api.state
-        return native is not None and st.directory is None
+        """Whether this coordinator's lookups can take the fast path at all."""
+        return native is not None and api.state.directory is None
 
-    def _failed(self, exc: BaseException) -> None:
-        """A bug or out of memory on the way: this request goes to the handler, the first one logged."""
-        if not self.failed:
-            log.error("native lookup answer failed; the Python handler answers", exc_info=exc)
-            self.failed = True
+    def tokens(self, model: str, tokens: memoryview | array[int], ntokens: int, t0: float) -> Response | None:
+        """``/query`` by ``ntokens`` token ids (uint32, packed in ``tokens``) of known partition ``model``."""
+        kept = self._fresh(model)
+        if kept is None or kept.chain is None:
+            return None
+        assert native is not None
+        kind, code, parent, bs = kept.chain
+        count = ntokens // bs
+        self.api.lookups.check_blocks(count, f" ({ntokens} tokens)")
+        keys: list[bytes] | bytes = b""
+        try:
+            if count and kind == "cbor":
+                keys = native.cbor_chain(code, False, parent, tokens, bs, count, _CBOR_NULL, True)
+            elif count:
+                keys = native.pickle_chain(code, False, parent, tokens, bs, count, True)
+        except (TypeError, ValueError):  # the general path words the error
+            return None
+        assert isinstance(keys, bytes)  # keys_only: the packed uint64 keys
+        return self._answer(model, kept, keys, count, ntokens, bs, "tokens", t0)
+
+    def hashes(self, model: str, keys: memoryview, t0: float) -> Response | None:
+        """``/query_by_hash`` of known partition ``model``, its uint64 keys packed in ``keys``."""
+        kept = self._fresh(model)
+        if kept is None:
+            return None
+        return self._answer(model, kept, keys, len(keys), 0, kept.block_size, "hashes", t0)
+
+    def _answer(self, model: str, kept: _Kept, keys: bytes | memoryview, nblocks: int, ntokens: int,
+                block_size: int, query: str, t0: float) -> Response | None:
+        packed = kept.table.rows(keys)
+        if kept.table.layout() != kept.layout:  # hashing allocated: a collection may have moved a slot
+            return None
+        cache = kept.hits
+        if len(cache) > _MAX_HITS:
+            cache.clear()
+        scored: list[tuple[float, int, Hit]] = []
+        for row in _ROW.iter_unpack(packed):
+            got = cache[row] if row in cache else cache.setdefault(row, _hit(kept, *row))
+            if got is not None:
+                scored.append((got[0], len(scored), got[1]))
+        scored.sort()  # the table's order (longest, then node and rank) breaks ties, as the handler's sort
+        hits = [hit for _, _, hit in scored]
+        return lookup_answer(self.api.state, model, block_size, nblocks, ntokens, hits, query, t0, "fast")
+
+    def _fresh(self, model: str) -> _Kept | None:
+        """Partition ``model``'s view, up to date; None where the handler's general path must answer."""
+        if not self.api.state.index_up:
+            return None
+        kept = self._kept.get(model)
+        now = time.monotonic()
+        if (kept is None or kept.generation != CHANGES.count or now > kept.fresh_until
+                or kept.table.layout() != kept.layout) and not self._refresh(model, now):
+            return None
+        return self._kept[model]
 
     def _refresh(self, model: str, now: float) -> bool:
         """Bring partition ``model``'s view up to date: the slots of the nodes changed since it was
@@ -96,11 +135,8 @@ class NativeAnswers:
         kept = self._kept.get(model)
         changed = CHANGES.since(kept.generation) if kept is not None else None
         if (kept is None or changed is None or None in changed or now > kept.valid_until
-                or kept.table.layout() != kept.layout or self.views.get(model) is not kept.view
-                or self.api.block_size(model) != kept.block_size):
+                or kept.table.layout() != kept.layout or self.api.block_size(model) != kept.block_size):
             return self._build(model, now)
-        view = kept.view
-        assert view is not None
         registry = self.api.state.registry
         now_wall, generation = time.time(), CHANGES.count
         changed |= kept.lapsed  # asked again at every lookup while lapsed (below)
@@ -113,15 +149,16 @@ class NativeAnswers:
             elif node_id in kept.members:  # a node left the partition, which may be unknown now
                 return self._build(model, now)
             for slot, rank in kept.by_node.get(node_id, ()):
-                view.set_slot(slot, self._slot(kept, model, node_id, rank, now, now_wall))
+                kept.slots[slot] = self._slot(kept, model, node_id, rank, now, now_wall)
+                kept.hits.clear()
         kept.generation = generation
-        view.renew(generation, now if kept.lapsed else kept.valid_until)
+        kept.fresh_until = now if kept.lapsed else kept.valid_until
         return True
 
     def _slot(self, kept: _Kept, model: str, node_id: str, rank: int, now: float,
-              now_wall: float) -> tuple[int, int, bytes, bytes] | None:
+              now_wall: float) -> _Slot | None:
         """One (node, rank)'s entry of a view: None unless lookups may report it now."""
-        st, api = self.api.state, self.api
+        st = self.api.state
         rec = st.registry.get(node_id)
         lease = st.registry.lease
         if rec is not None and not (rec.expired or rec.resyncing or rec.draining):
@@ -133,13 +170,10 @@ class NativeAnswers:
         if info is None:
             return None
         load, url, trust, cause = info
-        node = kept.nodes.setdefault(node_id, len(kept.nodes))
-        return node, rank, _encode(node_id), api.node_tail(node_id, rank, load, url, trust, cause)
+        return node_id, rank, _encode(node_id), node_tail(node_id, rank, load, url, trust, cause)
 
     def _build(self, model: str, now: float) -> bool:
         """A fresh view of partition ``model``; False (and none kept) where the handler must answer."""
-        assert native is not None
-        self.views.pop(model, None)
         self._kept.pop(model, None)
         api, st = self.api, self.api.state
         if not api.known(model):
@@ -153,52 +187,69 @@ class NativeAnswers:
         except LookupFailed:
             profile = None
         chain = native_keys_plan(profile) if profile is not None else None
-        kept = _Kept(table, CHANGES.count, now + self.max_view_age, api.block_size(model))
+        w0, w1, w2 = st.config.tier_weights
+        kept = _Kept(table, CHANGES.count, now + self.max_view_age, api.block_size(model), chain,
+                     (w0, w1, w2))
         kept.members = {rec.node_id for rec in st.registry if rec.model == model}
         now_wall = time.time()
-        slots: list[tuple[int, int, bytes, bytes] | None] = []
         for slot, key in enumerate(slot_keys):
             if key is None:
-                slots.append(None)
+                kept.slots.append(None)
                 continue
             node_id, rank = key
             kept.by_node.setdefault(node_id, []).append((slot, rank))
-            slots.append(self._slot(kept, model, node_id, rank, now, now_wall))
-        cfg = st.config
-        w0, w1, w2 = cfg.tier_weights
-        kept.view = native.AnswerModel(
-            table, kept.layout, kept.generation, now if kept.lapsed else kept.valid_until, chain,
-            kept.block_size, cfg.limits.max_query_blocks, (w0, w1, w2), _encode(model), slots)
-        self.views[model] = kept.view
+            kept.slots.append(self._slot(kept, model, node_id, rank, now, now_wall))
+        kept.fresh_until = now if kept.lapsed else kept.valid_until
         self._kept[model] = kept
         return True
 
 
-def _native(tally: Tally) -> NativeTally:
-    """A tally the metrics made native (they do wherever the extension is built)."""
-    assert native is not None and isinstance(tally, native.Tally)
-    return tally
+def _hit(kept: _Kept, slot: int, matched: int, cpu: int, sto: int) -> tuple[float, Hit] | None:
+    """A table row as an answer's hit, with its sort key (minus its weighted score); None unless the view
+    reports its slot."""
+    entry = kept.slots[slot] if slot < len(kept.slots) else None
+    if entry is None or not matched:
+        return None
+    node_id, rank, key, tail = entry
+    gpu = matched - cpu - sto
+    w0, w1, w2 = kept.weights
+    return -(gpu * w0 + cpu * w1 + sto * w2), (node_id, rank, matched, gpu, cpu, sto,
+                                                 node_entry(key, rank, matched, gpu, cpu, sto, tail))
+
+
+_ROW = struct.Struct("=4I")
+"""A row of ``Table.rows``: slot, matched blocks, of which on CPU, on storage."""
 
 
 class _Kept:
-    """What the Python side keeps of one view: what it was taken at, and where each node's slots are."""
+    """One partition's view: what it was taken at, each slot's entry, and where each node's slots are."""
 
-    __slots__ = ("block_size", "by_node", "generation", "lapsed", "layout", "members", "nodes", "table",
-                 "valid_until", "view")
+    __slots__ = ("block_size", "by_node", "chain", "fresh_until", "generation", "hits", "lapsed", "layout",
+                 "members", "slots", "table", "valid_until", "weights")
 
-    def __init__(self, table: Table, generation: int, valid_until: float, block_size: int) -> None:
+    def __init__(self, table: Table, generation: int, valid_until: float, block_size: int,
+                 chain: tuple[str, int, bytes, int] | None, weights: tuple[float, float, float]) -> None:
         self.table = table
         self.block_size = block_size
         """The partition's block size as :meth:`HttpApi.block_size` gave it (/query_by_hash answers)."""
+        self.chain = chain
+        """How its token ids are hashed in C (:func:`kvcoord.hashing.native_keys_plan`), or None."""
+        self.weights = weights
         self.layout = table.layout()
         self.generation = generation
         self.valid_until = valid_until
+        """Until when its live nodes' leases run at least (the first that may run out)."""
+        self.fresh_until = valid_until
+        """Until when it is used without a look at the registry: ``valid_until``, or now while a node
+        is lapsed (asked again at every lookup)."""
+        self.slots: list[_Slot | None] = []
+        """Per table slot, its entry while lookups may report it."""
+        self.hits: _HitCache = {}
+        """Table rows seen, as hits (:func:`_hit`): rows repeat, as prompts share prefixes; emptied when a
+        slot's entry changes, and when it grows past :data:`_MAX_HITS`."""
         self.by_node: dict[str, list[tuple[int, int]]] = {}
         """node id -> its (slot, dp rank)s in the table, as of the layout."""
-        self.nodes: dict[str, int] = {}
-        """node id -> its index in the view (groups its ranks in the answer)."""
         self.lapsed: set[str] = set()
         """Nodes past their lease, not yet expired: their slots are looked at again at every lookup."""
         self.members: set[str] = set()
         """The nodes whose records are of this partition (the last one leaving may make it unknown)."""
-        self.view: AnswerModel | None = None

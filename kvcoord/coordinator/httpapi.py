@@ -30,11 +30,12 @@ import re
 import time
 from array import array
 from collections.abc import Awaitable, Sequence
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 from urllib.parse import parse_qs
 
 import msgspec
 
+from kvcoord.coordinator.answers import lookup_answer, match_hits
 from kvcoord.coordinator.auth import ADMIN, AGENT, OPEN, Authenticator, AuthError
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import (
@@ -50,9 +51,11 @@ from kvcoord.coordinator.lookup import INVALID, NO_PROFILE, NOT_FOUND, LiveMatch
 from kvcoord.events import Tier
 from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
 from kvcoord.index.base import run_inline
-from kvcoord.load import NodeLoad
 from kvcoord.native import native
 from kvcoord.validate import MAX_JSON_DEPTH, json_too_deep, shown
+
+if TYPE_CHECKING:
+    from kvcoord.coordinator.fastpath import FastAnswers
 
 log = logging.getLogger("kvcoord.http")
 
@@ -293,67 +296,6 @@ _LOOKUP_HTTP = {INVALID: 400, NOT_FOUND: 404, NO_PROFILE: 400, "unavailable": 50
                 "internal": 500, "tokenizer_down": 503}
 
 
-class _Tiers(msgspec.Struct):
-    GPU: int
-    CPU: int
-    STORAGE: int
-
-
-class _Node(msgspec.Struct, omit_defaults=True):
-    """One entry of the answer's ``nodes``: kvcoord's view of a live (node, dp rank), best first."""
-
-    node_id: str
-    dp_rank: int
-    matched_blocks: int
-    tiers: _Tiers
-    load: msgspec.Raw
-    trust: str
-    serving_url: str | None = None
-    trust_cause: str = ""
-    """Why degraded (``hash_mismatch`` or ``history_lost``); omitted when exact."""
-
-
-class _Instance(msgspec.Struct):
-    """Dynamo's per-instance entry of ``instances`` (tokens)."""
-
-    longest_matched: int
-    gpu: int
-    dp: dict[str, int]
-    cpu: int
-    disk: int
-
-
-class _Answer(msgspec.Struct):
-    """The ``/query`` and ``/query_by_hash`` answer: Dynamo's fields first, then kvcoord's."""
-
-    scores: dict[str, dict[str, int]]
-    frequencies: tuple[int, ...]
-    """Always empty: Dynamo's indexer service answers no frequencies either."""
-    instances: dict[str, _Instance]
-    model: str
-    block_size: int
-    num_blocks: int
-    num_tokens: int
-    nodes: list[_Node]
-
-
-_LOAD_JSON: dict[int, tuple[NodeLoad, msgspec.Raw]] = {}
-
-
-def _load_json(load: NodeLoad) -> msgspec.Raw:
-    """``load.to_json()`` encoded, remembered per object: a node keeps one load object until its next
-    heartbeat, and an identity lookup skips the dataclass's Python-level ``__hash__``/``__eq__`` (the
-    entry holds the object, so its id cannot be reused while it is cached)."""
-    hit = _LOAD_JSON.get(id(load))
-    if hit is not None and hit[0] is load:
-        return hit[1]
-    if len(_LOAD_JSON) >= 4096:
-        _LOAD_JSON.clear()
-    raw = msgspec.Raw(_encode(load.to_json()))
-    _LOAD_JSON[id(load)] = (load, raw)
-    return raw
-
-
 class HttpApi:
     """The routes over one coordinator's state."""
 
@@ -362,6 +304,8 @@ class HttpApi:
         self.lookups = Lookups(state)
         self.engines = engines
         self.auth = auth
+        self.fast: FastAnswers | None = None
+        """Plain lookups' fast path (``kvcoord.coordinator.fastpath``), where the server set one."""
 
     def routes(self) -> dict[str, Route]:
         return {
@@ -452,6 +396,10 @@ class HttpApi:
             keys = None
             if body.lora_name or body.cache_salt:
                 keys = RequestKeys(lora_name=body.lora_name or None, cache_salt=body.cache_salt or None)
+            elif self.fast is not None and not body.include_unmatched:
+                answered = self.fast.tokens(model, tokens, len(tokens), t0)
+                if answered is not None:
+                    return answered
             profile, hashes = self.lookups.hash_tokens(model, tokens, keys)
             return self._answer(model, profile.block_size, hashes, len(tokens), body.include_unmatched,
                                 "tokens", t0)
@@ -504,6 +452,10 @@ class HttpApi:
                                        "already include the intended cache salt")
             model = self._partition(body.model_name, body.routing_group)
             self.lookups.check_blocks(len(hashes), "")
+            if self.fast is not None and not body.include_unmatched and isinstance(hashes, memoryview):
+                answered = self.fast.hashes(model, hashes, t0)
+                if answered is not None:
+                    return answered
             return self._answer(model, self.block_size(model), hashes, 0, body.include_unmatched,
                                 "hashes", t0)
         except BadBody as exc:
@@ -531,50 +483,11 @@ class HttpApi:
 
         return later()
 
-    @staticmethod
-    def node_tail(node_id: str, rank: int, load: NodeLoad, url: str, trust: str, cause: str) -> bytes:
-        """The answer's ``nodes`` entry of a live (node, rank) after its ``tiers``: encoded as
-        :meth:`_scores` encodes it, for answers built natively (``kvcoord.coordinator.fastpath``)."""
-        entry = _encode(_Node(node_id, rank, 0, _Tiers(0, 0, 0), _load_json(load), trust, url or None, cause))
-        head = (b'{"node_id":' + _encode(node_id) + b',"dp_rank":' + str(rank).encode()
-                + b',"matched_blocks":0,"tiers":{"GPU":0,"CPU":0,"STORAGE":0}')
-        if not entry.startswith(head):
-            raise AssertionError("a nodes entry does not start as expected")
-        return entry[len(head):]
-
     def _scores(self, model: str, block_size: int, num_blocks: int, num_tokens: int,
                 matches: list[LiveMatch], query: str, t0: float) -> Response:
-        """Dynamo's ``ScoreResponse`` (tokens; ``scores`` GPU only; ``cpu`` and ``disk`` cumulative through
-        the faster tiers), then kvcoord's answer."""
-        bs = block_size or 1
-        scores: dict[str, dict[str, int]] = {}
-        instances: dict[str, _Instance] = {}
-        nodes = []
-        best = 0
-        for node_id, rank, matched, t, load, url, trust, cause in matches:
-            g, c, d = (*t, 0, 0)[:3] if t else (matched, 0, 0)  # no tiers: all on GPU
-            if matched:
-                best = max(best, matched)
-                gpu, cpu, disk = g * bs, (g + c) * bs, matched * bs
-                if gpu:
-                    scores.setdefault(node_id, {})[str(rank)] = gpu
-                inst = instances.get(node_id)
-                if inst is None:
-                    instances[node_id] = _Instance(max(gpu, cpu, disk), gpu, {str(rank): gpu}, cpu, disk)
-                else:
-                    inst.dp[str(rank)] = gpu
-                    inst.gpu, inst.cpu = max(inst.gpu, gpu), max(inst.cpu, cpu)
-                    inst.disk = max(inst.disk, disk)
-                    inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
-            nodes.append(_Node(node_id, rank, matched, _Tiers(g, c, d), _load_json(load), trust, url or None,
-                               cause))
-        resp = Response(200, _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens,
-                                             nodes)), JSON)
-        metrics = self.state.metrics
-        metrics.lookup_done(query, time.perf_counter() - t0)
-        if num_blocks:
-            metrics.matched_fraction.observe(best / num_blocks)
-        return resp
+        """The general path's answer."""
+        hits, st = match_hits(matches), self.state
+        return lookup_answer(st, model, block_size, num_blocks, num_tokens, hits, query, t0, "handler")
 
     # --- registration ----------------------------------------------------------------------
     async def register(self, req: Request) -> Response:

@@ -16,9 +16,8 @@ measured in ``benchmarks/bench_vs_dynamo_service.py``). What it does:
   (408, closed: slowloris) and be at most ``max_header_bytes`` (431); past ``max_connections`` open
   connections a new one gets 503 and is closed. Each refusal is reported by reason (:data:`REFUSALS`).
   A connection idle for ``idle_timeout`` (no request in it, none being answered) is closed;
-- ``answer`` (optional) may answer a whole request in one call before any of this runs
-  (:mod:`kvcoord.coordinator.fastpath`): offered every chunk that arrives between requests, it answers
-  or declines, and what it declines goes the usual way.
+- every request is framed by the parser, however the client wrote it (at once, head and body apart,
+  byte by byte): a lookup's fast path (:mod:`kvcoord.coordinator.fastpath`) sits in its handler.
 """
 
 from __future__ import annotations
@@ -132,11 +131,6 @@ class HeadWatch:
         self.in_head = True
         self.received = 0
 
-    def answered(self) -> None:
-        """Whole requests were taken at once (no parser saw them): no head is being read."""
-        self.stop()
-        self.received = 0
-
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -223,7 +217,7 @@ class _Connection(asyncio.Protocol):
         self._linger: asyncio.TimerHandle | None = None
         self._unread = False
         self._between = True
-        """No request partly read: the next bytes start one (the only time ``answer`` is offered them)."""
+        """No request partly read: the next bytes start one."""
 
     # --- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -258,13 +252,6 @@ class _Connection(asyncio.Protocol):
             self.server.refused("header_too_large")
             self._fail(json_error(431, self.server.limits.too_large()))
             return
-        answer = self.server.answer
-        if answer is not None and self._between and not self._queue and not self._busy:
-            out = answer(data)
-            if out is not None and self.transport is not None:
-                self._head.answered()
-                self.transport.write(out)
-                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -462,7 +449,6 @@ class HttpServer:
     def __init__(self, routes: dict[str, Route],
                  authorize: Callable[[Request], Response | None] | None = None,
                  headers: Sequence[tuple[str, str]] = (),
-                 answer: Callable[[bytes], bytes | None] | None = None,
                  limits: HttpLimits | None = None,
                  on_refused: Callable[[str], None] | None = None) -> None:
         self.routes = routes
@@ -470,9 +456,6 @@ class HttpServer:
         self._on_refused = on_refused
         """Told each refusal's reason (:data:`REFUSALS`), for a metric."""
         self.authorize = authorize
-        self.answer = answer
-        """Whole requests answered in one call, or None (see the module's docstring); its answers carry
-        :attr:`extra_headers` and a 200's head as :func:`render` writes it."""
         self.extra_headers = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
         """Sent with every answer (e.g. which replica answered)."""
         self.connections: set[_Connection] = set()

@@ -81,11 +81,6 @@ def new_tally(bounds: tuple[float, ...]) -> Tally:
     return native.Tally(bounds) if native is not None else PyTally(bounds)
 
 
-class _Answered(Protocol):
-    @property
-    def answered(self) -> int: ...
-
-
 def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
     """Cumulative ``(le, count)`` pairs, ``+Inf`` last, labelled as prometheus_client labels them (``repr``
     of the float, for bounds like these)."""
@@ -98,8 +93,8 @@ def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[t
 
 
 class LookupCollector(Collector):
-    """Lookup latency by query kind, the best node's share of each query, and the native answers, from
-    plain tallies that the lookup paths (the native one included) update without prometheus_client."""
+    """Lookup latency by query kind, the best node's share of each query, and the answers by path, from
+    plain tallies and counts that the lookup paths update without prometheus_client."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._m = metrics
@@ -111,16 +106,17 @@ class LookupCollector(Collector):
         for query, tally in sorted(m.lookup_tallies.items()):
             counts, total = tally.counts()
             latency.add_metric([query], _histogram_buckets(_LATENCY_BUCKETS, counts), sum_value=total)
-        native_answers = CounterMetricFamily(
-            "kvcoord_lookup_native_answers",
-            "HTTP lookups answered by the native path (the rest of kvcoord_lookup_latency_seconds' "
-            "count went through the Python handler)")
-        native_answers.add_metric([], float(sum(a.answered for a in m.answerers)))
+        answers = CounterMetricFamily(
+            "kvcoord_lookup_answers",
+            "HTTP lookups answered, by path: fast (a plain lookup, from a view of its partition) or handler "
+            "(the general path)", labels=["path"])
+        for path, count in sorted(m.lookup_answers.items()):
+            answers.add_metric([path], float(count))
         matched = HistogramMetricFamily("kvcoord_lookup_matched_fraction",
                                         "Best node's matched blocks / query blocks")
         counts, total = m.matched_fraction.counts()
         matched.add_metric([], _histogram_buckets(_FRACTION_BUCKETS, counts), sum_value=total)
-        return [latency, native_answers, matched]
+        return [latency, answers, matched]
 
 
 class IndexCallCollector(Collector):
@@ -320,8 +316,8 @@ class Metrics:
             "kvcoord_lookups_cancelled", "gRPC lookups the client gave up on before the answer (its deadline "
             "passed or it cancelled, as a router does after --deadline-ms): not answered, not an error",
             registry=r)
-        self.answerers: list[_Answered] = []
-        """The native answer paths, whose ``answered`` make ``kvcoord_lookup_native_answers_total``."""
+        self.lookup_answers = {"fast": 0, "handler": 0}
+        """``kvcoord_lookup_answers_total{path}``: HTTP lookups answered by each path."""
         r.register(LookupCollector(self))
         self.ingest_lag = Histogram(
             "kvcoord_ingest_lag_seconds",

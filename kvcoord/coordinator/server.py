@@ -23,7 +23,7 @@ from kvcoord.coordinator.auth import Authenticator
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import EngineRunner, Engines, open_engine_store
-from kvcoord.coordinator.fastpath import NativeAnswers
+from kvcoord.coordinator.fastpath import FastAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpLimits, HttpServer
 from kvcoord.coordinator.metrics import Metrics
@@ -176,8 +176,8 @@ class CoordinatorServer:
                             lim.http_idle_timeout_s)
         http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)],
                                        limits=limits, on_refused=state.metrics.http_refused)
-        if NativeAnswers.available(api):
-            http.answer = NativeAnswers(api, http.extra_headers).answer
+        if FastAnswers.available(api):
+            api.fast = FastAnswers(api)
         host, port = split_hostport(cfg.http_listen)
         try:
             ssl_context = server_ssl_context(cfg.tls) if cfg.tls.enabled else None
@@ -229,6 +229,11 @@ class CoordinatorServer:
         await self.stop()
 
 
+def loop_name() -> str:
+    """The running event loop: ``uvloop`` (see ``kvcoord.cli.common.use_uvloop``) or ``asyncio``."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
 async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop within about a second."""
     limit_arenas()  # before gRPC starts its threads
@@ -259,7 +264,7 @@ async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None 
     print(
         f"kvcoord serve: grpc {server.address} ({security}), {http}, metrics {metrics}, "
         f"index {server.state.index.backend}, models: {', '.join(sorted(config.models)) or 'any'}, "
-        f"native: {','.join(native_paths()) or 'none (pure Python)'}",
+        f"native: {','.join(native_paths()) or 'none (pure Python)'}, event loop: {loop_name()}",
         file=sys.stderr,
         flush=True,
     )
