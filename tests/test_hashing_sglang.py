@@ -1,0 +1,157 @@
+"""The sglang hash profile is bit-identical to SGLang's own code (its wheel's hash extension, utils and
+event recorder: tests/sglang_ref.py), natively and in the pure-Python reference."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import types
+from array import array
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcoord import hashing, sglang_hash
+from kvcoord.hashing import HashProfile, RequestKeys
+from tests import sglang_ref
+
+_settings = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+# Token ids around SGLang's two encodings: uint32, wider (0xFF + uint64), and its int64 ceiling.
+_token = st.one_of(
+    st.integers(0, 200_000),
+    st.integers(0, 2**32 - 1),
+    st.integers(2**32, 2**63 - 1),
+    st.sampled_from([0, 2**32 - 1, 2**32, 2**63 - 1]),
+)
+_salt = st.one_of(st.none(), st.just(""), st.text(max_size=12))
+_lora = st.one_of(
+    st.none(), st.tuples(st.text(min_size=1, max_size=8), st.one_of(st.none(), st.text(max_size=8))))
+
+
+@pytest.fixture(scope="module")
+def sgl() -> types.SimpleNamespace:
+    try:
+        return sglang_ref.load()
+    except sglang_ref.Unavailable as exc:
+        if os.environ.get("KVCOORD_REQUIRE_SGLANG"):
+            raise
+        pytest.skip(f"SGLang's wheel is not available here: {exc}")
+
+
+@_settings
+@given(tokens=st.lists(_token, max_size=40), page_size=st.integers(1, 8))
+def test_page_chain_matches_sglang_extension(sgl: Any, tokens: list[int], page_size: int) -> None:
+    """The chain's digests equal SGLang's get_hash_str (its C++ extension) page by page."""
+    theirs = sgl.utils.get_hash_str(tokens, None, page_size)
+    full = len(tokens) // page_size
+    profile = HashProfile("sglang", page_size)
+    for fast in (True, False):
+        ours = hashing.hash_request_tokens(profile, tokens, fast=fast)
+        assert [d.hex() for d in ours] == theirs[:full]
+    for typecode in ("Q", "I"):
+        if typecode == "I" and any(t > 2**32 - 1 for t in tokens):
+            continue
+        ours = hashing.hash_request_tokens(profile, array(typecode, tokens))
+        assert [d.hex() for d in ours] == theirs[:full]
+
+
+class _Node:
+    """A radix-tree node as SGLang's event recorder reads it."""
+
+    def __init__(self, key: Any, parent: _Node | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.hash_value: list[str] | None = None
+        self.event_hash_value: list[str] | None = None
+
+
+def _published(
+    sgl: Any, tokens: list[int], splits: list[int], page_size: int, salt: str | None,
+    lora: tuple[str, str | None] | None, dynamo: bool,
+) -> list[int]:
+    """The block hashes SGLang's KVCacheEventRecorder publishes for ``tokens`` stored as a path of nodes
+    cut at ``splits`` (page counts), with the request's LoRA (its extra key: the adapter's id) and salt."""
+    names = sgl.events.KvEventLoraNames()
+    extra_key = None
+    if lora is not None:
+        name, path = lora
+        extra_key = sgl.lora_registry.LoRARef.deterministic_id(name, name if path is None else path)
+        names.register(types.SimpleNamespace(lora_id=extra_key, extra_key=extra_key), name)
+    recorder = sgl.events.KVCacheEventRecorder(
+        enabled=True, page_size=page_size, dynamo_format=dynamo, lora_names=names)
+
+    class Key:  # SGLang's RadixKey as the recorder reads it (radix_cache.py imports torch)
+        def __init__(self, ids: list[int]) -> None:
+            self.token_ids = array("q", ids)
+            self.extra_key = extra_key if ids else None
+            self.cache_salt = (salt or None) if ids else None
+            self.is_bigram = False
+
+        def __len__(self) -> int:
+            return len(self.token_ids)
+
+    node = _Node(Key([]), None)
+    node.hash_value = []
+    bounds = sorted({0, *(s * page_size for s in splits), len(tokens)})
+    for a, b in itertools.pairwise(bounds):
+        node = _Node(Key(tokens[a:b]), node)
+        recorder.record_store(node)
+    out: list[int] = []
+    prev = None
+    for ev in recorder.take():
+        assert ev.parent_block_hash == prev  # one chain, linked by the published hashes
+        out.extend(ev.block_hashes)
+        prev = ev.block_hashes[-1]
+    return out
+
+
+@_settings
+@given(
+    pages=st.lists(st.lists(_token, min_size=8, max_size=8), min_size=1, max_size=5),
+    page_size=st.integers(1, 8),
+    splits=st.lists(st.integers(1, 40), max_size=3),
+    salt=_salt,
+    lora=_lora,
+    dynamo=st.booleans(),
+)
+def test_published_hashes_match_sglang_event_recorder(
+    sgl: Any, pages: list[list[int]], page_size: int, splits: list[int], salt: str | None,
+    lora: tuple[str, str | None] | None, dynamo: bool,
+) -> None:
+    """block_hashes64 (and the CLI's signed form) equal what SGLang's event recorder publishes, through
+    its cache-salt seed, LoRA namespace, Dynamo format and node splits."""
+    flat = [t for p in pages for t in p]
+    tokens = flat[: len(flat) // page_size * page_size]
+    theirs = _published(sgl, tokens, splits, page_size, salt, lora, dynamo)
+    profile = HashProfile("sglang", page_size, style="dynamo" if dynamo else "untagged")
+    name, path = lora if lora is not None else (None, None)
+    keys = RequestKeys(cache_salt=salt, lora_name=name, lora_path=path)
+    for fast in (True, False):
+        ours = hashing.block_hashes64(profile, tokens, keys, fast=fast)
+        assert [sglang_hash.to_signed64(k) for k in ours] == theirs
+        assert [k & hashing.UINT64_MASK for k in theirs] == ours  # the index key: int & (2**64-1)
+
+
+def test_lora_id_is_sglangs_deterministic_id(sgl: Any) -> None:
+    for name, path in (("a", "b"), ("x", None), ("é", "/p/q")):
+        assert sglang_hash.lora_id(name, path) == sgl.lora_registry.LoRARef.deterministic_id(
+            name, name if path is None else path)
+
+
+def test_namespace_seed_matches_sglang(sgl: Any) -> None:
+    for extra, salt in ((None, None), ("k", None), (None, "s"), ("a", "bc"), ("ab", "c"), ("", "")):
+        theirs = sgl.kv_events.kv_event_namespace_seed(extra_key=extra, cache_salt=salt)
+        assert sglang_hash.namespace_seed(extra, salt) == (theirs or b"")
+
+
+def test_ids_beyond_int64_are_refused_like_sglang(sgl: Any) -> None:
+    profile = HashProfile("sglang", 2)
+    with pytest.raises(Exception, match="int64"):
+        sgl.utils.get_hash_str(array("Q", [1, 2**63]), None, 2)
+    for fast in (True, False):
+        with pytest.raises(ValueError, match="int64"):
+            hashing.block_hashes64(profile, [1, 2**63], fast=fast)
