@@ -4,9 +4,13 @@ event recorder: tests/sglang_ref.py), natively and in the pure-Python reference.
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import subprocess
+import time
 import types
 from array import array
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +20,7 @@ from hypothesis import strategies as st
 from kvcoord import hashing, sglang_hash
 from kvcoord.hashing import HashProfile, RequestKeys
 from tests import sglang_ref
+from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 
 _settings = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -69,12 +74,12 @@ class _Node:
         self.event_hash_value: list[str] | None = None
 
 
-def _published(
-    sgl: Any, tokens: list[int], splits: list[int], page_size: int, salt: str | None,
-    lora: tuple[str, str | None] | None, dynamo: bool,
-) -> list[int]:
-    """The block hashes SGLang's KVCacheEventRecorder publishes for ``tokens`` stored as a path of nodes
-    cut at ``splits`` (page counts), with the request's LoRA (its extra key: the adapter's id) and salt."""
+def _recorded(
+    sgl: Any, tokens: list[int], page_size: int, salt: str | None, lora: tuple[str, str | None] | None,
+    splits: tuple[int, ...] = (1,), dynamo: bool = False,
+) -> list[Any]:
+    """The events SGLang's KVCacheEventRecorder records for ``tokens`` stored as a path of radix nodes cut
+    at ``splits`` (page counts), with the request's LoRA (its extra key: the adapter's id) and salt."""
     names = sgl.events.KvEventLoraNames()
     extra_key = None
     if lora is not None:
@@ -100,9 +105,17 @@ def _published(
     for a, b in itertools.pairwise(bounds):
         node = _Node(Key(tokens[a:b]), node)
         recorder.record_store(node)
+    return list(recorder.take())
+
+
+def _published(
+    sgl: Any, tokens: list[int], splits: list[int], page_size: int, salt: str | None,
+    lora: tuple[str, str | None] | None, dynamo: bool,
+) -> list[int]:
+    """The block hashes SGLang publishes for the request (see :func:`_recorded`), checked to chain."""
     out: list[int] = []
     prev = None
-    for ev in recorder.take():
+    for ev in _recorded(sgl, tokens, page_size, salt, lora, tuple(splits), dynamo):
         assert ev.parent_block_hash == prev  # one chain, linked by the published hashes
         out.extend(ev.block_hashes)
         prev = ev.block_hashes[-1]
@@ -148,6 +161,21 @@ def test_namespace_seed_matches_sglang(sgl: Any) -> None:
         assert sglang_hash.namespace_seed(extra, salt) == (theirs or b"")
 
 
+def test_sglang_batches_decode_with_their_cache_salt(sgl: Any) -> None:
+    """A batch as SGLang encodes it keeps BlockStored's cache_salt (and lora_name) in the event model."""
+    import msgspec
+
+    from kvcoord.events import BlockStored, decode_vllm_batch
+
+    events = _recorded(sgl, list(range(8)), 4, "tenant-a", ("ad", None))
+    payload = msgspec.msgpack.encode(sgl.kv_events.KVEventBatch(ts=1.0, events=events))
+    got = decode_vllm_batch(payload, signed_hashes=True).events
+    assert [type(e) for e in got] == [BlockStored] * len(got)
+    assert {(e.cache_salt, e.lora_name) for e in got if isinstance(e, BlockStored)} == {("tenant-a", "ad")}
+    hashes = [h & hashing.UINT64_MASK for ev in events for h in ev.block_hashes]
+    assert [h for e in got if isinstance(e, BlockStored) for h in e.block_hashes] == hashes
+
+
 def test_ids_beyond_int64_are_refused_like_sglang(sgl: Any) -> None:
     profile = HashProfile("sglang", 2)
     with pytest.raises(Exception, match="int64"):
@@ -155,3 +183,73 @@ def test_ids_beyond_int64_are_refused_like_sglang(sgl: Any) -> None:
     for fast in (True, False):
         with pytest.raises(ValueError, match="int64"):
             hashing.block_hashes64(profile, [1, 2**63], fast=fast)
+
+
+# --- SGLang's own publisher, through a real agent and coordinator --------------------------------------
+def _lookup(grpc: int, *args: str) -> dict[str, Any]:
+    proc = subprocess.run(kvcoord_cmd("lookup", "--coordinator", f"127.0.0.1:{grpc}", "--model", "m", *args),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
+def _matched(res: dict[str, Any]) -> int:
+    return max((int(n["matched_blocks"]) for n in res["nodes"] if n["node_id"] == "n1"), default=0)
+
+
+def test_sglang_publisher_feeds_lookups_by_tokens_and_hashes(sgl: Any, tmp_path: Path) -> None:
+    """SGLang's event recorder and ZmqEventPublisher (from its wheel) feed `kvcoord agent --signed-hashes`;
+    `serve --model m,algo=sglang` then answers token lookups (plain, salted, LoRA) with exactly the stored
+    blocks, `lookup --hashes` takes the published int64s, and `kvcoord hash --algo sglang` prints them."""
+    grpc, pub, replay = free_port(), free_port(), free_port()
+    page = 4
+    requests = [  # (tokens, salt, lora): each stored as SGLang's radix cache would (two nodes)
+        (list(range(1, 13)), None, None),
+        ([7, 2**32 - 1, 9, 10, 11, 12, 13, 14], "tenant-a", None),  # lookups carry uint32 ids
+        ([5] * 8 + [6] * 4, None, ("ad", "/adapters/ad")),
+    ]
+    published = [_published(sgl, toks, [1], page, salt, lora, False) for toks, salt, lora in requests]
+    publisher = sgl.kv_events.ZmqEventPublisher(
+        0, endpoint=f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}", bind=True)
+    serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{grpc}",
+                        "--model", f"m,algo=sglang,block_size={page}")
+    agent = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{grpc}", "--node-id", "n1", "--model", "m",
+                        "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint",
+                        f"tcp://127.0.0.1:{replay}", "--signed-hashes")
+    try:
+        with running(serve, log=tmp_path / "serve.log"):
+            wait_for_port(grpc)
+            with running(agent, log=tmp_path / "agent.log"):
+                def stored() -> bool:  # republish (idempotent stores) until the subscriber has joined
+                    for toks, salt, lora in requests:
+                        events = _recorded(sgl, toks, page, salt, lora)
+                        publisher.publish(sgl.kv_events.KVEventBatch(ts=time.time(), events=events))
+                    return all(_matched(_lookup(grpc, *_query(t, s, lo))) == len(t) // page
+                               for t, s, lo in requests)
+
+                until(stored, "the SGLang blocks in the index", timeout=90, interval=0.3,
+                      diagnose=lambda: (tmp_path / "agent.log").read_text()[-2000:])
+                for (toks, salt, lora), hashes in zip(requests, published, strict=True):
+                    # a lookup without the request's salt or adapter hits nothing of the namespaced chains
+                    plain = _matched(_lookup(grpc, "--tokens", ",".join(map(str, toks))))
+                    assert plain == (len(toks) // page if salt is None and lora is None else 0)
+                    assert _matched(_lookup(grpc, f"--hashes={','.join(map(str, hashes))}")) == len(hashes)
+                    flags = _keys_flags(salt, lora)
+                    cmd = kvcoord_cmd("hash", "--algo", "sglang", "--block-size", str(page), *flags)
+                    cli = subprocess.run(
+                        cmd, input=json.dumps(toks), capture_output=True, text=True, timeout=60, check=True)
+                    assert json.loads(cli.stdout) == hashes
+    finally:
+        publisher.shutdown()
+
+
+def _keys_flags(salt: str | None, lora: tuple[str, str | None] | None) -> list[str]:
+    flags = [] if salt is None else ["--cache-salt", salt]
+    if lora is not None:
+        flags += ["--lora-name", lora[0]] + ([] if lora[1] is None else ["--lora-path", lora[1]])
+    return flags
+
+
+def _query(toks: list[int], salt: str | None, lora: tuple[str, str | None] | None) -> list[str]:
+    return ["--tokens", ",".join(map(str, toks)), *_keys_flags(salt, lora)]
