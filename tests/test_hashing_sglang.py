@@ -21,6 +21,7 @@ from kvcoord import hashing, sglang_hash
 from kvcoord.hashing import HashProfile, RequestKeys
 from tests import sglang_ref
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
+from tests.tokenizers import build_tokenizer
 
 _settings = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -198,22 +199,36 @@ def _matched(res: dict[str, Any]) -> int:
     return max((int(n["matched_blocks"]) for n in res["nodes"] if n["node_id"] == "n1"), default=0)
 
 
-def test_sglang_publisher_feeds_lookups_by_tokens_and_hashes(sgl: Any, tmp_path: Path) -> None:
+def test_sglang_publisher_feeds_lookups_by_tokens_prompt_chat_and_hashes(sgl: Any, tmp_path: Path) -> None:
     """SGLang's event recorder and ZmqEventPublisher (from its wheel) feed `kvcoord agent --signed-hashes`;
-    `serve --model m,algo=sglang` then answers token lookups (plain, salted, LoRA) with exactly the stored
-    blocks, `lookup --hashes` takes the published int64s, and `kvcoord hash --algo sglang` prints them."""
+    `serve --model m,algo=sglang` then answers lookups by tokens (plain, salted, LoRA), prompt and chat
+    with exactly the stored blocks, `lookup --hashes` takes the published int64s, and `kvcoord hash --algo
+    sglang` prints them."""
+    from transformers import AutoTokenizer
+
     grpc, pub, replay = free_port(), free_port(), free_port()
     page = 4
-    requests = [  # (tokens, salt, lora): each stored as SGLang's radix cache would (two nodes)
+    tok_dir = build_tokenizer(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    prompt = "The quick brown fox jumps over the lazy dog, again and again and again."
+    prompt_ids = list(hf(prompt, add_special_tokens=True)["input_ids"])
+    chat = [{"role": "user", "content": "What is the weather in Paris today? It is sunny and warm."}]
+    chat_ids = hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    if not isinstance(chat_ids, list):  # transformers 5 returns an encoding
+        chat_ids = chat_ids["input_ids"]
+    requests: list[tuple[list[int], str | None, tuple[str, str | None] | None]] = [
+        # (tokens, salt, lora): each stored as SGLang's radix cache would (two nodes, full pages)
         (list(range(1, 13)), None, None),
         ([7, 2**32 - 1, 9, 10, 11, 12, 13, 14], "tenant-a", None),  # lookups carry uint32 ids
         ([5] * 8 + [6] * 4, None, ("ad", "/adapters/ad")),
+        (prompt_ids[: len(prompt_ids) // page * page], None, None),
+        (list(chat_ids)[: len(chat_ids) // page * page], None, None),
     ]
     published = [_published(sgl, toks, [1], page, salt, lora, False) for toks, salt, lora in requests]
     publisher = sgl.kv_events.ZmqEventPublisher(
         0, endpoint=f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}", bind=True)
     serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{grpc}",
-                        "--model", f"m,algo=sglang,block_size={page}")
+                        "--model", f"m,algo=sglang,block_size={page},tokenizer={tok_dir}")
     agent = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{grpc}", "--node-id", "n1", "--model", "m",
                         "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint",
                         f"tcp://127.0.0.1:{replay}", "--signed-hashes")
@@ -240,6 +255,10 @@ def test_sglang_publisher_feeds_lookups_by_tokens_and_hashes(sgl: Any, tmp_path:
                     cli = subprocess.run(
                         cmd, input=json.dumps(toks), capture_output=True, text=True, timeout=60, check=True)
                     assert json.loads(cli.stdout) == hashes
+                assert _matched(_lookup(grpc, "--prompt", prompt)) == len(prompt_ids) // page
+                messages = tmp_path / "chat.json"
+                messages.write_text(json.dumps({"messages": chat}))
+                assert _matched(_lookup(grpc, "--messages-file", str(messages))) == len(chat_ids) // page
     finally:
         publisher.shutdown()
 
@@ -253,3 +272,22 @@ def _keys_flags(salt: str | None, lora: tuple[str, str | None] | None) -> list[s
 
 def _query(toks: list[int], salt: str | None, lora: tuple[str, str | None] | None) -> list[str]:
     return ["--tokens", ",".join(map(str, toks)), *_keys_flags(salt, lora)]
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("hash", "--algo", "sglang", "--block-size", "4", "--seed", "7"), ("no seed",)),
+    (("hash", "--algo", "sglang", "--block-size", "4", "--style", "tagged"), ("event format", "tagged")),
+    (("hash", "--algo", "sglang", "--block-size", "4", "--mm", "img:0:2"), ("token ids only",)),
+    (("hash", "--algo", "sglng", "--block-size", "4"), ("unknown hash algorithm", "sglang")),
+    (("serve", "--listen", "127.0.0.1:0", "--model", "m,algo=sglang,block_size=4,seed=1"), ("no seed",)),
+    (("serve", "--listen", "127.0.0.1:0", "--model", "m,algo=sglang,block_size=4,style=tagged"),
+     ("event format",)),
+    (("lookup", "--coordinator", "127.0.0.1:1", "--model", "m", "--hashes", f"1,{-(2**63) - 1}"),
+     ("uint64 or int64",)),
+])
+def test_sglang_cli_mistakes_are_one_line(args: tuple[str, ...], words: tuple[str, ...]) -> None:
+    proc = subprocess.run(kvcoord_cmd(*args), input="[1,2,3,4,5,6,7,8]", capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), proc.stderr
