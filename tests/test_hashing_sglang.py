@@ -291,3 +291,22 @@ def test_sglang_cli_mistakes_are_one_line(args: tuple[str, ...], words: tuple[st
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and all(w in lines[0] for w in words), proc.stderr
+
+
+def test_config_file_sglang_model(tmp_path: Path) -> None:
+    """[models."m"] algo = "sglang" in the config file: serve takes it (a token lookup hashes it), and a
+    seed there is refused in one line."""
+    grpc = free_port()
+    good = tmp_path / "good.toml"
+    good.write_text('[models."m"]\nalgo = "sglang"\nblock_size = 4\nstyle = "dynamo"\n')
+    with running(kvcoord_cmd("serve", "--listen", f"127.0.0.1:{grpc}", "--config", str(good)),
+                 log=tmp_path / "serve.log"):
+        wait_for_port(grpc)
+        res = _lookup(grpc, "--tokens", ",".join(map(str, range(10))), "--cache-salt", "s")
+        assert res["num_blocks"] == 2 and res["block_size"] == 4
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[models."m"]\nalgo = "sglang"\nblock_size = 4\nseed = "42"\n')
+    proc = subprocess.run(kvcoord_cmd("serve", "--listen", "127.0.0.1:0", "--config", str(bad)),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
+    assert 'models."m"' in proc.stderr and "no seed" in proc.stderr
