@@ -9,6 +9,7 @@ import os
 import subprocess
 import time
 import types
+import urllib.request
 from array import array
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,7 @@ def test_sglang_publisher_feeds_lookups_by_tokens_prompt_chat_and_hashes(sgl: An
     sglang` prints them."""
     from transformers import AutoTokenizer
 
-    grpc, pub, replay = free_port(), free_port(), free_port()
+    grpc, pub, replay, http = free_port(), free_port(), free_port(), free_port()
     page = 4
     tok_dir = build_tokenizer(tmp_path / "tok")
     hf = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
@@ -227,7 +228,7 @@ def test_sglang_publisher_feeds_lookups_by_tokens_prompt_chat_and_hashes(sgl: An
     published = [_published(sgl, toks, [1], page, salt, lora, False) for toks, salt, lora in requests]
     publisher = sgl.kv_events.ZmqEventPublisher(
         0, endpoint=f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}", bind=True)
-    serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{grpc}",
+    serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{grpc}", "--http-listen", f"127.0.0.1:{http}",
                         "--model", f"m,algo=sglang,block_size={page},tokenizer={tok_dir}")
     agent = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{grpc}", "--node-id", "n1", "--model", "m",
                         "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint",
@@ -256,11 +257,26 @@ def test_sglang_publisher_feeds_lookups_by_tokens_prompt_chat_and_hashes(sgl: An
                         cmd, input=json.dumps(toks), capture_output=True, text=True, timeout=60, check=True)
                     assert json.loads(cli.stdout) == hashes
                 assert _matched(_lookup(grpc, "--prompt", prompt)) == len(prompt_ids) // page
+                for toks, salt, lora in requests:  # the HTTP API's token query (no lora_path there)
+                    body: dict[str, Any] = {"model_name": "m", "token_ids": toks, "cache_salt": salt}
+                    if lora is None or lora[1] is None:
+                        got = _http_query(http, body)
+                        assert got["scores"] == {"n1": {"0": len(toks) // page * page}}, got
+                assert _http_query(http, {"model_name": "m", "prompt": prompt})["scores"] == {
+                    "n1": {"0": len(prompt_ids) // page * page}}
                 messages = tmp_path / "chat.json"
                 messages.write_text(json.dumps({"messages": chat}))
                 assert _matched(_lookup(grpc, "--messages-file", str(messages))) == len(chat_ids) // page
     finally:
         publisher.shutdown()
+
+
+def _http_query(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/query", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    return out
 
 
 def _keys_flags(salt: str | None, lora: tuple[str, str | None] | None) -> list[str]:
