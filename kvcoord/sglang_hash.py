@@ -122,8 +122,8 @@ def keys(
     """The uint64 keys of ``count`` pages chained from ``parent``, in ``namespace`` (b"": none)."""
     if count and fast and native_ok():
         assert native is not None
-        keys = native.sglang_chain(parent, arr, block_size, count, namespace, True)
-        return memoryview(cast(bytes, keys)).cast("Q").tolist()
+        packed = native.sglang_chain(parent, arr, block_size, count, namespace, True)
+        return memoryview(cast(bytes, packed)).cast("Q").tolist()
     return [key_reference(d, namespace) for d in chain_reference(parent, arr, block_size, count)]
 
 
@@ -133,5 +133,4 @@ def to_signed64(key: int) -> int:
 
 
 __all__ = ["INT64_MAX", "chain", "chain_reference", "key_reference", "keys", "lora_id", "namespace_seed",
-           "page_bytes", "request_seeds", "salt_parent",
-           "to_signed64"]
+           "page_bytes", "request_seeds", "salt_parent", "to_signed64"]
