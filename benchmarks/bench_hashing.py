@@ -1,7 +1,8 @@
 """Block hashing: kvcoord's native path vs the straightforward reference, same run, same prompt.
 
 The reference is what vLLM does per block: ``H(cbor2.dumps((parent, tuple(block), None),
-canonical=True))`` (or ``pickle.dumps`` for the pickle algorithms) with ``hashlib`` / ``xxhash``.
+canonical=True))`` (or ``pickle.dumps`` for the pickle algorithms) with ``hashlib`` / ``xxhash``; for
+``sglang``, SGLang's page chain: ``hashlib.sha256(parent + struct.pack("<16I", *page))``.
 All run on a 32k-token prompt (block size 16) and must produce identical digests.
 
 Token ids come from a 151,936-entry vocabulary (Qwen's), drawn two ways: Zipf-like, as text is,
@@ -21,6 +22,7 @@ import os
 import pickle
 import random
 import statistics
+import struct
 import time
 from collections.abc import Callable
 
@@ -28,13 +30,20 @@ import cbor2
 import xxhash
 
 from kvcoord import native
-from kvcoord.hashing import HASH_ALGOS, HashProfile, check_algo, hash_request_tokens
+from kvcoord.hashing import PROFILE_ALGOS, SGLANG, HashProfile, check_algo, hash_request_tokens
 
 VOCAB = 151_936
 
 
 def reference(algo: str, none_hash: bytes, tokens: list[int], block_size: int) -> list[bytes]:
     """The straightforward chain, written out here so the baseline owes nothing to kvcoord."""
+    if algo == SGLANG:  # ids of a Qwen vocabulary: uint32 pages
+        parent, out = none_hash, []
+        for start in range(0, len(tokens) - block_size + 1, block_size):
+            page = struct.pack(f"<{block_size}I", *tokens[start : start + block_size])
+            parent = hashlib.sha256(parent + page).digest()
+            out.append(parent)
+        return out
     serialise: Callable[[object], bytes] = (
         (lambda x: cbor2.dumps(x, canonical=True)) if algo.endswith("_cbor") else
         (lambda x: pickle.dumps(x, protocol=5))
@@ -64,7 +73,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=31, help="prompts per row, each timed once per variant")
     ap.add_argument("--quick", action="store_true", help="3 runs, for a smoke test")
-    ap.add_argument("--algos", default=",".join(HASH_ALGOS))
+    ap.add_argument("--algos", default=",".join(PROFILE_ALGOS))
     args = ap.parse_args()
     repeat = 3 if args.quick else args.repeat
     # kvcoord's two paths: native (when built and not switched off by KVCOORD_NATIVE=0) and the Python one
@@ -79,7 +88,8 @@ def main() -> None:
     for kind in ("zipf", "uniform"):
         batch = prompts(kind, args.tokens, repeat, seed=1)
         for algo in args.algos.split(","):
-            profile = HashProfile(check_algo(algo), args.block_size, seed="0")
+            algo_ = check_algo(algo)
+            profile = HashProfile(algo_, args.block_size, seed=None if algo_ == SGLANG else "0")
             none = profile.none_hash()
             runs = list(impls)
             times: dict[str, list[float]] = {impl: [] for impl in [*runs, "reference"]}

@@ -30,6 +30,17 @@ def pickle_chain(
     keys_only: bool = False,
     /,
 ) -> list[bytes] | bytes: ...
+def sglang_chain(
+    parent: bytes,
+    tokens: object,
+    block_size: int,
+    count: int,
+    namespace: bytes,
+    keys_only: bool = False,
+    /,
+) -> list[bytes] | bytes:
+    """SGLang's page-hash chain (only in builds with OpenSSL: ``"sha256" in C_DIGESTS``; Python twin:
+    ``kvcoord.hashing._sglang_chain_reference``)."""
 
 # --- JSON integer arrays (jsonints.c; twin: msgspec's typed decode in kvcoord.coordinator.httpapi) ---
 def json_take_ints(data: bytes | memoryview, key: str, kind: str, /) -> tuple[bytes | None, bytes] | None: ...

@@ -123,6 +123,9 @@ class BlockStored(KVEvent, tag="BlockStored", frozen=True):
     ownership: str | None = None
     session_id: str | None = None
     lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+    cache_salt: str | None = None
+    """SGLang's: the salt of the request that stored the blocks (its hashes are already seeded by it;
+    vLLM carries the salt in ``extra_keys`` instead). Last, so the positional forms keep their order."""
 
     def is_prefix_indexable(self) -> bool:
         """True for full-attention groups (kind absent, ``full_attention`` or ``mla_attention``)."""

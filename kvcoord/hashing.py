@@ -15,6 +15,11 @@ fallback when native code is not built or is switched off (``KVCOORD_NATIVE=0``,
 ``pickle_chain``) write each block's serialised bytes in C and hash them with the same
 ``hashlib``/``xxhash`` functions. ``fast=False`` forces the reference for one call; property tests and
 the real-engine fixtures prove both bit-identical.
+
+SGLang's radix cache hashes differently (``algo="sglang"``, see :mod:`kvcoord.sglang_hash` and
+docs/semantics.md "Hash profiles"): a SHA-256 chain over raw page bytes, published as the digest's first 8
+bytes (signed int64), optionally rehashed into a LoRA/cache-salt namespace. Its native twin is
+``native.sglang_chain``; tests/test_hashing_sglang.py proves both bit-identical to SGLang's own code.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import pickle
 import re
 from array import array
 from collections.abc import Callable, Iterable, Sequence
@@ -33,7 +37,9 @@ from typing import Any, Final, Literal, NewType, TypeAlias, TypeVar, cast, get_a
 import cbor2
 import xxhash as _xxhash
 
+from kvcoord import sglang_hash
 from kvcoord.native import native
+from kvcoord.vllm_hash import HASH_FUNCTIONS, hash_sha256, hash_sha256_cbor, hash_xxhash, hash_xxhash_cbor
 
 BlockDigest = NewType("BlockDigest", bytes)
 """A full block digest as the engine computes it: 32 bytes (sha256*) or 16 bytes (xxh3-128)."""
@@ -43,13 +49,22 @@ BlockHash64 = NewType("BlockHash64", int)
 
 UINT64_MASK = (1 << 64) - 1
 
-HashAlgo: TypeAlias = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
-ExtraKeyStyle: TypeAlias = Literal["untagged", "tagged"]
+VllmAlgo: TypeAlias = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+HashAlgo: TypeAlias = Literal[VllmAlgo, "sglang"]
+ExtraKeyStyle: TypeAlias = Literal["untagged", "tagged", "dynamo"]
 ExternalForm: TypeAlias = Literal["int", "bytes"]
-HASH_ALGOS: Final[tuple[HashAlgo, ...]] = get_args(HashAlgo)
+HASH_ALGOS: Final[tuple[VllmAlgo, ...]] = get_args(VllmAlgo)
+"""vLLM's four algorithms (see :data:`PROFILE_ALGOS` for every profile's)."""
+PROFILE_ALGOS: Final[tuple[HashAlgo, ...]] = (*HASH_ALGOS, "sglang")
 EXTRA_KEY_STYLES: Final[tuple[ExtraKeyStyle, ...]] = get_args(ExtraKeyStyle)
 EXTERNAL_FORMS: Final[tuple[ExternalForm, ...]] = get_args(ExternalForm)
 
+SGLANG: Final = "sglang"
+"""The SGLang radix cache's page-hash chain (not a vLLM algorithm: no NONE_HASH, no extra-key tuples)."""
+_VLLM_STYLES: Final = ("untagged", "tagged")
+_SGLANG_STYLES: Final = ("untagged", "dynamo")
+"""SGLang's event formats: ``untagged`` its own (default), ``dynamo`` its ``--kv-events-config`` format
+``"dynamo"`` (the namespace covers cache_salt and every extra key)."""
 DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
 """The seed vLLM >= 0.29 uses for sha256/sha256_cbor when ``PYTHONHASHSEED`` is unset."""
 
@@ -81,45 +96,18 @@ def to_block_hash64(value: int | bytes) -> BlockHash64:
     return BlockHash64(value)
 
 
-# --- the four reference hash functions (vllm/utils/hashing.py) ----------------------------------
-def hash_sha256(obj: object) -> bytes:
-    """vLLM ``sha256``: SHA-256 of ``pickle.dumps(obj, protocol=5)`` (CPython-specific)."""
-    return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
-
-
-def hash_sha256_cbor(obj: object) -> bytes:
-    """vLLM ``sha256_cbor``: SHA-256 of canonical CBOR (reproducible in any language)."""
-    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
-
-
-def hash_xxhash(obj: object) -> bytes:
-    """vLLM ``xxhash``: XXH3-128 digest of pickle protocol 5."""
-    return _xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=5))
-
-
-def hash_xxhash_cbor(obj: object) -> bytes:
-    """vLLM ``xxhash_cbor``: XXH3-128 digest of canonical CBOR."""
-    return _xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
-
-
-HASH_FUNCTIONS: Final[dict[str, Callable[[object], bytes]]] = {
-    "sha256": hash_sha256,
-    "sha256_cbor": hash_sha256_cbor,
-    "xxhash": hash_xxhash,
-    "xxhash_cbor": hash_xxhash_cbor,
-}
-
-
 def check_algo(algo: str) -> HashAlgo:
     """Return ``algo`` as a :data:`HashAlgo`, or raise ``ValueError`` naming the valid ones."""
-    if algo not in HASH_FUNCTIONS:
-        raise ValueError(f"unknown hash algorithm {algo!r} (expected one of {', '.join(HASH_ALGOS)})")
-    return algo  # type: ignore[return-value]
+    if algo not in PROFILE_ALGOS:
+        raise ValueError(f"unknown hash algorithm {algo!r} (expected one of {', '.join(PROFILE_ALGOS)})")
+    return algo
 
 
 def get_hash_fn(algo: str) -> Callable[[object], bytes]:
     """The reference hash function named ``algo`` (vLLM's ``get_hash_fn_by_name``)."""
-    return HASH_FUNCTIONS[check_algo(algo)]
+    if check_algo(algo) == SGLANG:
+        raise ValueError("sglang hashes pages, not serialised objects: it has no object hash function")
+    return HASH_FUNCTIONS[algo]
 
 
 def parse_release(release: str) -> tuple[int, int]:
@@ -133,7 +121,8 @@ def parse_release(release: str) -> tuple[int, int]:
 @functools.lru_cache(maxsize=64)
 def _none_hash(algo: str, seed: str) -> bytes:
     # vLLM's init_none_hash: NONE_HASH = hash_fn(seed), the seed as a *string*, same H as blocks.
-    return HASH_FUNCTIONS[algo](seed)
+    # SGLang has none: a request's first page hashes its bytes alone (the empty parent).
+    return b"" if algo == SGLANG else HASH_FUNCTIONS[algo](seed)
 
 
 # --- profiles ------------------------------------------------------------------------------------
@@ -143,7 +132,8 @@ class HashProfile:
 
     ``seed`` None means: ``PYTHONHASHSEED`` at hashing time, else the default of
     ``engine_release`` (vLLM >= 0.29, sha256 family), else an error. ``external`` is the form the
-    engine publishes (``int``: uint64; ``bytes``: raw digest).
+    engine publishes (``int``: uint64, SGLang's signed int64; ``bytes``: raw digest). ``algo="sglang"``
+    takes no seed, and ``style`` is its event format (``untagged``: SGLang's own, ``dynamo``).
     """
 
     algo: HashAlgo
@@ -159,7 +149,12 @@ class HashProfile:
             raise ValueError(f"block size must be a positive integer, not {self.block_size!r}")
         if self.seed is not None and not isinstance(self.seed, str):
             raise ValueError(f"seed must be a string (it is hashed as one), not {type(self.seed).__name__}")
-        if self.style not in EXTRA_KEY_STYLES:
+        if self.algo == SGLANG:
+            if self.seed is not None:
+                raise ValueError("sglang's chain has no seed (a request's cache_salt seeds it): drop seed")
+            if self.style not in _SGLANG_STYLES:
+                raise ValueError(f"sglang's event format {self.style!r} is not untagged or dynamo")
+        elif self.style not in _VLLM_STYLES:
             raise ValueError(f"unknown extra-key style {self.style!r} (expected untagged or tagged)")
         if self.external not in EXTERNAL_FORMS:
             raise ValueError(f"unknown external hash form {self.external!r} (expected int or bytes)")
@@ -188,6 +183,8 @@ class HashProfile:
         """The seed NONE_HASH derives from; ``ValueError`` with the fix when it cannot be known."""
         if self.seed is not None:
             return self.seed
+        if self.algo == SGLANG:
+            return ""  # unused: SGLang's chain has no seed
         env = os.environ.get("PYTHONHASHSEED")
         if env is not None:
             return env
@@ -219,8 +216,13 @@ class HashProfile:
         return hashlib.sha256(self.none_hash()).hexdigest()
 
     def external_hash(self, digest: bytes) -> int | bytes:
-        """A digest in the form this engine publishes (uint64 int or the raw digest)."""
-        return to_block_hash64(digest) if self.external == "int" else bytes(digest)
+        """A digest in the form this engine publishes (uint64 int, SGLang's signed int64 of a request
+        without namespace, or the raw digest)."""
+        if self.external == "bytes":
+            return bytes(digest)
+        if self.algo == SGLANG:
+            return int.from_bytes(digest[:8], "big", signed=True)
+        return to_block_hash64(digest)
 
 
 # --- request extra keys -----------------------------------------------------------------------
@@ -500,6 +502,8 @@ def native_keys_plan(profile: HashProfile) -> tuple[str, int, bytes, int] | None
     without extra keys when it runs wholly in C (``native.cbor_chain`` or ``pickle_chain`` with a C
     digest, those arguments, ``keys_only``); None where it would not. The HTTP API's native answers hash
     with exactly this call, so their keys are this function's."""
+    if profile.algo == SGLANG:
+        return None  # the Python call (block_hashes64, natively chained) answers SGLang models
     prev = profile.none_hash()
     code = _c_digest(profile.algo, prev)
     if code is None:
@@ -529,6 +533,16 @@ def _chain_reference(
     return cast(list[BlockDigest], out)  # BlockDigest is bytes at runtime
 
 
+def _sglang_seeds(profile: HashProfile, keys: RequestKeys | None) -> tuple[bytes, bytes]:
+    """A request's ``(parent, namespace)`` in SGLang's chain (:func:`kvcoord.sglang_hash.request_seeds`)."""
+    if keys is None:
+        return b"", b""
+    if keys.mm_items or keys.prompt_embeds_digests is not None:
+        raise ValueError("the sglang profile hashes token ids only: no multimodal items or prompt embeds")
+    dynamo = profile.style == "dynamo"
+    return sglang_hash.request_seeds(dynamo, keys.cache_salt, keys.lora_name, keys.lora_path)
+
+
 # --- public hashing API -------------------------------------------------------------------------
 def hash_block_tokens(
     profile: HashProfile,
@@ -547,6 +561,12 @@ def hash_block_tokens(
     arr = _as_tokens(token_ids)
     if parent is not None and type(parent) is not bytes:
         parent = bytes(parent)
+    if profile.algo == SGLANG:
+        if extra_keys:
+            raise ValueError("sglang pages have no extra keys (a request's keys seed its chain)")
+        if parent is not None and len(parent) != 32:
+            raise ValueError("an sglang parent is a 32-byte SHA-256 digest")
+        return BlockDigest(sglang_hash.chain(parent or b"", arr, len(arr), 1, fast)[0])
     extras = [extra_keys or None]
     return _chain(profile.algo, profile.none_hash(), parent, arr, len(arr), extras, fast)[0]
 
@@ -562,17 +582,24 @@ def hash_request_tokens(
     by the pure-Python reference even where native code runs)."""
     arr = _as_tokens(token_ids)
     count = len(arr) // profile.block_size
+    if profile.algo == SGLANG:  # chain digests: a namespace (LoRA) applies to the published keys only
+        digests = sglang_hash.chain(_sglang_seeds(profile, keys)[0], arr, profile.block_size, count, fast)
+        return cast(list[BlockDigest], digests)
     extras = _extra_keys_range(keys, profile.style, profile.block_size, 0, count, 0)
     return _chain(profile.algo, profile.none_hash(), None, arr, profile.block_size, extras, fast)
 
 
 def block_hashes64(
-    profile: HashProfile, token_ids: Iterable[int], keys: RequestKeys | None = None
+    profile: HashProfile, token_ids: Iterable[int], keys: RequestKeys | None = None, *, fast: bool = True
 ) -> list[BlockHash64]:
-    """The uint64 keys (vLLM's int ``ExternalBlockHash``) of a request's full blocks (a lookup's hot path:
-    natively, no digest is ever a Python object)."""
+    """The uint64 keys (vLLM's int ``ExternalBlockHash``; SGLang's published int64 & (2**64-1)) of a
+    request's full blocks (a lookup's hot path: natively, no digest is ever a Python object)."""
     arr = _as_tokens(token_ids)
     count = len(arr) // profile.block_size
+    if profile.algo == SGLANG:
+        parent, namespace = _sglang_seeds(profile, keys)
+        keys64 = sglang_hash.keys(parent, namespace, arr, profile.block_size, count, fast)
+        return cast(list[BlockHash64], keys64)
     extras = _extra_keys_range(keys, profile.style, profile.block_size, 0, count, 0)
     return _chain_keys(profile.algo, profile.none_hash(), arr, profile.block_size, extras)
 
@@ -600,6 +627,8 @@ class RequestBlockHasher:
     def __init__(self, profile: HashProfile, keys: RequestKeys | None = None) -> None:
         self._profile = profile
         self._keys = keys
+        if profile.algo == SGLANG:
+            raise ValueError("the request hasher is vLLM's: hash SGLang requests with hash_request_tokens")
         _extra_keys_range(keys, profile.style, profile.block_size, 0, 0, 0)  # fail early on bad keys
         self._none = profile.none_hash()
         self._pending: array[int] = array("Q")
@@ -639,6 +668,8 @@ __all__ = [
     "EXTRA_KEY_STYLES",
     "HASH_ALGOS",
     "HASH_FUNCTIONS",
+    "PROFILE_ALGOS",
+    "SGLANG",
     "UINT64_MASK",
     "BlockDigest",
     "BlockHash64",

@@ -19,7 +19,8 @@ from pathlib import Path
 LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("kvcoord", "kvcoord._native", "kvcoord.native", "kvcoord.proto", "kvcoord.load", "kvcoord.transport"),
      "leaves: the version, the native switch and extension, generated protobuf, shared load and gRPC types"),
-    (("kvcoord.hashing",), "vLLM's block hashes: everything else speaks in them"),
+    (("kvcoord.hashing", "kvcoord.sglang_hash", "kvcoord.vllm_hash"),
+     "vLLM's and SGLang's block hashes: everything else speaks in them"),
     (("kvcoord.events",), "the event model and its codecs, built on the hashes"),
     (("kvcoord.validate",), "the one rule set that turns events into index operations"),
     (("kvcoord.wire",), "the agent-to-coordinator wire format, carrying validated events"),

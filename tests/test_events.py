@@ -235,3 +235,14 @@ def test_roundtrip_array(batch: KVEventBatch) -> None:
     back = decode_vllm_batch(payload)
     assert back == batch
     assert encode_vllm_batch(back, form="array") == payload
+
+
+def test_sglang_cache_salt_is_kept() -> None:
+    """SGLang's BlockStored carries the storing request's cache_salt; the model keeps it (it was dropped)."""
+    ev = {"type": "BlockStored", "block_hashes": [-5], "parent_block_hash": None, "token_ids": [1, 2],
+          "block_size": 2, "lora_id": None, "medium": "GPU", "cache_salt": "s1", "session_id": "q",
+          "lora_name": "ad"}
+    got = decode_vllm_batch(msgspec.msgpack.encode([1.0, [ev], 0]), signed_hashes=True).events[0]
+    assert isinstance(got, BlockStored)
+    assert (got.cache_salt, got.session_id, got.lora_name) == ("s1", "q", "ad")
+    assert got.block_hashes == (2**64 - 5,)

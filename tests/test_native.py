@@ -31,6 +31,7 @@ import pytest
 import xxhash
 
 from kvcoord import native as switch
+from kvcoord import sglang_hash
 from kvcoord.index.base import NodeMatch
 from kvcoord.native import native
 from tests.procs import REPO
@@ -863,11 +864,46 @@ def test_json_int_arrays_are_msgspecs() -> None:
         native.json_take_ints(b"{}", "ids", "q")
 
 
+def fuzz_sglang_chain(rng: random.Random, steps: int) -> None:
+    """sglang_chain on random token buffers (uint32, wide, beyond int64), parents and namespaces: its
+    digests and keys are the reference's (kvcoord.sglang_hash), and bad arguments raise."""
+    assert native is not None
+    if "sha256" not in native.C_DIGESTS:
+        return
+    for _ in range(steps):
+        block_size = rng.choice([1, 2, 3, 4, 16, 33, 1, 4, 0, -1, 2**62])
+        count = rng.randrange(0, 6)
+        wide = rng.random() < 0.3  # pages of ids past 2**32 (and, rarely, past SGLang's int64 limit)
+        n = max(block_size, 0) % 64 * count + rng.randrange(3)
+        tokens = [rng.choice([_u64(rng), rng.randrange(2**63)]) if wide and rng.random() < 0.2
+                  else rng.randrange(2**32) for _ in range(n)]
+        tok, tok_ok = _tokens_arg(rng, tokens)
+        parent = rng.randbytes(rng.choice([0, 32, 32, 1, 33]))
+        namespace = rng.randbytes(rng.choice([0, 32, 32, 31]))
+        keys_only = rng.random() < 0.5
+        args: list[object] = [parent, tok, block_size, count, namespace, keys_only]
+        if rng.random() < 0.05:
+            args[rng.randrange(5)] = rng.choice(["x", None, 2**70, -1])
+        try:
+            got = native.sglang_chain(*args)  # type: ignore[arg-type]
+        except _ERRORS:
+            continue
+        assert tok_ok and len(parent) in (0, 32) and len(namespace) in (0, 32) and block_size >= 1
+        arr = array("Q", tokens)
+        want = sglang_hash.chain_reference(parent, arr, block_size, count)
+        if keys_only:
+            assert memoryview(got).cast("Q").tolist() == [  # type: ignore[arg-type]
+                sglang_hash.key_reference(d, namespace) for d in want]
+        else:
+            assert got == want
+
+
 FUZZERS: dict[str, Callable[[random.Random, int], None]] = {
     "table": fuzz_table,
     "u64": fuzz_u64,
     "walk": fuzz_walk,
     "chains": fuzz_chains,
+    "sglang_chain": fuzz_sglang_chain,
     "json": fuzz_json_ints,
     "fastpath": fuzz_answer,
 }

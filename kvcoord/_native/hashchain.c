@@ -1,5 +1,6 @@
 /* vLLM's block-hash chains (kvcoord.hashing's native path; its pure-Python twin is
- * kvcoord.hashing._chain_reference, the definition).
+ * kvcoord.hashing._chain_reference, the definition), and SGLang's page-hash chain (sglang_chain; twin:
+ * kvcoord.hashing._sglang_chain_reference).
  *
  * vLLM's block hash is H(serialise((parent, tuple(tokens), extra_keys))) with canonical CBOR or pickle
  * protocol 5. The serialised bytes are simple enough to write byte by byte. Each block's message is
@@ -538,9 +539,161 @@ done:
     return result;
 }
 
+#ifdef KVN_HAVE_OPENSSL
+/* SGLang's published key of a chain digest: its first 8 bytes, big-endian (SGLang's signed int64 as
+ * uint64); with a namespace seed (32 bytes), the first 8 bytes of SHA-256(seed || those 8 bytes). */
+static uint64_t
+sglang_key(const unsigned char *digest, const unsigned char *ns)
+{
+    unsigned char d[32];
+    const unsigned char *src = digest;
+    if (ns != NULL) {
+        SHA256_CTX ctx;
+        SHA256_Init(&ctx);
+        SHA256_Update(&ctx, ns, 32);
+        SHA256_Update(&ctx, digest, 8);
+        SHA256_Final(d, &ctx);
+        src = d;
+    }
+    uint64_t key = 0;
+    for (int k = 0; k < 8; k++) {
+        key = (key << 8) | src[k];
+    }
+    return key;
+}
+
+/* One page's message: uint32 little-endian ids, or (a page with an id above 2**32-1) 0xFF then uint64
+ * little-endian ids. 0 with *len set, or -1 with ValueError for an id above 2**63-1 (SGLang's limit). */
+static int
+sglang_page(const unsigned char *p, Py_ssize_t itemsize, Py_ssize_t bs, unsigned char *buf, Py_ssize_t *len)
+{
+    int wide = 0;
+    if (itemsize == 8) {
+        for (Py_ssize_t j = 0; j < bs; j++) {
+            uint64_t v = load_token(p, 8, j);
+            if (v > (uint64_t)INT64_MAX) {
+                PyErr_SetString(PyExc_ValueError, "token id must be a non-negative int64 (SGLang's limit)");
+                return -1;
+            }
+            wide |= v > UINT32_MAX;
+        }
+    }
+    unsigned char *w = buf;
+    if (wide) {
+        *w++ = 0xff;
+    }
+    for (Py_ssize_t j = 0; j < bs; j++) {
+        uint64_t v = load_token(p, itemsize, j);
+        for (int k = 0; k < (wide ? 8 : 4); k++) {
+            *w++ = (unsigned char)(v >> (8 * k));
+        }
+    }
+    *len = w - buf;
+    return 0;
+}
+
+PyDoc_STRVAR(sglang_chain_doc,
+"sglang_chain(parent, tokens, block_size, count, namespace, keys_only=False)\n\n"
+"SGLang's page-hash chain: page i's digest is SHA-256(previous digest || page bytes), the first\n"
+"page's previous digest being `parent` (b'' for none, else 32 bytes: a cache-salt seed). A page is\n"
+"its ids as uint32 little-endian, or 0xFF and uint64 little-endian when an id exceeds 2**32-1.\n"
+"`tokens` is a buffer of uint64 or uint32. Returns the list of `count` digests, or with keys_only\n"
+"the bytes of `count` native uint64 keys: each digest's first 8 bytes, big-endian, rehashed as\n"
+"SHA-256(namespace || those 8 bytes) when `namespace` (b'' or 32 bytes) is given.");
+
+static PyObject *
+kvn_sglang_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs < 5 || nargs > 6) {
+        PyErr_SetString(PyExc_TypeError, "sglang_chain takes 5 or 6 arguments");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[0]) || !PyBytes_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "parent and namespace must be bytes");
+        return NULL;
+    }
+    Py_ssize_t plen = PyBytes_GET_SIZE(args[0]), nslen = PyBytes_GET_SIZE(args[4]);
+    if ((plen != 0 && plen != 32) || (nslen != 0 && nslen != 32)) {
+        PyErr_SetString(PyExc_ValueError, "parent and namespace must be empty or 32 bytes");
+        return NULL;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[2]);
+    if (bs == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[3]);
+    if (count == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bs < 1 || count < 0 || bs > (PY_SSIZE_T_MAX - 1) / 8) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be >= 1 and count >= 0");
+        return NULL;
+    }
+    int keys_only = keys_only_arg(args, nargs, 5);
+    if (keys_only < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (token_view(args[1], &view, bs, count) < 0) {
+        return NULL;
+    }
+    PyObject *out = NULL, *keys = NULL, *result = NULL;
+    unsigned char *buf = PyMem_Malloc((size_t)(1 + 8 * bs));
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (chain_output(keys_only, count, &out, &keys) < 0) {
+        goto done;
+    }
+    unsigned char prev[32];
+    int have = plen == 32;
+    if (have) {
+        memcpy(prev, PyBytes_AS_STRING(args[0]), 32);
+    }
+    const unsigned char *ns = nslen ? (const unsigned char *)PyBytes_AS_STRING(args[4]) : NULL;
+    const unsigned char *tok = view.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t len;
+        if (sglang_page(tok + i * bs * view.itemsize, view.itemsize, bs, buf, &len) < 0) {
+            goto done;
+        }
+        SHA256_CTX ctx;
+        SHA256_Init(&ctx);
+        if (have) {
+            SHA256_Update(&ctx, prev, 32);
+        }
+        SHA256_Update(&ctx, buf, (size_t)len);
+        SHA256_Final(prev, &ctx);
+        have = 1;
+        if (keys != NULL) {
+            uint64_t key = sglang_key(prev, ns);
+            memcpy(PyBytes_AS_STRING(keys) + 8 * i, &key, 8);
+        } else {
+            PyObject *b = PyBytes_FromStringAndSize((const char *)prev, 32);
+            if (b == NULL) {
+                goto done;
+            }
+            PyList_SET_ITEM(out, i, b);
+        }
+    }
+    result = keys_only ? Py_NewRef(keys) : Py_NewRef(out);
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(keys);
+    PyMem_Free(buf);
+    PyBuffer_Release(&view);
+    return result;
+}
+#endif
+
 PyMethodDef kvn_hashchain_methods[] = {
     {"cbor_chain", (PyCFunction)(void (*)(void))kvn_cbor_chain, METH_FASTCALL, cbor_chain_doc},
     {"pickle_chain", (PyCFunction)(void (*)(void))kvn_pickle_chain, METH_FASTCALL, pickle_chain_doc},
+#ifdef KVN_HAVE_OPENSSL
+    {"sglang_chain", (PyCFunction)(void (*)(void))kvn_sglang_chain, METH_FASTCALL, sglang_chain_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

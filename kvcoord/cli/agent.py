@@ -52,7 +52,7 @@ def add(sub: Subparsers) -> None:
         "The engine's block-hash settings, announced in the Hello so the coordinator can refuse an agent "
         "whose hashes cannot match its routers' (a fingerprint, never the seed). Omit --algo to announce "
         "nothing.")
-    g.add_argument("--algo", default=None, help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
+    g.add_argument("--algo", default=None, help="sha256 | sha256_cbor | xxhash | xxhash_cbor | sglang")
     g.add_argument("--block-size", type=POSITIVE_INT, default=None,
                    help="the engine's block size (with --algo)")
     add_hash_seed(g)
@@ -169,7 +169,8 @@ def hash_profile(args: argparse.Namespace) -> HashProfile | None:
     if args.block_size is None:
         raise CliError("--algo needs --block-size")
     algo = check_algo(args.algo)
-    seed = args.hash_seed if args.hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+    seed = args.hash_seed if args.hash_seed is not None else (
+        None if algo == "sglang" else os.environ.get("PYTHONHASHSEED"))  # SGLang's chain has no seed
     if args.engine_release is not None:
         profile = HashProfile.for_release(args.engine_release, algo, args.block_size, seed=seed)
         if args.style is not None:

@@ -238,8 +238,9 @@ def add_hash_seed(p: argparse.ArgumentParser | argparse._ArgumentGroup, *aliases
                         + ("(default: $PYTHONHASHSEED)" if default is None else f"(default {default!r})"))
 
 
-def parse_uint64_list(text: str, what: str) -> list[int]:
-    """Comma separated uint64s (decimal, or 0x hex)."""
+def parse_uint64_list(text: str, what: str, *, signed_too: bool = False) -> list[int]:
+    """Comma separated uint64s (decimal, or 0x hex); with ``signed_too``, int64s as well (SGLang publishes
+    its block hashes signed), each taken as its uint64 form, ``v & (2**64-1)``."""
     out = []
     for i, part in enumerate(p.strip() for p in text.split(",")):
         if not part:
@@ -248,8 +249,10 @@ def parse_uint64_list(text: str, what: str) -> list[int]:
             v = int(part, 0)
         except ValueError:
             raise CliError(f"{what}: item {i} {part!r} is not an integer") from None
+        if signed_too and -(1 << 63) <= v < 0:
+            v &= (1 << 64) - 1
         if not 0 <= v < 1 << 64:
-            raise CliError(f"{what}: item {i} {v} is not a uint64")
+            raise CliError(f"{what}: item {i} {v} is not a {'uint64 or int64' if signed_too else 'uint64'}")
         out.append(v)
     if not out:
         raise CliError(f"{what}: empty list")

@@ -1,4 +1,5 @@
-"""``kvcoord hash``: token ids (JSON list on stdin) to vLLM block hashes (JSON list on stdout)."""
+"""``kvcoord hash``: token ids (JSON list on stdin) to vLLM's or SGLang's block hashes (JSON list on
+stdout)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,18 @@ from kvcoord.cli.common import (
 def add(sub: Subparsers) -> None:
     p = sub.add_parser(
         "hash",
-        help="hash token ids (JSON list on stdin) into vLLM block hashes (JSON list on stdout)",
+        help="hash token ids (JSON list on stdin) into vLLM/SGLang block hashes (JSON list on stdout)",
         description="Reads a JSON list of token ids on stdin and prints the JSON list of full-block hashes "
-        "exactly as vLLM computes them.",
+        "exactly as vLLM (uint64) or SGLang (--algo sglang: its published signed int64) computes them.",
     )
-    p.add_argument("--algo", required=True, help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
+    p.add_argument("--algo", required=True, help="sha256 | sha256_cbor | xxhash | xxhash_cbor | sglang")
     add_hash_seed(p, "--seed")
     p.add_argument("--block-size", type=POSITIVE_INT, required=True,
                    help="tokens per KV block, as the engine's --block-size")
-    p.add_argument("--style", choices=["untagged", "tagged"], default=None,
+    p.add_argument("--style", choices=["untagged", "tagged", "dynamo"], default=None,
                    help="extra-key style: untagged (vLLM <= 0.30) or tagged (vLLM >= 0.31); "
-                   "default: from --engine-release, else untagged")
+                   "default: from --engine-release, else untagged. SGLang: untagged (its own event format) "
+                   "or dynamo (--kv-events-config format dynamo)")
     p.add_argument("--engine-release", default=None,
                    help="vLLM release (e.g. 0.31): sets the extra-key style and the seed default")
     add_extra_keys(p)
@@ -40,7 +42,7 @@ def add(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate everything, then hash; bad input is a one-line error."""
-    from kvcoord import hashing
+    from kvcoord import hashing, sglang_hash
 
     algo = hashing.check_algo(args.algo)
     if args.engine_release is not None:
@@ -65,9 +67,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"stdin is not JSON: {exc}") from None
     if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
         raise CliError("stdin must be a JSON list of non-negative integer token ids")
-    digest_list = hashing.hash_request_tokens(profile, tokens, keys)
-    out: list[int] | list[str] = [int(hashing.to_block_hash64(d)) for d in digest_list]
+    out: list[int] | list[str]
     if args.bytes:
-        out = [d.hex() for d in digest_list]
+        out = [d.hex() for d in hashing.hash_request_tokens(profile, tokens, keys)]
+    elif algo == hashing.SGLANG:  # as SGLang publishes them: signed int64, namespaced (LoRA)
+        out = [sglang_hash.to_signed64(k) for k in hashing.block_hashes64(profile, tokens, keys)]
+    else:
+        out = [int(k) for k in hashing.block_hashes64(profile, tokens, keys)]
     sys.stdout.write(json.dumps(out) + "\n")
     return 0

@@ -30,7 +30,8 @@ def add(sub: Subparsers) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--tokens", help="comma separated token ids")
     g.add_argument("--tokens-file", help="file with a JSON list of token ids ('-' for stdin)")
-    g.add_argument("--hashes", help="comma separated uint64 block hashes (as the engine published them)")
+    g.add_argument("--hashes", help="comma separated block hashes as the engine published them: uint64, or "
+                   "SGLang's int64 (write --hashes=-1,2 when the first is negative)")
     g.add_argument("--prompt", help="a completion prompt (tokenized by the coordinator, as the engine would)")
     g.add_argument("--messages-file", metavar="FILE",
                    help="OpenAI chat messages ('-' for stdin): a JSON list of messages, or a chat request "
@@ -109,7 +110,7 @@ def query_of(args: argparse.Namespace) -> dict[str, Any]:
             verb = "applies" if len(given) == 1 else "apply"
             raise CliError(f"{', '.join(given)} {verb} to token queries only (block hashes already include "
                            "the request's extra keys)")
-        query["hashes"] = parse_uint64_list(args.hashes, "--hashes")
+        query["hashes"] = parse_uint64_list(args.hashes, "--hashes", signed_too=True)
     else:
         tokens = (parse_uint64_list(args.tokens, "--tokens") if args.tokens is not None
                   else read_tokens_file(args.tokens_file))

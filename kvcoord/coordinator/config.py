@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
-from kvcoord.hashing import EXTRA_KEY_STYLES, HASH_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
+from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
 from kvcoord.index.uri import parse_index_uri
 from kvcoord.tokenize import ChatTemplateContentFormat, TokenizerSpec
 from kvcoord.transport import split_hostport
@@ -352,11 +352,12 @@ def build_profile(where: str, table: Mapping[str, Any], default_seed: str | None
     if "algo" not in table or "block_size" not in table:
         raise ConfigError(f"{where}: 'algo' and 'block_size' are required")
     algo_s = _as_str(f"{where}.algo", table["algo"])
-    if algo_s not in HASH_ALGOS:
-        raise ConfigError(f"{where}.algo: {algo_s!r} is not one of {', '.join(HASH_ALGOS)}")
+    if algo_s not in PROFILE_ALGOS:
+        raise ConfigError(f"{where}.algo: {algo_s!r} is not one of {', '.join(PROFILE_ALGOS)}")
     algo: HashAlgo = algo_s
     block_size = _as_int(f"{where}.block_size", table["block_size"])
-    seed_v = table.get("seed", default_seed)
+    # SGLang's chain has no seed: the global --hash-seed is vLLM's; an explicit seed= is an error.
+    seed_v = table.get("seed", None if algo == "sglang" else default_seed)
     if seed_v is not None and (isinstance(seed_v, bool) or not isinstance(seed_v, str | int)):
         raise ConfigError(f"{where}.seed: expected a string, got {seed_v!r}")
     seed = None if seed_v is None else str(seed_v)

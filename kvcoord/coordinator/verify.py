@@ -91,6 +91,8 @@ class HashVerifier:
 
     def _block_extra(self, profile: HashProfile, sample: Sample, i: int) -> tuple[bool, Any]:
         """(usable, extra_keys) for block ``i`` as the engine hashed it, when that is recoverable."""
+        if profile.algo == "sglang":
+            return False, None  # SGLang's request namespace (salt, LoRA id) is not in its events' keys
         if sample.extra_keys is None:
             # Not published (older releases, or an agent that drops them): the block may have been
             # hashed with LoRA, cache_salt or multimodal keys that cannot be known here, and guessing
