@@ -21,6 +21,8 @@ from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 import msgspec
 
+from kvcoord.hashing import to_block_hash64, u64_ok
+
 EngineHash: TypeAlias = int | bytes
 """A block hash as an engine publishes it: uint64 int, or the raw digest."""
 
@@ -92,7 +94,14 @@ FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
 """Group kinds whose blocks are prefix-matchable. Events of other groups (sliding window,
 Mamba, …) describe caches that cannot serve a prefix hit on their own, so the index skips them."""
 
+
+def indexable_spec(kind: str | None) -> bool:
+    """Whether a store's ``kv_cache_spec_kind`` is prefix-indexable: absent, or full attention."""
+    return kind is None or kind in FULL_ATTENTION_KINDS
+
 _UHash = Annotated[int, msgspec.Meta(ge=0)] | Annotated[bytes, msgspec.Meta(min_length=1)]
+""":func:`kvcoord.hashing.to_block_hash64`'s rule as the decoder's type, checked in C (msgpack ints end at
+2**64-1)."""
 _SHash = Annotated[int, msgspec.Meta(ge=-(1 << 63))] | Annotated[bytes, msgspec.Meta(min_length=1)]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -126,7 +135,7 @@ class BlockStored(KVEvent, tag="BlockStored", frozen=True):
 
     def is_prefix_indexable(self) -> bool:
         """True for full-attention groups (kind absent, ``full_attention`` or ``mla_attention``)."""
-        return self.kv_cache_spec_kind is None or self.kv_cache_spec_kind in FULL_ATTENTION_KINDS
+        return indexable_spec(self.kv_cache_spec_kind)
 
 
 class BlockRemoved(KVEvent, tag="BlockRemoved", frozen=True):
@@ -413,7 +422,17 @@ def stored_extra_keys(ev: Any) -> tuple[ExtraKeys, ...] | None:
     """A BlockStored's extra keys as hashable tuples, from a model event or a relay view."""
     extra = ev.extra_keys
     if isinstance(extra, msgspec.Raw):
-        extra = _EXTRA.decode(extra) if len(extra) else None
+        return decode_extra_keys(extra)
+    return _hashable_keys(extra)
+
+
+def decode_extra_keys(data: bytes | msgspec.Raw) -> tuple[ExtraKeys, ...] | None:
+    """Extra keys as msgpack carries them (a view's field, the wire's ``extra_keys_msgpack``) as hashable
+    tuples; empty: none. msgspec's ``DecodeError``/``ValidationError`` say what is wrong."""
+    return _hashable_keys(_EXTRA.decode(data)) if len(data) else None
+
+
+def _hashable_keys(extra: Sequence[Any] | None) -> tuple[ExtraKeys, ...] | None:
     if extra is None:
         return None
     return tuple(None if keys is None else tuple(_tuplify(k) for k in keys) for keys in extra)
@@ -450,12 +469,14 @@ class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 def _check_hashes(hashes: Sequence[object], what: str) -> None:
+    """Every hash valid by :func:`kvcoord.hashing.to_block_hash64`'s rule (``ValueError`` naming ``what``)."""
+    if u64_ok(hashes):
+        return
     for h in hashes:
-        if type(h) is int:
-            if not 0 <= h <= UINT64_MAX:
-                raise ValueError(f"{what}: block hash {h} is outside uint64")
-        elif not isinstance(h, bytes) or not h:
-            raise ValueError(f"{what}: block hash must be int or non-empty bytes, got {h!r}")
+        try:
+            to_block_hash64(h)  # type: ignore[arg-type]  # it checks the type itself
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: {e}") from None
 
 
 def _to_wire(ev: KVEvent, form: Literal["map", "array"]) -> msgspec.Struct:
