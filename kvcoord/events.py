@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 import msgspec
@@ -94,10 +94,9 @@ FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
 """Group kinds whose blocks are prefix-matchable. Events of other groups (sliding window,
 Mamba, …) describe caches that cannot serve a prefix hit on their own, so the index skips them."""
 
-
-def indexable_spec(kind: str | None) -> bool:
-    """Whether a store's ``kv_cache_spec_kind`` is prefix-indexable: absent, or full attention."""
-    return kind is None or kind in FULL_ATTENTION_KINDS
+indexable_spec: Callable[[str | None], bool] = frozenset({None, *FULL_ATTENTION_KINDS}).__contains__
+"""Whether a store's ``kv_cache_spec_kind`` is prefix-indexable: absent, or full attention (a set lookup,
+in C: it runs for every run of events)."""
 
 _UHash = Annotated[int, msgspec.Meta(ge=0)] | Annotated[bytes, msgspec.Meta(min_length=1)]
 """:func:`kvcoord.hashing.to_block_hash64`'s rule as the decoder's type, checked in C (msgpack ints end at

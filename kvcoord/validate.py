@@ -16,6 +16,7 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
+from operator import attrgetter
 from typing import Any, NamedTuple, TypeAlias, cast
 from urllib.parse import urlsplit
 
@@ -100,8 +101,17 @@ class Op(NamedTuple):
     """False for a store of a non-full-attention group: counted and remembered, never indexed."""
 
 
+RunKey: TypeAlias = tuple[int, int, int | None, bool]
+"""``(kind, tier, group, indexable)``: what makes events alike. Consecutive stores (or removals) of one key
+form a run, applied as one op of all their hashes: exact for every index and the relay's mirror, which
+apply an op's hashes one by one, idempotently (a run applies as its events would, and counts add up).
+A CLEAR has no key: it is never in a run."""
+
+
 EMPTY: Hashes = ()
 CLEAR_OP = Op(CLEAR, 0, EMPTY, None, True)
+CLEAR_KEY: RunKey = (CLEAR, 0, None, True)
+"""Never a run's key (a CLEAR is never in a run): where a key is kept before the first one is made."""
 
 
 _u64_view: Callable[[object], Sequence[int] | None] | None = native.u64_view if native is not None else None
@@ -288,13 +298,6 @@ def indexable_kind(kind: object, where: str) -> bool:
     return indexable_spec(kind)
 
 
-RunKey: TypeAlias = tuple[int, int, int | None, bool]
-"""``(kind, tier, group, indexable)``: what makes events alike. Consecutive stores (or removals) of one key
-form a run, applied as one op of all their hashes: exact for every index and the relay's mirror, which
-apply an op's hashes one by one, idempotently (a run applies as its events would, and counts add up).
-A CLEAR has no key: it is never in a run."""
-
-
 def run_key(kind: int, t: int, g: Any, spec: object, pos: int) -> RunKey:
     """The key of the store or removal at position ``pos`` of a batch (of events or wire events), from its
     kind, tier number ``t``, ``group_idx`` and (a store's; None for a removal) ``kv_cache_spec_kind``; raises
@@ -333,14 +336,12 @@ _NO_SPEC = object()
 
 
 def _runs(events: Sequence[Any], merge: bool) -> Runs:
-    """The one validation of events (:func:`ops_of`, or :func:`op_runs` when ``merge``). The common form (a
-    known or no medium, a plain group, uint64 ints in a list or tuple) is checked inline, anything else by
-    the rule's own function, which names what is wrong. An event whose medium, group and spec kind are the
-    very objects of the last event keyed has its key. Merged, a run's hashes are checked at once at the
-    end (:func:`_checked`), and a decoded view (of :data:`kvcoord.events.VIEW_TYPES`) with the class,
-    medium, group and spec kind of the event before it continues that event's run without the checks:
-    msgspec typed its fields, and equal values make one key."""
-    if not isinstance(events, Sequence) or isinstance(events, NOT_SEQ):
+    """The one validation of events (:func:`ops_of`, or :func:`op_runs` when ``merge``): the common form is
+    checked inline, anything else by the rule's own function, which names what is wrong. An event whose
+    medium, group and spec kind are the very objects of the last one keyed has its key. Merged, hashes are
+    checked a run at once (:func:`_checked`), and a decoded view (:data:`kvcoord.events.VIEW_TYPES`) like
+    the event before (class, medium, group, spec kind) continues its run unchecked: msgspec typed them."""
+    if type(events) not in FAST_SEQ and (not isinstance(events, Sequence) or isinstance(events, NOT_SEQ)):
         raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
     ops: list[Op] = []
     spans: list[int] = []
@@ -348,16 +349,16 @@ def _runs(events: Sequence[Any], merge: bool) -> Runs:
     key: RunKey | None = None
     run: list[BlockHash64] = []
     first: Any = EMPTY
-    n = 0
+    n = seen = 0  # events in the open run, and before it
     cls: type[Any] | None = None
     last: Any = -1
     t: Any = -1
     medium: Any = None
     g: Any = None
     spec: Any = None
-    k: RunKey = (CLEAR, 0, None, True)  # (set by the first store or removal)
+    k = CLEAR_KEY
     try:
-        for i, ev in enumerate(events):
+        for ev in events:
             if (type(ev) is cls and ev.medium == medium and ev.group_idx == g
                     and (spec is _NO_SPEC or ev.kv_cache_spec_kind == spec)):
                 if n == 1:
@@ -365,7 +366,7 @@ def _runs(events: Sequence[Any], merge: bool) -> Runs:
                 run += ev.block_hashes
                 n += 1
                 continue
-            kind = getattr(ev, "KIND", None)
+            kind, i = getattr(ev, "KIND", None), seen + n
             if kind == STORE:
                 s = ev.kv_cache_spec_kind
             elif kind == REMOVE:
@@ -374,9 +375,10 @@ def _runs(events: Sequence[Any], merge: bool) -> Runs:
                 if key is not None:
                     ops.append(new(Op, (key[0], key[1], first if n == 1 else run, key[2], key[3])))
                     spans.append(n)
-                    key = cls = None
+                    key, cls, seen, n = None, None, i, 0
                 ops.append(CLEAR_OP)
                 spans.append(1)
+                seen += 1
                 continue
             else:
                 raise InvalidEvent(f"event {i}: not a KV event: {type(ev).__name__}")
@@ -391,6 +393,7 @@ def _runs(events: Sequence[Any], merge: bool) -> Runs:
             if not merge:  # an op per event (no spans)
                 h = pack(hashes) if pack is not None and fast else None
                 ops.append(new(Op, (kind, t, hashes64(hashes, f"event {i}") if h is None else h, k[2], k[3])))
+                seen += 1
                 continue
             cls = type(ev) if type(ev) in typed else None
             if not fast:
@@ -404,19 +407,19 @@ def _runs(events: Sequence[Any], merge: bool) -> Runs:
             if key is not None:
                 ops.append(new(Op, (key[0], key[1], first if n == 1 else run, key[2], key[3])))
                 spans.append(n)
-            key, first, n = k, hashes, 1
+            key, first, seen, n = k, hashes, i, 1
     finally:  # also when an event failed: an earlier event's bad hash, unchecked so far, is the one named
         if key is not None:
             ops.append(new(Op, (key[0], key[1], first if n == 1 else run, key[2], key[3])))
             spans.append(n)
-        if merge:
+        if merge and not all(map(u64_ok, map(_HASHES, ops))):
             _checked(ops, spans, events)
     return ops, spans
 
 
 def _checked(ops: list[Op], spans: list[int], events: Sequence[Any]) -> None:
-    """Each merged op's hashes checked at once (:data:`u64_ok`); an op that fails is made again event by
-    event (:func:`hashes64`: digests reduced, or the first bad event named)."""
+    """Merged ops whose hashes are not all uint64 ints (:data:`u64_ok`) made again event by event
+    (:func:`hashes64`: digests reduced, or the first bad event named)."""
     start = 0
     for j, op in enumerate(ops):
         n = spans[j]
@@ -426,6 +429,7 @@ def _checked(ops: list[Op], spans: list[int], events: Sequence[Any]) -> None:
         start += n
 
 
+_HASHES = attrgetter("hashes")
 _new_op = tuple.__new__
 """``Op``'s fields as one: the NamedTuple's own ``__new__`` is a Python frame, ~0.2 us an event."""
 

@@ -33,6 +33,7 @@ from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import (
+    CLEAR_KEY,
     CLEAR_OP,
     InvalidEvent,
     Op,
@@ -197,16 +198,20 @@ def ops_from_proto(events: Sequence[pb.KVEvent], *, merge: bool = False) -> list
     of like events (one :func:`kvcoord.validate.run_key`) as one op, their packed hashes joined once."""
     ops: list[Op] = []
     key: RunKey | None = None
+    keys = _WIRE_KEYS
+    raw: tuple[int, int, int | None, str | None]
+    last: tuple[int, int, int | None, str | None] | None = None
+    k = CLEAR_KEY
     parts: list[bytes] = []
     for i, m in enumerate(events):
         which = m.WhichOneof("event")
         if which == "removed":
             e: pb.BlockRemoved | pb.BlockStored = m.removed
-            k = run_key(REMOVE, e.tier, e.group_idx if e.HasField("group_idx") else None, None, i)
+            raw = (REMOVE, e.tier, e.group_idx if e.HasField("group_idx") else None, None)
         elif which == "stored":
             e = m.stored
-            k = run_key(STORE, e.tier, e.group_idx if e.HasField("group_idx") else None,
-                        e.kv_cache_spec_kind if e.HasField("kv_cache_spec_kind") else None, i)
+            raw = (STORE, e.tier, e.group_idx if e.HasField("group_idx") else None,
+                   e.kv_cache_spec_kind if e.HasField("kv_cache_spec_kind") else None)
         elif which == "cleared":
             if key is not None:
                 ops.append(_run_op(key, parts))
@@ -215,6 +220,11 @@ def ops_from_proto(events: Sequence[pb.KVEvent], *, merge: bool = False) -> list
             continue
         else:
             raise InvalidEvent(f"event {i}: KVEvent has no event set")
+        if raw != last:  # (most events are like the one before)
+            last, found = raw, keys.get(raw)
+            k = run_key(*raw, i) if found is None else found
+            if found is None and len(keys) < 256:
+                keys[raw] = k
         data = e.block_hashes
         if len(data) % 8:
             raise InvalidEvent(f"event {i}: block_hashes is {len(data)} bytes, not a multiple of 8")
@@ -227,6 +237,11 @@ def ops_from_proto(events: Sequence[pb.KVEvent], *, merge: bool = False) -> list
     if key is not None:
         ops.append(_run_op(key, parts))
     return ops
+
+
+_WIRE_KEYS: dict[tuple[int, int, int | None, str | None], RunKey] = {}
+""":func:`kvcoord.validate.run_key` of the wire's fields, remembered (at most 256: a fleet uses a handful).
+Protobuf gives exact ints and strings, so equal fields make one key."""
 
 
 def _run_op(key: RunKey, parts: list[bytes]) -> Op:

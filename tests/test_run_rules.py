@@ -180,3 +180,26 @@ def test_run_piece_cuts_where_it_did(shape: list[tuple[list[int], str | None, in
         assert got == (len(run), size)  # a removal run that fits goes whole
     else:
         assert got == piece_oracle(run, i, pos, stores, samples, room_events, room_blocks)
+
+
+BAD_EVENTS: list[Any] = [
+    BlockRemoved(block_hashes=(5,), medium="tape"), BlockRemoved(block_hashes=(2**64,)),
+    BlockRemoved(block_hashes=(5,), group_idx=-1), BlockRemoved(block_hashes=(b"",)), "not an event",
+    BlockStored(block_hashes=(5,), parent_block_hash=None, token_ids=(), block_size=4,
+                kv_cache_spec_kind=3),  # type: ignore[arg-type]
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches, st.sampled_from(BAD_EVENTS), st.data())
+def test_a_bad_event_is_named_alike_merged_or_not(events: list[Any], bad: Any, data: st.DataObject) -> None:
+    """One bad event anywhere in a batch: ``ops_of`` and ``op_runs`` (events and views alike) refuse the
+    batch with the same message, naming its position."""
+    at = data.draw(st.integers(0, len(events)))
+    batch = [*events[:at], bad, *events[at:]]
+    with pytest.raises(InvalidEvent) as plain_error:
+        ops_of(batch)
+    with pytest.raises(InvalidEvent) as merged_error:
+        op_runs(batch)
+    assert str(plain_error.value).startswith(f"event {at}: ")
+    assert str(merged_error.value) == str(plain_error.value)
