@@ -226,8 +226,8 @@ def ops_from_proto(events: Sequence[pb.KVEvent], *, merge: bool = False) -> list
             if found is None and len(keys) < 256:
                 keys[raw] = k
         data = e.block_hashes
-        if len(data) % 8:
-            raise InvalidEvent(f"event {i}: block_hashes is {len(data)} bytes, not a multiple of 8")
+        if len(data) % 8:  # each event's, before runs are joined: unpack_u64 says what is wrong
+            unpack_u64(data, f"event {i}")
         if merge and k == key:
             parts.append(data)
             continue
