@@ -67,24 +67,6 @@ _TAG_EMBEDS: Final = "prompt_embeds"
 T = TypeVar("T")
 
 
-def to_block_hash64(value: int | bytes) -> BlockHash64:
-    """Reduce an engine-published hash (int or raw digest) to the uint64 key, exactly as vLLM does.
-
-    The one rule of what a block hash is: an int in [0, 2**64) (not a bool), or a non-empty digest.
-    ``TypeError`` for anything else, ``ValueError`` for an int outside uint64 or an empty digest (no
-    engine emits either). :func:`u64_ok` is its all-at-once form for a sequence of ints.
-    """
-    if isinstance(value, bytes | bytearray | memoryview):
-        if not value:
-            raise ValueError("block hash is an empty digest")
-        return BlockHash64(int.from_bytes(value, "big") & UINT64_MASK)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"block hash must be int or bytes, not {type(value).__name__}")
-    if value < 0 or value > UINT64_MASK:
-        raise ValueError(f"block hash {value} is outside uint64")
-    return BlockHash64(value)
-
-
 NOT_SEQ = (str, bytes, bytearray, memoryview)
 """Sequences that are never a list of hashes."""
 
@@ -106,6 +88,24 @@ def py_u64_ok(raw: object) -> bool:
 
 u64_ok: Callable[[object], bool] = native.validate_u64_seq if native is not None else py_u64_ok
 """The all-good check of a sequence of hashes: native when built (the same answers as :func:`py_u64_ok`)."""
+
+
+def to_block_hash64(value: int | bytes) -> BlockHash64:
+    """Reduce an engine-published hash (int or raw digest) to the uint64 key, exactly as vLLM does.
+
+    The one rule of what a block hash is: an int in [0, 2**64) (not a bool), or a non-empty digest.
+    ``TypeError`` for anything else, ``ValueError`` for an int outside uint64 or an empty digest (no
+    engine emits either). :func:`u64_ok` is its all-at-once form for a sequence of ints.
+    """
+    if isinstance(value, bytes | bytearray | memoryview):
+        if not value:
+            raise ValueError("block hash is an empty digest")
+        return BlockHash64(int.from_bytes(value, "big") & UINT64_MASK)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"block hash must be int or bytes, not {type(value).__name__}")
+    if value < 0 or value > UINT64_MASK:
+        raise ValueError(f"block hash {value} is outside uint64")
+    return BlockHash64(value)
 
 
 # --- the four reference hash functions (vllm/utils/hashing.py) ----------------------------------
