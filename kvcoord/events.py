@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import enum
 import re
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 import msgspec
 
-from kvcoord.hashing import to_block_hash64, u64_ok
+from kvcoord.hashing import to_block_hash64
+from kvcoord.native import native
 
 EngineHash: TypeAlias = int | bytes
 """A block hash as an engine publishes it: uint64 int, or the raw digest."""
@@ -101,6 +103,30 @@ in C: it runs for every run of events)."""
 _UHash = Annotated[int, msgspec.Meta(ge=0)] | Annotated[bytes, msgspec.Meta(min_length=1)]
 """:func:`kvcoord.hashing.to_block_hash64`'s rule as the decoder's type, checked in C (msgpack ints end at
 2**64-1)."""
+
+NOT_SEQ = (str, bytes, bytearray, memoryview)
+"""Sequences that are never a list of hashes."""
+
+
+def py_u64_ok(raw: object) -> bool:
+    """True when ``raw`` is a sequence of plain ints in [0, 2**64) (False: check each with
+    :func:`kvcoord.hashing.to_block_hash64`, which names what is wrong or reduces a digest)."""
+    if not isinstance(raw, Sequence) or isinstance(raw, NOT_SEQ):
+        return False
+    if not raw:
+        return True
+    try:
+        array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
+    except (TypeError, OverflowError, ValueError):
+        return False
+    # array() accepts bools (True == 1, False == 0) and __index__ objects: only plain big ints pass here.
+    return bool(min(raw) > 1)
+
+
+u64_ok: Callable[[object], bool] = native.validate_u64_seq if native is not None else py_u64_ok
+"""The all-good check of a sequence of hashes: native when built (the same answers as :func:`py_u64_ok`)."""
+
+
 _SHash = Annotated[int, msgspec.Meta(ge=-(1 << 63))] | Annotated[bytes, msgspec.Meta(min_length=1)]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 

@@ -67,36 +67,10 @@ _TAG_EMBEDS: Final = "prompt_embeds"
 T = TypeVar("T")
 
 
-NOT_SEQ = (str, bytes, bytearray, memoryview)
-"""Sequences that are never a list of hashes."""
-
-
-def py_u64_ok(raw: object) -> bool:
-    """True when ``raw`` is a sequence of plain ints in [0, 2**64) (False: check each with
-    :func:`to_block_hash64`, which names what is wrong or reduces a digest)."""
-    if not isinstance(raw, Sequence) or isinstance(raw, NOT_SEQ):
-        return False
-    if not raw:
-        return True
-    try:
-        array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
-    except (TypeError, OverflowError, ValueError):
-        return False
-    # array() accepts bools (True == 1, False == 0) and __index__ objects: only plain big ints pass here.
-    return bool(min(raw) > 1)
-
-
-u64_ok: Callable[[object], bool] = native.validate_u64_seq if native is not None else py_u64_ok
-"""The all-good check of a sequence of hashes: native when built (the same answers as :func:`py_u64_ok`)."""
-
-
 def to_block_hash64(value: int | bytes) -> BlockHash64:
-    """Reduce an engine-published hash (int or raw digest) to the uint64 key, exactly as vLLM does.
-
-    The one rule of what a block hash is: an int in [0, 2**64) (not a bool), or a non-empty digest.
-    ``TypeError`` for anything else, ``ValueError`` for an int outside uint64 or an empty digest (no
-    engine emits either). :func:`u64_ok` is its all-at-once form for a sequence of ints.
-    """
+    """Reduce an engine-published hash (int or raw digest) to the uint64 key, exactly as vLLM does: the one
+    hash rule. ``TypeError`` for a non-hash (a bool too), ``ValueError`` for an int outside uint64 or an
+    empty digest, which no engine emits (:data:`kvcoord.events.u64_ok` checks a sequence at once)."""
     if isinstance(value, bytes | bytearray | memoryview):
         if not value:
             raise ValueError("block hash is an empty digest")
@@ -690,7 +664,5 @@ __all__ = [
     "native_keys_plan",
     "parse_release",
     "published_extra_keys",
-    "py_u64_ok",
     "to_block_hash64",
-    "u64_ok",
 ]

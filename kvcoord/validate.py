@@ -22,8 +22,19 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvcoord.events import CLEAR, REMOVE, STORE, VIEW_TYPES, Tier, indexable_spec, normalize_medium
-from kvcoord.hashing import NOT_SEQ, BlockHash64, py_u64_ok, to_block_hash64, u64_ok
+from kvcoord.events import (
+    CLEAR,
+    NOT_SEQ,
+    REMOVE,
+    STORE,
+    VIEW_TYPES,
+    Tier,
+    indexable_spec,
+    normalize_medium,
+    py_u64_ok,
+    u64_ok,
+)
+from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.native import native
 
 __all__ = [
