@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Sequence
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 import msgspec
+
+from kvcoord.hashing import to_block_hash64
+from kvcoord.native import native
 
 EngineHash: TypeAlias = int | bytes
 """A block hash as an engine publishes it: uint64 int, or the raw digest."""
@@ -92,7 +96,37 @@ FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
 """Group kinds whose blocks are prefix-matchable. Events of other groups (sliding window,
 Mamba, …) describe caches that cannot serve a prefix hit on their own, so the index skips them."""
 
+indexable_spec: Callable[[str | None], bool] = frozenset({None, *FULL_ATTENTION_KINDS}).__contains__
+"""Whether a store's ``kv_cache_spec_kind`` is prefix-indexable: absent, or full attention (a set lookup,
+in C: it runs for every run of events)."""
+
 _UHash = Annotated[int, msgspec.Meta(ge=0)] | Annotated[bytes, msgspec.Meta(min_length=1)]
+""":func:`kvcoord.hashing.to_block_hash64`'s rule as the decoder's type, checked in C (msgpack ints end at
+2**64-1)."""
+
+NOT_SEQ = (str, bytes, bytearray, memoryview)
+"""Sequences that are never a list of hashes."""
+
+
+def py_u64_ok(raw: object) -> bool:
+    """True when ``raw`` is a sequence of plain ints in [0, 2**64) (False: check each with
+    :func:`kvcoord.hashing.to_block_hash64`, which names what is wrong or reduces a digest)."""
+    if not isinstance(raw, Sequence) or isinstance(raw, NOT_SEQ):
+        return False
+    if not raw:
+        return True
+    try:
+        array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
+    except (TypeError, OverflowError, ValueError):
+        return False
+    # array() accepts bools (True == 1, False == 0) and __index__ objects: only plain big ints pass here.
+    return bool(min(raw) > 1)
+
+
+u64_ok: Callable[[object], bool] = native.validate_u64_seq if native is not None else py_u64_ok
+"""The all-good check of a sequence of hashes: native when built (the same answers as :func:`py_u64_ok`)."""
+
+
 _SHash = Annotated[int, msgspec.Meta(ge=-(1 << 63))] | Annotated[bytes, msgspec.Meta(min_length=1)]
 _NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -129,7 +163,7 @@ class BlockStored(KVEvent, tag="BlockStored", frozen=True):
 
     def is_prefix_indexable(self) -> bool:
         """True for full-attention groups (kind absent, ``full_attention`` or ``mla_attention``)."""
-        return self.kv_cache_spec_kind is None or self.kv_cache_spec_kind in FULL_ATTENTION_KINDS
+        return indexable_spec(self.kv_cache_spec_kind)
 
 
 class BlockRemoved(KVEvent, tag="BlockRemoved", frozen=True):
@@ -416,7 +450,17 @@ def stored_extra_keys(ev: Any) -> tuple[ExtraKeys, ...] | None:
     """A BlockStored's extra keys as hashable tuples, from a model event or a relay view."""
     extra = ev.extra_keys
     if isinstance(extra, msgspec.Raw):
-        extra = _EXTRA.decode(extra) if len(extra) else None
+        return decode_extra_keys(extra)
+    return _hashable_keys(extra)
+
+
+def decode_extra_keys(data: bytes | msgspec.Raw) -> tuple[ExtraKeys, ...] | None:
+    """Extra keys as msgpack carries them (a view's field, the wire's ``extra_keys_msgpack``) as hashable
+    tuples; empty: none. msgspec's ``DecodeError``/``ValidationError`` say what is wrong."""
+    return _hashable_keys(_EXTRA.decode(data)) if len(data) else None
+
+
+def _hashable_keys(extra: Sequence[Any] | None) -> tuple[ExtraKeys, ...] | None:
     if extra is None:
         return None
     return tuple(None if keys is None else tuple(_tuplify(k) for k in keys) for keys in extra)
@@ -453,12 +497,14 @@ class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 def _check_hashes(hashes: Sequence[object], what: str) -> None:
+    """Every hash valid by :func:`kvcoord.hashing.to_block_hash64`'s rule (``ValueError`` naming ``what``)."""
+    if u64_ok(hashes):
+        return
     for h in hashes:
-        if type(h) is int:
-            if not 0 <= h <= UINT64_MAX:
-                raise ValueError(f"{what}: block hash {h} is outside uint64")
-        elif not isinstance(h, bytes) or not h:
-            raise ValueError(f"{what}: block hash must be int or non-empty bytes, got {h!r}")
+        try:
+            to_block_hash64(h)  # type: ignore[arg-type]  # it checks the type itself
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: {e}") from None
 
 
 def _to_wire(ev: KVEvent, form: Literal["map", "array"]) -> msgspec.Struct:

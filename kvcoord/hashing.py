@@ -83,11 +83,12 @@ T = TypeVar("T")
 
 
 def to_block_hash64(value: int | bytes) -> BlockHash64:
-    """Reduce an engine-published hash (int or raw digest) to the uint64 key, exactly as vLLM does.
-
-    Raises ``ValueError`` for a negative int or an int wider than 64 bits, which no engine emits.
-    """
+    """Reduce an engine-published hash (int or raw digest) to the uint64 key, exactly as vLLM does: the one
+    hash rule. ``TypeError`` for a non-hash (a bool too), ``ValueError`` for an int outside uint64 or an
+    empty digest, which no engine emits (:data:`kvcoord.events.u64_ok` checks a sequence at once)."""
     if isinstance(value, bytes | bytearray | memoryview):
+        if not value:
+            raise ValueError("block hash is an empty digest")
         return BlockHash64(int.from_bytes(value, "big") & UINT64_MASK)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"block hash must be int or bytes, not {type(value).__name__}")

@@ -16,12 +16,24 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
+from operator import attrgetter
 from typing import Any, NamedTuple, TypeAlias, cast
 from urllib.parse import urlsplit
 
 import msgspec
 
-from kvcoord.events import CLEAR, FULL_ATTENTION_KINDS, REMOVE, STORE, VIEW_TYPES, Tier, normalize_medium
+from kvcoord.events import (
+    CLEAR,
+    NOT_SEQ,
+    REMOVE,
+    STORE,
+    VIEW_TYPES,
+    Tier,
+    indexable_spec,
+    normalize_medium,
+    py_u64_ok,
+    u64_ok,
+)
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.native import native
 
@@ -35,6 +47,7 @@ __all__ = [
     "InvalidEvent",
     "Op",
     "OverLimit",
+    "RunKey",
     "Runs",
     "SnapshotEntry",
     "check_batch_bounds",
@@ -42,14 +55,16 @@ __all__ = [
     "check_node_entries",
     "check_node_id",
     "check_target",
+    "check_tiers",
     "group",
     "hashes64",
     "indexable_kind",
     "json_too_deep",
-    "merge_runs",
     "op_runs",
     "ops_of",
     "pack_u64",
+    "py_u64_ok",
+    "run_key",
     "shown",
     "snapshot_columns",
     "snapshot_per_tier",
@@ -60,8 +75,6 @@ __all__ = [
 ]
 
 NTIERS = len(Tier)
-NOT_SEQ = (str, bytes, bytearray, memoryview)
-"""Sequences that are never a list of hashes or events."""
 FAST_SEQ = (tuple, list)
 """Sequence types read in place, without a copy."""
 
@@ -99,26 +112,19 @@ class Op(NamedTuple):
     """False for a store of a non-full-attention group: counted and remembered, never indexed."""
 
 
+RunKey: TypeAlias = tuple[int, int, int | None, bool]
+"""``(kind, tier, group, indexable)``: what makes events alike. Consecutive stores (or removals) of one key
+form a run, applied as one op of all their hashes: exact for every index and the relay's mirror, which
+apply an op's hashes one by one, idempotently (a run applies as its events would, and counts add up).
+A CLEAR has no key: it is never in a run."""
+
+
 EMPTY: Hashes = ()
 CLEAR_OP = Op(CLEAR, 0, EMPTY, None, True)
+CLEAR_KEY: RunKey = (CLEAR, 0, None, True)
+"""Never a run's key (a CLEAR is never in a run): where a key is kept before the first one is made."""
 
 
-def py_u64_ok(raw: object) -> bool:
-    """True when ``raw`` is a sequence of plain ints in [0, 2**64) (False: check slowly)."""
-    if not isinstance(raw, Sequence) or isinstance(raw, NOT_SEQ):
-        return False
-    if not raw:
-        return True
-    try:
-        array("Q", raw)  # C-level check: ints (or __index__) in [0, 2**64)
-    except (TypeError, OverflowError, ValueError):
-        return False
-    # array() accepts bools (True == 1, False == 0) and __index__ objects: only plain big ints pass here.
-    return bool(min(raw) > 1)
-
-
-u64_ok: Callable[[object], bool] = native.validate_u64_seq if native is not None else py_u64_ok
-"""The all-good check: native when built (the same answers as :func:`py_u64_ok`)."""
 _u64_view: Callable[[object], Sequence[int] | None] | None = native.u64_view if native is not None else None
 """:data:`u64_ok` that also packs a long sequence (as a ``memoryview`` of ``Q``, which the index's C core
 reads with one copy instead of converting every int again)."""
@@ -262,8 +268,6 @@ def hashes64(raw: object, where: str) -> Hashes:
         return cast("Hashes", raw)
     out: list[BlockHash64] = []
     for i, h in enumerate(cast("Sequence[object]", raw)):
-        if isinstance(h, bytes | bytearray | memoryview) and len(h) == 0:
-            raise InvalidEvent(f"{where}: block_hashes[{i}] is an empty digest")
         try:
             out.append(to_block_hash64(h))  # type: ignore[arg-type]  # it checks the type itself
         except (TypeError, ValueError) as e:
@@ -298,161 +302,147 @@ def group(group_idx: object, where: str) -> int | None:
 
 
 def indexable_kind(kind: object, where: str) -> bool:
-    """Whether a store's ``kv_cache_spec_kind`` is prefix-indexable (absent or full attention)."""
-    if kind is None:
-        return True
-    if not isinstance(kind, str):
+    """Whether a store's ``kv_cache_spec_kind`` is prefix-indexable (:func:`kvcoord.events.indexable_spec`),
+    once it is a string or None."""
+    if kind is not None and not isinstance(kind, str):
         raise InvalidEvent(f"{where}: kv_cache_spec_kind must be a string")
-    return kind in FULL_ATTENTION_KINDS
+    return indexable_spec(kind)
+
+
+def run_key(kind: int, t: int, g: Any, spec: object, pos: int) -> RunKey:
+    """The key of the store or removal at position ``pos`` of a batch (of events or wire events), from its
+    kind, tier number ``t``, ``group_idx`` and (a store's; None for a removal) ``kv_cache_spec_kind``; raises
+    ``InvalidEvent`` naming the event. Every key is made here: of events (:func:`op_runs`, :func:`ops_of`)
+    and of the wire (:func:`kvcoord.wire.ops_from_proto`)."""
+    if not 0 <= t < NTIERS:
+        raise InvalidEvent(f"event {pos}: unknown tier {t}")
+    if g is not None and (type(g) is not int or g < 0):
+        g = group(g, f"event {pos}")
+    if kind == REMOVE or spec is None:
+        return kind, t, g, True
+    if type(spec) is str:
+        return kind, t, g, indexable_spec(spec)
+    return kind, t, g, indexable_kind(spec, f"event {pos}")
 
 
 def ops_of(events: Sequence[Any]) -> list[Op]:
     """Validate a whole batch of events (model structs or the relay's views) into ops, one per event,
-    before anything is mutated anywhere; the first bad event raises ``InvalidEvent`` naming its position.
-    The common form (a known or no medium, no group or a plain one, uint64 hashes in a list or tuple) is
-    checked inline; anything else goes to the rule's own function, which names what is wrong."""
-    if not isinstance(events, Sequence) or isinstance(events, NOT_SEQ):
-        raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
-    ops: list[Op] = []
-    known, pack = _MEDIUM_TIERS, _u64_view
-    for i, ev in enumerate(events):
-        kind = getattr(ev, "KIND", None)
-        if kind == CLEAR:
-            ops.append(CLEAR_OP)
-            continue
-        if kind == STORE:
-            spec = ev.kv_cache_spec_kind
-            indexable = spec is None or indexable_kind(spec, f"event {i}")
-        elif kind == REMOVE:
-            indexable = True
-        else:
-            raise InvalidEvent(f"event {i}: not a KV event: {type(ev).__name__}")
-        medium, g, hashes = ev.medium, ev.group_idx, ev.block_hashes
-        t = known.get(medium) if medium is None or type(medium) is str else None
-        if t is None:
-            t = tier(medium, f"event {i}")
-        if g is not None and (type(g) is not int or g < 0):
-            g = group(g, f"event {i}")
-        h = pack(hashes) if pack is not None and type(hashes) in FAST_SEQ else None
-        if h is None:
-            h = hashes64(hashes, f"event {i}")
-        ops.append(_new_op(Op, (kind, t, h, g, indexable)))
-    return ops
-
-
-_new_op = tuple.__new__
-"""``Op``'s fields as one: the NamedTuple's own ``__new__`` is a Python frame, ~0.2 us an event."""
+    before anything is mutated anywhere; the first bad event raises ``InvalidEvent`` naming its position."""
+    return _runs(events, False)[0]
 
 
 Runs: TypeAlias = tuple[list[Op], list[int]]
-"""A batch's ops with each run of like events merged (see :func:`merge_runs`), and the events each op
+"""A batch's ops with each run of like events merged (see :func:`op_runs`), and the events each op
 stands for, in order (they add up to the batch's events)."""
 
 
 def op_runs(events: Sequence[Any]) -> Runs:
-    """``merge_runs(ops_of(events))``, without a per-event op when every event takes the common form;
-    raises as :func:`ops_of` does."""
-    fast = _merged_fast(events)
-    return fast if fast is not None else merge_runs(ops_of(events))
-
-
-def merge_runs(ops: Sequence[Op]) -> Runs:
-    """``ops`` (one per event) with each run of consecutive stores (or removals) of one tier, group and
-    indexability as one op of all their hashes, in order. Exact for every index and the relay's mirror:
-    they apply an op's hashes one by one, idempotently, so a run applies as its events would (and counts
-    add up). A batch of 1-block removals (vLLM frees blocks one event each) then costs one op, not
-    hundreds."""
-    out: list[Op] = []
-    spans: list[int] = []
-    run: list[BlockHash64] | None = None
-    for op in ops:
-        last = out[-1] if out else None
-        if (last is not None and op.kind != CLEAR and op.kind == last.kind and op.tier == last.tier
-                and op.group == last.group and op.indexable == last.indexable):
-            if run is None:
-                run = list(last.hashes)
-                out[-1] = last._replace(hashes=run)
-            run.extend(op.hashes)
-            spans[-1] += 1
-        else:
-            out.append(op)
-            spans.append(1)
-            run = None
-    return out, spans
+    """:func:`ops_of` with each run of like events (one :func:`run_key`) as one op of all their hashes, in
+    order: a batch of 1-block removals (vLLM frees blocks one event each) costs one op, not hundreds."""
+    return _runs(events, True)
 
 
 _NO_SPEC = object()
 """The spec kind of a run of removals: they have none, so class, medium and group decide."""
 
 
-def _merged_fast(events: Sequence[Any]) -> Runs | None:
-    """:func:`op_runs` of a batch whose events all take the common form (int hashes in a list or tuple,
-    a known or no medium, a plain group, a known or no spec kind), checking each run's hashes at once;
-    None when one does not (the slow path then names the bad event, if any). A decoded view (of
-    :data:`kvcoord.events.VIEW_TYPES`) with the class, medium, group and spec kind of the event before it
-    continues that event's run without the checks: msgspec typed its fields, and equal values map alike."""
-    if type(events) not in FAST_SEQ:
-        return None
+def _runs(events: Sequence[Any], merge: bool) -> Runs:
+    """The one validation of events (:func:`ops_of`, or :func:`op_runs` when ``merge``): the common form is
+    checked inline, anything else by the rule's own function, which names what is wrong. An event whose
+    medium, group and spec kind are the very objects of the last one keyed has its key. Merged, hashes are
+    checked a run at once (:func:`_checked`), and a decoded view (:data:`kvcoord.events.VIEW_TYPES`) like
+    the event before (class, medium, group, spec kind) continues its run unchecked: msgspec typed them."""
+    if type(events) not in FAST_SEQ and (not isinstance(events, Sequence) or isinstance(events, NOT_SEQ)):
+        raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
     ops: list[Op] = []
     spans: list[int] = []
-    known, typed = _MEDIUM_TIERS, VIEW_TYPES
-    key: tuple[int, int, int | None, bool] | None = None
+    known, pack, new, typed = _MEDIUM_TIERS, _u64_view, _new_op, VIEW_TYPES if merge else ()
+    key: RunKey | None = None
     run: list[BlockHash64] = []
-    first: Sequence[BlockHash64] = EMPTY
-    n = 0
+    first: Any = EMPTY
+    n = seen = 0  # events in the open run, and before it
     cls: type[Any] | None = None
+    last: Any = -1
+    t: Any = -1
     medium: Any = None
     g: Any = None
     spec: Any = None
-    for ev in events:
-        if (type(ev) is cls and ev.medium == medium and ev.group_idx == g
-                and (spec is _NO_SPEC or ev.kv_cache_spec_kind == spec)):
-            if n == 1:
-                run = list(first)
-            run += ev.block_hashes
-            n += 1
-            continue
-        kind = getattr(ev, "KIND", None)
-        if kind == CLEAR:
+    k = CLEAR_KEY
+    try:
+        for ev in events:
+            if (type(ev) is cls and ev.medium == medium and ev.group_idx == g
+                    and (spec is _NO_SPEC or ev.kv_cache_spec_kind == spec)):
+                if n == 1:
+                    run = list(first)
+                run += ev.block_hashes
+                n += 1
+                continue
+            kind, i = getattr(ev, "KIND", None), seen + n
+            if kind == STORE:
+                s = ev.kv_cache_spec_kind
+            elif kind == REMOVE:
+                s = _NO_SPEC
+            elif kind == CLEAR:
+                if key is not None:
+                    ops.append(new(Op, (key[0], key[1], first if n == 1 else run, key[2], key[3])))
+                    spans.append(n)
+                    key, cls, seen, n = None, None, i, 0
+                ops.append(CLEAR_OP)
+                spans.append(1)
+                seen += 1
+                continue
+            else:
+                raise InvalidEvent(f"event {i}: not a KV event: {type(ev).__name__}")
+            m, gi, hashes = ev.medium, ev.group_idx, ev.block_hashes
+            if not (kind == last and m is medium and gi is g and s is spec):  # else: the last key made
+                last, medium, g, spec = kind, m, gi, s
+                t = known.get(m) if m is None or type(m) is str else None
+                if t is None:
+                    t = tier(m, f"event {i}")
+                k = run_key(kind, t, gi, None if s is _NO_SPEC else s, i)
+            fast = type(hashes) in FAST_SEQ
+            if not merge:  # an op per event (no spans)
+                h = pack(hashes) if pack is not None and fast else None
+                ops.append(new(Op, (kind, t, hashes64(hashes, f"event {i}") if h is None else h, k[2], k[3])))
+                seen += 1
+                continue
+            cls = type(ev) if type(ev) in typed else None
+            if not fast:
+                hashes = hashes64(hashes, f"event {i}")  # no fast form: checked (digests reduced) now
+            if k == key:
+                if n == 1:
+                    run = list(first)
+                run += hashes
+                n += 1
+                continue
             if key is not None:
-                ops.append(Op(*key[:2], first if n == 1 else run, *key[2:]))
+                ops.append(new(Op, (key[0], key[1], first if n == 1 else run, key[2], key[3])))
                 spans.append(n)
-                key = cls = None
-            ops.append(CLEAR_OP)
-            spans.append(1)
-            continue
-        if kind == STORE:
-            spec = ev.kv_cache_spec_kind
-            if spec is not None and type(spec) is not str:
-                return None
-            indexable = spec is None or spec in FULL_ATTENTION_KINDS
-        elif kind == REMOVE:
-            indexable, spec = True, _NO_SPEC
-        else:
-            return None
-        medium, g, hashes = ev.medium, ev.group_idx, ev.block_hashes
-        t = known.get(medium) if medium is None or type(medium) is str else None
-        if t is None or type(hashes) not in FAST_SEQ or not (g is None or (type(g) is int and g >= 0)):
-            return None
-        cls = type(ev) if type(ev) in typed else None
-        k = (kind, t, g, indexable)
-        if k == key:
-            if n == 1:
-                run = list(first)
-            run += hashes
-            n += 1
-            continue
+            key, first, seen, n = k, hashes, i, 1
+    finally:  # also when an event failed: an earlier event's bad hash, unchecked so far, is the one named
         if key is not None:
-            ops.append(Op(*key[:2], first if n == 1 else run, *key[2:]))
+            ops.append(new(Op, (key[0], key[1], first if n == 1 else run, key[2], key[3])))
             spans.append(n)
-        key, first, n = k, hashes, 1
-    if key is not None:
-        ops.append(Op(*key[:2], first if n == 1 else run, *key[2:]))
-        spans.append(n)
-    for op in ops:
-        if op.hashes and not u64_ok(op.hashes):
-            return None
+        if merge and not all(map(u64_ok, map(_HASHES, ops))):
+            _checked(ops, spans, events)
     return ops, spans
+
+
+def _checked(ops: list[Op], spans: list[int], events: Sequence[Any]) -> None:
+    """Merged ops whose hashes are not all uint64 ints (:data:`u64_ok`) made again event by event
+    (:func:`hashes64`: digests reduced, or the first bad event named)."""
+    start = 0
+    for j, op in enumerate(ops):
+        n = spans[j]
+        if op.hashes and not u64_ok(op.hashes):
+            parts = [hashes64(events[e].block_hashes, f"event {e}") for e in range(start, start + n)]
+            ops[j] = op._replace(hashes=parts[0] if n == 1 else [h for part in parts for h in part])
+        start += n
+
+
+_HASHES = attrgetter("hashes")
+_new_op = tuple.__new__
+"""``Op``'s fields as one: the NamedTuple's own ``__new__`` is a Python frame, ~0.2 us an event."""
 
 
 def snapshot_per_tier(hashes: Sequence[BlockHash64], tiers: bytes = b"") -> list[Hashes]:
@@ -461,11 +451,18 @@ def snapshot_per_tier(hashes: Sequence[BlockHash64], tiers: bytes = b"") -> list
     checked = hashes64(hashes, "snapshot")
     if not tiers:
         return [checked, *([] for _ in range(NTIERS - 1))]
-    if not isinstance(tiers, bytes | bytearray) or len(tiers) != len(checked):
-        raise InvalidEvent(f"snapshot has {len(checked)} hashes but {len(tiers)} tier bytes")
+    check_tiers(tiers, len(checked))
+    return [list(compress(checked, (t == k for t in tiers))) for k in range(NTIERS)]
+
+
+def check_tiers(tiers: bytes, n: int) -> None:
+    """A snapshot's tier column: empty (all GPU), or one known tier byte for each of its ``n`` hashes."""
+    if not tiers:
+        return
+    if not isinstance(tiers, bytes | bytearray) or len(tiers) != n:
+        raise InvalidEvent(f"snapshot has {n} block_hashes but {len(tiers)} tiers")
     if max(tiers) >= NTIERS:
         raise InvalidEvent(f"snapshot has an unknown tier {max(tiers)}")
-    return [list(compress(checked, (t == k for t in tiers))) for k in range(NTIERS)]
 
 
 def snapshot_columns(entries: Iterable[SnapshotEntry]) -> tuple[list[BlockHash64], bytes]:

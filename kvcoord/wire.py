@@ -12,32 +12,43 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import msgspec
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from kvcoord.events import CLEAR, REMOVE, STORE, ExtraKeys, Tier, stored_extra_keys, stored_tokens
+from kvcoord.events import (
+    CLEAR,
+    REMOVE,
+    STORE,
+    ExtraKeys,
+    Tier,
+    decode_extra_keys,
+    stored_extra_keys,
+    stored_tokens,
+)
 from kvcoord.hashing import BlockHash64, to_block_hash64
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import (
+    CLEAR_KEY,
     CLEAR_OP,
-    NTIERS,
     InvalidEvent,
     Op,
-    indexable_kind,
+    RunKey,
+    check_tiers,
+    hashes64,
     ops_of,
     pack_u64,
-    u64_ok,
+    run_key,
     unpack_u64,
 )
 
 _LITTLE = sys.byteorder == "little"
 _U32_MAX = 0xFFFFFFFF
 _ENCODER = msgspec.msgpack.Encoder()
-_EXTRA = msgspec.msgpack.Decoder(tuple[tuple[Any, ...] | None, ...] | None)
 
 
 class Sample(NamedTuple):
@@ -91,18 +102,20 @@ class TokenSampler:
         self._seen += 1
         if self._seen > self.first and (not self.every or self._seen % self.every):
             return None
-        sent, hashes = self._sent, ev.block_hashes
-        if u64_ok(hashes):
-            sent.update(dict.fromkeys(hashes))  # plain uint64 ints, the common case: no per-hash call
-        else:
-            for h in hashes:
-                sent[to_block_hash64(h)] = None
+        sent = self._sent
+        sent.update(dict.fromkeys(hashes64(ev.block_hashes, "sample")))
         while len(sent) > self.memory:
             sent.popitem(last=False)
         return Sample.of(ev)
 
 
 # --- events -----------------------------------------------------------------------------------
+stated_once: Callable[[Any], tuple[int, str | None]] = attrgetter("block_size", "kv_cache_spec_kind")
+"""What a stored wire event states once, from its first event, for all the engine events it stands for,
+besides its op's :func:`kvcoord.validate.run_key`: their block size (which the coordinator checks) and
+spec kind. Stores of one run that differ in it go as separate wire events (``run_piece`` of the agent)."""
+
+
 def fill_event(out: pb.KVEvent, op: Op, ev: Any, sample: Sample | None, packed: bytes | None = None,
                events: int = 1) -> None:
     """Write one validated event into ``out``, a ``kvcoord.v2.KVEvent`` (in place: a batch's events are
@@ -129,14 +142,14 @@ def fill_event(out: pb.KVEvent, op: Op, ev: Any, sample: Sample | None, packed: 
     s.block_hashes = packed
     if tier:
         s.tier = pb.Tier.ValueType(tier)
-    s.block_size = ev.block_size
+    s.block_size, spec = stated_once(ev)
     parent = ev.parent_block_hash
     if parent is not None:
         s.parent_block_hash = to_block_hash64(parent)
     if group is not None:
         s.group_idx = group
-    if ev.kv_cache_spec_kind is not None:
-        s.kv_cache_spec_kind = ev.kv_cache_spec_kind
+    if spec is not None:
+        s.kv_cache_spec_kind = spec
     if sample is not None:
         _sample_to_proto(sample, s)
 
@@ -182,20 +195,23 @@ def as_received(sample: Sample) -> Sample:
 
 def ops_from_proto(events: Sequence[pb.KVEvent], *, merge: bool = False) -> list[Op]:
     """The wire's events as validated ops; ``InvalidEvent`` names the first bad one. ``merge``: each run
-    of like events as one op (:func:`kvcoord.validate.merge_runs`; their packed hashes joined once)."""
+    of like events (one :func:`kvcoord.validate.run_key`) as one op, their packed hashes joined once."""
     ops: list[Op] = []
-    key: tuple[int, int, int | None, bool] | None = None
+    key: RunKey | None = None
+    keys = _WIRE_KEYS
+    raw: tuple[int, int, int | None, str | None]
+    last: tuple[int, int, int | None, str | None] | None = None
+    k = CLEAR_KEY
     parts: list[bytes] = []
     for i, m in enumerate(events):
         which = m.WhichOneof("event")
         if which == "removed":
             e: pb.BlockRemoved | pb.BlockStored = m.removed
-            k = (REMOVE, e.tier, e.group_idx if e.HasField("group_idx") else None, True)
+            raw = (REMOVE, e.tier, e.group_idx if e.HasField("group_idx") else None, None)
         elif which == "stored":
             e = m.stored
-            indexable = (not e.HasField("kv_cache_spec_kind")
-                         or indexable_kind(e.kv_cache_spec_kind, f"event {i}"))
-            k = (STORE, e.tier, e.group_idx if e.HasField("group_idx") else None, indexable)
+            raw = (STORE, e.tier, e.group_idx if e.HasField("group_idx") else None,
+                   e.kv_cache_spec_kind if e.HasField("kv_cache_spec_kind") else None)
         elif which == "cleared":
             if key is not None:
                 ops.append(_run_op(key, parts))
@@ -204,11 +220,14 @@ def ops_from_proto(events: Sequence[pb.KVEvent], *, merge: bool = False) -> list
             continue
         else:
             raise InvalidEvent(f"event {i}: KVEvent has no event set")
-        if not 0 <= k[1] < NTIERS:
-            raise InvalidEvent(f"event {i}: unknown tier {k[1]}")
+        if raw != last:  # (most events are like the one before)
+            last, found = raw, keys.get(raw)
+            k = run_key(*raw, i) if found is None else found
+            if found is None and len(keys) < 256:
+                keys[raw] = k
         data = e.block_hashes
-        if len(data) % 8:
-            raise InvalidEvent(f"event {i}: block_hashes is {len(data)} bytes, not a multiple of 8")
+        if len(data) % 8:  # each event's, before runs are joined: unpack_u64 says what is wrong
+            unpack_u64(data, f"event {i}")
         if merge and k == key:
             parts.append(data)
             continue
@@ -220,7 +239,12 @@ def ops_from_proto(events: Sequence[pb.KVEvent], *, merge: bool = False) -> list
     return ops
 
 
-def _run_op(key: tuple[int, int, int | None, bool], parts: list[bytes]) -> Op:
+_WIRE_KEYS: dict[tuple[int, int, int | None, str | None], RunKey] = {}
+""":func:`kvcoord.validate.run_key` of the wire's fields, remembered (at most 256: a fleet uses a handful).
+Protobuf gives exact ints and strings, so equal fields make one key."""
+
+
+def _run_op(key: RunKey, parts: list[bytes]) -> Op:
     data = parts[0] if len(parts) == 1 else b"".join(parts)
     return Op(key[0], key[1], unpack_u64(data, "run"), key[2], key[3])
 
@@ -264,33 +288,19 @@ def _sized(s: pb.BlockStored) -> Sample:
 
 
 def _tokens(data: bytes, where: str) -> tuple[int, ...]:
-    if len(data) % 4:
-        raise InvalidEvent(f"{where}: token_ids is {len(data)} bytes, not a multiple of 4")
-    packed = array("I")
-    packed.frombytes(data)
-    if not _LITTLE:
-        packed.byteswap()
-    return tuple(packed)
+    try:
+        return tuple(unpack_tokens(data))
+    except ValueError as e:
+        raise InvalidEvent(f"{where}: {e}") from None
 
 
 def _extra_keys(data: bytes, where: str) -> tuple[ExtraKeys, ...] | None:
-    if not data:
-        return None
     try:
-        raw = _EXTRA.decode(data)
-        if raw is None:
-            return None
-        return tuple(None if keys is None else tuple(_tuplify(k) for k in keys) for keys in raw)
+        return decode_extra_keys(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidEvent(f"{where}: extra_keys_msgpack is not a list of arrays: {exc}") from None
     except RecursionError:
         raise InvalidEvent(f"{where}: extra_keys_msgpack nests too deeply") from None
-
-
-def _tuplify(value: object) -> object:
-    if isinstance(value, list | tuple):
-        return tuple(_tuplify(v) for v in value)
-    return value
 
 
 def event_counts(events: Sequence[pb.KVEvent]) -> tuple[int, int, int, int]:
@@ -314,13 +324,8 @@ def snapshot_to_proto(epoch: int, seq: int, dp_rank: int, hashes: Sequence[int],
 def snapshot_from_proto(snap: pb.Snapshot) -> tuple[Sequence[BlockHash64], bytes]:
     """A chunk's hashes and tiers (one byte each; empty: all GPU), checked."""
     hashes = unpack_u64(snap.block_hashes, "snapshot")
-    tiers = snap.tiers
-    if tiers:
-        if len(tiers) != len(hashes):
-            raise InvalidEvent(f"snapshot has {len(hashes)} block_hashes but {len(tiers)} tiers")
-        if max(tiers) >= NTIERS:
-            raise InvalidEvent(f"snapshot has an unknown tier {max(tiers)}")
-    return hashes, tiers
+    check_tiers(snap.tiers, len(hashes))
+    return hashes, snap.tiers
 
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:

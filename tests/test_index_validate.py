@@ -41,7 +41,7 @@ def test_hashes_accept_any_ordered_sequence() -> None:
         ([3, 2.5], "e: block_hashes[1]: block hash must be int or bytes, not float"),
         ([2**64], "e: block_hashes[0]: block hash 18446744073709551616 is outside uint64"),
         ([-1], "e: block_hashes[0]: block hash -1 is outside uint64"),
-        ([b""], "e: block_hashes[0] is an empty digest"),
+        ([b""], "e: block_hashes[0]: block hash is an empty digest"),
         ("ab", "e: block_hashes must be a list, not str"),
         (b"ab", "e: block_hashes must be a list, not bytes"),
         ({1, 2}, "e: block_hashes must be a list, not set"),
@@ -84,7 +84,7 @@ def test_snapshot_columns_and_tiers() -> None:
         snapshot_columns([5])  # type: ignore[list-item]
     with pytest.raises(InvalidEvent, match=r"^snapshot: block_hashes\[0\]: block hash must be"):
         validate.snapshot_per_tier([True])
-    with pytest.raises(InvalidEvent, match=r"^snapshot has 2 hashes but 1 tier bytes$"):
+    with pytest.raises(InvalidEvent, match=r"^snapshot has 2 block_hashes but 1 tiers$"):
         validate.snapshot_per_tier([1, 2], b"\x01")
     with pytest.raises(InvalidEvent, match=r"^snapshot has an unknown tier 7$"):
         validate.snapshot_per_tier([1], b"\x07")

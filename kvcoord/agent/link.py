@@ -9,15 +9,16 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
-from operator import attrgetter
+from itertools import accumulate, repeat
+from operator import attrgetter, indexOf, is_not
 from typing import Any
 
 from kvcoord.engine.zmq_wire import Wakeup
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity
+from kvcoord.wire import stated_once
 
 __all__ = [
     "MAX_GROUP_BATCHES",
@@ -243,28 +244,28 @@ def run_piece(run: Sequence[Any], i: int, pos: int, size: int, stores: bool, sam
     stands for ``run[i:j]``, whose hashes end at byte ``end`` of the run's ``size`` packed bytes (``pos``:
     where they start). A removal run that fits the batch's room goes whole without per-event work;
     otherwise the cut falls where the batch fills (``room_events`` events, or ``room_blocks`` blocks),
-    and a store run is also cut at a change of block size or spec kind and around a sampled event (of
-    ``samples``, one per event), which goes alone with its tokens."""
+    and a store run is also cut around a sampled event (of ``samples``, one per event), which goes alone
+    with its tokens, and where what a wire event states once (:data:`kvcoord.wire.stated_once`) changes.
+    The scans run in C (``map``, ``indexOf``): no Python step per event."""
     n = len(run)
+    stop = min(n, i + max(1, room_events))
     if not stores:
         if n - i <= room_events and max(1, (size - pos) >> 3) < room_blocks:
             return n, size
-        blocks = list(accumulate(map(len, map(_HASHES, run[i:i + room_events]))))  # cumulative
-        k = min(len(blocks), bisect_left(blocks, room_blocks) + 1) if room_blocks > 1 else 1
-        return i + k, pos + 8 * blocks[k - 1]
-    first = run[i]
-    block_size, spec = first.block_size, first.kv_cache_spec_kind
-    j, end, blocks_in = i, pos, 0
-    while j < n:
-        ev = run[j]
-        if j > i and (ev.block_size != block_size or ev.kv_cache_spec_kind != spec
-                      or (samples is not None and samples[j] is not None)):
-            break
-        width = len(ev.block_hashes)
-        blocks_in += width
-        end += 8 * width
-        j += 1
-        if j - i >= room_events or max(1, blocks_in) >= room_blocks or (samples is not None
-                                                                         and samples[j - 1] is not None):
-            break
-    return j, end
+    elif samples is not None and samples[i] is not None:
+        stop = i + 1
+    else:
+        if samples is not None:
+            stop = i + 1 + _first(map(is_not, samples[i + 1:stop], repeat(None)), stop - i - 1)
+        stop = i + _first(map(stated_once(run[i]).__ne__, map(stated_once, run[i:stop])), stop - i)
+    blocks = list(accumulate(map(len, map(_HASHES, run[i:stop]))))  # cumulative
+    k = min(len(blocks), bisect_left(blocks, room_blocks) + 1) if room_blocks > 1 else 1
+    return i + k, pos + 8 * blocks[k - 1]
+
+
+def _first(flags: Iterable[bool], default: int) -> int:
+    """The index of the first true flag, or ``default``."""
+    try:
+        return indexOf(flags, True)
+    except ValueError:
+        return default
