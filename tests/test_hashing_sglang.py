@@ -9,6 +9,7 @@ import os
 import subprocess
 import time
 import types
+import urllib.error
 import urllib.request
 from array import array
 from pathlib import Path
@@ -326,3 +327,78 @@ def test_config_file_sglang_model(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
     assert 'models."m"' in proc.stderr and "no seed" in proc.stderr
+
+
+def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_sglang_publisher_registered_over_http(sgl: Any, tmp_path: Path) -> None:
+    """SGLang's ZmqEventPublisher registered with `serve --model m,algo=sglang` over POST /register, once
+    naming its engine (`"engine": "sglang"`) and once relying on the model's profile: lookups by tokens
+    find exactly the blocks it holds on both nodes, its int64 hashes relayed (no batch malformed, both
+    nodes exact). A contradicting or unknown engine is refused."""
+    grpc, pub, replay, http, metrics = (free_port() for _ in range(5))
+    page = 4
+    requests: list[tuple[list[int], str | None, tuple[str, str | None] | None]] = [
+        (list(range(1, 13)), None, None),
+        ([7, 2**32 - 1, 9, 10, 11, 12, 13, 14], "tenant-a", None),
+        ([5] * 8 + [6] * 4, None, ("ad", "/adapters/ad")),
+        (list(range(100, 140)), None, None),
+    ]
+    published = [_published(sgl, toks, [1], page, salt, lora, False) for toks, salt, lora in requests]
+    assert any(h < 0 for hs in published for h in hs)  # the hashes a uint64 decoder refuses
+    publisher = sgl.kv_events.ZmqEventPublisher(
+        0, endpoint=f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}", bind=True)
+    serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{grpc}", "--http-listen", f"127.0.0.1:{http}",
+                        "--metrics-listen", f"127.0.0.1:{metrics}",
+                        "--model", f"m,algo=sglang,block_size={page}")
+    engine = {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+              "model_name": "m", "block_size": page}
+    try:
+        with running(serve, log=tmp_path / "serve.log"):
+            wait_for_port(http)
+            assert _post(http, "/register", {"instance_id": 5, **engine, "engine": "sglang"})[0] == 201
+            assert _post(http, "/register", {"instance_id": 6, **engine})[0] == 201
+
+            def held(res: dict[str, Any]) -> dict[str, int]:
+                return {n["node_id"]: int(n["matched_blocks"]) for n in res["nodes"]}
+
+            def stored() -> bool:  # republish (idempotent stores) until both relays have joined
+                for toks, salt, lora in requests:
+                    events = _recorded(sgl, toks, page, salt, lora)
+                    publisher.publish(sgl.kv_events.KVEventBatch(ts=time.time(), events=events))
+                return all(held(_lookup(grpc, *_query(t, s, lo))) == dict.fromkeys(("5", "6"), len(t) // page)
+                           for t, s, lo in requests)
+
+            until(stored, "the SGLang blocks in the index on both nodes", timeout=90, interval=0.3,
+                  diagnose=lambda: (tmp_path / "serve.log").read_text()[-2000:])
+            for (toks, salt, lora), hashes in zip(requests, published, strict=True):
+                res = _lookup(grpc, *_query(toks, salt, lora))
+                assert {(n["node_id"], n["trust"]) for n in res["nodes"]} == {("5", "exact"), ("6", "exact")}
+                assert held(_lookup(grpc, f"--hashes={','.join(map(str, hashes))}")) == {
+                    "5": len(hashes), "6": len(hashes)}
+                longer = [*toks, *range(900, 900 + page)]  # one page SGLang does not hold
+                assert held(_lookup(grpc, *_query(longer, salt, lora))) == {"5": len(toks) // page,
+                                                                            "6": len(toks) // page}
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=60) as resp:
+                page_text = resp.read().decode()
+            assert not [ln for ln in page_text.splitlines()
+                        if ln.startswith("kvcoord_relay_malformed_total{") and not ln.endswith(" 0.0")]
+            assert "malformed" not in (tmp_path / "serve.log").read_text()
+            st, err = _post(http, "/register", {"instance_id": 7, **engine, "engine": "vllm"})
+            assert (st, err["error"]) == (409, "engine mismatch for model=m routing_group=default: existing="
+                                               "sglang (its hash profile is algo=sglang), requested=vllm")
+            st, err = _post(http, "/register", {"instance_id": 7, **engine, "engine": "trtllm"})
+            assert st == 400 and "invalid engine" in err["error"], err
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/workers", timeout=60) as resp:
+                listed = {w["instance_id"]: w["engine"] for w in json.loads(resp.read())}
+            assert listed == {5: "sglang", 6: "sglang"}
+    finally:
+        publisher.shutdown()

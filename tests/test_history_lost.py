@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+import zmq
 
 from kvcoord.coordinator.registry import NodeRecord
 from kvcoord.coordinator.shared import SharedNode
@@ -351,3 +353,74 @@ def test_the_reason_names_three_lost_ranks_and_counts_the_rest() -> None:
     assert rec.trust.reason == "dp rank 2: b; dp rank 5: a"
     rec.hash_mismatch, rec.hash_mismatch_reason = True, "seed"
     assert rec.trust == ("degraded", "seed", "hash_mismatch")
+
+
+def _relay_malformed(s: Stack, stats: Path | None) -> dict[str, float]:
+    """The relay's malformed counts by reason: the coordinator's metric of its own relays, or (``stats``)
+    the agent's ``--stats-file``."""
+    if stats is not None:
+        try:
+            return {k: float(v) for k, v in json.loads(stats.read_text())["relays"][0]["malformed"].items()}
+        except (OSError, ValueError):
+            return {}
+    with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {line.split('reason="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("kvcoord_relay_malformed_total{")}
+
+
+@pytest.mark.parametrize("via", ["register", "agent"])
+def test_an_undecodable_batch_marks_the_node_degraded(tmp_path: Path, via: str) -> None:
+    """An engine (a raw ZMQ PUB in vLLM's framing, no replay), relayed by the coordinator after ``POST
+    /register`` or by ``kvcoord agent``, whose first two batches are not msgpack, then a good one: the node
+    is ``degraded`` (history lost, naming the batch), the index holds the good batch, the relay counts both
+    (``kvcoord_relay_malformed_total{reason="msgpack"}``, or the agent's stats file) and logs it once. Once
+    the stream has started, another one clears the rank (it may have removed blocks), still without a second
+    log line."""
+    with stack(tmp_path, early=0) as s:
+        ctx = zmq.Context()
+        s.stack.callback(ctx.term)
+        xpub = ctx.socket(zmq.XPUB)  # a PUB that also hears subscriptions: publish once the relay is there
+        s.stack.callback(xpub.close, 0)
+        port = free_port()
+        xpub.bind(f"tcp://127.0.0.1:{port}")
+        stats: Path | None = None
+        if via == "register":
+            body = json.dumps({"instance_id": 9, "endpoint": f"tcp://127.0.0.1:{port}", "model_name": MODEL,
+                               "block_size": BS}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{s.http}/register", data=body, method="POST",
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 201
+            relay_log = tmp_path / "serve1.log"
+        else:
+            stats, relay_log = tmp_path / "stats.json", tmp_path / "agent.log"
+            s.stack.enter_context(running(kvcoord_cmd(
+                "agent", "--coordinator", f"127.0.0.1:{s.grpc}", "--node-id", "9", "--model", MODEL,
+                "--zmq-endpoint", f"tcp://127.0.0.1:{port}", "--stats-file", str(stats)), log=relay_log))
+        until(lambda: xpub.poll(100) and xpub.recv().startswith(b"\x01"), "the relay's subscription")
+
+        def send(seq: int, payload: bytes) -> None:
+            xpub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+        send(0, b"\xc1 not msgpack")
+        send(1, b"\xc1 nor this")
+        send(2, msgspec.msgpack.encode(stored(0)))
+        until(lambda: s.held("9", range(3)) == [0], "the good batch indexed")
+        until(lambda: s.trust("9") == "degraded", "node 9 degraded")
+        info = s.node("9")
+        assert info is not None and info.trust_cause == "history_lost", info
+        assert info.trust_reason == ("dp rank 0: history lost: 1 batch(es) from seq 1 are gone "
+                                     "(batch 1 is malformed (msgpack))"), info
+        assert s.client.stats().entries == 1  # kept: nothing was applied before the bad batches
+        until(lambda: _relay_malformed(s, stats).get("msgpack") == 2.0, "the relay counting 2")
+        assert s.trust_gauge()["degraded"] == 1.0 and s.trust_gauge()["exact"] == 0.0
+
+        send(3, b"\xc1 and not this")  # after the stream started: the rank is cleared
+        until(lambda: _relay_malformed(s, stats).get("msgpack") == 3.0, "the relay counting 3")
+        until(lambda: s.client.stats().entries == 0, "the rank cleared")
+        assert s.trust("9") == "degraded"
+        lines = [ln for ln in relay_log.read_text().splitlines() if "kvcoord.engine.relay" in ln]
+        assert len(lines) == 1 and "skipping malformed KV event batch (msgpack" in lines[0], lines
+        log = (tmp_path / "serve1.log").read_text().splitlines()
+        assert len([ln for ln in log if "kvcoord.coordinator: node 9 dp rank 0: degraded" in ln]) == 1, log

@@ -231,6 +231,14 @@ HANDLER = ("kvcoord_lookup_answers_total", {"path": "handler"})
      409, "block_size mismatch for model=m routing_group=default: existing=4, requested=32"),
     ("/register", {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": MODEL}, 422,
      "block_size"),
+    ("/register", {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": MODEL, "block_size": BS,
+                   "engine": "trtllm"}, 400, "invalid engine 'trtllm': expected one of vllm, sglang"),
+    ("/register", {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": MODEL, "block_size": BS,
+                   "engine": "sglang"}, 409,
+     "engine mismatch for model=m routing_group=default: existing=vllm (its hash profile is "
+     "algo=sha256_cbor), requested=sglang"),
+    ("/register", {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5", "model_name": MODEL, "block_size": BS,
+                   "engine": 1}, 422, "engine"),
     ("/unregister", {"instance_id": 4242, "model_name": MODEL}, 404, "instance 4242 not found"),
 ])
 async def test_bad_requests_get_one_line_errors(path: str, body: Any, status: int, error: str) -> None:
@@ -324,3 +332,14 @@ async def test_lookups_by_prompt_and_chat_find_the_engine(tmp_path: Path) -> Non
             assert answer["nodes"][0]["node_id"] == "3" and answer["num_tokens"] == len(chat_ids)
     finally:
         pub.shutdown()
+
+
+def test_a_registrations_engine_is_kept_and_an_old_one_reads_as_vllm() -> None:
+    """What the memory store's state file and the Redis hash keep: the engine, written only when not vLLM
+    (so a registration stored before the field existed reads, and encodes, as it was)."""
+    from kvcoord.coordinator.engines import Engine, Listener
+
+    sgl = Engine(5, MODEL, "default", BS, (Listener(0, "tcp://127.0.0.1:5"),), kind="sglang")
+    assert Engine.decode(sgl.encode()) == sgl and '"engine":"sglang"' in sgl.encode()
+    old = Engine(6, MODEL, "default", BS, (Listener(0, "tcp://127.0.0.1:6"),))
+    assert "engine" not in old.encode() and Engine.decode(old.encode()).kind == "vllm"

@@ -21,6 +21,7 @@ from kvcoord.agent.local import LocalFeed
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import ACTIVE, CONNECTING, FAILED, UNREACHABLE, Engine
 from kvcoord.engine.relay import BlockMirror, Relay
+from kvcoord.hashing import SGLANG
 
 log = logging.getLogger("kvcoord.agent.fleet")
 
@@ -65,6 +66,8 @@ class Fleet:
         # Probed several times a lease, so an idle engine that is there keeps its lease.
         relays = {x.dp_rank: Relay(x.endpoint, rep, replay_endpoint=x.replay_endpoint, mirror=mirror,
                                    ctx=self._ctx, default_dp_rank=x.dp_rank, allowed_ranks={x.dp_rank},
+                                   signed_hashes=engine.kind == SGLANG,
+                                   on_malformed=self.state.metrics.relay_malformed_seen,
                                    idle_probe=min(1.0, lease / 4), replay_timeout=min(2.0, lease / 3))
                   for x in engine.listeners}
         run = _Running(engine, rep, relays, {}, time.monotonic(), scraper)

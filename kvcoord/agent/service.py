@@ -90,7 +90,8 @@ def agent_status(relays: Sequence[Relay], reporter: Reporter,
         "node_id": rs.node_id,
         "state": "refused" if reporter.refused.is_set() else "running",
         "relays": [{"endpoint": r.endpoint, "expected_seq": r.expected_seq,
-                    **{k: (dict(v) if isinstance(v, Counter) else v) for k, v in asdict(r.stats).items()}}
+                    # not asdict(): it rebuilds a Counter from its (key, count) pairs, counting the pairs
+                    **{k: (dict(v) if isinstance(v, Counter) else v) for k, v in vars(r.stats).items()}}
                    for r in relays],
         "mirror_blocks": {str(dp): relays[0].mirror.num_blocks(dp) for dp in relays[0].mirror.ranks()}
         if relays else {},

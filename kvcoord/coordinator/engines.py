@@ -30,13 +30,15 @@ from typing import Any, NamedTuple, Protocol
 
 from kvcoord.coordinator.registry import CHANGES
 from kvcoord.engine.zmq_wire import check_endpoint
+from kvcoord.hashing import SGLANG, HashProfile
 from kvcoord.index.base import EngineRecords, Index
 from kvcoord.validate import check_model, shown, valid_url
 
 log = logging.getLogger("kvcoord.coordinator.engines")
 
-__all__ = ["DEFAULT_GROUP", "RELAY_STATES", "Engine", "EngineRunner", "EngineStore", "Engines", "Listener",
-           "RegistrationError", "RelayedNode", "open_engine_store", "overall", "partition_model"]
+__all__ = ["DEFAULT_GROUP", "ENGINE_KINDS", "RELAY_STATES", "Engine", "EngineRunner", "EngineStore",
+           "Engines", "Listener", "RegistrationError", "RelayedNode", "open_engine_store", "overall",
+           "partition_model"]
 
 DEFAULT_GROUP = "default"
 CLAIM_SECONDS = 1.0
@@ -51,6 +53,17 @@ first (an instance is as its worst listener): its relay cannot run (or the index
 events and no answer from the engine within the lease (the node is in no lookup answer); relaying for less
 than a lease and no answer yet; no replica relays it yet; answered within the lease (events, a replay
 probe, or with no replay socket its PUB connection)."""
+
+
+VLLM = "vllm"
+ENGINE_KINDS = (VLLM, SGLANG)
+"""What ``/register``'s ``engine`` names: how the engine publishes its block hashes. ``sglang``'s are signed
+int64s (relayed as the agent's ``--signed-hashes`` relays them); ``vllm``'s, uint64s."""
+
+
+def engine_kind(profile: HashProfile) -> str:
+    """The engine whose hashes a model's hash profile computes."""
+    return SGLANG if profile.algo == SGLANG else VLLM
 
 
 def overall(states: Iterable[str]) -> str:
@@ -96,6 +109,8 @@ class Engine:
     serving_url: str = ""
     metrics_url: str = ""
     """The engine's Prometheus page (vLLM's ``/metrics``): its load, scraped for lookups; "" none."""
+    kind: str = VLLM
+    """One of :data:`ENGINE_KINDS`."""
 
     @property
     def node_id(self) -> str:
@@ -112,6 +127,8 @@ class Engine:
                              "listeners": listeners, "serving_url": self.serving_url}
         if self.metrics_url:  # only when set: a registration stored before it existed encodes as it was
             d["metrics_url"] = self.metrics_url
+        if self.kind != VLLM:
+            d["engine"] = self.kind
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -120,7 +137,8 @@ class Engine:
         listeners = tuple(Listener(int(r), str(e), None if p is None else str(p))
                           for r, e, p in d["listeners"])
         return cls(int(d["instance_id"]), str(d["model_name"]), str(d["routing_group"]), int(d["block_size"]),
-                   listeners, str(d.get("serving_url", "")), str(d.get("metrics_url", "")))
+                   listeners, str(d.get("serving_url", "")), str(d.get("metrics_url", "")),
+                   str(d.get("engine", VLLM)))
 
 
 class RegistrationError(Exception):
@@ -320,7 +338,7 @@ class Engines:
     """Registrations by Dynamo's rules, and this replica's share of the relaying."""
 
     def __init__(self, store: EngineStore, runner: EngineRunner, replica_id: str,
-                 block_size_of: Callable[[str], int | None],
+                 profile_of: Callable[[str], HashProfile | None],
                  on_removed: Callable[[str], None], max_engines: int = 1 << 62,
                  on_states: Callable[[dict[str, int]], None] | None = None) -> None:
         self.store = store
@@ -332,8 +350,8 @@ class Engines:
         new instances may pass it together."""
         self.runner = runner
         self.replica_id = replica_id
-        self._block_size_of = block_size_of
-        """A model's configured block size (its hash profile), None when it has no profile."""
+        self._profile_of = profile_of
+        """A model's configured hash profile (its block size, its engine), None when it has none."""
         self._on_removed = on_removed
         """Drops an unregistered instance's node (registry, shared record, index entries)."""
         self._running: dict[int, Engine] = {}
@@ -347,8 +365,13 @@ class Engines:
     # --- the API's operations --------------------------------------------------------------
     async def register(self, instance_id: int, model_name: str, routing_group: str, block_size: int,
                        dp_rank: int | None, endpoint: str, replay_endpoint: str | None,
-                       serving_url: str = "", metrics_url: str = "") -> None:
-        """Add one listener, or raise :class:`RegistrationError` with Dynamo's status and message."""
+                       serving_url: str = "", metrics_url: str = "", engine: str | None = None) -> None:
+        """Add one listener, or raise :class:`RegistrationError` with Dynamo's status and message.
+        ``engine`` (:data:`ENGINE_KINDS`; None: as the model's profile or its other registrations say, else
+        vLLM) says how to decode its events."""
+        if engine is not None and engine not in ENGINE_KINDS:
+            raise RegistrationError(400, f"invalid engine {shown(engine, 64)}: expected one of "
+                                         f"{', '.join(ENGINE_KINDS)}")
         urls = {"serving_url": (serving_url, ""), "metrics_url": (metrics_url, "/metrics")}
         for what, (url, path) in urls.items():
             try:
@@ -386,13 +409,13 @@ class Engines:
                                              f"model={old.model_name} routing_group={old.routing_group}")
             if old is not None and any(x.dp_rank == rank for x in old.listeners):
                 raise RegistrationError(409, f"instance {instance_id} dp_rank {rank} already registered")
-            self._check_partition(engines, model, model_name, routing_group, block_size)
+            kind = self._check_partition(engines, model, model_name, routing_group, block_size, engine)
             if old is None and len(engines) >= self.max_engines:
                 raise RegistrationError(429, f"too many registered engines: max_streams is "
                                              f"{self.max_engines}; unregister one first")
             if old is None:
                 new = Engine(instance_id, model_name, routing_group, block_size, (listener,), serving_url,
-                             metrics_url)
+                             metrics_url, kind)
             else:
                 listeners = tuple(sorted((*old.listeners, listener), key=lambda x: x.dp_rank))
                 new = replace(old, listeners=listeners, serving_url=serving_url or old.serving_url,
@@ -406,13 +429,23 @@ class Engines:
         raise RegistrationError(409, f"instance {instance_id}: concurrent registrations; retry")
 
     def _check_partition(self, engines: dict[int, Engine], model: str, model_name: str, routing_group: str,
-                         block_size: int) -> None:
-        existing = self._block_size_of(model)
-        if existing is None:
-            existing = next((e.block_size for e in engines.values() if e.model == model), None)
+                         block_size: int, engine: str | None) -> str:
+        """The partition's block size and engine must be those of its profile, else of its registrations
+        (409 otherwise); returns the engine kind to relay with."""
+        profile = self._profile_of(model)
+        peer = next((e for e in engines.values() if e.model == model), None)
+        existing = profile.block_size if profile is not None else None
+        if existing is None and peer is not None:
+            existing = peer.block_size
         if existing is not None and existing != block_size:
             raise RegistrationError(409, f"block_size mismatch for model={model_name} routing_group="
                                          f"{routing_group}: existing={existing}, requested={block_size}")
+        known = engine_kind(profile) if profile is not None else peer.kind if peer is not None else None
+        if known is not None and engine is not None and known != engine:
+            source = f"its hash profile is algo={profile.algo}" if profile is not None else "registered"
+            raise RegistrationError(409, f"engine mismatch for model={model_name} routing_group="
+                                         f"{routing_group}: existing={known} ({source}), requested={engine}")
+        return engine or known or VLLM
 
     async def unregister(self, instance_id: int, model_name: str, routing_group: str | None,
                          dp_rank: int | None) -> None:

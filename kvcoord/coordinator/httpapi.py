@@ -129,6 +129,7 @@ class RegisterBody(msgspec.Struct):
     additionalsalt: str | None = None
     serving_url: str = ""
     metrics_url: str = ""
+    engine: str | None = None
 
 
 class UnregisterBody(msgspec.Struct):
@@ -497,7 +498,7 @@ class HttpApi:
             b: RegisterBody = decode_body(req, RegisterBody)
             _check_u64("instance_id", b.instance_id)
             await self.engines.register(b.instance_id, b.model_name, b.routing_group, b.block_size, b.dp_rank,
-                                        b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url)
+                                        b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url, b.engine)
         except BadBody as exc:
             return exc.response
         except RegistrationError as exc:
@@ -550,7 +551,7 @@ class HttpApi:
             out.append({"instance_id": engine.instance_id, "source": "zmq",
                         "status": overall(v["status"] for v in listeners.values()),
                         "model_name": engine.model_name, "routing_group": engine.routing_group,
-                        "block_size": engine.block_size,
+                        "block_size": engine.block_size, "engine": engine.kind,
                         "endpoints": {str(x.dp_rank): x.endpoint for x in engine.listeners},
                         "listeners": listeners, "serving_url": engine.serving_url, "relayed_by": relayed_by,
                         **({"metrics_url": engine.metrics_url} if engine.metrics_url else {})})

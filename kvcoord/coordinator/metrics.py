@@ -295,6 +295,10 @@ class Metrics:
             "pending", ["state"], registry=r)
         for state in RELAY_STATES:
             self.registered_engines.labels(state).set(0)
+        self.relay_malformed = Counter(
+            "kvcoord_relay_malformed", "Frames and batches of engines registered over HTTP that this "
+            "replica's relays could not use, by reason (each lost batch marks its rank degraded)", ["reason"],
+            registry=r)
         self.streams = Gauge("kvcoord_ingest_streams", "Open agent ingest streams, engines registered over "
                              "HTTP and relayed here included", registry=r)
         self.streams_refused = Counter(
@@ -412,6 +416,9 @@ class Metrics:
     def rejected(self, kind: str, reason: str, n: int = 1) -> None:
         self._rejected_child(kind, reason).inc(n)
         self.rejected_by_reason[reason] += n
+
+    def relay_malformed_seen(self, reason: str) -> None:
+        self._child(self.relay_malformed, reason).inc()
 
     def stream_refused(self, reason: str) -> None:
         self._child(self.streams_refused, reason).inc()

@@ -112,7 +112,7 @@ class CoordinatorServer:
             # The store first: a state_dir that cannot be used refuses the start before any relay exists.
             store = open_engine_store(index, state_dir=cfg.state_dir)
             runner = self._runner_factory(state)
-            self.engines = Engines(store, runner, state.replica_id, self._profile_block_size, state.drop_node,
+            self.engines = Engines(store, runner, state.replica_id, self.config.profile, state.drop_node,
                                    max_engines=cfg.limits.max_streams,
                                    on_states=state.metrics.set_registered_engines)
             state.relayed_nodes = self.engines.relayed_nodes
@@ -121,10 +121,6 @@ class CoordinatorServer:
         state.start_background()
         if self.engines is not None:
             self.engines.start()
-
-    def _profile_block_size(self, model: str) -> int | None:
-        profile = self.config.profile(model)
-        return profile.block_size if profile is not None else None
 
     async def _start_grpc(self, state: CoordinatorState, auth: Authenticator) -> None:
         cfg = self.config

@@ -19,7 +19,9 @@ sampled for verification), and keeps the stream whole:
 - whenever batches are lost for good (at a join the replay buffer no longer reaches back, or a gap),
   the sink is told (``history_lost``, after the clear): the coordinator marks the rank ``degraded``
   with the reason until the engine clears it (``AllBlocksCleared``) or a new epoch starts over;
-- a malformed frame or batch is counted by kind, logged once per kind, and skipped.
+- a malformed frame or batch is counted by kind, logged once per kind, and skipped; a batch that
+  cannot be used is lost history like a gap's (cleared once the stream has started, marked either way),
+  never a silent drop.
 
 Every good batch updates the :class:`BlockMirror` (what the index should hold for this node) and
 is forwarded to an :class:`EventSink` (the reporter), whose snapshot requests the mirror answers.
@@ -31,7 +33,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -242,6 +244,7 @@ class Relay:
         hwm: int = 100_000,
         idle_probe: float = 1.0,
         allowed_ranks: set[int] | None = None,
+        on_malformed: Callable[[str], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -256,6 +259,8 @@ class Relay:
         self._hwm = hwm
         self._idle_probe = idle_probe
         self._allowed = allowed_ranks
+        self._on_malformed = on_malformed
+        """Told the kind of every malformed frame or batch (the coordinator's metric of its relays)."""
         self._expected = 0
         self._last_live: int | None = None
         self._last_payload: bytes | None = None
@@ -390,17 +395,29 @@ class Relay:
         return batch
 
     def _bad_batch(self, seq: int, kind: str, why: str) -> None:
-        """A batch that cannot be applied: counted and logged as malformed, then handled as lost.
+        """A batch that cannot be applied: counted and logged (once per kind) as malformed, then handled
+        as lost, so the node is never ``exact`` while the index lacks what it held.
 
         Its events may have removed blocks, so once the stream has started the mirror cannot be
         trusted past it: the stream's ranks are cleared (and the clear forwarded), as for a gap
-        replay cannot fill. Before the stream started there is nothing to distrust: it is skipped.
+        replay cannot fill. Before the stream started there is nothing to distrust, only blocks it may
+        have stored that the index lacks: the ranks are marked, nothing is cleared.
         """
-        quiet = kind in self._logged  # a stream of bad batches must not flood the log
-        self._malformed(kind, f"seq {seq}: {why}")
+        if self._started:
+            then = "cleared the DP rank(s)' blocks and marked them degraded (history lost)"
+        else:
+            then = "marked the DP rank(s) degraded (history lost)"
+        if kind == "bad_hash" and not self._signed:
+            then += ("; SGLang publishes signed int64 hashes: relay it with `kvcoord agent --signed-hashes` "
+                     "or register it with \"engine\": \"sglang\"")
+        self._malformed(kind, f"seq {seq}: {why}; {then}", what="batch")
+        why = f"batch {seq} is malformed ({kind})"
         if self._started:
             self._expected = seq
-            self._lost(1, f"batch {seq} is malformed ({kind})", quiet=quiet)
+            self._lost(1, why, quiet=True)
+        else:
+            self.stats.lost_batches += 1
+            self._history_lost(1, seq, why, sorted(self._allowed or self._ranks_seen | {self._default_dp}))
 
     async def _probe(self) -> None:
         """Catch up from the replay socket; quiet on failure (the engine may be down). Without one, see
@@ -563,9 +580,11 @@ class Relay:
         self._last_live = None
         self._started = False
 
-    def _malformed(self, kind: str, message: str) -> None:
+    def _malformed(self, kind: str, message: str, what: str = "frame") -> None:
         self.stats.malformed[kind] += 1
-        if kind not in self._logged:
+        if self._on_malformed is not None:
+            self._on_malformed(kind)
+        if kind not in self._logged:  # a stream of bad batches must not flood the log
             self._logged.add(kind)
-            log.error("%s: skipping malformed KV event frame (%s; logged once per kind): %s",
-                      self.endpoint, kind, message)
+            log.error("%s: skipping malformed KV event %s (%s; logged once per kind): %s",
+                      self.endpoint, what, kind, message)
