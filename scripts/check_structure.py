@@ -52,8 +52,6 @@ EXCLUDED = ("kvcoord.proto",)
 
 _SPLIT = "split by concept"
 PENDING: dict[str, str] = {
-    "module:kvcoord/index/redis/index.py": _SPLIT,
-    "module:kvcoord/agent/pool.py": _SPLIT,
     "class:kvcoord/index/redis/index.py:RedisIndex": "fencing, node directory: capability objects",
     "class:kvcoord/agent/pool.py:BlockPool": _SPLIT,
 }

@@ -19,7 +19,6 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from kvcoord import validate
-from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
@@ -58,6 +57,7 @@ from kvcoord.index.redis.keys import (
 )
 from kvcoord.index.redis.mirror import LookupMirror
 from kvcoord.index.redis.records import RedisEngineRecords, RedisNodeRecords
+from kvcoord.index.redis.stats import read_stats
 from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
 from kvcoord.index.uri import IndexSpec, parse_index_uri
@@ -67,8 +67,6 @@ __all__ = ["LATENCY_BUCKETS", "RedisIndex"]
 
 log = logging.getLogger("kvcoord.index.redis")  # the backend's one logger, as before it was a package
 
-_DISTINCT_LIMIT = 2_000_000
-"""Summed entries past which the exact distinct-block count gives up and reports the sum (a bound)."""
 _REPLACE_CHUNK = 20_000
 """Entries per script call when filling a replacement (bounds how long one script blocks Redis)."""
 _RECLAIM_CHUNK = 1_000
@@ -481,74 +479,7 @@ class RedisIndex:
         counts twice); then ``blocks_upper_bound`` is set."""
         if exact and self._reclaimed_gen < self._retired_gen:
             await self.reclaim()
-        return await self._stats(exact=exact)
-
-    async def _stats(self, *, exact: bool) -> IndexStats:
-        res = await self._conn.eval_many(lua.STATS, [(tag, []) for tag in self._tags])
-        entries = 0
-        nbytes = 0
-        nodes: set[str] = set()
-        by_model_tier: dict[tuple[str, Tier], int] = {}
-        per_bucket: dict[str, dict[str, int]] = {}
-        for tag, (locs, model_blocks, b) in zip(self._tags, res, strict=True):
-            nbytes += int(b)
-            for i in range(0, len(locs), 4):
-                model, node_id, _ = _parse_loc_name(locs[i])
-                counts = [int(x) for x in locs[i + 1 : i + 4]]
-                if sum(counts):
-                    nodes.add(node_id)
-                for t in Tier:
-                    if counts[t]:
-                        by_model_tier[(model, t)] = by_model_tier.get((model, t), 0) + counts[t]
-                        entries += counts[t]
-            for i in range(0, len(model_blocks), 2):
-                per_bucket.setdefault(model_blocks[i].decode(), {})[tag] = int(model_blocks[i + 1])
-        if exact:
-            blocks_by_model = await self._distinct_blocks(per_bucket)
-            bound = any(
-                sum(c.values()) > _DISTINCT_LIMIT and sum(1 for n in c.values() if n) > 1
-                for c in per_bucket.values()
-            )
-        else:
-            blocks_by_model = {m: sum(c.values()) for m, c in per_bucket.items() if any(c.values())}
-            bound = any(sum(1 for n in c.values() if n) > 1 for c in per_bucket.values())
-        return IndexStats(
-            entries=entries,
-            blocks=sum(blocks_by_model.values()),
-            nodes=len(nodes),
-            bytes=nbytes,
-            entries_by_model_tier=by_model_tier,
-            blocks_by_model=blocks_by_model,
-            blocks_upper_bound=bound,
-        )
-
-    async def _distinct_blocks(
-        self, per_bucket: dict[str, dict[str, int]], limit: int = _DISTINCT_LIMIT
-    ) -> dict[str, int]:
-        """Distinct blocks per model over buckets (a block held in two buckets counts once).
-
-        ``per_bucket`` is model -> tag -> that bucket's block count. Exact (HSCAN of the inverted
-        hashes of the buckets that have the model) up to ``limit`` summed entries; past that the sum,
-        an upper bound, so that stats never pulls a huge index to the client.
-        """
-        out: dict[str, int] = {}
-        for model, counts in per_bucket.items():
-            tags = [tag for tag, n in counts.items() if n]
-            total = sum(counts.values())
-            if not tags:
-                continue
-            if len(tags) == 1 or total > limit:
-                out[model] = total
-                continue
-            seen: set[bytes] = set()
-            for tag in tags:
-                await self._conn.round_trip(functools.partial(self._scan_fields, f"{tag}:inv:{model}", seen))
-            out[model] = len(seen)
-        return out
-
-    async def _scan_fields(self, key: str, into: set[bytes]) -> None:
-        async for h, _ in self._r.hscan_iter(key, count=10_000):
-            into.add(h)
+        return await read_stats(self._conn, self._r, self._tags, exact=exact)
 
     # ---------------------------------------------------------------------------------- health
 
