@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import struct
 import time
-import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -23,7 +21,6 @@ from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
     EngineRecords,
-    FencedWrite,
     Fencing,
     IndexStats,
     NativeView,
@@ -44,6 +41,8 @@ from kvcoord.index.redis.client import (
     _command,
     _hmget_command,
 )
+from kvcoord.index.redis.fencing import RedisFencing
+from kvcoord.index.redis.health import RedisHealth
 from kvcoord.index.redis.keys import (
     _DEFAULT_CLUSTER_BUCKETS,
     _LAYOUT,
@@ -88,10 +87,11 @@ class RedisIndex:
         self._cluster = isinstance(client, RedisCluster)
         self.backend = "redis-cluster" if self._cluster else "redis"
         self.inline = False
-        self.fencing: Fencing | None = self
-        """Replicas share this index: writes are fenced (:meth:`claim`)."""
-        self.remote: Remote | None = self
-        """Health (:meth:`ping`), lifetime (:meth:`generation`) and round-trip counters (``metrics``)."""
+        self._fencer = RedisFencing(self)
+        self.fencing: Fencing | None = self._fencer
+        """Replicas share this index: writes are fenced (``fencing.claim``)."""
+        self.remote: Remote | None = RedisHealth(self)
+        """Health (``remote.ping``), lifetime (``remote.generation``), round-trip counters (``metrics``)."""
         self.native: NativeView | None = None
         self.node_directory: NodeRecords | None = RedisNodeRecords(client, key_prefix)
         self.engine_store: EngineRecords | None = RedisEngineRecords(client, key_prefix)
@@ -119,8 +119,6 @@ class RedisIndex:
         self._mirror = LookupMirror(self._conn, self._tags) if mirror else None
         """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
         self.metrics.mirror = self._mirror
-        self._fence: dict[str, int | None] = {}
-        """Per claimed node, the fencing token this client holds (None: claimed, token not issued yet)."""
 
     # ------------------------------------------------------------------------------------ opening
 
@@ -180,49 +178,6 @@ class RedisIndex:
 
     # ---------------------------------------------------------------------------------- the protocol
 
-    async def claim(self, node_id: str) -> None:
-        """Lazily: the token is issued by the node's next write (inside the caller's retries, so a
-        Hello never waits for Redis). Writes in between carry the old token, and a write issued by a
-        stale owner after the new owner's first write is refused."""
-        self._fence[node_id] = None
-
-    def fence_token(self, node_id: str) -> int:
-        return self._fence.get(node_id) or 0
-
-    async def _token(self, node_id: str) -> str:
-        """The token this client's writes for ``node_id`` carry ('0': it never claimed the node)."""
-        if node_id not in self._fence:
-            return "0"
-        tok = self._fence[node_id]
-        if tok is None:
-            await self._check_layout()
-            tok = int(await self._conn.eval(lua.CLAIM, self.tag_of(node_id), node_id))
-            # concurrent first writes may each issue one: keep the highest, or we would fence ourselves
-            tok = max(tok, self._fence.get(node_id) or 0)
-            self._fence[node_id] = tok
-        return str(tok)
-
-    def _fenced(self, node_id: str, what: str) -> FencedWrite:
-        """A refused write (the stale token is kept: later writes are refused too, until a claim)."""
-        return FencedWrite(
-            node_id, f"{what} refused by Redis: another replica claimed the node since (this one's fencing "
-            f"token {self._fence.get(node_id)} is stale)"
-        )
-
-    async def reclaim_node(self, node_id: str, token: int) -> bool:
-        """Retire a dead owner's node unless it was claimed since (its token moved past ``token``). False
-        also when there was nothing left to retire (the owner had removed the node itself)."""
-        if token <= 0:
-            return False
-        tag = self.tag_of(node_id)
-        res = int(await self._conn.eval(lua.REMOVE_NODE, tag, node_id, str(token), "1"))
-        if res <= 0:
-            return False
-        self.metrics.reclaimed_nodes += 1
-        self._wake_reclaimer()
-        await self._mirror_sync(tag)
-        return True
-
     async def apply(self, model: str, node_id: str, dp_rank: int, ops_in: Sequence[Op]) -> ApplyResult:
         validate.check_target(model, node_id, dp_rank)
         ops, skipped = compile_ops(ops_in)
@@ -230,7 +185,7 @@ class RedisIndex:
         if not ops:
             return result
         await self._check_layout()
-        token = await self._token(node_id)
+        token = await self._fencer.token(node_id)
         batch: list[object] = [_loc_name(model, node_id, dp_rank), node_id, "A", token, len(ops)]
         blocks = 0
         for op, blob in ops:
@@ -242,7 +197,7 @@ class RedisIndex:
             bucket, batch, blocks
         )
         if new < 0:
-            raise self._fenced(node_id, "apply")
+            raise self._fencer.fenced(node_id, "apply")
         if self._mirror is not None and seq:
             await self._mirror.caught_up(self._tags[bucket], seq)  # read-your-writes on this replica
         result.stored = int(new)
@@ -373,19 +328,19 @@ class RedisIndex:
     async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
         validate.check_target(model, node_id, dp_rank)
         lf = _loc_name(model, node_id, dp_rank)
-        token = await self._token(node_id)
+        token = await self._fencer.token(node_id)
         res = int(await self._conn.eval(lua.CLEAR, self.tag_of(node_id), lf, node_id, token))
         if res < 0:
-            raise self._fenced(node_id, "clear")
+            raise self._fencer.fenced(node_id, "clear")
         if res:
             self._wake_reclaimer()
         await self._mirror_sync(self.tag_of(node_id))
 
     async def remove_node(self, node_id: str) -> None:
-        token = await self._token(node_id)
+        token = await self._fencer.token(node_id)
         res = int(await self._conn.eval(lua.REMOVE_NODE, self.tag_of(node_id), node_id, token, "0"))
         if res < 0:
-            raise self._fenced(node_id, "remove_node")
+            raise self._fencer.fenced(node_id, "remove_node")
         if res:
             self._wake_reclaimer()
         await self._mirror_sync(self.tag_of(node_id))
@@ -430,10 +385,10 @@ class RedisIndex:
         await self._check_layout()
         tag = self.tag_of(node_id)
         lf = _loc_name(model, node_id, dp_rank)
-        token = await self._token(node_id)
+        token = await self._fencer.token(node_id)
         pending = int(await self._conn.eval(lua.BEGIN, tag, lf, node_id, token))
         if pending < 0:
-            raise self._fenced(node_id, "replace_node")
+            raise self._fencer.fenced(node_id, "replace_node")
         try:
             committed = await self._fill_pending(tag, lf, node_id, pending, per_tier, token)
         except rexc.ResponseError as e:
@@ -460,10 +415,10 @@ class RedisIndex:
                 res = await self._conn.eval(lua.WRITE, tag, lf, node_id, str(pending), token, 1,
                                             f"S{t}", blob)
                 if int(res[0]) < 0:
-                    raise self._fenced(node_id, "replace_node")
+                    raise self._fencer.fenced(node_id, "replace_node")
         committed = int(await self._conn.eval(lua.COMMIT, tag, lf, node_id, str(pending), token))
         if committed < 0:
-            raise self._fenced(node_id, "replace_node")
+            raise self._fencer.fenced(node_id, "replace_node")
         return committed
 
     # ---------------------------------------------------------------------------------- stats
@@ -493,35 +448,6 @@ class RedisIndex:
         while not mirror.ready and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         return mirror.ready
-
-    async def ping(self) -> bool:
-        if self._mirror is not None:
-            self._mirror.start()  # the coordinator pings at start: load the copy before lookups come
-        try:
-            if self._cluster:
-                await asyncio.wait_for(self._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
-            else:
-                await asyncio.wait_for(self._r.ping(), 2.0)
-        except Exception:
-            self.metrics.errors += 1
-            self.metrics.up = False
-            return False
-        self.metrics.answered()
-        return True
-
-    async def generation(self) -> str:
-        """A token that changes when Redis lost the index (restarted empty, flushed, failed over badly).
-
-        Each bucket keeps a random marker, set when missing (one script per bucket, one round trip);
-        the coordinator compares the token over time and asks every agent for a snapshot when it
-        changed. Raises :class:`~kvcoord.index.redis.client.IndexUnavailable` when Redis cannot be reached.
-        """
-        tokens = await self._conn.eval_many(lua.EPOCH, [(tag, [uuid.uuid4().hex]) for tag in self._tags])
-        return hashlib.sha1(b"|".join(t if isinstance(t, bytes) else b"" for t in tokens)).hexdigest()[:16]
-
-    async def data_epoch(self) -> str:
-        """Alias of :meth:`generation` (the name this module used first)."""
-        return await self.generation()
 
     async def close(self) -> None:
         self._closed = True
