@@ -1,8 +1,10 @@
 """Whether the index serves, and the retry of index calls through its outages.
 
-The first failed call marks the index down, which flips gRPC health to NOT_SERVING at once. It is declared
-up again only after a ping *and* a generation check succeed, so a backend that came back empty is noticed
-(every node is then asked for a snapshot) before anything is written to it or read from it.
+The first failed call marks the index down, which flips gRPC health to NOT_SERVING at once. Ingest sessions
+keep their batch unacked and retry it with backoff (:meth:`IndexHealth.call`); lookups answer UNAVAILABLE.
+It is declared up again only after a ping *and* a generation check succeed, so a backend that came back
+empty is noticed (every node is then asked for a snapshot) before anything is written to it or read from
+it. A backend that came back intact resumes where it stopped.
 """
 
 from __future__ import annotations
