@@ -127,7 +127,7 @@ async def run(args: argparse.Namespace, url: str, used_memory: object) -> dict[s
     )
     mem = MemoryIndex()
     red = RedisIndex.from_uri(url, key_prefix="bench")
-    assert await red.ping()
+    assert await red.remote.ping()
     mem_ingest = await ingest(mem, batches, 1)
     await red.apply(MODEL, "warm", 0, ops_of([BlockStored((1,), None, (), 16)]))
     before = used_memory()  # type: ignore[operator]

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Print kvcoord's module sizes, longest functions and layering breaches; fail CI on a breach.
+"""Print kvcoord's module sizes, longest functions, largest classes, longest C functions and layering
+breaches; fail CI on a breach.
 
-Issue 12 ("Size and layering"): no module over 700 lines, no function over 80, no import that points
-up the layering of DESIGN.md, argparse only in ``kvcoord/cli/``. ``LAYERS`` below is the one written
-source of truth for the layering; a new module fails the check until it is placed there.
+The rules: no module over 600 lines, no function over 80, no class with over 25 methods (``def`` and
+``async def`` in its body), no C function in ``kvcoord/_native/*.c`` over 100 lines (``vendor/`` is not
+ours), no import that points up the layering of docs/architecture.md, argparse only in ``kvcoord/cli/``.
+``LAYERS`` below is the one written source of truth for the layering; a new module fails the check until
+it is placed there. ``PENDING`` lists the size debt still being paid off: it is printed, not failed.
 
 Run from anywhere: ``python scripts/check_structure.py``. Exit status 0 when everything holds, 1 otherwise.
 The generated ``kvcoord/proto/**`` is not checked.
@@ -12,6 +15,7 @@ The generated ``kvcoord/proto/**`` is not checked.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +23,7 @@ from pathlib import Path
 LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("kvcoord", "kvcoord._native", "kvcoord.native", "kvcoord.proto", "kvcoord.load", "kvcoord.transport"),
      "leaves: the version, the native switch and extension, generated protobuf, shared load and gRPC types"),
-    (("kvcoord.hashing", "kvcoord.sglang_hash", "kvcoord.vllm_hash"),
+    (("kvcoord.hashing", "kvcoord.extra_keys", "kvcoord.sglang_hash", "kvcoord.vllm_hash"),
      "vLLM's and SGLang's block hashes: everything else speaks in them"),
     (("kvcoord.events",), "the event model and its codecs, built on the hashes"),
     (("kvcoord.validate",), "the one rule set that turns events into index operations"),
@@ -36,15 +40,23 @@ LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 """Lowest first. A module may import from its own layer and lower ones only (``if TYPE_CHECKING:`` too)."""
 
-MAX_MODULE_LINES = 700
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
+MAX_CLASS_METHODS = 25
+MAX_C_FUNCTION_LINES = 100
+NATIVE = "kvcoord/_native"
 TOP_FUNCTIONS = 15
 ARGPARSE_HOME = "kvcoord.cli"
 EXCLUDED = ("kvcoord.proto",)
 """Generated code: not measured and not scanned for imports."""
 
-PENDING: dict[str, str] = {}
-"""Known breaches with an owner. Still failures: the note only says who is on it."""
+_SPLIT = "split by concept"
+PENDING: dict[str, str] = {
+    "class:kvcoord/agent/pool.py:BlockPool": _SPLIT,
+}
+"""Size debt allowed for now, each with what is left to do: printed as ``PENDING``, not failed, so CI stays
+green while the debt stays visible. Keys: ``module:<path>``, ``class:<path>:<Class>``, ``c:<path>:<function>``
+and ``<path>:<function>`` (a Python function). An entry no longer over its limit fails: drop it."""
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvcoord"
@@ -60,6 +72,18 @@ class Function:
     @property
     def key(self) -> str:
         return f"{self.path}:{self.name}"
+
+
+@dataclass(frozen=True)
+class Klass:
+    path: str
+    line: int
+    name: str
+    methods: int
+
+    @property
+    def key(self) -> str:
+        return f"class:{self.path}:{self.name}"
 
 
 @dataclass(frozen=True)
@@ -109,6 +133,7 @@ class _Scan(ast.NodeVisitor):
     def __init__(self, path: str, module: str, is_package: bool) -> None:
         self.path, self.module, self.is_package = path, module, is_package
         self.functions: list[Function] = []
+        self.classes: list[Klass] = []
         self.imports: list[tuple[int, str, bool]] = []
         self._scope: list[str] = []
         self._type_checking = 0
@@ -119,6 +144,8 @@ class _Scan(ast.NodeVisitor):
         self._scope.pop()
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+        self.classes.append(Klass(self.path, node.lineno, ".".join([*self._scope, node.name]), methods))
         self._scoped(node)
 
     def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
@@ -170,11 +197,57 @@ class _Scan(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def scan() -> tuple[list[tuple[int, str]], list[Function], list[Import], list[str], list[str]]:
-    """Sizes, functions, kvcoord imports, argparse breaches and names of every checked module."""
+_C_TOKENS = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S)
+_C_PREPROCESSOR = re.compile(r"(?m)^[ \t]*#(?:[^\n]*\\\n)*[^\n]*")
+_C_NAME = re.compile(r"([A-Za-z_]\w*)\s*\([^;{}]*\)\s*$")
+
+
+def _blank(match: re.Match[str]) -> str:
+    """A comment, literal or preprocessor line as spaces, its newlines kept (so line numbers hold)."""
+    return re.sub(r"[^\n]", " ", match.group(0))
+
+
+def c_functions(text: str, path: str) -> list[Function]:
+    """Top-level C function bodies by brace matching: a ``{`` at depth 0 whose text since the last
+    top-level ``;`` or ``}`` ends in ``name(...)``; measured from the name's line to the closing brace.
+    Initializers (``= {``), structs and enums do not end in a parameter list."""
+    code = _C_PREPROCESSOR.sub(_blank, _C_TOKENS.sub(_blank, text))
+    out: list[Function] = []
+    depth, start, head = 0, 0, 0
+    for i, ch in enumerate(code):
+        if ch == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                name = _C_NAME.search(code[head:start])
+                if name is not None:
+                    first = code.count("\n", 0, head + name.start(1)) + 1
+                    last = code.count("\n", 0, i) + 1
+                    out.append(Function(path, first, name.group(1), last - first + 1))
+                head = i + 1
+        elif ch == ";" and depth == 0:
+            head = i + 1
+    return out
+
+
+def scan_c() -> list[Function]:
+    """Every top-level function of ``kvcoord/_native/*.c`` (not ``vendor/``), longest first."""
+    functions: list[Function] = []
+    for file in sorted((ROOT / NATIVE).glob("*.c")):
+        functions.extend(c_functions(file.read_text(encoding="utf-8"), file.relative_to(ROOT).as_posix()))
+    functions.sort(key=lambda f: (-f.lines, f.path, f.line))
+    return functions
+
+
+def scan() -> tuple[list[tuple[int, str]], list[Function], list[Import], list[str], list[str], list[Klass]]:
+    """Sizes, functions, kvcoord imports, argparse breaches, names of every checked module, and classes."""
     modules: list[str] = []
     sizes: list[tuple[int, str]] = []
     functions: list[Function] = []
+    classes: list[Klass] = []
     imports: list[Import] = []
     argparse_uses: list[str] = []
     for file in sorted(PACKAGE.rglob("*.py")):
@@ -188,6 +261,7 @@ def scan() -> tuple[list[tuple[int, str]], list[Function], list[Import], list[st
         visitor = _Scan(rel, module, file.name == "__init__.py")
         visitor.visit(ast.parse(text, filename=rel))
         functions.extend(visitor.functions)
+        classes.extend(visitor.classes)
         for line, target, type_checking in visitor.imports:
             if target.split(".")[0] == "argparse" and not _prefix_of(module, ARGPARSE_HOME):
                 argparse_uses.append(f"{rel}:{line}: imports argparse (only {ARGPARSE_HOME} parses)")
@@ -195,7 +269,8 @@ def scan() -> tuple[list[tuple[int, str]], list[Function], list[Import], list[st
                 imports.append(Import(rel, line, module, target, type_checking))
     sizes.sort(key=lambda s: (-s[0], s[1]))
     functions.sort(key=lambda f: (-f.lines, f.path, f.line))
-    return sizes, functions, imports, argparse_uses, modules
+    classes.sort(key=lambda c: (-c.methods, c.path, c.line))
+    return sizes, functions, imports, argparse_uses, modules, classes
 
 
 def layering(imports: list[Import], modules: list[str]) -> list[str]:
@@ -215,22 +290,50 @@ def layering(imports: list[Import], modules: list[str]) -> list[str]:
     return problems
 
 
+def _top(title: str, rows: list[tuple[int, str, str]], limit: int) -> None:
+    """The largest few of one measure, flagged when over ``limit`` (``PENDING`` when listed there)."""
+    print(f"\n== {title} (top {TOP_FUNCTIONS}; limit {limit})")
+    for size, where, key in rows[:TOP_FUNCTIONS]:
+        flag = "" if size <= limit else "  PENDING" if key in PENDING else "  OVER LIMIT"
+        print(f"{size:6d}  {where}{flag}")
+
+
+def size_breaches() -> tuple[list[tuple[str, str]], set[str]]:
+    """Every size rule broken, as (PENDING key, message), and the keys of everything measured."""
+    sizes, functions, _imports, _argparse, _modules, classes = scan()
+    rows: list[tuple[str, str]] = []
+    for lines, rel in sizes:
+        if lines > MAX_MODULE_LINES:
+            rows.append((f"module:{rel}", f"module {rel}: {lines} lines > {MAX_MODULE_LINES}"))
+    for fn in functions:
+        if fn.lines > MAX_FUNCTION_LINES:
+            rows.append((fn.key, f"function {fn.path}:{fn.line} {fn.name}: {fn.lines} lines > "
+                                 f"{MAX_FUNCTION_LINES}"))
+    for cls in classes:
+        if cls.methods > MAX_CLASS_METHODS:
+            rows.append((cls.key, f"class {cls.path}:{cls.line} {cls.name}: {cls.methods} methods > "
+                                  f"{MAX_CLASS_METHODS}"))
+    for fn in scan_c():
+        if fn.lines > MAX_C_FUNCTION_LINES:
+            rows.append((f"c:{fn.key}", f"C function {fn.path}:{fn.line} {fn.name}: {fn.lines} lines > "
+                                        f"{MAX_C_FUNCTION_LINES}"))
+    return rows, {key for key, _ in rows}
+
+
 def report() -> int:
-    sizes, functions, imports, argparse_uses, modules = scan()
-    failures = 0
+    sizes, functions, imports, argparse_uses, modules, classes = scan()
     print(f"== module sizes (lines, largest first; limit {MAX_MODULE_LINES})")
     for lines, rel in sizes:
-        over = lines > MAX_MODULE_LINES
-        failures += over
-        print(f"{lines:6d}  {rel}{'  OVER LIMIT' if over else ''}")
-    print(f"\n== longest functions (top {TOP_FUNCTIONS}; limit {MAX_FUNCTION_LINES} lines)")
-    for fn in functions[:TOP_FUNCTIONS]:
-        flag = "  OVER LIMIT" if fn.lines > MAX_FUNCTION_LINES else ""
-        print(f"{fn.lines:6d}  {fn.path}:{fn.line}  {fn.name}{flag}")
-    long_functions = [fn for fn in functions if fn.lines > MAX_FUNCTION_LINES]
-    failures += len(long_functions)
+        key = f"module:{rel}"
+        flag = "" if lines <= MAX_MODULE_LINES else "  PENDING" if key in PENDING else "  OVER LIMIT"
+        print(f"{lines:6d}  {rel}{flag}")
+    _top("longest functions, lines", [(f.lines, f"{f.path}:{f.line}  {f.name}", f.key) for f in functions],
+         MAX_FUNCTION_LINES)
+    _top("largest classes, methods", [(c.methods, f"{c.path}:{c.line}  {c.name}", c.key) for c in classes],
+         MAX_CLASS_METHODS)
+    _top("longest C functions, lines",
+         [(f.lines, f"{f.path}:{f.line}  {f.name}", f"c:{f.key}") for f in scan_c()], MAX_C_FUNCTION_LINES)
     problems = layering(imports, modules) + argparse_uses
-    failures += len(problems)
     print(f"\n== layering ({len(imports)} kvcoord imports checked; lowest layer first)")
     for level, (prefixes, reason) in enumerate(LAYERS):
         print(f"{level:6d}  {', '.join(prefixes)}: {reason}")
@@ -239,18 +342,19 @@ def report() -> int:
     if not problems:
         print("no violations")
     print("\n== result")
-    for lines, rel in sizes:
-        if lines > MAX_MODULE_LINES:
-            print(f"FAIL module {rel}: {lines} lines > {MAX_MODULE_LINES}")
-    for fn in long_functions:
-        note = PENDING.get(fn.key)
-        print(f"FAIL function {fn.path}:{fn.line} {fn.name}: {fn.lines} lines > {MAX_FUNCTION_LINES}"
-              + (f" (pending: {note})" if note else ""))
+    breaches, keys = size_breaches()
+    failures = len(problems)
+    for key, message in breaches:
+        if key in PENDING:
+            print(f"PENDING {message} ({PENDING[key]})")
+        else:
+            print(f"FAIL {message}")
+            failures += 1
     if problems:
         print(f"FAIL layering: {len(problems)} violation(s) above")
-    long_keys = {fn.key for fn in long_functions}
-    for key in sorted(set(PENDING) - long_keys):
-        print(f"note: PENDING lists {key}, which is no longer over the limit: drop the entry")
+    for key in sorted(set(PENDING) - keys):
+        print(f"FAIL PENDING lists {key}, which is no longer over its limit: drop the entry")
+        failures += 1
     print("ok" if not failures else f"{failures} failure(s)")
     return 1 if failures else 0
 

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from kvcoord.coordinator import CoordinatorServer, load_config
-from kvcoord.coordinator.servicer import _Outbox
+from kvcoord.coordinator.outbox import Outbox
 from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import HashProfile
 from kvcoord.index import Index
@@ -248,7 +248,7 @@ async def test_acks_queued_together_go_out_as_one() -> None:
             self.out.append(msg)
 
     ctx = Written()
-    box = _Outbox(ctx, ack_interval=0.0)  # type: ignore[arg-type]
+    box = Outbox(ctx, ack_interval=0.0)  # type: ignore[arg-type]
     for seq in range(1, 11):
         box.ack(1, seq)
     box.put(pb.CoordinatorMessage(snapshot_request=pb.SnapshotRequest(epoch=1, reason="gap")))
@@ -258,7 +258,7 @@ async def test_acks_queued_together_go_out_as_one() -> None:
     assert [m.WhichOneof("msg") for m in ctx.out] == ["ack", "snapshot_request", "ack"]
     assert [m.ack.seq for m in ctx.out if m.HasField("ack")] == [10, 12]
     box.ack(1, 13)
-    slow = _Outbox(ctx, ack_interval=3600.0)  # type: ignore[arg-type]
+    slow = Outbox(ctx, ack_interval=3600.0)  # type: ignore[arg-type]
     slow.ack(1, 14)
     await slow.drain()  # not an hour: drain flushes
     assert ctx.out[-1].ack.seq == 14
@@ -1105,7 +1105,7 @@ async def test_lookup_bug_is_internal_outage_is_unavailable() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await c.lookup_hashes([1, 2])
         assert err.value.code() == grpc.StatusCode.INTERNAL and "KeyError" in (err.value.details() or "")
-        assert st.index_up  # a bug does not take the replica out of rotation
+        assert st.health.up  # a bug does not take the replica out of rotation
         reg = st.metrics.registry
 
         async def counted() -> bool:  # the status can reach the client before the handler's finally runs
@@ -1115,9 +1115,9 @@ async def test_lookup_bug_is_internal_outage_is_unavailable() -> None:
         index.match_error = ConnectionError("backend gone")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await c.lookup_hashes([1, 2])
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and not st.index_up
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and not st.health.up
         index.match_error = None
-        await until(lambda: _true(lambda: st.index_up))
+        await until(lambda: _true(lambda: st.health.up))
         resp = await c.lookup_hashes([1, 2, 3])
         assert [n.matched_blocks for n in resp.nodes] == [2]
         assert reg.get_sample_value("kvcoord_lookup_matched_fraction_sum") == pytest.approx(2 / 3)

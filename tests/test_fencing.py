@@ -80,12 +80,12 @@ async def pair(server: RedisServer | RedisCluster) -> AsyncIterator[tuple[RedisI
 
 async def test_a_stale_owner_is_refused_every_write(pair: tuple[RedisIndex, RedisIndex]) -> None:
     a, b = pair
-    await a.claim("n")
+    await a.fencing.claim("n")
     await a.apply(M, "n", 0, ops_of([stored(1, 2, 3)]))
-    token_a = a.fence_token("n")
-    await b.claim("n")
+    token_a = a.fencing.fence_token("n")
+    await b.fencing.claim("n")
     await b.replace_node(M, "n", 0, H(4, 5))
-    assert b.fence_token("n") > token_a > 0
+    assert b.fencing.fence_token("n") > token_a > 0
     counted = InstrumentedIndex(a, lambda: PyTally((1.0,)))  # the coordinator's metrics wrapper
     stale: list[Callable[[], Awaitable[object]]] = [
         lambda: counted.apply(M, "n", 0, ops_of([stored(9)])),
@@ -103,7 +103,7 @@ async def test_a_stale_owner_is_refused_every_write(pair: tuple[RedisIndex, Redi
     assert await held(a) == [4, 5] == await held(b)
     assert [m.node_id for m in await a.match(M, H(4, 5))] == ["n"]
     # A claims the node back (its agent reconnected to it): now B is the stale one.
-    await a.claim("n")
+    await a.fencing.claim("n")
     await a.apply(M, "n", 0, ops_of([stored(6)]))
     with pytest.raises(FencedWrite):
         await b.apply(M, "n", 0, ops_of([stored(10)]))
@@ -113,9 +113,9 @@ async def test_a_stale_owner_is_refused_every_write(pair: tuple[RedisIndex, Redi
 async def test_fencing_is_per_node_within_one_coalesced_write(pair: tuple[RedisIndex, RedisIndex]) -> None:
     a, b = pair
     for node in ("n1", "n2"):
-        await a.claim(node)
+        await a.fencing.claim(node)
         await a.apply(M, node, 0, ops_of([stored(1)]))
-    await b.claim("n1")
+    await b.fencing.claim("n1")
     await b.apply(M, "n1", 0, ops_of([stored(2)]))
     # Both batches go out in one script call (same bucket): only n1's is refused.
     res = await asyncio.gather(a.apply(M, "n1", 0, ops_of([stored(3)])),
@@ -130,11 +130,11 @@ async def test_unclaimed_writes_and_lost_fence_keys(pair: tuple[RedisIndex, Redi
     # A client that never claimed a node writes unfenced (library use): nothing changes for it.
     await a.apply(M, "n", 0, ops_of([stored(1)]))
     await b.apply(M, "n", 0, ops_of([stored(2)]))
-    assert await held(a) == [1, 2] and a.fence_token("n") == 0
+    assert await held(a) == [1, 2] and a.fencing.fence_token("n") == 0
     # Redis loses everything (restarted empty): the highest token still wins, whoever writes first.
-    await a.claim("n")
+    await a.fencing.claim("n")
     await a.apply(M, "n", 0, ops_of([stored(3)]))
-    await b.claim("n")
+    await b.fencing.claim("n")
     await b.apply(M, "n", 0, ops_of([stored(4)]))
     server.flushall()
     await a.apply(M, "n", 0, ops_of([stored(5)]))  # adopts A's token: nobody else holds the key
@@ -146,19 +146,20 @@ async def test_unclaimed_writes_and_lost_fence_keys(pair: tuple[RedisIndex, Redi
 
 async def test_reclaim_only_while_nobody_claimed_since(pair: tuple[RedisIndex, RedisIndex]) -> None:
     a, b = pair
-    await a.claim("n")
+    await a.fencing.claim("n")
     await a.apply(M, "n", 0, ops_of([stored(1, 2)]))
-    dead_token = a.fence_token("n")
-    await b.claim("n")  # the node came back, on B
+    dead_token = a.fencing.fence_token("n")
+    await b.fencing.claim("n")  # the node came back, on B
     await b.apply(M, "n", 0, ops_of([stored(3)]))
-    assert not await a.reclaim_node("n", dead_token)  # a stale record: the node stays
+    assert not await a.fencing.reclaim_node("n", dead_token)  # a stale record: the node stays
     assert await held(b) == [1, 2, 3]
-    assert await a.reclaim_node("n", b.fence_token("n"))  # B died: its token is still the node's
+    # B died: its token is still the node's
+    assert await a.fencing.reclaim_node("n", b.fencing.fence_token("n"))
     assert await held(b) == [] and a.metrics.reclaimed_nodes == 1
-    assert not await a.reclaim_node("n", b.fence_token("n"))  # once
+    assert not await a.fencing.reclaim_node("n", b.fencing.fence_token("n"))  # once
     with pytest.raises(FencedWrite):  # B, late, cannot write on top of the reclaim
         await b.apply(M, "n", 0, ops_of([stored(4)]))
-    assert not await a.reclaim_node("n", 0)
+    assert not await a.fencing.reclaim_node("n", 0)
 
 
 async def test_directory_keeps_the_later_claims_record(redis_server: RedisServer) -> None:

@@ -72,7 +72,7 @@ async def test_open_index_picks_the_backend(redis_server: RedisServer, redis_clu
     try:
         assert isinstance(a, RedisIndex) and (a.backend, a.buckets) == ("redis", 1)
         assert isinstance(b, RedisIndex) and (b.backend, b.buckets) == ("redis-cluster", 6)
-        assert await a.ping() and await b.ping()
+        assert await a.remote.ping() and await b.remote.ping()
     finally:
         await a.close()
         await b.close()
@@ -81,7 +81,8 @@ async def test_open_index_picks_the_backend(redis_server: RedisServer, redis_clu
 async def test_one_spec_opens_the_index_the_directory_and_the_engine_store(redis_server: RedisServer) -> None:
     """The URI is parsed once: its ``prefix`` option (over the configured key prefix) places the index
     and the directory and engine store it carries."""
-    from kvcoord.coordinator.engines import Engine, Listener, open_engine_store
+    from kvcoord.coordinator.engine_store import open_engine_store
+    from kvcoord.coordinator.engines import Engine, Listener
     from kvcoord.coordinator.shared import SharedNode, open_directory
     from kvcoord.index import parse_index_uri
 
@@ -411,10 +412,10 @@ async def test_ping_apply_and_reconnect_across_a_redis_restart(own_server: Redis
     idx = RedisIndex.from_uri(own_server.url + "?timeout=1")
     try:
         await idx.apply(M, "n1", 0, ops_of([stored(1, 2)]))
-        epoch = await idx.data_epoch()
-        assert await idx.data_epoch() == epoch
+        epoch = await idx.remote.data_epoch()
+        assert await idx.remote.data_epoch() == epoch
         own_server.kill()
-        assert await idx.ping() is False
+        assert await idx.remote.ping() is False
         assert not idx.metrics.up
         errors = idx.metrics.errors
         with pytest.raises(IndexUnavailable):
@@ -424,10 +425,10 @@ async def test_ping_apply_and_reconnect_across_a_redis_restart(own_server: Redis
         assert idx.metrics.errors > errors and idx.metrics.connection_errors >= 2
         own_server.start()  # same port, empty: persistence is off
         deadline = time.monotonic() + 10
-        while not await idx.ping():
+        while not await idx.remote.ping():
             assert time.monotonic() < deadline
         assert idx.metrics.up and idx.metrics.reconnects >= 1
-        assert await idx.data_epoch() != epoch  # the coordinator's cue to ask agents for snapshots
+        assert await idx.remote.data_epoch() != epoch  # the coordinator's cue to ask agents for snapshots
         assert await idx.match(M, H(1, 2)) == []
         await idx.apply(M, "n1", 0, ops_of([stored(1, 2)]))
         assert [m.matched_blocks for m in await idx.match(M, H(1, 2))] == [2]
@@ -441,7 +442,7 @@ async def test_ping_is_false_when_nothing_listens() -> None:
 
     idx = RedisIndex.from_uri(f"redis://127.0.0.1:{free_port()}/0?timeout=0.5")
     try:
-        assert await idx.ping() is False
+        assert await idx.remote.ping() is False
     finally:
         await idx.close()
 

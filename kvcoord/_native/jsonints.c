@@ -274,6 +274,28 @@ skip_value(const unsigned char *p, const unsigned char *end, int depth)
     return p > start ? p : NULL;
 }
 
+/* The object base..p as bytes, its member value vstart..vend (when vstart is not NULL) replaced by
+ * null. NULL with an exception when out of memory. */
+static PyObject *
+object_with_null(const unsigned char *base, const unsigned char *p, const unsigned char *vstart,
+                 const unsigned char *vend)
+{
+    if (vstart == NULL) {
+        return PyBytes_FromStringAndSize((const char *)base, p - base);
+    }
+    Py_ssize_t head = vstart - base, tail = p - vend;
+    PyObject *rest = PyBytes_FromStringAndSize(NULL, head + 4 + tail);
+    if (rest != NULL) {
+        char *r = PyBytes_AS_STRING(rest);
+        memcpy(r, base, (size_t)head);
+        memcpy(r + head, "null", 4);
+        if (tail > 0) {
+            memcpy(r + head + 4, vend, (size_t)tail);
+        }
+    }
+    return rest;
+}
+
 PyDoc_STRVAR(json_take_ints_doc,
 "json_take_ints(data, key, kind) -> tuple[bytes | None, bytes] | None\n\n"
 "`data` holding a JSON object: (the packed ints of its top-level member `key` (kind 'I': uint32\n"
@@ -368,21 +390,7 @@ json_take_ints(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         break;
     }
 closed:;
-    PyObject *rest;
-    if (vstart == NULL) {
-        rest = PyBytes_FromStringAndSize((const char *)base, p - base);
-    } else {
-        Py_ssize_t head = vstart - base, tail = p - vend;
-        rest = PyBytes_FromStringAndSize(NULL, head + 4 + tail);
-        if (rest != NULL) {
-            char *r = PyBytes_AS_STRING(rest);
-            memcpy(r, base, (size_t)head);
-            memcpy(r + head, "null", 4);
-            if (tail > 0) {
-                memcpy(r + head + 4, vend, (size_t)tail);
-            }
-        }
-    }
+    PyObject *rest = object_with_null(base, p, vstart, vend);
     if (rest != NULL) {
         result = PyTuple_Pack(2, ints != NULL ? ints : Py_None, rest);
         Py_DECREF(rest);

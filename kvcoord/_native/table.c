@@ -913,6 +913,141 @@ sort_group(Row *rows, size_t lo, size_t hi, const uint32_t *rank, uint32_t nslot
     return 0;
 }
 
+/* A holder not on GPU (mask bit 0) counts its block on its fastest tier: CPU, else storage. */
+static inline void
+count_tier(uint8_t mask, uint32_t *cpu, uint32_t *sto, uint32_t s)
+{
+    if (mask & 2) {
+        cpu[s]++;
+    }
+    else {
+        sto[s]++;
+    }
+}
+
+/* The first block's holders among the candidates (state 1) start the walk as survivors (state 2), their
+ * counts at 0 but for this block's tier; *exc is set when one holds it off GPU. Returns how many. */
+static inline uint32_t
+start_walk(const Holder *h, uint32_t hn, uint32_t ns, uint8_t *state, uint32_t *seen, uint32_t *cpu,
+           uint32_t *sto, uint32_t *surv, int *exc)
+{
+    uint32_t nsurv = 0;
+    for (uint32_t j = 0; j < hn; j++) {
+        uint32_t s = h[j].slot;
+        if (s < ns && state[s] == 1) {
+            state[s] = 2;
+            seen[s] = 0;
+            cpu[s] = sto[s] = 0;
+            surv[nsurv++] = s;
+            if (!(h[j].mask & 1)) {
+                *exc = 1;
+                count_tier(h[j].mask, cpu, sto, s);
+            }
+        }
+    }
+    return nsurv;
+}
+
+/* A block with the previous block's holders: every survivor continues; count the off-GPU ones' tiers. */
+static inline void
+count_again(const Holder *h, uint32_t hn, uint32_t ns, const uint8_t *state, uint32_t *cpu, uint32_t *sto)
+{
+    for (uint32_t j = 0; j < hn; j++) {
+        uint32_t s = h[j].slot;
+        if (s < ns && state[s] == 2 && !(h[j].mask & 1)) {
+            count_tier(h[j].mask, cpu, sto, s);
+        }
+    }
+}
+
+/* A block with other holders: stamp the survivors that hold it and count their tiers; *exc is set when
+ * one holds it off GPU. Returns how many survivors hold it. */
+static inline uint32_t
+mark_seen(const Holder *h, uint32_t hn, uint32_t ns, const uint8_t *state, uint32_t *seen, uint32_t stamp,
+          uint32_t *cpu, uint32_t *sto, int *exc)
+{
+    uint32_t kept = 0;
+    for (uint32_t j = 0; j < hn; j++) {
+        uint32_t s = h[j].slot;
+        if (s < ns && state[s] == 2) {
+            seen[s] = stamp;
+            kept++;
+            if (!(h[j].mask & 1)) {
+                *exc = 1;
+                count_tier(h[j].mask, cpu, sto, s);
+            }
+        }
+    }
+    return kept;
+}
+
+/* match_walk's conversion of the query's Python ints, ahead of block i in chunks, so the bucket
+ * MATCH_PF_DIST blocks further on can be prefetched; the first that is not a uint64 int cuts *qlen. */
+static inline void
+convert_ahead(const Table *t, PyObject **q, uint64_t *qh, Py_ssize_t i, Py_ssize_t *nconv, Py_ssize_t *qlen)
+{
+    Py_ssize_t stop = i + MATCH_PF_DIST + 64;
+    if (stop > *qlen) {
+        stop = *qlen;
+    }
+    while (*nconv < stop) {
+        Py_ssize_t c = *nconv;
+        if (as_u64(q[c], &qh[c]) < 0) {
+            PyErr_Clear();
+            *qlen = c;
+            return;
+        }
+        if (c <= i + MATCH_PF_DIST) {
+            prefetch_key(t, qh[c]);
+        }
+        *nconv = c + 1;
+    }
+}
+
+/* The survivors not seen at block `matched` (their stamp is not `stamp`) stop there: each becomes a row
+ * and leaves the walk. Returns how many survive, compacted at the front of surv. */
+static inline uint32_t
+drop_stopped(uint32_t *surv, uint32_t nsurv, const uint32_t *seen, uint32_t stamp, uint8_t *state,
+             const uint32_t *cpu, const uint32_t *sto, uint32_t matched, Row *rows, size_t *nrows)
+{
+    uint32_t k = 0;
+    for (uint32_t j = 0; j < nsurv; j++) {
+        uint32_t s = surv[j];
+        if (seen[s] == stamp) {
+            surv[k++] = s;
+        }
+        else {
+            Row r = {s, matched, cpu[s], sto[s]};
+            rows[(*nrows)++] = r;
+            state[s] = 0;
+        }
+    }
+    return k;
+}
+
+/* Rows come in ascending matched order: reverse them to longest first, then sort each group of equal
+ * matched by rank. -1 on memory error. */
+static int
+order_rows(Row *rows, size_t nrows, const uint32_t *rank, uint32_t ns)
+{
+    for (size_t a = 0, b = nrows ? nrows - 1 : 0; a < b; a++, b--) {
+        Row tmp = rows[a];
+        rows[a] = rows[b];
+        rows[b] = tmp;
+    }
+    for (size_t lo = 0; lo < nrows;) {
+        size_t hi = lo + 1;
+        while (hi < nrows && rows[hi].matched == rows[lo].matched) {
+            hi++;
+        }
+        if (sort_group(rows, lo, hi, rank, ns) < 0) {
+            return -1;
+        }
+        lo = hi;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(match_doc,
 "match(hashes, candidates, keys, cls) -> list\n\n"
 "Per live slot (restricted to the `candidates` slots unless None): the gap-free leading run of\n"
@@ -959,21 +1094,7 @@ match_walk(Table *t, uint8_t *state, PyObject **q, uint64_t *qh, Py_ssize_t nq, 
     for (i = 0; i < qlen; i++) {
         /* convert ahead in chunks, so the bucket MATCH_PF_DIST blocks further on can be prefetched */
         if (nconv <= i + MATCH_PF_DIST && nconv < qlen) {
-            Py_ssize_t stop = i + MATCH_PF_DIST + 64;
-            if (stop > qlen) {
-                stop = qlen;
-            }
-            while (nconv < stop) {
-                if (as_u64(q[nconv], &qh[nconv]) < 0) {
-                    PyErr_Clear();
-                    qlen = nconv;
-                    break;
-                }
-                if (nconv <= i + MATCH_PF_DIST) {
-                    prefetch_key(t, qh[nconv]);
-                }
-                nconv++;
-            }
+            convert_ahead(t, q, qh, i, &nconv, &qlen);
             if (i >= qlen) {
                 break;
             }
@@ -989,24 +1110,7 @@ match_walk(Table *t, uint8_t *state, PyObject **q, uint64_t *qh, Py_ssize_t nq, 
         const Holder *h = holders(t, (size_t)b, &hn, &onebuf[ob]);
         ob ^= 1;
         if (i == 0) {
-            for (uint32_t j = 0; j < hn; j++) {
-                uint32_t s = h[j].slot;
-                if (s < ns && state[s] == 1) {
-                    state[s] = 2;
-                    seen[s] = 0;
-                    cpu[s] = sto[s] = 0;
-                    surv[nsurv++] = s;
-                    if (!(h[j].mask & 1)) {
-                        prev_exc = 1;
-                        if (h[j].mask & 2) {
-                            cpu[s]++;
-                        }
-                        else {
-                            sto[s]++;
-                        }
-                    }
-                }
-            }
+            nsurv = start_walk(h, hn, ns, state, seen, cpu, sto, surv, &prev_exc);
             if (nsurv == 0) {
                 break;
             }
@@ -1022,54 +1126,16 @@ match_walk(Table *t, uint8_t *state, PyObject **q, uint64_t *qh, Py_ssize_t nq, 
         if (hn == prevn && memcmp(h, prev, (size_t)hn * sizeof(Holder)) == 0) {
             /* same holders as the previous block: the survivors all continue */
             if (prev_exc) {
-                for (uint32_t j = 0; j < hn; j++) {
-                    uint32_t s = h[j].slot;
-                    if (s < ns && state[s] == 2 && !(h[j].mask & 1)) {
-                        if (h[j].mask & 2) {
-                            cpu[s]++;
-                        }
-                        else {
-                            sto[s]++;
-                        }
-                    }
-                }
+                count_again(h, hn, ns, state, cpu, sto);
             }
             prev = h;
             continue;
         }
-        uint32_t kept = 0;
         int exc = 0;
         uint32_t stamp = (uint32_t)i;
-        for (uint32_t j = 0; j < hn; j++) {
-            uint32_t s = h[j].slot;
-            if (s < ns && state[s] == 2) {
-                seen[s] = stamp;
-                kept++;
-                if (!(h[j].mask & 1)) {
-                    exc = 1;
-                    if (h[j].mask & 2) {
-                        cpu[s]++;
-                    }
-                    else {
-                        sto[s]++;
-                    }
-                }
-            }
-        }
+        uint32_t kept = mark_seen(h, hn, ns, state, seen, stamp, cpu, sto, &exc);
         if (kept < nsurv) {
-            uint32_t k = 0;
-            for (uint32_t j = 0; j < nsurv; j++) {
-                uint32_t s = surv[j];
-                if (seen[s] == stamp) {
-                    surv[k++] = s;
-                }
-                else {
-                    Row r = {s, (uint32_t)i, cpu[s], sto[s]};
-                    rows[nrows++] = r;
-                    state[s] = 0;
-                }
-            }
-            nsurv = k;
+            nsurv = drop_stopped(surv, nsurv, seen, stamp, state, cpu, sto, (uint32_t)i, rows, &nrows);
             if (nsurv == 0) {
                 break;
             }
@@ -1083,22 +1149,9 @@ match_walk(Table *t, uint8_t *state, PyObject **q, uint64_t *qh, Py_ssize_t nq, 
         Row r = {s, (uint32_t)i, cpu[s], sto[s]};
         rows[nrows++] = r;
     }
-    /* rows are in ascending matched order: reverse groups to longest first, sort each by rank */
-    for (size_t a = 0, b = nrows ? nrows - 1 : 0; a < b; a++, b--) {
-        Row tmp = rows[a];
-        rows[a] = rows[b];
-        rows[b] = tmp;
-    }
-    for (size_t lo = 0; lo < nrows;) {
-        size_t hi = lo + 1;
-        while (hi < nrows && rows[hi].matched == rows[lo].matched) {
-            hi++;
-        }
-        if (sort_group(rows, lo, hi, t->rank, ns) < 0) {
-            PyErr_NoMemory();
-            goto fail;
-        }
-        lo = hi;
+    if (order_rows(rows, nrows, t->rank, ns) < 0) {
+        PyErr_NoMemory();
+        goto fail;
     }
     PyMem_Free(scratch);
     *rows_out = rows;
@@ -1129,6 +1182,91 @@ kvn_table_rows(PyObject *table, const uint64_t *keys, Py_ssize_t nkeys, KvnRow *
     int r = match_walk(t, state, NULL, (uint64_t *)(uintptr_t)keys, nkeys, rows, nrows);
     PyMem_Free(state);
     return r;
+}
+
+/* Table.match's answer from the walk's rows: (node_id, dp_rank, matched, tiers) per row, as `cls` or plain
+ * tuples, rows of equal figures sharing their int and tiers objects. NULL with an exception. */
+static PyObject *
+match_answer(const Row *rows, size_t nrows, PyObject *keys, PyObject *cls)
+{
+    PyObject *out = PyList_New((Py_ssize_t)nrows);
+    if (out == NULL) {
+        return NULL;
+    }
+    PyObject *last_tiers = NULL, *last_matched = NULL;
+    uint32_t lg = 0, lc = 0, lsto = 0, lm = 0;
+    for (size_t r = 0; r < nrows; r++) {
+        const Row *row = &rows[r];
+        PyObject *key2 = NULL;
+        /* A strong reference: the allocations below may start the cyclic GC, whose finalizers and
+         * callbacks may replace keys[slot] and so free a borrowed key (and its node_id) under us. */
+        if (row->slot < (uint32_t)PyList_GET_SIZE(keys)) {
+            key2 = Py_NewRef(PyList_GET_ITEM(keys, row->slot));
+        }
+        if (key2 == NULL || !PyTuple_Check(key2) || PyTuple_GET_SIZE(key2) != 2) {
+            PyErr_SetString(PyExc_RuntimeError, "slot without a (node_id, dp_rank) key");
+            Py_XDECREF(key2);
+            Py_XDECREF(last_tiers);
+            Py_XDECREF(last_matched);
+            Py_DECREF(out);
+            return NULL;
+        }
+        uint32_t g = row->matched - row->cpu - row->sto;
+        if (last_matched == NULL || lm != row->matched) {
+            Py_XDECREF(last_matched);
+            last_matched = PyLong_FromUnsignedLong(row->matched);
+            lm = row->matched;
+            if (last_matched == NULL) {
+                Py_DECREF(key2);
+                Py_XDECREF(last_tiers);
+                Py_DECREF(out);
+                return NULL;
+            }
+        }
+        if (last_tiers == NULL || lg != g || lc != row->cpu || lsto != row->sto) {
+            Py_XDECREF(last_tiers);
+            last_tiers = Py_BuildValue("(kkk)", (unsigned long)g, (unsigned long)row->cpu,
+                                       (unsigned long)row->sto);
+            lg = g;
+            lc = row->cpu;
+            lsto = row->sto;
+            if (last_tiers == NULL) {
+                Py_DECREF(key2);
+                Py_XDECREF(last_matched);
+                Py_DECREF(out);
+                return NULL;
+            }
+        }
+        PyObject *item;
+        if (cls == Py_None) {
+            item = PyTuple_New(4);
+        }
+        else {
+            PyTypeObject *tp = (PyTypeObject *)cls;
+            item = tp->tp_alloc(tp, 4);
+        }
+        if (item == NULL) {
+            Py_DECREF(key2);
+            Py_XDECREF(last_tiers);
+            Py_XDECREF(last_matched);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *name = PyTuple_GET_ITEM(key2, 0), *dp = PyTuple_GET_ITEM(key2, 1);
+        Py_INCREF(name);
+        Py_INCREF(dp);
+        Py_DECREF(key2); /* the row holds what it needs of it */
+        Py_INCREF(last_matched);
+        Py_INCREF(last_tiers);
+        PyTuple_SET_ITEM(item, 0, name);
+        PyTuple_SET_ITEM(item, 1, dp);
+        PyTuple_SET_ITEM(item, 2, last_matched);
+        PyTuple_SET_ITEM(item, 3, last_tiers);
+        PyList_SET_ITEM(out, (Py_ssize_t)r, item);
+    }
+    Py_XDECREF(last_tiers);
+    Py_XDECREF(last_matched);
+    return out;
 }
 
 static PyObject *
@@ -1197,83 +1335,7 @@ Table_match(Table *t, PyObject *const *args, Py_ssize_t nargs)
     state = NULL;
 
     /* build the answer: no table access from here on (object creation may run arbitrary code) */
-    out = PyList_New((Py_ssize_t)nrows);
-    if (out == NULL) {
-        goto done;
-    }
-    PyObject *last_tiers = NULL, *last_matched = NULL;
-    uint32_t lg = 0, lc = 0, lsto = 0, lm = 0;
-    for (size_t r = 0; r < nrows; r++) {
-        Row *row = &rows[r];
-        PyObject *key2 = NULL;
-        /* A strong reference: the allocations below may start the cyclic GC, whose finalizers and
-         * callbacks may replace keys[slot] and so free a borrowed key (and its node_id) under us. */
-        if (row->slot < (uint32_t)PyList_GET_SIZE(keys)) {
-            key2 = Py_NewRef(PyList_GET_ITEM(keys, row->slot));
-        }
-        if (key2 == NULL || !PyTuple_Check(key2) || PyTuple_GET_SIZE(key2) != 2) {
-            PyErr_SetString(PyExc_RuntimeError, "slot without a (node_id, dp_rank) key");
-            Py_XDECREF(key2);
-            Py_XDECREF(last_tiers);
-            Py_XDECREF(last_matched);
-            Py_CLEAR(out);
-            goto done;
-        }
-        uint32_t g = row->matched - row->cpu - row->sto;
-        if (last_matched == NULL || lm != row->matched) {
-            Py_XDECREF(last_matched);
-            last_matched = PyLong_FromUnsignedLong(row->matched);
-            lm = row->matched;
-            if (last_matched == NULL) {
-                Py_DECREF(key2);
-                Py_XDECREF(last_tiers);
-                Py_CLEAR(out);
-                goto done;
-            }
-        }
-        if (last_tiers == NULL || lg != g || lc != row->cpu || lsto != row->sto) {
-            Py_XDECREF(last_tiers);
-            last_tiers = Py_BuildValue("(kkk)", (unsigned long)g, (unsigned long)row->cpu,
-                                       (unsigned long)row->sto);
-            lg = g;
-            lc = row->cpu;
-            lsto = row->sto;
-            if (last_tiers == NULL) {
-                Py_DECREF(key2);
-                Py_XDECREF(last_matched);
-                Py_CLEAR(out);
-                goto done;
-            }
-        }
-        PyObject *item;
-        if (cls == Py_None) {
-            item = PyTuple_New(4);
-        }
-        else {
-            PyTypeObject *tp = (PyTypeObject *)cls;
-            item = tp->tp_alloc(tp, 4);
-        }
-        if (item == NULL) {
-            Py_DECREF(key2);
-            Py_XDECREF(last_tiers);
-            Py_XDECREF(last_matched);
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyObject *name = PyTuple_GET_ITEM(key2, 0), *dp = PyTuple_GET_ITEM(key2, 1);
-        Py_INCREF(name);
-        Py_INCREF(dp);
-        Py_DECREF(key2); /* the row holds what it needs of it */
-        Py_INCREF(last_matched);
-        Py_INCREF(last_tiers);
-        PyTuple_SET_ITEM(item, 0, name);
-        PyTuple_SET_ITEM(item, 1, dp);
-        PyTuple_SET_ITEM(item, 2, last_matched);
-        PyTuple_SET_ITEM(item, 3, last_tiers);
-        PyList_SET_ITEM(out, (Py_ssize_t)r, item);
-    }
-    Py_XDECREF(last_tiers);
-    Py_XDECREF(last_matched);
+    out = match_answer(rows, nrows, keys, cls);
 done:
     Py_DECREF(seq);
     PyMem_Free(state);

@@ -22,7 +22,6 @@ The allocate/free path creates no per-block objects: the queue links live in the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from kvcoord.agent.blocks import (
@@ -35,6 +34,7 @@ from kvcoord.agent.blocks import (
     get_group_id,
     make_block_hash_with_group_id,
 )
+from kvcoord.agent.requests import Admission, RunningRequest, checked_tokens
 from kvcoord.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -78,58 +78,6 @@ RemovalEvents: TypeAlias = Literal["vllm", "last_copy"]
 """``vllm``: one ``BlockRemoved`` per evicted block, as vLLM emits, even when another block still
 holds the same hash (a duplicate). ``last_copy``: only when the last block holding it goes, so an
 index fed by the events always equals :meth:`BlockPool.snapshot`."""
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """What :meth:`BlockPool.admit` did for one request."""
-
-    request_id: str
-    num_tokens: int
-    num_cached_tokens: int
-    """Prompt tokens served from the prefix cache (a multiple of the block size)."""
-    block_ids: tuple[int, ...]
-    """The request's block table: the cached prefix, then the new blocks."""
-    num_new_blocks: int
-    block_hashes: tuple[BlockHash64, ...]
-    """uint64 hashes of the prompt's full blocks, in order."""
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.block_ids) - self.num_new_blocks
-
-
-class _Request:
-    """A running request's block table and hashing state."""
-
-    __slots__ = (
-        "blocks",
-        "digests",
-        "hasher",
-        "keys",
-        "lora_id",
-        "num_cached_blocks",
-        "request_id",
-        "token_ids",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        hasher: RequestBlockHasher,
-        keys: RequestKeys | None,
-        lora_id: int | None,
-    ) -> None:
-        self.request_id = request_id
-        self.token_ids = token_ids
-        self.hasher = hasher
-        self.keys = keys
-        self.lora_id = lora_id
-        self.blocks: list[KVCacheBlock] = []
-        self.digests: list[BlockDigest] = []
-        self.num_cached_blocks = 0
-        """Leading blocks of ``blocks`` that are in the cache map (hit or stored by us)."""
 
 
 class BlockPool:
@@ -194,7 +142,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self._events: list[KVEvent] = []
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RunningRequest] = {}
 
     # ----------------------------------------------------------------- events
 
@@ -501,7 +449,7 @@ class BlockPool:
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
-        tokens = _checked_tokens(token_ids)
+        tokens = checked_tokens(token_ids)
         if not tokens:
             raise ValueError("a request needs at least one token")
         hasher = RequestBlockHasher(self.profile, keys)
@@ -517,7 +465,7 @@ class BlockPool:
             return None
         self.touch(hits)
         new_blocks = self.get_new_blocks(num_new)
-        req = _Request(request_id, tokens, hasher, keys, lora_id)
+        req = RunningRequest(request_id, tokens, hasher, keys, lora_id)
         req.blocks = hits + new_blocks
         req.digests = digests
         req.num_cached_blocks = len(hits)
@@ -541,7 +489,7 @@ class BlockPool:
         req = self._requests.get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} is not running")
-        tokens = _checked_tokens(token_ids)
+        tokens = checked_tokens(token_ids)
         if not tokens:
             return 0
         total = len(req.token_ids) + len(tokens)
@@ -558,7 +506,7 @@ class BlockPool:
         self._cache_request(req)
         return max(num_new, 0)
 
-    def _cache_request(self, req: _Request) -> None:
+    def _cache_request(self, req: RunningRequest) -> None:
         num_full = len(req.token_ids) // self.block_size
         start = req.num_cached_blocks
         if num_full <= start:
@@ -596,14 +544,3 @@ class BlockPool:
     def request_block_ids(self, request_id: str) -> list[int]:
         """A running request's block table."""
         return [b.block_id for b in self._requests[request_id].blocks]
-
-
-def _checked_tokens(token_ids: Sequence[int]) -> list[int]:
-    """A private copy of ``token_ids``, refusing anything but non-negative ints."""
-    if isinstance(token_ids, str | bytes):
-        raise ValueError("token ids must be a sequence of ints, not a string")
-    tokens = list(token_ids)
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"token ids must be non-negative ints, got {t!r}")
-    return tokens

@@ -24,14 +24,10 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
-
-import grpc
-import grpc.aio
+from collections.abc import Sequence
+from typing import Any
 
 from kvcoord.agent.link import (
     CoordinatorEndpoint,
@@ -41,20 +37,29 @@ from kvcoord.agent.link import (
     ReporterOptions,
     ReporterStats,
     Sealed,
-    batch_message,
-    batches_message,
     run_piece,
 )
-from kvcoord.events import CLEAR, REMOVE, STORE, Tier
-from kvcoord.hashing import to_block_hash64
+from kvcoord.agent.node import (
+    LoadProvider,
+    ProfileLike,
+    SnapshotProvider,
+    check_node,
+    hash_profile_to_proto,
+    snapshot_chunks,
+    snapshot_from_mapping,
+)
+from kvcoord.agent.stream import AGENT_VERSION, INGEST_METHOD, PERMANENT, Streams
+from kvcoord.events import CLEAR, REMOVE, STORE
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.transport import ChannelSecurity, open_aio_channel
+from kvcoord.transport import ChannelSecurity
 from kvcoord.validate import Op, ops_of, pack_u64
-from kvcoord.wire import Sample, TokenSampler, fill_event, load_to_proto, snapshot_to_proto
+from kvcoord.wire import Sample, TokenSampler, fill_event
 
 __all__ = [
     "AGENT_VERSION",
+    "INGEST_METHOD",
+    "PERMANENT",
     "CoordinatorEndpoint",
     "LinkStats",
     "LoadProvider",
@@ -63,70 +68,13 @@ __all__ = [
     "ReporterOptions",
     "ReporterStats",
     "SnapshotProvider",
+    "check_node",
     "hash_profile_to_proto",
+    "snapshot_chunks",
+    "snapshot_from_mapping",
 ]
 
 log = logging.getLogger(__name__)
-
-AGENT_VERSION = "kvcoord-reporter/1"
-INGEST_METHOD = "/kvcoord.v2.Coordinator/Ingest"
-
-
-# --- public value types ----------------------------------------------------------------------
-SnapshotProvider = Callable[[int], Iterable[tuple[int, Tier]]]
-"""dp_rank -> every (block hash, tier) the node holds on that rank. Called in the event loop; must
-describe the state after every event submitted so far (the pool or relay mirror, read synchronously)."""
-
-LoadProvider = Callable[[], NodeLoad | None]
-
-
-class _ProfileLike(Protocol):
-    @property
-    def algo(self) -> str: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def style(self) -> str: ...
-    @property
-    def engine_release(self) -> str | None: ...
-    def fingerprint(self) -> str: ...
-
-
-def hash_profile_to_proto(profile: _ProfileLike) -> pb.HashProfile:
-    """A :class:`kvcoord.hashing.HashProfile` as the Hello carries it (fingerprint, never the seed)."""
-    return pb.HashProfile(algo=profile.algo, block_size=profile.block_size, style=profile.style,
-                          none_hash_fingerprint=profile.fingerprint(),
-                          engine_release=profile.engine_release or "")
-
-
-def _raw(data: bytes) -> bytes:
-    return data
-
-
-class _StreamClosed(Exception):
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-PERMANENT = frozenset({
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.UNIMPLEMENTED,
-})
-"""Statuses that refuse a stream before its Welcome for a reason a retry cannot change: the link stops."""
-
-
-def check_node(node_id: str, model: str, dp_ranks: Sequence[int]) -> None:
-    """What a reporter (or the in-process feed) refuses to start with: ``ValueError``."""
-    if not node_id or not model:
-        raise ValueError("node_id and model must be non-empty")
-    if not dp_ranks or any(r < 0 for r in dp_ranks) or len(set(dp_ranks)) != len(dp_ranks):
-        raise ValueError(f"dp_ranks must be distinct non-negative ints, got {list(dp_ranks)}")
-
 
 # --- the reporter ----------------------------------------------------------------------------
 class Reporter:
@@ -142,7 +90,7 @@ class Reporter:
         snapshot: SnapshotProvider,
         dp_ranks: Sequence[int] = (0,),
         epoch: int | None = None,
-        hash_profile: pb.HashProfile | _ProfileLike | None = None,
+        hash_profile: pb.HashProfile | ProfileLike | None = None,
         load: LoadProvider | None = None,
         security: ChannelSecurity | None = None,
         options: ReporterOptions | None = None,
@@ -189,6 +137,7 @@ class Reporter:
         """Set once every coordinator refused this node for good (see ``LinkStats.refused``)."""
         self.sampler = TokenSampler()
         """Which stored events carry token ids for hash verification (set by the coordinator's Welcome)."""
+        self._streams = Streams(self)
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -201,7 +150,7 @@ class Reporter:
         for ep in self._endpoints:
             link = Link(ep, ep.security or self._default_security)
             self._links.append(link)
-            link.task = asyncio.create_task(self._run_link(link), name=f"kvcoord-reporter-{ep.address}")
+            link.task = asyncio.create_task(self._streams.run(link), name=f"kvcoord-reporter-{ep.address}")
 
     async def __aenter__(self) -> Reporter:
         await self.start()
@@ -432,265 +381,6 @@ class Reporter:
         return snapshot_chunks(self._snapshot, self.dp_ranks, self.epoch, self._last_seq,
                                self.options.snapshot_chunk_entries, self._lost)
 
-    async def _send_snapshot(self, link: Link, call: grpc.aio.StreamStreamCall) -> int:
-        link.force_snapshot = True  # until the final chunk is written
-        chunks = self._take_snapshot()
-        seq = chunks[0].seq
-        link.drop_through(seq)
-        # Before the writes: the coordinator's Ack can be read while the last write is still being
-        # awaited, and an Ack seen before snap_wait was set would leave the link unsettled for ever.
-        link.snap_wait = seq
-        for c in chunks:
-            await call.write(pb.AgentMessage(snapshot=c).SerializeToString())
-        link.force_snapshot = False
-        link.stats.snapshots_sent += 1
-        return seq
-
-    # -- streams --
-    def _hello(self, link: Link) -> bytes:
-        next_seq = link.unacked[0].seq if link.unacked else self._last_seq + 1
-        hello = pb.Hello(node_id=self.node_id, model=self.model, dp_ranks=self.dp_ranks, epoch=self.epoch,
-                         agent_version=AGENT_VERSION, next_seq=next_seq, serving_url=self.serving_url,
-                         no_kv_events=not self.kv_events)
-        if self._profile is not None:
-            hello.hash_profile.CopyFrom(self._profile)
-        return pb.AgentMessage(hello=hello).SerializeToString()
-
-    async def _run_link(self, link: Link) -> None:
-        opts = self.options
-        backoff = opts.backoff_initial
-        last_logged = ""
-        while not self._closing:
-            welcomed = False
-            code: grpc.StatusCode | None = None
-            try:
-                welcomed = await self._session(link)
-            except asyncio.CancelledError:
-                link.stats.connected = False
-                raise
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                link.stats.last_error = f"{code.name}: {exc.details()}"
-            except _StreamClosed as exc:
-                code = exc.code
-                link.stats.last_error = str(exc)
-            except (TimeoutError, OSError, ValueError) as exc:
-                link.stats.last_error = str(exc) or type(exc).__name__
-            except Exception as exc:  # a bug or a snapshot provider failure: keep the engine running
-                link.stats.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("coordinator %s: stream failed", link.endpoint.address)
-            link.stats.connected = False
-            if self._closing:
-                return
-            if not welcomed and code in PERMANENT:
-                self._refuse(link)
-                return
-            if link.stats.last_error != last_logged:
-                last_logged = link.stats.last_error
-                log.warning("coordinator %s: %s; reconnecting", link.endpoint.address, last_logged)
-            if welcomed:
-                backoff = opts.backoff_initial
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, opts.backoff_max)
-            link.stats.reconnects += 1
-
-    def _refuse(self, link: Link) -> None:
-        link.stats.refused = link.stats.last_error
-        log.error("coordinator %s refused node %s for good (%s); not retrying", link.endpoint.address,
-                  self.node_id, link.stats.refused)
-        if all(lk.stats.refused for lk in self._links):
-            self.refused.set()
-
     def refusals(self) -> list[str]:
         """``address: reason`` of every coordinator that refused this node for good."""
         return [f"{lk.endpoint.address}: {lk.stats.refused}" for lk in self._links if lk.stats.refused]
-
-    def _mismatch(self, link: Link, message: str) -> None:
-        if message and message != link.stats.hash_mismatch:
-            log.error("coordinator %s: this node's block hashes do not match its profile, so its cache "
-                      "will not be found by token lookups: %s", link.endpoint.address, message)
-        link.stats.hash_mismatch = message
-
-    async def _session(self, link: Link) -> bool:
-        """One stream's life. Returns True if it got as far as a Welcome."""
-        opts = self.options
-        channel = open_aio_channel(link.endpoint.address, link.security, opts.max_message_bytes)
-        call: grpc.aio.StreamStreamCall | None = None
-        reader: asyncio.Task[None] | None = None
-        try:
-            ingest = channel.stream_stream(INGEST_METHOD, request_serializer=_raw,
-                                           response_deserializer=pb.CoordinatorMessage.FromString)
-            call = ingest(metadata=link.security.metadata() or None)
-            await call.write(self._hello(link))
-            first = await asyncio.wait_for(call.read(), opts.welcome_timeout)
-            if first is grpc.aio.EOF:
-                await self._raise_status(call)
-                raise _StreamClosed("stream closed before Welcome")
-            if first.WhichOneof("msg") != "welcome":
-                raise _StreamClosed(f"expected Welcome, got {first.WhichOneof('msg')}")
-            w = first.welcome
-            lease = w.lease_seconds if w.lease_seconds > 0 else opts.default_lease_seconds
-            cursor = self._on_welcome(link, w)
-            link.stats.connected = True
-            link.stats.last_error = ""
-            reader = asyncio.create_task(self._read_loop(link, call))
-            await self._write_loop(link, call, reader, cursor, lease / 3.0)
-            return True
-        finally:
-            link.stats.connected = False
-            if reader is not None:
-                reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
-            if call is not None:
-                call.cancel()
-            with contextlib.suppress(BaseException):
-                await channel.close(grace=None)
-
-    async def _raise_status(self, call: grpc.aio.StreamStreamCall) -> None:
-        code = await call.code()
-        if code is not None and code != grpc.StatusCode.OK:
-            raise _StreamClosed(f"{code.name}: {await call.details()}", code)
-
-    def _on_welcome(self, link: Link, w: pb.Welcome) -> int:
-        """Apply the coordinator's view; returns the cursor (last seq it has) for the writer."""
-        if w.HasField("verify"):
-            self.sampler.configure(w.verify)
-        self._mismatch(link, w.hash_mismatch)
-        acked = w.acked_seq if w.epoch in (0, self.epoch) else 0
-        if w.epoch not in (0, self.epoch):
-            log.warning("coordinator %s welcomed epoch %d, ours is %d",
-                        link.endpoint.address, w.epoch, self.epoch)
-        if w.snapshot_required:
-            link.snap_wait = -1  # it is lost with the old stream; a fresh one follows
-        else:
-            link.on_ack(acked)
-        need = w.snapshot_required or link.force_snapshot
-        if not need and acked < self._last_seq:
-            first = link.unacked[0].seq if link.unacked else None
-            if first is None or first > acked + 1:
-                need = True  # batches it never saw are gone from our queue
-        if acked > self._last_seq:
-            log.warning("coordinator %s acked seq %d beyond ours (%d); resyncing",
-                        link.endpoint.address, acked, self._last_seq)
-            need = True
-        link.snapshot_requested = need
-        return acked
-
-    async def _write_loop(self, link: Link, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None],
-                          cursor: int, hb_interval: float) -> None:
-        next_hb = time.monotonic() + hb_interval
-        stats = link.stats
-        max_group_bytes = self.options.max_message_bytes // 4
-        while True:
-            link.wakeup.clear()
-            if reader.done():
-                reader.result()  # raises the stream's error
-                await self._raise_status(call)
-                raise _StreamClosed("coordinator closed the stream")
-            if link.snapshot_requested or (link.force_snapshot and not link.unacked):
-                link.snapshot_requested = False
-                cursor = await self._send_snapshot(link, call)
-                continue
-            if link.force_snapshot:
-                link.snapshot_requested = True  # overflowed while connected: resync now
-                continue
-            b = link.next_after(cursor)
-            if b is not None:
-                group = link.group_after(cursor, max_group_bytes)
-                if len(group) == 1:
-                    await call.write(batch_message(b.body))
-                else:
-                    await call.write(batches_message([g.body for g in group]))
-                cursor = group[-1].seq
-                stats.batches_sent += len(group)
-                if group[0].seq <= link.high_sent:
-                    stats.batches_resent += min(len(group), link.high_sent - group[0].seq + 1)
-                link.high_sent = max(link.high_sent, cursor)
-                continue
-            now = time.monotonic()
-            if now >= next_hb:
-                load = self._load() if self._load is not None else None
-                hb = pb.AgentHeartbeat(load=load_to_proto(load) if load is not None else None)
-                await call.write(pb.AgentMessage(heartbeat=hb).SerializeToString())
-                stats.heartbeats_sent += 1
-                next_hb = now + hb_interval
-                continue
-            if self._pending and not self.options.linger:
-                self._seal_all()  # what arrived while this stream was writing: its next message
-                continue
-            link.idle = True
-            try:
-                await link.wakeup.wait(next_hb - now)
-            finally:
-                link.idle = False
-
-    async def _read_loop(self, link: Link, call: grpc.aio.StreamStreamCall) -> None:
-        assert self._ack_event is not None
-        try:
-            while True:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    return
-                kind = msg.WhichOneof("msg")
-                if kind == "ack":
-                    if msg.ack.epoch in (0, self.epoch):
-                        link.on_ack(msg.ack.seq)
-                        self._ack_event.set()
-                elif kind == "snapshot_request":
-                    link.stats.snapshot_requests += 1
-                    log.info("coordinator %s asks for a snapshot: %s", link.endpoint.address,
-                             msg.snapshot_request.reason)
-                    link.snapshot_requested = True
-                elif kind == "notice":
-                    if msg.notice.state == "hash_mismatch":
-                        self._mismatch(link, msg.notice.message)
-                    else:
-                        log.info("coordinator %s: node %s is %s: %s", link.endpoint.address, self.node_id,
-                                 msg.notice.state, msg.notice.message)
-                else:
-                    log.debug("coordinator %s: ignoring %s", link.endpoint.address, kind)
-        finally:
-            link.wakeup.set()
-
-
-def snapshot_chunks(provide: SnapshotProvider, ranks: Sequence[int], epoch: int, seq: int,
-                    chunk: int, lost: Mapping[int, str] | None = None) -> list[pb.Snapshot]:
-    """The node's whole state at ``seq`` as snapshot chunks (``final`` on the last), read synchronously
-    from ``provide`` (so atomic in the event loop); ``lost``: ranks whose history is incomplete (their
-    first chunk carries ``history_lost``)."""
-    out: list[pb.Snapshot] = []
-    for rank in ranks:
-        entries = provide(rank)
-        columns = getattr(entries, "columns", None)
-        hashes: Sequence[int]
-        tiers: Sequence[int]
-        if columns is not None:
-            # The relay's RankSnapshot: already validated uint64 ints and Tier members, handed over
-            # whole; read-only, only sliced here.
-            hashes, tiers = columns()
-        else:
-            hashes, tiers = [], []
-            for h, tier in entries:
-                hashes.append(to_block_hash64(h))
-                tiers.append(int(Tier(tier)))
-        start, first = 0, len(out)
-        while True:
-            out.append(snapshot_to_proto(epoch, seq, rank, hashes[start:start + chunk],
-                                         tiers[start:start + chunk], False))
-            start += chunk
-            if start >= len(hashes):
-                break
-        if lost and rank in lost:
-            out[first].history_lost = lost[rank]
-    out[-1].final = True
-    return out
-
-
-def snapshot_from_mapping(state: Mapping[int, Iterable[tuple[int, Tier]]]) -> SnapshotProvider:
-    """A snapshot provider over a live ``{dp_rank: entries}`` mapping (handy for mirrors and tests)."""
-
-    def provide(rank: int) -> Iterable[tuple[int, Tier]]:
-        return list(state.get(rank, ()))
-
-    return provide

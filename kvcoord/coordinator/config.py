@@ -7,7 +7,6 @@ The file format is documented in :data:`EXAMPLE_TOML`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -15,11 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from kvcoord.coordinator.config_values import (
+    ConfigError,
+    as_bool,
+    as_float,
+    as_int,
+    as_str,
+    as_table,
+    check_hostport,
+    check_keys,
+)
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
 from kvcoord.index.uri import parse_index_uri
 from kvcoord.tokenize import ChatTemplateContentFormat, TokenizerSpec
-from kvcoord.transport import split_hostport
 
 EXAMPLE_TOML = """\
 listen = "127.0.0.1:50051"          # gRPC HOST:PORT
@@ -204,90 +212,6 @@ class CoordinatorConfig:
         return m.profile if m is not None else None
 
 
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the source and the key."""
-
-
-def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(table) - allowed)
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(sorted(allowed))})"
-        )
-
-
-def _as_table(where: str, value: object) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a table")
-    return cast(dict[str, Any], value)
-
-
-def _as_int(where: str, value: object, *, minimum: int = 1) -> int:
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise ConfigError(f"{where}: {value!r} is not an integer") from None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{where}: must be >= {minimum}, got {value}")
-    return value
-
-
-def _as_float(where: str, value: object, *, positive: bool = True) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise ConfigError(f"{where}: {value!r} is not a number") from None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if not math.isfinite(value):  # an inf tier weight makes 0 * inf = nan scores: no order at all
-        raise ConfigError(f"{where}: must be a finite number, got {value}")
-    if positive and not value > 0:
-        raise ConfigError(f"{where}: must be > 0, got {value}")
-    if not positive and value < 0:
-        raise ConfigError(f"{where}: must be >= 0, got {value}")
-    return float(value)
-
-
-def _as_bool(where: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in (
-        "1",
-        "true",
-        "yes",
-        "on",
-        "0",
-        "false",
-        "no",
-        "off",
-    ):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    raise ConfigError(f"{where}: expected true or false, got {value!r}")
-
-
-def _as_str(where: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    return value
-
-
-def check_hostport(where: str, value: str, *, allow_empty: bool = False) -> str:
-    """Validate ``HOST:PORT`` (``[v6]:PORT`` too); port 0 means any free port."""
-    if allow_empty and value == "":
-        return value
-    try:
-        host, _ = split_hostport(value)
-    except ValueError:
-        host = ""
-    if not host:
-        raise ConfigError(f"{where}: expected HOST:PORT, got {value!r}")
-    return value
-
-
 def env_seed() -> str | None:
     """``$PYTHONHASHSEED`` as a NONE_HASH seed, or None when unset or ``random``."""
     seed = os.environ.get("PYTHONHASHSEED")
@@ -314,12 +238,12 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
         return ModelConfig(name, profile)
 
     def local(key: str) -> str:
-        value = _as_str(f"{where}.{key}", table[key])
+        value = as_str(f"{where}.{key}", table[key])
         if value.startswith(("http://", "https://")) or base is None:
             return value
         return str(base / value)
 
-    content_format = _as_str(f"{where}.chat_template_content_format",
+    content_format = as_str(f"{where}.chat_template_content_format",
                              table.get("chat_template_content_format", "auto"))
     if content_format not in _CONTENT_FORMATS:
         raise ConfigError(f"{where}.chat_template_content_format: {content_format!r} is not one of "
@@ -338,7 +262,7 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
             raise ConfigError(f"{where}: tokenizer {exc.source}: {exc.reason}") from None
     spec = TokenizerSpec(
         source,
-        timeout=_as_float(f"{where}.tokenizer_timeout", table.get("tokenizer_timeout", 5.0)),
+        timeout=as_float(f"{where}.tokenizer_timeout", table.get("tokenizer_timeout", 5.0)),
         chat_template=local("chat_template") if "chat_template" in table else None,
         chat_template_content_format=cast(ChatTemplateContentFormat, content_format),
         default_chat_template_kwargs=kwargs,
@@ -348,14 +272,14 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
 
 def build_profile(where: str, table: Mapping[str, Any], default_seed: str | None) -> HashProfile:
     """A hash profile from a ``[models.NAME]`` table (or the equivalent ``--model`` spec)."""
-    _check_keys(where, table, {"algo", "block_size", "seed", "style", "engine_release"} | _TOKENIZER_KEYS)
+    check_keys(where, table, {"algo", "block_size", "seed", "style", "engine_release"} | _TOKENIZER_KEYS)
     if "algo" not in table or "block_size" not in table:
         raise ConfigError(f"{where}: 'algo' and 'block_size' are required")
-    algo_s = _as_str(f"{where}.algo", table["algo"])
+    algo_s = as_str(f"{where}.algo", table["algo"])
     if algo_s not in PROFILE_ALGOS:
         raise ConfigError(f"{where}.algo: {algo_s!r} is not one of {', '.join(PROFILE_ALGOS)}")
     algo: HashAlgo = algo_s
-    block_size = _as_int(f"{where}.block_size", table["block_size"])
+    block_size = as_int(f"{where}.block_size", table["block_size"])
     # SGLang's chain has no seed: the global --hash-seed is vLLM's; an explicit seed= is an error.
     seed_v = table.get("seed", None if algo == "sglang" else default_seed)
     if seed_v is not None and (isinstance(seed_v, bool) or not isinstance(seed_v, str | int)):
@@ -363,14 +287,14 @@ def build_profile(where: str, table: Mapping[str, Any], default_seed: str | None
     seed = None if seed_v is None else str(seed_v)
     style: ExtraKeyStyle | None = None
     if "style" in table:
-        style_s = _as_str(f"{where}.style", table["style"])
+        style_s = as_str(f"{where}.style", table["style"])
         if style_s not in EXTRA_KEY_STYLES:
             raise ConfigError(f"{where}.style: {style_s!r} is not one of {', '.join(EXTRA_KEY_STYLES)}")
         style = style_s
     release = table.get("engine_release")
     try:
         if release is not None:
-            rel = _as_str(f"{where}.engine_release", release)
+            rel = as_str(f"{where}.engine_release", release)
             profile = HashProfile.for_release(rel, algo, block_size, seed=seed)
             if style is not None:
                 profile = dataclasses.replace(profile, style=style)
@@ -404,14 +328,14 @@ def _read_token(where: str, item: Mapping[str, Any], base: Path, env: Mapping[st
     if len(sources) != 1:
         raise ConfigError(f"{where}: give exactly one of token, token_env, token_file")
     if "token" in item:
-        token = _as_str(f"{where}.token", item["token"])
+        token = as_str(f"{where}.token", item["token"])
     elif "token_env" in item:
-        var = _as_str(f"{where}.token_env", item["token_env"])
+        var = as_str(f"{where}.token_env", item["token_env"])
         if var not in env:
             raise ConfigError(f"{where}.token_env: environment variable {var} is not set")
         token = env[var]
     else:
-        path = base / _as_str(f"{where}.token_file", item["token_file"])
+        path = base / as_str(f"{where}.token_file", item["token_file"])
         try:
             token = path.read_text().strip()
         except OSError as exc:
@@ -422,7 +346,7 @@ def _read_token(where: str, item: Mapping[str, Any], base: Path, env: Mapping[st
 
 
 def _parse_auth(where: str, table: Mapping[str, Any], base: Path, env: Mapping[str, str]) -> AuthConfig:
-    _check_keys(where, table, {"agent_tokens", "router_tokens", "admin_tokens"})
+    check_keys(where, table, {"agent_tokens", "router_tokens", "admin_tokens"})
     agents: dict[str, frozenset[str]] = {}
     routers: set[str] = set()
     admins: set[str] = set()
@@ -432,11 +356,11 @@ def _parse_auth(where: str, table: Mapping[str, Any], base: Path, env: Mapping[s
             raise ConfigError(f"{where}.{role}: expected an array of tables ([[{where}.{role}]])")
         for i, raw in enumerate(items):
             w = f"{where}.{role}[{i}]"
-            item = _as_table(w, raw)
+            item = as_table(w, raw)
             allowed = {"token", "token_env", "token_file", "name"} | (
                 {"nodes"} if role == "agent_tokens" else set()
             )
-            _check_keys(w, item, allowed)
+            check_keys(w, item, allowed)
             token = _read_token(w, item, base, env)
             if token in agents or token in routers or token in admins:
                 raise ConfigError(f"{w}: the same token is configured twice")
@@ -458,22 +382,22 @@ def _parse_auth(where: str, table: Mapping[str, Any], base: Path, env: Mapping[s
 
 def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> None:
     if key in ("listen",):
-        values[key] = check_hostport(where, _as_str(where, raw))
+        values[key] = check_hostport(where, as_str(where, raw))
     elif key in ("metrics_listen", "http_listen"):
-        values[key] = check_hostport(where, _as_str(where, raw), allow_empty=True)
+        values[key] = check_hostport(where, as_str(where, raw), allow_empty=True)
     elif key == "index":
-        uri = _as_str(where, raw)
+        uri = as_str(where, raw)
         try:
             parse_index_uri(uri)
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         values[key] = uri
     elif key == "index_key_prefix" or key == "state_dir":
-        values[key] = _as_str(where, raw)
+        values[key] = as_str(where, raw)
     elif key == "lease_seconds" or key == "stats_interval":
-        values[key] = _as_float(where, raw)
+        values[key] = as_float(where, raw)
     elif key == "strict_models":
-        values[key] = _as_bool(where, raw)
+        values[key] = as_bool(where, raw)
     else:  # pragma: no cover - guarded by the callers' key lists
         raise ConfigError(f"{where}: unknown key")
 
@@ -495,7 +419,7 @@ _FLOAT_LIMITS = {"hello_timeout_s", "http_header_timeout_s", "http_idle_timeout_
 
 
 def _as_limit(where: str, key: str, value: object) -> int | float:
-    return _as_float(where, value) if key in _FLOAT_LIMITS else _as_int(where, value)
+    return as_float(where, value) if key in _FLOAT_LIMITS else as_int(where, value)
 
 
 @dataclass(slots=True)
@@ -523,35 +447,35 @@ class _Settings:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {where0}: {exc}") from None
         base = Path(path).resolve().parent
-        _check_keys(f"config {where0}", data, _TOP_SCALARS | _TOP_TABLES)
+        check_keys(f"config {where0}", data, _TOP_SCALARS | _TOP_TABLES)
         for key in _TOP_SCALARS & set(data):
             _apply_scalar(self.values, key, data[key], f"config {where0}: {key}")
         if self.values.get("state_dir"):  # relative to the file, as its other paths are
             self.values["state_dir"] = str(base / self.values["state_dir"])
         if "tier_weights" in data:
-            tw = _as_table("tier_weights", data["tier_weights"])
-            _check_keys("tier_weights", tw, {t.name for t in Tier})
+            tw = as_table("tier_weights", data["tier_weights"])
+            check_keys("tier_weights", tw, {t.name for t in Tier})
             for t in Tier:
                 if t.name in tw:
-                    self.weights[t.value] = _as_float(f"tier_weights.{t.name}", tw[t.name], positive=False)
+                    self.weights[t.value] = as_float(f"tier_weights.{t.name}", tw[t.name], positive=False)
         if "limits" in data:
-            lt = _as_table("limits", data["limits"])
-            _check_keys("limits", lt, _LIMIT_KEYS)
+            lt = as_table("limits", data["limits"])
+            check_keys("limits", lt, _LIMIT_KEYS)
             for k, v in lt.items():
                 self.limits[k] = _as_limit(f"limits.{k}", k, v)
         if "verify" in data:
-            self.verify = _parse_verify(_as_table("verify", data["verify"]))
+            self.verify = _parse_verify(as_table("verify", data["verify"]))
         if "tls" in data:
-            tt = _as_table("tls", data["tls"])
-            _check_keys("tls", tt, {"cert", "key", "client_ca"})
+            tt = as_table("tls", data["tls"])
+            check_keys("tls", tt, {"cert", "key", "client_ca"})
             for k, v in tt.items():
-                self.tls[k] = str(base / _as_str(f"tls.{k}", v))
+                self.tls[k] = str(base / as_str(f"tls.{k}", v))
         if "auth" in data:
-            self.auth = _parse_auth("auth", _as_table("auth", data["auth"]), base, env)
+            self.auth = _parse_auth("auth", as_table("auth", data["auth"]), base, env)
         if "models" in data:
-            for name, raw in _as_table("models", data["models"]).items():
+            for name, raw in as_table("models", data["models"]).items():
                 where = f'models."{name}"'
-                self.models[name] = build_model(where, name, _as_table(where, raw), self.default_seed, base)
+                self.models[name] = build_model(where, name, as_table(where, raw), self.default_seed, base)
 
     def apply(self, key: str, raw: Any, where: str) -> None:
         """One environment variable or flag (``where`` names it in errors)."""
@@ -560,7 +484,7 @@ class _Settings:
         elif key in _LIMIT_KEYS:
             self.limits[key] = _as_limit(where, key, raw)
         elif key in ("tls_cert", "tls_key", "tls_client_ca"):
-            self.tls[key.removeprefix("tls_")] = _as_str(where, raw)
+            self.tls[key.removeprefix("tls_")] = as_str(where, raw)
         elif key == "models":
             for spec in raw:
                 m = parse_model_spec(spec, self.default_seed)
@@ -593,12 +517,12 @@ class _Settings:
 
 def _parse_verify(vt: Mapping[str, Any]) -> VerifyConfig:
     dv = VerifyConfig()
-    _check_keys("verify", vt, {f.name for f in dataclasses.fields(VerifyConfig)})
+    check_keys("verify", vt, {f.name for f in dataclasses.fields(VerifyConfig)})
     return VerifyConfig(
-        enabled=_as_bool("verify.enabled", vt.get("enabled", True)),
-        first=_as_int("verify.first", vt.get("first", dv.first), minimum=0),
-        sample_every=_as_int("verify.sample_every", vt.get("sample_every", dv.sample_every)),
-        lru_size=_as_int("verify.lru_size", vt.get("lru_size", dv.lru_size)),
+        enabled=as_bool("verify.enabled", vt.get("enabled", True)),
+        first=as_int("verify.first", vt.get("first", dv.first), minimum=0),
+        sample_every=as_int("verify.sample_every", vt.get("sample_every", dv.sample_every)),
+        lru_size=as_int("verify.lru_size", vt.get("lru_size", dv.lru_size)),
     )
 
 

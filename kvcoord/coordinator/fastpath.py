@@ -71,7 +71,7 @@ class FastAnswers:
     @staticmethod
     def available(api: HttpApi) -> bool:
         """Whether this coordinator's lookups can take the fast path at all."""
-        return native is not None and api.state.directory is None
+        return native is not None and api.state.replicas.directory is None
 
     def tokens(self, model: str, tokens: memoryview | array[int], ntokens: int, t0: float) -> Response | None:
         """``/query`` by ``ntokens`` token ids (uint32, packed in ``tokens``) of known partition ``model``."""
@@ -119,7 +119,7 @@ class FastAnswers:
 
     def _fresh(self, model: str) -> _Kept | None:
         """Partition ``model``'s view, up to date; None where the handler's general path must answer."""
-        if not self.api.state.index_up:
+        if not self.api.state.health.up:
             return None
         kept = self._kept.get(model)
         now = time.monotonic()
@@ -166,7 +166,7 @@ class FastAnswers:
                 kept.valid_until = min(kept.valid_until, rec.last_heard + lease - 1e-6)
             elif rec.model == model:  # lapsed, not expired yet: live again at its next heartbeat,
                 kept.lapsed.add(node_id)  # which changes no watched field
-        info = st.live_node(node_id, model, now, now_wall, rank)
+        info = st.replicas.live_node(node_id, model, now, now_wall, rank)
         if info is None:
             return None
         load, url, trust, cause = info

@@ -355,7 +355,7 @@ class HttpApi:
             return True
         if any(r.model == model for r in st.registry):
             return True
-        return any(n.model == model for n in st.shared.values())
+        return any(n.model == model for n in st.replicas.shared.values())
 
     def _partition(self, model_name: str, routing_group: str) -> str:
         model = partition_model(model_name, routing_group)
@@ -564,7 +564,7 @@ class HttpApi:
         out: dict[str, dict[str, Any]] = {}
         now, now_wall = time.monotonic(), time.time()
         for rec in list(st.registry):
-            if st.live_node(rec.node_id, rec.model, now, now_wall) is None:
+            if st.replicas.live_node(rec.node_id, rec.model, now, now_wall) is None:
                 continue
             name, _, group = rec.model.partition("@")
             part = out.setdefault(f"{name}:{group or DEFAULT_GROUP}",
@@ -589,6 +589,6 @@ class HttpApi:
 
     def health(self, req: Request) -> Response:
         """200 while the index serves, 503 while it is down (the readiness a load balancer wants)."""
-        if self.state.index_up:
+        if self.state.health.up:
             return Response(200)
-        return json_error(503, self.lookups.unavailable(self.state.index_down_reason))
+        return json_error(503, self.lookups.unavailable(self.state.health.down_reason))

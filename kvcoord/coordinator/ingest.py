@@ -18,7 +18,7 @@ Ordering contract (shared with kvcoord.agent.reporter):
    is applied.
 5. When the index backend reports a new generation (it lost its contents, e.g. Redis restarted
    empty), every node is marked resyncing and each connected agent gets
-   ``SnapshotRequest("index_reset: ...")`` (see ``CoordinatorState.check_generation``).
+   ``SnapshotRequest("index_reset: ...")`` (see ``IndexHealth.check_generation``).
 """
 
 from __future__ import annotations
@@ -27,72 +27,53 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import cast
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from kvcoord.coordinator.auth import Principal
-from kvcoord.coordinator.config import Limits
 from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.incoming import KINDS, Incoming, WireBatch
-from kvcoord.coordinator.reclaim import release_memory
+from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
+from kvcoord.coordinator.snapshots import (
+    LOST_CHARS,
+    IngestAbort,
+    PendingSnapshot,
+    SnapshotStage,
+    check_events,
+)
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import CLEAR
 from kvcoord.index.base import ApplyResult, InvalidEvent
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import (
-    Hashes,
     Op,
     OverLimit,
     check_batch_bounds,
     check_model,
-    check_node_entries,
     check_node_id,
     shown,
 )
-from kvcoord.wire import Sample, check_ranks, load_from_proto, snapshot_from_proto
+from kvcoord.wire import Sample, check_ranks, load_from_proto
 
 log = logging.getLogger("kvcoord.coordinator.ingest")
 
 MAX_DP_RANKS = 1024
-LOST_CHARS = 200
-"""Characters of an agent's lost-history reason the node's ``trust_reason`` keeps (see :func:`shown`)."""
 
 
-class IngestAbort(Exception):
-    """End the stream with this status; raised before anything of the message is applied."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-TRIM_BLOCKS = 1 << 16
-"""A snapshot this large (512 KB of hashes and up) that ends or is dropped asks for a reclaim."""
-
-
-@dataclass(slots=True)
-class _PendingSnapshot:
-    epoch: int
-    seq: int
-    hashes: dict[int, list[Hashes]] = field(default_factory=dict)
-    """Each rank's chunks as they arrived (views of the messages' bytes), joined once when applied:
-    staging copies nothing (growing one array re-copied it all, and boxing every hash into it took ~4 ms
-    a 65,536-block chunk: 8 flooding streams stalled lookups by 40-300 ms)."""
-    tiers: dict[int, bytearray] = field(default_factory=dict)
-    count: int = 0
-    lost: dict[int, str] = field(default_factory=dict)
-    """Ranks whose chunks carried ``history_lost``."""
-
-    def joined(self, rank: int) -> Hashes:
-        """``rank``'s staged hashes as one flat uint64 view."""
-        parts = cast("list[memoryview]", self.hashes.get(rank, []))
-        flat = memoryview(parts[0]) if len(parts) == 1 else memoryview(b"".join(parts)).cast("Q")
-        return cast("Hashes", flat)
+def account(m: Metrics, batch: Incoming) -> None:
+    """Count an applied batch: its events by kind, and its lag behind the engine."""
+    m.batch("applied")
+    stored, removed, cleared, _ = batch.kinds()
+    if stored:
+        m.applied("block_stored", stored)
+    if removed:
+        m.applied("block_removed", removed)
+    if cleared:
+        m.applied("all_blocks_cleared", cleared)
+    if batch.ts > 0:
+        m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
 
 
 class IngestSession:
@@ -118,7 +99,7 @@ class IngestSession:
         self.node_id = ""
         self.dp_ranks: tuple[int, ...] = ()
         self.epoch = 0
-        self._pending: _PendingSnapshot | None = None
+        self._snapshot_stage = SnapshotStage(state)
 
     async def handle_bytes(self, data: bytes) -> list[pb.CoordinatorMessage]:
         """``handle`` for a serialised AgentMessage; one that does not parse, or names a dp rank past
@@ -146,7 +127,7 @@ class IngestSession:
         rec = self._owned()
         self.state.registry.heard(rec)
         if rec.no_kv_events and which in ("batch", "batches"):  # one attribute read per message
-            self._check_events(rec)
+            check_events(rec)
         if which == "batch":
             return await self._batch(rec, WireBatch(msg.batch))
         if which == "batches":
@@ -167,7 +148,7 @@ class IngestSession:
         if self.rec is None:
             raise IngestAbort(grpc.StatusCode.FAILED_PRECONDITION, "batch before Hello")
         rec = self._owned()
-        self._check_events(rec)
+        check_events(rec)
         self.state.registry.heard(rec)
         if len(batches) == 1:
             return await self._batch(rec, batches[0])
@@ -175,19 +156,9 @@ class IngestSession:
 
     def close(self) -> None:
         """The stream ended: forget how to reach it, and release its unfinished snapshot."""
-        self._drop_pending()
+        self._snapshot_stage.drop()
         if self.rec is not None:
             self.state.detach(self.rec.node_id, self.gen)
-
-    def _drop_pending(self) -> None:
-        """Forget the unfinished snapshot (before any error is raised, so no traceback keeps it)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            count = pending.count
-            self.state.staged_snapshot_blocks -= count
-            del pending
-            if count >= TRIM_BLOCKS:
-                release_memory()
 
     def _owned(self) -> NodeRecord:
         rec = self.rec
@@ -240,7 +211,7 @@ class IngestSession:
         st, cfg = self.state, self.state.config
         profile = cfg.profile(hello.model)
         rec, resume = st.registry.hello(
-            hello.node_id, hello.model, ranks, hello.epoch, index_ok=st.index_up, next_seq=hello.next_seq,
+            hello.node_id, hello.model, ranks, hello.epoch, index_ok=st.health.up, next_seq=hello.next_seq,
             no_kv_events=hello.no_kv_events,
         )
         if not resume and st.index.fencing is not None:  # a new owner: fence out earlier ones (a resumed
@@ -295,7 +266,7 @@ class IngestSession:
     # --- batches ----------------------------------------------------------------------------
     def _request_snapshot(self, rec: NodeRecord, reason: str, detail: str) -> list[pb.CoordinatorMessage]:
         rec.resyncing = True
-        self._drop_pending()
+        self._snapshot_stage.drop()
         self.state.metrics.snapshot_requested(reason)
         req = pb.SnapshotRequest(epoch=self.epoch, reason=f"{reason}: {detail}")
         return [pb.CoordinatorMessage(snapshot_request=req)]
@@ -392,7 +363,7 @@ class IngestSession:
         half-reached the backend is safe, events are idempotent). False: abandoned (a snapshot follows).
         Keeps ``rec.entries`` (what the node holds, for ``max_entries_per_node``) current."""
         st = self.state
-        done, res = await st.call_index(
+        done, res = await st.health.call(
             lambda: st.index.apply(self.model, rec.node_id, dp_rank, ops),
             f"apply for node {rec.node_id}",
             rec,
@@ -403,15 +374,6 @@ class IngestSession:
         if not done:
             self._owned()  # fenced out by another replica (or superseded): the stream ends now
         return done
-
-    @staticmethod
-    def _check_events(rec: NodeRecord, carries: bool = True) -> None:
-        """A node whose Hello said its engine publishes no KV events sends none (nor snapshot blocks or
-        marks): INVALID_ARGUMENT, nothing applied, so an ``approximate`` node never holds entries."""
-        if rec.no_kv_events and carries:
-            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"node {shown(rec.node_id)} said in its Hello that its engine publishes no KV "
-                              "events (no_kv_events): it may send heartbeats and empty snapshots only")
 
     async def _batch(
         self, rec: NodeRecord, batch: Incoming, *, defer_ack: bool = False
@@ -438,7 +400,7 @@ class IngestSession:
             rec.last_seq = batch.seq
             rec.indexed.add((self.model, batch.dp_rank))
             self._note_history(rec, batch.dp_rank, ops, batch.history_lost)
-        self._account(batch)
+        account(self.state.metrics, batch)
         if samples:
             self._verify(rec, samples)
         return self._acked(batch.seq, defer_ack)
@@ -498,7 +460,7 @@ class IngestSession:
             rec.indexed.add((self.model, first.dp_rank))
             self._note_history(rec, first.dp_rank, ops, None)
         for b in batches:
-            self._account(b)
+            account(self.state.metrics, b)
         return self._acked(batches[-1].seq, defer=True)
 
     def _note_history(self, rec: NodeRecord, rank: int, ops: Sequence[Op], lost: str | None) -> None:
@@ -548,106 +510,24 @@ class IngestSession:
         if reason is not None:
             st.mark_hash_mismatch(rec, reason)
 
-    def _account(self, batch: Incoming) -> None:
-        m = self.state.metrics
-        m.batch("applied")
-        stored, removed, cleared, _ = batch.kinds()
-        if stored:
-            m.applied("block_stored", stored)
-        if removed:
-            m.applied("block_removed", removed)
-        if cleared:
-            m.applied("all_blocks_cleared", cleared)
-        if batch.ts > 0:
-            m.ingest_lag.observe(max(0.0, time.time() - batch.ts))
-
     # --- snapshots --------------------------------------------------------------------------
-    def _stage(self, snap: pb.Snapshot) -> _PendingSnapshot:
-        """Check one chunk and add it to the pending snapshot (packed, as it arrived)."""
-        if snap.epoch != self.epoch:
-            raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"snapshot epoch {snap.epoch} does not match the Hello's epoch {self.epoch}",
-            )
-        if snap.dp_rank not in self.dp_ranks:
-            raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"snapshot dp_rank {snap.dp_rank} is not in the Hello's {list(self.dp_ranks)}",
-            )
-        try:
-            hashes, tiers = snapshot_from_proto(snap)
-        except InvalidEvent as exc:
-            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if self.rec is not None:  # a lost-history mark would make the node degraded: refused as well
-            self._check_events(self.rec, len(hashes) > 0 or snap.HasField("history_lost"))
-        pending = self._pending
-        if pending is None:
-            pending = self._pending = _PendingSnapshot(snap.epoch, snap.seq)
-        elif pending.seq != snap.seq:
-            first, pending = pending.seq, None
-            self._drop_pending()
-            raise IngestAbort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"snapshot chunks disagree on seq ({first} then {snap.seq})"
-            )
-        st, limits = self.state, self.state.config.limits
-        pending.count += len(hashes)
-        st.staged_snapshot_blocks += len(hashes)
-        refusal = self._over_budget(pending.count, limits)
-        if refusal is not None:
-            pending = None  # nothing in this frame may keep the staged blocks alive
-            self._drop_pending()
-            raise IngestAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        rank = snap.dp_rank
-        if snap.HasField("history_lost"):
-            pending.lost[rank] = shown(snap.history_lost, LOST_CHARS, quote=False)
-        held = pending.hashes.setdefault(rank, [])
-        held_tiers = pending.tiers.setdefault(rank, bytearray())
-        if tiers:
-            before = sum(len(part) for part in held)
-            if len(held_tiers) < before:
-                held_tiers.extend(bytes(before - len(held_tiers)))  # earlier chunks were all GPU
-        held.append(hashes)  # unpack_u64's flat buffer: kept, not copied
-        if tiers or held_tiers:
-            held_tiers.extend(tiers or bytes(len(hashes)))
-        return pending
-
-    def _over_budget(self, count: int, limits: Limits) -> str | None:
-        """Why the snapshot being staged (``count`` blocks so far) must be refused, if it must."""
-        if count > limits.max_snapshot_blocks:
-            return f"snapshot exceeds max_snapshot_blocks ({limits.max_snapshot_blocks})"
-        try:
-            check_node_entries(count, limits.max_entries_per_node)
-        except OverLimit as exc:
-            return f"snapshot: {exc}"
-        staged = self.state.staged_snapshot_blocks
-        if staged > limits.max_staged_snapshot_blocks:
-            self.state.metrics.stream_refused("snapshot_budget")
-            log.warning("node %s: snapshot refused: %d blocks staged over all streams "
-                        "(max_staged_snapshot_blocks %d)", self.node_id, staged,
-                        limits.max_staged_snapshot_blocks)
-            return (f"snapshot staging is full: {staged} blocks of unfinished snapshots over all streams, "
-                    f"max_staged_snapshot_blocks is {limits.max_staged_snapshot_blocks}; retry later")
-        return None
-
     async def _snapshot(self, rec: NodeRecord, snap: pb.Snapshot) -> list[pb.CoordinatorMessage]:
-        pending = self._stage(snap)
+        pending = self._snapshot_stage.add(snap, self.epoch, self.dp_ranks, self.rec, self.node_id)
         if not snap.final:
             # Yield to the loop: a stream's buffered chunks are read without suspending, so 8 flooding
             # streams were staged back to back for 50-140 ms while lookups waited.
             await asyncio.sleep(0)
             return []
-        self._pending = None  # detached, still counted as staged until it is applied or abandoned
+        self._snapshot_stage.pending = None  # detached, still counted as staged until applied or abandoned
         count = pending.count
         try:
             return await self._apply_snapshot(rec, pending)
         finally:
-            self.state.staged_snapshot_blocks -= count
             del pending
-            if count >= TRIM_BLOCKS:
-                release_memory()
+            self._snapshot_stage.release(count)
 
     async def _apply_snapshot(self, rec: NodeRecord,
-                              pending: _PendingSnapshot) -> list[pb.CoordinatorMessage]:
+                              pending: PendingSnapshot) -> list[pb.CoordinatorMessage]:
         st = self.state
         reg = st.registry
         node_lock = reg.lock(rec.node_id)
@@ -672,7 +552,7 @@ class IngestSession:
                     await st.index.clear(model, node_id, rank)
 
             # Retried through an outage (a snapshot is a whole replacement: re-running it is exact).
-            done, _ = await st.call_index(
+            done, _ = await st.health.call(
                 replace, f"snapshot for node {node_id}", rec, lambda: self._wanted(rec, need_sync=False)
             )
             rec = self._owned()

@@ -135,7 +135,7 @@ class Lookups:
     def serves(self, model: str) -> bool:
         """Some live node (of this replica or, with replicas, any) serves ``model``."""
         st = self.state
-        return st.registry.has_live(model) if st.directory is None else st.has_live(model)
+        return st.registry.has_live(model) if st.replicas.directory is None else st.replicas.has_live(model)
 
     async def match(self, model: str, hashes: Sequence[BlockHash64],
                     candidates: Collection[NodeKey] | None = None,
@@ -145,15 +145,15 @@ class Lookups:
         st = self.state
         matches = []
         if hashes and self.serves(model):
-            if not st.index_up:
-                raise LookupFailed(UNAVAILABLE, self.unavailable(st.index_down_reason))
+            if not st.health.up:
+                raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
             try:
                 matches = await st.index.match(model, hashes, candidates or None)
             except (ConnectionError, TimeoutError, OSError) as exc:
                 # The backend is unreachable: NOT_SERVING until a probe finds it back.
                 reason = f"{type(exc).__name__}: {exc}"
                 st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
-                await st.index_down(reason)
+                await st.health.down(reason)
                 raise LookupFailed(UNAVAILABLE, self.unavailable(reason)) from None
             except Exception as exc:
                 # A bug or a bad answer, not an outage: this request fails, health stays as it is.
@@ -161,7 +161,7 @@ class Lookups:
                 st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
                 raise LookupFailed(INTERNAL, f"index match failed: {name}: {exc}") from None
         now, now_wall = time.monotonic(), time.time()
-        live_node = st.live_node
+        live_node = st.replicas.live_node
         w0, w1, w2 = st.config.tier_weights
         scored: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str, str, str]] = []
         for node_id, rank, matched, tiers in matches:
@@ -187,14 +187,14 @@ class Lookups:
         for rec in st.registry:
             if rec.model == model:
                 keys.update((rec.node_id, r) for r in rec.dp_ranks)
-        for other in st.remote_nodes():
+        for other in st.replicas.remote_nodes():
             if other.model == model:
                 keys.update((other.node_id, r) for r in other.dp_ranks)
         if candidates:
             keys &= set(candidates)
         out = []
         for key in sorted(keys - seen):
-            info = st.live_node(key[0], model, now, now_wall, key[1])
+            info = st.replicas.live_node(key[0], model, now, now_wall, key[1])
             if info is not None:
                 out.append(LiveMatch(key[0], key[1], 0, (), *info))
         return out

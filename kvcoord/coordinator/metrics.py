@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 from bisect import bisect_left
 from collections import Counter as PyCounter
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any, Protocol
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvcoord import __version__
 from kvcoord.coordinator.engines import RELAY_STATES
 from kvcoord.coordinator.httpd import REFUSALS as HTTP_REFUSALS
+from kvcoord.coordinator.metrics_http import MetricsEndpoint
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
 from kvcoord.index.instrumented import OPS, InstrumentedIndex
@@ -209,17 +206,6 @@ class IndexBackendCollector(Collector):
         return out
 
 
-SHUTDOWN_POLL = 0.05
-"""Seconds between the metrics server's shutdown checks (bounds how long ``close`` waits)."""
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log line per scrape."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 class Metrics:
     """Every ``kvcoord_*`` series, plus plain counters the Stats RPC reports."""
 
@@ -236,8 +222,8 @@ class Metrics:
         self.hash_mismatch_total = 0
         self.snapshots_requested_total = 0
         self.leases_expired_total = 0
-        self._http: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self.endpoint = MetricsEndpoint(self.registry)
+        """The /metrics HTTP server, started by ``endpoint.serve``."""
         self._known_series: set[tuple[str, str]] = set()
         self._known_models: set[str] = set()
         # labels(...) costs a lock and a tuple-keyed lookup per call; the hot paths use cached children.
@@ -470,31 +456,3 @@ class Metrics:
             self.nodes.labels(state).set(by_state.get(state, 0))
         for trust in TRUSTS:
             self.nodes_by_trust.labels(trust).set(by_trust.get(trust, 0))
-
-    def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP server on a daemon thread; returns the bound port.
-
-        Not prometheus-client's ``start_http_server``: its thread polls for shutdown every 0.5 s, so
-        closing it would take up to half a second of a SIGTERM's budget. This one polls every 50 ms.
-        """
-
-        class Server(ThreadingWSGIServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        server = make_server(host, port, make_wsgi_app(self.registry), Server, handler_class=_QuietHandler)
-        thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL}, name="kvcoord-metrics",
-            daemon=True,
-        )
-        thread.start()
-        self._http, self._thread = server, thread
-        return int(server.server_address[1])
-
-    def close(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-            self._thread = None

@@ -22,7 +22,8 @@ from grpc_reflection.v1alpha import reflection
 from kvcoord.coordinator.auth import Authenticator
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.core import CoordinatorState
-from kvcoord.coordinator.engines import EngineRunner, Engines, open_engine_store
+from kvcoord.coordinator.engine_store import open_engine_store
+from kvcoord.coordinator.engines import EngineRunner, Engines
 from kvcoord.coordinator.fastpath import FastAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpLimits, HttpServer
@@ -94,17 +95,17 @@ class CoordinatorServer:
         up = False
         with contextlib.suppress(Exception):
             up = bool(await asyncio.wait_for(ping(index), timeout=2.0))
-        state.index_up = up
+        state.health.up = up
         state.metrics.index_up.labels(index.backend).set(1 if up else 0)
-        assert state.on_health is not None
-        await state.on_health(up)
+        assert state.health.on_health is not None
+        await state.health.on_health(up)
         if not up:
             log.warning("index backend %s does not answer; serving NOT_SERVING until it does", index.backend)
         await state.refresh()
         if cfg.metrics_listen:
             host, port = split_hostport(cfg.metrics_listen)
             try:
-                self.metrics_port = state.metrics.serve(host, port)
+                self.metrics_port = state.metrics.endpoint.serve(host, port)
             except OSError as exc:
                 await self.stop()
                 raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
@@ -112,8 +113,8 @@ class CoordinatorServer:
             # The store first: a state_dir that cannot be used refuses the start before any relay exists.
             store = open_engine_store(index, state_dir=cfg.state_dir)
             runner = self._runner_factory(state)
-            self.engines = Engines(store, runner, state.replica_id, self.config.profile, state.drop_node,
-                                   max_engines=cfg.limits.max_streams,
+            self.engines = Engines(store, runner, state.replicas.replica_id, self.config.profile,
+                                   state.leases.drop, max_engines=cfg.limits.max_streams,
                                    on_states=state.metrics.set_registered_engines)
             state.relayed_nodes = self.engines.relayed_nodes
         if cfg.http_listen:
@@ -162,7 +163,7 @@ class CoordinatorServer:
             await hs.set("", status)
             await hs.set(SERVICE, status)
 
-        state.on_health = on_health
+        state.health.on_health = on_health
 
     async def _start_http(self, state: CoordinatorState, auth: Authenticator) -> None:
         cfg = self.config
@@ -170,7 +171,8 @@ class CoordinatorServer:
         lim = cfg.limits
         limits = HttpLimits(lim.http_header_timeout_s, lim.http_max_header_bytes, lim.http_max_connections,
                             lim.http_idle_timeout_s)
-        http = self._http = HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", state.replica_id)],
+        replica = [("x-kvcoord-replica", state.replicas.replica_id)]
+        http = self._http = HttpServer(api.routes(), api.authorize, replica,
                                        limits=limits, on_refused=state.metrics.http_refused)
         if FastAnswers.available(api):
             api.fast = FastAnswers(api)
@@ -205,7 +207,7 @@ class CoordinatorServer:
             await self._server.stop(grace)
         if self.state is not None:
             await self.state.stop_background()
-            self.state.metrics.close()
+            self.state.metrics.endpoint.close()
         if self._close_index and self._index is not None:
             try:
                 await asyncio.wait_for(self._index.close(), timeout=1.0)

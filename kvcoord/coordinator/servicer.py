@@ -13,7 +13,6 @@ import logging
 import time
 import traceback
 from array import array
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,11 +34,11 @@ from kvcoord.coordinator.lookup import (
     LookupFailed,
     Lookups,
 )
-from kvcoord.coordinator.registry import NodeRecord, trust_state
-from kvcoord.coordinator.shared import SharedNode
-from kvcoord.engine.zmq_wire import Wakeup
+from kvcoord.coordinator.nodeinfo import node_info, remote_node_info
+from kvcoord.coordinator.outbox import Outbox
+from kvcoord.coordinator.registry import NodeRecord
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
-from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, RESYNCING, NodeLoad
+from kvcoord.load import RESYNCING
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import CAUSE_METADATA, TOKENIZER_CAUSE
@@ -107,163 +106,7 @@ def _parser(cls: type[M]) -> Callable[[bytes], M | Malformed]:
     return parse
 
 
-def remote_node_info(node: SharedNode, now_wall: float, lease: float) -> pb.NodeInfo:
-    """A node another replica holds, as its shared record says; past its lease (counted from when
-    that replica last heard from it, as for a local node) or its record's deadline: expired."""
-    state = node.state
-    if state != "expired" and (now_wall - node.heard > lease or now_wall > node.deadline):
-        state = "expired"
-    degraded = node.trust_reason if node.trust == DEGRADED else None
-    lost = node.trust_cause == HISTORY_LOST  # a replica that predates the cause: a mismatch, as before
-    trust, reason, cause = trust_state(None if lost else degraded, resyncing=node.trust == RESYNCING,
-                                       expired=state == "expired", history_lost=degraded if lost else None,
-                                       no_kv_events=node.trust == APPROXIMATE)
-    return pb.NodeInfo(
-        node_id=node.node_id,
-        model=node.model,
-        dp_ranks=list(node.dp_ranks),
-        state=state,
-        epoch=node.epoch,
-        last_heartbeat_age_seconds=max(0.0, now_wall - node.heard),
-        load=_load_pb(node.load),
-        hash_mismatch=state == "hash_mismatch",
-        replica=node.owner,
-        serving_url=node.url,
-        trust=trust,
-        trust_reason=reason,
-        trust_cause=cause,
-    )
-
-
-def _load_pb(load: NodeLoad) -> pb.Load:
-    return load_to_proto(load)
-
-
-def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
-    state = rec.state
-    if state != "expired" and now - rec.last_heard > lease:
-        state = "expired"
-    trust, reason, cause = rec.trust_at(expired=state == "expired")
-    info = pb.NodeInfo(
-        node_id=rec.node_id,
-        model=rec.model,
-        dp_ranks=list(rec.dp_ranks),
-        state=state,
-        epoch=rec.epoch,
-        last_seq=rec.last_seq,
-        last_heartbeat_age_seconds=max(0.0, now - rec.last_heard),
-        load=_load_pb(rec.load),
-        hash_mismatch=rec.hash_mismatch,
-        hash_mismatch_reason=rec.hash_mismatch_reason,
-        serving_url=rec.serving_url,
-        trust=trust,
-        trust_reason=reason,
-        trust_cause=cause,
-    )
-    if rec.announced is not None:
-        a = rec.announced
-        info.hash_profile.CopyFrom(
-            pb.HashProfile(
-                algo=a.algo,
-                block_size=a.block_size,
-                style=a.style,
-                none_hash_fingerprint=a.none_hash_fingerprint,
-                engine_release=a.engine_release,
-            )
-        )
-    return info
-
-
-ACK_INTERVAL = 0.05
-"""Seconds an Ack waits for the ones after it on one stream: acks are cumulative, so they coalesce
-(agents never block on acks: they only bound the agent's resend queue). Each Ack costs both sides a
-gRPC message, three thread wakeups or so; an engine publishing one batch per scheduler step would
-otherwise cost an Ack per batch."""
 SHUTDOWN_DRAIN = 0.25  # seconds a stopping coordinator waits for a stream's pending replies
-
-
-class _Outbox:
-    """Replies of one ingest stream, written by their own task so reading never waits for a write.
-
-    Acks are cumulative: an Ack queued right behind another unsent Ack replaces it, and an Ack waits
-    ``ack_interval`` before it is written, so a stream gets at most one Ack write per interval instead of
-    one per batch (each write costs both sides about as much as applying a small batch). Order with
-    other messages is kept, and those are never delayed behind the interval unless an Ack is ahead;
-    :meth:`drain` writes what is queued at once.
-    """
-
-    __slots__ = ("_context", "_empty", "_flush", "_queue", "_task", "_wake", "ack_interval")
-    # _flush: a Wakeup, so that drain() also cuts short an Ack already waiting out its interval
-
-    def __init__(self, context: grpc.aio.ServicerContext, ack_interval: float = ACK_INTERVAL) -> None:
-        self._context = context
-        self.ack_interval = ack_interval
-        self._flush = Wakeup()
-        self._queue: deque[pb.CoordinatorMessage | tuple[int, int]] = deque()
-        self._wake = asyncio.Event()
-        self._empty = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def put(self, msg: pb.CoordinatorMessage) -> None:
-        q = self._queue
-        if msg.HasField("ack"):
-            self.ack(msg.ack.epoch, msg.ack.seq)
-            return
-        q.append(msg)
-        self._wakeup()
-
-    def ack(self, epoch: int, seq: int) -> None:
-        """Queue Ack(epoch, seq), replacing an unsent Ack of the same epoch right before it. Kept as a
-        plain tuple until written: a busy stream builds one Ack message per write, not per batch."""
-        q = self._queue
-        if q:
-            last = q[-1]
-            if type(last) is tuple and last[0] == epoch:
-                q[-1] = (epoch, seq)
-                return  # the writer already knows about the queued Ack
-        q.append((epoch, seq))
-        self._wakeup()
-
-    def _wakeup(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvcoord-ingest-writer")
-        self._empty.clear()
-        self._wake.set()
-
-    async def _run(self) -> None:
-        q = self._queue
-        try:
-            while True:
-                while q:
-                    msg = q[0]
-                    if len(q) == 1 and type(msg) is tuple:
-                        # Let the acks of the batches arriving meanwhile collapse into this one.
-                        await self._flush.wait(self.ack_interval)
-                    out = q.popleft()
-                    if type(out) is tuple:
-                        out = pb.CoordinatorMessage(ack=pb.Ack(epoch=out[0], seq=out[1]))
-                    await self._context.write(out)
-                self._empty.set()
-                self._wake.clear()
-                await self._wake.wait()
-        finally:
-            self._empty.set()  # a dead writer never empties the queue: release drain()
-
-    async def drain(self) -> None:
-        """Until everything queued is written (or the writer died with the stream)."""
-        if self._task is not None:
-            self._flush.set()
-            await self._empty.wait()
-            self._flush.clear()
-
-    def close(self) -> None:
-        task = self._task
-        if task is not None:
-            if task.done():
-                if not task.cancelled():
-                    task.exception()  # retrieved: a write to a closed stream is not worth a log line
-            else:
-                task.cancel()
 
 
 _GRPC_LOGGER = "grpc._cython.cygrpc"
@@ -378,7 +221,7 @@ class CoordinatorServicer:
         if self.shutting_down:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         await self._check_streams(context)
-        outbox = _Outbox(context)
+        outbox = Outbox(context)
         session = IngestSession(self.state, principal, outbox.put, outbox.ack)
         self.state.metrics.streams.inc()
         task = asyncio.current_task()
@@ -443,7 +286,7 @@ class CoordinatorServicer:
         return None  # unreachable: abort raises
 
     async def _handle(
-        self, session: IngestSession, context: grpc.aio.ServicerContext, outbox: _Outbox, data: bytes
+        self, session: IngestSession, context: grpc.aio.ServicerContext, outbox: Outbox, data: bytes
     ) -> bool:
         """One message of the stream, its replies queued; False once the stream was aborted."""
         try:
@@ -460,7 +303,7 @@ class CoordinatorServicer:
         return True
 
     async def _abort_ingest(
-        self, session: IngestSession, context: grpc.aio.ServicerContext, outbox: _Outbox, exc: IngestAbort
+        self, session: IngestSession, context: grpc.aio.ServicerContext, outbox: Outbox, exc: IngestAbort
     ) -> None:
         peer = session.node_id or context.peer()
         log.info("ingest stream of %s aborted: %s %s", peer, exc.code.name, exc.message)
@@ -593,7 +436,7 @@ class CoordinatorServicer:
         recs = self.state.registry
         out = {r.node_id: node_info(r, now, lease) for r in recs if not model or r.model == model}
         now_wall = time.time()
-        for other in self.state.remote_nodes():
+        for other in self.state.replicas.remote_nodes():
             if not model or other.model == model:
                 out[other.node_id] = remote_node_info(other, now_wall, lease)
         relayed = self.state.relayed_nodes() if self.state.relayed_nodes is not None else {}
@@ -655,7 +498,7 @@ class CoordinatorServicer:
         self, request: pb.RemoveNodeRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> pb.RemoveNodeResponse:
         rec = await self._manage(request, context, "remove")
-        self.state.drop_node(rec.node_id)
+        self.state.leases.drop(rec.node_id)
         log.info("node %s: removed", rec.node_id)
         return pb.RemoveNodeResponse()
 
@@ -666,7 +509,7 @@ class CoordinatorServicer:
         await self._check(request, context)
         await self._principal(context)
         st = self.state
-        stats, stale = await st.exact_stats()
+        stats, stale = await st.stats.exact()
         m = st.metrics
         nodes = self._nodes()
         by_state = st.registry.by_state()
@@ -679,7 +522,7 @@ class CoordinatorServicer:
             events_rejected=dict(m.rejected_by_reason),
             nodes=nodes,
             nodes_by_state=by_state,
-            replica_id=st.replica_id,
+            replica_id=st.replicas.replica_id,
             native=",".join(native_paths()),
             hash_mismatches=m.hash_mismatch_total,
             snapshots_requested=m.snapshots_requested_total,

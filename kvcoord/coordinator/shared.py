@@ -15,7 +15,7 @@ holding a stale record of a node that moved to another replica cannot overwrite 
 Fencing: a record also carries the owner's fencing token for the node (see
 :meth:`kvcoord.index.base.Fencing.claim`). Any replica that reads a record long past its deadline, of a
 node it does not hold, reclaims the node's entries with that token: the backend removes them only if
-nobody claimed the node since (``CoordinatorState._reclaim_dead``).
+nobody claimed the node since (``Replicas._reclaim_dead``).
 
 The memory backend is single-process: it has no directory (``open_directory`` returns None) and the
 registry alone decides, exactly as before.

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from kvcoord.coordinator.config import ConfigError, TlsConfig
+from kvcoord.coordinator.config import TlsConfig
+from kvcoord.coordinator.config_values import ConfigError
 
 
 def _read(what: str, path: str) -> bytes:

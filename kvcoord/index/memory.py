@@ -30,7 +30,7 @@ the full-attention entry. The index therefore remembers, per ``(model, node, dp_
 ``group_idx`` values were seen on non-indexable stores, and skips (counts) removals of those groups.
 Removals without ``group_idx`` or of a group not yet seen are applied; if the block is not held they
 are the usual counted no-op. ``remove_node`` forgets what it learnt about the node's groups. These rules
-are :func:`kvcoord.index.table.apply_ops`, which the relay's mirror of a node runs too.
+are :func:`kvcoord.index.rules.apply_ops`, which the relay's mirror of a node runs too.
 
 Not thread-safe: use it from one thread (the coordinator's event loop).
 """

@@ -20,7 +20,8 @@ from typing import Literal, TypeAlias, cast
 from kvcoord import validate
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index.base import ApplyResult, NodeKey, NodeMatch, SnapshotEntry
+from kvcoord.index.base import NodeKey, NodeMatch, SnapshotEntry
+from kvcoord.index.rules import apply_ops
 from kvcoord.native import native
 
 __all__ = ["Core", "NativeTable", "PyTable", "RawMatch", "apply_ops", "slots_of", "table_type"]
@@ -578,41 +579,3 @@ def table_type(core: Core) -> type[PyTable]:
     if core == "c" and native is None:
         raise ValueError("core='c' but native code is not built or is off (KVCOORD_NATIVE=0)")
     return NativeTable if core != "python" and native is not None else PyTable
-
-
-def apply_ops(mi: PyTable, key: NodeKey, ops: Sequence[validate.Op], res: ApplyResult) -> int:
-    """Apply one location's validated ops to ``mi`` in order, counting into ``res``; returns the hashes
-    touched (the sweep budget they earn). The index's rules, stated once (the relay's mirror runs them
-    too): stores are idempotent; a store of a group that is not prefix-indexable is only counted, and
-    its ``group_idx`` remembered for ``key``, so the group's removals are skipped from then on (in hybrid
-    models several groups publish the same hash); a removal of a block not held is a counted no-op;
-    ``AllBlocksCleared`` retires ``key``'s slot (the groups stay remembered)."""
-    work = 0
-    slot_of, skip = mi.slot_of, mi.skip_groups
-    for kind, tier, hashes, group, indexable in ops:
-        if kind == _STORE:
-            if not indexable:
-                res.skipped_group += len(hashes)
-                if group is not None:
-                    skip.setdefault(key, set()).add(group)
-            elif hashes:
-                slot = slot_of.get(key)
-                res.stored += mi.store(mi.slot_for_store(key) if slot is None else slot, tier, hashes)
-                work += len(hashes)
-        elif kind == _REMOVE:
-            if group is not None and skip and group in skip.get(key, ()):
-                res.skipped_group += len(hashes)
-                continue
-            slot = slot_of.get(key)
-            if slot is None:
-                res.removed_unknown += len(hashes)
-                continue
-            done = mi.remove(slot, tier, hashes)
-            res.removed += done
-            res.removed_unknown += len(hashes) - done
-            work += len(hashes)
-        else:
-            slot = slot_of.get(key)
-            if slot is not None:
-                res.cleared += mi.retire(slot)
-    return work

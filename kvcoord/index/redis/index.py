@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import struct
 import time
-import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -19,12 +17,10 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from kvcoord import validate
-from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
     EngineRecords,
-    FencedWrite,
     Fencing,
     IndexStats,
     NativeView,
@@ -45,6 +41,8 @@ from kvcoord.index.redis.client import (
     _command,
     _hmget_command,
 )
+from kvcoord.index.redis.fencing import RedisFencing
+from kvcoord.index.redis.health import RedisHealth
 from kvcoord.index.redis.keys import (
     _DEFAULT_CLUSTER_BUCKETS,
     _LAYOUT,
@@ -58,6 +56,7 @@ from kvcoord.index.redis.keys import (
 )
 from kvcoord.index.redis.mirror import LookupMirror
 from kvcoord.index.redis.records import RedisEngineRecords, RedisNodeRecords
+from kvcoord.index.redis.stats import read_stats
 from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
 from kvcoord.index.uri import IndexSpec, parse_index_uri
@@ -67,8 +66,6 @@ __all__ = ["LATENCY_BUCKETS", "RedisIndex"]
 
 log = logging.getLogger("kvcoord.index.redis")  # the backend's one logger, as before it was a package
 
-_DISTINCT_LIMIT = 2_000_000
-"""Summed entries past which the exact distinct-block count gives up and reports the sum (a bound)."""
 _REPLACE_CHUNK = 20_000
 """Entries per script call when filling a replacement (bounds how long one script blocks Redis)."""
 _RECLAIM_CHUNK = 1_000
@@ -90,10 +87,11 @@ class RedisIndex:
         self._cluster = isinstance(client, RedisCluster)
         self.backend = "redis-cluster" if self._cluster else "redis"
         self.inline = False
-        self.fencing: Fencing | None = self
-        """Replicas share this index: writes are fenced (:meth:`claim`)."""
-        self.remote: Remote | None = self
-        """Health (:meth:`ping`), lifetime (:meth:`generation`) and round-trip counters (``metrics``)."""
+        self._fencer = RedisFencing(self)
+        self.fencing: Fencing | None = self._fencer
+        """Replicas share this index: writes are fenced (``fencing.claim``)."""
+        self.remote: Remote | None = RedisHealth(self)
+        """Health (``remote.ping``), lifetime (``remote.generation``), round-trip counters (``metrics``)."""
         self.native: NativeView | None = None
         self.node_directory: NodeRecords | None = RedisNodeRecords(client, key_prefix)
         self.engine_store: EngineRecords | None = RedisEngineRecords(client, key_prefix)
@@ -121,8 +119,6 @@ class RedisIndex:
         self._mirror = LookupMirror(self._conn, self._tags) if mirror else None
         """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
         self.metrics.mirror = self._mirror
-        self._fence: dict[str, int | None] = {}
-        """Per claimed node, the fencing token this client holds (None: claimed, token not issued yet)."""
 
     # ------------------------------------------------------------------------------------ opening
 
@@ -182,49 +178,6 @@ class RedisIndex:
 
     # ---------------------------------------------------------------------------------- the protocol
 
-    async def claim(self, node_id: str) -> None:
-        """Lazily: the token is issued by the node's next write (inside the caller's retries, so a
-        Hello never waits for Redis). Writes in between carry the old token, and a write issued by a
-        stale owner after the new owner's first write is refused."""
-        self._fence[node_id] = None
-
-    def fence_token(self, node_id: str) -> int:
-        return self._fence.get(node_id) or 0
-
-    async def _token(self, node_id: str) -> str:
-        """The token this client's writes for ``node_id`` carry ('0': it never claimed the node)."""
-        if node_id not in self._fence:
-            return "0"
-        tok = self._fence[node_id]
-        if tok is None:
-            await self._check_layout()
-            tok = int(await self._conn.eval(lua.CLAIM, self.tag_of(node_id), node_id))
-            # concurrent first writes may each issue one: keep the highest, or we would fence ourselves
-            tok = max(tok, self._fence.get(node_id) or 0)
-            self._fence[node_id] = tok
-        return str(tok)
-
-    def _fenced(self, node_id: str, what: str) -> FencedWrite:
-        """A refused write (the stale token is kept: later writes are refused too, until a claim)."""
-        return FencedWrite(
-            node_id, f"{what} refused by Redis: another replica claimed the node since (this one's fencing "
-            f"token {self._fence.get(node_id)} is stale)"
-        )
-
-    async def reclaim_node(self, node_id: str, token: int) -> bool:
-        """Retire a dead owner's node unless it was claimed since (its token moved past ``token``). False
-        also when there was nothing left to retire (the owner had removed the node itself)."""
-        if token <= 0:
-            return False
-        tag = self.tag_of(node_id)
-        res = int(await self._conn.eval(lua.REMOVE_NODE, tag, node_id, str(token), "1"))
-        if res <= 0:
-            return False
-        self.metrics.reclaimed_nodes += 1
-        self._wake_reclaimer()
-        await self._mirror_sync(tag)
-        return True
-
     async def apply(self, model: str, node_id: str, dp_rank: int, ops_in: Sequence[Op]) -> ApplyResult:
         validate.check_target(model, node_id, dp_rank)
         ops, skipped = compile_ops(ops_in)
@@ -232,7 +185,7 @@ class RedisIndex:
         if not ops:
             return result
         await self._check_layout()
-        token = await self._token(node_id)
+        token = await self._fencer.token(node_id)
         batch: list[object] = [_loc_name(model, node_id, dp_rank), node_id, "A", token, len(ops)]
         blocks = 0
         for op, blob in ops:
@@ -244,7 +197,7 @@ class RedisIndex:
             bucket, batch, blocks
         )
         if new < 0:
-            raise self._fenced(node_id, "apply")
+            raise self._fencer.fenced(node_id, "apply")
         if self._mirror is not None and seq:
             await self._mirror.caught_up(self._tags[bucket], seq)  # read-your-writes on this replica
         result.stored = int(new)
@@ -375,19 +328,19 @@ class RedisIndex:
     async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
         validate.check_target(model, node_id, dp_rank)
         lf = _loc_name(model, node_id, dp_rank)
-        token = await self._token(node_id)
+        token = await self._fencer.token(node_id)
         res = int(await self._conn.eval(lua.CLEAR, self.tag_of(node_id), lf, node_id, token))
         if res < 0:
-            raise self._fenced(node_id, "clear")
+            raise self._fencer.fenced(node_id, "clear")
         if res:
             self._wake_reclaimer()
         await self._mirror_sync(self.tag_of(node_id))
 
     async def remove_node(self, node_id: str) -> None:
-        token = await self._token(node_id)
+        token = await self._fencer.token(node_id)
         res = int(await self._conn.eval(lua.REMOVE_NODE, self.tag_of(node_id), node_id, token, "0"))
         if res < 0:
-            raise self._fenced(node_id, "remove_node")
+            raise self._fencer.fenced(node_id, "remove_node")
         if res:
             self._wake_reclaimer()
         await self._mirror_sync(self.tag_of(node_id))
@@ -432,10 +385,10 @@ class RedisIndex:
         await self._check_layout()
         tag = self.tag_of(node_id)
         lf = _loc_name(model, node_id, dp_rank)
-        token = await self._token(node_id)
+        token = await self._fencer.token(node_id)
         pending = int(await self._conn.eval(lua.BEGIN, tag, lf, node_id, token))
         if pending < 0:
-            raise self._fenced(node_id, "replace_node")
+            raise self._fencer.fenced(node_id, "replace_node")
         try:
             committed = await self._fill_pending(tag, lf, node_id, pending, per_tier, token)
         except rexc.ResponseError as e:
@@ -462,10 +415,10 @@ class RedisIndex:
                 res = await self._conn.eval(lua.WRITE, tag, lf, node_id, str(pending), token, 1,
                                             f"S{t}", blob)
                 if int(res[0]) < 0:
-                    raise self._fenced(node_id, "replace_node")
+                    raise self._fencer.fenced(node_id, "replace_node")
         committed = int(await self._conn.eval(lua.COMMIT, tag, lf, node_id, str(pending), token))
         if committed < 0:
-            raise self._fenced(node_id, "replace_node")
+            raise self._fencer.fenced(node_id, "replace_node")
         return committed
 
     # ---------------------------------------------------------------------------------- stats
@@ -481,74 +434,7 @@ class RedisIndex:
         counts twice); then ``blocks_upper_bound`` is set."""
         if exact and self._reclaimed_gen < self._retired_gen:
             await self.reclaim()
-        return await self._stats(exact=exact)
-
-    async def _stats(self, *, exact: bool) -> IndexStats:
-        res = await self._conn.eval_many(lua.STATS, [(tag, []) for tag in self._tags])
-        entries = 0
-        nbytes = 0
-        nodes: set[str] = set()
-        by_model_tier: dict[tuple[str, Tier], int] = {}
-        per_bucket: dict[str, dict[str, int]] = {}
-        for tag, (locs, model_blocks, b) in zip(self._tags, res, strict=True):
-            nbytes += int(b)
-            for i in range(0, len(locs), 4):
-                model, node_id, _ = _parse_loc_name(locs[i])
-                counts = [int(x) for x in locs[i + 1 : i + 4]]
-                if sum(counts):
-                    nodes.add(node_id)
-                for t in Tier:
-                    if counts[t]:
-                        by_model_tier[(model, t)] = by_model_tier.get((model, t), 0) + counts[t]
-                        entries += counts[t]
-            for i in range(0, len(model_blocks), 2):
-                per_bucket.setdefault(model_blocks[i].decode(), {})[tag] = int(model_blocks[i + 1])
-        if exact:
-            blocks_by_model = await self._distinct_blocks(per_bucket)
-            bound = any(
-                sum(c.values()) > _DISTINCT_LIMIT and sum(1 for n in c.values() if n) > 1
-                for c in per_bucket.values()
-            )
-        else:
-            blocks_by_model = {m: sum(c.values()) for m, c in per_bucket.items() if any(c.values())}
-            bound = any(sum(1 for n in c.values() if n) > 1 for c in per_bucket.values())
-        return IndexStats(
-            entries=entries,
-            blocks=sum(blocks_by_model.values()),
-            nodes=len(nodes),
-            bytes=nbytes,
-            entries_by_model_tier=by_model_tier,
-            blocks_by_model=blocks_by_model,
-            blocks_upper_bound=bound,
-        )
-
-    async def _distinct_blocks(
-        self, per_bucket: dict[str, dict[str, int]], limit: int = _DISTINCT_LIMIT
-    ) -> dict[str, int]:
-        """Distinct blocks per model over buckets (a block held in two buckets counts once).
-
-        ``per_bucket`` is model -> tag -> that bucket's block count. Exact (HSCAN of the inverted
-        hashes of the buckets that have the model) up to ``limit`` summed entries; past that the sum,
-        an upper bound, so that stats never pulls a huge index to the client.
-        """
-        out: dict[str, int] = {}
-        for model, counts in per_bucket.items():
-            tags = [tag for tag, n in counts.items() if n]
-            total = sum(counts.values())
-            if not tags:
-                continue
-            if len(tags) == 1 or total > limit:
-                out[model] = total
-                continue
-            seen: set[bytes] = set()
-            for tag in tags:
-                await self._conn.round_trip(functools.partial(self._scan_fields, f"{tag}:inv:{model}", seen))
-            out[model] = len(seen)
-        return out
-
-    async def _scan_fields(self, key: str, into: set[bytes]) -> None:
-        async for h, _ in self._r.hscan_iter(key, count=10_000):
-            into.add(h)
+        return await read_stats(self._conn, self._r, self._tags, exact=exact)
 
     # ---------------------------------------------------------------------------------- health
 
@@ -562,35 +448,6 @@ class RedisIndex:
         while not mirror.ready and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         return mirror.ready
-
-    async def ping(self) -> bool:
-        if self._mirror is not None:
-            self._mirror.start()  # the coordinator pings at start: load the copy before lookups come
-        try:
-            if self._cluster:
-                await asyncio.wait_for(self._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
-            else:
-                await asyncio.wait_for(self._r.ping(), 2.0)
-        except Exception:
-            self.metrics.errors += 1
-            self.metrics.up = False
-            return False
-        self.metrics.answered()
-        return True
-
-    async def generation(self) -> str:
-        """A token that changes when Redis lost the index (restarted empty, flushed, failed over badly).
-
-        Each bucket keeps a random marker, set when missing (one script per bucket, one round trip);
-        the coordinator compares the token over time and asks every agent for a snapshot when it
-        changed. Raises :class:`~kvcoord.index.redis.client.IndexUnavailable` when Redis cannot be reached.
-        """
-        tokens = await self._conn.eval_many(lua.EPOCH, [(tag, [uuid.uuid4().hex]) for tag in self._tags])
-        return hashlib.sha1(b"|".join(t if isinstance(t, bytes) else b"" for t in tokens)).hexdigest()[:16]
-
-    async def data_epoch(self) -> str:
-        """Alias of :meth:`generation` (the name this module used first)."""
-        return await self.generation()
 
     async def close(self) -> None:
         self._closed = True
