@@ -11,6 +11,7 @@ here from the wheel's source.
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import os
 import shutil
@@ -50,22 +51,29 @@ def _fetch(root: Path) -> Path:
     if all((src / f).exists() for f in _FILES):
         return src
     dl = root / "wheel"
-    dl.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(dl.glob("sglang-*.whl"))
-    if not wheels:
-        r = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={SGLANG_VERSION}",
-             "-d", str(dl)],
-            capture_output=True, text=True, timeout=900, check=False,
-        )
-        wheels = sorted(dl.glob("sglang-*.whl"))
-        if r.returncode != 0 or not wheels:
-            raise Unavailable(f"pip download sglang=={SGLANG_VERSION} failed: {r.stderr.strip()[-300:]}")
     tmp = root / "src.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with zipfile.ZipFile(wheels[0]) as zf:
-        for name in _FILES:
-            zf.extract(name, tmp)
+    for attempt in (1, 2):  # a wheel cut short by a killed run is downloaded once more
+        dl.mkdir(parents=True, exist_ok=True)
+        wheels = sorted(dl.glob("sglang-*.whl"))
+        if not wheels:
+            r = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                 f"sglang=={SGLANG_VERSION}", "-d", str(dl)],
+                capture_output=True, text=True, timeout=900, check=False,
+            )
+            wheels = sorted(dl.glob("sglang-*.whl"))
+            if r.returncode != 0 or not wheels:
+                raise Unavailable(f"pip download sglang=={SGLANG_VERSION} failed: {r.stderr.strip()[-300:]}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            with zipfile.ZipFile(wheels[0]) as zf:
+                for name in _FILES:
+                    zf.extract(name, tmp)
+            break
+        except zipfile.BadZipFile:
+            shutil.rmtree(dl, ignore_errors=True)
+            if attempt == 2:
+                raise
     shutil.rmtree(src, ignore_errors=True)
     tmp.rename(src)
     return src
@@ -86,7 +94,13 @@ def _compile(root: Path, src: Path) -> Path:
         f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
         str(src / _FILES[0]), "-o", str(out) + ".tmp", "-lcrypto",
     ]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    except FileNotFoundError:
+        raise Unavailable(f"no C++ compiler {cxx!r} (install g++)") from None
+    except subprocess.CalledProcessError as exc:
+        tail = exc.stderr.strip()[-500:]
+        raise Unavailable(f"compiling SGLang's hash_binding.cpp failed: {tail}") from None
     os.replace(str(out) + ".tmp", out)
     return out
 
@@ -104,8 +118,11 @@ def load() -> types.SimpleNamespace:
     """SGLang's modules (``utils``, ``events``, ``kv_events``, ``native_hash``, ``lora_registry``) and its
     compiled hash extension (``ext``). Raises :class:`Unavailable` when the wheel cannot be downloaded."""
     root = cache_dir()
-    src = _fetch(root)
-    ext_path = _compile(root, src)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:  # one run at a time fills the shared cache
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        src = _fetch(root)
+        ext_path = _compile(root, src)
     spec = importlib.util.spec_from_file_location("sgl_hash_binding", ext_path)
     assert spec is not None and spec.loader is not None
     ext = importlib.util.module_from_spec(spec)

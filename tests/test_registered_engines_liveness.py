@@ -28,7 +28,7 @@ from tests.redis_servers import redis_server
 MODEL = "reg-model"
 BS = 8
 SPEC = f"{MODEL},algo=sha256_cbor,block_size={BS},seed=0"
-LEASE = 3.0
+LEASE = 6.0
 """Short, so a death shows quickly; several replay probes fit in it (the relays probe every lease/4)."""
 DEADLINE = 60.0
 TOKENS = list(range(17_000, 17_000 + 8 * BS))

@@ -111,7 +111,7 @@ def test_a_fresh_fleets_first_requests_are_prefix_aware_once_route_is_ready(tmp_
     rport = free_port()
     base = f"http://127.0.0.1:{rport}"
     with _fleet(tmp_path) as (engine, _gport), \
-            running(_route(_gport, rport, "--deadline-ms", "250"), log=tmp_path / "route.log"):
+            running(_route(_gport, rport, "--deadline-ms", "5000"), log=tmp_path / "route.log"):
         wait_for_port(rport, timeout=30)
         _, health = _health_when(base, lambda st, h: st == 200 and h["backends"], "ready with its backend")
         assert health["status"] == "ok" and health["reason"] == "", health
