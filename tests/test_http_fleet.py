@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from kvcoord.events import BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.redis_servers import redis_server
+from tests.test_registered_engines_liveness import http_call
 
 MODEL = "fleet-model"
 BS = 4
@@ -42,15 +42,7 @@ class Replica:
             return str(resp.headers["x-kvcoord-replica"])
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}", data=data, method=method,
-                                     headers={"content-type": "application/json"} if data else {})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                raw = resp.read()
-                return resp.status, json.loads(raw) if raw else None
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
+        return http_call(self.http, method, path, body)
 
 
 @contextlib.contextmanager
