@@ -106,7 +106,7 @@ class RedisServer:
 
 @dataclass
 class RedisCluster:
-    """A Redis Cluster of ``len(servers)`` primaries and no replicas."""
+    """A Redis Cluster: its primaries, and one replica per primary when started with ``replicas=1``."""
 
     servers: list[RedisServer] = field(default_factory=list)
 
@@ -139,11 +139,13 @@ def stop_server(server: RedisServer) -> None:
     shutil.rmtree(server.dir, ignore_errors=True)
 
 
-def start_cluster(shards: int = 3, timeout: float = 30.0) -> RedisCluster:
-    """Start ``shards`` cluster-enabled servers, join them (``redis-cli --cluster create``), wait for ok."""
+def start_cluster(shards: int = 3, timeout: float = 30.0, replicas: int = 0) -> RedisCluster:
+    """Start ``shards`` cluster-enabled primaries (and ``replicas`` replicas of each), join them
+    (``redis-cli --cluster create``), wait for ok."""
     cluster = RedisCluster()
+    total = shards * (1 + replicas)
     try:
-        for _ in range(shards):
+        for _ in range(total):
             # An explicit bus port: the default (port + 10000) may be past 65535 for a high free port.
             cluster.servers.append(
                 start_server(
@@ -156,7 +158,7 @@ def start_cluster(shards: int = 3, timeout: float = 30.0) -> RedisCluster:
             [
                 REDIS_CLI, "--cluster", "create",
                 *(f"127.0.0.1:{s.port}" for s in cluster.servers),
-                "--cluster-replicas", "0", "--cluster-yes",
+                "--cluster-replicas", str(replicas), "--cluster-yes",
             ],
             capture_output=True,
             timeout=timeout,
@@ -165,11 +167,19 @@ def start_cluster(shards: int = 3, timeout: float = 30.0) -> RedisCluster:
         deadline = time.monotonic() + timeout
         while not all(
             "cluster_state:ok" in s.cli("CLUSTER", "INFO")
-            and len(s.cli("CLUSTER", "NODES").strip().splitlines()) == shards
+            and len(nodes := s.cli("CLUSTER", "NODES").strip().splitlines()) == total
+            and sum("slave" in n.split()[2] for n in nodes) == shards * replicas
             for s in cluster.servers
         ):
             if time.monotonic() > deadline:
                 raise TimeoutError("redis cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        # A replica that never finished its first sync refuses to fail over: wait for every link.
+        while sum("master_link_status:up" in s.cli("INFO", "replication") for s in cluster.servers) < (
+            shards * replicas
+        ):
+            if time.monotonic() > deadline:
+                raise TimeoutError("redis cluster replicas did not sync")
             time.sleep(0.1)
     except BaseException:
         stop_cluster(cluster)
