@@ -2,7 +2,7 @@
 on, as configuration, and the tally of the names nobody mapped.
 
 An event of an unknown medium is skipped, never refused: its blocks are not indexed (they score 0, as
-llm-d scores an unknown tier), the rest of its batch applies, and the name is counted
+llm-d#2809 scores an unknown tier), the rest of its batch applies, and the name is counted
 (:data:`UNKNOWN_MEDIA`) and logged once. docs/semantics.md lists the names each project publishes.
 """
 
@@ -17,9 +17,10 @@ _log = logging.getLogger(__name__)
 
 DEFAULT_MEDIA: dict[str, Tier] = {
     # Every name the engines and caches publish (docs/semantics.md lists who publishes which), matched
-    # case-insensitively: vLLM (GPU, CPU, Disk), SGLang (GPU, CPU_PINNED, DISK, EXTERNAL), LMCache (cpu,
-    # CXL), Mooncake's store (cpu, disk), llm-d's filesystem and object backends (SHARED_STORAGE,
-    # OBJECT_STORE), and every name Dynamo's KV router maps (device, host_pinned, disk, external).
+    # case-insensitively: vLLM (GPU, CPU, Disk), SGLang (GPU, CPU, CPU_PINNED, DISK, EXTERNAL), LMCache
+    # (cpu, CXL), Mooncake's store (cpu, disk), llm-d's filesystem and object backends (SHARED_STORAGE,
+    # OBJECT_STORE), and every name Dynamo's KV router maps, so an event either indexer takes lands on the
+    # same tier here.
     "": Tier.GPU,
     "GPU": Tier.GPU,
     "CUDA": Tier.GPU,

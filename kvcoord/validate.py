@@ -6,7 +6,9 @@ the relay (its mirror, the reporter, the coordinator's in-process feed) :func:`o
 events as one op), the coordinator :func:`kvcoord.wire.ops_from_proto` of the wire, which applies the
 same rules field by field. An :class:`Op` is valid by construction (uint64 hashes,
 a known tier, a non-negative group), so an index never validates and a bad event rejects its whole
-batch before anything changes. Errors are :class:`InvalidEvent` naming the event's position.
+batch before anything changes. Errors are :class:`InvalidEvent` naming the event's position. An event of
+a medium the media map (:mod:`kvcoord.media`) does not know is not bad: it is skipped and counted
+(:func:`known_runs`).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ SnapshotEntry: TypeAlias = tuple[BlockHash64, Tier]
 
 
 class InvalidEvent(ValueError):
-    """An event that cannot be applied (bad hash, unknown medium, wrong type). Nothing was applied."""
+    """An event that cannot be applied (bad hash, a medium that is not a string, wrong type). Nothing was
+    applied."""
 
 
 class OverLimit(InvalidEvent):

@@ -34,7 +34,10 @@ PUBLISHED: dict[str, dict[str, Tier]] = {
     "LMCache": {"cpu": Tier.CPU, "CXL": Tier.CPU},
     "Mooncake": {"cpu": Tier.CPU, "disk": Tier.STORAGE},
     "llm-d": {"GPU": Tier.GPU, "SHARED_STORAGE": Tier.STORAGE, "OBJECT_STORE": Tier.STORAGE},
-    "Dynamo": {"device": Tier.GPU, "host_pinned": Tier.CPU, "disk": Tier.STORAGE, "external": Tier.STORAGE},
+    "Dynamo": {"GPU": Tier.GPU, "DEVICE": Tier.GPU, "CPU": Tier.CPU, "CPU_PINNED": Tier.CPU,
+               "CPU_TIER1": Tier.CPU, "DISK": Tier.STORAGE, "STORAGE": Tier.STORAGE,
+               "CPU_TIER2": Tier.STORAGE, "NVME": Tier.STORAGE, "EXTERNAL": Tier.STORAGE,
+               "NETWORK": Tier.STORAGE, "REMOTE": Tier.STORAGE, "SHARED": Tier.STORAGE},
 }
 
 

@@ -567,24 +567,30 @@ async def test_malformed_frames_counted_and_skipped(ports: Ports, caplog: pytest
         pub.shutdown()
 
 
-async def test_unknown_medium_batch_rejected_whole(ports: Ports) -> None:
-    """A batch with one bad event applies none of its events (validated whole before the mirror is
-    touched), and, being unusable mid-stream, clears the mirror like a lost batch."""
+async def test_unknown_medium_events_are_skipped_and_the_batch_applies(ports: Ports) -> None:
+    """A batch mixing GPU blocks with blocks of a medium no map knows: the GPU blocks apply, the others are
+    skipped (not mirrored, not forwarded, counted), and the stream goes on: nothing malformed, no gap,
+    nothing cleared."""
+    from kvcoord.media import UNKNOWN_MEDIA
+
     good = make_batches(3, seed=9)
-    bad = KVEventBatch(5.0, (BlockStored((77,), None, (1,), 1, None, "GPU", None),
-                             BlockStored((78,), None, (1,), 1, None, "QUANTUM", None)), 0)
+    mixed = KVEventBatch(5.0, (BlockStored((77,), None, (1,), 1, None, "GPU", None),
+                               BlockStored((78,), None, (1,), 1, None, "QUANTUM", None),
+                               BlockRemoved((77,), "QUANTUM")), 0)
+    before = UNKNOWN_MEDIA.total.get("QUANTUM", 0)
     pub = ports.publisher()
     sink = RecordingSink()
     try:
         async with running_relay(ports, sink) as relay:
-            await publish_all(pub, [*good[:2], bad, good[2]])
+            await publish_all(pub, [*good[:2], mixed, good[2]])
             await wait_for(lambda: relay.expected_seq == 4, "stream end")
-            assert snapshot_of(relay) == expected_mirror(good[2:])
-            assert 77 not in {h for h, _ in relay.snapshot()[0]}
-            assert [b[1] for b in sink.batches] == [good[0].events, good[1].events, (AllBlocksCleared(),),
+            kept = KVEventBatch(5.0, mixed.events[:1], 0)
+            assert snapshot_of(relay) == expected_mirror([*good[:2], kept, good[2]])
+            assert (77, 0) in relay.snapshot()[0] and 78 not in {h for h, _ in relay.snapshot()[0]}
+            assert [b[1] for b in sink.batches] == [good[0].events, good[1].events, (mixed.events[0],),
                                                     good[2].events]
-            assert relay.stats.malformed == {"bad_event": 1}
-            assert relay.stats.unrecoverable_gaps == 1
+            assert relay.stats.malformed == {} and relay.stats.unrecoverable_gaps == 0
+            assert UNKNOWN_MEDIA.total["QUANTUM"] == before + 2
     finally:
         pub.shutdown()
 

@@ -388,7 +388,7 @@ class Relay:
         self._ranks_seen.add(dp)
         self._started = True
         self.mirror.commit(dp, ops)
-        self.sink.submit(dp, kept, batch.ts, ops, spans)  # an unknown medium's events stay here
+        self.sink.submit(dp, kept, batch.ts, ops, spans)  # without the events of unknown media (skipped)
         st = self.stats
         st.batches += 1
         st.events += len(batch.events)
