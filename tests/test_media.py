@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvcoord import media, validate
@@ -24,6 +25,7 @@ from kvcoord.events import (
     encode_vllm_batch,
 )
 from kvcoord.media import MediaTally, configure_media, normalize_medium, parse_media
+from tests.procs import FIXTURES
 from tests.test_relay import merged_oracle
 
 PUBLISHED: dict[str, dict[str, Tier]] = {
@@ -145,3 +147,30 @@ def test_an_unknown_medium_never_hides_a_bad_event_nor_shifts_its_position() -> 
     for bad in (3, b"GPU"):  # a medium that is not a string is still a bad event
         with pytest.raises(validate.InvalidEvent, match=r"^event 1: medium must be a string"):
             validate.op_runs([_store(1), _store(2, bad)])
+
+
+VLLM_033 = sorted((FIXTURES / "vllm-wire" / "0.33.0").glob("*.msgpack"))
+
+
+@pytest.mark.parametrize("path", VLLM_033, ids=lambda p: p.stem)
+def test_a_real_vllm_payload_with_a_new_medium_keeps_its_other_events(path: Path) -> None:
+    """vLLM 0.33's own payloads (captured from its ZmqEventPublisher), each event of medium CPU renamed to
+    one no map knows: the relay's decoded views keep exactly the other events, with their ops."""
+    raw = msgspec.msgpack.decode(path.read_bytes())
+    events = raw[1]
+    renamed = [i for i, ev in enumerate(events) if isinstance(ev, dict) and ev.get("medium") == "CPU"]
+    for i in renamed:
+        events[i]["medium"] = "HBM3_POOL_OF_THE_FUTURE"
+    original = decode_vllm_views(path.read_bytes()).events
+    views = decode_vllm_views(msgspec.msgpack.encode(raw)).events
+    known = validate.known_runs(views)
+    assert len(known.events) == len(views) - len(renamed)
+    keep = [i for i in range(len(views)) if i not in renamed]
+    assert validate.ops_of([original[i] for i in keep]) == validate.ops_of(views)
+    assert known.ops == validate.op_runs([original[i] for i in keep])[0]
+
+
+def test_some_real_payload_has_a_cpu_event_to_rename() -> None:
+    media_seen = {ev.get("medium") for p in VLLM_033 for ev in msgspec.msgpack.decode(p.read_bytes())[1]
+                  if isinstance(ev, dict)}
+    assert {"GPU", "CPU"} <= media_seen, media_seen
