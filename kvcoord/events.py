@@ -51,47 +51,6 @@ ordered (``[tier_weights]`` of the coordinator) and how the prefix-aware policy 
 A GPU hit is free; a CPU hit costs a PCIe copy (about a fifth of recomputing it for an 8B model);
 a storage hit costs a disk or network read, about half of recomputing it."""
 
-_MEDIUM_ALIASES: dict[str, Tier] = {
-    # vLLM and SGLang's names, and every name Dynamo's KV router maps (lib/kv-router: device, host_pinned,
-    # disk, external), so an event either indexer accepts lands on the same tier here.
-    "": Tier.GPU,
-    "GPU": Tier.GPU,
-    "CUDA": Tier.GPU,
-    "DEVICE": Tier.GPU,
-    "HBM": Tier.GPU,
-    "CPU": Tier.CPU,
-    "CPU_PINNED": Tier.CPU,
-    "CPU_TIER1": Tier.CPU,
-    "HOST": Tier.CPU,
-    "HOST_PINNED": Tier.CPU,
-    "DRAM": Tier.CPU,
-    "STORAGE": Tier.STORAGE,
-    "CPU_TIER2": Tier.STORAGE,
-    "DISK": Tier.STORAGE,
-    "NVME": Tier.STORAGE,
-    "SSD": Tier.STORAGE,
-    "LOCAL_FILE": Tier.STORAGE,
-    "FILE": Tier.STORAGE,
-    "EXTERNAL": Tier.STORAGE,
-    "NETWORK": Tier.STORAGE,
-    "REMOTE": Tier.STORAGE,
-    "SHARED": Tier.STORAGE,
-}
-
-
-def normalize_medium(medium: str | None) -> Tier:
-    """Map an engine's ``medium`` string to a tier; a missing medium means GPU.
-
-    Raises ``ValueError`` for a medium nobody has published, rather than guessing a tier.
-    """
-    if medium is None:
-        return Tier.GPU
-    tier = _MEDIUM_ALIASES.get(medium.strip().upper())
-    if tier is None:
-        raise ValueError(f"unknown medium {medium!r} (known: {', '.join(sorted(_MEDIUM_ALIASES))})")
-    return tier
-
-
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
 """Group kinds whose blocks are prefix-matchable. Events of other groups (sliding window,
 Mamba, …) describe caches that cannot serve a prefix hit on their own, so the index skips them."""

@@ -6,7 +6,9 @@ the relay (its mirror, the reporter, the coordinator's in-process feed) :func:`o
 events as one op), the coordinator :func:`kvcoord.wire.ops_from_proto` of the wire, which applies the
 same rules field by field. An :class:`Op` is valid by construction (uint64 hashes,
 a known tier, a non-negative group), so an index never validates and a bad event rejects its whole
-batch before anything changes. Errors are :class:`InvalidEvent` naming the event's position.
+batch before anything changes. Errors are :class:`InvalidEvent` naming the event's position. An event of
+a medium the media map (:mod:`kvcoord.media`) does not know is not bad: it is skipped and counted
+(:func:`known_runs`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from kvcoord.events import (
     VIEW_TYPES,
     Tier,
     indexable_spec,
-    normalize_medium,
     py_u64_ok,
     u64_ok,
 )
 from kvcoord.hashing import BlockHash64, to_block_hash64
+from kvcoord.media import MEDIUM_TIERS, UNKNOWN_MEDIA, normalize_medium
 from kvcoord.native import native
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "STORE",
     "Hashes",
     "InvalidEvent",
+    "Known",
     "Op",
     "OverLimit",
     "RunKey",
@@ -60,6 +63,7 @@ __all__ = [
     "hashes64",
     "indexable_kind",
     "json_too_deep",
+    "known_runs",
     "op_runs",
     "ops_of",
     "pack_u64",
@@ -87,7 +91,8 @@ SnapshotEntry: TypeAlias = tuple[BlockHash64, Tier]
 
 
 class InvalidEvent(ValueError):
-    """An event that cannot be applied (bad hash, unknown medium, wrong type). Nothing was applied."""
+    """An event that cannot be applied (bad hash, a medium that is not a string, wrong type). Nothing was
+    applied."""
 
 
 class OverLimit(InvalidEvent):
@@ -129,8 +134,8 @@ _u64_view: Callable[[object], Sequence[int] | None] | None = native.u64_view if 
 """:data:`u64_ok` that also packs a long sequence (as a ``memoryview`` of ``Q``, which the index's C core
 reads with one copy instead of converting every int again)."""
 
-_MEDIUM_TIERS: dict[str | None, int] = {None: 0}
-"""Media already normalised (bounded: known names only, at most 64)."""
+_MEDIUM_TIERS = MEDIUM_TIERS
+"""Media already normalised (bounded: known names only, at most 64; emptied when the map changes)."""
 
 
 SHOWN_CHARS = 64
@@ -275,21 +280,22 @@ def hashes64(raw: object, where: str) -> Hashes:
     return out
 
 
-def tier(medium: object, where: str) -> int:
-    """The tier (``Tier`` value) of an event's ``medium``; a missing medium is GPU."""
+def tier(medium: object, where: str) -> int | None:
+    """The tier (``Tier`` value) of an event's ``medium``: a missing medium is GPU, a name the media map
+    (:mod:`kvcoord.media`) does not know None (the event is skipped); a medium that is not a string
+    raises ``InvalidEvent``."""
     if medium is None or type(medium) is str:
         t = _MEDIUM_TIERS.get(medium)
         if t is not None:
             return t
     if not isinstance(medium, str):
         raise InvalidEvent(f"{where}: medium must be a string, not {type(medium).__name__}")
-    try:
-        t = int(normalize_medium(medium))
-    except ValueError as e:
-        raise InvalidEvent(f"{where}: {e}") from None
+    found = normalize_medium(medium)
+    if found is None:
+        return None
     if len(_MEDIUM_TIERS) < 64:
-        _MEDIUM_TIERS[medium] = t
-    return t
+        _MEDIUM_TIERS[medium] = int(found)
+    return int(found)
 
 
 def group(group_idx: object, where: str) -> int | None:
@@ -326,32 +332,53 @@ def run_key(kind: int, t: int, g: Any, spec: object, pos: int) -> RunKey:
 
 
 def ops_of(events: Sequence[Any]) -> list[Op]:
-    """Validate a whole batch of events (model structs or the relay's views) into ops, one per event,
-    before anything is mutated anywhere; the first bad event raises ``InvalidEvent`` naming its position."""
-    return _runs(events, False)[0]
+    """Validate a whole batch of events (model structs or the relay's views) into ops, one per event of a
+    known medium (an unknown medium's events are skipped, see :func:`known_runs`), before anything is
+    mutated anywhere; the first bad event raises ``InvalidEvent`` naming its position."""
+    return _runs(events, False).ops
 
 
 Runs: TypeAlias = tuple[list[Op], list[int]]
 """A batch's ops with each run of like events merged (see :func:`op_runs`), and the events each op
-stands for, in order (they add up to the batch's events)."""
+stands for, in order (they add up to the batch's events of known media: :attr:`Known.events`)."""
+
+
+class Known(NamedTuple):
+    """A validated batch: its events of known media, and their ops and spans (see :data:`Runs`)."""
+
+    events: Sequence[Any]
+    """The batch itself when every medium is known, else the events of known media, in order."""
+    ops: list[Op]
+    spans: list[int]
+    """Events of ``events`` each op stands for (1 each unless merged)."""
 
 
 def op_runs(events: Sequence[Any]) -> Runs:
     """:func:`ops_of` with each run of like events (one :func:`run_key`) as one op of all their hashes, in
     order: a batch of 1-block removals (vLLM frees blocks one event each) costs one op, not hundreds."""
-    return _runs(events, True)
+    known = _runs(events, True)
+    return known.ops, known.spans
+
+
+def known_runs(events: Sequence[Any], *, merge: bool = True) -> Known:
+    """The one validation of a batch (:func:`op_runs`, or :func:`ops_of` unless ``merge``), with the events
+    its spans add up to. An event of a medium the map does not know (:mod:`kvcoord.media`) is skipped: no
+    op, no span (so it is absent from ``events``), counted per name in
+    :data:`kvcoord.media.UNKNOWN_MEDIA` once the batch is valid. It never makes the batch bad: only its
+    medium's type is checked (a removal of it could remove nothing indexed anyway)."""
+    return _runs(events, merge)
 
 
 _NO_SPEC = object()
 """The spec kind of a run of removals: they have none, so class, medium and group decide."""
 
 
-def _runs(events: Sequence[Any], merge: bool) -> Runs:
-    """The one validation of events (:func:`ops_of`, or :func:`op_runs` when ``merge``): the common form is
-    checked inline, anything else by the rule's own function, which names what is wrong. An event whose
-    medium, group and spec kind are the very objects of the last one keyed has its key. Merged, hashes are
-    checked a run at once (:func:`_checked`), and a decoded view (:data:`kvcoord.events.VIEW_TYPES`) like
-    the event before (class, medium, group, spec kind) continues its run unchecked: msgspec typed them."""
+def _runs(events: Sequence[Any], merge: bool) -> Known:
+    """The one validation of events (:func:`known_runs`): the common form is checked inline, anything else
+    by the rule's own function, which names what is wrong. An event whose medium, group and spec kind are
+    the very objects of the last one keyed has its key. Merged, hashes are checked a run at once
+    (:func:`_checked`), and a decoded view (:data:`kvcoord.events.VIEW_TYPES`) like the event before
+    (class, medium, group, spec kind) continues its run unchecked: msgspec typed them."""
     if type(events) not in FAST_SEQ and (not isinstance(events, Sequence) or isinstance(events, NOT_SEQ)):
         raise InvalidEvent(f"events must be a sequence, not {type(events).__name__}")
     ops: list[Op] = []
@@ -362,12 +389,10 @@ def _runs(events: Sequence[Any], merge: bool) -> Runs:
     first: Any = EMPTY
     n = seen = 0  # events in the open run, and before it
     cls: type[Any] | None = None
-    last: Any = -1
-    t: Any = -1
-    medium: Any = None
-    g: Any = None
-    spec: Any = None
+    last = t = cast(Any, -1)
+    medium = g = spec = cast(Any, None)
     k = CLEAR_KEY
+    skipped: list[int] = []  # positions of events of unknown media
     try:
         for ev in events:
             if (type(ev) is cls and ev.medium == medium and ev.group_idx == g
@@ -397,9 +422,12 @@ def _runs(events: Sequence[Any], merge: bool) -> Runs:
             if not (kind == last and m is medium and gi is g and s is spec):  # else: the last key made
                 last, medium, g, spec = kind, m, gi, s
                 t = known.get(m) if m is None or type(m) is str else None
-                if t is None:
-                    t = tier(m, f"event {i}")
-                k = run_key(kind, t, gi, None if s is _NO_SPEC else s, i)
+                t = tier(m, f"event {i}") if t is None else t
+                k = k if t is None else run_key(kind, t, gi, None if s is _NO_SPEC else s, i)
+            if t is None:  # an unknown medium: skipped (its position counts on; no run continues across it)
+                skipped.append(i)
+                seen, cls = seen + 1, None
+                continue
             fast = type(hashes) in FAST_SEQ
             if not merge:  # an op per event (no spans)
                 h = pack(hashes) if pack is not None and fast else None
@@ -423,19 +451,35 @@ def _runs(events: Sequence[Any], merge: bool) -> Runs:
         if key is not None:
             ops.append(new(Op, (key[0], key[1], first if n == 1 else run, key[2], key[3])))
             spans.append(n)
-        if merge and not all(map(u64_ok, map(_HASHES, ops))):
-            _checked(ops, spans, events)
-    return ops, spans
+        kept = _kept(events, skipped, ops, spans, merge)
+    return Known(kept, ops, spans if merge else [1] * len(ops))
 
 
-def _checked(ops: list[Op], spans: list[int], events: Sequence[Any]) -> None:
+def _kept(events: Sequence[Any], skipped: list[int], ops: list[Op], spans: list[int],
+          merge: bool) -> Sequence[Any]:
+    """The events not ``skipped`` (of unknown media: counted here), once merged ``ops`` whose hashes are
+    not all plain uint64 ints are made again event by event (:func:`_checked`)."""
+    if not skipped:
+        kept, pos = events, cast("Sequence[int]", range(len(events)))
+    else:
+        for i in skipped:
+            UNKNOWN_MEDIA.add(events[i].medium)
+        gone = set(skipped)
+        pos = [i for i in range(len(events)) if i not in gone]
+        kept = [events[i] for i in pos]
+    if merge and not all(map(u64_ok, map(_HASHES, ops))):
+        _checked(ops, spans, kept, pos)
+    return kept
+
+
+def _checked(ops: list[Op], spans: list[int], events: Sequence[Any], pos: Sequence[int]) -> None:
     """Merged ops whose hashes are not all uint64 ints (:data:`u64_ok`) made again event by event
-    (:func:`hashes64`: digests reduced, or the first bad event named)."""
+    (:func:`hashes64`: digests reduced, or the first bad event named by its position ``pos`` in the batch)."""
     start = 0
     for j, op in enumerate(ops):
         n = spans[j]
         if op.hashes and not u64_ok(op.hashes):
-            parts = [hashes64(events[e].block_hashes, f"event {e}") for e in range(start, start + n)]
+            parts = [hashes64(events[e].block_hashes, f"event {pos[e]}") for e in range(start, start + n)]
             ops[j] = op._replace(hashes=parts[0] if n == 1 else [h for part in parts for h in part])
         start += n
 

@@ -40,7 +40,7 @@ from kvcoord.validate import (
     RunKey,
     check_tiers,
     hashes64,
-    ops_of,
+    known_runs,
     pack_u64,
     run_key,
     unpack_u64,
@@ -357,7 +357,7 @@ def tier_name(value: int) -> str:
 
 def events_to_proto(events: Sequence[Any], *, sample: bool = False) -> list[pb.KVEvent]:
     """Model events (validated whole first) as wire events; ``sample``: every store carries its tokens."""
-    ops = ops_of(events)
+    events, ops, _ = known_runs(events, merge=False)  # an unknown medium's events are left out
     return [event_to_proto(op, ev, Sample.of(ev) if sample and op.kind == STORE else None)
             for op, ev in zip(ops, events, strict=True)]
 

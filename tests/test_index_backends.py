@@ -274,14 +274,21 @@ BAD_BATCHES: list[tuple[str, list[Any]]] = [
     ("bool hash", [stored(10), stored(True)]),
     ("None hash", [stored(10), stored(None)]),  # type: ignore[arg-type]
     ("empty digest", [stored(10), stored(b"")]),
-    ("unknown medium", [stored(10), stored(11, medium="FLOPPY")]),
     ("medium not a string", [stored(10), stored(11, medium=3)]),  # type: ignore[arg-type]
     ("bad removal after good store", [stored(10), removed(1, 2, -3)]),
-    ("bad removal medium", [stored(10), removed(1, medium="TAPE")]),
+    ("bad removal medium", [stored(10), removed(1, medium=b"GPU")]),  # type: ignore[arg-type]
     ("not an event", [stored(10), {"type": "BlockStored"}]),
     ("negative group", [stored(10), stored(11, group=-1)]),
-    ("clear then bad", [AllBlocksCleared(), stored(11, medium="nope")]),
+    ("clear then bad", [AllBlocksCleared(), stored(11, medium=["GPU"])]),  # type: ignore[arg-type]
+    ("unknown medium, then bad", [stored(11, medium="FLOPPY"), stored(12, group=-1)]),
 ]
+
+
+async def test_an_unknown_medium_is_skipped_and_the_rest_applies(index: Index) -> None:
+    """Its stores are not indexed and its removals remove nothing: the batch's other events apply."""
+    await index.apply(M, "n1", 0, ops_of([stored(1, medium="CPU"), stored(2, medium="SHARED_STORAGE")]))
+    await index.apply(M, "n1", 0, ops_of([stored(3, medium="TAPE"), removed(1, medium="TAPE"), stored(4)]))
+    assert await index.export_node(M, "n1", 0) == [(1, Tier.CPU), (2, Tier.STORAGE), (4, Tier.GPU)]
 
 
 @pytest.mark.parametrize("bad", BAD_BATCHES, ids=[name for name, _ in BAD_BATCHES])

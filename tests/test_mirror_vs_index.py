@@ -74,7 +74,7 @@ def run_both(batches: Sequence[Batch], mirror_core: str,
             mirror.clear(dp)
             events = [AllBlocksCleared()]
         else:
-            ops, _spans = mirror.prepare(events)
+            _kept, ops, _spans = mirror.prepare(events)
             mirror.commit(dp, ops)
         counts.add(index.apply_sync(MODEL, NODE, dp, ops_from_proto(events_to_proto(events), merge=True)))
     return mirror, index, counts

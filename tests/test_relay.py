@@ -567,24 +567,30 @@ async def test_malformed_frames_counted_and_skipped(ports: Ports, caplog: pytest
         pub.shutdown()
 
 
-async def test_unknown_medium_batch_rejected_whole(ports: Ports) -> None:
-    """A batch with one bad event applies none of its events (validated whole before the mirror is
-    touched), and, being unusable mid-stream, clears the mirror like a lost batch."""
+async def test_unknown_medium_events_are_skipped_and_the_batch_applies(ports: Ports) -> None:
+    """A batch mixing GPU blocks with blocks of a medium no map knows: the GPU blocks apply, the others are
+    skipped (not mirrored, not forwarded, counted), and the stream goes on: nothing malformed, no gap,
+    nothing cleared."""
+    from kvcoord.media import UNKNOWN_MEDIA
+
     good = make_batches(3, seed=9)
-    bad = KVEventBatch(5.0, (BlockStored((77,), None, (1,), 1, None, "GPU", None),
-                             BlockStored((78,), None, (1,), 1, None, "QUANTUM", None)), 0)
+    mixed = KVEventBatch(5.0, (BlockStored((77,), None, (1,), 1, None, "GPU", None),
+                               BlockStored((78,), None, (1,), 1, None, "QUANTUM", None),
+                               BlockRemoved((77,), "QUANTUM")), 0)
+    before = UNKNOWN_MEDIA.total.get("QUANTUM", 0)
     pub = ports.publisher()
     sink = RecordingSink()
     try:
         async with running_relay(ports, sink) as relay:
-            await publish_all(pub, [*good[:2], bad, good[2]])
+            await publish_all(pub, [*good[:2], mixed, good[2]])
             await wait_for(lambda: relay.expected_seq == 4, "stream end")
-            assert snapshot_of(relay) == expected_mirror(good[2:])
-            assert 77 not in {h for h, _ in relay.snapshot()[0]}
-            assert [b[1] for b in sink.batches] == [good[0].events, good[1].events, (AllBlocksCleared(),),
+            kept = KVEventBatch(5.0, mixed.events[:1], 0)
+            assert snapshot_of(relay) == expected_mirror([*good[:2], kept, good[2]])
+            assert (77, 0) in relay.snapshot()[0] and 78 not in {h for h, _ in relay.snapshot()[0]}
+            assert [b[1] for b in sink.batches] == [good[0].events, good[1].events, (mixed.events[0],),
                                                     good[2].events]
-            assert relay.stats.malformed == {"bad_event": 1}
-            assert relay.stats.unrecoverable_gaps == 1
+            assert relay.stats.malformed == {} and relay.stats.unrecoverable_gaps == 0
+            assert UNKNOWN_MEDIA.total["QUANTUM"] == before + 2
     finally:
         pub.shutdown()
 
@@ -667,9 +673,11 @@ def test_mirror_tiers_groups_and_idempotence() -> None:
     assert sorted(m.snapshot()[0]) == [(1, 0), (2, 0)]
     m.apply(1, [BlockStored((bytes(24) + (9).to_bytes(8, "big"),), None, (), 0, None, None, None)])
     assert m.snapshot()[1] == [(9, 0)]
-    with pytest.raises(ValueError, match="unknown medium"):
-        m.apply(0, [BlockRemoved((2,), "GPU"), BlockRemoved((1,), "TAPE")])
+    with pytest.raises(ValueError, match="medium must be a string"):
+        m.apply(0, [BlockRemoved((2,), "GPU"), BlockRemoved((1,), 7)])  # type: ignore[arg-type]
     assert sorted(m.snapshot()[0]) == [(1, 0), (2, 0)]  # nothing applied
+    m.apply(0, [BlockRemoved((1,), "TAPE"), BlockStored((8,), None, (), 0, None, "TAPE", None)])
+    assert sorted(m.snapshot()[0]) == [(1, 0), (2, 0)]  # an unknown medium's events: skipped
     m.apply(0, [BlockStored((7,), None, (), 0, None, "CPU", None)])
     # The snapshot provider's columns: validated uint64 hashes with their tiers, the same entries.
     hashes, tiers = m.rank_entries(0).columns()
@@ -772,7 +780,7 @@ def _random_events(rng: random.Random, n: int) -> list[KVEvent]:
     spec kinds (indexable or not), clears, empty stores."""
     out: list[KVEvent] = []
     for _ in range(n):
-        medium = rng.choice([None, "GPU", "cpu", "CPU_PINNED", "DISK"])
+        medium = rng.choice([None, "GPU", "cpu", "CPU_PINNED", "DISK", "TAPE"])  # TAPE: unknown, skipped
         group = rng.choice([None, 0, 1])
         hashes: tuple[Any, ...] = tuple(rng.randrange(2, 1 << 64) for _ in range(rng.choice([0, 1, 1, 1, 3])))
         if rng.random() < 0.05:
@@ -822,7 +830,8 @@ def test_merged_ops_are_the_runs_of_the_plain_ones_and_apply_alike() -> None:
         slow, slow_spans = merged_oracle(plain)
         assert [(*op[:2], list(op[2]), *op[3:]) for op in merged] == \
             [(*op[:2], list(op[2]), *op[3:]) for op in slow]
-        assert spans == slow_spans and sum(spans) == len(events)
+        known = [ev for ev in events if getattr(ev, "medium", None) != "TAPE"]
+        assert spans == slow_spans and sum(spans) == len(known) == len(validate.known_runs(events).events)
         assert sum(len(op.hashes) for op in merged) == sum(len(op.hashes) for op in plain)
         plain_mirror.commit(0, plain)
         merged_mirror.commit(0, merged)
@@ -848,16 +857,18 @@ def test_merged_ops_of_decoded_views_are_the_runs_of_the_plain_ones() -> None:
         slow, slow_spans = merged_oracle(validate.ops_of(views))
         assert [(*op[:2], list(op[2]), *op[3:]) for op in merged] == \
             [(*op[:2], list(op[2]), *op[3:]) for op in slow]
-        assert spans == slow_spans and sum(spans) == len(events)
+        known = [ev for ev in events if getattr(ev, "medium", 0) != "TAPE"]
+        assert spans == slow_spans and sum(spans) == len(known)
     run = [BlockRemoved(block_hashes=(5 + i,), medium="GPU", group_idx=0) for i in range(3)]
     digest = BlockRemoved(block_hashes=(b"\x01" * 32,), medium="GPU", group_idx=0)
     views = decode_vllm_views(encode_vllm_batch(KVEventBatch(1.0, (*run, digest, *run)))).events
     ops, spans = validate.op_runs(views)
     assert spans == [7] and list(ops[0].hashes) == [5, 6, 7, 0x0101010101010101, 5, 6, 7]
     tape = BlockRemoved(block_hashes=(9,), medium="tape", group_idx=0)
-    views = decode_vllm_views(encode_vllm_batch(KVEventBatch(1.0, (*run, tape)))).events
-    with pytest.raises(validate.InvalidEvent, match="event 3"):
-        validate.op_runs(views)
+    views = decode_vllm_views(encode_vllm_batch(KVEventBatch(1.0, (*run, tape, *run)))).events
+    kept, ops, spans = validate.known_runs(views)  # the unknown medium's event is skipped, runs join over it
+    assert spans == [6] and list(ops[0].hashes) == [5, 6, 7, 5, 6, 7]
+    assert list(kept) == [*views[:3], *views[4:]]
 
 
 def test_merged_ops_refuse_what_plain_ops_refuse() -> None:
@@ -865,7 +876,7 @@ def test_merged_ops_refuse_what_plain_ops_refuse() -> None:
     from kvcoord import validate
 
     good = BlockRemoved(block_hashes=(5,))
-    for bad in (BlockRemoved(block_hashes=(5,), medium="tape"), BlockRemoved(block_hashes=(-1,)),
+    for bad in (BlockRemoved(block_hashes=(5,), medium=5), BlockRemoved(block_hashes=(-1,)),  # type: ignore[arg-type]
                 BlockRemoved(block_hashes=(5,), group_idx=-2), "not an event"):
         events: list[Any] = [good, good, bad, good]
         with pytest.raises(validate.InvalidEvent) as plain:

@@ -29,7 +29,8 @@ from kvcoord.wire import event_to_proto, fill_event, ops_from_proto
 from tests.test_relay import merged_oracle
 
 HASH = st.integers(2, 2**64 - 1)
-MEDIA = st.sampled_from([None, "GPU", "cpu", "DISK"])
+MEDIA = st.sampled_from([None, "GPU", "cpu", "DISK", "shared_storage", "TAPE", "nvme-of-the-future"])
+"""Known names and unknown ones (their events are skipped on every path)."""
 GROUPS = st.sampled_from([None, 0, 1])
 SPECS = st.sampled_from([None, "full_attention", "mla_attention", "sliding_window"])
 
@@ -70,18 +71,23 @@ def agent_wire(events: Sequence[Any]) -> list[pb.KVEvent]:
 @settings(max_examples=300, deadline=None)
 @given(batches)
 def test_every_path_keys_runs_alike(events: list[Any]) -> None:
-    """events -> ops, events -> runs, views -> runs, events -> wire -> ops: one answer."""
+    """events -> ops, events -> runs, views -> runs, events -> wire -> ops: one answer, and the same events
+    of unknown media skipped by each."""
     ops, (runs, spans) = ops_of(events), op_runs(events)
+    kept = validate.known_runs(events).events
+    unknown = ("TAPE", "nvme-of-the-future")
+    assert list(kept) == [ev for ev in events if getattr(ev, "medium", None) not in unknown]
+    assert list(validate.known_runs(events, merge=False).events) == list(kept)
     oracle, oracle_spans = merged_oracle(ops)
-    assert plain(runs) == plain(oracle) and spans == oracle_spans and sum(spans) == len(events)
+    assert plain(runs) == plain(oracle) and spans == oracle_spans and sum(spans) == len(kept)
     views = decode_vllm_views(encode_vllm_batch(KVEventBatch(1.0, tuple(events)))).events
     view_runs, view_spans = op_runs(views)
     assert plain(view_runs) == plain(runs) and view_spans == spans
     assert plain(ops_of(views)) == plain(ops)
-    wire = agent_wire(events)
+    wire = agent_wire(kept)
     assert plain(ops_from_proto(wire, merge=True)) == plain(runs)
     # one wire event per engine event (an agent that predates runs): the same ops, merged or not
-    single = [event_to_proto(op, ev) for op, ev in zip(ops, events, strict=True)]
+    single = [event_to_proto(op, ev) for op, ev in zip(ops, kept, strict=True)]
     assert plain(ops_from_proto(single)) == plain(ops)
     assert plain(ops_from_proto(single, merge=True)) == plain(runs)
     # what a wire event states once holds for every engine event it stands for
@@ -89,11 +95,11 @@ def test_every_path_keys_runs_alike(events: list[Any]) -> None:
     for m in wire:
         n = m.events or 1
         if m.WhichOneof("event") == "stored":
-            assert {(ev.block_size, ev.kv_cache_spec_kind) for ev in events[e:e + n]} == {
+            assert {(ev.block_size, ev.kv_cache_spec_kind) for ev in kept[e:e + n]} == {
                 (m.stored.block_size, m.stored.kv_cache_spec_kind if m.stored.HasField("kv_cache_spec_kind")
                  else None)}
         e += n
-    assert e == len(events)
+    assert e == len(kept)
 
 
 def test_the_key_is_the_same_rule_for_events_and_the_wire() -> None:
@@ -121,7 +127,7 @@ def test_an_earlier_bad_hash_is_named_before_a_later_bad_field() -> None:
     event's bad hash (``ops_of`` checks in order, and so does ``op_runs``)."""
     events: list[Any] = [BlockRemoved(block_hashes=(5,)), BlockRemoved(block_hashes=(2**64,)),
                          BlockRemoved(block_hashes=(6,)), AllBlocksCleared(),
-                         BlockRemoved(block_hashes=(7,), medium="tape")]
+                         BlockRemoved(block_hashes=(7,), medium=3)]  # type: ignore[arg-type]
     for path in (ops_of, op_runs):
         with pytest.raises(InvalidEvent, match=r"^event 1: block_hashes\[0\]: block hash \d+ is outside"):
             path(events)
@@ -183,7 +189,7 @@ def test_run_piece_cuts_where_it_did(shape: list[tuple[list[int], str | None, in
 
 
 BAD_EVENTS: list[Any] = [
-    BlockRemoved(block_hashes=(5,), medium="tape"), BlockRemoved(block_hashes=(2**64,)),
+    BlockRemoved(block_hashes=(5,), medium=3), BlockRemoved(block_hashes=(2**64,)),  # type: ignore[arg-type]
     BlockRemoved(block_hashes=(5,), group_idx=-1), BlockRemoved(block_hashes=(b"",)), "not an event",
     BlockStored(block_hashes=(5,), parent_block_hash=None, token_ids=(), block_size=4,
                 kv_cache_spec_kind=3),  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from kvcoord.engine.zmq_wire import Wakeup
 from kvcoord.events import CLEAR, REMOVE, STORE
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import Op, op_runs
+from kvcoord.validate import Op, known_runs
 from kvcoord.wire import Sample, TokenSampler, as_received, load_to_proto
 
 log = logging.getLogger("kvcoord.agent.local")
@@ -96,7 +96,7 @@ class LocalFeed:
         if not events or self._closing:
             return
         if ops is None:
-            ops, spans = op_runs(events)
+            events, ops, spans = known_runs(events)
         elif spans is None:
             spans = [1] * len(ops)
         counts = [0, 0, 0]  # stored, removed, cleared: STORE, REMOVE, CLEAR

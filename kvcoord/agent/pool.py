@@ -43,7 +43,6 @@ from kvcoord.events import (
     ExtraKeys,
     KVEvent,
     Tier,
-    normalize_medium,
 )
 from kvcoord.hashing import (
     UINT64_MASK,
@@ -55,6 +54,7 @@ from kvcoord.hashing import (
     published_extra_keys,
     to_block_hash64,
 )
+from kvcoord.media import normalize_medium
 
 __all__ = [
     "Admission",
@@ -120,7 +120,8 @@ class BlockPool:
             raise ValueError(f"removal_events must be 'vllm' or 'last_copy', got {removal_events!r}")
         if group_idx is not None and not 0 <= group_idx < 2**32:
             raise ValueError(f"group_idx must be a uint32, got {group_idx!r}")
-        self.tier: Tier = normalize_medium(medium)
+        self.tier: Tier | None = normalize_medium(medium)
+        """None: a medium the map does not know, whose blocks no index holds."""
         self.profile = profile
         self.block_size: int = profile.block_size
         self.num_blocks = num_blocks
@@ -399,6 +400,8 @@ class BlockPool:
         """The cached blocks, as ``{dp_rank: [(uint64 hash, tier), ...]}``: what an index should hold."""
         entries: list[tuple[BlockHash64, Tier]] = []
         tier = self.tier
+        if tier is None:  # an unknown medium: its events are skipped, so an index holds none of them
+            return {self.dp_rank: entries}
         for key in self.cached_block_hash_to_block:
             entries.append((to_block_hash64(key[:-GROUP_ID_BYTES]), tier))
         return {self.dp_rank: entries}

@@ -53,7 +53,7 @@ from kvcoord.events import CLEAR, REMOVE, STORE
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity
-from kvcoord.validate import Op, ops_of, pack_u64
+from kvcoord.validate import Op, known_runs, pack_u64
 from kvcoord.wire import Sample, TokenSampler, fill_event
 
 __all__ = [
@@ -184,8 +184,9 @@ class Reporter:
         """Queue one dp rank's events (engine timestamp ``ts``, default now). Never blocks on the network.
 
         ``events`` are model events or the relay's views; ``ops`` their validated form when the caller
-        has it already: ``kvcoord.validate.ops_of(events)``, or ``op_runs(events)`` with its ``spans`` (the
-        events each op stands for; a run goes on the wire as one event, ``KVEvent.events``). Raises
+        has it already: ``kvcoord.validate.known_runs(events)``'s ops and ``spans`` (the events each op
+        stands for; a run goes on the wire as one event, ``KVEvent.events``), with its events (those of
+        unknown media left out). Raises
         ``ValueError`` (queueing nothing) for an unknown rank or an invalid event. Thread-safe: from
         another thread the events are handed to the reporter's loop.
         """
@@ -195,8 +196,8 @@ class Reporter:
             raise ValueError(f"dp_rank {dp_rank} is not one of this node's ranks {list(self.dp_ranks)}")
         if not events:
             return
-        if ops is None:
-            ops = ops_of(events)
+        if ops is None:  # events of unknown media are skipped (see kvcoord.validate.known_runs)
+            events, ops, spans = known_runs(events, merge=False)
         if spans is None:
             spans = [1] * len(ops)
         stamp = time.time() if ts is None else float(ts)

@@ -24,6 +24,7 @@ from kvcoord.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from kvcoord.events import Tier
     from kvcoord.hashing import HashProfile
 
 
@@ -60,6 +61,10 @@ def add(sub: Subparsers) -> None:
                    help="vLLM release (e.g. 0.31): sets the extra-key style and the seed default")
     g.add_argument("--style", choices=["untagged", "tagged"], default=None,
                    help="extra-key style (default: from --engine-release, else untagged)")
+    p.add_argument("--media", action="append", default=None, metavar="NAME=TIER",
+                   help="map a medium name the engine publishes to GPU, CPU or STORAGE, over the defaults "
+                        "(repeatable; docs/semantics.md lists them); events of a name no map knows are "
+                        "skipped and counted (the coordinator's kvcoord_unknown_medium_events_total)")
     p.add_argument("--signed-hashes", action="store_true",
                    help="accept SGLang's signed int64 block hashes (reinterpreted as uint64)")
     p.add_argument("--linger", type=NONNEG_FLOAT, default=0.0, metavar="SECONDS",
@@ -137,6 +142,22 @@ def dp_ranks(text: str) -> tuple[int, ...]:
     return tuple(ranks)
 
 
+def media_flags(values: list[str]) -> dict[str, Tier]:
+    """``--media NAME=TIER`` flags as a map (one-line ``CliError`` for a bad one)."""
+    from kvcoord.media import parse_media
+
+    table: dict[str, object] = {}
+    for v in values:
+        name, eq, tier = v.partition("=")
+        if not eq or not name.strip():
+            raise CliError(f"--media {v!r}: expected NAME=TIER (TIER: GPU, CPU or STORAGE)")
+        table[name.strip()] = tier
+    try:
+        return parse_media(table, "--media")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 def check_event_source(args: argparse.Namespace) -> None:
     """Exactly one of ``--zmq-endpoint`` and ``--no-kv-events``, and no relay or hash flag without
     events (an announced profile could only mark the node mismatched)."""
@@ -183,6 +204,7 @@ def hash_profile(args: argparse.Namespace) -> HashProfile | None:
 
 def run(args: argparse.Namespace) -> int:
     from kvcoord.agent.service import AgentConfig, AgentRefused, run_agent
+    from kvcoord.media import configure_media
     from kvcoord.validate import check_model, check_node_id
 
     try:  # the coordinator would refuse the Hello: say so before connecting
@@ -191,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     check_event_source(args)
+    configure_media(media_flags(args.media or []))
     config = AgentConfig(
         coordinators=coordinators(args.coordinator), node_id=args.node_id, model=args.model,
         zmq_endpoint=args.zmq_endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,

@@ -27,6 +27,7 @@ from kvcoord.coordinator.config_values import (
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
 from kvcoord.index.uri import parse_index_uri
+from kvcoord.media import parse_media
 from kvcoord.tokenize import ChatTemplateContentFormat, TokenizerSpec
 
 EXAMPLE_TOML = """\
@@ -44,6 +45,9 @@ strict_models = false               # true: only the models below may ingest or 
 GPU = 1.0
 CPU = 0.8
 STORAGE = 0.5
+
+[media]                             # medium name (any case) = "GPU" | "CPU" | "STORAGE", over the defaults;
+LMCACHE_REMOTE = "STORAGE"          # a name no map knows: its events are skipped and counted
 
 [limits]
 max_message_bytes = 16777216
@@ -200,6 +204,8 @@ class CoordinatorConfig:
     strict_models: bool = False
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
     tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS
+    media: Mapping[str, Tier] = field(default_factory=dict)
+    """``[media]``: medium names over :data:`kvcoord.media.DEFAULT_MEDIA` (put in force at start)."""
     limits: Limits = field(default_factory=Limits)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -413,7 +419,7 @@ _TOP_SCALARS = {
     "strict_models",
     "stats_interval",
 }
-_TOP_TABLES = {"tier_weights", "limits", "verify", "tls", "auth", "models"}
+_TOP_TABLES = {"tier_weights", "media", "limits", "verify", "tls", "auth", "models"}
 _LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}
 _FLOAT_LIMITS = {"hello_timeout_s", "http_header_timeout_s", "http_idle_timeout_s"}
 
@@ -433,6 +439,7 @@ class _Settings:
     tls: dict[str, str | None] = field(default_factory=dict)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     weights: list[float] = field(default_factory=lambda: list(CoordinatorConfig().tier_weights))
+    media: dict[str, Tier] = field(default_factory=dict)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
 
@@ -458,6 +465,11 @@ class _Settings:
             for t in Tier:
                 if t.name in tw:
                     self.weights[t.value] = as_float(f"tier_weights.{t.name}", tw[t.name], positive=False)
+        if "media" in data:
+            try:
+                self.media.update(parse_media(as_table("media", data["media"]), "media"))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if "limits" in data:
             lt = as_table("limits", data["limits"])
             check_keys("limits", lt, _LIMIT_KEYS)
@@ -508,6 +520,7 @@ class _Settings:
             **self.values,
             models=self.models,
             tier_weights=(weights[0], weights[1], weights[2]),
+            media=self.media,
             limits=Limits(**self.limits),
             verify=self.verify,
             tls=tls_cfg,

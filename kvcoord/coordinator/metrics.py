@@ -20,6 +20,7 @@ from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
 from kvcoord.index.instrumented import OPS, InstrumentedIndex
 from kvcoord.load import TRUSTS
+from kvcoord.media import UNKNOWN_MEDIA
 from kvcoord.native import native, native_paths
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -87,6 +88,21 @@ def _histogram_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[t
         out.append((repr(float(bound)), float(cum)))
     out.append(("+Inf", float(sum(counts))))
     return out
+
+
+class UnknownMediaCollector(Collector):
+    """``kvcoord_unknown_medium_events_total{medium}``: events skipped because their medium maps to no tier,
+    from this process's tally (its own relays, and what agents' heartbeats report): at most 32 names, the
+    rest as ``other``."""
+
+    def collect(self) -> list[Metric]:
+        skipped = CounterMetricFamily(
+            "kvcoord_unknown_medium_events",
+            "KV events skipped (not indexed, scoring 0) because their medium maps to no tier, by medium: "
+            "map it with [media] or the agent's --media", labels=["medium"])
+        for name, count in sorted(UNKNOWN_MEDIA.total.items()):
+            skipped.add_metric([name], float(count))
+        return [skipped]
 
 
 class LookupCollector(Collector):
@@ -309,6 +325,7 @@ class Metrics:
         self.lookup_answers = {"fast": 0, "handler": 0}
         """``kvcoord_lookup_answers_total{path}``: HTTP lookups answered by each path."""
         r.register(LookupCollector(self))
+        r.register(UnknownMediaCollector())
         self.ingest_lag = Histogram(
             "kvcoord_ingest_lag_seconds",
             "Engine event timestamp to applied",

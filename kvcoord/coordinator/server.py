@@ -34,6 +34,7 @@ from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials, server_ssl_context
 from kvcoord.index import Index, open_index, parse_index_uri
 from kvcoord.index.base import ping
+from kvcoord.media import configure_media
 from kvcoord.native import native_paths
 from kvcoord.transport import ListenError, check_bindable, split_hostport
 
@@ -80,6 +81,7 @@ class CoordinatorServer:
 
     async def start(self) -> None:
         cfg = self.config
+        configure_media(cfg.media)  # this process's decoders (the relays of /register'ed engines) map so
         spec = parse_index_uri(cfg.index, key_prefix=cfg.index_key_prefix)  # checked when cfg was read
         index = self._index if self._index is not None else open_index(spec)
         self._index = index

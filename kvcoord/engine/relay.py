@@ -136,10 +136,11 @@ class BlockMirror:
         """What every batch did, summed (the index's counts of the same batches)."""
 
     @staticmethod
-    def prepare(events: Sequence[KVEvent]) -> validate.Runs:
+    def prepare(events: Sequence[KVEvent]) -> validate.Known:
         """Validate a whole batch without touching the mirror, by the index's rules; ValueError if bad.
-        Runs of like events become one op each (:func:`kvcoord.validate.op_runs`): ``(ops, spans)``."""
-        return validate.op_runs(events)
+        Runs of like events become one op each, events of unknown media none
+        (:func:`kvcoord.validate.known_runs`): ``(events kept, ops, spans)``."""
+        return validate.known_runs(events)
 
     def commit(self, dp_rank: int, ops: Sequence[_Op]) -> None:
         """Apply prepared operations (cannot fail). A cleared rank's old entries are swept in steps
@@ -152,7 +153,7 @@ class BlockMirror:
             table.sweep(2 * work + 256)
 
     def apply(self, dp_rank: int, events: Sequence[KVEvent]) -> None:
-        self.commit(dp_rank, self.prepare(events)[0])
+        self.commit(dp_rank, self.prepare(events).ops)
 
     def clear(self, dp_rank: int) -> None:
         """Drop the rank's blocks, as the ``AllBlocksCleared`` the relay forwards drops them from the
@@ -373,7 +374,7 @@ class Relay:
         self._last_payload = payload
         try:
             batch = decode_vllm_views(payload, signed_hashes=self._signed)
-            ops, spans = self.mirror.prepare(batch.events)
+            kept, ops, spans = self.mirror.prepare(batch.events)
         except EventDecodeError as exc:
             self._bad_batch(seq, exc.kind, str(exc))
             return None
@@ -387,7 +388,7 @@ class Relay:
         self._ranks_seen.add(dp)
         self._started = True
         self.mirror.commit(dp, ops)
-        self.sink.submit(dp, batch.events, batch.ts, ops, spans)
+        self.sink.submit(dp, kept, batch.ts, ops, spans)  # without the events of unknown media (skipped)
         st = self.stats
         st.batches += 1
         st.events += len(batch.events)

@@ -473,17 +473,46 @@ Global___Snapshot: _TypeAlias = Snapshot  # noqa: Y015
 class AgentHeartbeat(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class UnknownMediaEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     LOAD_FIELD_NUMBER: _builtins.int
+    UNKNOWN_MEDIA_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def load(self) -> Global___Load: ...
+    @_builtins.property
+    def unknown_media(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Events the agent skipped since its last heartbeat because their medium maps to no tier, per medium
+        name (at most 32 names, the rest as "other"). The coordinator adds them to
+        kvcoord_unknown_medium_events_total. Agents that predate it send none.
+        """
+
     def __init__(
         self,
         *,
         load: Global___Load | None = ...,
+        unknown_media: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "unknown_media", b"unknown_media"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
