@@ -5,6 +5,7 @@ disagree on what a query means, which nodes count, or which error a bad query ge
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from array import array
@@ -147,9 +148,14 @@ class Lookups:
         if hashes and self.serves(model):
             if not st.health.up:
                 raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
+            # an in-process index never waits on anything: no timer on its hot path
+            bound = asyncio.timeout(None if st.index.inline else st.config.lookup_deadline)
             try:
-                matches = await st.index.match(model, hashes, candidates or None)
+                async with bound:
+                    matches = await st.index.match(model, hashes, candidates or None)
             except (ConnectionError, TimeoutError, OSError) as exc:
+                if bound.expired():
+                    raise self._deadline_exceeded() from None
                 # The backend is unreachable: NOT_SERVING until a probe finds it back.
                 reason = f"{type(exc).__name__}: {exc}"
                 st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
@@ -198,6 +204,24 @@ class Lookups:
             if info is not None:
                 out.append(LiveMatch(key[0], key[1], 0, (), *info))
         return out
+
+    def _deadline_exceeded(self) -> LookupFailed:
+        """The backend stalls (a failover, a paused Redis): answer now, UNAVAILABLE. Health is left to the
+        connection's own timeout and the pings (one slow call is no outage). The cancelled call leaves its
+        connection usable: the fast path skips the late reply, redis-py drops the connection."""
+        st = self.state
+        deadline = st.config.lookup_deadline
+        st.metrics.lookup_deadline_exceeded.inc()
+        st.log_once("match:deadline", logging.WARNING, "index match exceeded the lookup deadline (%gs); "
+                    "answering UNAVAILABLE (logged once)", deadline)
+        return LookupFailed(UNAVAILABLE, f"index backend {st.index.backend} did not answer within the lookup "
+                                         f"deadline ({deadline:g}s): retry shortly or ask another replica")
+
+    def index_down(self) -> str | None:
+        """While the index is down, the one-line reason every route reading it answers (HTTP 503, gRPC
+        UNAVAILABLE) rather than a stale answer; None while it serves."""
+        health = self.state.health
+        return None if health.up else self.unavailable(health.down_reason)
 
     def unavailable(self, reason: str) -> str:
         backend = self.state.index.backend
