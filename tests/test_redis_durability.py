@@ -33,7 +33,14 @@ from kvcoord.index.redis import RedisIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
-from tests.redis_servers import RedisServer, start_server, stop_server
+from tests.redis_servers import (
+    RedisCluster,
+    RedisServer,
+    start_cluster,
+    start_server,
+    stop_cluster,
+    stop_server,
+)
 from tests.test_coordinator_ingest import MODEL, Agent, ack_seq, stored
 
 HASHES = [101, 102, 103, 104]
@@ -313,3 +320,60 @@ async def test_lookup_bounded_by_its_deadline_while_redis_hangs(tmp_path: Path, 
     finally:
         _signal(redis, signal.SIGCONT)
         stop_server(redis)
+
+
+@pytest.fixture
+def cluster_with_replicas() -> Iterator[tuple[RedisCluster, list[RedisServer]]]:
+    """A 3-shard Cluster, each primary with one replica (``replicas[i]`` follows ``cluster.servers[i]``)."""
+    cluster = start_cluster()
+    replicas: list[RedisServer] = []
+    try:
+        for primary in cluster.servers:
+            primary_id = primary.cli("CLUSTER", "MYID").strip()
+            bus = primary.extra[primary.extra.index("--cluster-port") + 1]
+            r = start_server("--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                             "--cluster-node-timeout", "2000")
+            replicas.append(r)
+            r.cli("CLUSTER", "MEET", "127.0.0.1", str(primary.port), bus)
+            _poll(lambda r=r, pid=primary_id: pid in r.cli("CLUSTER", "NODES"), "the replica to meet")
+            r.cli("CLUSTER", "REPLICATE", primary_id)
+            _poll(lambda p=primary: "state=online" in p.cli("INFO", "replication"), "the replica in sync", 30)
+        _poll(lambda: all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in cluster.servers + replicas),
+              "cluster_state:ok", 30)
+        yield cluster, replicas
+    finally:
+        for r in replicas:
+            _signal(r, signal.SIGCONT)
+            stop_server(r)
+        stop_cluster(cluster)
+
+
+async def test_cluster_wait_goes_to_the_shard_of_the_write(
+        cluster_with_replicas: tuple[RedisCluster, list[RedisServer]]) -> None:
+    cluster, replicas = cluster_with_replicas
+    ix = RedisIndex.from_uri(f"{cluster.url}?wait_replicas=1&wait_timeout=0.05")
+    try:
+        owner: dict[str, int] = {}  # node -> index of the shard holding its bucket
+        for n in range(40):
+            node = f"n{n}"
+            await ix.apply(MODEL, node, 0, [(validate.STORE, 0, HASHES, None, True)])
+            tag = ix.tag_of(node)
+            owner[node] = next(i for i, s in enumerate(cluster.servers)
+                               if s.cli("EXISTS", tag + ":loc").strip() == "1")
+        assert ix.metrics.wait_short == 0 and ix.metrics.waits >= 40
+        assert set(owner.values()) == {0, 1, 2}, owner
+        _signal(replicas[0], signal.SIGSTOP)
+        try:
+            paused = next(n for n, i in owner.items() if i == 0)
+            other = next(n for n, i in owner.items() if i != 0)
+            with pytest.raises(WriteNotReplicated):
+                await ix.apply(MODEL, paused, 0, [(validate.STORE, 0, MORE, None, True)])
+            await ix.apply(MODEL, other, 0, [(validate.STORE, 0, MORE, None, True)])  # its replica confirms
+            assert ix.metrics.wait_short == 1
+        finally:
+            _signal(replicas[0], signal.SIGCONT)
+        await ix.apply(MODEL, paused, 0, [(validate.STORE, 0, MORE, None, True)])
+        got = await ix.match(MODEL, HASHES + MORE, [(paused, 0)])
+        assert [m.matched_blocks for m in got] == [len(HASHES) + len(MORE)]
+    finally:
+        await ix.close()

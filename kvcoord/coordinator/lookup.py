@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes64
-from kvcoord.index.base import NodeKey
+from kvcoord.index.base import NodeKey, NodeMatch
 from kvcoord.load import NodeLoad
 from kvcoord.tokenize import TokenizeError
 from kvcoord.validate import shown
@@ -148,14 +148,11 @@ class Lookups:
         if hashes and self.serves(model):
             if not st.health.up:
                 raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
-            # an in-process index never waits on anything: no timer on its hot path
-            bound = asyncio.timeout(None if st.index.inline else st.config.lookup_deadline)
             try:
-                async with bound:
-                    matches = await st.index.match(model, hashes, candidates or None)
+                matches = await self._index_match(model, hashes, candidates or None)
+            except LookupFailed:
+                raise
             except (ConnectionError, TimeoutError, OSError) as exc:
-                if bound.expired():
-                    raise self._deadline_exceeded() from None
                 # The backend is unreachable: NOT_SERVING until a probe finds it back.
                 reason = f"{type(exc).__name__}: {exc}"
                 st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
@@ -205,17 +202,32 @@ class Lookups:
                 out.append(LiveMatch(key[0], key[1], 0, (), *info))
         return out
 
-    def _deadline_exceeded(self) -> LookupFailed:
-        """The backend stalls (a failover, a paused Redis): answer now, UNAVAILABLE. Health is left to the
-        connection's own timeout and the pings (one slow call is no outage). The cancelled call leaves its
-        connection usable: the fast path skips the late reply, redis-py drops the connection."""
+    async def _index_match(self, model: str, hashes: Sequence[BlockHash64],
+                           candidates: Collection[NodeKey] | None) -> list[NodeMatch]:
+        """The index's match, a remote index's bounded by ``lookup_deadline``: when the backend stalls (a
+        failover, a paused Redis) the lookup answers UNAVAILABLE then. Health is left to the connection's
+        own timeout and the pings (one slow call is no outage). The cancelled call leaves its connection
+        usable: the fast path skips the late reply, redis-py drops the connection."""
         st = self.state
+        remote = st.index.remote
+        mirror = remote.metrics.mirror if remote is not None else None
+        # In-process (it may be driven outside a task, run_inline) or from a loaded mirror: never waits,
+        # so no timer (~5 us) on those hot paths.
+        if st.index.inline or (mirror is not None and mirror.ready):
+            return await st.index.match(model, hashes, candidates)
         deadline = st.config.lookup_deadline
+        bound = asyncio.timeout(deadline)
+        try:
+            async with bound:
+                return await st.index.match(model, hashes, candidates)
+        except TimeoutError:
+            if not bound.expired():
+                raise
         st.metrics.lookup_deadline_exceeded.inc()
         st.log_once("match:deadline", logging.WARNING, "index match exceeded the lookup deadline (%gs); "
                     "answering UNAVAILABLE (logged once)", deadline)
-        return LookupFailed(UNAVAILABLE, f"index backend {st.index.backend} did not answer within the lookup "
-                                         f"deadline ({deadline:g}s): retry shortly or ask another replica")
+        raise LookupFailed(UNAVAILABLE, f"index backend {st.index.backend} did not answer within the lookup "
+                                        f"deadline ({deadline:g}s): retry shortly or ask another replica")
 
     def index_down(self) -> str | None:
         """While the index is down, the one-line reason every route reading it answers (HTTP 503, gRPC
