@@ -22,6 +22,9 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--index", default=None, help="memory | redis://host:port/db | redis+cluster://h:p,...")
     p.add_argument("--config", default=None, help="TOML configuration file (default: $KVCOORD_CONFIG)")
     p.add_argument("--lease-seconds", type=POSITIVE_FLOAT, default=None, help="node lease (default 10)")
+    p.add_argument("--lookup-deadline", type=POSITIVE_FLOAT, default=None, metavar="SECONDS",
+                   help="a lookup waits this long for a remote index, then answers UNAVAILABLE / 503 "
+                        "(default 0.5)")
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="with the memory index, keep engines registered over HTTP (POST /register) in "
                         "DIR/engines.json across restarts (default: not kept; Redis keeps them itself)")
@@ -72,6 +75,7 @@ CONFIG_FLAGS = (
     "http_listen",
     "index",
     "lease_seconds",
+    "lookup_deadline",
     "state_dir",
     "strict_models",
     "max_message_bytes",

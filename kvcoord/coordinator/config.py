@@ -37,6 +37,7 @@ http_listen = "127.0.0.1:8090"      # HTTP API (Dynamo's indexer API) HOST:PORT;
 index = "memory"                    # memory | redis://host:port/db | redis+cluster://h:p,...
 index_key_prefix = "kvcoord"
 lease_seconds = 10.0                # a node silent this long vanishes from lookups
+lookup_deadline = 0.5               # seconds a lookup waits for the index; then UNAVAILABLE / 503
 state_dir = "/var/lib/kvcoord"      # memory index: engines registered over HTTP survive a restart
                                     # (kept in engines.json there); "" (default): forgotten at exit
 strict_models = false               # true: only the models below may ingest or be queried
@@ -104,6 +105,7 @@ ENV_VARS: dict[str, str] = {
     "KVCOORD_INDEX": "index",
     "KVCOORD_INDEX_KEY_PREFIX": "index_key_prefix",
     "KVCOORD_LEASE_SECONDS": "lease_seconds",
+    "KVCOORD_LOOKUP_DEADLINE": "lookup_deadline",
     "KVCOORD_STATE_DIR": "state_dir",
     "KVCOORD_STRICT_MODELS": "strict_models",
     "KVCOORD_MAX_MESSAGE_BYTES": "max_message_bytes",
@@ -198,6 +200,8 @@ class CoordinatorConfig:
     index: str = "memory"
     index_key_prefix: str = "kvcoord"
     lease_seconds: float = 10.0
+    lookup_deadline: float = 0.5
+    """Seconds a lookup waits for a remote index before answering UNAVAILABLE (a failover never hangs it)."""
     state_dir: str = ""
     """With the memory index, where registrations (``POST /register``) are kept across restarts ("" none;
     the Redis index keeps them in Redis)."""
@@ -400,7 +404,7 @@ def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> 
         values[key] = uri
     elif key == "index_key_prefix" or key == "state_dir":
         values[key] = as_str(where, raw)
-    elif key == "lease_seconds" or key == "stats_interval":
+    elif key in ("lease_seconds", "stats_interval", "lookup_deadline"):
         values[key] = as_float(where, raw)
     elif key == "strict_models":
         values[key] = as_bool(where, raw)
@@ -415,6 +419,7 @@ _TOP_SCALARS = {
     "index",
     "index_key_prefix",
     "lease_seconds",
+    "lookup_deadline",
     "state_dir",
     "strict_models",
     "stats_interval",

@@ -2,6 +2,8 @@
 
 The first failed call marks the index down, which flips gRPC health to NOT_SERVING at once. Ingest sessions
 keep their batch unacked and retry it with backoff (:meth:`IndexHealth.call`); lookups answer UNAVAILABLE.
+A write that fewer replicas confirmed than ``?wait_replicas`` asks (``WriteNotReplicated``) is retried the
+same way, but the index stays up: it answers correctly, only the write's durability is in doubt.
 It is declared up again only after a ping *and* a generation check succeed, so a backend that came back
 empty is noticed (every node is then asked for a snapshot) before anything is written to it or read from
 it. A backend that came back intact resumes where it stopped.
@@ -16,7 +18,7 @@ from typing import TypeVar
 
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import NodeRecord
-from kvcoord.index.base import FencedWrite, Index, InvalidEvent, ping
+from kvcoord.index.base import FencedWrite, Index, InvalidEvent, WriteNotReplicated, ping
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -146,6 +148,18 @@ class IndexHealth:
             except FencedWrite as exc:
                 self.on_fenced(exc, keep_alive)
                 return False, None
+            except WriteNotReplicated as exc:
+                # Applied on the primary, not confirmed by its replicas: unacked and retried (idempotent),
+                # but the index serves, so health stays up (lookups answer; only durability is short).
+                self.log_once("index-wait-short", logging.WARNING, "index %s: %s; keeping the work unacked "
+                              "and retrying (logged once)", what, exc)
+                if keep_alive is not None:
+                    self.heard(keep_alive)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX)
+                if still_wanted is not None and not still_wanted():
+                    return False, None
+                continue
             except Exception as exc:
                 self.log_once(
                     f"index-fail:{type(exc).__name__}",

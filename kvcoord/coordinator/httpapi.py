@@ -529,6 +529,8 @@ class HttpApi:
                 return json_error(400, f"Failed to deserialize query string: duplicate field `{name}`")
         if self.engines is None:
             return _json(200, [])
+        if (down := self.lookups.index_down()) is not None:
+            return json_error(503, down)  # index contents: never from a stale copy
         model_name = params.get("model_name", [None])[-1]
         group = params.get("routing_group", [None])[-1]
         try:
@@ -561,6 +563,8 @@ class HttpApi:
         """Dynamo's dump shape, kvcoord's content: per partition, one ``stored`` event per node, rank and
         tier listing its blocks (``block_hash`` = ``tokens_hash`` = the engine's hash; no chains)."""
         st = self.state
+        if (down := self.lookups.index_down()) is not None:
+            return json_error(503, down)  # index contents: never from a stale copy
         out: dict[str, dict[str, Any]] = {}
         now, now_wall = time.monotonic(), time.time()
         for rec in list(st.registry):
@@ -572,6 +576,9 @@ class HttpApi:
             for rank in rec.dp_ranks:
                 try:
                     entries = await st.index.export_node(rec.model, rec.node_id, rank)
+                except (ConnectionError, OSError) as exc:
+                    await st.health.down(f"{type(exc).__name__}: {exc}")
+                    return json_error(503, self.lookups.unavailable(st.health.down_reason))
                 except Exception as exc:
                     part["error"] = f"{type(exc).__name__}: {exc}"
                     continue
@@ -589,6 +596,5 @@ class HttpApi:
 
     def health(self, req: Request) -> Response:
         """200 while the index serves, 503 while it is down (the readiness a load balancer wants)."""
-        if self.state.health.up:
-            return Response(200)
-        return json_error(503, self.lookups.unavailable(self.state.health.down_reason))
+        down = self.lookups.index_down()
+        return Response(200) if down is None else json_error(503, down)

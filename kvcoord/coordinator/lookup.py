@@ -5,6 +5,7 @@ disagree on what a query means, which nodes count, or which error a bad query ge
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from array import array
@@ -13,7 +14,7 @@ from typing import Any, NamedTuple
 
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes64
-from kvcoord.index.base import NodeKey
+from kvcoord.index.base import NodeKey, NodeMatch
 from kvcoord.load import NodeLoad
 from kvcoord.tokenize import TokenizeError
 from kvcoord.validate import shown
@@ -148,7 +149,9 @@ class Lookups:
             if not st.health.up:
                 raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
             try:
-                matches = await st.index.match(model, hashes, candidates or None)
+                matches = await self._index_match(model, hashes, candidates or None)
+            except LookupFailed:
+                raise
             except (ConnectionError, TimeoutError, OSError) as exc:
                 # The backend is unreachable: NOT_SERVING until a probe finds it back.
                 reason = f"{type(exc).__name__}: {exc}"
@@ -198,6 +201,39 @@ class Lookups:
             if info is not None:
                 out.append(LiveMatch(key[0], key[1], 0, (), *info))
         return out
+
+    async def _index_match(self, model: str, hashes: Sequence[BlockHash64],
+                           candidates: Collection[NodeKey] | None) -> list[NodeMatch]:
+        """The index's match, a remote index's bounded by ``lookup_deadline``: when the backend stalls (a
+        failover, a paused Redis) the lookup answers UNAVAILABLE then. Health is left to the connection's
+        own timeout and the pings (one slow call is no outage). The cancelled call leaves its connection
+        usable: the fast path skips the late reply, redis-py drops the connection."""
+        st = self.state
+        remote = st.index.remote
+        mirror = remote.metrics.mirror if remote is not None else None
+        # In-process (it may be driven outside a task, run_inline) or from a loaded mirror: never waits,
+        # so no timer (~5 us) on those hot paths.
+        if st.index.inline or (mirror is not None and mirror.ready):
+            return await st.index.match(model, hashes, candidates)
+        deadline = st.config.lookup_deadline
+        bound = asyncio.timeout(deadline)
+        try:
+            async with bound:
+                return await st.index.match(model, hashes, candidates)
+        except TimeoutError:
+            if not bound.expired():
+                raise
+        st.metrics.lookup_deadline_exceeded.inc()
+        st.log_once("match:deadline", logging.WARNING, "index match exceeded the lookup deadline (%gs); "
+                    "answering UNAVAILABLE (logged once)", deadline)
+        raise LookupFailed(UNAVAILABLE, f"index backend {st.index.backend} did not answer within the lookup "
+                                        f"deadline ({deadline:g}s): retry shortly or ask another replica")
+
+    def index_down(self) -> str | None:
+        """While the index is down, the one-line reason every route reading it answers (HTTP 503, gRPC
+        UNAVAILABLE) rather than a stale answer; None while it serves."""
+        health = self.state.health
+        return None if health.up else self.unavailable(health.down_reason)
 
     def unavailable(self, reason: str) -> str:
         backend = self.state.index.backend

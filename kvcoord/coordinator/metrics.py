@@ -204,6 +204,17 @@ class IndexBackendCollector(Collector):
         )
         reclaimed_nodes.add_metric([self._backend], float(m.reclaimed_nodes))
         out.append(reclaimed_nodes)
+        waits = CounterMetricFamily("kvcoord_redis_wait", "Index writes followed by WAIT (?wait_replicas)",
+                                    labels=["backend"])
+        waits.add_metric([self._backend], float(m.waits))
+        short = CounterMetricFamily("kvcoord_redis_wait_short", "WAITs that returned fewer replicas than "
+                                    "wait_replicas: the write was not acknowledged and is retried",
+                                    labels=["backend"])
+        short.add_metric([self._backend], float(m.wait_short))
+        wait_s = CounterMetricFamily("kvcoord_redis_wait_seconds", "Seconds in writes followed by WAIT (the "
+                                     "script and its WAIT, one round trip)", labels=["backend"])
+        wait_s.add_metric([self._backend], float(m.wait_seconds))
+        out += [waits, short, wait_s]
         mirror = m.mirror
         if mirror is not None:
             ready = GaugeMetricFamily(
@@ -322,6 +333,9 @@ class Metrics:
             "kvcoord_lookups_cancelled", "gRPC lookups the client gave up on before the answer (its deadline "
             "passed or it cancelled, as a router does after --deadline-ms): not answered, not an error",
             registry=r)
+        self.lookup_deadline_exceeded = Counter(
+            "kvcoord_lookup_deadline_exceeded", "Lookups answered UNAVAILABLE because the index did not "
+            "answer within lookup_deadline (a stalled or failing-over backend)", registry=r)
         self.lookup_answers = {"fast": 0, "handler": 0}
         """``kvcoord_lookup_answers_total{path}``: HTTP lookups answered by each path."""
         r.register(LookupCollector(self))

@@ -427,7 +427,8 @@ class CoordinatorServicer:
         await self._check(request, context)
         assert isinstance(request, pb.ListNodesRequest)
         await self._principal(context)
-        return pb.ListNodesResponse(nodes=self._nodes(request.model))
+        # Routers read load here: the list is marked, not refused, while the index is down.
+        return pb.ListNodesResponse(nodes=self._nodes(request.model), index_stale=not self.state.health.up)
 
     def _nodes(self, model: str = "") -> list[pb.NodeInfo]:
         """Every node the fleet's replicas hold: this replica's own records, and the nodes other
@@ -509,7 +510,8 @@ class CoordinatorServicer:
         await self._check(request, context)
         await self._principal(context)
         st = self.state
-        stats, stale = await st.stats.exact()
+        # While the index is down, the last figures known, marked stale (asking would wait on a dead backend).
+        stats, stale = await st.stats.exact() if st.health.up else (st.stats.last, True)
         m = st.metrics
         nodes = self._nodes()
         by_state = st.registry.by_state()

@@ -37,6 +37,7 @@ __all__ = [
     "Op",
     "Remote",
     "SnapshotEntry",
+    "WriteNotReplicated",
     "fence_token",
     "ping",
     "run_inline",
@@ -69,6 +70,12 @@ class FencedWrite(Exception):
     def __init__(self, node_id: str, message: str) -> None:
         super().__init__(message)
         self.node_id = node_id
+
+
+class WriteNotReplicated(Exception):
+    """A write was applied on the primary, but fewer replicas than the index's ``wait_replicas`` confirmed
+    it within ``wait_timeout`` (Redis ``WAIT``): a failover now could lose it. The caller must not treat it
+    as acknowledged; applying the same call again is idempotent, so it is retried."""
 
 
 @dataclass(slots=True)
@@ -139,6 +146,12 @@ class BackendMetrics(Protocol):
     def reclaimed_nodes(self) -> int: ...
     @property
     def mirror(self) -> MirrorStatus | None: ...
+    @property
+    def waits(self) -> int: ...
+    @property
+    def wait_short(self) -> int: ...
+    @property
+    def wait_seconds(self) -> float: ...
 
 
 class Fencing(Protocol):

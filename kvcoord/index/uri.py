@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-OPTIONS = ("buckets", "mirror", "prefix", "timeout")
+OPTIONS = ("buckets", "mirror", "prefix", "timeout", "wait_replicas", "wait_timeout")
 """kvcoord's own query options (the rest of the URI is the connection's)."""
 REDIS_OPTIONS = ("client_name", "health_check_interval", "socket_keepalive", "ssl_ca_certs", "ssl_cert_reqs",
                  "ssl_certfile", "ssl_check_hostname", "ssl_keyfile")
@@ -33,6 +33,10 @@ class RedisUri:
     mirror: bool = False
     prefix: str | None = None
     timeout: float = 5.0
+    wait_replicas: int = 0
+    """``WAIT`` for this many replicas after every index write (0: no WAIT)."""
+    wait_timeout: float = 0.1
+    """Seconds that WAIT may take; fewer replicas by then: the write is not acknowledged (retried)."""
 
     @property
     def cluster(self) -> bool:
@@ -127,6 +131,7 @@ def parse_redis_uri(uri: str) -> RedisUri:
         timeout = -1.0
     if not timeout > 0:
         raise ValueError(f"index URI {uri!r}: timeout must be a number of seconds > 0, not {raw_timeout!r}")
+    wait_replicas, wait_timeout = _wait_options(uri, query, timeout)
     prefix = query.pop("prefix", None)
     if prefix == "":
         raise ValueError(f"index URI {uri!r}: prefix must not be empty")
@@ -141,4 +146,25 @@ def parse_redis_uri(uri: str) -> RedisUri:
         raise ValueError(f"index URI {uri!r}: no host (want redis://host:port/db)")
     url = urlunsplit(parts._replace(query=urlencode(query)))
     return RedisUri(url, tuple(nodes), parts.username, parts.password, buckets, mirror == "1", prefix,
-                    timeout)
+                    timeout, wait_replicas=wait_replicas, wait_timeout=wait_timeout)
+
+
+def _wait_options(uri: str, query: dict[str, str], timeout: float) -> tuple[int, float]:
+    """``wait_replicas`` (an integer >= 0) and ``wait_timeout`` (seconds, > 0 and below the socket
+    ``timeout``, which would otherwise cut the connection first; WAIT 0 would block forever)."""
+    raw = query.pop("wait_replicas", "0")
+    if not raw.isdigit():
+        raise ValueError(f"index URI {uri!r}: wait_replicas must be an integer >= 0, not {raw!r}")
+    raw_timeout = query.pop("wait_timeout", None)
+    if raw_timeout is None:
+        return int(raw), min(0.1, timeout / 2)
+    if not int(raw):
+        raise ValueError(f"index URI {uri!r}: wait_timeout needs wait_replicas >= 1")
+    try:
+        wait_timeout = float(raw_timeout)
+    except ValueError:
+        wait_timeout = -1.0
+    if not 0.001 <= wait_timeout < timeout:
+        raise ValueError(f"index URI {uri!r}: wait_timeout must be seconds >= 0.001 and below timeout "
+                         f"({timeout:g}), not {raw_timeout!r}")
+    return int(raw), wait_timeout

@@ -20,6 +20,8 @@ import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection as _PlainConnection
 
+from kvcoord.index.base import WriteNotReplicated
+
 _T = TypeVar("_T")
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """Upper bounds (seconds) of the round-trip latency histogram in :class:`RedisMetrics`."""
@@ -50,6 +52,12 @@ class RedisMetrics:
     up: bool = True
     mirror: Any = None
     """The lookup mirror (``ready``, ``loads``, ``entries_applied``, ``lookups``), or None."""
+    waits: int = 0
+    """Writes followed by ``WAIT`` (``?wait_replicas=N``)."""
+    wait_short: int = 0
+    """Of those, the WAITs that returned fewer replicas than asked (the write then is not acknowledged)."""
+    wait_seconds: float = 0.0
+    """Seconds spent in writes followed by WAIT (the script and the WAIT: one round trip)."""
     latency_buckets: tuple[float, ...] = LATENCY_BUCKETS
 
     def answered(self) -> None:
@@ -134,20 +142,21 @@ class _Pipelined(asyncio.Protocol):
             if fut is not None and not fut.done():
                 fut.set_exception(rexc.ConnectionError(f"redis connection lost: {exc or 'closed'}"))
 
-    def request(self, packed: bytes, skip: int = 0) -> asyncio.Future[Any]:
-        """Send ``packed`` (``skip + 1`` commands); the future gets the last reply (MULTI ... EXEC)."""
+    def request(self, packed: bytes, skip: int = 0, keep: int = 1) -> asyncio.Future[Any]:
+        """Send ``packed`` (``skip + keep`` commands); the future gets the last reply (MULTI ... EXEC),
+        or with ``keep > 1`` the list of the last ``keep`` (a script and its WAIT)."""
         if self.lost or self._transport is None:
             raise rexc.ConnectionError("redis connection lost")
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
+        futs: list[asyncio.Future[Any]] = [loop.create_future() for _ in range(keep)]
         if not self._waiting:
             self._last = time.monotonic()
         self._waiting.extend([None] * skip)
-        self._waiting.append(fut)
+        self._waiting.extend(futs)
         self._transport.write(packed)
         if self._timer is None:
             self._timer = loop.call_later(self._timeout, self._check)
-        return fut
+        return futs[0] if keep == 1 else asyncio.gather(*futs)
 
     def _check(self) -> None:
         """Abort when requests wait and nothing arrived for ``timeout`` seconds (Redis hung or gone)."""
@@ -223,11 +232,11 @@ class _FastPath:
             self._conn = conn
             return conn
 
-    async def call(self, packed: bytes, skip: int = 0) -> Any:
+    async def call(self, packed: bytes, skip: int = 0, keep: int = 1) -> Any:
         conn = self._conn
         if conn is None or conn.lost:
             conn = await self._connect()
-        return await conn.request(packed, skip)
+        return await conn.request(packed, skip, keep)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -256,13 +265,16 @@ class RedisConnection:
     there is one, and the ``metrics`` every round trip updates. A script runs on one bucket, named by
     its hash ``tag`` (whose ``:loc`` key routes it on a Cluster); ARGV[1] is always the tag."""
 
-    __slots__ = ("client", "cluster", "fast", "metrics")
+    __slots__ = ("client", "cluster", "fast", "metrics", "wait")
 
-    def __init__(self, client: aredis.Redis | RedisCluster, metrics: RedisMetrics) -> None:
+    def __init__(self, client: aredis.Redis | RedisCluster, metrics: RedisMetrics,
+                 wait: tuple[int, float] | None = None) -> None:
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
         self.fast = _FastPath.for_client(client)
         self.metrics = metrics
+        self.wait = wait
+        """``(replicas, timeout seconds)``: every :meth:`write` is followed by ``WAIT`` (None: off)."""
 
     async def round_trip(self, fn: Callable[[], Awaitable[_T]]) -> _T:
         """One timed round trip; connection failures become :class:`IndexUnavailable`."""
@@ -303,6 +315,55 @@ class RedisConnection:
                 return await self.client.eval(script.src, 1, key, tag, *args)  # type: ignore[arg-type]
 
         return await self.round_trip(go)
+
+    async def write(self, script: _Script, tag: str, *args: object) -> Any:
+        """A write script: :meth:`eval`, and with ``wait`` set, ``WAIT replicas timeout`` on the same
+        connection, sent with it (WAIT counts the writes of its own connection; Redis replicates in
+        order, so it also covers every write acknowledged before). Raises :class:`WriteNotReplicated`
+        (after the script ran) when fewer replicas confirmed: the caller must not count it as done."""
+        if self.wait is None:
+            return await self.eval(script, tag, *args)
+        want, timeout = self.wait
+        wait = ("WAIT", want, max(1, round(timeout * 1000)))
+        key = tag + ":loc"
+        fast = self.fast
+
+        async def go_fast() -> list[Any]:
+            try:
+                return cast(list[Any], await fast.call(  # type: ignore[union-attr]
+                    _command("EVALSHA", script.sha, 1, key, tag, *args) + _command(*wait), keep=2))
+            except rexc.ResponseError as e:
+                if not str(e).startswith("NOSCRIPT"):
+                    raise
+                return cast(list[Any], await fast.call(  # type: ignore[union-attr]
+                    _command("EVAL", script.src, 1, key, tag, *args) + _command(*wait), keep=2))
+
+        async def go() -> list[Any]:
+            for cmd in ("EVALSHA", "EVAL"):
+                pipe = self.client.pipeline(transaction=False)
+                route: dict[str, Any] = {}
+                if self.cluster:  # WAIT has no key: send it to the shard the script went to
+                    await self.client.initialize()
+                    route["target_nodes"] = cast(RedisCluster, self.client).get_node_from_key(key)
+                pipe.execute_command(cmd, script.sha if cmd == "EVALSHA" else script.src, 1, key, tag, *args)  # type: ignore[arg-type]
+                pipe.execute_command(*wait, **route)
+                res: list[Any] = await pipe.execute(raise_on_error=False)
+                if not isinstance(res[0], rexc.NoScriptError):
+                    break
+            for r in res:
+                if isinstance(r, Exception):
+                    raise r
+            return res
+
+        t0 = time.perf_counter()
+        reply, acked = await self.round_trip(go_fast if fast is not None else go)
+        self.metrics.waits += 1
+        self.metrics.wait_seconds += time.perf_counter() - t0
+        if int(acked) < want:
+            self.metrics.wait_short += 1
+            raise WriteNotReplicated(f"redis WAIT: {int(acked)} of {want} replicas confirmed the write "
+                                     f"within {timeout:g}s")
+        return reply
 
     async def eval_many(self, script: _Script, calls: list[tuple[str, list[object]]]) -> list[Any]:
         """Run ``script`` on several buckets in one pipeline (per shard, in parallel, on a Cluster)."""

@@ -82,6 +82,7 @@ class RedisIndex:
         buckets: int | None = None,
         reclaim_interval: float = 5.0,
         mirror: bool = False,
+        wait: tuple[int, float] | None = None,
     ) -> None:
         self._r = client
         self._cluster = isinstance(client, RedisCluster)
@@ -102,7 +103,8 @@ class RedisIndex:
         self._tags = bucket_tags(key_prefix, self.buckets)
         self._conf_key = conf_key(key_prefix)
         self.metrics = RedisMetrics()
-        self._conn = RedisConnection(client, self.metrics)
+        self._conn = RedisConnection(client, self.metrics, wait)
+        """``wait``: ``(replicas, timeout)`` of the WAIT after every index write (``?wait_replicas``)."""
         self._fast = self._conn.fast
         self._layout_checked = False
         self._layout_lock = asyncio.Lock()
@@ -129,7 +131,8 @@ class RedisIndex:
         Query parameters read here: ``buckets`` (see the package docstring), ``timeout`` (socket
         timeout in seconds, default 5), ``prefix`` (overrides ``key_prefix``), ``mirror`` (``1``:
         answer lookups from an in-memory copy kept current by Redis's change feed; see
-        :class:`LookupMirror`). Does not connect.
+        :class:`LookupMirror`), ``wait_replicas``/``wait_timeout`` (``WAIT`` after every index write;
+        a write fewer replicas confirmed raises ``WriteNotReplicated``). Does not connect.
         """
         return cls.from_spec(parse_index_uri(uri, key_prefix=key_prefix))
 
@@ -139,7 +142,9 @@ class RedisIndex:
         parsed = spec.redis
         if parsed is None:
             raise ValueError(f"index URI {spec.uri!r} is not a Redis one")
-        return cls(parsed.client(), key_prefix=spec.key_prefix, buckets=parsed.buckets, mirror=parsed.mirror)
+        wait = (parsed.wait_replicas, parsed.wait_timeout) if parsed.wait_replicas else None
+        return cls(parsed.client(), key_prefix=spec.key_prefix, buckets=parsed.buckets, mirror=parsed.mirror,
+                   wait=wait)
 
     def bucket_of(self, node_id: str) -> int:
         """The bucket (hence hash tag, slot and shard) holding every key of ``node_id``."""
@@ -329,7 +334,7 @@ class RedisIndex:
         validate.check_target(model, node_id, dp_rank)
         lf = _loc_name(model, node_id, dp_rank)
         token = await self._fencer.token(node_id)
-        res = int(await self._conn.eval(lua.CLEAR, self.tag_of(node_id), lf, node_id, token))
+        res = int(await self._conn.write(lua.CLEAR, self.tag_of(node_id), lf, node_id, token))
         if res < 0:
             raise self._fencer.fenced(node_id, "clear")
         if res:
@@ -338,7 +343,7 @@ class RedisIndex:
 
     async def remove_node(self, node_id: str) -> None:
         token = await self._fencer.token(node_id)
-        res = int(await self._conn.eval(lua.REMOVE_NODE, self.tag_of(node_id), node_id, token, "0"))
+        res = int(await self._conn.write(lua.REMOVE_NODE, self.tag_of(node_id), node_id, token, "0"))
         if res < 0:
             raise self._fencer.fenced(node_id, "remove_node")
         if res:
@@ -416,7 +421,8 @@ class RedisIndex:
                                             f"S{t}", blob)
                 if int(res[0]) < 0:
                     raise self._fencer.fenced(node_id, "replace_node")
-        committed = int(await self._conn.eval(lua.COMMIT, tag, lf, node_id, str(pending), token))
+        # The commit's WAIT (?wait_replicas) covers the chunks too: Redis replicates in order
+        committed = int(await self._conn.write(lua.COMMIT, tag, lf, node_id, str(pending), token))
         if committed < 0:
             raise self._fencer.fenced(node_id, "replace_node")
         return committed

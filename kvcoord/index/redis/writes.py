@@ -102,7 +102,7 @@ class WriteQueue:
             if not taken:
                 break
             try:
-                flat = await self._conn.eval(lua.WRITE, tag, *args)
+                flat = await self._conn.write(lua.WRITE, tag, *args)  # WAITs too, with ?wait_replicas
             except BaseException as e:
                 err = IndexUnavailable("redis index closed") if isinstance(e, asyncio.CancelledError) else e
                 for fut in taken:

@@ -1196,16 +1196,22 @@ class ListNodesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODES_FIELD_NUMBER: _builtins.int
+    INDEX_STALE_FIELD_NUMBER: _builtins.int
+    index_stale: _builtins.bool
+    """true: the index is down (the replica reports NOT_SERVING); the nodes are as this replica last knew
+    them, other replicas' from the last read of the shared directory, and their lookups would fail.
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeInfo]: ...
     def __init__(
         self,
         *,
         nodes: _abc.Iterable[Global___NodeInfo] | None = ...,
+        index_stale: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index_stale", b"index_stale", "nodes", b"nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
