@@ -112,9 +112,10 @@ def pools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pools]:
 
 @contextlib.contextmanager
 def picker(pools: Pools, pool: Pool, *flags: str, name: str, port: int = 0) -> Iterator[str]:
-    """``kvcoord epp --conformance`` for ``pool`` (``flags`` after it); yields its ext_proc address."""
+    """``kvcoord epp`` for ``pool`` with ``flags``; yields its ext_proc address."""
     port = port or free_port()
-    cmd = kvcoord_cmd("epp", "--coordinator", pool.coordinator, "--listen", f"127.0.0.1:{port}", *flags)
+    cmd = kvcoord_cmd("epp", "--coordinator", pool.coordinator, "--listen", f"127.0.0.1:{port}",
+                      "--timeout", "10", *flags)  # a slow lookup on a busy machine is no outage here
     with running(cmd, log=pools.tmp / f"{name}.log"):
         wait_for_port(port, timeout=30)
         yield f"127.0.0.1:{port}"
