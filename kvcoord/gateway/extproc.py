@@ -108,11 +108,12 @@ def response_streamed(req: Any, default: bool) -> bool:
 
 def headers_of(http_headers: Any) -> dict[str, str]:
     """``HttpHeaders`` as a lower-cased dict (Envoy fills ``raw_value``; older releases ``value``)."""
-    out: dict[str, str] = {}
-    for h in http_headers.headers.headers:
-        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[h.key.lower()] = value
-    return out
+    return {h.key.lower(): _header_value(h) for h in http_headers.headers.headers}
+
+
+def _header_value(h: Any) -> str:
+    """One ``HeaderValue``'s value: Envoy fills ``raw_value``; older releases ``value``."""
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else str(h.value)
 
 
 def _metadata_field(req: Any, namespace: str, key: str) -> Any | None:
@@ -147,8 +148,8 @@ def selection(req: Any) -> list[str] | None:
     absent or empty, else its comma separated entries, trimmed (an empty or malformed entry stays, and
     matches no endpoint)."""
     for h in req.request_headers.headers.headers:
-        if h.key.lower() == SELECTION_HEADER:
-            value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        if h.key.lower() == SELECTION_HEADER:  # the first one, as the reference reads it
+            value = _header_value(h)
             return [p.strip() for p in value.split(",")] if value else None
     return None
 
@@ -157,13 +158,12 @@ def served_echo(req: Any) -> str:
     """What the reference picker answers in ``x-conformance-test-served-endpoint`` on the response path:
     the data plane's ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` string as it is, else the
     reference's own failure strings, which the suite then reports."""
-    fm = req.metadata_context.filter_metadata
-    if DESTINATION_NAMESPACE not in fm:
+    if DESTINATION_NAMESPACE not in req.metadata_context.filter_metadata:
         return "fail: missing envoy lb metadata"
-    fields = fm[DESTINATION_NAMESPACE].fields
-    if SERVED_KEY not in fields or fields[SERVED_KEY].WhichOneof("kind") != "string_value":
+    value = _metadata_field(req, DESTINATION_NAMESPACE, SERVED_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
         return "fail: missing destination endpoint served metadata"
-    return str(fields[SERVED_KEY].string_value)
+    return str(value.string_value)
 
 
 def served_endpoint(req: Any) -> str | None:
