@@ -38,6 +38,8 @@ PROMPT_A = "You are a careful assistant that answers in short words " * 6
 PROMPT_B = "Routers place each request on the node that already holds the prefix " * 6
 DEADLINE = 45.0
 OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+ONE_FALLBACK = ("--fallbacks", "1")
+"""The picks below list the other node after the pick (the default lists the pick alone)."""
 
 
 def _until(cond: Callable[[], Any], what: str) -> Any:
@@ -124,12 +126,13 @@ def epp(fleet: Fleet, *flags: str, coordinator: str | None = None, name: str = "
 # --- playing Envoy ---------------------------------------------------------------------------------
 def request_headers(path: str = "/v1/chat/completions", *, end_of_stream: bool = False,
                     subset: Sequence[str] | None = None, mode: int | None = None,
-                    response_mode: int | None = None) -> Any:
-    """Envoy's first message: the request headers (pseudo-headers too, as raw_value), the filter metadata
-    (a subset hint when given) and, from Envoy 1.33, the protocol configuration."""
+                    response_mode: int | None = None, extra: dict[str, str] | None = None) -> Any:
+    """Envoy's first message: the request headers (pseudo-headers too, as raw_value; ``extra`` the client's
+    own), the filter metadata (a subset hint when given) and, from Envoy 1.33, the protocol configuration."""
     hdrs = {":method": "GET" if end_of_stream else "POST", ":path": path, ":authority": "gw.example",
             ":scheme": "http", "content-type": "application/json", "x-request-id": "req-1",
-            "x-gateway-destination-endpoint": "6.6.6.6:666"}  # a client trying to pick: overwritten
+            "x-gateway-destination-endpoint": "6.6.6.6:666",  # a client trying to pick: overwritten
+            **(extra or {})}
     msg = ep.ProcessingRequest(request_headers=ep.HttpHeaders(
         headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode())
                                             for k, v in hdrs.items()]),
@@ -263,7 +266,7 @@ async def test_buffered_pick_goes_to_the_prefix_holder(fleet: Fleet) -> None:
     metadata agree; chat and completions bodies alike; health serves all four names; metrics count."""
     a, b = fleet.endpoints["node-a"], fleet.endpoints["node-b"]
     mport = free_port()
-    with epp(fleet, "--metrics-listen", f"127.0.0.1:{mport}") as address:
+    with epp(fleet, *ONE_FALLBACK, "--metrics-listen", f"127.0.0.1:{mport}") as address:
         for service in ("", "liveness", "readiness", "inference-extension",
                         "envoy.service.ext_proc.v3.ExternalProcessor"):
             assert _until(lambda s=service: health_of(address, s) == health_pb2.HealthCheckResponse.SERVING,
@@ -306,7 +309,7 @@ async def test_full_duplex_streamed(fleet: Fleet) -> None:
     a, b = fleet.endpoints["node-a"], fleet.endpoints["node-b"]
     body = chat(PROMPT_A, padding="x" * 100_000)  # over one 62,000-byte streamed piece
     mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-    with epp(fleet) as address:
+    with epp(fleet, *ONE_FALLBACK) as address:
         async with channel(address) as ch:
             envoy = Envoy(ch)
             await envoy.call.write(request_headers(mode=mode, response_mode=mode))
@@ -343,7 +346,7 @@ async def test_headers_only_and_observability_modes(fleet: Fleet) -> None:
     """Body mode NONE: the pick rides on the headers answer (least-loaded: no body to look up).
     observability_mode: Envoy ignores answers, so none is sent."""
     a, b = fleet.endpoints["node-a"], fleet.endpoints["node-b"]
-    with epp(fleet) as address:
+    with epp(fleet, *ONE_FALLBACK) as address:
         async with channel(address) as ch:
             envoy = Envoy(ch)
             [resp] = await envoy.send(request_headers(mode=processing_mode_pb2.ProcessingMode.NONE))
@@ -401,7 +404,7 @@ async def test_subset_hint_and_static_backend(fleet: Fleet) -> None:
 
 async def test_bad_bodies_get_400_and_the_picker_goes_on(fleet: Fleet) -> None:
     a, b = fleet.endpoints["node-a"], fleet.endpoints["node-b"]
-    with epp(fleet) as address:
+    with epp(fleet, *ONE_FALLBACK) as address:
         cases = [(b"{not json", "not JSON"), (b"[1, 2]", "JSON object"), (b"\xff\xfe\x00", "not JSON"),
                  (json.dumps({"prompt": "x"}).encode(), "no model"),
                  (json.dumps({"model": MODEL}).encode(), "neither prompt nor messages"),
@@ -436,7 +439,7 @@ async def test_shedding_429_when_every_node_is_full(fleet: Fleet) -> None:
     """--max-in-flight 1: a stream holding a pick fills its node; the next request goes to the other node,
     the third is shed with 429; when a stream ends its node takes requests again."""
     a, b = fleet.endpoints["node-a"], fleet.endpoints["node-b"]
-    with epp(fleet, "--max-in-flight", "1") as address:
+    with epp(fleet, *ONE_FALLBACK, "--max-in-flight", "1") as address:
         async with channel(address) as ch:
             held = []
             for expect in ([a, b], [b]):  # node-a (full from now on) is no fallback for the second
@@ -460,7 +463,7 @@ async def test_coordinator_down_degrades_or_503(fleet: Fleet) -> None:
     """No coordinator: with static backends picks are least-loaded and say so (readiness SERVING, requests
     without a body too); without any known endpoint every request gets 503 and readiness is NOT_SERVING."""
     nowhere = f"127.0.0.1:{free_port()}"
-    with epp(fleet, "--backend", "n1=127.0.0.7:8000", "--backend", "n2=127.0.0.8:8000",
+    with epp(fleet, *ONE_FALLBACK, "--backend", "n1=127.0.0.7:8000", "--backend", "n2=127.0.0.8:8000",
              coordinator=nowhere, name="epp-static") as address:
         assert health_of(address, "readiness") == health_pb2.HealthCheckResponse.SERVING
         first, second = await buffered(address, chat(PROMPT_A))
@@ -529,7 +532,7 @@ async def test_coordinator_outage_degrades_visibly_and_recovers(fleet: Fleet) ->
                 "--zmq-endpoint", f"tcp://127.0.0.1:{pub}",
                 "--replay-endpoint", f"tcp://127.0.0.1:{pub + 1}", "--serving-url", f"http://{fleet.endpoints[node]}"),
                 log=fleet.tmp / f"{node}-agent2.log"))
-        address = stack.enter_context(epp(fleet, "--refresh-interval", "0.2",
+        address = stack.enter_context(epp(fleet, *ONE_FALLBACK, "--refresh-interval", "0.2",
                                           coordinator=f"127.0.0.1:{gport}", name="epp-outage"))
         # The engines' caches reach the new coordinator through the agents' snapshots.
         for prompt, order in ((PROMPT_A, [a, b]), (PROMPT_B, [b, a])):
@@ -551,7 +554,7 @@ async def test_tls_listener(fleet: Fleet, tmp_path: Path) -> None:
     certs = make_certs(tmp_path)
     tls = ("--listen-tls-cert", str(certs["server_crt"]), "--listen-tls-key", str(certs["server_key"]))
     hport = free_port()
-    with epp(fleet, *tls, "--health-listen", f"127.0.0.1:{hport}", name="epp-tls") as address:
+    with epp(fleet, *ONE_FALLBACK, *tls, "--health-listen", f"127.0.0.1:{hport}", name="epp-tls") as address:
         for service in ("", "liveness", "inference-extension"):  # kubelet's plaintext probes
             assert _until(lambda s=service: health_of(f"127.0.0.1:{hport}", s)
                           == health_pb2.HealthCheckResponse.SERVING, f"health {service!r}")
@@ -576,6 +579,11 @@ async def test_endpoints_of_serving_urls() -> None:
     assert await table.endpoint("n", "http://localhost:8000/v1") in ("127.0.0.1:8000", "[::1]:8000")
     assert await table.endpoint("n", "http://no-such-host.invalid:8000") is None
     assert await table.endpoint("n", "") is None
+    # --target-ports: rank r at the r-th port (rank = port); a rank past the list has no endpoint.
+    ranks = EndpointTable({"static": "10.1.1.1:1"}, (3000, 3002))
+    assert await ranks.endpoint("static", "", 1) == "10.1.1.1:3002"
+    assert await ranks.endpoint("n", "http://[fd00::1]:8000", 0) == "[fd00::1]:3000"
+    assert await ranks.endpoint("n", "http://10.0.0.5:8000", 2) is None
 
 
 def test_table_keeps_nodes_through_an_empty_listing() -> None:
@@ -612,6 +620,9 @@ def test_table_keeps_nodes_through_an_empty_listing() -> None:
     (("--coordinator", "127.0.0.1:1", "--request-body-mode", "streamed"), "invalid choice"),
     (("--coordinator", "127.0.0.1:1", "--degraded", "sometimes"), "invalid choice: 'sometimes'"),
     (("--coordinator", "127.0.0.1:1", "--decode-ms-per-token", "-3"), "must be > 0"),
+    (("--coordinator", "127.0.0.1:1", "--target-ports", "3000,x"), "comma-separated list of ports"),
+    (("--coordinator", "127.0.0.1:1", "--target-ports", "3000,3000"), "distinct, 1 to 65535"),
+    (("--coordinator", "127.0.0.1:1", "--target-ports", "0"), "distinct, 1 to 65535"),
 ])
 def test_cli_mistakes_are_one_line(flags: tuple[str, ...], words: str) -> None:
     out = subprocess.run(kvcoord_cmd("epp", *flags), capture_output=True, text=True, timeout=60)

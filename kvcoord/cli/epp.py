@@ -32,7 +32,7 @@ def add(sub: Subparsers) -> None:
                        description="Serve Envoy's ext_proc v3 as a Gateway API Inference Extension endpoint "
                                    "picker: read each request's body, look its prompt up on the coordinator, "
                                    "pick a node, answer x-gateway-destination-endpoint (header and envoy.lb "
-                                   "metadata, with fallbacks).")
+                                   "metadata; one ip:port by default, per DP rank with --target-ports).")
     add_connection(p, timeout=0.5)
     p.add_argument("--listen", default="0.0.0.0:9002", type=HOSTPORT, metavar="HOST:PORT",
                    help="ext_proc and grpc.health.v1 address (default 0.0.0.0:9002, the EPP's port)")
@@ -44,8 +44,16 @@ def add(sub: Subparsers) -> None:
     add_cost_model(p.add_argument_group(
         "policy cost model", "How prefix-aware weighs a node's queue against its cached prefix (as "
         "kvcoord route and kvcoord simulate take it)"), mean_output=True)
-    p.add_argument("--fallbacks", type=NONNEG_INT, default=2,
-                   help="endpoints listed after the pick, for Envoy's retries (default 2)")
+    p.add_argument("--fallbacks", type=NONNEG_INT, default=0,
+                   help="endpoints listed after the pick, for a data plane that walks the list on retry "
+                        "(default 0: one ip:port, what every gateway reads; see docs/epp.md)")
+    p.add_argument("--target-ports", type=target_ports, default=(), metavar="PORT,PORT,...",
+                   help="the InferencePool's targetPorts: data-parallel rank r is picked at the node's IP "
+                        "and the r-th port (default: one endpoint per node, its serving URL's port)")
+    p.add_argument("--conformance", action="store_true",
+                   help="the Inference Extension conformance suite's hooks: the test-epp-endpoint-selection "
+                        "header restricts the pick, x-conformance-test-served-endpoint echoes the served "
+                        "endpoint (test gateways only: clients could steer their own picks)")
     p.add_argument("--max-in-flight", type=NONNEG_INT, default=0, metavar="N",
                    help="a node with N requests in flight takes no more; 429 when all are "
                         "(default 0: no limit)")
@@ -65,6 +73,17 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--listen-tls-cert", default=None, help="PEM certificate: serve ext_proc over TLS")
     p.add_argument("--listen-tls-key", default=None, help="PEM key of --listen-tls-cert")
     p.set_defaults(func=run)
+
+
+def target_ports(text: str) -> tuple[int, ...]:
+    """``--target-ports 8000,8001``: distinct ports, rank order (as an InferencePool lists them)."""
+    try:
+        ports = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ports") from None
+    if not all(0 < p < 65536 for p in ports) or len(set(ports)) != len(ports):
+        raise argparse.ArgumentTypeError(f"{text!r}: ports must be distinct, 1 to 65535")
+    return ports
 
 
 def backends(specs: list[str]) -> dict[str, str]:
@@ -104,12 +123,13 @@ def epp_config(args: argparse.Namespace) -> EppConfig:
     picker = PickerConfig(static_backends=static, policy=args.policy, degraded=args.degraded,
                           latency=cost_model(args),
                           fallbacks=args.fallbacks, max_in_flight=args.max_in_flight,
-                          max_waiting=args.max_waiting)
+                          max_waiting=args.max_waiting, target_ports=args.target_ports)
     return EppConfig(coordinator=args.coordinator, listen=args.listen, security=security(args),
                      timeout=args.timeout, picker=picker, mode=args.request_body_mode,
                      refresh_seconds=args.refresh_interval, max_body_bytes=args.max_body_bytes,
                      metrics_listen=args.metrics_listen, health_listen=args.health_listen,
-                     tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key)
+                     tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key,
+                     conformance=args.conformance)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,11 @@ protocol's health section defines them, and ``inference-extension`` (the name th
 probes): ready once the endpoint table was loaded (or static backends given). ``--health-listen`` adds a
 plaintext health-only port for kubelet probes when ext_proc is served over TLS. Prometheus counters on
 ``--metrics-listen``.
+
+``--conformance`` turns on the conformance suite's hooks as the reference picker has them: the
+``test-epp-endpoint-selection`` request header restricts the pick (it wins over the subset hint), the pick
+is echoed through the suite's echo server, and the response headers answer sets
+``x-conformance-test-served-endpoint`` to the served endpoint the data plane reports.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvcoord.gateway import extproc as xp
-from kvcoord.gateway.picker import Pick, Picker, PickerConfig, PickFailed
+from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
 from kvcoord.gateway.requests import BadRequest, query_of_body
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.transport import ChannelSecurity, ListenError, check_bindable, split_hostport
@@ -66,6 +71,8 @@ class EppConfig:
     health_listen: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    conformance: bool = False
+    """The conformance suite's request and response hooks (off: a client must not steer its own pick)."""
 
 
 class EppMetrics:
@@ -85,9 +92,12 @@ class EppMetrics:
                              "Models whose lookups fail (picked least-loaded meanwhile)", registry=r)
 
 
-def _pick_headers(pick: Pick) -> dict[str, str]:
+def _pick_headers(pick: Pick, conformance: bool) -> dict[str, str]:
     why = pick.why.encode("ascii", "replace").decode()[:300]
-    return {PICK_HEADER: why if pick.prefix_aware else f"degraded; {why}"}
+    out = {PICK_HEADER: why if pick.prefix_aware else f"degraded; {why}"}
+    if conformance:  # the reference's X-Echo-Set-Header: the echo server answers the pick
+        out[xp.ECHO_SET_HEADER] = f"{xp.CONFORMANCE_SERVED_HEADER}:{pick.endpoints[0]}"
+    return out
 
 
 class _Stream:
@@ -97,7 +107,7 @@ class _Stream:
     def __init__(self, epp: EppServer) -> None:
         self.epp = epp
         self.mode: str | None = ""
-        self.subset: list[str] | None = None
+        self.subset: Allowed | None = None
         self.body = bytearray()
         self.picked: list[str] = []
         self.done = False
@@ -146,7 +156,7 @@ class _Stream:
         log.debug("picked %s: %s", ",".join(pick.endpoints), pick.why)
 
     async def _headers(self, req: Any) -> list[Any]:
-        self.subset = xp.subset_hint(req)
+        self.subset = _allowed(req, self.epp.config.conformance)
         if self.mode is None:
             return self.fail(PickFailed(500, "unsupported_mode", "the ext_proc request body mode must be "
                                          "BUFFERED or FULL_DUPLEX_STREAMED for an endpoint picker"))
@@ -157,7 +167,7 @@ class _Stream:
         except PickFailed as exc:
             return self.fail(exc)
         self._hold(pick)
-        return [xp.headers_response(pick.endpoints, _pick_headers(pick))]
+        return [xp.headers_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance))]
 
     async def _pick_body(self, complete: bool) -> Pick | list[Any]:
         started = time.perf_counter()
@@ -183,7 +193,7 @@ class _Stream:
             pick = await self._pick_body(complete=end_of_stream)
             if isinstance(pick, list):
                 return pick
-            return [xp.body_response(pick.endpoints, _pick_headers(pick))]
+            return [xp.body_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance))]
         if not end_of_stream:
             return []
         return await self._duplex_pick(end_of_stream=True)
@@ -192,7 +202,7 @@ class _Stream:
         pick = await self._pick_body(complete=True)
         if isinstance(pick, list):
             return pick
-        return [xp.headers_response(pick.endpoints, _pick_headers(pick)),
+        return [xp.headers_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance)),
                 *xp.streamed_body_responses(bytes(self.body), end_of_stream)]
 
     async def _trailers(self) -> list[Any]:
@@ -206,6 +216,8 @@ class _Stream:
             served = xp.served_endpoint(req)
             if served:
                 self.epp.metrics.served.labels(served).inc()
+            if self.epp.config.conformance:
+                return [xp.response_headers_response({xp.CONFORMANCE_SERVED_HEADER: xp.served_echo(req)})]
             return [xp.response_headers_response()]
         if kind == "response_body":
             if self.echo_response:
@@ -215,6 +227,17 @@ class _Stream:
         if kind == "response_trailers":
             return [xp.trailers_response(response=True)]
         return []
+
+
+def _allowed(req: Any, conformance: bool) -> Allowed | None:
+    """The endpoints the request may go to: the conformance suite's selection header when on and present
+    (it wins over the subset hint, as in the reference picker), else the data plane's subset hint."""
+    if conformance:
+        chosen = xp.selection(req)
+        if chosen is not None:
+            return Allowed(frozenset(chosen), f"the {xp.SELECTION_HEADER} header {','.join(chosen)!r}"[:200])
+    subset = xp.subset_hint(req)
+    return None if subset is None else Allowed(frozenset(subset), "the subset hint")
 
 
 class EppServer:

@@ -7,6 +7,12 @@ The picked endpoints travel twice, with the same value, as the protocol requires
 metadata namespace under the same key. The value is ``ip:port`` or an ordered, comma separated
 ``ip:port,ip:port,...`` whose first entry is the pick and the rest the fallbacks Envoy walks on retry.
 The protobufs are the ``xds-protos`` package's (generated from Envoy's data-plane API), imported here only.
+
+The conformance suite's hooks (``conformance/utils/headers/headers.go``) are read and written here too, as
+the reference picker handles them (``pkg/lwepp/handlers/request.go``, ``response.go``, ``server.go``):
+:func:`selection` reads ``test-epp-endpoint-selection``, :data:`ECHO_SET_HEADER` asks the suite's echo
+server to answer the pick in ``x-conformance-test-served-endpoint``, and :func:`served_echo` is what the
+response-headers answer overwrites it with.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 __all__ = [
+    "CONFORMANCE_SERVED_HEADER",
     "DESTINATION_KEY",
     "DESTINATION_NAMESPACE",
+    "ECHO_SET_HEADER",
+    "SELECTION_HEADER",
     "SERVED_KEY",
     "SERVICE_NAME",
     "SUBSET_KEY",
@@ -35,6 +44,8 @@ __all__ = [
     "immediate_response",
     "mode_of",
     "response_streamed",
+    "selection",
+    "served_echo",
     "served_endpoint",
     "streamed_body_response",
     "streamed_body_responses",
@@ -49,6 +60,11 @@ DESTINATION_KEY = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SELECTION_HEADER = "test-epp-endpoint-selection"
+CONFORMANCE_SERVED_HEADER = "x-conformance-test-served-endpoint"
+ECHO_SET_HEADER = "x-echo-set-header"
+"""The suite's echo server sets the response header ``name:value`` this request header names (the reference
+writes ``X-Echo-Set-Header``; Envoy lower-cases header names)."""
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 """A client's own ``x-gateway-destination-endpoint`` is replaced, never appended to: clients do not pick."""
@@ -92,11 +108,12 @@ def response_streamed(req: Any, default: bool) -> bool:
 
 def headers_of(http_headers: Any) -> dict[str, str]:
     """``HttpHeaders`` as a lower-cased dict (Envoy fills ``raw_value``; older releases ``value``)."""
-    out: dict[str, str] = {}
-    for h in http_headers.headers.headers:
-        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[h.key.lower()] = value
-    return out
+    return {h.key.lower(): _header_value(h) for h in http_headers.headers.headers}
+
+
+def _header_value(h: Any) -> str:
+    """One ``HeaderValue``'s value: Envoy fills ``raw_value``; older releases ``value``."""
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else str(h.value)
 
 
 def _metadata_field(req: Any, namespace: str, key: str) -> Any | None:
@@ -124,6 +141,29 @@ def subset_hint(req: Any) -> list[str] | None:
     it set no subset; an empty list means none is allowed (the protocol's 503)."""
     value = _metadata_field(req, SUBSET_NAMESPACE, SUBSET_KEY)
     return None if value is None else _strings(value)
+
+
+def selection(req: Any) -> list[str] | None:
+    """The ``test-epp-endpoint-selection`` request header as the reference picker splits it: ``None`` when
+    absent or empty, else its comma separated entries, trimmed (an empty or malformed entry stays, and
+    matches no endpoint)."""
+    for h in req.request_headers.headers.headers:
+        if h.key.lower() == SELECTION_HEADER:  # the first one, as the reference reads it
+            value = _header_value(h)
+            return [p.strip() for p in value.split(",")] if value else None
+    return None
+
+
+def served_echo(req: Any) -> str:
+    """What the reference picker answers in ``x-conformance-test-served-endpoint`` on the response path:
+    the data plane's ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` string as it is, else the
+    reference's own failure strings, which the suite then reports."""
+    if DESTINATION_NAMESPACE not in req.metadata_context.filter_metadata:
+        return "fail: missing envoy lb metadata"
+    value = _metadata_field(req, DESTINATION_NAMESPACE, SERVED_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return "fail: missing destination endpoint served metadata"
+    return str(value.string_value)
 
 
 def served_endpoint(req: Any) -> str | None:
@@ -163,8 +203,11 @@ def headers_response(endpoints: Sequence[str] = (), extra: Mapping[str, str] | N
         dynamic_metadata=destination_metadata(endpoints))
 
 
-def response_headers_response() -> Any:
-    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse()))
+def response_headers_response(headers: Mapping[str, str] | None = None) -> Any:
+    """Answer to ``response_headers``: unchanged, or setting ``headers`` (overwritten, never appended)."""
+    common = (ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=_set_headers(headers)))
+              if headers else ep.CommonResponse())
+    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=common))
 
 
 def body_response(endpoints: Sequence[str] = (), extra: Mapping[str, str] | None = None, *,

@@ -6,7 +6,9 @@ known address, outside the data plane's subset hint, or saturated are left out; 
 (:func:`kvcoord.router.policy.place`) picks one; the others follow as fallbacks, cheapest first.
 
 Endpoints are ``host:port`` of the engine's serving URL (its agent announces it to the coordinator) or
-a static ``--backend NODE=ADDR:PORT``, which wins. The node table refreshed from ``ListNodes``
+a static ``--backend NODE=ADDR:PORT``, which wins; with the pool's ``targetPorts`` given, data-parallel rank
+``r`` of a node is that host at ``targetPorts[r]`` (rank = port, as the reference picker's datastore makes
+one endpoint per pod and target port), so the pick is per rank. The node table refreshed from ``ListNodes``
 (:mod:`kvcoord.gateway.nodes`) keeps them for picks that need no lookup (requests without a body) and
 for degraded picks: when the coordinator fails or is slow (:mod:`kvcoord.gateway.outage`), the pick is
 least-loaded over the last known nodes, and says so.
@@ -47,6 +49,7 @@ from .outage import Outages, is_outage
 from .requests import BadRequest, query_of_body
 
 __all__ = [
+    "Allowed",
     "BadRequest",
     "EndpointTable",
     "Pick",
@@ -97,11 +100,26 @@ class EndpointTable(NodeTable):
     """The shared node table, with each node's endpoint: ``ip:port`` as Envoy's ``original_dst`` cluster
     needs (a serving URL naming a host is resolved: first address, cached until the next refresh)."""
 
-    def __init__(self, static: Mapping[str, str]) -> None:
+    def __init__(self, static: Mapping[str, str], target_ports: Sequence[int] = ()) -> None:
         super().__init__(static, log)
+        self.target_ports = tuple(target_ports)
+        """The InferencePool's ``targetPorts``: rank ``r`` listens on ``target_ports[r]`` (empty: every
+        rank of a node shares its one address)."""
         self._resolved: dict[str, str] = {}
 
-    async def endpoint(self, node_id: str, serving_url: str) -> str | None:
+    async def endpoint(self, node_id: str, serving_url: str, dp_rank: int = 0) -> str | None:
+        """``ip:port`` of ``(node_id, dp_rank)``; ``None`` when the node has no address, or the rank no
+        target port."""
+        address = await self._address(node_id, serving_url)
+        if address is None or not self.target_ports:
+            return address
+        if dp_rank >= len(self.target_ports):
+            log.debug("node %s: dp rank %d has no target port (%d given)", node_id, dp_rank,
+                      len(self.target_ports))
+            return None
+        return f"{address.rpartition(':')[0]}:{self.target_ports[dp_rank]}"
+
+    async def _address(self, node_id: str, serving_url: str) -> str | None:
         if node_id in self.static:
             return self.static[node_id]
         if not serving_url:
@@ -137,8 +155,11 @@ class PickerConfig:
     """How prefix-aware counts nodes in trust state ``degraded``: one of ``DEGRADED_MODES``."""
     latency: LatencyModel | None = None
     """The prefix-aware policy's cost model (None: :class:`LatencyModel`'s defaults)."""
-    fallbacks: int = 2
-    """Endpoints after the pick in the comma separated list (Envoy tries them in order on retry)."""
+    fallbacks: int = 0
+    """Endpoints after the pick in the comma separated list (a data plane that walks the list tries them
+    in order on retry). 0, as the reference picker sends: several gateways read one ``ip:port`` only."""
+    target_ports: tuple[int, ...] = ()
+    """The InferencePool's ``targetPorts``, rank ``r`` on ``target_ports[r]`` (see :class:`EndpointTable`)."""
     max_in_flight: int = 0
     """0: no limit."""
     max_waiting: int = 0
@@ -156,6 +177,21 @@ class Pick:
     matched_blocks: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """The endpoints a request may go to, and who said so (for the 503's message). An entry ``ip:port``
+    allows that endpoint, a bare IP every port of it, as the reference picker matches both the subset hint
+    and the conformance suite's ``test-epp-endpoint-selection`` header; an entry that is neither matches
+    nothing."""
+
+    entries: frozenset[str]
+    source: str
+
+    def allows(self, endpoint: str) -> bool:
+        host = endpoint.rpartition(":")[0]
+        return bool({endpoint, host, host.strip("[]")} & self.entries)
+
+
 @dataclass(slots=True)
 class _Eligible:
     candidate: Candidate
@@ -169,7 +205,7 @@ class Picker:
     def __init__(self, client: AsyncCoordinatorClient, config: PickerConfig) -> None:
         self.client = client
         self.config = config
-        self.table = EndpointTable(config.static_backends)
+        self.table = EndpointTable(config.static_backends, config.target_ports)
         self.policy: Policy = make_policy(config.policy, config.seed, degraded=config.degraded,
                                            latency=config.latency)
         self.fallback_policy = LeastLoadedPolicy(config.seed)
@@ -189,22 +225,21 @@ class Picker:
         return bool((cfg.max_in_flight and load.in_flight >= cfg.max_in_flight)
                     or (cfg.max_waiting and load.waiting_requests >= cfg.max_waiting))
 
-    async def _eligible(self, candidates: Sequence[Candidate],
-                        subset: Sequence[str] | None) -> list[_Eligible]:
-        """Candidates with an endpoint, inside the subset hint, each with its load adjusted; raises 503."""
-        allowed = None if subset is None else set(subset)
+    async def _eligible(self, candidates: Sequence[Candidate], allowed: Allowed | None) -> list[_Eligible]:
+        """Candidates (one per node and rank) with an endpoint, inside ``allowed``, each with its load
+        adjusted; raises 503."""
         out: list[_Eligible] = []
         for c in candidates:
-            endpoint = await self.table.endpoint(c.node_id, c.serving_url)
+            endpoint = await self.table.endpoint(c.node_id, c.serving_url, c.dp_rank)
             if endpoint is None:
-                log.debug("node %s has no known endpoint (no serving URL, no --backend)", c.node_id)
+                log.debug("node %s rank %d has no known endpoint (no serving URL, no --backend, no target "
+                          "port)", c.node_id, c.dp_rank)
                 continue
-            host = endpoint.rpartition(":")[0]
-            if allowed is not None and not {endpoint, host, host.strip("[]")} & allowed:
+            if allowed is not None and not allowed.allows(endpoint):
                 continue
             out.append(_Eligible(replace(c, load=self.in_flight.merged(endpoint, c.load)), endpoint))
         if not out:
-            where = "in the subset hint" if subset is not None else "with a known address"
+            where = f"in {allowed.source}" if allowed is not None else "with a known address"
             raise PickFailed(503, "no_endpoint",
                              f"no eligible endpoint {where} ({len(candidates)} nodes known)")
         return out
@@ -247,7 +282,7 @@ class Picker:
         rest = [e for e in free if e is not chosen]
         return decision, self._ordered(chosen, rest, request)
 
-    async def pick(self, model: str, query: Mapping[str, Any], subset: Sequence[str] | None) -> Pick:
+    async def pick(self, model: str, query: Mapping[str, Any], subset: Allowed | None) -> Pick:
         """Place one request (the body's model and lookup keywords)."""
         outage = self.outages.waiting(model)
         if outage is not None:
@@ -282,7 +317,7 @@ class Picker:
         static backends the coordinator does not know), as holding nothing."""
         return self.table.candidates(model, exclude=[c.node_id for c in answer.nodes], ever=False)
 
-    async def _degraded(self, model: str | None, subset: Sequence[str] | None, reason: str | None) -> Pick:
+    async def _degraded(self, model: str | None, subset: Allowed | None, reason: str | None) -> Pick:
         """Least-loaded over the last known nodes (no prefix information): lookup failed, or no body."""
         eligible = await self._eligible(self.table.candidates(model), subset)
         answer = LookupResult(model or "", 1, 0, [e.candidate for e in eligible])
@@ -290,6 +325,6 @@ class Picker:
         why = decision.why if reason is None else f"{decision.why}; not prefix-aware: {reason}"
         return Pick(endpoints, decision.node_id, why, False)
 
-    async def pick_without_body(self, subset: Sequence[str] | None) -> Pick:
+    async def pick_without_body(self, subset: Allowed | None) -> Pick:
         """A request with no body (``GET /v1/models``): least-loaded of every known node."""
         return await self._degraded(None, subset, None)
