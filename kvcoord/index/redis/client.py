@@ -1,6 +1,13 @@
 """How the Redis backend reaches Redis. The index and the lookup mirror both go through
 :class:`RedisConnection` (timed round trips, scripts by EVALSHA), so neither needs the other's internals;
-on plain TCP to a standalone Redis it uses a pipelined connection of its own (see the package docstring).
+on plain TCP to a standalone Redis, or to the primary a Sentinel names, it uses a pipelined connection
+of its own (see the package docstring).
+
+Following the primary: a connection is only used while its node is the primary. Every (re)connect of the
+fast path resolves the address again (DNS, or the sentinels' ``SENTINEL MASTERS``) and checks ``ROLE``;
+a ``READONLY`` reply (the node was demoted: a failover, or a DNS name that moved) drops the fast path's
+connection and redis-py's pooled ones, so the next round trip reconnects to whatever is primary then,
+and is reported as :class:`IndexUnavailable` (the coordinator retries the write later).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import redis.asyncio as aredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection as _PlainConnection
+from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnection
 
 _T = TypeVar("_T")
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -41,6 +49,9 @@ class RedisMetrics:
     errors: int = 0
     """Failed round trips (connection errors, timeouts, server errors)."""
     connection_errors: int = 0
+    readonly_errors: int = 0
+    """Round trips refused because the node was no longer the primary (a ``READONLY`` reply, or ``ROLE``
+    not ``master`` on connect): each dropped the connections so that the next one finds the primary."""
     reconnects: int = 0
     """Times a round trip succeeded after Redis had been unreachable."""
     reclaimed_entries: int = 0
@@ -166,8 +177,17 @@ class _Pipelined(asyncio.Protocol):
             self._transport.close()
 
 
+class NotPrimary(rexc.ConnectionError):
+    """The node reached is not the primary (it answered ``ROLE`` as a replica): it is not used."""
+
+
+Resolver = Callable[[], Awaitable[tuple[str, int]]]
+"""Where the primary is now (the sentinels' answer); asked on every connect."""
+
+
 class _FastPath:
-    """Lazily (re)connected :class:`_Pipelined` connection to a standalone Redis over plain TCP."""
+    """Lazily (re)connected :class:`_Pipelined` connection to the primary over plain TCP: a standalone
+    Redis (its host name is resolved again on every connect) or the one ``resolve`` names (Sentinel)."""
 
     __slots__ = (
         "_conn",
@@ -177,11 +197,13 @@ class _FastPath:
         "_lock",
         "_password",
         "_port",
+        "_resolve",
         "_timeout",
         "_username",
     )
 
-    def __init__(self, kwargs: dict[str, Any]) -> None:
+    def __init__(self, kwargs: dict[str, Any], resolve: Resolver | None = None) -> None:
+        self._resolve = resolve
         self._host: str = kwargs.get("host", "localhost")
         self._port: int = int(kwargs.get("port", 6379))
         self._db: int = int(kwargs.get("db", 0) or 0)
@@ -194,10 +216,18 @@ class _FastPath:
 
     @classmethod
     def for_client(cls, client: aredis.Redis | RedisCluster) -> _FastPath | None:
-        """Only for a plain TCP standalone client (TLS, unix sockets and Cluster keep redis-py)."""
+        """Only for plain TCP, standalone or Sentinel (TLS, unix sockets and Cluster keep redis-py)."""
         if isinstance(client, RedisCluster):
             return None
         pool = client.connection_pool
+        if isinstance(pool, SentinelConnectionPool) and pool.connection_class is SentinelManagedConnection:
+            manager, name = pool.sentinel_manager, pool.service_name
+
+            async def resolve() -> tuple[str, int]:
+                host, port = await manager.discover_master(name)
+                return str(host), int(port)
+
+            return cls(dict(pool.connection_kwargs), resolve)
         if pool.connection_class is not _PlainConnection:
             return None
         return cls(dict(pool.connection_kwargs))
@@ -207,8 +237,9 @@ class _FastPath:
             if self._conn is not None and not self._conn.lost:
                 return self._conn
             loop = asyncio.get_running_loop()
+            host, port = await self._resolve() if self._resolve is not None else (self._host, self._port)
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Pipelined(self._timeout), self._host, self._port),
+                loop.create_connection(lambda: _Pipelined(self._timeout), host, port),
                 self._connect_timeout,
             )
             try:
@@ -217,6 +248,9 @@ class _FastPath:
                     await conn.request(_command("AUTH", *auth))
                 if self._db:
                     await conn.request(_command("SELECT", self._db))
+                role = await conn.request(_command("ROLE"))
+                if role[0] != b"master":  # a demoted node (a DNS name not yet moved, a stale sentinel)
+                    raise NotPrimary(f"redis at {host}:{port} is a {role[0].decode()}, not the primary")
             except BaseException:
                 conn.close()
                 raise
@@ -245,6 +279,18 @@ class _Script:
         self.sha = hashlib.sha1(src.encode()).hexdigest()
 
 
+def is_not_primary(e: BaseException) -> bool:
+    """``READONLY`` (redis-py's ``ReadOnlyError``, the fast path's raw reply, or redis-py's Sentinel
+    connection turning either into a ``ConnectionError``), a blocked read unblocked by a demotion, or
+    :class:`NotPrimary`."""
+    for x in (e, e.__context__):
+        if isinstance(x, rexc.ReadOnlyError | NotPrimary):
+            return True
+        if isinstance(x, rexc.ResponseError) and str(x).startswith(("READONLY", "UNBLOCKED")):
+            return True
+    return False
+
+
 def _is_connection_error(e: BaseException) -> bool:
     return isinstance(
         e, rexc.ConnectionError | rexc.TimeoutError | rexc.ClusterDownError | OSError | asyncio.TimeoutError
@@ -271,6 +317,11 @@ class RedisConnection:
             res = await fn()
         except Exception as e:
             self.metrics.errors += 1
+            if is_not_primary(e):
+                await self.primary_moved()
+                self.metrics.connection_errors += 1
+                self.metrics.up = False
+                raise IndexUnavailable(f"redis node is not the primary: {e}") from e
             if _is_connection_error(e):
                 self.metrics.connection_errors += 1
                 self.metrics.up = False
@@ -327,9 +378,24 @@ class RedisConnection:
 
         return await self.round_trip(go)
 
+    async def primary_moved(self) -> None:
+        """The node answered as a replica: count it and drop every connection (the fast path's, redis-py's
+        pooled ones, in use or not), so that the next round trip resolves the primary again."""
+        self.metrics.readonly_errors += 1
+        if self.fast is not None:
+            self.fast.close()
+        if not isinstance(self.client, RedisCluster):  # (a Cluster follows its primaries by MOVED)
+            with contextlib.suppress(Exception):
+                await self.client.connection_pool.disconnect()
+
     async def close(self) -> None:
-        """Close the fast path's socket and redis-py's pool (errors closing are of no interest)."""
+        """Close the fast path's socket, redis-py's pool and the sentinels' clients (errors closing are of
+        no interest)."""
         if self.fast is not None:
             self.fast.close()
         with contextlib.suppress(Exception):
             await self.client.aclose()
+        pool = None if isinstance(self.client, RedisCluster) else self.client.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            with contextlib.suppress(Exception):
+                await pool.sentinel_manager.aclose()

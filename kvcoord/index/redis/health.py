@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from redis.asyncio.cluster import RedisCluster
 
 from kvcoord.index.redis import scripts as lua
-from kvcoord.index.redis.client import RedisMetrics
+from kvcoord.index.redis.client import NotPrimary, RedisMetrics, is_not_primary
 
 if TYPE_CHECKING:
     from kvcoord.index.redis.index import RedisIndex
@@ -34,11 +34,15 @@ class RedisHealth:
         try:
             if self.index._cluster:
                 await asyncio.wait_for(self.index._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
-            else:
-                await asyncio.wait_for(self.index._r.ping(), 2.0)
-        except Exception:
+            else:  # ROLE, not PING: a demoted node answers PING but refuses every write
+                role = await asyncio.wait_for(self.index._r.execute_command("ROLE"), 2.0)
+                if role[0] != b"master":
+                    raise NotPrimary(f"redis answers as a {role[0]!r}, not the primary")
+        except Exception as e:
             self.metrics.errors += 1
             self.metrics.up = False
+            if is_not_primary(e):
+                await self.index._conn.primary_moved()
             return False
         self.metrics.answered()
         return True
