@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -165,6 +167,7 @@ async def test_sentinel_failover_is_followed_and_the_old_primary_returns_demoted
                 print(f"\nfailover: outage {outage:.2f}s, {after_promotion:.2f}s after the promotion")
                 assert outage < 30 and after_promotion < 10
                 assert loop.failed > 0
+                await poll(lambda: idx.metrics.failovers >= 1, "the sentinels' +switch-master to be seen")
                 # The old primary comes back empty, a primary again until Sentinel demotes it.
                 old.start()
                 await poll(lambda: rs.role(old) == "slave", "Sentinel to demote the old primary", 90)
@@ -178,6 +181,29 @@ async def test_sentinel_failover_is_followed_and_the_old_primary_returns_demoted
             t = loop.written[-1]
             assert [(m.node_id, m.matched_blocks) for m in await idx.match(M, H(t))] == [("n1", 1)]
             assert idx.metrics.reconnects >= 1
+        finally:
+            await idx.close()
+
+
+async def test_a_hung_primary_is_left_when_the_sentinels_announce_the_failover() -> None:
+    """SIGSTOP the primary (it hangs rather than dies) with a 30 s socket timeout: the sentinels'
+    ``+switch-master`` message makes kvcoord drop its connections and reconnect to the new primary, so
+    round trips resume after the promotion instead of waiting out the timeout."""
+    with redis_sentinel() as rs:
+        idx = RedisIndex.from_uri(rs.url + "?timeout=30", key_prefix="kvhung")
+        try:
+            async with looping(idx) as loop:
+                await poll(lambda: len(loop.ok) > 20, "the loop to run")
+                old = rs.primary()
+                assert old.proc is not None
+                t_stop = time.monotonic()
+                os.killpg(old.proc.pid, signal.SIGSTOP)
+                await poll(lambda: rs.primary_port() not in (None, old.port), "the replica's promotion")
+                await poll(lambda: loop.first_ok_after(t_stop) is not None, "writes on the new primary", 25)
+                back = loop.first_ok_after(t_stop)
+                assert back is not None
+                print(f"\nhung primary: writes back {back - t_stop:.2f}s after SIGSTOP (socket timeout 30 s)")
+            assert idx.metrics.failovers >= 1
         finally:
             await idx.close()
 
@@ -266,4 +292,5 @@ def test_serve_follows_a_sentinel_failover_and_the_old_primary_demoted(tmp_path:
         m = c.scrape()
         assert m['kvcoord_index_up{backend="redis"}'] == 1
         assert m['kvcoord_index_reconnects_total{backend="redis"}'] >= 1
+        assert m['kvcoord_index_failovers_total{backend="redis"}'] >= 1
         assert 'kvcoord_index_not_primary_total{backend="redis"}' in m

@@ -179,7 +179,11 @@ class IndexBackendCollector(Collector):
             labels=["backend"],
         )
         readonly.add_metric([self._backend], float(m.readonly_errors))
-        out: list[Metric] = [rt, errors, reconnects, readonly]
+        failovers = CounterMetricFamily(
+            "kvcoord_index_failovers", "Failovers of the primary the sentinels announced", labels=["backend"]
+        )
+        failovers.add_metric([self._backend], float(m.failovers))
+        out: list[Metric] = [rt, errors, reconnects, readonly, failovers]
         reclaimed = CounterMetricFamily(
             "kvcoord_index_reclaimed_entries",
             "Entries of removed/cleared locations reclaimed by the backend",

@@ -7,7 +7,8 @@ Following the primary: a connection is only used while its node is the primary. 
 fast path resolves the address again (DNS, or the sentinels' ``SENTINEL MASTERS``) and checks ``ROLE``;
 a ``READONLY`` reply (the node was demoted: a failover, or a DNS name that moved) drops the fast path's
 connection and redis-py's pooled ones, so the next round trip reconnects to whatever is primary then,
-and is reported as :class:`IndexUnavailable` (the coordinator retries the write later).
+and is reported as :class:`IndexUnavailable` (the coordinator retries the write later). With Sentinel, the
+sentinels' ``+switch-master`` message drops the connections too, without waiting for either.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -26,9 +28,10 @@ import redis.asyncio as aredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection as _PlainConnection
-from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedConnection
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 _T = TypeVar("_T")
+log = logging.getLogger("kvcoord.index.redis")
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """Upper bounds (seconds) of the round-trip latency histogram in :class:`RedisMetrics`."""
 
@@ -49,6 +52,8 @@ class RedisMetrics:
     errors: int = 0
     """Failed round trips (connection errors, timeouts, server errors)."""
     connection_errors: int = 0
+    failovers: int = 0
+    """Failovers of the primary the sentinels announced (``+switch-master``) while this client ran."""
     readonly_errors: int = 0
     """Round trips refused because the node was no longer the primary (a ``READONLY`` reply, or ``ROLE``
     not ``master`` on connect): each dropped the connections so that the next one finds the primary."""
@@ -172,9 +177,13 @@ class _Pipelined(asyncio.Protocol):
             return
         self._timer = asyncio.get_running_loop().call_later(self._timeout - idle, self._check)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """``abort``: drop unsent bytes and fail the waiters now (a node that hangs never drains them)."""
         if self._transport is not None:
-            self._transport.close()
+            if abort:
+                self._transport.abort()
+            else:
+                self._transport.close()
 
 
 class NotPrimary(rexc.ConnectionError):
@@ -263,9 +272,9 @@ class _FastPath:
             conn = await self._connect()
         return await conn.request(packed, skip)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if self._conn is not None:
-            self._conn.close()
+            self._conn.close(abort)
             self._conn = None
 
 
@@ -297,21 +306,63 @@ def _is_connection_error(e: BaseException) -> bool:
     ) or (isinstance(e, rexc.RedisClusterException) and "connect" in str(e).lower())
 
 
+class _FailoverWatch:
+    """Listens to the sentinels' ``+switch-master`` channel (one sentinel at a time, the next when it
+    fails) and calls ``moved`` when the primary of ``name`` changed: connections to an old primary that
+    hangs rather than dies are dropped at once, not after a socket timeout or a ``READONLY``."""
+
+    __slots__ = ("_manager", "_moved", "_name", "_task")
+
+    def __init__(self, manager: Sentinel, name: str, moved: Callable[[bytes], Awaitable[None]]) -> None:
+        self._manager, self._name, self._moved = manager, name.encode(), moved
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-sentinel-watch")
+
+    async def _run(self) -> None:
+        while True:
+            for sentinel in list(self._manager.sentinels):
+                try:
+                    async with sentinel.pubsub() as ps:
+                        await ps.subscribe("+switch-master")
+                        while True:  # get_message's own timeout: the client's socket timeout is short
+                            msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                            # "<name> <old ip> <old port> <new ip> <new port>"
+                            if msg is not None and bytes(msg["data"]).split(b" ", 1)[0] == self._name:
+                                await self._moved(bytes(msg["data"]))
+                except Exception:
+                    await asyncio.sleep(0.5)  # that sentinel is away: the next one
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+
+
 class RedisConnection:
     """One client's way to Redis: redis-py's ``client`` (Cluster-aware), the plain-TCP ``fast`` path when
     there is one, and the ``metrics`` every round trip updates. A script runs on one bucket, named by
     its hash ``tag`` (whose ``:loc`` key routes it on a Cluster); ARGV[1] is always the tag."""
 
-    __slots__ = ("client", "cluster", "fast", "metrics")
+    __slots__ = ("client", "cluster", "fast", "metrics", "watch")
 
     def __init__(self, client: aredis.Redis | RedisCluster, metrics: RedisMetrics) -> None:
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
         self.fast = _FastPath.for_client(client)
         self.metrics = metrics
+        pool = None if isinstance(client, RedisCluster) else client.connection_pool
+        self.watch = None
+        if isinstance(pool, SentinelConnectionPool):
+            self.watch = _FailoverWatch(pool.sentinel_manager, pool.service_name, self._failed_over)
 
     async def round_trip(self, fn: Callable[[], Awaitable[_T]]) -> _T:
         """One timed round trip; connection failures become :class:`IndexUnavailable`."""
+        if self.watch is not None:
+            self.watch.start()  # (here: the first round trip has a running loop)
         t0 = time.perf_counter()
         try:
             res = await fn()
@@ -382,8 +433,17 @@ class RedisConnection:
         """The node answered as a replica: count it and drop every connection (the fast path's, redis-py's
         pooled ones, in use or not), so that the next round trip resolves the primary again."""
         self.metrics.readonly_errors += 1
+        await self._drop()
+
+    async def _failed_over(self, message: bytes) -> None:
+        self.metrics.failovers += 1
+        log.warning("redis: the sentinels report a failover (%s); reconnecting to the new primary",
+                    message.decode(errors="replace"))
+        await self._drop()
+
+    async def _drop(self) -> None:
         if self.fast is not None:
-            self.fast.close()
+            self.fast.close(abort=True)
         if not isinstance(self.client, RedisCluster):  # (a Cluster follows its primaries by MOVED)
             with contextlib.suppress(Exception):
                 await self.client.connection_pool.disconnect()
@@ -391,6 +451,8 @@ class RedisConnection:
     async def close(self) -> None:
         """Close the fast path's socket, redis-py's pool and the sentinels' clients (errors closing are of
         no interest)."""
+        if self.watch is not None:
+            await self.watch.stop()
         if self.fast is not None:
             self.fast.close()
         with contextlib.suppress(Exception):
