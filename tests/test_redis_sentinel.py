@@ -19,7 +19,7 @@ from kvcoord.index import open_index, parse_index_uri
 from kvcoord.index.redis import IndexUnavailable, RedisIndex
 from kvcoord.router.client import CoordinatorClient
 from kvcoord.validate import ops_of
-from tests.redis_servers import RedisSentinel, redis_sentinel, start_server, stop_server
+from tests.redis_servers import RedisSentinel, RedisServer, redis_sentinel, start_server, stop_server
 from tests.test_redis_faults import RedisCluster as Trio
 from tests.test_redis_index import H, M, stored
 from tests.test_relay_e2e import MODEL
@@ -294,3 +294,16 @@ def test_serve_follows_a_sentinel_failover_and_the_old_primary_demoted(tmp_path:
         assert m['kvcoord_index_reconnects_total{backend="redis"}'] >= 1
         assert m['kvcoord_index_failovers_total{backend="redis"}'] >= 1
         assert 'kvcoord_index_not_primary_total{backend="redis"}' in m
+
+
+async def test_a_user_denied_role_still_connects(own_server: RedisServer) -> None:
+    """An ACL user without ``ROLE``: the primary check is skipped (READONLY still guards writes)."""
+    own_server.cli("ACL", "SETUSER", "kv", "on", ">pw", "~*", "&*", "+@all", "-role")
+    idx = RedisIndex.from_uri(f"redis://kv:pw@127.0.0.1:{own_server.port}/0?timeout=1", key_prefix="kvacl")
+    try:
+        assert idx.remote is not None and await idx.remote.ping()
+        await idx.apply(M, "n1", 0, ops_of([stored(1, 2)]))
+        assert [m.matched_blocks for m in await idx.match(M, H(1, 2))] == [2]
+        assert idx._conn.fast is not None and idx.metrics.readonly_errors == 0
+    finally:
+        await idx.close()

@@ -194,6 +194,19 @@ Resolver = Callable[[], Awaitable[tuple[str, int]]]
 """Where the primary is now (the sentinels' answer); asked on every connect."""
 
 
+async def _check_role(conn: _Pipelined, host: str, port: int) -> None:
+    """:class:`NotPrimary` unless ``ROLE`` says master (a demoted node: a DNS name not yet moved, a stale
+    sentinel). A user whose ACL denies ``ROLE`` is not checked: READONLY replies still catch a replica."""
+    try:
+        role = await conn.request(_command("ROLE"))
+    except rexc.ResponseError as e:
+        if str(e).startswith("NOPERM"):
+            return
+        raise
+    if role[0] != b"master":
+        raise NotPrimary(f"redis at {host}:{port} is a {role[0].decode()}, not the primary")
+
+
 class _FastPath:
     """Lazily (re)connected :class:`_Pipelined` connection to the primary over plain TCP: a standalone
     Redis (its host name is resolved again on every connect) or the one ``resolve`` names (Sentinel)."""
@@ -257,9 +270,7 @@ class _FastPath:
                     await conn.request(_command("AUTH", *auth))
                 if self._db:
                     await conn.request(_command("SELECT", self._db))
-                role = await conn.request(_command("ROLE"))
-                if role[0] != b"master":  # a demoted node (a DNS name not yet moved, a stale sentinel)
-                    raise NotPrimary(f"redis at {host}:{port} is a {role[0].decode()}, not the primary")
+                await _check_role(conn, host, port)
             except BaseException:
                 conn.close()
                 raise

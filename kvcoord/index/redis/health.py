@@ -8,6 +8,7 @@ import hashlib
 import uuid
 from typing import TYPE_CHECKING
 
+import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from kvcoord.index.redis import scripts as lua
@@ -35,9 +36,7 @@ class RedisHealth:
             if self.index._cluster:
                 await asyncio.wait_for(self.index._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
             else:  # ROLE, not PING: a demoted node answers PING but refuses every write
-                role = await asyncio.wait_for(self.index._r.execute_command("ROLE"), 2.0)
-                if role[0] != b"master":
-                    raise NotPrimary(f"redis answers as a {role[0]!r}, not the primary")
+                await asyncio.wait_for(self._primary(), 2.0)
         except Exception as e:
             self.metrics.errors += 1
             self.metrics.up = False
@@ -46,6 +45,16 @@ class RedisHealth:
             return False
         self.metrics.answered()
         return True
+
+    async def _primary(self) -> None:
+        """:class:`NotPrimary` unless the node says master (PING only, if its ACL denies ``ROLE``)."""
+        try:
+            role = await self.index._r.execute_command("ROLE")
+        except rexc.NoPermissionError:
+            await self.index._r.ping()
+            return
+        if role[0] != b"master":
+            raise NotPrimary(f"redis answers as a {role[0]!r}, not the primary")
 
     async def generation(self) -> str:
         """A token that changes when Redis lost the index (restarted empty, flushed, failed over badly).
