@@ -32,6 +32,8 @@ class RedisHealth:
     async def ping(self) -> bool:
         if self.index._mirror is not None:
             self.index._mirror.start()  # the coordinator pings at start: load the copy before lookups come
+        if self.index._conn.watch is not None:
+            self.index._conn.watch.start()  # the sentinels' failover announcements, before any round trip
         try:
             if self.index._cluster:
                 await asyncio.wait_for(self.index._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
