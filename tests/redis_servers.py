@@ -1,4 +1,5 @@
-"""Real ``redis-server`` processes for tests and benchmarks: one standalone server, or a 3-shard Cluster.
+"""Real ``redis-server`` processes for tests and benchmarks: one standalone server, a 3-shard Cluster, or
+a primary with a replica watched by 3 sentinels (``redis-sentinel``).
 
 Every server runs on a free port in its own temporary directory with persistence off
 (``--save "" --appendonly no``); ``stop()`` kills the processes and removes the directories.
@@ -27,6 +28,8 @@ from tests.procs import free_port, spawn, stop, wait_for_port
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
+REDIS_SENTINEL = shutil.which("redis-sentinel")
+SENTINEL_MASTER = "kvtest"
 
 
 def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
@@ -210,11 +213,147 @@ def redis_cluster(shards: int = 3) -> Iterator[RedisCluster]:
         stop_cluster(cluster)
 
 
+@dataclass
+class SentinelProc:
+    """One ``redis-sentinel`` process (its config file is its own: Sentinel rewrites it)."""
+
+    port: int
+    dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, primary_port: int) -> None:
+        conf = self.dir / "sentinel.conf"
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\nlogfile {self.dir / 'sentinel.log'}\n"
+            f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} 2\n"
+            f"sentinel down-after-milliseconds {SENTINEL_MASTER} 800\n"
+            f"sentinel failover-timeout {SENTINEL_MASTER} 4000\n"
+            f"sentinel parallel-syncs {SENTINEL_MASTER} 1\n"
+        )
+        assert REDIS_SENTINEL is not None
+        self.proc = spawn([REDIS_SENTINEL, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port)
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            stop(proc)
+
+    def cli(self, *args: str) -> str:
+        return _cli(self.port, *args)
+
+    def master(self) -> dict[str, str]:
+        """``SENTINEL MASTER`` as a dict (``ip``, ``port``, ``flags``, ``num-slaves``, ...)."""
+        lines = _cli(self.port, "SENTINEL", "MASTER", SENTINEL_MASTER, timeout=5).splitlines()
+        return dict(zip(lines[0::2], lines[1::2], strict=False))
+
+
+@dataclass
+class RedisSentinel:
+    """A primary and a replica (``servers``, the primary first at start) and 3 sentinels with a quorum
+    of 2 that fail over in about 2 s (``down-after-milliseconds`` 800)."""
+
+    servers: list[RedisServer] = field(default_factory=list)
+    sentinels: list[SentinelProc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{SENTINEL_MASTER}"
+
+    def primary_port(self) -> int | None:
+        """The primary the sentinels name (the first one that answers), or None."""
+        for s in self.sentinels:
+            with contextlib.suppress(subprocess.SubprocessError, IndexError, ValueError):
+                return int(s.master()["port"])
+        return None
+
+    def primary(self) -> RedisServer:
+        port = self.primary_port()
+        return next(s for s in self.servers if s.port == port)
+
+    def role(self, server: RedisServer) -> str:
+        """``master`` or ``slave`` as the server itself says (``down`` when it does not answer)."""
+        try:
+            return server.cli("ROLE").split("\n", 1)[0]
+        except subprocess.SubprocessError:
+            return "down"
+
+    def flushall(self) -> None:
+        self.primary().flushall()
+
+    def settled(self) -> bool:
+        """Every sentinel knows the others and the same primary with one healthy replica, and the
+        primary says so too: a failover can start, and nothing is in flight."""
+        ports = set()
+        for s in self.sentinels:
+            try:
+                m = s.master()
+            except subprocess.SubprocessError:
+                return False
+            if (m.get("flags"), m.get("num-other-sentinels"), m.get("num-slaves")) != ("master", "2", "1"):
+                return False
+            ports.add(m.get("port"))
+        primary = next((x for x in self.servers if str(x.port) in ports), None)
+        if len(ports) != 1 or primary is None or self.role(primary) != "master":
+            return False
+        info = primary.cli("INFO", "replication")
+        return "connected_slaves:1" in info and "state=online" in info
+
+
+def start_sentinel(timeout: float = 60.0) -> RedisSentinel:
+    """A primary, its replica and 3 sentinels, waited for until :meth:`RedisSentinel.settled`."""
+    if REDIS_SENTINEL is None:
+        raise FileNotFoundError("redis-sentinel is not installed")
+    rs = RedisSentinel()
+    try:
+        primary = start_server()
+        rs.servers.append(primary)
+        rs.servers.append(start_server("--replicaof", "127.0.0.1", str(primary.port)))
+        for _ in range(3):
+            sp = SentinelProc(port=free_port(), dir=Path(tempfile.mkdtemp(prefix="kvcoord-sentinel-")))
+            rs.sentinels.append(sp)
+            sp.start(primary.port)
+        deadline = time.monotonic() + timeout
+        while not rs.settled():
+            if time.monotonic() > deadline:
+                raise TimeoutError("redis sentinels did not settle")
+            time.sleep(0.1)
+    except BaseException:
+        stop_sentinel(rs)
+        raise
+    return rs
+
+
+def stop_sentinel(rs: RedisSentinel) -> None:
+    for sp in rs.sentinels:
+        sp.kill()
+        shutil.rmtree(sp.dir, ignore_errors=True)
+    for s in rs.servers:
+        stop_server(s)
+
+
+@contextlib.contextmanager
+def redis_sentinel() -> Iterator[RedisSentinel]:
+    """:func:`start_sentinel`, stopped after; skips when ``redis-sentinel`` is missing, unless
+    ``KVCOORD_REQUIRE_SENTINEL`` is set (CI): then the test fails."""
+    if REDIS_SENTINEL is None and not os.environ.get("KVCOORD_REQUIRE_SENTINEL"):
+        pytest.skip("redis-sentinel is not installed")
+    rs = start_sentinel()
+    try:
+        yield rs
+    finally:
+        stop_sentinel(rs)
+
+
 # ------------------------------------------------------------------------------- pytest plumbing
 
 
-def redis_session_fixtures() -> tuple[Any, Any]:
-    """The session-scoped ``redis_server`` and ``redis_cluster`` fixtures (conftest binds them by name)."""
+def redis_session_fixtures() -> tuple[Any, Any, Any]:
+    """The session-scoped ``redis_server``, ``redis_cluster`` and ``redis_sentinel`` fixtures (conftest
+    binds them by name)."""
 
     @pytest.fixture(scope="session", name="redis_server")
     def _redis_server() -> Iterator[RedisServer]:
@@ -226,7 +365,12 @@ def redis_session_fixtures() -> tuple[Any, Any]:
         with redis_cluster() as cluster:
             yield cluster
 
-    return _redis_server, _redis_cluster
+    @pytest.fixture(scope="session", name="redis_sentinel")
+    def _redis_sentinel() -> Iterator[RedisSentinel]:
+        with redis_sentinel() as rs:
+            yield rs
+
+    return _redis_server, _redis_cluster, _redis_sentinel
 
 
 def redis_index_factory(fixture: str, query: str = "") -> Callable[[pytest.FixtureRequest], Awaitable[Index]]:
@@ -236,7 +380,7 @@ def redis_index_factory(fixture: str, query: str = "") -> Callable[[pytest.Fixtu
     async def make(request: pytest.FixtureRequest) -> Index:
         from kvcoord.index.redis import RedisIndex
 
-        target: RedisServer | RedisCluster = request.getfixturevalue(fixture)
+        target: RedisServer | RedisCluster | RedisSentinel = request.getfixturevalue(fixture)
         target.flushall()
         index = RedisIndex.from_uri(target.url + query, key_prefix="kvtest")
         if "mirror=1" in query:

@@ -90,6 +90,8 @@ def poll(read: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout:
     (("serve", "--index", "redis://127.0.0.1:6379/0?buckets=abc"), ("buckets must be an integer",)),
     (("serve", "--index", "redis+cluster://h:1,h:2?mirror=yes"), ("mirror must be 0 or 1",)),
     (("serve", "--index", "postgres://h/db"), ("unknown index backend",)),
+    (("serve", "--index", "redis+sentinel://h:1,h:2"), ("no master name",)),
+    (("serve", "--index", "redis+sentinel://h:1/m?sentinel_pass=x"), ("unknown option 'sentinel_pass'",)),
     (("serve", "--listen", "nowhere"), ("listen",)),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], needles: tuple[str, ...]) -> None:

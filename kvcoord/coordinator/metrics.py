@@ -189,7 +189,17 @@ class IndexBackendCollector(Collector):
             labels=["backend"],
         )
         reconnects.add_metric([self._backend], float(m.reconnects))
-        out: list[Metric] = [rt, errors, reconnects]
+        readonly = CounterMetricFamily(
+            "kvcoord_index_not_primary",
+            "Round trips refused by a node that is no longer the primary (READONLY, ROLE replica)",
+            labels=["backend"],
+        )
+        readonly.add_metric([self._backend], float(m.readonly_errors))
+        failovers = CounterMetricFamily(
+            "kvcoord_index_failovers", "Failovers of the primary the sentinels announced", labels=["backend"]
+        )
+        failovers.add_metric([self._backend], float(m.failovers))
+        out: list[Metric] = [rt, errors, reconnects, readonly, failovers]
         reclaimed = CounterMetricFamily(
             "kvcoord_index_reclaimed_entries",
             "Entries of removed/cleared locations reclaimed by the backend",

@@ -36,8 +36,9 @@ __all__ = [
 
 
 def open_index(uri: str | IndexSpec, *, key_prefix: str = "kvcoord") -> Index:
-    """Open a backend from a URI (``memory``, ``redis://host:port/db`` or ``redis+cluster://h:p,…``) or
-    from its :class:`IndexSpec` (then ``key_prefix`` is the spec's)."""
+    """Open a backend from a URI (``memory``, ``redis://host:port/db``, ``redis+cluster://h:p,…`` or
+    ``redis+sentinel://h:p,…/master-name``) or from its :class:`IndexSpec` (then ``key_prefix`` is the
+    spec's)."""
     spec = uri if isinstance(uri, IndexSpec) else parse_index_uri(uri, key_prefix=key_prefix)
     if spec.redis is None:
         from kvcoord.index.memory import MemoryIndex

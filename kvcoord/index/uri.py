@@ -1,5 +1,6 @@
-"""Index URIs: ``memory``, ``redis://host:port/db?…``, ``rediss://…``, ``unix://…`` or
-``redis+cluster://h1:p1,h2:p2?…``, parsed and checked in one place.
+"""Index URIs: ``memory``, ``redis://host:port/db?…``, ``rediss://…``, ``unix://…``,
+``redis+cluster://h1:p1,h2:p2?…`` or ``redis+sentinel://h1:p1,h2:p2/master-name?…``, parsed and checked
+in one place.
 
 A URI is refused whole, at start-up, for any option it does not know: a typo such as ``?bucket=4``
 must not become a server that connects with a default and stays NOT_SERVING.
@@ -7,16 +8,21 @@ must not become a server that connects with a default and stays NOT_SERVING.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 OPTIONS = ("buckets", "mirror", "prefix", "timeout", "wait_replicas", "wait_timeout")
 """kvcoord's own query options (the rest of the URI is the connection's)."""
 REDIS_OPTIONS = ("client_name", "health_check_interval", "socket_keepalive", "ssl_ca_certs", "ssl_cert_reqs",
                  "ssl_certfile", "ssl_check_hostname", "ssl_keyfile")
-"""redis-py connection options passed through (standalone Redis only)."""
-SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
+"""redis-py connection options passed through (standalone Redis and Sentinel)."""
+SENTINEL_OPTIONS = ("sentinel_password", "sentinel_ssl", "sentinel_username", "ssl")
+"""Sentinel only: the sentinels' own credentials, TLS to the sentinels (``sentinel_ssl=1``) and to the
+data nodes (``ssl=1``); the ``ssl_*`` options apply to both. The data nodes' credentials are the URI's
+userinfo, as for ``redis://``."""
+SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "redis+sentinel")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +33,15 @@ class RedisUri:
     """The connection URL for redis-py (standalone), without kvcoord's options."""
     cluster_nodes: tuple[tuple[str, int], ...] = ()
     """Startup nodes of a Redis Cluster (``redis+cluster://``); empty for a standalone Redis."""
+    sentinels: tuple[tuple[str, int], ...] = ()
+    """The sentinels (``redis+sentinel://``) that name the current primary of ``service``."""
+    service: str = ""
+    """The master name the sentinels monitor (``redis+sentinel://…/<name>``)."""
+    db: int = 0
+    node_options: tuple[tuple[str, Any], ...] = ()
+    """Sentinel: redis-py keyword arguments of the data-node connections (typed, checked)."""
+    sentinel_options: tuple[tuple[str, Any], ...] = ()
+    """Sentinel: redis-py keyword arguments of the connections to the sentinels."""
     username: str | None = None
     password: str | None = None
     buckets: int | None = None
@@ -42,10 +57,16 @@ class RedisUri:
     def cluster(self) -> bool:
         return bool(self.cluster_nodes)
 
+    @property
+    def sentinel(self) -> bool:
+        return bool(self.sentinels)
+
     def client(self) -> Any:
-        """A new redis-py asyncio client (``Redis`` or ``RedisCluster``); does not connect."""
+        """A new redis-py asyncio client (``Redis``, a Sentinel-managed ``Redis`` or ``RedisCluster``);
+        does not connect."""
         import redis.asyncio as aredis
         from redis.asyncio.cluster import ClusterNode, RedisCluster
+        from redis.asyncio.sentinel import Sentinel
 
         common: dict[str, Any] = {
             "socket_timeout": self.timeout,
@@ -55,6 +76,12 @@ class RedisUri:
         if self.cluster:
             nodes = [ClusterNode(host, port) for host, port in self.cluster_nodes]
             return RedisCluster(startup_nodes=nodes, username=self.username, password=self.password, **common)
+        if self.sentinel:
+            # sentinel_kwargs given: redis-py then copies no option of the data nodes to the sentinels.
+            to_sentinels = {**common, **dict(self.sentinel_options)}
+            manager = Sentinel(list(self.sentinels), sentinel_kwargs=to_sentinels, **common)
+            return manager.master_for(self.service, db=self.db, username=self.username,
+                                      password=self.password, **dict(self.node_options))
         return aredis.Redis.from_url(self.url, **common)
 
 
@@ -71,7 +98,7 @@ class IndexSpec:
 
     @property
     def backend(self) -> str:
-        """``memory``, ``redis`` or ``redis-cluster``."""
+        """``memory``, ``redis`` (standalone or Sentinel) or ``redis-cluster``."""
         if self.redis is None:
             return "memory"
         return "redis-cluster" if self.redis.cluster else "redis"
@@ -91,8 +118,8 @@ def parse_index_uri(uri: str, *, key_prefix: str = "kvcoord") -> IndexSpec:
     if _is_memory(uri):
         return IndexSpec(uri, None, key_prefix)
     if not _is_redis(uri):
-        raise ValueError(f"unknown index backend {uri!r}: use 'memory', 'redis://host:port/db' or "
-                         "'redis+cluster://host:port,host:port'")
+        raise ValueError(f"unknown index backend {uri!r}: use 'memory', 'redis://host:port/db', "
+                         "'redis+cluster://host:port,host:port' or 'redis+sentinel://host:port,host:port/master-name'")
     parsed = parse_redis_uri(uri)
     return IndexSpec(uri, parsed, parsed.prefix or key_prefix)
 
@@ -111,7 +138,8 @@ def parse_redis_uri(uri: str) -> RedisUri:
             raise ValueError(f"index URI {uri!r}: option {name!r} given twice")
         query[name] = value
     cluster = parts.scheme == "redis+cluster"
-    allowed = OPTIONS if cluster else OPTIONS + REDIS_OPTIONS
+    sentinel = parts.scheme == "redis+sentinel"
+    allowed = OPTIONS if cluster else OPTIONS + REDIS_OPTIONS + (SENTINEL_OPTIONS if sentinel else ())
     unknown = sorted(set(query) - set(allowed))
     if unknown:
         raise ValueError(f"index URI {uri!r}: unknown option {unknown[0]!r} (allowed: {', '.join(allowed)})")
@@ -135,18 +163,17 @@ def parse_redis_uri(uri: str) -> RedisUri:
     prefix = query.pop("prefix", None)
     if prefix == "":
         raise ValueError(f"index URI {uri!r}: prefix must not be empty")
-    nodes: list[tuple[str, int]] = []
+    base = RedisUri("", username=_unquote(parts.username), password=_unquote(parts.password), buckets=buckets,
+                    mirror=mirror == "1", prefix=prefix, timeout=timeout, wait_replicas=wait_replicas,
+                    wait_timeout=wait_timeout)
     if cluster:
-        for hp in parts.netloc.rsplit("@", 1)[-1].split(","):
-            host, _, port = hp.strip().rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"index URI {uri!r}: bad cluster node {hp!r} (want host:port)")
-            nodes.append((host.strip("[]"), int(port)))
-    elif parts.scheme != "unix" and not parts.hostname:
+        return replace(base, cluster_nodes=_host_ports(uri, parts.netloc, "cluster node"))
+    if sentinel:
+        return _sentinel_uri(uri, base, parts.netloc, parts.path, query)
+    if parts.scheme != "unix" and not parts.hostname:
         raise ValueError(f"index URI {uri!r}: no host (want redis://host:port/db)")
     url = urlunsplit(parts._replace(query=urlencode(query)))
-    return RedisUri(url, tuple(nodes), parts.username, parts.password, buckets, mirror == "1", prefix,
-                    timeout, wait_replicas=wait_replicas, wait_timeout=wait_timeout)
+    return replace(base, url=url, username=parts.username, password=parts.password)
 
 
 def _wait_options(uri: str, query: dict[str, str], timeout: float) -> tuple[int, float]:
@@ -168,3 +195,59 @@ def _wait_options(uri: str, query: dict[str, str], timeout: float) -> tuple[int,
         raise ValueError(f"index URI {uri!r}: wait_timeout must be seconds >= 0.001 and below timeout "
                          f"({timeout:g}), not {raw_timeout!r}")
     return int(raw), wait_timeout
+
+
+def _unquote(part: str | None) -> str | None:
+    return unquote(part) if part is not None else None
+
+
+def _host_ports(uri: str, netloc: str, what: str) -> tuple[tuple[str, int], ...]:
+    """``h1:p1,h2:p2`` after the userinfo: a Cluster's startup nodes or the sentinels."""
+    nodes: list[tuple[str, int]] = []
+    for hp in netloc.rsplit("@", 1)[-1].split(","):
+        host, _, port = hp.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"index URI {uri!r}: bad {what} {hp!r} (want host:port)")
+        nodes.append((host.strip("[]"), int(port)))
+    return tuple(nodes)
+
+
+_TYPED: dict[str, Callable[[str], Any]] = {"health_check_interval": int, "socket_keepalive": bool,
+                                           "ssl_check_hostname": bool}
+"""Sentinel options that are not strings (redis-py's URL parser types them for ``redis://``)."""
+
+
+def _sentinel_uri(uri: str, base: RedisUri, netloc: str, path: str, query: dict[str, str]) -> RedisUri:
+    """``redis+sentinel://[user:password@]h1:p1,h2:p2/master-name[/db]?…``: the options typed and split
+    between the data nodes' connections and the sentinels'."""
+    sentinels = _host_ports(uri, netloc, "sentinel")
+    name, _, db = path.strip("/").partition("/")
+    if not name:
+        raise ValueError(f"index URI {uri!r}: no master name (want redis+sentinel://host:port/master-name)")
+    if db and not db.isdigit():
+        raise ValueError(f"index URI {uri!r}: db must be an integer >= 0, not {db!r}")
+    node: dict[str, Any] = {}
+    for key, raw in query.items():
+        convert = _TYPED.get(key, str)
+        if convert is int and not raw.isdigit():
+            raise ValueError(f"index URI {uri!r}: {key} must be an integer >= 0, not {raw!r}")
+        if convert is bool or key in ("ssl", "sentinel_ssl"):
+            if raw not in ("0", "1"):
+                raise ValueError(f"index URI {uri!r}: {key} must be 0 or 1, not {raw!r}")
+            node[key] = raw == "1"
+        else:
+            node[key] = convert(raw)
+    to_sentinels: dict[str, Any] = {k: v for k, v in node.items() if k.startswith("ssl_")}
+    for key in ("sentinel_username", "sentinel_password", "sentinel_ssl"):
+        if key in node:
+            to_sentinels[key.removeprefix("sentinel_")] = node.pop(key)
+    tls_options = sorted(k for k in node if k.startswith("ssl_"))
+    if tls_options and not (node.get("ssl") or to_sentinels.get("ssl")):
+        raise ValueError(f"index URI {uri!r}: {tls_options[0]} needs ssl=1 (data nodes) or sentinel_ssl=1")
+    if not to_sentinels.get("ssl"):  # an ssl_* option is for the side(s) with TLS on
+        to_sentinels = {k: v for k, v in to_sentinels.items() if not k.startswith("ssl")}
+    if not node.get("ssl"):
+        node = {k: v for k, v in node.items() if not k.startswith("ssl")}
+    return replace(base, url=uri, sentinels=sentinels, service=unquote(name), db=int(db or 0),
+                   node_options=tuple(sorted(node.items())),
+                   sentinel_options=tuple(sorted(to_sentinels.items())))

@@ -28,13 +28,14 @@ sorted by id, whatever order the stores came in), and Lua interns strings, so a 
 costs a slice of an HMGET and one pointer compare per block; the holder list is decoded (and unseen
 ids' liveness fetched with one HMGET) only where it changes.
 
-On plain TCP to a standalone Redis the lookup does not run that script: per bucket it sends one
-``MULTI`` holding a tiny script (``T:name`` only if ``T:ver`` differs from the client's cached token)
-and a raw ``HMGET`` of the whole query, every bucket in one write, one round trip, and walks the
-holder strings in Python by the same rule. Redis's Lua pays ~0.6-1 us per block to turn query bytes
-and reply elements into Lua strings; a raw HMGET costs ~0.2 us per field and hiredis parses the reply
-in C. The price is reading the query's tail past the stop (a few hundred bytes at most per block).
-The ``T:ver`` token is a counter plus the server time, so a Redis restarted empty never repeats one.
+On plain TCP to a standalone Redis (or to the primary a Sentinel names) the lookup does not run that
+script: per bucket it sends one ``MULTI`` holding a tiny script (``T:name`` only if ``T:ver`` differs
+from the client's cached token) and a raw ``HMGET`` of the whole query, every bucket in one write, one
+round trip, and walks the holder strings in Python by the same rule. Redis's Lua pays ~0.6-1 us per
+block to turn query bytes and reply elements into Lua strings; a raw HMGET costs ~0.2 us per field and
+hiredis parses the reply in C. The price is reading the query's tail past the stop (a few hundred bytes
+at most per block). The ``T:ver`` token is a counter plus the server time, so a Redis restarted empty
+never repeats one.
 
 Ingest: ``apply`` validates and packs a batch in Python (consecutive same-tier events merge into one
 op), then queues it on its bucket. One write call per bucket is in flight at a time and takes every
@@ -46,6 +47,10 @@ HSETs (or HDELs) whatever its size.
 On plain TCP to a standalone Redis, scripts go over one pipelined connection of our own (hiredis
 packs commands and parses replies) rather than through redis-py's pool: a PING round trip costs ~20 us
 that way and ~100 us through redis-py on the test VM. TLS, unix sockets and Cluster use redis-py.
+
+Following the primary (Sentinel, a DNS name that moves): every connect resolves the primary again (the
+sentinels' answer, or DNS) and the fast path checks ``ROLE``; a ``READONLY`` reply drops every connection
+and fails the call as unavailable, so a demoted node is never written to (``client``'s docstring).
 
 With plain Redis there is one bucket by default
 (``?buckets=1``): one round trip per lookup. On a Cluster the default is 16 buckets, and a lookup sends

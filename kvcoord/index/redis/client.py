@@ -1,6 +1,14 @@
 """How the Redis backend reaches Redis. The index and the lookup mirror both go through
 :class:`RedisConnection` (timed round trips, scripts by EVALSHA), so neither needs the other's internals;
-on plain TCP to a standalone Redis it uses a pipelined connection of its own (see the package docstring).
+on plain TCP to a standalone Redis, or to the primary a Sentinel names, it uses a pipelined connection
+of its own (see the package docstring).
+
+Following the primary: a connection is only used while its node is the primary. Every (re)connect of the
+fast path resolves the address again (DNS, or the sentinels' ``SENTINEL MASTERS``) and checks ``ROLE``;
+a ``READONLY`` reply (the node was demoted: a failover, or a DNS name that moved) drops the fast path's
+connection and redis-py's pooled ones, so the next round trip reconnects to whatever is primary then,
+and is reported as :class:`IndexUnavailable` (the coordinator retries the write later). With Sentinel, the
+sentinels' ``+switch-master`` message drops the connections too, without waiting for either.
 """
 
 from __future__ import annotations
@@ -8,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -19,10 +28,12 @@ import redis.asyncio as aredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection as _PlainConnection
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from kvcoord.index.base import WriteNotReplicated
 
 _T = TypeVar("_T")
+log = logging.getLogger("kvcoord.index.redis")
 LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 """Upper bounds (seconds) of the round-trip latency histogram in :class:`RedisMetrics`."""
 
@@ -43,6 +54,11 @@ class RedisMetrics:
     errors: int = 0
     """Failed round trips (connection errors, timeouts, server errors)."""
     connection_errors: int = 0
+    failovers: int = 0
+    """Failovers of the primary the sentinels announced (``+switch-master``) while this client ran."""
+    readonly_errors: int = 0
+    """Round trips refused because the node was no longer the primary (a ``READONLY`` reply, or ``ROLE``
+    not ``master`` on connect): each dropped the connections so that the next one finds the primary."""
     reconnects: int = 0
     """Times a round trip succeeded after Redis had been unreachable."""
     reclaimed_entries: int = 0
@@ -170,13 +186,39 @@ class _Pipelined(asyncio.Protocol):
             return
         self._timer = asyncio.get_running_loop().call_later(self._timeout - idle, self._check)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """``abort``: drop unsent bytes and fail the waiters now (a node that hangs never drains them)."""
         if self._transport is not None:
-            self._transport.close()
+            if abort:
+                self._transport.abort()
+            else:
+                self._transport.close()
+
+
+class NotPrimary(rexc.ConnectionError):
+    """The node reached is not the primary (it answered ``ROLE`` as a replica): it is not used."""
+
+
+Resolver = Callable[[], Awaitable[tuple[str, int]]]
+"""Where the primary is now (the sentinels' answer); asked on every connect."""
+
+
+async def _check_role(conn: _Pipelined, host: str, port: int) -> None:
+    """:class:`NotPrimary` unless ``ROLE`` says master (a demoted node: a DNS name not yet moved, a stale
+    sentinel). A user whose ACL denies ``ROLE`` is not checked: READONLY replies still catch a replica."""
+    try:
+        role = await conn.request(_command("ROLE"))
+    except rexc.ResponseError as e:
+        if str(e).startswith("NOPERM"):
+            return
+        raise
+    if role[0] != b"master":
+        raise NotPrimary(f"redis at {host}:{port} is a {role[0].decode()}, not the primary")
 
 
 class _FastPath:
-    """Lazily (re)connected :class:`_Pipelined` connection to a standalone Redis over plain TCP."""
+    """Lazily (re)connected :class:`_Pipelined` connection to the primary over plain TCP: a standalone
+    Redis (its host name is resolved again on every connect) or the one ``resolve`` names (Sentinel)."""
 
     __slots__ = (
         "_conn",
@@ -186,11 +228,13 @@ class _FastPath:
         "_lock",
         "_password",
         "_port",
+        "_resolve",
         "_timeout",
         "_username",
     )
 
-    def __init__(self, kwargs: dict[str, Any]) -> None:
+    def __init__(self, kwargs: dict[str, Any], resolve: Resolver | None = None) -> None:
+        self._resolve = resolve
         self._host: str = kwargs.get("host", "localhost")
         self._port: int = int(kwargs.get("port", 6379))
         self._db: int = int(kwargs.get("db", 0) or 0)
@@ -203,10 +247,18 @@ class _FastPath:
 
     @classmethod
     def for_client(cls, client: aredis.Redis | RedisCluster) -> _FastPath | None:
-        """Only for a plain TCP standalone client (TLS, unix sockets and Cluster keep redis-py)."""
+        """Only for plain TCP, standalone or Sentinel (TLS, unix sockets and Cluster keep redis-py)."""
         if isinstance(client, RedisCluster):
             return None
         pool = client.connection_pool
+        if isinstance(pool, SentinelConnectionPool) and pool.connection_class is SentinelManagedConnection:
+            manager, name = pool.sentinel_manager, pool.service_name
+
+            async def resolve() -> tuple[str, int]:
+                host, port = await manager.discover_master(name)
+                return str(host), int(port)
+
+            return cls(dict(pool.connection_kwargs), resolve)
         if pool.connection_class is not _PlainConnection:
             return None
         return cls(dict(pool.connection_kwargs))
@@ -216,8 +268,9 @@ class _FastPath:
             if self._conn is not None and not self._conn.lost:
                 return self._conn
             loop = asyncio.get_running_loop()
+            host, port = await self._resolve() if self._resolve is not None else (self._host, self._port)
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Pipelined(self._timeout), self._host, self._port),
+                loop.create_connection(lambda: _Pipelined(self._timeout), host, port),
                 self._connect_timeout,
             )
             try:
@@ -226,6 +279,7 @@ class _FastPath:
                     await conn.request(_command("AUTH", *auth))
                 if self._db:
                     await conn.request(_command("SELECT", self._db))
+                await _check_role(conn, host, port)
             except BaseException:
                 conn.close()
                 raise
@@ -238,9 +292,9 @@ class _FastPath:
             conn = await self._connect()
         return await conn.request(packed, skip, keep)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         if self._conn is not None:
-            self._conn.close()
+            self._conn.close(abort)
             self._conn = None
 
 
@@ -254,10 +308,58 @@ class _Script:
         self.sha = hashlib.sha1(src.encode()).hexdigest()
 
 
+def is_not_primary(e: BaseException) -> bool:
+    """``READONLY`` (redis-py's ``ReadOnlyError``, the fast path's raw reply, or redis-py's Sentinel
+    connection turning either into a ``ConnectionError``), a blocked read unblocked by a demotion, or
+    :class:`NotPrimary`."""
+    for x in (e, e.__context__):
+        if isinstance(x, rexc.ReadOnlyError | NotPrimary):
+            return True
+        if isinstance(x, rexc.ResponseError) and str(x).startswith(("READONLY", "UNBLOCKED")):
+            return True
+    return False
+
+
 def _is_connection_error(e: BaseException) -> bool:
     return isinstance(
         e, rexc.ConnectionError | rexc.TimeoutError | rexc.ClusterDownError | OSError | asyncio.TimeoutError
     ) or (isinstance(e, rexc.RedisClusterException) and "connect" in str(e).lower())
+
+
+class _FailoverWatch:
+    """Listens to the sentinels' ``+switch-master`` channel (one sentinel at a time, the next when it
+    fails) and calls ``moved`` when the primary of ``name`` changed: connections to an old primary that
+    hangs rather than dies are dropped at once, not after a socket timeout or a ``READONLY``."""
+
+    __slots__ = ("_manager", "_moved", "_name", "_task")
+
+    def __init__(self, manager: Sentinel, name: str, moved: Callable[[bytes], Awaitable[None]]) -> None:
+        self._manager, self._name, self._moved = manager, name.encode(), moved
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="redis-sentinel-watch")
+
+    async def _run(self) -> None:
+        while True:
+            for sentinel in list(self._manager.sentinels):
+                try:
+                    async with sentinel.pubsub() as ps:
+                        await ps.subscribe("+switch-master")
+                        while True:  # get_message's own timeout: the client's socket timeout is short
+                            msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                            # "<name> <old ip> <old port> <new ip> <new port>"
+                            if msg is not None and bytes(msg["data"]).split(b" ", 1)[0] == self._name:
+                                await self._moved(bytes(msg["data"]))
+                except Exception:
+                    await asyncio.sleep(0.5)  # that sentinel is away: the next one
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
 
 
 class RedisConnection:
@@ -265,7 +367,7 @@ class RedisConnection:
     there is one, and the ``metrics`` every round trip updates. A script runs on one bucket, named by
     its hash ``tag`` (whose ``:loc`` key routes it on a Cluster); ARGV[1] is always the tag."""
 
-    __slots__ = ("client", "cluster", "fast", "metrics", "wait")
+    __slots__ = ("client", "cluster", "fast", "metrics", "wait", "watch")
 
     def __init__(self, client: aredis.Redis | RedisCluster, metrics: RedisMetrics,
                  wait: tuple[int, float] | None = None) -> None:
@@ -275,14 +377,25 @@ class RedisConnection:
         self.metrics = metrics
         self.wait = wait
         """``(replicas, timeout seconds)``: every :meth:`write` is followed by ``WAIT`` (None: off)."""
+        pool = None if isinstance(client, RedisCluster) else client.connection_pool
+        self.watch = None
+        if isinstance(pool, SentinelConnectionPool):
+            self.watch = _FailoverWatch(pool.sentinel_manager, pool.service_name, self._failed_over)
 
     async def round_trip(self, fn: Callable[[], Awaitable[_T]]) -> _T:
         """One timed round trip; connection failures become :class:`IndexUnavailable`."""
+        if self.watch is not None:
+            self.watch.start()  # (here: the first round trip has a running loop)
         t0 = time.perf_counter()
         try:
             res = await fn()
         except Exception as e:
             self.metrics.errors += 1
+            if is_not_primary(e):
+                await self.primary_moved()
+                self.metrics.connection_errors += 1
+                self.metrics.up = False
+                raise IndexUnavailable(f"redis node is not the primary: {e}") from e
             if _is_connection_error(e):
                 self.metrics.connection_errors += 1
                 self.metrics.up = False
@@ -388,9 +501,35 @@ class RedisConnection:
 
         return await self.round_trip(go)
 
+    async def primary_moved(self) -> None:
+        """The node answered as a replica: count it and drop every connection (the fast path's, redis-py's
+        pooled ones, in use or not), so that the next round trip resolves the primary again."""
+        self.metrics.readonly_errors += 1
+        await self._drop()
+
+    async def _failed_over(self, message: bytes) -> None:
+        self.metrics.failovers += 1
+        log.warning("redis: the sentinels report a failover (%s); reconnecting to the new primary",
+                    message.decode(errors="replace"))
+        await self._drop()
+
+    async def _drop(self) -> None:
+        if self.fast is not None:
+            self.fast.close(abort=True)
+        if not isinstance(self.client, RedisCluster):  # (a Cluster follows its primaries by MOVED)
+            with contextlib.suppress(Exception):
+                await self.client.connection_pool.disconnect()
+
     async def close(self) -> None:
-        """Close the fast path's socket and redis-py's pool (errors closing are of no interest)."""
+        """Close the fast path's socket, redis-py's pool and the sentinels' clients (errors closing are of
+        no interest)."""
+        if self.watch is not None:
+            await self.watch.stop()
         if self.fast is not None:
             self.fast.close()
         with contextlib.suppress(Exception):
             await self.client.aclose()
+        pool = None if isinstance(self.client, RedisCluster) else self.client.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            with contextlib.suppress(Exception):
+                await pool.sentinel_manager.aclose()

@@ -8,10 +8,11 @@ import hashlib
 import uuid
 from typing import TYPE_CHECKING
 
+import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 
 from kvcoord.index.redis import scripts as lua
-from kvcoord.index.redis.client import RedisMetrics
+from kvcoord.index.redis.client import NotPrimary, RedisMetrics, is_not_primary
 
 if TYPE_CHECKING:
     from kvcoord.index.redis.index import RedisIndex
@@ -31,17 +32,31 @@ class RedisHealth:
     async def ping(self) -> bool:
         if self.index._mirror is not None:
             self.index._mirror.start()  # the coordinator pings at start: load the copy before lookups come
+        if self.index._conn.watch is not None:
+            self.index._conn.watch.start()  # the sentinels' failover announcements, before any round trip
         try:
             if self.index._cluster:
                 await asyncio.wait_for(self.index._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
-            else:
-                await asyncio.wait_for(self.index._r.ping(), 2.0)
-        except Exception:
+            else:  # ROLE, not PING: a demoted node answers PING but refuses every write
+                await asyncio.wait_for(self._primary(), 2.0)
+        except Exception as e:
             self.metrics.errors += 1
             self.metrics.up = False
+            if is_not_primary(e):
+                await self.index._conn.primary_moved()
             return False
         self.metrics.answered()
         return True
+
+    async def _primary(self) -> None:
+        """:class:`NotPrimary` unless the node says master (PING only, if its ACL denies ``ROLE``)."""
+        try:
+            role = await self.index._r.execute_command("ROLE")
+        except rexc.NoPermissionError:
+            await self.index._r.ping()
+            return
+        if role[0] != b"master":
+            raise NotPrimary(f"redis answers as a {role[0]!r}, not the primary")
 
     async def generation(self) -> str:
         """A token that changes when Redis lost the index (restarted empty, flushed, failed over badly).

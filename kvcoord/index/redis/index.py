@@ -126,7 +126,8 @@ class RedisIndex:
 
     @classmethod
     def from_uri(cls, uri: str, *, key_prefix: str = "kvcoord") -> RedisIndex:
-        """``redis://host:port/db`` (also ``rediss://``, ``unix://``) or ``redis+cluster://h:p,h:p``.
+        """``redis://host:port/db`` (also ``rediss://``, ``unix://``), ``redis+cluster://h:p,h:p`` or
+        ``redis+sentinel://h:p,h:p/master-name`` (:mod:`kvcoord.index.uri` lists every option).
 
         Query parameters read here: ``buckets`` (see the package docstring), ``timeout`` (socket
         timeout in seconds, default 5), ``prefix`` (overrides ``key_prefix``), ``mirror`` (``1``:

@@ -15,7 +15,7 @@ from typing import Any, cast
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeMatch
 from kvcoord.index.redis import scripts as lua
-from kvcoord.index.redis.client import RedisConnection
+from kvcoord.index.redis.client import RedisConnection, is_not_primary
 from kvcoord.index.redis.keys import _glob_escape, _pack
 from kvcoord.index.redis.walk import _LOCAL_IDS, _holder_runs, _Names, _rebase, _walk_runs
 from kvcoord.native import native
@@ -168,6 +168,8 @@ class LookupMirror:
             except Exception as e:  # Redis away: lookups take the Redis path (and report it) meanwhile
                 if self.ready or backoff == 0.05:
                     log.info("redis mirror: %s; reloading when Redis answers", e)
+                if is_not_primary(e):  # demoted: reconnect (to the primary) rather than read a replica
+                    await self._conn.primary_moved()
                 failed = True
             finally:
                 self.ready = self.active = False
