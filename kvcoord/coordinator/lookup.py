@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes64
-from kvcoord.index.base import NodeKey
+from kvcoord.index.base import IndexReset, NodeKey
 from kvcoord.load import NodeLoad
 from kvcoord.tokenize import TokenizeError
 from kvcoord.validate import shown
@@ -145,21 +145,7 @@ class Lookups:
         st = self.state
         matches = []
         if hashes and self.serves(model):
-            if not st.health.up:
-                raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
-            try:
-                matches = await st.index.match(model, hashes, candidates or None)
-            except (ConnectionError, TimeoutError, OSError) as exc:
-                # The backend is unreachable: NOT_SERVING until a probe finds it back.
-                reason = f"{type(exc).__name__}: {exc}"
-                st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
-                await st.health.down(reason)
-                raise LookupFailed(UNAVAILABLE, self.unavailable(reason)) from None
-            except Exception as exc:
-                # A bug or a bad answer, not an outage: this request fails, health stays as it is.
-                name = type(exc).__name__
-                st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
-                raise LookupFailed(INTERNAL, f"index match failed: {name}: {exc}") from None
+            matches = await self._index_match(model, hashes, candidates)
         now, now_wall = time.monotonic(), time.time()
         live_node = st.replicas.live_node
         w0, w1, w2 = st.config.tier_weights
@@ -179,6 +165,35 @@ class Lookups:
             seen = {(m.node_id, m.dp_rank) for m in out}
             out.extend(self._unmatched(model, seen, candidates, now, now_wall))
         return out
+
+    async def _index_match(self, model: str, hashes: Sequence[BlockHash64],
+                           candidates: Collection[NodeKey] | None) -> list[Any]:
+        """``index.match``, with the backend's failures as ``LookupFailed``. A backend that lost its
+        contents (``IndexReset``: it answered nothing) makes the generation be re-read at once (its nodes
+        become resyncing, out of answers) and the lookup is retried once, in the new lifetime."""
+        st = self.state
+        for attempt in (1, 2):
+            if not st.health.up:
+                raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
+            try:
+                return list(await st.index.match(model, hashes, candidates or None))
+            except IndexReset as exc:
+                if attempt == 2:
+                    reason = f"it lost its contents again: {exc}"
+                    raise LookupFailed(UNAVAILABLE, self.unavailable(reason)) from None
+                await st.health.index_reset(exc, "lookup")
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                # The backend is unreachable: NOT_SERVING until a probe finds it back.
+                reason = f"{type(exc).__name__}: {exc}"
+                st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
+                await st.health.down(reason)
+                raise LookupFailed(UNAVAILABLE, self.unavailable(reason)) from None
+            except Exception as exc:
+                # A bug or a bad answer, not an outage: this request fails, health stays as it is.
+                name = type(exc).__name__
+                st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
+                raise LookupFailed(INTERNAL, f"index match failed: {name}: {exc}") from None
+        raise AssertionError("unreachable")
 
     def _unmatched(self, model: str, seen: set[NodeKey], candidates: Collection[NodeKey] | None,
                    now: float, now_wall: float) -> list[LiveMatch]:

@@ -327,6 +327,11 @@ class Metrics:
         self.snapshots_requested = Counter(
             "kvcoord_snapshots_requested", "Snapshot requests sent to agents", ["reason"], registry=r
         )
+        self.index_resets = Counter(
+            "kvcoord_index_resets", "Times the index was found to have lost its contents (a Redis flushed or "
+            "restarted empty), by what noticed it: a lookup, a write (each in its own round trip), or the "
+            "periodic generation check", ["noticed_by"], registry=r
+        )
         self.snapshots_applied = Counter(
             "kvcoord_snapshots_applied", "Snapshots that replaced a node's entries", registry=r
         )
