@@ -48,7 +48,7 @@ class Target:
         for s in self.servers:
             s.flushall()
 
-    def keys(self) -> list[bytes]:
+    def all_keys(self) -> list[bytes]:
         out: list[bytes] = []
         for s in self.servers:
             with redis.Redis(port=s.port) as r:
@@ -70,7 +70,10 @@ def unix_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Redi
         stop_server(server)
 
 
-@pytest.fixture(params=["fast", "fast-4-buckets", "cluster-script", "unix-script", "mirror", "mirror-cluster"])
+KINDS = ["fast", "fast-4-buckets", "cluster-script", "unix-script", "mirror", "mirror-cluster"]
+
+
+@pytest.fixture(params=KINDS)
 def target(request: pytest.FixtureRequest) -> tuple[Target, str]:
     kind: str = request.param
     t: Target
@@ -116,7 +119,9 @@ async def until_reset(ix: RedisIndex, chain: list[BlockHash64], before: list[tup
         await asyncio.sleep(0.01)
 
 
-async def test_flush_is_noticed_by_the_next_lookup_and_write(pair: tuple[Target, RedisIndex, RedisIndex]) -> None:
+async def test_flush_is_noticed_by_the_next_lookup_and_write(
+    pair: tuple[Target, RedisIndex, RedisIndex],
+) -> None:
     t, a, b = pair
     chain = [BlockHash64(random.getrandbits(64)) for _ in range(6)]
     nodes = [f"n{i}" for i in range(8)]  # spread over the buckets
@@ -142,7 +147,7 @@ async def test_flush_is_noticed_by_the_next_lookup_and_write(pair: tuple[Target,
         with pytest.raises(IndexReset):
             await write()
     # (a mirror reloading across the flush may have turned its feed on again: harmless, not a write)
-    assert [k for k in t.keys() if not k.endswith(b":feedon")] == [], "a refused write left keys behind"
+    assert [k for k in t.all_keys() if not k.endswith(b":feedon")] == [], "a refused write left keys behind"
     # The coordinator's cue: the generation is read again (it would ask every agent for a snapshot).
     assert a.remote is not None and b.remote is not None
     new = await a.remote.generation()
@@ -185,7 +190,7 @@ async def test_a_redis_restarted_empty_is_noticed_like_a_flush(tmp_path: Path) -
                 await asyncio.sleep(0.05)
                 continue
             raise AssertionError("a write landed in a Redis that came back empty")
-        assert Target(server.url, [server]).keys() == []
+        assert Target(server.url, [server]).all_keys() == []
         assert ix.remote is not None
         await ix.remote.generation()
         assert await ix.match(M, chain) == []
