@@ -34,6 +34,8 @@ class _FeedGap(Exception):
 _FEED_REC = struct.Struct(">QI")
 _FEED_BLOCK = 250
 """Milliseconds a feed reader's XREAD blocks: also how soon it notices that it should stop."""
+_FEED_COUNT = 1000
+"""Entries one XREAD takes at most."""
 CURRENT_SECONDS = 2 * _FEED_BLOCK / 1000
 """The copy answers a lookup only if every bucket's reader confirmed its epoch at most this long ago."""
 _BY_NODE = operator.itemgetter(0, 1)
@@ -59,13 +61,14 @@ class LookupMirror:
 
     Lost data (FLUSHALL, Redis restarted empty): the feed and ``T:feedon`` are gone, so writers stop
     feeding and the copy would freeze. So the copy is used only while provably current
-    (:meth:`current`): each reader reads the bucket's ``T:epoch`` every time its XREAD returns (at
-    least every ``_FEED_BLOCK`` ms) and reloads when it changed; a lookup uses the copy only if, for
-    every bucket, the epoch the copy was loaded in is the one the index accepted and a reader confirmed
-    it within :data:`CURRENT_SECONDS`. Guarantee: an answer from the copy reflects every feed entry of
-    the index's accepted lifetime up to a moment at most ``CURRENT_SECONDS`` before the lookup (plus
-    this client's own writes, ``caught_up``); otherwise the lookup takes the Redis path, which checks
-    the epoch in its own round trip.
+    (:meth:`current`): each reader reads the bucket's ``T:epoch`` when its XREAD returns less than a full
+    batch (the copy then holds every entry the feed had when the XREAD was sent; at most every 100 ms,
+    at least every ``_FEED_BLOCK`` ms while Redis answers) and reloads when it changed; a lookup uses
+    the copy only if, for every bucket, the epoch the copy was loaded in is the one the index accepted
+    and a reader confirmed it, as of a moment within :data:`CURRENT_SECONDS`. Guarantee: an answer from
+    the copy reflects every feed entry of the index's accepted lifetime up to a moment at most
+    ``CURRENT_SECONDS`` before the lookup (plus this client's own writes, ``caught_up``); otherwise the
+    lookup takes the Redis path, which checks the epoch in its own round trip.
     """
 
     def __init__(self, conn: RedisConnection, tags: Sequence[str], epochs: BucketEpochs) -> None:
@@ -118,13 +121,16 @@ class LookupMirror:
                 return False
         return True
 
-    async def _confirm(self, tag: str) -> None:
-        """Read the bucket's epoch: unchanged, the copy is current as of now; changed, it reloads."""
-        t0 = time.monotonic()
+    async def _confirm(self, tag: str, sent: float) -> None:
+        """After an XREAD sent at ``sent`` (monotonic) returned less than a full batch, so that the copy
+        holds every entry the feed had then: read the bucket's epoch. Unchanged, the copy is current as of
+        ``sent``; changed, it reloads. At most every ``CURRENT_SECONDS / 5`` (a busy feed returns often)."""
+        if sent - self._confirmed.get(tag, 0.0) < CURRENT_SECONDS / 5:
+            return
         epoch = await self._r.get(f"{tag}:epoch")
         if epoch != self._epoch.get(tag):
             raise _FeedGap(f"the epoch of {tag} changed (Redis lost its data)")
-        self._confirmed[tag] = t0
+        self._confirmed[tag] = sent
 
     # ------------------------------------------------------------------------------- running
 
@@ -364,12 +370,16 @@ class LookupMirror:
         r = self._r
         feed = f"{tag}:feed"
         while not (self._halt or self._halt_readers):
-            got: Any = await r.xread({feed: self._last_id[tag]}, count=1000, block=_FEED_BLOCK) or []
+            sent = time.monotonic()
+            got: Any = await r.xread({feed: self._last_id[tag]}, count=_FEED_COUNT, block=_FEED_BLOCK) or []
+            n = 0
             for _, entries in got:
                 for entry_id, fields in entries:
                     await self._apply(tag, entry_id, fields)
+                n += len(entries)
             self._release()
-            await self._confirm(tag)
+            if n < _FEED_COUNT:  # (a full batch: more entries wait, the copy is behind)
+                await self._confirm(tag, sent)
             # Idle: a Redis that lost its data (FLUSHALL, a restart we did not see) lost T:feedon too,
             # and its writers no longer feed: reload rather than serve the old copy.
             if not got and not await r.exists(f"{tag}:feedon"):
