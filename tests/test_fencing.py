@@ -29,7 +29,7 @@ from kvcoord.coordinator.metrics import PyTally
 from kvcoord.coordinator.shared import SharedNode, open_directory
 from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import BlockHash64, HashProfile, block_hashes64
-from kvcoord.index.base import FencedWrite, fence_token
+from kvcoord.index.base import FencedWrite, IndexReset, fence_token
 from kvcoord.index.instrumented import OPS, InstrumentedIndex
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis import RedisIndex
@@ -137,6 +137,11 @@ async def test_unclaimed_writes_and_lost_fence_keys(pair: tuple[RedisIndex, Redi
     await b.fencing.claim("n")
     await b.apply(M, "n", 0, ops_of([stored(4)]))
     server.flushall()
+    for ix in (a, b):  # the loss is noticed by the write itself: refused until the generation is re-read
+        with pytest.raises(IndexReset):
+            await ix.apply(M, "n", 0, ops_of([stored(5)]))
+        assert ix.remote is not None
+        await ix.remote.generation()
     await a.apply(M, "n", 0, ops_of([stored(5)]))  # adopts A's token: nobody else holds the key
     await b.apply(M, "n", 0, ops_of([stored(6)]))  # B's is higher: B owns the node again
     with pytest.raises(FencedWrite):

@@ -18,7 +18,7 @@ import redis
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index import open_index
-from kvcoord.index.base import InvalidEvent
+from kvcoord.index.base import IndexReset, InvalidEvent
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis import IndexUnavailable, RedisIndex
 from kvcoord.validate import ops_of, snapshot_columns
@@ -331,7 +331,9 @@ async def test_cached_location_names_follow_other_replicas_and_restarts(own_serv
         assert [(m.node_id, m.matched_blocks) for m in await a.match(M, H(1, 2, 3))] == [("n1", 1)]
         own_server.restart()
 
-        async def retrying(fn: Callable[[], Awaitable[T]]) -> T:
+        resets = []
+
+        async def retrying(ix: RedisIndex, fn: Callable[[], Awaitable[T]]) -> T:
             deadline = time.monotonic() + 10
             while True:
                 try:
@@ -339,9 +341,14 @@ async def test_cached_location_names_follow_other_replicas_and_restarts(own_serv
                 except IndexUnavailable:  # the first call on a lost connection fails; the next reconnects
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.05)
+                except IndexReset:  # the data is gone: accept the new lifetime, as the coordinator does
+                    resets.append(ix)
+                    assert ix.remote is not None
+                    await ix.remote.generation()
 
-        await retrying(lambda: b.apply(M, "fresh", 0, ops_of([stored(7, 8)])))  # location id 1 again, empty
-        got = await retrying(lambda: a.match(M, H(7, 8)))
+        await retrying(b, lambda: b.apply(M, "fresh", 0, ops_of([stored(7, 8)])))  # location id 1 again
+        got = await retrying(a, lambda: a.match(M, H(7, 8)))
+        assert resets == [b, a]  # each client noticed the loss itself, in its own call
         assert [(m.node_id, m.matched_blocks) for m in got] == [("fresh", 2)]
         assert await a.match(M, H(1, 2, 3)) == []
     finally:

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kvcoord.index.base import NodeMatch
+from kvcoord.index.base import IndexReset, NodeMatch
 from kvcoord.index.redis import IndexUnavailable, RedisIndex
 from kvcoord.native import native
 from kvcoord.validate import ops_of, snapshot_columns
@@ -167,16 +167,31 @@ async def test_a_missed_entry_or_a_flush_reloads_the_copy(pair: Pair) -> None:
     await _settled(reader, raw)
     assert mirror.loads == loads + 1
     assert _key(await reader.match("m1", chain)) == _key(await writer.match("m1", chain))
-    # Redis loses everything: the copy must not keep answering from the old data.
+    # Redis loses everything: the copy must not keep answering from the old data. It may answer as of
+    # at most CURRENT_SECONDS before (the old data, never an empty answer); then the lookup takes the
+    # Redis path, which sees the lost epoch in its own round trip.
+    before = _key(await reader.match("m1", chain))
     await raw.flushall()
-    deadline = time.monotonic() + 5
-    while await reader.match("m1", chain) != []:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            got = _key(await reader.match("m1", chain))
+        except IndexReset:
+            break
+        assert got == before, "the mirror answered from a keyspace that lost its data"
         assert time.monotonic() < deadline, "the mirror kept serving data Redis no longer has"
         await asyncio.sleep(0.02)
-    # ...and reloads (once its other feed readers have returned from their current XREAD).
-    while not (mirror.loads >= loads + 2 and mirror.ready):
+    with pytest.raises(IndexReset):
+        await writer.apply("m1", "n3", 1, ops_of([_stored(chain[:2], None)]))
+    assert await raw.keys("*") == []  # refused atomically: nothing written on top of the lost data
+    for ix in (writer, reader):  # the coordinator's cue: re-read the generation (and resync the nodes)
+        assert ix.remote is not None
+        await ix.remote.generation()
+    # ...and the copy reloads in the new lifetime (once its other readers returned from their XREAD).
+    while not (mirror.loads >= loads + 2 and mirror.current()):
         assert time.monotonic() < deadline, "the mirror did not reload after the flush"
         await asyncio.sleep(0.02)
+    assert await reader.match("m1", chain) == []
     await writer.apply("m1", "n3", 1, ops_of([_stored(chain[:2], None)]))
     await _settled(reader, raw)
     assert _key(await reader.match("m1", chain)) == [("n3", 1, 2, (2, 0, 0))]
@@ -199,6 +214,18 @@ async def test_down_redis_is_reported_not_answered_from_the_copy(own_server: Red
             assert time.monotonic() < deadline, "lookups kept answering from the copy with Redis down"
             await asyncio.sleep(0.02)
         own_server.start()  # empty
+        while True:  # the loss is noticed by the lookup itself (after one failed reconnect, maybe)
+            try:
+                await reader.match("m1", chain)
+            except IndexUnavailable:
+                assert time.monotonic() < deadline + 10
+                await asyncio.sleep(0.02)
+                continue
+            except IndexReset:
+                break
+            raise AssertionError("a lookup answered from a Redis that came back empty")
+        assert reader.remote is not None
+        await reader.remote.generation()
         assert await reader.mirror_ready()
         assert await reader.match("m1", chain) == []
         await reader.apply("m1", "n1", 0, ops_of([_stored(chain[:3], None)]))

@@ -66,7 +66,8 @@ class CoordinatorState:
         self.health = IndexHealth(index, self.metrics, self.log_once, on_reset=self.resync_all,
                                   on_fenced=self.fenced_out, heard=self.registry.heard)
         self.stats = IndexFigures(index, self.metrics, self.log_once)
-        self.replicas = Replicas(index, self.registry, directory, self._keep, self.log_once)
+        self.replicas = Replicas(index, self.registry, directory, self._keep, self.log_once,
+                                 lambda: self.health.generation)
         self.leases = Leases(index, self.registry, self.metrics, self.health, self.replicas, self._keep,
                              self.update_node_gauges)
         self.tokenizers = TokenizerCache({m.name: m.tokenizer for m in config.models.values() if m.tokenizer})

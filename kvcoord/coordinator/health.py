@@ -7,6 +7,11 @@ same way, but the index stays up: it answers correctly, only the write's durabil
 It is declared up again only after a ping *and* a generation check succeed, so a backend that came back
 empty is noticed (every node is then asked for a snapshot) before anything is written to it or read from
 it. A backend that came back intact resumes where it stopped.
+
+A backend that lost its contents while up (a Redis flushed, or restarted empty between two calls) is
+noticed by the next lookup or write itself: the backend raises ``IndexReset`` instead of answering from,
+or writing into, the emptied keyspace (:meth:`IndexHealth.index_reset` then re-reads the generation, which
+makes every node resync). The periodic generation check only catches a loss nobody touched.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import TypeVar
 
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import NodeRecord
-from kvcoord.index.base import FencedWrite, Index, InvalidEvent, WriteNotReplicated, ping
+from kvcoord.index.base import FencedWrite, Index, IndexReset, InvalidEvent, WriteNotReplicated, ping
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -53,16 +58,19 @@ class IndexHealth:
         self._probe_lock = asyncio.Lock()
         self.metrics.index_up.labels(index.backend).set(1)
 
-    async def check_generation(self) -> None:
-        """Compare the backend's generation with the last one seen; a change means it lost its data.
-        Raises (ConnectionError) when the backend is unreachable."""
+    async def check_generation(self, lost: bool = False) -> None:
+        """Compare the backend's generation with the last one seen; a change means it lost its data
+        (``lost``: the backend said so; then a first reading counts as a change too). Reading it makes
+        the backend accept the new lifetime. Raises (ConnectionError) when the backend is unreachable."""
         index = self.index
         if index.remote is None:
             return  # in-process: its contents live exactly as long as it does
         async with self._gen_lock:  # a slow stale answer must not overwrite a newer one
             gen = await index.remote.generation()
             old, self.generation = self.generation, gen
-        if old is not None and gen != old:
+        if gen != old and (old is not None or lost):
+            if not lost:
+                self.metrics.index_resets.labels("generation_check").inc()
             n = self.on_reset(f"index_reset: the {index.backend} index lost its contents")
             log.warning(
                 "index backend %s lost its contents (generation %s -> %s); asked %d nodes for snapshots",
@@ -71,6 +79,19 @@ class IndexHealth:
                 gen,
                 n,
             )
+
+    async def index_reset(self, exc: IndexReset, noticed_by: str) -> None:
+        """A lookup or write found the backend's contents lost (``exc``): re-read the generation at once
+        (the nodes resync, and the backend accepts the new lifetime, so the next call may proceed).
+        When it cannot be read, the index is down (NOT_SERVING until a probe reads it)."""
+        self.metrics.index_resets.labels(noticed_by).inc()
+        self.log_once(f"index-reset:{noticed_by}", logging.WARNING,
+                      "index %s noticed by a %s: %s (logged once per kind)", self.index.backend, noticed_by,
+                      exc)
+        try:
+            await self.check_generation(lost=True)
+        except Exception as e:
+            await self.down(f"generation check after a reset failed: {e}")
 
     async def _set_up(self, up: bool) -> None:
         if up == self.up:
@@ -138,6 +159,9 @@ class IndexHealth:
         each retry; when it says no (e.g. the backend came back empty and the node now resyncs, or the
         stream was superseded) the call is abandoned: returns ``(False, None)``. So is a write the
         backend refused because another replica took the node over (fencing): see ``on_fenced``.
+        A write the backend refused because it lost its contents (``IndexReset``, nothing applied) makes
+        the generation be re-read (the nodes resync) and is retried with the same backoff while still
+        wanted: it cannot spin, and a write of a node now resyncing is abandoned (a snapshot follows).
         """
         backoff = RETRY_INITIAL
         while True:
@@ -148,6 +172,8 @@ class IndexHealth:
             except FencedWrite as exc:
                 self.on_fenced(exc, keep_alive)
                 return False, None
+            except IndexReset as exc:
+                await self.index_reset(exc, "write")
             except WriteNotReplicated as exc:
                 # Applied on the primary, not confirmed by its replicas: unacked and retried (idempotent),
                 # but the index serves, so health stays up (lookups answer; only durability is short).

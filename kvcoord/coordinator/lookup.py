@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes64
-from kvcoord.index.base import NodeKey, NodeMatch
+from kvcoord.index.base import IndexReset, NodeKey, NodeMatch
 from kvcoord.load import NodeLoad
 from kvcoord.tokenize import TokenizeError
 from kvcoord.validate import shown
@@ -146,23 +146,7 @@ class Lookups:
         st = self.state
         matches = []
         if hashes and self.serves(model):
-            if not st.health.up:
-                raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
-            try:
-                matches = await self._index_match(model, hashes, candidates or None)
-            except LookupFailed:
-                raise
-            except (ConnectionError, TimeoutError, OSError) as exc:
-                # The backend is unreachable: NOT_SERVING until a probe finds it back.
-                reason = f"{type(exc).__name__}: {exc}"
-                st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
-                await st.health.down(reason)
-                raise LookupFailed(UNAVAILABLE, self.unavailable(reason)) from None
-            except Exception as exc:
-                # A bug or a bad answer, not an outage: this request fails, health stays as it is.
-                name = type(exc).__name__
-                st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
-                raise LookupFailed(INTERNAL, f"index match failed: {name}: {exc}") from None
+            matches = await self._index_match(model, hashes, candidates)
         now, now_wall = time.monotonic(), time.time()
         live_node = st.replicas.live_node
         w0, w1, w2 = st.config.tier_weights
@@ -183,6 +167,35 @@ class Lookups:
             out.extend(self._unmatched(model, seen, candidates, now, now_wall))
         return out
 
+    async def _index_match(self, model: str, hashes: Sequence[BlockHash64],
+                           candidates: Collection[NodeKey] | None) -> list[Any]:
+        """``index.match``, with the backend's failures as ``LookupFailed``. A backend that lost its
+        contents (``IndexReset``: it answered nothing) makes the generation be re-read at once (its nodes
+        become resyncing, out of answers) and the lookup is retried once, in the new lifetime."""
+        st = self.state
+        for attempt in (1, 2):
+            if not st.health.up:
+                raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
+            try:
+                return list(await self._bounded_match(model, hashes, candidates or None))
+            except IndexReset as exc:
+                if attempt == 2:
+                    reason = f"it lost its contents again: {exc}"
+                    raise LookupFailed(UNAVAILABLE, self.unavailable(reason)) from None
+                await st.health.index_reset(exc, "lookup")
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                # The backend is unreachable: NOT_SERVING until a probe finds it back.
+                reason = f"{type(exc).__name__}: {exc}"
+                st.log_once(f"match:{type(exc).__name__}", logging.WARNING, "index match failed: %s", reason)
+                await st.health.down(reason)
+                raise LookupFailed(UNAVAILABLE, self.unavailable(reason)) from None
+            except Exception as exc:
+                # A bug or a bad answer, not an outage: this request fails, health stays as it is.
+                name = type(exc).__name__
+                st.log_once(f"match-error:{name}", logging.ERROR, "index match raised %s: %s", name, exc)
+                raise LookupFailed(INTERNAL, f"index match failed: {name}: {exc}") from None
+        raise AssertionError("unreachable")
+
     def _unmatched(self, model: str, seen: set[NodeKey], candidates: Collection[NodeKey] | None,
                    now: float, now_wall: float) -> list[LiveMatch]:
         st = self.state
@@ -202,8 +215,8 @@ class Lookups:
                 out.append(LiveMatch(key[0], key[1], 0, (), *info))
         return out
 
-    async def _index_match(self, model: str, hashes: Sequence[BlockHash64],
-                           candidates: Collection[NodeKey] | None) -> list[NodeMatch]:
+    async def _bounded_match(self, model: str, hashes: Sequence[BlockHash64],
+                             candidates: Collection[NodeKey] | None) -> list[NodeMatch]:
         """The index's match, a remote index's bounded by ``lookup_deadline``: when the backend stalls (a
         failover, a paused Redis) the lookup answers UNAVAILABLE then. Health is left to the connection's
         own timeout and the pings (one slow call is no outage). The cancelled call leaves its connection
@@ -213,7 +226,7 @@ class Lookups:
         mirror = remote.metrics.mirror if remote is not None else None
         # In-process (it may be driven outside a task, run_inline) or from a loaded mirror: never waits,
         # so no timer (~5 us) on those hot paths.
-        if st.index.inline or (mirror is not None and mirror.ready):
+        if st.index.inline or (mirror is not None and mirror.current()):
             return await st.index.match(model, hashes, candidates)
         deadline = st.config.lookup_deadline
         bound = asyncio.timeout(deadline)

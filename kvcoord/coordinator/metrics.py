@@ -37,6 +37,8 @@ REJECTED_TYPES = (*EVENT_TYPES, "unknown", "none")
 REJECT_REASONS = ("unknown_dp_rank", "invalid_event", "max_hashes_per_batch", "max_entries_per_node")
 SNAPSHOT_REASONS = ("hello", "gap", "invalid_batch", "index_reset")
 VERIFY_RESULTS = ("ok", "mismatch", "skipped")
+INDEX_RESET_NOTICES = ("lookup", "write", "generation_check")
+"""``index_resets{noticed_by}``: what found the index's contents lost (``IndexHealth``)."""
 STREAM_REFUSALS = ("max_streams", "hello_timeout", "snapshot_budget")
 """``ingest_streams_refused{reason}``: past ``max_streams``, no Hello within ``hello_timeout_s``, or a
 snapshot past ``max_staged_snapshot_blocks``."""
@@ -368,6 +370,11 @@ class Metrics:
         self.snapshots_requested = Counter(
             "kvcoord_snapshots_requested", "Snapshot requests sent to agents", ["reason"], registry=r
         )
+        self.index_resets = Counter(
+            "kvcoord_index_resets", "Times the index was found to have lost its contents (a Redis flushed or "
+            "restarted empty), by what noticed it: a lookup, a write (each in its own round trip), or the "
+            "periodic generation check", ["noticed_by"], registry=r
+        )
         self.snapshots_applied = Counter(
             "kvcoord_snapshots_applied", "Snapshots that replaced a node's entries", registry=r
         )
@@ -389,6 +396,8 @@ class Metrics:
             self._child(self.snapshots_requested, reason)
         for result in VERIFY_RESULTS:
             self._child(self.hash_verifications, result)
+        for notice in INDEX_RESET_NOTICES:
+            self._child(self.index_resets, notice)
         for reason in STREAM_REFUSALS:
             self._child(self.streams_refused, reason)
         for reason in HTTP_REFUSALS:

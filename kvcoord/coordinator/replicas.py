@@ -30,15 +30,17 @@ def wall_of(mono: float) -> float:
 
 def _signature(n: SharedNode) -> tuple[object, ...]:
     """What a republish must carry: any change of it is published at once."""
-    return (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust, n.trust_cause)
+    return (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust, n.trust_cause, n.generation)
 
 
 class Replicas:
     """Shared node records (``directory``); None: this process alone decides liveness."""
 
     def __init__(self, index: Index, registry: NodeRegistry, directory: NodeDirectory | None,
-                 keep: Keep, log_once: LogOnce) -> None:
+                 keep: Keep, log_once: LogOnce, generation: Callable[[], str | None] = lambda: None) -> None:
         self.index = index
+        self.generation = generation
+        """The index generation this replica accepted (``IndexHealth.generation``): records carry it."""
         self.registry = registry
         self.directory = directory
         self.keep = keep
@@ -65,7 +67,7 @@ class Replicas:
         return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
                           heard + lease + self._slack(), self.replica_id, heard,
                           rec.load, rec.serving_url, fence_token(self.index, rec.node_id), trust, reason,
-                          cause)
+                          cause, self.generation() or "")
 
     def _slack(self) -> float:
         return min(2.0, self.registry.lease / 2)
@@ -187,9 +189,16 @@ class Replicas:
                 trust = rec.trust if rank is None else rec.rank_trust(rank)
                 return rec.load, rec.serving_url, trust.state, trust.cause
             return None
-        if other is not None and other.model == model and other.live(now_wall):
+        if (other is not None and other.model == model and other.live(now_wall)
+                and self._same_generation(other)):
             return other.load, other.url, other.trust, other.trust_cause
         return None
+
+    def _same_generation(self, other: SharedNode) -> bool:
+        """Whether ``other`` was published in the index generation this replica accepted (records of
+        replicas that predate the field count as the same): see ``SharedNode.generation``."""
+        mine = self.generation()
+        return not other.generation or not mine or other.generation == mine
 
     def remote_nodes(self) -> list[SharedNode]:
         """Nodes whose stream another replica holds, as last read from the directory (a node this

@@ -72,6 +72,10 @@ class SharedNode:
     trust_reason: str = ""
     trust_cause: str = ""
     """The owner's ``Trust.cause`` (a replica that predates it: empty, a degraded node taken as before)."""
+    generation: str = ""
+    """The index generation the owner had accepted when it published (empty: a replica that predates
+    it). A reader in another generation leaves the node out: one of the two has not yet seen the index
+    lose its contents, and the node's entries (or the record's state) are from before the loss."""
 
     def live(self, now_wall: float) -> bool:
         return self.state in _SERVED and now_wall <= self.deadline
@@ -101,6 +105,7 @@ class SharedNode:
                 "trust": self.trust,
                 "trust_reason": self.trust_reason,
                 "trust_cause": self.trust_cause,
+                "generation": self.generation,
             },
             separators=(",", ":"),
         )
@@ -124,6 +129,7 @@ class SharedNode:
             trust=str(d.get("trust") or EXACT),
             trust_reason=str(d.get("trust_reason", "")),
             trust_cause=str(d.get("trust_cause", "")),
+            generation=str(d.get("generation", "")),
         )
 
 

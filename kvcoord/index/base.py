@@ -28,6 +28,7 @@ __all__ = [
     "FencedWrite",
     "Fencing",
     "Index",
+    "IndexReset",
     "IndexStats",
     "InvalidEvent",
     "NativeView",
@@ -78,6 +79,18 @@ class WriteNotReplicated(Exception):
     as acknowledged; applying the same call again is idempotent, so it is retried."""
 
 
+class IndexReset(Exception):
+    """A shared backend lost its contents (flushed, restarted empty) since this process last read its
+    generation (:meth:`Remote.generation`), and noticed it in the call itself: a lookup gave no answer,
+    a write applied nothing. ``buckets``: the parts found changed. The caller re-reads the generation
+    (which makes every node resync) before it reads or writes again: nothing is ever answered from, or
+    written on top of, a keyspace that lost its data without the nodes resyncing first."""
+
+    def __init__(self, buckets: list[str], message: str) -> None:
+        super().__init__(message)
+        self.buckets = buckets
+
+
 @dataclass(slots=True)
 class ApplyResult:
     """Block-level counts of what one ``apply`` did."""
@@ -115,6 +128,9 @@ class MirrorStatus(Protocol):
 
     @property
     def ready(self) -> bool: ...
+    def current(self) -> bool:
+        """Lookups are answered from the copy now (loaded, and provably current)."""
+        ...
     @property
     def loads(self) -> int: ...
     @property
@@ -208,8 +224,10 @@ class Remote(Protocol):
     async def generation(self) -> str:
         """An opaque id of the current contents' lifetime. It changes only when everything stored
         before is gone (e.g. Redis restarted empty), and the coordinator then asks every agent for a
-        snapshot. Cheap (called every stats interval and after every outage); raises
-        ``ConnectionError`` when the backend is unreachable."""
+        snapshot. Reading it is also how the backend accepts the current lifetime: until then, its
+        lookups and writes raise :class:`IndexReset` once the contents were lost. Cheap (called every
+        stats interval and after every outage); raises ``ConnectionError`` when the backend is
+        unreachable."""
         ...
 
 

@@ -19,6 +19,7 @@ script touches one bucket only. A bucket holds whole nodes (all their models and
 ``T:cnt``                 hash   ``<id>:<tier>`` -> entries, so ``stats`` never counts entries one by one
 ``T:dead`` / ``T:cur``    list   retired location ids waiting for reclaim, and their HSCAN cursors
 ``T:fence:<node>``        str    the node's fencing token: the highest a replica claimed it with
+``T:epoch``               str    the bucket's lifetime marker: random, set when missing (``generation``)
 ========================  =====  ====================================================================
 
 A lookup runs one read-only script per bucket that walks the query's hashes through ``T:inv:<model>``,
@@ -86,6 +87,17 @@ is not fenced (library use, an admin removal).
 ``reclaim_node`` removes a dead owner's node only while the token is still that owner's, and then
 issues a new one, fencing the dead owner out for good.
 
+Lost data (FLUSHALL, a restart without persistence) is noticed in the call that meets it, not by a
+poll: a client accepts each bucket's ``T:epoch`` when it reads the generation (``remote.generation``,
+which sets a fresh marker where it is missing, so the first client to notice sets the new lifetime and
+the others adopt it). The fast lookup's ``NAMES`` (inside its ``MULTI``), the lookup script and every
+write script (write, begin, commit, clear, remove_node, claim, remove_pending: checked in the prelude,
+before fencing) carry the accepted marker and answer -2, having read or written nothing, when the
+bucket's differs or is gone; the client raises :class:`~kvcoord.index.base.IndexReset`. Nothing is
+answered from, or written into, a keyspace that lost its data until the client has re-read the
+generation, which makes the coordinator resync its nodes first. The mirror answers only while every
+bucket's marker was confirmed recently (:meth:`LookupMirror.current`).
+
 Entries are only ever lost if Redis loses them: run Redis with ``maxmemory-policy noeviction`` (an
 evicted ``T:inv`` field would silently hide a block that a node still holds; with ``noeviction`` a
 full Redis rejects writes, the coordinator sees the error, keeps the agents' batches unacked and
@@ -96,9 +108,10 @@ Modules
 ``keys`` key names and buckets; ``scripts`` the Lua (one ``.lua`` file per script, package data);
 ``client`` the connection (:class:`RedisConnection`: round trips, EVALSHA, the plain-TCP fast path,
 metrics); ``walk`` the client-side holder-string walk; ``writes`` batch packing and the per-bucket
-coalescing write queue; ``mirror`` the lookup mirror; ``records`` the node directory and engine
-registrations replicas share (the index's ``node_directory`` and ``engine_store``); ``index``
-:class:`RedisIndex`. The index and the mirror share only the connection and the bucket tags.
+coalescing write queue; ``epochs`` the buckets' accepted lifetime markers (carried by every call);
+``mirror`` the lookup mirror; ``records`` the node directory and engine registrations replicas share
+(the index's ``node_directory`` and ``engine_store``); ``index`` :class:`RedisIndex`. The index and the
+mirror share only the connection, the bucket tags and the accepted markers.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class RedisFencing:
         if tok is None:
             ix = self.index
             await ix._check_layout()
-            tok = int(await ix._conn.eval(lua.CLAIM, ix.tag_of(node_id), node_id))
+            tok = int(await ix._epochs.eval(lua.CLAIM, ix.tag_of(node_id), "claim", node_id))
             # concurrent first writes may each issue one: keep the highest, or we would fence ourselves
             tok = max(tok, self._tokens.get(node_id) or 0)
             self._tokens[node_id] = tok
@@ -60,7 +60,8 @@ class RedisFencing:
             return False
         ix = self.index
         tag = ix.tag_of(node_id)
-        res = int(await ix._conn.eval(lua.REMOVE_NODE, tag, node_id, str(token), "1"))
+        await ix._check_layout()
+        res = int(await ix._epochs.eval(lua.REMOVE_NODE, tag, "reclaim_node", node_id, str(token), "1"))
         if res <= 0:
             return False
         ix.metrics.reclaimed_nodes += 1

@@ -61,12 +61,16 @@ class RedisHealth:
     async def generation(self) -> str:
         """A token that changes when Redis lost the index (restarted empty, flushed, failed over badly).
 
-        Each bucket keeps a random marker, set when missing (one script per bucket, one round trip);
-        the coordinator compares the token over time and asks every agent for a snapshot when it
-        changed. Raises :class:`~kvcoord.index.redis.client.IndexUnavailable` when Redis cannot be reached.
+        Each bucket keeps a random marker ``T:epoch``, set when missing (one script per bucket, one
+        round trip); the coordinator compares the token over time and asks every agent for a snapshot
+        when it changed. The markers read become the index's accepted epochs: its lookups and writes
+        check them inline and raise ``IndexReset`` until this is called again after a loss. Raises
+        :class:`~kvcoord.index.redis.client.IndexUnavailable` when Redis cannot be reached.
         """
         ix = self.index
         tokens = await ix._conn.eval_many(lua.EPOCH, [(tag, [uuid.uuid4().hex]) for tag in ix._tags])
+        if ix._epochs.accept(tokens):
+            ix._layout_checked = False  # the layout record was lost with the data: written again
         return hashlib.sha1(b"|".join(t if isinstance(t, bytes) else b"" for t in tokens)).hexdigest()[:16]
 
     async def data_epoch(self) -> str:

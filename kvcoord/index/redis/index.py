@@ -41,6 +41,7 @@ from kvcoord.index.redis.client import (
     _command,
     _hmget_command,
 )
+from kvcoord.index.redis.epochs import BucketEpochs
 from kvcoord.index.redis.fencing import RedisFencing
 from kvcoord.index.redis.health import RedisHealth
 from kvcoord.index.redis.keys import (
@@ -91,7 +92,8 @@ class RedisIndex:
         self._fencer = RedisFencing(self)
         self.fencing: Fencing | None = self._fencer
         """Replicas share this index: writes are fenced (``fencing.claim``)."""
-        self.remote: Remote | None = RedisHealth(self)
+        self._health = RedisHealth(self)
+        self.remote: Remote | None = self._health
         """Health (``remote.ping``), lifetime (``remote.generation``), round-trip counters (``metrics``)."""
         self.native: NativeView | None = None
         self.node_directory: NodeRecords | None = RedisNodeRecords(client, key_prefix)
@@ -115,10 +117,13 @@ class RedisIndex:
         self._retired_gen = 0
         self._reclaimed_gen = 0
         """Retirements this client made, and how many of them a finished reclaim pass has covered."""
-        self._writes = WriteQueue(self._conn, self._tags)
+        self._epochs = BucketEpochs(self._conn, self._tags)
+        """Per bucket: the ``T:epoch`` marker this client accepted (``remote.generation`` sets it).
+        Every lookup and write checks it in its own round trip (``IndexReset`` when Redis's differs)."""
+        self._writes = WriteQueue(self._conn, self._tags, self._epochs)
         self._names: dict[str, _Names] = {}
         """Per bucket tag: ``T:name`` as of a ``T:ver`` (the fast lookup path's cache)."""
-        self._mirror = LookupMirror(self._conn, self._tags) if mirror else None
+        self._mirror = LookupMirror(self._conn, self._tags, self._epochs) if mirror else None
         """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
         self.metrics.mirror = self._mirror
 
@@ -180,6 +185,8 @@ class RedisIndex:
             raise ValueError(
                 f"the Redis keyspace {self.key_prefix!r} uses {buckets} buckets, this client {self.buckets}"
             )
+        if not self._epochs.known:
+            await self._health.generation()  # library use: the coordinator reads it before serving
         self._layout_checked = True
 
     # ---------------------------------------------------------------------------------- the protocol
@@ -232,10 +239,12 @@ class RedisIndex:
             return []
         if type(hashes) is not list:
             hashes = list(hashes)  # e.g. the wire's packed view: the walks read a list
+        if not self._layout_checked:
+            await self._check_layout()  # (the epochs: accepted once before any lookup)
         mirror = self._mirror
         if mirror is not None:
             mirror.start()
-            if mirror.ready:  # (hashes are checked by the walk: the same error as below)
+            if mirror.current():  # (hashes are checked by the walk: the same error as below)
                 want = self._want(model, candidates) if candidates is not None else None
                 return mirror.match(model, hashes, want)
         try:
@@ -252,18 +261,23 @@ class RedisIndex:
         """``match`` by the lookup script: one per bucket, in one pipeline (per shard on a Cluster)."""
         calls: list[tuple[str, list[object]]]
         if candidates is None:
-            calls = [(tag, [model, blob, "0"]) for tag in self._tags]
+            calls = [(tag, [self._epochs.of(tag), model, blob, "0"]) for tag in self._tags]
         else:
             per: dict[int, list[object]] = {}
             for node_id, rank in candidates:
-                per.setdefault(self.bucket_of(node_id), [model, blob, "1"]).append(
+                b = self.bucket_of(node_id)
+                per.setdefault(b, [self._epochs.of(self._tags[b]), model, blob, "1"]).append(
                     _loc_name(model, node_id, rank)
                 )
             if not per:
                 return []
             calls = [(self._tags[b], a) for b, a in per.items()]
+        res = await self._conn.eval_many(lua.LOOKUP, calls)
+        lost = [tag for (tag, _), flat in zip(calls, res, strict=True) if lua.epoch_changed(flat)]
+        if lost:
+            raise lua.index_reset(lost, "lookup")
         out: list[NodeMatch] = []
-        for flat in await self._conn.eval_many(lua.LOOKUP, calls):
+        for flat in res:
             for i in range(0, len(flat), 5):
                 _, node_id, rank = _parse_loc_name(flat[i])
                 tiers = (int(flat[i + 2]), int(flat[i + 3]), int(flat[i + 4]))
@@ -295,6 +309,9 @@ class RedisIndex:
         tags = [self._tags[b] for b in buckets]
         hmgets = [_hmget_command(f"{tag}:inv:{model}".encode(), blob) for tag in tags]
         res = await self._conn.round_trip(functools.partial(self._read_fast, tags, hmgets))
+        lost = [tag for k, tag in enumerate(tags) if lua.epoch_changed(res[2 * k])]
+        if lost:
+            raise lua.index_reset(lost, "lookup")
         out: list[NodeMatch] = []
         for k, tag in enumerate(tags):
             got = res[2 * k]
@@ -311,15 +328,17 @@ class RedisIndex:
         return out
 
     async def _read_fast(self, tags: list[str], hmgets: list[bytes], retry: bool = True) -> list[Any]:
-        """The fast lookup's one write: ``MULTI``, per bucket ``NAMES`` (against the cached ``T:ver``)
-        and the HMGET, ``EXEC``; replies are ``[names or 0, holders]`` per bucket, flat."""
+        """The fast lookup's one write: ``MULTI``, per bucket ``NAMES`` (against the cached ``T:ver`` and
+        the accepted epoch) and the HMGET, ``EXEC``; replies are ``[names, 0 or -2, holders]`` per
+        bucket, flat."""
         fast = self._fast
         assert fast is not None
         parts = [_MULTI]
         for tag, hm in zip(tags, hmgets, strict=True):
             cached = self._names.get(tag)
             ver = cached.ver if cached is not None else b"-"
-            parts.append(_command("EVALSHA", lua.NAMES.sha, 1, tag + ":loc", tag, ver))
+            epoch = self._epochs.of(tag)
+            parts.append(_command("EVALSHA", lua.NAMES.sha, 1, tag + ":loc", tag, ver, epoch))
             parts.append(hm)
         parts.append(_EXEC)
         res: list[Any] = await fast.call(b"".join(parts), skip=1 + 2 * len(tags))
@@ -334,8 +353,10 @@ class RedisIndex:
     async def clear(self, model: str, node_id: str, dp_rank: int) -> None:
         validate.check_target(model, node_id, dp_rank)
         lf = _loc_name(model, node_id, dp_rank)
+        await self._check_layout()
         token = await self._fencer.token(node_id)
-        res = int(await self._conn.write(lua.CLEAR, self.tag_of(node_id), lf, node_id, token))
+        res = int(await self._epochs.eval(lua.CLEAR, self.tag_of(node_id), "clear", lf, node_id, token,
+                                             durable=True))
         if res < 0:
             raise self._fencer.fenced(node_id, "clear")
         if res:
@@ -343,8 +364,11 @@ class RedisIndex:
         await self._mirror_sync(self.tag_of(node_id))
 
     async def remove_node(self, node_id: str) -> None:
+        await self._check_layout()
         token = await self._fencer.token(node_id)
-        res = int(await self._conn.write(lua.REMOVE_NODE, self.tag_of(node_id), node_id, token, "0"))
+        tag = self.tag_of(node_id)
+        res = int(await self._epochs.eval(lua.REMOVE_NODE, tag, "remove_node", node_id, token, "0",
+                                             durable=True))
         if res < 0:
             raise self._fencer.fenced(node_id, "remove_node")
         if res:
@@ -392,7 +416,7 @@ class RedisIndex:
         tag = self.tag_of(node_id)
         lf = _loc_name(model, node_id, dp_rank)
         token = await self._fencer.token(node_id)
-        pending = int(await self._conn.eval(lua.BEGIN, tag, lf, node_id, token))
+        pending = int(await self._epochs.eval(lua.BEGIN, tag, "replace_node", lf, node_id, token))
         if pending < 0:
             raise self._fencer.fenced(node_id, "replace_node")
         try:
@@ -403,7 +427,7 @@ class RedisIndex:
             committed = 0  # the node was removed while we filled: its pending entries are being reclaimed
         except BaseException:
             with contextlib.suppress(Exception):
-                await self._conn.eval(lua.REMOVE_PENDING, tag, lf, node_id, str(pending))
+                await self._epochs.eval(lua.REMOVE_PENDING, tag, "replace_node", lf, node_id, str(pending))
             raise
         self._wake_reclaimer()
         await self._mirror_sync(tag)
@@ -418,12 +442,13 @@ class RedisIndex:
         for t, hs in enumerate(per_tier):
             for s in range(0, len(hs), _REPLACE_CHUNK):
                 blob = _pack(hs[s : s + _REPLACE_CHUNK])
-                res = await self._conn.eval(lua.WRITE, tag, lf, node_id, str(pending), token, 1,
-                                            f"S{t}", blob)
+                res = await self._epochs.eval(lua.WRITE, tag, "replace_node", lf, node_id, str(pending),
+                                               token, 1, f"S{t}", blob)
                 if int(res[0]) < 0:
                     raise self._fencer.fenced(node_id, "replace_node")
         # The commit's WAIT (?wait_replicas) covers the chunks too: Redis replicates in order
-        committed = int(await self._conn.write(lua.COMMIT, tag, lf, node_id, str(pending), token))
+        committed = int(await self._epochs.eval(lua.COMMIT, tag, "replace_node", lf, node_id, str(pending),
+                                                 token, durable=True))
         if committed < 0:
             raise self._fencer.fenced(node_id, "replace_node")
         return committed
@@ -450,6 +475,7 @@ class RedisIndex:
         mirror = self._mirror
         if mirror is None:
             return False
+        await self._check_layout()  # the accepted epochs: the copy answers only within them
         mirror.start()
         deadline = time.monotonic() + timeout
         while not mirror.ready and time.monotonic() < deadline:
@@ -483,7 +509,7 @@ class RedisIndex:
         gen = self._retired_gen
         pending = list(self._tags)
         while pending and not self._closed:
-            res = await self._conn.eval_many(lua.RECLAIM, [(tag, [_RECLAIM_CHUNK]) for tag in pending])
+            res = await self._conn.eval_many(lua.RECLAIM, [(tag, ["", _RECLAIM_CHUNK]) for tag in pending])
             done_now = sum(int(done) for done, _ in res)
             total += done_now
             self.metrics.reclaimed_entries += done_now

@@ -9,13 +9,15 @@ import bisect
 import logging
 import operator
 import struct
+import time
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeMatch
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import RedisConnection, is_not_primary
+from kvcoord.index.redis.epochs import BucketEpochs
 from kvcoord.index.redis.keys import _glob_escape, _pack
 from kvcoord.index.redis.walk import _LOCAL_IDS, _holder_runs, _Names, _rebase, _walk_runs
 from kvcoord.native import native
@@ -32,6 +34,10 @@ class _FeedGap(Exception):
 _FEED_REC = struct.Struct(">QI")
 _FEED_BLOCK = 250
 """Milliseconds a feed reader's XREAD blocks: also how soon it notices that it should stop."""
+_FEED_COUNT = 1000
+"""Entries one XREAD takes at most."""
+CURRENT_SECONDS = 2 * _FEED_BLOCK / 1000
+"""The copy answers a lookup only if every bucket's reader confirmed its epoch at most this long ago."""
 _BY_NODE = operator.itemgetter(0, 1)
 _BY_BLOCKS = operator.itemgetter(2)
 
@@ -52,11 +58,28 @@ class LookupMirror:
     a slow reader, or Redis restarted) or a lost connection means a reload; until loaded, ``ready`` is
     false and lookups take the Redis path. Each bucket's feed has its own reader (on a Cluster the
     buckets live on different shards).
+
+    Lost data (FLUSHALL, Redis restarted empty): the feed and ``T:feedon`` are gone, so writers stop
+    feeding and the copy would freeze. So the copy is used only while provably current
+    (:meth:`current`): each reader reads the bucket's ``T:epoch`` when its XREAD returns less than a full
+    batch (the copy then holds every entry the feed had when the XREAD was sent; at most every 100 ms,
+    at least every ``_FEED_BLOCK`` ms while Redis answers) and reloads when it changed; a lookup uses
+    the copy only if, for every bucket, the epoch the copy was loaded in is the one the index accepted
+    and a reader confirmed it, as of a moment within :data:`CURRENT_SECONDS`. Guarantee: an answer from
+    the copy reflects every feed entry of the index's accepted lifetime up to a moment at most
+    ``CURRENT_SECONDS`` before the lookup (plus this client's own writes, ``caught_up``); otherwise the
+    lookup takes the Redis path, which checks the epoch in its own round trip.
     """
 
-    def __init__(self, conn: RedisConnection, tags: Sequence[str]) -> None:
-        """``tags``: every bucket's hash tag, in bucket order (the index's)."""
+    def __init__(self, conn: RedisConnection, tags: Sequence[str], epochs: BucketEpochs) -> None:
+        """``tags``: every bucket's hash tag, in bucket order (the index's); ``epochs``: the index's
+        accepted epoch per tag (the index keeps it current)."""
         self._conn = conn
+        self._accepted = epochs
+        self._epoch: dict[str, bytes] = {}
+        """Per bucket tag: the ``T:epoch`` the copy was loaded in."""
+        self._confirmed: dict[str, float] = {}
+        """Per bucket tag: when (monotonic, taken before the read was sent) that epoch was last read."""
         self._r = conn.client
         self._tags = list(tags)
         self.ready = False
@@ -85,6 +108,29 @@ class LookupMirror:
         self.loads = 0
         self.entries_applied = 0
         self.lookups = 0
+
+    def current(self) -> bool:
+        """Whether a lookup may use the copy now (see the class docstring's guarantee)."""
+        if not self.ready:
+            return False
+        oldest = time.monotonic() - CURRENT_SECONDS
+        accepted, confirmed = self._accepted, self._confirmed
+        for tag in self._tags:
+            epoch = accepted.of(tag)
+            if not epoch or self._epoch.get(tag) != epoch or confirmed.get(tag, 0.0) < oldest:
+                return False
+        return True
+
+    async def _confirm(self, tag: str, sent: float) -> None:
+        """After an XREAD sent at ``sent`` (monotonic) returned less than a full batch, so that the copy
+        holds every entry the feed had then: read the bucket's epoch. Unchanged, the copy is current as of
+        ``sent``; changed, it reloads. At most every ``CURRENT_SECONDS / 5`` (a busy feed returns often)."""
+        if sent - self._confirmed.get(tag, 0.0) < CURRENT_SECONDS / 5:
+            return
+        epoch = await self._r.get(f"{tag}:epoch")
+        if epoch != self._epoch.get(tag):
+            raise _FeedGap(f"the epoch of {tag} changed (Redis lost its data)")
+        self._confirmed[tag] = sent
 
     # ------------------------------------------------------------------------------- running
 
@@ -196,8 +242,14 @@ class LookupMirror:
         self._release()
 
     async def _note_feed_end(self, tag: str) -> None:
-        """Turn the bucket's feed on, and note its last entry: the replay starts after it."""
+        """Note the bucket's epoch, turn its feed on, and note its last entry: the replay starts after it.
+        A missing epoch (data lost, no client has set the new one yet) fails the load: retried later."""
         r = self._r
+        t0 = time.monotonic()
+        epoch: Any = await r.get(f"{tag}:epoch")
+        if not epoch:
+            raise ConnectionError(f"{tag}:epoch is missing (Redis lost its data; not set again yet)")
+        self._epoch[tag], self._confirmed[tag] = epoch, t0
         await r.set(f"{tag}:feedon", b"1")
         last: Any = await r.xrevrange(f"{tag}:feed", count=1)
         if last:
@@ -223,7 +275,9 @@ class LookupMirror:
 
     async def _load_names(self, tag: str) -> None:
         """``T:ver`` and ``T:name`` in one atomic read (the lookup path's ``NAMES`` script)."""
-        got = await self._conn.eval(lua.NAMES, tag, "-")
+        got = await self._conn.eval(lua.NAMES, tag, "-", self._epoch[tag])
+        if lua.epoch_changed(got):
+            raise _FeedGap(f"the epoch of {tag} changed (Redis lost its data)")
         self.names[tag] = _Names(got[0] or b"", got[1])
 
     # ------------------------------------------------------------------------------- merging
@@ -302,9 +356,9 @@ class LookupMirror:
             for t in readers:
                 if not t.done():
                     t.cancel()
-        for t in readers:
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise cast(BaseException, t.exception())
+        failed = [e for t in readers if t.done() and not t.cancelled() and (e := t.exception()) is not None]
+        if failed:  # (every reader's exception retrieved: several fail at once when Redis lost its data)
+            raise failed[0]
 
     async def _follow_one(self, tag: str) -> None:
         try:
@@ -318,11 +372,16 @@ class LookupMirror:
         r = self._r
         feed = f"{tag}:feed"
         while not (self._halt or self._halt_readers):
-            got: Any = await r.xread({feed: self._last_id[tag]}, count=1000, block=_FEED_BLOCK) or []
+            sent = time.monotonic()
+            got: Any = await r.xread({feed: self._last_id[tag]}, count=_FEED_COUNT, block=_FEED_BLOCK) or []
+            n = 0
             for _, entries in got:
                 for entry_id, fields in entries:
                     await self._apply(tag, entry_id, fields)
+                n += len(entries)
             self._release()
+            if n < _FEED_COUNT:  # (a full batch: more entries wait, the copy is behind)
+                await self._confirm(tag, sent)
             # Idle: a Redis that lost its data (FLUSHALL, a restart we did not see) lost T:feedon too,
             # and its writers no longer feed: reload rather than serve the old copy.
             if not got and not await r.exists(f"{tag}:feedon"):

@@ -21,7 +21,7 @@ async def read_stats(conn: RedisConnection, client: aredis.Redis | RedisCluster,
                      exact: bool) -> IndexStats:
     """The index's figures (see ``RedisIndex.stats``): one script call per bucket, and with ``exact`` the
     distinct blocks of models spread over several buckets."""
-    res = await conn.eval_many(lua.STATS, [(tag, []) for tag in tags])
+    res = await conn.eval_many(lua.STATS, [(tag, [""]) for tag in tags])
     entries = 0
     nbytes = 0
     nodes: set[str] = set()

@@ -13,6 +13,7 @@ from typing import TypeAlias
 from kvcoord import validate
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import IndexUnavailable, RedisConnection
+from kvcoord.index.redis.epochs import BucketEpochs
 from kvcoord.index.redis.keys import _pack
 from kvcoord.validate import Op
 
@@ -61,9 +62,11 @@ _Queued: TypeAlias = tuple[list[object], int, asyncio.Future[list[int]]]
 class WriteQueue:
     """Per bucket, the batches waiting for the bucket's next write call (see :meth:`submit`)."""
 
-    def __init__(self, conn: RedisConnection, tags: Sequence[str]) -> None:
+    def __init__(self, conn: RedisConnection, tags: Sequence[str], epochs: BucketEpochs) -> None:
         self._conn = conn
         self._tags = list(tags)
+        self._epochs = epochs
+        """The index's accepted epoch per bucket: every call carries it."""
         self._queues: list[deque[_Queued]] = [deque() for _ in self._tags]
         self._tasks: list[asyncio.Task[None] | None] = [None] * len(self._tags)
 
@@ -76,6 +79,8 @@ class WriteQueue:
         the client's too. The bucket's calls run one at a time, in queue order, so a node's batches
         (a node lives in one bucket) apply in the order ``apply`` was called. Each batch was validated
         before it was queued, and one script call is atomic, so a batch is applied whole or not at all.
+        Raises ``IndexReset`` (nothing of the call applied) when the bucket's epoch is not the one the
+        index accepted: Redis lost the bucket's data since.
         """
         fut: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         self._queues[bucket].append((batch, blocks, fut))
@@ -102,7 +107,7 @@ class WriteQueue:
             if not taken:
                 break
             try:
-                flat = await self._conn.write(lua.WRITE, tag, *args)  # WAITs too, with ?wait_replicas
+                flat = await self._epochs.eval(lua.WRITE, tag, "write", *args, durable=True)  # WAITs too
             except BaseException as e:
                 err = IndexUnavailable("redis index closed") if isinstance(e, asyncio.CancelledError) else e
                 for fut in taken:

@@ -1,7 +1,11 @@
 """The backend's Lua scripts, one ``.lua`` file each beside this module (package data).
 
 Most scripts start with the shared prelude ``common.lua`` (bucket tag, holder records, change feed,
-retire), prepended here, after the script's ``#!lua`` line if it has one. A script's SHA1 (Redis's script
+retire), prepended here, after the script's ``#!lua`` line if it has one. Their ARGV[2] is the bucket's
+``T:epoch`` as the client last accepted it (the prelude takes it out; the ARGV listed below follow the
+tag): the write scripts (write, begin, commit, clear, remove_node, claim, remove_pending) refuse the
+whole call with :data:`EPOCH_CHANGED` when the bucket's marker differs or is gone; reclaim and stats
+ignore it (they are passed ``''``). A script's SHA1 (Redis's script
 cache) is that of the whole text, so a change to the prelude changes every such script's: EVALSHA then
 misses once per server and falls back to EVAL, which caches the new one.
 """
@@ -10,8 +14,26 @@ from __future__ import annotations
 
 from importlib.resources import files
 
+from kvcoord.index.base import IndexReset
 from kvcoord.index.redis.client import _Script
 from kvcoord.index.redis.keys import FEED_MAX_ENTRIES
+
+EPOCH_CHANGED = -2
+"""What an epoch-checking script returns, having done nothing, when the bucket's ``T:epoch`` is not the
+one the client accepted: Redis lost the bucket's data since (see ``RedisIndex`` and ``IndexReset``)."""
+
+
+def epoch_changed(reply: object) -> bool:
+    """Whether a script's reply is the epoch refusal (an integer; normal replies of the scripts that
+    can refuse are lists, counts >= -1, or fencing tokens)."""
+    return type(reply) is int and reply == EPOCH_CHANGED
+
+
+def index_reset(tags: list[str], what: str) -> IndexReset:
+    """The exception for an epoch refusal of ``what`` (a lookup, a write) on the buckets ``tags``."""
+    return IndexReset(tags, f"redis lost the data of bucket(s) {', '.join(tags)} since this client last read "
+                            f"its generation (the epoch marker changed or is gone): {what} refused, nothing "
+                            "answered or applied")
 
 
 def read_script(name: str) -> str:
@@ -59,12 +81,14 @@ REMOVE_PENDING = _load("remove_pending.lua")
 RECLAIM = _load("reclaim.lua")
 """ARGV: tag, count. Reclaims up to ~count entries of the oldest retired location; returns {done, left}."""
 LOOKUP = _load("lookup.lua", prelude=False)
-"""ARGV: tag, model, packed query hashes, '1' if restricted to candidates, then candidate location names.
-Returns a flat list: location name, run length, GPU, CPU, STORAGE blocks of the run, ... (each block
-counted once, in its fastest tier, as the memory backend does)."""
+"""ARGV: tag, the accepted epoch (-2 when it differs), model, packed query hashes, '1' if restricted to
+candidates, then candidate location names. Returns a flat list: location name, run length, GPU, CPU,
+STORAGE blocks of the run, ... (each block counted once, in its fastest tier, as the memory backend does)."""
 STATS = _load("stats.lua")
 """ARGV: tag. Live locations with per-tier entry counts, models' block counts, and the bucket's bytes."""
 NAMES = _load("names.lua", prelude=False)
-"""ARGV: tag, the client's cached ``T:ver``: 0 if unchanged, else ``{ver, T:name as a flat list}``."""
+"""ARGV: tag, the client's cached ``T:ver``, its accepted epoch: -2 if the epoch differs, 0 if the
+version is unchanged, else ``{ver, T:name as a flat list}``."""
 EPOCH = _load("epoch.lua", prelude=False)
-"""ARGV: tag, a fresh random marker: the bucket's marker (set to the fresh one when missing)."""
+"""ARGV: tag, a fresh random marker: the bucket's marker ``T:epoch`` (set to the fresh one when
+missing: the first client to notice a loss sets the new lifetime, the others adopt it)."""

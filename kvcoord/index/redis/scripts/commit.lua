@@ -1,3 +1,4 @@
+if epoch_changed() then return -2 end
 local lf, node, id = ARGV[2], ARGV[3], ARGV[4]
 if fenced(node, ARGV[5]) then return -1 end
 if redis.call('HEXISTS', tag .. ':pend', id) == 0 then return 0 end

@@ -2,6 +2,15 @@ local tag = ARGV[1]
 -- globals are slow in Redis's sandbox (a protected table): bind what the hot loops use to locals
 local call, sub, find, byte, char, spack, sunpack, unpack, min, floor = redis.call, string.sub,
   string.find, string.byte, string.char, struct.pack, struct.unpack, unpack, math.min, math.floor
+-- The bucket's lifetime marker T:epoch (set when missing by the EPOCH script, lost with the data): a
+-- write script's ARGV[2] is the marker its client last accepted, taken out of ARGV here so that the
+-- script's own arguments keep their places. A script that checks it (epoch_changed() first, before
+-- its fencing check) refuses the whole call with -2 when the marker differs or is gone: nothing is
+-- written on top of a keyspace that lost its data until the client has re-read the generation.
+local epoch_arg = table.remove(ARGV, 2)
+local function epoch_changed()
+  return call('GET', tag .. ':epoch') ~= epoch_arg
+end
 local function model_of(lf)
   local c = find(lf, ':', 1, true)
   local n = tonumber(sub(lf, 1, c - 1))

@@ -1,4 +1,8 @@
 #!lua flags=no-writes
+-- ARGV[2]: the client's accepted T:epoch: -2 when the bucket's differs (it lost its data); then
+-- taken out, so the rest reads ARGV as before
+if redis.call('GET', ARGV[1] .. ':epoch') ~= ARGV[2] then return -2 end
+table.remove(ARGV, 2)
 
 local call, sub, sunpack, unpack, min = redis.call, string.sub, struct.unpack, unpack, math.min
 local tag, model, blob = ARGV[1], ARGV[2], ARGV[3]

@@ -1,3 +1,4 @@
+if epoch_changed() then return -2 end
 -- ARGV[4] '1': reclaiming a dead owner's node, only while its token is still exactly ARGV[3]; the
 -- token is then fenced out (a new one is issued), so that owner can never write for the node again
 if ARGV[4] == '1' then

@@ -1,3 +1,4 @@
+if epoch_changed() then return -2 end
 local band = bit.band
 -- a fill whose pending location is gone is refused before anything is written
 local a = 2
