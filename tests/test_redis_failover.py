@@ -1,5 +1,7 @@
 """Issue 29: Redis failing over the way production does, under load, with two serve replicas (one answering
-from its mirror) and an agent each (see tests/failover_fleet.py for what is judged).
+from its mirror) and an agent each (see tests/failover_fleet.py for what is judged): a Cluster primary
+killed, Sentinel failing over and demoting the old primary back empty, a FLUSHALL, and a restart without
+persistence (tests/test_redis_flush_e2e.py plays the last two with a real agent process and sim-engine).
 
 Each scenario asserts: no answer ever called a node ``exact`` without blocks the replica had answered held
 before (data the index lost); at quiet both replicas hold exactly what the agents hold; every outage
@@ -22,6 +24,7 @@ from tests.failover_fleet import Fleet
 from tests.redis_servers import (
     RedisCluster,
     RedisServer,
+    redis_sentinel,
     start_cluster,
     start_server,
     stop_cluster,
@@ -30,6 +33,9 @@ from tests.redis_servers import (
 
 OUTAGE_BOUND = 30.0
 """Seconds a replica may fail lookups, or leave a node out, around one failure (generous: a busy machine)."""
+SLOWEST_LOOKUP = 5.0
+"""No lookup may hang near the socket timeout: the lookup deadline (0.5 s) answers first. The exact bound
+is tests/test_redis_durability.py's; this one leaves room for a busy machine."""
 
 
 Fault = Callable[[], Awaitable[None] | None]
@@ -64,6 +70,7 @@ async def _run(tmp: Path, uri: str, fault: Fault, recover_bound: float = OUTAGE_
     assert not violations, f"{len(violations)} wrong answers, e.g. {violations[:3]}\n{fleet.report()}"
     for addr, o in fleet.outcomes.items():
         assert o.outage < OUTAGE_BOUND and o.unsure < OUTAGE_BOUND, f"{addr}: {fleet.report()}"
+        assert o.slowest < SLOWEST_LOOKUP, f"{addr}: {fleet.report()}"
     print(f"recovered (new blocks answered by both replicas) {recovered:.2f}s after the fault")
     return fleet
 
@@ -121,3 +128,19 @@ class _Alive(RedisCluster):
 
     def __init__(self, cluster: RedisCluster, dead: RedisServer) -> None:
         super().__init__([s for s in cluster.servers if s is not dead])
+
+
+async def test_sentinel_failover_and_the_old_primary_back_empty_under_load(tmp_path: Path) -> None:
+    """Sentinel promotes the replica after a SIGKILL; the old primary comes back empty (a primary for a
+    moment) and Sentinel demotes it. Writes WAIT for a replica (``wait_replicas=1``), so none that was
+    acknowledged is lost with the old primary."""
+    with redis_sentinel() as rs:
+        old = rs.primary()
+
+        async def fail_over() -> None:
+            old.kill()
+            await _until(lambda: rs.primary_port() not in (None, old.port), "the replica's promotion", 60)
+            old.start()
+            await _until(lambda: rs.role(old) == "slave", "Sentinel to demote the old primary", 90)
+
+        await _run(tmp_path, f"{rs.url}?timeout=1&wait_replicas=1&wait_timeout=0.2", fail_over)

@@ -178,6 +178,8 @@ class Lookups:
                 raise LookupFailed(UNAVAILABLE, self.unavailable(st.health.down_reason))
             try:
                 return list(await self._bounded_match(model, hashes, candidates or None))
+            except LookupFailed:
+                raise
             except IndexReset as exc:
                 if attempt == 2:
                     reason = f"it lost its contents again: {exc}"
