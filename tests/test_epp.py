@@ -602,6 +602,8 @@ def test_table_keeps_nodes_through_an_empty_listing() -> None:
     table = EndpointTable({"static": "10.1.1.1:1"})
     table.update([node("a"), node("bb")])
     assert ids(MODEL) == ids(None) == ["a", "bb", "static"]
+    table.update([])  # one list that misses them (a coordinator shutting down) leaves them listed
+    assert ids(MODEL) == ["a", "bb", "static"] and ids(MODEL, ever=False) == ["a", "bb", "static"]
     table.update([])
     assert ids(MODEL) == ["a", "bb", "static"] and ids(MODEL, ever=False) == ["static"]
     table.update([node("a"), node("bb", "draining")])  # what is listed now wins over what ever was

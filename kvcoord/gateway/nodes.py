@@ -31,6 +31,9 @@ __all__ = ["ROUTABLE_STATES", "InFlight", "KnownNode", "NodeTable", "Prefill"]
 ROUTABLE_STATES = frozenset({"active", "resyncing", "hash_mismatch"})
 """Node states that still serve requests (their index entries may be stale; their engine is not)."""
 
+UNLISTED_AFTER = 2
+"""``ListNodes`` answers in a row that must leave a node out before it counts as unlisted."""
+
 K = TypeVar("K", bound=Hashable)
 
 
@@ -44,7 +47,11 @@ class KnownNode:
     model: str = ""
     """Model the coordinator lists it under ("" for a static backend it never listed: any model)."""
     listed: bool = False
-    """In the coordinator's last ``ListNodes`` answer, in a routable state."""
+    """In the coordinator's recent ``ListNodes`` answers, in a routable state. Listed in another state, it
+    is out at once; left out, only after ``UNLISTED_AFTER`` answers in a row (a coordinator shutting down
+    may answer one list that misses nodes whose streams it already closed)."""
+    absent: int = 0
+    """``ListNodes`` answers in a row that left it out."""
     ranks: set[int] = field(default_factory=set)
     load: dict[int, NodeLoad] = field(default_factory=dict)
     """Last load the coordinator reported, per dp rank."""
@@ -82,14 +89,21 @@ class NodeTable:
     def update(self, nodes: Iterable[NodeStatus]) -> None:
         """A whole ``ListNodes`` answer. Nodes it leaves out, or lists in a state that serves nothing, are
         not listed now, but kept (see the module's docstring)."""
-        seen = set()
+        seen, present = set(), set()
         for n in nodes:
+            present.add(n.node_id)
             if n.state in ROUTABLE_STATES:
                 ranks = n.dp_ranks or (0,)
                 self.learn(n.node_id, n.serving_url, n.model, ranks, dict.fromkeys(ranks, n.load))
                 seen.add(n.node_id)
         for node_id, node in self.nodes.items():
-            node.listed = node_id in seen
+            if node_id in seen:
+                node.listed, node.absent = True, 0
+            elif node_id in present:  # listed in a state that serves nothing: out at once
+                node.listed = False
+            else:
+                node.absent += 1
+                node.listed = node.listed and node.absent < UNLISTED_AFTER
 
     def serving(self, model: str | None, *, usable: Callable[[KnownNode], bool] = lambda n: True,
                 ever: bool = True) -> list[KnownNode]:
