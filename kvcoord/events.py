@@ -443,6 +443,80 @@ def _tuplify(value: object) -> object:
     return value
 
 
+# --- the engines' gRPC stream (smg.grpc.common.KvEventBatch, PyPI's smg-grpc-proto) ----------------
+SMG_TIER_MEDIA = {1: "DEVICE", 2: "HOST", 3: "DISK", 4: "EXTERNAL"}
+"""``KvCacheTier`` values as medium names the media map knows (:mod:`kvcoord.media`), for a store or removal
+that names a tier and no ``medium``; another value becomes ``TIER_<n>``, an unknown medium (skipped and
+counted)."""
+_SMG_LOCALITY = {1: "local", 2: "remote"}
+_SMG_OPTIONAL = ("lora_name", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "ownership",
+                 "session_id", "cache_salt")
+
+
+def decode_smg_batch(msg: Any) -> KVEventBatch:
+    """One ``smg.grpc.common.KvEventBatch`` (an engine's ``SubscribeKvEvents`` stream) as the model's batch.
+
+    Hashes are int64 on that wire (SMG's servicers reduce an engine's hash to its low 64 bits, signed): they
+    become the same 64 bits unsigned, as SGLang's msgpack ones do. A store's blocks become one BlockStored
+    (their token ids in order; every block must have the batch's one ``block_size``); ``tier`` without
+    ``medium`` becomes a medium name (:data:`SMG_TIER_MEDIA`). Validation is the model's
+    (:mod:`kvcoord.validate`); a batch this cannot map raises :class:`EventDecodeError`."""
+    events: list[KVEvent] = []
+    for i, ev in enumerate(msg.events):
+        which = ev.WhichOneof("data")
+        if which == "stored":
+            events.append(_smg_stored(ev.stored, i))
+        elif which == "removed":
+            rm = ev.removed
+            events.append(BlockRemoved(tuple(h & UINT64_MAX for h in rm.block_hashes), _smg_medium(rm),
+                                       rm.group_idx if rm.HasField("group_idx") else None, _smg_locality(rm),
+                                       rm.ownership if rm.HasField("ownership") else None))
+        elif which == "cleared":
+            events.append(AllBlocksCleared())
+        else:
+            raise EventDecodeError("event", f"event {i} is none of stored, removed, cleared")
+    return KVEventBatch(msg.timestamp, tuple(events), msg.dp_rank if msg.HasField("dp_rank") else None)
+
+
+def _smg_stored(st: Any, i: int) -> BlockStored:
+    blocks = st.blocks
+    if not blocks:
+        raise EventDecodeError("event", f"event {i}: a store of no blocks")
+    size = blocks[0].block_size
+    if any(b.block_size != size for b in blocks):
+        raise EventDecodeError("block_size", f"event {i}: blocks of several block sizes "
+                                             f"{sorted({b.block_size for b in blocks})}")
+    first = blocks[0]
+    extra = (tuple(tuple(_smg_key(k) for k in b.extra_keys) or None for b in blocks)
+             if any(b.extra_keys for b in blocks) else None)
+    opt = {f: getattr(st, f) for f in _SMG_OPTIONAL if st.HasField(f)}
+    return BlockStored(
+        tuple(b.block_hash & UINT64_MAX for b in blocks),
+        st.parent_block_hash & UINT64_MAX if st.HasField("parent_block_hash") else None,
+        tuple(t for b in blocks for t in b.token_ids), size,
+        lora_id=first.lora_id if first.HasField("lora_id") else None, medium=_smg_medium(st),
+        extra_keys=extra, locality=_smg_locality(st), **opt)
+
+
+def _smg_medium(ev: Any) -> str | None:
+    if ev.HasField("medium"):
+        return str(ev.medium)
+    if ev.HasField("tier") and ev.tier:
+        return SMG_TIER_MEDIA.get(ev.tier, f"TIER_{ev.tier}")
+    return None
+
+
+def _smg_locality(ev: Any) -> str | None:
+    return _SMG_LOCALITY.get(ev.locality, str(ev.locality)) if ev.HasField("locality") else None
+
+
+def _smg_key(key: Any) -> object:
+    which = key.WhichOneof("key")
+    if which == "multimodal":
+        return (key.multimodal.identifier, key.multimodal.offset)
+    return getattr(key, which) if which is not None else None
+
+
 # --- encoding, exactly as vLLM's publisher ------------------------------------------------------
 _EXACT = {(c, form): _derive(c, array_like=form == "array", exact=True) for c in _EVENTS
           for form in ("map", "array")}
