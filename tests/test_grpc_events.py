@@ -215,6 +215,7 @@ def test_an_unreachable_engine_is_retried_and_the_agent_stops_at_once(tmp_path: 
     (["--grpc-endpoint", "127.0.0.1:1", "--zmq-endpoint", "tcp://127.0.0.1:2"], "drop --zmq-endpoint"),
     (["--grpc-endpoint", "127.0.0.1:1", "--replay-endpoint", "tcp://127.0.0.1:2"], "drop --replay-endpoint"),
     (["--grpc-endpoint", "127.0.0.1:1", "--no-kv-events"], "drop --no-kv-events"),
+    (["--grpc-endpoint", "127.0.0.1:1", "--dp-ranks", "0,1"], "carries one DP rank's sequence"),
 ])
 def test_bad_grpc_flags_stop_the_agent_with_one_line(flags: list[str], message: str) -> None:
     out = subprocess.run(kvcoord_cmd("agent", "--coordinator", "127.0.0.1:1", "--node-id", "n", "--model",

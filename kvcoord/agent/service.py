@@ -1,7 +1,7 @@
 """``kvcoord agent``: relay one engine's KV events to one or more coordinators, until SIGTERM.
 
 One :class:`~kvcoord.engine.relay.Relay` per engine DP rank (vLLM offsets each rank's ports by the rank),
-or one :class:`~kvcoord.engine.grpc_relay.GrpcRelay` for an engine's gRPC stream (every rank on it), feeds
+or one :class:`~kvcoord.engine.grpc_relay.GrpcRelay` for an engine's gRPC stream (its one rank), feeds
 a shared :class:`~kvcoord.engine.relay.BlockMirror` and a :class:`~kvcoord.agent.reporter.Reporter`.
 The agent exits 1 when every coordinator refused the node for good (a token not allowed for it, an
 unknown model in strict mode): retrying could not change the answer, so it says why once and stops.
@@ -74,7 +74,7 @@ class AgentConfig:
 
 def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> list[RelayCore]:
     """One relay per DP rank, on vLLM's per-rank port offsets of the rank-0 endpoints; one for a gRPC stream,
-    which carries every rank (none without KV events)."""
+    which carries one rank (none without KV events)."""
     relays: list[RelayCore] = []
     if config.grpc_endpoint is not None:
         from kvcoord.engine.grpc_relay import GrpcRelay

@@ -176,6 +176,9 @@ def check_event_source(args: argparse.Namespace) -> None:
         if given:
             raise CliError(f"--grpc-endpoint is the engine's whole stream (hashes are int64 on it): drop "
                            f"{given[0]}")
+        if "," in args.dp_ranks.strip(" ,"):
+            raise CliError("--grpc-endpoint: a SubscribeKvEvents stream carries one DP rank's sequence; give "
+                           "one rank in --dp-ranks (one agent per rank's server)")
     elif args.no_kv_events:
         flags = (("--zmq-endpoint", args.zmq_endpoint), ("--replay-endpoint", args.replay_endpoint),
                  ("--topic", args.topic), ("--signed-hashes", args.signed_hashes), ("--algo", args.algo),
@@ -185,8 +188,8 @@ def check_event_source(args: argparse.Namespace) -> None:
         if given:
             raise CliError(f"--no-kv-events relays no events: drop {given[0]}")
     elif args.zmq_endpoint is None:
-        raise CliError("--zmq-endpoint or --grpc-endpoint is required (or --no-kv-events for an engine "
-                       "without KV events)")
+        raise CliError("--zmq-endpoint is required (or --grpc-endpoint for an engine's gRPC stream, or "
+                       "--no-kv-events for an engine without KV events)")
 
 
 def hash_profile(args: argparse.Namespace) -> HashProfile | None:

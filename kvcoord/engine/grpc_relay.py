@@ -88,7 +88,8 @@ _RESUBSCRIBE = True
 
 
 class GrpcRelay(RelayCore):
-    """One engine's ``SubscribeKvEvents`` stream (every DP rank it carries) -> mirror + sink."""
+    """One engine's ``SubscribeKvEvents`` stream -> mirror + sink. A stream has one sequence, so it carries
+    one DP rank's batches (SGLang's servicer streams rank 0's publisher): ``allowed_ranks``."""
 
     def __init__(self, endpoint: str, sink: EventSink, *, mirror: BlockMirror | None = None,
                  default_dp_rank: int = 0, allowed_ranks: set[int] | None = None,
@@ -129,44 +130,45 @@ class GrpcRelay(RelayCore):
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set (or the task is cancelled), subscribing again after every failure."""
         channel = grpc.aio.insecure_channel(self.endpoint)
-        watcher = asyncio.create_task(self._watch(channel, stop))
+        watcher = asyncio.create_task(self._watch(channel))
+        stopping = asyncio.create_task(stop.wait())
         backoff = self._backoff[0]
         self.ready.set()
         try:
             while not stop.is_set():
                 self._delivered = False
+                sub = asyncio.create_task(self._subscribe(channel))
+                await asyncio.wait((sub, stopping), return_when=asyncio.FIRST_COMPLETED)
+                if not sub.done():  # stopped: a cancelled stream raises CancelledError, not a status
+                    sub.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                        await sub
+                    break
+                self._call = None
+                self.loads.clear()
                 try:
-                    again = await self._subscribe(channel)
+                    again = sub.result()
                 except grpc.aio.AioRpcError as exc:
                     again = self._failed(exc)
-                finally:
-                    self._call = None
-                    self.loads.clear()
-                if stop.is_set():
-                    break
                 if self._delivered:
                     backoff = self._backoff[0]
                 if again:
                     continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
+                await asyncio.wait((stopping,), timeout=backoff)
                 backoff = min(backoff * 2, self._backoff[1])
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            self._call = None
+            self.loads.clear()
+            for task in (stopping, watcher):
+                task.cancel()
+            await asyncio.wait((stopping, watcher))
             await channel.close(None)
 
-    async def _watch(self, channel: grpc.aio.Channel, stop: asyncio.Event) -> None:
-        """Ends the stream when ``stop`` is set; keeps :attr:`answered_at` while it is open and connected."""
+    async def _watch(self, channel: grpc.aio.Channel) -> None:
+        """Keeps :attr:`answered_at` while the stream is open and the channel connected (an idle engine)."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._idle_probe)
+            await asyncio.sleep(self._idle_probe)
             call = self._call
-            if stop.is_set():
-                if call is not None:
-                    call.cancel()
-                return
             if call is not None and not call.done() and \
                     channel.get_state() == grpc.ChannelConnectivity.READY:
                 self.answered_at = time.monotonic()

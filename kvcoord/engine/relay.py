@@ -1,6 +1,11 @@
-"""The relay: one real engine's ZMQ KV-event stream -> a mirror of its blocks -> the reporter.
+"""The relay: one real engine's KV-event stream -> a mirror of its blocks -> the reporter.
 
-It subscribes to the engine's PUB socket, decodes every batch with
+:class:`RelayCore` holds what every transport shares (the stream's position, the mirror and the sink, and the
+rules below for lost, malformed and restarted streams); :class:`Relay` is its ZMQ transport and
+:class:`kvcoord.engine.grpc_relay.GrpcRelay` its gRPC one (``SubscribeKvEvents``, whose gaps are healed by
+resuming the stream instead of a replay socket).
+
+The ZMQ relay subscribes to the engine's PUB socket, decodes every batch with
 :func:`kvcoord.events.decode_vllm_views` (token ids stay undecoded: they travel only on the few events
 sampled for verification), and keeps the stream whole:
 
