@@ -12,19 +12,23 @@ SIGTERM; bad flags and bad registrations get one line.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2 as pb
 
+from kvcoord.engine.grpc_relay import GrpcRelay
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.smg_publisher import Engine, cleared_event, int64, removed_event, stored_event
@@ -191,9 +195,9 @@ def test_an_unreachable_engine_is_retried_and_the_agent_stops_at_once(tmp_path: 
         try:
             e2.publish(store(0))
             s.expect("late", {0: "GPU"}, "exact", "relayed once the engine is up")
+            assert s.log.read_text().count("KV event stream failed") == 1  # once per outage
         finally:
             e2.close()
-        assert s.log.read_text().count("KV event stream failed") == 1  # once per outage
     lone = Engine(free_port())  # not served: nothing answers
     proc = subprocess.Popen(kvcoord_cmd("agent", "--coordinator", "127.0.0.1:1", "--node-id", "n", "--model",
                                         "m", "--grpc-endpoint", f"127.0.0.1:{lone.port}"),
@@ -237,3 +241,79 @@ def test_bad_grpc_registrations_are_refused_with_one_line(tmp_path: Path) -> Non
         with urllib.request.urlopen(f"http://127.0.0.1:{s.http}/workers", timeout=10) as resp:
             (worker,) = json.loads(resp.read())
         assert (worker["source"], worker["endpoints"]) == ("grpc", {"0": f"grpc://127.0.0.1:{s.port}"})
+
+
+class RecordingSink:
+    """A real consumer: what the relay forwards, and the ranks it marks."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int]] = []
+        self.lost: list[tuple[int, str]] = []
+
+    def submit(self, dp_rank: int, events: Sequence[Any], ts: float | None = None,
+               ops: Sequence[Any] | None = None, spans: Sequence[int] | None = None) -> None:
+        self.batches.append((dp_rank, len(events)))
+
+    def history_lost(self, dp_rank: int, reason: str) -> None:
+        self.lost.append((dp_rank, reason))
+
+
+def raw_server(port: int, messages: list[bytes]) -> grpc.Server:
+    """A server whose SubscribeKvEvents sends ``messages`` as they are (bytes that may not parse); idles."""
+    def subscribe(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from messages
+        while context.is_active():
+            time.sleep(0.05)
+
+    handler = grpc.method_handlers_generic_handler("sglang.grpc.scheduler.SglangScheduler", {
+        "SubscribeKvEvents": grpc.unary_stream_rpc_method_handler(subscribe)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+def test_garbage_heartbeats_and_partial_snapshots_on_the_wire(tmp_path: Path) -> None:
+    """What does not parse is a malformed batch (counted, lost history); a load-only heartbeat repeating the
+    last sequence only updates the load; a snapshot that lacks the engine's early batches is marked."""
+    def batch(seq: int, *events: pb.KvCacheEvent, **kw: Any) -> bytes:
+        out: bytes = pb.KvEventBatch(sequence_number=seq, timestamp=1.0, events=events, dp_rank=0,
+                                     **kw).SerializeToString()
+        return out
+
+    heartbeat = pb.EngineLoad(running_requests=5, waiting_requests=1, token_usage=0.5, load_only=True)
+    messages = [
+        batch(0, stored_event([(10, [1, 2])]), load=pb.EngineLoad(running_requests=1)),
+        batch(0, load=heartbeat),
+        b"\xff\xff\xff not a protobuf",
+        batch(2, stored_event([(20, [3, 4])])),
+        batch(3, cleared_event(), stored_event([(30, [5, 6])]),
+              snapshot=pb.KvSnapshotChunk(index=0, count=1, blocks=1, unknown_before=4)),
+    ]
+    port = free_port()
+    server = raw_server(port, messages)
+    sink = RecordingSink()
+    relay = GrpcRelay(f"127.0.0.1:{port}", sink, allowed_ranks={0})
+    loads = []
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(relay.run(stop))
+        deadline = time.monotonic() + 30
+        while relay.stats.snapshot_chunks < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        loads.append(relay.load())
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(None).wait(5)
+    assert [h for h, _ in relay.mirror.rank_entries(0)] == [30]
+    assert dict(relay.stats.malformed) == {"protobuf": 1}
+    assert (relay.stats.restarts, relay.stats.gaps, relay.stats.snapshot_chunks) == (0, 0, 1)
+    assert len(sink.lost) == 2 and "malformed (protobuf)" in sink.lost[0][1], sink.lost
+    assert "snapshot lacks its first 4 batch(es)" in sink.lost[1][1], sink.lost
+    assert [(x.running_requests, x.waiting_requests, x.kv_usage) for x in loads] == [(5, 1, 0.5)]
