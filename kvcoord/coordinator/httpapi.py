@@ -14,9 +14,9 @@ meaning of Dynamo's. The deliberate differences (docs/http-api.md):
 - ``/query`` also takes ``prompt`` or ``messages`` (OpenAI chat) instead of ``token_ids``, tokenized
   with the model's tokenizer; answers add ``model``, ``block_size``, ``num_blocks``, ``num_tokens`` and
   ``nodes`` (kvcoord's answer, best first, with per-tier counts, load and the engine URL).
-- ``/register`` takes ``tcp://`` endpoints only, and ``serving_url`` (the engine's HTTP URL) and
-  ``metrics_url`` (its ``/metrics``, scraped for its load) besides; past ``max_streams`` registered
-  engines it answers 429 (Dynamo has no such limit).
+- ``/register`` takes ``tcp://`` endpoints only, or ``grpc_endpoint`` (an engine's ``SubscribeKvEvents``),
+  and ``serving_url`` (the engine's HTTP URL) and ``metrics_url`` (its ``/metrics``, scraped for its load)
+  besides; past ``max_streams`` registered engines it answers 429 (Dynamo has no such limit).
 - ``/workers`` says ``active`` only of an engine that answered within the lease (events or a replay probe):
   else ``connecting``, ``unreachable`` (it is then in no lookup answer) or ``failed``; Dynamo says
   ``active`` of any registration, an address where nothing listens included.
