@@ -29,6 +29,15 @@ import pytest
 from smg_grpc_proto.generated import common_pb2 as pb
 
 from kvcoord.engine.grpc_relay import GrpcRelay
+from kvcoord.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventDecodeError,
+    decode_smg_batch,
+    stored_tokens,
+    to_model,
+)
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.smg_publisher import Engine, cleared_event, int64, removed_event, stored_event
@@ -317,3 +326,35 @@ def test_garbage_heartbeats_and_partial_snapshots_on_the_wire(tmp_path: Path) ->
     assert len(sink.lost) == 2 and "malformed (protobuf)" in sink.lost[0][1], sink.lost
     assert "snapshot lacks its first 4 batch(es)" in sink.lost[1][1], sink.lost
     assert [(x.running_requests, x.waiting_requests, x.kv_usage) for x in loads] == [(5, 1, 0.5)]
+
+
+def test_the_decoder_maps_every_field_of_a_grpc_batch() -> None:
+    """``decode_smg_batch``: int64 hashes as their uint64, tiers as medium names, the store's fields, the
+    blocks' token ids (read when asked for) and extra keys; a batch it cannot map is an EventDecodeError."""
+    blocks = [pb.KvBlock(block_hash=-2, token_ids=[1, 2], block_size=2, lora_id=7,
+                         extra_keys=[pb.KvBlockExtraKey(text="a"), pb.KvBlockExtraKey(
+                             multimodal=pb.KvMultimodalKey(identifier="img", offset=3))]),
+              pb.KvBlock(block_hash=5, token_ids=[3, 4], block_size=2)]
+    stored = pb.KvBlocksStored(blocks=blocks, parent_block_hash=-1, tier=pb.KV_CACHE_TIER_EXTERNAL,
+                               group_idx=1, kv_cache_spec_kind="full_attention", lora_name="ad",
+                               cache_salt="salt", session_id="s", locality=pb.KV_CACHE_LOCALITY_REMOTE)
+    msg = pb.KvEventBatch(sequence_number=9, timestamp=2.5, dp_rank=3, events=[
+        pb.KvCacheEvent(stored=stored),
+        pb.KvCacheEvent(removed=pb.KvBlocksRemoved(block_hashes=[5], medium="CPU_PINNED")),
+        pb.KvCacheEvent(cleared=pb.KvCacheCleared())])
+    batch = decode_smg_batch(msg)
+    assert (batch.ts, batch.data_parallel_rank) == (2.5, 3)
+    st, rm, cl = (to_model(ev) for ev in batch.events)
+    assert st == BlockStored(block_hashes=((1 << 64) - 2, 5), parent_block_hash=(1 << 64) - 1,
+                             token_ids=(1, 2, 3, 4), block_size=2, lora_id=7, medium="EXTERNAL",
+                             lora_name="ad", extra_keys=(("a", ("img", 3)), None), group_idx=1,
+                             kv_cache_spec_kind="full_attention", locality="remote", session_id="s",
+                             cache_salt="salt")
+    assert rm == BlockRemoved(block_hashes=(5,), medium="CPU_PINNED")
+    assert cl == AllBlocksCleared()
+    assert stored_tokens(batch.events[0]) == (1, 2, 3, 4)
+    bad = pb.KvEventBatch(events=[pb.KvCacheEvent(stored=pb.KvBlocksStored(blocks=[
+        pb.KvBlock(block_hash=1, block_size=2), pb.KvBlock(block_hash=2, block_size=4)]))])
+    with pytest.raises(EventDecodeError) as err:
+        decode_smg_batch(bad)
+    assert err.value.kind == "block_size"
