@@ -1,4 +1,5 @@
-"""The KV-event model every layer shares, and the msgpack codec of vLLM's and SGLang's publishers.
+"""The KV-event model every layer shares, the msgpack codec of vLLM's and SGLang's publishers, and the decoder
+of engines' gRPC batches (``smg.grpc.common.KvEventBatch``: :func:`decode_smg_batch`).
 
 The model *is* vLLM's own: one msgspec Struct per event (``vllm/distributed/kv_events.py``), field for
 field, so nothing an engine publishes is lost and msgspec (vLLM's codec) decodes straight into it, in
@@ -17,8 +18,9 @@ from __future__ import annotations
 import enum
 import re
 from array import array
-from collections.abc import Callable, Sequence
-from typing import Annotated, Any, ClassVar, Literal, TypeAlias
+from collections.abc import Callable, Iterator, Sequence
+from itertools import chain
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias, cast
 
 import msgspec
 
@@ -427,7 +429,7 @@ def _hashable_keys(extra: Sequence[Any] | None) -> tuple[ExtraKeys, ...] | None:
 
 def to_model(ev: Any) -> KVEvent:
     """Any decoded event (a model struct, a derived form, or a relay view) as the model's own struct."""
-    if type(ev) in _EVENTS:
+    if type(ev) in _EVENTS and not isinstance(getattr(ev, "token_ids", ()), ProtoTokens):
         return ev  # type: ignore[no-any-return]
     cls = _CANONICAL[type(ev).__name__]
     values = {f.name: getattr(ev, f.name) for f in msgspec.structs.fields(ev)}
@@ -441,6 +443,104 @@ def _tuplify(value: object) -> object:
     if isinstance(value, list | tuple):
         return tuple(_tuplify(v) for v in value)
     return value
+
+
+# --- the engines' gRPC stream (smg.grpc.common.KvEventBatch, PyPI's smg-grpc-proto) ----------------
+SMG_TIER_MEDIA = {1: "DEVICE", 2: "HOST", 3: "DISK", 4: "EXTERNAL"}
+"""``KvCacheTier`` values as medium names the media map knows (:mod:`kvcoord.media`), for a store or removal
+that names a tier and no ``medium``; another value becomes ``TIER_<n>``, an unknown medium (skipped and
+counted)."""
+_SMG_LOCALITY = {1: "local", 2: "remote"}
+_SMG_OPTIONAL = ("lora_name", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "ownership",
+                 "session_id", "cache_salt")
+
+
+def decode_smg_batch(msg: Any) -> KVEventBatch:
+    """One ``smg.grpc.common.KvEventBatch`` (an engine's ``SubscribeKvEvents`` stream) as the model's batch.
+
+    Hashes are int64 on that wire (SMG's servicers reduce an engine's hash to its low 64 bits, signed): they
+    become the same 64 bits unsigned, as SGLang's msgpack ones do. A store's blocks become one BlockStored
+    (their token ids in order, read when asked for: :class:`ProtoTokens`; every block must have one
+    ``block_size``); ``tier`` without
+    ``medium`` becomes a medium name (:data:`SMG_TIER_MEDIA`). Validation is the model's
+    (:mod:`kvcoord.validate`); a batch this cannot map raises :class:`EventDecodeError`."""
+    events: list[KVEvent] = []
+    for i, ev in enumerate(msg.events):
+        which = ev.WhichOneof("data")
+        if which == "stored":
+            events.append(_smg_stored(ev.stored, i))
+        elif which == "removed":
+            rm = ev.removed
+            events.append(BlockRemoved(tuple(h & UINT64_MAX for h in rm.block_hashes), _smg_medium(rm),
+                                       rm.group_idx if rm.HasField("group_idx") else None, _smg_locality(rm),
+                                       rm.ownership if rm.HasField("ownership") else None))
+        elif which == "cleared":
+            events.append(AllBlocksCleared())
+        else:
+            raise EventDecodeError("event", f"event {i} is none of stored, removed, cleared")
+    return KVEventBatch(msg.timestamp, tuple(events), msg.dp_rank if msg.HasField("dp_rank") else None)
+
+
+class ProtoTokens(Sequence[int]):
+    """A gRPC store's token ids, left in its protobuf blocks until asked for: the relay forwards them only
+    on the few stores sampled for verification (:func:`stored_tokens`), as the msgpack views leave theirs
+    undecoded; copying them costs most of a batch's decoding."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: Sequence[Any]) -> None:
+        self._blocks = blocks
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(b.token_ids for b in self._blocks)
+
+    def __len__(self) -> int:
+        return sum(len(b.token_ids) for b in self._blocks)
+
+    def __getitem__(self, i: Any) -> Any:
+        return tuple(self)[i]
+
+
+def _smg_stored(st: Any, i: int) -> BlockStored:
+    blocks = st.blocks
+    if not blocks:
+        raise EventDecodeError("event", f"event {i}: a store of no blocks")
+    first = blocks[0]
+    size = first.block_size
+    hashes = []
+    keyed = False
+    for b in blocks:  # one pass: a batch's blocks are most of its decoding
+        if b.block_size != size:
+            raise EventDecodeError("block_size", f"event {i}: blocks of several block sizes "
+                                                 f"{sorted({b.block_size for b in blocks})}")
+        hashes.append(b.block_hash & UINT64_MAX)
+        keyed = keyed or bool(b.extra_keys)
+    extra = tuple(tuple(_smg_key(k) for k in b.extra_keys) or None for b in blocks) if keyed else None
+    opt = {f: getattr(st, f) for f in _SMG_OPTIONAL if st.HasField(f)}
+    return BlockStored(
+        tuple(hashes), st.parent_block_hash & UINT64_MAX if st.HasField("parent_block_hash") else None,
+        cast("tuple[int, ...]", ProtoTokens(blocks)), size,
+        lora_id=first.lora_id if first.HasField("lora_id") else None, medium=_smg_medium(st),
+        extra_keys=extra, locality=_smg_locality(st), **opt)
+
+
+def _smg_medium(ev: Any) -> str | None:
+    if ev.HasField("medium"):
+        return str(ev.medium)
+    if ev.HasField("tier") and ev.tier:
+        return SMG_TIER_MEDIA.get(ev.tier, f"TIER_{ev.tier}")
+    return None
+
+
+def _smg_locality(ev: Any) -> str | None:
+    return _SMG_LOCALITY.get(ev.locality, str(ev.locality)) if ev.HasField("locality") else None
+
+
+def _smg_key(key: Any) -> object:
+    which = key.WhichOneof("key")
+    if which == "multimodal":
+        return (key.multimodal.identifier, key.multimodal.offset)
+    return getattr(key, which) if which is not None else None
 
 
 # --- encoding, exactly as vLLM's publisher ------------------------------------------------------

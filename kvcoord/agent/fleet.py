@@ -20,8 +20,10 @@ from kvcoord.agent.engine_metrics import EngineMetrics
 from kvcoord.agent.local import LocalFeed
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import ACTIVE, CONNECTING, FAILED, UNREACHABLE, Engine
-from kvcoord.engine.relay import BlockMirror, Relay
+from kvcoord.engine.grpc_relay import GrpcRelay
+from kvcoord.engine.relay import BlockMirror, Relay, RelayCore
 from kvcoord.hashing import SGLANG
+from kvcoord.load import NodeLoad
 
 log = logging.getLogger("kvcoord.agent.fleet")
 
@@ -32,7 +34,7 @@ __all__ = ["Fleet"]
 class _Running:
     engine: Engine
     reporter: LocalFeed
-    relays: dict[int, Relay]
+    relays: dict[int, RelayCore]
     tasks: dict[int, asyncio.Task[None]]
     started: float
     scraper: EngineMetrics | None = None
@@ -43,6 +45,12 @@ class _Running:
         """When every rank had last answered: the node is there only while all of its ranks are."""
         times = [r.answered_at for r in self.relays.values()]
         return None if any(t is None for t in times) else min(t for t in times if t is not None)
+
+    def streamed_load(self) -> NodeLoad:
+        """The engine's load as its gRPC streams carry it (every rank's): no metrics page needed."""
+        loads = [r.load() for r in self.relays.values() if isinstance(r, GrpcRelay)]
+        return NodeLoad(sum(x.running_requests for x in loads), sum(x.waiting_requests for x in loads),
+                        sum(x.kv_usage for x in loads) / max(1, len(loads)))
 
 
 class Fleet:
@@ -59,17 +67,26 @@ class Fleet:
         ranks = [x.dp_rank for x in engine.listeners]
         lease = self.state.config.lease_seconds
         scraper = EngineMetrics(engine.metrics_url, engine.model_name) if engine.metrics_url else None
+        streamed = scraper is None and engine.source == "grpc"
         rep = LocalFeed(self.state, node_id=engine.node_id, model=engine.model,
                         snapshot=mirror.rank_entries, dp_ranks=ranks, serving_url=engine.serving_url,
                         answered=lambda: run.answered_at(),
-                        load=scraper.load if scraper is not None else None)
+                        load=scraper.load if scraper is not None else
+                        (lambda: run.streamed_load()) if streamed else None)
         # Probed several times a lease, so an idle engine that is there keeps its lease.
-        relays = {x.dp_rank: Relay(x.endpoint, rep, replay_endpoint=x.replay_endpoint, mirror=mirror,
-                                   ctx=self._ctx, default_dp_rank=x.dp_rank, allowed_ranks={x.dp_rank},
-                                   signed_hashes=engine.kind == SGLANG,
-                                   on_malformed=self.state.metrics.relay_malformed_seen,
-                                   idle_probe=min(1.0, lease / 4), replay_timeout=min(2.0, lease / 3))
-                  for x in engine.listeners}
+        relays: dict[int, RelayCore] = {}
+        for x in engine.listeners:
+            grpc_endpoint = x.grpc_endpoint
+            if grpc_endpoint is not None:
+                relays[x.dp_rank] = GrpcRelay(grpc_endpoint, rep, mirror=mirror, default_dp_rank=x.dp_rank,
+                                              allowed_ranks={x.dp_rank}, idle_probe=min(1.0, lease / 4),
+                                              on_malformed=self.state.metrics.relay_malformed_seen)
+                continue
+            relays[x.dp_rank] = Relay(x.endpoint, rep, replay_endpoint=x.replay_endpoint, mirror=mirror,
+                                      ctx=self._ctx, default_dp_rank=x.dp_rank, allowed_ranks={x.dp_rank},
+                                      signed_hashes=engine.kind == SGLANG,
+                                      on_malformed=self.state.metrics.relay_malformed_seen,
+                                      idle_probe=min(1.0, lease / 4), replay_timeout=min(2.0, lease / 3))
         run = _Running(engine, rep, relays, {}, time.monotonic(), scraper)
         await rep.start()
         for rank, relay in relays.items():
@@ -110,13 +127,15 @@ class Fleet:
                 out[rank] = self._liveness(run, run.relays[rank])
         return out
 
-    def _liveness(self, run: _Running, relay: Relay) -> tuple[str, str]:
+    def _liveness(self, run: _Running, relay: RelayCore) -> tuple[str, str]:
         """A running relay's status by its engine's last answer, and why when it is not ``active``."""
         lease, now = self.state.config.lease_seconds, time.monotonic()
         at = relay.answered_at
         if at is not None and now - at <= lease:
             return ACTIVE, ""
-        asked = f"replay {relay.replay_endpoint}" if relay.replay_endpoint else "its PUB connection"
+        replay = getattr(relay, "replay_endpoint", None)
+        asked = (f"replay {replay}" if replay else "its SubscribeKvEvents stream"
+                 if isinstance(relay, GrpcRelay) else "its PUB connection")
         if at is None:
             if now - run.started <= lease:
                 return CONNECTING, f"waiting for a first answer from {relay.endpoint} ({asked})"

@@ -1,7 +1,8 @@
-"""``kvcoord agent``: relay one engine's ZMQ KV events to one or more coordinators, until SIGTERM.
+"""``kvcoord agent``: relay one engine's KV events to one or more coordinators, until SIGTERM.
 
-One :class:`~kvcoord.engine.relay.Relay` per engine DP rank (vLLM offsets each rank's ports by the rank)
-feeds a shared :class:`~kvcoord.engine.relay.BlockMirror` and a :class:`~kvcoord.agent.reporter.Reporter`.
+One :class:`~kvcoord.engine.relay.Relay` per engine DP rank (vLLM offsets each rank's ports by the rank),
+or one :class:`~kvcoord.engine.grpc_relay.GrpcRelay` for an engine's gRPC stream (its one rank), feeds
+a shared :class:`~kvcoord.engine.relay.BlockMirror` and a :class:`~kvcoord.agent.reporter.Reporter`.
 The agent exits 1 when every coordinator refused the node for good (a token not allowed for it, an
 unknown model in strict mode): retrying could not change the answer, so it says why once and stops.
 """
@@ -15,16 +16,17 @@ import logging
 import os
 import signal
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvcoord.agent.engine_metrics import EngineMetrics
 from kvcoord.agent.reporter import Reporter, ReporterOptions
-from kvcoord.engine.relay import BlockMirror, EventSink, Relay
+from kvcoord.engine.relay import BlockMirror, EventSink, Relay, RelayCore
 from kvcoord.engine.zmq_wire import offset_endpoint_port
 from kvcoord.hashing import HashProfile
+from kvcoord.load import NodeLoad
 from kvcoord.transport import ChannelSecurity
 
 log = logging.getLogger("kvcoord.agent")
@@ -61,12 +63,24 @@ class AgentConfig:
     """The engine's OpenAI-compatible base URL, announced in the Hello for routers ("" : none)."""
     linger: float = 0.0
     """Seconds a batch waits for more events before it goes (``ReporterOptions.linger``)."""
+    grpc_endpoint: str | None = None
+    """The engine's ``SubscribeKvEvents`` server (``HOST:PORT``), instead of ``zmq_endpoint``: its batches
+    carry the engine's load, which heartbeats report unless ``engine_metrics_url`` is given."""
+
+    @property
+    def kv_events(self) -> bool:
+        return self.zmq_endpoint is not None or self.grpc_endpoint is not None
 
 
-def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> list[Relay]:
-    """One relay per DP rank, on vLLM's per-rank port offsets of the rank-0 endpoints (none without
-    KV events)."""
-    relays: list[Relay] = []
+def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> list[RelayCore]:
+    """One relay per DP rank, on vLLM's per-rank port offsets of the rank-0 endpoints; one for a gRPC stream,
+    which carries one rank (none without KV events)."""
+    relays: list[RelayCore] = []
+    if config.grpc_endpoint is not None:
+        from kvcoord.engine.grpc_relay import GrpcRelay
+
+        return [GrpcRelay(config.grpc_endpoint, sink, mirror=mirror, default_dp_rank=config.dp_ranks[0],
+                          allowed_ranks=set(config.dp_ranks))]
     if config.zmq_endpoint is None:
         return relays
     for rank in config.dp_ranks:
@@ -81,7 +95,7 @@ def build_relays(config: AgentConfig, sink: EventSink, mirror: BlockMirror) -> l
     return relays
 
 
-def agent_status(relays: Sequence[Relay], reporter: Reporter,
+def agent_status(relays: Sequence[RelayCore], reporter: Reporter,
                  engine_metrics: EngineMetrics | None = None) -> dict[str, Any]:
     """What ``--stats-file`` holds: each relay's position and counters, the reporter's links, and the
     engine-metrics scraper's health (``engine_metrics``: null without ``--engine-metrics-url``)."""
@@ -109,7 +123,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-async def _write_stats(path: Path, interval: float, relays: Sequence[Relay], reporter: Reporter,
+async def _write_stats(path: Path, interval: float, relays: Sequence[RelayCore], reporter: Reporter,
                        scraper: EngineMetrics | None, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
@@ -130,17 +144,31 @@ async def _cancel_tasks(tasks: Sequence[asyncio.Task[Any]], timeout: float) -> N
         await asyncio.wait(tasks, timeout=timeout)
 
 
+def _load_source(config: AgentConfig, scraper: EngineMetrics | None,
+                 relays: Sequence[RelayCore]) -> Callable[[], NodeLoad] | None:
+    """The heartbeats' load: the engine's metrics page when scraped, else what its gRPC stream carries."""
+    if scraper is not None or config.grpc_endpoint is None:
+        return scraper.load if scraper is not None else None
+
+    def streamed() -> NodeLoad:
+        load = getattr(relays[0], "load", None) if relays else None
+        return load() if load is not None else NodeLoad()
+
+    return streamed
+
+
 async def run_agent(config: AgentConfig) -> None:
     """Relay until SIGTERM/SIGINT. Raises :class:`AgentRefused` when every coordinator refused the node."""
     mirror = BlockMirror()
     scraper = (EngineMetrics(config.engine_metrics_url, config.model, interval=config.engine_metrics_interval)
                if config.engine_metrics_url else None)
+    relays: list[RelayCore] = []
     rep = Reporter(list(config.coordinators), node_id=config.node_id, model=config.model,
                    snapshot=mirror.rank_entries, dp_ranks=config.dp_ranks, security=config.security,
-                   hash_profile=config.hash_profile, load=scraper.load if scraper is not None else None,
-                   serving_url=config.serving_url, kv_events=config.zmq_endpoint is not None,
+                   hash_profile=config.hash_profile, load=_load_source(config, scraper, relays),
+                   serving_url=config.serving_url, kv_events=config.kv_events,
                    options=ReporterOptions(linger=config.linger))
-    relays = build_relays(config, rep, mirror)
+    relays += build_relays(config, rep, mirror)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

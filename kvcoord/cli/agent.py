@@ -1,4 +1,4 @@
-"""``kvcoord agent``: relay one engine's ZMQ KV events to the coordinator(s)."""
+"""``kvcoord agent``: relay one engine's KV events (ZMQ or its gRPC stream) to the coordinator(s)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvcoord.cli.common import (
+    GRPC_ENDPOINT,
     NONNEG_FLOAT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
@@ -29,13 +30,17 @@ if TYPE_CHECKING:
 
 
 def add(sub: Subparsers) -> None:
-    p = sub.add_parser("agent", help="relay one engine's ZMQ KV events to the coordinator")
+    p = sub.add_parser("agent", help="relay one engine's KV events (ZMQ or gRPC) to the coordinator")
     p.add_argument("--coordinator", required=True, action="append", metavar="HOST:PORT",
                    help="the coordinator (repeat or comma-separate for several)")
     p.add_argument("--node-id", required=True, help="this engine's node id, unique in the fleet")
     p.add_argument("--model", required=True, help="the model the engine serves, as the coordinator names it")
     p.add_argument("--zmq-endpoint", default=None, type=ZMQ_ENDPOINT,
                    help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557 (or --no-kv-events)")
+    p.add_argument("--grpc-endpoint", default=None, type=GRPC_ENDPOINT, metavar="HOST:PORT",
+                   help="the engine's gRPC server, whose SubscribeKvEvents stream (SGLang, vLLM's "
+                        "smg-grpc-servicer, TRT-LLM) carries its KV events and its load (instead of "
+                        "--zmq-endpoint; no --engine-metrics-url needed)")
     p.add_argument("--no-kv-events", action="store_true",
                    help="the engine publishes no KV events (vLLM without --kv-events-config): report its "
                         "load and URL only; lookups show the node with trust 'approximate'")
@@ -159,9 +164,22 @@ def media_flags(values: list[str]) -> dict[str, Tier]:
 
 
 def check_event_source(args: argparse.Namespace) -> None:
-    """Exactly one of ``--zmq-endpoint`` and ``--no-kv-events``, and no relay or hash flag without
-    events (an announced profile could only mark the node mismatched)."""
-    if args.no_kv_events:
+    """Exactly one of ``--zmq-endpoint``, ``--grpc-endpoint`` and ``--no-kv-events``; no ZMQ flag with a gRPC
+    stream, and no relay or hash flag without events (an announced profile could only mark the node
+    mismatched)."""
+    flags: tuple[tuple[str, object], ...]
+    if args.grpc_endpoint is not None:
+        flags = (("--zmq-endpoint", args.zmq_endpoint), ("--no-kv-events", args.no_kv_events),
+                 ("--replay-endpoint", args.replay_endpoint), ("--topic", args.topic),
+                 ("--signed-hashes", args.signed_hashes))
+        given = [f for f, v in flags if v]
+        if given:
+            raise CliError(f"--grpc-endpoint is the engine's whole stream (hashes are int64 on it): drop "
+                           f"{given[0]}")
+        if "," in args.dp_ranks.strip(" ,"):
+            raise CliError("--grpc-endpoint: a SubscribeKvEvents stream carries one DP rank's sequence; give "
+                           "one rank in --dp-ranks (one agent per rank's server)")
+    elif args.no_kv_events:
         flags = (("--zmq-endpoint", args.zmq_endpoint), ("--replay-endpoint", args.replay_endpoint),
                  ("--topic", args.topic), ("--signed-hashes", args.signed_hashes), ("--algo", args.algo),
                  ("--block-size", args.block_size), ("--hash-seed", args.hash_seed),
@@ -170,7 +188,8 @@ def check_event_source(args: argparse.Namespace) -> None:
         if given:
             raise CliError(f"--no-kv-events relays no events: drop {given[0]}")
     elif args.zmq_endpoint is None:
-        raise CliError("--zmq-endpoint is required (or --no-kv-events for an engine without KV events)")
+        raise CliError("--zmq-endpoint is required (or --grpc-endpoint for an engine's gRPC stream, or "
+                       "--no-kv-events for an engine without KV events)")
 
 
 def hash_profile(args: argparse.Namespace) -> HashProfile | None:
@@ -221,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         signed_hashes=args.signed_hashes, replay_timeout=args.replay_timeout, stats_file=args.stats_file,
         stats_interval=args.stats_interval, engine_metrics_url=args.engine_metrics_url,
         engine_metrics_interval=args.engine_metrics_interval, serving_url=serving_url(args),
-        linger=args.linger,
+        linger=args.linger, grpc_endpoint=args.grpc_endpoint,
     )
     try:
         asyncio.run(run_agent(config))

@@ -132,6 +132,16 @@ def _zmq_endpoint(text: str) -> str:
 ZMQ_ENDPOINT = _type("endpoint", _zmq_endpoint)
 
 
+def _grpc_endpoint(text: str) -> str:
+    """An engine's gRPC server to dial, ``HOST:PORT``."""
+    from kvcoord.engine.grpc_relay import check_grpc_endpoint  # grpc's stubs load only for commands using it
+
+    return check_grpc_endpoint(text)
+
+
+GRPC_ENDPOINT = _type("HOST:PORT", _grpc_endpoint)
+
+
 def add_connection(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, token: bool = True,
                    required: bool = True, timeout: float | None = 10.0, replicas: bool = True) -> None:
     """``--coordinator`` and the flags every client command connects with, named alike everywhere.

@@ -87,13 +87,23 @@ def partition_model(model_name: str, routing_group: str) -> str:
     return model_name if routing_group == DEFAULT_GROUP else f"{model_name}@{routing_group}"
 
 
+GRPC_SCHEME = "grpc://"
+"""A listener's endpoint for an engine's gRPC stream (``/register``'s ``grpc_endpoint``): ``grpc://HOST:PORT``."""
+
+
 @dataclass(frozen=True, slots=True)
 class Listener:
     """One DP rank of a registered instance."""
 
     dp_rank: int
     endpoint: str
+    """ZMQ PUB endpoint, or :data:`GRPC_SCHEME` and the engine's ``SubscribeKvEvents`` server."""
     replay_endpoint: str | None = None
+
+    @property
+    def grpc_endpoint(self) -> str | None:
+        """``HOST:PORT`` of the engine's gRPC stream; None for a ZMQ listener."""
+        return self.endpoint.removeprefix(GRPC_SCHEME) if self.endpoint.startswith(GRPC_SCHEME) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +125,11 @@ class Engine:
     @property
     def node_id(self) -> str:
         return str(self.instance_id)
+
+    @property
+    def source(self) -> str:
+        """How its events come (``/workers``' ``source``): ``grpc`` or ``zmq``."""
+        return "grpc" if any(x.grpc_endpoint for x in self.listeners) else "zmq"
 
     @property
     def model(self) -> str:
@@ -201,11 +216,14 @@ class Engines:
 
     # --- the API's operations --------------------------------------------------------------
     async def register(self, instance_id: int, model_name: str, routing_group: str, block_size: int,
-                       dp_rank: int | None, endpoint: str, replay_endpoint: str | None,
-                       serving_url: str = "", metrics_url: str = "", engine: str | None = None) -> None:
+                       dp_rank: int | None, endpoint: str | None, replay_endpoint: str | None,
+                       serving_url: str = "", metrics_url: str = "", engine: str | None = None,
+                       grpc_endpoint: str = "") -> None:
         """Add one listener, or raise :class:`RegistrationError` with Dynamo's status and message.
         ``engine`` (:data:`ENGINE_KINDS`; None: as the model's profile or its other registrations say, else
-        vLLM) says how to decode its events."""
+        vLLM) says how to decode its ZMQ events. ``grpc_endpoint`` (``HOST:PORT``) instead of ``endpoint``:
+        the engine's ``SubscribeKvEvents`` stream, whose batches carry its load."""
+        endpoint = self._event_source(endpoint, replay_endpoint, grpc_endpoint)
         if engine is not None and engine not in ENGINE_KINDS:
             raise RegistrationError(400, f"invalid engine {shown(engine, 64)}: expected one of "
                                          f"{', '.join(ENGINE_KINDS)}")
@@ -218,7 +236,7 @@ class Engines:
                                              f"http(s)://HOST[:PORT]{path}") from None
         serving_url, metrics_url = urls["serving_url"][0], urls["metrics_url"][0]
         for what, value in (("", endpoint), ("replay ", replay_endpoint)):
-            if value is None:
+            if value is None or value.startswith(GRPC_SCHEME):
                 continue
             try:
                 check_endpoint(value, connect=True)
@@ -264,6 +282,24 @@ class Engines:
                     await self.sync()  # relaying (here, or by whichever replica claims it) before the answer
                 return
         raise RegistrationError(409, f"instance {instance_id}: concurrent registrations; retry")
+
+    @staticmethod
+    def _event_source(endpoint: str | None, replay_endpoint: str | None, grpc_endpoint: str) -> str:
+        """The listener's endpoint: the ZMQ one, or the gRPC one under :data:`GRPC_SCHEME` (one of them)."""
+        if not grpc_endpoint:
+            if endpoint is None:
+                raise RegistrationError(422, "Failed to deserialize the JSON body into the target type: "
+                                             "Object missing required field `endpoint`")
+            return endpoint
+        from kvcoord.engine.grpc_relay import check_grpc_endpoint
+
+        if endpoint is not None or replay_endpoint is not None:
+            raise RegistrationError(400, "grpc_endpoint is the engine's whole event stream: give it without "
+                                         "endpoint and replay_endpoint")
+        try:
+            return GRPC_SCHEME + check_grpc_endpoint(grpc_endpoint)
+        except ValueError as exc:
+            raise RegistrationError(400, str(exc)) from None
 
     def _check_partition(self, engines: dict[int, Engine], model: str, model_name: str, routing_group: str,
                          block_size: int, engine: str | None) -> str:

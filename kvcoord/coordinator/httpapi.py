@@ -14,9 +14,9 @@ meaning of Dynamo's. The deliberate differences (docs/http-api.md):
 - ``/query`` also takes ``prompt`` or ``messages`` (OpenAI chat) instead of ``token_ids``, tokenized
   with the model's tokenizer; answers add ``model``, ``block_size``, ``num_blocks``, ``num_tokens`` and
   ``nodes`` (kvcoord's answer, best first, with per-tier counts, load and the engine URL).
-- ``/register`` takes ``tcp://`` endpoints only, and ``serving_url`` (the engine's HTTP URL) and
-  ``metrics_url`` (its ``/metrics``, scraped for its load) besides; past ``max_streams`` registered
-  engines it answers 429 (Dynamo has no such limit).
+- ``/register`` takes ``tcp://`` endpoints only, or ``grpc_endpoint`` (an engine's ``SubscribeKvEvents``),
+  and ``serving_url`` (the engine's HTTP URL) and ``metrics_url`` (its ``/metrics``, scraped for its load)
+  besides; past ``max_streams`` registered engines it answers 429 (Dynamo has no such limit).
 - ``/workers`` says ``active`` only of an engine that answered within the lease (events or a replay probe):
   else ``connecting``, ``unreachable`` (it is then in no lookup answer) or ``failed``; Dynamo says
   ``active`` of any registration, an address where nothing listens included.
@@ -118,9 +118,9 @@ class FastQueryByHashBody(msgspec.Struct):
 
 class RegisterBody(msgspec.Struct):
     instance_id: U64
-    endpoint: str
     model_name: str
     block_size: U32
+    endpoint: str | None = None  # ZMQ, or grpc_endpoint: one of them (kvcoord.coordinator.engines.Engines)
     routing_group: str = DEFAULT_GROUP
     tenant_id: str = DEFAULT_GROUP
     dp_rank: U32 | None = None
@@ -130,6 +130,7 @@ class RegisterBody(msgspec.Struct):
     serving_url: str = ""
     metrics_url: str = ""
     engine: str | None = None
+    grpc_endpoint: str = ""
 
 
 class UnregisterBody(msgspec.Struct):
@@ -498,7 +499,8 @@ class HttpApi:
             b: RegisterBody = decode_body(req, RegisterBody)
             _check_u64("instance_id", b.instance_id)
             await self.engines.register(b.instance_id, b.model_name, b.routing_group, b.block_size, b.dp_rank,
-                                        b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url, b.engine)
+                                        b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url, b.engine,
+                                        b.grpc_endpoint)
         except BadBody as exc:
             return exc.response
         except RegistrationError as exc:
@@ -550,7 +552,7 @@ class HttpApi:
                 if err:
                     info["last_error"] = err
                 listeners[str(x.dp_rank)] = info
-            out.append({"instance_id": engine.instance_id, "source": "zmq",
+            out.append({"instance_id": engine.instance_id, "source": engine.source,
                         "status": overall(v["status"] for v in listeners.values()),
                         "model_name": engine.model_name, "routing_group": engine.routing_group,
                         "block_size": engine.block_size, "engine": engine.kind,

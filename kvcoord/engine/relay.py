@@ -1,6 +1,11 @@
-"""The relay: one real engine's ZMQ KV-event stream -> a mirror of its blocks -> the reporter.
+"""The relay: one real engine's KV-event stream -> a mirror of its blocks -> the reporter.
 
-It subscribes to the engine's PUB socket, decodes every batch with
+:class:`RelayCore` holds what every transport shares (the stream's position, the mirror and the sink, and the
+rules below for lost, malformed and restarted streams); :class:`Relay` is its ZMQ transport and
+:class:`kvcoord.engine.grpc_relay.GrpcRelay` its gRPC one (``SubscribeKvEvents``, whose gaps are healed by
+resuming the stream instead of a replay socket).
+
+The ZMQ relay subscribes to the engine's PUB socket, decodes every batch with
 :func:`kvcoord.events.decode_vllm_views` (token ids stay undecoded: they travel only on the few events
 sampled for verification), and keeps the stream whole:
 
@@ -33,14 +38,14 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from kvcoord import validate
+from kvcoord.engine.mirror import BlockMirror, EventSink, RankSnapshot, Snapshot
 from kvcoord.engine.zmq_wire import (
     FrameError,
     FrameReader,
@@ -50,150 +55,12 @@ from kvcoord.engine.zmq_wire import (
     parse_pub_frames,
     subscribe_socket,
 )
-from kvcoord.events import (
-    AllBlocksCleared,
-    EventDecodeError,
-    KVEvent,
-    Tier,
-    decode_vllm_views,
-)
-from kvcoord.hashing import BlockHash64
-from kvcoord.index.base import ApplyResult
-from kvcoord.index.table import Core, PyTable, apply_ops, table_type
+from kvcoord.events import AllBlocksCleared, EventDecodeError, decode_vllm_views
 
 log = logging.getLogger(__name__)
 
-Snapshot = dict[int, list[tuple[BlockHash64, Tier]]]
-"""``{dp_rank: [(uint64 hash, tier), ...]}``: a node's blocks, as the reporter sends them."""
-
-
-class EventSink(Protocol):
-    """Where the relay forwards batches (the reporter, or the coordinator's in-process feed). Neither
-    method may block."""
-
-    def submit(self, dp_rank: int, events: Sequence[Any], ts: float | None = None,
-               ops: Sequence[validate.Op] | None = None, spans: Sequence[int] | None = None) -> None:
-        """Forward one batch: ``events`` (model events or views), their validated ``ops`` and the
-        events each op stands for (``spans``: runs of like events are one op, see
-        :func:`kvcoord.validate.op_runs`; None: one op per event)."""
-
-    def history_lost(self, dp_rank: int, reason: str) -> None:
-        """The rank's history is incomplete from here on (batches the relay could not recover): the
-        coordinator marks it ``degraded`` with ``reason`` until the engine clears its cache."""
-
-
-_Op = validate.Op
-"""``(kind, tier, hashes, group_idx, indexable)``: the index's own validated op, by the index's rules."""
-
-_TIERS: tuple[Tier, ...] = tuple(Tier)
-_KEY = ("", 0)
-"""The one location of a rank's table (the mirror is one node)."""
-
-
-class RankSnapshot:
-    """One rank's blocks as two parallel columns: validated uint64 hashes and their tiers.
-
-    Built with a few C-level list operations (no per-entry Python work), so a snapshot of millions of
-    blocks does not stall the agent's event loop. Iterating yields ``(hash, tier)`` pairs (what
-    :data:`kvcoord.agent.reporter.SnapshotProvider` asks for); :meth:`columns` hands both columns over
-    as they are, for a consumer that can take them whole.
-    """
-
-    __slots__ = ("hashes", "tiers")
-
-    def __init__(self, hashes: list[BlockHash64], tiers: list[Tier]) -> None:
-        self.hashes = hashes
-        self.tiers = tiers
-
-    def columns(self) -> tuple[list[BlockHash64], list[Tier]]:
-        """``(hashes, tiers)``: every hash is a uint64 int, every tier a :class:`Tier`; do not mutate."""
-        return self.hashes, self.tiers
-
-    def __len__(self) -> int:
-        return len(self.hashes)
-
-    def __iter__(self) -> Iterator[tuple[BlockHash64, Tier]]:
-        return zip(self.hashes, self.tiers, strict=True)
-
-
-class BlockMirror:
-    """The blocks one node holds, per DP rank: what the index should hold for the node.
-
-    Built on the memory index's own core: each rank is one location in a table of its own
-    (:mod:`kvcoord.index.table`), and every batch goes through the rule set the index applies
-    (:func:`kvcoord.index.table.apply_ops`: idempotent stores, removals of unknown blocks as no-ops,
-    skipped groups, ``AllBlocksCleared``), so the two cannot disagree. ``core`` picks the table as
-    :class:`~kvcoord.index.memory.MemoryIndex` does. A rank's snapshot reads its table's columns, at C
-    speed on either core.
-    """
-
-    __slots__ = ("_ranks", "_table", "counts")
-
-    def __init__(self, *, core: Core = "auto") -> None:
-        self._table = table_type(core)
-        self._ranks: dict[int, PyTable] = {}
-        self.counts = ApplyResult()
-        """What every batch did, summed (the index's counts of the same batches)."""
-
-    @staticmethod
-    def prepare(events: Sequence[KVEvent]) -> validate.Known:
-        """Validate a whole batch without touching the mirror, by the index's rules; ValueError if bad.
-        Runs of like events become one op each, events of unknown media none
-        (:func:`kvcoord.validate.known_runs`): ``(events kept, ops, spans)``."""
-        return validate.known_runs(events)
-
-    def commit(self, dp_rank: int, ops: Sequence[_Op]) -> None:
-        """Apply prepared operations (cannot fail). A cleared rank's old entries are swept in steps
-        earned by later batches, as the index sweeps them."""
-        table = self._ranks.get(dp_rank)
-        if table is None:
-            table = self._ranks[dp_rank] = self._table()
-        work = apply_ops(table, _KEY, ops, self.counts)
-        if table.dead:
-            table.sweep(2 * work + 256)
-
-    def apply(self, dp_rank: int, events: Sequence[KVEvent]) -> None:
-        self.commit(dp_rank, self.prepare(events).ops)
-
-    def clear(self, dp_rank: int) -> None:
-        """Drop the rank's blocks, as the ``AllBlocksCleared`` the relay forwards drops them from the
-        index (which keeps the groups it learnt not to index)."""
-        if dp_rank in self._ranks:
-            self.commit(dp_rank, (validate.CLEAR_OP,))
-
-    def ranks(self) -> list[int]:
-        return sorted(self._ranks)
-
-    def num_blocks(self, dp_rank: int | None = None) -> int:
-        """``(hash, tier)`` entries held (a block on two tiers counts twice, as the index stores it)."""
-        if dp_rank is None:
-            return sum(self.num_blocks(dp) for dp in self._ranks)
-        table = self._ranks.get(dp_rank)
-        slot = table.slot_of.get(_KEY) if table is not None else None
-        return sum(table.counts[slot]) if table is not None and slot is not None else 0
-
-    def rank_entries(self, dp_rank: int) -> RankSnapshot:
-        """Every (hash, tier) held on one rank: the reporter's snapshot provider."""
-        table = self._ranks.get(dp_rank)
-        slot = table.slot_of.get(_KEY) if table is not None else None
-        if table is None or slot is None:
-            return RankSnapshot([], [])
-        per_tier = cast("tuple[list[BlockHash64], ...]", table.columns(slot))
-        hashes: list[BlockHash64] = []
-        tiers: list[Tier] = []
-        for tier, held in zip(_TIERS, per_tier, strict=True):
-            if held:
-                if hashes:
-                    hashes += held
-                else:
-                    hashes = held  # a fresh list: the one tier held takes no copy
-                tiers += [tier] * len(held)
-        return RankSnapshot(hashes, tiers)
-
-    def snapshot(self) -> Snapshot:
-        """Every (hash, tier) held, per DP rank."""
-        return {dp: list(self.rank_entries(dp)) for dp in self._ranks}
-
+__all__ = ["DRAIN_BURST", "REPLAY_ONLY_PROBES_WARN", "BlockMirror", "EventSink", "RankSnapshot", "Relay",
+           "RelayCore", "RelayStats", "Snapshot"]
 
 DRAIN_BURST = 64
 """Frames a relay handles in a row before it lets the event loop run."""
@@ -222,13 +89,175 @@ class RelayStats:
     replay_failures: int = 0
     replay_partial: int = 0
     """Replay answers that arrived cut short (the ROUTER dropped messages) and were asked for again."""
+    snapshot_chunks: int = 0
+    """Snapshot chunks applied (a gRPC stream's in-band resyncs)."""
     replay_only_probes: int = 0
     """Replay probes that delivered batches while no live PUB frame had ever arrived (see the warning)."""
     malformed: Counter[str] = field(default_factory=Counter)
 
 
-class Relay:
-    """One engine stream (one PUB endpoint, i.e. one vLLM DP rank) -> mirror + sink."""
+class RelayCore:
+    """What every transport's relay shares: one engine stream's position, its batches through the mirror to
+    the sink, and what a lost, malformed or restarted stream does to both (the rules of this module's
+    docstring). A transport (:class:`Relay` for ZMQ, :class:`kvcoord.engine.grpc_relay.GrpcRelay` for
+    ``SubscribeKvEvents``) receives, orders and heals; it hands each batch in order to :meth:`take`."""
+
+    def __init__(self, endpoint: str, sink: EventSink, *, mirror: BlockMirror | None = None,
+                 default_dp_rank: int = 0, allowed_ranks: set[int] | None = None,
+                 on_malformed: Callable[[str], None] | None = None) -> None:
+        self.endpoint = endpoint
+        self.sink = sink
+        self.mirror = mirror if mirror is not None else BlockMirror()
+        self.stats = RelayStats()
+        self._default_dp = default_dp_rank
+        self._allowed = allowed_ranks
+        self._on_malformed = on_malformed
+        """Told the kind of every malformed frame or batch (the coordinator's metric of its relays)."""
+        self._expected = 0
+        self._ranks_seen: set[int] = set()
+        self._started = False
+        """A batch was applied since the relay started or the engine last restarted."""
+        self._logged: set[str] = set()
+        self.answered_at: float | None = None
+        """``time.monotonic()`` when the engine last showed it is there (the transport says how); None:
+        never. This is the relay's liveness."""
+
+    @property
+    def expected_seq(self) -> int:
+        """The next sequence number the relay will apply."""
+        return self._expected
+
+    def snapshot(self) -> Snapshot:
+        """The reporter's snapshot provider."""
+        return self.mirror.snapshot()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Relay until ``stop`` is set: the transport's loop."""
+        raise NotImplementedError
+
+    def take(self, seq: int, decode: Callable[[], Any]) -> Any:
+        """Decode (``decode()``: the transport's decoder, raising :class:`EventDecodeError` or
+        ``ValueError``), validate, apply to the mirror and forward batch ``seq``, the next in order.
+        Returns the batch; None if it was malformed (then handled as lost: :meth:`_bad_batch`)."""
+        self._expected = seq + 1
+        try:
+            batch = decode()
+            kept, ops, spans = self.mirror.prepare(batch.events)
+        except EventDecodeError as exc:
+            self._bad_batch(seq, exc.kind, str(exc))
+            return None
+        except ValueError as exc:
+            self._bad_batch(seq, "bad_event", str(exc))
+            return None
+        dp = batch.data_parallel_rank if batch.data_parallel_rank is not None else self._default_dp
+        if self._allowed is not None and dp not in self._allowed:
+            self._bad_batch(seq, "dp_rank", f"batch of DP rank {dp}, stream carries {sorted(self._allowed)}")
+            return None
+        self._ranks_seen.add(dp)
+        self._started = True
+        self.mirror.commit(dp, ops)
+        self.sink.submit(dp, kept, batch.ts, ops, spans)  # without the events of unknown media (skipped)
+        st = self.stats
+        st.batches += 1
+        st.events += len(batch.events)
+        st.block_events += sum(len(op[2]) for op in ops)
+        return batch
+
+    def _bad_hint(self, kind: str) -> str:
+        """What to add to a malformed batch's log line (the transport's advice); "" none."""
+        return ""
+
+    def _bad_batch(self, seq: int, kind: str, why: str) -> None:
+        """A batch that cannot be applied: counted and logged (once per kind) as malformed, then handled
+        as lost, so the node is never ``exact`` while the index lacks what it held.
+
+        Its events may have removed blocks, so once the stream has started the mirror cannot be
+        trusted past it: the stream's ranks are cleared (and the clear forwarded), as for a gap
+        replay cannot fill. Before the stream started there is nothing to distrust, only blocks it may
+        have stored that the index lacks: the ranks are marked, nothing is cleared.
+        """
+        if self._started:
+            then = "cleared the DP rank(s)' blocks and marked them degraded (history lost)"
+        else:
+            then = "marked the DP rank(s) degraded (history lost)"
+        self._malformed(kind, f"seq {seq}: {why}; {then}{self._bad_hint(kind)}", what="batch")
+        why = f"batch {seq} is malformed ({kind})"
+        if self._started:
+            self._expected = seq
+            self._lost(1, why, quiet=True)
+        else:
+            self.stats.lost_batches += 1
+            self._history_lost(1, seq, why, self._marked_ranks())
+
+    def _marked_ranks(self) -> list[int]:
+        """The ranks a loss before the stream started marks: the stream's, as far as they are known."""
+        return sorted(self._allowed or self._ranks_seen | {self._default_dp})
+
+    def _lost(self, n: int, why: str, *, quiet: bool = False) -> None:
+        """Skip ``n`` batches that cannot be had; if the stream had started, distrust the mirror.
+
+        The lost batches may have removed blocks the mirror still holds, so the ranks are cleared
+        (and the clear forwarded) before the stream goes on: the index then under-reports until the
+        engine stores those blocks again, which costs cache hits, never correctness. A relay that
+        joins late without the engine's history loses nothing it had, so nothing is cleared then.
+        Either way the sink is told the ranks' history is incomplete (:meth:`_history_lost`).
+        """
+        first = self._expected
+        self.stats.lost_batches += n
+        self._expected += n
+        if not self._started:
+            log.warning("%s: stream (re)joined at batch %d; the %d earlier batch(es) are gone (%s)",
+                        self.endpoint, self._expected, n, why)
+            self._history_lost(n, first, why, self._marked_ranks())
+            return
+        self.stats.unrecoverable_gaps += 1
+        cleared = self._clear_ranks()
+        log.log(logging.DEBUG if quiet else logging.WARNING,
+                "%s: batches %d..%d are lost (%s); cleared the %d block(s) of DP rank(s) %s, which "
+                "refill as the engine stores blocks again (unrecoverable gap #%d, %d batch(es) lost in all)",
+                self.endpoint, first, first + n - 1, why, cleared, sorted(self._ranks_seen),
+                self.stats.unrecoverable_gaps, self.stats.lost_batches)
+        self._history_lost(n, first, why, sorted(self._ranks_seen))
+
+    def _clear_ranks(self) -> int:
+        """Clear the mirror of every rank seen and forward the clear; the blocks dropped."""
+        cleared = 0
+        now = time.time()
+        for dp in sorted(self._ranks_seen):
+            cleared += self.mirror.num_blocks(dp)
+            self.mirror.clear(dp)
+            self.sink.submit(dp, (AllBlocksCleared(),), now)
+        return cleared
+
+    def _history_lost(self, n: int, first: int, why: str, ranks: list[int]) -> None:
+        """Tell the sink the ranks' history is incomplete: the index lacks what the lost batches stored
+        (at a join) or what the engine still holds from before the gap (after the clear)."""
+        if n <= 0:
+            return
+        reason = f"history lost: {n} batch(es) from seq {first} are gone ({why})"
+        for dp in ranks:
+            self.sink.history_lost(dp, reason)
+
+    def _restart(self, why: str) -> None:
+        """The engine restarted: its blocks are gone, so the mirror's go too, and the stream starts over."""
+        self.stats.restarts += 1
+        log.warning("%s: engine restarted (%s): clearing its blocks and resyncing", self.endpoint, why)
+        self._clear_ranks()
+        self._expected = 0
+        self._started = False
+
+    def _malformed(self, kind: str, message: str, what: str = "frame") -> None:
+        self.stats.malformed[kind] += 1
+        if self._on_malformed is not None:
+            self._on_malformed(kind)
+        if kind not in self._logged:  # a stream of bad batches must not flood the log
+            self._logged.add(kind)
+            log.error("%s: skipping malformed KV event %s (%s; logged once per kind): %s",
+                      self.endpoint, what, kind, message)
+
+
+class Relay(RelayCore):
+    """One engine's ZMQ stream (one PUB endpoint, i.e. one vLLM DP rank) -> mirror + sink."""
 
     def __init__(
         self,
@@ -247,50 +276,28 @@ class Relay:
         allowed_ranks: set[int] | None = None,
         on_malformed: Callable[[str], None] | None = None,
     ) -> None:
-        self.endpoint = endpoint
+        super().__init__(endpoint, sink, mirror=mirror, default_dp_rank=default_dp_rank,
+                         allowed_ranks=allowed_ranks, on_malformed=on_malformed)
         self.replay_endpoint = replay_endpoint
         self.topic = topic
-        self.sink = sink
-        self.mirror = mirror if mirror is not None else BlockMirror()
-        self.stats = RelayStats()
         self._ctx = ctx if ctx is not None else zmq.asyncio.Context.instance()
         self._replay_timeout = replay_timeout
         self._signed = signed_hashes
-        self._default_dp = default_dp_rank
         self._hwm = hwm
         self._idle_probe = idle_probe
-        self._allowed = allowed_ranks
-        self._on_malformed = on_malformed
-        """Told the kind of every malformed frame or batch (the coordinator's metric of its relays)."""
-        self._expected = 0
         self._last_live: int | None = None
         self._last_payload: bytes | None = None
-        self._ranks_seen: set[int] = set()
-        self._started = False
-        """A batch was applied since the relay started or the engine last restarted."""
-        self._logged: set[str] = set()
         self._replay: ReplayClient | None = None
         self._gap: tuple[int, bytes] | None = None
         """The live message the reader paused at, batches missing before it (the task heals them)."""
         self._last_frame = 0.0
         """``time.monotonic()`` of the last live message, or of the last replay probe (or the start)."""
-        self.answered_at: float | None = None
-        """``time.monotonic()`` when the engine last showed it is there: a live message, a replay answer, or
-        (without a replay endpoint) its PUB socket's ZMTP handshake or heartbeat while connected. None:
-        never. PUB/SUB alone says nothing (ZMQ connects lazily), so this is the relay's liveness."""
+        # answered_at: a live message, a replay answer, or (without a replay endpoint) its PUB socket's ZMTP
+        # handshake or heartbeat while connected. PUB/SUB alone says nothing (ZMQ connects lazily).
         self._monitor: PeerMonitor | None = None
         """Without a replay endpoint: the SUB socket's peers (see :meth:`_probe`)."""
         self.ready = asyncio.Event()
         """Set once the SUB socket is connected (a test can start publishing then)."""
-
-    @property
-    def expected_seq(self) -> int:
-        """The next sequence number the relay will apply."""
-        return self._expected
-
-    def snapshot(self) -> Snapshot:
-        """The reporter's snapshot provider."""
-        return self.mirror.snapshot()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until ``stop`` is set (noticed within the idle probe interval, at most 1 s; owners that
@@ -370,55 +377,14 @@ class Relay:
     def handle_payload(self, seq: int, payload: bytes) -> Any:
         """Decode, validate, apply to the mirror and forward one batch (returned, as views); None if it
         was malformed."""
-        self._expected = seq + 1
         self._last_payload = payload
-        try:
-            batch = decode_vllm_views(payload, signed_hashes=self._signed)
-            kept, ops, spans = self.mirror.prepare(batch.events)
-        except EventDecodeError as exc:
-            self._bad_batch(seq, exc.kind, str(exc))
-            return None
-        except ValueError as exc:
-            self._bad_batch(seq, "bad_event", str(exc))
-            return None
-        dp = batch.data_parallel_rank if batch.data_parallel_rank is not None else self._default_dp
-        if self._allowed is not None and dp not in self._allowed:
-            self._bad_batch(seq, "dp_rank", f"batch of DP rank {dp}, stream carries {sorted(self._allowed)}")
-            return None
-        self._ranks_seen.add(dp)
-        self._started = True
-        self.mirror.commit(dp, ops)
-        self.sink.submit(dp, kept, batch.ts, ops, spans)  # without the events of unknown media (skipped)
-        st = self.stats
-        st.batches += 1
-        st.events += len(batch.events)
-        st.block_events += sum(len(op[2]) for op in ops)
-        return batch
+        return self.take(seq, lambda: decode_vllm_views(payload, signed_hashes=self._signed))
 
-    def _bad_batch(self, seq: int, kind: str, why: str) -> None:
-        """A batch that cannot be applied: counted and logged (once per kind) as malformed, then handled
-        as lost, so the node is never ``exact`` while the index lacks what it held.
-
-        Its events may have removed blocks, so once the stream has started the mirror cannot be
-        trusted past it: the stream's ranks are cleared (and the clear forwarded), as for a gap
-        replay cannot fill. Before the stream started there is nothing to distrust, only blocks it may
-        have stored that the index lacks: the ranks are marked, nothing is cleared.
-        """
-        if self._started:
-            then = "cleared the DP rank(s)' blocks and marked them degraded (history lost)"
-        else:
-            then = "marked the DP rank(s) degraded (history lost)"
+    def _bad_hint(self, kind: str) -> str:
         if kind == "bad_hash" and not self._signed:
-            then += ("; SGLang publishes signed int64 hashes: relay it with `kvcoord agent --signed-hashes` "
-                     "or register it with \"engine\": \"sglang\"")
-        self._malformed(kind, f"seq {seq}: {why}; {then}", what="batch")
-        why = f"batch {seq} is malformed ({kind})"
-        if self._started:
-            self._expected = seq
-            self._lost(1, why, quiet=True)
-        else:
-            self.stats.lost_batches += 1
-            self._history_lost(1, seq, why, sorted(self._allowed or self._ranks_seen | {self._default_dp}))
+            return ("; SGLang publishes signed int64 hashes: relay it with `kvcoord agent --signed-hashes` "
+                    "or register it with \"engine\": \"sglang\"")
+        return ""
 
     async def _probe(self) -> None:
         """Catch up from the replay socket; quiet on failure (the engine may be down). Without one, see
@@ -529,63 +495,7 @@ class Relay:
             self.stats.healed_gaps += 1
             log.info("%s: gap %d..%d healed from the replay buffer", self.endpoint, start, live_seq - 1)
 
-    def _lost(self, n: int, why: str, *, quiet: bool = False) -> None:
-        """Skip ``n`` batches that cannot be had; if the stream had started, distrust the mirror.
-
-        The lost batches may have removed blocks the mirror still holds, so the ranks are cleared
-        (and the clear forwarded) before the stream goes on: the index then under-reports until the
-        engine stores those blocks again, which costs cache hits, never correctness. A relay that
-        joins late without the engine's history loses nothing it had, so nothing is cleared then.
-        Either way the sink is told the ranks' history is incomplete (:meth:`_history_lost`).
-        """
-        first = self._expected
-        self.stats.lost_batches += n
-        self._expected += n
-        if not self._started:
-            log.warning("%s: stream (re)joined at batch %d; the %d earlier batch(es) are gone (%s)",
-                        self.endpoint, self._expected, n, why)
-            self._history_lost(n, first, why, sorted(self._allowed or self._ranks_seen | {self._default_dp}))
-            return
-        self.stats.unrecoverable_gaps += 1
-        cleared = 0
-        now = time.time()
-        for dp in sorted(self._ranks_seen):
-            cleared += self.mirror.num_blocks(dp)
-            self.mirror.clear(dp)
-            self.sink.submit(dp, (AllBlocksCleared(),), now)
-        log.log(logging.DEBUG if quiet else logging.WARNING,
-                "%s: batches %d..%d are lost (%s); cleared the %d block(s) of DP rank(s) %s, which "
-                "refill as the engine stores blocks again (unrecoverable gap #%d, %d batch(es) lost in all)",
-                self.endpoint, first, first + n - 1, why, cleared, sorted(self._ranks_seen),
-                self.stats.unrecoverable_gaps, self.stats.lost_batches)
-        self._history_lost(n, first, why, sorted(self._ranks_seen))
-
-    def _history_lost(self, n: int, first: int, why: str, ranks: list[int]) -> None:
-        """Tell the sink the ranks' history is incomplete: the index lacks what the lost batches stored
-        (at a join) or what the engine still holds from before the gap (after the clear)."""
-        if n <= 0:
-            return
-        reason = f"history lost: {n} batch(es) from seq {first} are gone ({why})"
-        for dp in ranks:
-            self.sink.history_lost(dp, reason)
-
     def _restart(self, why: str) -> None:
-        self.stats.restarts += 1
-        log.warning("%s: engine restarted (%s): clearing its blocks and resyncing", self.endpoint, why)
-        now = time.time()
-        for dp in sorted(self._ranks_seen):
-            self.mirror.clear(dp)
-            self.sink.submit(dp, (AllBlocksCleared(),), now)
-        self._expected = 0
+        super()._restart(why)
         self._last_payload = None
         self._last_live = None
-        self._started = False
-
-    def _malformed(self, kind: str, message: str, what: str = "frame") -> None:
-        self.stats.malformed[kind] += 1
-        if self._on_malformed is not None:
-            self._on_malformed(kind)
-        if kind not in self._logged:  # a stream of bad batches must not flood the log
-            self._logged.add(kind)
-            log.error("%s: skipping malformed KV event %s (%s; logged once per kind): %s",
-                      self.endpoint, what, kind, message)
