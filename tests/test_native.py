@@ -753,7 +753,7 @@ class _Ids(msgspec.Struct):
 
 
 def _typed(body: bytes, kind: type[Any]) -> Any:
-    """``body`` decoded as the API's typed path decodes it (``httpapi.decode_body``): msgspec, with what
+    """``body`` decoded as the API's typed path decodes it (``httpbody.decode_body``): msgspec, with what
     follows the JSON value ignored, as Dynamo's serde ignores it; raises msgspec's errors."""
     try:
         return msgspec.json.decode(body, type=kind)
