@@ -82,8 +82,7 @@ def target(request: pytest.FixtureRequest) -> tuple[Target, str]:
         t = Target(c.url, c.servers)
     elif kind == "unix-script":
         server, sock = request.getfixturevalue("unix_server")
-        # (a host part: parse_index_uri turns ``unix:///path`` into ``unix:/path``, which redis-py refuses)
-        t = Target(f"unix://localhost{sock}", [server])
+        t = Target(f"unix://{sock}", [server])  # unix:///path, as redis-py's docs write it
     else:
         s: RedisServer = request.getfixturevalue("redis_server")
         t = Target(s.url, [s])

@@ -173,6 +173,8 @@ def parse_redis_uri(uri: str) -> RedisUri:
     if parts.scheme != "unix" and not parts.hostname:
         raise ValueError(f"index URI {uri!r}: no host (want redis://host:port/db)")
     url = urlunsplit(parts._replace(query=urlencode(query)))
+    if parts.scheme == "unix" and not parts.netloc:  # urlunsplit drops the empty authority of unix:///path
+        url = "unix://" + url.removeprefix("unix:")
     return replace(base, url=url, username=parts.username, password=parts.password)
 
 
