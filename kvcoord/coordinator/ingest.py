@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError
 from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.incoming import KINDS, Incoming, WireBatch
+from kvcoord.coordinator.learn import LEARN_FIRST
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.snapshots import (
@@ -201,7 +202,7 @@ class IngestSession:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"this token may not publish for node {shown(hello.node_id)}",
             )
-        if cfg.profile(hello.model) is None and cfg.strict_models:
+        if hello.model not in cfg.models and cfg.strict_models:
             raise IngestAbort(
                 grpc.StatusCode.NOT_FOUND,
                 f"unknown model {shown(hello.model)} (strict_models; configured: "
@@ -247,6 +248,9 @@ class IngestSession:
                 pb.VerifySample(first=cfg.verify.first, every=cfg.verify.sample_every,
                                 block_size=profile.block_size)
             )
+        elif not rec.no_kv_events and st.learner.wants_samples(st, hello.model):  # samples to learn from
+            welcome.verify.CopyFrom(pb.VerifySample(first=max(cfg.verify.first, LEARN_FIRST),
+                                                    every=cfg.verify.sample_every))
         if not resume:
             st.metrics.snapshot_requested("hello")
         st.update_node_gauges()
@@ -507,6 +511,9 @@ class IngestSession:
         """Hash verification of an applied batch's samples; a mismatch marks the node (and tells it)."""
         st = self.state
         profile = st.config.profile(self.model)
+        if profile is None and not rec.hash_mismatch and st.verifier.cfg.enabled:
+            st.learner.observe(st, rec, self.model, samples)
+            return
         if profile is None or rec.hash_mismatch or not st.verifier.cfg.enabled:
             return
         reason = st.verifier.check(rec, self.model, profile, samples)

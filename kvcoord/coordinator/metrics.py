@@ -355,6 +355,10 @@ class Metrics:
         self.hash_verifications = Counter(
             "kvcoord_hash_verifications", "Sampled block chains verified", ["result"], registry=r
         )
+        self.profiles_learned = Counter(
+            "kvcoord_hash_profile_learned", "Hash profiles learned from a model's events (none configured)",
+            ["model", "algo"], registry=r
+        )
         self.snapshots_requested = Counter(
             "kvcoord_snapshots_requested", "Snapshot requests sent to agents", ["reason"], registry=r
         )
