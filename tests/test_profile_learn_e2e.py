@@ -16,7 +16,7 @@ from typing import Any
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 MODEL = "learn-model"
-WORKLOAD = ("--seed", "3", "--prefixes", "4", "--prefix-len", "64", "--suffix-len", "16", "--output-len", "4")
+WORKLOAD = ("--seed", "3", "--prefixes", "32", "--prefix-len", "64", "--suffix-len", "16", "--output-len", "4")
 
 
 def _state(path: Path) -> dict[str, Any] | None:
@@ -75,9 +75,10 @@ def test_profile_learned_from_the_events_then_lookups_hit(tmp_path: Path) -> Non
     with contextlib.ExitStack() as stack:
         stack.enter_context(running(_serve(gport, mport, MODEL), log=logs["serve"]))
         wait_for_port(gport, timeout=30)
+        # The agent first: learning reads chain heads (new prompt prefixes) as they are published.
+        stack.enter_context(running(_agent(gport, pub, replay, "node-a"), log=logs["agent"]))
         stack.enter_context(running(_engine(gport, pub, replay, state, "sha256", "vllm-none-hash", "node-a"),
                                     log=logs["engine"]))
-        stack.enter_context(running(_agent(gport, pub, replay, "node-a"), log=logs["agent"]))
         st = _poll(lambda: (s := _state(state)) is not None and s["lookup"]["best_is_self"] >= 5 and s,
                    "token lookups that hit the engine", logs)
         assert st["lookup"]["best_matched_blocks"] > 0
@@ -85,7 +86,8 @@ def test_profile_learned_from_the_events_then_lookups_hit(tmp_path: Path) -> Non
         assert "hash profile learned from the events: algo=sha256 block_size=8" in text, text[-3000:]
         assert "seed=vLLM's default seed" in text
         node = _nodes(gport)["node-a"]
-        assert node["model_profile"] == {"algo": "sha256", "block_size": 8, "style": "tagged", "source": "learned"}
+        assert node["model_profile"] == {"algo": "sha256", "block_size": 8, "style": "tagged",
+                                         "source": "learned"}
         assert not node["hash_mismatch"] and node["trust"] == "exact", node
         assert f'kvcoord_hash_profile_learned_total{{algo="sha256",model="{MODEL}"}} 1.0' in _metrics(mport)
 
@@ -103,16 +105,48 @@ def test_engines_of_one_model_that_disagree_are_flagged(tmp_path: Path) -> None:
         for node, seed in (("node-a", "0"), ("node-b", "1")):
             pub, replay = ports[node]
             tag = node[-1]
+            stack.enter_context(running(_agent(gport, pub, replay, node), log=logs[f"agent-{tag}"]))
             stack.enter_context(running(_engine(gport, pub, replay, states[node], "xxhash_cbor", seed, node),
                                         log=logs[f"engine-{tag}"]))
-            stack.enter_context(running(_agent(gport, pub, replay, node), log=logs[f"agent-{tag}"]))
         nodes = _poll(lambda: (n := _nodes(gport)).get("node-b", {}).get("hash_mismatch") and n,
                       "node-b flagged", logs)
         assert nodes["node-b"]["trust"] == "degraded" and nodes["node-b"]["trust_cause"] == "hash_mismatch"
         assert nodes["node-a"]["model_profile"]["source"] == "learned"
         assert nodes["node-a"]["model_profile"]["algo"] == "xxhash_cbor"
         assert not nodes["node-a"]["hash_mismatch"], nodes["node-a"]
-        st = _poll(lambda: (s := _state(states["node-a"])) is not None and s["lookup"]["best_is_self"] >= 3 and s,
-                   "node-a's lookups hit", logs)
+        st = _poll(lambda: (s := _state(states["node-a"])) is not None
+                   and s["lookup"]["best_is_self"] >= 3 and s, "node-a's lookups hit", logs)
         assert st["lookup"]["best_matched_blocks"] > 0
         assert "seed=the configured seed" in logs["serve"].read_text()
+
+
+def test_a_registered_engine_learns_too_and_workers_say_so(tmp_path: Path) -> None:
+    """``POST /register`` (the coordinator relays the engine itself): ``/workers`` shows the learned profile
+    and the engine's lookups by tokens hit."""
+    gport, mport, hport, pub, replay = free_port(), free_port(), free_port(), free_port(), free_port()
+    state = tmp_path / "engine.json"
+    logs = {n: tmp_path / f"{n}.log" for n in ("serve", "engine")}
+    serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", f"127.0.0.1:{mport}",
+                        "--http-listen", f"127.0.0.1:{hport}", "--model", MODEL)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(serve, log=logs["serve"]))
+        wait_for_port(hport, timeout=30)
+        body = json.dumps({"instance_id": 7, "endpoint": f"tcp://127.0.0.1:{pub}", "model_name": MODEL,
+                           "replay_endpoint": f"tcp://127.0.0.1:{replay}", "block_size": 8}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{hport}/register", data=body, method="POST",
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 201
+        stack.enter_context(running(_engine(gport, pub, replay, state, "sha256_cbor", "vllm-none-hash", "7"),
+                                    log=logs["engine"]))
+
+        def workers() -> list[dict[str, Any]]:
+            with urllib.request.urlopen(f"http://127.0.0.1:{hport}/workers", timeout=10) as r:
+                return list(json.loads(r.read()))
+
+        listed = _poll(lambda: (w := workers()) and w[0]["hash_profile"] is not None and w,
+                       "/workers showing the learned profile", logs)
+        assert listed[0]["hash_profile"] == {"algo": "sha256_cbor", "block_size": 8, "style": "tagged",
+                                             "source": "learned"}
+        _poll(lambda: (s := _state(state)) is not None and s["lookup"]["best_is_self"] >= 3,
+              "the registered engine's lookups hit", logs)

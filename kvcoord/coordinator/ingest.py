@@ -47,7 +47,7 @@ from kvcoord.coordinator.snapshots import (
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import CLEAR
 from kvcoord.index.base import ApplyResult, InvalidEvent
-from kvcoord.media import UNKNOWN_MEDIA
+from kvcoord.media import MISFIT_STORES, UNKNOWN_MEDIA
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import (
     Op,
@@ -139,8 +139,10 @@ class IngestSession:
         if which == "heartbeat":
             if msg.heartbeat.HasField("load"):
                 rec.load = load_from_proto(msg.heartbeat.load)
-            for name, n in msg.heartbeat.unknown_media.items():  # what the agent skipped, for the metric
-                UNKNOWN_MEDIA.add(name[:64], n, fresh=False, where=f"node {shown(rec.node_id)}")
+            for tally, skipped in ((UNKNOWN_MEDIA, msg.heartbeat.unknown_media),
+                                   (MISFIT_STORES, msg.heartbeat.misfit_stores)):
+                for name, n in skipped.items():  # what the agent skipped, for the metric
+                    tally.add(name[:64], n, fresh=False, where=f"node {shown(rec.node_id)}")
             return []
         raise IngestAbort(
             grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage (no hello/batch/snapshot/heartbeat)"

@@ -493,8 +493,29 @@ class AgentHeartbeat(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class MisfitStoresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     LOAD_FIELD_NUMBER: _builtins.int
     UNKNOWN_MEDIA_FIELD_NUMBER: _builtins.int
+    MISFIT_STORES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def load(self) -> Global___Load: ...
     @_builtins.property
@@ -504,15 +525,23 @@ class AgentHeartbeat(_message.Message):
         kvcoord_unknown_medium_events_total. Agents that predate it send none.
         """
 
+    @_builtins.property
+    def misfit_stores(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """BlockStored events the agent skipped since its last heartbeat because their token count is not
+        block_size times their hashes (a sparse group's), per kv_cache_spec_kind (at most 32, the rest "other").
+        The coordinator adds them to kvcoord_misfit_stored_events_total.
+        """
+
     def __init__(
         self,
         *,
         load: Global___Load | None = ...,
         unknown_media: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        misfit_stores: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "unknown_media", b"unknown_media"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "misfit_stores", b"misfit_stores", "unknown_media", b"unknown_media"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
