@@ -16,7 +16,8 @@ from typing import Any
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 MODEL = "learn-model"
-WORKLOAD = ("--seed", "3", "--prefixes", "32", "--prefix-len", "64", "--suffix-len", "16", "--output-len", "4")
+WORKLOAD = ("--seed", "3", "--prefixes", "32", "--prefix-len", "64", "--suffix-len", "16",
+            "--output-len", "4")
 
 
 def _state(path: Path) -> dict[str, Any] | None:
