@@ -457,26 +457,34 @@ def _runs(events: Sequence[Any], merge: bool) -> Known:
 
 def _token_count(token_ids: Any) -> int:
     """How many token ids a store carries: ``len`` of the decoded ids, or read from the msgpack array head of
-    a relay view's raw ids (-1: not an array, which fits anything: the decoder judges it)."""
-    if type(token_ids) is not msgspec.Raw:
+    a relay view's raw ids (-1: neither, which fits: the decoder judges it)."""
+    if type(token_ids) in (tuple, list):
         return len(token_ids)
-    raw = memoryview(token_ids)
-    if not raw:
-        return 0
-    head = raw[0]
+    try:
+        raw = memoryview(token_ids)
+    except TypeError:
+        return -1
+    head = raw[0] if raw else 0xC0
     if 0x90 <= head <= 0x9F:
         return head & 0x0F
-    if head in (0xDC, 0xDD):
+    if head in (0xDC, 0xDD) and len(raw) >= (3 if head == 0xDC else 5):
         return int.from_bytes(raw[1 : 3 if head == 0xDC else 5], "big")
     return 0 if head == 0xC0 else -1
 
 
-def fits(ev: Any) -> bool:
+def py_store_fits(ev: Any) -> bool:
     """Whether a BlockStored's token ids are ``block_size`` per block hash, as llm-d checks a sparse group's
     stores: a sparse (sliding-window) group of a hybrid model keeps fewer blocks than its tokens span, and
     its hashes cannot be matched as a prefix. No token ids (a store of an offloading tier) fits."""
     n = _token_count(ev.token_ids)
-    return n <= 0 or n == ev.block_size * len(ev.block_hashes)
+    size, count = ev.block_size, len(ev.block_hashes)
+    if n <= 0 or not isinstance(size, int) or size < 0:
+        return True
+    return bool(size and n == size * count)
+
+
+fits: Callable[[Any], bool] = native.store_fits if native is not None else py_store_fits
+"""The token-count check of a store (:func:`py_store_fits`): native when built, with the same answers."""
 
 
 def _kept(events: Sequence[Any], skipped: list[int], ops: list[Op], spans: list[int],

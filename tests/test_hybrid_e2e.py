@@ -14,9 +14,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvcoord.events import BlockStored, KVEventBatch
+from kvcoord.events import BlockStored, KVEventBatch, decode_vllm_views
+from kvcoord.native import native
+from kvcoord.validate import py_store_fits
 from tests.procs import kvcoord_cmd, running, until
 from tests.test_history_lost import BS, MODEL, block, tokens
 from tests.test_media_e2e import media_stack
@@ -77,3 +82,20 @@ def test_deepseek_v4_style_stream_indexes_full_attention_and_skips_misfits(tmp_p
         lines = log.read_text().splitlines()
         for kind in MISFITS:
             assert sum(f"group kind '{kind}' whose token ids" in line for line in lines) == 1, lines
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**31), max_size=70), block_size=st.integers(0, 20),
+       hashes=st.integers(0, 5), view=st.booleans())
+def test_store_fits_native_and_python_agree(tokens: list[int], block_size: int, hashes: int,
+                                            view: bool) -> None:
+    """The token-count check: C and Python give the same answer, on model structs and on relay views (whose
+    ids are raw msgpack), and it is ``block_size`` ids per hash, or none."""
+    ev = BlockStored(block_hashes=tuple(range(1, hashes + 1)), parent_block_hash=None,
+                     token_ids=tuple(tokens), block_size=block_size)
+    if view:
+        ev = decode_vllm_views(msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[ev]))).events[0]
+    want = not tokens or len(tokens) == block_size * hashes
+    assert py_store_fits(ev) == want
+    if native is not None:
+        assert native.store_fits(ev) == want
