@@ -124,8 +124,6 @@ class ProfileLearner:
 
     def __init__(self) -> None:
         self._searches: dict[str, _Search] = {}
-        self.learned_from: dict[str, str] = {}
-        """Model -> how its profile was learned, in words (for ``/workers`` and logs)."""
 
     def wants_samples(self, state: CoordinatorState, model: str) -> bool:
         """Whether agents of ``model`` should send samples for the search (no profile, search not over)."""
@@ -164,7 +162,7 @@ class ProfileLearner:
                 kept.append(sample)
             search.tried += 1
             head = hash(sample.block_hashes[0])
-            keyed = bool(sample.extra_keys) and any(sample.extra_keys or ())
+            keyed = any(sample.extra_keys or ())
             for c in candidates(sample.block_size, self.seeds(state, model), fingerprint):
                 if verifies(c.profile, sample):
                     search.wins.setdefault(c, set()).add(head)
@@ -185,7 +183,6 @@ class ProfileLearner:
         state.config.learned[model] = profile
         how = (f"algo={profile.algo} block_size={profile.block_size} style={profile.style} "
                f"seed={c.seed_label}, from {chains} chains")
-        self.learned_from[model] = how
         del self._searches[model]
         CHANGES.bump()  # lookups' views of the model now hash with it
         state.metrics.profiles_learned.labels(model, profile.algo).inc()
