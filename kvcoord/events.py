@@ -53,9 +53,10 @@ ordered (``[tier_weights]`` of the coordinator) and how the prefix-aware policy 
 A GPU hit is free; a CPU hit costs a PCIe copy (about a fifth of recomputing it for an 8B model);
 a storage hit costs a disk or network read, about half of recomputing it."""
 
-FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
-"""Group kinds whose blocks are prefix-matchable. Events of other groups (sliding window,
-Mamba, …) describe caches that cannot serve a prefix hit on their own, so the index skips them."""
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+"""Group kinds whose blocks are prefix-matchable (``sink_full_attention``: full attention with sink tokens,
+as hybrid models such as DeepSeek-V4 publish it). Events of other groups (sliding window, Mamba, …) describe
+caches that cannot serve a prefix hit on their own, so the index skips them."""
 
 indexable_spec: Callable[[str | None], bool] = frozenset({None, *FULL_ATTENTION_KINDS}).__contains__
 """Whether a store's ``kv_cache_spec_kind`` is prefix-indexable: absent, or full attention (a set lookup,
@@ -123,7 +124,7 @@ class BlockStored(KVEvent, tag="BlockStored", frozen=True):
     vLLM carries the salt in ``extra_keys`` instead). Last, so the positional forms keep their order."""
 
     def is_prefix_indexable(self) -> bool:
-        """True for full-attention groups (kind absent, ``full_attention`` or ``mla_attention``)."""
+        """True for full-attention groups (kind absent, or one of :data:`FULL_ATTENTION_KINDS`)."""
         return indexable_spec(self.kv_cache_spec_kind)
 
 

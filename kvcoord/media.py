@@ -105,17 +105,24 @@ OTHER_MEDIUM = "other"
 """The label of the names past a tally's cap."""
 
 
+_UNKNOWN_MEDIUM = ("events of unknown medium %.64r are skipped (not indexed; map it to a tier with [media] "
+                   "or --media)")
+
+
 class MediaTally:
-    """Events of unknown media, counted per name: at most ``cap`` names, the rest as ``other``, so a
-    publisher inventing names cannot grow a metric's label set. A name is logged once, when first seen.
+    """Skipped events (of unknown media; :data:`MISFIT_STORES`: of sparse groups), counted per name: at most
+    ``cap`` names, the rest as ``other``, so a publisher inventing names cannot grow a metric's label set. A
+    name is logged once, when first seen.
 
     ``total`` is what this process counted or was told (the coordinator's metric); ``fresh`` what it
     counted itself since :meth:`take` (an agent reports it in its heartbeats)."""
 
-    __slots__ = ("cap", "fresh", "total")
+    __slots__ = ("cap", "fresh", "skipped", "total")
 
-    def __init__(self, cap: int = 32) -> None:
+    def __init__(self, cap: int = 32, skipped: str = _UNKNOWN_MEDIUM) -> None:
         self.cap = cap
+        self.skipped = skipped
+        """What the log says of a name's events (``%.64r``: the name): why they are skipped, and the fix."""
         self.total: dict[str, int] = {}
         self.fresh: dict[str, int] = {}
 
@@ -124,8 +131,7 @@ class MediaTally:
         label = name if name in self.total or len(self.total) < self.cap else OTHER_MEDIUM
         if label not in self.total:
             self.total[label] = 0
-            _log.warning("events of unknown medium %.64r%s are skipped (not indexed; map it to a tier with "
-                         "[media] or --media)%s", name, f" from {where}" if where else "",
+            _log.warning(self.skipped + "%s%s", name, f" (from {where})" if where else "",
                          "" if label == name else f"; counted as {OTHER_MEDIUM!r} past {self.cap} names")
         self.total[label] += n
         if fresh:
@@ -139,3 +145,9 @@ class MediaTally:
 
 UNKNOWN_MEDIA = MediaTally()
 """This process's tally of unknown media (the coordinator's ``kvcoord_unknown_medium_events_total``)."""
+MISFIT_STORES = MediaTally(skipped=(
+    "BlockStored events of group kind %.64r whose token ids are not block_size per block hash are skipped "
+    "(not indexed: a sparse group's blocks, or a broken publisher)"))
+"""BlockStored events skipped because their token count is not ``block_size`` times their hashes (a sparse
+group of a hybrid model), per ``kv_cache_spec_kind`` (the coordinator's
+``kvcoord_misfit_stored_events_total``; agents report theirs in heartbeats); never a bad batch."""

@@ -36,7 +36,7 @@ from kvcoord.events import (
     u64_ok,
 )
 from kvcoord.hashing import BlockHash64, to_block_hash64
-from kvcoord.media import MEDIUM_TIERS, UNKNOWN_MEDIA, normalize_medium
+from kvcoord.media import MEDIUM_TIERS, MISFIT_STORES, UNKNOWN_MEDIA, normalize_medium
 from kvcoord.native import native
 
 __all__ = [
@@ -392,11 +392,11 @@ def _runs(events: Sequence[Any], merge: bool) -> Known:
     last = t = cast(Any, -1)
     medium = g = spec = cast(Any, None)
     k = CLEAR_KEY
-    skipped: list[int] = []  # positions of events of unknown media
+    skipped, misfit = cast("tuple[list[int], list[int]]", ([], []))  # positions: unknown media, misfit stores
     try:
         for ev in events:
-            if (type(ev) is cls and ev.medium == medium and ev.group_idx == g
-                    and (spec is _NO_SPEC or ev.kv_cache_spec_kind == spec)):
+            if (type(ev) is cls and ev.medium == medium and ev.group_idx == g  # (a misfit store: below)
+                    and (spec is _NO_SPEC or (ev.kv_cache_spec_kind == spec and fits(ev)))):
                 if n == 1:
                     run = list(first)
                 run += ev.block_hashes
@@ -424,9 +424,9 @@ def _runs(events: Sequence[Any], merge: bool) -> Known:
                 t = known.get(m) if m is None or type(m) is str else None
                 t = tier(m, f"event {i}") if t is None else t
                 k = k if t is None else run_key(kind, t, gi, None if s is _NO_SPEC else s, i)
-            if t is None:  # an unknown medium: skipped (its position counts on; no run continues across it)
-                skipped.append(i)
-                seen, cls = seen + 1, None
+            if t is None or (kind == STORE and not fits(ev)):  # an unknown medium, a sparse group's store:
+                (skipped if t is None else misfit).append(i)  # skipped (its position counts on; no run
+                seen, cls = seen + 1, None  # continues across it)
                 continue
             fast = type(hashes) in FAST_SEQ
             if not merge:  # an op per event (no spans)
@@ -451,20 +451,55 @@ def _runs(events: Sequence[Any], merge: bool) -> Known:
         if key is not None:
             ops.append(new(Op, (key[0], key[1], first if n == 1 else run, key[2], key[3])))
             spans.append(n)
-        kept = _kept(events, skipped, ops, spans, merge)
+        kept = _kept(events, skipped, ops, spans, merge, misfit)
     return Known(kept, ops, spans if merge else [1] * len(ops))
 
 
+def _token_count(token_ids: Any) -> int:
+    """How many token ids a store carries: ``len`` of the decoded ids, or read from the msgpack array head of
+    a relay view's raw ids (-1: neither, which fits: the decoder judges it)."""
+    if type(token_ids) in (tuple, list):
+        return len(token_ids)
+    try:
+        raw = memoryview(token_ids)
+    except TypeError:
+        return -1
+    head = raw[0] if raw else 0xC0
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if head in (0xDC, 0xDD) and len(raw) >= (3 if head == 0xDC else 5):
+        return int.from_bytes(raw[1 : 3 if head == 0xDC else 5], "big")
+    return 0 if head == 0xC0 else -1
+
+
+def py_store_fits(ev: Any) -> bool:
+    """Whether a BlockStored's token ids are ``block_size`` per block hash, as llm-d checks a sparse group's
+    stores: a sparse (sliding-window) group of a hybrid model keeps fewer blocks than its tokens span, and
+    its hashes cannot be matched as a prefix. No token ids (a store of an offloading tier) fits."""
+    n = _token_count(ev.token_ids)
+    size, count = ev.block_size, len(ev.block_hashes)
+    if n <= 0 or not isinstance(size, int) or size < 0:
+        return True
+    return bool(size and n == size * count)
+
+
+fits: Callable[[Any], bool] = native.store_fits if native is not None else py_store_fits
+"""The token-count check of a store (:func:`py_store_fits`): native when built, with the same answers."""
+
+
 def _kept(events: Sequence[Any], skipped: list[int], ops: list[Op], spans: list[int],
-          merge: bool) -> Sequence[Any]:
-    """The events not ``skipped`` (of unknown media: counted here), once merged ``ops`` whose hashes are
-    not all plain uint64 ints are made again event by event (:func:`_checked`)."""
-    if not skipped:
+          merge: bool, misfit: list[int]) -> Sequence[Any]:
+    """The events neither ``skipped`` (of unknown media) nor ``misfit`` (see :func:`fits`), both counted here,
+    once merged ``ops`` whose hashes are not all plain uint64 ints are made again event by event
+    (:func:`_checked`)."""
+    if not skipped and not misfit:
         kept, pos = events, cast("Sequence[int]", range(len(events)))
     else:
         for i in skipped:
             UNKNOWN_MEDIA.add(events[i].medium)
-        gone = set(skipped)
+        for i in misfit:
+            MISFIT_STORES.add(str(events[i].kv_cache_spec_kind or "unspecified"))
+        gone = set(skipped).union(misfit)
         pos = [i for i in range(len(events)) if i not in gone]
         kept = [events[i] for i in pos]
     if merge and not all(map(u64_ok, map(_HASHES, ops))):

@@ -477,7 +477,8 @@ class Router:
 
 
 def chain(tokens: Sequence[int], hashes: Sequence[int]) -> BlockStored:
-    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=None, token_ids=tuple(tokens),
+    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=None,
+                       token_ids=tuple(tokens[: len(hashes) * PROFILE.block_size]),
                        block_size=PROFILE.block_size, extra_keys=(None,) * len(hashes))
 
 

@@ -992,7 +992,8 @@ async def _stream(port: int, node: str, events: list[KVEvent], *, dp_rank: int =
 
 
 def _chain(tokens: Sequence[int], hashes: Sequence[int]) -> BlockStored:
-    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=None, token_ids=tuple(tokens),
+    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=None,
+                       token_ids=tuple(tokens[: len(hashes) * PROFILE.block_size]),
                        block_size=PROFILE.block_size, extra_keys=(None,) * len(hashes))
 
 

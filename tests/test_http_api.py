@@ -68,7 +68,8 @@ async def api(index: Index | None = None, **overrides: Any) -> AsyncIterator[Api
 
 def chain(tokens: Sequence[int]) -> BlockStored:
     hashes = block_hashes64(PROFILE, tokens)
-    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=None, token_ids=tuple(tokens),
+    return BlockStored(block_hashes=tuple(hashes), parent_block_hash=None,
+                       token_ids=tuple(tokens[: len(hashes) * BS]),  # full blocks only, as vLLM's
                        block_size=BS, lora_id=None, medium="GPU")
 
 

@@ -251,7 +251,8 @@ def stored(tokens: Sequence[int], *, prefix: Sequence[int] = (), medium: str = "
     chain = block_hashes64(PROFILE, [*prefix, *tokens], keys)
     skip = len(prefix) // BS
     return BlockStored(block_hashes=tuple(chain[skip:]), parent_block_hash=chain[skip - 1] if skip else None,
-                       token_ids=tuple(tokens), block_size=BS, lora_id=1 if lora_name else None,
+                       token_ids=tuple(tokens[: (len(chain) - skip) * BS]),
+                       block_size=BS, lora_id=1 if lora_name else None,
                        medium=medium, lora_name=lora_name)
 
 

@@ -64,7 +64,8 @@ def fleet(tmp: Path) -> Iterator[list[Replica]]:
 def stored(tokens: list[int]) -> KVEventBatch:
     hashes = block_hashes64(PROFILE, tokens)
     return KVEventBatch(ts=time.time(), events=[BlockStored(
-        block_hashes=tuple(hashes), parent_block_hash=None, token_ids=tuple(tokens), block_size=BS,
+        block_hashes=tuple(hashes), parent_block_hash=None, token_ids=tuple(tokens[: len(hashes) * BS]),
+        block_size=BS,
         lora_id=None, medium="GPU")])
 
 

@@ -149,7 +149,8 @@ def test_sampled_tokens_go_packed_unless_past_uint32() -> None:
     from kvcoord.validate import ops_of
     from kvcoord.wire import Sample, event_to_proto
 
-    for tokens, sent in (((1, 2, 0xFFFFFFFF, 0), True), ((), True), ((1, 1 << 32), False), ((-1, 2), False)):
+    for tokens, sent in (((1, 2, 0xFFFFFFFF, 0), True), ((), True), ((1, 1 << 32, 3, 4), False),
+                         ((-1, 2, 3, 4), False)):
         ev = BlockStored(block_hashes=(7,), parent_block_hash=None, token_ids=tokens, block_size=4)
         msg = event_to_proto(ops_of([ev])[0], ev, Sample.of(ev)).stored
         assert msg.block_hashes == (7).to_bytes(8, "little") and msg.block_size == 4

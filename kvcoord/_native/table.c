@@ -1747,7 +1747,85 @@ u64_view(PyObject *Py_UNUSED(module), PyObject *arg)
     return view;
 }
 
+PyDoc_STRVAR(store_fits_doc,
+"store_fits(ev) -> bool\n\n"
+"kvcoord.validate.py_store_fits in C: whether a BlockStored (model struct or relay view) carries no token\n"
+"ids, or block_size of them per block hash. A relay view's ids are raw msgpack: the array head is read.");
+
+static PyObject *str_token_ids, *str_block_size, *str_block_hashes;
+
+/* Token ids of a store: a sequence's length, or the count in a raw msgpack array's head (a relay view's);
+   -1 when it is neither (that fits: the decoder judges it). */
+static Py_ssize_t
+token_count(PyObject *ids)
+{
+    if (PyTuple_CheckExact(ids)) {
+        return PyTuple_GET_SIZE(ids);
+    }
+    if (PyList_CheckExact(ids)) {
+        return PyList_GET_SIZE(ids);
+    }
+    Py_buffer b;
+    if (!PyObject_CheckBuffer(ids) || PyObject_GetBuffer(ids, &b, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    const unsigned char *p = (const unsigned char *)b.buf;
+    Py_ssize_t len = b.len, n = -1;
+    if (len == 0 || p[0] == 0xc0) {
+        n = 0;
+    } else if (p[0] >= 0x90 && p[0] <= 0x9f) {
+        n = p[0] & 0x0f;
+    } else if (p[0] == 0xdc && len >= 3) {
+        n = ((Py_ssize_t)p[1] << 8) | p[2];
+    } else if (p[0] == 0xdd && len >= 5) {
+        n = ((Py_ssize_t)p[1] << 24) | ((Py_ssize_t)p[2] << 16) | ((Py_ssize_t)p[3] << 8) | p[4];
+    }
+    PyBuffer_Release(&b);
+    return n;
+}
+
+static PyObject *
+store_fits(PyObject *Py_UNUSED(module), PyObject *ev)
+{
+    if (str_token_ids == NULL) {
+        str_token_ids = PyUnicode_InternFromString("token_ids");
+        str_block_size = PyUnicode_InternFromString("block_size");
+        str_block_hashes = PyUnicode_InternFromString("block_hashes");
+        if (str_token_ids == NULL || str_block_size == NULL || str_block_hashes == NULL) {
+            return NULL;
+        }
+    }
+    PyObject *ids = PyObject_GetAttr(ev, str_token_ids);
+    if (ids == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = token_count(ids);
+    Py_DECREF(ids);
+    if (n <= 0) {
+        Py_RETURN_TRUE;
+    }
+    PyObject *bs = PyObject_GetAttr(ev, str_block_size);
+    if (bs == NULL) {
+        return NULL;
+    }
+    Py_ssize_t size = PyLong_Check(bs) ? PyLong_AsSsize_t(bs) : -1;
+    Py_DECREF(bs);
+    PyObject *hashes = PyObject_GetAttr(ev, str_block_hashes);
+    if (hashes == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PyObject_Length(hashes);
+    Py_DECREF(hashes);
+    if (size < 0 || count < 0) {
+        PyErr_Clear();
+        Py_RETURN_TRUE; /* not this check's to judge: the validation names a bad field */
+    }
+    return PyBool_FromLong(size != 0 && count <= PY_SSIZE_T_MAX / size && n == size * count);
+}
+
 PyMethodDef kvn_table_methods[] = {
+    {"store_fits", store_fits, METH_O, store_fits_doc},
     {"validate_u64_seq", validate_u64_seq, METH_O, validate_doc},
     {"u64_view", u64_view, METH_O, u64_view_doc},
     {NULL, NULL, 0, NULL},

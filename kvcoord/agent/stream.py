@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 
 from kvcoord.agent.link import Link, batch_message, batches_message
-from kvcoord.media import UNKNOWN_MEDIA
+from kvcoord.media import MISFIT_STORES, UNKNOWN_MEDIA
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import open_aio_channel
 from kvcoord.wire import load_to_proto
@@ -238,7 +238,7 @@ class Streams:
             if now >= next_hb:
                 load = r._load() if r._load is not None else None
                 hb = pb.AgentHeartbeat(load=load_to_proto(load) if load is not None else None,
-                                       unknown_media=UNKNOWN_MEDIA.take())
+                                       unknown_media=UNKNOWN_MEDIA.take(), misfit_stores=MISFIT_STORES.take())
                 await call.write(pb.AgentMessage(heartbeat=hb).SerializeToString())
                 stats.heartbeats_sent += 1
                 next_hb = now + hb_interval

@@ -32,7 +32,8 @@ def add(sub: Subparsers) -> None:
                    help="refuse models that are not configured")
     p.add_argument("--model", action="append", default=None,
                    metavar="NAME,algo=A,block_size=N[,seed=S][,style=S][,engine_release=R]",
-                   help="a model's hash profile (repeatable; adds to the config file's [models])")
+                   help="a model's hash profile (repeatable; adds to the config file's [models]); NAME alone "
+                        "(or NAME,seed=S): its profile is learned from the engines' events")
     p.add_argument("--max-message-bytes", type=POSITIVE_INT, default=None,
                    help="largest gRPC message accepted (default 16777216)")
     p.add_argument("--max-events-per-batch", type=POSITIVE_INT, default=None,

@@ -23,6 +23,7 @@ from kvcoord.coordinator.config_values import (
     as_table,
     check_hostport,
     check_keys,
+    learn_seed,
 )
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
@@ -129,11 +130,13 @@ ENV_VARS: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """One model's hash profile and, for lookups by prompt or chat, its tokenizer."""
+    """One model's hash profile (None: learned from the events, trying ``seed`` too, see :mod:`.learn`)
+    and, for lookups by prompt or chat, its tokenizer."""
 
     name: str
-    profile: HashProfile
+    profile: HashProfile | None
     tokenizer: TokenizerSpec | None = None
+    seed: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,9 +220,12 @@ class CoordinatorConfig:
     stats_interval: float = 2.0
     """Seconds between index stats / ping refreshes (gauges and health)."""
 
+    learned: dict[str, HashProfile] = field(default_factory=dict, compare=False)
+    """Profiles learned from the events of models configured without one (:mod:`.learn` adds them)."""
+
     def profile(self, model: str) -> HashProfile | None:
         m = self.models.get(model)
-        return m.profile if m is not None else None
+        return m.profile if m is not None and m.profile is not None else self.learned.get(model)
 
 
 def env_seed() -> str | None:
@@ -239,13 +245,14 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
                 base: Path | None = None) -> ModelConfig:
     """A ``[models."NAME"]`` table (or ``--model`` spec): the hash profile, and the tokenizer if named (a
     local directory, relative to ``base``, or an engine's ``http(s)://`` URL whose ``/tokenize`` is used)."""
-    profile = build_profile(where, {k: v for k, v in table.items() if k not in _TOKENIZER_KEYS},
-                            default_seed)
+    hints = {k: v for k, v in table.items() if k not in _TOKENIZER_KEYS}
+    profile = build_profile(where, hints, default_seed) if "algo" in hints else None
+    seed = default_seed if profile is not None else learn_seed(where, hints, default_seed)
     if "tokenizer" not in table:
         extra = sorted(_TOKENIZER_KEYS & set(table))
         if extra:
             raise ConfigError(f"{where}: {', '.join(extra)} need 'tokenizer'")
-        return ModelConfig(name, profile)
+        return ModelConfig(name, profile, seed=seed)
 
     def local(key: str) -> str:
         value = as_str(f"{where}.{key}", table[key])
@@ -277,7 +284,7 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
         chat_template_content_format=cast(ChatTemplateContentFormat, content_format),
         default_chat_template_kwargs=kwargs,
     )
-    return ModelConfig(name, profile, spec)
+    return ModelConfig(name, profile, spec, seed)
 
 
 def build_profile(where: str, table: Mapping[str, Any], default_seed: str | None) -> HashProfile:
@@ -317,15 +324,16 @@ def build_profile(where: str, table: Mapping[str, Any], default_seed: str | None
 
 
 def parse_model_spec(spec: str, default_seed: str | None) -> ModelConfig:
-    """``NAME,algo=sha256_cbor,block_size=16[,seed=S][,style=tagged][,engine_release=0.31][,tokenizer=T]``."""
+    """``NAME,algo=sha256_cbor,block_size=16[,seed=S][,style=tagged][,engine_release=0.31][,tokenizer=T]``, or
+    ``NAME[,seed=S][,tokenizer=T]`` for a profile learned from the events."""
     name, _, rest = spec.partition(",")
     name = name.strip()
-    if not name or not rest:
+    if not name:
         raise ConfigError(
             f"--model {spec!r}: expected NAME,algo=ALGO,block_size=N[,seed=S][,style=S][,engine_release=R]"
         )
     table: dict[str, Any] = {}
-    for part in rest.split(","):
+    for part in rest.split(",") if rest else ():
         key, eq, value = part.partition("=")
         if not eq:
             raise ConfigError(f"--model {spec!r}: {part!r} is not key=value")

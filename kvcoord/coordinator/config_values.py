@@ -92,3 +92,16 @@ def check_hostport(where: str, value: str, *, allow_empty: bool = False) -> str:
     if not host:
         raise ConfigError(f"{where}: expected HOST:PORT, got {value!r}")
     return value
+
+
+def learn_seed(where: str, hints: Mapping[str, Any], default_seed: str | None) -> str | None:
+    """The seed a model configured without ``algo`` (its profile learned from the events) may be tried with:
+    its ``seed``, else ``default_seed``; any other profile key needs ``algo``."""
+    others = sorted(set(hints) - {"seed"})
+    if others:
+        raise ConfigError(f"{where}: {others[0]!r} needs 'algo' and 'block_size' (or give neither, and the "
+                          "profile is learned from the events)")
+    seed = hints.get("seed", default_seed)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, str | int)):
+        raise ConfigError(f"{where}.seed: expected a string, got {seed!r}")
+    return None if seed is None else str(seed)

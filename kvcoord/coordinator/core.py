@@ -17,6 +17,7 @@ from collections.abc import Callable
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.engines import RelayedNode
 from kvcoord.coordinator.health import IndexHealth
+from kvcoord.coordinator.learn import ProfileLearner
 from kvcoord.coordinator.leases import Leases
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import NodeRecord, NodeRegistry
@@ -60,6 +61,8 @@ class CoordinatorState:
         self.registry = NodeRegistry(config.lease_seconds)
         self.metrics = metrics if metrics is not None else Metrics()
         self.verifier = HashVerifier(config.verify, self.metrics.hash_verified)
+        self.learner = ProfileLearner()
+        """Learns the hash profile of models configured without one from their events."""
         self._logged: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._push: dict[str, tuple[int, Push]] = {}

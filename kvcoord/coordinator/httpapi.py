@@ -18,8 +18,7 @@ meaning of Dynamo's. The deliberate differences (docs/http-api.md):
   and ``serving_url`` (the engine's HTTP URL) and ``metrics_url`` (its ``/metrics``, scraped for its load)
   besides; past ``max_streams`` registered engines it answers 429 (Dynamo has no such limit).
 - ``/workers`` says ``active`` only of an engine that answered within the lease (events or a replay probe):
-  else ``connecting``, ``unreachable`` (it is then in no lookup answer) or ``failed``; Dynamo says
-  ``active`` of any registration, an address where nothing listens included.
+  else ``connecting``, ``unreachable`` (in no answer) or ``failed`` (Dynamo: ``active`` of any registration).
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from kvcoord.coordinator.engines import (
 from kvcoord.coordinator.httpbody import BadBody, check_u64, decode_body, decode_fast
 from kvcoord.coordinator.httpd import JSON, Request, Response, Route, json_error
 from kvcoord.coordinator.lookup import INVALID, NO_PROFILE, NOT_FOUND, LiveMatch, LookupFailed, Lookups
+from kvcoord.coordinator.nodeinfo import profile_json
 from kvcoord.events import Tier
 from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
 from kvcoord.index.base import run_inline
@@ -395,8 +395,7 @@ class HttpApi:
             return _json(200, [])
         if (down := self.lookups.index_down()) is not None:
             return json_error(503, down)  # index contents: never from a stale copy
-        model_name = params.get("model_name", [None])[-1]
-        group = params.get("routing_group", [None])[-1]
+        model_name, group = params.get("model_name", [None])[-1], params.get("routing_group", [None])[-1]
         try:
             listed = await self.engines.workers()
         except ConnectionError as exc:
@@ -414,10 +413,11 @@ class HttpApi:
                 if err:
                     info["last_error"] = err
                 listeners[str(x.dp_rank)] = info
+            hp = profile_json(self.state.config, partition_model(engine.model_name, engine.routing_group))
             out.append({"instance_id": engine.instance_id, "source": engine.source,
                         "status": overall(v["status"] for v in listeners.values()),
                         "model_name": engine.model_name, "routing_group": engine.routing_group,
-                        "block_size": engine.block_size, "engine": engine.kind,
+                        "block_size": engine.block_size, "engine": engine.kind, "hash_profile": hp,
                         "endpoints": {str(x.dp_rank): x.endpoint for x in engine.listeners},
                         "listeners": listeners, "serving_url": engine.serving_url, "relayed_by": relayed_by,
                         **({"metrics_url": engine.metrics_url} if engine.metrics_url else {})})

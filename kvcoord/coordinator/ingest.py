@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError
 from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.incoming import KINDS, Incoming, WireBatch
+from kvcoord.coordinator.learn import LEARN_FIRST
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.snapshots import (
@@ -46,7 +47,7 @@ from kvcoord.coordinator.snapshots import (
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import CLEAR
 from kvcoord.index.base import ApplyResult, InvalidEvent
-from kvcoord.media import UNKNOWN_MEDIA
+from kvcoord.media import MISFIT_STORES, UNKNOWN_MEDIA
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import (
     Op,
@@ -138,8 +139,10 @@ class IngestSession:
         if which == "heartbeat":
             if msg.heartbeat.HasField("load"):
                 rec.load = load_from_proto(msg.heartbeat.load)
-            for name, n in msg.heartbeat.unknown_media.items():  # what the agent skipped, for the metric
-                UNKNOWN_MEDIA.add(name[:64], n, fresh=False, where=f"node {shown(rec.node_id)}")
+            for tally, skipped in ((UNKNOWN_MEDIA, msg.heartbeat.unknown_media),
+                                   (MISFIT_STORES, msg.heartbeat.misfit_stores)):
+                for name, n in skipped.items():  # what the agent skipped, for the metric
+                    tally.add(name[:64], n, fresh=False, where=f"node {shown(rec.node_id)}")
             return []
         raise IngestAbort(
             grpc.StatusCode.INVALID_ARGUMENT, "empty AgentMessage (no hello/batch/snapshot/heartbeat)"
@@ -201,7 +204,7 @@ class IngestSession:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"this token may not publish for node {shown(hello.node_id)}",
             )
-        if cfg.profile(hello.model) is None and cfg.strict_models:
+        if hello.model not in cfg.models and cfg.strict_models:
             raise IngestAbort(
                 grpc.StatusCode.NOT_FOUND,
                 f"unknown model {shown(hello.model)} (strict_models; configured: "
@@ -247,6 +250,9 @@ class IngestSession:
                 pb.VerifySample(first=cfg.verify.first, every=cfg.verify.sample_every,
                                 block_size=profile.block_size)
             )
+        elif not rec.no_kv_events and st.learner.wants_samples(st, hello.model):  # samples to learn from
+            welcome.verify.CopyFrom(pb.VerifySample(first=max(cfg.verify.first, LEARN_FIRST),
+                                                    every=cfg.verify.sample_every))
         if not resume:
             st.metrics.snapshot_requested("hello")
         st.update_node_gauges()
@@ -507,6 +513,9 @@ class IngestSession:
         """Hash verification of an applied batch's samples; a mismatch marks the node (and tells it)."""
         st = self.state
         profile = st.config.profile(self.model)
+        if profile is None and not rec.hash_mismatch and st.verifier.cfg.enabled:
+            st.learner.observe(st, rec, self.model, samples)
+            return
         if profile is None or rec.hash_mismatch or not st.verifier.cfg.enabled:
             return
         reason = st.verifier.check(rec, self.model, profile, samples)

@@ -74,7 +74,7 @@ class Lookups:
             raise LookupFailed(INVALID, "model is required")
         cfg = self.state.config
         profile = cfg.profile(model)
-        if profile is None and cfg.strict_models:
+        if profile is None and cfg.strict_models and model not in cfg.models:
             raise LookupFailed(NOT_FOUND, f"unknown model {shown(model)} (strict_models; configured: "
                                           f"{', '.join(sorted(cfg.models))})")
         return profile

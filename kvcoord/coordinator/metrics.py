@@ -20,7 +20,7 @@ from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
 from kvcoord.index.instrumented import OPS, InstrumentedIndex
 from kvcoord.load import TRUSTS
-from kvcoord.media import UNKNOWN_MEDIA
+from kvcoord.media import MISFIT_STORES, UNKNOWN_MEDIA
 from kvcoord.native import native, native_paths
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -104,7 +104,13 @@ class UnknownMediaCollector(Collector):
             "map it with [media] or the agent's --media", labels=["medium"])
         for name, count in sorted(UNKNOWN_MEDIA.total.items()):
             skipped.add_metric([name], float(count))
-        return [skipped]
+        misfit = CounterMetricFamily(
+            "kvcoord_misfit_stored_events",
+            "BlockStored events skipped (not indexed) because their token count is not block_size times "
+            "their hashes (a sparse group of a hybrid model), by kv_cache_spec_kind", labels=["group_kind"])
+        for name, count in sorted(MISFIT_STORES.total.items()):
+            misfit.add_metric([name], float(count))
+        return [skipped, misfit]
 
 
 class LookupCollector(Collector):
@@ -366,6 +372,10 @@ class Metrics:
         )
         self.hash_verifications = Counter(
             "kvcoord_hash_verifications", "Sampled block chains verified", ["result"], registry=r
+        )
+        self.profiles_learned = Counter(
+            "kvcoord_hash_profile_learned", "Hash profiles learned from a model's events (none configured)",
+            ["model", "algo"], registry=r
         )
         self.snapshots_requested = Counter(
             "kvcoord_snapshots_requested", "Snapshot requests sent to agents", ["reason"], registry=r

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.registry import NodeRecord, trust_state
 from kvcoord.coordinator.shared import SharedNode
+from kvcoord.hashing import HashProfile
 from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, RESYNCING, NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.wire import load_to_proto
@@ -73,4 +75,33 @@ def node_info(rec: NodeRecord, now: float, lease: float) -> pb.NodeInfo:
                 engine_release=a.engine_release,
             )
         )
+    return info
+
+
+def model_profile(config: CoordinatorConfig, model: str) -> tuple[HashProfile, str] | None:
+    """The profile ``model``'s tokens are hashed with and its source (``configured`` or ``learned`` from the
+    events, :mod:`kvcoord.coordinator.learn`); None while it has none."""
+    m = config.models.get(model)
+    if m is not None and m.profile is not None:
+        return m.profile, "configured"
+    learned = config.learned.get(model)
+    return None if learned is None else (learned, "learned")
+
+
+def profile_json(config: CoordinatorConfig, model: str) -> dict[str, object] | None:
+    """:func:`model_profile` as JSON (``/workers``): algo, block size, style, source; never the seed."""
+    found = model_profile(config, model)
+    if found is None:
+        return None
+    p, source = found
+    return {"algo": p.algo, "block_size": p.block_size, "style": p.style, "source": source}
+
+
+def with_model_profile(info: pb.NodeInfo, config: CoordinatorConfig) -> pb.NodeInfo:
+    """``info`` with its model's profile (``model_profile``, ``model_profile_source``) filled in."""
+    found = model_profile(config, info.model)
+    if found is not None:
+        p, source = found
+        info.model_profile.CopyFrom(pb.HashProfile(algo=p.algo, block_size=p.block_size, style=p.style))
+        info.model_profile_source = source
     return info

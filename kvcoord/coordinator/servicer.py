@@ -34,7 +34,7 @@ from kvcoord.coordinator.lookup import (
     LookupFailed,
     Lookups,
 )
-from kvcoord.coordinator.nodeinfo import node_info, remote_node_info
+from kvcoord.coordinator.nodeinfo import node_info, remote_node_info, with_model_profile
 from kvcoord.coordinator.outbox import Outbox
 from kvcoord.coordinator.registry import NodeRecord
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
@@ -453,7 +453,7 @@ class CoordinatorServicer:
             info.state = node.status
             info.trust_reason = f"registered engine {node.status}: {node.reason}" if node.reason else (
                 f"registered engine {node.status}")
-        return [out[k] for k in sorted(out)]
+        return [with_model_profile(out[k], self.state.config) for k in sorted(out)]
 
     async def Heartbeat(
         self, request: pb.HeartbeatRequest | Malformed, context: grpc.aio.ServicerContext

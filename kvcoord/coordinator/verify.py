@@ -12,23 +12,83 @@ import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcoord.coordinator.config import VerifyConfig, env_seed
 from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
-from kvcoord.hashing import BlockDigest, HashProfile, hash_block_tokens, to_block_hash64
+from kvcoord.hashing import (
+    HASH_ALGOS,
+    SGLANG,
+    UINT64_MASK,
+    BlockDigest,
+    HashProfile,
+    hash_block_tokens,
+    to_block_hash64,
+)
 from kvcoord.validate import shown
 from kvcoord.wire import Sample
 
 log = logging.getLogger("kvcoord.coordinator.verify")
-_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+_ALGOS = HASH_ALGOS
 _RELEASE_DEFAULT_SEED = "vllm-none-hash"
 
 
-def _same(published: int | bytes, digest: bytes) -> bool:
+def _same(profile: HashProfile, published: int | bytes, digest: bytes) -> bool:
     if isinstance(published, bytes | bytearray):
         return bytes(published) == digest
+    if profile.algo == SGLANG:  # SGLang's int64 (signed, or its uint64 form) is the digest's first 8 bytes
+        return published & UINT64_MASK == int.from_bytes(digest[:8], "big")
     return bool(to_block_hash64(digest) == published)
+
+
+class ChainCheck(NamedTuple):
+    """What recomputing a sample's chain with one profile found (:func:`recompute_chain`)."""
+
+    digests: list[BlockDigest]
+    """The digests of the blocks that verified, in order (from the first)."""
+    mismatch: int | None
+    """The index of the first block whose digest differs from the published hash; None: none did (the
+    blocks past ``digests`` had keys that cannot be recovered, see :func:`block_extra`)."""
+
+
+def block_extra(profile: HashProfile, sample: Sample, i: int) -> tuple[bool, Any]:
+    """(usable, extra_keys) for block ``i`` as the engine hashed it, when that is recoverable."""
+    if profile.algo == SGLANG:
+        # SGLang's request namespace (salt, LoRA id) is not in its events' keys: a chain is recomputable
+        # only when the sample shows no LoRA and no extra keys (a salted chain then just fails to verify).
+        plain = sample.lora_name is None and (sample.extra_keys is None or not any(sample.extra_keys))
+        return plain, None
+    if sample.extra_keys is None:
+        # Not published (older releases, or an agent that drops them): the block may have been
+        # hashed with LoRA, cache_salt or multimodal keys that cannot be known here, and guessing
+        # "none" would report a false mismatch. Skipped (counted), not verified.
+        return False, None
+    if i >= len(sample.extra_keys):
+        return False, None
+    ek = sample.extra_keys[i]
+    if ek is None:
+        return True, None
+    if profile.style != "untagged":
+        return False, None  # published untagged, hashed tagged: LoRA path is not published
+    return True, ek
+
+
+def recompute_chain(profile: HashProfile, sample: Sample, parent: BlockDigest | None,
+                    limit: int | None = None) -> ChainCheck:
+    """Recompute a sample's blocks (the first ``limit``) under ``profile`` from ``parent``: the one chain
+    check, of the verifier and of the profile learner alike."""
+    bs = sample.block_size
+    digests: list[BlockDigest] = []
+    for i, published in enumerate(sample.block_hashes[:limit]):
+        usable, extra = block_extra(profile, sample, i)
+        if not usable:
+            break
+        digest = hash_block_tokens(profile, parent, sample.token_ids[i * bs : (i + 1) * bs], extra)
+        if not _same(profile, published, digest):
+            return ChainCheck(digests, i)
+        digests.append(digest)
+        parent = digest
+    return ChainCheck(digests, None)
 
 
 def compare_announced(announced: AnnouncedProfile, profile: HashProfile) -> str | None:
@@ -89,24 +149,6 @@ class HashVerifier:
         self._lru.move_to_end(key)
         return True, digest
 
-    def _block_extra(self, profile: HashProfile, sample: Sample, i: int) -> tuple[bool, Any]:
-        """(usable, extra_keys) for block ``i`` as the engine hashed it, when that is recoverable."""
-        if profile.algo == "sglang":
-            return False, None  # SGLang's request namespace (salt, LoRA id) is not in its events' keys
-        if sample.extra_keys is None:
-            # Not published (older releases, or an agent that drops them): the block may have been
-            # hashed with LoRA, cache_salt or multimodal keys that cannot be known here, and guessing
-            # "none" would report a false mismatch. Skipped (counted), not verified.
-            return False, None
-        if i >= len(sample.extra_keys):
-            return False, None
-        ek = sample.extra_keys[i]
-        if ek is None:
-            return True, None
-        if profile.style != "untagged":
-            return False, None  # published untagged, hashed tagged: LoRA path is not published
-        return True, ek
-
     def check(
         self, rec: NodeRecord, model: str, profile: HashProfile, samples: Sequence[Sample]
     ) -> str | None:
@@ -151,21 +193,20 @@ class HashVerifier:
     def _verify_chain(
         self, rec: NodeRecord, model: str, profile: HashProfile, sample: Sample, parent: BlockDigest | None
     ) -> str | None:
-        bs = sample.block_size
-        for i, published in enumerate(sample.block_hashes):
-            usable, extra = self._block_extra(profile, sample, i)
-            if not usable:
-                return None
-            tokens = sample.token_ids[i * bs : (i + 1) * bs]
-            digest = hash_block_tokens(profile, parent, tokens, extra)
-            if not _same(published, digest):
-                return self._diagnose(
-                    rec.announced, profile, parent, sample.parent, tokens, extra, published, i
-                )
+        if profile.algo == SGLANG:
+            return None  # a salted SGLang chain is not recognisable as one here: never a false mismatch
+        found = recompute_chain(profile, sample, parent)
+        for digest in found.digests:
             self.verified += 1
             self._remember(model, to_block_hash64(digest), digest)
-            parent = digest
-        return None
+        i = found.mismatch
+        if i is None:
+            return None
+        bs = sample.block_size
+        _, extra = block_extra(profile, sample, i)
+        return self._diagnose(rec.announced, profile, found.digests[-1] if found.digests else parent,
+                              sample.parent, sample.token_ids[i * bs : (i + 1) * bs], extra,
+                              sample.block_hashes[i], i)
 
     def _diagnose(
         self,
@@ -226,6 +267,6 @@ class HashVerifier:
     ) -> bool:
         try:
             alt = dataclasses.replace(profile, **change)
-            return _same(published, hash_block_tokens(alt, parent, tokens, extra))
+            return _same(alt, published, hash_block_tokens(alt, parent, tokens, extra))
         except (TypeError, ValueError):
             return False

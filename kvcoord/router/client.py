@@ -95,6 +95,9 @@ class NodeStatus:
     trust_reason: str = ""
     trust_cause: str = ""
     """Why degraded, for machines: ``hash_mismatch`` or ``history_lost``; empty otherwise."""
+    model_profile: dict[str, Any] | None = None
+    """The profile the coordinator hashes the model's tokens with: algo, block_size, style and ``source``
+    (``configured``, or ``learned`` from the events); None while the model has none."""
 
     @classmethod
     def from_proto(cls, n: pb.NodeInfo) -> NodeStatus:
@@ -102,10 +105,13 @@ class NodeStatus:
         profile = ({"algo": hp.algo, "block_size": hp.block_size, "style": hp.style,
                     "none_hash_fingerprint": hp.none_hash_fingerprint, "engine_release": hp.engine_release}
                    if n.HasField("hash_profile") else None)
+        mp = n.model_profile
+        model_profile = ({"algo": mp.algo, "block_size": mp.block_size, "style": mp.style,
+                          "source": n.model_profile_source} if n.HasField("model_profile") else None)
         return cls(n.node_id, n.model, tuple(n.dp_ranks), n.state, n.epoch, n.last_seq,
                    n.last_heartbeat_age_seconds, load_from_proto(n.load), n.hash_mismatch,
                    n.hash_mismatch_reason, profile, n.replica, n.serving_url, n.trust or EXACT,
-                   n.trust_reason, n.trust_cause)
+                   n.trust_reason, n.trust_cause, model_profile)
 
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "model": self.model, "dp_ranks": list(self.dp_ranks),
@@ -114,7 +120,8 @@ class NodeStatus:
                 "load": self.load.to_json(),
                 "hash_mismatch": self.hash_mismatch, "hash_mismatch_reason": self.hash_mismatch_reason,
                 "hash_profile": self.hash_profile, "replica": self.replica,
-                "trust": self.trust, "trust_reason": self.trust_reason, "trust_cause": self.trust_cause}
+                "trust": self.trust, "trust_reason": self.trust_reason, "trust_cause": self.trust_cause,
+                "model_profile": self.model_profile}
 
 
 @dataclass(frozen=True, slots=True)

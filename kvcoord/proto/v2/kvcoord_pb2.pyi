@@ -493,8 +493,29 @@ class AgentHeartbeat(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class MisfitStoresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     LOAD_FIELD_NUMBER: _builtins.int
     UNKNOWN_MEDIA_FIELD_NUMBER: _builtins.int
+    MISFIT_STORES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def load(self) -> Global___Load: ...
     @_builtins.property
@@ -504,15 +525,23 @@ class AgentHeartbeat(_message.Message):
         kvcoord_unknown_medium_events_total. Agents that predate it send none.
         """
 
+    @_builtins.property
+    def misfit_stores(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """BlockStored events the agent skipped since its last heartbeat because their token count is not
+        block_size times their hashes (a sparse group's), per kv_cache_spec_kind (at most 32, the rest "other").
+        The coordinator adds them to kvcoord_misfit_stored_events_total.
+        """
+
     def __init__(
         self,
         *,
         load: Global___Load | None = ...,
         unknown_media: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        misfit_stores: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "unknown_media", b"unknown_media"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "misfit_stores", b"misfit_stores", "unknown_media", b"unknown_media"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1115,6 +1144,8 @@ class NodeInfo(_message.Message):
     TRUST_REASON_FIELD_NUMBER: _builtins.int
     SERVING_URL_FIELD_NUMBER: _builtins.int
     TRUST_CAUSE_FIELD_NUMBER: _builtins.int
+    MODEL_PROFILE_FIELD_NUMBER: _builtins.int
+    MODEL_PROFILE_SOURCE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model: _builtins.str
     state: _builtins.str
@@ -1137,12 +1168,19 @@ class NodeInfo(_message.Message):
     serving_url: _builtins.str
     trust_cause: _builtins.str
     """degraded: hash_mismatch | history_lost; else empty"""
+    model_profile_source: _builtins.str
     @_builtins.property
     def dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def load(self) -> Global___Load: ...
     @_builtins.property
     def hash_profile(self) -> Global___HashProfile: ...
+    @_builtins.property
+    def model_profile(self) -> Global___HashProfile:
+        """The profile this coordinator hashes the node's model's tokens with (never its seed), and where it came
+        from: configured | learned (from the model's events); both unset while the model has none.
+        """
+
     def __init__(
         self,
         *,
@@ -1162,10 +1200,12 @@ class NodeInfo(_message.Message):
         trust_reason: _builtins.str = ...,
         serving_url: _builtins.str = ...,
         trust_cause: _builtins.str = ...,
+        model_profile: Global___HashProfile | None = ...,
+        model_profile_source: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["hash_profile", b"hash_profile", "load", b"load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hash_profile", b"hash_profile", "load", b"load", "model_profile", b"model_profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "hash_mismatch_reason", b"hash_mismatch_reason", "hash_profile", b"hash_profile", "last_heartbeat_age_seconds", b"last_heartbeat_age_seconds", "last_seq", b"last_seq", "load", b"load", "model", b"model", "node_id", b"node_id", "replica", b"replica", "serving_url", b"serving_url", "state", b"state", "trust", b"trust", "trust_cause", b"trust_cause", "trust_reason", b"trust_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "hash_mismatch_reason", b"hash_mismatch_reason", "hash_profile", b"hash_profile", "last_heartbeat_age_seconds", b"last_heartbeat_age_seconds", "last_seq", b"last_seq", "load", b"load", "model", b"model", "model_profile", b"model_profile", "model_profile_source", b"model_profile_source", "node_id", b"node_id", "replica", b"replica", "serving_url", b"serving_url", "state", b"state", "trust", b"trust", "trust_cause", b"trust_cause", "trust_reason", b"trust_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
