@@ -269,3 +269,33 @@ async def test_with_the_coordinator_down_both_routers_route_on_their_own_memory(
         fleet.start_serve()
         for base in fleet.routes:
             await _until(lambda b=base: _shared(s, b, True), f"{base}'s stream back", timeout=60)
+
+
+async def test_route_follows_a_pick_epp_holds(fleet: Fleet) -> None:
+    """An ``epp`` pick of a new prefix (its ext_proc stream still open: the request runs) is reserved, so
+    a ``route`` request sharing that prefix goes to the same node; the stream's end releases it."""
+    import json
+
+    from tests.test_epp import Envoy, channel, request_body, request_headers, set_headers
+
+    port = free_port()
+    cmd = kvcoord_cmd("epp", "--coordinator", f"127.0.0.1:{fleet.gport}", "--listen", f"127.0.0.1:{port}")
+    with running(cmd, log=fleet.tmp / "epp.log"):
+        wait_for_port(port, timeout=30)
+        async with aiohttp.ClientSession() as s:
+            await _ready(s, fleet)
+            await _until(lambda: _zero(s, fleet), "no reservation left from earlier tests")
+            by_endpoint = {url.removeprefix("http://"): node for node, url in fleet.engines.items()}
+            system = f"Shared between the gateway and the router {uuid.uuid4().hex}. " * 8
+            async with channel(f"127.0.0.1:{port}") as ch:
+                envoy = Envoy(ch)
+                await envoy.send(request_headers())
+                [picked] = await envoy.send(request_body(json.dumps(_chat(system, "from envoy")).encode()))
+                endpoint = set_headers(picked.request_body.response)["x-gateway-destination-endpoint"]
+                await _until(lambda: _nonzero(s, fleet), "the epp pick's reservation")
+                st, h, body = await _post(s, f"{fleet.routes[0]}/v1/chat/completions",
+                                          _chat(system, "from the router"))
+                assert st == 200, body
+                assert h["x-kvcoord-node"] == by_endpoint[endpoint], h["x-kvcoord-reason"]
+                await envoy.close()
+            await _until(lambda: _zero(s, fleet), "the epp pick released at the stream's end")

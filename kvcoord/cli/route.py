@@ -15,6 +15,7 @@ from kvcoord.cli.common import (
     add_connection,
     add_cost_model,
     add_degraded,
+    add_reserve,
     cost_model,
     run_until_signalled,
     security,
@@ -84,11 +85,7 @@ def add(sub: Subparsers) -> None:
                         "or an engine URL (its /tokenize); lookups then go by token ids and the policy "
                         "remembers prefixes routed but not yet reported, so a burst sharing a new prefix "
                         "stays together")
-    p.add_argument("--no-reserve", dest="reserve", action="store_false",
-                   help="do not share picks with the coordinator's other routers (by default each pick is "
-                        "reserved on one stream, and other routers' reservations count in placement)")
-    p.add_argument("--reserve-ttl", type=POSITIVE_FLOAT, default=600.0, metavar="S",
-                   help="a reservation whose release never comes expires after this (default 600)")
+    add_reserve(p)
     p.add_argument("--seed", type=NONNEG_INT, default=None, help="tie-break RNG seed (default: random)")
     p.add_argument("--http-header-timeout-s", type=POSITIVE_FLOAT, default=10.0,
                    help="a request head must arrive within this; else 408, closed (default 10)")
