@@ -180,7 +180,7 @@ async def _zero(s: aiohttp.ClientSession, fleet: Fleet) -> bool:
     return await _reserved_requests(s, fleet) == 0
 
 
-async def _queue(*msgs: pb.ReserveMessage, forever: asyncio.Event) -> AsyncIterator[pb.ReserveMessage]:
+async def _queue(*msgs: pb.ReserveBatch, forever: asyncio.Event) -> AsyncIterator[pb.ReserveBatch]:
     for m in msgs:
         yield m
     await forever.wait()
@@ -194,10 +194,10 @@ async def test_reserved_blocks_count_for_other_routers_and_expire_after_their_tt
         tokens = [1000 + (i * 7919) % 30000 for i in range(BLOCK * 6)]
         hashes = (await c.lookup(MODEL, tokens=tokens, want_block_hashes=True)).block_hashes
         assert len(hashes) == 6
-        msg = pb.ReserveMessage(router_id="frozen-router", request_id="r1")
-        msg.reserve.model, msg.reserve.node_id, msg.reserve.first_block = MODEL, "node-b", 0
-        msg.reserve.block_hashes, msg.reserve.prefill_tokens = pack_u64(hashes), len(tokens)
-        msg.reserve.ttl_seconds = 2.0
+        msg = pb.ReserveBatch(router_id="frozen-router")
+        r = msg.ops.add(request_id="r1").reserve
+        r.model, r.node_id, r.first_block = MODEL, "node-b", 0
+        r.block_hashes, r.prefill_tokens, r.ttl_seconds = pack_u64(hashes), len(tokens), 2.0
         forever = asyncio.Event()
         call = c.reserve_stream(_queue(msg, forever=forever))
         try:

@@ -102,11 +102,11 @@ class Reservations:
     # ------------------------------------------------------------------ writes (the Reserve stream)
     def reserve(self, router: str, request_id: str, model: str, key: NodeKey, first: int,
                 hashes: Sequence[BlockHash64], prefill: int, ttl: float) -> str:
-        """Record one pick; "" or the one-line reason it was refused (counted)."""
+        """Record one pick; "" or the one-line reason it was refused."""
         if not router or not request_id or not model or not key[0]:
-            return self._reject("a reservation needs router_id, request_id, model and node_id")
+            return "a reservation needs router_id, request_id, model and node_id"
         if not 0 < ttl <= MAX_TTL:
-            return self._reject(f"ttl_seconds must be in (0, {MAX_TTL:g}], got {ttl:g}")
+            return f"ttl_seconds must be in (0, {MAX_TTL:g}], got {ttl:g}"
         now = self.clock()
         rid = (router, request_id)
         self._drop(rid)
@@ -213,10 +213,6 @@ class Reservations:
         return len(running), sum(e.prefill for e in running), len(self._entries)
 
     # ------------------------------------------------------------------ upkeep
-    def _reject(self, reason: str) -> str:
-        self.counts["rejected"] += 1
-        return reason
-
     def _resolve(self, rid: Rid) -> None:
         hold = self._holds.pop(rid, None)
         if hold is not None:
@@ -263,42 +259,51 @@ class Reservations:
 LogOnce = Callable[..., None]
 
 
-async def take_stream(res: Reservations, messages: AsyncIterator[object], log_once: LogOnce) -> int:
+async def take_stream(res: Reservations, batches: AsyncIterator[object], log_once: LogOnce) -> int:
     """Apply one router's ``Reserve`` stream until it ends, then drop that router's reservations.
-    A bad message is counted (``rejected``), logged once per reason, and skipped. Returns the messages
-    received."""
+    A bad batch or operation is counted (``rejected``), logged once per reason, and skipped. Returns the
+    operations received."""
     router, n = "", 0
     try:
-        async for msg in messages:
-            n += 1
-            reason = _apply(res, msg)
-            if isinstance(msg, pb.ReserveMessage) and msg.router_id:
-                router = msg.router_id
-            if reason:
-                log_once(f"reserve:{reason[:60]}", logging.WARNING, "Reserve: %s (counted, logged once)",
-                         reason)
+        async for batch in batches:
+            if not isinstance(batch, pb.ReserveBatch):
+                _refused(res, log_once, f"malformed ReserveBatch: {getattr(batch, 'reason', batch)}")
+                continue
+            if not batch.router_id or (router and batch.router_id != router):
+                _refused(res, log_once, "a ReserveBatch needs the stream's one router_id")
+                continue
+            router = batch.router_id
+            n += len(batch.ops)
+            for op in batch.ops:
+                reason = _apply(res, router, op)
+                if reason:
+                    _refused(res, log_once, reason)
     finally:
         if router:
             res.drop_router(router)
     return n
 
 
-def _apply(res: Reservations, msg: object) -> str:
-    if not isinstance(msg, pb.ReserveMessage):
-        return res._reject(f"malformed ReserveMessage: {getattr(msg, 'reason', msg)}")
-    op = msg.WhichOneof("op")
-    if op == "release":
-        res.release(msg.router_id, msg.request_id, first_byte=msg.release.first_byte)
+def _refused(res: Reservations, log_once: LogOnce, reason: str) -> None:
+    res.counts["rejected"] += 1
+    log_once(f"reserve:{reason[:60]}", logging.WARNING, "Reserve: %s (counted, logged once)", reason)
+
+
+def _apply(res: Reservations, router: str, op: pb.ReserveOp) -> str:
+    """One operation; "" or why it was refused."""
+    kind = op.WhichOneof("op")
+    if kind == "release":
+        res.release(router, op.request_id, first_byte=op.release.first_byte)
         return ""
-    if op is None:  # the stream's first message only names the router
-        return ""
-    r = msg.reserve
+    if kind != "reserve":
+        return "a ReserveOp needs reserve or release"
+    r = op.reserve
     try:
         hashes = unpack_u64(r.block_hashes, "Reservation")
     except InvalidEvent as exc:
-        return res._reject(str(exc))
-    return res.reserve(msg.router_id, msg.request_id, r.model, (r.node_id, r.dp_rank), r.first_block,
-                       hashes, r.prefill_tokens, r.ttl_seconds)
+        return str(exc)
+    return res.reserve(router, op.request_id, r.model, (r.node_id, r.dp_rank), r.first_block, hashes,
+                       r.prefill_tokens, r.ttl_seconds)
 
 
 class ReservationCollector(Collector):

@@ -175,7 +175,7 @@ class CoordinatorServicer:
             "Ping": (self.Ping, pb.PingRequest, pb.PingResponse),
         }
         handlers["Reserve"] = grpc.stream_unary_rpc_method_handler(
-            self.Reserve, request_deserializer=_parser(pb.ReserveMessage),
+            self.Reserve, request_deserializer=_parser(pb.ReserveBatch),
             response_serializer=pb.ReserveSummary.SerializeToString)
         for name, (fn, req, resp) in unary.items():
             handlers[name] = grpc.unary_unary_rpc_method_handler(

@@ -2,10 +2,13 @@
 the coordinator (:mod:`kvcoord.coordinator.reservations`), which lookup answers of other routers carry.
 
 Nothing on the request path waits for it: :meth:`ReserveStream.reserve` and :meth:`ReserveStream.release`
-put a message on a queue that one writer task sends, so a reservation costs a protobuf message and a
-queue put per request, no round trip. While the stream is down (coordinator down or restarting), the
-router works on its own memory (its in-flight counts and placement memory), says so once in its log,
-in ``kvcoord_route_shared_view`` (0) and in ``/health``'s ``shared_view``, and reopens the stream every
+queue an operation that one writer task sends, so a reservation costs a protobuf message and a queue put
+per request, no round trip. Releases ride with the next reservation (or go after ``RELEASE_LINGER``), and
+what queues during a write goes in one message, so under load a request costs about one message.
+
+While the stream is down (coordinator down or restarting), the router works on its own memory (its
+in-flight counts and placement memory), says so once in its log, in ``kvcoord_route_shared_view`` /
+``kvcoord_epp_shared_view`` (0) and in route's ``/health`` ``shared_view``, and reopens the stream every
 ``retry_seconds``. Lookups ask for a hold on their new prefix only while the stream is up.
 """
 
@@ -33,6 +36,9 @@ DEFAULT_TTL = 600.0
 """Seconds a reservation lives at most when its release never comes (a request longer than this stops
 counting as in flight for other routers; its own router still counts it)."""
 _QUEUE = 65_536
+RELEASE_LINGER = 0.02
+"""Seconds a release may wait for a reservation to travel with (a late release only keeps the view
+conservative a little longer; a reservation never waits)."""
 
 
 def new_router_id() -> str:
@@ -59,7 +65,9 @@ class ReserveStream:
         """Why the stream is down (for ``/health``); "" while up."""
         self.dropped = 0
         """Messages not sent: the stream was down, or its queue full."""
-        self._queue: asyncio.Queue[pb.ReserveMessage] = asyncio.Queue(_QUEUE)
+        self._queue: asyncio.Queue[list[pb.ReserveOp]] = asyncio.Queue(_QUEUE)
+        self._pending: list[pb.ReserveOp] = []
+        self._timer: asyncio.TimerHandle | None = None
         self._ids = itertools.count(1)
         self._announced = False
 
@@ -70,32 +78,49 @@ class ReserveStream:
     # ------------------------------------------------------------------ the request path
     def reserve(self, request_id: str, model: str, key: NodeKey, first_block: int,
                 hashes: Sequence[BlockHash64], prefill_tokens: int) -> None:
-        msg = pb.ReserveMessage(router_id=self.router_id, request_id=request_id)
-        r = msg.reserve
+        """Sent at once (other lookups may wait for it), with the releases pending."""
+        op = pb.ReserveOp(request_id=request_id)
+        r = op.reserve
         r.model, r.node_id, r.dp_rank, r.first_block = model, key[0], key[1], first_block
         r.block_hashes = pack_u64(hashes[first_block:])
         r.prefill_tokens, r.ttl_seconds = max(0, prefill_tokens), self.ttl
-        self._put(msg)
+        self._pending.append(op)
+        self._flush()
 
     def release(self, request_id: str, *, first_byte: bool) -> None:
-        msg = pb.ReserveMessage(router_id=self.router_id, request_id=request_id)
-        msg.release.first_byte = first_byte
-        self._put(msg)
-
-    def _put(self, msg: pb.ReserveMessage) -> None:
+        """Sent with the next reservation, or after ``RELEASE_LINGER`` s at the latest."""
         if not self.up:
-            self.dropped += 1
+            return
+        op = pb.ReserveOp(request_id=request_id)
+        op.release.first_byte = first_byte
+        self._pending.append(op)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(RELEASE_LINGER, self._flush)
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        ops, self._pending = self._pending, []
+        if not ops:
+            return
+        if not self.up:
+            self.dropped += len(ops)
             return
         try:
-            self._queue.put_nowait(msg)
+            self._queue.put_nowait(ops)
         except asyncio.QueueFull:
-            self.dropped += 1
+            self.dropped += len(ops)
 
     # ------------------------------------------------------------------ the stream
-    async def _messages(self) -> AsyncIterator[pb.ReserveMessage]:
-        yield pb.ReserveMessage(router_id=self.router_id)  # names the router at once (no op: ignored)
+    async def _batches(self) -> AsyncIterator[pb.ReserveBatch]:
+        yield pb.ReserveBatch(router_id=self.router_id)  # names the router at once
         while True:
-            yield await self._queue.get()
+            batch = pb.ReserveBatch(router_id=self.router_id)
+            batch.ops.extend(await self._queue.get())
+            while not self._queue.empty():  # what queued during the last write goes in one message
+                batch.ops.extend(self._queue.get_nowait())
+            yield batch
 
     def _set(self, up: bool, reason: str) -> None:
         changed = up != self.up or not self._announced
@@ -111,6 +136,7 @@ class ReserveStream:
                              "own memory until it is back", reason)
             while not self._queue.empty():  # the coordinator dropped them with the stream
                 self._queue.get_nowait()
+            self._pending.clear()
         if self.on_change is not None:
             self.on_change(up)
 
@@ -118,7 +144,7 @@ class ReserveStream:
         """Open the stream, keep it open, reopen it after a failure; a coordinator without ``Reserve``
         (UNIMPLEMENTED) is logged once and never asked again."""
         while True:
-            call = self.client.reserve_stream(self._messages())
+            call = self.client.reserve_stream(self._batches())
             try:
                 await call.wait_for_connection()
                 self._set(True, "")

@@ -420,9 +420,9 @@ class AsyncCoordinatorClient:
         resp: pb.LookupResponse = await self._call("Lookup", request)
         return resp
 
-    def reserve_stream(self, messages: AsyncIterator[pb.ReserveMessage]) -> Any:
+    def reserve_stream(self, batches: AsyncIterator[pb.ReserveBatch]) -> Any:
         """Open a ``Reserve`` stream to the replica lookups go to now (the call, to await its end)."""
-        return self._stubs[self._replicas.current].Reserve(messages, metadata=self._md)
+        return self._stubs[self._replicas.current].Reserve(batches, metadata=self._md)
 
     async def stats(self) -> CoordinatorStats:
         return CoordinatorStats.from_proto(await self._call("Stats", pb.StatsRequest()))

@@ -1580,15 +1580,12 @@ class Release(_message.Message):
 Global___Release: _TypeAlias = Release  # noqa: Y015
 
 @_typing.final
-class ReserveMessage(_message.Message):
+class ReserveOp(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    ROUTER_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RESERVE_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
-    router_id: _builtins.str
-    """the same on every message of one stream"""
     request_id: _builtins.str
     """unique per router"""
     @_builtins.property
@@ -1598,20 +1595,47 @@ class ReserveMessage(_message.Message):
     def __init__(
         self,
         *,
-        router_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
         reserve: Global___Reservation | None = ...,
         release: Global___Release | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["op", b"op", "release", b"release", "reserve", b"reserve"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["op", b"op", "release", b"release", "request_id", b"request_id", "reserve", b"reserve", "router_id", b"router_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["op", b"op", "release", b"release", "request_id", b"request_id", "reserve", b"reserve"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["reserve", "release"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
-Global___ReserveMessage: _TypeAlias = ReserveMessage  # noqa: Y015
+Global___ReserveOp: _TypeAlias = ReserveOp  # noqa: Y015
+
+@_typing.final
+class ReserveBatch(_message.Message):
+    """One write on a router's Reserve stream: what it reserved and released since its last write (a
+    reservation goes at once; releases wait up to ~20 ms for one, so most requests cost one message).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    OPS_FIELD_NUMBER: _builtins.int
+    router_id: _builtins.str
+    """the same on every batch of one stream"""
+    @_builtins.property
+    def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveOp]: ...
+    def __init__(
+        self,
+        *,
+        router_id: _builtins.str = ...,
+        ops: _abc.Iterable[Global___ReserveOp] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops", "router_id", b"router_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveBatch: _TypeAlias = ReserveBatch  # noqa: Y015
 
 @_typing.final
 class ReserveSummary(_message.Message):
@@ -1619,6 +1643,7 @@ class ReserveSummary(_message.Message):
 
     RECEIVED_FIELD_NUMBER: _builtins.int
     received: _builtins.int
+    """operations received"""
     def __init__(
         self,
         *,

@@ -46,7 +46,7 @@ class CoordinatorStub:
                 _registered_method=True)
         self.Reserve = channel.stream_unary(
                 '/kvcoord.v2.Coordinator/Reserve',
-                request_serializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveMessage.SerializeToString,
+                request_serializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveBatch.SerializeToString,
                 response_deserializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveSummary.FromString,
                 _registered_method=True)
         self.ListNodes = channel.unary_unary(
@@ -158,7 +158,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Reserve': grpc.stream_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveMessage.FromString,
+                    request_deserializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveBatch.FromString,
                     response_serializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveSummary.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
@@ -271,7 +271,7 @@ class Coordinator:
             request_iterator,
             target,
             '/kvcoord.v2.Coordinator/Reserve',
-            kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveMessage.SerializeToString,
+            kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveBatch.SerializeToString,
             kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveSummary.FromString,
             options,
             channel_credentials,

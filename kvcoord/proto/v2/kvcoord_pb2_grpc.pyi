@@ -46,7 +46,7 @@ class CoordinatorStub:
     """Agents: hello, then numbered batches; the coordinator acks and may ask for a snapshot."""
     Lookup: _grpc.UnaryUnaryMultiCallable[_kvcoord_pb2.LookupRequest, _kvcoord_pb2.LookupResponse]
     """Routers: how much of a prompt each live node holds."""
-    Reserve: _grpc.StreamUnaryMultiCallable[_kvcoord_pb2.ReserveMessage, _kvcoord_pb2.ReserveSummary]
+    Reserve: _grpc.StreamUnaryMultiCallable[_kvcoord_pb2.ReserveBatch, _kvcoord_pb2.ReserveSummary]
     """Routers: their picks and releases, one long-lived stream per router, never awaited per request.
     The stream's end drops that router's reservations; each also expires after its ttl.
     """
@@ -65,7 +65,7 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Agents: hello, then numbered batches; the coordinator acks and may ask for a snapshot."""
     Lookup: _aio.UnaryUnaryMultiCallable[_kvcoord_pb2.LookupRequest, _kvcoord_pb2.LookupResponse]  # type: ignore[assignment]
     """Routers: how much of a prompt each live node holds."""
-    Reserve: _aio.StreamUnaryMultiCallable[_kvcoord_pb2.ReserveMessage, _kvcoord_pb2.ReserveSummary]  # type: ignore[assignment]
+    Reserve: _aio.StreamUnaryMultiCallable[_kvcoord_pb2.ReserveBatch, _kvcoord_pb2.ReserveSummary]  # type: ignore[assignment]
     """Routers: their picks and releases, one long-lived stream per router, never awaited per request.
     The stream's end drops that router's reservations; each also expires after its ttl.
     """
@@ -97,7 +97,7 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Reserve(
         self,
-        request_iterator: _MaybeAsyncIterator[_kvcoord_pb2.ReserveMessage],
+        request_iterator: _MaybeAsyncIterator[_kvcoord_pb2.ReserveBatch],
         context: _ServicerContext,
     ) -> _typing.Union[_kvcoord_pb2.ReserveSummary, _abc.Awaitable[_kvcoord_pb2.ReserveSummary]]:
         """Routers: their picks and releases, one long-lived stream per router, never awaited per request.
