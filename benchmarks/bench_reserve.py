@@ -68,13 +68,15 @@ def _fleet(tmp: Path) -> Iterator[tuple[int, dict[str, tuple[str, int]]]]:
         for i, (engine, pub) in enumerate(engines):
             stack.enter_context(running(kvcoord_cmd(
                 "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", f"node{i}", "--model", MODEL,
-                "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine), log=tmp / f"agent{i}.log"))
+                "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine),
+                log=tmp / f"agent{i}.log"))
         routes = {}
         for mode, flags in (("reserve", ()), ("no-reserve", ("--no-reserve",))):
             port = free_port()
             proc = stack.enter_context(running(kvcoord_cmd(
                 "--log-level", "WARNING", "route", "--listen", f"127.0.0.1:{port}", "--model", MODEL,
-                "--coordinator", f"127.0.0.1:{gport}", "--deadline-ms", "1000", *flags), log=tmp / f"{mode}.log"))
+                "--coordinator", f"127.0.0.1:{gport}", "--deadline-ms", "1000", *flags),
+                log=tmp / f"{mode}.log"))
             wait_for_port(port, timeout=30)
             routes[mode] = (f"http://127.0.0.1:{port}", proc.pid)
         yield serve.pid, routes
@@ -85,8 +87,8 @@ async def _lookup_mean(s: aiohttp.ClientSession, base: str) -> float:
         text = await resp.text()
     vals = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith("kvcoord_route_lookup_seconds_")}
-    return vals.get("kvcoord_route_lookup_seconds_sum", 0.0) / max(vals.get("kvcoord_route_lookup_seconds_count",
-                                                                            0.0), 1.0)
+    count = vals.get("kvcoord_route_lookup_seconds_count", 0.0)
+    return vals.get("kvcoord_route_lookup_seconds_sum", 0.0) / max(count, 1.0)
 
 
 async def _run(n: int, blocks: int, block_run: int) -> None:
@@ -99,7 +101,8 @@ async def _run(n: int, blocks: int, block_run: int) -> None:
             for mode, (base, _) in routes.items():  # warm up: tokenizer, connections, the stream
                 for i in range(50):
                     body = {"model": MODEL, "max_tokens": 1, "messages": [
-                        {"role": "system", "content": system}, {"role": "user", "content": f"warm {mode} {i}"}]}
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"warm {mode} {i}"}]}
                     async with s.post(f"{base}/v1/chat/completions", json=body) as resp:
                         assert resp.status == 200, await resp.text()
             i = 0
@@ -120,12 +123,13 @@ async def _run(n: int, blocks: int, block_run: int) -> None:
                 cpu[mode][0] += _cpu(serve_pid) - c0
                 cpu[mode][1] += _cpu(pid) - r0
             means = {m: await _lookup_mean(s, base) for m, (base, _) in routes.items()}
-        print(f"kvcoord route, reserving vs --no-reserve: {n} requests each, new prompts of ~{blocks} blocks, "
-              f"alternating in blocks of {block_run}")
+        print(f"kvcoord route, reserving vs --no-reserve: {n} requests each, new prompts of ~{blocks} "
+              f"blocks, alternating in blocks of {block_run}")
         for mode in routes:
             xs, (cs, cr) = lat[mode], cpu[mode]
-            print(f"  {mode:<11} request p50 {_pct(xs, 0.5) * 1e3:6.2f} ms p99 {_pct(xs, 0.99) * 1e3:6.2f} ms | "
-                  f"lookup mean {means[mode] * 1e3:5.2f} ms | CPU per request: coordinator "
+            print(f"  {mode:<11} request p50 {_pct(xs, 0.5) * 1e3:6.2f} ms p99 "
+                  f"{_pct(xs, 0.99) * 1e3:6.2f} ms | lookup mean {means[mode] * 1e3:5.2f} ms | "
+                  "CPU per request: coordinator "
                   f"{cs / len(xs) * 1e6:6.0f} us, route {cr / len(xs) * 1e6:6.0f} us")
 
 

@@ -191,9 +191,9 @@ async def test_reserved_blocks_count_for_other_routers_and_expire_after_their_tt
     another router's lookup sees node-b holding it and its load; the router itself only the blocks; then
     the ttl ends it."""
     async with aiohttp.ClientSession() as s, AsyncCoordinatorClient(f"127.0.0.1:{fleet.gport}") as c:
-        tokens = [1000 + (i * 7919) % 30000 for i in range(BLOCK * 6)]
+        tokens = [1000 + (i * 7919) % 30000 for i in range(BLOCK * 8)]
         hashes = (await c.lookup(MODEL, tokens=tokens, want_block_hashes=True)).block_hashes
-        assert len(hashes) == 6
+        assert len(hashes) == 8
         msg = pb.ReserveBatch(router_id="frozen-router")
         r = msg.ops.add(request_id="r1").reserve
         r.model, r.node_id, r.first_block = MODEL, "node-b", 0
@@ -205,12 +205,12 @@ async def test_reserved_blocks_count_for_other_routers_and_expire_after_their_tt
                 answer = await c.lookup(MODEL, tokens=tokens, include_unmatched=True, router_id="other")
                 b = next(n for n in answer.nodes if n.node_id == "node-b")
                 r = b.reserved
-                return b.reserved_blocks == 6 and r.in_flight == 1 and r.prefill_tokens == 48
+                return b.reserved_blocks == 8 and r.in_flight == 1 and r.prefill_tokens == 64
 
             await _until(reserved, "node-b's reservation in the answer")
             own = await c.lookup(MODEL, tokens=tokens, include_unmatched=True, router_id="frozen-router")
             # Its own blocks count for it too (its memory may keep fewer), not its own load (counted there).
-            assert all(n.reserved.in_flight == 0 and n.reserved_blocks == (6 if n.node_id == "node-b" else 0)
+            assert all(n.reserved.in_flight == 0 and n.reserved_blocks == (8 if n.node_id == "node-b" else 0)
                        for n in own.nodes)
 
             async def expired() -> bool:

@@ -48,6 +48,11 @@ BLOCK_HOLD = 5.0
 """Seconds a completed request's blocks still count as routed (its engine's events may lag)."""
 MAX_TTL = 3600.0
 """The longest ttl a router may ask for."""
+STRIDE = 4
+"""Only every ``STRIDE``-th query position (3, 7, 11, ...) of a reservation is kept: a block hash names
+its whole prefix, so a hit there means every block before it is reserved too. A lookup sees reserved
+depths rounded down to a checkpoint (at most ``STRIDE - 1`` blocks short), for a quarter of the work
+and memory per request."""
 
 Rid = tuple[str, str]
 """``(router_id, request_id)``."""
@@ -89,8 +94,10 @@ class Reservations:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._entries: dict[Rid, _Entry] = {}
-        self._blocks: dict[tuple[str, BlockHash64], dict[Rid, tuple[NodeKey, int]]] = {}
-        """``(model, hash) -> {reservation: (node, query position)}``."""
+        self._blocks: dict[str, dict[BlockHash64, Rid]] = {}
+        """``model -> {block hash -> the latest reservation routing it}``: one holder per block (the
+        latest pick of a prefix is where it is about to be cached), and no container per block, which
+        the garbage collector would walk."""
         self._load: dict[tuple[str, NodeKey], dict[str, list[int]]] = {}
         """``(model, node) -> {router: [requests, prefill tokens]}``, running requests only."""
         self._holds: dict[Rid, _Hold] = {}
@@ -111,10 +118,11 @@ class Reservations:
         rid = (router, request_id)
         self._drop(rid)
         self._resolve(rid)
-        entry = _Entry(model, key, first, tuple(hashes), prefill, now + ttl, now + ttl)
+        # Checkpoints only (see STRIDE): block ``first + j`` sits at query position ``first + j``.
+        marks = tuple(hashes[(STRIDE - 1 - first) % STRIDE::STRIDE])
+        entry = _Entry(model, key, first, marks, prefill, now + ttl, now + ttl)
         self._entries[rid] = entry
-        for i, h in enumerate(entry.hashes, first):
-            self._blocks.setdefault((model, h), {})[rid] = (key, i)
+        self._blocks.setdefault(model, {}).update(dict.fromkeys(entry.hashes, rid))
         per = self._load.setdefault((model, key), {}).setdefault(router, [0, 0])
         per[0] += 1
         per[1] += prefill
@@ -181,19 +189,13 @@ class Reservations:
         if not self._entries:
             return {}
         depth: dict[NodeKey, int] = {}
-        blocks = self._blocks
-        for i in range(start, len(hashes)):
-            at = blocks.get((model, hashes[i]))
-            if not at:
+        blocks = self._blocks.get(model, {})
+        for i in range(start + (STRIDE - 1 - start) % STRIDE, len(hashes), STRIDE):
+            rid = blocks.get(hashes[i])
+            e = self._entries.get(rid) if rid is not None else None
+            if e is None or e.blocks_expire <= now:
                 break
-            hit = False
-            for rid, (key, pos) in at.items():
-                e = self._entries.get(rid)
-                if pos == i and e is not None and e.blocks_expire > now:
-                    depth[key] = i + 1
-                    hit = True
-            if not hit:
-                break
+            depth[e.key] = i + 1
         out: dict[NodeKey, Reserved] = {}
         for (m, key), routers in self._load.items():
             if m != model:
@@ -224,12 +226,10 @@ class Reservations:
         entry = self._entries.pop(rid, None)
         if entry is None:
             return
+        blocks = self._blocks.get(entry.model, {})
         for h in entry.hashes:
-            at = self._blocks.get((entry.model, h))
-            if at is not None:
-                at.pop(rid, None)
-                if not at:
-                    del self._blocks[(entry.model, h)]
+            if blocks.get(h) == rid:
+                del blocks[h]
         if entry.running:
             routers = self._load[(entry.model, entry.key)]
             per = routers[rid[0]]
