@@ -268,6 +268,9 @@ class PrefixAwarePolicy:
     stickiness lowered the hit rate by 0.2 points: a node that evicted a session is the node whose
     cache churns fastest, the worst place to rebuild it.
 
+    **Other routers' placements** (and this one's, at block granularity) come with the lookup answer as
+    ``reserved_blocks`` (docs/routing.md, "Routers that share one view") and count as held the same way.
+
     **Degraded nodes** whose hashes failed verification (``trust`` ``degraded``, ``trust_cause``
     ``hash_mismatch`` or unknown), so their matches may be wrong, per ``degraded``: ``"discount"``
     (default) counts its matched blocks at ``degraded_weight`` (0.5), ``"ignore"`` treats it as holding
