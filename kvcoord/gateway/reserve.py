@@ -3,8 +3,8 @@ the coordinator (:mod:`kvcoord.coordinator.reservations`), which lookup answers 
 
 Nothing on the request path waits for it: :meth:`ReserveStream.reserve` and :meth:`ReserveStream.release`
 queue an operation that one writer task sends, so a reservation costs a protobuf message and a queue put
-per request, no round trip. Releases ride with the next reservation (or go after ``RELEASE_LINGER``), and
-what queues during a write goes in one message, so under load a request costs about one message.
+per request, no round trip. Completions ride with the next reservation (or go after ``RELEASE_LINGER``),
+and what queues during a write goes in one message, so under load a request costs one or two messages.
 
 While the stream is down (coordinator down or restarting), the router works on its own memory (its
 in-flight counts and placement memory), says so once in its log, in ``kvcoord_route_shared_view`` /
@@ -37,8 +37,8 @@ DEFAULT_TTL = 600.0
 counting as in flight for other routers; its own router still counts it)."""
 _QUEUE = 65_536
 RELEASE_LINGER = 0.02
-"""Seconds a release may wait for a reservation to travel with (a late release only keeps the view
-conservative a little longer; a reservation never waits)."""
+"""Seconds a completion may wait for a reservation to travel with (a late one only keeps the view
+conservative a little longer); a reservation and a first byte never wait."""
 
 
 def new_router_id() -> str:
@@ -68,6 +68,7 @@ class ReserveStream:
         self._queue: asyncio.Queue[list[pb.ReserveOp]] = asyncio.Queue(_QUEUE)
         self._pending: list[pb.ReserveOp] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
         self._ids = itertools.count(1)
         self._announced = False
 
@@ -88,14 +89,20 @@ class ReserveStream:
         self._flush()
 
     def release(self, request_id: str, *, first_byte: bool) -> None:
-        """Sent with the next reservation, or after ``RELEASE_LINGER`` s at the latest."""
+        """A first byte goes at the end of this loop iteration (the node's queued prefill is load every
+        router weighs); a completion with the next reservation, or after ``RELEASE_LINGER`` s."""
         if not self.up:
             return
         op = pb.ReserveOp(request_id=request_id)
         op.release.first_byte = first_byte
         self._pending.append(op)
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(RELEASE_LINGER, self._flush)
+        delay = 0.0 if first_byte else RELEASE_LINGER
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        if self._timer is None or self._due > due:  # uvloop's timer handles have no when()
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._due = loop.call_later(delay, self._flush), due
 
     def _flush(self) -> None:
         if self._timer is not None:
