@@ -134,7 +134,7 @@ async def test_a_burst_split_across_two_routers_lands_on_one_node(fleet: Fleet) 
     async with aiohttp.ClientSession() as s:
         await _ready(s, fleet)
         for round_ in range(3):
-            system = f"A brand new system prompt {uuid.uuid4().hex} that no engine has seen yet. " * 8
+            system = f"A brand new system prompt {uuid.uuid4().hex} that no engine has seen yet. " * 24
             bodies = [_chat(system, f"question {j}") for j in range(8)]
             urls = [f"{fleet.routes[j % 2]}/v1/chat/completions" for j in range(8)]
             answers = await asyncio.gather(*(_post(s, u, b) for u, b in zip(urls, bodies, strict=True)))
