@@ -42,6 +42,7 @@ def test_first_byte_ends_the_prefill_completion_the_request_then_the_blocks() ->
     now[0] += BLOCK_HOLD + 0.5
     assert res.overlay("m", PROMPT, 0, "r2") == {}
     assert res.totals() == (0, 0, 0)
+    assert res._load == {} and res._blocks == {"m": {}}  # nothing left behind
 
 
 def test_the_ttl_and_the_streams_end_drop_everything() -> None:

@@ -137,14 +137,13 @@ class Reservations:
         entry = self._entries.get(rid)
         if entry is None or not entry.running:
             return
-        per = self._load[(entry.model, entry.key)][router]
-        per[1] -= entry.prefill
-        entry.prefill = 0
-        if not first_byte:
-            per[0] -= 1
-            entry.running = False
-            entry.blocks_expire = min(entry.expires, self.clock() + BLOCK_HOLD)
-            self.counts["released"] += 1
+        if first_byte:
+            self._load[(entry.model, entry.key)][router][1] -= entry.prefill
+            entry.prefill = 0
+            return
+        self._unload(rid, entry)
+        entry.blocks_expire = min(entry.expires, self.clock() + BLOCK_HOLD)
+        self.counts["released"] += 1
 
     def drop_router(self, router: str) -> int:
         """The router's stream ended: every reservation and hold of it goes. Returns how many."""
@@ -231,14 +230,19 @@ class Reservations:
             if blocks.get(h) == rid:
                 del blocks[h]
         if entry.running:
-            routers = self._load[(entry.model, entry.key)]
-            per = routers[rid[0]]
-            per[0] -= 1
-            per[1] -= entry.prefill
-            if per[0] <= 0:
-                del routers[rid[0]]
-                if not routers:
-                    del self._load[(entry.model, entry.key)]
+            self._unload(rid, entry)
+
+    def _unload(self, rid: Rid, entry: _Entry) -> None:
+        """The request no longer runs: out of its node's load (a router with none there leaves it)."""
+        routers = self._load[(entry.model, entry.key)]
+        per = routers[rid[0]]
+        per[0] -= 1
+        per[1] -= entry.prefill
+        entry.prefill, entry.running = 0, False
+        if per[0] <= 0:
+            del routers[rid[0]]
+            if not routers:
+                del self._load[(entry.model, entry.key)]
 
     def _sweep(self, now: float, force: bool = False) -> None:
         """Drop what expired (at most every 0.2 s unless ``force``)."""
