@@ -208,6 +208,15 @@ def add_degraded(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
                         "blocks, real matches) always counts in full")
 
 
+def add_reserve(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--no-reserve`` and ``--reserve-ttl``, as ``route`` and ``epp`` take them."""
+    p.add_argument("--no-reserve", dest="reserve", action="store_false",
+                   help="do not share picks with the coordinator's other routers (by default each pick is "
+                        "reserved on one stream, and every router's reservations count in placement)")
+    p.add_argument("--reserve-ttl", type=POSITIVE_FLOAT, default=600.0, metavar="S",
+                   help="a reservation whose release never comes expires after this (default 600)")
+
+
 def add_tls_client(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str = "") -> None:
     """The TLS flags of a coordinator client (``prefix`` e.g. ``lookup-`` names them for a side job)."""
     p.add_argument(f"--{prefix}tls-ca", default=None,

@@ -16,6 +16,7 @@ from kvcoord.cli.common import (
     add_connection,
     add_cost_model,
     add_degraded,
+    add_reserve,
     cost_model,
     parse_hostport,
     run_until_signalled,
@@ -41,6 +42,7 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--policy", default="prefix-aware", choices=POLICIES,
                    help="placement (default prefix-aware)")
     add_degraded(p)
+    add_reserve(p)
     add_cost_model(p.add_argument_group(
         "policy cost model", "How prefix-aware weighs a node's queue against its cached prefix (as "
         "kvcoord route and kvcoord simulate take it)"), mean_output=True)
@@ -123,7 +125,8 @@ def epp_config(args: argparse.Namespace) -> EppConfig:
     picker = PickerConfig(static_backends=static, policy=args.policy, degraded=args.degraded,
                           latency=cost_model(args),
                           fallbacks=args.fallbacks, max_in_flight=args.max_in_flight,
-                          max_waiting=args.max_waiting, target_ports=args.target_ports)
+                          max_waiting=args.max_waiting, target_ports=args.target_ports,
+                          reserve=args.reserve, reserve_ttl=args.reserve_ttl)
     return EppConfig(coordinator=args.coordinator, listen=args.listen, security=security(args),
                      timeout=args.timeout, picker=picker, mode=args.request_body_mode,
                      refresh_seconds=args.refresh_interval, max_body_bytes=args.max_body_bytes,

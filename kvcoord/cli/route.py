@@ -15,6 +15,7 @@ from kvcoord.cli.common import (
     add_connection,
     add_cost_model,
     add_degraded,
+    add_reserve,
     cost_model,
     run_until_signalled,
     security,
@@ -84,6 +85,7 @@ def add(sub: Subparsers) -> None:
                         "or an engine URL (its /tokenize); lookups then go by token ids and the policy "
                         "remembers prefixes routed but not yet reported, so a burst sharing a new prefix "
                         "stays together")
+    add_reserve(p)
     p.add_argument("--seed", type=NONNEG_INT, default=None, help="tie-break RNG seed (default: random)")
     p.add_argument("--http-header-timeout-s", type=POSITIVE_FLOAT, default=10.0,
                    help="a request head must arrive within this; else 408, closed (default 10)")
@@ -113,7 +115,8 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
                        policy=args.policy, degraded=args.degraded, latency=cost_model(args),
                        rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,
                        connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, seed=args.seed,
-                       tokenizer=args.tokenizer, limits=HttpLimits(args.http_header_timeout_s,
+                       tokenizer=args.tokenizer, reserve=args.reserve, reserve_ttl=args.reserve_ttl,
+                       limits=HttpLimits(args.http_header_timeout_s,
                                                                    args.http_max_header_bytes,
                                                                    args.http_max_connections,
                                                                    args.http_idle_timeout_s))

@@ -22,6 +22,7 @@ from kvcoord.coordinator.leases import Leases
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import NodeRecord, NodeRegistry
 from kvcoord.coordinator.replicas import Replicas
+from kvcoord.coordinator.reservations import ReservationCollector, Reservations
 from kvcoord.coordinator.shared import NodeDirectory
 from kvcoord.coordinator.stats import IndexFigures
 from kvcoord.coordinator.verify import HashVerifier
@@ -73,6 +74,10 @@ class CoordinatorState:
                                  lambda: self.health.generation)
         self.leases = Leases(index, self.registry, self.metrics, self.health, self.replicas, self._keep,
                              self.update_node_gauges)
+        self.reservations = Reservations()
+        """Routers' picks not yet reported by events (:mod:`kvcoord.coordinator.reservations`)."""
+        with contextlib.suppress(ValueError):  # Metrics shared with an earlier state: its collector stays
+            self.metrics.registry.register(ReservationCollector(self.reservations))
         self.tokenizers = TokenizerCache({m.name: m.tokenizer for m in config.models.values() if m.tokenizer})
         """The models' tokenizers (lookups by prompt or chat), each opened on first use."""
 

@@ -37,6 +37,7 @@ from kvcoord.coordinator.lookup import (
 from kvcoord.coordinator.nodeinfo import node_info, remote_node_info, with_model_profile
 from kvcoord.coordinator.outbox import Outbox
 from kvcoord.coordinator.registry import NodeRecord
+from kvcoord.coordinator.reservations import HOLD_SECONDS, take_stream
 from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
 from kvcoord.load import RESYNCING
 from kvcoord.native import native_paths
@@ -173,6 +174,9 @@ class CoordinatorServicer:
             "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
             "Ping": (self.Ping, pb.PingRequest, pb.PingResponse),
         }
+        handlers["Reserve"] = grpc.stream_unary_rpc_method_handler(
+            self.Reserve, request_deserializer=_parser(pb.ReserveBatch),
+            response_serializer=pb.ReserveSummary.SerializeToString)
         for name, (fn, req, resp) in unary.items():
             handlers[name] = grpc.unary_unary_rpc_method_handler(
                 fn, request_deserializer=_parser(req), response_serializer=resp.SerializeToString
@@ -250,6 +254,13 @@ class CoordinatorServicer:
             session.close()
             outbox.close()
             self.state.metrics.streams.dec()
+
+    async def Reserve(self, request_iterator: AsyncIterator[Any],
+                      context: grpc.aio.ServicerContext) -> pb.ReserveSummary:
+        """One router's reservations (:mod:`kvcoord.coordinator.reservations`); its end drops them."""
+        await self._principal(context)
+        n = await take_stream(self.state.reservations, request_iterator, self.state.log_once)
+        return pb.ReserveSummary(received=n)
 
     async def _check_streams(self, context: grpc.aio.ServicerContext) -> None:
         """Refuse a stream past ``max_streams`` (as Redis' ``maxclients``): RESOURCE_EXHAUSTED, counted."""
@@ -338,8 +349,9 @@ class CoordinatorServicer:
         await self._check(request, context)
         assert isinstance(request, pb.LookupRequest)
         await self._principal(context)
+        remaining = context.time_remaining()
         try:
-            return await self._answer(request)
+            return await self._answer(request, 0.0 if remaining is None else max(0.0, remaining - 0.01))
         except LookupFailed as exc:
             self._unless_abandoned(context)
             cause = ((CAUSE_METADATA, TOKENIZER_CAUSE),) if exc.kind == TOKENIZER_DOWN else ()
@@ -355,7 +367,8 @@ class CoordinatorServicer:
         if context.cancelled() or (remaining is not None and remaining <= 0):
             raise asyncio.CancelledError("the client abandoned the lookup")
 
-    async def _answer(self, request: pb.LookupRequest) -> pb.LookupResponse:
+    async def _answer(self, request: pb.LookupRequest, wait: float = 0.0) -> pb.LookupResponse:
+        """``wait``: how long this lookup may wait for another router's hold on its new prefix."""
         lookups, model = self.lookups, request.model
         which = request.WhichOneof("query")
         hashes: Sequence[BlockHash64]
@@ -418,7 +431,24 @@ class CoordinatorServicer:
                     if len(tiers) > 2:
                         tc.storage = tiers[2]
             load_to_proto(m.load, nm.load)
+        await self._reserved(request, hashes, resp, wait)
         return resp
+
+    async def _reserved(self, request: pb.LookupRequest, hashes: Sequence[BlockHash64],
+                        resp: pb.LookupResponse, wait: float) -> None:
+        """Other routers' reservations into the answer's nodes, after this router's hold on its new prefix
+        (its first block no node holds) waited for theirs (:mod:`kvcoord.coordinator.reservations`)."""
+        res, model = self.state.reservations, request.model
+        start = max((n.matched_blocks for n in resp.nodes), default=0)
+        if request.router_id:
+            await res.hold(request.router_id, request.reserve_id, model, hashes, start,
+                           min(wait, HOLD_SECONDS))
+        overlay = res.overlay(model, hashes, start, request.router_id)
+        for nm in resp.nodes if overlay else ():
+            got = overlay.get((nm.node_id, nm.dp_rank))
+            if got is not None:
+                nm.reserved_blocks, nm.reserved_requests = got.blocks, got.requests
+                nm.reserved_prefill_tokens = got.prefill_tokens
 
     # --- nodes ------------------------------------------------------------------------------
     async def ListNodes(

@@ -88,6 +88,9 @@ class EppMetrics:
         self.open_streams = Gauge("kvcoord_epp_open_streams", "ext_proc streams holding a pick", registry=r)
         self.served = Counter("kvcoord_epp_served", "Responses the data plane reported, by endpoint",
                               ["endpoint"], registry=r)
+        self.shared_view = Gauge("kvcoord_epp_shared_view", "1 while this picker's reservation stream to the "
+                                 "coordinator is open (routers share one view); 0: it places on its own "
+                                 "memory.", registry=r)
         self.outages = Gauge("kvcoord_epp_lookup_outages",
                              "Models whose lookups fail (picked least-loaded meanwhile)", registry=r)
 
@@ -110,12 +113,16 @@ class _Stream:
         self.subset: Allowed | None = None
         self.body = bytearray()
         self.picked: list[str] = []
+        self.reserve_id = ""
+        """The pick's reservation (:mod:`kvcoord.gateway.reserve`), released at the response and the end."""
         self.done = False
         """An ImmediateResponse went out: Envoy ends the request, later messages are not answered."""
         self.echo_response = False
         """The response body streams through this picker (``FULL_DUPLEX_STREAMED``): send it back."""
 
     def release(self) -> None:
+        self.epp.picker.unreserve(self.reserve_id)
+        self.reserve_id = ""
         if self.picked:
             self.epp.picker.in_flight.end(self.picked[0])
             self.epp.metrics.open_streams.dec()
@@ -150,6 +157,7 @@ class _Stream:
 
     def _hold(self, pick: Pick) -> None:
         self.picked = pick.endpoints
+        self.reserve_id = pick.reserve_id
         self.epp.picker.in_flight.begin(pick.endpoints[0])
         self.epp.metrics.open_streams.inc()
         self.epp.metrics.requests.labels("picked" if pick.prefix_aware else "degraded").inc()
@@ -213,6 +221,7 @@ class _Stream:
 
     def _response_phase(self, req: Any, kind: str | None) -> list[Any]:
         if kind == "response_headers":
+            self.epp.picker.unreserve(self.reserve_id, first_byte=True)
             served = xp.served_endpoint(req)
             if served:
                 self.epp.metrics.served.labels(served).inc()
@@ -249,6 +258,9 @@ class EppServer:
         self.client = AsyncCoordinatorClient(config.coordinator, security=config.security,
                                              timeout=config.timeout)
         self.picker = Picker(self.client, config.picker)
+        if self.picker.reserve is not None:
+            self.picker.reserve.on_change = lambda up: self.metrics.shared_view.set(int(up))
+        self._reserving: asyncio.Task[None] | None = None
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -320,6 +332,8 @@ class EppServer:
         await server.start()
         self._server = server
         self._refresher = asyncio.create_task(self._refresh_loop())
+        if self.picker.reserve is not None:
+            self._reserving = asyncio.create_task(self.picker.reserve.run())
         log.info("kvcoord epp: ext_proc on %s (%s body mode unless Envoy says otherwise), coordinator %s",
                  cfg.listen, cfg.mode, cfg.coordinator)
 
@@ -337,10 +351,11 @@ class EppServer:
         return server
 
     async def stop(self, grace: float = 1.0) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._reserving):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self._health.enter_graceful_shutdown()
         for srv in (self._server, self._health_server):
             if srv is not None:

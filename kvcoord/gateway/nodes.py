@@ -160,15 +160,21 @@ class Prefill(Generic[K]):
     counted until then, a node busy decoding would look busy prefilling, and placement would shun the
     holder of a prefix for load it does not have. :meth:`done` is idempotent."""
 
-    __slots__ = ("_key", "_timer", "_tokens", "_work")
+    __slots__ = ("_key", "_then", "_timer", "_tokens", "_work")
 
-    def __init__(self, work: InFlight[K], key: K, tokens: int, seconds: float = 0.0) -> None:
+    def __init__(self, work: InFlight[K], key: K, tokens: int, seconds: float = 0.0,
+                 then: Callable[[], None] | None = None) -> None:
         self._work, self._key, self._tokens = work, key, tokens
+        self._then = then
+        """Called once at :meth:`done` (the router's reservation: prefill done)."""
         self._timer: asyncio.TimerHandle | None = None
         if tokens and seconds > 0:
             self._timer = asyncio.get_running_loop().call_later(seconds, self.done)
 
     def done(self) -> None:
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
         if self._tokens:
             self._work.prefilled(self._key, self._tokens)
             self._tokens = 0
@@ -205,9 +211,12 @@ class InFlight(Generic[K]):
         """Per key ever begun (zeros included)."""
         return dict(self._open)
 
-    def merged(self, key: K, reported: NodeLoad) -> NodeLoad:
-        """``reported`` with at least the requests open here, and at least the prefill sent from here."""
+    def merged(self, key: K, reported: NodeLoad, others: NodeLoad | None = None) -> NodeLoad:
+        """``reported`` with at least the requests open here, and at least the prefill sent from here,
+        plus ``others``: what other routers reserved there (their in-flight requests and prefill)."""
         own, prefill = self._open.get(key, 0), self._prefill.get(key, 0)
+        if others is not None:
+            own, prefill = own + others.in_flight, prefill + others.prefill_tokens
         if own <= reported.in_flight and prefill <= reported.prefill_tokens:
             return reported
         total = max(reported.in_flight, own)

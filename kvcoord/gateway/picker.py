@@ -47,6 +47,7 @@ from kvcoord.router.policy import (
 from .nodes import InFlight, NodeTable
 from .outage import Outages, is_outage
 from .requests import BadRequest, query_of_body
+from .reserve import DEFAULT_TTL, ReserveStream
 
 __all__ = [
     "Allowed",
@@ -165,6 +166,9 @@ class PickerConfig:
     max_waiting: int = 0
     """0: no limit."""
     seed: int | None = None
+    reserve: bool = True
+    """Share picks with the coordinator's other routers (:mod:`kvcoord.gateway.reserve`)."""
+    reserve_ttl: float = DEFAULT_TTL
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +179,8 @@ class Pick:
     why: str
     prefix_aware: bool
     matched_blocks: int = 0
+    reserve_id: str = ""
+    """The id its reservation carries (released at the response's headers and at the stream's end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +221,9 @@ class Picker:
         """Models whose lookups fail (coordinator down or slow, their tokenizer down)."""
         self._refused: set[str] = set()
         """Models the coordinator has no profile or tokenizer for (warned once each)."""
+        self.reserve = (ReserveStream(client, log, ttl=config.reserve_ttl)
+                        if config.reserve and self.policy.uses_index else None)
+        """The reservation stream shared with other routers (None: this picker places alone)."""
 
     async def refresh(self) -> bool:
         """Reload the endpoint table from ``ListNodes``; False when that failed (the table is kept)."""
@@ -237,7 +246,8 @@ class Picker:
                 continue
             if allowed is not None and not allowed.allows(endpoint):
                 continue
-            out.append(_Eligible(replace(c, load=self.in_flight.merged(endpoint, c.load)), endpoint))
+            load = self.in_flight.merged(endpoint, c.load, c.reserved)
+            out.append(_Eligible(replace(c, load=load), endpoint))
         if not out:
             where = f"in {allowed.source}" if allowed is not None else "with a known address"
             raise PickFailed(503, "no_endpoint",
@@ -289,6 +299,25 @@ class Picker:
             return await self._degraded(model, subset, f"coordinator {outage.error}")
         if query.get("continue_final_message"):
             return await self._degraded(model, subset, "continue_final_message (the index cannot be asked)")
+        rid = self.reserve.next_id() if self.reserve is not None else ""
+        try:
+            pick = await self._pick(model, query, subset, rid)
+        except BaseException:
+            self.unreserve(rid)  # no pick: its lookup's hold ends now
+            raise
+        if not pick.reserve_id:
+            self.unreserve(rid)
+        return pick
+
+    def unreserve(self, rid: str, *, first_byte: bool = False) -> None:
+        """The request's response began (``first_byte``) or ended: its reservation is released."""
+        if self.reserve is not None and rid:
+            self.reserve.release(rid, first_byte=first_byte)
+
+    async def _pick(self, model: str, query: Mapping[str, Any], subset: Allowed | None, rid: str) -> Pick:
+        if rid:
+            assert self.reserve is not None
+            query = {**query, "router_id": self.reserve.router_id, "reserve_id": rid}
         try:
             answer = await self.client.lookup(model, include_unmatched=True, want_block_hashes=True, **query)
         except CoordinatorError as exc:
@@ -310,7 +339,13 @@ class Picker:
             self.table.learn(c.node_id, c.serving_url, model, (c.dp_rank,), {c.dp_rank: c.load})
         eligible = await self._eligible([*answer.nodes, *self._unlisted(model, answer)], subset)
         decision, endpoints = self._decide(answer, eligible, self.policy)
-        return Pick(endpoints, decision.node_id, decision.why, True, decision.matched_blocks)
+        if rid:
+            assert self.reserve is not None
+            best = min(max((c.matched_blocks for c in answer.nodes), default=0), len(answer.block_hashes))
+            tokens = answer.num_tokens or answer.num_blocks * answer.block_size
+            prefill = max(0, tokens - decision.matched_blocks * max(1, answer.block_size))
+            self.reserve.reserve(rid, model, decision.key, best, answer.block_hashes, prefill)
+        return Pick(endpoints, decision.node_id, decision.why, True, decision.matched_blocks, rid)
 
     def _unlisted(self, model: str, answer: LookupResult) -> list[Candidate]:
         """Nodes listed as serving that lookups leave out (resyncing after a reconnect, a hash mismatch;

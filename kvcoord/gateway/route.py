@@ -38,6 +38,7 @@ from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 from .listener import GuardedSite
 from .nodes import Prefill
 from .requests import BadRequest, json_object
+from .reserve import DEFAULT_TTL, ReserveStream
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
 from .route_place import Placer, Plan, node_label
@@ -83,6 +84,9 @@ class RouteConfig:
     tokenizer: str | None = None
     """The engines' tokenizer (a local directory, or an engine URL for its /tokenize): the router then
     looks up by token ids and remembers the blocks it routed (see :mod:`kvcoord.gateway.route_place`)."""
+    reserve: bool = True
+    """Share picks with the other routers of the coordinator (:mod:`kvcoord.gateway.reserve`)."""
+    reserve_ttl: float = DEFAULT_TTL
 
 
 def _openai_error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
@@ -118,6 +122,9 @@ class RouteServer:
                                            timeout=config.rpc_timeout) if config.coordinator else None)
         policy = make_policy(config.policy, config.seed, degraded=config.degraded, latency=config.latency)
         self.placer = Placer(self.client, self.backends, policy, self.metrics, seed=config.seed)
+        if self.client is not None and policy.uses_index and config.reserve:
+            self.placer.reserve = ReserveStream(self.client, log, ttl=config.reserve_ttl,
+                                                on_change=lambda up: self.metrics.shared_view.set(int(up)))
         self.readiness = Readiness(self.client, self.placer, self._models, timeout=config.rpc_timeout,
                                    pause=min(1.0, config.refresh_interval))
         latency = getattr(policy, "latency", None)
@@ -169,6 +176,8 @@ class RouteServer:
             await self.refresh()
             self._tasks.append(asyncio.create_task(self.backends.table.run(self.rpc,
                                                                            self.config.refresh_interval)))
+        if self.placer.reserve is not None:
+            self._tasks.append(asyncio.create_task(self.placer.reserve.run()))
         self._tasks.append(asyncio.create_task(self._health_loop()))
         self._tasks.append(asyncio.create_task(self.readiness.run()))
         log.info("route: OpenAI-compatible API on http://%s:%d (coordinator %s, policy %s, %d static "
@@ -247,9 +256,18 @@ class RouteServer:
         return web.json_response({"status": status, "reason": reason, "prefix_aware": prefix_aware,
                                   "policy": policy.name, "degraded": getattr(policy, "degraded", None),
                                   "latency": latency.flags() if isinstance(latency, LatencyModel) else None,
-                                  "warm": sorted(self.readiness.warm),
+                                  "warm": sorted(self.readiness.warm), "shared_view": self._shared_view(),
                                   "backends": self.backends.urls(), "suspect": self.backends.suspect()},
                                  status=200 if ready else 503)
+
+    def _shared_view(self) -> dict[str, Any]:
+        """Whether this router's picks reach the other routers (its reservation stream is open)."""
+        stream = self.placer.reserve
+        if stream is None:
+            return {"up": False,
+                    "reason": "off (--no-reserve, no coordinator, or a policy without the index)"}
+        return {"up": stream.up, "reason": stream.reason, "router_id": stream.router_id,
+                "unsent": stream.dropped}
 
     async def live(self, request: web.Request) -> web.Response:
         """200 while the process serves (a liveness probe): readiness is ``/health``'s."""
@@ -301,7 +319,10 @@ class RouteServer:
         plan = await self.placer.plan(model, body, chat=endpoint == "chat")
         plan.started = t0
         payload, strip_usage = _payload(raw, body)
-        resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0)
+        try:
+            resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0)
+        finally:
+            self.placer.unreserve(plan.reserve_id)
         self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
         return resp
 
@@ -361,7 +382,8 @@ class RouteServer:
         send = dict(headers)
         if self.backends.multi_rank(node_id):
             send["X-data-parallel-rank"] = str(key[1])
-        queued = self.backends.begin(key, prefill, self._prefill_s_per_token)
+        queued = self.backends.begin(key, prefill, self._prefill_s_per_token,
+                                     self.placer.reserved(plan, attempt.decision, prefill))
         self.metrics.placements.labels(node_label(key), str(plan.prefix_aware).lower()).inc()
         try:
             try:

@@ -90,13 +90,14 @@ class Backends:
         return bool(node.address) and node.node_id not in self._suspect
 
     # ------------------------------------------------------------------ in-flight work
-    def begin(self, key: NodeKey, prefill_tokens: int, prefill_s_per_token: float = 0.0) -> Prefill[NodeKey]:
+    def begin(self, key: NodeKey, prefill_tokens: int, prefill_s_per_token: float = 0.0,
+              then: Callable[[], None] | None = None) -> Prefill[NodeKey]:
         """A request placed on ``key``: open, and its uncached prompt tokens queued for prefill until the
         returned handle is done (at the first byte, or at the latest once the node could have prefilled
         what was queued ahead plus these tokens at ``prefill_s_per_token``; 0: at the first byte)."""
         ahead = self.work.pending(key)
         self.work.begin(key, prefill_tokens)
-        return Prefill(self.work, key, prefill_tokens, prefill_s_per_token * (ahead + prefill_tokens))
+        return Prefill(self.work, key, prefill_tokens, prefill_s_per_token * (ahead + prefill_tokens), then)
 
     def end(self, key: NodeKey) -> None:
         self.work.end(key)
@@ -105,14 +106,15 @@ class Backends:
         """Requests in flight per node this router ever sent to (zeros included)."""
         return self.work.counts()
 
-    def merged_load(self, key: NodeKey, reported: NodeLoad) -> NodeLoad:
+    def merged_load(self, key: NodeKey, reported: NodeLoad, others: NodeLoad | None = None) -> NodeLoad:
         """``reported`` with at least the requests this router has in flight there, and the prompt tokens
-        it sent there that have not produced a first byte yet."""
-        return self.work.merged(key, reported)
+        it sent there that have not produced a first byte yet, plus what ``others`` (other routers)
+        reserved there."""
+        return self.work.merged(key, reported, others)
 
     # ------------------------------------------------------------------ candidates
     def _merged(self, candidates: Iterable[Candidate]) -> list[Candidate]:
-        return [replace(c, load=self.merged_load(c.key, c.load)) for c in candidates]
+        return [replace(c, load=self.merged_load(c.key, c.load, c.reserved)) for c in candidates]
 
     def routable(self, candidates: Iterable[Candidate]) -> list[Candidate]:
         """The answer's candidates that have a URL and are not suspect, with merged loads, plus every

@@ -53,6 +53,9 @@ class RouteMetrics:
                                   "than --deadline-ms (placement is least-loaded).", registry=r)
         self.coordinator_up = Gauge("kvcoord_route_coordinator_up", "1 when the last lookup was answered in "
                                     "time.", registry=r)
+        self.shared_view = Gauge("kvcoord_route_shared_view", "1 while this router's reservation stream to "
+                                 "the coordinator is open (routers share one view); 0: it places on its "
+                                 "own memory.", registry=r)
         self.ready = Gauge("kvcoord_route_ready", "1 when /health reports ready (the coordinator answered "
                            "this router, accepts its token, and its models' lookups are warm).", registry=r)
         self.lookup_seconds = Histogram("kvcoord_route_lookup_seconds", "Coordinator lookup latency "

@@ -27,6 +27,7 @@ from kvcoord.transport import TOKENIZER_CAUSE
 
 from .outage import Outages, is_outage
 from .requests import BadRequest, NotAskable, body_query, tokenize
+from .reserve import ReserveStream
 from .route_backends import Backends
 from .route_metrics import RouteMetrics
 
@@ -59,6 +60,8 @@ class Plan:
     tried: set[tuple[str, int]] = field(default_factory=set)
     started: float = 0.0
     """``perf_counter()`` when the request arrived."""
+    reserve_id: str = ""
+    """The id this request's reservation carries (its lookup held its new prefix); "" when none."""
 
     def remaining(self, backends: Backends) -> list[Candidate]:
         return [c for c in self.candidates if c.key not in self.tried and not backends.is_suspect(c.node_id)]
@@ -87,6 +90,8 @@ class Placer:
         """The coordinator refused this router's token (UNAUTHENTICATED, PERMISSION_DENIED) and has not
         answered a lookup since: ``/health`` reports not ready."""
         self._lookup_errors: set[str] = set()
+        self.reserve: ReserveStream | None = None
+        """The reservation stream shared with other routers (None: this router places alone)."""
 
     @property
     def outage_since(self) -> float | None:
@@ -118,9 +123,14 @@ class Placer:
             return self._degraded(model, "unsupported_prompt", "the index cannot be asked about "
                                   "continue_final_message")
         t0 = time.perf_counter()
+        rid = self.reserve.next_id() if self.reserve is not None else ""
+        if rid:
+            assert self.reserve is not None
+            query.update(router_id=self.reserve.router_id, reserve_id=rid)
         try:
             answer = await self.client.lookup(model, include_unmatched=True, want_block_hashes=True, **query)
         except CoordinatorError as exc:
+            self.unreserve(rid)
             return self._failed(model, exc)
         except ValueError as exc:  # the query itself is malformed: the engine will say how
             self.metrics.degraded.labels("lookup_error").inc()
@@ -129,7 +139,9 @@ class Placer:
         self.metrics.lookup_seconds.observe(took)
         self._answered()
         self.tokenizer_outages.answered(model)
-        return self._from_answer(model, answer, now, took)
+        plan = self._from_answer(model, answer, now, took)
+        plan.reserve_id = rid
+        return plan
 
     def _from_answer(self, model: str, answer: LookupResult, now: float, took: float) -> Plan:
         candidates = self.backends.routable(answer.nodes)
@@ -143,6 +155,22 @@ class Placer:
             return plan
         best = max(c.matched_blocks for c in candidates)
         return Plan(model, True, "", candidates, request, best, took)
+
+    def reserved(self, plan: Plan, decision: Decision, prefill: int) -> Callable[[], None] | None:
+        """Reserve ``decision`` for ``plan`` on the shared stream (the prompt's blocks beyond the index's
+        best, the predicted ``prefill`` tokens); returns the release to call at the first byte."""
+        stream, rid = self.reserve, plan.reserve_id
+        if stream is None or not rid:
+            return None
+        r = plan.request
+        stream.reserve(rid, plan.model, decision.key, min(plan.best_blocks, len(r.block_hashes)),
+                       r.block_hashes, prefill)
+        return lambda: stream.release(rid, first_byte=True)
+
+    def unreserve(self, rid: str) -> None:
+        """The request is over (or never placed): its reservation, or its lookup's hold, ends."""
+        if self.reserve is not None and rid:
+            self.reserve.release(rid, first_byte=False)
 
     def _degraded(self, model: str, reason: str, detail: str) -> Plan:
         return Plan(model, False, reason, self.backends.fallback(model),

@@ -39,6 +39,11 @@ class Candidate:
     trust_cause: str = ""
     """Why degraded: ``hash_mismatch`` (matches may be wrong: the policies' ``degraded`` option
     decides) or ``history_lost`` (blocks are missing, the matches are real); empty otherwise."""
+    reserved_blocks: int = 0
+    """Leading blocks of the query routers (this one too) routed here that the index does not show yet
+    (their reservations, docs/routing.md "Routers that share one view")."""
+    reserved: NodeLoad = field(default_factory=NodeLoad)
+    """Other routers' requests in flight here (``running_requests``) and their prefill not yet done."""
 
     @property
     def key(self) -> NodeKey:
@@ -62,6 +67,9 @@ class Candidate:
             out["serving_url"] = self.serving_url
         if self.trust_cause:
             out["trust_cause"] = self.trust_cause
+        if self.reserved_blocks or self.reserved.in_flight or self.reserved.prefill_tokens:
+            out["reserved"] = {"blocks": self.reserved_blocks, "requests": self.reserved.in_flight,
+                               "prefill_tokens": self.reserved.prefill_tokens}
         return out
 
 

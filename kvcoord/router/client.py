@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 _UINT64_MAX = (1 << 64) - 1
+_NO_LOAD = NodeLoad()
 
 
 class CoordinatorError(RuntimeError):
@@ -65,7 +66,9 @@ def lookup_result(msg: pb.LookupResponse) -> LookupResult:
     """The wire answer as the type the placement policies take."""
     nodes = [
         Candidate(n.node_id, n.dp_rank, n.matched_blocks, (n.tiers.gpu, n.tiers.cpu, n.tiers.storage),
-                  load_from_proto(n.load), n.serving_url, n.trust or EXACT, n.trust_cause)
+                  load_from_proto(n.load), n.serving_url, n.trust or EXACT, n.trust_cause, n.reserved_blocks,
+                  NodeLoad(running_requests=n.reserved_requests, prefill_tokens=n.reserved_prefill_tokens)
+                  if n.reserved_requests or n.reserved_prefill_tokens else _NO_LOAD)
         for n in msg.nodes
     ]
     hashes = tuple(unpack_u64(msg.block_hashes, "LookupResponse")) if msg.block_hashes else ()
@@ -208,10 +211,14 @@ def build_lookup_request(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     add_special_tokens: bool | None = None,
     add_generation_prompt: bool | None = None,
+    router_id: str = "",
+    reserve_id: str = "",
 ) -> pb.LookupRequest:
     """Validate locally (exactly one of tokens, hashes, prompt or messages; uint64 values) and build the
     request. A prompt or chat is tokenized by the coordinator with the model's tokenizer, as the engine's
-    OpenAI server would (``add_special_tokens`` defaults to True for a prompt, False for a chat)."""
+    OpenAI server would (``add_special_tokens`` defaults to True for a prompt, False for a chat).
+    ``router_id`` / ``reserve_id``: a router that reserves its picks (:class:`ReserveStream
+    <kvcoord.gateway.reserve.ReserveStream>`), and the request id its reservation of this pick will carry."""
     if not model:
         raise ValueError("model must be non-empty")
     given = sum(x is not None for x in (tokens, hashes, prompt, messages))
@@ -261,6 +268,9 @@ def build_lookup_request(
         req.candidates.add(node_id=node_id, dp_rank=rank)
     req.include_unmatched = include_unmatched
     req.want_block_hashes = want_block_hashes
+    if router_id:
+        req.router_id = router_id
+        req.reserve_id = reserve_id
     return req
 
 
@@ -416,6 +426,10 @@ class AsyncCoordinatorClient:
         """A prebuilt request, without result conversion (for hot paths and benchmarks)."""
         resp: pb.LookupResponse = await self._call("Lookup", request)
         return resp
+
+    def reserve_stream(self, batches: AsyncIterator[pb.ReserveBatch]) -> Any:
+        """Open a ``Reserve`` stream to the replica lookups go to now (the call, to await its end)."""
+        return self._stubs[self._replicas.current].Reserve(batches, metadata=self._md)
 
     async def stats(self) -> CoordinatorStats:
         return CoordinatorStats.from_proto(await self._call("Stats", pb.StatsRequest()))

@@ -268,6 +268,9 @@ class PrefixAwarePolicy:
     stickiness lowered the hit rate by 0.2 points: a node that evicted a session is the node whose
     cache churns fastest, the worst place to rebuild it.
 
+    **Other routers' placements** (and this one's, at block granularity) come with the lookup answer as
+    ``reserved_blocks`` (docs/routing.md, "Routers that share one view") and count as held the same way.
+
     **Degraded nodes** whose hashes failed verification (``trust`` ``degraded``, ``trust_cause``
     ``hash_mismatch`` or unknown), so their matches may be wrong, per ``degraded``: ``"discount"``
     (default) counts its matched blocks at ``degraded_weight`` (0.5), ``"ignore"`` treats it as holding
@@ -348,8 +351,8 @@ class PrefixAwarePolicy:
             believed = self.routed.match(request.block_hashes, request.now, guessed)
             candidates = [replace(c, matched_blocks=believed[c.key], tiers=(believed[c.key],))
                           if c.key in believed else c for c in candidates]
+        candidates, inflight = _with_reserved(candidates)
         recalled = self.memory.recall(request.block_hashes)
-        inflight = ""
         if (
             recalled is not None
             and request.now < recalled.ready_at
@@ -363,7 +366,7 @@ class PrefixAwarePolicy:
                 else c
                 for c in candidates
             ]
-            inflight = f"; {recalled.depth} blocks in flight to {recalled.key[0]} (routed {age:.2f} s ago)"
+            inflight += f"; {recalled.depth} blocks in flight to {recalled.key[0]} (routed {age:.2f} s ago)"
         low = min(c.load.in_flight for c in candidates)
         cap = self.balance_rel * low + self.balance_abs
         eligible = [c for c in candidates if c.load.in_flight <= cap]
@@ -407,6 +410,18 @@ class PrefixAwarePolicy:
         own = self.latency.prefill_s_per_token * (request.num_tokens - saved)
         self.memory.record(request.block_hashes, chosen.key, request.now, request.now + queue + own)
         return Decision(chosen.node_id, chosen.dp_rank, why, chosen.matched_blocks, best_cost)
+
+
+def _with_reserved(candidates: Sequence[Candidate]) -> tuple[Sequence[Candidate], str]:
+    """Blocks routers reserved on a node (routed there, not reported by its events yet) count as held
+    there (on GPU), like this router's own in-flight placements; the ``why`` note names the deepest."""
+    if not any(c.reserved_blocks > c.matched_blocks for c in candidates):
+        return candidates, ""
+    top = max((c for c in candidates if c.reserved_blocks > c.matched_blocks),
+              key=lambda c: (c.reserved_blocks, c.key))
+    out = [replace(c, matched_blocks=c.reserved_blocks, tiers=(c.reserved_blocks,))
+           if c.reserved_blocks > c.matched_blocks else c for c in candidates]
+    return out, f"; {top.reserved_blocks} blocks reserved on {_name(top)} (routed, not reported yet)"
 
 
 DEGRADED_MODES: tuple[str, ...] = ("discount", "ignore", "trust")

@@ -964,6 +964,8 @@ class LookupRequest(_message.Message):
     CANDIDATES_FIELD_NUMBER: _builtins.int
     INCLUDE_UNMATCHED_FIELD_NUMBER: _builtins.int
     WANT_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    RESERVE_ID_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     include_unmatched: _builtins.bool
     """Also answer the live nodes (of `candidates`, or of the model) that hold none of the query, with
@@ -972,6 +974,15 @@ class LookupRequest(_message.Message):
     want_block_hashes: _builtins.bool
     """Also answer the query's block hashes (LookupResponse.block_hashes): a router whose coordinator
     tokenizes keys its own memories (in-flight placements, what it sent nodes without KV events) on them.
+    """
+    router_id: _builtins.str
+    """A router that reserves its picks on a Reserve stream: its id there. The answer's reserved_requests
+    and reserved_prefill_tokens then leave its own requests out (it counts those itself).
+    """
+    reserve_id: _builtins.str
+    """The request id this router's Reserve for this pick will carry: until it arrives (or a short hold
+    passes), any other lookup of the same new prefix waits for it, so no two requests send one new
+    prefix to two nodes at once. Empty: no hold.
     """
     @_builtins.property
     def tokens(self) -> Global___TokenQuery: ...
@@ -993,10 +1004,12 @@ class LookupRequest(_message.Message):
         candidates: _abc.Iterable[Global___NodeRef] | None = ...,
         include_unmatched: _builtins.bool = ...,
         want_block_hashes: _builtins.bool = ...,
+        router_id: _builtins.str = ...,
+        reserve_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "prompt", b"prompt", "query", b"query", "tokens", b"tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "hashes", b"hashes", "include_unmatched", b"include_unmatched", "model", b"model", "prompt", b"prompt", "query", b"query", "tokens", b"tokens", "want_block_hashes", b"want_block_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "hashes", b"hashes", "include_unmatched", b"include_unmatched", "model", b"model", "prompt", b"prompt", "query", b"query", "reserve_id", b"reserve_id", "router_id", b"router_id", "tokens", b"tokens", "want_block_hashes", b"want_block_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_query: _TypeAlias = _typing.Literal["tokens", "hashes", "prompt"]  # noqa: Y015
     _WhichOneofArgType_query: _TypeAlias = _typing.Literal["query", b"query"]  # noqa: Y015
@@ -1041,6 +1054,9 @@ class NodeMatch(_message.Message):
     TRUST_FIELD_NUMBER: _builtins.int
     SERVING_URL_FIELD_NUMBER: _builtins.int
     TRUST_CAUSE_FIELD_NUMBER: _builtins.int
+    RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    RESERVED_REQUESTS_FIELD_NUMBER: _builtins.int
+    RESERVED_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     dp_rank: _builtins.int
     matched_blocks: _builtins.int
@@ -1053,6 +1069,13 @@ class NodeMatch(_message.Message):
     history_lost (its relay lost batches: blocks are missing, the matches are real); empty otherwise
     (and from coordinators that predate it).
     """
+    reserved_blocks: _builtins.int
+    """Reservations on this node (see Reserve): the leading query blocks routers (the asker too) routed
+    here that the index does not show yet; other routers' requests in flight here, and those requests'
+    predicted prefill (uncached prompt tokens) not yet done.
+    """
+    reserved_requests: _builtins.int
+    reserved_prefill_tokens: _builtins.int
     @_builtins.property
     def tiers(self) -> Global___TierCounts: ...
     @_builtins.property
@@ -1070,10 +1093,13 @@ class NodeMatch(_message.Message):
         trust: _builtins.str = ...,
         serving_url: _builtins.str = ...,
         trust_cause: _builtins.str = ...,
+        reserved_blocks: _builtins.int = ...,
+        reserved_requests: _builtins.int = ...,
+        reserved_prefill_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "tiers", b"tiers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "load", b"load", "matched_blocks", b"matched_blocks", "node_id", b"node_id", "serving_url", b"serving_url", "tiers", b"tiers", "trust", b"trust", "trust_cause", b"trust_cause"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "load", b"load", "matched_blocks", b"matched_blocks", "node_id", b"node_id", "reserved_blocks", b"reserved_blocks", "reserved_prefill_tokens", b"reserved_prefill_tokens", "reserved_requests", b"reserved_requests", "serving_url", b"serving_url", "tiers", b"tiers", "trust", b"trust", "trust_cause", b"trust_cause"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1527,6 +1553,149 @@ class StatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatsResponse: _TypeAlias = StatsResponse  # noqa: Y015
+
+@_typing.final
+class Reservation(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    Reservations: a router's picks, shared with every router through lookup answers.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    DP_RANK_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    node_id: _builtins.str
+    dp_rank: _builtins.int
+    first_block: _builtins.int
+    """query position of block_hashes[0]"""
+    block_hashes: _builtins.bytes
+    """the prompt's blocks from first_block on, packed LE uint64"""
+    prefill_tokens: _builtins.int
+    """predicted prefill: the prompt's uncached tokens"""
+    ttl_seconds: _builtins.float
+    """the reservation expires on its own after this long"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        dp_rank: _builtins.int = ...,
+        first_block: _builtins.int = ...,
+        block_hashes: _builtins.bytes = ...,
+        prefill_tokens: _builtins.int = ...,
+        ttl_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "dp_rank", b"dp_rank", "first_block", b"first_block", "model", b"model", "node_id", b"node_id", "prefill_tokens", b"prefill_tokens", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Reservation: _TypeAlias = Reservation  # noqa: Y015
+
+@_typing.final
+class Release(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_BYTE_FIELD_NUMBER: _builtins.int
+    first_byte: _builtins.bool
+    """true: the prefill is done (the request still runs); false: done"""
+    def __init__(
+        self,
+        *,
+        first_byte: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_byte", b"first_byte"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Release: _TypeAlias = Release  # noqa: Y015
+
+@_typing.final
+class ReserveOp(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESERVE_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """unique per router"""
+    @_builtins.property
+    def reserve(self) -> Global___Reservation: ...
+    @_builtins.property
+    def release(self) -> Global___Release: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        reserve: Global___Reservation | None = ...,
+        release: Global___Release | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["op", b"op", "release", b"release", "reserve", b"reserve"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["op", b"op", "release", b"release", "request_id", b"request_id", "reserve", b"reserve"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["reserve", "release"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___ReserveOp: _TypeAlias = ReserveOp  # noqa: Y015
+
+@_typing.final
+class ReserveBatch(_message.Message):
+    """One write on a router's Reserve stream: what it reserved and released since its last write (a
+    reservation goes at once; releases wait up to ~20 ms for one, so most requests cost one message).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    OPS_FIELD_NUMBER: _builtins.int
+    router_id: _builtins.str
+    """the same on every batch of one stream"""
+    @_builtins.property
+    def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReserveOp]: ...
+    def __init__(
+        self,
+        *,
+        router_id: _builtins.str = ...,
+        ops: _abc.Iterable[Global___ReserveOp] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops", "router_id", b"router_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveBatch: _TypeAlias = ReserveBatch  # noqa: Y015
+
+@_typing.final
+class ReserveSummary(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECEIVED_FIELD_NUMBER: _builtins.int
+    received: _builtins.int
+    """operations received"""
+    def __init__(
+        self,
+        *,
+        received: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["received", b"received"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReserveSummary: _TypeAlias = ReserveSummary  # noqa: Y015
 
 @_typing.final
 class PingRequest(_message.Message):

@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.Reserve = channel.stream_unary(
+                '/kvcoord.v2.Coordinator/Reserve',
+                request_serializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveBatch.SerializeToString,
+                response_deserializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveSummary.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/kvcoord.v2.Coordinator/ListNodes',
                 request_serializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ListNodesRequest.SerializeToString,
@@ -88,6 +93,14 @@ class CoordinatorServicer:
 
     def Lookup(self, request, context):
         """Routers: how much of a prompt each live node holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request_iterator, context):
+        """Routers: their picks and releases, one long-lived stream per router, never awaited per request.
+        The stream's end drops that router's reservations; each also expires after its ttl.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,6 +155,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.LookupRequest.FromString,
                     response_serializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.LookupResponse.SerializeToString,
+            ),
+            'Reserve': grpc.stream_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveBatch.FromString,
+                    response_serializer=kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveSummary.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
@@ -228,6 +246,33 @@ class Coordinator:
             '/kvcoord.v2.Coordinator/Lookup',
             kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.LookupRequest.SerializeToString,
             kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvcoord.v2.Coordinator/Reserve',
+            kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveBatch.SerializeToString,
+            kvcoord_dot_proto_dot_v2_dot_kvcoord__pb2.ReserveSummary.FromString,
             options,
             channel_credentials,
             insecure,

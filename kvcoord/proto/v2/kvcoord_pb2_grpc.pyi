@@ -46,6 +46,10 @@ class CoordinatorStub:
     """Agents: hello, then numbered batches; the coordinator acks and may ask for a snapshot."""
     Lookup: _grpc.UnaryUnaryMultiCallable[_kvcoord_pb2.LookupRequest, _kvcoord_pb2.LookupResponse]
     """Routers: how much of a prompt each live node holds."""
+    Reserve: _grpc.StreamUnaryMultiCallable[_kvcoord_pb2.ReserveBatch, _kvcoord_pb2.ReserveSummary]
+    """Routers: their picks and releases, one long-lived stream per router, never awaited per request.
+    The stream's end drops that router's reservations; each also expires after its ttl.
+    """
     ListNodes: _grpc.UnaryUnaryMultiCallable[_kvcoord_pb2.ListNodesRequest, _kvcoord_pb2.ListNodesResponse]
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_kvcoord_pb2.HeartbeatRequest, _kvcoord_pb2.HeartbeatResponse]
     DrainNode: _grpc.UnaryUnaryMultiCallable[_kvcoord_pb2.DrainNodeRequest, _kvcoord_pb2.DrainNodeResponse]
@@ -61,6 +65,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Agents: hello, then numbered batches; the coordinator acks and may ask for a snapshot."""
     Lookup: _aio.UnaryUnaryMultiCallable[_kvcoord_pb2.LookupRequest, _kvcoord_pb2.LookupResponse]  # type: ignore[assignment]
     """Routers: how much of a prompt each live node holds."""
+    Reserve: _aio.StreamUnaryMultiCallable[_kvcoord_pb2.ReserveBatch, _kvcoord_pb2.ReserveSummary]  # type: ignore[assignment]
+    """Routers: their picks and releases, one long-lived stream per router, never awaited per request.
+    The stream's end drops that router's reservations; each also expires after its ttl.
+    """
     ListNodes: _aio.UnaryUnaryMultiCallable[_kvcoord_pb2.ListNodesRequest, _kvcoord_pb2.ListNodesResponse]  # type: ignore[assignment]
     Heartbeat: _aio.UnaryUnaryMultiCallable[_kvcoord_pb2.HeartbeatRequest, _kvcoord_pb2.HeartbeatResponse]  # type: ignore[assignment]
     DrainNode: _aio.UnaryUnaryMultiCallable[_kvcoord_pb2.DrainNodeRequest, _kvcoord_pb2.DrainNodeResponse]  # type: ignore[assignment]
@@ -85,6 +93,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvcoord_pb2.LookupResponse, _abc.Awaitable[_kvcoord_pb2.LookupResponse]]:
         """Routers: how much of a prompt each live node holds."""
+
+    @_abc_1.abstractmethod
+    def Reserve(
+        self,
+        request_iterator: _MaybeAsyncIterator[_kvcoord_pb2.ReserveBatch],
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvcoord_pb2.ReserveSummary, _abc.Awaitable[_kvcoord_pb2.ReserveSummary]]:
+        """Routers: their picks and releases, one long-lived stream per router, never awaited per request.
+        The stream's end drops that router's reservations; each also expires after its ttl.
+        """
 
     @_abc_1.abstractmethod
     def ListNodes(

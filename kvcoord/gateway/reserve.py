@@ -1,0 +1,169 @@
+"""A front door's side of the shared view: its picks and releases on one long-lived ``Reserve`` stream to
+the coordinator (:mod:`kvcoord.coordinator.reservations`), which lookup answers of other routers carry.
+
+Nothing on the request path waits for it: :meth:`ReserveStream.reserve` and :meth:`ReserveStream.release`
+queue an operation that one writer task sends, so a reservation costs a protobuf message and a queue put
+per request, no round trip. Completions ride with the next reservation (or go after ``RELEASE_LINGER``),
+and what queues during a write goes in one message, so under load a request costs one or two messages.
+
+While the stream is down (coordinator down or restarting), the router works on its own memory (its
+in-flight counts and placement memory), says so once in its log, in ``kvcoord_route_shared_view`` /
+``kvcoord_epp_shared_view`` (0) and in route's ``/health`` ``shared_view``, and reopens the stream every
+``retry_seconds``. Lookups ask for a hold on their new prefix only while the stream is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from kvcoord.hashing import BlockHash64
+from kvcoord.index.base import NodeKey
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.validate import pack_u64
+
+__all__ = ["DEFAULT_TTL", "ReserveStream", "new_router_id"]
+
+DEFAULT_TTL = 600.0
+"""Seconds a reservation lives at most when its release never comes (a request longer than this stops
+counting as in flight for other routers; its own router still counts it)."""
+_QUEUE = 65_536
+RELEASE_LINGER = 0.02
+"""Seconds a completion may wait for a reservation to travel with (a late one only keeps the view
+conservative a little longer); a reservation and a first byte never wait."""
+
+
+def new_router_id() -> str:
+    """Unique per process: host, pid and a random tail (a restarted router is a new one)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class ReserveStream:
+    """One router's ``Reserve`` stream. :meth:`run` keeps it open until cancelled."""
+
+    def __init__(self, client: AsyncCoordinatorClient, log: logging.Logger, *, ttl: float = DEFAULT_TTL,
+                 router_id: str | None = None, retry_seconds: float = 1.0,
+                 on_change: Callable[[bool], None] | None = None) -> None:
+        if ttl <= 0:
+            raise ValueError("the reservation ttl must be > 0")
+        self.client = client
+        self.log = log
+        self.ttl = ttl
+        self.router_id = router_id or new_router_id()
+        self.retry_seconds = retry_seconds
+        self.on_change = on_change
+        self.up = False
+        self.reason = "not connected yet"
+        """Why the stream is down (for ``/health``); "" while up."""
+        self.dropped = 0
+        """Messages not sent: the stream was down, or its queue full."""
+        self._queue: asyncio.Queue[list[pb.ReserveOp]] = asyncio.Queue(_QUEUE)
+        self._pending: list[pb.ReserveOp] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        self._ids = itertools.count(1)
+        self._announced = False
+
+    def next_id(self) -> str:
+        """A request id for a lookup's hold and its reservation; "" while the stream is down (no hold)."""
+        return str(next(self._ids)) if self.up else ""
+
+    # ------------------------------------------------------------------ the request path
+    def reserve(self, request_id: str, model: str, key: NodeKey, first_block: int,
+                hashes: Sequence[BlockHash64], prefill_tokens: int) -> None:
+        """Sent at once (other lookups may wait for it), with the releases pending."""
+        op = pb.ReserveOp(request_id=request_id)
+        r = op.reserve
+        r.model, r.node_id, r.dp_rank, r.first_block = model, key[0], key[1], first_block
+        r.block_hashes = pack_u64(hashes[first_block:])
+        r.prefill_tokens, r.ttl_seconds = max(0, prefill_tokens), self.ttl
+        self._pending.append(op)
+        self._flush()
+
+    def release(self, request_id: str, *, first_byte: bool) -> None:
+        """A first byte goes at the end of this loop iteration (the node's queued prefill is load every
+        router weighs); a completion with the next reservation, or after ``RELEASE_LINGER`` s."""
+        if not self.up:
+            return
+        op = pb.ReserveOp(request_id=request_id)
+        op.release.first_byte = first_byte
+        self._pending.append(op)
+        delay = 0.0 if first_byte else RELEASE_LINGER
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        if self._timer is None or self._due > due:  # uvloop's timer handles have no when()
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._due = loop.call_later(delay, self._flush), due
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        ops, self._pending = self._pending, []
+        if not ops:
+            return
+        if not self.up:
+            self.dropped += len(ops)
+            return
+        try:
+            self._queue.put_nowait(ops)
+        except asyncio.QueueFull:
+            self.dropped += len(ops)
+
+    # ------------------------------------------------------------------ the stream
+    async def _batches(self) -> AsyncIterator[pb.ReserveBatch]:
+        yield pb.ReserveBatch(router_id=self.router_id)  # names the router at once
+        while True:
+            batch = pb.ReserveBatch(router_id=self.router_id)
+            batch.ops.extend(await self._queue.get())
+            while not self._queue.empty():  # what queued during the last write goes in one message
+                batch.ops.extend(self._queue.get_nowait())
+            yield batch
+
+    def _set(self, up: bool, reason: str) -> None:
+        changed = up != self.up or not self._announced
+        self.up, self.reason = up, reason
+        if not changed:
+            return
+        self._announced = True
+        if up:
+            self.log.warning("reservations: stream to the coordinator open (router id %s); routers share "
+                             "one view", self.router_id)
+        else:
+            self.log.warning("reservations: stream to the coordinator down (%s); placing on this router's "
+                             "own memory until it is back", reason)
+            while not self._queue.empty():  # the coordinator dropped them with the stream
+                self._queue.get_nowait()
+            self._pending.clear()
+        if self.on_change is not None:
+            self.on_change(up)
+
+    async def run(self) -> None:
+        """Open the stream, keep it open, reopen it after a failure; a coordinator without ``Reserve``
+        (UNIMPLEMENTED) is logged once and never asked again."""
+        while True:
+            call = self.client.reserve_stream(self._batches())
+            try:
+                await call.wait_for_connection()
+                self._set(True, "")
+                await call
+                self._set(False, "the coordinator ended the stream")
+            except grpc.aio.AioRpcError as exc:
+                self._set(False, f"{exc.code().name}: {exc.details()}")
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self.log.warning("reservations: the coordinator has no Reserve call; not shared")
+                    self.reason = "the coordinator has no Reserve call"
+                    return
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            await asyncio.sleep(self.retry_seconds)
