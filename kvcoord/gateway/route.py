@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
+from .apis import API, ENDPOINT_API, as_lookup_body, error_body
 from .listener import GuardedSite
 from .nodes import Prefill
 from .requests import BadRequest, json_object
@@ -53,6 +55,8 @@ _HOP = frozenset({"host", "content-length", "content-type", "connection", "keep-
                   "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"})
 """Request headers not forwarded: hop-by-hop ones, and those the router sets itself."""
 _DONE = b"data: [DONE]\n\n"
+_API_PATHS = {"/v1/messages": "messages", "/v1/responses": "responses", "/inference/v1/generate": "generate"}
+"""Endpoints besides completions and chat (:mod:`kvcoord.gateway.apis` maps their prompts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +93,23 @@ class RouteConfig:
     reserve_ttl: float = DEFAULT_TTL
 
 
-def _openai_error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
+def _openai_error(status: int, message: str, kind: str = "BadRequestError",
+                  api: API = "openai") -> web.Response:
+    return web.json_response(error_body(api, status, message, kind), status=status)
+
+
+def _if_available(request: web.Request) -> bool:
+    """llm-d's ``Prefer: if-available``: serve only where the prompt is cached, else 412."""
+    prefs = ",".join(request.headers.getall("Prefer", [])).lower()
+    return any(p.split(";")[0].strip() == "if-available" for p in prefs.split(","))
+
+
+def _covered(plan: Plan) -> list[Candidate]:
+    """The candidates holding every block of the prompt a hit can use (all but the block of its last
+    token, as vLLM computes that one; at least one block)."""
+    r = plan.request
+    need = max(1, (r.num_tokens - 1) // r.block_size)
+    return [c for c in plan.candidates if c.matched_blocks >= need] if plan.prefix_aware else []
 
 
 def _header_safe(text: str, limit: int = 512) -> str:
@@ -140,6 +158,8 @@ class RouteServer:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        for path, endpoint in _API_PATHS.items():
+            app.router.add_post(path, functools.partial(self._proxy, endpoint=endpoint))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", self.live)
@@ -307,18 +327,29 @@ class RouteServer:
     async def _proxy(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         raw = await request.read()
+        api = ENDPOINT_API[endpoint]
         try:
             body = json_object(raw)
+            shaped, chat = as_lookup_body(endpoint, body)
         except BadRequest as exc:
             self.metrics.requests.labels(endpoint, "bad_request").inc()
-            return _openai_error(400, exc.message)
+            return _openai_error(400, exc.message, api=api)
         model = body.get("model") or self.config.model or ""
         if not isinstance(model, str) or (not model and self.placer.policy.uses_index):
             self.metrics.requests.labels(endpoint, "bad_request").inc()
-            return _openai_error(400, "the request names no model (and kvcoord route has no --model)")
-        plan = await self.placer.plan(model, body, chat=endpoint == "chat")
+            return _openai_error(400, "the request names no model (and kvcoord route has no --model)",
+                                 api=api)
+        plan = await self.placer.plan(model, dict(shaped), chat=chat)
         plan.started = t0
-        payload, strip_usage = _payload(raw, body)
+        if _if_available(request):
+            plan.candidates = _covered(plan)
+            if not plan.candidates:
+                self.placer.unreserve(plan.reserve_id)
+                self.metrics.requests.labels(endpoint, "not_cached").inc()
+                return _openai_error(412, "Prefer: if-available: no node holds this prompt's prefix "
+                                     f"({plan.reason or 'not cached'})", "PreconditionFailed", api=api)
+        openai = endpoint in ("completions", "chat")  # the others' streams carry usage unasked
+        payload, strip_usage = _payload(raw, body) if openai else (raw, False)
         try:
             resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0)
         finally:
@@ -354,7 +385,8 @@ class RouteServer:
         self.metrics.requests.labels(endpoint, "no_backend").inc()
         why = f"{plan.reason}: {plan.detail}" if plan.detail else plan.reason or "no routable node"
         return _openai_error(503, f"kvcoord route: no backend could take the request for model "
-                             f"{plan.model!r} after {attempts} attempts ({why})", "ServiceUnavailableError")
+                             f"{plan.model!r} after {attempts} attempts ({why})", "ServiceUnavailableError",
+                             api=ENDPOINT_API[endpoint])
 
     def _route_headers(self, plan: Plan, attempt: _Attempt, attempts: int) -> dict[str, str]:
         d, c = attempt.decision, attempt.chosen

@@ -2,7 +2,8 @@
 
 Decision quality, per routed request: the hit the policy *predicted* on the node it chose (blocks and
 tokens, from the coordinator's answer), the *best* hit any node had, and the hit the engine *achieved*
-(``usage.prompt_tokens_details.cached_tokens``). Predicted tokens are capped the way vLLM caps a hit (at
+(``usage.prompt_tokens_details.cached_tokens``; Anthropic's ``usage.cache_read_input_tokens``, Responses'
+``usage.input_tokens_details.cached_tokens``). Predicted tokens are capped the way vLLM caps a hit (at
 least the prompt's last token is computed, in whole blocks), so on a healthy fleet achieved == predicted.
 Achieved well below predicted means the hashes, the tokenizer or the events are wrong; chosen below best
 means load or the anti-hot-spot rule overrode the cache, which is fine in moderation.
@@ -11,6 +12,8 @@ means load or the anti-hot-spot rule overrode the cache, which is fine in modera
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .apis import chat_usage
 
 __all__ = ["RouteMetrics", "predicted_tokens"]
 
@@ -34,7 +37,9 @@ class RouteMetrics:
         r = self.registry = registry or CollectorRegistry(auto_describe=True)
         self.requests = Counter("kvcoord_route_requests", "Requests answered, by endpoint and outcome "
                                 "(ok, upstream_error = the engine's own 4xx/5xx, midstream_failure, "
-                                "no_backend, bad_request, client_gone).", ["endpoint", "outcome"], registry=r)
+                                "no_backend, bad_request, client_gone, not_cached = 412 for "
+                                "Prefer: if-available).",
+                                ["endpoint", "outcome"], registry=r)
         self.placements = Counter("kvcoord_route_placements", "Placements per node, prefix-aware or not.",
                                   ["node", "prefix_aware"], registry=r)
         self.retries = Counter("kvcoord_route_retries", "Requests re-sent to the next-best node before the "
@@ -118,6 +123,7 @@ class RouteMetrics:
 
     def achieved(self, predicted: int, usage: dict[str, object] | None) -> str:
         """Record the engine's usage against the prediction; returns the outcome label."""
+        usage = chat_usage(usage)
         cached = _cached_tokens(usage)
         if cached is None:
             outcome = "unknown"

@@ -1,6 +1,6 @@
 """Server-sent events as ``kvcoord route`` relays them: each complete event is passed on as soon as it
 has arrived (never the whole stream), and the usage event is read on the way for the decision-quality
-metrics.
+metrics (chat's top-level ``usage``, Anthropic's ``message_delta``, Responses' ``response.completed``).
 
 When the client did not ask for usage (``stream_options.include_usage``), the router asks the engine for
 it anyway and drops the usage-only event before it reaches the client, so every stream is measured; the
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from .apis import event_usage
 
 __all__ = ["SseRelay", "error_event"]
 
@@ -23,6 +25,14 @@ def error_event(message: str, *, code: int = 502, kind: str = "BackendError") ->
     """vLLM's in-stream error shape, then ``[DONE]``, so OpenAI clients stop and raise."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The ``data:`` line of an event (after an ``event:`` line in Anthropic's streams)."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return line[5:]
+    return None
 
 
 class SseRelay:
@@ -57,14 +67,16 @@ class SseRelay:
         out = []
         for event in ready.split(_SEP)[:-1]:
             self.events += 1
-            if b'"usage"' in event and event.startswith(b"data:"):
+            data = _data_of(event) if b'"usage"' in event else None
+            if data is not None:
                 try:
-                    obj = json.loads(event[5:])
+                    obj = json.loads(data)
                 except ValueError:
                     obj = None
-                if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                    self.usage = obj["usage"]
-                    if self.strip_usage and not obj.get("choices"):
+                usage = event_usage(obj)
+                if usage is not None:
+                    self.usage = usage
+                    if self.strip_usage and isinstance(obj, dict) and not obj.get("choices"):
                         continue
             out.append(event + _SEP)
         return b"".join(out)

@@ -2,7 +2,9 @@
 
 So that routers, benchmarks and end-to-end tests run real HTTP against an engine whose cache is real:
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming as SSE, one chunk per generated token),
-``POST /tokenize``, ``GET /v1/models``, ``/health`` and ``/metrics`` with vLLM's names and labels. Field
+Anthropic's ``/v1/messages``, OpenAI's ``/v1/responses`` and vLLM's ``/inference/v1/generate``
+(:mod:`kvcoord.sim.http_apis`), ``POST /tokenize``, ``GET /v1/models``, ``/health`` and ``/metrics``
+with vLLM's names and labels. Field
 names follow vLLM's ``vllm/entrypoints/openai`` protocol; ``usage.prompt_tokens_details.cached_tokens``
 (which vLLM reports with ``--enable-prompt-tokens-details``) is always there and is what the pool
 served from its cache. Text becomes tokens with :mod:`kvcoord.sim.toktok`.
@@ -30,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from kvcoord.hashing import RequestKeys
 from kvcoord.sim import toktok
+from kvcoord.sim.http_apis import add_api_routes
 from kvcoord.transport import ListenError, split_hostport
 
 if TYPE_CHECKING:
@@ -221,6 +224,7 @@ class SimHttpServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
+        add_api_routes(app, self)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
