@@ -69,8 +69,9 @@ def free_port_pair() -> int:
         return p
 
 
-def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 15.0) -> None:
-    """Block until something accepts on ``host:port``; raise TimeoutError otherwise."""
+def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
+    """Block until something accepts on ``host:port``; raise TimeoutError otherwise. The bound is generous:
+    a process starting on a loaded machine (imports, a C extension) took over 15 s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
