@@ -35,6 +35,7 @@ from kvcoord.coordinator.auth import Principal
 from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.incoming import KINDS, Incoming, WireBatch
 from kvcoord.coordinator.metrics import Metrics
+from kvcoord.coordinator.pools import check_pool_hello
 from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.snapshots import (
     LOST_CHARS,
@@ -196,6 +197,10 @@ class IngestSession:
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"Hello.dp_ranks: more than {MAX_DP_RANKS} ranks"
             )
+        try:
+            check_pool_hello(hello.node_id, hello.pool_publisher, hello.pools)
+        except ValueError as exc:
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Hello: {exc}") from None
         if not self.principal.may_publish(hello.node_id):
             raise IngestAbort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -222,6 +227,10 @@ class IngestSession:
         st.metrics.model_seen(hello.model)
         self.rec, self.gen = rec, rec.stream_gen
         rec.serving_url = hello.serving_url
+        if hello.pool_publisher:
+            st.pools.publisher(rec.node_id, hello.pool_publisher)
+        else:
+            st.metrics.unknown_pools.inc(len(st.pools.announce(rec.node_id, hello.pools)))
         if self.push is not None:
             st.attach(rec.node_id, rec.stream_gen, self.push)
         self.node_id, self.model, self.dp_ranks, self.epoch = hello.node_id, hello.model, ranks, hello.epoch

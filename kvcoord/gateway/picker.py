@@ -175,6 +175,8 @@ class Pick:
     why: str
     prefix_aware: bool
     matched_blocks: int = 0
+    pull: str = ""
+    """``host:port`` of a peer the engine should pull a longer prefix from (``KV_SOURCE_HEADER``); "" none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +312,7 @@ class Picker:
             self.table.learn(c.node_id, c.serving_url, model, (c.dp_rank,), {c.dp_rank: c.load})
         eligible = await self._eligible([*answer.nodes, *self._unlisted(model, answer)], subset)
         decision, endpoints = self._decide(answer, eligible, self.policy)
-        return Pick(endpoints, decision.node_id, decision.why, True, decision.matched_blocks)
+        return Pick(endpoints, decision.node_id, decision.why, True, decision.matched_blocks, decision.pull)
 
     def _unlisted(self, model: str, answer: LookupResult) -> list[Candidate]:
         """Nodes listed as serving that lookups leave out (resyncing after a reconnect, a hash mismatch;
