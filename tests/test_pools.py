@@ -17,6 +17,7 @@ import contextlib
 import json
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -208,3 +209,93 @@ def test_bad_pool_config_is_one_line(tmp_path: Path, config: str, what: str) -> 
 def test_bad_pool_flags_are_one_line(flags: list[str], what: str) -> None:
     _one_line_exit2(kvcoord_cmd("agent", "--coordinator", "127.0.0.1:1", "--model", MODEL,
                                 "--no-kv-events", *flags), what)
+
+
+async def test_route_passes_a_worthwhile_pull_in_llm_ds_header(coordinator: Coordinator,
+                                                               tmp_path: Path) -> None:
+    """``kvcoord route --pull-us-per-block``: node-b holds the longer prefix but is busy, so node-a is
+    chosen and told (llm-d's ``x-kv-cache-source-host-port``) to pull from node-b; an inbound value of the
+    header never reaches the engine. Without the flag no header is set."""
+    import aiohttp
+    from aiohttp import web
+
+    from kvcoord.load import NodeLoad
+    from kvcoord.router.answer import KV_SOURCE_HEADER
+
+    seen: dict[str, list[str | None]] = {"node-a": [], "node-b": []}
+    oh = block_hashes64(PROFILE, OTHER)
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {}
+        for node in seen:
+            async def complete(request: web.Request, node: str = node) -> web.Response:
+                seen[node].append(request.headers.get(KV_SOURCE_HEADER))
+                return web.json_response({"id": "x", "object": "text_completion", "model": MODEL,
+                                          "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+            app = web.Application()
+            app.router.add_post("/v1/completions", complete)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            stack.push_async_callback(runner.cleanup)
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            urls[node] = f"http://127.0.0.1:{port}"
+        busy = NodeLoad(running_requests=60)
+        await stack.enter_async_context(reporter(coordinator.grpc, "node-a", [stored(oh[:2])],
+                                                 serving_url=urls["node-a"]))
+        await stack.enter_async_context(reporter(coordinator.grpc, "node-b", [stored(oh[:6])],
+                                                 serving_url=urls["node-b"], load=lambda: busy))
+        client = AsyncCoordinatorClient(coordinator.grpc)
+        stack.push_async_callback(client.close)
+
+        async def indexed() -> bool:
+            res = await client.lookup(MODEL, hashes=oh)
+            return {n.node_id: (n.matched_blocks, n.load.running_requests) for n in res.nodes} == {
+                "node-a": (2, 0), "node-b": (6, 60)}
+
+        await poll(indexed, "both nodes indexed, node-b busy")
+        body = {"model": MODEL, "prompt": OTHER, "max_tokens": 1}
+        pulled = urls["node-b"].removeprefix("http://")
+        for flags, want in (([], None), (["--pull-us-per-block", "1"], pulled)):
+            port = free_port()
+            cmd = kvcoord_cmd("route", "--coordinator", coordinator.grpc, "--listen", f"127.0.0.1:{port}",
+                              "--model", MODEL, "--seed", "1", *flags)
+            with running(cmd, log=tmp_path / f"route{port}.log"):
+                await asyncio.to_thread(wait_for_port, port)
+                async with aiohttp.ClientSession() as session, session.post(
+                        f"http://127.0.0.1:{port}/v1/completions", json=body,
+                        headers={KV_SOURCE_HEADER: "10.9.9.9:1"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-kvcoord-node"] == "node-a", resp.headers["x-kvcoord-reason"]
+                    assert resp.headers.get(KV_SOURCE_HEADER) == want
+            assert seen["node-a"][-1] == want
+        assert seen["node-b"] == []
+
+
+def test_epp_sets_llm_ds_header_from_the_pick() -> None:
+    from kvcoord.gateway.epp import _pick_headers
+    from kvcoord.gateway.picker import Pick
+    from kvcoord.router.answer import KV_SOURCE_HEADER
+
+    assert _pick_headers(Pick(["10.0.0.1:8000"], "node-a", "why", True, 2, "10.0.0.2:8000"), False)[
+        KV_SOURCE_HEADER] == "10.0.0.2:8000"
+    assert KV_SOURCE_HEADER not in _pick_headers(Pick(["10.0.0.1:8000"], "node-a", "why", True, 2), False)
+
+
+def test_register_takes_pools_and_refuses_bad_ones(coordinator: Coordinator) -> None:
+    def register(instance: int = 7, **extra: Any) -> tuple[int, str]:
+        body = {"instance_id": instance, "model_name": MODEL, "block_size": BS,
+                "endpoint": f"tcp://127.0.0.1:{free_port()}", **extra}
+        url = f"http://127.0.0.1:{coordinator.http}/register"
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    assert register(pools=[POOL])[0] == 201
+    status, text = register(pool_publisher=POOL, pools=[POOL])
+    assert status == 400 and "reaches no pools" in text
+    status, text = register(pools=["bad name"])
+    assert status == 400 and "not a valid pool name" in text
+    assert register(8, pool_publisher=POOL)[0] == 201
