@@ -286,7 +286,8 @@ def test_register_takes_pools_and_refuses_bad_ones(coordinator: Coordinator) -> 
         body = {"instance_id": instance, "model_name": MODEL, "block_size": BS,
                 "endpoint": f"tcp://127.0.0.1:{free_port()}", **extra}
         url = f"http://127.0.0.1:{coordinator.http}/register"
-        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, resp.read().decode()
