@@ -226,7 +226,7 @@ class IngestSession:
             await st.index.fencing.claim(rec.node_id)  # stream keeps its token)
         st.metrics.model_seen(hello.model)
         self.rec, self.gen = rec, rec.stream_gen
-        rec.serving_url = hello.serving_url
+        rec.serving_url = "" if hello.pool_publisher else hello.serving_url  # a publisher is never routed to
         if hello.pool_publisher:
             st.pools.publisher(rec.node_id, hello.pool_publisher)
         else:

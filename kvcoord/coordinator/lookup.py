@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from kvcoord.coordinator.core import CoordinatorState
-from kvcoord.coordinator.pools import PullHint, pull_hints
+from kvcoord.coordinator.pools import POOL_PREFIX, PullHint, pull_hints
 from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes64
 from kvcoord.index.base import IndexReset, NodeKey, NodeMatch
 from kvcoord.load import NodeLoad
@@ -164,7 +164,7 @@ class Lookups:
         matches: list[Any] = []
         if hashes and self.serves(model):
             matches = await self._index_match(model, hashes, candidates)
-            if st.pools.active:
+            if st.pools.active or any(m[0].startswith(POOL_PREFIX) for m in matches):  # (another replica's)
                 matches = await self._pooled(model, hashes, matches, candidates, now, now_wall)
         w0, w1, w2 = weights = st.config.tier_weights
         tier_of = st.pools.tier

@@ -11,6 +11,7 @@ Publishers never appear in answers. docs/semantics.md says what a pool block mea
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class PullHint(NamedTuple):
     blocks: int
 
 
+@functools.lru_cache(maxsize=4096)
 def host_port(url: str) -> str:
     """``host:port`` of a serving URL (llm-d's ``x-kv-cache-source-host-port`` form); "" if it has none."""
     try:
@@ -264,25 +266,35 @@ class Pools:
         return best, best_pool
 
 
+_TIER_NAMES = tuple(t.name for t in Tier)
+
+
 def pull_hints(rows: Sequence[tuple[str, int, tuple[int, ...], str]]) -> list[PullHint | None]:
-    """Per row (node id, matched blocks, tiers with the pool count last, serving URL): the live peer (another
-    node) whose own blocks make the longest prefix, when it is longer than the row's and has a URL."""
-    ranked = sorted(((matched - (tiers[3] if len(tiers) > 3 else 0), i) for i, (_, matched, tiers, url)
-                     in enumerate(rows) if url), reverse=True)
+    """Per row (node id, matched blocks, tiers with the pool count last, source URL or ""): the peer (another
+    node with a URL) whose own blocks make the longest prefix, when longer than the row's match; the first
+    in answer order among equals. Linear: the best source and the best of another node are all it needs."""
+    best = other = -1
+    owns = [matched - (tiers[3] if len(tiers) > 3 else 0) if url else -1 for _, matched, tiers, url in rows]
+    for i, own in enumerate(owns):
+        if own <= 0:
+            continue
+        if best < 0 or own > owns[best]:
+            if best >= 0 and rows[best][0] != rows[i][0]:
+                other = best
+            best = i
+        elif rows[i][0] != rows[best][0] and (other < 0 or own > owns[other]):
+            other = i
+    made: dict[int, PullHint | None] = {}
     out: list[PullHint | None] = []
     for node_id, matched, _, _ in rows:
-        hint = None
-        for own, i in ranked:
-            if own <= matched:
-                break
-            peer, _, tiers, url = rows[i]
-            if peer == node_id:
-                continue
+        src = best if best >= 0 and rows[best][0] != node_id else other
+        if src < 0 or owns[src] <= matched:
+            out.append(None)
+            continue
+        if src not in made:
+            peer, _, tiers, url = rows[src]
             hp = host_port(url)
-            if hp:
-                slowest = max((t for t in Tier if t.value < len(tiers) and tiers[t.value]),
-                              key=lambda t: t.value, default=Tier.GPU)
-                hint = PullHint(peer, hp, slowest.name, own)
-                break
-        out.append(hint)
+            slowest = next((t for t in (2, 1) if len(tiers) > t and tiers[t]), 0)
+            made[src] = PullHint(peer, hp, _TIER_NAMES[slowest], owns[src]) if hp else None
+        out.append(made[src])
     return out
