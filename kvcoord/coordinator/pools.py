@@ -254,7 +254,7 @@ class Pools:
                 # (the node stored them there itself): follow it from where the node stops.
                 got = continued.get((pool, matched))
                 if got is None:
-                    keys = keys or [*publishers.get(pool, []), (POOL_PREFIX + pool, 0)]
+                    keys = keys or list(dict.fromkeys([*publishers.get(pool, []), (POOL_PREFIX + pool, 0)]))
                     got = 0
                     if budget[0] > 0:
                         budget[0] -= 1
