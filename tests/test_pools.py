@@ -31,7 +31,7 @@ from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.media import normalize_medium
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy, place
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import redis_server
 
 MODEL = "pool-model"
@@ -300,3 +300,41 @@ def test_register_takes_pools_and_refuses_bad_ones(coordinator: Coordinator) -> 
     status, text = register(pools=["bad name"])
     assert status == 400 and "not a valid pool name" in text
     assert register(8, pool_publisher=POOL)[0] == 201
+
+
+async def test_registered_sim_engines_feed_and_reach_a_pool(coordinator: Coordinator, tmp_path: Path) -> None:
+    """Engines registered over HTTP (``kvcoord serve`` relays them): a sim-engine registered as the pool's
+    publisher (``pool_publisher``) and one reaching the pool (``pools``). What the publisher caches counts
+    for the other, as its ``pool`` tier; the publisher is in no answer."""
+    import aiohttp
+
+    engines = {}
+    with contextlib.ExitStack() as procs:
+        for name in ("publisher", "engine"):
+            http, pub = free_port(), free_port_pair()
+            procs.enter_context(running(kvcoord_cmd(
+                "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
+                "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, "--algo", "sha256_cbor",
+                "--hash-seed", "7", "--block-size", str(BS), "--http-listen", f"127.0.0.1:{http}",
+                "--rate", "0", "--requests", "0"), log=tmp_path / f"{name}.log"))
+            await asyncio.to_thread(wait_for_port, http, "127.0.0.1", 30)
+            engines[name] = (f"http://127.0.0.1:{http}", pub)
+        async with aiohttp.ClientSession() as session:
+            for instance, (name, extra) in enumerate((("publisher", {"pool_publisher": POOL}),
+                                                      ("engine", {"pools": [POOL]})), start=11):
+                url, pub = engines[name]
+                body = {"instance_id": instance, "model_name": MODEL, "block_size": BS, "serving_url": url,
+                        "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{pub + 1}",
+                        **extra}
+                async with session.post(f"http://127.0.0.1:{coordinator.http}/register", json=body) as resp:
+                    assert resp.status == 201, await resp.text()
+            async with session.post(f"{engines['publisher'][0]}/v1/completions",
+                                    json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1}) as resp:
+                assert resp.status == 200, await resp.text()
+            async with AsyncCoordinatorClient(coordinator.grpc) as client:
+                async def pooled() -> bool:
+                    res = await client.lookup(MODEL, tokens=PROMPT, include_unmatched=True)
+                    got = {n.node_id: (n.matched_blocks, n.pool_blocks(), n.pool) for n in res.nodes}
+                    return got == {"12": (12, 12, POOL)}
+
+                await poll(pooled, "the publisher's blocks credited to the engine reaching the pool")

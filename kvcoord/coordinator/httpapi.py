@@ -372,12 +372,7 @@ class HttpApi:
                 return json_error(400, str(exc))
             await self.engines.register(b.instance_id, b.model_name, b.routing_group, b.block_size, b.dp_rank,
                                         b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url, b.engine,
-                                        b.grpc_endpoint)
-            pools = self.state.pools
-            if b.pool_publisher:
-                pools.publisher(str(b.instance_id), b.pool_publisher)
-            else:
-                self.state.metrics.unknown_pools.inc(len(pools.announce(str(b.instance_id), b.pools)))
+                                        b.grpc_endpoint, b.pools, b.pool_publisher)
         except BadBody as exc:
             return exc.response
         except RegistrationError as exc:
