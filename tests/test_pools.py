@@ -338,3 +338,37 @@ async def test_registered_sim_engines_feed_and_reach_a_pool(coordinator: Coordin
                     return got == {"12": (12, 12, POOL)}
 
                 await poll(pooled, "the publisher's blocks credited to the engine reaching the pool")
+
+
+async def test_sim_engine_honours_a_pull_hint(tmp_path: Path) -> None:
+    """``kvcoord sim-engine --pull-us-per-block``: a request naming a peer in llm-d's header is served with
+    the blocks the peer holds copied first (its ``cached_tokens`` say so); a second identical request hits
+    them locally; a peer that is not there costs nothing but the prefill."""
+    import aiohttp
+
+    from kvcoord.router.answer import KV_SOURCE_HEADER
+
+    prompt = [*PROMPT, 1, 2, 3]  # 12 full blocks and a partial one
+    engines = {}
+    with contextlib.ExitStack() as procs:
+        for name in ("peer", "puller"):
+            http, pub = free_port(), free_port_pair()
+            procs.enter_context(running(kvcoord_cmd(
+                "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", "--model", MODEL, "--hash-seed", "7",
+                "--block-size", str(BS), "--http-listen", f"127.0.0.1:{http}", "--rate", "0",
+                "--requests", "0", "--pull-us-per-block", "10"), log=tmp_path / f"{name}.log"))
+            await asyncio.to_thread(wait_for_port, http, "127.0.0.1", 30)
+            engines[name] = f"127.0.0.1:{http}"
+
+        async def cached(session: aiohttp.ClientSession, name: str, tokens: list[int], **headers: str) -> int:
+            async with session.post(f"http://{engines[name]}/v1/completions", headers=headers,
+                                    json={"model": MODEL, "prompt": tokens, "max_tokens": 1}) as resp:
+                assert resp.status == 200, await resp.text()
+                return int((await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        async with aiohttp.ClientSession() as session:
+            assert await cached(session, "peer", prompt) == 0
+            gone = f"127.0.0.1:{free_port()}"
+            assert await cached(session, "puller", OTHER, **{KV_SOURCE_HEADER: gone}) == 0  # no peer there
+            assert await cached(session, "puller", prompt, **{KV_SOURCE_HEADER: engines["peer"]}) == 12 * BS
+            assert await cached(session, "puller", prompt) == 12 * BS
