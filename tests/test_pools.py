@@ -149,6 +149,8 @@ async def test_pool_credits_reaching_nodes_and_hints_peers(coordinator: Coordina
         assert {n.pool_tier for n in res.nodes if n.pool} == {"CPU"}
         assert all(n.pull is None for n in res.nodes if n.node_id != "node-d")
         assert place(res).node_id == "node-a"  # the policy scores the pool's residency
+        only_a = await client.lookup(MODEL, hashes=ph, candidates=[("node-a", 0)])
+        assert view(only_a) == {"node-a": want["node-a"]}  # the pool expands within candidates too
 
         # Where node-a's own run stops, the pool continues it (blocks 3..7 of THIRD); node-c gets nothing.
         third = view(await client.lookup(MODEL, hashes=th))

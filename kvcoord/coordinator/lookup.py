@@ -163,7 +163,9 @@ class Lookups:
         live_node = st.replicas.live_node
         matches: list[Any] = []
         if hashes and self.serves(model):
-            matches = await self._index_match(model, hashes, candidates)
+            pooled = candidates and st.pools.active
+            matches = await self._index_match(model, hashes, {*candidates, *st.pools.publisher_keys()}
+                                              if pooled and candidates else candidates)
             if st.pools.active or any(m[0].startswith(POOL_PREFIX) for m in matches):  # (another replica's)
                 matches = await self._pooled(model, hashes, matches, candidates, now, now_wall)
         w0, w1, w2 = weights = st.config.tier_weights

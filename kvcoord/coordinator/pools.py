@@ -152,6 +152,7 @@ class Pools:
         wanted = frozenset(names)
         for name in wanted:
             check_pool_name(name, "pool")
+        self.publishers.pop(node_id, None)  # a routable node now (a new Hello or registration)
         if wanted:
             self.reach[node_id] = wanted
         else:
@@ -169,6 +170,11 @@ class Pools:
         """``node_id`` publishes the blocks of ``pool``."""
         check_pool_name(pool, "pool_publisher")
         self.publishers[node_id] = pool
+        self.reach.pop(node_id, None)
+
+    def publisher_keys(self) -> set[NodeKey]:
+        """The publishers' index locations: added to a lookup's candidates, so pools expand for them too."""
+        return {(node_id, 0) for node_id in self.publishers}
 
     def pool_of(self, node_id: str) -> str | None:
         """The pool ``node_id`` publishes for, None for a routable node."""
