@@ -126,7 +126,7 @@ ContinueMatch = Callable[[Sequence[BlockHash64], Collection[NodeKey]], Awaitable
 class Pools:
     """Which nodes reach which pool, and which publishers feed which pool."""
 
-    __slots__ = ("_warned", "configured", "publishers", "reach", "unknown")
+    __slots__ = ("_reached", "_warned", "configured", "publishers", "reach", "unknown")
 
     def __init__(self, configured: Mapping[str, PoolConfig]) -> None:
         self.configured = dict(configured)
@@ -137,6 +137,8 @@ class Pools:
         self.unknown = 0
         """Pool names announced that neither ``[pools]`` nor any publisher declared (at announcement)."""
         self._warned: set[str] = set()
+        self._reached: dict[str, tuple[str, ...]] = {}
+        """Node id -> the pools it reaches, sorted (:meth:`reached`), until reach changes."""
 
     @property
     def active(self) -> bool:
@@ -153,6 +155,7 @@ class Pools:
         for name in wanted:
             check_pool_name(name, "pool")
         self.publishers.pop(node_id, None)  # a routable node now (a new Hello or registration)
+        self._reached.clear()
         if wanted:
             self.reach[node_id] = wanted
         else:
@@ -171,6 +174,7 @@ class Pools:
         check_pool_name(pool, "pool_publisher")
         self.publishers[node_id] = pool
         self.reach.pop(node_id, None)
+        self._reached.clear()
 
     def publisher_keys(self) -> set[NodeKey]:
         """The publishers' index locations: added to a lookup's candidates, so pools expand for them too."""
@@ -182,10 +186,16 @@ class Pools:
             return node_id[len(POOL_PREFIX):]
         return self.publishers.get(node_id)
 
-    def reached(self, node_id: str) -> set[str]:
-        out = set(self.reach.get(node_id, ()))
-        out.update(p.name for p in self.configured.values() if node_id in p.nodes)
-        return out
+    def reached(self, node_id: str) -> tuple[str, ...]:
+        """The pools ``node_id`` reaches, sorted (remembered: asked per node per lookup)."""
+        got = self._reached.get(node_id)
+        if got is None:
+            names = set(self.reach.get(node_id, ()))
+            names.update(p.name for p in self.configured.values() if node_id in p.nodes)
+            if len(self._reached) >= 65536:
+                self._reached.clear()
+            got = self._reached[node_id] = tuple(sorted(names))
+        return got
 
     def tier(self, pool: str) -> Tier:
         cfg = self.configured.get(pool)
@@ -205,71 +215,77 @@ class Pools:
         """The index's rows with pools expanded: publishers' rows out, each node reaching a pool credited with
         ``max(own run, pool's run from block 0, own run + the pool's run from where the own run stops)``
         over its pools. A node holding nothing itself but reaching a pool gets a row of its dp ranks."""
-        pool_runs: dict[str, tuple[int, list[NodeKey]]] = {}
+        walk = _Walk(self, hashes, cont)
         own: list[NodeMatch] = []
         for row in rows:
             pool = self.pool_of(row[0])
             if pool is None:
                 own.append(row)
             elif publisher_live(row[0]):
-                run, keys = pool_runs.get(pool, (0, []))
+                run, keys = walk.runs.get(pool, (0, []))
                 keys.append((row[0], row[1]))
-                pool_runs[pool] = (max(run, row[2]), keys)
-        publishers = self._publisher_keys(publisher_live)
-        budget = [MAX_CONTINUATIONS]
-        continued: dict[tuple[str, int], int] = {}
+                walk.runs[pool] = (max(run, row[2]), keys)
+        walk.live = publisher_live
         out: list[Row] = []
         seen: set[NodeKey] = set()
         for node_id, rank, matched, tiers in own:
             seen.add((node_id, rank))
-            extra, pool = await self._best(node_id, matched, hashes, pool_runs, publishers, continued, budget,
-                                           cont)
+            names = self.reached(node_id)
+            extra, pool = await walk.best(names, matched) if names else (0, "")
             out.append((node_id, rank, matched + extra, (*(*tiers, 0, 0, 0)[:3], extra), pool))
-        for pool in pool_runs:
+        for pool in list(walk.runs):
             for node_id in self.reaching(pool):
                 for rank in node_ranks(node_id):
                     key = (node_id, rank)
                     if key in seen or (candidates and key not in candidates):
                         continue
-                    extra, best_pool = await self._best(node_id, 0, hashes, pool_runs, publishers, continued,
-                                                        budget, cont)
+                    extra, best_pool = await walk.best(self.reached(node_id), 0)
                     if extra:
                         seen.add(key)
                         out.append((node_id, rank, extra, (0, 0, 0, extra), best_pool))
         return out
 
-    def _publisher_keys(self, live: Callable[[str], bool]) -> dict[str, list[NodeKey]]:
-        out: dict[str, list[NodeKey]] = {}
-        for node_id, pool in self.publishers.items():
-            if live(node_id):
-                out.setdefault(pool, []).append((node_id, 0))
-        return out
 
-    async def _best(self, node_id: str, matched: int, hashes: Sequence[BlockHash64],
-                    pool_runs: Mapping[str, tuple[int, list[NodeKey]]],
-                    publishers: Mapping[str, list[NodeKey]],
-                    continued: dict[tuple[str, int], int], budget: list[int], cont: ContinueMatch
-                    ) -> tuple[int, str]:
-        """Blocks past ``matched`` the best pool ``node_id`` reaches adds, and that pool."""
+class _Walk:
+    """One lookup's pool expansion: the pools' runs from block 0, the continuation walks done, and each
+    node's pools (looked up once)."""
+
+    __slots__ = ("budget", "cont", "continued", "hashes", "live", "pools", "runs")
+
+    def __init__(self, pools: Pools, hashes: Sequence[BlockHash64], cont: ContinueMatch) -> None:
+        self.pools, self.hashes, self.cont = pools, hashes, cont
+        self.runs: dict[str, tuple[int, list[NodeKey]]] = {}
+        """Pool -> its longest publisher's run from block 0, and the publishers' locations that hold one."""
+        self.continued: dict[tuple[str, int], int] = {}
+        self.budget = MAX_CONTINUATIONS
+        self.live: Callable[[str], bool] = lambda node_id: True
+
+    async def best(self, names: Sequence[str], matched: int) -> tuple[int, str]:
+        """Blocks past ``matched`` the best of pools ``names`` (a node's) adds, and that pool."""
         best, best_pool = 0, ""
-        for pool in sorted(self.reached(node_id)):
-            run, keys = pool_runs.get(pool, (0, []))
+        for pool in names:
+            run, keys = self.runs.get(pool, (0, []))
             extra = run - matched
-            if run < matched and matched < len(hashes):
+            if run < matched < len(self.hashes):
                 # The pool may hold the blocks after the node's own run without holding the first ones
                 # (the node stored them there itself): follow it from where the node stops.
-                got = continued.get((pool, matched))
-                if got is None:
-                    keys = keys or list(dict.fromkeys([*publishers.get(pool, []), (POOL_PREFIX + pool, 0)]))
-                    got = 0
-                    if budget[0] > 0:
-                        budget[0] -= 1
-                        got = max((m[2] for m in await cont(hashes[matched:], keys)), default=0)
-                    continued[(pool, matched)] = got
-                extra = got
+                extra = await self._continue(pool, matched, keys)
             if extra > best:
                 best, best_pool = extra, pool
         return best, best_pool
+
+    async def _continue(self, pool: str, matched: int, keys: list[NodeKey]) -> int:
+        got = self.continued.get((pool, matched))
+        if got is None:
+            got = 0
+            if self.budget > 0:
+                self.budget -= 1
+                if not keys:
+                    pubs = [k for k, p in self.pools.publishers.items() if p == pool and self.live(k)]
+                    keys = [(k, 0) for k in dict.fromkeys([*pubs, POOL_PREFIX + pool])]
+                got = max((m[2] for m in await self.cont(self.hashes[matched:], keys)), default=0)
+            self.continued[(pool, matched)] = got
+        return got
 
 
 _TIER_NAMES = tuple(t.name for t in Tier)
