@@ -51,8 +51,11 @@ class LocalFeed:
     def __init__(self, state: CoordinatorState, *, node_id: str, model: str, snapshot: SnapshotProvider,
                  dp_ranks: Sequence[int], serving_url: str = "", options: ReporterOptions | None = None,
                  epoch: int | None = None, answered: Callable[[], float | None] | None = None,
-                 load: Callable[[], NodeLoad] | None = None) -> None:
+                 load: Callable[[], NodeLoad] | None = None, pools: Sequence[str] = (),
+                 pool_publisher: str = "") -> None:
         check_node(node_id, model, dp_ranks)
+        self.pools, self.pool_publisher = tuple(pools), pool_publisher
+        """Said in the Hello: shared pools the engine reaches, or the pool it publishes for."""
         self._answered = answered
         """When the engine last answered (``time.monotonic()``, None: never), as its relays saw it; None:
         always there. The node's lease runs from that moment: the feed says Hello only once the engine
@@ -225,7 +228,7 @@ class LocalFeed:
     async def _hello(self, session: IngestSession) -> None:
         hello = pb.Hello(node_id=self.node_id, model=self.model, dp_ranks=self.dp_ranks, epoch=self.epoch,
                          agent_version=AGENT_VERSION, next_seq=self.last_seq + 1,
-                         serving_url=self.serving_url)
+                         serving_url=self.serving_url, pools=self.pools, pool_publisher=self.pool_publisher)
         welcome = (await session.handle(pb.AgentMessage(hello=hello)))[0].welcome
         if welcome.HasField("verify"):
             self.sampler.configure(welcome.verify)

@@ -96,6 +96,8 @@ class Reporter:
         options: ReporterOptions | None = None,
         serving_url: str = "",
         kv_events: bool = True,
+        pools: Sequence[str] = (),
+        pool_publisher: str = "",
     ) -> None:
         if not coordinators:
             raise ValueError("at least one coordinator address is needed")
@@ -116,6 +118,10 @@ class Reporter:
         """The engine's OpenAI-compatible base URL, announced in the Hello for routers."""
         self.kv_events = kv_events
         """False: the engine publishes no KV events, and the Hello says so (the node is ``approximate``)."""
+        self.pools = tuple(pools)
+        """Shared pools the engine loads blocks from, announced in the Hello (kvcoord.coordinator.pools)."""
+        self.pool_publisher = pool_publisher
+        """Set: this publisher is that pool's storage daemon, not a routable engine (id ``pool:NAME``)."""
         self.options = options or ReporterOptions()
         default_sec = security or ChannelSecurity()
         self._endpoints = [c if isinstance(c, CoordinatorEndpoint) else CoordinatorEndpoint(c)

@@ -60,6 +60,10 @@ class AgentConfig:
     """The engine's Prometheus page (vLLM's ``/metrics``): its load goes into heartbeats."""
     engine_metrics_interval: float = 1.0
     serving_url: str = ""
+    pools: tuple[str, ...] = ()
+    """``--pool``: shared pools the engine loads blocks from."""
+    pool_publisher: str = ""
+    """``--pool-publisher``: this publisher feeds that pool (its node id is ``pool:NAME``)."""
     """The engine's OpenAI-compatible base URL, announced in the Hello for routers ("" : none)."""
     linger: float = 0.0
     """Seconds a batch waits for more events before it goes (``ReporterOptions.linger``)."""
@@ -167,6 +171,7 @@ async def run_agent(config: AgentConfig) -> None:
                    snapshot=mirror.rank_entries, dp_ranks=config.dp_ranks, security=config.security,
                    hash_profile=config.hash_profile, load=_load_source(config, scraper, relays),
                    serving_url=config.serving_url, kv_events=config.kv_events,
+                   pools=config.pools, pool_publisher=config.pool_publisher,
                    options=ReporterOptions(linger=config.linger))
     relays += build_relays(config, rep, mirror)
     stop = asyncio.Event()

@@ -66,6 +66,12 @@ def add(sub: Subparsers) -> None:
                    help="vLLM release (e.g. 0.31): sets the extra-key style and the seed default")
     g.add_argument("--style", choices=["untagged", "tagged"], default=None,
                    help="extra-key style (default: from --engine-release, else untagged)")
+    p.add_argument("--pool", action="append", default=[], metavar="NAME",
+                   help="a shared pool (lmcache-remote, mooncake-store) this engine loads blocks from: its "
+                        "blocks count for this node in lookups (repeatable)")
+    p.add_argument("--pool-publisher", default="", metavar="NAME",
+                   help="this publisher is pool NAME's storage daemon, not a routable engine: its events "
+                        "feed the pool; --node-id must be pool:NAME")
     p.add_argument("--media", action="append", default=None, metavar="NAME=TIER",
                    help="map a medium name the engine publishes to GPU, CPU or STORAGE, over the defaults "
                         "(repeatable; docs/semantics.md lists them); events of a name no map knows are "
@@ -223,12 +229,17 @@ def hash_profile(args: argparse.Namespace) -> HashProfile | None:
 
 def run(args: argparse.Namespace) -> int:
     from kvcoord.agent.service import AgentConfig, AgentRefused, run_agent
+    from kvcoord.coordinator.pools import check_pool_hello
     from kvcoord.media import configure_media
     from kvcoord.validate import check_model, check_node_id
 
     try:  # the coordinator would refuse the Hello: say so before connecting
         check_node_id(args.node_id, "--node-id")
         check_model(args.model, "--model")
+        check_pool_hello(args.node_id, args.pool_publisher, args.pool)
+        if args.pool_publisher and args.node_id != f"pool:{args.pool_publisher}":
+            raise ValueError(f"--pool-publisher {args.pool_publisher}: --node-id must be "
+                             f"pool:{args.pool_publisher}")
     except ValueError as exc:
         raise CliError(str(exc)) from None
     check_event_source(args)
@@ -240,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         signed_hashes=args.signed_hashes, replay_timeout=args.replay_timeout, stats_file=args.stats_file,
         stats_interval=args.stats_interval, engine_metrics_url=args.engine_metrics_url,
         engine_metrics_interval=args.engine_metrics_interval, serving_url=serving_url(args),
-        linger=args.linger, grpc_endpoint=args.grpc_endpoint,
+        linger=args.linger, grpc_endpoint=args.grpc_endpoint, pools=tuple(args.pool),
+        pool_publisher=args.pool_publisher,
     )
     try:
         asyncio.run(run_agent(config))

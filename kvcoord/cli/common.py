@@ -163,12 +163,13 @@ def add_connection(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, toke
                        help=f"seconds per RPC (default {timeout:g})")
 
 
-def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean_output: bool) -> None:
+def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean_output: bool,
+                   pull: bool = False) -> None:
     """The latency model's flags (:class:`kvcoord.router.policy.LatencyModel`, whose defaults they show):
     the simulator's hardware and the cost the prefix-aware policy weighs load with, named alike in
     ``simulate``, ``route`` and ``epp`` so that a router can be run with the model a simulation assumed.
     ``mean_output``: the command takes the mean output length as a flag (the simulator reads it off its
-    workload)."""
+    workload). ``pull``: the peer-pull transfer cost too (``route`` and ``epp`` pass hints on)."""
     from kvcoord.router.policy import LatencyModel
 
     d = LatencyModel().flags()
@@ -184,6 +185,11 @@ def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean
         p.add_argument("--mean-output-tokens", type=NONNEG_FLOAT, default=d["mean_output_tokens"],
                        help="expected output length of a running request, for the wait-for-a-slot "
                             f"estimate (default {d['mean_output_tokens']:g})")
+    if pull:
+        p.add_argument("--pull-us-per-block", type=NONNEG_FLOAT, default=None, metavar="US",
+                       help="transfer time of one KV block pulled from a peer, in microseconds: when a peer "
+                            "holds a longer prefix and pulling it costs less than its prefill, the request "
+                            "names the peer in x-kv-cache-source-host-port (default: no pull hints)")
 
 
 def cost_model(args: argparse.Namespace, mean_output_tokens: float | None = None) -> LatencyModel:
@@ -194,7 +200,8 @@ def cost_model(args: argparse.Namespace, mean_output_tokens: float | None = None
     mean = mean_output_tokens if mean_output_tokens is not None else args.mean_output_tokens
     return LatencyModel.from_flags(prefill_us_per_token=args.prefill_us_per_token,
                                    decode_ms_per_token=args.decode_ms_per_token,
-                                   max_running=args.max_running, mean_output_tokens=mean)
+                                   max_running=args.max_running, mean_output_tokens=mean,
+                                   pull_us_per_block=getattr(args, "pull_us_per_block", None))
 
 
 def add_degraded(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

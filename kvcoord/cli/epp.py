@@ -45,7 +45,7 @@ def add(sub: Subparsers) -> None:
     add_reserve(p)
     add_cost_model(p.add_argument_group(
         "policy cost model", "How prefix-aware weighs a node's queue against its cached prefix (as "
-        "kvcoord route and kvcoord simulate take it)"), mean_output=True)
+        "kvcoord route and kvcoord simulate take it)"), mean_output=True, pull=True)
     p.add_argument("--fallbacks", type=NONNEG_INT, default=0,
                    help="endpoints listed after the pick, for a data plane that walks the list on retry "
                         "(default 0: one ip:port, what every gateway reads; see docs/epp.md)")

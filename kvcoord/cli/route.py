@@ -73,7 +73,7 @@ def add(sub: Subparsers) -> None:
     add_cost_model(p.add_argument_group(
         "policy cost model", "How prefix-aware weighs a node's queue against its cached prefix (the "
         "defaults describe an 8B model on one H100; give a simulation's figures to route as it assumed)"),
-        mean_output=True)
+        mean_output=True, pull=True)
     p.add_argument("--refresh-interval", type=POSITIVE_FLOAT, default=2.0,
                    help="seconds between ListNodes calls that learn serving URLs and loads (default 2)")
     p.add_argument("--connect-timeout", type=POSITIVE_FLOAT, default=2.0,

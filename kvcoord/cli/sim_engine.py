@@ -110,6 +110,9 @@ def _add_http(p: argparse.ArgumentParser) -> None:
                    help="seconds per generated token of an HTTP request (default 0.002)")
     h.add_argument("--max-num-seqs", type=POSITIVE_INT, default=256,
                    help="HTTP requests running at once; more wait (vllm:num_requests_waiting)")
+    h.add_argument("--pull-us-per-block", type=NONNEG_FLOAT, default=None, metavar="US",
+                   help="honour llm-d's x-kv-cache-source-host-port request header: copy the prompt's blocks "
+                        "the named peer sim-engine holds, at this transfer time per block (default: ignored)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,24 +6,36 @@ beforehand). Dynamo's ``ScoreResponse`` fields first, then kvcoord's."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.httpd import JSON, Response
 from kvcoord.coordinator.lookup import LiveMatch
+from kvcoord.coordinator.pools import PullHint
 from kvcoord.load import NodeLoad
 
-__all__ = ["Hit", "lookup_answer", "match_hits", "node_entry", "node_tail"]
+__all__ = ["Hit", "lookup_answer", "match_hits", "node_entry", "node_tail", "with_pull"]
 
 _encode = msgspec.json.Encoder().encode
 
 
-class _Tiers(msgspec.Struct):
+class _Tiers(msgspec.Struct, omit_defaults=True):
     GPU: int
     CPU: int
     STORAGE: int
+    POOL: int = 0
+    """Blocks past the node's own run that a shared pool it reaches holds (omitted when none)."""
+
+
+class _Pull(msgspec.Struct):
+    """A peer holding a longer prefix (kvcoord.coordinator.pools.PullHint)."""
+
+    node_id: str
+    host_port: str
+    tier: str
+    blocks: int
 
 
 class _Node(msgspec.Struct, omit_defaults=True):
@@ -38,6 +50,12 @@ class _Node(msgspec.Struct, omit_defaults=True):
     serving_url: str | None = None
     trust_cause: str = ""
     """Why degraded (``hash_mismatch`` or ``history_lost``); omitted when exact."""
+    pool: str = ""
+    """The shared pool ``tiers.POOL`` counts; omitted when none."""
+    pool_tier: str = ""
+    """That pool's tier (its blocks score at its weight); omitted when none."""
+    pull: _Pull | None = None
+    """A peer-pull hint; omitted when no live peer holds a longer prefix."""
 
 
 class _Instance(msgspec.Struct):
@@ -146,11 +164,21 @@ def node_tail(node_id: str, rank: int, load: NodeLoad, url: str, trust: str, cau
     return entry[len(head):]
 
 
-def match_hits(matches: Sequence[LiveMatch]) -> list[Hit]:
-    """The general path's live matches as hits (no tiers: all on GPU)."""
+def with_pull(entry: _Node | msgspec.Raw, hint: PullHint) -> _Node | msgspec.Raw:
+    """A fast-path ``nodes`` entry (no pool fields) with its pull hint, as :class:`_Node` encodes it last."""
+    if isinstance(entry, _Node):
+        entry.pull = _Pull(*hint)
+        return entry
+    return msgspec.Raw(bytes(entry)[:-1] + b',"pull":' + _encode(_Pull(*hint)) + b"}")
+
+
+def match_hits(matches: Sequence[LiveMatch], pool_tier: Callable[[str], str]) -> list[Hit]:
+    """The general path's live matches as hits (no tiers: all on GPU); a pool's blocks count as storage in
+    Dynamo's fields."""
     hits: list[Hit] = []
-    for node_id, rank, matched, t, load, url, trust, cause in matches:
-        g, c, d = (*t, 0, 0)[:3] if t else (matched, 0, 0)
-        node = _Node(node_id, rank, matched, _Tiers(g, c, d), _load_json(load), trust, url or None, cause)
-        hits.append((node_id, rank, matched, g, c, d, node))
+    for node_id, rank, matched, t, load, url, trust, cause, pool, pull in matches:
+        g, c, d, p = (*t, 0, 0, 0)[:4] if t else (matched, 0, 0, 0)
+        node = _Node(node_id, rank, matched, _Tiers(g, c, d, p), _load_json(load), trust, url or None, cause,
+                     pool, pool_tier(pool) if pool else "", None if pull is None else _Pull(*pull))
+        hits.append((node_id, rank, matched, g, c, d + p, node))
     return hits

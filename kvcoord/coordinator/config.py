@@ -25,6 +25,7 @@ from kvcoord.coordinator.config_values import (
     check_keys,
     learn_seed,
 )
+from kvcoord.coordinator.pools import PoolConfig, parse_pools
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
 from kvcoord.index.uri import parse_index_uri
@@ -50,6 +51,10 @@ STORAGE = 0.5
 
 [media]                             # medium name (any case) = "GPU" | "CPU" | "STORAGE", over the defaults;
 LMCACHE_REMOTE = "STORAGE"          # a name no map knows: its events are skipped and counted
+
+[pools.lmcache-remote]              # a shared pool: its blocks count, at its tier's weight (default
+tier = "STORAGE"                    # STORAGE), for the nodes reaching it (also: agent --pool, /register)
+nodes = ["node-a"]
 
 [limits]
 max_message_bytes = 16777216
@@ -213,6 +218,8 @@ class CoordinatorConfig:
     tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS
     media: Mapping[str, Tier] = field(default_factory=dict)
     """``[media]``: medium names over :data:`kvcoord.media.DEFAULT_MEDIA` (put in force at start)."""
+    pools: Mapping[str, PoolConfig] = field(default_factory=dict)
+    """``[pools.NAME]``: shared pools, their tiers and the nodes reaching them (kvcoord.coordinator.pools)."""
     limits: Limits = field(default_factory=Limits)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
@@ -432,7 +439,7 @@ _TOP_SCALARS = {
     "strict_models",
     "stats_interval",
 }
-_TOP_TABLES = {"tier_weights", "media", "limits", "verify", "tls", "auth", "models"}
+_TOP_TABLES = {"tier_weights", "media", "pools", "limits", "verify", "tls", "auth", "models"}
 _LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}
 _FLOAT_LIMITS = {"hello_timeout_s", "http_header_timeout_s", "http_idle_timeout_s"}
 
@@ -453,6 +460,7 @@ class _Settings:
     models: dict[str, ModelConfig] = field(default_factory=dict)
     weights: list[float] = field(default_factory=lambda: list(CoordinatorConfig().tier_weights))
     media: dict[str, Tier] = field(default_factory=dict)
+    pools: dict[str, PoolConfig] = field(default_factory=dict)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
 
@@ -478,11 +486,11 @@ class _Settings:
             for t in Tier:
                 if t.name in tw:
                     self.weights[t.value] = as_float(f"tier_weights.{t.name}", tw[t.name], positive=False)
-        if "media" in data:
-            try:
-                self.media.update(parse_media(as_table("media", data["media"]), "media"))
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+        try:
+            self.media.update(parse_media(as_table("media", data.get("media", {})), "media"))
+            self.pools.update(parse_pools(as_table("pools", data.get("pools", {}))))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if "limits" in data:
             lt = as_table("limits", data["limits"])
             check_keys("limits", lt, _LIMIT_KEYS)
@@ -534,6 +542,7 @@ class _Settings:
             models=self.models,
             tier_weights=(weights[0], weights[1], weights[2]),
             media=self.media,
+            pools=self.pools,
             limits=Limits(**self.limits),
             verify=self.verify,
             tls=tls_cfg,

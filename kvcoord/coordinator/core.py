@@ -20,6 +20,7 @@ from kvcoord.coordinator.health import IndexHealth
 from kvcoord.coordinator.learn import ProfileLearner
 from kvcoord.coordinator.leases import Leases
 from kvcoord.coordinator.metrics import Metrics
+from kvcoord.coordinator.pools import Pools
 from kvcoord.coordinator.registry import NodeRecord, NodeRegistry
 from kvcoord.coordinator.replicas import Replicas
 from kvcoord.coordinator.reservations import ReservationCollector, Reservations
@@ -60,6 +61,8 @@ class CoordinatorState:
         """In-process ingest feeds (engines registered over HTTP, relayed here): each counts as an ingest
         stream, in the ``streams`` gauge and against ``max_streams``."""
         self.registry = NodeRegistry(config.lease_seconds)
+        self.pools = Pools(config.pools)
+        """Shared pools: who reaches which, who publishes for which (kvcoord.coordinator.pools)."""
         self.metrics = metrics if metrics is not None else Metrics()
         self.verifier = HashVerifier(config.verify, self.metrics.hash_verified)
         self.learner = ProfileLearner()

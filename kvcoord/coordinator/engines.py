@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -121,6 +121,10 @@ class Engine:
     """The engine's Prometheus page (vLLM's ``/metrics``): its load, scraped for lookups; "" none."""
     kind: str = VLLM
     """One of :data:`ENGINE_KINDS`."""
+    pools: tuple[str, ...] = ()
+    """Shared pools the engine loads blocks from (kvcoord.coordinator.pools), said in its feed's Hello."""
+    pool_publisher: str = ""
+    """Set: the engine is that pool's storage daemon, not routable (its feed's Hello says so)."""
 
     @property
     def node_id(self) -> str:
@@ -144,6 +148,10 @@ class Engine:
             d["metrics_url"] = self.metrics_url
         if self.kind != VLLM:
             d["engine"] = self.kind
+        if self.pools:
+            d["pools"] = list(self.pools)
+        if self.pool_publisher:
+            d["pool_publisher"] = self.pool_publisher
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -153,7 +161,8 @@ class Engine:
                           for r, e, p in d["listeners"])
         return cls(int(d["instance_id"]), str(d["model_name"]), str(d["routing_group"]), int(d["block_size"]),
                    listeners, str(d.get("serving_url", "")), str(d.get("metrics_url", "")),
-                   str(d.get("engine", VLLM)))
+                   str(d.get("engine", VLLM)), tuple(str(p) for p in d.get("pools", ())),
+                   str(d.get("pool_publisher", "")))
 
 
 class RegistrationError(Exception):
@@ -218,7 +227,7 @@ class Engines:
     async def register(self, instance_id: int, model_name: str, routing_group: str, block_size: int,
                        dp_rank: int | None, endpoint: str | None, replay_endpoint: str | None,
                        serving_url: str = "", metrics_url: str = "", engine: str | None = None,
-                       grpc_endpoint: str = "") -> None:
+                       grpc_endpoint: str = "", pools: Sequence[str] = (), pool_publisher: str = "") -> None:
         """Add one listener, or raise :class:`RegistrationError` with Dynamo's status and message.
         ``engine`` (:data:`ENGINE_KINDS`; None: as the model's profile or its other registrations say, else
         vLLM) says how to decode its ZMQ events. ``grpc_endpoint`` (``HOST:PORT``) instead of ``endpoint``:
@@ -270,11 +279,12 @@ class Engines:
                                              f"{self.max_engines}; unregister one first")
             if old is None:
                 new = Engine(instance_id, model_name, routing_group, block_size, (listener,), serving_url,
-                             metrics_url, kind)
+                             metrics_url, kind, tuple(pools), pool_publisher)
             else:
                 listeners = tuple(sorted((*old.listeners, listener), key=lambda x: x.dp_rank))
                 new = replace(old, listeners=listeners, serving_url=serving_url or old.serving_url,
-                              metrics_url=metrics_url or old.metrics_url)
+                              metrics_url=metrics_url or old.metrics_url, pools=tuple(pools) or old.pools,
+                              pool_publisher=pool_publisher or old.pool_publisher)
             if await self.store.swap(instance_id, old, new):
                 log.info("engine %d (%s) dp_rank %d registered: %s", instance_id, model, rank,
                          shown(endpoint))

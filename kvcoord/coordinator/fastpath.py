@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvcoord.coordinator.answers import Hit, lookup_answer, node_entry, node_tail
+from kvcoord.coordinator.answers import Hit, lookup_answer, node_entry, node_tail, with_pull
 from kvcoord.coordinator.httpd import Response
 from kvcoord.coordinator.lookup import LookupFailed
+from kvcoord.coordinator.pools import pull_hints
 from kvcoord.coordinator.registry import CHANGES
 from kvcoord.hashing import native_keys_plan
 from kvcoord.native import native
@@ -49,9 +50,10 @@ _encode = msgspec.json.Encoder().encode
 _CBOR_NULL = b"\xf6"
 """The CBOR tail of a block without extra keys."""
 
-_Slot = tuple[str, int, bytes, bytes]
-"""A live (node, rank) of a view: node id, dp rank, the node id as JSON, its answer entry's tail."""
-_HitCache = dict[tuple[int, ...], "tuple[float, Hit] | None"]
+_Slot = tuple[str, int, bytes, bytes, str]
+"""A live (node, rank) of a view: node id, dp rank, the node id as JSON, its answer entry's tail, and its
+serving URL when it may be a peer-pull source (exact trust; else "")."""
+_HitCache = dict[tuple[int, ...], "tuple[float, Hit, str] | None"]
 _MAX_HITS = 4096
 
 
@@ -108,18 +110,22 @@ class FastAnswers:
         cache = kept.hits
         if len(cache) > _MAX_HITS:
             cache.clear()
-        scored: list[tuple[float, int, Hit]] = []
+        scored: list[tuple[float, int, Hit, str]] = []
         for row in _ROW.iter_unpack(packed):
             got = cache[row] if row in cache else cache.setdefault(row, _hit(kept, *row))
             if got is not None:
-                scored.append((got[0], len(scored), got[1]))
+                scored.append((got[0], len(scored), got[1], got[2]))
         scored.sort()  # the table's order (longest, then node and rank) breaks ties, as the handler's sort
-        hits = [hit for _, _, hit in scored]
+        hits = [hit for _, _, hit, _ in scored]
+        if len(hits) > 1:  # the peer-pull hints, as the handler's (kvcoord.coordinator.pools.pull_hints)
+            pulls = pull_hints([(h[0], h[2], (h[3], h[4], h[5]), src) for _, _, h, src in scored])
+            hits = [h if p is None else (*h[:6], with_pull(h[6], p))
+                    for h, p in zip(hits, pulls, strict=True)]
         return lookup_answer(self.api.state, model, block_size, nblocks, ntokens, hits, query, t0, "fast")
 
     def _fresh(self, model: str) -> _Kept | None:
         """Partition ``model``'s view, up to date; None where the handler's general path must answer."""
-        if not self.api.state.health.up:
+        if not self.api.state.health.up or self.api.state.pools.active:  # pools: expanded by the handler
             return None
         kept = self._kept.get(model)
         now = time.monotonic()
@@ -170,7 +176,8 @@ class FastAnswers:
         if info is None:
             return None
         load, url, trust, cause = info
-        return node_id, rank, _encode(node_id), node_tail(node_id, rank, load, url, trust, cause)
+        return (node_id, rank, _encode(node_id), node_tail(node_id, rank, load, url, trust, cause),
+                url if trust == "exact" else "")
 
     def _build(self, model: str, now: float) -> bool:
         """A fresh view of partition ``model``; False (and none kept) where the handler must answer."""
@@ -204,17 +211,17 @@ class FastAnswers:
         return True
 
 
-def _hit(kept: _Kept, slot: int, matched: int, cpu: int, sto: int) -> tuple[float, Hit] | None:
-    """A table row as an answer's hit, with its sort key (minus its weighted score); None unless the view
-    reports its slot."""
+def _hit(kept: _Kept, slot: int, matched: int, cpu: int, sto: int) -> tuple[float, Hit, str] | None:
+    """A table row as an answer's hit, with its sort key (minus its weighted score) and its pull-source
+    URL; None unless the view reports its slot."""
     entry = kept.slots[slot] if slot < len(kept.slots) else None
     if entry is None or not matched:
         return None
-    node_id, rank, key, tail = entry
+    node_id, rank, key, tail, source = entry
     gpu = matched - cpu - sto
     w0, w1, w2 = kept.weights
     return -(gpu * w0 + cpu * w1 + sto * w2), (node_id, rank, matched, gpu, cpu, sto,
-                                                 node_entry(key, rank, matched, gpu, cpu, sto, tail))
+                                                 node_entry(key, rank, matched, gpu, cpu, sto, tail)), source
 
 
 _ROW = struct.Struct("=4I")

@@ -47,6 +47,7 @@ from kvcoord.coordinator.httpbody import BadBody, check_u64, decode_body, decode
 from kvcoord.coordinator.httpd import JSON, Request, Response, Route, json_error
 from kvcoord.coordinator.lookup import INVALID, NO_PROFILE, NOT_FOUND, LiveMatch, LookupFailed, Lookups
 from kvcoord.coordinator.nodeinfo import profile_json
+from kvcoord.coordinator.pools import check_pool_hello
 from kvcoord.events import Tier
 from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
 from kvcoord.index.base import run_inline
@@ -129,6 +130,10 @@ class RegisterBody(msgspec.Struct):
     metrics_url: str = ""
     engine: str | None = None
     grpc_endpoint: str = ""
+    pools: list[str] = []
+    """Shared pools the engine can load blocks from (kvcoord.coordinator.pools)."""
+    pool_publisher: str = ""
+    """Set: the engine is that pool's storage daemon, not routable (its events feed the pool)."""
 
 
 class UnregisterBody(msgspec.Struct):
@@ -350,7 +355,8 @@ class HttpApi:
     def _scores(self, model: str, block_size: int, num_blocks: int, num_tokens: int,
                 matches: list[LiveMatch], query: str, t0: float) -> Response:
         """The general path's answer."""
-        hits, st = match_hits(matches), self.state
+        st = self.state
+        hits = match_hits(matches, lambda pool: st.pools.tier(pool).name)
         return lookup_answer(st, model, block_size, num_blocks, num_tokens, hits, query, t0, "handler")
 
     # --- registration ----------------------------------------------------------------------
@@ -360,9 +366,13 @@ class HttpApi:
         try:
             b: RegisterBody = decode_body(req, RegisterBody)
             check_u64("instance_id", b.instance_id)
+            try:
+                check_pool_hello(str(b.instance_id), b.pool_publisher, b.pools)
+            except ValueError as exc:
+                return json_error(400, str(exc))
             await self.engines.register(b.instance_id, b.model_name, b.routing_group, b.block_size, b.dp_rank,
                                         b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url, b.engine,
-                                        b.grpc_endpoint)
+                                        b.grpc_endpoint, b.pools, b.pool_publisher)
         except BadBody as exc:
             return exc.response
         except RegistrationError as exc:

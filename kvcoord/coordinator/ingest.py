@@ -36,6 +36,7 @@ from kvcoord.coordinator.core import CoordinatorState, Push
 from kvcoord.coordinator.incoming import KINDS, Incoming, WireBatch
 from kvcoord.coordinator.learn import LEARN_FIRST
 from kvcoord.coordinator.metrics import Metrics
+from kvcoord.coordinator.pools import check_pool_hello
 from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.snapshots import (
     LOST_CHARS,
@@ -199,6 +200,10 @@ class IngestSession:
             raise IngestAbort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"Hello.dp_ranks: more than {MAX_DP_RANKS} ranks"
             )
+        try:
+            check_pool_hello(hello.node_id, hello.pool_publisher, hello.pools)
+        except ValueError as exc:
+            raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Hello: {exc}") from None
         if not self.principal.may_publish(hello.node_id):
             raise IngestAbort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -224,7 +229,11 @@ class IngestSession:
             await st.index.fencing.claim(rec.node_id)  # stream keeps its token)
         st.metrics.model_seen(hello.model)
         self.rec, self.gen = rec, rec.stream_gen
-        rec.serving_url = hello.serving_url
+        rec.serving_url = "" if hello.pool_publisher else hello.serving_url  # a publisher is never routed to
+        if hello.pool_publisher:
+            st.pools.publisher(rec.node_id, hello.pool_publisher)
+        else:
+            st.metrics.unknown_pools.inc(len(st.pools.announce(rec.node_id, hello.pools)))
         if self.push is not None:
             st.attach(rec.node_id, rec.stream_gen, self.push)
         self.node_id, self.model, self.dp_ranks, self.epoch = hello.node_id, hello.model, ranks, hello.epoch

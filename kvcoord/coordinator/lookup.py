@@ -13,6 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.pools import POOL_PREFIX, PullHint, pull_hints
 from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes64
 from kvcoord.index.base import IndexReset, NodeKey, NodeMatch
 from kvcoord.load import NodeLoad
@@ -57,6 +58,20 @@ class LiveMatch(NamedTuple):
     (resyncing nodes are in no answer)."""
     trust_cause: str
     """Why degraded (``Trust.cause``: ``hash_mismatch`` or ``history_lost``); empty when exact."""
+    pool: str = ""
+    """The shared pool whose blocks ``tiers[3]`` counts (kvcoord.coordinator.pools); empty: none."""
+    pull: PullHint | None = None
+    """A live peer holding a longer prefix than this node (its own blocks), for a peer pull."""
+
+
+def with_hints(matches: list[LiveMatch]) -> list[LiveMatch]:
+    """``matches`` with each one's peer-pull hint (:func:`kvcoord.coordinator.pools.pull_hints`): only peers
+    whose matches are exact are named as sources."""
+    if len(matches) < 2 or not matches[0].matched_blocks:
+        return matches
+    hints = pull_hints([(m.node_id, m.matched_blocks, m.tiers, m.serving_url if m.trust == "exact" else "")
+                        for m in matches])
+    return [m if h is None else m._replace(pull=h) for m, h in zip(matches, hints, strict=True)]
 
 
 class Lookups:
@@ -144,28 +159,53 @@ class Lookups:
         """The live nodes holding a leading run of ``hashes``, best first by the tier weights (with
         ``include_unmatched``, then the other live nodes of the model, or of ``candidates``)."""
         st = self.state
-        matches = []
-        if hashes and self.serves(model):
-            matches = await self._index_match(model, hashes, candidates)
         now, now_wall = time.monotonic(), time.time()
         live_node = st.replicas.live_node
-        w0, w1, w2 = st.config.tier_weights
-        scored: list[tuple[float, int, str, int, tuple[int, ...], NodeLoad, str, str, str]] = []
-        for node_id, rank, matched, tiers in matches:
+        matches: list[Any] = []
+        if hashes and self.serves(model):
+            pooled = candidates and st.pools.active
+            matches = await self._index_match(model, hashes, {*candidates, *st.pools.publisher_keys()}
+                                              if pooled and candidates else candidates)
+            if st.pools.active or any(m[0].startswith(POOL_PREFIX) for m in matches):  # (another replica's)
+                matches = await self._pooled(model, hashes, matches, candidates, now, now_wall)
+        w0, w1, w2 = weights = st.config.tier_weights
+        tier_of = st.pools.tier
+        scored: list[tuple[float, int, str, int, tuple[int, ...], str, NodeLoad, str, str, str]] = []
+        for node_id, rank, matched, tiers, *pool in matches:
             if matched <= 0:
                 continue
             info = live_node(node_id, model, now, now_wall, rank)
             if info is None:
                 continue
             t = (*tiers, 0, 0, 0) if len(tiers) < 3 else tiers
-            scored.append((-(t[0] * w0 + t[1] * w1 + t[2] * w2), -matched, node_id, rank, tiers, *info))
+            score = t[0] * w0 + t[1] * w1 + t[2] * w2
+            if pool and pool[0]:
+                score += t[3] * weights[tier_of(pool[0])]
+            scored.append((-score, -matched, node_id, rank, tiers, pool[0] if pool else "", *info))
         scored.sort()  # (node, rank) is unique: the first four fields decide, the rest is never compared
-        out = [LiveMatch(node_id, rank, -neg, tiers, load, url, trust, cause)
-               for _, neg, node_id, rank, tiers, load, url, trust, cause in scored]
+        out = [LiveMatch(node_id, rank, -neg, tiers, load, url, trust, cause, pool)
+               for _, neg, node_id, rank, tiers, pool, load, url, trust, cause in scored]
         if include_unmatched:
             seen = {(m.node_id, m.dp_rank) for m in out}
             out.extend(self._unmatched(model, seen, candidates, now, now_wall))
-        return out
+        return with_hints(out)
+
+    async def _pooled(self, model: str, hashes: Sequence[BlockHash64], matches: list[NodeMatch],
+                      candidates: Collection[NodeKey] | None, now: float, now_wall: float) -> list[Any]:
+        """The index's rows with shared pools expanded (:meth:`Pools.expand`)."""
+        st = self.state
+
+        def live(node_id: str) -> bool:
+            return st.replicas.live_node(node_id, model, now, now_wall) is not None
+
+        def ranks(node_id: str) -> tuple[int, ...]:
+            rec = st.registry.get(node_id)
+            return rec.dp_ranks if rec is not None and rec.model == model else ()
+
+        async def cont(rest: Sequence[BlockHash64], keys: Collection[NodeKey]) -> list[NodeMatch]:
+            return await self._index_match(model, rest, keys)
+
+        return list(await st.pools.expand(hashes, matches, live, ranks, candidates, cont))
 
     async def _index_match(self, model: str, hashes: Sequence[BlockHash64],
                            candidates: Collection[NodeKey] | None) -> list[Any]:
@@ -212,6 +252,8 @@ class Lookups:
             keys &= set(candidates)
         out = []
         for key in sorted(keys - seen):
+            if st.pools.pool_of(key[0]) is not None:  # a pool's publisher: never routable
+                continue
             info = st.replicas.live_node(key[0], model, now, now_wall, key[1])
             if info is not None:
                 out.append(LiveMatch(key[0], key[1], 0, (), *info))

@@ -330,6 +330,9 @@ class Metrics:
             "kvcoord_relay_malformed", "Frames and batches of engines registered over HTTP that this "
             "replica's relays could not use, by reason (each lost batch marks its rank degraded)", ["reason"],
             registry=r)
+        self.unknown_pools = Counter(
+            "kvcoord_pool_unknown_announcements", "Pool names a node announced (Hello, /register) that no "
+            "[pools] entry or pool publisher declared at the time (the node still reaches them)", registry=r)
         self.streams = Gauge("kvcoord_ingest_streams", "Open agent ingest streams, engines registered over "
                              "HTTP and relayed here included", registry=r)
         self.streams_refused = Counter(

@@ -422,7 +422,9 @@ class CoordinatorServicer:
         for m in matches:
             # Filled in place (nested message constructors would be built, then copied in).
             nm = add(node_id=m.node_id, dp_rank=m.dp_rank, matched_blocks=m.matched_blocks, trust=m.trust,
-                     serving_url=m.serving_url, trust_cause=m.trust_cause)
+                     serving_url=m.serving_url, trust_cause=m.trust_cause, pool=m.pool)
+            if m.pool:
+                nm.pool_tier = self.state.pools.tier(m.pool).name
             tiers, tc = m.tiers, nm.tiers
             if tiers:
                 tc.gpu = tiers[0]
@@ -430,6 +432,10 @@ class CoordinatorServicer:
                     tc.cpu = tiers[1]
                     if len(tiers) > 2:
                         tc.storage = tiers[2]
+                        if len(tiers) > 3:
+                            tc.pool = tiers[3]
+            if m.pull is not None:
+                nm.pull.node_id, nm.pull.host_port, nm.pull.tier, nm.pull.blocks = m.pull
             load_to_proto(m.load, nm.load)
         await self._reserved(request, hashes, resp, wait)
         return resp

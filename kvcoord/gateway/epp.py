@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from kvcoord.gateway import extproc as xp
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
 from kvcoord.gateway.requests import BadRequest, query_of_body
+from kvcoord.router.answer import KV_SOURCE_HEADER
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.transport import ChannelSecurity, ListenError, check_bindable, split_hostport
 
@@ -98,6 +99,8 @@ class EppMetrics:
 def _pick_headers(pick: Pick, conformance: bool) -> dict[str, str]:
     why = pick.why.encode("ascii", "replace").decode()[:300]
     out = {PICK_HEADER: why if pick.prefix_aware else f"degraded; {why}"}
+    if pick.pull:  # llm-d's peer-pull source, for the routing sidecar
+        out[KV_SOURCE_HEADER] = pick.pull
     if conformance:  # the reference's X-Echo-Set-Header: the echo server answers the pick
         out[xp.ECHO_SET_HEADER] = f"{xp.CONFORMANCE_SERVED_HEADER}:{pick.endpoints[0]}"
     return out

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
+from kvcoord.coordinator.pools import POOL_PREFIX
 from kvcoord.load import NodeLoad
 from kvcoord.router.answer import Candidate
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError, NodeStatus
@@ -92,7 +93,7 @@ class NodeTable:
         seen, present = set(), set()
         for n in nodes:
             present.add(n.node_id)
-            if n.state in ROUTABLE_STATES:
+            if n.state in ROUTABLE_STATES and not n.node_id.startswith(POOL_PREFIX):  # a pool's publisher
                 ranks = n.dp_ranks or (0,)
                 self.learn(n.node_id, n.serving_url, n.model, ranks, dict.fromkeys(ranks, n.load))
                 seen.add(n.node_id)

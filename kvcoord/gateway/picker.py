@@ -181,6 +181,8 @@ class Pick:
     matched_blocks: int = 0
     reserve_id: str = ""
     """The id its reservation carries (released at the response's headers and at the stream's end)."""
+    pull: str = ""
+    """``host:port`` of a peer the engine should pull a longer prefix from (``KV_SOURCE_HEADER``); "" none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +347,8 @@ class Picker:
             tokens = answer.num_tokens or answer.num_blocks * answer.block_size
             prefill = max(0, tokens - decision.matched_blocks * max(1, answer.block_size))
             self.reserve.reserve(rid, model, decision.key, best, answer.block_hashes, prefill)
-        return Pick(endpoints, decision.node_id, decision.why, True, decision.matched_blocks, rid)
+        return Pick(endpoints, decision.node_id, decision.why, True, decision.matched_blocks, rid,
+                    decision.pull)
 
     def _unlisted(self, model: str, answer: LookupResult) -> list[Candidate]:
         """Nodes listed as serving that lookups leave out (resyncing after a reconnect, a hash mismatch;

@@ -31,7 +31,7 @@ from prometheus_client import generate_latest
 
 from kvcoord.coordinator.httpd import HttpLimits
 from kvcoord.index.base import NodeKey
-from kvcoord.router.answer import Candidate
+from kvcoord.router.answer import KV_SOURCE_HEADER, Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
@@ -52,7 +52,8 @@ __all__ = ["RouteConfig", "RouteServer", "serve_route"]
 log = logging.getLogger("kvcoord.route")
 
 _HOP = frozenset({"host", "content-length", "content-type", "connection", "keep-alive", "transfer-encoding",
-                  "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"})
+                  "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
+                  KV_SOURCE_HEADER})
 """Request headers not forwarded: hop-by-hop ones, and those the router sets itself."""
 _DONE = b"data: [DONE]\n\n"
 _API_PATHS = {"/v1/messages": "messages", "/v1/responses": "responses", "/inference/v1/generate": "generate"}
@@ -394,6 +395,8 @@ class RouteServer:
                else "false", "x-kvcoord-reason": _header_safe(d.why if plan.prefix_aware or plan.policy
                                                              else f"{plan.reason}; {d.why}"),
                "x-kvcoord-attempts": str(attempts)}
+        if d.pull:
+            out[KV_SOURCE_HEADER] = d.pull
         if plan.prefix_aware:
             out.update({"x-kvcoord-matched-blocks": str(c.matched_blocks),
                         "x-kvcoord-predicted-cached-tokens": str(attempt.predicted),
@@ -412,6 +415,8 @@ class RouteServer:
         prefill = max(0, r.num_tokens - predicted_tokens(attempt.decision.matched_blocks, r.block_size,
                                                          r.num_tokens))
         send = dict(headers)
+        if attempt.decision.pull:  # llm-d's peer-pull source (an inbound value is never passed on)
+            send[KV_SOURCE_HEADER] = attempt.decision.pull
         if self.backends.multi_rank(node_id):
             send["X-data-parallel-rank"] = str(key[1])
         queued = self.backends.begin(key, prefill, self._prefill_s_per_token,

@@ -14,10 +14,29 @@ from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey
 from kvcoord.load import EXACT, NodeLoad
 
-__all__ = ["TIER_NAMES", "Candidate", "LookupResult"]
+__all__ = ["KV_SOURCE_HEADER", "TIER_NAMES", "Candidate", "LookupResult", "PullSource"]
+
+KV_SOURCE_HEADER = "x-kv-cache-source-host-port"
+"""llm-d's request header naming the ``host:port`` the chosen engine pulls cached blocks from
+(llm-d-inference-scheduler ``pkg/common``: ``KVCacheSourceHeader``), as ``route`` and ``epp`` set it."""
 
 TIER_NAMES: tuple[str, ...] = tuple(t.name for t in Tier)
 """``("GPU", "CPU", "STORAGE")``: the keys of ``tiers`` in JSON answers."""
+
+
+@dataclass(frozen=True, slots=True)
+class PullSource:
+    """A live peer holding a longer prefix than the candidate (the coordinator's peer-pull hint)."""
+
+    node_id: str
+    host_port: str
+    """llm-d's ``x-kv-cache-source-host-port`` value: where the chosen engine can pull the blocks from."""
+    tier: str
+    blocks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "host_port": self.host_port, "tier": self.tier,
+                "blocks": self.blocks}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +63,12 @@ class Candidate:
     (their reservations, docs/routing.md "Routers that share one view")."""
     reserved: NodeLoad = field(default_factory=NodeLoad)
     """Other routers' requests in flight here (``running_requests``) and their prefill not yet done."""
+    pool: str = ""
+    """The shared pool holding ``pool_blocks()`` of the match past the node's own run ("" none)."""
+    pool_tier: str = "STORAGE"
+    """The pool's tier: its blocks save prefill at that tier's weight."""
+    pull: PullSource | None = None
+    """A peer holding a longer prefix, for a peer pull (None: none)."""
 
     @property
     def key(self) -> NodeKey:
@@ -56,8 +81,15 @@ class Candidate:
         t = (*self.tiers, 0, 0, 0)
         return (t[Tier.GPU], t[Tier.CPU], t[Tier.STORAGE])
 
+    def pool_blocks(self) -> int:
+        """Matched blocks a shared pool the node reaches holds past its own run (the fourth ``tiers``)."""
+        return self.tiers[3] if len(self.tiers) > 3 else 0
+
     def tiers_by_name(self) -> dict[str, int]:
-        return dict(zip(TIER_NAMES, self.tier_counts(), strict=True))
+        out = dict(zip(TIER_NAMES, self.tier_counts(), strict=True))
+        if self.pool_blocks():
+            out["POOL"] = self.pool_blocks()
+        return out
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node_id": self.node_id, "dp_rank": self.dp_rank,
@@ -70,6 +102,10 @@ class Candidate:
         if self.reserved_blocks or self.reserved.in_flight or self.reserved.prefill_tokens:
             out["reserved"] = {"blocks": self.reserved_blocks, "requests": self.reserved.in_flight,
                                "prefill_tokens": self.reserved.prefill_tokens}
+        if self.pool:
+            out["pool"] = self.pool
+        if self.pull is not None:
+            out["pull"] = self.pull.to_json()
         return out
 
 

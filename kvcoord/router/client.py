@@ -19,7 +19,7 @@ import grpc.aio
 from kvcoord.load import EXACT, NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
-from kvcoord.router.answer import Candidate, LookupResult
+from kvcoord.router.answer import Candidate, LookupResult, PullSource
 from kvcoord.transport import CAUSE_METADATA, ChannelSecurity, open_aio_channel, open_channel
 from kvcoord.validate import pack_u64, unpack_u64
 from kvcoord.wire import load_from_proto, load_to_proto, pack_tokens
@@ -65,10 +65,15 @@ class CoordinatorError(RuntimeError):
 def lookup_result(msg: pb.LookupResponse) -> LookupResult:
     """The wire answer as the type the placement policies take."""
     nodes = [
-        Candidate(n.node_id, n.dp_rank, n.matched_blocks, (n.tiers.gpu, n.tiers.cpu, n.tiers.storage),
+        Candidate(n.node_id, n.dp_rank, n.matched_blocks,
+                  (n.tiers.gpu, n.tiers.cpu, n.tiers.storage, n.tiers.pool) if n.tiers.pool
+                  else (n.tiers.gpu, n.tiers.cpu, n.tiers.storage),
                   load_from_proto(n.load), n.serving_url, n.trust or EXACT, n.trust_cause, n.reserved_blocks,
                   NodeLoad(running_requests=n.reserved_requests, prefill_tokens=n.reserved_prefill_tokens)
-                  if n.reserved_requests or n.reserved_prefill_tokens else _NO_LOAD)
+                  if n.reserved_requests or n.reserved_prefill_tokens else _NO_LOAD,
+                  n.pool, n.pool_tier or "STORAGE",
+                  PullSource(n.pull.node_id, n.pull.host_port, n.pull.tier, n.pull.blocks)
+                  if n.HasField("pull") else None)
         for n in msg.nodes
     ]
     hashes = tuple(unpack_u64(msg.block_hashes, "LookupResponse")) if msg.block_hashes else ()

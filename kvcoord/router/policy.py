@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
-from kvcoord.events import DEFAULT_TIER_WEIGHTS
+from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey, NodeMatch
 from kvcoord.load import APPROXIMATE, DEGRADED, EXACT, HISTORY_LOST, NodeLoad
@@ -56,6 +56,11 @@ class Decision:
     matched_blocks: int = 0
     cost: float | None = None
     """The policy's cost for the chosen node (seconds for the prefix-aware policies)."""
+    pull: str = ""
+    """Where the chosen engine should pull a longer prefix from (``host:port``, llm-d's
+    ``x-kv-cache-source-host-port``): set when the pull costs less than the prefill it saves."""
+    pull_blocks: int = 0
+    """Blocks the pull brings beyond what the chosen node holds."""
 
     @property
     def key(self) -> NodeKey:
@@ -82,21 +87,39 @@ class LatencyModel:
     max_running: int = 32
     mean_output_tokens: float = 350.0
     """Expected decode length of a running request, for the wait-for-a-slot estimate."""
+    pull_s_per_block: float | None = None
+    """Seconds to pull one block from a peer (transfer, not prefill); None: no peer-pull hints."""
 
     @classmethod
     def from_flags(cls, *, prefill_us_per_token: float, decode_ms_per_token: float, max_running: int,
-                   mean_output_tokens: float) -> LatencyModel:
+                   mean_output_tokens: float, pull_us_per_block: float | None = None) -> LatencyModel:
         """From the units the command-line flags use (µs and ms), as ``simulate``, ``route`` and ``epp``
         take them."""
         return cls(prefill_s_per_token=prefill_us_per_token / 1e6,
                    decode_s_per_token=decode_ms_per_token / 1e3, max_running=max_running,
-                   mean_output_tokens=mean_output_tokens)
+                   mean_output_tokens=mean_output_tokens,
+                   pull_s_per_block=None if pull_us_per_block is None else pull_us_per_block / 1e6)
 
     def flags(self) -> dict[str, float]:
         """The model in the flags' units (the inverse of :meth:`from_flags`)."""
-        return {"max_running": self.max_running, "prefill_us_per_token": self.prefill_s_per_token * 1e6,
-                "decode_ms_per_token": self.decode_s_per_token * 1e3,
-                "mean_output_tokens": self.mean_output_tokens}
+        out = {"max_running": self.max_running, "prefill_us_per_token": self.prefill_s_per_token * 1e6,
+               "decode_ms_per_token": self.decode_s_per_token * 1e3,
+               "mean_output_tokens": self.mean_output_tokens}
+        if self.pull_s_per_block is not None:
+            out["pull_us_per_block"] = self.pull_s_per_block * 1e6
+        return out
+
+    def pull(self, request: RouteRequest, c: Candidate) -> tuple[str, int]:
+        """``(host:port, blocks)`` of the peer pull worth doing for ``c``: the blocks its hint brings past
+        what ``c`` holds, when pulling them costs less than prefilling them; ``("", 0)`` otherwise."""
+        hint = c.pull
+        if hint is None or self.pull_s_per_block is None:
+            return "", 0
+        extra = min(hint.blocks, request.num_tokens // request.block_size) - c.matched_blocks
+        prefill = request.block_size * self.prefill_s_per_token
+        if extra <= 0 or self.pull_s_per_block >= prefill:
+            return "", 0
+        return hint.host_port, extra
 
     def __post_init__(self) -> None:
         if self.prefill_s_per_token < 0 or self.decode_s_per_token < 0:
@@ -105,6 +128,8 @@ class LatencyModel:
             raise ValueError("max_running must be >= 1")
         if self.mean_output_tokens < 0:
             raise ValueError("mean_output_tokens must be >= 0")
+        if self.pull_s_per_block is not None and self.pull_s_per_block < 0:
+            raise ValueError("pull_s_per_block must be >= 0")
 
     def queue_seconds(self, load: NodeLoad) -> float:
         """Expected wait before a new request's prefill can start on a node with ``load``.
@@ -330,6 +355,9 @@ class PrefixAwarePolicy:
         g, cpu, sto = c.tier_counts()
         w = self.tier_weights
         held = w[0] * g + w[1] * cpu + w[2] * sto
+        pooled = c.pool_blocks()
+        if pooled:  # a shared pool's blocks past the node's own run, at the pool tier's weight
+            held += w[Tier[c.pool_tier].value if c.pool_tier in Tier.__members__ else Tier.STORAGE] * pooled
         if _suspect(c):
             held *= self.degraded_weight
         return min(float(request.num_tokens), request.block_size * held)
@@ -409,7 +437,10 @@ class PrefixAwarePolicy:
                 )
         own = self.latency.prefill_s_per_token * (request.num_tokens - saved)
         self.memory.record(request.block_hashes, chosen.key, request.now, request.now + queue + own)
-        return Decision(chosen.node_id, chosen.dp_rank, why, chosen.matched_blocks, best_cost)
+        pull, pulled = self.latency.pull(request, chosen)
+        if pull:
+            why += f"; pull {pulled} blocks from {chosen.pull.node_id if chosen.pull else pull} ({pull})"
+        return Decision(chosen.node_id, chosen.dp_rank, why, chosen.matched_blocks, best_cost, pull, pulled)
 
 
 def _with_reserved(candidates: Sequence[Candidate]) -> tuple[Sequence[Candidate], str]:

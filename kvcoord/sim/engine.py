@@ -87,6 +87,9 @@ class SimEngineConfig:
     """Seconds per generated token of an HTTP request (streams get one chunk per token)."""
     max_num_seqs: int = 256
     """HTTP requests running at once; more wait in the queue (``vllm:num_requests_waiting``)."""
+    pull_us_per_block: float | None = None
+    """Honour llm-d's ``x-kv-cache-source-host-port``: copy blocks from the named peer at this cost each
+    (kvcoord.sim.pull); None: the header is ignored."""
     lookup_coordinator: str | None = None
     lookup_model: str | None = None
     lookup_node_id: str | None = None
@@ -240,6 +243,18 @@ class SimEngine:
                 with contextlib.suppress(ValueError):
                     self._waiting.remove(entry)
             raise
+
+    def copy_prefix(self, tokens: list[int], keys: RequestKeys | None) -> int:
+        """Store ``tokens``' full blocks as a peer pull would (their KV events published): admitted and
+        finished at once, so they stay cached; not counted as a request. Returns the blocks newly stored."""
+        adm = self._admit_now(self.new_request_id("pull"), tokens, keys)
+        if adm is None:
+            return 0
+        self.prompt_tokens -= adm.num_tokens
+        self.hit_tokens -= adm.num_cached_tokens
+        self.pool.finish(adm.request_id)
+        self._publish()
+        return (adm.num_tokens - adm.num_cached_tokens) // self.pool.block_size
 
     def extend_one(self, rid: str, token: int) -> bool:
         """Append one generated token (finishing workload requests for room); False when the pool is full
@@ -434,7 +449,8 @@ async def _main(engine: SimEngine, config: SimEngineConfig) -> None:
             from kvcoord.sim.http import SimHttpServer
 
             server = SimHttpServer(engine, model=config.model, token_interval=config.token_interval,
-                                   default_max_tokens=config.output_len, dp_rank=config.dp_rank)
+                                   default_max_tokens=config.output_len, dp_rank=config.dp_rank,
+                                   pull_us_per_block=config.pull_us_per_block)
             await server.start(config.http_listen)
         await driver.run()
     finally:

@@ -31,8 +31,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvcoord.hashing import RequestKeys
+from kvcoord.router.answer import KV_SOURCE_HEADER
 from kvcoord.sim import toktok
 from kvcoord.sim.http_apis import add_api_routes
+from kvcoord.sim.pull import PEER_PATH, PeerPuller, peer_handler
 from kvcoord.transport import ListenError, split_hostport
 
 if TYPE_CHECKING:
@@ -208,8 +210,10 @@ class SimHttpServer:
     """aiohttp on the engine's own loop: every handler touches the pool from that loop only."""
 
     def __init__(self, engine: SimEngine, *, model: str, token_interval: float, default_max_tokens: int,
-                 dp_rank: int = 0) -> None:
+                 dp_rank: int = 0, pull_us_per_block: float | None = None) -> None:
         self.engine = engine
+        self.puller = PeerPuller(engine, pull_us_per_block / 1e6) if pull_us_per_block is not None else None
+        """Honours llm-d's peer-pull header (kvcoord.sim.pull); None: ignores it."""
         self.model = model
         self.token_interval = token_interval
         self.default_max_tokens = max(1, default_max_tokens)
@@ -225,6 +229,7 @@ class SimHttpServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/tokenize", self.tokenize)
         add_api_routes(app, self)
+        app.router.add_post(PEER_PATH, lambda request: peer_handler(self.engine, request))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -313,6 +318,9 @@ class SimHttpServer:
         return await self._serve(request, params, chat=True)
 
     async def _serve(self, request: web.Request, params: _Params, *, chat: bool) -> web.StreamResponse:
+        source = request.headers.get(KV_SOURCE_HEADER)
+        if source and self.puller is not None:
+            await self.puller.pull(source, params.prompt, params.keys)
         gen = _Generation(self.engine, params, self.token_interval)
         if params.stream:
             return await self._stream(request, gen, chat=chat)

@@ -310,6 +310,8 @@ class Hello(_message.Message):
     NEXT_SEQ_FIELD_NUMBER: _builtins.int
     SERVING_URL_FIELD_NUMBER: _builtins.int
     NO_KV_EVENTS_FIELD_NUMBER: _builtins.int
+    POOLS_FIELD_NUMBER: _builtins.int
+    POOL_PUBLISHER_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model: _builtins.str
     epoch: _builtins.int
@@ -324,11 +326,22 @@ class Hello(_message.Message):
     and URL only; its snapshots are empty and it sends no batches. Lookups show the node with trust
     `approximate`: its zero matched blocks mean unknown, not nothing cached.
     """
+    pool_publisher: _builtins.str
+    """Set: this publisher is a pool's storage daemon (Mooncake RFC#1527's backend_id), not a routable
+    engine: its events feed the named pool and it never appears in lookup answers. Its node_id must be
+    `pool:<name>`.
+    """
     @_builtins.property
     def dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def hash_profile(self) -> Global___HashProfile:
         """when the agent knows it"""
+
+    @_builtins.property
+    def pools(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Shared pools (named tier instances: lmcache-remote, mooncake-store) this node's engine can load blocks
+        from: a block a pool holds counts for this node, at the pool tier's weight (docs/semantics.md).
+        """
 
     def __init__(
         self,
@@ -342,10 +355,12 @@ class Hello(_message.Message):
         next_seq: _builtins.int = ...,
         serving_url: _builtins.str = ...,
         no_kv_events: _builtins.bool = ...,
+        pools: _abc.Iterable[_builtins.str] | None = ...,
+        pool_publisher: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hash_profile", b"hash_profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_profile", b"hash_profile", "model", b"model", "next_seq", b"next_seq", "no_kv_events", b"no_kv_events", "node_id", b"node_id", "serving_url", b"serving_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_profile", b"hash_profile", "model", b"model", "next_seq", b"next_seq", "no_kv_events", b"no_kv_events", "node_id", b"node_id", "pool_publisher", b"pool_publisher", "pools", b"pools", "serving_url", b"serving_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1024,23 +1039,60 @@ class TierCounts(_message.Message):
     GPU_FIELD_NUMBER: _builtins.int
     CPU_FIELD_NUMBER: _builtins.int
     STORAGE_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
     gpu: _builtins.int
     cpu: _builtins.int
     storage: _builtins.int
+    pool: _builtins.int
+    """blocks past the node's own run that a shared pool it reaches holds"""
     def __init__(
         self,
         *,
         gpu: _builtins.int = ...,
         cpu: _builtins.int = ...,
         storage: _builtins.int = ...,
+        pool: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu", b"cpu", "gpu", b"gpu", "storage", b"storage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu", b"cpu", "gpu", b"gpu", "pool", b"pool", "storage", b"storage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TierCounts: _TypeAlias = TierCounts  # noqa: Y015
+
+@_typing.final
+class PullHint(_message.Message):
+    """Where a longer prefix than the node's own is: a peer whose engine could hand the blocks over."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    HOST_PORT_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    host_port: _builtins.str
+    """from the peer's serving URL (llm-d's x-kv-cache-source-host-port)"""
+    tier: _builtins.str
+    """the slowest tier the peer holds the prefix on (GPU, CPU, STORAGE)"""
+    blocks: _builtins.int
+    """leading query blocks the peer holds"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        host_port: _builtins.str = ...,
+        tier: _builtins.str = ...,
+        blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "host_port", b"host_port", "node_id", b"node_id", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullHint: _TypeAlias = PullHint  # noqa: Y015
 
 @_typing.final
 class NodeMatch(_message.Message):
@@ -1057,6 +1109,9 @@ class NodeMatch(_message.Message):
     RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
     RESERVED_REQUESTS_FIELD_NUMBER: _builtins.int
     RESERVED_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
+    PULL_FIELD_NUMBER: _builtins.int
+    POOL_TIER_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     dp_rank: _builtins.int
     matched_blocks: _builtins.int
@@ -1076,11 +1131,19 @@ class NodeMatch(_message.Message):
     """
     reserved_requests: _builtins.int
     reserved_prefill_tokens: _builtins.int
+    pool: _builtins.str
+    """the shared pool tiers.pool counts (empty: none)"""
+    pool_tier: _builtins.str
+    """the pool's tier (GPU, CPU, STORAGE): its blocks score at its weight"""
     @_builtins.property
     def tiers(self) -> Global___TierCounts: ...
     @_builtins.property
     def load(self) -> Global___Load:
         """last load the node reported"""
+
+    @_builtins.property
+    def pull(self) -> Global___PullHint:
+        """set when a live peer holds a longer prefix than this node"""
 
     def __init__(
         self,
@@ -1096,10 +1159,13 @@ class NodeMatch(_message.Message):
         reserved_blocks: _builtins.int = ...,
         reserved_requests: _builtins.int = ...,
         reserved_prefill_tokens: _builtins.int = ...,
+        pool: _builtins.str = ...,
+        pull: Global___PullHint | None = ...,
+        pool_tier: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "tiers", b"tiers"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load", "pull", b"pull", "tiers", b"tiers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "load", b"load", "matched_blocks", b"matched_blocks", "node_id", b"node_id", "reserved_blocks", b"reserved_blocks", "reserved_prefill_tokens", b"reserved_prefill_tokens", "reserved_requests", b"reserved_requests", "serving_url", b"serving_url", "tiers", b"tiers", "trust", b"trust", "trust_cause", b"trust_cause"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "load", b"load", "matched_blocks", b"matched_blocks", "node_id", b"node_id", "pool", b"pool", "pool_tier", b"pool_tier", "pull", b"pull", "reserved_blocks", b"reserved_blocks", "reserved_prefill_tokens", b"reserved_prefill_tokens", "reserved_requests", b"reserved_requests", "serving_url", b"serving_url", "tiers", b"tiers", "trust", b"trust", "trust_cause", b"trust_cause"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
