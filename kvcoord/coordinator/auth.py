@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvcoord.coordinator.config import AuthConfig
+from kvcoord.coordinator.config_auth import AuthConfig
 
 AGENT = "agent"
 ROUTER = "router"
