@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvcoord.gateway import extproc as xp
+from kvcoord.gateway.flow import DROPPED_HEADER, Dropped, FlowControl, RequestMeta, request_meta
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
 from kvcoord.gateway.requests import BadRequest, query_of_body
 from kvcoord.router.client import AsyncCoordinatorClient
@@ -73,6 +74,14 @@ class EppConfig:
     tls_key: str | None = None
     conformance: bool = False
     """The conformance suite's request and response hooks (off: a client must not steer its own pick)."""
+    objectives: Mapping[str, int] = field(default_factory=dict)
+    """Objective name -> priority (``--objective``; llm-d reads them from InferenceObjectives)."""
+    max_queued: int = 0
+    """Requests that may wait for a saturated pool (0: the 429 at once); see :mod:`kvcoord.gateway.flow`."""
+    queue_ttl: float = 30.0
+    """Seconds a request waits at most, unless its ``x-llm-d-inference-ttl`` says otherwise."""
+    emit_scores: bool = False
+    """Send ``x-gateway-destination-endpoint-scores`` in the ``envoy.lb`` metadata (llm-d's opt-in)."""
 
 
 class EppMetrics:
@@ -93,6 +102,10 @@ class EppMetrics:
                                  "memory.", registry=r)
         self.outages = Gauge("kvcoord_epp_lookup_outages",
                              "Models whose lookups fail (picked least-loaded meanwhile)", registry=r)
+        self.queued = Gauge("kvcoord_epp_flow_queued", "Requests waiting in flow control for a free endpoint",
+                            registry=r)
+        self.bad_headers = Counter("kvcoord_epp_bad_headers", "Request headers whose value was ignored "
+                                   "(flow control, SLO)", ["header"], registry=r)
 
 
 def _pick_headers(pick: Pick, conformance: bool) -> dict[str, str]:
@@ -119,6 +132,8 @@ class _Stream:
         """An ImmediateResponse went out: Envoy ends the request, later messages are not answered."""
         self.echo_response = False
         """The response body streams through this picker (``FULL_DUPLEX_STREAMED``): send it back."""
+        self.meta = RequestMeta()
+        """The request's objective, fairness id, queue TTL and TTFT SLO (:mod:`kvcoord.gateway.flow`)."""
 
     def release(self) -> None:
         self.epp.picker.unreserve(self.reserve_id)
@@ -127,6 +142,7 @@ class _Stream:
             self.epp.picker.in_flight.end(self.picked[0])
             self.epp.metrics.open_streams.dec()
             self.picked = []
+            self.epp.flow.wake()
 
     async def handle(self, req: Any) -> list[Any]:
         if self.done:
@@ -148,12 +164,20 @@ class _Stream:
             return await self._trailers()
         return self._response_phase(req, kind)
 
-    def fail(self, exc: PickFailed | BadRequest) -> list[Any]:
+    def fail(self, exc: PickFailed | BadRequest | Dropped) -> list[Any]:
         self.done = True
         self.epp.metrics.requests.labels(exc.reason).inc()
         log.info("answering %d (%s): %s", exc.status, exc.reason, exc.message)
-        extra = {"retry-after": "1"} if exc.status == 429 else None
+        extra = {"retry-after": "1"} if exc.status == 429 else {}
+        dropped = getattr(exc, "dropped", "")
+        if dropped:
+            extra[DROPPED_HEADER] = dropped
         return [xp.immediate_response(exc.status, exc.message, f"kvcoord_epp_{exc.reason}", extra)]
+
+    def _answer(self, pick: Pick) -> tuple[list[str], dict[str, str], Mapping[str, float] | None]:
+        """The pick as a data plane answer: endpoints, request headers to set, scores (when emitted)."""
+        cfg = self.epp.config
+        return pick.endpoints, _pick_headers(pick, cfg.conformance), pick.scores if cfg.emit_scores else None
 
     def _hold(self, pick: Pick) -> None:
         self.picked = pick.endpoints
@@ -165,24 +189,32 @@ class _Stream:
 
     async def _headers(self, req: Any) -> list[Any]:
         self.subset = _allowed(req, self.epp.config.conformance)
+        self.meta = request_meta(xp.headers_of(req.request_headers), self.epp.config.objectives)
+        for name in self.meta.bad:
+            self.epp.metrics.bad_headers.labels(name).inc()
+            log.info("ignoring the request header %s: not a valid value", name)
         if self.mode is None:
             return self.fail(PickFailed(500, "unsupported_mode", "the ext_proc request body mode must be "
                                          "BUFFERED or FULL_DUPLEX_STREAMED for an endpoint picker"))
         if not req.request_headers.end_of_stream and self.mode != xp.HEADERS_ONLY:
             return [] if self.mode == xp.FULL_DUPLEX else [xp.headers_response()]
         try:
-            pick = await self.epp.picker.pick_without_body(self.subset)
-        except PickFailed as exc:
+            picker, subset = self.epp.picker, self.subset
+            pick = await self.epp.flow.admit(self.meta, lambda: picker.pick_without_body(subset), _is_shed)
+        except (PickFailed, Dropped) as exc:
             return self.fail(exc)
         self._hold(pick)
-        return [xp.headers_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance))]
+        endpoints, headers, scores = self._answer(pick)
+        return [xp.headers_response(endpoints, headers, scores)]
 
     async def _pick_body(self, complete: bool) -> Pick | list[Any]:
         started = time.perf_counter()
         try:
             model, query = query_of_body(bytes(self.body), complete)
-            pick = await self.epp.picker.pick(model, query, self.subset)
-        except (PickFailed, BadRequest) as exc:
+            picker, meta = self.epp.picker, self.meta
+            pick = await self.epp.flow.admit(
+                meta, lambda: picker.pick(model, query, self.subset, meta.ttft_slo), _is_shed)
+        except (PickFailed, BadRequest, Dropped) as exc:
             return self.fail(exc)
         self.epp.metrics.pick_seconds.observe(time.perf_counter() - started)
         self.epp.metrics.outages.set(len(self.epp.picker.outages))
@@ -201,7 +233,8 @@ class _Stream:
             pick = await self._pick_body(complete=end_of_stream)
             if isinstance(pick, list):
                 return pick
-            return [xp.body_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance))]
+            endpoints, headers, scores = self._answer(pick)
+            return [xp.body_response(endpoints, headers, scores=scores)]
         if not end_of_stream:
             return []
         return await self._duplex_pick(end_of_stream=True)
@@ -210,7 +243,7 @@ class _Stream:
         pick = await self._pick_body(complete=True)
         if isinstance(pick, list):
             return pick
-        return [xp.headers_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance)),
+        return [xp.headers_response(*self._answer(pick)),
                 *xp.streamed_body_responses(bytes(self.body), end_of_stream)]
 
     async def _trailers(self) -> list[Any]:
@@ -238,6 +271,11 @@ class _Stream:
         return []
 
 
+def _is_shed(exc: BaseException) -> bool:
+    """Every eligible endpoint saturated: flow control may queue the request."""
+    return isinstance(exc, PickFailed) and exc.reason == "shed"
+
+
 def _allowed(req: Any, conformance: bool) -> Allowed | None:
     """The endpoints the request may go to: the conformance suite's selection header when on and present
     (it wins over the subset hint, as in the reference picker), else the data plane's subset hint."""
@@ -258,6 +296,8 @@ class EppServer:
         self.client = AsyncCoordinatorClient(config.coordinator, security=config.security,
                                              timeout=config.timeout)
         self.picker = Picker(self.client, config.picker)
+        self.flow = FlowControl(config.max_queued, config.queue_ttl)
+        self.metrics.queued.set_function(lambda: self.flow.queued)
         if self.picker.reserve is not None:
             self.picker.reserve.on_change = lambda up: self.metrics.shared_view.set(int(up))
         self._reserving: asyncio.Task[None] | None = None
@@ -294,6 +334,7 @@ class EppServer:
     async def _refreshed(self, ok: bool) -> None:
         if ok:
             await self._set_ready(True)
+        self.flow.wake()  # engines' reported load may have dropped
 
     async def refresh_once(self) -> None:
         """One ``ListNodes`` (failures are logged by the table, once per run of them)."""
@@ -351,6 +392,7 @@ class EppServer:
         return server
 
     async def stop(self, grace: float = 1.0) -> None:
+        self.flow.close()
         for task in (self._refresher, self._reserving):
             if task is not None:
                 task.cancel()
