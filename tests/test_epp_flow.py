@@ -5,11 +5,14 @@ fleet). The overload tests count which request is dispatched after each release,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc.aio
+from grpc_health.v1 import health_pb2
 
 from tests.procs import free_port
 from tests.test_epp import (
@@ -24,6 +27,7 @@ from tests.test_epp import (
     chat,
     epp,
     fleet,
+    health_of,
     metrics,
     request_body,
     request_headers,
@@ -215,3 +219,34 @@ async def test_ttft_slo_leaves_out_slow_endpoints(fleet: Fleet) -> None:
                 assert_pick(resp, "request_body", want)
                 assert words in set_headers(resp.request_body.response)["x-kvcoord-pick"]
                 await envoy.close()
+
+
+def _ready(address: str) -> bool:
+    return health_of(address, "readiness") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_leader_lock_one_ready_replica(fleet: Fleet, tmp_path: Path) -> None:
+    """Two replicas on one --leader-lock: exactly one reports ready; when it stops, the other takes the
+    lock and reports ready (as a standby takes a lapsed Lease)."""
+    lock = str(tmp_path / "epp.leader")
+    flags = ("--leader-lock", lock, "--refresh-interval", "0.2")
+    with contextlib.ExitStack() as first_stack, contextlib.ExitStack() as second_stack:
+        first = first_stack.enter_context(epp(fleet, *flags, name="epp-leader-1"))
+        await _eventually(lambda: asyncio.to_thread(_ready, first), "the first replica to lead")
+        second = second_stack.enter_context(epp(fleet, *flags, name="epp-leader-2"))
+        for _ in range(3):  # a standby while the first holds the lock, answering ext_proc all the same
+            await _buffered_pick(second)
+            assert not await asyncio.to_thread(_ready, second)
+        assert await asyncio.to_thread(_ready, first)
+        first_stack.close()
+        await _eventually(lambda: asyncio.to_thread(_ready, second), "the standby to take over")
+
+
+async def _buffered_pick(address: str) -> None:
+    """A standby still answers ext_proc (only its readiness keeps the gateway away)."""
+    async with channel(address) as ch:
+        envoy = Envoy(ch)
+        await envoy.send(request_headers())
+        [resp] = await envoy.send(request_body(chat(PROMPT_A)))
+        assert resp.WhichOneof("response") == "request_body"
+        await envoy.close()

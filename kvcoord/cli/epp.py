@@ -73,6 +73,9 @@ def add(sub: Subparsers) -> None:
     flow.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
                       help="the priority of requests whose x-llm-d-inference-objective names NAME "
                            "(repeatable; an InferenceObjective's priority; others: 0)")
+    p.add_argument("--leader-lock", default=None, metavar="FILE",
+                   help="replicas naming the same FILE elect one leader (an exclusive lock on it); only "
+                        "the leader reports ready (default: every replica is ready, active-active)")
     p.add_argument("--emit-endpoint-scores", action="store_true",
                    help="add x-gateway-destination-endpoint-scores (every scored ip:port to its score) to "
                         "the envoy.lb metadata, as llm-d's --emit-endpoint-scores")
@@ -165,7 +168,7 @@ def epp_config(args: argparse.Namespace) -> EppConfig:
                      tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key,
                      conformance=args.conformance, objectives=objectives(args.objective),
                      max_queued=args.max_queued, queue_ttl=args.queue_ttl,
-                     emit_scores=args.emit_endpoint_scores)
+                     emit_scores=args.emit_endpoint_scores, leader_lock=args.leader_lock)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from kvcoord.gateway import extproc as xp
 from kvcoord.gateway.flow import DROPPED_HEADER, Dropped, FlowControl, RequestMeta, request_meta
+from kvcoord.gateway.leader import FileLeader
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
 from kvcoord.gateway.requests import BadRequest, query_of_body
 from kvcoord.router.client import AsyncCoordinatorClient
@@ -81,6 +82,8 @@ class EppConfig:
     queue_ttl: float = 30.0
     """Seconds a request waits at most, unless its ``x-llm-d-inference-ttl`` says otherwise."""
     emit_scores: bool = False
+    leader_lock: str | None = None
+    """A file whose lock elects the one ready replica (:mod:`kvcoord.gateway.leader`); None: all ready."""
     """Send ``x-gateway-destination-endpoint-scores`` in the ``envoy.lb`` metadata (llm-d's opt-in)."""
 
 
@@ -297,6 +300,9 @@ class EppServer:
                                              timeout=config.timeout)
         self.picker = Picker(self.client, config.picker)
         self.flow = FlowControl(config.max_queued, config.queue_ttl)
+        self.leader = FileLeader(config.leader_lock) if config.leader_lock else None
+        self.synced = bool(config.picker.static_backends)
+        """The node table was loaded (from ListNodes, or given): one half of ready, the leader the other."""
         self.metrics.queued.set_function(lambda: self.flow.queued)
         if self.picker.reserve is not None:
             self.picker.reserve.on_change = lambda up: self.metrics.shared_view.set(int(up))
@@ -332,8 +338,11 @@ class EppServer:
             await self._health.set(service, status)
 
     async def _refreshed(self, ok: bool) -> None:
-        if ok:
-            await self._set_ready(True)
+        """After each ListNodes: ready once synced (and, with ``--leader-lock``, while the leader). A
+        later failed refresh keeps readiness: the picker still places, least-loaded, on the last table,
+        and every replica would fail together (docs/epp.md, Readiness)."""
+        self.synced = self.synced or ok
+        await self._set_ready(self.synced and (self.leader is None or self.leader.try_acquire()))
         self.flow.wake()  # engines' reported load may have dropped
 
     async def refresh_once(self) -> None:
@@ -349,7 +358,7 @@ class EppServer:
         cfg = self.config
         check_bindable(cfg.listen)
         await self._health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-        await self._set_ready(bool(cfg.picker.static_backends))
+        await self._refreshed(False)
         if cfg.metrics_listen:
             check_bindable(cfg.metrics_listen)
             host, mport = split_hostport(cfg.metrics_listen)
@@ -399,6 +408,8 @@ class EppServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self._health.enter_graceful_shutdown()
+        if self.leader is not None:  # NOT_SERVING and the lock given up at once, as llm-d's lease
+            self.leader.release()
         for srv in (self._server, self._health_server):
             if srv is not None:
                 await srv.stop(grace)
