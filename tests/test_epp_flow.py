@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc.aio
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health_pb2
 
 from tests.procs import free_port
 from tests.test_epp import (
     DEADLINE,
+    MODEL,
     PROMPT_A,
     PROMPT_B,
     Envoy,
@@ -250,3 +255,39 @@ async def _buffered_pick(address: str) -> None:
         [resp] = await envoy.send(request_body(chat(PROMPT_A)))
         assert resp.WhichOneof("response") == "request_body"
         await envoy.close()
+
+
+def _engine(endpoint: str, body: dict[str, Any]) -> tuple[bytes, str]:
+    """The picked engine's real answer to the request (what the data plane would stream back)."""
+    req = urllib.request.Request(f"http://{endpoint}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.read(), resp.headers.get("content-type", "")
+
+
+async def test_decision_metrics_from_the_response(fleet: Fleet) -> None:
+    """With the response body sent to the picker (response_body_mode STREAMED, in pieces), epp reads the
+    served engine's usage, JSON and SSE, and counts predicted against achieved cached tokens, as route does
+    (kvcoord_epp_hit_outcomes, kvcoord_epp_{predicted,achieved}_tokens)."""
+    mport = free_port()
+    with epp(fleet, "--metrics-listen", f"127.0.0.1:{mport}", name="epp-quality") as address:
+        async with channel(address) as ch:
+            for extra in ({}, {"stream": True, "stream_options": {"include_usage": True}}):
+                body = {"model": MODEL, "max_tokens": 2, **extra,
+                        "messages": [{"role": "user", "content": PROMPT_A}]}
+                envoy = Envoy(ch)
+                await envoy.send(request_headers())
+                [resp] = await envoy.send(request_body(json.dumps(body).encode()))
+                picked = set_headers(resp.request_body.response)["x-gateway-destination-endpoint"]
+                raw, ctype = await asyncio.to_thread(_engine, picked, body)
+                await envoy.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders(
+                    headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="content-type",
+                                                                             raw_value=ctype.encode())]))))
+                cuts = [0, len(raw) // 3, len(raw) // 2 + 1, len(raw)]  # pieces cut anywhere
+                for i in range(3):
+                    await envoy.send(ep.ProcessingRequest(response_body=ep.HttpBody(
+                        body=raw[cuts[i]:cuts[i + 1]], end_of_stream=i == 2)))
+                await envoy.close()
+        got = await asyncio.to_thread(metrics, mport)
+    assert got['kvcoord_epp_hit_outcomes_total{outcome="match"}'] == 2, got
+    assert got["kvcoord_epp_achieved_tokens_total"] == got["kvcoord_epp_predicted_tokens_total"] > 0

@@ -42,6 +42,8 @@ from kvcoord.gateway.flow import DROPPED_HEADER, Dropped, FlowControl, RequestMe
 from kvcoord.gateway.leader import FileLeader
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
 from kvcoord.gateway.requests import BadRequest, query_of_body
+from kvcoord.gateway.route_metrics import DecisionMetrics
+from kvcoord.gateway.route_sse import ResponseUsage
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.transport import ChannelSecurity, ListenError, check_bindable, split_hostport
 
@@ -107,6 +109,8 @@ class EppMetrics:
                              "Models whose lookups fail (picked least-loaded meanwhile)", registry=r)
         self.queued = Gauge("kvcoord_epp_flow_queued", "Requests waiting in flow control for a free endpoint",
                             registry=r)
+        self.quality = DecisionMetrics(r, "kvcoord_epp")
+        """Predicted against achieved cached tokens, when the data plane passes the response body."""
         self.bad_headers = Counter("kvcoord_epp_bad_headers", "Request headers whose value was ignored "
                                    "(flow control, SLO)", ["header"], registry=r)
 
@@ -136,6 +140,9 @@ class _Stream:
         self.echo_response = False
         """The response body streams through this picker (``FULL_DUPLEX_STREAMED``): send it back."""
         self.meta = RequestMeta()
+        self.predicted: int | None = None
+        """Cached tokens a prefix-aware pick predicted, until the response's usage is read."""
+        self.usage: ResponseUsage | None = None
         """The request's objective, fairness id, queue TTL and TTFT SLO (:mod:`kvcoord.gateway.flow`)."""
 
     def release(self) -> None:
@@ -188,6 +195,8 @@ class _Stream:
         self.epp.picker.in_flight.begin(pick.endpoints[0])
         self.epp.metrics.open_streams.inc()
         self.epp.metrics.requests.labels("picked" if pick.prefix_aware else "degraded").inc()
+        if pick.hit is not None:
+            self.predicted = self.epp.metrics.quality.predicted(*pick.hit)
         log.debug("picked %s: %s", ",".join(pick.endpoints), pick.why)
 
     async def _headers(self, req: Any) -> list[Any]:
@@ -255,9 +264,29 @@ class _Stream:
             return answers if self.done else [*answers, xp.trailers_response()]
         return [xp.trailers_response()]
 
+    def _usage_begins(self, req: Any) -> None:
+        """The response's headers: read its body's usage for the decision metrics (prefix-aware picks)."""
+        if self.predicted is None:
+            return
+        if req.response_headers.end_of_stream:  # no body: nothing to measure
+            self.epp.metrics.quality.achieved(self.predicted, None)
+            self.predicted = None
+            return
+        ctype = xp.headers_of(req.response_headers).get("content-type", "")
+        self.usage = ResponseUsage(sse="text/event-stream" in ctype)
+
+    def _usage_feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        if self.usage is None or self.predicted is None:
+            return
+        self.usage.feed(chunk)
+        if end_of_stream:
+            self.epp.metrics.quality.achieved(self.predicted, self.usage.usage())
+            self.usage, self.predicted = None, None
+
     def _response_phase(self, req: Any, kind: str | None) -> list[Any]:
         if kind == "response_headers":
             self.epp.picker.unreserve(self.reserve_id, first_byte=True)
+            self._usage_begins(req)
             served = xp.served_endpoint(req)
             if served:
                 self.epp.metrics.served.labels(served).inc()
@@ -265,8 +294,9 @@ class _Stream:
                 return [xp.response_headers_response({xp.CONFORMANCE_SERVED_HEADER: xp.served_echo(req)})]
             return [xp.response_headers_response()]
         if kind == "response_body":
+            rb = req.response_body
+            self._usage_feed(rb.body, rb.end_of_stream)
             if self.echo_response:
-                rb = req.response_body
                 return [xp.streamed_body_response(rb.body, rb.end_of_stream, response=True)]
             return [xp.body_response(response=True)]
         if kind == "response_trailers":

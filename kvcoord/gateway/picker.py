@@ -49,7 +49,6 @@ from .nodes import InFlight, NodeTable
 from .outage import Outages, is_outage
 from .requests import BadRequest, query_of_body
 from .reserve import DEFAULT_TTL, ReserveStream
-from .route_metrics import predicted_tokens
 
 __all__ = [
     "Allowed",
@@ -187,8 +186,9 @@ class Pick:
     """The id its reservation carries (released at the response's headers and at the stream's end)."""
     scores: Mapping[str, float] = field(default_factory=dict)
     """Every endpoint scored for this pick, in [0, 1], 1 the best (``--emit-endpoint-scores``)."""
-    predicted_tokens: int | None = None
-    """Prompt tokens the pick should serve from cache (prefix-aware picks; for the decision metrics)."""
+    hit: tuple[int, int, int, int] | None = None
+    """Prefix-aware picks: blocks the pick holds, blocks the best node holds, the block size and the
+    prompt's tokens, as :meth:`kvcoord.gateway.route_metrics.DecisionMetrics.predicted` takes them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +360,7 @@ class Picker:
             prefill = max(0, tokens - decision.matched_blocks * max(1, answer.block_size))
             self.reserve.reserve(rid, model, decision.key, best, answer.block_hashes, prefill)
         return Pick(endpoints, decision.node_id, decision.why + note, True, decision.matched_blocks, rid,
-                    scores, _predicted(decision.matched_blocks, answer))
+                    scores, _hit(decision.matched_blocks, answer))
 
     def _unlisted(self, model: str, answer: LookupResult) -> list[Candidate]:
         """Nodes listed as serving that lookups leave out (resyncing after a reconnect, a hash mismatch;
@@ -409,6 +409,6 @@ def _scores(free: list[_Eligible], request: RouteRequest, policy: Policy) -> dic
     return out
 
 
-def _predicted(matched_blocks: int, answer: LookupResult) -> int:
-    tokens = answer.num_tokens or answer.num_blocks * answer.block_size
-    return predicted_tokens(matched_blocks, answer.block_size, tokens)
+def _hit(matched_blocks: int, answer: LookupResult) -> tuple[int, int, int, int]:
+    best = max((c.matched_blocks for c in answer.nodes), default=0)
+    return matched_blocks, best, answer.block_size, answer.num_tokens or answer.num_blocks * answer.block_size
