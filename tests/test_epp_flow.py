@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc.aio
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health_pb2
 
+from kvcoord.gateway.flow import RequestMeta, parse_duration, request_meta
 from tests.procs import free_port
 from tests.test_epp import (
     DEADLINE,
@@ -291,3 +293,41 @@ async def test_decision_metrics_from_the_response(fleet: Fleet) -> None:
         got = await asyncio.to_thread(metrics, mport)
     assert got['kvcoord_epp_hit_outcomes_total{outcome="match"}'] == 2, got
     assert got["kvcoord_epp_achieved_tokens_total"] == got["kvcoord_epp_predicted_tokens_total"] > 0
+
+
+async def test_a_waiter_that_leaves_leaves_the_queue(fleet: Fleet) -> None:
+    """Envoy ends the stream of a queued request (its client went away): the request leaves the queue."""
+    a = fleet.endpoints["node-a"]
+    mport = free_port()
+    flags = (*FLOW, "--queue-ttl", "600", "--metrics-listen", f"127.0.0.1:{mport}")  # no TTL does it
+    with epp(fleet, *flags, name="epp-leave") as address:
+        async with channel(address) as ch:
+            holder = await _hold(ch, a)
+            tasks: dict[asyncio.Task[Any], str] = {}
+            await _queue(ch, a, {}, mport, tasks, "leaving")
+            [task] = tasks
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+            async def empty() -> bool:
+                return await _queued(mport)() == 0
+            await _eventually(empty, "the queue to empty")
+            await holder.close()
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("2s", 2.0), (" 150ms ", 0.15), ("1h2m3.5s", 3723.5), ("1.5m", 90.0), ("300us", 0.0003), ("0", 0.0),
+    ("-1s", -1.0), ("soon", None), ("", None), ("5", None), ("1s2", None), ("999999999999999999999h", None)])
+def test_go_durations(text: str, seconds: float | None) -> None:
+    got = parse_duration(text)
+    assert got == pytest.approx(seconds) if seconds is not None else got is None
+
+
+def test_request_meta_reads_current_names_before_aliases() -> None:
+    meta = request_meta({"x-gateway-inference-objective": "batch", "x-llm-d-inference-objective": "critical",
+                         "x-gateway-inference-fairness-id": "t1", "x-slo-ttft-ms": "250",
+                         "x-llm-d-inference-ttl": "0s"}, {"critical": 100, "batch": -1})
+    assert (meta.objective, meta.priority, meta.fairness_id, meta.ttft_slo, meta.ttl, meta.bad) == (
+        "critical", 100, "t1", 0.25, None, ("x-llm-d-inference-ttl",))
+    assert request_meta({}, {}) == RequestMeta("", 0, "default-flow", None, None, ())
