@@ -233,6 +233,11 @@ def assert_passthrough(resp: Any, phase: str) -> None:
     assert not resp.HasField("dynamic_metadata")
 
 
+DROPPED = {"kvcoord_epp_shed": "rejected-saturated", "kvcoord_epp_no_endpoint": "rejected-no-endpoints",
+           "kvcoord_epp_ttl_expired": "rejected-ttl-expired",
+           "kvcoord_epp_shutting_down": "rejected-shutting-down"}
+
+
 def assert_immediate(resp: Any, status: int, details: str, words: str) -> dict[str, Any]:
     assert resp.WhichOneof("response") == "immediate_response", resp
     imm = resp.immediate_response
@@ -241,6 +246,8 @@ def assert_immediate(resp: Any, status: int, details: str, words: str) -> dict[s
     assert headers.pop("content-type") == "application/json"
     if status == 429:
         assert headers.pop("retry-after") == "1"
+    dropped = DROPPED.get(details)  # llm-d's flow-control reasons (pkg/common/error/error.go)
+    assert headers.pop("x-llm-d-request-dropped-reason", None) == dropped
     assert headers == {}
     err: dict[str, Any] = json.loads(imm.body)["error"]
     assert err["code"] == status and words in err["message"], err

@@ -57,11 +57,28 @@ def add(sub: Subparsers) -> None:
                         "header restricts the pick, x-conformance-test-served-endpoint echoes the served "
                         "endpoint (test gateways only: clients could steer their own picks)")
     p.add_argument("--max-in-flight", type=NONNEG_INT, default=0, metavar="N",
-                   help="a node with N requests in flight takes no more; 429 when all are "
-                        "(default 0: no limit)")
+                   help="a node with N requests in flight takes no more; when all are, the request "
+                        "waits (--max-queued) or gets 429 (default 0: no limit)")
     p.add_argument("--max-waiting", type=NONNEG_INT, default=0, metavar="N",
-                   help="a node with N queued requests takes no more; 429 when all are "
-                        "(default 0: no limit)")
+                   help="a node with N queued requests takes no more; when all are, the request "
+                        "waits (--max-queued) or gets 429 (default 0: no limit)")
+    flow = p.add_argument_group("flow control", "What saturated pools do with requests (as llm-d's flow "
+                                "control: priority bands, fairness ids, a queue TTL; see docs/epp.md)")
+    flow.add_argument("--max-queued", type=NONNEG_INT, default=0, metavar="N",
+                      help="requests that may wait while every eligible endpoint is saturated, highest "
+                           "priority first, fairness ids in turn (default 0: 429 at once)")
+    flow.add_argument("--queue-ttl", type=POSITIVE_FLOAT, default=30.0, metavar="SECONDS",
+                      help="longest wait in the queue, then 429 rejected-ttl-expired; a request's "
+                           "x-llm-d-inference-ttl header wins (default 30)")
+    flow.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
+                      help="the priority of requests whose x-llm-d-inference-objective names NAME "
+                           "(repeatable; an InferenceObjective's priority; others: 0)")
+    p.add_argument("--leader-lock", default=None, metavar="FILE",
+                   help="replicas naming the same FILE elect one leader (an exclusive lock on it); only "
+                        "the leader reports ready (default: every replica is ready, active-active)")
+    p.add_argument("--emit-endpoint-scores", action="store_true",
+                   help="add x-gateway-destination-endpoint-scores (every scored ip:port to its score) to "
+                        "the envoy.lb metadata, as llm-d's --emit-endpoint-scores")
     p.add_argument("--request-body-mode", default="buffered", choices=("buffered", "full-duplex"),
                    help="Envoy's request_body_mode when its first message does not say (default buffered)")
     p.add_argument("--refresh-interval", type=POSITIVE_FLOAT, default=2.0, metavar="SECONDS",
@@ -86,6 +103,23 @@ def target_ports(text: str) -> tuple[int, ...]:
     if not all(0 < p < 65536 for p in ports) or len(set(ports)) != len(ports):
         raise argparse.ArgumentTypeError(f"{text!r}: ports must be distinct, 1 to 65535")
     return ports
+
+
+def objectives(specs: list[str]) -> dict[str, int]:
+    """``NAME=PRIORITY`` flags as a mapping (an integer priority, higher served first)."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        name, sep, prio = spec.partition("=")
+        try:
+            priority = int(prio)
+        except ValueError:
+            priority = None
+        if not sep or not name.strip() or priority is None:
+            raise CliError(f"--objective {spec!r}: expected NAME=PRIORITY, an integer priority")
+        if name.strip() in out:
+            raise CliError(f"--objective: {name.strip()!r} given twice")
+        out[name.strip()] = priority
+    return out
 
 
 def backends(specs: list[str]) -> dict[str, str]:
@@ -132,7 +166,9 @@ def epp_config(args: argparse.Namespace) -> EppConfig:
                      refresh_seconds=args.refresh_interval, max_body_bytes=args.max_body_bytes,
                      metrics_listen=args.metrics_listen, health_listen=args.health_listen,
                      tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key,
-                     conformance=args.conformance)
+                     conformance=args.conformance, objectives=objectives(args.objective),
+                     max_queued=args.max_queued, queue_ttl=args.queue_ttl,
+                     emit_scores=args.emit_endpoint_scores, leader_lock=args.leader_lock)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +38,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvcoord.gateway import extproc as xp
+from kvcoord.gateway.flow import DROPPED_HEADER, Dropped, FlowControl, RequestMeta, request_meta
+from kvcoord.gateway.leader import FileLeader
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
 from kvcoord.gateway.requests import BadRequest, query_of_body
+from kvcoord.gateway.route_metrics import DecisionMetrics
+from kvcoord.gateway.route_sse import ResponseUsage
 from kvcoord.router.answer import KV_SOURCE_HEADER
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.transport import ChannelSecurity, ListenError, check_bindable, split_hostport
@@ -74,6 +78,16 @@ class EppConfig:
     tls_key: str | None = None
     conformance: bool = False
     """The conformance suite's request and response hooks (off: a client must not steer its own pick)."""
+    objectives: Mapping[str, int] = field(default_factory=dict)
+    """Objective name -> priority (``--objective``; llm-d reads them from InferenceObjectives)."""
+    max_queued: int = 0
+    """Requests that may wait for a saturated pool (0: the 429 at once); see :mod:`kvcoord.gateway.flow`."""
+    queue_ttl: float = 30.0
+    """Seconds a request waits at most, unless its ``x-llm-d-inference-ttl`` says otherwise."""
+    emit_scores: bool = False
+    leader_lock: str | None = None
+    """A file whose lock elects the one ready replica (:mod:`kvcoord.gateway.leader`); None: all ready."""
+    """Send ``x-gateway-destination-endpoint-scores`` in the ``envoy.lb`` metadata (llm-d's opt-in)."""
 
 
 class EppMetrics:
@@ -94,6 +108,12 @@ class EppMetrics:
                                  "memory.", registry=r)
         self.outages = Gauge("kvcoord_epp_lookup_outages",
                              "Models whose lookups fail (picked least-loaded meanwhile)", registry=r)
+        self.queued = Gauge("kvcoord_epp_flow_queued", "Requests waiting in flow control for a free endpoint",
+                            registry=r)
+        self.quality = DecisionMetrics(r, "kvcoord_epp")
+        """Predicted against achieved cached tokens, when the data plane passes the response body."""
+        self.bad_headers = Counter("kvcoord_epp_bad_headers", "Request headers whose value was ignored "
+                                   "(flow control, SLO)", ["header"], registry=r)
 
 
 def _pick_headers(pick: Pick, conformance: bool) -> dict[str, str]:
@@ -122,6 +142,11 @@ class _Stream:
         """An ImmediateResponse went out: Envoy ends the request, later messages are not answered."""
         self.echo_response = False
         """The response body streams through this picker (``FULL_DUPLEX_STREAMED``): send it back."""
+        self.meta = RequestMeta()
+        self.predicted: int | None = None
+        """Cached tokens a prefix-aware pick predicted, until the response's usage is read."""
+        self.usage: ResponseUsage | None = None
+        """The request's objective, fairness id, queue TTL and TTFT SLO (:mod:`kvcoord.gateway.flow`)."""
 
     def release(self) -> None:
         self.epp.picker.unreserve(self.reserve_id)
@@ -130,6 +155,7 @@ class _Stream:
             self.epp.picker.in_flight.end(self.picked[0])
             self.epp.metrics.open_streams.dec()
             self.picked = []
+            self.epp.flow.wake()
 
     async def handle(self, req: Any) -> list[Any]:
         if self.done:
@@ -151,12 +177,20 @@ class _Stream:
             return await self._trailers()
         return self._response_phase(req, kind)
 
-    def fail(self, exc: PickFailed | BadRequest) -> list[Any]:
+    def fail(self, exc: PickFailed | BadRequest | Dropped) -> list[Any]:
         self.done = True
         self.epp.metrics.requests.labels(exc.reason).inc()
         log.info("answering %d (%s): %s", exc.status, exc.reason, exc.message)
-        extra = {"retry-after": "1"} if exc.status == 429 else None
+        extra = {"retry-after": "1"} if exc.status == 429 else {}
+        dropped = getattr(exc, "dropped", "")
+        if dropped:
+            extra[DROPPED_HEADER] = dropped
         return [xp.immediate_response(exc.status, exc.message, f"kvcoord_epp_{exc.reason}", extra)]
+
+    def _answer(self, pick: Pick) -> tuple[list[str], dict[str, str], Mapping[str, float] | None]:
+        """The pick as a data plane answer: endpoints, request headers to set, scores (when emitted)."""
+        cfg = self.epp.config
+        return pick.endpoints, _pick_headers(pick, cfg.conformance), pick.scores if cfg.emit_scores else None
 
     def _hold(self, pick: Pick) -> None:
         self.picked = pick.endpoints
@@ -164,28 +198,38 @@ class _Stream:
         self.epp.picker.in_flight.begin(pick.endpoints[0])
         self.epp.metrics.open_streams.inc()
         self.epp.metrics.requests.labels("picked" if pick.prefix_aware else "degraded").inc()
+        if pick.hit is not None:
+            self.predicted = self.epp.metrics.quality.predicted(*pick.hit)
         log.debug("picked %s: %s", ",".join(pick.endpoints), pick.why)
 
     async def _headers(self, req: Any) -> list[Any]:
         self.subset = _allowed(req, self.epp.config.conformance)
+        self.meta = request_meta(xp.headers_of(req.request_headers), self.epp.config.objectives)
+        for name in self.meta.bad:
+            self.epp.metrics.bad_headers.labels(name).inc()
+            log.info("ignoring the request header %s: not a valid value", name)
         if self.mode is None:
             return self.fail(PickFailed(500, "unsupported_mode", "the ext_proc request body mode must be "
                                          "BUFFERED or FULL_DUPLEX_STREAMED for an endpoint picker"))
         if not req.request_headers.end_of_stream and self.mode != xp.HEADERS_ONLY:
             return [] if self.mode == xp.FULL_DUPLEX else [xp.headers_response()]
         try:
-            pick = await self.epp.picker.pick_without_body(self.subset)
-        except PickFailed as exc:
+            picker, subset = self.epp.picker, self.subset
+            pick = await self.epp.flow.admit(self.meta, lambda: picker.pick_without_body(subset), _is_shed)
+        except (PickFailed, Dropped) as exc:
             return self.fail(exc)
         self._hold(pick)
-        return [xp.headers_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance))]
+        endpoints, headers, scores = self._answer(pick)
+        return [xp.headers_response(endpoints, headers, scores)]
 
     async def _pick_body(self, complete: bool) -> Pick | list[Any]:
         started = time.perf_counter()
         try:
             model, query = query_of_body(bytes(self.body), complete)
-            pick = await self.epp.picker.pick(model, query, self.subset)
-        except (PickFailed, BadRequest) as exc:
+            picker, meta = self.epp.picker, self.meta
+            pick = await self.epp.flow.admit(
+                meta, lambda: picker.pick(model, query, self.subset, meta.ttft_slo), _is_shed)
+        except (PickFailed, BadRequest, Dropped) as exc:
             return self.fail(exc)
         self.epp.metrics.pick_seconds.observe(time.perf_counter() - started)
         self.epp.metrics.outages.set(len(self.epp.picker.outages))
@@ -204,7 +248,8 @@ class _Stream:
             pick = await self._pick_body(complete=end_of_stream)
             if isinstance(pick, list):
                 return pick
-            return [xp.body_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance))]
+            endpoints, headers, scores = self._answer(pick)
+            return [xp.body_response(endpoints, headers, scores=scores)]
         if not end_of_stream:
             return []
         return await self._duplex_pick(end_of_stream=True)
@@ -213,7 +258,7 @@ class _Stream:
         pick = await self._pick_body(complete=True)
         if isinstance(pick, list):
             return pick
-        return [xp.headers_response(pick.endpoints, _pick_headers(pick, self.epp.config.conformance)),
+        return [xp.headers_response(*self._answer(pick)),
                 *xp.streamed_body_responses(bytes(self.body), end_of_stream)]
 
     async def _trailers(self) -> list[Any]:
@@ -222,9 +267,29 @@ class _Stream:
             return answers if self.done else [*answers, xp.trailers_response()]
         return [xp.trailers_response()]
 
+    def _usage_begins(self, req: Any) -> None:
+        """The response's headers: read its body's usage for the decision metrics (prefix-aware picks)."""
+        if self.predicted is None:
+            return
+        if req.response_headers.end_of_stream:  # no body: nothing to measure
+            self.epp.metrics.quality.achieved(self.predicted, None)
+            self.predicted = None
+            return
+        ctype = xp.headers_of(req.response_headers).get("content-type", "")
+        self.usage = ResponseUsage(sse="text/event-stream" in ctype)
+
+    def _usage_feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        if self.usage is None or self.predicted is None:
+            return
+        self.usage.feed(chunk)
+        if end_of_stream:
+            self.epp.metrics.quality.achieved(self.predicted, self.usage.usage())
+            self.usage, self.predicted = None, None
+
     def _response_phase(self, req: Any, kind: str | None) -> list[Any]:
         if kind == "response_headers":
             self.epp.picker.unreserve(self.reserve_id, first_byte=True)
+            self._usage_begins(req)
             served = xp.served_endpoint(req)
             if served:
                 self.epp.metrics.served.labels(served).inc()
@@ -232,13 +297,19 @@ class _Stream:
                 return [xp.response_headers_response({xp.CONFORMANCE_SERVED_HEADER: xp.served_echo(req)})]
             return [xp.response_headers_response()]
         if kind == "response_body":
+            rb = req.response_body
+            self._usage_feed(rb.body, rb.end_of_stream)
             if self.echo_response:
-                rb = req.response_body
                 return [xp.streamed_body_response(rb.body, rb.end_of_stream, response=True)]
             return [xp.body_response(response=True)]
         if kind == "response_trailers":
             return [xp.trailers_response(response=True)]
         return []
+
+
+def _is_shed(exc: BaseException) -> bool:
+    """Every eligible endpoint saturated: flow control may queue the request."""
+    return isinstance(exc, PickFailed) and exc.reason == "shed"
 
 
 def _allowed(req: Any, conformance: bool) -> Allowed | None:
@@ -261,6 +332,11 @@ class EppServer:
         self.client = AsyncCoordinatorClient(config.coordinator, security=config.security,
                                              timeout=config.timeout)
         self.picker = Picker(self.client, config.picker)
+        self.flow = FlowControl(config.max_queued, config.queue_ttl)
+        self.leader = FileLeader(config.leader_lock) if config.leader_lock else None
+        self.synced = bool(config.picker.static_backends)
+        """The node table was loaded (from ListNodes, or given): one half of ready, the leader the other."""
+        self.metrics.queued.set_function(lambda: self.flow.queued)
         if self.picker.reserve is not None:
             self.picker.reserve.on_change = lambda up: self.metrics.shared_view.set(int(up))
         self._reserving: asyncio.Task[None] | None = None
@@ -295,8 +371,12 @@ class EppServer:
             await self._health.set(service, status)
 
     async def _refreshed(self, ok: bool) -> None:
-        if ok:
-            await self._set_ready(True)
+        """After each ListNodes: ready once synced (and, with ``--leader-lock``, while the leader). A
+        later failed refresh keeps readiness: the picker still places, least-loaded, on the last table,
+        and every replica would fail together (docs/epp.md, Readiness)."""
+        self.synced = self.synced or ok
+        await self._set_ready(self.synced and (self.leader is None or self.leader.try_acquire()))
+        self.flow.wake()  # engines' reported load may have dropped
 
     async def refresh_once(self) -> None:
         """One ``ListNodes`` (failures are logged by the table, once per run of them)."""
@@ -311,7 +391,7 @@ class EppServer:
         cfg = self.config
         check_bindable(cfg.listen)
         await self._health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-        await self._set_ready(bool(cfg.picker.static_backends))
+        await self._refreshed(False)
         if cfg.metrics_listen:
             check_bindable(cfg.metrics_listen)
             host, mport = split_hostport(cfg.metrics_listen)
@@ -354,12 +434,15 @@ class EppServer:
         return server
 
     async def stop(self, grace: float = 1.0) -> None:
+        self.flow.close()
         for task in (self._refresher, self._reserving):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self._health.enter_graceful_shutdown()
+        if self.leader is not None:  # NOT_SERVING and the lock given up at once, as llm-d's lease
+            self.leader.release()
         for srv in (self._server, self._health_server):
             if srv is not None:
                 await srv.stop(grace)

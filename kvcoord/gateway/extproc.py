@@ -32,6 +32,7 @@ __all__ = [
     "DESTINATION_KEY",
     "DESTINATION_NAMESPACE",
     "ECHO_SET_HEADER",
+    "SCORES_KEY",
     "SELECTION_HEADER",
     "SERVED_KEY",
     "SERVICE_NAME",
@@ -58,6 +59,7 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 DESTINATION_NAMESPACE = "envoy.lb"
 DESTINATION_KEY = "x-gateway-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+SCORES_KEY = "x-gateway-destination-endpoint-scores"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SELECTION_HEADER = "test-epp-endpoint-selection"
@@ -175,10 +177,17 @@ def served_endpoint(req: Any) -> str | None:
     return got[0] if got else None
 
 
-def destination_metadata(endpoints: Sequence[str]) -> struct_pb2.Struct:
-    """``{"envoy.lb": {"x-gateway-destination-endpoint": "ip:port,ip:port,..."}}``."""
+def destination_metadata(endpoints: Sequence[str],
+                         scores: Mapping[str, float] | None = None) -> struct_pb2.Struct:
+    """``{"envoy.lb": {"x-gateway-destination-endpoint": "ip:port,ip:port,..."}}``, and with ``scores``
+    llm-d's ``x-gateway-destination-endpoint-scores``: a struct of every scored ``ip:port`` to its number
+    (``generateMetadata`` under ``--emit-endpoint-scores``, llm-d-router ``pkg/epp/handlers``)."""
     md = struct_pb2.Struct()
-    md.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY].string_value = ",".join(endpoints)
+    lb = md.fields[DESTINATION_NAMESPACE].struct_value
+    lb.fields[DESTINATION_KEY].string_value = ",".join(endpoints)
+    if scores:
+        for endpoint, score in scores.items():
+            lb.fields[SCORES_KEY].struct_value.fields[endpoint].number_value = score
     return md
 
 
@@ -194,13 +203,14 @@ def _pick_common(endpoints: Sequence[str], extra: Mapping[str, str]) -> Any:
                              clear_route_cache=True)
 
 
-def headers_response(endpoints: Sequence[str] = (), extra: Mapping[str, str] | None = None) -> Any:
+def headers_response(endpoints: Sequence[str] = (), extra: Mapping[str, str] | None = None,
+                     scores: Mapping[str, float] | None = None) -> Any:
     """Answer to ``request_headers`` (or ``response_headers``); with ``endpoints`` it carries the pick."""
     if not endpoints:
         return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse()))
     return ep.ProcessingResponse(
         request_headers=ep.HeadersResponse(response=_pick_common(endpoints, extra or {})),
-        dynamic_metadata=destination_metadata(endpoints))
+        dynamic_metadata=destination_metadata(endpoints, scores))
 
 
 def response_headers_response(headers: Mapping[str, str] | None = None) -> Any:
@@ -211,7 +221,7 @@ def response_headers_response(headers: Mapping[str, str] | None = None) -> Any:
 
 
 def body_response(endpoints: Sequence[str] = (), extra: Mapping[str, str] | None = None, *,
-                  response: bool = False) -> Any:
+                  response: bool = False, scores: Mapping[str, float] | None = None) -> Any:
     """Answer to a buffered body; with ``endpoints`` it carries the pick (Envoy applies header mutations
     from a body response in ``BUFFERED`` mode: the headers are still held)."""
     if not endpoints:
@@ -220,7 +230,7 @@ def body_response(endpoints: Sequence[str] = (), extra: Mapping[str, str] | None
                 else ep.ProcessingResponse(request_body=common))
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(response=_pick_common(endpoints, extra or {})),
-        dynamic_metadata=destination_metadata(endpoints))
+        dynamic_metadata=destination_metadata(endpoints, scores))
 
 
 def streamed_body_response(body: bytes, end_of_stream: bool, *, response: bool = False) -> Any:

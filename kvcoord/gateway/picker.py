@@ -44,6 +44,7 @@ from kvcoord.router.policy import (
     place,
 )
 
+from .flow import NO_ENDPOINTS, SATURATED
 from .nodes import InFlight, NodeTable
 from .outage import Outages, is_outage
 from .requests import BadRequest, query_of_body
@@ -68,11 +69,13 @@ class PickFailed(Exception):
     """The request cannot be placed: ``status`` is the HTTP status the proxy answers with, ``reason`` a
     short token for metrics and Envoy's response details."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, dropped: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
+        self.dropped = dropped
+        """llm-d's ``x-llm-d-request-dropped-reason`` (:mod:`kvcoord.gateway.flow`), empty for none."""
 
 
 # --- endpoints -----------------------------------------------------------------------------------
@@ -183,6 +186,11 @@ class Pick:
     """The id its reservation carries (released at the response's headers and at the stream's end)."""
     pull: str = ""
     """``host:port`` of a peer the engine should pull a longer prefix from (``KV_SOURCE_HEADER``); "" none."""
+    scores: Mapping[str, float] = field(default_factory=dict)
+    """Every endpoint scored for this pick, in [0, 1], 1 the best (``--emit-endpoint-scores``)."""
+    hit: tuple[int, int, int, int] | None = None
+    """Prefix-aware picks: blocks the pick holds, blocks the best node holds, the block size and the
+    prompt's tokens, as :meth:`kvcoord.gateway.route_metrics.DecisionMetrics.predicted` takes them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +261,7 @@ class Picker:
         if not out:
             where = f"in {allowed.source}" if allowed is not None else "with a known address"
             raise PickFailed(503, "no_endpoint",
-                             f"no eligible endpoint {where} ({len(candidates)} nodes known)")
+                             f"no eligible endpoint {where} ({len(candidates)} nodes known)", NO_ENDPOINTS)
         return out
 
     def _unsaturated(self, eligible: list[_Eligible]) -> list[_Eligible]:
@@ -262,7 +270,7 @@ class Picker:
             cfg = self.config
             raise PickFailed(429, "shed", f"all {len(eligible)} eligible endpoints are saturated "
                                           f"(max in flight {cfg.max_in_flight or '-'}, "
-                                          f"max waiting {cfg.max_waiting or '-'})")
+                                          f"max waiting {cfg.max_waiting or '-'})", SATURATED)
         return free
 
     def _ordered(self, chosen: _Eligible, rest: list[_Eligible], request: RouteRequest) -> list[str]:
@@ -281,21 +289,26 @@ class Picker:
                 out.append(e.endpoint)
         return out
 
-    def _decide(self, answer: LookupResult, eligible: list[_Eligible],
-                policy: Policy) -> tuple[Decision, list[str]]:
+    def _decide(self, answer: LookupResult, eligible: list[_Eligible], policy: Policy,
+                slo: float | None = None) -> tuple[Decision, list[str], dict[str, float], str]:
+        """The policy's choice among the unsaturated (and, with a TTFT ``slo`` in seconds, those predicted
+        to meet it, while any does); returns it, the endpoints in order, every scored endpoint's score, and
+        a note on the SLO for the reason."""
         free = self._unsaturated(eligible)
+        num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
+        request = RouteRequest(num_tokens, max(1, answer.block_size))
+        free, note = _within_slo(free, request, policy, slo)
         by_key = {e.candidate.key: e for e in free}
         view = LookupResult(answer.model, answer.block_size, answer.num_blocks,
                             [e.candidate for e in free], answer.num_tokens, answer.block_hashes)
         decision = place(view, policy, now=time.monotonic())
         chosen = by_key[decision.key]
-        num_tokens = answer.num_tokens or answer.num_blocks * answer.block_size
-        request = RouteRequest(num_tokens, max(1, answer.block_size))
         rest = [e for e in free if e is not chosen]
-        return decision, self._ordered(chosen, rest, request)
+        return decision, self._ordered(chosen, rest, request), _scores(free, request, policy), note
 
-    async def pick(self, model: str, query: Mapping[str, Any], subset: Allowed | None) -> Pick:
-        """Place one request (the body's model and lookup keywords)."""
+    async def pick(self, model: str, query: Mapping[str, Any], subset: Allowed | None,
+                   slo: float | None = None) -> Pick:
+        """Place one request (the body's model and lookup keywords; ``slo`` its TTFT SLO in seconds)."""
         outage = self.outages.waiting(model)
         if outage is not None:
             return await self._degraded(model, subset, f"coordinator {outage.error}")
@@ -303,7 +316,7 @@ class Picker:
             return await self._degraded(model, subset, "continue_final_message (the index cannot be asked)")
         rid = self.reserve.next_id() if self.reserve is not None else ""
         try:
-            pick = await self._pick(model, query, subset, rid)
+            pick = await self._pick(model, query, subset, rid, slo)
         except BaseException:
             self.unreserve(rid)  # no pick: its lookup's hold ends now
             raise
@@ -316,7 +329,8 @@ class Picker:
         if self.reserve is not None and rid:
             self.reserve.release(rid, first_byte=first_byte)
 
-    async def _pick(self, model: str, query: Mapping[str, Any], subset: Allowed | None, rid: str) -> Pick:
+    async def _pick(self, model: str, query: Mapping[str, Any], subset: Allowed | None, rid: str,
+                    slo: float | None) -> Pick:
         if rid:
             assert self.reserve is not None
             query = {**query, "router_id": self.reserve.router_id, "reserve_id": rid}
@@ -340,15 +354,15 @@ class Picker:
         for c in answer.nodes:  # known from now on, for degraded picks even before ListNodes names it
             self.table.learn(c.node_id, c.serving_url, model, (c.dp_rank,), {c.dp_rank: c.load})
         eligible = await self._eligible([*answer.nodes, *self._unlisted(model, answer)], subset)
-        decision, endpoints = self._decide(answer, eligible, self.policy)
+        decision, endpoints, scores, note = self._decide(answer, eligible, self.policy, slo)
         if rid:
             assert self.reserve is not None
             best = min(max((c.matched_blocks for c in answer.nodes), default=0), len(answer.block_hashes))
             tokens = answer.num_tokens or answer.num_blocks * answer.block_size
             prefill = max(0, tokens - decision.matched_blocks * max(1, answer.block_size))
             self.reserve.reserve(rid, model, decision.key, best, answer.block_hashes, prefill)
-        return Pick(endpoints, decision.node_id, decision.why, True, decision.matched_blocks, rid,
-                    decision.pull)
+        return Pick(endpoints, decision.node_id, decision.why + note, True, decision.matched_blocks, rid,
+                    decision.pull, scores, _hit(decision.matched_blocks, answer))
 
     def _unlisted(self, model: str, answer: LookupResult) -> list[Candidate]:
         """Nodes listed as serving that lookups leave out (resyncing after a reconnect, a hash mismatch;
@@ -359,10 +373,44 @@ class Picker:
         """Least-loaded over the last known nodes (no prefix information): lookup failed, or no body."""
         eligible = await self._eligible(self.table.candidates(model), subset)
         answer = LookupResult(model or "", 1, 0, [e.candidate for e in eligible])
-        decision, endpoints = self._decide(answer, eligible, self.fallback_policy)
+        decision, endpoints, scores, _ = self._decide(answer, eligible, self.fallback_policy)
         why = decision.why if reason is None else f"{decision.why}; not prefix-aware: {reason}"
-        return Pick(endpoints, decision.node_id, why, False)
+        return Pick(endpoints, decision.node_id, why, False, scores=scores)
 
     async def pick_without_body(self, subset: Allowed | None) -> Pick:
         """A request with no body (``GET /v1/models``): least-loaded of every known node."""
         return await self._degraded(None, subset, None)
+
+
+def _within_slo(free: list[_Eligible], request: RouteRequest, policy: Policy,
+                slo: float | None) -> tuple[list[_Eligible], str]:
+    """The candidates predicted to meet a TTFT SLO (the prefix-aware cost is the predicted TTFT), all of
+    them when none does (best effort, as llm-d's latency scorer falls back to negative headroom)."""
+    if slo is None or not isinstance(policy, PrefixAwarePolicy):
+        return free, ""
+    meets = [e for e in free if policy.cost(request, e.candidate) <= slo]
+    if not meets:
+        return free, f"; no endpoint meets the TTFT SLO of {slo * 1000:g} ms (best effort)"
+    if len(meets) == len(free):
+        return free, ""
+    return meets, f"; TTFT SLO {slo * 1000:g} ms left out {len(free) - len(meets)}"
+
+
+def _scores(free: list[_Eligible], request: RouteRequest, policy: Policy) -> dict[str, float]:
+    """Per endpoint, in [0, 1]: the cheapest predicted TTFT over this one's (prefix-aware), else
+    ``1 / (1 + in flight)``; an endpoint with several ranks keeps its best."""
+    if isinstance(policy, PrefixAwarePolicy):
+        costs = {id(e): policy.cost(request, e.candidate) for e in free}
+        best = min(costs.values(), default=0.0)
+        raw = {id(e): (best / c if c > 0 else 1.0) for e, c in ((e, costs[id(e)]) for e in free)}
+    else:
+        raw = {id(e): 1.0 / (1 + e.candidate.load.in_flight) for e in free}
+    out: dict[str, float] = {}
+    for e in free:
+        out[e.endpoint] = round(max(out.get(e.endpoint, 0.0), raw[id(e)]), 6)
+    return out
+
+
+def _hit(matched_blocks: int, answer: LookupResult) -> tuple[int, int, int, int]:
+    best = max((c.matched_blocks for c in answer.nodes), default=0)
+    return matched_blocks, best, answer.block_size, answer.num_tokens or answer.num_blocks * answer.block_size

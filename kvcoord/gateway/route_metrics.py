@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .apis import chat_usage
 
-__all__ = ["RouteMetrics", "predicted_tokens"]
+__all__ = ["DecisionMetrics", "RouteMetrics", "predicted_tokens"]
 
 _BLOCKS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _TOKENS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -30,11 +30,74 @@ def predicted_tokens(matched_blocks: int, block_size: int, num_tokens: int) -> i
     return min(matched_blocks, (num_tokens - 1) // block_size) * block_size
 
 
-class RouteMetrics:
+class DecisionMetrics:
+    """The decision-quality families, named ``<prefix>_*``: ``kvcoord route``'s and ``kvcoord epp``'s
+    (which reads the served endpoint's usage from the response the data plane passes it)."""
+
+    def __init__(self, r: CollectorRegistry, prefix: str) -> None:
+        self.predicted_blocks = Histogram(f"{prefix}_predicted_hit_blocks", "Leading prompt blocks the "
+                                          "chosen node holds, per the index.", buckets=_BLOCKS, registry=r)
+        self.predicted_tok = Histogram(f"{prefix}_predicted_hit_tokens", "Prompt tokens the chosen "
+                                       "node should serve from cache (capped as vLLM caps a hit).",
+                                       buckets=_TOKENS, registry=r)
+        self.best_blocks = Histogram(f"{prefix}_best_hit_blocks", "Leading prompt blocks the best node "
+                                     "holds.", buckets=_BLOCKS, registry=r)
+        self.achieved_tok = Histogram(f"{prefix}_achieved_hit_tokens", "Prompt tokens the engine served "
+                                      "from cache (usage.prompt_tokens_details.cached_tokens).",
+                                      buckets=_TOKENS, registry=r)
+        self.prompt_tok = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of placed requests "
+                                  "(the engine's usage when known, else the lookup's count).", registry=r)
+        self.predicted_total = Counter(f"{prefix}_predicted_tokens", "Sum of predicted hit tokens.",
+                                       registry=r)
+        self.best_total = Counter(f"{prefix}_best_tokens", "Sum of the best node's hit tokens.",
+                                  registry=r)
+        self.achieved_total = Counter(f"{prefix}_achieved_tokens", "Sum of achieved hit tokens (requests "
+                                      "whose usage was seen).", registry=r)
+        self.outcomes = Counter(f"{prefix}_hit_outcomes", "Achieved vs predicted per request: match, "
+                                "above (the engine held more than the index knew), below (it held less: "
+                                "check hashes, tokenizer, events), unknown (no usage in the response).",
+                                ["outcome"], registry=r)
+        self.below_best = Counter(f"{prefix}_below_best", "Requests placed on a node holding less than "
+                                  "the best node (load or the balance cap decided).", registry=r)
+        for outcome in ("match", "above", "below", "unknown"):
+            self.outcomes.labels(outcome)
+
+    def predicted(self, chosen_blocks: int, best_blocks: int, block_size: int, num_tokens: int) -> int:
+        """Record the prediction of the node that answered a prefix-aware request; returns the predicted
+        hit in tokens."""
+        tokens = predicted_tokens(chosen_blocks, block_size, num_tokens)
+        self.predicted_blocks.observe(chosen_blocks)
+        self.predicted_tok.observe(tokens)
+        self.best_blocks.observe(best_blocks)
+        self.predicted_total.inc(tokens)
+        self.best_total.inc(predicted_tokens(best_blocks, block_size, num_tokens))
+        if chosen_blocks < best_blocks:
+            self.below_best.inc()
+        return tokens
+
+    def achieved(self, predicted: int, usage: dict[str, object] | None) -> str:
+        """Record the engine's usage against the prediction; returns the outcome label."""
+        usage = chat_usage(usage)
+        cached = _cached_tokens(usage)
+        if cached is None:
+            outcome = "unknown"
+        else:
+            self.achieved_tok.observe(cached)
+            self.achieved_total.inc(cached)
+            prompt = usage.get("prompt_tokens") if usage else None
+            if isinstance(prompt, int):
+                self.prompt_tok.inc(prompt)
+            outcome = "match" if cached == predicted else "above" if cached > predicted else "below"
+        self.outcomes.labels(outcome).inc()
+        return outcome
+
+
+class RouteMetrics(DecisionMetrics):
     """Every ``kvcoord_route_*`` metric, on its own registry (several routers can share a process)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry(auto_describe=True)
+        super().__init__(r, "kvcoord_route")
         self.requests = Counter("kvcoord_route_requests", "Requests answered, by endpoint and outcome "
                                 "(ok, upstream_error = the engine's own 4xx/5xx, midstream_failure, "
                                 "no_backend, bad_request, client_gone, not_cached = 412 for "
@@ -71,7 +134,6 @@ class RouteMetrics:
                                             "backend's response headers.", buckets=_SECONDS, registry=r)
         self.request_seconds = Histogram("kvcoord_route_request_seconds", "Request received to last byte.",
                                          ["endpoint"], buckets=_SECONDS, registry=r)
-        self._quality(r)
         self.coordinator_up.set(1)
         self.degraded_now.set(0)
         for reason in ("coordinator_unavailable", "deadline", "lookup_error", "unsupported_prompt",
@@ -79,63 +141,6 @@ class RouteMetrics:
             self.degraded.labels(reason)
         for reason in ("connect", "status_5xx"):
             self.retries.labels(reason)
-
-    def _quality(self, r: CollectorRegistry) -> None:
-        self.predicted_blocks = Histogram("kvcoord_route_predicted_hit_blocks", "Leading prompt blocks the "
-                                          "chosen node holds, per the index.", buckets=_BLOCKS, registry=r)
-        self.predicted_tok = Histogram("kvcoord_route_predicted_hit_tokens", "Prompt tokens the chosen "
-                                       "node should serve from cache (capped as vLLM caps a hit).",
-                                       buckets=_TOKENS, registry=r)
-        self.best_blocks = Histogram("kvcoord_route_best_hit_blocks", "Leading prompt blocks the best node "
-                                     "holds.", buckets=_BLOCKS, registry=r)
-        self.achieved_tok = Histogram("kvcoord_route_achieved_hit_tokens", "Prompt tokens the engine served "
-                                      "from cache (usage.prompt_tokens_details.cached_tokens).",
-                                      buckets=_TOKENS, registry=r)
-        self.prompt_tok = Counter("kvcoord_route_prompt_tokens", "Prompt tokens of routed requests "
-                                  "(the engine's usage when known, else the lookup's count).", registry=r)
-        self.predicted_total = Counter("kvcoord_route_predicted_tokens", "Sum of predicted hit tokens.",
-                                       registry=r)
-        self.best_total = Counter("kvcoord_route_best_tokens", "Sum of the best node's hit tokens.",
-                                  registry=r)
-        self.achieved_total = Counter("kvcoord_route_achieved_tokens", "Sum of achieved hit tokens (requests "
-                                      "whose usage was seen).", registry=r)
-        self.outcomes = Counter("kvcoord_route_hit_outcomes", "Achieved vs predicted per request: match, "
-                                "above (the engine held more than the index knew), below (it held less: "
-                                "check hashes, tokenizer, events), unknown (no usage in the response).",
-                                ["outcome"], registry=r)
-        self.below_best = Counter("kvcoord_route_below_best", "Requests placed on a node holding less than "
-                                  "the best node (load or the balance cap decided).", registry=r)
-        for outcome in ("match", "above", "below", "unknown"):
-            self.outcomes.labels(outcome)
-
-    def predicted(self, chosen_blocks: int, best_blocks: int, block_size: int, num_tokens: int) -> int:
-        """Record the prediction of the node that answered a prefix-aware request; returns the predicted
-        hit in tokens."""
-        tokens = predicted_tokens(chosen_blocks, block_size, num_tokens)
-        self.predicted_blocks.observe(chosen_blocks)
-        self.predicted_tok.observe(tokens)
-        self.best_blocks.observe(best_blocks)
-        self.predicted_total.inc(tokens)
-        self.best_total.inc(predicted_tokens(best_blocks, block_size, num_tokens))
-        if chosen_blocks < best_blocks:
-            self.below_best.inc()
-        return tokens
-
-    def achieved(self, predicted: int, usage: dict[str, object] | None) -> str:
-        """Record the engine's usage against the prediction; returns the outcome label."""
-        usage = chat_usage(usage)
-        cached = _cached_tokens(usage)
-        if cached is None:
-            outcome = "unknown"
-        else:
-            self.achieved_tok.observe(cached)
-            self.achieved_total.inc(cached)
-            prompt = usage.get("prompt_tokens") if usage else None
-            if isinstance(prompt, int):
-                self.prompt_tok.inc(prompt)
-            outcome = "match" if cached == predicted else "above" if cached > predicted else "below"
-        self.outcomes.labels(outcome).inc()
-        return outcome
 
 
 def _cached_tokens(usage: dict[str, object] | None) -> int | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .apis import event_usage
 
-__all__ = ["SseRelay", "error_event"]
+__all__ = ["ResponseUsage", "SseRelay", "error_event"]
 
 _SEP = b"\n\n"
 _MAX_PENDING = 1 << 20
@@ -85,3 +85,34 @@ class SseRelay:
         """What is left when the stream ends (an unterminated last event)."""
         rest, self._pending = self._pending, b""
         return rest
+
+
+class ResponseUsage:
+    """The usage of a response body seen in pieces, as ``kvcoord epp`` sees it on the ext_proc response
+    path: an SSE stream's usage event (through :class:`SseRelay`), or one JSON document's ``usage``
+    (read only when it ends, and not past ``limit`` bytes)."""
+
+    __slots__ = ("_body", "_relay", "limit")
+
+    def __init__(self, *, sse: bool, limit: int = 4 << 20) -> None:
+        self._relay = SseRelay(strip_usage=False) if sse else None
+        self._body = bytearray()
+        self.limit = limit
+
+    def feed(self, piece: bytes) -> None:
+        if self._relay is not None:
+            self._relay.feed(piece)
+        elif len(self._body) + len(piece) <= self.limit:
+            self._body += piece
+        else:
+            self._body = bytearray(b"-")  # too long to parse: no usage
+
+    def usage(self) -> dict[str, Any] | None:
+        """The usage seen, once the body ended (None when it had none)."""
+        if self._relay is not None:
+            self._relay.feed(b"\n\n")  # a last event without its blank line
+            return self._relay.usage
+        try:
+            return event_usage(json.loads(self._body))
+        except ValueError:
+            return None
