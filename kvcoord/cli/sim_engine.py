@@ -110,6 +110,10 @@ def _add_http(p: argparse.ArgumentParser) -> None:
                    help="seconds per generated token of an HTTP request (default 0.002)")
     h.add_argument("--max-num-seqs", type=POSITIVE_INT, default=256,
                    help="HTTP requests running at once; more wait (vllm:num_requests_waiting)")
+    h.add_argument("--kv-role", default=None, choices=("kv_producer", "kv_consumer", "kv_both"),
+                   help="speak vLLM's disaggregated prefill/decode protocol (kv_transfer_params, as with "
+                        "the NIXL connector): kv_producer prefills, kv_consumer decodes, kv_both does "
+                        "either (default: off, kv_transfer_params ignored)")
 
 
 def run(args: argparse.Namespace) -> int:

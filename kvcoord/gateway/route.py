@@ -43,6 +43,7 @@ from .requests import BadRequest, json_object
 from .reserve import DEFAULT_TTL, ReserveStream
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
+from .route_pd import PdConfig, PdRouter
 from .route_place import Placer, Plan, node_label
 from .route_ready import Readiness
 from .route_sse import SseRelay, error_event
@@ -91,6 +92,9 @@ class RouteConfig:
     reserve: bool = True
     """Share picks with the other routers of the coordinator (:mod:`kvcoord.gateway.reserve`)."""
     reserve_ttl: float = DEFAULT_TTL
+    pd: PdConfig | None = None
+    """Disaggregated prefill and decode pools (:mod:`kvcoord.gateway.route_pd`); None: one engine per
+    request."""
 
 
 def _openai_error(status: int, message: str, kind: str = "BadRequestError",
@@ -148,6 +152,8 @@ class RouteServer:
         latency = getattr(policy, "latency", None)
         self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
         """How long a placed prompt counts as queued prefill at most (see :class:`Prefill`)."""
+        self.pd = (PdRouter(config.pd, self.placer, self.backends, self.metrics,
+                            max_attempts=config.max_attempts, fail=self._fail) if config.pd else None)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -178,6 +184,8 @@ class RouteServer:
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                               timeout=aiohttp.ClientTimeout(total=None,
                                                                             connect=self.config.connect_timeout))
+        if self.pd is not None:
+            self.pd.session = self._session
         host, port = split_hostport(self.config.listen)
         head = self.config.limits.max_header_bytes  # one line or field may be the whole head
         runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False,
@@ -349,20 +357,26 @@ class RouteServer:
                 return _openai_error(412, "Prefer: if-available: no node holds this prompt's prefix "
                                      f"({plan.reason or 'not cached'})", "PreconditionFailed", api=api)
         openai = endpoint in ("completions", "chat")  # the others' streams carry usage unasked
-        payload, strip_usage = _payload(raw, body) if openai else (raw, False)
+        headers = _upstream_headers(request)
         try:
-            resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0)
+            if self.pd is not None and openai:  # vLLM's disaggregated protocol is its OpenAI API's
+                staged = await self.pd.stage(plan, body, request.path, headers)
+                if isinstance(staged, web.Response):
+                    self.metrics.requests.labels(endpoint, "upstream_error").inc()
+                    return staged
+                if staged is not body:
+                    body, raw = staged, json.dumps(staged, separators=(",", ":")).encode()
+            payload, strip_usage = _payload(raw, body) if openai else (raw, False)
+            resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0, headers)
         finally:
             self.placer.unreserve(plan.reserve_id)
         self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
         return resp
 
     async def _attempts(self, request: web.Request, endpoint: str, plan: Plan, payload: bytes,
-                        strip_usage: bool, t0: float) -> web.StreamResponse:
+                        strip_usage: bool, t0: float, headers: dict[str, str]) -> web.StreamResponse:
         path = request.path
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        headers["Content-Type"] = "application/json"
-        headers["Accept-Encoding"] = "identity"  # bodies pass through as they are: never compressed
+        headers = {**headers, **plan.send_headers}
         attempts = 0
         while attempts < self.config.max_attempts:
             picked = self.placer.choose(plan)
@@ -371,14 +385,14 @@ class RouteServer:
             attempts += 1
             attempt = _Attempt(*picked)
             r = plan.request
-            if plan.prefix_aware:
+            if plan.prefix_aware and plan.judged:
                 blocks = attempt.chosen.matched_blocks
                 attempt.predicted = predicted_tokens(blocks, r.block_size, r.num_tokens)
             self.metrics.overhead_seconds.observe(time.perf_counter() - t0 - plan.lookup_seconds)
             resp = await self._forward(request, plan, attempt, path, headers, payload, strip_usage, attempts)
             if resp is not None:
                 self.metrics.requests.labels(endpoint, attempt.outcome).inc()
-                if plan.prefix_aware:  # the prediction of the node that answered, once per request
+                if plan.prefix_aware and plan.judged:  # the answering node's prediction, once per request
                     self.metrics.predicted(attempt.chosen.matched_blocks, plan.best_blocks, r.block_size,
                                            r.num_tokens)
                 return resp
@@ -398,6 +412,7 @@ class RouteServer:
             out.update({"x-kvcoord-matched-blocks": str(c.matched_blocks),
                         "x-kvcoord-predicted-cached-tokens": str(attempt.predicted),
                         "x-kvcoord-best-blocks": str(plan.best_blocks)})
+        out.update(plan.answer_headers)
         return out
 
     async def _forward(self, request: web.Request, plan: Plan, attempt: _Attempt, path: str,
@@ -452,7 +467,7 @@ class RouteServer:
             return None
         queued.done()
         attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
-        if plan.prefix_aware and upstream.status == 200:
+        if plan.prefix_aware and plan.judged and upstream.status == 200:
             usage = None
             with contextlib.suppress(ValueError, UnicodeDecodeError):
                 obj = json.loads(data)
@@ -497,11 +512,19 @@ class RouteServer:
                 self._fail(node_id, "midstream", f"{type(exc).__name__}: {exc}")
                 held = error_event(f"kvcoord route: backend {node_id} failed mid-stream "
                                    f"({type(exc).__name__}); the answer is incomplete")
-        if plan.prefix_aware and upstream.status == 200 and attempt.outcome == "ok":
+        if plan.prefix_aware and plan.judged and upstream.status == 200 and attempt.outcome == "ok":
             self.metrics.achieved(attempt.predicted, relay.usage)
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof(held)
         return resp
+
+
+def _upstream_headers(request: web.Request) -> dict[str, str]:
+    """The client's headers as the engines get them (hop-by-hop ones dropped, bodies uncompressed)."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    headers["Content-Type"] = "application/json"
+    headers["Accept-Encoding"] = "identity"  # bodies pass through as they are: never compressed
+    return headers
 
 
 def _payload(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:

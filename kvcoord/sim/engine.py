@@ -87,6 +87,8 @@ class SimEngineConfig:
     """Seconds per generated token of an HTTP request (streams get one chunk per token)."""
     max_num_seqs: int = 256
     """HTTP requests running at once; more wait in the queue (``vllm:num_requests_waiting``)."""
+    kv_role: str | None = None
+    """vLLM's ``kv_role`` for disaggregated prefill/decode over HTTP (:mod:`kvcoord.sim.pd`); None: off."""
     lookup_coordinator: str | None = None
     lookup_model: str | None = None
     lookup_node_id: str | None = None
@@ -434,7 +436,8 @@ async def _main(engine: SimEngine, config: SimEngineConfig) -> None:
             from kvcoord.sim.http import SimHttpServer
 
             server = SimHttpServer(engine, model=config.model, token_interval=config.token_interval,
-                                   default_max_tokens=config.output_len, dp_rank=config.dp_rank)
+                                   default_max_tokens=config.output_len, dp_rank=config.dp_rank,
+                                   kv_role=config.kv_role)
             await server.start(config.http_listen)
         await driver.run()
     finally:
