@@ -359,8 +359,8 @@ class RouteServer:
         openai = endpoint in ("completions", "chat")  # the others' streams carry usage unasked
         headers = _upstream_headers(request)
         try:
-            if self.pd is not None and openai:  # vLLM's disaggregated protocol is its OpenAI API's
-                staged = await self.pd.stage(plan, body, request.path, headers)
+            if self.pd is not None:  # vLLM's disaggregated protocol is its OpenAI API's: others go whole
+                staged = await self.pd.stage(plan, body, request.path, headers, remote=openai)
                 if isinstance(staged, web.Response):
                     self.metrics.requests.labels(endpoint, "upstream_error").inc()
                     return staged

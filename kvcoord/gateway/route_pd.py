@@ -75,11 +75,11 @@ class PdRouter:
         """The router's "leave this node out" (node, kind, detail)."""
         self.session: aiohttp.ClientSession | None = None
 
-    async def stage(self, plan: Plan, body: dict[str, Any], path: str,
-                    headers: Mapping[str, str]) -> dict[str, Any] | web.Response:
+    async def stage(self, plan: Plan, body: dict[str, Any], path: str, headers: Mapping[str, str], *,
+                    remote: bool = True) -> dict[str, Any] | web.Response:
         """Pick the decode node into ``plan`` and run the prefill if one is due; returns the body the
         decode node gets, or the prefill node's 4xx answer for the client. ``headers`` are those the
-        router forwards."""
+        router forwards; ``remote`` False: an API without the protocol, decoded whole."""
         prefill = [c for c in plan.candidates if c.node_id in self.config.prefill]
         plan.candidates = [c for c in plan.candidates if c.node_id in self.config.decode]
         rid = next((v for k, v in headers.items() if k.lower() == "x-request-id"), "") or uuid.uuid4().hex
@@ -90,6 +90,9 @@ class PdRouter:
         r = plan.request
         hit = predicted_tokens(plan.first[1].matched_blocks, r.block_size, r.num_tokens)
         uncached = r.num_tokens - hit
+        if not remote:
+            self._path(plan, "decode_only", "decode-only: this API has no disaggregated protocol")
+            return body
         if plan.prefix_aware and uncached <= self.config.max_local_prefill_tokens:
             self._path(plan, "decode_only", f"decode-only: {uncached} uncached tokens <= "
                        f"{self.config.max_local_prefill_tokens}")
