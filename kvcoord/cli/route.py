@@ -15,8 +15,10 @@ from kvcoord.cli.common import (
     add_connection,
     add_cost_model,
     add_degraded,
+    add_pd,
     add_reserve,
     cost_model,
+    pd_config,
     run_until_signalled,
     security,
     use_uvloop,
@@ -25,7 +27,6 @@ from kvcoord.gateway import POLICIES
 
 if TYPE_CHECKING:
     from kvcoord.gateway.route import RouteConfig
-    from kvcoord.gateway.route_pd import PdConfig
 
 
 def _listen(text: str) -> str:
@@ -87,18 +88,7 @@ def add(sub: Subparsers) -> None:
                         "remembers prefixes routed but not yet reported, so a burst sharing a new prefix "
                         "stays together")
     add_reserve(p)
-    pd = p.add_argument_group(
-        "disaggregated prefill and decode", "Two pools of nodes speaking vLLM's disaggregated protocol "
-        "(kv_transfer_params, e.g. the NIXL connector): the decode node is picked by load and its own "
-        "prefix; a prefill node, by prefix and load, prefills first unless the decode node lacks at most "
-        "--max-local-prefill-tokens of the prompt. Nodes in neither pool are not used.")
-    pd.add_argument("--prefill-node", action="append", default=[], metavar="NODE",
-                    help="a node of the prefill pool (repeatable; needs --decode-node)")
-    pd.add_argument("--decode-node", action="append", default=[], metavar="NODE",
-                    help="a node of the decode pool (repeatable; needs --prefill-node)")
-    pd.add_argument("--max-local-prefill-tokens", type=NONNEG_INT, default=None, metavar="N",
-                    help="the decode node prefills alone when it lacks at most N prompt tokens (Dynamo's "
-                         "conditional disaggregation, max_local_prefill_length; default 1000)")
+    add_pd(p, "the request goes whole to the decode node")
     p.add_argument("--seed", type=NONNEG_INT, default=None, help="tie-break RNG seed (default: random)")
     p.add_argument("--http-header-timeout-s", type=POSITIVE_FLOAT, default=10.0,
                    help="a request head must arrive within this; else 408, closed (default 10)")
@@ -123,7 +113,7 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
     if args.coordinator is None and (args.policy == "prefix-aware" or not backends):
         raise CliError("--coordinator is required (only --policy least-loaded|round-robin|random with "
                        "--backend runs without one)")
-    return RouteConfig(pd=_pd_config(args), coordinator=args.coordinator, security=security(args),
+    return RouteConfig(pd=pd_config(args), coordinator=args.coordinator, security=security(args),
                        listen=args.listen,
                        backends=backends, model=args.model, deadline_ms=args.deadline_ms,
                        policy=args.policy, degraded=args.degraded, latency=cost_model(args),
@@ -134,27 +124,6 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
                                                                    args.http_max_header_bytes,
                                                                    args.http_max_connections,
                                                                    args.http_idle_timeout_s))
-
-
-def _pd_config(args: argparse.Namespace) -> PdConfig | None:
-    """The P/D pools from the flags (None: not disaggregated); CliError for pools that cannot run."""
-    from kvcoord.gateway.route_pd import DEFAULT_MAX_LOCAL_PREFILL, PdConfig
-
-    prefill, decode = frozenset(args.prefill_node), frozenset(args.decode_node)
-    if not prefill and not decode:
-        if args.max_local_prefill_tokens is not None:
-            raise CliError("--max-local-prefill-tokens needs --prefill-node and --decode-node")
-        return None
-    if not prefill or not decode:
-        given, missing = ("--prefill-node", "--decode-node")[::1 if prefill else -1]
-        raise CliError(f"{given} needs {missing} too (a disaggregated fleet has both pools)")
-    if not all(n.strip() for n in prefill | decode):
-        raise CliError("--prefill-node/--decode-node: empty node id")
-    both = sorted(prefill & decode)
-    if both:
-        raise CliError(f"node {both[0]} is in both --prefill-node and --decode-node")
-    limit = args.max_local_prefill_tokens
-    return PdConfig(prefill, decode, DEFAULT_MAX_LOCAL_PREFILL if limit is None else limit)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvcoord.gateway import extproc as xp
+from kvcoord.gateway.disagg import PREFILLER_HEADER
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
 from kvcoord.gateway.requests import BadRequest, query_of_body
 from kvcoord.router.client import AsyncCoordinatorClient
@@ -98,6 +99,8 @@ class EppMetrics:
 def _pick_headers(pick: Pick, conformance: bool) -> dict[str, str]:
     why = pick.why.encode("ascii", "replace").decode()[:300]
     out = {PICK_HEADER: why if pick.prefix_aware else f"degraded; {why}"}
+    if pick.prefiller:  # llm-d's P/D: the decode pod's sidecar prefills there first
+        out[PREFILLER_HEADER] = pick.prefiller
     if conformance:  # the reference's X-Echo-Set-Header: the echo server answers the pick
         out[xp.ECHO_SET_HEADER] = f"{xp.CONFORMANCE_SERVED_HEADER}:{pick.endpoints[0]}"
     return out

@@ -37,13 +37,14 @@ from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
 from .apis import API, ENDPOINT_API, as_lookup_body, error_body
+from .disagg import PdConfig
 from .listener import GuardedSite
 from .nodes import Prefill
 from .requests import BadRequest, json_object
 from .reserve import DEFAULT_TTL, ReserveStream
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
-from .route_pd import PdConfig, PdRouter
+from .route_pd import PdRouter
 from .route_place import Placer, Plan, node_label
 from .route_ready import Readiness
 from .route_sse import SseRelay, error_event

@@ -2,9 +2,8 @@
 
 Per request, after the lookup: the decode node is picked first, among the decode pool, by the policy
 (load, and its own prefix). When the prompt tokens it lacks are at most ``--max-local-prefill-tokens``
-the request goes to it alone and it prefills locally: Dynamo's conditional disaggregation
-(``DisaggregatedRouter::prefill_remote``: remote iff ``prefill_length - prefix_hit_length >
-max_local_prefill_length``, default 1000). Otherwise a prefill node is picked among the prefill pool by
+the request goes to it alone and it prefills locally (:func:`~kvcoord.gateway.disagg.prefill_remote`,
+Dynamo's conditional disaggregation). Otherwise a prefill node is picked among the prefill pool by
 the same policy (prefix and load) and sent the prompt as vLLM's disaggregated proxies send it
 (``examples/online_serving/disaggregated_serving``, llm-d's P/D sidecar): ``max_tokens=1``, not streamed,
 ``kv_transfer_params={"do_remote_decode": true, ...}``. Its answer's ``kv_transfer_params`` go into the
@@ -23,33 +22,22 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from .disagg import PdConfig, prefill_remote
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
 from .route_place import Placer, Plan, node_label
 
-__all__ = ["DEFAULT_MAX_LOCAL_PREFILL", "PdConfig", "PdRouter", "prefill_body"]
-
-DEFAULT_MAX_LOCAL_PREFILL = 1000
-"""Dynamo's ``max_local_prefill_length`` default (tokens)."""
+__all__ = ["PdRouter", "prefill_body"]
 
 _REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 """What vLLM's disaggregated proxy asks the prefill engine for."""
-
-
-@dataclass(frozen=True, slots=True)
-class PdConfig:
-    """The two pools (node ids) and the conditional-disaggregation threshold."""
-
-    prefill: frozenset[str]
-    decode: frozenset[str]
-    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,7 +81,7 @@ class PdRouter:
         if not remote:
             self._path(plan, "decode_only", "decode-only: this API has no disaggregated protocol")
             return body
-        if plan.prefix_aware and uncached <= self.config.max_local_prefill_tokens:
+        if not prefill_remote(self.config, uncached, plan.prefix_aware):
             self._path(plan, "decode_only", f"decode-only: {uncached} uncached tokens <= "
                        f"{self.config.max_local_prefill_tokens}")
             return body
