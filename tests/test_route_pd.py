@@ -39,6 +39,7 @@ SYSTEMS = [f"You are helper {i} and you explain the subject {i} carefully and in
 class PdFleet:
     route: str
     engines: dict[str, str]
+    procs: dict[str, subprocess.Popen[bytes]]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdFleet]:
     tmp = tmp_path_factory.mktemp("route-pd")
     gport, rport = free_port(), free_port()
     engines: dict[str, str] = {}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
     with contextlib.ExitStack() as stack:
         pubs = {}
         for node in PREFILL + DECODE:
@@ -57,7 +59,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdFleet]:
                               "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
                               "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
                               "--token-interval", "0.02", "--num-blocks", "4096", "--kv-role", role)
-            stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
+            procs[node] = stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
         tok = engines[DECODE[0]]
         serve_log = stack.enter_context(open(tmp / "serve.log", "ab"))
         serve = spawn(kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "",
@@ -79,7 +81,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdFleet]:
                             "--seed", "7", "--max-local-prefill-tokens", str(LOCAL), *pools)
         stack.enter_context(running(route, log=tmp / "route.log"))
         wait_for_port(rport, timeout=30)
-        yield PdFleet(f"http://127.0.0.1:{rport}", engines)
+        yield PdFleet(f"http://127.0.0.1:{rport}", engines, procs)
 
 
 async def _until(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 45.0) -> Any:
@@ -226,3 +228,22 @@ def test_sim_engine_refuses_an_unknown_kv_role() -> None:
     out = subprocess.run(kvcoord_cmd("sim-engine", "--kv-role", "kv_sometimes"), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "kv_sometimes" in out.stderr
+
+
+async def test_without_prefill_nodes_the_decode_node_prefills(fleet: PdFleet) -> None:
+    """Last (it stops the prefill engines): a prefill node that cannot be reached is left out, and with
+    none left the decode node prefills the request itself, judged on its own prediction."""
+    for node in PREFILL:
+        stop(fleet.procs[node])
+    async with aiohttp.ClientSession() as s:
+        before = await _metrics(s, fleet.route)
+        for j in range(3):
+            h, b = await _post(s, fleet.route, _chat(SYSTEMS[j % len(SYSTEMS)], _long(500 + j)))
+            assert h["x-kvcoord-pd"] == "decode-only: no prefill node answered"
+            assert h["x-kvcoord-node"] in DECODE and "x-kvcoord-prefill-node" not in h
+            cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == int(h["x-kvcoord-predicted-cached-tokens"]) < b["usage"]["prompt_tokens"] - 1
+        after = await _metrics(s, fleet.route)
+    path = 'kvcoord_route_pd_total{path="prefill_failed"}'
+    assert after[path] - before[path] == 3
+    assert sum(after.get(f'kvcoord_route_backend_suspect{{node="{n}"}}', 0) for n in PREFILL) == 2

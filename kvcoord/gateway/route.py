@@ -386,14 +386,14 @@ class RouteServer:
             attempts += 1
             attempt = _Attempt(*picked)
             r = plan.request
-            if plan.prefix_aware and plan.judged:
+            if plan.judged:
                 blocks = attempt.chosen.matched_blocks
                 attempt.predicted = predicted_tokens(blocks, r.block_size, r.num_tokens)
             self.metrics.overhead_seconds.observe(time.perf_counter() - t0 - plan.lookup_seconds)
             resp = await self._forward(request, plan, attempt, path, headers, payload, strip_usage, attempts)
             if resp is not None:
                 self.metrics.requests.labels(endpoint, attempt.outcome).inc()
-                if plan.prefix_aware and plan.judged:  # the answering node's prediction, once per request
+                if plan.judged:  # the answering node's prediction, once per request
                     self.metrics.predicted(attempt.chosen.matched_blocks, plan.best_blocks, r.block_size,
                                            r.num_tokens)
                 return resp
@@ -425,8 +425,8 @@ class RouteServer:
         # Prefill this adds to the node's queue, as the policy saw it (its memory of in-flight placements
         # included); ``predicted`` stays the index's view, which is what the quality metrics judge.
         r = plan.request
-        prefill = max(0, r.num_tokens - predicted_tokens(attempt.decision.matched_blocks, r.block_size,
-                                                         r.num_tokens))
+        prefill = 0 if plan.remote_prefill else max(0, r.num_tokens - predicted_tokens(
+            attempt.decision.matched_blocks, r.block_size, r.num_tokens))
         send = dict(headers)
         if self.backends.multi_rank(node_id):
             send["X-data-parallel-rank"] = str(key[1])
@@ -468,7 +468,7 @@ class RouteServer:
             return None
         queued.done()
         attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
-        if plan.prefix_aware and plan.judged and upstream.status == 200:
+        if plan.judged and upstream.status == 200:
             usage = None
             with contextlib.suppress(ValueError, UnicodeDecodeError):
                 obj = json.loads(data)
@@ -513,7 +513,7 @@ class RouteServer:
                 self._fail(node_id, "midstream", f"{type(exc).__name__}: {exc}")
                 held = error_event(f"kvcoord route: backend {node_id} failed mid-stream "
                                    f"({type(exc).__name__}); the answer is incomplete")
-        if plan.prefix_aware and plan.judged and upstream.status == 200 and attempt.outcome == "ok":
+        if plan.judged and upstream.status == 200 and attempt.outcome == "ok":
             self.metrics.achieved(attempt.predicted, relay.usage)
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof(held)

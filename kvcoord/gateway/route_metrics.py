@@ -123,6 +123,8 @@ class RouteMetrics:
                                           "prefill node (attempts).", ["node"], registry=r)
         self.prefill_seconds = Histogram("kvcoord_route_prefill_seconds", "Remote prefill request to its "
                                          "whole answer.", buckets=_SECONDS, registry=r)
+        for path in ("remote_prefill", "decode_only", "prefill_failed"):
+            self.pd.labels(path)
 
     def predicted(self, chosen_blocks: int, best_blocks: int, block_size: int, num_tokens: int) -> int:
         """Record the prediction of the node that answered a prefix-aware request; returns the predicted

@@ -95,7 +95,7 @@ class PdRouter:
             if isinstance(answer, web.Response):
                 return answer
             params = answer.get("kv_transfer_params")
-            plan.judged = False
+            plan.remote_prefill = True
             plan.answer_headers.update(pplan.answer_headers)
             self._path(plan, "remote_prefill", f"remote prefill: {uncached} uncached tokens on the decode "
                        f"node > {self.config.max_local_prefill_tokens}" if plan.prefix_aware

@@ -69,9 +69,15 @@ class Plan:
     """Extra request headers for the engine (P/D: the ``X-Request-Id`` shared with the prefill)."""
     answer_headers: dict[str, str] = field(default_factory=dict)
     """Extra response headers (P/D: the prefill pick and the path taken)."""
-    judged: bool = True
-    """Whether the answering node's cached tokens are judged against its prediction (P/D: not when a
-    remote prefill ran, whose pick is judged instead: the decode engine counts transferred blocks)."""
+    remote_prefill: bool = False
+    """P/D: a prefill node prefilled, so the decode node pulls the prompt rather than computes it: it
+    queues no prefill, and its cached tokens (which count the transfer) are not judged against its
+    prediction (the prefill pick's are)."""
+
+    @property
+    def judged(self) -> bool:
+        """Whether the answering node's cached tokens are judged against its prediction."""
+        return self.prefix_aware and not self.remote_prefill
 
     def remaining(self, backends: Backends) -> list[Candidate]:
         return [c for c in self.candidates if c.key not in self.tried and not backends.is_suspect(c.node_id)]
