@@ -156,6 +156,7 @@ async def test_prefill_follows_the_prefix_decode_stores_the_transfer_and_then_sk
     assert len(remote) == 12 and len(local) == 12, [h["x-kvcoord-pd"] for _, h, _ in results]
     for i, h in remote:  # the prefill lands on a node holding the system prompt (the first one did)
         assert int(h["x-kvcoord-prefill-matched-blocks"]) >= 10, (i, dict(h))
+        assert int(h["x-kvcoord-predicted-cached-tokens"]) >= 10 * BLOCK  # the decode pick's own hit
     for _, h in local:
         assert h["x-kvcoord-node"] in DECODE and int(h["x-kvcoord-matched-blocks"]) >= 10
     pairs = [_judged(h, b) for _, h, b in results]

@@ -386,7 +386,7 @@ class RouteServer:
             attempts += 1
             attempt = _Attempt(*picked)
             r = plan.request
-            if plan.judged:
+            if plan.prefix_aware:
                 blocks = attempt.chosen.matched_blocks
                 attempt.predicted = predicted_tokens(blocks, r.block_size, r.num_tokens)
             self.metrics.overhead_seconds.observe(time.perf_counter() - t0 - plan.lookup_seconds)
