@@ -232,7 +232,8 @@ def add_pd(p: argparse.ArgumentParser, local: str) -> None:
                     help="a node of the decode pool (repeatable; needs --prefill-node)")
     pd.add_argument("--max-local-prefill-tokens", type=NONNEG_INT, default=None, metavar="N",
                     help="the decode node prefills alone when it lacks at most N prompt tokens (Dynamo's "
-                         "conditional disaggregation, max_local_prefill_length; default 1000)")
+                         "conditional disaggregation, max_local_prefill_length; default 1000; 0: always "
+                         "a remote prefill)")
 
 
 def pd_config(args: argparse.Namespace) -> PdConfig | None:
