@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 if TYPE_CHECKING:
     import asyncio
 
+    from kvcoord.gateway.disagg import PdConfig
     from kvcoord.router.policy import LatencyModel
     from kvcoord.transport import ChannelSecurity
 
@@ -222,6 +223,45 @@ def add_reserve(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
                         "reserved on one stream, and every router's reservations count in placement)")
     p.add_argument("--reserve-ttl", type=POSITIVE_FLOAT, default=600.0, metavar="S",
                    help="a reservation whose release never comes expires after this (default 600)")
+
+
+def add_pd(p: argparse.ArgumentParser, local: str) -> None:
+    """The disaggregated prefill/decode pools, as ``route`` and ``epp`` take them (``local``: what
+    happens when the decode node prefills alone)."""
+    pd = p.add_argument_group(
+        "disaggregated prefill and decode", "Two pools of nodes speaking vLLM's disaggregated protocol "
+        "(kv_transfer_params, e.g. the NIXL connector): the decode node is picked by load and its own "
+        "prefix; a prefill node, by prefix and load, prefills first unless the decode node lacks at most "
+        f"--max-local-prefill-tokens of the prompt (then {local}). Nodes in neither pool are not used.")
+    pd.add_argument("--prefill-node", action="append", default=[], metavar="NODE",
+                    help="a node of the prefill pool (repeatable; needs --decode-node)")
+    pd.add_argument("--decode-node", action="append", default=[], metavar="NODE",
+                    help="a node of the decode pool (repeatable; needs --prefill-node)")
+    pd.add_argument("--max-local-prefill-tokens", type=NONNEG_INT, default=None, metavar="N",
+                    help="the decode node prefills alone when it lacks at most N prompt tokens (Dynamo's "
+                         "conditional disaggregation, max_local_prefill_length; default 1000; 0: always "
+                         "a remote prefill)")
+
+
+def pd_config(args: argparse.Namespace) -> PdConfig | None:
+    """The P/D pools from the flags (None: not disaggregated); CliError for pools that cannot run."""
+    from kvcoord.gateway.disagg import DEFAULT_MAX_LOCAL_PREFILL, PdConfig
+
+    prefill, decode = frozenset(args.prefill_node), frozenset(args.decode_node)
+    if not prefill and not decode:
+        if args.max_local_prefill_tokens is not None:
+            raise CliError("--max-local-prefill-tokens needs --prefill-node and --decode-node")
+        return None
+    if not prefill or not decode:
+        given, missing = ("--prefill-node", "--decode-node")[::1 if prefill else -1]
+        raise CliError(f"{given} needs {missing} too (a disaggregated fleet has both pools)")
+    if not all(n.strip() for n in prefill | decode):
+        raise CliError("--prefill-node/--decode-node: empty node id")
+    both = sorted(prefill & decode)
+    if both:
+        raise CliError(f"node {both[0]} is in both --prefill-node and --decode-node")
+    limit = args.max_local_prefill_tokens
+    return PdConfig(prefill, decode, DEFAULT_MAX_LOCAL_PREFILL if limit is None else limit)
 
 
 def add_tls_client(p: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str = "") -> None:

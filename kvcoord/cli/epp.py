@@ -16,9 +16,11 @@ from kvcoord.cli.common import (
     add_connection,
     add_cost_model,
     add_degraded,
+    add_pd,
     add_reserve,
     cost_model,
     parse_hostport,
+    pd_config,
     run_until_signalled,
     security,
 )
@@ -91,6 +93,7 @@ def add(sub: Subparsers) -> None:
                    help="also serve grpc.health.v1 alone, in plaintext, here (for kubelet probes under TLS)")
     p.add_argument("--listen-tls-cert", default=None, help="PEM certificate: serve ext_proc over TLS")
     p.add_argument("--listen-tls-key", default=None, help="PEM key of --listen-tls-cert")
+    add_pd(p, "no x-prefiller-host-port is set: the decode pod prefills itself")
     p.set_defaults(func=run)
 
 
@@ -160,7 +163,7 @@ def epp_config(args: argparse.Namespace) -> EppConfig:
                           latency=cost_model(args),
                           fallbacks=args.fallbacks, max_in_flight=args.max_in_flight,
                           max_waiting=args.max_waiting, target_ports=args.target_ports,
-                          reserve=args.reserve, reserve_ttl=args.reserve_ttl)
+                          reserve=args.reserve, reserve_ttl=args.reserve_ttl, pd=pd_config(args))
     return EppConfig(coordinator=args.coordinator, listen=args.listen, security=security(args),
                      timeout=args.timeout, picker=picker, mode=args.request_body_mode,
                      refresh_seconds=args.refresh_interval, max_body_bytes=args.max_body_bytes,

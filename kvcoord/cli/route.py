@@ -15,8 +15,10 @@ from kvcoord.cli.common import (
     add_connection,
     add_cost_model,
     add_degraded,
+    add_pd,
     add_reserve,
     cost_model,
+    pd_config,
     run_until_signalled,
     security,
     use_uvloop,
@@ -86,6 +88,7 @@ def add(sub: Subparsers) -> None:
                         "remembers prefixes routed but not yet reported, so a burst sharing a new prefix "
                         "stays together")
     add_reserve(p)
+    add_pd(p, "the request goes whole to the decode node")
     p.add_argument("--seed", type=NONNEG_INT, default=None, help="tie-break RNG seed (default: random)")
     p.add_argument("--http-header-timeout-s", type=POSITIVE_FLOAT, default=10.0,
                    help="a request head must arrive within this; else 408, closed (default 10)")
@@ -110,7 +113,8 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
     if args.coordinator is None and (args.policy == "prefix-aware" or not backends):
         raise CliError("--coordinator is required (only --policy least-loaded|round-robin|random with "
                        "--backend runs without one)")
-    return RouteConfig(coordinator=args.coordinator, security=security(args), listen=args.listen,
+    return RouteConfig(pd=pd_config(args), coordinator=args.coordinator, security=security(args),
+                       listen=args.listen,
                        backends=backends, model=args.model, deadline_ms=args.deadline_ms,
                        policy=args.policy, degraded=args.degraded, latency=cost_model(args),
                        rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,

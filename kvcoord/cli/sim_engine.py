@@ -113,6 +113,10 @@ def _add_http(p: argparse.ArgumentParser) -> None:
     h.add_argument("--pull-us-per-block", type=NONNEG_FLOAT, default=None, metavar="US",
                    help="honour llm-d's x-kv-cache-source-host-port request header: copy the prompt's blocks "
                         "the named peer sim-engine holds, at this transfer time per block (default: ignored)")
+    h.add_argument("--kv-role", default=None, choices=("kv_producer", "kv_consumer", "kv_both"),
+                   help="speak vLLM's disaggregated prefill/decode protocol (kv_transfer_params, as with "
+                        "the NIXL connector): kv_producer prefills, kv_consumer decodes, kv_both does "
+                        "either (default: off, kv_transfer_params ignored)")
 
 
 def run(args: argparse.Namespace) -> int:

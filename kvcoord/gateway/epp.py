@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvcoord.gateway import extproc as xp
+from kvcoord.gateway.disagg import PREFILLER_HEADER
 from kvcoord.gateway.flow import DROPPED_HEADER, Dropped, FlowControl, RequestMeta, request_meta
 from kvcoord.gateway.leader import FileLeader
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
@@ -121,6 +122,8 @@ def _pick_headers(pick: Pick, conformance: bool) -> dict[str, str]:
     out = {PICK_HEADER: why if pick.prefix_aware else f"degraded; {why}"}
     if pick.pull:  # llm-d's peer-pull source, for the routing sidecar
         out[KV_SOURCE_HEADER] = pick.pull
+    if pick.prefiller:  # llm-d's P/D: the decode pod's sidecar prefills there first
+        out[PREFILLER_HEADER] = pick.prefiller
     if conformance:  # the reference's X-Echo-Set-Header: the echo server answers the pick
         out[xp.ECHO_SET_HEADER] = f"{xp.CONFORMANCE_SERVED_HEADER}:{pick.endpoints[0]}"
     return out

@@ -44,11 +44,13 @@ from kvcoord.router.policy import (
     place,
 )
 
+from .disagg import PdConfig, prefill_remote
 from .flow import NO_ENDPOINTS, SATURATED
 from .nodes import InFlight, NodeTable
 from .outage import Outages, is_outage
 from .requests import BadRequest, query_of_body
 from .reserve import DEFAULT_TTL, ReserveStream
+from .route_metrics import predicted_tokens
 
 __all__ = [
     "Allowed",
@@ -172,6 +174,9 @@ class PickerConfig:
     reserve: bool = True
     """Share picks with the coordinator's other routers (:mod:`kvcoord.gateway.reserve`)."""
     reserve_ttl: float = DEFAULT_TTL
+    pd: PdConfig | None = None
+    """Disaggregated pools: the pick is a decode node, a prefill endpoint is named when one is due
+    (:mod:`kvcoord.gateway.disagg`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +196,8 @@ class Pick:
     hit: tuple[int, int, int, int] | None = None
     """Prefix-aware picks: blocks the pick holds, blocks the best node holds, the block size and the
     prompt's tokens, as :meth:`kvcoord.gateway.route_metrics.DecisionMetrics.predicted` takes them."""
+    prefiller: str = ""
+    """P/D: the prefill endpoint ``ip:port`` for llm-d's ``x-prefiller-host-port``; "" when none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +361,7 @@ class Picker:
         for c in answer.nodes:  # known from now on, for degraded picks even before ListNodes names it
             self.table.learn(c.node_id, c.serving_url, model, (c.dp_rank,), {c.dp_rank: c.load})
         eligible = await self._eligible([*answer.nodes, *self._unlisted(model, answer)], subset)
+        eligible, prefill_pool = self._pools(eligible)
         decision, endpoints, scores, note = self._decide(answer, eligible, self.policy, slo)
         if rid:
             assert self.reserve is not None
@@ -362,7 +370,33 @@ class Picker:
             prefill = max(0, tokens - decision.matched_blocks * max(1, answer.block_size))
             self.reserve.reserve(rid, model, decision.key, best, answer.block_hashes, prefill)
         return Pick(endpoints, decision.node_id, decision.why + note, True, decision.matched_blocks, rid,
-                    decision.pull, scores, _hit(decision.matched_blocks, answer))
+                    decision.pull, scores, _hit(decision.matched_blocks, answer),
+                    self._prefiller(answer, decision.matched_blocks, prefill_pool))
+
+    def _pools(self, eligible: list[_Eligible]) -> tuple[list[_Eligible], list[_Eligible]]:
+        """P/D: the decode pool (where the pick goes; 503 when empty) and the prefill pool."""
+        pd = self.config.pd
+        if pd is None:
+            return eligible, []
+        decode = [e for e in eligible if e.candidate.node_id in pd.decode]
+        if not decode:
+            raise PickFailed(503, "no_endpoint", f"no eligible decode endpoint ({len(eligible)} others)",
+                             NO_ENDPOINTS)
+        return decode, [e for e in eligible if e.candidate.node_id in pd.prefill]
+
+    def _prefiller(self, answer: LookupResult, decode_blocks: int, pool: list[_Eligible]) -> str:
+        """The prefill endpoint, by prefix and load, when the decode pick lacks more of the prompt than
+        it prefills alone; "" otherwise, or when every prefill endpoint is saturated."""
+        pd = self.config.pd
+        if pd is None or not pool:
+            return ""
+        bs, tokens = max(1, answer.block_size), answer.num_tokens or answer.num_blocks * answer.block_size
+        if not prefill_remote(pd, tokens - predicted_tokens(decode_blocks, bs, tokens), True):
+            return ""
+        try:
+            return self._decide(answer, pool, self.policy)[1][0]
+        except PickFailed:  # the decode side prefills locally
+            return ""
 
     def _unlisted(self, model: str, answer: LookupResult) -> list[Candidate]:
         """Nodes listed as serving that lookups leave out (resyncing after a reconnect, a hash mismatch;
@@ -371,7 +405,7 @@ class Picker:
 
     async def _degraded(self, model: str | None, subset: Allowed | None, reason: str | None) -> Pick:
         """Least-loaded over the last known nodes (no prefix information): lookup failed, or no body."""
-        eligible = await self._eligible(self.table.candidates(model), subset)
+        eligible, _ = self._pools(await self._eligible(self.table.candidates(model), subset))
         answer = LookupResult(model or "", 1, 0, [e.candidate for e in eligible])
         decision, endpoints, scores, _ = self._decide(answer, eligible, self.fallback_policy)
         why = decision.why if reason is None else f"{decision.why}; not prefix-aware: {reason}"

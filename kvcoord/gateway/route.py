@@ -37,12 +37,14 @@ from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
 from .apis import API, ENDPOINT_API, as_lookup_body, error_body
+from .disagg import PdConfig
 from .listener import GuardedSite
 from .nodes import Prefill
 from .requests import BadRequest, json_object
 from .reserve import DEFAULT_TTL, ReserveStream
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
+from .route_pd import PdRouter
 from .route_place import Placer, Plan, node_label
 from .route_ready import Readiness
 from .route_sse import SseRelay, error_event
@@ -92,6 +94,9 @@ class RouteConfig:
     reserve: bool = True
     """Share picks with the other routers of the coordinator (:mod:`kvcoord.gateway.reserve`)."""
     reserve_ttl: float = DEFAULT_TTL
+    pd: PdConfig | None = None
+    """Disaggregated prefill and decode pools (:mod:`kvcoord.gateway.route_pd`); None: one engine per
+    request."""
 
 
 def _openai_error(status: int, message: str, kind: str = "BadRequestError",
@@ -149,6 +154,8 @@ class RouteServer:
         latency = getattr(policy, "latency", None)
         self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
         """How long a placed prompt counts as queued prefill at most (see :class:`Prefill`)."""
+        self.pd = (PdRouter(config.pd, self.placer, self.backends, self.metrics,
+                            max_attempts=config.max_attempts, fail=self._fail) if config.pd else None)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -179,6 +186,8 @@ class RouteServer:
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                               timeout=aiohttp.ClientTimeout(total=None,
                                                                             connect=self.config.connect_timeout))
+        if self.pd is not None:
+            self.pd.session = self._session
         host, port = split_hostport(self.config.listen)
         head = self.config.limits.max_header_bytes  # one line or field may be the whole head
         runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False,
@@ -350,20 +359,26 @@ class RouteServer:
                 return _openai_error(412, "Prefer: if-available: no node holds this prompt's prefix "
                                      f"({plan.reason or 'not cached'})", "PreconditionFailed", api=api)
         openai = endpoint in ("completions", "chat")  # the others' streams carry usage unasked
-        payload, strip_usage = _payload(raw, body) if openai else (raw, False)
+        headers = _upstream_headers(request)
         try:
-            resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0)
+            if self.pd is not None:  # vLLM's disaggregated protocol is its OpenAI API's: others go whole
+                staged = await self.pd.stage(plan, body, request.path, headers, remote=openai)
+                if isinstance(staged, web.Response):
+                    self.metrics.requests.labels(endpoint, "upstream_error").inc()
+                    return staged
+                if staged is not body:
+                    body, raw = staged, json.dumps(staged, separators=(",", ":")).encode()
+            payload, strip_usage = _payload(raw, body) if openai else (raw, False)
+            resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0, headers)
         finally:
             self.placer.unreserve(plan.reserve_id)
         self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
         return resp
 
     async def _attempts(self, request: web.Request, endpoint: str, plan: Plan, payload: bytes,
-                        strip_usage: bool, t0: float) -> web.StreamResponse:
+                        strip_usage: bool, t0: float, headers: dict[str, str]) -> web.StreamResponse:
         path = request.path
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        headers["Content-Type"] = "application/json"
-        headers["Accept-Encoding"] = "identity"  # bodies pass through as they are: never compressed
+        headers = {**headers, **plan.send_headers}
         attempts = 0
         while attempts < self.config.max_attempts:
             picked = self.placer.choose(plan)
@@ -379,7 +394,7 @@ class RouteServer:
             resp = await self._forward(request, plan, attempt, path, headers, payload, strip_usage, attempts)
             if resp is not None:
                 self.metrics.requests.labels(endpoint, attempt.outcome).inc()
-                if plan.prefix_aware:  # the prediction of the node that answered, once per request
+                if plan.judged:  # the answering node's prediction, once per request
                     self.metrics.predicted(attempt.chosen.matched_blocks, plan.best_blocks, r.block_size,
                                            r.num_tokens)
                 return resp
@@ -401,6 +416,7 @@ class RouteServer:
             out.update({"x-kvcoord-matched-blocks": str(c.matched_blocks),
                         "x-kvcoord-predicted-cached-tokens": str(attempt.predicted),
                         "x-kvcoord-best-blocks": str(plan.best_blocks)})
+        out.update(plan.answer_headers)
         return out
 
     async def _forward(self, request: web.Request, plan: Plan, attempt: _Attempt, path: str,
@@ -412,8 +428,8 @@ class RouteServer:
         # Prefill this adds to the node's queue, as the policy saw it (its memory of in-flight placements
         # included); ``predicted`` stays the index's view, which is what the quality metrics judge.
         r = plan.request
-        prefill = max(0, r.num_tokens - predicted_tokens(attempt.decision.matched_blocks, r.block_size,
-                                                         r.num_tokens))
+        prefill = 0 if plan.remote_prefill else max(0, r.num_tokens - predicted_tokens(
+            attempt.decision.matched_blocks, r.block_size, r.num_tokens))
         send = dict(headers)
         if attempt.decision.pull:  # llm-d's peer-pull source (an inbound value is never passed on)
             send[KV_SOURCE_HEADER] = attempt.decision.pull
@@ -457,7 +473,7 @@ class RouteServer:
             return None
         queued.done()
         attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
-        if plan.prefix_aware and upstream.status == 200:
+        if plan.judged and upstream.status == 200:
             usage = None
             with contextlib.suppress(ValueError, UnicodeDecodeError):
                 obj = json.loads(data)
@@ -502,11 +518,19 @@ class RouteServer:
                 self._fail(node_id, "midstream", f"{type(exc).__name__}: {exc}")
                 held = error_event(f"kvcoord route: backend {node_id} failed mid-stream "
                                    f"({type(exc).__name__}); the answer is incomplete")
-        if plan.prefix_aware and upstream.status == 200 and attempt.outcome == "ok":
+        if plan.judged and upstream.status == 200 and attempt.outcome == "ok":
             self.metrics.achieved(attempt.predicted, relay.usage)
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof(held)
         return resp
+
+
+def _upstream_headers(request: web.Request) -> dict[str, str]:
+    """The client's headers as the engines get them (hop-by-hop ones dropped, bodies uncompressed)."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    headers["Content-Type"] = "application/json"
+    headers["Accept-Encoding"] = "identity"  # bodies pass through as they are: never compressed
+    return headers
 
 
 def _payload(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:

@@ -7,6 +7,11 @@ tokens, from the coordinator's answer), the *best* hit any node had, and the hit
 least the prompt's last token is computed, in whole blocks), so on a healthy fleet achieved == predicted.
 Achieved well below predicted means the hashes, the tokenizer or the events are wrong; chosen below best
 means load or the anti-hot-spot rule overrode the cache, which is fine in moderation.
+
+With disaggregated prefill and decode the judged pick is the one that prefilled: the prefill node when a
+remote prefill ran (its answer's usage), else the decode node (the decode engine of a remote prefill
+counts the transferred blocks as cached, which no index predicts). ``kvcoord_route_pd_total`` counts the
+paths, ``kvcoord_route_prefill_placements_total`` the prefill picks.
 """
 
 from __future__ import annotations
@@ -134,6 +139,7 @@ class RouteMetrics(DecisionMetrics):
                                             "backend's response headers.", buckets=_SECONDS, registry=r)
         self.request_seconds = Histogram("kvcoord_route_request_seconds", "Request received to last byte.",
                                          ["endpoint"], buckets=_SECONDS, registry=r)
+        self._pd(r)
         self.coordinator_up.set(1)
         self.degraded_now.set(0)
         for reason in ("coordinator_unavailable", "deadline", "lookup_error", "unsupported_prompt",
@@ -141,6 +147,18 @@ class RouteMetrics(DecisionMetrics):
             self.degraded.labels(reason)
         for reason in ("connect", "status_5xx"):
             self.retries.labels(reason)
+
+    def _pd(self, r: CollectorRegistry) -> None:
+        self.pd = Counter("kvcoord_route_pd", "Disaggregated requests by path: remote_prefill (a prefill "
+                          "node prefilled, the decode node pulled), decode_only (the decode node lacked at "
+                          "most --max-local-prefill-tokens), prefill_failed (no prefill node answered: the "
+                          "decode node prefilled).", ["path"], registry=r)
+        self.prefill_placements = Counter("kvcoord_route_prefill_placements", "Remote prefills sent per "
+                                          "prefill node (attempts).", ["node"], registry=r)
+        self.prefill_seconds = Histogram("kvcoord_route_prefill_seconds", "Remote prefill request to its "
+                                         "whole answer.", buckets=_SECONDS, registry=r)
+        for path in ("remote_prefill", "decode_only", "prefill_failed"):
+            self.pd.labels(path)
 
 
 def _cached_tokens(usage: dict[str, object] | None) -> int | None:

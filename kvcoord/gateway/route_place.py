@@ -62,6 +62,22 @@ class Plan:
     """``perf_counter()`` when the request arrived."""
     reserve_id: str = ""
     """The id this request's reservation carries (its lookup held its new prefix); "" when none."""
+    first: tuple[Decision, Candidate] | None = None
+    """A pick made before forwarding began (P/D: the decode node, chosen before the prefill), taken
+    as the first attempt."""
+    send_headers: dict[str, str] = field(default_factory=dict)
+    """Extra request headers for the engine (P/D: the ``X-Request-Id`` shared with the prefill)."""
+    answer_headers: dict[str, str] = field(default_factory=dict)
+    """Extra response headers (P/D: the prefill pick and the path taken)."""
+    remote_prefill: bool = False
+    """P/D: a prefill node prefilled, so the decode node pulls the prompt rather than computes it: it
+    queues no prefill, and its cached tokens (which count the transfer) are not judged against its
+    prediction (the prefill pick's are)."""
+
+    @property
+    def judged(self) -> bool:
+        """Whether the answering node's cached tokens are judged against its prediction."""
+        return self.prefix_aware and not self.remote_prefill
 
     def remaining(self, backends: Backends) -> list[Candidate]:
         return [c for c in self.candidates if c.key not in self.tried and not backends.is_suspect(c.node_id)]
@@ -208,6 +224,9 @@ class Placer:
 
     def choose(self, plan: Plan) -> tuple[Decision, Candidate] | None:
         """The best candidate not tried yet and not suspect, or None when none is left."""
+        if plan.first is not None:
+            first, plan.first = plan.first, None
+            return first
         left = plan.remaining(self.backends)
         if not left:
             return None

@@ -90,6 +90,8 @@ class SimEngineConfig:
     pull_us_per_block: float | None = None
     """Honour llm-d's ``x-kv-cache-source-host-port``: copy blocks from the named peer at this cost each
     (kvcoord.sim.pull); None: the header is ignored."""
+    kv_role: str | None = None
+    """vLLM's ``kv_role`` for disaggregated prefill/decode over HTTP (:mod:`kvcoord.sim.pd`); None: off."""
     lookup_coordinator: str | None = None
     lookup_model: str | None = None
     lookup_node_id: str | None = None
@@ -450,7 +452,7 @@ async def _main(engine: SimEngine, config: SimEngineConfig) -> None:
 
             server = SimHttpServer(engine, model=config.model, token_interval=config.token_interval,
                                    default_max_tokens=config.output_len, dp_rank=config.dp_rank,
-                                   pull_us_per_block=config.pull_us_per_block)
+                                   pull_us_per_block=config.pull_us_per_block, kv_role=config.kv_role)
             await server.start(config.http_listen)
         await driver.run()
     finally:

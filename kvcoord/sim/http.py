@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from kvcoord.hashing import RequestKeys
 from kvcoord.router.answer import KV_SOURCE_HEADER
-from kvcoord.sim import toktok
+from kvcoord.sim import pd, toktok
 from kvcoord.sim.http_apis import add_api_routes
 from kvcoord.sim.pull import PEER_PATH, PeerPuller, peer_handler
 from kvcoord.transport import ListenError, split_hostport
@@ -77,6 +77,8 @@ class _Params:
     include_usage: bool
     keys: RequestKeys | None
     seed: int | None
+    kv: pd.Transfer | None = None
+    """The request's ``kv_transfer_params`` (with ``--kv-role``; :mod:`kvcoord.sim.pd`)."""
 
 
 class _EngineCollector(Collector):
@@ -147,6 +149,7 @@ class _Generation:
     def usage(self) -> dict[str, Any]:
         n = len(self.params.prompt)
         cached = self.admission.num_cached_tokens if self.admission is not None else 0
+        cached = pd.cached_tokens(self.params.kv, cached, n, self.engine.pool.block_size)
         return {"prompt_tokens": n, "total_tokens": n + self.completion_tokens,
                 "completion_tokens": self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -210,10 +213,13 @@ class SimHttpServer:
     """aiohttp on the engine's own loop: every handler touches the pool from that loop only."""
 
     def __init__(self, engine: SimEngine, *, model: str, token_interval: float, default_max_tokens: int,
-                 dp_rank: int = 0, pull_us_per_block: float | None = None) -> None:
+                 dp_rank: int = 0, pull_us_per_block: float | None = None,
+                 kv_role: str | None = None) -> None:
         self.engine = engine
         self.puller = PeerPuller(engine, pull_us_per_block / 1e6) if pull_us_per_block is not None else None
         """Honours llm-d's peer-pull header (kvcoord.sim.pull); None: ignores it."""
+        self.kv = pd.KvConnector(kv_role) if kv_role else None
+        """vLLM's disaggregated prefill/decode protocol (None: ``kv_transfer_params`` is ignored)."""
         self.model = model
         self.token_interval = token_interval
         self.default_max_tokens = max(1, default_max_tokens)
@@ -248,6 +254,8 @@ class SimHttpServer:
             raise ListenError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
         self._runner = runner
         self.port = int(runner.addresses[0][1]) if runner.addresses else port
+        if self.kv is not None:
+            self.kv.host, self.kv.port = host or "127.0.0.1", self.port
         log.info("sim-engine: OpenAI-compatible API on http://%s:%d (model %s)", host or "0.0.0.0",
                  self.port, self.model)
 
@@ -297,7 +305,12 @@ class SimHttpServer:
                               param="cache_salt")
         keys = RequestKeys(cache_salt=salt) if salt is not None else self.engine.keys
         include_usage = bool(options is not None and options.get("include_usage", True))
-        return _Params(prompt, max_tokens, stream, include_usage, keys, _int_field(body, "seed", minimum=0))
+        try:
+            kv = self.kv.parse(body) if self.kv is not None else None
+        except ValueError as exc:
+            raise _BadRequest(str(exc), param="kv_transfer_params") from None
+        return _Params(prompt, max_tokens, stream, include_usage, keys, _int_field(body, "seed", minimum=0),
+                       kv)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -336,7 +349,11 @@ class SimHttpServer:
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": gen.finish_reason,
                           "stop_reason": None, "prompt_logprobs": None}
-            return web.json_response({**head, "choices": [choice], "usage": gen.usage()}, dumps=_dumps)
+            out = {**head, "choices": [choice], "usage": gen.usage()}
+            if self.kv is not None and gen.admission is not None:
+                out["kv_transfer_params"] = self.kv.answer(params.kv, gen.rid, gen.admission.block_ids,
+                                                           len(params.prompt), self.engine.pool.block_size)
+            return web.json_response(out, dumps=_dumps)
 
     def _head(self, chat: bool, *, stream: bool, rid: str | None = None) -> dict[str, Any]:
         if chat:

@@ -1,0 +1,42 @@
+"""``kvcoord epp`` with disaggregated pools, as a real process behind the test playing Envoy (the harness
+and fleet of tests/test_epp.py: node-a holds PROMPT_A, node-b PROMPT_B): the pick is a decode node, and
+llm-d's ``x-prefiller-host-port`` names the prefill endpoint when the decode node lacks more of the prompt
+than ``--max-local-prefill-tokens``."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.procs import kvcoord_cmd
+from tests.test_epp import PROMPT_A, PROMPT_B, Fleet, buffered, chat, epp, set_headers
+from tests.test_epp import fleet as fleet  # its module-scoped fixture, by name
+
+
+async def test_decode_pick_and_prefiller_header(fleet: Fleet) -> None:
+    a, b = fleet.endpoints["node-a"], fleet.endpoints["node-b"]
+    pools = ("--prefill-node", "node-a", "--decode-node", "node-b", "--max-local-prefill-tokens", "40")
+    with epp(fleet, *pools, name="epp-pd") as address:
+        # node-b (decode) lacks PROMPT_A, which node-a (prefill) holds: prefill there first
+        _, second = await buffered(address, chat(PROMPT_A))
+        headers = set_headers(second.request_body.response)
+        assert headers["x-gateway-destination-endpoint"] == b
+        assert headers["x-prefiller-host-port"] == a
+        # node-b holds PROMPT_B: it prefills the rest alone, no prefill endpoint
+        _, second = await buffered(address, chat(PROMPT_B))
+        headers = set_headers(second.request_body.response)
+        assert headers["x-gateway-destination-endpoint"] == b
+        assert "x-prefiller-host-port" not in headers, headers
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (("--prefill-node", "a"), "--prefill-node needs --decode-node"),
+    (("--prefill-node", "a", "--decode-node", "a"), "node a is in both"),
+])
+def test_pd_flag_mistakes_are_one_line(flags: tuple[str, ...], words: str) -> None:
+    out = subprocess.run(kvcoord_cmd("epp", "--coordinator", "127.0.0.1:1", *flags), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], out.stderr
