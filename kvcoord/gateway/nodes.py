@@ -76,9 +76,13 @@ class NodeTable:
         self._failing = False
 
     def learn(self, node_id: str, serving_url: str, model: str, ranks: Iterable[int],
-              load: Mapping[int, NodeLoad] | None = None) -> KnownNode:
-        """What the coordinator says of a node (in a listing or a lookup answer)."""
+              load: Mapping[int, NodeLoad] | None = None, *, answered: bool = False) -> KnownNode:
+        """What the coordinator says of a node (in a listing or a lookup answer). ``answered``: a lookup
+        answer named it, so it is live now: listed, as newer news than the last ``ListNodes`` (a node that
+        joined after it would otherwise be left out of placements without a lookup)."""
         node = self.nodes.setdefault(node_id, KnownNode(node_id))
+        if answered:
+            node.listed, node.absent = True, 0
         if serving_url:
             node.serving_url = serving_url.rstrip("/")
         node.model = model or node.model

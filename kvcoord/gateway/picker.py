@@ -359,7 +359,8 @@ class Picker:
             raise BadRequest(str(exc)) from None
         self.outages.answered(model)
         for c in answer.nodes:  # known from now on, for degraded picks even before ListNodes names it
-            self.table.learn(c.node_id, c.serving_url, model, (c.dp_rank,), {c.dp_rank: c.load})
+            self.table.learn(c.node_id, c.serving_url, model, (c.dp_rank,), {c.dp_rank: c.load},
+                             answered=True)
         eligible = await self._eligible([*answer.nodes, *self._unlisted(model, answer)], subset)
         eligible, prefill_pool = self._pools(eligible)
         decision, endpoints, scores, note = self._decide(answer, eligible, self.policy, slo)

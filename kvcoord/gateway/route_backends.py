@@ -124,7 +124,8 @@ class Backends:
         for c in candidates:
             named.add(c.node_id)
             if c.serving_url or c.node_id in self.table.nodes:
-                self.table.learn(c.node_id, c.serving_url, "", (c.dp_rank,), {c.dp_rank: c.load})
+                self.table.learn(c.node_id, c.serving_url, "", (c.dp_rank,), {c.dp_rank: c.load},
+                                 answered=True)
             if self.url(c.node_id) and not self.is_suspect(c.node_id):
                 out.append(replace(c, serving_url=self.url(c.node_id)))
         static = [c for c in self.table.candidates(None, exclude=named, usable=self._usable)
