@@ -108,3 +108,28 @@ def test_bad_cost_flags_are_one_line(flag: str, value: str) -> None:
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], out.stderr
+
+
+async def test_step_clock_chunks_prefills_in_order_and_shares_decode_steps() -> None:
+    """Counts, not durations: a 100-token budget chunks three 250-token prefills into 8 steps, finishing
+    them in arrival order; five requests decoding ten tokens each share ten steps."""
+    from kvcoord.sim.timing import StepClock, StepCosts
+
+    clock = StepClock(StepCosts(prefill_s_per_token=1e-5, max_batch_tokens=100))
+    done: list[int] = []
+
+    async def prefill(i: int) -> None:
+        await clock.prefill(250)
+        done.append(i)
+
+    await asyncio.gather(*(prefill(i) for i in range(3)))
+    assert done == [0, 1, 2] and clock.steps == 8 and clock.prefilled == 750 and clock.queued == 0
+
+    clock = StepClock(StepCosts(decode_s=1e-3))
+
+    async def decode() -> None:
+        for _ in range(10):
+            await clock.decode(0.0)
+
+    await asyncio.gather(*(decode() for _ in range(5)))
+    assert clock.steps == 10

@@ -162,3 +162,4 @@ class StepClock:
             for fut in decoders:
                 if not fut.done():
                     fut.set_result(None)
+            await asyncio.sleep(0)  # the requests just served ask for their next token in the next step
