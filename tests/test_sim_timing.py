@@ -7,6 +7,7 @@ wide margins, orders and counts, so a busy machine passes them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import time
@@ -15,8 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.procs import kvcoord_cmd
-from tests.test_sim_engine_http import MODEL, _http_engine, _scrape
+from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from tests.test_sim_engine_http import MODEL, _agent_cmd, _cli_json, _http_engine, _scrape, _serve_cmd, _until
 
 PROMPT_LEN = 400
 COST_US = 2000  # 2 ms per uncached token: 0.8 s for a whole 400-token prompt
@@ -133,3 +134,43 @@ async def test_step_clock_chunks_prefills_in_order_and_shares_decode_steps() -> 
 
     await asyncio.gather(*(decode() for _ in range(5)))
     assert clock.steps == 10
+
+
+async def test_agent_carries_the_prefill_queue_and_a_cancelled_wait_leaves_it(tmp_path: Path) -> None:
+    """Three uncached prompts on an engine that prefills 80 s each: one runs, two wait, and a lookup shows
+    the agent's scrape of it; clients giving up take their requests out of the queue and the pool."""
+    gport = free_port()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(_serve_cmd(gport), env={"KVCOORD_LEASE_SECONDS": "3"},
+                                    log=tmp_path / "serve.log"))
+        base, pub, _ = stack.enter_context(_http_engine(tmp_path, "--prefill-us-per-token", "200000"))
+        wait_for_port(gport, timeout=30)
+        agent = _agent_cmd(gport, pub, "--engine-metrics-url", f"{base}/metrics",
+                           "--engine-metrics-interval", "0.2")
+        stack.enter_context(running(agent, log=tmp_path / "agent.log"))
+        async with aiohttp.ClientSession() as s:
+            streams = [asyncio.create_task(_ttft(s, base, _prompt(20 + i))) for i in range(3)]
+            tokens = tmp_path / "tokens.json"
+            tokens.write_text(json.dumps(_prompt(20)))
+
+            def queued() -> object:
+                res = _cli_json("lookup", "--coordinator", f"127.0.0.1:{gport}", "--model", MODEL,
+                                "--tokens-file", str(tokens), "--candidate", "node-x")
+                node = next((n for n in res["nodes"] if n["node_id"] == "node-x"), None)
+                load = node and node["load"]
+                ok = load and load["running_requests"] == 1 and load["waiting_requests"] == 2
+                return load if ok else None
+
+            try:
+                await _until(queued, "lookup to show one prefill running and two waiting")
+            finally:
+                for t in streams:
+                    t.cancel()
+                await asyncio.gather(*streams, return_exceptions=True)
+            deadline = time.monotonic() + 30
+            while True:
+                m = await _scrape(s, base)
+                if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0:
+                    break
+                assert time.monotonic() < deadline, m
+                await asyncio.sleep(0.1)

@@ -238,7 +238,8 @@ class SimHttpServer:
     async def start(self, listen: str) -> None:
         """Listen on ``HOST:PORT``; :class:`ListenError` (one line) when it cannot."""
         host, port = split_hostport(listen)
-        runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None)
+        # A client going away aborts its request, as in vLLM: waiting or prefilling, it leaves the line.
+        runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, host or None, port)
         try:
