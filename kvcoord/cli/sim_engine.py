@@ -117,6 +117,15 @@ def _add_http(p: argparse.ArgumentParser) -> None:
                    help="speak vLLM's disaggregated prefill/decode protocol (kv_transfer_params, as with "
                         "the NIXL connector): kv_producer prefills, kv_consumer decodes, kv_both does "
                         "either (default: off, kv_transfer_params ignored)")
+    h.add_argument("--prefill-us-per-token", type=NONNEG_FLOAT, default=0.0,
+                   help="compute per uncached prompt token, serial per engine: TTFT then depends on the "
+                        "cached prefix and the queue (default 0: prefill is free)")
+    h.add_argument("--decode-ms-per-token", type=NONNEG_FLOAT, default=0.0,
+                   help="one decode step, shared by the running batch; replaces --token-interval "
+                        "(default 0: off)")
+    h.add_argument("--max-batch-tokens", type=NONNEG_INT, default=0,
+                   help="tokens per engine step, decodes first, the rest chunks prefills (vLLM's "
+                        "--max-num-batched-tokens; default 0: one whole prompt per prefill step)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -119,7 +119,11 @@ def _covered(plan: Plan) -> list[Candidate]:
 
 
 def _header_safe(text: str, limit: int = 512) -> str:
-    return "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in text)[:limit]
+    """Printable ASCII only (a header value); the common case, already so, skips the per-character pass."""
+    text = text[:limit]
+    if text.isascii() and text.isprintable():
+        return text
+    return "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in text)
 
 
 @dataclass(slots=True)

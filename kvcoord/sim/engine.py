@@ -37,6 +37,7 @@ from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import KVEventBatch
 from kvcoord.hashing import HashProfile, RequestKeys, check_algo
 from kvcoord.sim.lookups import LookupProbe, open_lookups
+from kvcoord.sim.timing import StepClock, StepCosts
 
 if TYPE_CHECKING:
     from kvcoord.transport import ChannelSecurity
@@ -92,6 +93,12 @@ class SimEngineConfig:
     (kvcoord.sim.pull); None: the header is ignored."""
     kv_role: str | None = None
     """vLLM's ``kv_role`` for disaggregated prefill/decode over HTTP (:mod:`kvcoord.sim.pd`); None: off."""
+    prefill_us_per_token: float = 0.0
+    """Compute per uncached prompt token of an HTTP request, serial per engine (:mod:`kvcoord.sim.timing`)."""
+    decode_ms_per_token: float = 0.0
+    """One decode step, shared by the running batch (0: ``token_interval`` per token, as before)."""
+    max_batch_tokens: int = 0
+    """Tokens per engine step (chunked prefill's budget; 0: one whole prompt per prefill step)."""
     lookup_coordinator: str | None = None
     lookup_model: str | None = None
     lookup_node_id: str | None = None
@@ -140,7 +147,8 @@ class SimEngine:
 
     def __init__(self, pool: BlockPool, publisher: ZmqEventPublisher, workload: PromptSource, *,
                  concurrency: int, keys: RequestKeys | None = None,
-                 lookups: LookupProbe | None = None, max_num_seqs: int = 256) -> None:
+                 lookups: LookupProbe | None = None, max_num_seqs: int = 256,
+                 costs: StepCosts | None = None) -> None:
         self.pool = pool
         self.publisher = publisher
         self.workload = workload
@@ -148,6 +156,8 @@ class SimEngine:
         self.keys = keys
         self.lookups = lookups
         self.max_num_seqs = max_num_seqs
+        self.clock = StepClock(costs or StepCosts())
+        """Prefill and decode time of HTTP requests (free by default)."""
         self.running: deque[str] = deque()
         """Workload requests holding blocks, oldest first."""
         self.requests_done = 0
@@ -173,7 +183,13 @@ class SimEngine:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for fut, *_ in self._waiting if not fut.done())
+        """Requests not yet computing: waiting for room in the pool, or in line for prefill."""
+        return sum(1 for fut, *_ in self._waiting if not fut.done()) + self.clock.queued
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding blocks and computing (prefilling or decoding), as vLLM counts them."""
+        return self.pool.num_running - self.clock.queued
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -310,7 +326,8 @@ class SimEngine:
             "hit_tokens": self.hit_tokens,
             "generation_tokens": self.generation_tokens,
             "skipped": self.skipped,
-            "http": {"running": self.http_running, "waiting": self.num_waiting, "done": self.http_done},
+            "http": {"running": self.http_running - self.clock.queued, "waiting": self.num_waiting,
+                     "done": self.http_done, "prefilled_tokens": self.clock.prefilled},
         }
         if self.lookups is not None:
             out["lookup"] = self.lookups.snapshot()
@@ -435,8 +452,10 @@ def _build(config: SimEngineConfig) -> SimEngine:
         raise
     workload = PromptSource(config.seed, prefixes=config.prefixes, prefix_len=config.prefix_len,
                             suffix_len=config.suffix_len, output_len=config.output_len)
+    costs = StepCosts(config.prefill_us_per_token * 1e-6, config.decode_ms_per_token * 1e-3,
+                      config.max_batch_tokens)
     return SimEngine(pool, publisher, workload, concurrency=config.concurrency, keys=keys, lookups=lookups,
-                     max_num_seqs=config.max_num_seqs)
+                     max_num_seqs=config.max_num_seqs, costs=costs)
 
 
 async def _main(engine: SimEngine, config: SimEngineConfig) -> None:

@@ -16,7 +16,6 @@ generation always runs to ``max_tokens`` (no EOS, ``stop`` is ignored) and defau
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -92,7 +91,7 @@ class _EngineCollector(Collector):
         e, names = self.engine, ["model_name", "engine"]
         gauges = (
             ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             e.pool.num_running),
+             e.num_running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.pool.usage),
         )
@@ -127,7 +126,12 @@ class _Generation:
         self.finish_reason = "length"
 
     async def __aenter__(self) -> _Generation:
-        self.admission = await self.engine.admit(self.rid, self.params.prompt, self.params.keys)
+        self.admission = adm = await self.engine.admit(self.rid, self.params.prompt, self.params.keys)
+        try:  # in line for compute: only the uncached tokens cost prefill time
+            await self.engine.clock.prefill(adm.num_tokens - adm.num_cached_tokens)
+        except BaseException:
+            self.engine.finish(self.rid)
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -135,9 +139,10 @@ class _Generation:
 
     async def tokens(self) -> AsyncIterator[int]:
         """One token per ``interval``, each appended to the pool (and its KV events published)."""
-        p = self.params
-        for tok in toktok.generate(p.prompt, p.max_tokens, p.seed):
-            await asyncio.sleep(self.interval)
+        p, clock = self.params, self.engine.clock
+        for i, tok in enumerate(toktok.generate(p.prompt, p.max_tokens, p.seed)):
+            if i or not clock.costs.enabled:  # with a cost model the prefill's step makes the first token
+                await clock.decode(self.interval)
             if self.engine.closing:
                 self.finish_reason = "abort"
                 return
@@ -244,7 +249,8 @@ class SimHttpServer:
     async def start(self, listen: str) -> None:
         """Listen on ``HOST:PORT``; :class:`ListenError` (one line) when it cannot."""
         host, port = split_hostport(listen)
-        runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None)
+        # A client going away aborts its request, as in vLLM: waiting or prefilling, it leaves the line.
+        runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, host or None, port)
         try:
