@@ -278,7 +278,7 @@ def test_epp_sets_llm_ds_header_from_the_pick() -> None:
     from kvcoord.gateway.picker import Pick
     from kvcoord.router.answer import KV_SOURCE_HEADER
 
-    assert _pick_headers(Pick(["10.0.0.1:8000"], "node-a", "why", True, 2, "10.0.0.2:8000"), False)[
+    assert _pick_headers(Pick(["10.0.0.1:8000"], "node-a", "why", True, 2, pull="10.0.0.2:8000"), False)[
         KV_SOURCE_HEADER] == "10.0.0.2:8000"
     assert KV_SOURCE_HEADER not in _pick_headers(Pick(["10.0.0.1:8000"], "node-a", "why", True, 2), False)
 
