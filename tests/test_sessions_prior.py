@@ -64,3 +64,16 @@ def test_entries_expire_after_the_ttl_and_the_cap_evicts_the_least_recent() -> N
     s.served("z", ("b", 0))
     assert s.outcomes.labels("moved")._value.get() == 1
     assert s.outcomes.labels("new")._value.get() == 4
+
+
+def test_the_session_id_comes_from_headers_first_then_the_body() -> None:
+    s = _sessions(Clock())
+    assert s.session_id({"x-claude-code-session-id": "cc", "session_id": "codex"}, {}) == "cc"
+    assert s.session_id({"session-id": "codex"}, {"prompt_cache_key": "k"}) == "codex"
+    assert s.session_id({}, {"prompt_cache_key": "k"}) == "pck:k"
+    legacy = {"metadata": {"user_id": "user_abc_account_def_session_57a1"}}
+    assert s.session_id({}, legacy) == "57a1"
+    assert s.session_id({}, {"metadata": {"user_id": '{"device_id": "d", "session_id": "54c1"}'}}) == "54c1"
+    assert s.session_id({}, {"metadata": {"user_id": "{broken"}}) == ""
+    assert s.session_id({"x-session-id": "x" * 1000}, {}) == "x" * 256
+    assert _sessions(Clock(), ttl=0.0).session_id({"x-session-id": "a"}, {}) == ""

@@ -382,7 +382,7 @@ class RouteServer:
                                      f"({plan.reason or 'not cached'})", "PreconditionFailed", api=api)
         openai = endpoint in ("completions", "chat")  # the others' streams carry usage unasked
         headers = _upstream_headers(request, strip_keys=self.keys.enabled)
-        client = _Client(self.sessions.session_id(request.headers), key)
+        client = _Client(self.sessions.session_id(request.headers, body), key)
         try:
             if self.pd is not None:  # vLLM's disaggregated protocol is its OpenAI API's: others go whole
                 staged = await self.pd.stage(plan, body, request.path, headers, remote=openai)

@@ -3,7 +3,9 @@
 Agent clients name their conversation in a header: ``x-session-id`` (the generic one; OpenRouter and
 several gateways read it), Claude Code's ``x-claude-code-session-id`` (since v2.1.86), Codex CLI's
 ``session-id`` / ``session_id`` and ``conversation_id``, and ``x-session-affinity``. The first one present
-keys the session (:data:`SESSION_HEADERS`, in that order).
+keys the session (:data:`SESSION_HEADERS`, in that order). Without one, the body may name it: OpenAI's
+``prompt_cache_key`` (a cache-routing hint by definition; Codex sets it to its conversation id), or older
+Claude Code's ``metadata.user_id`` (``..._session_<uuid>``, or JSON with ``session_id``).
 
 The prior sits *under* prefix scoring: the prefix-aware policy's cost (expected TTFT, seconds) decides,
 and the session's last node is taken instead of the cheapest one only when its cost is within a bonus
@@ -18,10 +20,12 @@ forgotten ``ttl`` seconds after its last request.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -69,7 +73,7 @@ class Sessions:
     def enabled(self) -> bool:
         return self.config.ttl > 0 and self.config.max_sessions > 0
 
-    def session_id(self, headers: Mapping[str, str]) -> str:
+    def session_id(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str:
         """The request's session id ("" when it names none, or affinity is off)."""
         if not self.enabled:
             return ""
@@ -77,7 +81,7 @@ class Sessions:
             value = headers.get(name, "").strip()
             if value:
                 return value[:MAX_ID_CHARS]
-        return ""
+        return _body_session(body)[:MAX_ID_CHARS]
 
     def _node(self, sid: str) -> NodeKey | None:
         entry = self._last.get(sid)
@@ -132,3 +136,23 @@ class Sessions:
             self._last.popitem(last=False)
             self.dropped.labels("evicted").inc()
         self.size.set(len(self._last))
+
+
+def _body_session(body: Mapping[str, Any]) -> str:
+    """``prompt_cache_key``, else Claude Code's session in ``metadata.user_id`` (both of its formats)."""
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str) and key.strip():
+        return f"pck:{key.strip()}"
+    meta = body.get("metadata")
+    user = meta.get("user_id") if isinstance(meta, dict) else None
+    if not isinstance(user, str):
+        return ""
+    if user.startswith("{"):
+        try:
+            parsed = json.loads(user)
+        except ValueError:
+            return ""
+        sid = parsed.get("session_id") if isinstance(parsed, dict) else None
+        return sid if isinstance(sid, str) else ""
+    _, found, sid = user.rpartition("_session_")
+    return sid if found else ""
