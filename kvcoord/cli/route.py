@@ -7,6 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from kvcoord.cli.common import (
+    NONNEG_FLOAT,
     NONNEG_INT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
@@ -89,6 +90,18 @@ def add(sub: Subparsers) -> None:
                         "stays together")
     add_reserve(p)
     add_pd(p, "the request goes whole to the decode node")
+    g = p.add_argument_group("sessions and keys")
+    g.add_argument("--session-ttl", type=NONNEG_FLOAT, default=600.0, metavar="S",
+                   help="forget a session's node this long after its last request; 0 turns session "
+                        "affinity off (default 600)")
+    g.add_argument("--max-sessions", type=POSITIVE_INT, default=100_000,
+                   help="sessions remembered at most, least recently used forgotten first (default 100000)")
+    g.add_argument("--session-bonus-tokens", type=NONNEG_INT, default=512, metavar="N",
+                   help="a session stays on its last node while that costs at most N prompt tokens of "
+                        "prefill more than the best node (default 512)")
+    g.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="JSON file of API keys and their rate limits; requests must then carry one "
+                        "(Authorization: Bearer or x-api-key). Default: no key asked")
     p.add_argument("--seed", type=NONNEG_INT, default=None, help="tie-break RNG seed (default: random)")
     p.add_argument("--http-header-timeout-s", type=POSITIVE_FLOAT, default=10.0,
                    help="a request head must arrive within this; else 408, closed (default 10)")
@@ -113,8 +126,16 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
     if args.coordinator is None and (args.policy == "prefix-aware" or not backends):
         raise CliError("--coordinator is required (only --policy least-loaded|round-robin|random with "
                        "--backend runs without one)")
-    return RouteConfig(pd=pd_config(args), coordinator=args.coordinator, security=security(args),
-                       listen=args.listen,
+    from kvcoord.gateway.keys import KeyFileError, load_keys
+    from kvcoord.gateway.sessions import SessionConfig
+
+    try:
+        keys = load_keys(args.api_keys) if args.api_keys else {}
+    except KeyFileError as exc:
+        raise CliError(str(exc)) from None
+    sessions = SessionConfig(args.session_ttl, args.max_sessions, args.session_bonus_tokens)
+    return RouteConfig(sessions=sessions, api_keys=keys, pd=pd_config(args),
+                       coordinator=args.coordinator, security=security(args), listen=args.listen,
                        backends=backends, model=args.model, deadline_ms=args.deadline_ms,
                        policy=args.policy, degraded=args.degraded, latency=cost_model(args),
                        rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,

@@ -30,8 +30,9 @@ ENDPOINT_API: dict[str, API] = {"completions": "openai", "chat": "openai", "gene
 """The error and usage dialect of each ``kvcoord route`` endpoint."""
 
 _BILLING_HEADER = "x-anthropic-billing-header"
-_ANTHROPIC_ERRORS = {400: "invalid_request_error", 404: "not_found_error", 412: "invalid_request_error",
-                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                     412: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+                     503: "overloaded_error"}
 
 
 def _system_texts(content: object, where: str) -> list[str]:

@@ -38,6 +38,7 @@ from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
 from .apis import API, ENDPOINT_API, as_lookup_body, error_body
 from .disagg import PdConfig
+from .keys import ApiKey, Keys, Refused
 from .listener import GuardedSite
 from .nodes import Prefill
 from .requests import BadRequest, json_object
@@ -48,6 +49,7 @@ from .route_pd import PdRouter
 from .route_place import Placer, Plan, node_label
 from .route_ready import Readiness
 from .route_sse import SseRelay, error_event
+from .sessions import SessionConfig, Sessions
 
 __all__ = ["RouteConfig", "RouteServer", "serve_route"]
 
@@ -57,6 +59,7 @@ _HOP = frozenset({"host", "content-length", "content-type", "connection", "keep-
                   "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
                   KV_SOURCE_HEADER})
 """Request headers not forwarded: hop-by-hop ones, and those the router sets itself."""
+_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
 _DONE = b"data: [DONE]\n\n"
 _API_PATHS = {"/v1/messages": "messages", "/v1/responses": "responses", "/inference/v1/generate": "generate"}
 """Endpoints besides completions and chat (:mod:`kvcoord.gateway.apis` maps their prompts)."""
@@ -97,6 +100,10 @@ class RouteConfig:
     pd: PdConfig | None = None
     """Disaggregated prefill and decode pools (:mod:`kvcoord.gateway.route_pd`); None: one engine per
     request."""
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+    """Session affinity (:mod:`kvcoord.gateway.sessions`)."""
+    api_keys: Mapping[bytes, ApiKey] = field(default_factory=dict)
+    """``--api-keys``' keys by secret digest (:mod:`kvcoord.gateway.keys`); empty: no key asked."""
 
 
 def _openai_error(status: int, message: str, kind: str = "BadRequestError",
@@ -134,6 +141,8 @@ class _Attempt:
     chosen: Candidate
     predicted: int = 0
     outcome: str = ""
+    usage: dict[str, Any] | None = None
+    """The answer's usage, when read (rate limits charge it)."""
 
 
 class RouteServer:
@@ -142,6 +151,8 @@ class RouteServer:
     def __init__(self, config: RouteConfig) -> None:
         self.config = config
         self.metrics = RouteMetrics()
+        self.sessions = Sessions(config.sessions, self.metrics.registry)
+        self.keys = Keys(config.api_keys, self.metrics.registry)
         self.backends = Backends(config.backends)
         self.client = (AsyncCoordinatorClient(config.coordinator, security=config.security,
                                               timeout=config.deadline_ms / 1000.0)
@@ -340,8 +351,15 @@ class RouteServer:
     # ------------------------------------------------------------------ proxying
     async def _proxy(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         t0 = time.perf_counter()
-        raw = await request.read()
         api = ENDPOINT_API[endpoint]
+        try:
+            key = self.keys.admit(request.headers)
+        except Refused as exc:
+            outcome = "unauthorized" if exc.status == 401 else "rate_limited"
+            self.metrics.requests.labels(endpoint, outcome).inc()
+            return web.json_response(error_body(api, exc.status, exc.message, exc.kind), status=exc.status,
+                                     headers=exc.headers)
+        raw = await request.read()
         try:
             body = json_object(raw)
             shaped, chat = as_lookup_body(endpoint, body)
@@ -363,7 +381,8 @@ class RouteServer:
                 return _openai_error(412, "Prefer: if-available: no node holds this prompt's prefix "
                                      f"({plan.reason or 'not cached'})", "PreconditionFailed", api=api)
         openai = endpoint in ("completions", "chat")  # the others' streams carry usage unasked
-        headers = _upstream_headers(request)
+        headers = _upstream_headers(request, strip_keys=self.keys.enabled)
+        client = _Client(self.sessions.session_id(request.headers, body), key)
         try:
             if self.pd is not None:  # vLLM's disaggregated protocol is its OpenAI API's: others go whole
                 staged = await self.pd.stage(plan, body, request.path, headers, remote=openai)
@@ -373,19 +392,21 @@ class RouteServer:
                 if staged is not body:
                     body, raw = staged, json.dumps(staged, separators=(",", ":")).encode()
             payload, strip_usage = _payload(raw, body) if openai else (raw, False)
-            resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0, headers)
+            resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0, headers, client)
         finally:
             self.placer.unreserve(plan.reserve_id)
         self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
         return resp
 
     async def _attempts(self, request: web.Request, endpoint: str, plan: Plan, payload: bytes,
-                        strip_usage: bool, t0: float, headers: dict[str, str]) -> web.StreamResponse:
+                        strip_usage: bool, t0: float, headers: dict[str, str],
+                        client: _Client) -> web.StreamResponse:
         path = request.path
         headers = {**headers, **plan.send_headers}
         attempts = 0
         while attempts < self.config.max_attempts:
-            picked = self.placer.choose(plan)
+            picked = (self.sessions.prefer(plan, self.placer.policy, self.backends, client.session)
+                      if attempts == 0 else None) or self.placer.choose(plan)
             if picked is None:
                 break
             attempts += 1
@@ -398,6 +419,9 @@ class RouteServer:
             resp = await self._forward(request, plan, attempt, path, headers, payload, strip_usage, attempts)
             if resp is not None:
                 self.metrics.requests.labels(endpoint, attempt.outcome).inc()
+                if attempt.outcome == "ok":
+                    self.sessions.served(client.session, attempt.decision.key)
+                self.keys.charge(client.key, attempt.usage, r.num_tokens)
                 if plan.judged:  # the answering node's prediction, once per request
                     self.metrics.predicted(attempt.chosen.matched_blocks, plan.best_blocks, r.block_size,
                                            r.num_tokens)
@@ -477,12 +501,14 @@ class RouteServer:
             return None
         queued.done()
         attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
-        if plan.judged and upstream.status == 200:
+        if (plan.judged or self.keys.enabled) and upstream.status == 200:
             usage = None
             with contextlib.suppress(ValueError, UnicodeDecodeError):
                 obj = json.loads(data)
                 usage = obj.get("usage") if isinstance(obj, dict) else None
-            self.metrics.achieved(attempt.predicted, usage if isinstance(usage, dict) else None)
+            attempt.usage = usage if isinstance(usage, dict) else None
+            if plan.judged:
+                self.metrics.achieved(attempt.predicted, attempt.usage)
         ctype = upstream.headers.get("Content-Type", "application/json")
         return web.Response(body=data, status=upstream.status,
                             headers={"Content-Type": ctype, **route_headers})
@@ -522,6 +548,7 @@ class RouteServer:
                 self._fail(node_id, "midstream", f"{type(exc).__name__}: {exc}")
                 held = error_event(f"kvcoord route: backend {node_id} failed mid-stream "
                                    f"({type(exc).__name__}); the answer is incomplete")
+        attempt.usage = relay.usage
         if plan.judged and upstream.status == 200 and attempt.outcome == "ok":
             self.metrics.achieved(attempt.predicted, relay.usage)
         with contextlib.suppress(ConnectionResetError):
@@ -529,9 +556,19 @@ class RouteServer:
         return resp
 
 
-def _upstream_headers(request: web.Request) -> dict[str, str]:
-    """The client's headers as the engines get them (hop-by-hop ones dropped, bodies uncompressed)."""
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+@dataclass(frozen=True, slots=True)
+class _Client:
+    """Who sent the request: its session id ("" when none) and API key (None when keys are off)."""
+
+    session: str
+    key: ApiKey | None
+
+
+def _upstream_headers(request: web.Request, *, strip_keys: bool = False) -> dict[str, str]:
+    """The client's headers as the engines get them (hop-by-hop ones dropped, bodies uncompressed; the
+    client's router key too when the router checks keys: it is this router's secret, not the engines')."""
+    drop = _HOP | _KEY_HEADERS if strip_keys else _HOP
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
     headers["Content-Type"] = "application/json"
     headers["Accept-Encoding"] = "identity"  # bodies pass through as they are: never compressed
     return headers
