@@ -14,6 +14,9 @@ Cost model (per node; :class:`~kvcoord.router.policy.LatencyModel` holds the num
   ``completion = TTFT + output_tokens * decode_s_per_token``, after which the request's blocks are
   freed (they stay cached until evicted).
 
+With :attr:`ClusterConfig.tiers`, a node also reloads blocks from its CPU tier, a shared pool or a peer
+(:mod:`kvcoord.sim.tiers`) instead of prefilling them, at their cost per block on the prefill lane.
+
 Decode-time KV growth is not allocated (outputs are ~3% of Mooncake prompts), and prefill does not
 slow the running decodes. Everything but the measured routing overhead is deterministic.
 """

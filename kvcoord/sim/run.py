@@ -233,6 +233,9 @@ def run_simulate(args: SimulateConfig) -> None:
     """Replay the workload under every requested policy; the table on stdout, JSON/PNG when asked."""
     if args.coordinator is not None and args.index != "memory":
         raise ValueError("give --index or --coordinator, not both")
+    if args.coordinator is not None and (args.cpu_blocks_per_node or args.pool_blocks
+                                         or args.pull_us_per_block is not None):
+        raise ValueError("the CPU tier, pool and pull flags need the in-process index, not --coordinator")
     if args.plot is not None:
         check_plotting()  # before minutes of simulation, not after
     names = _policies(args.policies)
