@@ -8,11 +8,13 @@ import subprocess
 
 import pytest
 
+from kvcoord.agent.pool import BlockPool
 from kvcoord.hashing import HashProfile
 from kvcoord.index.memory import MemoryIndex
+from kvcoord.load import NodeLoad
 from kvcoord.router.policy import LatencyModel, make_policy
-from kvcoord.sim.cluster import ClusterConfig, PolicyResult, simulate
-from kvcoord.sim.tiers import TierConfig
+from kvcoord.sim.cluster import ClusterConfig, IndexAdapter, PolicyResult, simulate
+from kvcoord.sim.tiers import TierConfig, Tiers
 from kvcoord.sim.workload import SyntheticSpec, synthetic
 from tests.procs import REPO, kvcoord_cmd
 
@@ -43,6 +45,31 @@ def test_index_policy_finds_cpu_tier_pool_and_peer_blocks_the_router_memory_miss
     assert index["pull"] > 0 and memory["pull"] == 0  # pull hints come from the index only
     assert got["least-loaded"].tier_hit_tokens["pull"] == 0
     assert run("prefix-aware").tier_hit_tokens == index  # seeded: the same run twice
+
+
+def test_index_shows_evicted_blocks_on_the_cpu_tier_and_the_pool_to_every_node() -> None:
+    w = synthetic(SyntheticSpec(requests=2, groups=1, prompts_per_group=2, system_tokens=64,
+                                question_tokens=64, turns=1), PROFILE, seed=0)
+    tiers = Tiers(TierConfig(cpu_blocks=100, pool_blocks=100, pull_s=1e-6), ["a", "b"], 16)
+    index = IndexAdapter(MemoryIndex())
+    gpu = BlockPool(12, PROFILE, removal_events="vllm")  # 11 usable blocks: the second prompt evicts the first
+    for req in w.requests:
+        hits = gpu.find_longest_cache_hit(req.digests)
+        gpu.touch(hits)
+        blocks = hits + gpu.get_new_blocks(-(-req.num_tokens // 16) - len(hits))
+        gpu.cache_full_blocks(blocks, req.digests, len(hits), req.num_tokens // 16, req.tokens)
+        for where, batch in tiers.published("a", gpu.take_events()).items():
+            index.apply(where, batch)
+        gpu.free_blocks(reversed(blocks))
+    first = w.requests[0].hashes
+    matches = index.match(first)
+    loads = {("a", 0): NodeLoad(), ("b", 0): NodeLoad()}
+    got = {c.node_id: c for c in tiers.candidates(loads, matches, first, index.match)}
+    gpu_blocks, cpu_blocks, _ = got["a"].tier_counts()
+    assert got["a"].matched_blocks == len(first) and cpu_blocks > 0 and gpu_blocks + cpu_blocks == len(first)
+    assert got["b"].pool == "shared" and got["b"].pool_blocks() == len(first)  # b never served it
+    assert got["b"].pull is None  # the pool already gives b as much as a peer pull would
+    assert tiers.extend("b", first, 0, len(first)) == (0, len(first))  # b loads it all from the pool
 
 
 def test_cli_reports_where_the_saved_tokens_came_from() -> None:
