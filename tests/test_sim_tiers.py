@@ -52,7 +52,7 @@ def test_index_shows_evicted_blocks_on_the_cpu_tier_and_the_pool_to_every_node()
                                 question_tokens=64, turns=1), PROFILE, seed=0)
     tiers = Tiers(TierConfig(cpu_blocks=100, pool_blocks=100, pull_s=1e-6), ["a", "b"], 16)
     index = IndexAdapter(MemoryIndex())
-    gpu = BlockPool(12, PROFILE, removal_events="vllm")  # 11 usable blocks: the second prompt evicts the first
+    gpu = BlockPool(12, PROFILE, removal_events="vllm")  # 11 usable: the second prompt evicts the first
     for req in w.requests:
         hits = gpu.find_longest_cache_hit(req.digests)
         gpu.touch(hits)
