@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 
 from kvcoord.cli.common import (
+    NONNEG_FLOAT,
+    NONNEG_INT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
     Subparsers,
@@ -44,7 +46,20 @@ def add(sub: Subparsers) -> None:
     c.add_argument("--nodes", type=POSITIVE_INT, default=8, help="engines in the simulated fleet")
     c.add_argument("--blocks-per-node", type=POSITIVE_INT, default=25_000,
                    help="KV blocks per node (default 25000)")
-    add_cost_model(c, mean_output=False)
+    add_cost_model(c, mean_output=False, pull=True)
+    t = p.add_argument_group(
+        "caches past the GPU (docs/simulate.md)",
+        "A CPU tier per node (evicted GPU blocks move there), a shared pool (stored blocks are written "
+        "through) and peer pulls; an engine loads them instead of prefilling, at the cost per block given.")
+    t.add_argument("--cpu-blocks-per-node", type=NONNEG_INT, default=0,
+                   help="CPU-tier blocks per node (0: none)")
+    t.add_argument("--cpu-reload-us-per-block", type=NONNEG_FLOAT, default=20.0,
+                   help="reloading one block from the CPU tier (default 20 us: 2 MiB over PCIe)")
+    t.add_argument("--pool-blocks", type=NONNEG_INT, default=0, help="blocks in the shared pool (0: none)")
+    t.add_argument("--pool-nodes", type=NONNEG_INT, default=0,
+                   help="the first N nodes reach the pool (0: all)")
+    t.add_argument("--pool-load-us-per-block", type=NONNEG_FLOAT, default=200.0,
+                   help="loading one block from the pool (default 200 us: 2 MiB over ~10 GB/s)")
     c.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
     c.add_argument("--hash-algo", default="xxhash_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
     add_hash_seed(c, default="kvcoord-sim")

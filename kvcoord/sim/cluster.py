@@ -14,6 +14,9 @@ Cost model (per node; :class:`~kvcoord.router.policy.LatencyModel` holds the num
   ``completion = TTFT + output_tokens * decode_s_per_token``, after which the request's blocks are
   freed (they stay cached until evicted).
 
+With :attr:`ClusterConfig.tiers`, a node also reloads blocks from its CPU tier, a shared pool or a peer
+(:mod:`kvcoord.sim.tiers`) instead of prefilling them, at their cost per block on the prefill lane.
+
 Decode-time KV growth is not allocated (outputs are ~3% of Mooncake prompts), and prefill does not
 slow the running decodes. Everything but the measured routing overhead is deterministic.
 """
@@ -40,6 +43,7 @@ from kvcoord.router.policy import (
     RouteRequest,
     candidates_from_matches,
 )
+from kvcoord.sim.tiers import TierConfig, Tiers
 from kvcoord.sim.workload import SimRequest, Workload
 from kvcoord.validate import ops_of
 
@@ -57,6 +61,8 @@ class ClusterConfig:
     """KV blocks per node (block size from the hash profile): 25k x 16 tokens = 400k tokens, what an
     H100-80GB holds for Llama-3.1-8B next to its weights (128 KiB per token)."""
     latency: LatencyModel = field(default_factory=LatencyModel)
+    tiers: TierConfig = field(default_factory=TierConfig)
+    """The CPU tiers, shared pool and peer pulls (:mod:`kvcoord.sim.tiers`); none by default."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -145,8 +151,9 @@ class _Node:
         self.node_id = node_id
         self.key: NodeKey = (node_id, 0)
         self.pool = pool
-        self.queue: deque[tuple[SimRequest, int]] = deque()
-        """Waiting requests with the router's estimate of their uncached tokens."""
+        self.queue: deque[tuple[SimRequest, int, int]] = deque()
+        """Waiting requests with the router's estimate of their uncached tokens and the node to pull from
+        (its index; -1 none)."""
         self.queued_estimate = 0
         self.running = 0
         self.prefill_free_at = 0.0
@@ -180,6 +187,9 @@ class PolicyResult:
     makespan: float
     overhead_us: list[float]
     sample_decisions: list[str]
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    """Hit tokens by where they came from: ``gpu``, ``cpu`` (evicted from GPU, reloaded), ``pool``,
+    ``pull`` (copied from a peer)."""
 
     @property
     def hit_rate(self) -> float:
@@ -231,11 +241,14 @@ class _Run:
 
     __slots__ = (
         "adapter", "bs", "completion", "heap", "hit_total", "max_running", "nodes", "prefill_total",
-        "prompt_total", "seq", "t_d", "t_p", "ttft",
+        "prompt_total", "seq", "t_d", "t_p", "tier_hits", "tiers", "ttft",
     )
 
-    def __init__(self, nodes: list[_Node], adapter: SimBackend, lat: LatencyModel, bs: int) -> None:
+    def __init__(self, nodes: list[_Node], adapter: SimBackend, lat: LatencyModel, bs: int,
+                 tiers: Tiers | None = None) -> None:
         self.nodes = nodes
+        self.tiers = tiers
+        self.tier_hits = {"gpu": 0, "cpu": 0, "pool": 0, "pull": 0}
         self.adapter = adapter
         self.bs = bs
         self.t_p, self.t_d = lat.prefill_s_per_token, lat.decode_s_per_token
@@ -250,7 +263,7 @@ class _Run:
         """Admit queued requests on ``node`` while a slot is free and the queue head's prompt fits."""
         pool, bs, t_p, t_d = node.pool, self.bs, self.t_p, self.t_d
         while node.queue and node.running < self.max_running:
-            req, estimate = node.queue[0]
+            req, estimate, peer = node.queue[0]
             n = req.num_tokens
             hits = pool.find_longest_cache_hit(req.digests, (n - 1) // bs)
             num_new = -(-n // bs) - len(hits)
@@ -262,24 +275,52 @@ class _Run:
             pool.touch(hits)
             blocks = hits + pool.get_new_blocks(num_new)
             pool.cache_full_blocks(blocks, req.digests, len(hits), n // bs, req.tokens)
-            events = pool.take_events()
-            if events:
-                self.adapter.apply(node.node_id, events)
+            loaded_s, past = self.beyond(node, req, len(hits), peer)
+            self.publish(node.node_id, pool.take_events())
             node.running += 1
-            cached = len(hits) * bs
+            cached = (len(hits) + past) * bs
             uncached = n - cached
             node.hit_tokens += cached
             node.prefill_tokens += uncached
             self.hit_total += cached
             self.prefill_total += uncached
             start = max(now, node.prefill_free_at)
-            end = start + uncached * t_p
+            end = start + uncached * t_p + loaded_s
             node.prefill_free_at = end
             self.ttft.append(end - req.arrival)
             done = end + req.output_tokens * t_d
             self.completion.append(done - req.arrival)
             self.seq += 1
             heapq.heappush(self.heap, (done, self.seq, _FINISH, node.idx, blocks))
+
+    def publish(self, node_id: str, events: list[KVEvent]) -> None:
+        """A node's GPU events to the index, with its CPU tier's and the pool's (:meth:`Tiers.published`)."""
+        if not events:
+            return
+        if self.tiers is None:
+            self.adapter.apply(node_id, events)
+            return
+        for where, batch in self.tiers.published(node_id, events).items():
+            self.adapter.apply(where, batch)
+
+    def beyond(self, node: _Node, req: SimRequest, gpu: int, peer: int) -> tuple[float, int]:
+        """Blocks past the GPU hit that ``node`` loads (CPU tier, pool) or pulls from ``peer`` instead of
+        prefilling, counted per source: ``(seconds the loads take, blocks)``."""
+        self.tier_hits["gpu"] += gpu * self.bs
+        tiers = self.tiers
+        if tiers is None:
+            return 0.0, 0
+        limit = (req.num_tokens - 1) // self.bs
+        cpu, pooled = tiers.extend(node.node_id, req.hashes, gpu, limit)
+        pulled = 0
+        if peer >= 0 and tiers.config.pull_s is not None:
+            held = len(self.nodes[peer].pool.find_longest_cache_hit(req.digests, limit))
+            pulled = max(0, held - gpu - cpu - pooled)
+        cfg = tiers.config
+        for key, blocks in (("cpu", cpu), ("pool", pooled), ("pull", pulled)):
+            self.tier_hits[key] += blocks * self.bs
+        seconds = cpu * cfg.cpu_reload_s + pooled * cfg.pool_load_s + pulled * (cfg.pull_s or 0.0)
+        return seconds, cpu + pooled + pulled
 
     def finish(self, node: _Node, now: float, blocks: list[KVCacheBlock]) -> None:
         """A request on ``node`` completes: free its blocks (they stay cached) and admit the next."""
@@ -310,12 +351,13 @@ class _Run:
             for nd in self.nodes
         }
 
-    def enqueue(self, node: _Node, req: SimRequest, matched_blocks: int, now: float) -> None:
-        """The router sent ``req`` to ``node``: queue it with its estimated uncached tokens."""
+    def enqueue(self, node: _Node, req: SimRequest, matched_blocks: int, now: float, peer: int = -1) -> None:
+        """The router sent ``req`` to ``node`` (to pull from node ``peer``, -1 none): queue it with its
+        estimated uncached tokens."""
         node.served += 1
         node.change_in_system(now, +1)
         estimate = max(0, req.num_tokens - matched_blocks * self.bs)
-        node.queue.append((req, estimate))
+        node.queue.append((req, estimate, peer))
         node.queued_estimate += estimate
         self.try_start(node, now)
 
@@ -343,6 +385,7 @@ class _Run:
             makespan=span,
             overhead_us=overhead,
             sample_decisions=decisions,
+            tier_hit_tokens=dict(self.tier_hits),
         )
 
 
@@ -363,11 +406,13 @@ def _simulate(
     for nd in nodes:
         adapter.attach(nd.node_id, nd.pool)
     adapter.start()
-    run = _Run(nodes, adapter, config.latency, bs)
+    tiers = Tiers(config.tiers, [nd.node_id for nd in nodes], bs) if config.tiers.active else None
+    run = _Run(nodes, adapter, config.latency, bs, tiers)
     overhead: list[float] = []
     decisions: list[str] = []
     uses_index = policy.uses_index
     by_key = {nd.key: nd for nd in nodes}
+    by_id = {nd.node_id: nd for nd in nodes}
     now = 0.0
     total = len(workload.requests)
     for routed, req in enumerate(workload.requests):
@@ -381,10 +426,16 @@ def _simulate(
         adapter.sync()
         t0 = time.perf_counter()
         matches = adapter.match(req.hashes) if uses_index else []
-        decision = policy.choose(route, candidates_from_matches(node_loads, matches))
+        if tiers is not None and uses_index:
+            candidates = tiers.candidates(node_loads, matches, req.hashes, adapter.match)
+        else:
+            candidates = candidates_from_matches(node_loads, matches)
+        decision = policy.choose(route, candidates)
         overhead.append((time.perf_counter() - t0) * 1e6)
         if len(decisions) < keep_decisions:
             decisions.append(f"{req.request_id}: {decision.why}")
-        run.enqueue(by_key[decision.key], req, decision.matched_blocks, now)
+        puller = by_id.get(decision.pull.rpartition(":")[0]) if decision.pull else None  # "node-i:8000"
+        peer = puller.idx if puller is not None else -1
+        run.enqueue(by_key[decision.key], req, decision.matched_blocks, now, peer)
     now = run.finish_until(math.inf, now)
     return run.result(policy.name, total, now, overhead, decisions)

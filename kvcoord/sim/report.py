@@ -49,6 +49,7 @@ def summarize(r: PolicyResult) -> dict[str, Any]:
         "overhead_us_mean": round(sum(r.overhead_us) / len(r.overhead_us), 2) if r.overhead_us else 0.0,
         "overhead_us_p99": round(percentile(r.overhead_us, 99), 2),
         "sample_decisions": r.sample_decisions,
+        **{f"hit_tokens_{where}": n for where, n in r.tier_hit_tokens.items()},
     }
 
 
@@ -114,6 +115,33 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
     return "\n".join([line(heads), sep, *(line(c) for c in cells)])
+
+
+_SOURCES = (("gpu", "GPU hits"), ("cpu", "CPU tier (evicted from GPU)"), ("pool", "pool"),
+            ("pull", "pulled from peers"))
+
+
+def breakdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Where each policy's saved prefill tokens came from (GPU, CPU tier, pool, peer pulls), and why the
+    index-backed policy beats the router's own memory: the table plus one line per comparison."""
+    rows = [r for r in rows if "hit_tokens_gpu" in r]
+    if not rows:
+        return ""
+    lines = ["| policy | saved tokens | " + " | ".join(h for _, h in _SOURCES) + " |",
+             "|---|---:|" + "---:|" * len(_SOURCES)]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['hit_tokens']:,} | "
+                     + " | ".join(f"{r[f'hit_tokens_{k}']:,}" for k, _ in _SOURCES) + " |")
+    by = {r["policy"]: r for r in rows}
+    index, memory = by.get("prefix-aware"), by.get("approximate")
+    if index is not None and memory is not None and memory["hit_tokens"] > 0:
+        more = index["hit_tokens"] / memory["hit_tokens"] - 1
+        why = ", ".join(f"{index[f'hit_tokens_{k}'] - memory[f'hit_tokens_{k}']:+,} {h}" for k, h in _SOURCES)
+        lines.append(f"\nprefix-aware (index) saves {more:+.1%} prefill tokens vs approximate (router "
+                     "memory): "
+                     f"{why}; the index sees CPU-tier and pool residency, evictions and peers, the router's "
+                     "memory sees only what it sent where.")
+    return "\n".join(lines)
 
 
 def check_plotting() -> None:

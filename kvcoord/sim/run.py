@@ -18,7 +18,8 @@ from kvcoord.index import open_index
 from kvcoord.index.base import Index
 from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
 from kvcoord.sim.cluster import ClusterConfig, SimBackend, simulate
-from kvcoord.sim.report import average_seeds, check_plotting, plot, summarize, table
+from kvcoord.sim.report import average_seeds, breakdown, check_plotting, plot, summarize, table
+from kvcoord.sim.tiers import TierConfig
 from kvcoord.sim.workload import SyntheticSpec, Workload, load_mooncake, synthetic
 
 if TYPE_CHECKING:
@@ -63,6 +64,12 @@ class SimulateConfig:
     coordinator_security: ChannelSecurity | None = None
     policies: str = "prefix-aware,approximate,least-loaded,round-robin,random"
     ttl: float = 120.0
+    cpu_blocks_per_node: int = 0
+    cpu_reload_us_per_block: float = 20.0
+    pool_blocks: int = 0
+    pool_nodes: int = 0
+    pool_load_us_per_block: float = 200.0
+    pull_us_per_block: float | None = None
     seed: int = 0
     seeds: int = 1
     jobs: int = 1
@@ -156,8 +163,15 @@ def _cluster(args: SimulateConfig, workload: Workload) -> ClusterConfig:
     mean_out = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
     latency = LatencyModel.from_flags(prefill_us_per_token=args.prefill_us_per_token,
                                       decode_ms_per_token=args.decode_ms_per_token,
-                                      max_running=args.max_running, mean_output_tokens=mean_out)
-    return ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency)
+                                      max_running=args.max_running, mean_output_tokens=mean_out,
+                                      pull_us_per_block=args.pull_us_per_block)
+    if args.pool_nodes > args.nodes:
+        raise ValueError(f"--pool-nodes {args.pool_nodes} is more than --nodes {args.nodes}")
+    tiers = TierConfig(cpu_blocks=args.cpu_blocks_per_node, cpu_reload_s=args.cpu_reload_us_per_block / 1e6,
+                       pool_blocks=args.pool_blocks, pool_nodes=args.pool_nodes,
+                       pool_load_s=args.pool_load_us_per_block / 1e6,
+                       pull_s=None if args.pull_us_per_block is None else args.pull_us_per_block / 1e6)
+    return ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency, tiers=tiers)
 
 
 def _run_jobs(args: SimulateConfig, names: list[str], workload: Workload, profile: HashProfile,
@@ -199,6 +213,12 @@ def _report(args: SimulateConfig, workload: Workload, profile: HashProfile, conf
             "prefill_us_per_token": args.prefill_us_per_token,
             "decode_ms_per_token": args.decode_ms_per_token,
             "index": f"coordinator {args.coordinator}" if args.coordinator else args.index,
+            "cpu_blocks_per_node": args.cpu_blocks_per_node,
+            "cpu_reload_us_per_block": args.cpu_reload_us_per_block,
+            "pool_blocks": args.pool_blocks,
+            "pool_nodes": args.pool_nodes or (config.nodes if args.pool_blocks else 0),
+            "pool_load_us_per_block": args.pool_load_us_per_block,
+            "pull_us_per_block": args.pull_us_per_block,
         },
         "seed": args.seed,
         "seeds": args.seeds,
@@ -213,6 +233,9 @@ def run_simulate(args: SimulateConfig) -> None:
     """Replay the workload under every requested policy; the table on stdout, JSON/PNG when asked."""
     if args.coordinator is not None and args.index != "memory":
         raise ValueError("give --index or --coordinator, not both")
+    if args.coordinator is not None and (args.cpu_blocks_per_node or args.pool_blocks
+                                         or args.pull_us_per_block is not None):
+        raise ValueError("the CPU tier, pool and pull flags need the in-process index, not --coordinator")
     if args.plot is not None:
         check_plotting()  # before minutes of simulation, not after
     names = _policies(args.policies)
@@ -231,7 +254,10 @@ def run_simulate(args: SimulateConfig) -> None:
     )
     runs = _run_jobs(args, names, workload, profile, config)
     rows = [average_seeds([r for r in runs if r["policy"] == name]) for name in names]
-    print(table(rows), file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(table(rows), file=out, flush=True)
+    if config.tiers.active:
+        print("\nwhere the saved prefill tokens came from:\n" + breakdown(rows), file=out, flush=True)
     if args.json is not None:
         text = json.dumps(_report(args, workload, profile, config, rows, runs), indent=2)
         if args.json == "-":
