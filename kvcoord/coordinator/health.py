@@ -175,17 +175,11 @@ class IndexHealth:
             except IndexReset as exc:
                 await self.index_reset(exc, "write")
             except WriteNotReplicated as exc:
-                # Applied on the primary, not confirmed by its replicas: unacked and retried (idempotent),
-                # but the index serves, so health stays up (lookups answer; only durability is short).
+                # Applied on the primary, not confirmed by its replicas: unacked and retried (idempotent)
+                # with the backoff below, but health stays up (lookups answer; only durability is short),
+                # so the probe there passes at once.
                 self.log_once("index-wait-short", logging.WARNING, "index %s: %s; keeping the work unacked "
                               "and retrying (logged once)", what, exc)
-                if keep_alive is not None:
-                    self.heard(keep_alive)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX)
-                if still_wanted is not None and not still_wanted():
-                    return False, None
-                continue
             except Exception as exc:
                 self.log_once(
                     f"index-fail:{type(exc).__name__}",
