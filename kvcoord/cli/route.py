@@ -25,6 +25,7 @@ from kvcoord.cli.common import (
     use_uvloop,
 )
 from kvcoord.gateway import POLICIES
+from kvcoord.tokenize.media import DEFAULT_IMAGE_PLACEHOLDER, DEFAULT_IMAGE_TOKENS
 
 if TYPE_CHECKING:
     from kvcoord.gateway.route import RouteConfig
@@ -88,6 +89,13 @@ def add(sub: Subparsers) -> None:
                         "or an engine URL (its /tokenize); lookups then go by token ids and the policy "
                         "remembers prefixes routed but not yet reported, so a burst sharing a new prefix "
                         "stays together")
+    p.add_argument("--image-tokens", type=POSITIVE_INT, default=DEFAULT_IMAGE_TOKENS, metavar="N",
+                   help="with --tokenizer: placeholder tokens per image part, as the model's processor "
+                        f"expands it (default {DEFAULT_IMAGE_TOKENS}; the coordinator's is image_tokens "
+                        "in [models])")
+    p.add_argument("--image-placeholder", default=DEFAULT_IMAGE_PLACEHOLDER, metavar="TEXT",
+                   help="with --tokenizer: the one token an image renders as before expansion "
+                        f"(default {DEFAULT_IMAGE_PLACEHOLDER})")
     add_reserve(p)
     add_pd(p, "the request goes whole to the decode node")
     g = p.add_argument_group("sessions and keys")
@@ -133,8 +141,13 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
         keys = load_keys(args.api_keys) if args.api_keys else {}
     except KeyFileError as exc:
         raise CliError(str(exc)) from None
+    from kvcoord.tokenize.media import MediaRule
+
     sessions = SessionConfig(args.session_ttl, args.max_sessions, args.session_bonus_tokens)
-    return RouteConfig(sessions=sessions, api_keys=keys, pd=pd_config(args),
+    if not args.image_placeholder.strip():
+        raise CliError("--image-placeholder: must not be empty")
+    return RouteConfig(media=MediaRule(args.image_placeholder, args.image_tokens),
+                       sessions=sessions, api_keys=keys, pd=pd_config(args),
                        coordinator=args.coordinator, security=security(args), listen=args.listen,
                        backends=backends, model=args.model, deadline_ms=args.deadline_ms,
                        policy=args.policy, degraded=args.degraded, latency=cost_model(args),

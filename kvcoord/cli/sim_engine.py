@@ -123,6 +123,9 @@ def _add_http(p: argparse.ArgumentParser) -> None:
     h.add_argument("--decode-ms-per-token", type=NONNEG_FLOAT, default=0.0,
                    help="one decode step, shared by the running batch; replaces --token-interval "
                         "(default 0: off)")
+    h.add_argument("--image-tokens", type=POSITIVE_INT, default=576,
+                   help="placeholder tokens per image part of a chat: each image renders as one <image> "
+                        "token before its message's text, expanded to this many (default 576, LLaVA-1.5's)")
     h.add_argument("--max-batch-tokens", type=NONNEG_INT, default=0,
                    help="tokens per engine step, decodes first, the rest chunks prefills (vLLM's "
                         "--max-num-batched-tokens; default 0: one whole prompt per prefill step)")

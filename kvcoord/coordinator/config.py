@@ -31,7 +31,8 @@ from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
 from kvcoord.index.uri import parse_index_uri
 from kvcoord.media import parse_media
-from kvcoord.tokenize import ChatTemplateContentFormat, TokenizerSpec
+from kvcoord.tokenize import ChatTemplateContentFormat, MediaRule, TokenizerSpec
+from kvcoord.tokenize.media import DEFAULT_IMAGE_PLACEHOLDER, DEFAULT_IMAGE_TOKENS
 
 EXAMPLE_TOML = """\
 listen = "127.0.0.1:50051"          # gRPC HOST:PORT
@@ -232,7 +233,7 @@ def env_seed() -> str | None:
 
 
 _TOKENIZER_KEYS = {"tokenizer", "chat_template", "chat_template_content_format",
-                   "default_chat_template_kwargs", "tokenizer_timeout"}
+                   "default_chat_template_kwargs", "tokenizer_timeout", "image_tokens", "image_placeholder"}
 _CONTENT_FORMATS = ("auto", "string", "openai")
 
 
@@ -278,6 +279,9 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
         chat_template=local("chat_template") if "chat_template" in table else None,
         chat_template_content_format=cast(ChatTemplateContentFormat, content_format),
         default_chat_template_kwargs=kwargs,
+        media=MediaRule(as_str(f"{where}.image_placeholder", table.get("image_placeholder",
+                                                                       DEFAULT_IMAGE_PLACEHOLDER)),
+                        as_int(f"{where}.image_tokens", table.get("image_tokens", DEFAULT_IMAGE_TOKENS))),
     )
     return ModelConfig(name, profile, spec, seed)
 

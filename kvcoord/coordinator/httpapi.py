@@ -45,7 +45,15 @@ from kvcoord.coordinator.engines import (
 )
 from kvcoord.coordinator.httpbody import BadBody, check_u64, decode_body, decode_fast
 from kvcoord.coordinator.httpd import JSON, Request, Response, Route, json_error
-from kvcoord.coordinator.lookup import INVALID, NO_PROFILE, NOT_FOUND, LiveMatch, LookupFailed, Lookups
+from kvcoord.coordinator.lookup import (
+    INVALID,
+    NO_PROFILE,
+    NOT_FOUND,
+    LiveMatch,
+    LookupFailed,
+    Lookups,
+    prompt_keys,
+)
 from kvcoord.coordinator.nodeinfo import profile_json
 from kvcoord.coordinator.pools import check_pool_hello
 from kvcoord.events import Tier
@@ -280,13 +288,11 @@ class HttpApi:
     async def _query_text(self, model: str, body: FastQueryBody | QueryBody, t0: float) -> Response:
         """A lookup by ``prompt`` or chat ``messages``: tokenized as the engine does, then by tokens."""
         try:
-            ids = await self.lookups.tokens_of(
+            ids, mm_items = await self.lookups.tokens_of(
                 model, prompt=body.prompt, messages=body.messages, tools=body.tools,
                 add_special_tokens=body.add_special_tokens, add_generation_prompt=body.add_generation_prompt,
                 chat_template_kwargs=body.chat_template_kwargs)
-            keys = None
-            if body.lora_name or body.cache_salt:
-                keys = RequestKeys(lora_name=body.lora_name or None, cache_salt=body.cache_salt or None)
+            keys = prompt_keys(mm_items, body.lora_name, body.cache_salt)
             tokens = array("I", ids)
             profile, hashes = self.lookups.hash_tokens(model, tokens, keys)
             answer = self._answer(model, profile.block_size, hashes, len(tokens), body.include_unmatched,

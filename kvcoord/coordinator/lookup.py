@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.pools import POOL_PREFIX, PullHint, pull_hints
-from kvcoord.hashing import BlockHash64, HashProfile, RequestKeys, block_hashes64
+from kvcoord.hashing import BlockHash64, HashProfile, MultiModalItem, RequestKeys, block_hashes64
 from kvcoord.index.base import IndexReset, NodeKey, NodeMatch
 from kvcoord.load import NodeLoad
 from kvcoord.tokenize import TokenizeError
@@ -34,6 +34,14 @@ TOKENIZER_DOWN = "tokenizer_down"
 
 log = logging.getLogger("kvcoord.coordinator")
 
+
+
+def prompt_keys(mm_items: tuple[MultiModalItem, ...], lora_name: str | None,
+                cache_salt: str | None) -> RequestKeys | None:
+    """The extra keys of a lookup by prompt or chat: its images' items, LoRA and salt (None: none)."""
+    if not (mm_items or lora_name or cache_salt):
+        return None
+    return RequestKeys(lora_name=lora_name or None, cache_salt=cache_salt or None, mm_items=mm_items)
 
 class LookupFailed(Exception):
     """A refused lookup: ``kind`` (one of the constants above) picks the status, ``message`` is one line."""
@@ -122,10 +130,12 @@ class Lookups:
     async def tokens_of(self, model: str, *, prompt: str | None = None, messages: Sequence[Any] | None = None,
                         tools: Sequence[Any] | None = None, add_special_tokens: bool | None = None,
                         add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                        chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                        chat_template_kwargs: Mapping[str, Any] | None = None
+                        ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """The token ids the engine's OpenAI server makes of a completion ``prompt`` or chat ``messages``
-        (its defaults: special tokens added to a prompt, not to a rendered chat). A tokenizer that cannot
-        answer fails the lookup, naming the model: it never becomes a lookup of nothing."""
+        (its defaults: special tokens added to a prompt, not to a rendered chat), and the chat's images
+        as multimodal items (:mod:`kvcoord.tokenize.media`). A tokenizer that cannot answer fails the
+        lookup, naming the model: it never becomes a lookup of nothing."""
         if (prompt is None) == (messages is None):
             raise LookupFailed(INVALID, "give exactly one of a prompt or chat messages")
         self.hashing_profile(model)  # before spending milliseconds on tokens that could not be hashed
@@ -137,9 +147,9 @@ class Lookups:
         try:
             if prompt is not None:
                 return await cache.encode_prompt(model, prompt, add_special_tokens=add_special_tokens
-                                                 if add_special_tokens is not None else True)
+                                                 if add_special_tokens is not None else True), ()
             assert messages is not None
-            return await cache.encode_chat(
+            return await cache.encode_chat_items(
                 model, messages, tools=tools,
                 add_generation_prompt=add_generation_prompt if add_generation_prompt is not None else True,
                 continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,

@@ -33,6 +33,7 @@ from kvcoord.coordinator.lookup import (
     UNIMPLEMENTED,
     LookupFailed,
     Lookups,
+    prompt_keys,
 )
 from kvcoord.coordinator.nodeinfo import node_info, remote_node_info, with_model_profile
 from kvcoord.coordinator.outbox import Outbox
@@ -373,6 +374,7 @@ class CoordinatorServicer:
         which = request.WhichOneof("query")
         hashes: Sequence[BlockHash64]
         block_size = num_tokens = 0
+        keys: RequestKeys | None
         if which == "tokens":
             q = request.tokens
             try:
@@ -402,11 +404,10 @@ class CoordinatorServicer:
             block_size = known.block_size if known is not None else 0
         elif which == "prompt":
             pq = request.prompt
-            tokens = array("I", await lookups.tokens_of(model, **_prompt_query(pq)))
-            keys = None
-            if pq.HasField("lora_name") or pq.HasField("cache_salt"):
-                keys = RequestKeys(lora_name=pq.lora_name if pq.HasField("lora_name") else None,
-                                   cache_salt=pq.cache_salt if pq.HasField("cache_salt") else None)
+            ids, mm_items = await lookups.tokens_of(model, **_prompt_query(pq))
+            tokens = array("I", ids)
+            keys = prompt_keys(mm_items, pq.lora_name if pq.HasField("lora_name") else None,
+                               pq.cache_salt if pq.HasField("cache_salt") else None)
             profile, hashes = lookups.hash_tokens(model, tokens, keys)
             block_size, num_tokens = profile.block_size, len(tokens)
         else:

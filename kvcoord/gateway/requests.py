@@ -13,7 +13,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from kvcoord.extra_keys import MultiModalItem
 from kvcoord.tokenize import Tokenizer
+from kvcoord.tokenize.media import MediaRule, encode_media_chat, has_media
 from kvcoord.validate import MAX_JSON_DEPTH, json_too_deep
 
 __all__ = ["BadRequest", "NotAskable", "body_query", "json_object", "query_of_body", "tokenize"]
@@ -125,17 +127,20 @@ def query_of_body(body: bytes, complete: bool = True) -> tuple[str, dict[str, An
     return model, body_query(data)
 
 
-async def tokenize(tokenizer: Tokenizer, query: Mapping[str, Any]) -> list[int]:
+async def tokenize(tokenizer: Tokenizer, query: Mapping[str, Any],
+                   media: MediaRule | None = None) -> tuple[list[int], tuple[MultiModalItem, ...]]:
     """The prompt ids of :func:`body_query` keywords, with the engine's defaults (the front door's own
-    tokenizer: ``continue_final_message`` is rendered too)."""
+    tokenizer: ``continue_final_message`` is rendered too), and the chat's images as multimodal items
+    (placed by ``media``, :mod:`kvcoord.tokenize.media`)."""
     if "tokens" in query:
-        return list(query["tokens"])
+        return list(query["tokens"]), ()
     if "prompt" in query:
         return await tokenizer.encode_prompt(query["prompt"],
-                                             add_special_tokens=query.get("add_special_tokens", True))
-    return await tokenizer.encode_chat(
-        query["messages"], tools=query.get("tools"),
-        add_generation_prompt=query.get("add_generation_prompt", True),
-        continue_final_message=query.get("continue_final_message", False),
-        chat_template_kwargs=query.get("chat_template_kwargs"),
-        add_special_tokens=query.get("add_special_tokens", False))
+                                             add_special_tokens=query.get("add_special_tokens", True)), ()
+    chat = {"tools": query.get("tools"), "add_generation_prompt": query.get("add_generation_prompt", True),
+            "continue_final_message": query.get("continue_final_message", False),
+            "chat_template_kwargs": query.get("chat_template_kwargs"),
+            "add_special_tokens": query.get("add_special_tokens", False)}
+    if has_media(query["messages"]):
+        return await encode_media_chat(tokenizer, query["messages"], media or MediaRule(), **chat)
+    return await tokenizer.encode_chat(query["messages"], **chat), ()

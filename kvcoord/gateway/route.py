@@ -34,6 +34,7 @@ from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import KV_SOURCE_HEADER, Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import Decision, LatencyModel, make_policy
+from kvcoord.tokenize import MediaRule
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
 from .apis import API, ENDPOINT_API, as_lookup_body, error_body
@@ -44,6 +45,16 @@ from .nodes import Prefill
 from .requests import BadRequest, json_object
 from .reserve import DEFAULT_TTL, ReserveStream
 from .route_backends import Backends
+from .route_http import (
+    Client,
+    covered,
+    encoded,
+    header_safe,
+    if_available,
+    upstream_body,
+    upstream_headers,
+    with_media_ids,
+)
 from .route_metrics import RouteMetrics, predicted_tokens
 from .route_pd import PdRouter
 from .route_place import Placer, Plan, node_label
@@ -55,11 +66,6 @@ __all__ = ["RouteConfig", "RouteServer", "serve_route"]
 
 log = logging.getLogger("kvcoord.route")
 
-_HOP = frozenset({"host", "content-length", "content-type", "connection", "keep-alive", "transfer-encoding",
-                  "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
-                  KV_SOURCE_HEADER})
-"""Request headers not forwarded: hop-by-hop ones, and those the router sets itself."""
-_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
 _DONE = b"data: [DONE]\n\n"
 _API_PATHS = {"/v1/messages": "messages", "/v1/responses": "responses", "/inference/v1/generate": "generate"}
 """Endpoints besides completions and chat (:mod:`kvcoord.gateway.apis` maps their prompts)."""
@@ -94,6 +100,9 @@ class RouteConfig:
     tokenizer: str | None = None
     """The engines' tokenizer (a local directory, or an engine URL for its /tokenize): the router then
     looks up by token ids and remembers the blocks it routed (see :mod:`kvcoord.gateway.route_place`)."""
+    media: MediaRule = field(default_factory=MediaRule)
+    """How images lay into the prompt when the router tokenizes (``--image-tokens``, ``--image-placeholder``;
+    :mod:`kvcoord.tokenize.media`)."""
     reserve: bool = True
     """Share picks with the other routers of the coordinator (:mod:`kvcoord.gateway.reserve`)."""
     reserve_ttl: float = DEFAULT_TTL
@@ -109,28 +118,6 @@ class RouteConfig:
 def _openai_error(status: int, message: str, kind: str = "BadRequestError",
                   api: API = "openai") -> web.Response:
     return web.json_response(error_body(api, status, message, kind), status=status)
-
-
-def _if_available(request: web.Request) -> bool:
-    """llm-d's ``Prefer: if-available``: serve only where the prompt is cached, else 412."""
-    prefs = ",".join(request.headers.getall("Prefer", [])).lower()
-    return any(p.split(";")[0].strip() == "if-available" for p in prefs.split(","))
-
-
-def _covered(plan: Plan) -> list[Candidate]:
-    """The candidates holding every block of the prompt a hit can use (all but the block of its last
-    token, as vLLM computes that one; at least one block)."""
-    r = plan.request
-    need = max(1, (r.num_tokens - 1) // r.block_size)
-    return [c for c in plan.candidates if c.matched_blocks >= need] if plan.prefix_aware else []
-
-
-def _header_safe(text: str, limit: int = 512) -> str:
-    """Printable ASCII only (a header value); the common case, already so, skips the per-character pass."""
-    text = text[:limit]
-    if text.isascii() and text.isprintable():
-        return text
-    return "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in text)
 
 
 @dataclass(slots=True)
@@ -161,6 +148,7 @@ class RouteServer:
                                            timeout=config.rpc_timeout) if config.coordinator else None)
         policy = make_policy(config.policy, config.seed, degraded=config.degraded, latency=config.latency)
         self.placer = Placer(self.client, self.backends, policy, self.metrics, seed=config.seed)
+        self.placer.media = config.media
         if self.client is not None and policy.uses_index and config.reserve:
             self.placer.reserve = ReserveStream(self.client, log, ttl=config.reserve_ttl,
                                                 on_change=lambda up: self.metrics.shared_view.set(int(up)))
@@ -362,6 +350,8 @@ class RouteServer:
         raw = await request.read()
         try:
             body = json_object(raw)
+            if (tagged := with_media_ids(endpoint, body)) is not None:
+                body, raw = tagged, encoded(tagged)
             shaped, chat = as_lookup_body(endpoint, body)
         except BadRequest as exc:
             self.metrics.requests.labels(endpoint, "bad_request").inc()
@@ -373,16 +363,16 @@ class RouteServer:
                                  api=api)
         plan = await self.placer.plan(model, dict(shaped), chat=chat)
         plan.started = t0
-        if _if_available(request):
-            plan.candidates = _covered(plan)
+        if if_available(request):
+            plan.candidates = covered(plan)
             if not plan.candidates:
                 self.placer.unreserve(plan.reserve_id)
                 self.metrics.requests.labels(endpoint, "not_cached").inc()
                 return _openai_error(412, "Prefer: if-available: no node holds this prompt's prefix "
                                      f"({plan.reason or 'not cached'})", "PreconditionFailed", api=api)
         openai = endpoint in ("completions", "chat")  # the others' streams carry usage unasked
-        headers = _upstream_headers(request, strip_keys=self.keys.enabled)
-        client = _Client(self.sessions.session_id(request.headers, body), key)
+        headers = upstream_headers(request, strip_keys=self.keys.enabled)
+        client = Client(self.sessions.session_id(request.headers, body), key)
         try:
             if self.pd is not None:  # vLLM's disaggregated protocol is its OpenAI API's: others go whole
                 staged = await self.pd.stage(plan, body, request.path, headers, remote=openai)
@@ -390,8 +380,8 @@ class RouteServer:
                     self.metrics.requests.labels(endpoint, "upstream_error").inc()
                     return staged
                 if staged is not body:
-                    body, raw = staged, json.dumps(staged, separators=(",", ":")).encode()
-            payload, strip_usage = _payload(raw, body) if openai else (raw, False)
+                    body, raw = staged, encoded(staged)
+            payload, strip_usage = upstream_body(raw, body) if openai else (raw, False)
             resp = await self._attempts(request, endpoint, plan, payload, strip_usage, t0, headers, client)
         finally:
             self.placer.unreserve(plan.reserve_id)
@@ -400,7 +390,7 @@ class RouteServer:
 
     async def _attempts(self, request: web.Request, endpoint: str, plan: Plan, payload: bytes,
                         strip_usage: bool, t0: float, headers: dict[str, str],
-                        client: _Client) -> web.StreamResponse:
+                        client: Client) -> web.StreamResponse:
         path = request.path
         headers = {**headers, **plan.send_headers}
         attempts = 0
@@ -435,7 +425,7 @@ class RouteServer:
     def _route_headers(self, plan: Plan, attempt: _Attempt, attempts: int) -> dict[str, str]:
         d, c = attempt.decision, attempt.chosen
         out = {"x-kvcoord-node": node_label(d.key), "x-kvcoord-prefix-aware": "true" if plan.prefix_aware
-               else "false", "x-kvcoord-reason": _header_safe(d.why if plan.prefix_aware or plan.policy
+               else "false", "x-kvcoord-reason": header_safe(d.why if plan.prefix_aware or plan.policy
                                                              else f"{plan.reason}; {d.why}"),
                "x-kvcoord-attempts": str(attempts)}
         if d.pull:
@@ -554,38 +544,6 @@ class RouteServer:
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof(held)
         return resp
-
-
-@dataclass(frozen=True, slots=True)
-class _Client:
-    """Who sent the request: its session id ("" when none) and API key (None when keys are off)."""
-
-    session: str
-    key: ApiKey | None
-
-
-def _upstream_headers(request: web.Request, *, strip_keys: bool = False) -> dict[str, str]:
-    """The client's headers as the engines get them (hop-by-hop ones dropped, bodies uncompressed; the
-    client's router key too when the router checks keys: it is this router's secret, not the engines')."""
-    drop = _HOP | _KEY_HEADERS if strip_keys else _HOP
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
-    headers["Content-Type"] = "application/json"
-    headers["Accept-Encoding"] = "identity"  # bodies pass through as they are: never compressed
-    return headers
-
-
-def _payload(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
-    """The body to send upstream, and whether the router asked for usage the client did not ask for."""
-    if body.get("stream") is not True:
-        return raw, False
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage"):
-        return raw, False
-    if options is not None and not isinstance(options, dict):
-        return raw, False  # malformed: the engine says how
-    new = dict(body)
-    new["stream_options"] = {**(options or {}), "include_usage": True}
-    return json.dumps(new, separators=(",", ":")).encode(), True
 
 
 async def serve_route(config: RouteConfig, stop: asyncio.Event) -> None:

@@ -22,7 +22,7 @@ import grpc
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.router.policy import Decision, LeastLoadedPolicy, Policy, RouteRequest, place
-from kvcoord.tokenize import Tokenizer
+from kvcoord.tokenize import MediaRule, Tokenizer
 from kvcoord.transport import TOKENIZER_CAUSE
 
 from .outage import Outages, is_outage
@@ -91,6 +91,8 @@ class Placer:
                  seed: int | None = None, tokenizer: Tokenizer | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        self.media = MediaRule()
+        """How images lay into the prompt when this router tokenizes (``--image-tokens``)."""
         self.backends = backends
         self.policy = policy
         self.fallback_policy = LeastLoadedPolicy(seed)
@@ -128,12 +130,12 @@ class Placer:
         tokens: list[int] | None = None
         if self.tokenizer is not None:
             try:
-                tokens = await tokenize(self.tokenizer, query)
+                tokens, mm_items = await tokenize(self.tokenizer, query, self.media)
             except ValueError as exc:  # TokenizeError, an invalid chat: the engine will say how
                 self.metrics.degraded.labels("tokenize_error").inc()
                 return self._degraded(model, "tokenize_error", str(exc))
             salt = {"cache_salt": query["cache_salt"]} if "cache_salt" in query else {}
-            query = {"tokens": tokens, **salt}
+            query = {"tokens": tokens, **salt, **({"mm_items": mm_items} if mm_items else {})}
         elif query.pop("continue_final_message", False):
             self.metrics.degraded.labels("unsupported_prompt").inc()
             return self._degraded(model, "unsupported_prompt", "the index cannot be asked about "

@@ -99,6 +99,8 @@ class SimEngineConfig:
     """One decode step, shared by the running batch (0: ``token_interval`` per token, as before)."""
     max_batch_tokens: int = 0
     """Tokens per engine step (chunked prefill's budget; 0: one whole prompt per prefill step)."""
+    image_tokens: int = 576
+    """Placeholder tokens per image of an HTTP chat (:mod:`kvcoord.tokenize.media`; ``<image>`` each)."""
     lookup_coordinator: str | None = None
     lookup_model: str | None = None
     lookup_node_id: str | None = None
@@ -471,7 +473,8 @@ async def _main(engine: SimEngine, config: SimEngineConfig) -> None:
 
             server = SimHttpServer(engine, model=config.model, token_interval=config.token_interval,
                                    default_max_tokens=config.output_len, dp_rank=config.dp_rank,
-                                   pull_us_per_block=config.pull_us_per_block, kv_role=config.kv_role)
+                                   pull_us_per_block=config.pull_us_per_block, kv_role=config.kv_role,
+                                   image_tokens=config.image_tokens)
             await server.start(config.http_listen)
         await driver.run()
     finally:

@@ -16,6 +16,8 @@ generation always runs to ``max_tokens`` (no EOS, ``stop`` is ignored) and defau
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -29,11 +31,20 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvcoord.hashing import RequestKeys
+from kvcoord.hashing import MultiModalItem, RequestKeys
 from kvcoord.router.answer import KV_SOURCE_HEADER
 from kvcoord.sim import pd, toktok
 from kvcoord.sim.http_apis import add_api_routes
 from kvcoord.sim.pull import PEER_PATH, PeerPuller, peer_handler
+from kvcoord.tokenize.base import InvalidChat
+from kvcoord.tokenize.media import (
+    DEFAULT_IMAGE_TOKENS,
+    MediaRule,
+    assign_uuids,
+    expand_placeholders,
+    has_media,
+    with_placeholders,
+)
 from kvcoord.transport import ListenError, split_hostport
 
 if TYPE_CHECKING:
@@ -203,14 +214,38 @@ def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _chat_prompt(body: dict[str, Any]) -> list[int]:
-    """``messages`` rendered with the toy template and tokenized (vLLM's chat defaults)."""
+def _own_ids(messages: list[Any]) -> list[Any]:
+    """Image parts without a ``uuid`` get the engine's own identifier. vLLM's is a BLAKE3 digest of the
+    decoded pixels, which no router reproduces; the sim-engine's is a digest of the router's one, so that
+    here too only a forwarded uuid keys the blocks as the router hashed them."""
+    given = [[isinstance(p, dict) and p.get("uuid") is not None for p in m["content"]]
+             if isinstance(m, dict) and isinstance(m.get("content"), list) else [] for m in messages]
+    out = assign_uuids(messages)
+    for msg, had in zip(out, given, strict=True):
+        for j, part_had in enumerate(had):
+            part = msg["content"][j]
+            if not part_had and isinstance(part, dict) and "uuid" in part:
+                digest = hashlib.blake2b(part["uuid"].encode(), digest_size=16).hexdigest()
+                msg["content"][j] = {**part, "uuid": f"sim-{digest}"}
+    return out
+
+
+def _chat_prompt(body: dict[str, Any], media: MediaRule) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+    """``messages`` rendered with the toy template and tokenized (vLLM's chat defaults), and its images:
+    each an ``<image>`` expanded to ``media.tokens``, identified by the part's ``uuid`` (vLLM's
+    ``multi_modal_uuids``) or else by the engine's own digest of its URL (:mod:`kvcoord.tokenize.media`)."""
+    messages = body.get("messages")
     try:
-        return toktok.tokenize_chat(
-            body.get("messages"), add_generation_prompt=_bool_field(body, "add_generation_prompt", True),
-            continue_final_message=_bool_field(body, "continue_final_message", False),
-            add_special_tokens=_bool_field(body, "add_special_tokens", False), tools=body.get("tools"))
-    except toktok.ChatTemplateError as exc:
+        options: dict[str, Any] = {
+            "add_generation_prompt": _bool_field(body, "add_generation_prompt", True),
+            "continue_final_message": _bool_field(body, "continue_final_message", False),
+            "add_special_tokens": _bool_field(body, "add_special_tokens", False), "tools": body.get("tools")}
+        if not has_media(messages):
+            return toktok.tokenize_chat(messages, **options), ()
+        assert isinstance(messages, list)
+        text_only, uuids = with_placeholders(_own_ids(messages), media)
+        return expand_placeholders(toktok.tokenize_chat(text_only, **options), toktok.IMAGE, uuids, media)
+    except (toktok.ChatTemplateError, InvalidChat) as exc:
         raise _BadRequest(str(exc), param="messages") from None
 
 
@@ -219,8 +254,9 @@ class SimHttpServer:
 
     def __init__(self, engine: SimEngine, *, model: str, token_interval: float, default_max_tokens: int,
                  dp_rank: int = 0, pull_us_per_block: float | None = None,
-                 kv_role: str | None = None) -> None:
+                 kv_role: str | None = None, image_tokens: int = DEFAULT_IMAGE_TOKENS) -> None:
         self.engine = engine
+        self.media = MediaRule("<image>", image_tokens)
         self.puller = PeerPuller(engine, pull_us_per_block / 1e6) if pull_us_per_block is not None else None
         """Honours llm-d's peer-pull header (kvcoord.sim.pull); None: ignores it."""
         self.kv = pd.KvConnector(kv_role) if kv_role else None
@@ -286,7 +322,8 @@ class SimHttpServer:
                               param="model")
         return body
 
-    def _params(self, body: dict[str, Any], prompt: list[int], *, chat: bool) -> _Params:
+    def _params(self, body: dict[str, Any], prompt: list[int], *, chat: bool,
+                mm_items: tuple[MultiModalItem, ...] = ()) -> _Params:
         if not prompt:
             raise _BadRequest("the prompt is empty", param="prompt")
         max_tokens = _int_field(body, "max_completion_tokens", minimum=1) if chat else None
@@ -310,6 +347,8 @@ class SimHttpServer:
             raise _BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.",
                               param="cache_salt")
         keys = RequestKeys(cache_salt=salt) if salt is not None else self.engine.keys
+        if mm_items:
+            keys = dataclasses.replace(keys or RequestKeys(), mm_items=mm_items)
         include_usage = bool(options is not None and options.get("include_usage", True))
         try:
             kv = self.kv.parse(body) if self.kv is not None else None
@@ -331,7 +370,8 @@ class SimHttpServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await self._body(request)
-            params = self._params(body, _chat_prompt(body), chat=True)
+            prompt, items = _chat_prompt(body, self.media)
+            params = self._params(body, prompt, chat=True, mm_items=items)
         except _BadRequest as exc:
             return exc.response()
         return await self._serve(request, params, chat=True)
@@ -414,7 +454,7 @@ class SimHttpServer:
         try:
             body = await self._body(request)
             if "messages" in body:
-                tokens = _chat_prompt(body)
+                tokens = _chat_prompt(body, self.media)[0]
             elif isinstance(body.get("prompt"), str):
                 tokens = _completion_prompt(body)
             else:

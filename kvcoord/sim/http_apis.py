@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kvcoord.extra_keys import MultiModalItem
 from kvcoord.gateway.apis import anthropic_messages, error_body, generate_prompt, responses_messages
 from kvcoord.gateway.requests import BadRequest
 from kvcoord.sim import toktok
@@ -68,9 +69,10 @@ class _Apis:
 
     async def _start(self, request: web.Request,
                      api: str) -> tuple[dict[str, Any], _Generation] | web.Response:
-        from kvcoord.sim.http import _BadRequest, _Generation
+        from kvcoord.sim.http import _BadRequest, _chat_prompt, _Generation
 
         s = self.server
+        items: tuple[MultiModalItem, ...] = ()
         try:
             body = await s._body(request)
             if api == "generate":
@@ -82,9 +84,9 @@ class _Apis:
                     raise _BadRequest("the sim-engine's generate does not stream", param="stream")
             else:
                 chat = anthropic_messages(body) if api == "anthropic" else responses_messages(body)
-                prompt = toktok.tokenize_chat(chat["messages"], tools=chat.get("tools"))
+                prompt, items = _chat_prompt(chat, s.media)
                 pseudo = _params_body(body, "max_tokens" if api == "anthropic" else "max_output_tokens")
-            params = s._params(pseudo, prompt, chat=False)
+            params = s._params(pseudo, prompt, chat=False, mm_items=items)
         except (_BadRequest, BadRequest, toktok.ChatTemplateError) as exc:
             status = getattr(exc, "status", 400)
             kind = "anthropic" if api == "anthropic" else "openai"

@@ -7,7 +7,8 @@ engine gets exactly the ids the engine hashes into its block pool.
 Rules (stable across releases: changing them changes every hash a sim-engine publishes):
 
 - **Special tokens** have fixed ids: ``<pad>`` 0, ``<s>`` 1 (BOS), ``</s>`` 2, ``<|im_start|>`` 3,
-  ``<|im_end|>`` 4; ids below :data:`NUM_SPECIAL` are reserved. They are recognised anywhere in the text.
+  ``<|im_end|>`` 4, ``<image>`` 5 (an image's placeholder); ids below :data:`NUM_SPECIAL` are reserved.
+  They are recognised anywhere in the text.
 - **Everything else** is split on whitespace; each word becomes ``NUM_SPECIAL + blake2b-64(word) mod
   (VOCAB - NUM_SPECIAL)``. Whitespace itself carries no token (``"a  b"`` and ``"a b"`` are equal).
 - ``add_special_tokens`` puts BOS first (vLLM's completions default it on, chat requests off: the
@@ -16,7 +17,8 @@ Rules (stable across releases: changing them changes every hash a sim-engine pub
   then each message as ``<|im_start|>{role}\\n{content}<|im_end|>\\n``, where content is a string, or
   the text parts of a list joined by ``"\\n"``, followed by the JSON of any ``tool_calls``;
   ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``; ``continue_final_message`` leaves
-  the last message open (no ``<|im_end|>``).
+  the last message open (no ``<|im_end|>``). A message with image parts is first given string content
+  by :mod:`kvcoord.tokenize.media` (an ``<image>`` per image, then the text), by the HTTP server.
 - **Generated text** is drawn from :data:`WORDS`, one word per token, so what the engine generates
   re-tokenizes to the same ids.
 """
@@ -32,6 +34,7 @@ from typing import Any
 
 __all__ = [
     "BOS",
+    "IMAGE",
     "NUM_SPECIAL",
     "SPECIAL_TOKENS",
     "VOCAB",
@@ -48,8 +51,11 @@ __all__ = [
 VOCAB = 32_000
 """Token ids are in ``0 .. VOCAB - 1``."""
 NUM_SPECIAL = 8
-SPECIAL_TOKENS: dict[str, int] = {"<pad>": 0, "<s>": 1, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4}
+SPECIAL_TOKENS: dict[str, int] = {"<pad>": 0, "<s>": 1, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4,
+                                  "<image>": 5}
 BOS = SPECIAL_TOKENS["<s>"]
+IMAGE = SPECIAL_TOKENS["<image>"]
+"""An image's placeholder token (a chat's image parts: :mod:`kvcoord.tokenize.media`)."""
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 _ID_TO_SPECIAL = {v: k for k, v in SPECIAL_TOKENS.items()}
 

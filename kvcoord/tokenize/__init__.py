@@ -22,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvcoord.extra_keys import MultiModalItem
 from kvcoord.tokenize.base import ChatTemplateContentFormat, Message, TokenizeError, Tokenizer, Tool
+from kvcoord.tokenize.media import MediaRule, encode_media_chat, has_media
 
 if TYPE_CHECKING:
     from kvcoord.tokenize.local import LocalTokenizer
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChatTemplateContentFormat",
+    "MediaRule",
     "TokenizeError",
     "Tokenizer",
     "TokenizerCache",
@@ -86,6 +89,8 @@ class TokenizerSpec:
     chat_template: str | None = None
     chat_template_content_format: ChatTemplateContentFormat = "auto"
     default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    media: MediaRule = field(default_factory=MediaRule)
+    """How the model's processor lays images into the prompt (:mod:`kvcoord.tokenize.media`)."""
 
     def open(self, model: str) -> Tokenizer:
         return open_tokenizer(
@@ -202,6 +207,22 @@ class TokenizerCache:
             messages, tools=tools, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
             add_special_tokens=add_special_tokens)
+
+    async def encode_chat_items(
+        self, model: str, messages: Sequence[Message], **chat: Any
+    ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+        """:meth:`encode_chat`, and the chat's multimodal items: a chat with image parts is rendered with
+        the model's placeholder rule (:func:`~kvcoord.tokenize.media.encode_media_chat`)."""
+        if not has_media(messages):
+            return await self.encode_chat(model, messages, **chat), ()
+        tok = await self.aget(model)
+        spec = self.spec(model)
+        try:
+            return await encode_media_chat(tok, messages, spec.media if spec else MediaRule(), **chat)
+        except ValueError as exc:  # InvalidChat: a malformed image part
+            if isinstance(exc, TokenizeError):
+                raise
+            raise TokenizeError(model, str(exc), source=tok.source, bad_request=True) from None
 
     async def warm(self, model: str) -> float:
         """Open ``model``'s tokenizer and tokenize a short prompt, so that the first lookup pays neither for
