@@ -17,10 +17,11 @@ from kvcoord.extra_keys import MultiModalItem, RequestKeys, block_extra_keys
 from kvcoord.hashing import HashProfile, hash_request_tokens
 from kvcoord.sim import toktok
 from kvcoord.sim.http import _BadRequest, _chat_prompt
-from kvcoord.tokenize.base import InvalidChat
+from kvcoord.tokenize.base import InvalidChat, TokenizeError
 from kvcoord.tokenize.media import (
     MediaRule,
     assign_uuids,
+    encode_media_chat,
     expand_placeholders,
     has_media,
     media_uuid,
@@ -166,3 +167,44 @@ def test_sim_engine_uses_a_given_uuid_and_otherwise_its_own_identifier() -> None
     assert ident(routed) == routed["uuid"]  # a router's uuid, forwarded, keys the engine's blocks
     own = ident(_image(DATA_URL))
     assert own.startswith("sim-") and own != routed["uuid"]  # as vLLM's own digest, not the router's
+
+
+class _ToyTokenizer:
+    """The sim-engine's toy tokenizer behind the Tokenizer protocol (what its /tokenize answers)."""
+
+    model, source = "toy", "toktok"
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+
+    async def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.prompts.append(prompt)
+        return toktok.tokenize(prompt, add_special_tokens=add_special_tokens)
+
+    async def encode_chat(self, messages: Any, **chat: Any) -> list[int]:
+        chat.pop("chat_template_kwargs", None)
+        return toktok.tokenize_chat(messages, **chat)
+
+    async def aclose(self) -> None:
+        pass
+
+
+@settings(max_examples=40, deadline=None)
+@given(chats())
+async def test_a_router_renders_what_the_engine_renders(chat: tuple[list[dict[str, Any]], int, int]) -> None:
+    messages, tokens, _ = chat
+    rule = MediaRule("<image>", tokens)
+    tok = _ToyTokenizer()
+    got = await encode_media_chat(tok, messages, rule, tools=None, add_generation_prompt=True,
+                                  continue_final_message=False, add_special_tokens=False)
+    assert got == _chat_prompt({"messages": messages}, rule)
+    await encode_media_chat(tok, messages, rule, tools=None, add_generation_prompt=True,
+                            continue_final_message=False, add_special_tokens=False)
+    assert tok.prompts == ["<image>"]  # the placeholder's id is asked once per tokenizer
+
+
+async def test_a_placeholder_that_is_not_one_token_is_a_bad_request() -> None:
+    msgs = [{"role": "user", "content": [_image(DATA_URL)]}]
+    with pytest.raises(TokenizeError, match="is 2 tokens, not one") as err:
+        await encode_media_chat(_ToyTokenizer(), msgs, MediaRule("two words"))
+    assert err.value.bad_request

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -45,6 +46,8 @@ DEFAULT_IMAGE_TOKENS: Final = 576
 DEFAULT_IMAGE_PLACEHOLDER: Final = "<image>"
 """The text an image renders as unless configured (LLaVA's; Qwen2-VL's is ``<|image_pad|>``)."""
 
+_PLACEHOLDER_IDS: weakref.WeakKeyDictionary[Tokenizer, dict[str, int]] = weakref.WeakKeyDictionary()
+"""Each open tokenizer's placeholder ids, asked once (for an engine's /tokenize, a round trip)."""
 _IMAGE_KINDS: Final = frozenset({"image_url", "input_image"})
 """Chat content-part types that carry an image by URL (chat's ``image_url``, Responses' ``input_image``)."""
 
@@ -200,10 +203,13 @@ async def encode_media_chat(tokenizer: Tokenizer, messages: Sequence[Any], rule:
     (:func:`with_placeholders`), encoded by ``tokenizer`` (``chat``: :meth:`Tokenizer.encode_chat`'s
     options), expanded (:func:`expand_placeholders`). The placeholder must be one token."""
     text_only, uuids = with_placeholders(messages, rule)
-    holder = await tokenizer.encode_prompt(rule.placeholder, add_special_tokens=False)
+    known = _PLACEHOLDER_IDS.setdefault(tokenizer, {})
+    holder = [known[rule.placeholder]] if rule.placeholder in known else await tokenizer.encode_prompt(
+        rule.placeholder, add_special_tokens=False)
     if len(holder) != 1:
         raise TokenizeError(tokenizer.model, f"the image placeholder {rule.placeholder!r} is {len(holder)} "
                             "tokens, not one: the model takes no images, or its image_placeholder is not "
                             "configured", source=tokenizer.source, bad_request=True)
+    known[rule.placeholder] = holder[0]
     ids = await tokenizer.encode_chat(text_only, **chat)
     return expand_placeholders(ids, holder[0], uuids, rule)
