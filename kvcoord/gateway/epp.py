@@ -41,7 +41,7 @@ from kvcoord.gateway import extproc as xp
 from kvcoord.gateway.apis import ENDPOINT_API, endpoint_of_path, query_of_body
 from kvcoord.gateway.disagg import PREFILLER_HEADER
 from kvcoord.gateway.flow import DROPPED_HEADER, Dropped, FlowControl, RequestMeta, request_meta
-from kvcoord.gateway.grpc_body import MODEL_HEADER, generate_query, is_grpc, message_ready
+from kvcoord.gateway.grpc_body import MODEL_HEADER, GrpcUsage, generate_query, is_grpc, message_ready
 from kvcoord.gateway.leader import FileLeader
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
 from kvcoord.gateway.requests import BadRequest, NotAskable
@@ -153,7 +153,7 @@ class _Stream:
         self.meta = RequestMeta()
         self.predicted: int | None = None
         """Cached tokens a prefix-aware pick predicted, until the response's usage is read."""
-        self.usage: ResponseUsage | None = None
+        self.usage: ResponseUsage | GrpcUsage | None = None
         self.path = ""
         """``:path``: which API the JSON body speaks, or which gRPC method the body calls."""
         self.grpc = False
@@ -309,10 +309,14 @@ class _Stream:
             self.epp.metrics.quality.achieved(self.predicted, None)
             self.predicted = None
             return
-        ctype = xp.headers_of(req.response_headers).get("content-type", "")
-        self.usage = ResponseUsage(sse="text/event-stream" in ctype)
+        headers = xp.headers_of(req.response_headers)
+        ctype = headers.get("content-type", "")
+        self.usage = (GrpcUsage(self.path) if is_grpc(headers)
+                      else ResponseUsage(sse="text/event-stream" in ctype))
 
     def _usage_feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        """A piece of the response body; at its end (``end_of_stream``, or the trailers that end a gRPC
+        response) the usage read is measured against the prediction."""
         if self.usage is None or self.predicted is None:
             return
         self.usage.feed(chunk)
@@ -337,6 +341,7 @@ class _Stream:
                 return [xp.streamed_body_response(rb.body, rb.end_of_stream, response=True)]
             return [xp.body_response(response=True)]
         if kind == "response_trailers":
+            self._usage_feed(b"", True)
             return [xp.trailers_response(response=True)]
         return []
 

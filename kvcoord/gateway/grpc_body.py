@@ -28,7 +28,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2, vllm_engine_pb2  # ty
 
 from .requests import BadRequest, NotAskable
 
-__all__ = ["GENERATE", "MODEL_HEADER", "generate_query", "is_grpc", "message_ready"]
+__all__ = ["GENERATE", "MODEL_HEADER", "GrpcUsage", "generate_query", "is_grpc", "message_ready"]
 
 MODEL_HEADER = "x-gateway-model-name"
 """The request header naming the model (Generate requests carry none): the Inference Extension's
@@ -42,11 +42,12 @@ def _path(pb2: Any, service: str) -> str:
     return f"/{method.containing_service.full_name}/{method.name}"
 
 
-GENERATE: dict[str, type[Message]] = {
-    _path(vllm_engine_pb2, "VllmEngine"): vllm_engine_pb2.GenerateRequest,
-    _path(sglang_scheduler_pb2, "SglangScheduler"): sglang_scheduler_pb2.GenerateRequest,
+GENERATE: dict[str, tuple[type[Message], type[Message]]] = {
+    _path(vllm_engine_pb2, "VllmEngine"): (vllm_engine_pb2.GenerateRequest, vllm_engine_pb2.GenerateResponse),
+    _path(sglang_scheduler_pb2, "SglangScheduler"): (sglang_scheduler_pb2.GenerateRequest,
+                                                     sglang_scheduler_pb2.GenerateResponse),
 }
-"""``:path`` of each engine's ``Generate`` -> its request message."""
+"""``:path`` of each engine's ``Generate`` -> its request and response messages."""
 
 
 def is_grpc(headers: Mapping[str, str]) -> bool:
@@ -90,9 +91,10 @@ def generate_query(path: str, body: bytes, complete: bool = True) -> dict[str, A
     :class:`NotAskable` for a method that is not a ``Generate`` or a request without tokens or text;
     :class:`BadRequest` (400; 413 when ``complete`` is false and the message is cut short) for a body
     that does not decode."""
-    kind = GENERATE.get(path.partition("?")[0])
-    if kind is None:
+    kinds = GENERATE.get(path.partition("?")[0])
+    if kinds is None:
         raise NotAskable(f"the gRPC method {path[:200]!r} is not a Generate")
+    kind = kinds[0]
     req: Any = kind()
     try:
         req.ParseFromString(_first_message(body, complete))
@@ -109,3 +111,51 @@ def generate_query(path: str, body: bytes, complete: bool = True) -> dict[str, A
     if text:
         return {"prompt": text}
     raise NotAskable(f"the {kind.DESCRIPTOR.full_name} has neither token ids nor text")
+
+
+class GrpcUsage:
+    """The usage of a ``Generate`` response seen in pieces, as the picker sees it on the ext_proc response
+    path (the gRPC counterpart of :class:`~kvcoord.gateway.route_sse.ResponseUsage`): the prompt and cached
+    tokens of the last message that reports them (each stream chunk, and the final ``complete``), as chat's
+    ``usage``. A compressed or undecodable message, or one over ``limit`` bytes, ends the reading."""
+
+    __slots__ = ("_body", "_kind", "_usage", "limit")
+
+    def __init__(self, path: str, limit: int = 4 << 20) -> None:
+        kinds = GENERATE.get(path.partition("?")[0])
+        self._kind = kinds[1] if kinds is not None else None
+        self._body = bytearray()
+        self._usage: dict[str, Any] | None = None
+        self.limit = limit
+
+    def feed(self, piece: bytes) -> None:
+        if self._kind is None:
+            return
+        self._body += piece
+        while len(self._body) >= _FRAME.size:
+            flag, length = _FRAME.unpack_from(self._body)
+            if flag or length > self.limit:
+                self._kind = None
+                return
+            if len(self._body) < _FRAME.size + length:
+                return
+            self._read(bytes(self._body[_FRAME.size:_FRAME.size + length]))
+            del self._body[:_FRAME.size + length]
+
+    def _read(self, data: bytes) -> None:
+        assert self._kind is not None
+        msg: Any = self._kind()
+        try:
+            msg.ParseFromString(data)
+        except DecodeError:
+            self._kind = None
+            return
+        which = msg.WhichOneof("response")
+        part = getattr(msg, which) if which else None
+        if part is not None and part.prompt_tokens:
+            self._usage = {"prompt_tokens": part.prompt_tokens,
+                           "prompt_tokens_details": {"cached_tokens": part.cached_tokens}}
+
+    def usage(self) -> dict[str, Any] | None:
+        """The usage seen (None when no message reported one)."""
+        return self._usage

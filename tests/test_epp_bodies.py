@@ -20,7 +20,9 @@ from typing import Any
 
 import grpc
 import pytest
+from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sgl
 from smg_grpc_proto.generated import vllm_engine_pb2 as vll
 
@@ -49,12 +51,14 @@ from tests.test_epp import (
     request_headers,
     set_headers,
 )
+from tests.test_epp_flow import _engine, respond
 
 __all__ = ["fleet"]  # the module-scoped fixture, shared by name
 
 VLLM = "/vllm.grpc.engine.VllmEngine/Generate"
 SGLANG = "/sglang.grpc.scheduler.SglangScheduler/Generate"
 GRPC = {"content-type": "application/grpc", "te": "trailers"}
+PREDICTED = "kvcoord_epp_predicted_tokens_total"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
@@ -255,3 +259,71 @@ async def test_messages_and_responses_bodies_are_placed_by_prefix(fleet: Any) ->
                               json_ct)
         assert_immediate(resp, 400, "kvcoord_epp_bad_request", "input must be")
 
+
+
+async def test_decision_metrics_of_messages_and_responses(fleet: Any) -> None:
+    """The response path of ``/v1/messages`` and ``/v1/responses`` requests, JSON and SSE: epp reads each
+    API's own usage from the served engine's real answer and finds the cached tokens it predicted."""
+    mport = free_port()
+    cases = [("/v1/messages", {"model": MODEL, "max_tokens": 2,
+                               "messages": [{"role": "user", "content": PROMPT_A}]}),
+             ("/v1/responses", {"model": MODEL, "max_output_tokens": 2, "input": PROMPT_B})]
+    with epp(fleet, "--metrics-listen", f"127.0.0.1:{mport}", name="epp-quality-apis") as address:
+        async with channel(address) as ch:
+            for path, body in cases:
+                for stream in (False, True):
+                    req = {**body, "stream": stream}
+                    envoy = Envoy(ch)
+                    await envoy.send(request_headers(path))
+                    [resp] = await envoy.send(request_body(json.dumps(req).encode()))
+                    picked = set_headers(resp.request_body.response)["x-gateway-destination-endpoint"]
+                    assert_pick(resp, "request_body", [picked])
+                    raw, ctype = await asyncio.to_thread(_engine, picked, req, path)
+                    await respond(envoy, raw, ctype)
+                    await envoy.close()
+        got = await asyncio.to_thread(metrics, mport)
+    assert got['kvcoord_epp_hit_outcomes_total{outcome="match"}'] == 4, got
+    assert got["kvcoord_epp_achieved_tokens_total"] == got["kvcoord_epp_predicted_tokens_total"] > 0
+
+
+async def test_decision_metrics_of_grpc_responses(fleet: Any) -> None:
+    """A gRPC Generate's response path (pieces cut anywhere, ended by the trailers as gRPC ends it): epp
+    reads the prompt and cached tokens of the engine's GenerateResponse messages (vLLM's stream chunks,
+    SGLang's complete) and measures them against its prediction."""
+    a, b = fleet.endpoints["node-a"], fleet.endpoints["node-b"]
+    mport = free_port()
+    grpc_ct = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in (
+        (":status", b"200"), ("content-type", b"application/grpc"))])
+    with epp(fleet, "--metrics-listen", f"127.0.0.1:{mport}", name="epp-quality-grpc") as address:
+        async with channel(address) as ch:
+            for path, ids, engine in ((VLLM, tokens_of(a, PROMPT_A), vll),
+                                      (SGLANG, tokens_of(b, PROMPT_B), sgl)):
+                msg = vllm_generate(ids) if engine is vll else sglang_generate(ids)
+                before = (await asyncio.to_thread(metrics, mport)).get(PREDICTED, 0)
+                envoy = Envoy(ch)
+                await envoy.send(request_headers(path, extra={**GRPC, "x-gateway-model-name": MODEL}))
+                [resp] = await envoy.send(request_body(framed(msg)))
+                assert_pick(resp, "request_body", [a if engine is vll else b])
+                predicted = int((await asyncio.to_thread(metrics, mport))[PREDICTED] - before)  # at the pick
+                assert predicted == len(ids) // BLOCK * BLOCK
+                await envoy.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=grpc_ct)))
+                if engine is vll:  # a stream: every chunk carries the usage, the last counts
+                    messages = [vll.GenerateResponse(chunk=vll.GenerateStreamChunk(
+                        token_ids=[i], prompt_tokens=len(ids), completion_tokens=i + 1,
+                        cached_tokens=predicted)) for i in range(3)]
+                else:
+                    messages = [sgl.GenerateResponse(request_id="r2", complete=sgl.GenerateComplete(
+                        output_ids=[1, 2], prompt_tokens=len(ids), cached_tokens=predicted))]
+                raw = b"".join(framed(m) for m in messages)
+                cuts = [0, 3, len(raw) // 2 + 1, len(raw)]  # pieces cut anywhere, one inside a frame header
+                for i in range(3):
+                    await envoy.send(ep.ProcessingRequest(response_body=ep.HttpBody(
+                        body=raw[cuts[i]:cuts[i + 1]], end_of_stream=False)))
+                status = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="grpc-status", raw_value=b"0")])
+                [done] = await envoy.send(ep.ProcessingRequest(response_trailers=ep.HttpTrailers(
+                    trailers=status)))
+                assert done == ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+                await envoy.close()
+        got = await asyncio.to_thread(metrics, mport)
+    assert got['kvcoord_epp_hit_outcomes_total{outcome="match"}'] == 2, got
+    assert got["kvcoord_epp_achieved_tokens_total"] == got["kvcoord_epp_predicted_tokens_total"] > 0
