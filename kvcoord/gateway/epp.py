@@ -4,10 +4,13 @@ Envoy opens one bidirectional ``Process`` stream per HTTP request. With the requ
 it sends the request headers (answered at once, unchanged), then the whole body (answered with the pick:
 the ``x-gateway-destination-endpoint`` header mutation, ``clear_route_cache`` and the ``envoy.lb``
 dynamic metadata), then the trailers if it forwards them. With ``FULL_DUPLEX_STREAMED`` (the mode the
-reference picker uses) the headers answer waits for the whole body, which is then sent back unchanged as a
-streamed body. A request without a body is placed on its headers. Whatever cannot be placed ends at the
-proxy with an ImmediateResponse: 400 for a body that is not an OpenAI request, 413 for one cut short by
-Envoy's buffer, 503 when no endpoint is eligible, 429 when every eligible endpoint is saturated.
+reference picker uses) the headers answer waits for the whole body (a gRPC request's: its one message),
+which is then sent back unchanged as a streamed body. A request without a body is placed on its headers.
+The ``:path`` says what the body is: an OpenAI, Anthropic or Responses JSON body
+(:func:`kvcoord.gateway.apis.query_of_body`), or, with ``content-type: application/grpc``, a vLLM or
+SGLang ``Generate`` (:mod:`kvcoord.gateway.grpc_body`). Whatever cannot be placed ends at the proxy with an
+ImmediateResponse, in the request's own error shape: 400 for a body that does not read, 413 for one cut
+short by Envoy's buffer, 503 when no endpoint is eligible, 429 when every eligible endpoint is saturated.
 
 ``grpc.health.v1`` answers for ``""``, ``liveness``, ``readiness`` and the ext_proc service name, as the
 protocol's health section defines them, and ``inference-extension`` (the name the reference deployment
