@@ -259,12 +259,24 @@ async def _buffered_pick(address: str) -> None:
         await envoy.close()
 
 
-def _engine(endpoint: str, body: dict[str, Any]) -> tuple[bytes, str]:
+def _engine(endpoint: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[bytes, str]:
     """The picked engine's real answer to the request (what the data plane would stream back)."""
-    req = urllib.request.Request(f"http://{endpoint}/v1/chat/completions", json.dumps(body).encode(),
+    req = urllib.request.Request(f"http://{endpoint}{path}", json.dumps(body).encode(),
                                  {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return resp.read(), resp.headers.get("content-type", "")
+
+
+async def respond(envoy: Envoy, raw: bytes, ctype: str) -> None:
+    """The response path as Envoy sends it with ``response_body_mode: STREAMED``: the headers, then the
+    engine's answer ``raw`` in three pieces cut anywhere, the last ending the stream."""
+    await envoy.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="content-type",
+                                                                 raw_value=ctype.encode())]))))
+    cuts = [0, len(raw) // 3, len(raw) // 2 + 1, len(raw)]
+    for i in range(3):
+        await envoy.send(ep.ProcessingRequest(response_body=ep.HttpBody(
+            body=raw[cuts[i]:cuts[i + 1]], end_of_stream=i == 2)))
 
 
 async def test_decision_metrics_from_the_response(fleet: Fleet) -> None:
@@ -282,13 +294,7 @@ async def test_decision_metrics_from_the_response(fleet: Fleet) -> None:
                 [resp] = await envoy.send(request_body(json.dumps(body).encode()))
                 picked = set_headers(resp.request_body.response)["x-gateway-destination-endpoint"]
                 raw, ctype = await asyncio.to_thread(_engine, picked, body)
-                await envoy.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders(
-                    headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key="content-type",
-                                                                             raw_value=ctype.encode())]))))
-                cuts = [0, len(raw) // 3, len(raw) // 2 + 1, len(raw)]  # pieces cut anywhere
-                for i in range(3):
-                    await envoy.send(ep.ProcessingRequest(response_body=ep.HttpBody(
-                        body=raw[cuts[i]:cuts[i + 1]], end_of_stream=i == 2)))
+                await respond(envoy, raw, ctype)
                 await envoy.close()
         got = await asyncio.to_thread(metrics, mport)
     assert got['kvcoord_epp_hit_outcomes_total{outcome="match"}'] == 2, got

@@ -81,6 +81,9 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--emit-endpoint-scores", action="store_true",
                    help="add x-gateway-destination-endpoint-scores (every scored ip:port to its score) to "
                         "the envoy.lb metadata, as llm-d's --emit-endpoint-scores")
+    p.add_argument("--grpc-model", default=None, metavar="MODEL",
+                   help="the model of gRPC Generate requests (they name none) without an "
+                        "x-gateway-model-name header (default: the one model the coordinator lists)")
     p.add_argument("--request-body-mode", default="buffered", choices=("buffered", "full-duplex"),
                    help="Envoy's request_body_mode when its first message does not say (default buffered)")
     p.add_argument("--refresh-interval", type=POSITIVE_FLOAT, default=2.0, metavar="SECONDS",
@@ -171,7 +174,8 @@ def epp_config(args: argparse.Namespace) -> EppConfig:
                      tls_cert=args.listen_tls_cert, tls_key=args.listen_tls_key,
                      conformance=args.conformance, objectives=objectives(args.objective),
                      max_queued=args.max_queued, queue_ttl=args.queue_ttl,
-                     emit_scores=args.emit_endpoint_scores, leader_lock=args.leader_lock)
+                     emit_scores=args.emit_endpoint_scores, leader_lock=args.leader_lock,
+                     grpc_model=args.grpc_model)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,14 +20,33 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from .requests import BadRequest
+from .requests import BadRequest, body_query, json_object
 
-__all__ = ["API", "ENDPOINT_API", "as_lookup_body", "chat_usage", "error_body", "event_usage"]
+__all__ = [
+    "API",
+    "API_PATHS",
+    "ENDPOINT_API",
+    "as_lookup_body",
+    "chat_usage",
+    "endpoint_of_path",
+    "error_body",
+    "event_usage",
+    "query_of_body",
+]
 
 API = Literal["openai", "anthropic", "responses"]
 ENDPOINT_API: dict[str, API] = {"completions": "openai", "chat": "openai", "generate": "openai",
                                 "messages": "anthropic", "responses": "responses"}
 """The error and usage dialect of each ``kvcoord route`` endpoint."""
+API_PATHS: dict[str, str] = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                             "/v1/messages": "messages", "/v1/responses": "responses",
+                             "/inference/v1/generate": "generate"}
+"""Request path -> endpoint (a key of :data:`ENDPOINT_API`), for both front doors."""
+
+
+def endpoint_of_path(path: str) -> str:
+    """The endpoint a request path (its query string aside) names; "" for another path."""
+    return API_PATHS.get(path.partition("?")[0], "")
 
 _BILLING_HEADER = "x-anthropic-billing-header"
 _ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -243,6 +262,20 @@ def as_lookup_body(endpoint: str, body: Mapping[str, Any]) -> tuple[Mapping[str,
     if endpoint == "completions" and body.get("prompt") is None and body.get("prompt_token_ids") is not None:
         return {**body, "prompt": body["prompt_token_ids"]}, False  # vLLM's token-id spelling
     return body, endpoint == "chat"
+
+
+def query_of_body(body: bytes, complete: bool = True, path: str = "") -> tuple[str, dict[str, Any]]:
+    """``(model, lookup keywords)`` of a raw JSON body that must name its model, sent to ``path``: an
+    Anthropic, Responses or generate body as :func:`as_lookup_body` shapes it; a completions or chat body,
+    or one to any other path, by whichever of ``prompt`` and ``messages`` it has. ``complete=False``: the
+    proxy sent only part of it (its buffer limit), so a parse failure is 413."""
+    data = json_object(body, complete)
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("request body has no model")
+    endpoint = endpoint_of_path(path)
+    shaped, chat = as_lookup_body(endpoint, data) if endpoint else (data, False)
+    return model, body_query(shaped, chat=chat if endpoint in ("messages", "responses", "generate") else None)
 
 
 def error_body(api: API, status: int, message: str, kind: str = "") -> dict[str, Any]:

@@ -4,10 +4,13 @@ Envoy opens one bidirectional ``Process`` stream per HTTP request. With the requ
 it sends the request headers (answered at once, unchanged), then the whole body (answered with the pick:
 the ``x-gateway-destination-endpoint`` header mutation, ``clear_route_cache`` and the ``envoy.lb``
 dynamic metadata), then the trailers if it forwards them. With ``FULL_DUPLEX_STREAMED`` (the mode the
-reference picker uses) the headers answer waits for the whole body, which is then sent back unchanged as a
-streamed body. A request without a body is placed on its headers. Whatever cannot be placed ends at the
-proxy with an ImmediateResponse: 400 for a body that is not an OpenAI request, 413 for one cut short by
-Envoy's buffer, 503 when no endpoint is eligible, 429 when every eligible endpoint is saturated.
+reference picker uses) the headers answer waits for the whole body (a gRPC request's: its one message),
+which is then sent back unchanged as a streamed body. A request without a body is placed on its headers.
+The ``:path`` says what the body is: an OpenAI, Anthropic or Responses JSON body
+(:func:`kvcoord.gateway.apis.query_of_body`), or, with ``content-type: application/grpc``, a vLLM or
+SGLang ``Generate`` (:mod:`kvcoord.gateway.grpc_body`). Whatever cannot be placed ends at the proxy with an
+ImmediateResponse, in the request's own error shape: 400 for a body that does not read, 413 for one cut
+short by Envoy's buffer, 503 when no endpoint is eligible, 429 when every eligible endpoint is saturated.
 
 ``grpc.health.v1`` answers for ``""``, ``liveness``, ``readiness`` and the ext_proc service name, as the
 protocol's health section defines them, and ``inference-extension`` (the name the reference deployment
@@ -27,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +41,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvcoord.gateway import extproc as xp
+from kvcoord.gateway.apis import ENDPOINT_API, endpoint_of_path, query_of_body
 from kvcoord.gateway.disagg import PREFILLER_HEADER
 from kvcoord.gateway.flow import DROPPED_HEADER, Dropped, FlowControl, RequestMeta, request_meta
+from kvcoord.gateway.grpc_body import MODEL_HEADER, GrpcUsage, generate_query, is_grpc, message_ready
 from kvcoord.gateway.leader import FileLeader
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
-from kvcoord.gateway.requests import BadRequest, query_of_body
+from kvcoord.gateway.requests import BadRequest, NotAskable
 from kvcoord.gateway.route_metrics import DecisionMetrics
 from kvcoord.gateway.route_sse import ResponseUsage
 from kvcoord.router.answer import KV_SOURCE_HEADER
@@ -86,9 +91,12 @@ class EppConfig:
     queue_ttl: float = 30.0
     """Seconds a request waits at most, unless its ``x-llm-d-inference-ttl`` says otherwise."""
     emit_scores: bool = False
+    """Send ``x-gateway-destination-endpoint-scores`` in the ``envoy.lb`` metadata (llm-d's opt-in)."""
     leader_lock: str | None = None
     """A file whose lock elects the one ready replica (:mod:`kvcoord.gateway.leader`); None: all ready."""
-    """Send ``x-gateway-destination-endpoint-scores`` in the ``envoy.lb`` metadata (llm-d's opt-in)."""
+    grpc_model: str | None = None
+    """The model of gRPC ``Generate`` requests without an ``x-gateway-model-name`` header (None: the one
+    model the coordinator lists; :mod:`kvcoord.gateway.grpc_body`)."""
 
 
 class EppMetrics:
@@ -148,7 +156,13 @@ class _Stream:
         self.meta = RequestMeta()
         self.predicted: int | None = None
         """Cached tokens a prefix-aware pick predicted, until the response's usage is read."""
-        self.usage: ResponseUsage | None = None
+        self.usage: ResponseUsage | GrpcUsage | None = None
+        self.path = ""
+        """``:path``: which API the JSON body speaks, or which gRPC method the body calls."""
+        self.grpc = False
+        """A gRPC request (``content-type: application/grpc``): the body is a length-prefixed message."""
+        self.model_hint = ""
+        """The ``x-gateway-model-name`` request header (gRPC requests name no model in their body)."""
         """The request's objective, fairness id, queue TTL and TTFT SLO (:mod:`kvcoord.gateway.flow`)."""
 
     def release(self) -> None:
@@ -188,7 +202,8 @@ class _Stream:
         dropped = getattr(exc, "dropped", "")
         if dropped:
             extra[DROPPED_HEADER] = dropped
-        return [xp.immediate_response(exc.status, exc.message, f"kvcoord_epp_{exc.reason}", extra)]
+        api = "grpc" if self.grpc else ENDPOINT_API.get(endpoint_of_path(self.path), "openai")
+        return [xp.immediate_response(exc.status, exc.message, f"kvcoord_epp_{exc.reason}", extra, api=api)]
 
     def _answer(self, pick: Pick) -> tuple[list[str], dict[str, str], Mapping[str, float] | None]:
         """The pick as a data plane answer: endpoints, request headers to set, scores (when emitted)."""
@@ -207,7 +222,10 @@ class _Stream:
 
     async def _headers(self, req: Any) -> list[Any]:
         self.subset = _allowed(req, self.epp.config.conformance)
-        self.meta = request_meta(xp.headers_of(req.request_headers), self.epp.config.objectives)
+        headers = xp.headers_of(req.request_headers)
+        self.path, self.grpc = headers.get(":path", ""), is_grpc(headers)
+        self.model_hint = headers.get(MODEL_HEADER, "")
+        self.meta = request_meta(headers, self.epp.config.objectives)
         for name in self.meta.bad:
             self.epp.metrics.bad_headers.labels(name).inc()
             log.info("ignoring the request header %s: not a valid value", name)
@@ -225,13 +243,28 @@ class _Stream:
         endpoints, headers, scores = self._answer(pick)
         return [xp.headers_response(endpoints, headers, scores)]
 
+    def _placement(self, complete: bool) -> Callable[[], Awaitable[Pick]]:
+        """How the body is placed: a lookup of its model and prompt, or least-loaded (with the reason)
+        when the index cannot be asked about it. :class:`BadRequest` for a body that does not read."""
+        picker, subset, slo = self.epp.picker, self.subset, self.meta.ttft_slo
+        if not self.grpc:
+            model, query = query_of_body(bytes(self.body), complete, self.path)
+            return lambda: picker.pick(model, query, subset, slo)
+        named = self.model_hint or self.epp.config.grpc_model or picker.table.only_model()
+        try:
+            query = generate_query(self.path, bytes(self.body), complete)
+        except NotAskable as exc:
+            why = str(exc)
+            return lambda: picker.pick_unaskable(named, subset, why)
+        if named is None:
+            why = f"no {MODEL_HEADER} header, no --grpc-model, and not one model listed"
+            return lambda: picker.pick_unaskable(None, subset, why)
+        return lambda: picker.pick(named, query, subset, slo)
+
     async def _pick_body(self, complete: bool) -> Pick | list[Any]:
         started = time.perf_counter()
         try:
-            model, query = query_of_body(bytes(self.body), complete)
-            picker, meta = self.epp.picker, self.meta
-            pick = await self.epp.flow.admit(
-                meta, lambda: picker.pick(model, query, self.subset, meta.ttft_slo), _is_shed)
+            pick = await self.epp.flow.admit(self.meta, self._placement(complete), _is_shed)
         except (PickFailed, BadRequest, Dropped) as exc:
             return self.fail(exc)
         self.epp.metrics.pick_seconds.observe(time.perf_counter() - started)
@@ -253,8 +286,9 @@ class _Stream:
                 return pick
             endpoints, headers, scores = self._answer(pick)
             return [xp.body_response(endpoints, headers, scores=scores)]
-        if not end_of_stream:
-            return []
+        if not end_of_stream:  # a gRPC request is whole with its one message: no need to wait for the end
+            whole = self.grpc and message_ready(self.body)
+            return await self._duplex_pick(end_of_stream=False) if whole else []
         return await self._duplex_pick(end_of_stream=True)
 
     async def _duplex_pick(self, end_of_stream: bool) -> list[Any]:
@@ -278,10 +312,14 @@ class _Stream:
             self.epp.metrics.quality.achieved(self.predicted, None)
             self.predicted = None
             return
-        ctype = xp.headers_of(req.response_headers).get("content-type", "")
-        self.usage = ResponseUsage(sse="text/event-stream" in ctype)
+        headers = xp.headers_of(req.response_headers)
+        ctype = headers.get("content-type", "")
+        self.usage = (GrpcUsage(self.path) if is_grpc(headers)
+                      else ResponseUsage(sse="text/event-stream" in ctype))
 
     def _usage_feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        """A piece of the response body; at its end (``end_of_stream``, or the trailers that end a gRPC
+        response) the usage read is measured against the prediction."""
         if self.usage is None or self.predicted is None:
             return
         self.usage.feed(chunk)
@@ -306,6 +344,7 @@ class _Stream:
                 return [xp.streamed_body_response(rb.body, rb.end_of_stream, response=True)]
             return [xp.body_response(response=True)]
         if kind == "response_trailers":
+            self._usage_feed(b"", True)
             return [xp.trailers_response(response=True)]
         return []
 

@@ -21,11 +21,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+
+from .apis import API, error_body
 
 __all__ = [
     "CONFORMANCE_SERVED_HEADER",
@@ -253,15 +256,29 @@ def trailers_response(*, response: bool = False) -> Any:
             else ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
 
 
+_GRPC_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                429: grpc.StatusCode.RESOURCE_EXHAUSTED, 500: grpc.StatusCode.INTERNAL}
+"""The gRPC status a refused gRPC request gets (others: ``UNAVAILABLE``)."""
+
+
 def immediate_response(status: int, message: str, details: str,
-                       headers: Mapping[str, str] | None = None) -> Any:
-    """End the request at the proxy with ``status`` and an OpenAI-style JSON error (what clients of
-    vLLM's API parse). ``details`` lands in Envoy's response-code details and access log."""
+                       headers: Mapping[str, str] | None = None, *, api: str = "openai") -> Any:
+    """End the request at the proxy with ``status`` and the error in the request's own API shape:
+    ``openai`` (and ``responses``) and ``anthropic`` as :func:`kvcoord.gateway.apis.error_body` writes them,
+    ``grpc`` as a gRPC status (Envoy answers a gRPC request trailers-only: ``grpc-status``, and the body as
+    ``grpc-message``). ``details`` lands in Envoy's response-code details and access log."""
+    hdrs = dict(headers or {})
+    if api == "grpc":
+        code = _GRPC_STATUS.get(status, grpc.StatusCode.UNAVAILABLE).value[0]
+        return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status), grpc_status=ep.GrpcStatus(status=code),
+            headers=ep.HeaderMutation(set_headers=_set_headers(hdrs)), body=message.encode(),
+            details=details))
     kinds = {400: "BadRequestError", 413: "BadRequestError", 429: "RateLimitError",
              500: "InternalServerError"}
-    kind = kinds.get(status, "ServiceUnavailableError")
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
-    hdrs = {"content-type": "application/json", **(headers or {})}
+    shape: API = "anthropic" if api == "anthropic" else "openai"
+    body = json.dumps(error_body(shape, status, message, kinds.get(status, "ServiceUnavailableError")))
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status),
-        headers=ep.HeaderMutation(set_headers=_set_headers(hdrs)), body=body, details=details))
+        headers=ep.HeaderMutation(set_headers=_set_headers({"content-type": "application/json", **hdrs})),
+        body=body.encode(), details=details))

@@ -122,6 +122,11 @@ class NodeTable:
                   if n.static and (n.serves(model) or not n.listed) and usable(n)]
         return dynamic + static
 
+    def only_model(self) -> str | None:
+        """The one model the listed nodes serve; None when they serve none or several."""
+        models = {n.model for n in self.nodes.values() if n.listed and n.model}
+        return models.pop() if len(models) == 1 else None
+
     def candidates(self, model: str | None, *, exclude: Iterable[str] = (), ever: bool = True,
                    usable: Callable[[KnownNode], bool] = lambda n: True) -> list[Candidate]:
         """:meth:`serving` nodes not in ``exclude`` as candidates holding nothing, one per dp rank, with

@@ -44,11 +44,12 @@ from kvcoord.router.policy import (
     place,
 )
 
+from .apis import query_of_body
 from .disagg import PdConfig, prefill_remote
 from .flow import NO_ENDPOINTS, SATURATED
 from .nodes import InFlight, NodeTable
 from .outage import Outages, is_outage
-from .requests import BadRequest, query_of_body
+from .requests import BadRequest
 from .reserve import DEFAULT_TTL, ReserveStream
 from .route_metrics import predicted_tokens
 
@@ -415,6 +416,11 @@ class Picker:
     async def pick_without_body(self, subset: Allowed | None) -> Pick:
         """A request with no body (``GET /v1/models``): least-loaded of every known node."""
         return await self._degraded(None, subset, None)
+
+    async def pick_unaskable(self, model: str | None, subset: Allowed | None, reason: str) -> Pick:
+        """A request the index cannot be asked about (``reason``): least-loaded over ``model``'s nodes
+        (every known node for ``None``), saying why."""
+        return await self._degraded(model, subset, reason)
 
 
 def _within_slo(free: list[_Eligible], request: RouteRequest, policy: Policy,

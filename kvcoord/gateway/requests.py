@@ -18,7 +18,7 @@ from kvcoord.tokenize import Tokenizer
 from kvcoord.tokenize.media import MediaRule, encode_media_chat, has_media
 from kvcoord.validate import MAX_JSON_DEPTH, json_too_deep
 
-__all__ = ["BadRequest", "NotAskable", "body_query", "json_object", "query_of_body", "tokenize"]
+__all__ = ["BadRequest", "NotAskable", "body_query", "json_object", "tokenize"]
 
 _TOO_DEEP = f"request body is nested deeper than {MAX_JSON_DEPTH} levels"
 
@@ -115,16 +115,6 @@ def json_object(body: bytes, complete: bool = True) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     return data
-
-
-def query_of_body(body: bytes, complete: bool = True) -> tuple[str, dict[str, Any]]:
-    """``(model, lookup keywords)`` of a raw body that must name its model. ``complete=False``: the proxy
-    sent only part of it (its buffer limit), so a parse failure is 413."""
-    data = json_object(body, complete)
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("request body has no model")
-    return model, body_query(data)
 
 
 async def tokenize(tokenizer: Tokenizer, query: Mapping[str, Any],

@@ -37,7 +37,7 @@ from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.tokenize import MediaRule
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
-from .apis import API, ENDPOINT_API, as_lookup_body, error_body
+from .apis import API, API_PATHS, ENDPOINT_API, as_lookup_body, error_body
 from .disagg import PdConfig
 from .keys import ApiKey, Keys, Refused
 from .listener import GuardedSite
@@ -67,8 +67,6 @@ __all__ = ["RouteConfig", "RouteServer", "serve_route"]
 log = logging.getLogger("kvcoord.route")
 
 _DONE = b"data: [DONE]\n\n"
-_API_PATHS = {"/v1/messages": "messages", "/v1/responses": "responses", "/inference/v1/generate": "generate"}
-"""Endpoints besides completions and chat (:mod:`kvcoord.gateway.apis` maps their prompts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +165,7 @@ class RouteServer:
     # ------------------------------------------------------------------ lifecycle
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        for path, endpoint in _API_PATHS.items():
+        for path, endpoint in API_PATHS.items():
             app.router.add_post(path, functools.partial(self._proxy, endpoint=endpoint))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -268,12 +264,6 @@ class RouteServer:
                         node_id, kind, detail)
 
     # ------------------------------------------------------------------ endpoints
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, "completions")
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, "chat")
-
     def _models(self) -> list[str]:
         """The models this router serves: ``--model`` and every model ListNodes names now."""
         listed = {n.model for n in self.backends.table.nodes.values() if n.listed and n.model}
