@@ -20,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import urllib.error
@@ -40,7 +41,9 @@ from kvcoord.cli import build_parser
 from kvcoord.coordinator.config import load_config
 from kvcoord.coordinator.server import LIVENESS
 from kvcoord.events import BlockStored, KVEvent
+from kvcoord.gateway.keys import Keys, Refused, load_keys
 from kvcoord.gateway.route_metrics import RouteMetrics
+from kvcoord.gateway.sessions import SessionConfig, Sessions
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
@@ -790,7 +793,12 @@ def test_alert_rules_cover_the_issue_and_match_the_prometheusrule() -> None:
     exprs = " ".join(r["expr"] for r in rules)
     for metric in ("kvcoord_hash_mismatches_total", "kvcoord_ingest_lag_seconds_bucket",
                    "kvcoord_leases_expired_total", "kvcoord_index_up", "kvcoord_events_rejected_total",
-                   "kvcoord_nodes_by_trust"):
+                   "kvcoord_nodes_by_trust", "kvcoord_redis_wait_short_total",
+                   "kvcoord_index_not_primary_total", "kvcoord_index_failovers_total",
+                   "kvcoord_index_resets_total",
+                   "kvcoord_lookup_deadline_exceeded_total", "kvcoord_unknown_medium_events_total",
+                   "kvcoord_reservation_ops_total", "kvcoord_epp_requests_total",
+                   "kvcoord_route_key_requests_total"):
         assert metric in exprs, f"no alert on {metric}"
     names = [r["alert"] for r in rules]
     assert len(names) == len(set(names))
@@ -900,7 +908,8 @@ def scrape(port: int) -> Scrape:
 
 def route_scrape() -> Scrape:
     """``kvcoord route``'s metrics (its RouteMetrics, recorded through the calls the router makes) after a
-    prefix-aware placement, a connect failure and a measured answer. Their values from a live router are
+    prefix-aware placement, a connect failure and a measured answer, and of its API keys (admitted, rate
+    limited, missing) and sessions (one served). Their values from a live router are
     read by tests/test_alerts.py; here, names, types and labels."""
     m = RouteMetrics()
     m.placements.labels("node-a", "true").inc()
@@ -913,6 +922,15 @@ def route_scrape() -> Scrape:
         histogram.observe(0.001)
     predicted = m.predicted(4, 5, 16, 81)
     m.achieved(predicted, {"prompt_tokens": 81, "prompt_tokens_details": {"cached_tokens": predicted}})
+    with tempfile.TemporaryDirectory() as tmp:  # the key file as --api-keys reads it
+        key_file = Path(tmp) / "keys.json"
+        key_file.write_text('{"keys": [{"name": "team-a", "key": "sk-team-a", "requests_per_second": 1}]}')
+        keys = Keys(load_keys(str(key_file)), m.registry)
+    for headers in ({"Authorization": "Bearer sk-team-a"}, {"Authorization": "Bearer sk-team-a"}, {}):
+        with contextlib.suppress(Refused):  # admitted, rate_limited, missing
+            keys.admit(headers)
+    sessions = Sessions(SessionConfig(), m.registry)
+    sessions.served("s1", ("node-a", 0))
     return parse_exposition(generate_latest(m.registry).decode())
 
 
@@ -957,9 +975,10 @@ class Coordinator:
     final: Scrape
 
 
-async def _stream(port: int, node: str, events: list[KVEvent], *, dp_rank: int = 0,
-                  hold: float = 0.0) -> pb.CoordinatorMessage:
-    """One agent session over the real Ingest stream: hello, empty snapshot, one batch; the reply."""
+async def _stream(port: int, node: str, events: list[KVEvent], *, dp_rank: int = 0, hold: float = 0.0,
+                  unknown_media: dict[str, int] | None = None) -> pb.CoordinatorMessage:
+    """One agent session over the real Ingest stream: hello, empty snapshot, one batch; the reply. While it
+    holds, its heartbeats report ``unknown_media`` (events it skipped for a medium no tier maps)."""
     epoch = time.time_ns()
     outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
 
@@ -984,7 +1003,7 @@ async def _stream(port: int, node: str, events: list[KVEvent], *, dp_rank: int =
                 break
         deadline = time.monotonic() + hold
         while time.monotonic() < deadline:  # keep the node alive (heartbeats) while the caller looks up
-            await outbox.put(pb.AgentMessage(heartbeat=pb.AgentHeartbeat()))
+            await outbox.put(pb.AgentMessage(heartbeat=pb.AgentHeartbeat(unknown_media=unknown_media)))
             await asyncio.sleep(0.2)
         await outbox.put(None)
         call.cancel()
@@ -1042,7 +1061,8 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinato
             async def feed() -> None:
                 # node-good stays alive while the lookups run, then goes silent: its lease expires.
                 loop = asyncio.get_running_loop()
-                good_task = asyncio.create_task(_stream(gport, "node-good", [_chain(tokens, good)], hold=4.0))
+                good_task = asyncio.create_task(_stream(gport, "node-good", [_chain(tokens, good)], hold=4.0,
+                                                        unknown_media={"NVME": 2}))
                 await loop.run_in_executor(None, _poll, mport,
                                            lambda sc: total(sc, "kvcoord_index_blocks", model=MODEL) >= 4,
                                            "the good chain in the index")
@@ -1062,7 +1082,8 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinato
                 total(sc, "kvcoord_leases_expired_total") >= 1
                 and total(sc, "kvcoord_hash_mismatches_total", model=MODEL) >= 1
                 and total(sc, "kvcoord_events_rejected_total") >= 1
-            ), "lease expiry, hash mismatch and rejection in /metrics")  # fmt: skip
+                and total(sc, "kvcoord_unknown_medium_events_total", medium="NVME") >= 2
+            ), "lease expiry, hash mismatch, rejection and an unknown medium in /metrics")  # fmt: skip
         except BaseException:
             print((tmp / "serve.log").read_text())
             raise
