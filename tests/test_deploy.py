@@ -14,6 +14,7 @@ import contextlib
 import copy
 import io
 import json
+import os
 import posixpath
 import re
 import shlex
@@ -57,6 +58,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 K8S = DEPLOY / "k8s"
 K8S_BASE = K8S / "base"
 K8S_EPP = K8S / "epp"
+K8S_COMPONENTS = K8S / "components"
 PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvcoord.json"
@@ -119,18 +121,51 @@ def k8s_epp_docs() -> list[dict[str, Any]]:
     return k8s_docs() + k8s_docs(K8S_EPP)
 
 
-def k8s_tls_docs() -> list[dict[str, Any]]:
-    """The base manifests with the tls/ overlay's JSON patches applied (what kustomize renders)."""
-    docs = copy.deepcopy(k8s_docs())
-    kust = yaml_docs(K8S / "tls" / "kustomization.yaml")[0]
+def _patched(docs: list[dict[str, Any]], root: Path) -> list[dict[str, Any]]:
+    """``docs`` with the kustomization (or Component) in ``root`` applied: its JSON patches and its own
+    resources (what kustomize renders)."""
+    docs = copy.deepcopy(docs)
+    kust = yaml_docs(root / "kustomization.yaml")[0]
+    for path in kust.get("resources", []):
+        if (root / path).is_file():  # a directory is the base the caller passed as ``docs``
+            docs.extend(yaml_docs(root / path))
     for patch in kust["patches"]:
         target = patch["target"]
-        ops = yaml_docs(K8S / "tls" / patch["path"])[0]
+        ops = yaml_docs(root / patch["path"])[0]
         matches = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
         assert len(matches) == 1, f"patch target {target} matches {len(matches)} documents"
         for op in ops:
             json_patch(matches[0], op)
     return docs
+
+
+def k8s_tls_docs() -> list[dict[str, Any]]:
+    """The base manifests with the tls/ overlay's JSON patches applied (what kustomize renders)."""
+    return _patched(k8s_docs(), K8S / "tls")
+
+
+def k8s_components() -> list[Path]:
+    """The optional kustomize Components in deploy/k8s/components/ (an operator's overlay includes them)."""
+    return sorted(p for p in K8S_COMPONENTS.iterdir() if (p / "kustomization.yaml").is_file())
+
+
+def k8s_components_docs() -> list[dict[str, Any]]:
+    """The epp overlay's manifests with every Component applied (as :func:`components_overlay` renders)."""
+    docs = k8s_epp_docs()
+    for root in k8s_components():
+        docs = _patched(docs, root)
+    return docs
+
+
+def components_overlay(tmp: Path) -> Path:
+    """An operator's overlay in ``tmp``: the epp overlay plus every Component, in the kvcoord namespace."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    rel = Path(os.path.relpath(K8S, tmp))  # kustomize takes no absolute paths
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "kvcoord",
+        "resources": [str(rel / "epp")], "components": [str(rel / "components" / p.name)
+                                                        for p in k8s_components()]}))
+    return tmp
 
 
 def json_patch(doc: Any, op: dict[str, Any]) -> None:
@@ -331,7 +366,8 @@ def kvcoord_invocations() -> list[tuple[str, list[str]]]:
         test = svc.get("healthcheck", {}).get("test")
         if isinstance(test, list) and "kvcoord" in test:
             found.append((f"compose {name} healthcheck", test[test.index("kvcoord") + 1 :]))
-    for label, docs in (("k8s", k8s_docs()), ("k8s/tls", k8s_tls_docs()), ("k8s/epp", k8s_docs(K8S_EPP))):
+    for label, docs in (("k8s", k8s_docs()), ("k8s/tls", k8s_tls_docs()), ("k8s/epp", k8s_docs(K8S_EPP)),
+                        ("k8s/components", k8s_components_docs())):
         for d in docs:
             if d["kind"] != "Deployment":
                 continue
@@ -370,7 +406,8 @@ def _help_flags(text: str) -> set[str]:
 def test_deploy_files_use_real_kvcoord_commands_and_flags() -> None:
     invocations = kvcoord_invocations()
     where_all = {w.split()[0].split(":")[0] for w, _ in invocations}
-    assert {"Dockerfile", "compose", "k8s", "k8s/tls", "k8s/epp", "README.md", "docs/deploy.md"} <= where_all
+    assert {"Dockerfile", "compose", "k8s", "k8s/tls", "k8s/epp", "k8s/components", "README.md",
+            "docs/deploy.md"} <= where_all
     subcommands = set(re.findall(r"^\s{4}([a-z][a-z-]+)\s", cli_help(None), re.M))
     assert {"serve", "agent", "sim-engine", "health"} <= subcommands
     top_flags = _help_flags(cli_help(None))
@@ -1250,10 +1287,11 @@ def test_promtool_checks_the_shipped_config_and_rules(tmp_path: Path) -> None:
         assert f"{len(alert_rules())} rules found" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-def test_kustomize_renders_base_and_tls_overlay() -> None:
+def test_kustomize_renders_base_and_tls_overlay(tmp_path: Path) -> None:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
-    for root, expected in ((K8S, k8s_docs()), (K8S / "tls", k8s_tls_docs()), (K8S_EPP, k8s_epp_docs())):
+    for root, expected in ((K8S, k8s_docs()), (K8S / "tls", k8s_tls_docs()), (K8S_EPP, k8s_epp_docs()),
+                           (components_overlay(tmp_path / "with-components"), k8s_components_docs())):
         out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -1272,15 +1310,15 @@ _CRD_GROUPS = {"monitoring.coreos.com", "inference.networking.k8s.io", "gateway.
 
 
 def test_kubernetes_validate_accepts_every_rendered_manifest(tmp_path: Path) -> None:
-    """The real kubernetes-validate (strict: no unknown fields) on what ``kubectl kustomize`` renders, base,
-    TLS and epp overlays; only the Prometheus Operator's kinds and the Gateway API's (HTTPRoute,
-    InferencePool) have no schema there (kustomize and promtool check the first, tests/test_deploy_k8s.py
-    the InferencePool's fields)."""
+    """The real kubernetes-validate (strict: no unknown fields) on what ``kubectl kustomize`` renders: base,
+    TLS and epp overlays, and the epp overlay with every Component. Only the Prometheus Operator's kinds and
+    the Gateway API's (HTTPRoute, InferencePool) have no schema there (kustomize and promtool check the
+    first, tests/test_deploy_k8s.py the InferencePool's fields)."""
     tool = (shutil.which("kubernetes-validate")
             or shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent)))
     if shutil.which("kubectl") is None or tool is None:
         pytest.skip("kubectl or kubernetes-validate is not installed (pip install kubernetes-validate)")
-    for root in (K8S, K8S / "tls", K8S_EPP):
+    for root in (K8S, K8S / "tls", K8S_EPP, components_overlay(tmp_path / "with-components")):
         out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rendered = tmp_path / f"{root.name}.yaml"
