@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,9 +149,10 @@ async def route_metrics(s: aiohttp.ClientSession, base: str) -> dict[str, float]
     return out
 
 
-async def read_sse(resp: aiohttp.ClientResponse) -> tuple[list[Any], int]:
-    """Events (None for [DONE]) and how many reads they took."""
-    buf, reads, events = b"", 0, []
+async def sse_events(resp: aiohttp.ClientResponse, on_event: Callable[[Any], Awaitable[Any]]) -> int:
+    """Feed each SSE ``data:`` payload (None for [DONE]) to ``on_event`` as it arrives; returns how many
+    reads it took."""
+    buf, reads = b"", 0
     async for piece in resp.content.iter_any():
         reads += 1
         buf += piece
@@ -159,5 +160,16 @@ async def read_sse(resp: aiohttp.ClientResponse) -> tuple[list[Any], int]:
             event, buf = buf.split(b"\n\n", 1)
             assert event.startswith(b"data: "), event
             data = event[len(b"data: "):]
-            events.append(None if data == b"[DONE]" else json.loads(data))
+            await on_event(None if data == b"[DONE]" else json.loads(data))
+    return reads
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> tuple[list[Any], int]:
+    """Events (None for [DONE]) and how many reads they took."""
+    events: list[Any] = []
+
+    async def collect(event: Any) -> None:
+        events.append(event)
+
+    reads = await sse_events(resp, collect)
     return events, reads
