@@ -87,9 +87,10 @@ def _report(label: str, r: dict[str, list[float]], key: str = "") -> None:
 
 
 @contextlib.contextmanager
-def _fleet(tmp: Path, lookup: bool) -> Iterator[tuple[str, str, str]]:
-    """(engine, route, second route): with ``lookup`` the second route tokenizes itself (``--tokenizer``)."""
-    http, pub, rport, rport2 = free_port(), free_port(), free_port(), free_port()
+def engine_stack(tmp: Path, coordinator: bool) -> Iterator[tuple[str, str]]:
+    """A sim-engine (no token delay) and, with ``coordinator``, a ``kvcoord serve`` tokenizing through its
+    ``/tokenize`` and an agent relaying its KV events: (engine URL, coordinator address, "" without)."""
+    http, pub = free_port(), free_port()
     engine = f"http://127.0.0.1:{http}"
     with contextlib.ExitStack() as stack:
         stack.enter_context(running(kvcoord_cmd(
@@ -97,26 +98,40 @@ def _fleet(tmp: Path, lookup: bool) -> Iterator[tuple[str, str, str]]:
             "--hash-seed", "0", "--block-size", "16", "--http-listen", f"127.0.0.1:{http}", "--rate", "0",
             "--requests", "0", "--token-interval", "0", "--num-blocks", "65536"), log=tmp / "engine.log"))
         wait_for_port(http, timeout=30)
+        if not coordinator:
+            yield engine, ""
+            return
+        gport = free_port()
+        stack.enter_context(running(kvcoord_cmd(
+            "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "", "--model",
+            f"{MODEL},algo=sha256_cbor,block_size=16,seed=0,tokenizer={engine}"),
+            env={"KVCOORD_HTTP_LISTEN": ""}, log=tmp / "serve.log"))
+        wait_for_port(gport, timeout=30)
+        stack.enter_context(running(kvcoord_cmd(
+            "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", "node", "--model", MODEL,
+            "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine), log=tmp / "agent.log"))
+        yield engine, f"127.0.0.1:{gport}"
+
+
+def route_cmd(port: int, *args: str) -> list[str]:
+    """``kvcoord route`` on ``port`` for MODEL, logging warnings only."""
+    return kvcoord_cmd("--log-level", "WARNING", "route", "--listen", f"127.0.0.1:{port}", "--model", MODEL,
+                       *args)
+
+
+@contextlib.contextmanager
+def _fleet(tmp: Path, lookup: bool) -> Iterator[tuple[str, str, str]]:
+    """(engine, route, second route): with ``lookup`` the second route tokenizes itself (``--tokenizer``)."""
+    rport, rport2 = free_port(), free_port()
+    with engine_stack(tmp, lookup) as (engine, coordinator), contextlib.ExitStack() as stack:
         if lookup:
-            gport = free_port()
-            stack.enter_context(running(kvcoord_cmd(
-                "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "", "--model",
-                f"{MODEL},algo=sha256_cbor,block_size=16,seed=0,tokenizer={engine}"),
-                env={"KVCOORD_HTTP_LISTEN": ""}, log=tmp / "serve.log"))
-            wait_for_port(gport, timeout=30)
-            stack.enter_context(running(kvcoord_cmd(
-                "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", "node", "--model", MODEL,
-                "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine), log=tmp / "agent.log"))
-            route = ["--coordinator", f"127.0.0.1:{gport}", "--deadline-ms", "1000"]
-            stack.enter_context(running(kvcoord_cmd("--log-level", "WARNING", "route", "--listen",
-                                                    f"127.0.0.1:{rport2}", "--model", MODEL, *route,
-                                                    "--tokenizer", engine), log=tmp / "route2.log"))
+            route = ["--coordinator", coordinator, "--deadline-ms", "1000"]
+            stack.enter_context(running(route_cmd(rport2, *route, "--tokenizer", engine),
+                                        log=tmp / "route2.log"))
             wait_for_port(rport2, timeout=30)
         else:
             route = ["--policy", "round-robin", "--backend", f"node={engine}"]
-        stack.enter_context(running(kvcoord_cmd("--log-level", "WARNING", "route", "--listen",
-                                                f"127.0.0.1:{rport}", "--model", MODEL, *route),
-                                    log=tmp / "route.log"))
+        stack.enter_context(running(route_cmd(rport, *route), log=tmp / "route.log"))
         wait_for_port(rport, timeout=30)
         yield engine, f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{rport2}"
 

@@ -35,10 +35,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from bench_route import MODEL, SYSTEM, engine_stack, route_cmd  # this directory: the same start-up
 
-MODEL = "sim-model"
-SYSTEM = "You are a helpful assistant who answers every question in a few short words " * 8
+from tests.procs import free_port, running, wait_for_port
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 # (label, substring of a file path); the first that matches names a function's group.
@@ -107,25 +107,10 @@ async def _traffic(route: str, n: int, *, stream: bool, long: bool = False) -> N
 @contextlib.contextmanager
 def _fleet(tmp: Path, profile: Path | None, policy: tuple[str, ...]) -> Iterator[tuple[str, int]]:
     """(route URL, route's pid), with route under cProfile when ``profile`` is given."""
-    http, pub, gport, rport = free_port(), free_port(), free_port(), free_port()
-    engine = f"http://127.0.0.1:{http}"
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(running(kvcoord_cmd(
-            "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", "--model", MODEL, "--algo", "sha256_cbor",
-            "--hash-seed", "0", "--block-size", "16", "--http-listen", f"127.0.0.1:{http}", "--rate", "0",
-            "--requests", "0", "--token-interval", "0", "--num-blocks", "65536"), log=tmp / "engine.log"))
-        wait_for_port(http, timeout=30)
-        stack.enter_context(running(kvcoord_cmd(
-            "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "", "--model",
-            f"{MODEL},algo=sha256_cbor,block_size=16,seed=0,tokenizer={engine}"),
-            env={"KVCOORD_HTTP_LISTEN": ""}, log=tmp / "serve.log"))
-        wait_for_port(gport, timeout=30)
-        stack.enter_context(running(kvcoord_cmd(
-            "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", "node", "--model", MODEL,
-            "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine), log=tmp / "agent.log"))
+    rport = free_port()
+    with engine_stack(tmp, coordinator=True) as (engine, coordinator), contextlib.ExitStack() as stack:
         policy = tuple(a.replace("ENGINE", engine) for a in policy)
-        cmd = kvcoord_cmd("--log-level", "WARNING", "route", "--listen", f"127.0.0.1:{rport}", "--model",
-                          MODEL, "--coordinator", f"127.0.0.1:{gport}", "--deadline-ms", "1000", *policy)
+        cmd = route_cmd(rport, "--coordinator", coordinator, "--deadline-ms", "1000", *policy)
         if profile is not None:
             cmd = [cmd[0], "-m", "cProfile", "-o", str(profile), *cmd[1:]]
         proc = stack.enter_context(running(cmd, log=tmp / "route.log"))

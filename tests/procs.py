@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import os
@@ -10,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,20 @@ def until(cond: Callable[[], Any], what: str, timeout: float = 30.0,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{diagnose()}")
         time.sleep(interval)
+
+
+async def until_async(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 60.0,
+                      interval: float = 0.05) -> Any:
+    """:func:`until` for an asyncio test: await ``cond()`` every ``interval`` seconds until it returns
+    something truthy, and return that; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def kvcoord_cmd(*args: str) -> list[str]:

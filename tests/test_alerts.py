@@ -56,6 +56,7 @@ from kvcoord.validate import pack_u64
 from kvcoord.wire import events_to_proto, pack_tokens
 from tests.procs import FIXTURES, REPO, free_port, kvcoord_cmd, running, stop, until, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
+from tests.test_alert_rules import promtool_tested
 
 PROMETHEUS_BIN = shutil.which("prometheus")
 DEPLOY_PROMETHEUS = REPO / "deploy" / "prometheus"
@@ -405,8 +406,11 @@ class Agent:
     """A hand-driven agent stream: Hello, an empty snapshot, the given batches; then it heart-beats
     until closed. ``replies`` collects everything the coordinator sends."""
 
-    def __init__(self, address: str, node: str, model: str) -> None:
+    def __init__(self, address: str, node: str, model: str,
+                 unknown_media: dict[str, int] | None = None) -> None:
         self.address, self.node, self.model = address, node, model
+        self.unknown_media = unknown_media
+        """Reported in every heartbeat: events skipped since the last for a medium no tier maps."""
         self.epoch = time.time_ns()
         self.replies: list[pb.CoordinatorMessage] = []
         self.error: BaseException | None = None
@@ -432,7 +436,8 @@ class Agent:
                 welcome = [r.welcome for r in self.replies if r.WhichOneof("msg") == "welcome"]
                 lease = welcome[0].lease_seconds if welcome else 10.0
                 while not reader.done():
-                    await call.write(pb.AgentMessage(heartbeat=pb.AgentHeartbeat()))
+                    beat = pb.AgentHeartbeat(unknown_media=self.unknown_media)
+                    await call.write(pb.AgentMessage(heartbeat=beat))
                     await asyncio.sleep(min(1.0, lease / 4))
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
                 self.error = exc  # the stream ended; reported when a wait times out
@@ -499,6 +504,8 @@ SIM_BLOCK = 8
 SIM_HASHING = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(SIM_BLOCK))
 SIM_SPEC = f"{SIM_MODEL},algo=sha256_cbor,block_size={SIM_BLOCK},seed=0"
 """The main coordinator's profile for the sim-engines (a tokenizer= is added: engine-1's /tokenize)."""
+API_KEY = "sk-alerts-test"
+"""The router's one API key (--api-keys), without limits."""
 
 
 @dataclass
@@ -534,6 +541,7 @@ class Chats:
 
     def __init__(self, route: str, coordinator: str) -> None:
         self.route, self.coordinator = route, coordinator
+        self.headers = {"Authorization": f"Bearer {API_KEY}"}
         self.running = True
         self.statuses: dict[int, int] = {}
 
@@ -542,9 +550,9 @@ class Chats:
         system = f"prompt-{i} " + " ".join(f"rule-{i}-{k}" for k in range(160))
         return [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]
 
-    async def _post(self, s: aiohttp.ClientSession, i: int) -> None:
+    async def _post(self, s: aiohttp.ClientSession, i: int, **headers: str) -> None:
         body = {"model": SIM_MODEL, "messages": self.messages(i), "max_tokens": 2}
-        async with s.post(f"{self.route}/v1/chat/completions", json=body) as resp:
+        async with s.post(f"{self.route}/v1/chat/completions", json=body, headers=headers) as resp:
             await resp.read()
             self.statuses[resp.status] = self.statuses.get(resp.status, 0) + 1
 
@@ -552,7 +560,8 @@ class Chats:
         """Each prompt twice: the second once the coordinator's index holds the first one's blocks, so the
         router places it on the node whose events reported them (and, with swapped URLs, reaches the
         other, cold engine)."""
-        async with aiohttp.ClientSession() as s, grpc.aio.insecure_channel(self.coordinator) as channel:
+        async with aiohttp.ClientSession(headers=self.headers) as s, \
+                grpc.aio.insecure_channel(self.coordinator) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             for i in range(limit):
                 if not self.running:
@@ -567,9 +576,17 @@ class Chats:
                     await asyncio.sleep(0.05)
                 await self._post(s, i)
 
+    async def session_and_stranger(self, i: int) -> None:
+        """Two requests of one session (new, then hit or moved), and one without the API key (401)."""
+        async with aiohttp.ClientSession(headers=self.headers) as s:
+            for _ in range(2):
+                await self._post(s, i, **{"x-session-id": f"session-{i}"})
+        async with aiohttp.ClientSession() as s:
+            await self._post(s, i)
+
     async def steady(self, first: int) -> None:
         """One new prompt after another until stopped."""
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=self.headers) as s:
             i = first
             while self.running:
                 with contextlib.suppress(aiohttp.ClientError):
@@ -649,8 +666,10 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
         "KvcoordRouteAchievedBelowPredicted": ("traffic", {"instance": route_inst, "job": route_job}),
         "KvcoordRouteDegraded": ("coordinator_down", {"instance": route_inst, "job": route_job}),
         "KvcoordRouteDown": ("route_down", {"instance": route_inst, "job": route_job}),
+        "KvcoordUnknownMedium": ("traffic", {"instance": main_inst, "medium": "NVME"}),
     }
-    assert set(expect) == {r["alert"] for r in rules}, "every rule in alerts.yml needs a cause here"
+    # every rule in alerts.yml needs a cause here, or a firing case in tests/alerts_promtool.yml
+    assert set(expect) | promtool_tested() == {r["alert"] for r in rules}
     names = ("main", "lease", "prometheus", "route", "epp", *(n.node for n in sims),
              *(f"agent-{n.node}" for n in sims))
     logs = {name: tmp_path / f"{name}.log" for name in names}
@@ -721,10 +740,12 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
                 wait_for_port(n.http, timeout=60)
                 stack.enter_context(running(agent_cmd(main_addr, n, other), log=logs[f"agent-{n.node}"]))
             # A static backend nobody listens on: picked once, it costs a retry and a backend failure.
+            keys = tmp_path / "keys.json"
+            keys.write_text(json.dumps({"keys": [{"name": "alerts", "key": API_KEY}]}))
             route = stack.enter_context(running(kvcoord_cmd(
                 "route", "--coordinator", main_addr, "--listen", route_inst, "--model", SIM_MODEL,
                 "--deadline-ms", "2000", "--refresh-interval", "0.5", "--seed", "7",
-                "--backend", f"node-dead=http://127.0.0.1:{dead_port}",
+                "--backend", f"node-dead=http://127.0.0.1:{dead_port}", "--api-keys", str(keys),
             ), log=logs["route"]))  # fmt: skip
             wait_for_port(route_port, timeout=60)
             wait_until(lambda: prom.query(f'up{{job="{route_job}"}} == 1'), "the router scraped")
@@ -744,7 +765,7 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             #    rank it never announced; on the other coordinator, a node that leaves without a word; chats
             #    through the router, whose nodes' agents announce each other's engine.
             since = time.time()
-            good = Agent(main_addr, "engine-good", MODEL)
+            good = Agent(main_addr, "engine-good", MODEL, unknown_media={"NVME": 2})  # a medium no tier maps
             unseeded = Agent(main_addr, "engine-unseeded", MODEL)
             late = Agent(main_addr, "engine-late", MODEL)
             rejecting = Agent(main_addr, "engine-rejecting", MODEL)
@@ -782,12 +803,14 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
             gateway = Gateway(f"127.0.0.1:{epp_port}")
             bg.submit(gateway.run())
             wait_until(lambda: gateway.picked >= 1, "a pick served")
+            bg.submit(chats.session_and_stranger(900)).result(timeout=DEADLINE)  # sessions and keys panels
             wait_until(lambda: router.answered >= 10, "lookups answered", lambda: router.answered)
             wait_until(lambda: not panel_problems(prom), "every dashboard panel to return data",
                        lambda: "\n".join(panel_problems(prom)))
             router.running = chats.running = gateway.running = False
             chatting.result(timeout=DEADLINE)
-            assert set(chats.statuses) == {200}, chats.statuses  # the dead backend's requests were retried
+            # the dead backend's requests were retried; the one without the key was refused
+            assert set(chats.statuses) == {200, 401} and chats.statuses[401] == 1, chats.statuses
 
             # 4. The index backend dies.
             since = time.time()

@@ -14,12 +14,14 @@ import contextlib
 import copy
 import io
 import json
+import os
 import posixpath
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import urllib.error
@@ -40,7 +42,9 @@ from kvcoord.cli import build_parser
 from kvcoord.coordinator.config import load_config
 from kvcoord.coordinator.server import LIVENESS
 from kvcoord.events import BlockStored, KVEvent
+from kvcoord.gateway.keys import Keys, Refused, load_keys
 from kvcoord.gateway.route_metrics import RouteMetrics
+from kvcoord.gateway.sessions import SessionConfig, Sessions
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
@@ -54,6 +58,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 K8S = DEPLOY / "k8s"
 K8S_BASE = K8S / "base"
 K8S_EPP = K8S / "epp"
+K8S_COMPONENTS = K8S / "components"
 PROMETHEUS = DEPLOY / "prometheus"
 GRAFANA = DEPLOY / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvcoord.json"
@@ -116,18 +121,51 @@ def k8s_epp_docs() -> list[dict[str, Any]]:
     return k8s_docs() + k8s_docs(K8S_EPP)
 
 
-def k8s_tls_docs() -> list[dict[str, Any]]:
-    """The base manifests with the tls/ overlay's JSON patches applied (what kustomize renders)."""
-    docs = copy.deepcopy(k8s_docs())
-    kust = yaml_docs(K8S / "tls" / "kustomization.yaml")[0]
+def _patched(docs: list[dict[str, Any]], root: Path) -> list[dict[str, Any]]:
+    """``docs`` with the kustomization (or Component) in ``root`` applied: its JSON patches and its own
+    resources (what kustomize renders)."""
+    docs = copy.deepcopy(docs)
+    kust = yaml_docs(root / "kustomization.yaml")[0]
+    for path in kust.get("resources", []):
+        if (root / path).is_file():  # a directory is the base the caller passed as ``docs``
+            docs.extend(yaml_docs(root / path))
     for patch in kust["patches"]:
         target = patch["target"]
-        ops = yaml_docs(K8S / "tls" / patch["path"])[0]
+        ops = yaml_docs(root / patch["path"])[0]
         matches = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
         assert len(matches) == 1, f"patch target {target} matches {len(matches)} documents"
         for op in ops:
             json_patch(matches[0], op)
     return docs
+
+
+def k8s_tls_docs() -> list[dict[str, Any]]:
+    """The base manifests with the tls/ overlay's JSON patches applied (what kustomize renders)."""
+    return _patched(k8s_docs(), K8S / "tls")
+
+
+def k8s_components() -> list[Path]:
+    """The optional kustomize Components in deploy/k8s/components/ (an operator's overlay includes them)."""
+    return sorted(p for p in K8S_COMPONENTS.iterdir() if (p / "kustomization.yaml").is_file())
+
+
+def k8s_components_docs() -> list[dict[str, Any]]:
+    """The epp overlay's manifests with every Component applied (as :func:`components_overlay` renders)."""
+    docs = k8s_epp_docs()
+    for root in k8s_components():
+        docs = _patched(docs, root)
+    return docs
+
+
+def components_overlay(tmp: Path) -> Path:
+    """An operator's overlay in ``tmp``: the epp overlay plus every Component, in the kvcoord namespace."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    rel = Path(os.path.relpath(K8S, tmp))  # kustomize takes no absolute paths
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "kvcoord",
+        "resources": [str(rel / "epp")], "components": [str(rel / "components" / p.name)
+                                                        for p in k8s_components()]}))
+    return tmp
 
 
 def json_patch(doc: Any, op: dict[str, Any]) -> None:
@@ -328,7 +366,8 @@ def kvcoord_invocations() -> list[tuple[str, list[str]]]:
         test = svc.get("healthcheck", {}).get("test")
         if isinstance(test, list) and "kvcoord" in test:
             found.append((f"compose {name} healthcheck", test[test.index("kvcoord") + 1 :]))
-    for label, docs in (("k8s", k8s_docs()), ("k8s/tls", k8s_tls_docs()), ("k8s/epp", k8s_docs(K8S_EPP))):
+    for label, docs in (("k8s", k8s_docs()), ("k8s/tls", k8s_tls_docs()), ("k8s/epp", k8s_docs(K8S_EPP)),
+                        ("k8s/components", k8s_components_docs())):
         for d in docs:
             if d["kind"] != "Deployment":
                 continue
@@ -367,7 +406,8 @@ def _help_flags(text: str) -> set[str]:
 def test_deploy_files_use_real_kvcoord_commands_and_flags() -> None:
     invocations = kvcoord_invocations()
     where_all = {w.split()[0].split(":")[0] for w, _ in invocations}
-    assert {"Dockerfile", "compose", "k8s", "k8s/tls", "k8s/epp", "README.md", "docs/deploy.md"} <= where_all
+    assert {"Dockerfile", "compose", "k8s", "k8s/tls", "k8s/epp", "k8s/components", "README.md",
+            "docs/deploy.md"} <= where_all
     subcommands = set(re.findall(r"^\s{4}([a-z][a-z-]+)\s", cli_help(None), re.M))
     assert {"serve", "agent", "sim-engine", "health"} <= subcommands
     top_flags = _help_flags(cli_help(None))
@@ -790,7 +830,12 @@ def test_alert_rules_cover_the_issue_and_match_the_prometheusrule() -> None:
     exprs = " ".join(r["expr"] for r in rules)
     for metric in ("kvcoord_hash_mismatches_total", "kvcoord_ingest_lag_seconds_bucket",
                    "kvcoord_leases_expired_total", "kvcoord_index_up", "kvcoord_events_rejected_total",
-                   "kvcoord_nodes_by_trust"):
+                   "kvcoord_nodes_by_trust", "kvcoord_redis_wait_short_total",
+                   "kvcoord_index_not_primary_total", "kvcoord_index_failovers_total",
+                   "kvcoord_index_resets_total",
+                   "kvcoord_lookup_deadline_exceeded_total", "kvcoord_unknown_medium_events_total",
+                   "kvcoord_reservation_ops_total", "kvcoord_epp_requests_total",
+                   "kvcoord_route_key_requests_total"):
         assert metric in exprs, f"no alert on {metric}"
     names = [r["alert"] for r in rules]
     assert len(names) == len(set(names))
@@ -900,7 +945,8 @@ def scrape(port: int) -> Scrape:
 
 def route_scrape() -> Scrape:
     """``kvcoord route``'s metrics (its RouteMetrics, recorded through the calls the router makes) after a
-    prefix-aware placement, a connect failure and a measured answer. Their values from a live router are
+    prefix-aware placement, a connect failure and a measured answer, and of its API keys (admitted, rate
+    limited, missing) and sessions (one served). Their values from a live router are
     read by tests/test_alerts.py; here, names, types and labels."""
     m = RouteMetrics()
     m.placements.labels("node-a", "true").inc()
@@ -913,6 +959,15 @@ def route_scrape() -> Scrape:
         histogram.observe(0.001)
     predicted = m.predicted(4, 5, 16, 81)
     m.achieved(predicted, {"prompt_tokens": 81, "prompt_tokens_details": {"cached_tokens": predicted}})
+    with tempfile.TemporaryDirectory() as tmp:  # the key file as --api-keys reads it
+        key_file = Path(tmp) / "keys.json"
+        key_file.write_text('{"keys": [{"name": "team-a", "key": "sk-team-a", "requests_per_second": 1}]}')
+        keys = Keys(load_keys(str(key_file)), m.registry)
+    for headers in ({"Authorization": "Bearer sk-team-a"}, {"Authorization": "Bearer sk-team-a"}, {}):
+        with contextlib.suppress(Refused):  # admitted, rate_limited, missing
+            keys.admit(headers)
+    sessions = Sessions(SessionConfig(), m.registry)
+    sessions.served("s1", ("node-a", 0))
     return parse_exposition(generate_latest(m.registry).decode())
 
 
@@ -957,9 +1012,10 @@ class Coordinator:
     final: Scrape
 
 
-async def _stream(port: int, node: str, events: list[KVEvent], *, dp_rank: int = 0,
-                  hold: float = 0.0) -> pb.CoordinatorMessage:
-    """One agent session over the real Ingest stream: hello, empty snapshot, one batch; the reply."""
+async def _stream(port: int, node: str, events: list[KVEvent], *, dp_rank: int = 0, hold: float = 0.0,
+                  unknown_media: dict[str, int] | None = None) -> pb.CoordinatorMessage:
+    """One agent session over the real Ingest stream: hello, empty snapshot, one batch; the reply. While it
+    holds, its heartbeats report ``unknown_media`` (events it skipped for a medium no tier maps)."""
     epoch = time.time_ns()
     outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
 
@@ -984,7 +1040,7 @@ async def _stream(port: int, node: str, events: list[KVEvent], *, dp_rank: int =
                 break
         deadline = time.monotonic() + hold
         while time.monotonic() < deadline:  # keep the node alive (heartbeats) while the caller looks up
-            await outbox.put(pb.AgentMessage(heartbeat=pb.AgentHeartbeat()))
+            await outbox.put(pb.AgentMessage(heartbeat=pb.AgentHeartbeat(unknown_media=unknown_media)))
             await asyncio.sleep(0.2)
         await outbox.put(None)
         call.cancel()
@@ -1042,7 +1098,8 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinato
             async def feed() -> None:
                 # node-good stays alive while the lookups run, then goes silent: its lease expires.
                 loop = asyncio.get_running_loop()
-                good_task = asyncio.create_task(_stream(gport, "node-good", [_chain(tokens, good)], hold=4.0))
+                good_task = asyncio.create_task(_stream(gport, "node-good", [_chain(tokens, good)], hold=4.0,
+                                                        unknown_media={"NVME": 2}))
                 await loop.run_in_executor(None, _poll, mport,
                                            lambda sc: total(sc, "kvcoord_index_blocks", model=MODEL) >= 4,
                                            "the good chain in the index")
@@ -1062,7 +1119,8 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinato
                 total(sc, "kvcoord_leases_expired_total") >= 1
                 and total(sc, "kvcoord_hash_mismatches_total", model=MODEL) >= 1
                 and total(sc, "kvcoord_events_rejected_total") >= 1
-            ), "lease expiry, hash mismatch and rejection in /metrics")  # fmt: skip
+                and total(sc, "kvcoord_unknown_medium_events_total", medium="NVME") >= 2
+            ), "lease expiry, hash mismatch, rejection and an unknown medium in /metrics")  # fmt: skip
         except BaseException:
             print((tmp / "serve.log").read_text())
             raise
@@ -1229,10 +1287,11 @@ def test_promtool_checks_the_shipped_config_and_rules(tmp_path: Path) -> None:
         assert f"{len(alert_rules())} rules found" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
-def test_kustomize_renders_base_and_tls_overlay() -> None:
+def test_kustomize_renders_base_and_tls_overlay(tmp_path: Path) -> None:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed")
-    for root, expected in ((K8S, k8s_docs()), (K8S / "tls", k8s_tls_docs()), (K8S_EPP, k8s_epp_docs())):
+    for root, expected in ((K8S, k8s_docs()), (K8S / "tls", k8s_tls_docs()), (K8S_EPP, k8s_epp_docs()),
+                           (components_overlay(tmp_path / "with-components"), k8s_components_docs())):
         out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -1251,15 +1310,15 @@ _CRD_GROUPS = {"monitoring.coreos.com", "inference.networking.k8s.io", "gateway.
 
 
 def test_kubernetes_validate_accepts_every_rendered_manifest(tmp_path: Path) -> None:
-    """The real kubernetes-validate (strict: no unknown fields) on what ``kubectl kustomize`` renders, base,
-    TLS and epp overlays; only the Prometheus Operator's kinds and the Gateway API's (HTTPRoute,
-    InferencePool) have no schema there (kustomize and promtool check the first, tests/test_deploy_k8s.py
-    the InferencePool's fields)."""
+    """The real kubernetes-validate (strict: no unknown fields) on what ``kubectl kustomize`` renders: base,
+    TLS and epp overlays, and the epp overlay with every Component. Only the Prometheus Operator's kinds and
+    the Gateway API's (HTTPRoute, InferencePool) have no schema there (kustomize and promtool check the
+    first, tests/test_deploy_k8s.py the InferencePool's fields)."""
     tool = (shutil.which("kubernetes-validate")
             or shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent)))
     if shutil.which("kubectl") is None or tool is None:
         pytest.skip("kubectl or kubernetes-validate is not installed (pip install kubernetes-validate)")
-    for root in (K8S, K8S / "tls", K8S_EPP):
+    for root in (K8S, K8S / "tls", K8S_EPP, components_overlay(tmp_path / "with-components")):
         out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         rendered = tmp_path / f"{root.name}.yaml"

@@ -18,6 +18,7 @@ import json
 import re
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,9 +39,12 @@ from tests.test_deploy import (
     _loadgen_chat,
     _poll,
     _post_json,
+    components_overlay,
     configmap_toml,
     containers,
     flag,
+    flag_all,
+    k8s_components_docs,
     k8s_docs,
     kind,
     parse_exposition,
@@ -62,6 +66,8 @@ def rendered_k8s(root: Path = K8S) -> list[dict[str, Any]]:
     """``kubectl kustomize ROOT`` when kubectl is installed, else the manifests read directly (the base,
     plus an overlay's own files)."""
     if shutil.which("kubectl") is None:
+        if "components" in yaml.safe_load((root / "kustomization.yaml").read_text()):
+            return k8s_components_docs()  # components_overlay()'s
         return k8s_docs() + (k8s_docs(root) if root != K8S else [])
     out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -164,13 +170,18 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 
 
 def _mounts(cluster: Cluster, pod: Pod, c: dict[str, Any]) -> dict[str, str]:
-    """configMap and Secret volumes mounted by ``c``: mount path -> a local directory holding the keys as
-    files; a ConfigMap's with the addresses rewritten (the coordinator's TOML names its listen ports,
-    Redis and the engines)."""
+    """configMap, Secret and claim volumes mounted by ``c``: mount path -> a local directory holding the keys
+    as files; a ConfigMap's with the addresses rewritten (the coordinator's TOML names its listen ports,
+    Redis and the engines); a PersistentVolumeClaim's, one directory all its pods share."""
     volumes = {v["name"]: v for v in pod.deployment["spec"]["template"]["spec"].get("volumes", [])}
     out = {}
     for m in c.get("volumeMounts", []):
         vol = volumes[m["name"]]
+        if "persistentVolumeClaim" in vol:  # one directory per claim, shared by the pods mounting it
+            shared = cluster.tmp / "claims" / vol["persistentVolumeClaim"]["claimName"]
+            shared.mkdir(parents=True, exist_ok=True)
+            out[m["mountPath"]] = str(shared)
+            continue
         if "configMap" in vol:
             data = {k: cluster.rewrite(pod, t)
                     for k, t in kind(cluster.docs, "ConfigMap", vol["configMap"]["name"])["data"].items()}
@@ -278,6 +289,9 @@ def test_k8s_epp_overlay_agrees_with_the_pool_engines_and_coordinator() -> None:
     (agent,) = [c for c in containers(vllm) if c["name"] == "kvcoord-agent"]
     (http,) = [p["containerPort"] for p in engine["ports"] if p["name"] == "http"]
     assert spec["targetPorts"] == [{"number": http}]
+    for d in [*docs, *k8s_components_docs()]:  # the conformance hooks let clients steer their own picks
+        if d["kind"] == "Deployment":
+            assert all("--conformance" not in c.get("args", []) for c in containers(d)), d["metadata"]
     assert flag(agent["args"], "--serving-url") == f"http://$(POD_IP):{http}"  # the picker's endpoints
     ref = spec["endpointPickerRef"]
     assert set(ref) <= _PICKER_REF and ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
@@ -289,6 +303,10 @@ def test_k8s_epp_overlay_agrees_with_the_pool_engines_and_coordinator() -> None:
     (c,) = containers(epp)
     args = c["args"]
     assert args[0] == "epp" and _is_kvcoord_image(c["image"])
+    # a data-parallel pool's targetPorts are the picker's --target-ports, in rank order; else one port
+    target_ports = flag_all(args, "--target-ports")
+    want = [int(p) for p in target_ports[0].split(",")] if target_ports else [http]
+    assert [p["number"] for p in spec["targetPorts"]] == want
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports[sp["targetPort"]] == int(flag(args, "--listen").rsplit(":", 1)[1])
     health = int(flag(args, "--health-listen").rsplit(":", 1)[1])
@@ -446,3 +464,48 @@ def test_k8s_epp_picks_the_pool_members_by_prefix(tmp_path: Path) -> None:
             until(lambda p=prompt, e=first: holder(p, e), f"picks of prompt {prompt} following its prefix to "
                   f"{first}", timeout=60, interval=0.1)
             assert all(holder(prompt, first) for _ in range(4))
+
+
+KEYS = {"keys": [{"name": "team-a", "key": "sk-team-a-0123", "requests_per_second": 100}]}
+"""The kvcoord-route-keys Secret's keys.json, as docs/deploy.md has the operator create it."""
+
+
+def _chat_status(url: str, body: dict[str, Any], key: str | None) -> int:
+    headers = {"content-type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@pytest.mark.slow
+def test_k8s_components_keys_on_route_leader_and_flow_control_on_epp(tmp_path: Path) -> None:
+    """The epp overlay with every Component of deploy/k8s/components, run locally with the Secrets the
+    components name: route asks for the API key from its Secret (401 without, 200 with), the picker holds
+    the leader lock on the claim and reports ready, with flow control's limits in force."""
+    certs = make_certs(tmp_path / "pki")
+    secrets = {"kvcoord-epp-tls": {"tls.crt": certs["server_crt"].read_text(),
+                                   "tls.key": certs["server_key"].read_text()},
+               "kvcoord-route-keys": {"keys.json": json.dumps(KEYS)}}
+    root = components_overlay(tmp_path / "overlay")
+    with k8s_stack(root, tmp_path, secrets) as cluster:
+        (route,) = cluster.pods_of("kvcoord-route")
+        route_url = f"http://127.0.0.1:{route.local(8000)}"
+        wait_for_port(route.local(8000), timeout=30)
+        until(lambda: route_ready(route_url, 2), "route ready with both engines' URLs", timeout=60,
+              interval=0.1)
+        chat = f"{route_url}/v1/chat/completions"
+        assert _chat_status(chat, _loadgen_chat(0), None) == 401
+        assert _chat_status(chat, _loadgen_chat(0), KEYS["keys"][0]["key"]) == 200
+        (epp,) = cluster.pods_of("kvcoord-epp")
+        (c,) = containers(epp.deployment)
+        assert flag(c["args"], "--max-in-flight") == "64" and flag(c["args"], "--leader-lock")
+        probe = c["readinessProbe"]["grpc"]
+        health = f"127.0.0.1:{epp.local(probe['port'])}"
+        wait_for_port(epp.local(probe["port"]), timeout=30)
+        until(lambda: health_of(health, probe["service"]) == health_pb2.HealthCheckResponse.SERVING,
+              "the picker ready (the leader)", timeout=60, interval=0.1)
+        assert any((tmp_path / "claims" / "kvcoord-epp-leader").iterdir()), "no lock file on the claim"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import subprocess
-import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from kvcoord.index.memory import MemoryIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.validate import check_model, check_node_id, shown
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from tests.procs import free_port, kvcoord_cmd, running, until_async, wait_for_port
 from tests.test_coordinator_ingest import MODEL, Agent, Coord, P, removed, serving, stored
 
 DEADLINE = 30.0
@@ -42,14 +41,7 @@ GOOD_MODELS = ["m", "Qwen/Qwen3-0.6B", "meta-llama/Llama-3.1-8B", "/models/llama
 
 
 async def eventually(check: Callable[[], Awaitable[Any]], what: str) -> Any:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        got = await check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+    return await until_async(check, what, DEADLINE, interval=0.02)
 
 
 async def status(call: Any) -> tuple[grpc.StatusCode, str]:

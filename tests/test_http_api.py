@@ -27,7 +27,7 @@ from kvcoord.events import BlockRemoved, BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index import Index
 from kvcoord.router.client import AsyncCoordinatorClient
-from tests.procs import free_port, kvcoord_cmd
+from tests.procs import free_port, kvcoord_cmd, until_async
 from tests.tokenizers import build_tokenizer
 
 MODEL = "m"
@@ -74,14 +74,7 @@ def chain(tokens: Sequence[int]) -> BlockStored:
 
 
 async def eventually(check: Any, what: str) -> Any:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        got = await check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
+    return await until_async(check, what, DEADLINE, interval=0.05)
 
 
 async def test_registered_engine_is_relayed_and_found() -> None:

@@ -17,12 +17,12 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from kvcoord.events import BlockRemoved, BlockStored, KVEventBatch
+from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from tests.procs import free_port, kvcoord_cmd, running, until
 from tests.test_history_lost import BS, MODEL, Stack, block, tokens
 
@@ -84,6 +84,37 @@ class MediaStack(Stack):
                 out[(name, labels.split('"')[1] if '"' in labels else "")] = float(value)
         return out
 
+    def relay(self, via: str, *agent_args: str) -> tuple[str, Path]:
+        """Relay the engine's events through ``kvcoord agent`` (node ``node-a``, with ``agent_args``) or,
+        ``via="register"``, through serve itself after ``POST /register`` (node ``7``); the node id and the
+        log that reports what was skipped."""
+        if via == "register":
+            self.register(7)
+            return "7", self.tmp / "serve1.log"
+        log = self.tmp / "agent.log"
+        self.stack.enter_context(running(kvcoord_cmd(
+            "agent", "--coordinator", f"127.0.0.1:{self.grpc}", "--node-id", "node-a", "--model", MODEL,
+            "--zmq-endpoint", f"tcp://127.0.0.1:{self.pub}", "--replay-endpoint",
+            f"tcp://127.0.0.1:{self.replay}", *agent_args), log=log))
+        return "node-a", log
+
+    def publish_all(self, batches: Sequence[Sequence[KVEvent]]) -> None:
+        """Each batch from the engine, now, and every one sent."""
+        for events in batches:
+            self.engine.publish(KVEventBatch(ts=time.time(), events=list(events)))
+        assert self.engine.flush()
+
+    def assert_exact(self, node: str, entries: int) -> None:
+        """``node`` is active and trusted ``exact`` (nothing it sent was refused), the index holds
+        ``entries`` entries, and no relayed frame or batch was malformed or rejected."""
+        info = self.node(node)
+        assert info is not None, node
+        assert (info.state, info.trust, info.trust_reason) == ("active", "exact", ""), info
+        assert self.client.stats().entries == entries
+        scraped = self.scrape()
+        for bad in ("kvcoord_relay_malformed_total", "kvcoord_events_rejected_total"):
+            assert not any(name == bad and v for (name, _), v in scraped.items()), bad
+
     def unknown_media(self) -> dict[str, float]:
         return {label: v for (name, label), v in self.scrape().items()
                 if name == "kvcoord_unknown_medium_events_total"}
@@ -115,30 +146,16 @@ def media_stack(tmp: Path) -> Iterator[MediaStack]:
 @pytest.mark.parametrize("via", ["agent", "register"])
 def test_unknown_media_are_skipped_and_counted_never_refused(tmp_path: Path, via: str) -> None:
     with media_stack(tmp_path) as s:
-        if via == "agent":
-            node, log = "node-a", tmp_path / "agent.log"
-            s.stack.enter_context(running(kvcoord_cmd(
-                "agent", "--coordinator", f"127.0.0.1:{s.grpc}", "--node-id", node, "--model", MODEL,
-                "--zmq-endpoint", f"tcp://127.0.0.1:{s.pub}", "--replay-endpoint", f"tcp://127.0.0.1:{s.replay}",
-                "--media", "my_pool=CPU"), log=log))
-        else:
-            node, log = "7", tmp_path / "serve1.log"
-            s.register(7)
-        for events in BATCHES:
-            s.engine.publish(KVEventBatch(ts=time.time(), events=events))
-        assert s.engine.flush()
+        node, log = s.relay(via, "--media", "my_pool=CPU")
+        s.publish_all(BATCHES)
         until(lambda: s.tiers(node) == TIERS, "the known blocks indexed on their tiers, the unknown not",
               timeout=60)
-        info = s.node(node)
-        assert info is not None, node
-        assert (info.state, info.trust, info.trust_reason) == ("active", "exact", ""), info
-        assert s.client.stats().entries == len(TIERS)
+        s.assert_exact(node, len(TIERS))
         assert s.http_tiers(node, 3) == {"GPU": 0, "CPU": 0, "STORAGE": 1}
         assert s.http_tiers(node, 5) == {"GPU": 0, "CPU": 1, "STORAGE": 0}
         # The agent reports what it skipped in its heartbeats (every lease/3): poll.
         until(lambda: s.unknown_media() == UNKNOWN, "kvcoord_unknown_medium_events_total per medium",
               timeout=60)
-        assert not any(name == "kvcoord_relay_malformed_total" and v for (name, _), v in s.scrape().items())
         lines = log.read_text().splitlines()
         for name in UNKNOWN:
             assert sum(f"unknown medium '{name}'" in line for line in lines) == 1, lines

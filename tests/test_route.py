@@ -16,20 +16,27 @@ import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
+from tests.procs import free_port, kvcoord_cmd, running, stop, until_async, wait_for_port
+from tests.route_fleet import (
+    BLOCK,
+    MODEL,
+    RouteFleet,
+    chat,
+    post,
+    read_sse,
+    route_fleet,
+    route_metrics,
+)
+from tests.route_fleet import PROFILE as PROFILE  # re-exported: route tests import it from here
 
 pytestmark = pytest.mark.slow
 
-MODEL = "sim-model"
-BLOCK = 8
-PROFILE = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(BLOCK))
 NODES = ("node-a", "node-b", "node-c")
 TOKENIZER_NODE = "node-a"
 """The coordinator tokenizes through this engine's /tokenize: the engine-death test kills another one."""
@@ -37,105 +44,23 @@ SYSTEMS = [f"You are assistant number {i} and you answer every question about to
            for i in range(3)]
 
 
-@dataclass
-class Fleet:
-    tmp: Path
-    gport: int
-    route: str
-    route_tok: str
-    """A second router that tokenizes itself (``--tokenizer``, the tokenizer node's /tokenize)."""
-    engines: dict[str, str] = field(default_factory=dict)
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    logs: list[IO[bytes]] = field(default_factory=list)
-
-    def serve_cmd(self) -> list[str]:
-        tok = self.engines[TOKENIZER_NODE]
-        return kvcoord_cmd("serve", "--listen", f"127.0.0.1:{self.gport}", "--metrics-listen", "",
-                           "--model", f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,tokenizer={tok}")
-
-    def start_serve(self) -> None:
-        log = open(self.tmp / "serve.log", "ab")  # noqa: SIM115 (closed when the fleet stops)
-        self.logs.append(log)
-        self.procs["serve"] = spawn(self.serve_cmd(), stdout=log, stderr=subprocess.STDOUT)
-        wait_for_port(self.gport, timeout=30)
-
-    def route_log(self) -> str:
-        return (self.tmp / "route.log").read_text()
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("route")
-    rport, rport2 = free_port(), free_port()
-    f = Fleet(tmp, free_port(), f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{rport2}")
-    with contextlib.ExitStack() as stack:
-        pubs = {}
-        for node in NODES:
-            http, pub = free_port(), free_port_pair()
-            pubs[node] = pub
-            f.engines[node] = f"http://127.0.0.1:{http}"
-            cmd = kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
-                              "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
-                              "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
-                              "--token-interval", "0.02", "--num-blocks", "4096")
-            f.procs[node] = stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
-        stack.callback(lambda: [log.close() for log in f.logs])
-        f.start_serve()
-        stack.callback(lambda: stop(f.procs["serve"]))
-        for node in NODES:
-            wait_for_port(int(f.engines[node].rsplit(":", 1)[1]), timeout=30)
-            cmd = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{f.gport}", "--node-id", node,
-                              "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
-                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
-                              "--serving-url", f.engines[node])
-            stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
-        route = kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{f.gport}",
-                            "--listen", f"127.0.0.1:{rport}",
-                            "--model", MODEL, "--deadline-ms", "2000", "--refresh-interval", "0.5",
-                            "--seed", "7")
-        stack.enter_context(running(route, log=tmp / "route.log"))
-        route2 = kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{f.gport}", "--listen",
-                             f"127.0.0.1:{rport2}", "--model", MODEL, "--deadline-ms", "2000",
-                             "--tokenizer", f.engines[TOKENIZER_NODE], "--seed", "7")
-        stack.enter_context(running(route2, log=tmp / "route-tok.log"))
-        wait_for_port(rport, timeout=30)
-        wait_for_port(rport2, timeout=30)
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
+    """The fleet, and two routers: ``routes[0]`` looks prompts up as text (the coordinator tokenizes),
+    ``routes[1]`` tokenizes itself (``--tokenizer``, the tokenizer node's /tokenize)."""
+    with route_fleet(tmp_path_factory.mktemp("route"), NODES, tokenizer=TOKENIZER_NODE) as f:
+        f.start_route("--seed", "7")
+        f.start_route("--tokenizer", f.engines[TOKENIZER_NODE], "--seed", "7", log="route-tok")
         yield f
 
 
-async def _until(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 45.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = await cond()
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+_until = until_async
+"""The fleet tests' poll (other route tests import these names from here)."""
+_chat, _post, _metrics, _read_sse = chat, post, route_metrics, read_sse
 
 
 async def _true(value: bool) -> bool:
     return value
-
-
-def _chat(system: str, user: str, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "system", "content": system},
-                                         {"role": "user", "content": user}], "max_tokens": 2, **extra}
-
-
-async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any, Any]:
-    async with s.post(url, json=body) as resp:
-        return resp.status, resp.headers, await resp.json(content_type=None)
-
-
-async def _metrics(s: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    async with s.get(f"{base}/metrics") as resp:
-        text = await resp.text()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("kvcoord_route_"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
 
 
 async def _routed_to_holder(s: aiohttp.ClientSession, base: str) -> dict[int, set[str]]:
@@ -159,9 +84,9 @@ async def _routed_to_holder(s: aiohttp.ClientSession, base: str) -> dict[int, se
 
 @pytest.mark.parametrize("own_tokenizer", [False, True])
 async def test_placement_follows_the_cached_prefix_and_achieved_matches_predicted(
-        fleet: Fleet, own_tokenizer: bool) -> None:
+        fleet: RouteFleet, own_tokenizer: bool) -> None:
     """Through the coordinator's tokenizer (lookups by messages) and the router's own (by token ids)."""
-    base = fleet.route_tok if own_tokenizer else fleet.route
+    base = fleet.routes[1] if own_tokenizer else fleet.route
     async with aiohttp.ClientSession() as s:
         holders = await _routed_to_holder(s, base)
         before = await _metrics(s, base)
@@ -195,22 +120,8 @@ async def test_placement_follows_the_cached_prefix_and_achieved_matches_predicte
     assert after["kvcoord_route_degraded_mode"] == 0 and after["kvcoord_route_coordinator_up"] == 1
 
 
-async def _read_sse(resp: aiohttp.ClientResponse) -> tuple[list[Any], int]:
-    """Events (None for [DONE]) and how many reads they took."""
-    buf, reads, events = b"", 0, []
-    async for piece in resp.content.iter_any():
-        reads += 1
-        buf += piece
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            assert event.startswith(b"data: "), event
-            data = event[len(b"data: "):]
-            events.append(None if data == b"[DONE]" else json.loads(data))
-    return events, reads
-
-
 @pytest.mark.parametrize("client_usage", [False, True])
-async def test_streams_arrive_chunk_by_chunk(fleet: Fleet, client_usage: bool) -> None:
+async def test_streams_arrive_chunk_by_chunk(fleet: RouteFleet, client_usage: bool) -> None:
     """Each token's chunk is its own read; the usage event reaches the client only if it asked, and the
     router measures the hit either way."""
     n = 25
@@ -235,7 +146,7 @@ async def test_streams_arrive_chunk_by_chunk(fleet: Fleet, client_usage: bool) -
     assert known == known_before + 1
 
 
-async def test_killing_an_engine_costs_only_its_streams(fleet: Fleet) -> None:
+async def test_killing_an_engine_costs_only_its_streams(fleet: RouteFleet) -> None:
     """SIGKILL one engine while six streams run: its streams end with an SSE error event, the others keep
     streaming, and later requests avoid it."""
     async with aiohttp.ClientSession() as s:
@@ -293,7 +204,7 @@ async def test_killing_an_engine_costs_only_its_streams(fleet: Fleet) -> None:
         assert m['kvcoord_route_requests_total{endpoint="completions",outcome="midstream_failure"}'] >= 1
 
 
-async def test_coordinator_outage_degrades_visibly_and_recovers(fleet: Fleet) -> None:
+async def test_coordinator_outage_degrades_visibly_and_recovers(fleet: RouteFleet) -> None:
     async with aiohttp.ClientSession() as s:
         url = f"{fleet.route}/v1/chat/completions"
         stop(fleet.procs["serve"])
@@ -306,7 +217,7 @@ async def test_coordinator_outage_degrades_visibly_and_recovers(fleet: Fleet) ->
         m = await _metrics(s, fleet.route)
         assert m["kvcoord_route_degraded_mode"] == 1 and m["kvcoord_route_coordinator_up"] == 0
         assert m['kvcoord_route_degraded_total{reason="coordinator_unavailable"}'] >= 3
-        assert fleet.route_log().count("coordinator lookups failing") == 1
+        assert fleet.log("route").count("coordinator lookups failing") == 1
 
         fleet.start_serve()
 
@@ -318,7 +229,7 @@ async def test_coordinator_outage_degrades_visibly_and_recovers(fleet: Fleet) ->
         await _until(prefix_aware, "prefix-aware placement after the coordinator restart", timeout=60)
         m = await _metrics(s, fleet.route)
         assert m["kvcoord_route_degraded_mode"] == 0 and m["kvcoord_route_coordinator_up"] == 1
-        text = fleet.route_log()
+        text = fleet.log("route")
         assert text.count("coordinator lookups failing") == 1 and text.count("answering again") == 1
 
 
@@ -343,7 +254,7 @@ def test_cli_mistakes_are_one_line(args: list[str], message: str) -> None:
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
-async def test_degraded_flag_reaches_the_policy(fleet: Fleet, tmp_path: Path) -> None:
+async def test_degraded_flag_reaches_the_policy(fleet: RouteFleet, tmp_path: Path) -> None:
     """``--degraded`` and the cost model's flags reach the policy a running router places with (its /health
     reads the policy object); without them it has the policy's defaults."""
     port = free_port()
@@ -500,7 +411,7 @@ def test_sse_relay_passes_whole_events_and_strips_only_the_usage_event() -> None
     assert keep.feed(ev) == ev and keep.usage == {"prompt_tokens": 1}
 
 
-async def test_connect_failures_and_5xx_retry_on_the_next_node(fleet: Fleet, tmp_path: Path) -> None:
+async def test_connect_failures_and_5xx_retry_on_the_next_node(fleet: RouteFleet, tmp_path: Path) -> None:
     """Static backends only (no coordinator, round-robin): one refuses connections, one answers 500. Every
     request still succeeds on the healthy engine; both bad nodes are left out; /v1/models and /health say
     what is known; an engine's own 4xx passes through untouched."""
@@ -548,7 +459,7 @@ async def test_connect_failures_and_5xx_retry_on_the_next_node(fleet: Fleet, tmp
         await runner.cleanup()
 
 
-async def test_router_token_reaches_the_coordinator(fleet: Fleet, tmp_path: Path) -> None:
+async def test_router_token_reaches_the_coordinator(fleet: RouteFleet, tmp_path: Path) -> None:
     """With a router token (``$KVCOORD_TOKEN``) lookups are answered: a static backend the coordinator
     does not know is placed prefix-aware; with a wrong token they are refused, visibly."""
     gport, good, bad = free_port(), free_port(), free_port()
@@ -585,7 +496,7 @@ async def test_router_token_reaches_the_coordinator(fleet: Fleet, tmp_path: Path
     assert "lookup refused (UNAUTHENTICATED" in (tmp_path / "bad.log").read_text()
 
 
-async def test_a_coordinator_slower_than_the_deadline_degrades(fleet: Fleet, tmp_path: Path) -> None:
+async def test_a_coordinator_slower_than_the_deadline_degrades(fleet: RouteFleet, tmp_path: Path) -> None:
     """The coordinator's tokenizer (an engine /tokenize that never answers) makes every lookup by text
     outlast --deadline-ms: placement is least-loaded, with the header, the metric and one log line."""
     from aiohttp import web

@@ -9,79 +9,28 @@ refuses an uncached prompt with 412; bad bodies get one-line errors in the API's
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
+from tests.procs import until_async as _until
+from tests.route_fleet import BLOCK, MODEL, RouteFleet, route_fleet
+from tests.route_fleet import route_metrics as _metrics
 
 pytestmark = pytest.mark.slow
 
-MODEL = "sim-model"
-BLOCK = 8
-PROFILE = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(BLOCK))
 NODES = ("node-a", "node-b")
 
 
-@dataclass
-class Fleet:
-    tmp: Path
-    route: str
-    engines: dict[str, str] = field(default_factory=dict)
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("route-apis")
-    gport, rport = free_port(), free_port()
-    f = Fleet(tmp, f"http://127.0.0.1:{rport}")
-    with contextlib.ExitStack() as stack:
-        pubs = {}
-        for node in NODES:
-            http, pub = free_port(), free_port_pair()
-            pubs[node] = pub
-            f.engines[node] = f"http://127.0.0.1:{http}"
-            cmd = kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
-                              "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
-                              "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
-                              "--token-interval", "0.005", "--num-blocks", "8192")
-            stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
-        tok = f.engines[NODES[0]]
-        serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "",
-                            "--model", f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,tokenizer={tok}")
-        stack.enter_context(running(serve, log=tmp / "serve.log"))
-        wait_for_port(gport, timeout=30)
-        for node in NODES:
-            wait_for_port(int(f.engines[node].rsplit(":", 1)[1]), timeout=30)
-            cmd = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", node,
-                              "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
-                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
-                              "--serving-url", f.engines[node])
-            stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
-        route = kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{gport}", "--listen", f"127.0.0.1:{rport}",
-                            "--model", MODEL, "--deadline-ms", "2000", "--refresh-interval", "0.5",
-                            "--seed", "7")
-        stack.enter_context(running(route, log=tmp / "route.log"))
-        wait_for_port(rport, timeout=30)
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
+    engines = ("--token-interval", "0.005", "--num-blocks", "8192")
+    with route_fleet(tmp_path_factory.mktemp("route-apis"), NODES, engine_args=engines) as f:
+        f.start_route("--seed", "7")
         yield f
-
-
-async def _until(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = await cond()
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _system(tag: str) -> str:
@@ -138,13 +87,6 @@ async def _send(s: aiohttp.ClientSession, url: str, api: str, body: dict[str, An
     return 200, resp.headers, events, _cached(api, usage)
 
 
-async def _metrics(s: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    async with s.get(f"{base}/metrics") as resp:
-        text = await resp.text()
-    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
-                                     if line.startswith("kvcoord_route_"))}
-
-
 async def _holder(s: aiohttp.ClientSession, url: str, api: str, make: Callable[[int], dict[str, Any]],
                   blocks: int = 10) -> str:
     """Send ``make(j)`` until the index knows a node holding ``blocks`` of its prefix; that node."""
@@ -161,7 +103,7 @@ async def _holder(s: aiohttp.ClientSession, url: str, api: str, make: Callable[[
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("api", ["messages", "responses"])
-async def test_new_apis_are_placed_by_prefix_and_served_from_cache(fleet: Fleet, api: str,
+async def test_new_apis_are_placed_by_prefix_and_served_from_cache(fleet: RouteFleet, api: str,
                                                                    stream: bool) -> None:
     system = _system(f"{api}-{stream}")
     url = fleet.route + _PATHS[api]
@@ -187,7 +129,7 @@ async def test_new_apis_are_placed_by_prefix_and_served_from_cache(fleet: Fleet,
     assert after[match] - before[match] == 6
 
 
-async def test_agentic_conversation_stays_on_its_node(fleet: Fleet) -> None:
+async def test_agentic_conversation_stays_on_its_node(fleet: RouteFleet) -> None:
     """Thirty turns of tool use sharing one long prefix: each turn goes where the conversation is cached
     and is served from cache up to the turn before."""
     system = _system("agent")
@@ -225,7 +167,7 @@ async def _indexed(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
     return st == 200
 
 
-async def test_token_ids_are_placed_without_a_tokenizer(fleet: Fleet) -> None:
+async def test_token_ids_are_placed_without_a_tokenizer(fleet: RouteFleet) -> None:
     ids = [(7 * i + 3) % 900 + 50 for i in range(120)]
     async with aiohttp.ClientSession() as s:
         gen = f"{fleet.route}/inference/v1/generate"
@@ -245,7 +187,7 @@ async def test_token_ids_are_placed_without_a_tokenizer(fleet: Fleet) -> None:
         assert int(h["x-kvcoord-predicted-cached-tokens"]) == cached
 
 
-async def test_prefer_if_available(fleet: Fleet) -> None:
+async def test_prefer_if_available(fleet: RouteFleet) -> None:
     system = _system("prefer")
     url = f"{fleet.route}/v1/responses"
     prefer = {"Prefer": "if-available"}
@@ -269,7 +211,8 @@ async def test_prefer_if_available(fleet: Fleet) -> None:
     ("/v1/responses", {"model": MODEL, "input": 5}, "openai"),
     ("/inference/v1/generate", {"model": MODEL, "token_ids": ["a"]}, "openai"),
 ])
-async def test_bad_bodies_get_the_apis_own_errors(fleet: Fleet, path: str, body: Any, shape: str) -> None:
+async def test_bad_bodies_get_the_apis_own_errors(fleet: RouteFleet, path: str, body: Any,
+                                                  shape: str) -> None:
     endpoint = {"/v1/messages": "messages", "/v1/responses": "responses"}.get(path, "generate")
     key = f'kvcoord_route_requests_total{{endpoint="{endpoint}",outcome="bad_request"}}'
     async with aiohttp.ClientSession() as s:

@@ -8,25 +8,22 @@ from the decode engine; achieved cached tokens match the prediction of the pick 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import subprocess
-import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
-from tests.test_route import _metrics, _read_sse
+from tests.procs import kvcoord_cmd, stop
+from tests.procs import until_async as _until
+from tests.route_fleet import BLOCK, MODEL, RouteFleet, post, route_fleet
+from tests.route_fleet import chat as _chat
+from tests.route_fleet import read_sse as _read_sse
+from tests.route_fleet import route_metrics as _metrics
 
 pytestmark = pytest.mark.slow
 
-MODEL = "sim-model"
-BLOCK = 8
-PROFILE = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(BLOCK))
 PREFILL = ("pre-a", "pre-b")
 DECODE = ("dec-a", "dec-b")
 LOCAL = 40
@@ -35,74 +32,23 @@ SYSTEMS = [f"You are helper {i} and you explain the subject {i} carefully and in
            for i in range(3)]
 
 
-@dataclass
-class PdFleet:
-    route: str
-    engines: dict[str, str]
-    procs: dict[str, subprocess.Popen[bytes]]
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdFleet]:
-    tmp = tmp_path_factory.mktemp("route-pd")
-    gport, rport = free_port(), free_port()
-    engines: dict[str, str] = {}
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    with contextlib.ExitStack() as stack:
-        pubs = {}
-        for node in PREFILL + DECODE:
-            http, pub = free_port(), free_port_pair()
-            pubs[node] = pub
-            engines[node] = f"http://127.0.0.1:{http}"
-            role = "kv_producer" if node in PREFILL else "kv_consumer"
-            cmd = kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
-                              "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
-                              "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
-                              "--token-interval", "0.02", "--num-blocks", "4096", "--kv-role", role)
-            procs[node] = stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
-        tok = engines[DECODE[0]]
-        serve_log = stack.enter_context(open(tmp / "serve.log", "ab"))
-        serve = spawn(kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "",
-                                  "--model", f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,"
-                                  f"tokenizer={tok}"), stdout=serve_log, stderr=subprocess.STDOUT)
-        stack.callback(lambda: stop(serve))
-        wait_for_port(gport, timeout=30)
-        for node in PREFILL + DECODE:
-            wait_for_port(int(engines[node].rsplit(":", 1)[1]), timeout=30)
-            cmd = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", node,
-                              "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
-                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
-                              "--serving-url", engines[node])
-            stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
+    """Prefill engines (kv_producer) and decode engines (kv_consumer), the coordinator tokenizing through
+    the first decode engine, and a router with the two pools."""
+    roles = {n: ("--kv-role", "kv_producer" if n in PREFILL else "kv_consumer") for n in PREFILL + DECODE}
+    with route_fleet(tmp_path_factory.mktemp("route-pd"), PREFILL + DECODE, tokenizer=DECODE[0],
+                     node_args=roles) as f:
         pools = [a for n in PREFILL for a in ("--prefill-node", n)] + \
                 [a for n in DECODE for a in ("--decode-node", n)]
-        route = kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{gport}", "--listen", f"127.0.0.1:{rport}",
-                            "--model", MODEL, "--deadline-ms", "2000", "--refresh-interval", "0.5",
-                            "--seed", "7", "--max-local-prefill-tokens", str(LOCAL), *pools)
-        stack.enter_context(running(route, log=tmp / "route.log"))
-        wait_for_port(rport, timeout=30)
-        yield PdFleet(f"http://127.0.0.1:{rport}", engines, procs)
-
-
-async def _until(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 45.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = await cond()
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _chat(system: str, user: str, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "system", "content": system},
-                                         {"role": "user", "content": user}], "max_tokens": 2, **extra}
+        f.start_route("--seed", "7", "--max-local-prefill-tokens", str(LOCAL), *pools)
+        yield f
 
 
 async def _post(s: aiohttp.ClientSession, base: str, body: dict[str, Any]) -> tuple[Any, Any]:
-    async with s.post(f"{base}/v1/chat/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        return resp.headers, await resp.json()
+    status, headers, answer = await post(s, f"{base}/v1/chat/completions", body)
+    assert status == 200, answer
+    return headers, answer
 
 
 def _long(j: int) -> str:
@@ -118,7 +64,7 @@ def _judged(h: Any, b: Any) -> tuple[int, int]:
 
 
 async def test_prefill_follows_the_prefix_decode_stores_the_transfer_and_then_skips_prefill(
-        fleet: PdFleet) -> None:
+        fleet: RouteFleet) -> None:
     async with aiohttp.ClientSession() as s:
         holders: dict[int, str] = {}
         for i, system in enumerate(SYSTEMS):
@@ -170,7 +116,7 @@ async def test_prefill_follows_the_prefix_decode_stores_the_transfer_and_then_sk
     assert after[count] - before[count] == len(results)  # one judged pick per request
 
 
-async def test_decode_streams_back_after_a_remote_prefill(fleet: PdFleet) -> None:
+async def test_decode_streams_back_after_a_remote_prefill(fleet: RouteFleet) -> None:
     n = 20
     body = _chat(SYSTEMS[0], _long(999), max_tokens=n, stream=True,
                  stream_options={"include_usage": True})
@@ -187,7 +133,7 @@ async def test_decode_streams_back_after_a_remote_prefill(fleet: PdFleet) -> Non
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
 
-async def test_sim_engine_speaks_vllms_kv_transfer_params(fleet: PdFleet) -> None:
+async def test_sim_engine_speaks_vllms_kv_transfer_params(fleet: RouteFleet) -> None:
     """A prefill engine names its blocks; a decode engine refuses to prefill for a remote decode and
     a malformed transfer is a 400."""
     pre, dec = fleet.engines[PREFILL[0]], fleet.engines[DECODE[0]]
@@ -231,7 +177,7 @@ def test_sim_engine_refuses_an_unknown_kv_role() -> None:
     assert out.returncode == 2 and "kv_sometimes" in out.stderr
 
 
-async def test_without_prefill_nodes_the_decode_node_prefills(fleet: PdFleet) -> None:
+async def test_without_prefill_nodes_the_decode_node_prefills(fleet: RouteFleet) -> None:
     """Last (it stops the prefill engines): a prefill node that cannot be reached is left out, and with
     none left the decode node prefills the request itself, judged on its own prediction."""
     for node in PREFILL:

@@ -7,81 +7,42 @@ API's error shape, with ``Retry-After``. Every wait is a poll; rate tests count 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
-from tests.test_route import _chat, _metrics, _post, _until
+from tests.procs import kvcoord_cmd
+from tests.procs import until_async as _until
+from tests.route_fleet import MODEL, RouteFleet, route_fleet
+from tests.route_fleet import chat as _chat
+from tests.route_fleet import post as _post
+from tests.route_fleet import route_metrics as _metrics
 
 pytestmark = pytest.mark.slow
 
-MODEL = "sim-model"
-BLOCK = 8
-PROFILE = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(BLOCK))
 NODES = ("node-a", "node-b")
 KEYS = {"keys": [{"name": "open", "key": "sk-open-0123456789"},
                  {"name": "slow", "key": "sk-slow-0123456789", "requests_per_second": 0.001, "burst": 2},
                  {"name": "tok", "key": "sk-tok-0123456789", "tokens_per_minute": 30}]}
-
-
-@dataclass
-class Fleet:
-    tmp: Path
-    gport: int
-    route: str
-    keyed: str
-    """The router with ``--api-keys`` and ``--session-ttl 2``."""
-    engines: dict[str, str] = field(default_factory=dict)
+KEYED = 1
+"""``fleet.routes[KEYED]``: the router with ``--api-keys`` and ``--session-ttl 2``."""
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
+    """The fleet and two routers: ``route`` (default sessions) and ``routes[KEYED]``."""
     tmp = tmp_path_factory.mktemp("route-sessions")
-    rport, kport = free_port(), free_port()
-    f = Fleet(tmp, free_port(), f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{kport}")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    with contextlib.ExitStack() as stack:
-        pubs = {}
-        for node in NODES:
-            http, pub = free_port(), free_port_pair()
-            pubs[node] = pub
-            f.engines[node] = f"http://127.0.0.1:{http}"
-            cmd = kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
-                              "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
-                              "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
-                              "--token-interval", "0.01", "--num-blocks", "4096")
-            stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
-        for node in NODES:
-            wait_for_port(int(f.engines[node].rsplit(":", 1)[1]), timeout=60)
-        tok = f.engines[NODES[0]]
-        serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{f.gport}", "--metrics-listen", "",
-                            "--model", f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,tokenizer={tok}")
-        stack.enter_context(running(serve, log=tmp / "serve.log"))
-        wait_for_port(f.gport, timeout=60)
-        for node in NODES:
-            cmd = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{f.gport}", "--node-id", node,
-                              "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
-                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
-                              "--serving-url", f.engines[node])
-            stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
-        common = ("--coordinator", f"127.0.0.1:{f.gport}", "--model", MODEL, "--deadline-ms", "2000",
-                  "--refresh-interval", "0.3", "--seed", "7")
-        stack.enter_context(running(kvcoord_cmd("route", *common, "--listen", f"127.0.0.1:{rport}",
-                                                "--session-bonus-tokens", "16"), log=tmp / "route.log"))
-        stack.enter_context(running(kvcoord_cmd("route", *common, "--listen", f"127.0.0.1:{kport}",
-                                                "--session-ttl", "2", "--api-keys", str(tmp / "keys.json")),
-                                    log=tmp / "route-keyed.log"))
-        wait_for_port(rport, timeout=60)
-        wait_for_port(kport, timeout=60)
+    common = ("--refresh-interval", "0.3", "--seed", "7")
+    with route_fleet(tmp, NODES, engine_args=("--token-interval", "0.01")) as f:
+        f.start_route(*common, "--session-bonus-tokens", "16")
+        f.start_route(*common, "--session-ttl", "2", "--api-keys", str(tmp / "keys.json"), log="route-keyed")
         yield f
 
 
@@ -109,7 +70,7 @@ async def _both_listed(s: aiohttp.ClientSession, base: str) -> None:
     await _until(listed, "both nodes to take requests", timeout=90)
 
 
-async def test_a_session_sticks_to_its_node_when_prefix_scores_tie(fleet: Fleet) -> None:
+async def test_a_session_sticks_to_its_node_when_prefix_scores_tie(fleet: RouteFleet) -> None:
     async with aiohttp.ClientSession() as s:
         await _both_listed(s, fleet.route)
         before = await _metrics(s, fleet.route)
@@ -129,7 +90,7 @@ async def test_a_session_sticks_to_its_node_when_prefix_scores_tie(fleet: Fleet)
     assert after[new] - before.get(new, 0) == 3
 
 
-async def test_a_clearly_better_prefix_hit_elsewhere_wins_over_the_session(fleet: Fleet) -> None:
+async def test_a_clearly_better_prefix_hit_elsewhere_wins_over_the_session(fleet: RouteFleet) -> None:
     system = "A long shared instruction block that one node will hold in its cache. " * 20
     async with aiohttp.ClientSession() as s:
         await _both_listed(s, fleet.route)
@@ -154,32 +115,32 @@ async def test_a_clearly_better_prefix_hit_elsewhere_wins_over_the_session(fleet
         assert "session affinity" not in h["x-kvcoord-reason"]
 
 
-async def test_a_session_expires_after_its_ttl(fleet: Fleet) -> None:
+async def test_a_session_expires_after_its_ttl(fleet: RouteFleet) -> None:
     auth = {"Authorization": "Bearer sk-open-0123456789"}
     async with aiohttp.ClientSession() as s:
         hdr = {**auth, "x-session-id": uuid.uuid4().hex}
-        st, _, b = await _turn(s, fleet.keyed, _fresh(1), hdr)
+        st, _, b = await _turn(s, fleet.routes[KEYED], _fresh(1), hdr)
         assert st == 200, b
-        before = await _metrics(s, fleet.keyed)
+        before = await _metrics(s, fleet.routes[KEYED])
         await asyncio.sleep(2.5)  # past the 2 s TTL: later is only more expired
-        st, _, b = await _turn(s, fleet.keyed, _fresh(2), hdr)
+        st, _, b = await _turn(s, fleet.routes[KEYED], _fresh(2), hdr)
         assert st == 200, b
-        after = await _metrics(s, fleet.keyed)
+        after = await _metrics(s, fleet.routes[KEYED])
     expired = 'kvcoord_route_sessions_dropped_total{reason="expired"}'
     new = 'kvcoord_route_sessions_total{outcome="new"}'
     assert after[expired] - before.get(expired, 0) == 1
     assert after[new] - before.get(new, 0) == 1
 
 
-async def test_missing_or_unknown_keys_get_401_in_each_apis_shape(fleet: Fleet) -> None:
+async def test_missing_or_unknown_keys_get_401_in_each_apis_shape(fleet: RouteFleet) -> None:
     msg = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     async with aiohttp.ClientSession() as s:
-        before = await _metrics(s, fleet.keyed)
-        async with s.post(f"{fleet.keyed}/v1/chat/completions", json=_chat("s", "u")) as r:
+        before = await _metrics(s, fleet.routes[KEYED])
+        async with s.post(f"{fleet.routes[KEYED]}/v1/chat/completions", json=_chat("s", "u")) as r:
             assert r.status == 401
             body = await r.json()
             assert body["error"]["type"] == "AuthenticationError" and body["error"]["code"] == 401, body
-        messages = f"{fleet.keyed}/v1/messages"
+        messages = f"{fleet.routes[KEYED]}/v1/messages"
         async with s.post(messages, json=msg, headers={"x-api-key": "sk-wrong-000000"}) as r:
             assert r.status == 401
             body = await r.json()
@@ -187,21 +148,21 @@ async def test_missing_or_unknown_keys_get_401_in_each_apis_shape(fleet: Fleet) 
                                                        "message": "invalid API key"}}, body
         async with s.post(messages, json=msg, headers={"x-api-key": "sk-open-0123456789"}) as r:
             assert r.status == 200, await r.text()
-        after = await _metrics(s, fleet.keyed)
-        page = await (await s.get(f"{fleet.keyed}/metrics")).text()
+        after = await _metrics(s, fleet.routes[KEYED])
+        page = await (await s.get(f"{fleet.routes[KEYED]}/metrics")).text()
     for reason in ("missing", "unknown"):
         name = f'kvcoord_route_auth_failures_total{{reason="{reason}"}}'
         assert after[name] - before.get(name, 0) == 1
     assert "sk-" not in page and "sk-" not in (fleet.tmp / "route-keyed.log").read_text()
 
 
-async def test_a_key_over_its_request_rate_gets_429_with_retry_after(fleet: Fleet) -> None:
+async def test_a_key_over_its_request_rate_gets_429_with_retry_after(fleet: RouteFleet) -> None:
     """Burst 2 at one request per 1000 s: of 6 requests, exactly 2 pass."""
     auth = {"Authorization": "Bearer sk-slow-0123456789"}
     statuses, retry = [], []
     async with aiohttp.ClientSession() as s:
         for i in range(6):
-            chat = f"{fleet.keyed}/v1/chat/completions"
+            chat = f"{fleet.routes[KEYED]}/v1/chat/completions"
             async with s.post(chat, json=_chat("s", f"u{i}"), headers=auth) as r:
                 statuses.append(r.status)
                 if r.status == 429:
@@ -209,30 +170,31 @@ async def test_a_key_over_its_request_rate_gets_429_with_retry_after(fleet: Flee
                     assert body["error"]["type"] == "RateLimitError", body
                     retry.append(int(r.headers["Retry-After"]))
         msg = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-        messages = f"{fleet.keyed}/v1/messages"
+        messages = f"{fleet.routes[KEYED]}/v1/messages"
         async with s.post(messages, json=msg, headers={"x-api-key": "sk-slow-0123456789"}) as r:
             assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
             assert (await r.json())["error"]["type"] == "rate_limit_error"
-        after = await _metrics(s, fleet.keyed)
+        after = await _metrics(s, fleet.routes[KEYED])
     assert sorted(statuses) == [200, 200, 429, 429, 429, 429], statuses
     assert all(r >= 1 for r in retry)
     assert after['kvcoord_route_key_requests_total{key="slow",outcome="admitted"}'] == 2
     assert after['kvcoord_route_key_requests_total{key="slow",outcome="rate_limited"}'] == 5
 
 
-async def test_a_key_over_its_tokens_per_minute_gets_429(fleet: Fleet) -> None:
+async def test_a_key_over_its_tokens_per_minute_gets_429(fleet: RouteFleet) -> None:
     """30 tokens a minute: the first request (over 30 tokens) is admitted and charged, the next waits."""
     auth = {"Authorization": "Bearer sk-tok-0123456789"}
     async with aiohttp.ClientSession() as s:
-        st, _, b = await _turn(s, fleet.keyed, _chat("a system prompt of some length " * 20, "u"), auth)
+        long = _chat("a system prompt of some length " * 20, "u")
+        st, _, b = await _turn(s, fleet.routes[KEYED], long, auth)
         assert st == 200, b
-        st, h, b = await _turn(s, fleet.keyed, _chat("s", "u"), auth)
+        st, h, b = await _turn(s, fleet.routes[KEYED], _chat("s", "u"), auth)
         assert st == 429 and int(h["Retry-After"]) >= 1, b
-        after = await _metrics(s, fleet.keyed)
+        after = await _metrics(s, fleet.routes[KEYED])
     assert after['kvcoord_route_key_tokens_total{key="tok"}'] > 30
 
 
-async def test_a_session_moves_when_its_node_is_drained(fleet: Fleet) -> None:
+async def test_a_session_moves_when_its_node_is_drained(fleet: RouteFleet) -> None:
     """Last: it drains a node (and undrains it)."""
     async with aiohttp.ClientSession() as s:
         await _both_listed(s, fleet.route)

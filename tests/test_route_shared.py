@@ -14,9 +14,7 @@ import signal
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 import pytest
@@ -24,71 +22,25 @@ import pytest
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.validate import pack_u64
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
-from tests.test_route import BLOCK, MODEL, PROFILE, _chat, _post, _until
+from tests.procs import free_port, kvcoord_cmd, running, spawn, stop, wait_for_port
+from tests.procs import until_async as _until
+from tests.route_fleet import BLOCK, MODEL, RouteFleet, route_fleet
+from tests.route_fleet import chat as _chat
+from tests.route_fleet import post as _post
 
 pytestmark = pytest.mark.slow
 
 NODES = ("node-a", "node-b", "node-c")
-
-
-@dataclass
-class Fleet:
-    tmp: Path
-    gport: int
-    mport: int
-    routes: list[str] = field(default_factory=list)
-    engines: dict[str, str] = field(default_factory=dict)
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    logs: list[IO[bytes]] = field(default_factory=list)
-
-    def start_serve(self) -> None:
-        log = open(self.tmp / "serve.log", "ab")  # noqa: SIM115 (closed when the fleet stops)
-        self.logs.append(log)
-        tok = self.engines["node-a"]
-        cmd = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{self.gport}", "--metrics-listen",
-                          f"127.0.0.1:{self.mport}", "--model",
-                          f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,tokenizer={tok}")
-        self.procs["serve"] = spawn(cmd, stdout=log, stderr=subprocess.STDOUT)
-        wait_for_port(self.gport, timeout=30)
-
-    def route_cmd(self, port: int, *extra: str) -> list[str]:
-        return kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{self.gport}", "--listen",
-                           f"127.0.0.1:{port}", "--model", MODEL, "--deadline-ms", "3000",
-                           "--refresh-interval", "0.5", *extra)
+ROUTE = ("--deadline-ms", "3000")
+"""Every router's flags here, over the fleet's."""
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("shared")
-    f = Fleet(tmp, free_port(), free_port())
-    with contextlib.ExitStack() as stack:
-        pubs = {}
-        for node in NODES:
-            http, pub = free_port(), free_port_pair()
-            pubs[node] = pub
-            f.engines[node] = f"http://127.0.0.1:{http}"
-            cmd = kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
-                              "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
-                              "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
-                              "--token-interval", "0.02", "--num-blocks", "4096")
-            f.procs[node] = stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
-        stack.callback(lambda: [log.close() for log in f.logs])
-        f.start_serve()
-        stack.callback(lambda: stop(f.procs["serve"]))
-        for node in NODES:
-            wait_for_port(int(f.engines[node].rsplit(":", 1)[1]), timeout=30)
-            cmd = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{f.gport}", "--node-id", node,
-                              "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
-                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
-                              "--serving-url", f.engines[node])
-            stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
+    """The fleet (the coordinator's /metrics on) and two routers, route0 and route1."""
+    with route_fleet(tmp_path_factory.mktemp("shared"), NODES, metrics=True) as f:
         for i in range(2):
-            port = free_port()
-            stack.enter_context(running(f.route_cmd(port, "--seed", str(i)), log=tmp / f"route{i}.log"))
-            f.routes.append(f"http://127.0.0.1:{port}")
-        for url in f.routes:
-            wait_for_port(int(url.rsplit(":", 1)[1]), timeout=30)
+            f.start_route(*ROUTE, "--seed", str(i), log=f"route{i}")
         yield f
 
 
@@ -102,7 +54,7 @@ async def _shared(s: aiohttp.ClientSession, base: str, up: bool) -> bool:
     return bool((await _health(s, base))["shared_view"]["up"] is up)
 
 
-async def _coordinator_metrics(s: aiohttp.ClientSession, fleet: Fleet) -> dict[str, float]:
+async def _coordinator_metrics(s: aiohttp.ClientSession, fleet: RouteFleet) -> dict[str, float]:
     async with s.get(f"http://127.0.0.1:{fleet.mport}/metrics") as resp:
         text = await resp.text()
     out = {}
@@ -113,11 +65,11 @@ async def _coordinator_metrics(s: aiohttp.ClientSession, fleet: Fleet) -> dict[s
     return out
 
 
-async def _reserved_requests(s: aiohttp.ClientSession, fleet: Fleet) -> float:
+async def _reserved_requests(s: aiohttp.ClientSession, fleet: RouteFleet) -> float:
     return (await _coordinator_metrics(s, fleet)).get('kvcoord_reservations{kind="requests"}', -1.0)
 
 
-async def _ready(s: aiohttp.ClientSession, fleet: Fleet) -> None:
+async def _ready(s: aiohttp.ClientSession, fleet: RouteFleet) -> None:
     """Both routers share the view and place prefix-aware (their lookups are warm)."""
     for base in fleet.routes:
         await _until(lambda b=base: _shared(s, b, True), f"{base}'s reservation stream", timeout=60)
@@ -130,7 +82,7 @@ async def _ready(s: aiohttp.ClientSession, fleet: Fleet) -> None:
         await _until(aware, f"{base} prefix-aware", timeout=60)
 
 
-async def test_a_burst_split_across_two_routers_lands_on_one_node(fleet: Fleet) -> None:
+async def test_a_burst_split_across_two_routers_lands_on_one_node(fleet: RouteFleet) -> None:
     async with aiohttp.ClientSession() as s:
         await _ready(s, fleet)
         for round_ in range(3):
@@ -156,7 +108,7 @@ async def _stream_through(s: aiohttp.ClientSession, base: str, started: asyncio.
         return resp.status
 
 
-async def test_reservations_show_in_answers_and_metrics_and_go_at_completion(fleet: Fleet) -> None:
+async def test_reservations_show_in_answers_and_metrics_and_go_at_completion(fleet: RouteFleet) -> None:
     async with aiohttp.ClientSession() as s, AsyncCoordinatorClient(f"127.0.0.1:{fleet.gport}") as c:
         await _ready(s, fleet)
         await _until(lambda: _zero(s, fleet), "no reservation left from earlier tests")
@@ -176,7 +128,7 @@ async def test_reservations_show_in_answers_and_metrics_and_go_at_completion(fle
         assert m['kvcoord_reservation_ops_total{op="released"}'] >= 1
 
 
-async def _zero(s: aiohttp.ClientSession, fleet: Fleet) -> bool:
+async def _zero(s: aiohttp.ClientSession, fleet: RouteFleet) -> bool:
     return await _reserved_requests(s, fleet) == 0
 
 
@@ -186,7 +138,7 @@ async def _queue(*msgs: pb.ReserveBatch, forever: asyncio.Event) -> AsyncIterato
     await forever.wait()
 
 
-async def test_reserved_blocks_count_for_other_routers_and_expire_after_their_ttl(fleet: Fleet) -> None:
+async def test_reserved_blocks_count_for_other_routers_and_expire_after_their_ttl(fleet: RouteFleet) -> None:
     """A router's stream (played here) reserves a new prompt on node-b with a 2 s ttl and stays open:
     another router's lookup sees node-b holding it and its load; the router itself only the blocks; then
     the ttl ends it."""
@@ -225,12 +177,13 @@ async def test_reserved_blocks_count_for_other_routers_and_expire_after_their_tt
             call.cancel()
 
 
-async def test_a_killed_routers_reservations_vanish(fleet: Fleet) -> None:
+async def test_a_killed_routers_reservations_vanish(fleet: RouteFleet) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = fleet.tmp / "route-killed.log"
     with open(log, "ab") as out:
-        proc = spawn(fleet.route_cmd(port, "--reserve-ttl", "5"), stdout=out, stderr=subprocess.STDOUT)
+        cmd = fleet.route_cmd(port, *ROUTE, "--reserve-ttl", "5")
+        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_for_port(port, timeout=30)
             async with aiohttp.ClientSession() as s:
@@ -249,11 +202,11 @@ async def test_a_killed_routers_reservations_vanish(fleet: Fleet) -> None:
             stop(proc)
 
 
-async def _nonzero(s: aiohttp.ClientSession, fleet: Fleet) -> bool:
+async def _nonzero(s: aiohttp.ClientSession, fleet: RouteFleet) -> bool:
     return await _reserved_requests(s, fleet) > 0
 
 
-async def test_with_the_coordinator_down_both_routers_route_on_their_own_memory(fleet: Fleet) -> None:
+async def test_with_the_coordinator_down_both_routers_route_on_their_own_memory(fleet: RouteFleet) -> None:
     async with aiohttp.ClientSession() as s:
         await _ready(s, fleet)
         stop(fleet.procs["serve"])
@@ -271,7 +224,7 @@ async def test_with_the_coordinator_down_both_routers_route_on_their_own_memory(
             await _until(lambda b=base: _shared(s, b, True), f"{base}'s stream back", timeout=60)
 
 
-async def test_route_follows_a_pick_epp_holds(fleet: Fleet) -> None:
+async def test_route_follows_a_pick_epp_holds(fleet: RouteFleet) -> None:
     """An ``epp`` pick of a new prefix (its ext_proc stream still open: the request runs) is reserved, so
     a ``route`` request sharing that prefix goes to the same node; the stream's end releases it."""
     import json

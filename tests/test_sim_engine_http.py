@@ -24,6 +24,7 @@ from kvcoord.load import NodeLoad
 from kvcoord.sim import toktok
 from kvcoord.sim.engine import PromptSource
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
+from tests.route_fleet import sse_events as _sse_events
 
 MODEL = "sim-model"
 BLOCK = 8
@@ -131,20 +132,6 @@ async def test_completions_chat_usage_and_metrics(tmp_path: Path) -> None:
                 assert resp.status == 400
             status, err = await _post(s, f"{base}/v1/chat/completions", {"messages": "hello"})
             assert status == 400 and err["error"]["code"] == 400, err
-
-
-async def _sse_events(resp: aiohttp.ClientResponse, on_event: Callable[[Any], Any]) -> int:
-    """Feed each SSE ``data:`` payload to ``on_event`` as it arrives; returns how many reads it took."""
-    buf, reads = b"", 0
-    async for piece in resp.content.iter_any():
-        reads += 1
-        buf += piece
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            assert event.startswith(b"data: "), event
-            data = event[len(b"data: "):]
-            await on_event(None if data == b"[DONE]" else json.loads(data))
-    return reads
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -1,0 +1,175 @@
+"""A fleet for ``kvcoord route`` tests, as real processes: sim-engines (HTTP and KV events), their agents,
+``kvcoord serve`` (tokenizing chats through one engine's /tokenize), and the routers a test starts.
+
+    with route_fleet(tmp, ("node-a", "node-b")) as fleet:
+        url = fleet.start_route("--seed", "7")
+        ...
+
+Every process is stopped when the ``with`` ends. The coordinator can be stopped and started again
+(``stop(fleet.procs["serve"])``, :meth:`RouteFleet.start_serve`); its log is appended to, not replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
+
+MODEL = "sim-model"
+BLOCK = 8
+PROFILE = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(BLOCK))
+"""The sim-engines' hash profile; the coordinator's ``--model`` spec says the same."""
+ENGINE_DEFAULTS = ("--token-interval", "0.02", "--num-blocks", "4096")
+ROUTE_DEFAULTS = ("--deadline-ms", "2000", "--refresh-interval", "0.5")
+
+
+@dataclass
+class RouteFleet:
+    tmp: Path
+    """Logs: ``<node>.log``, ``agent-<node>.log``, ``serve.log`` and each router's."""
+    gport: int
+    """The coordinator's gRPC port."""
+    tokenizer: str
+    """The node whose /tokenize the coordinator tokenizes with."""
+    mport: int = 0
+    """The coordinator's /metrics port (0: none)."""
+    engines: dict[str, str] = field(default_factory=dict)
+    """node -> the engine's URL."""
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    """node -> its engine, and ``serve``."""
+    routes: list[str] = field(default_factory=list)
+    """The routers' URLs, in the order :meth:`start_route` started them."""
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    @property
+    def route(self) -> str:
+        """The first router's URL."""
+        return self.routes[0]
+
+    @property
+    def coordinator(self) -> str:
+        return f"127.0.0.1:{self.gport}"
+
+    def serve_cmd(self) -> list[str]:
+        spec = f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,tokenizer={self.engines[self.tokenizer]}"
+        metrics = f"127.0.0.1:{self.mport}" if self.mport else ""
+        return kvcoord_cmd("serve", "--listen", self.coordinator, "--metrics-listen", metrics,
+                           "--model", spec)
+
+    def start_serve(self) -> None:
+        """Start the coordinator (again), appending to serve.log; returns once it accepts."""
+        with open(self.tmp / "serve.log", "ab") as log:  # the child keeps its own descriptor
+            self.procs["serve"] = spawn(self.serve_cmd(), stdout=log, stderr=subprocess.STDOUT)
+        wait_for_port(self.gport, timeout=60)
+
+    def route_cmd(self, port: int, *extra: str) -> list[str]:
+        """``kvcoord route`` on ``port`` for MODEL, with ROUTE_DEFAULTS; ``extra`` comes last (a flag
+        repeated there wins)."""
+        return kvcoord_cmd("route", "--coordinator", self.coordinator, "--listen", f"127.0.0.1:{port}",
+                           "--model", MODEL, *ROUTE_DEFAULTS, *extra)
+
+    def start_route(self, *extra: str, log: str = "route") -> str:
+        """A router (stopped with the fleet), logging to ``<log>.log``; its URL once it accepts."""
+        port = free_port()
+        self.stack.enter_context(running(self.route_cmd(port, *extra), log=self.tmp / f"{log}.log"))
+        wait_for_port(port, timeout=60)
+        self.routes.append(f"http://127.0.0.1:{port}")
+        return self.routes[-1]
+
+    def log(self, name: str) -> str:
+        """The text of ``<name>.log``."""
+        return (self.tmp / f"{name}.log").read_text()
+
+
+def _engine_cmd(http: int, pub: int, extra: Sequence[str]) -> list[str]:
+    return kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
+                       "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
+                       "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
+                       *ENGINE_DEFAULTS, *extra)
+
+
+@contextlib.contextmanager
+def route_fleet(tmp: Path, nodes: Sequence[str], *, tokenizer: str | None = None,
+                engine_args: Sequence[str] = (), node_args: Mapping[str, Sequence[str]] | None = None,
+                metrics: bool = False) -> Iterator[RouteFleet]:
+    """Engines for ``nodes`` (``engine_args`` after ENGINE_DEFAULTS, then ``node_args[node]``), the
+    coordinator (tokenizing through ``tokenizer``, default the first node; /metrics with ``metrics``) and
+    an agent per engine announcing its URL. No router: :meth:`RouteFleet.start_route`."""
+    f = RouteFleet(tmp, free_port(), tokenizer or nodes[0], mport=free_port() if metrics else 0)
+    with f.stack:
+        pubs = {}
+        for node in nodes:
+            http, pubs[node] = free_port(), free_port_pair()
+            f.engines[node] = f"http://127.0.0.1:{http}"
+            cmd = _engine_cmd(http, pubs[node], [*engine_args, *(node_args or {}).get(node, ())])
+            f.procs[node] = f.stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
+        for node in nodes:
+            wait_for_port(int(f.engines[node].rsplit(":", 1)[1]), timeout=60)
+        f.start_serve()
+        f.stack.callback(lambda: stop(f.procs["serve"]))
+        for node in nodes:
+            cmd = kvcoord_cmd("agent", "--coordinator", f.coordinator, "--node-id", node, "--model", MODEL,
+                              "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
+                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
+                              "--serving-url", f.engines[node])
+            f.stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
+        yield f
+
+
+# --- talking to a router ----------------------------------------------------------------------------------
+def chat(system: str, user: str, **extra: Any) -> dict[str, Any]:
+    """A chat completion body for MODEL: a system prompt and one user turn, 2 tokens out."""
+    return {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": user}], "max_tokens": 2, **extra}
+
+
+async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any, Any]:
+    """POST ``body``: the status, the headers and the JSON answer."""
+    async with s.post(url, json=body) as resp:
+        return resp.status, resp.headers, await resp.json(content_type=None)
+
+
+async def route_metrics(s: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """The router's ``kvcoord_route_*`` samples, by their exposition line's name and labels."""
+    async with s.get(f"{base}/metrics") as resp:
+        text = await resp.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvcoord_route_"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+async def sse_events(resp: aiohttp.ClientResponse, on_event: Callable[[Any], Awaitable[Any]]) -> int:
+    """Feed each SSE ``data:`` payload (None for [DONE]) to ``on_event`` as it arrives; returns how many
+    reads it took."""
+    buf, reads = b"", 0
+    async for piece in resp.content.iter_any():
+        reads += 1
+        buf += piece
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            assert event.startswith(b"data: "), event
+            data = event[len(b"data: "):]
+            await on_event(None if data == b"[DONE]" else json.loads(data))
+    return reads
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> tuple[list[Any], int]:
+    """Events (None for [DONE]) and how many reads they took."""
+    events: list[Any] = []
+
+    async def collect(event: Any) -> None:
+        events.append(event)
+
+    reads = await sse_events(resp, collect)
+    return events, reads
