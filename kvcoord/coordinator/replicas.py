@@ -30,7 +30,8 @@ def wall_of(mono: float) -> float:
 
 def _signature(n: SharedNode) -> tuple[object, ...]:
     """What a republish must carry: any change of it is published at once."""
-    return (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust, n.trust_cause, n.generation)
+    return (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust, n.trust_cause, n.generation,
+            n.role, n.pools)
 
 
 class Replicas:
@@ -67,7 +68,7 @@ class Replicas:
         return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
                           heard + lease + self._slack(), self.replica_id, heard,
                           rec.load, rec.serving_url, fence_token(self.index, rec.node_id), trust, reason,
-                          cause, self.generation() or "")
+                          cause, self.generation() or "", rec.role)
 
     def _slack(self) -> float:
         return min(2.0, self.registry.lease / 2)

@@ -76,6 +76,11 @@ class SharedNode:
     """The index generation the owner had accepted when it published (empty: a replica that predates
     it). A reader in another generation leaves the node out: one of the two has not yet seen the index
     lose its contents, and the node's entries (or the record's state) are from before the loss."""
+    role: str = ""
+    """The node's P/D role (``NodeRecord.role``; a replica that predates it: none)."""
+    pools: tuple[str, ...] = ()
+    """Shared pools its Hello said it reaches (a replica that predates it: none): every replica credits
+    the node with those pools' blocks (:meth:`kvcoord.coordinator.pools.Pools.announce`)."""
 
     def live(self, now_wall: float) -> bool:
         return self.state in _SERVED and now_wall <= self.deadline
@@ -106,6 +111,8 @@ class SharedNode:
                 "trust_reason": self.trust_reason,
                 "trust_cause": self.trust_cause,
                 "generation": self.generation,
+                **({"role": self.role} if self.role else {}),
+                **({"pools": list(self.pools)} if self.pools else {}),
             },
             separators=(",", ":"),
         )
@@ -130,6 +137,8 @@ class SharedNode:
             trust_reason=str(d.get("trust_reason", "")),
             trust_cause=str(d.get("trust_cause", "")),
             generation=str(d.get("generation", "")),
+            role=str(d.get("role", "")),
+            pools=tuple(str(p) for p in d.get("pools", ())),
         )
 
 
