@@ -81,6 +81,8 @@ class SharedNode:
     pools: tuple[str, ...] = ()
     """Shared pools its Hello said it reaches (a replica that predates it: none): every replica credits
     the node with those pools' blocks (:meth:`kvcoord.coordinator.pools.Pools.announce`)."""
+    publisher: str = ""
+    """Set: the node is that pool's storage daemon (its Hello's ``pool_publisher``), never routable."""
 
     def live(self, now_wall: float) -> bool:
         return self.state in _SERVED and now_wall <= self.deadline
@@ -113,6 +115,7 @@ class SharedNode:
                 "generation": self.generation,
                 **({"role": self.role} if self.role else {}),
                 **({"pools": list(self.pools)} if self.pools else {}),
+                **({"publisher": self.publisher} if self.publisher else {}),
             },
             separators=(",", ":"),
         )
@@ -139,6 +142,7 @@ class SharedNode:
             generation=str(d.get("generation", "")),
             role=str(d.get("role", "")),
             pools=tuple(str(p) for p in d.get("pools", ())),
+            publisher=str(d.get("publisher", "")),
         )
 
 
