@@ -5,12 +5,14 @@ than ``--max-local-prefill-tokens``."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import time
 
 import pytest
 
-from tests.procs import kvcoord_cmd
-from tests.test_epp import PROMPT_A, PROMPT_B, Fleet, buffered, chat, epp, set_headers
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
+from tests.test_epp import MODEL, PROFILE, PROMPT_A, PROMPT_B, Fleet, buffered, chat, epp, set_headers
 from tests.test_epp import fleet as fleet  # its module-scoped fixture, by name
 
 
@@ -40,3 +42,35 @@ def test_pd_flag_mistakes_are_one_line(flags: tuple[str, ...], words: str) -> No
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], out.stderr
+
+
+async def test_pools_from_the_roles_the_agents_declare(fleet: Fleet) -> None:
+    """Last (it adds a node): without pool flags, a third engine whose agent says ``--role prefill`` is
+    the prefill pool and node-a and node-b (no role) the decode pool, as llm-d's filters read them."""
+    http, pub = free_port(), free_port_pair()
+    with running(kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", "--replay-bind",
+                             f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE, "--http-listen",
+                             f"127.0.0.1:{http}", "--rate", "0", "--requests", "0"),
+                 log=fleet.tmp / "node-p-engine.log"):
+        wait_for_port(http, timeout=30)
+        agent = kvcoord_cmd("agent", "--coordinator", fleet.coordinator, "--node-id", "node-p",
+                            "--model", MODEL,
+                            "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--replay-endpoint",
+                            f"tcp://127.0.0.1:{pub + 1}", "--role", "prefill", "--serving-url",
+                            f"http://127.0.0.1:{http}")
+        with running(agent, log=fleet.tmp / "node-p-agent.log"), \
+                epp(fleet, "--max-local-prefill-tokens", "40", "--refresh-interval", "0.2",
+                    name="epp-roles") as address:
+            deadline = time.monotonic() + 60
+            while True:  # until the node list names node-p's role
+                _, second = await buffered(address, chat(PROMPT_A + " and a long new question " * 20))
+                headers = set_headers(second.request_body.response)
+                if headers.get("x-prefiller-host-port") == f"127.0.0.1:{http}":
+                    break
+                assert time.monotonic() < deadline, headers
+                await asyncio.sleep(0.2)
+            assert headers["x-gateway-destination-endpoint"] in fleet.endpoints.values()
+            _, second = await buffered(address, chat(PROMPT_B))  # node-b holds it: no remote prefill
+            headers = set_headers(second.request_body.response)
+            assert headers["x-gateway-destination-endpoint"] == fleet.endpoints["node-b"]
+            assert "x-prefiller-host-port" not in headers, headers

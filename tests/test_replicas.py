@@ -145,3 +145,37 @@ async def test_two_replicas_answer_alike_and_expire_alike(replicas: tuple[str, s
             assert time.monotonic() - silent >= LEASE * 2 / 3 * 0.9, "vanished before its lease ran out"
     finally:
         await rep.close()
+
+
+async def test_pool_reach_and_role_from_a_hello_hold_on_every_replica(tmp_path: Path) -> None:
+    """A node's Hello reaches replica A only, the pool's storage daemon's (not a ``pool:`` id, as an engine
+    registered over HTTP has) B only. Each replica learns the other's through the node records: both
+    credit the node with the pool's blocks, neither lists the daemon, and B lists the node's role."""
+    hashes = block_hashes64(PROFILE, TOKENS)
+    with redis_server() as redis, contextlib.ExitStack() as stack:
+        addr_a, addr_b = (_serve(stack, redis, tmp_path, name, "") for name in ("a", "b"))
+        pub = Reporter([addr_b], node_id="store-1", model=MODEL, epoch=1, hash_profile=PROFILE,
+                       snapshot=lambda rank: [], pool_publisher="lmc")
+        node = Reporter([addr_a], node_id="node-p", model=MODEL, epoch=2, hash_profile=PROFILE,
+                        snapshot=lambda rank: [], pools=["lmc"], role="decode")
+        for rep in (pub, node):
+            await rep.start()
+        try:
+            await pub.wait_connected(10)
+            await node.wait_connected(10)
+            pub.submit(0, [BlockStored(block_hashes=tuple(hashes), parent_block_hash=None, token_ids=(),
+                                       block_size=BS)])
+            await pub.wait_acked(10)
+            async with AsyncCoordinatorClient(addr_a) as a, AsyncCoordinatorClient(addr_b) as b:
+                async def credited() -> bool:
+                    ra, rb = await asyncio.gather(*(c.lookup(MODEL, hashes=hashes) for c in (a, b)))
+                    return all([(n.node_id, n.matched_blocks, n.pool) for n in r.nodes]
+                               == [("node-p", len(hashes), "lmc")] for r in (ra, rb))
+
+                await _until(credited, "both replicas to credit node-p with the pool's blocks")
+                listed = {n.node_id: n for n in await b.list_nodes()}
+                assert listed["node-p"].role == "decode" and listed["node-p"].replica
+                assert not (await a.lookup(MODEL, hashes=hashes, include_unmatched=True)).nodes[1:]
+        finally:
+            for rep in (node, pub):
+                await rep.close()

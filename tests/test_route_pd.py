@@ -8,22 +8,29 @@ from the decode engine; achieved cached tokens match the prediction of the pick 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import subprocess
-from collections.abc import Iterator
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.procs import kvcoord_cmd, stop
-from tests.procs import until_async as _until
-from tests.route_fleet import BLOCK, MODEL, RouteFleet, post, route_fleet
-from tests.route_fleet import chat as _chat
-from tests.route_fleet import read_sse as _read_sse
-from tests.route_fleet import route_metrics as _metrics
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
+from tests.test_route import _metrics, _read_sse
 
 pytestmark = pytest.mark.slow
 
+MODEL = "sim-model"
+BLOCK = 8
+PROFILE = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(BLOCK))
 PREFILL = ("pre-a", "pre-b")
 DECODE = ("dec-a", "dec-b")
 LOCAL = 40
@@ -32,23 +39,114 @@ SYSTEMS = [f"You are helper {i} and you explain the subject {i} carefully and in
            for i in range(3)]
 
 
+REGISTERED = "42"
+"""With roles: the second decode engine is registered over HTTP (``/register``), as instance 42."""
+
+
+@dataclass
+class PdFleet:
+    route: str
+    engines: dict[str, str]
+    """Engine base URL by node id."""
+    procs: dict[str, subprocess.Popen[bytes]]
+    """Engines and agents (``agent-<node>``) by name."""
+    prefill: tuple[str, ...] = PREFILL
+    decode: tuple[str, ...] = DECODE
+    coordinator: str = ""
+    http: str = ""
+    """The coordinator's HTTP API (with roles)."""
+
+
+def _register(http: str, node: str, pub: int, url: str, role: str) -> tuple[int, str]:
+    body = {"instance_id": int(node), "model_name": MODEL, "block_size": BLOCK, "serving_url": url,
+            "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{pub + 1}",
+            "role": role}
+    req = urllib.request.Request(f"{http}/register", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@contextlib.contextmanager
+def pd_fleet(tmp: Path, *, roles: bool) -> Iterator[PdFleet]:
+    """Two prefill sim-engines and two decode ones, their agents, ``serve`` and ``route``. ``roles`` False:
+    the pools are ``route``'s flags. True: ``route`` has none, and the engines declare their roles (the
+    agents' ``--role``; the second decode engine, node :data:`REGISTERED`, over ``/register``)."""
+    gport, hport, rport = free_port(), free_port(), free_port()
+    decode = (DECODE[0], REGISTERED) if roles else DECODE
+    fleet = PdFleet(f"http://127.0.0.1:{rport}", {}, {}, PREFILL, decode, f"127.0.0.1:{gport}",
+                    f"http://127.0.0.1:{hport}" if roles else "")
+    with contextlib.ExitStack() as stack:
+        pubs = {}
+        for node in PREFILL + decode:
+            http, pub = free_port(), free_port_pair()
+            pubs[node] = pub
+            fleet.engines[node] = f"http://127.0.0.1:{http}"
+            role = "kv_producer" if node in PREFILL else "kv_consumer"
+            cmd = kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
+                              "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
+                              "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
+                              "--token-interval", "0.02", "--num-blocks", "4096", "--kv-role", role)
+            fleet.procs[node] = stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
+        tok = fleet.engines[decode[0]]
+        serve_log = stack.enter_context(open(tmp / "serve.log", "ab"))
+        http_api = ("--http-listen", f"127.0.0.1:{hport}") if roles else ()
+        serve = spawn(kvcoord_cmd("serve", "--listen", fleet.coordinator, "--metrics-listen", "", *http_api,
+                                  "--model", f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,"
+                                  f"tokenizer={tok}"), stdout=serve_log, stderr=subprocess.STDOUT)
+        stack.callback(lambda: stop(serve))
+        wait_for_port(gport, timeout=30)
+        for node in PREFILL + decode:
+            wait_for_port(int(fleet.engines[node].rsplit(":", 1)[1]), timeout=30)
+            if node == REGISTERED:
+                wait_for_port(hport, timeout=30)
+                status, text = _register(fleet.http, node, pubs[node], fleet.engines[node], "decode")
+                assert status == 201, text
+                continue
+            declared = ("--role", "prefill" if node in PREFILL else "decode") if roles else ()
+            cmd = kvcoord_cmd("agent", "--coordinator", fleet.coordinator, "--node-id", node,
+                              "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
+                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
+                              "--serving-url", fleet.engines[node], *declared)
+            fleet.procs[f"agent-{node}"] = stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
+        pools = [] if roles else ([a for n in PREFILL for a in ("--prefill-node", n)] +
+                                  [a for n in decode for a in ("--decode-node", n)])
+        route = kvcoord_cmd("route", "--coordinator", fleet.coordinator, "--listen", f"127.0.0.1:{rport}",
+                            "--model", MODEL, "--deadline-ms", "2000", "--refresh-interval", "0.5",
+                            "--seed", "7", "--max-local-prefill-tokens", str(LOCAL), *pools)
+        stack.enter_context(running(route, log=tmp / "route.log"))
+        wait_for_port(rport, timeout=30)
+        yield fleet
+
+
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
-    """Prefill engines (kv_producer) and decode engines (kv_consumer), the coordinator tokenizing through
-    the first decode engine, and a router with the two pools."""
-    roles = {n: ("--kv-role", "kv_producer" if n in PREFILL else "kv_consumer") for n in PREFILL + DECODE}
-    with route_fleet(tmp_path_factory.mktemp("route-pd"), PREFILL + DECODE, tokenizer=DECODE[0],
-                     node_args=roles) as f:
-        pools = [a for n in PREFILL for a in ("--prefill-node", n)] + \
-                [a for n in DECODE for a in ("--decode-node", n)]
-        f.start_route("--seed", "7", "--max-local-prefill-tokens", str(LOCAL), *pools)
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdFleet]:
+    with pd_fleet(tmp_path_factory.mktemp("route-pd"), roles=False) as f:
         yield f
 
 
+async def _until(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 45.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = await cond()
+        if got:
+            return got
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _chat(system: str, user: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": user}], "max_tokens": 2, **extra}
+
+
 async def _post(s: aiohttp.ClientSession, base: str, body: dict[str, Any]) -> tuple[Any, Any]:
-    status, headers, answer = await post(s, f"{base}/v1/chat/completions", body)
-    assert status == 200, answer
-    return headers, answer
+    async with s.post(f"{base}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return resp.headers, await resp.json()
 
 
 def _long(j: int) -> str:
@@ -64,13 +162,19 @@ def _judged(h: Any, b: Any) -> tuple[int, int]:
 
 
 async def test_prefill_follows_the_prefix_decode_stores_the_transfer_and_then_skips_prefill(
-        fleet: RouteFleet) -> None:
+        fleet: PdFleet) -> None:
+    await check_placement(fleet)
+
+
+async def check_placement(fleet: PdFleet) -> None:
+    """Prefill lands where the prefix is, the decode engine stores the transfer and then skips prefill,
+    and achieved cached tokens match the prediction on at least 95% of the requests."""
     async with aiohttp.ClientSession() as s:
         holders: dict[int, str] = {}
         for i, system in enumerate(SYSTEMS):
             h, b = await _post(s, fleet.route, _chat(system, "warm up"))
             assert h["x-kvcoord-pd"].startswith("remote prefill"), h["x-kvcoord-pd"]
-            assert h["x-kvcoord-prefill-node"] in PREFILL and h["x-kvcoord-node"] in DECODE
+            assert h["x-kvcoord-prefill-node"] in fleet.prefill and h["x-kvcoord-node"] in fleet.decode
             # the decode engine took the transferred prompt: every token but the last one is cached
             assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == b["usage"]["prompt_tokens"] - 1
             holders[i] = h["x-kvcoord-prefill-node"]
@@ -104,7 +208,7 @@ async def test_prefill_follows_the_prefix_decode_stores_the_transfer_and_then_sk
         assert int(h["x-kvcoord-prefill-matched-blocks"]) >= 10, (i, dict(h))
         assert int(h["x-kvcoord-predicted-cached-tokens"]) >= 10 * BLOCK  # the decode pick's own hit
     for _, h in local:
-        assert h["x-kvcoord-node"] in DECODE and int(h["x-kvcoord-matched-blocks"]) >= 10
+        assert h["x-kvcoord-node"] in fleet.decode and int(h["x-kvcoord-matched-blocks"]) >= 10
     pairs = [_judged(h, b) for _, h, b in results]
     assert sum(p == a for p, a in pairs) >= 0.95 * len(pairs), pairs
     path = 'kvcoord_route_pd_total{path="%s"}'
@@ -116,7 +220,7 @@ async def test_prefill_follows_the_prefix_decode_stores_the_transfer_and_then_sk
     assert after[count] - before[count] == len(results)  # one judged pick per request
 
 
-async def test_decode_streams_back_after_a_remote_prefill(fleet: RouteFleet) -> None:
+async def test_decode_streams_back_after_a_remote_prefill(fleet: PdFleet) -> None:
     n = 20
     body = _chat(SYSTEMS[0], _long(999), max_tokens=n, stream=True,
                  stream_options={"include_usage": True})
@@ -133,7 +237,7 @@ async def test_decode_streams_back_after_a_remote_prefill(fleet: RouteFleet) -> 
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
 
-async def test_sim_engine_speaks_vllms_kv_transfer_params(fleet: RouteFleet) -> None:
+async def test_sim_engine_speaks_vllms_kv_transfer_params(fleet: PdFleet) -> None:
     """A prefill engine names its blocks; a decode engine refuses to prefill for a remote decode and
     a malformed transfer is a 400."""
     pre, dec = fleet.engines[PREFILL[0]], fleet.engines[DECODE[0]]
@@ -160,7 +264,6 @@ async def test_sim_engine_speaks_vllms_kv_transfer_params(fleet: RouteFleet) -> 
     (["--prefill-node", "a"], "--prefill-node needs --decode-node"),
     (["--decode-node", "a"], "--decode-node needs --prefill-node"),
     (["--prefill-node", "a", "--decode-node", "a"], "node a is in both"),
-    (["--max-local-prefill-tokens", "5"], "needs --prefill-node and --decode-node"),
     (["--prefill-node", "a", "--decode-node", "b", "--max-local-prefill-tokens", "-1"], "must be"),
 ])
 def test_pd_flag_mistakes_are_one_line(args: list[str], message: str) -> None:
@@ -177,7 +280,7 @@ def test_sim_engine_refuses_an_unknown_kv_role() -> None:
     assert out.returncode == 2 and "kv_sometimes" in out.stderr
 
 
-async def test_without_prefill_nodes_the_decode_node_prefills(fleet: RouteFleet) -> None:
+async def test_without_prefill_nodes_the_decode_node_prefills(fleet: PdFleet) -> None:
     """Last (it stops the prefill engines): a prefill node that cannot be reached is left out, and with
     none left the decode node prefills the request itself, judged on its own prediction."""
     for node in PREFILL:

@@ -70,7 +70,7 @@ class Fleet:
         streamed = scraper is None and engine.source == "grpc"
         rep = LocalFeed(self.state, node_id=engine.node_id, model=engine.model,
                         snapshot=mirror.rank_entries, dp_ranks=ranks, serving_url=engine.serving_url,
-                        pools=engine.pools, pool_publisher=engine.pool_publisher,
+                        pools=engine.pools, pool_publisher=engine.pool_publisher, role=engine.role,
                         answered=lambda: run.answered_at(),
                         load=scraper.load if scraper is not None else
                         (lambda: run.streamed_load()) if streamed else None)

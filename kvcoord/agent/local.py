@@ -52,10 +52,10 @@ class LocalFeed:
                  dp_ranks: Sequence[int], serving_url: str = "", options: ReporterOptions | None = None,
                  epoch: int | None = None, answered: Callable[[], float | None] | None = None,
                  load: Callable[[], NodeLoad] | None = None, pools: Sequence[str] = (),
-                 pool_publisher: str = "") -> None:
+                 pool_publisher: str = "", role: str = "") -> None:
         check_node(node_id, model, dp_ranks)
-        self.pools, self.pool_publisher = tuple(pools), pool_publisher
-        """Said in the Hello: shared pools the engine reaches, or the pool it publishes for."""
+        self.pools, self.pool_publisher, self.role = tuple(pools), pool_publisher, role
+        """Said in the Hello: shared pools the engine reaches, or the pool it publishes for; its P/D role."""
         self._answered = answered
         """When the engine last answered (``time.monotonic()``, None: never), as its relays saw it; None:
         always there. The node's lease runs from that moment: the feed says Hello only once the engine
@@ -228,7 +228,8 @@ class LocalFeed:
     async def _hello(self, session: IngestSession) -> None:
         hello = pb.Hello(node_id=self.node_id, model=self.model, dp_ranks=self.dp_ranks, epoch=self.epoch,
                          agent_version=AGENT_VERSION, next_seq=self.last_seq + 1,
-                         serving_url=self.serving_url, pools=self.pools, pool_publisher=self.pool_publisher)
+                         serving_url=self.serving_url, pools=self.pools, pool_publisher=self.pool_publisher,
+                         role=self.role)
         welcome = (await session.handle(pb.AgentMessage(hello=hello)))[0].welcome
         if welcome.HasField("verify"):
             self.sampler.configure(welcome.verify)

@@ -98,6 +98,7 @@ class Reporter:
         kv_events: bool = True,
         pools: Sequence[str] = (),
         pool_publisher: str = "",
+        role: str = "",
     ) -> None:
         if not coordinators:
             raise ValueError("at least one coordinator address is needed")
@@ -122,6 +123,8 @@ class Reporter:
         """Shared pools the engine loads blocks from, announced in the Hello (kvcoord.coordinator.pools)."""
         self.pool_publisher = pool_publisher
         """Set: this publisher is that pool's storage daemon, not a routable engine (id ``pool:NAME``)."""
+        self.role = role
+        """The engine's P/D role (``prefill``, ``decode``, ``both``; "" none), announced in the Hello."""
         self.options = options or ReporterOptions()
         default_sec = security or ChannelSecurity()
         self._endpoints = [c if isinstance(c, CoordinatorEndpoint) else CoordinatorEndpoint(c)

@@ -64,6 +64,8 @@ class AgentConfig:
     """``--pool``: shared pools the engine loads blocks from."""
     pool_publisher: str = ""
     """``--pool-publisher``: this publisher feeds that pool (its node id is ``pool:NAME``)."""
+    role: str = ""
+    """``--role``: the engine's P/D role (``prefill``, ``decode``, ``both``; "" none)."""
     """The engine's OpenAI-compatible base URL, announced in the Hello for routers ("" : none)."""
     linger: float = 0.0
     """Seconds a batch waits for more events before it goes (``ReporterOptions.linger``)."""
@@ -171,7 +173,7 @@ async def run_agent(config: AgentConfig) -> None:
                    snapshot=mirror.rank_entries, dp_ranks=config.dp_ranks, security=config.security,
                    hash_profile=config.hash_profile, load=_load_source(config, scraper, relays),
                    serving_url=config.serving_url, kv_events=config.kv_events,
-                   pools=config.pools, pool_publisher=config.pool_publisher,
+                   pools=config.pools, pool_publisher=config.pool_publisher, role=config.role,
                    options=ReporterOptions(linger=config.linger))
     relays += build_relays(config, rep, mirror)
     stop = asyncio.Event()

@@ -76,7 +76,8 @@ class Streams:
         next_seq = link.unacked[0].seq if link.unacked else r._last_seq + 1
         hello = pb.Hello(node_id=r.node_id, model=r.model, dp_ranks=r.dp_ranks, epoch=r.epoch,
                          agent_version=AGENT_VERSION, next_seq=next_seq, serving_url=r.serving_url,
-                         no_kv_events=not r.kv_events, pools=r.pools, pool_publisher=r.pool_publisher)
+                         no_kv_events=not r.kv_events, pools=r.pools, pool_publisher=r.pool_publisher,
+                         role=r.role)
         if r._profile is not None:
             hello.hash_profile.CopyFrom(r._profile)
         return pb.AgentMessage(hello=hello).SerializeToString()

@@ -72,6 +72,10 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--pool-publisher", default="", metavar="NAME",
                    help="this publisher is pool NAME's storage daemon, not a routable engine: its events "
                         "feed the pool; --node-id must be pool:NAME")
+    p.add_argument("--role", default="", metavar="ROLE",
+                   help="the engine's role in disaggregated serving, as llm-d's llm-d.ai/role label: "
+                        "prefill, decode or both (prefill-decode); route and epp without "
+                        "--prefill-node/--decode-node take their pools from these roles")
     p.add_argument("--media", action="append", default=None, metavar="NAME=TIER",
                    help="map a medium name the engine publishes to GPU, CPU or STORAGE, over the defaults "
                         "(repeatable; docs/semantics.md lists them); events of a name no map knows are "
@@ -231,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcoord.agent.service import AgentConfig, AgentRefused, run_agent
     from kvcoord.coordinator.pools import check_pool_hello
     from kvcoord.media import configure_media
+    from kvcoord.roles import check_role
     from kvcoord.validate import check_model, check_node_id
 
     try:  # the coordinator would refuse the Hello: say so before connecting
@@ -240,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         if args.pool_publisher and args.node_id != f"pool:{args.pool_publisher}":
             raise ValueError(f"--pool-publisher {args.pool_publisher}: --node-id must be "
                              f"pool:{args.pool_publisher}")
+        role = check_role(args.role, "--role", publisher=args.pool_publisher)
     except ValueError as exc:
         raise CliError(str(exc)) from None
     check_event_source(args)
@@ -252,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         stats_interval=args.stats_interval, engine_metrics_url=args.engine_metrics_url,
         engine_metrics_interval=args.engine_metrics_interval, serving_url=serving_url(args),
         linger=args.linger, grpc_endpoint=args.grpc_endpoint, pools=tuple(args.pool),
-        pool_publisher=args.pool_publisher,
+        pool_publisher=args.pool_publisher, role=role,
     )
     try:
         asyncio.run(run_agent(config))

@@ -232,7 +232,10 @@ def add_pd(p: argparse.ArgumentParser, local: str) -> None:
         "disaggregated prefill and decode", "Two pools of nodes speaking vLLM's disaggregated protocol "
         "(kv_transfer_params, e.g. the NIXL connector): the decode node is picked by load and its own "
         "prefix; a prefill node, by prefix and load, prefills first unless the decode node lacks at most "
-        f"--max-local-prefill-tokens of the prompt (then {local}). Nodes in neither pool are not used.")
+        f"--max-local-prefill-tokens of the prompt (then {local}). With the flags, nodes in neither pool "
+        "are not used. Without them, the pools come from the roles the nodes declared (agent --role, "
+        "/register role): prefill nodes prefill, the model's other nodes decode; a model without a prefill "
+        "node is served one engine per request.")
     pd.add_argument("--prefill-node", action="append", default=[], metavar="NODE",
                     help="a node of the prefill pool (repeatable; needs --decode-node)")
     pd.add_argument("--decode-node", action="append", default=[], metavar="NODE",
@@ -243,15 +246,15 @@ def add_pd(p: argparse.ArgumentParser, local: str) -> None:
                          "a remote prefill)")
 
 
-def pd_config(args: argparse.Namespace) -> PdConfig | None:
-    """The P/D pools from the flags (None: not disaggregated); CliError for pools that cannot run."""
+def pd_config(args: argparse.Namespace) -> PdConfig:
+    """The P/D pools from the flags (none given: the nodes' roles decide) and the threshold; CliError for
+    pools that cannot run."""
     from kvcoord.gateway.disagg import DEFAULT_MAX_LOCAL_PREFILL, PdConfig
 
     prefill, decode = frozenset(args.prefill_node), frozenset(args.decode_node)
+    limit = args.max_local_prefill_tokens
     if not prefill and not decode:
-        if args.max_local_prefill_tokens is not None:
-            raise CliError("--max-local-prefill-tokens needs --prefill-node and --decode-node")
-        return None
+        return PdConfig(max_local_prefill_tokens=DEFAULT_MAX_LOCAL_PREFILL if limit is None else limit)
     if not prefill or not decode:
         given, missing = ("--prefill-node", "--decode-node")[::1 if prefill else -1]
         raise CliError(f"{given} needs {missing} too (a disaggregated fleet has both pools)")
@@ -260,7 +263,6 @@ def pd_config(args: argparse.Namespace) -> PdConfig | None:
     both = sorted(prefill & decode)
     if both:
         raise CliError(f"node {both[0]} is in both --prefill-node and --decode-node")
-    limit = args.max_local_prefill_tokens
     return PdConfig(prefill, decode, DEFAULT_MAX_LOCAL_PREFILL if limit is None else limit)
 
 

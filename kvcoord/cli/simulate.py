@@ -60,6 +60,19 @@ def add(sub: Subparsers) -> None:
                    help="the first N nodes reach the pool (0: all)")
     t.add_argument("--pool-load-us-per-block", type=NONNEG_FLOAT, default=200.0,
                    help="loading one block from the pool (default 200 us: 2 MiB over ~10 GB/s)")
+    d = p.add_argument_group(
+        "disaggregated prefill and decode (docs/simulate.md)",
+        "The first --prefill-nodes nodes prefill, the others decode. Each policy picks the decode node, "
+        "and a prefill node when the decode node lacks more than --max-local-prefill-tokens of the prompt "
+        "(as kvcoord route does); the decode node then pulls the blocks it lacks.")
+    d.add_argument("--prefill-nodes", type=NONNEG_INT, default=0, metavar="N",
+                   help="nodes of the prefill pool (0: not disaggregated)")
+    d.add_argument("--kv-transfer-us-per-block", type=NONNEG_FLOAT, default=100.0,
+                   help="moving one block from the prefill node to the decode node (default 100 us: 2 MiB "
+                        "over ~20 GB/s RDMA)")
+    d.add_argument("--max-local-prefill-tokens", type=NONNEG_INT, default=1000, metavar="N",
+                   help="the decode node prefills alone when it lacks at most N prompt tokens (Dynamo's "
+                        "max_local_prefill_length; default 1000)")
     c.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
     c.add_argument("--hash-algo", default="xxhash_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
     add_hash_seed(c, default="kvcoord-sim")

@@ -74,7 +74,7 @@ class CoordinatorState:
                                   on_fenced=self.fenced_out, heard=self.registry.heard)
         self.stats = IndexFigures(index, self.metrics, self.log_once)
         self.replicas = Replicas(index, self.registry, directory, self._keep, self.log_once,
-                                 lambda: self.health.generation)
+                                 lambda: self.health.generation, self.pools)
         self.leases = Leases(index, self.registry, self.metrics, self.health, self.replicas, self._keep,
                              self.update_node_gauges)
         self.reservations = Reservations()

@@ -125,6 +125,8 @@ class Engine:
     """Shared pools the engine loads blocks from (kvcoord.coordinator.pools), said in its feed's Hello."""
     pool_publisher: str = ""
     """Set: the engine is that pool's storage daemon, not routable (its feed's Hello says so)."""
+    role: str = ""
+    """Its P/D role (``prefill``, ``decode``, ``both``; "" none), said in its feed's Hello."""
 
     @property
     def node_id(self) -> str:
@@ -152,6 +154,8 @@ class Engine:
             d["pools"] = list(self.pools)
         if self.pool_publisher:
             d["pool_publisher"] = self.pool_publisher
+        if self.role:
+            d["role"] = self.role
         return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -162,7 +166,7 @@ class Engine:
         return cls(int(d["instance_id"]), str(d["model_name"]), str(d["routing_group"]), int(d["block_size"]),
                    listeners, str(d.get("serving_url", "")), str(d.get("metrics_url", "")),
                    str(d.get("engine", VLLM)), tuple(str(p) for p in d.get("pools", ())),
-                   str(d.get("pool_publisher", "")))
+                   str(d.get("pool_publisher", "")), str(d.get("role", "")))
 
 
 class RegistrationError(Exception):
@@ -227,7 +231,8 @@ class Engines:
     async def register(self, instance_id: int, model_name: str, routing_group: str, block_size: int,
                        dp_rank: int | None, endpoint: str | None, replay_endpoint: str | None,
                        serving_url: str = "", metrics_url: str = "", engine: str | None = None,
-                       grpc_endpoint: str = "", pools: Sequence[str] = (), pool_publisher: str = "") -> None:
+                       grpc_endpoint: str = "", pools: Sequence[str] = (), pool_publisher: str = "",
+                       role: str = "") -> None:
         """Add one listener, or raise :class:`RegistrationError` with Dynamo's status and message.
         ``engine`` (:data:`ENGINE_KINDS`; None: as the model's profile or its other registrations say, else
         vLLM) says how to decode its ZMQ events. ``grpc_endpoint`` (``HOST:PORT``) instead of ``endpoint``:
@@ -279,12 +284,12 @@ class Engines:
                                              f"{self.max_engines}; unregister one first")
             if old is None:
                 new = Engine(instance_id, model_name, routing_group, block_size, (listener,), serving_url,
-                             metrics_url, kind, tuple(pools), pool_publisher)
+                             metrics_url, kind, tuple(pools), pool_publisher, role)
             else:
                 listeners = tuple(sorted((*old.listeners, listener), key=lambda x: x.dp_rank))
                 new = replace(old, listeners=listeners, serving_url=serving_url or old.serving_url,
                               metrics_url=metrics_url or old.metrics_url, pools=tuple(pools) or old.pools,
-                              pool_publisher=pool_publisher or old.pool_publisher)
+                              pool_publisher=pool_publisher or old.pool_publisher, role=role or old.role)
             if await self.store.swap(instance_id, old, new):
                 log.info("engine %d (%s) dp_rank %d registered: %s", instance_id, model, rank,
                          shown(endpoint))

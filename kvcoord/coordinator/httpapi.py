@@ -59,6 +59,7 @@ from kvcoord.coordinator.pools import check_pool_hello
 from kvcoord.events import Tier
 from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
 from kvcoord.index.base import run_inline
+from kvcoord.roles import check_role
 from kvcoord.validate import shown
 
 if TYPE_CHECKING:
@@ -142,6 +143,8 @@ class RegisterBody(msgspec.Struct):
     """Shared pools the engine can load blocks from (kvcoord.coordinator.pools)."""
     pool_publisher: str = ""
     """Set: the engine is that pool's storage daemon, not routable (its events feed the pool)."""
+    role: str = ""
+    """Its P/D role: prefill, decode or both (llm-d's ``llm-d.ai/role``); "" none."""
 
 
 class UnregisterBody(msgspec.Struct):
@@ -374,11 +377,12 @@ class HttpApi:
             check_u64("instance_id", b.instance_id)
             try:
                 check_pool_hello(str(b.instance_id), b.pool_publisher, b.pools)
+                role = check_role(b.role, publisher=b.pool_publisher)
             except ValueError as exc:
                 return json_error(400, str(exc))
             await self.engines.register(b.instance_id, b.model_name, b.routing_group, b.block_size, b.dp_rank,
                                         b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url, b.engine,
-                                        b.grpc_endpoint, b.pools, b.pool_publisher)
+                                        b.grpc_endpoint, b.pools, b.pool_publisher, role)
         except BadBody as exc:
             return exc.response
         except RegistrationError as exc:
@@ -436,7 +440,8 @@ class HttpApi:
                         "block_size": engine.block_size, "engine": engine.kind, "hash_profile": hp,
                         "endpoints": {str(x.dp_rank): x.endpoint for x in engine.listeners},
                         "listeners": listeners, "serving_url": engine.serving_url, "relayed_by": relayed_by,
-                        **({"metrics_url": engine.metrics_url} if engine.metrics_url else {})})
+                        **({"metrics_url": engine.metrics_url} if engine.metrics_url else {}),
+                        **({"role": engine.role} if engine.role else {})})
         return _json(200, out)
 
     async def dump(self, req: Request) -> Response:

@@ -50,6 +50,7 @@ from kvcoord.events import CLEAR
 from kvcoord.index.base import ApplyResult, InvalidEvent
 from kvcoord.media import MISFIT_STORES, UNKNOWN_MEDIA
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.roles import check_role
 from kvcoord.validate import (
     Op,
     OverLimit,
@@ -202,6 +203,7 @@ class IngestSession:
             )
         try:
             check_pool_hello(hello.node_id, hello.pool_publisher, hello.pools)
+            check_role(hello.role, "Hello.role", publisher=hello.pool_publisher)
         except ValueError as exc:
             raise IngestAbort(grpc.StatusCode.INVALID_ARGUMENT, f"Hello: {exc}") from None
         if not self.principal.may_publish(hello.node_id):
@@ -230,6 +232,7 @@ class IngestSession:
         st.metrics.model_seen(hello.model)
         self.rec, self.gen = rec, rec.stream_gen
         rec.serving_url = "" if hello.pool_publisher else hello.serving_url  # a publisher is never routed to
+        rec.role = check_role(hello.role)
         if hello.pool_publisher:
             st.pools.publisher(rec.node_id, hello.pool_publisher)
         else:

@@ -210,7 +210,10 @@ class Lookups:
 
         def ranks(node_id: str) -> tuple[int, ...]:
             rec = st.registry.get(node_id)
-            return rec.dp_ranks if rec is not None and rec.model == model else ()
+            if rec is not None and rec.model == model:
+                return rec.dp_ranks
+            other = st.replicas.shared.get(node_id)  # another replica's node (its record's pools)
+            return other.dp_ranks if other is not None and other.model == model else ()
 
         async def cont(rest: Sequence[BlockHash64], keys: Collection[NodeKey]) -> list[NodeMatch]:
             return await self._index_match(model, rest, keys)

@@ -11,6 +11,7 @@ Publishers never appear in answers. docs/semantics.md says what a pool block mea
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
@@ -168,6 +169,30 @@ class Pools:
                 log.warning("node %s reaches pool %r, which no [pools] entry or publisher declares (yet)",
                             node_id, name)
         return fresh
+
+    def shared(self, node_id: str, names: Iterable[str], publisher: str = "") -> None:
+        """What another replica's record says of ``node_id`` (its Hello went there): the pools it reaches,
+        as :meth:`announce` without counting or warning (that replica did), or the pool it publishes for.
+        Names that are not pool names are skipped (a record is not trusted input)."""
+        if publisher:
+            with contextlib.suppress(ValueError):
+                if self.publishers.get(node_id) != publisher:
+                    self.publisher(node_id, publisher)
+            return
+        wanted = set()
+        for name in names:
+            try:
+                wanted.add(check_pool_name(name, "pool"))
+            except ValueError:
+                continue
+        if node_id not in self.publishers and self.reach.get(node_id, frozenset()) == wanted:
+            return
+        self.publishers.pop(node_id, None)  # routable now, as its Hello there said
+        self._reached.clear()
+        if wanted:
+            self.reach[node_id] = frozenset(wanted)
+        else:
+            self.reach.pop(node_id, None)
 
     def publisher(self, node_id: str, pool: str) -> None:
         """``node_id`` publishes the blocks of ``pool``."""

@@ -163,6 +163,9 @@ class NodeRecord:
     """Sampled BlockStored chains verified (or tried)."""
     serving_url: str = ""
     """The engine's OpenAI-compatible base URL, as its agent announced it (empty: not announced)."""
+    role: str = ""
+    """The engine's P/D role its Hello declared (``prefill``, ``decode``, ``both``; "" none): ListNodes
+    shows it, and route and epp take their prefill and decode pools from it."""
     no_kv_events: bool = False
     """Its agent's Hello said the engine publishes no KV events: trust ``approximate``, no batches."""
     history_lost: dict[int, str] = field(default_factory=dict)

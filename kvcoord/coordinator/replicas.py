@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 
 from kvcoord.coordinator.health import LogOnce
+from kvcoord.coordinator.pools import Pools
 from kvcoord.coordinator.registry import EXPIRED, NodeRecord, NodeRegistry
 from kvcoord.coordinator.shared import PUBLISH_SECONDS, REFRESH_SECONDS, NodeDirectory, SharedNode
 from kvcoord.index.base import Index, fence_token
@@ -30,15 +31,20 @@ def wall_of(mono: float) -> float:
 
 def _signature(n: SharedNode) -> tuple[object, ...]:
     """What a republish must carry: any change of it is published at once."""
-    return (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust, n.trust_cause, n.generation)
+    return (n.model, n.dp_ranks, n.state, n.epoch, n.load, n.fence, n.trust, n.trust_cause, n.generation,
+            n.role, n.pools, n.publisher)
 
 
 class Replicas:
     """Shared node records (``directory``); None: this process alone decides liveness."""
 
     def __init__(self, index: Index, registry: NodeRegistry, directory: NodeDirectory | None,
-                 keep: Keep, log_once: LogOnce, generation: Callable[[], str | None] = lambda: None) -> None:
+                 keep: Keep, log_once: LogOnce, generation: Callable[[], str | None] = lambda: None,
+                 pools: Pools | None = None) -> None:
         self.index = index
+        self.pools = pools
+        """Which nodes reach which pool: this replica's nodes' go into their records, the other replicas'
+        nodes' are taken from theirs (so every replica credits a node with its pools)."""
         self.generation = generation
         """The index generation this replica accepted (``IndexHealth.generation``): records carry it."""
         self.registry = registry
@@ -64,10 +70,15 @@ class Replicas:
         # Published with slack: readers keep the node until at least the owner's own deadline, and a
         # heartbeat republishes only once the true deadline moved by half the slack.
         trust, reason, cause = rec.trust
+        pools: tuple[str, ...] = ()
+        publisher = ""
+        if self.pools is not None:
+            pools = tuple(sorted(self.pools.reach.get(rec.node_id, ())))
+            publisher = self.pools.publishers.get(rec.node_id, "")
         return SharedNode(rec.node_id, rec.model, rec.dp_ranks, state, rec.epoch,
                           heard + lease + self._slack(), self.replica_id, heard,
                           rec.load, rec.serving_url, fence_token(self.index, rec.node_id), trust, reason,
-                          cause, self.generation() or "")
+                          cause, self.generation() or "", rec.role, pools, publisher)
 
     def _slack(self) -> float:
         return min(2.0, self.registry.lease / 2)
@@ -137,6 +148,9 @@ class Replicas:
             if n.state in ("active", "hash_mismatch") and n.deadline > models.get(n.model, 0.0):
                 models[n.model] = n.deadline
         self.shared, self._shared_models = view, models
+        if self.pools is not None:
+            for n in self.remote_nodes():
+                self.pools.shared(n.node_id, n.pools, n.publisher)
         self._reclaim_dead(view)
 
     def _reclaim_dead(self, view: dict[str, SharedNode]) -> None:

@@ -76,6 +76,13 @@ class SharedNode:
     """The index generation the owner had accepted when it published (empty: a replica that predates
     it). A reader in another generation leaves the node out: one of the two has not yet seen the index
     lose its contents, and the node's entries (or the record's state) are from before the loss."""
+    role: str = ""
+    """The node's P/D role (``NodeRecord.role``; a replica that predates it: none)."""
+    pools: tuple[str, ...] = ()
+    """Shared pools its Hello said it reaches (a replica that predates it: none): every replica credits
+    the node with those pools' blocks (:meth:`kvcoord.coordinator.pools.Pools.announce`)."""
+    publisher: str = ""
+    """Set: the node is that pool's storage daemon (its Hello's ``pool_publisher``), never routable."""
 
     def live(self, now_wall: float) -> bool:
         return self.state in _SERVED and now_wall <= self.deadline
@@ -106,6 +113,9 @@ class SharedNode:
                 "trust_reason": self.trust_reason,
                 "trust_cause": self.trust_cause,
                 "generation": self.generation,
+                **({"role": self.role} if self.role else {}),
+                **({"pools": list(self.pools)} if self.pools else {}),
+                **({"publisher": self.publisher} if self.publisher else {}),
             },
             separators=(",", ":"),
         )
@@ -130,6 +140,9 @@ class SharedNode:
             trust_reason=str(d.get("trust_reason", "")),
             trust_cause=str(d.get("trust_cause", "")),
             generation=str(d.get("generation", "")),
+            role=str(d.get("role", "")),
+            pools=tuple(str(p) for p in d.get("pools", ())),
+            publisher=str(d.get("publisher", "")),
         )
 
 

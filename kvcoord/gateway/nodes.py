@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 
 from kvcoord.coordinator.pools import POOL_PREFIX
 from kvcoord.load import NodeLoad
+from kvcoord.roles import PREFILL
 from kvcoord.router.answer import Candidate
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError, NodeStatus
 
@@ -56,6 +57,8 @@ class KnownNode:
     ranks: set[int] = field(default_factory=set)
     load: dict[int, NodeLoad] = field(default_factory=dict)
     """Last load the coordinator reported, per dp rank."""
+    role: str = ""
+    """Its P/D role as ListNodes last showed it (``prefill``, ``decode``, ``both``; "" none)."""
 
     @property
     def address(self) -> str:
@@ -74,6 +77,8 @@ class NodeTable:
                                             for n, addr in self.static.items()}
         self.log = log
         self._failing = False
+        self.roles_declared = False
+        """Some node's role is ``prefill``: P/D pools may come from roles (:meth:`roles`)."""
 
     def learn(self, node_id: str, serving_url: str, model: str, ranks: Iterable[int],
               load: Mapping[int, NodeLoad] | None = None, *, answered: bool = False) -> KnownNode:
@@ -99,7 +104,8 @@ class NodeTable:
             present.add(n.node_id)
             if n.state in ROUTABLE_STATES and not n.node_id.startswith(POOL_PREFIX):  # a pool's publisher
                 ranks = n.dp_ranks or (0,)
-                self.learn(n.node_id, n.serving_url, n.model, ranks, dict.fromkeys(ranks, n.load))
+                node = self.learn(n.node_id, n.serving_url, n.model, ranks, dict.fromkeys(ranks, n.load))
+                node.role = n.role
                 seen.add(n.node_id)
         for node_id, node in self.nodes.items():
             if node_id in seen:
@@ -109,6 +115,14 @@ class NodeTable:
             else:
                 node.absent += 1
                 node.listed = node.listed and node.absent < UNLISTED_AFTER
+        self.roles_declared = any(n.role == PREFILL for n in self.nodes.values())
+
+    def roles(self, model: str | None) -> list[tuple[str, str]]:
+        """(node id, role) of the nodes serving ``model`` now (:meth:`serving`): what P/D pools are made
+        of without flags (:func:`kvcoord.gateway.disagg.pools_of`); none while no node is ``prefill``."""
+        if not self.roles_declared:
+            return []
+        return [(n.node_id, n.role) for n in self.serving(model)]
 
     def serving(self, model: str | None, *, usable: Callable[[KnownNode], bool] = lambda n: True,
                 ever: bool = True) -> list[KnownNode]:

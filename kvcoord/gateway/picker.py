@@ -45,7 +45,7 @@ from kvcoord.router.policy import (
 )
 
 from .apis import query_of_body
-from .disagg import PdConfig, prefill_remote
+from .disagg import PdConfig, pools_of, prefill_remote
 from .flow import NO_ENDPOINTS, SATURATED
 from .nodes import InFlight, NodeTable
 from .outage import Outages, is_outage
@@ -175,9 +175,9 @@ class PickerConfig:
     reserve: bool = True
     """Share picks with the coordinator's other routers (:mod:`kvcoord.gateway.reserve`)."""
     reserve_ttl: float = DEFAULT_TTL
-    pd: PdConfig | None = None
-    """Disaggregated pools: the pick is a decode node, a prefill endpoint is named when one is due
-    (:mod:`kvcoord.gateway.disagg`)."""
+    pd: PdConfig = field(default_factory=PdConfig)
+    """Disaggregated pools by flags, else by the nodes' roles: the pick is a decode node, a prefill
+    endpoint is named when one is due (:mod:`kvcoord.gateway.disagg`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +363,8 @@ class Picker:
             self.table.learn(c.node_id, c.serving_url, model, (c.dp_rank,), {c.dp_rank: c.load},
                              answered=True)
         eligible = await self._eligible([*answer.nodes, *self._unlisted(model, answer)], subset)
-        eligible, prefill_pool = self._pools(eligible)
+        pd = self._pd(model)
+        eligible, prefill_pool = self._pools(pd, eligible)
         decision, endpoints, scores, note = self._decide(answer, eligible, self.policy, slo)
         if rid:
             assert self.reserve is not None
@@ -373,11 +374,15 @@ class Picker:
             self.reserve.reserve(rid, model, decision.key, best, answer.block_hashes, prefill)
         return Pick(endpoints, decision.node_id, decision.why + note, True, decision.matched_blocks, rid,
                     decision.pull, scores, _hit(decision.matched_blocks, answer),
-                    self._prefiller(answer, decision.matched_blocks, prefill_pool))
+                    self._prefiller(pd, answer, decision.matched_blocks, prefill_pool))
 
-    def _pools(self, eligible: list[_Eligible]) -> tuple[list[_Eligible], list[_Eligible]]:
+    def _pd(self, model: str | None) -> PdConfig | None:
+        """The P/D pools of ``model``'s requests now: the flags', else the nodes' roles; None: one engine."""
+        return pools_of(self.config.pd, self.table.roles(model))
+
+    @staticmethod
+    def _pools(pd: PdConfig | None, eligible: list[_Eligible]) -> tuple[list[_Eligible], list[_Eligible]]:
         """P/D: the decode pool (where the pick goes; 503 when empty) and the prefill pool."""
-        pd = self.config.pd
         if pd is None:
             return eligible, []
         decode = [e for e in eligible if e.candidate.node_id in pd.decode]
@@ -386,10 +391,10 @@ class Picker:
                              NO_ENDPOINTS)
         return decode, [e for e in eligible if e.candidate.node_id in pd.prefill]
 
-    def _prefiller(self, answer: LookupResult, decode_blocks: int, pool: list[_Eligible]) -> str:
+    def _prefiller(self, pd: PdConfig | None, answer: LookupResult, decode_blocks: int,
+                   pool: list[_Eligible]) -> str:
         """The prefill endpoint, by prefix and load, when the decode pick lacks more of the prompt than
         it prefills alone; "" otherwise, or when every prefill endpoint is saturated."""
-        pd = self.config.pd
         if pd is None or not pool:
             return ""
         bs, tokens = max(1, answer.block_size), answer.num_tokens or answer.num_blocks * answer.block_size
@@ -407,7 +412,7 @@ class Picker:
 
     async def _degraded(self, model: str | None, subset: Allowed | None, reason: str | None) -> Pick:
         """Least-loaded over the last known nodes (no prefix information): lookup failed, or no body."""
-        eligible, _ = self._pools(await self._eligible(self.table.candidates(model), subset))
+        eligible, _ = self._pools(self._pd(model), await self._eligible(self.table.candidates(model), subset))
         answer = LookupResult(model or "", 1, 0, [e.candidate for e in eligible])
         decision, endpoints, scores, _ = self._decide(answer, eligible, self.fallback_policy)
         why = decision.why if reason is None else f"{decision.why}; not prefix-aware: {reason}"

@@ -104,9 +104,9 @@ class RouteConfig:
     reserve: bool = True
     """Share picks with the other routers of the coordinator (:mod:`kvcoord.gateway.reserve`)."""
     reserve_ttl: float = DEFAULT_TTL
-    pd: PdConfig | None = None
-    """Disaggregated prefill and decode pools (:mod:`kvcoord.gateway.route_pd`); None: one engine per
-    request."""
+    pd: PdConfig = field(default_factory=PdConfig)
+    """Disaggregated prefill and decode pools by flags, else by the nodes' roles
+    (:mod:`kvcoord.gateway.route_pd`); neither: one engine per request."""
     sessions: SessionConfig = field(default_factory=SessionConfig)
     """Session affinity (:mod:`kvcoord.gateway.sessions`)."""
     api_keys: Mapping[bytes, ApiKey] = field(default_factory=dict)
@@ -155,8 +155,8 @@ class RouteServer:
         latency = getattr(policy, "latency", None)
         self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
         """How long a placed prompt counts as queued prefill at most (see :class:`Prefill`)."""
-        self.pd = (PdRouter(config.pd, self.placer, self.backends, self.metrics,
-                            max_attempts=config.max_attempts, fail=self._fail) if config.pd else None)
+        self.pd = PdRouter(config.pd, self.placer, self.backends, self.metrics,
+                           max_attempts=config.max_attempts, fail=self._fail)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -185,8 +185,7 @@ class RouteServer:
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                               timeout=aiohttp.ClientTimeout(total=None,
                                                                             connect=self.config.connect_timeout))
-        if self.pd is not None:
-            self.pd.session = self._session
+        self.pd.session = self._session
         host, port = split_hostport(self.config.listen)
         head = self.config.limits.max_header_bytes  # one line or field may be the whole head
         runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False,
@@ -364,8 +363,9 @@ class RouteServer:
         headers = upstream_headers(request, strip_keys=self.keys.enabled)
         client = Client(self.sessions.session_id(request.headers, body), key)
         try:
-            if self.pd is not None:  # vLLM's disaggregated protocol is its OpenAI API's: others go whole
-                staged = await self.pd.stage(plan, body, request.path, headers, remote=openai)
+            pools = self.pd.pools(plan.model)
+            if pools is not None:  # vLLM's disaggregated protocol is its OpenAI API's: others go whole
+                staged = await self.pd.stage(pools, plan, body, request.path, headers, remote=openai)
                 if isinstance(staged, web.Response):
                     self.metrics.requests.labels(endpoint, "upstream_error").inc()
                     return staged

@@ -1,4 +1,6 @@
-"""Disaggregated prefill and decode in ``kvcoord route`` (``--prefill-node`` / ``--decode-node``).
+"""Disaggregated prefill and decode in ``kvcoord route``: pools by ``--prefill-node`` / ``--decode-node``,
+else by the roles ListNodes shows (:func:`~kvcoord.gateway.disagg.pools_of`, per request, so a node that
+joins, leaves or changes role counts from the next ListNodes on).
 
 Per request, after the lookup: the decode node is picked first, among the decode pool, by the policy
 (load, and its own prefix). When the prompt tokens it lacks are at most ``--max-local-prefill-tokens``
@@ -28,7 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .disagg import PdConfig, prefill_remote
+from .disagg import PdConfig, pools_of, prefill_remote
 from .route_backends import Backends
 from .route_metrics import RouteMetrics, predicted_tokens
 from .route_place import Placer, Plan, node_label
@@ -55,6 +57,7 @@ class PdRouter:
     def __init__(self, config: PdConfig, placer: Placer, backends: Backends, metrics: RouteMetrics,
                  *, max_attempts: int, fail: Callable[[str, str, str], None]) -> None:
         self.config = config
+        """The flags' pools (empty: by roles) and threshold."""
         self.placer = placer
         self.backends = backends
         self.metrics = metrics
@@ -63,13 +66,17 @@ class PdRouter:
         """The router's "leave this node out" (node, kind, detail)."""
         self.session: aiohttp.ClientSession | None = None
 
-    async def stage(self, plan: Plan, body: dict[str, Any], path: str, headers: Mapping[str, str], *,
-                    remote: bool = True) -> dict[str, Any] | web.Response:
-        """Pick the decode node into ``plan`` and run the prefill if one is due; returns the body the
-        decode node gets, or the prefill node's 4xx answer for the client. ``headers`` are those the
-        router forwards; ``remote`` False: an API without the protocol, decoded whole."""
-        prefill = [c for c in plan.candidates if c.node_id in self.config.prefill]
-        plan.candidates = [c for c in plan.candidates if c.node_id in self.config.decode]
+    def pools(self, model: str) -> PdConfig | None:
+        """The pools of ``model``'s requests now; None: one engine per request."""
+        return pools_of(self.config, self.backends.table.roles(model))
+
+    async def stage(self, pools: PdConfig, plan: Plan, body: dict[str, Any], path: str,
+                    headers: Mapping[str, str], *, remote: bool = True) -> dict[str, Any] | web.Response:
+        """Pick the decode node of ``pools`` into ``plan`` and run the prefill if one is due; returns the
+        body the decode node gets, or the prefill node's 4xx answer for the client. ``headers`` are those
+        the router forwards; ``remote`` False: an API without the protocol, decoded whole."""
+        prefill = [c for c in plan.candidates if c.node_id in pools.prefill]
+        plan.candidates = [c for c in plan.candidates if c.node_id in pools.decode]
         rid = next((v for k, v in headers.items() if k.lower() == "x-request-id"), "") or uuid.uuid4().hex
         plan.send_headers["X-Request-Id"] = rid
         plan.first = self.placer.choose(plan)
@@ -81,9 +88,9 @@ class PdRouter:
         if not remote:
             self._path(plan, "decode_only", "decode-only: this API has no disaggregated protocol")
             return body
-        if not prefill_remote(self.config, uncached, plan.prefix_aware):
-            self._path(plan, "decode_only", f"decode-only: {uncached} uncached tokens <= "
-                       f"{self.config.max_local_prefill_tokens}")
+        limit = pools.max_local_prefill_tokens
+        if not prefill_remote(pools, uncached, plan.prefix_aware):
+            self._path(plan, "decode_only", f"decode-only: {uncached} uncached tokens <= {limit}")
             return body
         pplan = replace(plan, candidates=prefill, tried=set(), first=None, send_headers={},
                         answer_headers={}, reserve_id="")
@@ -98,7 +105,7 @@ class PdRouter:
             plan.remote_prefill = True
             plan.answer_headers.update(pplan.answer_headers)
             self._path(plan, "remote_prefill", f"remote prefill: {uncached} uncached tokens on the decode "
-                       f"node > {self.config.max_local_prefill_tokens}" if plan.prefix_aware
+                       f"node > {limit}" if plan.prefix_aware
                        else "remote prefill (no lookup)")
             return {**body, "kv_transfer_params": params} if isinstance(params, dict) and params else body
         self._path(plan, "prefill_failed", "decode-only: no prefill node answered")

@@ -106,6 +106,8 @@ class NodeStatus:
     model_profile: dict[str, Any] | None = None
     """The profile the coordinator hashes the model's tokens with: algo, block_size, style and ``source``
     (``configured``, or ``learned`` from the events); None while the model has none."""
+    role: str = ""
+    """Its P/D role, as its Hello or ``/register`` declared it: ``prefill``, ``decode``, ``both``; "" none."""
 
     @classmethod
     def from_proto(cls, n: pb.NodeInfo) -> NodeStatus:
@@ -119,7 +121,7 @@ class NodeStatus:
         return cls(n.node_id, n.model, tuple(n.dp_ranks), n.state, n.epoch, n.last_seq,
                    n.last_heartbeat_age_seconds, load_from_proto(n.load), n.hash_mismatch,
                    n.hash_mismatch_reason, profile, n.replica, n.serving_url, n.trust or EXACT,
-                   n.trust_reason, n.trust_cause, model_profile)
+                   n.trust_reason, n.trust_cause, model_profile, n.role)
 
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "model": self.model, "dp_ranks": list(self.dp_ranks),
@@ -129,7 +131,7 @@ class NodeStatus:
                 "hash_mismatch": self.hash_mismatch, "hash_mismatch_reason": self.hash_mismatch_reason,
                 "hash_profile": self.hash_profile, "replica": self.replica,
                 "trust": self.trust, "trust_reason": self.trust_reason, "trust_cause": self.trust_cause,
-                "model_profile": self.model_profile}
+                "model_profile": self.model_profile, "role": self.role}
 
 
 @dataclass(frozen=True, slots=True)

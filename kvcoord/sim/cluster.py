@@ -15,7 +15,8 @@ Cost model (per node; :class:`~kvcoord.router.policy.LatencyModel` holds the num
   freed (they stay cached until evicted).
 
 With :attr:`ClusterConfig.tiers`, a node also reloads blocks from its CPU tier, a shared pool or a peer
-(:mod:`kvcoord.sim.tiers`) instead of prefilling them, at their cost per block on the prefill lane.
+(:mod:`kvcoord.sim.tiers`) instead of prefilling them, at their cost per block on the prefill lane. With
+:attr:`ClusterConfig.pd`, prefill and decode run on separate pools (:mod:`kvcoord.sim.disagg`).
 
 Decode-time KV growth is not allocated (outputs are ~3% of Mooncake prompts), and prefill does not
 slow the running decodes. Everything but the measured routing overhead is deterministic.
@@ -43,6 +44,7 @@ from kvcoord.router.policy import (
     RouteRequest,
     candidates_from_matches,
 )
+from kvcoord.sim.disagg import PdSimConfig, place, pools
 from kvcoord.sim.tiers import TierConfig, Tiers
 from kvcoord.sim.workload import SimRequest, Workload
 from kvcoord.validate import ops_of
@@ -63,6 +65,8 @@ class ClusterConfig:
     latency: LatencyModel = field(default_factory=LatencyModel)
     tiers: TierConfig = field(default_factory=TierConfig)
     """The CPU tiers, shared pool and peer pulls (:mod:`kvcoord.sim.tiers`); none by default."""
+    pd: PdSimConfig = field(default_factory=PdSimConfig)
+    """Disaggregated prefill and decode pools (:mod:`kvcoord.sim.disagg`); off by default."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -151,9 +155,10 @@ class _Node:
         self.node_id = node_id
         self.key: NodeKey = (node_id, 0)
         self.pool = pool
-        self.queue: deque[tuple[SimRequest, int, int]] = deque()
-        """Waiting requests with the router's estimate of their uncached tokens and the node to pull from
-        (its index; -1 none)."""
+        self.queue: deque[tuple[SimRequest, int, int, int]] = deque()
+        """Waiting requests with the router's estimate of their uncached tokens, the node to pull from
+        (its index; -1 none) and their P/D stage (:data:`WHOLE`, :data:`TRANSFERRED`, or the index of
+        the decode node a prefill-only request hands over to)."""
         self.queued_estimate = 0
         self.running = 0
         self.prefill_free_at = 0.0
@@ -190,13 +195,19 @@ class PolicyResult:
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     """Hit tokens by where they came from: ``gpu``, ``cpu`` (evicted from GPU, reloaded), ``pool``,
     ``pull`` (copied from a peer)."""
+    pd: dict[str, int] = field(default_factory=dict)
+    """P/D runs: ``remote_prefills``, ``skipped_prefills`` (the decode node prefilled alone) and
+    ``transferred_blocks`` (prefill node to decode node); empty otherwise."""
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-_FINISH = 0
+_FINISH, _HANDOFF = 0, 1
+"""Heap events: a request completes; a remote prefill ends and its request goes to the decode node."""
+WHOLE, TRANSFERRED = -1, -2
+"""A queued request's stage: all of it on this node; the decode part after a remote prefill."""
 
 
 Progress = Callable[[int, int], None]
@@ -240,20 +251,24 @@ class _Run:
     (:meth:`finish`) and the load report (:meth:`loads`) can be read, and tested, one at a time."""
 
     __slots__ = (
-        "adapter", "bs", "completion", "heap", "hit_total", "max_running", "nodes", "prefill_total",
-        "prompt_total", "seq", "t_d", "t_p", "tier_hits", "tiers", "ttft",
+        "adapter", "bs", "completion", "heap", "hit_total", "max_running", "nodes", "pd", "prefill_total",
+        "prompt_total", "seq", "t_d", "t_p", "tier_hits", "tiers", "transfer_s", "ttft",
     )
 
     def __init__(self, nodes: list[_Node], adapter: SimBackend, lat: LatencyModel, bs: int,
-                 tiers: Tiers | None = None) -> None:
+                 tiers: Tiers | None = None, transfer_s: float | None = None) -> None:
         self.nodes = nodes
+        self.transfer_s = transfer_s or 0.0
+        self.pd = ({"remote_prefills": 0, "skipped_prefills": 0, "transferred_blocks": 0}
+                   if transfer_s is not None else {})
+        """P/D counters (``transfer_s`` given: disaggregated); empty otherwise."""
         self.tiers = tiers
         self.tier_hits = {"gpu": 0, "cpu": 0, "pool": 0, "pull": 0}
         self.adapter = adapter
         self.bs = bs
         self.t_p, self.t_d = lat.prefill_s_per_token, lat.decode_s_per_token
         self.max_running = lat.max_running
-        self.heap: list[tuple[float, int, int, int, list[KVCacheBlock]]] = []
+        self.heap: list[tuple[float, int, int, int, list[KVCacheBlock] | SimRequest]] = []
         self.seq = 0
         self.ttft: list[float] = []
         self.completion: list[float] = []
@@ -263,7 +278,7 @@ class _Run:
         """Admit queued requests on ``node`` while a slot is free and the queue head's prompt fits."""
         pool, bs, t_p, t_d = node.pool, self.bs, self.t_p, self.t_d
         while node.queue and node.running < self.max_running:
-            req, estimate, peer = node.queue[0]
+            req, estimate, peer, stage = node.queue[0]
             n = req.num_tokens
             hits = pool.find_longest_cache_hit(req.digests, (n - 1) // bs)
             num_new = -(-n // bs) - len(hits)
@@ -275,23 +290,41 @@ class _Run:
             pool.touch(hits)
             blocks = hits + pool.get_new_blocks(num_new)
             pool.cache_full_blocks(blocks, req.digests, len(hits), n // bs, req.tokens)
-            loaded_s, past = self.beyond(node, req, len(hits), peer)
+            if stage == TRANSFERRED:
+                start, uncached = self.transferred(node, req, len(hits), now)
+                loaded_s = 0.0
+            else:
+                loaded_s, past = self.beyond(node, req, len(hits), peer)
+                cached = (len(hits) + past) * bs
+                uncached = n - cached
+                node.hit_tokens += cached
+                node.prefill_tokens += uncached
+                self.hit_total += cached
+                self.prefill_total += uncached
+                start = max(now, node.prefill_free_at)
             self.publish(node.node_id, pool.take_events())
             node.running += 1
-            cached = (len(hits) + past) * bs
-            uncached = n - cached
-            node.hit_tokens += cached
-            node.prefill_tokens += uncached
-            self.hit_total += cached
-            self.prefill_total += uncached
-            start = max(now, node.prefill_free_at)
             end = start + uncached * t_p + loaded_s
             node.prefill_free_at = end
+            self.seq += 1
+            if stage >= 0:  # a remote prefill: its one token done, the decode node takes the request
+                heapq.heappush(self.heap, (end, self.seq, _FINISH, node.idx, blocks))
+                self.seq += 1
+                heapq.heappush(self.heap, (end, self.seq, _HANDOFF, stage, req))
+                continue
             self.ttft.append(end - req.arrival)
             done = end + req.output_tokens * t_d
             self.completion.append(done - req.arrival)
-            self.seq += 1
             heapq.heappush(self.heap, (done, self.seq, _FINISH, node.idx, blocks))
+
+    def transferred(self, node: _Node, req: SimRequest, hits: int, now: float) -> tuple[float, int]:
+        """The decode part of a remotely prefilled request on ``node``, which holds ``hits`` of its blocks:
+        it pulls the rest of the prompt's blocks but the last (vLLM's decode computes the last token),
+        then computes what is left. ``(when its compute starts, tokens it computes)``."""
+        moved = max(0, (req.num_tokens - 1) // self.bs - hits)
+        self.pd["transferred_blocks"] += moved
+        start = max(now + moved * self.transfer_s, node.prefill_free_at)
+        return start, req.num_tokens - (hits + moved) * self.bs
 
     def publish(self, node_id: str, events: list[KVEvent]) -> None:
         """A node's GPU events to the index, with its CPU tier's and the pool's (:meth:`Tiers.published`)."""
@@ -333,8 +366,13 @@ class _Run:
         """Complete every request done by ``until``; the time of the last one (``now`` if none)."""
         heap, nodes = self.heap, self.nodes
         while heap and heap[0][0] <= until:
-            now, _, _, ni, blocks = heapq.heappop(heap)
-            self.finish(nodes[ni], now, blocks)
+            now, _, kind, ni, what = heapq.heappop(heap)
+            if kind == _HANDOFF:
+                assert isinstance(what, SimRequest)
+                self.enqueue(nodes[ni], what, (what.num_tokens - 1) // self.bs, now, stage=TRANSFERRED)
+            else:
+                assert isinstance(what, list)
+                self.finish(nodes[ni], now, what)
         return now
 
     def loads(self, now: float) -> dict[NodeKey, NodeLoad]:
@@ -351,13 +389,14 @@ class _Run:
             for nd in self.nodes
         }
 
-    def enqueue(self, node: _Node, req: SimRequest, matched_blocks: int, now: float, peer: int = -1) -> None:
-        """The router sent ``req`` to ``node`` (to pull from node ``peer``, -1 none): queue it with its
-        estimated uncached tokens."""
+    def enqueue(self, node: _Node, req: SimRequest, matched_blocks: int, now: float, peer: int = -1,
+                stage: int = WHOLE) -> None:
+        """The router sent ``req`` to ``node`` (to pull from node ``peer``, -1 none; its ``stage``): queue
+        it with its estimated uncached tokens."""
         node.served += 1
         node.change_in_system(now, +1)
         estimate = max(0, req.num_tokens - matched_blocks * self.bs)
-        node.queue.append((req, estimate, peer))
+        node.queue.append((req, estimate, peer, stage))
         node.queued_estimate += estimate
         self.try_start(node, now)
 
@@ -386,6 +425,7 @@ class _Run:
             overhead_us=overhead,
             sample_decisions=decisions,
             tier_hit_tokens=dict(self.tier_hits),
+            pd=dict(self.pd),
         )
 
 
@@ -407,7 +447,8 @@ def _simulate(
         adapter.attach(nd.node_id, nd.pool)
     adapter.start()
     tiers = Tiers(config.tiers, [nd.node_id for nd in nodes], bs) if config.tiers.active else None
-    run = _Run(nodes, adapter, config.latency, bs, tiers)
+    pd = pools(config.pd, [nd.node_id for nd in nodes])
+    run = _Run(nodes, adapter, config.latency, bs, tiers, config.pd.transfer_s if pd is not None else None)
     overhead: list[float] = []
     decisions: list[str] = []
     uses_index = policy.uses_index
@@ -430,12 +471,18 @@ def _simulate(
             candidates = tiers.candidates(node_loads, matches, req.hashes, adapter.match)
         else:
             candidates = candidates_from_matches(node_loads, matches)
-        decision = policy.choose(route, candidates)
+        decision, prefill = (policy.choose(route, candidates), None) if pd is None else \
+            place(pd, policy, route, candidates)
         overhead.append((time.perf_counter() - t0) * 1e6)
         if len(decisions) < keep_decisions:
-            decisions.append(f"{req.request_id}: {decision.why}")
-        puller = by_id.get(decision.pull.rpartition(":")[0]) if decision.pull else None  # "node-i:8000"
+            decisions.append(f"{req.request_id}: {decision.why}"
+                             + (f"; prefill: {prefill.why}" if prefill is not None else ""))
+        if pd is not None:
+            run.pd["remote_prefills" if prefill is not None else "skipped_prefills"] += 1
+        first = prefill or decision
+        puller = by_id.get(first.pull.rpartition(":")[0]) if first.pull else None  # "node-i:8000"
         peer = puller.idx if puller is not None else -1
-        run.enqueue(by_key[decision.key], req, decision.matched_blocks, now, peer)
+        stage = by_key[decision.key].idx if prefill is not None else WHOLE
+        run.enqueue(by_key[first.key], req, first.matched_blocks, now, peer, stage)
     now = run.finish_until(math.inf, now)
     return run.result(policy.name, total, now, overhead, decisions)

@@ -50,6 +50,7 @@ def summarize(r: PolicyResult) -> dict[str, Any]:
         "overhead_us_p99": round(percentile(r.overhead_us, 99), 2),
         "sample_decisions": r.sample_decisions,
         **{f"hit_tokens_{where}": n for where, n in r.tier_hit_tokens.items()},
+        **r.pd,
     }
 
 
@@ -97,10 +98,21 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+_PD_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("remote_prefills", "remote prefills", "{:,}"),
+    ("skipped_prefills", "skipped remote prefills", "{:,}"),
+    ("transferred_blocks", "blocks moved P->D", "{:,}"),
+)
+"""Added after the prefill tokens in a P/D run (``--prefill-nodes``)."""
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """A fixed-width text table (also valid Markdown); with several seeds, means and the hit range."""
-    cells = [[fmt.format(row[key]) for key, _, fmt in _COLUMNS] for row in rows]
-    heads = [head for _, head, _ in _COLUMNS]
+    columns = list(_COLUMNS)
+    if rows and "remote_prefills" in rows[0]:
+        columns[3:3] = _PD_COLUMNS
+    cells = [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
+    heads = [head for _, head, _ in columns]
     if rows and len(rows[0].get("seeds", ())) > 1:
         heads[1] = f"hit rate (mean of {len(rows[0]['seeds'])} seeds)"
         heads.insert(2, "hit min-max")

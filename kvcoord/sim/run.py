@@ -13,11 +13,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvcoord.gateway.disagg import DEFAULT_MAX_LOCAL_PREFILL
 from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.index import open_index
 from kvcoord.index.base import Index
 from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
 from kvcoord.sim.cluster import ClusterConfig, SimBackend, simulate
+from kvcoord.sim.disagg import PdSimConfig, pools
 from kvcoord.sim.report import average_seeds, breakdown, check_plotting, plot, summarize, table
 from kvcoord.sim.tiers import TierConfig
 from kvcoord.sim.workload import SyntheticSpec, Workload, load_mooncake, synthetic
@@ -70,6 +72,9 @@ class SimulateConfig:
     pool_nodes: int = 0
     pool_load_us_per_block: float = 200.0
     pull_us_per_block: float | None = None
+    prefill_nodes: int = 0
+    kv_transfer_us_per_block: float = 100.0
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL
     seed: int = 0
     seeds: int = 1
     jobs: int = 1
@@ -171,7 +176,10 @@ def _cluster(args: SimulateConfig, workload: Workload) -> ClusterConfig:
                        pool_blocks=args.pool_blocks, pool_nodes=args.pool_nodes,
                        pool_load_s=args.pool_load_us_per_block / 1e6,
                        pull_s=None if args.pull_us_per_block is None else args.pull_us_per_block / 1e6)
-    return ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency, tiers=tiers)
+    pd = PdSimConfig(args.prefill_nodes, args.kv_transfer_us_per_block / 1e6, args.max_local_prefill_tokens)
+    pools(pd, [str(i) for i in range(args.nodes)])  # ValueError now, not after the workload's replay
+    return ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency, tiers=tiers,
+                         pd=pd)
 
 
 def _run_jobs(args: SimulateConfig, names: list[str], workload: Workload, profile: HashProfile,
@@ -219,6 +227,9 @@ def _report(args: SimulateConfig, workload: Workload, profile: HashProfile, conf
             "pool_nodes": args.pool_nodes or (config.nodes if args.pool_blocks else 0),
             "pool_load_us_per_block": args.pool_load_us_per_block,
             "pull_us_per_block": args.pull_us_per_block,
+            "prefill_nodes": args.prefill_nodes,
+            "kv_transfer_us_per_block": args.kv_transfer_us_per_block,
+            "max_local_prefill_tokens": args.max_local_prefill_tokens,
         },
         "seed": args.seed,
         "seeds": args.seeds,
@@ -249,7 +260,9 @@ def run_simulate(args: SimulateConfig) -> None:
     print(
         f"workload {workload.name}: {len(workload.requests)} requests over {workload.duration:.0f} s, "
         f"{sum(r.num_tokens for r in workload.requests):,} prompt tokens (built in {load_s:.1f} s); "
-        f"{config.nodes} nodes x {config.blocks_per_node} blocks of {profile.block_size}",
+        f"{config.nodes} nodes x {config.blocks_per_node} blocks of {profile.block_size}"
+        + (f" ({args.prefill_nodes} prefill, {config.nodes - args.prefill_nodes} decode)"
+           if config.pd.active else ""),
         file=sys.stderr,
     )
     runs = _run_jobs(args, names, workload, profile, config)

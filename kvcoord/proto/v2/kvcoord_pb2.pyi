@@ -312,6 +312,7 @@ class Hello(_message.Message):
     NO_KV_EVENTS_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
     POOL_PUBLISHER_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model: _builtins.str
     epoch: _builtins.int
@@ -330,6 +331,12 @@ class Hello(_message.Message):
     """Set: this publisher is a pool's storage daemon (Mooncake RFC#1527's backend_id), not a routable
     engine: its events feed the named pool and it never appears in lookup answers. Its node_id must be
     `pool:<name>`.
+    """
+    role: _builtins.str
+    """Disaggregated prefill and decode: the engine's role, as llm-d's `llm-d.ai/role` label names it:
+    prefill | decode | both; empty: none declared. `kvcoord route` and `kvcoord epp` without
+    --prefill-node/--decode-node take their pools from the roles ListNodes shows (docs/route.md). Any
+    other value refuses the stream (INVALID_ARGUMENT).
     """
     @_builtins.property
     def dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -357,10 +364,11 @@ class Hello(_message.Message):
         no_kv_events: _builtins.bool = ...,
         pools: _abc.Iterable[_builtins.str] | None = ...,
         pool_publisher: _builtins.str = ...,
+        role: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hash_profile", b"hash_profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_profile", b"hash_profile", "model", b"model", "next_seq", b"next_seq", "no_kv_events", b"no_kv_events", "node_id", b"node_id", "pool_publisher", b"pool_publisher", "pools", b"pools", "serving_url", b"serving_url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_profile", b"hash_profile", "model", b"model", "next_seq", b"next_seq", "no_kv_events", b"no_kv_events", "node_id", b"node_id", "pool_publisher", b"pool_publisher", "pools", b"pools", "role", b"role", "serving_url", b"serving_url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1238,6 +1246,7 @@ class NodeInfo(_message.Message):
     TRUST_CAUSE_FIELD_NUMBER: _builtins.int
     MODEL_PROFILE_FIELD_NUMBER: _builtins.int
     MODEL_PROFILE_SOURCE_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     model: _builtins.str
     state: _builtins.str
@@ -1261,6 +1270,8 @@ class NodeInfo(_message.Message):
     trust_cause: _builtins.str
     """degraded: hash_mismatch | history_lost; else empty"""
     model_profile_source: _builtins.str
+    role: _builtins.str
+    """the P/D role its Hello or /register declared (Hello.role)"""
     @_builtins.property
     def dp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -1294,10 +1305,11 @@ class NodeInfo(_message.Message):
         trust_cause: _builtins.str = ...,
         model_profile: Global___HashProfile | None = ...,
         model_profile_source: _builtins.str = ...,
+        role: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hash_profile", b"hash_profile", "load", b"load", "model_profile", b"model_profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "hash_mismatch_reason", b"hash_mismatch_reason", "hash_profile", b"hash_profile", "last_heartbeat_age_seconds", b"last_heartbeat_age_seconds", "last_seq", b"last_seq", "load", b"load", "model", b"model", "model_profile", b"model_profile", "model_profile_source", b"model_profile_source", "node_id", b"node_id", "replica", b"replica", "serving_url", b"serving_url", "state", b"state", "trust", b"trust", "trust_cause", b"trust_cause", "trust_reason", b"trust_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "epoch", b"epoch", "hash_mismatch", b"hash_mismatch", "hash_mismatch_reason", b"hash_mismatch_reason", "hash_profile", b"hash_profile", "last_heartbeat_age_seconds", b"last_heartbeat_age_seconds", "last_seq", b"last_seq", "load", b"load", "model", b"model", "model_profile", b"model_profile", "model_profile_source", b"model_profile_source", "node_id", b"node_id", "replica", b"replica", "role", b"role", "serving_url", b"serving_url", "state", b"state", "trust", b"trust", "trust_cause", b"trust_cause", "trust_reason", b"trust_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
