@@ -61,7 +61,7 @@ async def test_pools_from_the_roles_the_agents_declare(fleet: Fleet) -> None:
         with running(agent, log=fleet.tmp / "node-p-agent.log"), \
                 epp(fleet, "--max-local-prefill-tokens", "40", "--refresh-interval", "0.2",
                     name="epp-roles") as address:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120
             while True:  # until the node list names node-p's role
                 _, second = await buffered(address, chat(PROMPT_A + " and a long new question " * 20))
                 headers = set_headers(second.request_body.response)
