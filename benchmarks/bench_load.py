@@ -314,7 +314,7 @@ def run_phase(args: argparse.Namespace, side: bvd.Side, other: bvd.Side, request
             "p99_ms": bvd.pct(lat, 99) * 1e3, "max_ms": max(lat) * 1e3,
             "mean_ms": statistics.fmean(lat) * 1e3,
             "client_cpu_s": sum(r["cpu_s"] for r in res),
-            "other_side_cpu_s": cpu[other.name][1] - cpu[other.name][0],
+            "other_side_cpu_s": cpu[other.name][1] - cpu[other.name][0], "other_side": other.name,
             "bench_process_cpu_s": cpu["bench"][1] - cpu["bench"][0], "loadavg_1m": load,
             "ingested_events": cpu["fed"][1] - cpu["fed"][0],
             "lat": lat, "idx": idx, "first": [r["first"] for r in res],
@@ -529,7 +529,7 @@ def report(out: dict[str, Any]) -> None:
     if a["ingest_during"]:
         print("ingest during the windows: " + "; ".join(
             f"r{p['round'] + 1} {p['side']} window {p['ingested_events']:,} block events, "
-            f"{DYN if p['side'] == KV else KV} (not queried) {p['other_side_cpu_s']:.2f} s CPU = "
+            f"{p['other_side']} (not queried) {p['other_side_cpu_s']:.2f} s CPU = "
             f"{p['other_side_cpu_s'] / max(1, p['ingested_events']) * 1e6:.1f} µs per event"
             for p in out["phases"]))
     ing = out["ingest"]

@@ -9,7 +9,8 @@ node registry, fed over its stdin pipe with what the main process changed, in or
   methods on the same ops, so the index's semantics exist once);
 - the node records lookups read (the registry's change log, :data:`~kvcoord.coordinator.registry.CHANGES`,
   names the nodes changed since the last frame), every node's last heartbeat at each tick, the shared
-  pools' reach and the registered engines' partitions.
+  pools' reach and the registered engines' partitions (at ticks, and with a change not of one node's
+  record, as a registration is).
 
 A worker starts from a snapshot (the whole index, every record), applies frames whose number follows its
 own, exits on a gap (and is restarted, from a snapshot), and answers 503 (never a stale answer) when
@@ -172,8 +173,12 @@ class LookupWorkers:
     # --- frames ------------------------------------------------------------------------------
     def _schedule(self) -> None:
         if not self._flush_due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a write outside serve's): the next tick sends it
+                return
             self._flush_due = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            loop.call_soon(self.flush)
 
     def _records(self, full: bool) -> tuple[bool, dict[str, Any]]:
         """The node records changed since the last frame (None: gone), or all of them (``full``)."""
@@ -201,7 +206,8 @@ class LookupWorkers:
         full, records = self._records(False)
         heard = {rec.node_id: rec.last_heard for rec in self.state.registry} if tick else None
         self.seq += 1
-        data = frame(("delta", self.seq, calls, full, records, heard, self._extra()))
+        extra = self._extra() if tick or full else None  # a registration bumps CHANGES without a node
+        data = frame(("delta", self.seq, calls, full, records, heard, extra))
         for w in self.workers:
             if w.synced and w.proc is not None and w.proc.stdin is not None:
                 transport = w.proc.stdin.transport
