@@ -217,6 +217,10 @@ async def run() -> int:
     if FastAnswers.available(worker.api):
         worker.api.fast = FastAnswers(worker.api)
     ssl_context = server_ssl_context(config.tls) if config.tls.enabled else None
+    while worker.seq < 0:  # current before it listens: the kernel sends it no connection before
+        message = await _read(reader)
+        if message is None or not worker.apply(message):
+            return 3
     await http.start(host, port, ssl_context, reuse_port=True)
     tasks = [loop.create_task(_feed(worker, reader)), loop.create_task(_watch(worker)),
              loop.create_task(stop.wait())]
