@@ -25,6 +25,9 @@ services, in one run, on the same data (issue 15 item 5).
 - ``--ingest-during``: a second workload (another seed: disjoint blocks, so the answers stay checkable)
   is published at ``--ingest-rate`` block events/s over all engines during every phase; both services
   ingest it, so the server CPU of the side under load includes its ingest.
+- ``--lookup-workers 1,2``: one ``kvcoord serve`` per value (``--lookup-workers N``; 0: none), all
+  ingesting the same engines, each a side of its own in every round (``kvcoord`` is the first); the
+  report adds each one's lookups/s against the first's and against Dynamo's.
 - Answers: the first answer each client process gets for each prompt is parsed after the phase; its best
   (instance, tokens) must equal the engines' own pools (the truth), or the run fails.
 
@@ -311,7 +314,7 @@ def run_phase(args: argparse.Namespace, side: bvd.Side, other: bvd.Side, request
             "p99_ms": bvd.pct(lat, 99) * 1e3, "max_ms": max(lat) * 1e3,
             "mean_ms": statistics.fmean(lat) * 1e3,
             "client_cpu_s": sum(r["cpu_s"] for r in res),
-            "other_side_cpu_s": cpu[other.name][1] - cpu[other.name][0],
+            "other_side_cpu_s": cpu[other.name][1] - cpu[other.name][0], "other_side": other.name,
             "bench_process_cpu_s": cpu["bench"][1] - cpu["bench"][0], "loadavg_1m": load,
             "ingested_events": cpu["fed"][1] - cpu["fed"][0],
             "lat": lat, "idx": idx, "first": [r["first"] for r in res],
@@ -399,18 +402,24 @@ def main(args: argparse.Namespace) -> int:
             addrs.append((ep, rep))
         kv, dyn, _gport = stack.enter_context(bvd.services(args))
         sides = {KV: kv, DYN: dyn}
+        for n in args.workers[1:]:
+            sides[f"{KV} w{n}"] = stack.enter_context(bvd.kv_service(args, n, f"{KV} w{n}"))
         for s in sides.values():
             bvd.register(s, addrs)
         out["ingest"] = ingest(args, pubs, payloads, list(sides.values()), wl)
         reqs, kinds, truths = make_requests(args, prompts, wl.cached, profile, rng,
                                             {k: s.http_port for k, s in sides.items()})
         out["kinds"] = {k: kinds.count(k) for k in ("tokens", "hashes")}
+        for name in sides:
+            reqs.setdefault(name, reqs[KV])  # the same bytes (a Host header naming another port is ignored)
         feeder = Feeder(pubs, *feed, args.ingest_rate) if feed else None
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-load-")))
         phases, bad = [], []
+        names = [KV, *(n for n in sides if n not in (KV, DYN)), DYN]
         for r in range(args.rounds):
-            for name in (KV, DYN) if r % 2 == 0 else (DYN, KV):
-                other = sides[DYN if name == KV else KV]
+            order = names[r % len(names):] + names[:r % len(names)]  # two sides: ABBA
+            for i, name in enumerate(order):
+                other = sides[order[i - 1]]
                 ph = run_phase(args, sides[name], other, reqs[name], tmp, feeder)
                 bad += check_answers(ph, truths)
                 ph["round"] = r
@@ -427,7 +436,7 @@ def main(args: argparse.Namespace) -> int:
         for k in ("lat", "idx", "first", "errors"):
             ph.pop(k)
     out["phases"], out["mismatches"], out["loadavg_end"] = phases, bad, os.getloadavg()
-    out["summary"] = summarise(phases)
+    out["summary"] = summarise(phases, names)
     report(out)
     if args.json:
         Path(args.json).write_text(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
@@ -442,10 +451,10 @@ FIGURES = ("lookups_per_s", "server_cpu_s", "server_cores", "per_core", "server_
            "server_sys_share")
 
 
-def summarise(phases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def summarise(phases: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, float]]:
     """Per side, the median over rounds of each figure; then kvcoord / Dynamo."""
     med = {s: {f: statistics.median(p[f] for p in phases if p["side"] == s) for f in FIGURES}
-           for s in (KV, DYN)}
+           for s in names}
     med["ratio"] = {f: med[KV][f] / med[DYN][f] if med[DYN][f] else float("nan") for f in FIGURES}
     return med
 
@@ -482,13 +491,20 @@ def report(out: dict[str, Any]) -> None:
     print("\n| median over rounds | lookups/s | server CPU (s) | server cores | lookups/s per server core "
           "| server CPU / lookup (µs) | p50 (ms) | p90 (ms) | p99 (ms) | max (ms) | client CPU (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for s in (KV, DYN, "ratio"):
+    sides = [s for s in sm if s != "ratio"]
+    for s in (*sides, "ratio"):
         m = sm[s]
-        label = "kvcoord / Dynamo" if s == "ratio" else s
+        label = ("kvcoord / Dynamo" if s == "ratio" else f"{s} (Dynamo --threads {a['threads']})" if s == DYN
+                 else f"{s} ({a['workers'][0]} lookup workers)" if s == KV else s)
         print(f"| {label} | {m['lookups_per_s']:,.{2 if s == 'ratio' else 0}f} | {m['server_cpu_s']:.2f} "
               f"| {m['server_cores']:.2f} | {m['per_core']:,.{2 if s == 'ratio' else 0}f} "
               f"| {m['server_cpu_per_lookup_us']:,.{2 if s == 'ratio' else 0}f} | {m['p50_ms']:.2f} "
               f"| {m['p90_ms']:.2f} | {m['p99_ms']:.2f} | {m['max_ms']:.2f} | {m['client_cpu_s']:.2f} |")
+    for s in sides[1:-1]:
+        lps = sm[s]["lookups_per_s"]
+        x, d = lps / sm[KV]["lookups_per_s"], lps / sm[DYN]["lookups_per_s"]
+        print(f"\n{s}: {x:.2f}x the lookups/s of {KV} ({a['workers'][0]} lookup workers), {d:.2f}x Dynamo's "
+              f"--threads {a['threads']} (target with 2 workers against 1: >= 1.6x)")
     r = sm["ratio"]
     met = r["per_core"] >= 1 and r["p99_ms"] <= 2
     print(f"\ntarget (kvcoord lookups/s per core >= Dynamo's, p99 <= 2x Dynamo's): per core "
@@ -513,7 +529,7 @@ def report(out: dict[str, Any]) -> None:
     if a["ingest_during"]:
         print("ingest during the windows: " + "; ".join(
             f"r{p['round'] + 1} {p['side']} window {p['ingested_events']:,} block events, "
-            f"{DYN if p['side'] == KV else KV} (not queried) {p['other_side_cpu_s']:.2f} s CPU = "
+            f"{p['other_side']} (not queried) {p['other_side_cpu_s']:.2f} s CPU = "
             f"{p['other_side_cpu_s'] / max(1, p['ingested_events']) * 1e6:.1f} µs per event"
             for p in out["phases"]))
     ing = out["ingest"]
@@ -548,6 +564,8 @@ if __name__ == "__main__":
     ap.add_argument("--max-blocks", type=int, default=512, help="largest prompt, blocks (default 512)")
     ap.add_argument("--hash-share", type=float, default=0.0, help="share of /query_by_hash (default 0)")
     ap.add_argument("--threads", type=int, default=4, help="Dynamo indexer --threads (default 4)")
+    ap.add_argument("--lookup-workers", default="0", metavar="N[,N...]",
+                    help="kvcoord serve --lookup-workers, one kvcoord side per value (default 0)")
     ap.add_argument("--ingest-during", action="store_true", help="keep publishing during the lookups")
     ap.add_argument("--ingest-rate", type=float, default=10_000, help="block events/s then (default 10000)")
     ap.add_argument("--ingest-events", type=int, default=0,
@@ -560,6 +578,12 @@ if __name__ == "__main__":
     ns = ap.parse_args()
     if ns.ingest_events <= 0:
         ns.ingest_events = int(ns.ingest_rate * 2 * ns.rounds * (ns.seconds + ns.warmup + 1.5) * 1.2) + 10_000
+    try:
+        ns.workers = [int(n) for n in ns.lookup_workers.split(",")]
+    except ValueError:
+        ap.error("--lookup-workers: comma-separated integers")
+    if len(set(ns.workers)) != len(ns.workers) or min(ns.workers) < 0:
+        ap.error("--lookup-workers: distinct integers >= 0")
     if not 1 <= ns.client_procs <= ns.clients:
         ap.error("--client-procs must be between 1 and --clients")
     try:

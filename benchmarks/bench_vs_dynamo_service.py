@@ -422,16 +422,40 @@ def start_agents(stack: contextlib.ExitStack, args: argparse.Namespace, gport: i
     return tuple(pids)
 
 
+def kv_serve_cmd(args: argparse.Namespace, gport: int, kport: int, workers: int) -> list[str]:
+    """``kvcoord serve`` as benchmarked (``workers``: its ``--lookup-workers``)."""
+    from tests.procs import kvcoord_cmd
+
+    return kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--http-listen", f"127.0.0.1:{kport}",
+                       "--metrics-listen", "", "--index", "memory",
+                       "--model", f"{MODEL},algo={args.algo},block_size={BLOCK},seed=42",
+                       *(("--lookup-workers", str(workers)) if workers else ()))
+
+
+@contextlib.contextmanager
+def kv_service(args: argparse.Namespace, workers: int, name: str) -> Iterator[Side]:
+    """One more ``kvcoord serve`` (``--lookup-workers workers``), as side ``name``."""
+    from tests.procs import free_port, running, wait_for_port
+
+    gport, kport = free_port(), free_port()
+    log = LOG_DIR / f"kvcoord-bench-serve-{name.replace(' ', '-')}.log"
+    with running(kv_serve_cmd(args, gport, kport, workers), log=log) as kv:
+        for port in (kport, gport):
+            try:
+                wait_for_port(port, timeout=60)
+            except TimeoutError:
+                raise SystemExit(f"kvcoord serve did not start (exit {kv.poll()}); see {log}") from None
+        yield Side(name, kv.pid, kport, log)
+
+
 @contextlib.contextmanager
 def services(args: argparse.Namespace) -> Iterator[tuple[Side, Side, int]]:
-    from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+    from tests.procs import free_port, running, wait_for_port
 
     gport, kport, dport = free_port(), free_port(), free_port()
     kv_log = LOG_DIR / "kvcoord-bench-vs-dynamo-serve.log"
     dyn_log = LOG_DIR / "kvcoord-bench-vs-dynamo-indexer.log"
-    kv_cmd = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--http-listen", f"127.0.0.1:{kport}",
-                         "--metrics-listen", "", "--index", "memory",
-                         "--model", f"{MODEL},algo={args.algo},block_size={BLOCK},seed=42")
+    kv_cmd = kv_serve_cmd(args, gport, kport, getattr(args, "workers", [0])[0])
     if args.profile_kvcoord:
         kv_cmd = [kv_cmd[0], "-m", "cProfile", "-o", args.profile_kvcoord, *kv_cmd[1:]]
     dyn_cmd = [sys.executable, "-m", "dynamo.indexer", "--port", str(dport), "--threads", str(args.threads)]

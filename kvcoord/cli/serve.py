@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from typing import TYPE_CHECKING
 
-from kvcoord.cli.common import POSITIVE_FLOAT, POSITIVE_INT, Subparsers, use_uvloop
+from kvcoord.cli.common import NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT, Subparsers, use_uvloop
 
 if TYPE_CHECKING:
     from kvcoord.coordinator.config import CoordinatorConfig
@@ -28,6 +28,9 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="with the memory index, keep engines registered over HTTP (POST /register) in "
                         "DIR/engines.json across restarts (default: not kept; Redis keeps them itself)")
+    p.add_argument("--lookup-workers", type=NONNEG_INT, default=None, metavar="N",
+                   help="memory index: N worker processes answer HTTP lookups on --http-listen "
+                        "(SO_REUSEPORT), fed by this one, which keeps ingest (default 0: it answers them)")
     p.add_argument("--strict-models", action="store_const", const=True, default=None,
                    help="refuse models that are not configured")
     p.add_argument("--model", action="append", default=None,
@@ -79,6 +82,7 @@ CONFIG_FLAGS = (
     "lookup_deadline",
     "state_dir",
     "strict_models",
+    "lookup_workers",
     "max_message_bytes",
     "max_events_per_batch",
     "max_query_blocks",

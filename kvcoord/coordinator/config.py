@@ -45,6 +45,7 @@ lookup_deadline = 0.5               # seconds a lookup waits for the index; then
 state_dir = "/var/lib/kvcoord"      # memory index: engines registered over HTTP survive a restart
                                     # (kept in engines.json there); "" (default): forgotten at exit
 strict_models = false               # true: only the models below may ingest or be queried
+lookup_workers = 0                  # memory index: N more processes answer HTTP lookups on http_listen
 
 [tier_weights]                      # orders lookup answers: sum of per-tier matched blocks x weight
 GPU = 1.0
@@ -116,6 +117,7 @@ ENV_VARS: dict[str, str] = {
     "KVCOORD_LOOKUP_DEADLINE": "lookup_deadline",
     "KVCOORD_STATE_DIR": "state_dir",
     "KVCOORD_STRICT_MODELS": "strict_models",
+    "KVCOORD_LOOKUP_WORKERS": "lookup_workers",
     "KVCOORD_MAX_MESSAGE_BYTES": "max_message_bytes",
     "KVCOORD_MAX_EVENTS_PER_BATCH": "max_events_per_batch",
     "KVCOORD_MAX_QUERY_BLOCKS": "max_query_blocks",
@@ -203,6 +205,9 @@ class CoordinatorConfig:
     """With the memory index, where registrations (``POST /register``) are kept across restarts ("" none;
     the Redis index keeps them in Redis)."""
     strict_models: bool = False
+    lookup_workers: int = 0
+    """Processes that answer the HTTP lookups on ``http_listen`` (memory index), fed by this one
+    (:mod:`kvcoord.coordinator.workers`); 0: this process answers them."""
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
     tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS
     media: Mapping[str, Tier] = field(default_factory=dict)
@@ -358,6 +363,8 @@ def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> 
         values[key] = as_float(where, raw)
     elif key == "strict_models":
         values[key] = as_bool(where, raw)
+    elif key == "lookup_workers":
+        values[key] = as_int(where, raw, minimum=0)
     else:  # pragma: no cover - guarded by the callers' key lists
         raise ConfigError(f"{where}: unknown key")
 
@@ -373,6 +380,7 @@ _TOP_SCALARS = {
     "state_dir",
     "strict_models",
     "stats_interval",
+    "lookup_workers",
 }
 _TOP_TABLES = {"tier_weights", "media", "pools", "limits", "verify", "tls", "auth", "models"}
 _LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}
@@ -471,6 +479,12 @@ class _Settings:
             raise ConfigError("tls: client_ca (mutual TLS) needs cert and key")
         if self.values.get("strict_models") and not self.models:
             raise ConfigError("strict_models is set but no [models] are configured")
+        if self.values.get("lookup_workers"):
+            if parse_index_uri(self.values.get("index", "memory")).redis is not None:
+                raise ConfigError("lookup_workers needs the memory index (with Redis, run replicas with "
+                                  "?mirror=1 instead)")
+            if not self.values.get("http_listen", "127.0.0.1:8090"):
+                raise ConfigError("lookup_workers needs http_listen (the workers serve the HTTP API)")
         weights = self.weights
         return CoordinatorConfig(
             **self.values,

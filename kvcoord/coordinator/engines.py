@@ -414,6 +414,13 @@ class Engines:
         """The block size registrations of ``model`` declared (as of the last sync)."""
         return next((e.block_size for e in self._known.values() if e.model == model), None)
 
+    def partitions(self) -> dict[str, int]:
+        """Every registered partition and its block size (the first registration's, as :meth:`block_size`)."""
+        out: dict[str, int] = {}
+        for e in self._known.values():
+            out.setdefault(e.model, e.block_size)
+        return out
+
     def has_model(self, model: str) -> bool:
         return any(e.model == model for e in self._known.values())
 

@@ -490,10 +490,13 @@ class HttpServer:
                 return refused
         return handler(req)
 
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, *,
+                    reuse_port: bool = False) -> int:
+        """Listen (with ``reuse_port``: beside other processes on the same port, ``SO_REUSEPORT``)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host or None, port,
-                                                ssl=ssl_context, reuse_address=True, backlog=1024)
+                                                ssl=ssl_context, reuse_address=True, backlog=1024,
+                                                reuse_port=reuse_port or None)
         sock = self._server.sockets[0]
         self.port = int(sock.getsockname()[1])
         return self.port

@@ -201,6 +201,11 @@ class Pools:
         self.reach.pop(node_id, None)
         self._reached.clear()
 
+    def load(self, reach: Mapping[str, frozenset[str]], publishers: Mapping[str, str]) -> None:
+        """Hold another process's reach and publishers (a lookup worker's copy of the main process's)."""
+        self.reach, self.publishers = dict(reach), dict(publishers)
+        self._reached.clear()
+
     def publisher_keys(self) -> set[NodeKey]:
         """The publishers' index locations: added to a lookup's candidates, so pools expand for them too."""
         return {(node_id, 0) for node_id in self.publishers}

@@ -364,6 +364,11 @@ class NodeRegistry:
         rec.draining = draining
         return True
 
+    def put(self, rec: NodeRecord) -> None:
+        """Hold ``rec`` as its node's record (a lookup worker's copy of the main process's)."""
+        self._nodes[rec.node_id] = rec
+        CHANGES.bump(rec.node_id)
+
     def remove(self, node_id: str) -> NodeRecord | None:
         """Forget the node entirely (its stream, if any, is refused on its next message)."""
         rec = self._nodes.pop(node_id, None)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from types import TracebackType
@@ -32,6 +33,7 @@ from kvcoord.coordinator.reclaim import limit_arenas
 from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials, server_ssl_context
+from kvcoord.coordinator.workers import FeedIndex, LookupWorkers, reserve_port
 from kvcoord.index import Index, open_index, parse_index_uri
 from kvcoord.index.base import ping
 from kvcoord.media import configure_media
@@ -72,6 +74,11 @@ class CoordinatorServer:
         self._health: health.aio.HealthServicer | None = None
         self._servicer: CoordinatorServicer | None = None
         self._stopped = asyncio.Event()
+        self.workers: LookupWorkers | None = None
+        """``lookup_workers`` processes answering the HTTP lookups (:mod:`kvcoord.coordinator.workers`)."""
+        self.main_http_port: int | None = None
+        """With workers: this process's own HTTP listener (loopback), where they forward other routes."""
+        self._held_port: socket.socket | None = None
 
     @property
     def address(self) -> str:
@@ -83,7 +90,11 @@ class CoordinatorServer:
         cfg = self.config
         configure_media(cfg.media)  # this process's decoders (the relays of /register'ed engines) map so
         spec = parse_index_uri(cfg.index, key_prefix=cfg.index_key_prefix)  # checked when cfg was read
+        if self._index is None and cfg.lookup_workers:
+            self._index = FeedIndex()  # config checked: memory
         index = self._index if self._index is not None else open_index(spec)
+        if cfg.lookup_workers and not isinstance(index, FeedIndex):
+            raise ListenError("lookup_workers needs the coordinator's own memory index")
         self._index = index
         directory = open_directory(index)
         metrics = Metrics()
@@ -180,11 +191,21 @@ class CoordinatorServer:
             api.fast = FastAnswers(api)
         host, port = split_hostport(cfg.http_listen)
         try:
-            ssl_context = server_ssl_context(cfg.tls) if cfg.tls.enabled else None
-            self.http_port = await http.start(host, port, ssl_context)
+            if cfg.lookup_workers:  # the port is the workers'; this process answers them on loopback
+                self._held_port = reserve_port(host, port)
+                self.http_port = int(self._held_port.getsockname()[1])
+                self.main_http_port = await http.start("127.0.0.1", 0)
+            else:
+                ssl_context = server_ssl_context(cfg.tls) if cfg.tls.enabled else None
+                self.http_port = await http.start(host, port, ssl_context)
         except OSError as exc:
             await self.stop()
             raise ListenError(f"cannot listen on {cfg.http_listen}: {exc.strerror or exc}") from None
+        if cfg.lookup_workers and self.main_http_port is not None:
+            assert isinstance(self._index, FeedIndex)
+            self.workers = LookupWorkers(state, self._index, self.engines, cfg.lookup_workers, host,
+                                         self.http_port, self.main_http_port)
+            await self.workers.start()
 
     async def stop(self, grace: float = 0.5) -> None:
         """Stop serving within ``grace`` plus a little.
@@ -199,6 +220,10 @@ class CoordinatorServer:
         if self._health is not None:
             with contextlib.suppress(Exception):
                 await self._health.enter_graceful_shutdown()
+        if self.workers is not None:
+            await self.workers.stop()
+        if self._held_port is not None:
+            self._held_port.close()
         if self._http is not None:
             await self._http.stop(grace=min(grace, 0.5))
         if self.engines is not None:
@@ -261,6 +286,9 @@ async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None 
     http = "http off"
     if server.http_port:
         http = f"http {split_hostport(config.http_listen)[0]}:{server.http_port}"
+        if server.workers is not None:
+            http += (f" ({config.lookup_workers} lookup workers, pids "
+                     f"{','.join(map(str, server.workers.pids()))}; main 127.0.0.1:{server.main_http_port})")
     print(
         f"kvcoord serve: grpc {server.address} ({security}), {http}, metrics {metrics}, "
         f"index {server.state.index.backend}, models: {', '.join(sorted(config.models)) or 'any'}, "

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 import asyncio
 import contextlib
 import sys
+from array import array
 from collections.abc import Collection, Sequence
 from typing import Literal, cast
 
@@ -67,7 +68,11 @@ from kvcoord.index.table import Core, NativeTable, PyTable, apply_ops, table_typ
 from kvcoord.native import native
 from kvcoord.validate import REMOVE, STORE, Op
 
-__all__ = ["HAVE_C_CORE", "Core", "MemoryIndex"]
+__all__ = ["HAVE_C_CORE", "Core", "IndexImage", "MemoryIndex"]
+
+IndexImage = tuple[list[tuple[str, int, tuple["array[int]", ...]]], dict[NodeKey, set[int]]]
+"""One model of :meth:`MemoryIndex.export_all_sync`: ``(node_id, dp_rank, blocks per tier)`` of each bound
+location, and the groups whose removals are skipped, per location."""
 
 HAVE_C_CORE = native is not None
 """Whether the C core is in use (built, and not off by ``KVCOORD_NATIVE=0``): ``MemoryIndex(core="auto")``
@@ -170,6 +175,36 @@ class MemoryIndex:
         mi.bind(slot, key)
         if mi.dead:
             self._pending.add(model)
+
+    def export_all_sync(self) -> dict[str, IndexImage]:
+        """Every model's bound locations with their blocks per tier (``columns``), and the groups whose
+        removals are skipped: what :meth:`load_all_sync` makes another index hold (the lookup workers'
+        snapshot, ``kvcoord.coordinator.workers``). O(locations x blocks of the model)."""
+        out: dict[str, IndexImage] = {}
+        for name, mi in self._models.items():
+            rows = [(node_id, rank, tuple(array("Q", col) for col in mi.columns(slot)))
+                    for (node_id, rank), slot in mi.slot_of.items()]
+            out[name] = (rows, {k: set(v) for k, v in mi.skip_groups.items()})
+        return out
+
+    def load_all_sync(self, image: dict[str, IndexImage]) -> None:
+        """Hold exactly ``image`` (from :meth:`export_all_sync`): every location not in it is cleared,
+        every one in it replaced (each swap is atomic for readers, as :meth:`replace_node_sync`)."""
+        for name, mi in self._models.items():
+            keep = {(n, r) for n, r, _ in image.get(name, ((), {}))[0]}
+            for key in [k for k in mi.slot_of if k not in keep]:
+                mi.retire(mi.slot_of[key])
+            if mi.dead:
+                self._pending.add(name)
+        for name, (rows, skip) in image.items():
+            for node_id, rank, columns in rows:
+                hashes = [h for col in columns for h in col]
+                tiers = b"".join(bytes([t]) * len(col) for t, col in enumerate(columns))
+                self.replace_node_sync(name, node_id, rank, cast("list[BlockHash64]", hashes), tiers)
+            table = self._models.get(name)
+            if table is not None:
+                table.skip_groups = {k: set(v) for k, v in skip.items()}
+        self._kick()
 
     # ------------------------------------------------------------------ reclamation
 
