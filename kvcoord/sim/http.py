@@ -37,7 +37,7 @@ from kvcoord.sim.pull import PEER_PATH, PeerPuller, peer_handler
 from kvcoord.transport import ListenError, split_hostport
 
 if TYPE_CHECKING:
-    from kvcoord.agent.pool import Admission
+    from kvcoord.agent.requests import Admission
     from kvcoord.sim.engine import SimEngine
 
 log = logging.getLogger(__name__)
