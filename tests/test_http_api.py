@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvcoord.agent.fleet import Fleet
 from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.engine_relays import Fleet
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEventBatch

@@ -44,8 +44,8 @@ import msgspec
 import pytest
 import xxhash
 
-from kvcoord.agent.fleet import Fleet
 from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.engine_relays import Fleet
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch

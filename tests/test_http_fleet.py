@@ -128,10 +128,10 @@ async def test_in_process_feed_keeps_the_index_equal_to_the_pool() -> None:
     """``kvcoord serve`` relays a registered engine through its in-process feed (no gRPC): the index holds
     exactly the engine's pool, every event is counted as the engine published it (1-block removals merged
     into one op each run still count one each), and a resync request is answered with a snapshot."""
-    from kvcoord.agent.fleet import Fleet
     from kvcoord.agent.kv_cache_manager import KVCacheManager
     from kvcoord.agent.pool import BlockPool
     from kvcoord.coordinator.config import load_config
+    from kvcoord.coordinator.engine_relays import Fleet
     from kvcoord.coordinator.server import CoordinatorServer
 
     overrides: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "127.0.0.1:0",
@@ -211,8 +211,8 @@ async def test_in_process_feed_replaces_an_overflowing_queue_with_a_snapshot() -
     """Batches that pile up while the index stalls are bounded as a reporter's: past
     ``max_unacked_batches`` the queue is dropped and the mirror's snapshot replaces it, exactly."""
     from kvcoord.agent.link import ReporterOptions
-    from kvcoord.agent.local import LocalFeed
     from kvcoord.coordinator.config import load_config
+    from kvcoord.coordinator.engine_feed import LocalFeed
     from kvcoord.coordinator.server import CoordinatorServer
     from kvcoord.engine.relay import BlockMirror
     from kvcoord.events import BlockRemoved

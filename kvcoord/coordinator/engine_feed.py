@@ -32,7 +32,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import Op, known_runs
 from kvcoord.wire import Sample, TokenSampler, as_received, load_to_proto
 
-log = logging.getLogger("kvcoord.agent.local")
+log = logging.getLogger("kvcoord.coordinator.engine_feed")
 
 __all__ = ["LocalFeed"]
 
