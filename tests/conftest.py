@@ -9,7 +9,7 @@ from types import FrameType
 
 import pytest
 
-from kvcoord.index import Index
+from kvcoord.index.base import Index
 from kvcoord.index.memory import MemoryIndex
 from tests.redis_servers import (
     RedisServer,

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 
-from kvcoord.index import Index
+from kvcoord.index.base import Index
 from tests.procs import free_port, spawn, stop, wait_for_port
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"
@@ -378,7 +378,7 @@ def redis_index_factory(fixture: str, query: str = "") -> Callable[[pytest.Fixtu
     (``query``: URI options, e.g. ``?mirror=1``)."""
 
     async def make(request: pytest.FixtureRequest) -> Index:
-        from kvcoord.index.redis import RedisIndex
+        from kvcoord.index.redis.index import RedisIndex
 
         target: RedisServer | RedisCluster | RedisSentinel = request.getfixturevalue(fixture)
         target.flushall()

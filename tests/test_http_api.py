@@ -25,7 +25,7 @@ from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
-from kvcoord.index import Index
+from kvcoord.index.base import Index
 from kvcoord.router.client import AsyncCoordinatorClient
 from tests.procs import free_port, kvcoord_cmd
 from tests.tokenizers import build_tokenizer

@@ -214,7 +214,7 @@ async def test_in_process_feed_replaces_an_overflowing_queue_with_a_snapshot() -
     from kvcoord.coordinator.config import load_config
     from kvcoord.coordinator.engine_feed import LocalFeed
     from kvcoord.coordinator.server import CoordinatorServer
-    from kvcoord.engine.relay import BlockMirror
+    from kvcoord.engine.mirror import BlockMirror
     from kvcoord.events import BlockRemoved
     from kvcoord.validate import op_runs
 

@@ -26,12 +26,11 @@ from kvcoord.agent.kv_cache_manager import KVCacheManager
 from kvcoord.agent.pool import BlockPool
 from kvcoord.agent.requests import Admission
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcoord.extra_keys import MultiModalItem, RequestKeys
 from kvcoord.hashing import (
     BlockDigest,
     BlockHash64,
     HashProfile,
-    MultiModalItem,
-    RequestKeys,
     block_hashes64,
     hash_request_tokens,
     to_block_hash64,

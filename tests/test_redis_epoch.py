@@ -21,7 +21,7 @@ import redis
 from kvcoord.events import BlockStored
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import IndexReset, NodeMatch
-from kvcoord.index.redis import RedisIndex
+from kvcoord.index.redis.index import RedisIndex
 from kvcoord.validate import ops_of, snapshot_columns
 from tests.redis_servers import RedisCluster, RedisServer, start_server, stop_server
 

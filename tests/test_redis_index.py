@@ -18,10 +18,11 @@ import redis
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index import open_index
-from kvcoord.index.base import IndexReset, InvalidEvent
+from kvcoord.index.base import IndexReset
 from kvcoord.index.memory import MemoryIndex
-from kvcoord.index.redis import IndexUnavailable, RedisIndex
-from kvcoord.validate import ops_of, snapshot_columns
+from kvcoord.index.redis.client import IndexUnavailable
+from kvcoord.index.redis.index import RedisIndex
+from kvcoord.validate import InvalidEvent, ops_of, snapshot_columns
 from tests.redis_servers import RedisCluster, RedisServer
 
 M = "m"
@@ -84,7 +85,7 @@ async def test_one_spec_opens_the_index_the_directory_and_the_engine_store(redis
     from kvcoord.coordinator.engine_store import open_engine_store
     from kvcoord.coordinator.engines import Engine, Listener
     from kvcoord.coordinator.shared import SharedNode, open_directory
-    from kvcoord.index import parse_index_uri
+    from kvcoord.index.uri import parse_index_uri
 
     redis_server.flushall()
     spec = parse_index_uri(redis_server.url + "?prefix=one", key_prefix="configured")

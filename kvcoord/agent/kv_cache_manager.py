@@ -14,7 +14,8 @@ from kvcoord.agent.blocks import PoolExhausted
 from kvcoord.agent.pool import BlockPool
 from kvcoord.agent.requests import Admission, RunningRequest, checked_tokens
 from kvcoord.events import ExtraKeys
-from kvcoord.hashing import RequestBlockHasher, RequestKeys, published_extra_keys, to_block_hash64
+from kvcoord.extra_keys import RequestKeys, published_extra_keys
+from kvcoord.hashing import RequestBlockHasher, to_block_hash64
 
 
 class KVCacheManager:

@@ -40,13 +40,13 @@ from kvcoord.events import (
     KVEvent,
     Tier,
 )
+from kvcoord.extra_keys import RequestKeys
 from kvcoord.hashing import (
     UINT64_MASK,
     BlockDigest,
     BlockHash64,
     HashProfile,
     RequestBlockHasher,
-    RequestKeys,
     to_block_hash64,
 )
 from kvcoord.media import normalize_medium

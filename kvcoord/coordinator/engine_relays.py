@@ -1,7 +1,7 @@
 """The agent, run by the coordinator for the engines registered with it (``POST /register``).
 
 Each registered instance gets what ``kvcoord agent`` gives an engine: one :class:`~kvcoord.engine.relay.Relay`
-per listener (DP rank), a shared :class:`~kvcoord.engine.relay.BlockMirror`, and, where an agent has its
+per listener (DP rank), a shared :class:`~kvcoord.engine.mirror.BlockMirror`, and, where an agent has its
 reporter, a :class:`~kvcoord.coordinator.engine_feed.LocalFeed` into this process's ingest session (no
 protobuf, no gRPC). A registered engine and an agent's engine are indexed by the same session code, down
 to the acks and snapshots.
@@ -21,7 +21,8 @@ from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engine_feed import LocalFeed
 from kvcoord.coordinator.engines import ACTIVE, CONNECTING, FAILED, UNREACHABLE, Engine
 from kvcoord.engine.grpc_relay import GrpcRelay
-from kvcoord.engine.relay import BlockMirror, Relay, RelayCore
+from kvcoord.engine.mirror import BlockMirror
+from kvcoord.engine.relay import Relay, RelayCore
 from kvcoord.hashing import SGLANG
 from kvcoord.load import NodeLoad
 

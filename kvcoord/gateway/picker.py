@@ -48,21 +48,11 @@ from .disagg import PdConfig, prefill_remote
 from .flow import NO_ENDPOINTS, SATURATED
 from .nodes import InFlight, NodeTable
 from .outage import Outages, is_outage
-from .requests import BadRequest, query_of_body
+from .requests import BadRequest
 from .reserve import DEFAULT_TTL, ReserveStream
 from .route_metrics import predicted_tokens
 
-__all__ = [
-    "Allowed",
-    "BadRequest",
-    "EndpointTable",
-    "Pick",
-    "PickFailed",
-    "Picker",
-    "PickerConfig",
-    "endpoint_of_url",
-    "query_of_body",
-]
+__all__ = ["Allowed", "EndpointTable", "Pick", "PickFailed", "Picker", "PickerConfig", "endpoint_of_url"]
 
 log = logging.getLogger("kvcoord.gateway.epp")
 

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvcoord.tokenize import Tokenizer
+from kvcoord.tokenize.base import Tokenizer
 from kvcoord.validate import MAX_JSON_DEPTH, json_too_deep
 
 __all__ = ["BadRequest", "NotAskable", "body_query", "json_object", "query_of_body", "tokenize"]

@@ -49,7 +49,7 @@ from collections.abc import Collection, Sequence
 from typing import Literal, cast
 
 from kvcoord import validate
-from kvcoord.events import Tier
+from kvcoord.events import REMOVE, STORE, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
@@ -61,13 +61,13 @@ from kvcoord.index.base import (
     NodeMatch,
     NodeRecords,
     Remote,
-    SnapshotEntry,
 )
-from kvcoord.index.table import Core, NativeTable, PyTable, apply_ops, table_type
+from kvcoord.index.rules import apply_ops
+from kvcoord.index.table import Core, NativeTable, PyTable, table_type
 from kvcoord.native import native
-from kvcoord.validate import REMOVE, STORE, Op
+from kvcoord.validate import Op, SnapshotEntry
 
-__all__ = ["HAVE_C_CORE", "Core", "MemoryIndex"]
+__all__ = ["HAVE_C_CORE", "MemoryIndex"]
 
 HAVE_C_CORE = native is not None
 """Whether the C core is in use (built, and not off by ``KVCOORD_NATIVE=0``): ``MemoryIndex(core="auto")``

@@ -38,7 +38,8 @@ from kvcoord.agent.pool import BlockPool
 from kvcoord.agent.requests import Admission
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import KVEventBatch
-from kvcoord.hashing import HashProfile, RequestKeys, check_algo
+from kvcoord.extra_keys import RequestKeys
+from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.sim.lookups import LookupProbe, open_lookups
 from kvcoord.sim.timing import StepClock, StepCosts
 

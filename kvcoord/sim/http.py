@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvcoord.hashing import RequestKeys
+from kvcoord.extra_keys import RequestKeys
 from kvcoord.router.answer import KV_SOURCE_HEADER
 from kvcoord.sim import pd, toktok
 from kvcoord.sim.http_apis import add_api_routes

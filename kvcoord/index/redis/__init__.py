@@ -113,22 +113,3 @@ coalescing write queue; ``epochs`` the buckets' accepted lifetime markers (carri
 (the index's ``node_directory`` and ``engine_store``); ``index`` :class:`RedisIndex`. The index and the
 mirror share only the connection, the bucket tags and the accepted markers.
 """
-
-from __future__ import annotations
-
-from kvcoord.index.redis.client import LATENCY_BUCKETS, IndexUnavailable, RedisConnection, RedisMetrics
-from kvcoord.index.redis.index import RedisIndex
-from kvcoord.index.redis.keys import FEED_MAX_ENTRIES
-from kvcoord.index.redis.mirror import LookupMirror
-from kvcoord.index.redis.writes import compile_ops
-
-__all__ = [
-    "FEED_MAX_ENTRIES",
-    "LATENCY_BUCKETS",
-    "IndexUnavailable",
-    "LookupMirror",
-    "RedisConnection",
-    "RedisIndex",
-    "RedisMetrics",
-    "compile_ops",
-]

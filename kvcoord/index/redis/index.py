@@ -27,15 +27,12 @@ from kvcoord.index.base import (
     NodeKey,
     NodeMatch,
     NodeRecords,
-    Op,
     Remote,
-    SnapshotEntry,
 )
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import (
     _EXEC,
     _MULTI,
-    LATENCY_BUCKETS,
     RedisConnection,
     RedisMetrics,
     _command,
@@ -61,9 +58,9 @@ from kvcoord.index.redis.stats import read_stats
 from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
 from kvcoord.index.uri import IndexSpec, parse_index_uri
+from kvcoord.validate import Op, SnapshotEntry
 
-__all__ = ["LATENCY_BUCKETS", "RedisIndex"]
-# LATENCY_BUCKETS is here too: the coordinator's metrics read it from the module defining RedisIndex.
+__all__ = ["RedisIndex"]
 
 log = logging.getLogger("kvcoord.index.redis")  # the backend's one logger, as before it was a package
 
