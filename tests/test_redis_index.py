@@ -23,7 +23,7 @@ from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis.client import IndexUnavailable
 from kvcoord.index.redis.index import RedisIndex
 from kvcoord.validate import InvalidEvent, ops_of, snapshot_columns
-from tests.redis_servers import RedisCluster, RedisServer
+from tests.redis_servers import RedisCluster, RedisServer, TlsRedis
 
 M = "m"
 T = TypeVar("T")
@@ -284,12 +284,16 @@ async def test_many_nodes_match_like_the_memory_backend(cindex: RedisIndex) -> N
     await mem.close()
 
 
-@pytest.mark.parametrize("buckets", [1, 3])
-async def test_fast_path_walk_matches_the_memory_backend(redis_server: RedisServer, buckets: int) -> None:
-    """Standalone Redis over plain TCP walks client-side (raw HMGET): same answers as the memory walk,
-    with and without candidates, over one bucket and several (one MULTI per bucket, one write)."""
-    redis_server.flushall()
-    idx = RedisIndex.from_uri(f"{redis_server.url}?buckets={buckets}", key_prefix="kvt")
+@pytest.mark.parametrize(("over", "buckets"), [("tcp", 1), ("tcp", 3), ("tls", 1), ("tls", 3)])
+async def test_fast_path_walk_matches_the_memory_backend(
+    request: pytest.FixtureRequest, redis_server: RedisServer, over: str, buckets: int
+) -> None:
+    """Standalone Redis over plain TCP or TLS walks client-side (raw HMGET): same answers as the memory
+    walk, with and without candidates, over one bucket and several (one MULTI per bucket, one write)."""
+    target: RedisServer | TlsRedis = redis_server if over == "tcp" else request.getfixturevalue("redis_tls")
+    target.flushall()
+    sep = "&" if "?" in target.url else "?"
+    idx = RedisIndex.from_uri(f"{target.url}{sep}buckets={buckets}", key_prefix="kvt")
     mem = MemoryIndex()
     try:
         assert idx._fast is not None

@@ -47,7 +47,6 @@ from kvcoord.index.redis.keys import (
     _TIER_BITS,
     _loc_name,
     _pack,
-    _parse_loc_name,
     bucket_of,
     bucket_tags,
     conf_key,
@@ -248,52 +247,21 @@ class RedisIndex:
             blob = _pack(hashes)
         except (OverflowError, TypeError) as e:
             raise ValueError(f"query hashes must be uint64 ints: {e}") from e
-        if self._fast is not None:
-            return await self._match_fast(model, blob, candidates)
-        return await self._match_scripted(model, blob, candidates)
+        return await self._match_walked(model, blob, candidates)
 
-    async def _match_scripted(
+    async def _match_walked(
         self, model: str, blob: bytes, candidates: Collection[NodeKey] | None
     ) -> list[NodeMatch]:
-        """``match`` by the lookup script: one per bucket, in one pipeline (per shard on a Cluster)."""
-        calls: list[tuple[str, list[object]]]
-        if candidates is None:
-            calls = [(tag, [self._epochs.of(tag), model, blob, "0"]) for tag in self._tags]
-        else:
-            per: dict[int, list[object]] = {}
-            for node_id, rank in candidates:
-                b = self.bucket_of(node_id)
-                per.setdefault(b, [self._epochs.of(self._tags[b]), model, blob, "1"]).append(
-                    _loc_name(model, node_id, rank)
-                )
-            if not per:
-                return []
-            calls = [(self._tags[b], a) for b, a in per.items()]
-        res = await self._conn.eval_many(lua.LOOKUP, calls)
-        lost = [tag for (tag, _), flat in zip(calls, res, strict=True) if lua.epoch_changed(flat)]
-        if lost:
-            raise lua.index_reset(lost, "lookup")
-        out: list[NodeMatch] = []
-        for flat in res:
-            for i in range(0, len(flat), 5):
-                _, node_id, rank = _parse_loc_name(flat[i])
-                tiers = (int(flat[i + 2]), int(flat[i + 3]), int(flat[i + 4]))
-                out.append(NodeMatch(node_id, rank, int(flat[i + 1]), tiers))
-        out.sort(key=lambda m: (-m.matched_blocks, m.node_id, m.dp_rank))
-        return out
+        """``match`` by reading, per bucket, ``NAMES`` and a raw HMGET of the whole query's holder strings
+        in one ``MULTI``, and walking them here (:func:`~kvcoord.index.redis.walk._walk`). On the fast path
+        every bucket's MULTI goes in one write, one round trip; on a Cluster each bucket's is a transaction
+        on its shard, all at once (:meth:`_read_cluster`).
 
-    async def _match_fast(
-        self, model: str, blob: bytes, candidates: Collection[NodeKey] | None
-    ) -> list[NodeMatch]:
-        """``match`` on the fast path: per bucket, one MULTI with ``NAMES`` and a raw HMGET of the whole
-        query's holder strings, all buckets in one write and one round trip; the walk runs here.
-
-        Why not the Lua walk: Redis's Lua turns each HMGET reply element into a Lua string and each
+        Why not walk in Lua: Redis's Lua turns each HMGET reply element into a Lua string and each
         query hash into a substring, ~0.6-1 us per block, several times the in-process walk; a raw
-        HMGET costs Redis ~0.1 us per field and hiredis parses the reply in C. The walk itself is the
-        Lua script's (same stop rule, same counts); consecutive blocks held by the same locations have
-        equal holder strings, so it decodes only where they change (``itertools.groupby``). MULTI makes
-        the names and the holders one atomic read, as one script would be.
+        HMGET costs Redis ~0.1 us per field and hiredis parses the reply in C. Consecutive blocks held
+        by the same locations have equal holder strings, so the walk decodes only where they change
+        (``itertools.groupby``). MULTI makes the names and the holders one atomic read.
         """
         want: dict[int, set[bytes]] | None = None
         if candidates is not None:
@@ -304,8 +272,11 @@ class RedisIndex:
         else:
             buckets = list(range(self.buckets))
         tags = [self._tags[b] for b in buckets]
-        hmgets = [_hmget_command(f"{tag}:inv:{model}".encode(), blob) for tag in tags]
-        res = await self._conn.round_trip(functools.partial(self._read_fast, tags, hmgets))
+        if self._fast is not None:
+            hmgets = [_hmget_command(f"{tag}:inv:{model}".encode(), blob) for tag in tags]
+            res = await self._conn.round_trip(functools.partial(self._read_fast, tags, hmgets))
+        else:
+            res = await self._conn.round_trip(functools.partial(self._read_cluster, tags, model, blob))
         lost = [tag for k, tag in enumerate(tags) if lua.epoch_changed(res[2 * k])]
         if lost:
             raise lua.index_reset(lost, "lookup")
@@ -344,6 +315,30 @@ class RedisIndex:
                 if retry and str(r).startswith("NOSCRIPT"):
                     await fast.call(_command("SCRIPT", "LOAD", lua.NAMES.src))
                     return await self._read_fast(tags, hmgets, False)
+                raise r
+        return res
+
+    async def _read_cluster(self, tags: list[str], model: str, blob: bytes, retry: bool = True) -> list[Any]:
+        """:meth:`_read_fast`'s read through redis-py's Cluster client: per bucket a transaction (``MULTI``
+        on the bucket's shard: its keys share one hash tag) with ``NAMES`` and the HMGET, every bucket's
+        at once; the replies are :meth:`_read_fast`'s."""
+        fields = [blob[i : i + 8] for i in range(0, len(blob), 8)]
+
+        async def one(tag: str) -> list[Any]:
+            cached = self._names.get(tag)
+            ver, epoch = cached.ver if cached is not None else b"-", self._epochs.of(tag)
+            async with self._conn.client.pipeline(transaction=True) as pipe:
+                pipe.execute_command("EVALSHA", lua.NAMES.sha, 1, tag + ":loc", tag, ver, epoch)
+                pipe.execute_command("HMGET", f"{tag}:inv:{model}", *fields)
+                got: list[Any] = await pipe.execute(raise_on_error=False)
+                return got
+
+        res = [r for pair in await asyncio.gather(*map(one, tags)) for r in pair]
+        for r in res:
+            if isinstance(r, Exception):
+                if retry and isinstance(r, rexc.NoScriptError):
+                    await self._conn.client.script_load(lua.NAMES.src)
+                    return await self._read_cluster(tags, model, blob, False)
                 raise r
         return res
 
