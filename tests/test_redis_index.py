@@ -281,6 +281,11 @@ async def test_many_nodes_match_like_the_memory_backend(cindex: RedisIndex) -> N
         assert await cindex.match(M, H(*q)) == await mem.match(M, H(*q))
         cands = [(f"node-{i}", r) for i in range(0, 29, 3) for r in range(3)]
         assert await cindex.match(M, H(*q), cands) == await mem.match(M, H(*q), cands)
+    # Many lookups at once: each reads every bucket in a transaction of its own (a connection of its
+    # shard), and all of them answer, none refused for want of connections.
+    queries = [chain[: rng.randrange(1, len(chain))] for _ in range(300)]
+    got = await asyncio.gather(*(cindex.match(M, H(*q)) for q in queries))
+    assert got == [await mem.match(M, H(*q)) for q in queries]
     await mem.close()
 
 

@@ -218,6 +218,13 @@ async def _check_role(conn: _Pipelined, where: str) -> None:
         raise NotPrimary(f"redis at {where} is a {role[0].decode()}, not the primary")
 
 
+def tls_context(klass: type, kwargs: dict[str, Any]) -> ssl.SSLContext | None:
+    """redis-py's own TLS context for a connection of ``klass`` made with ``kwargs`` (None: no TLS)."""
+    if not issubclass(klass, SSLConnection):
+        return None
+    return SSLConnection(**{k: v for k, v in kwargs.items() if k.startswith("ssl_")}).ssl_context.get()
+
+
 class _FastPath:
     """Lazily (re)connected :class:`_Pipelined` connection to the primary: a standalone Redis over TCP (its
     host name is resolved again on every connect), TLS or a unix socket, or the primary ``resolve`` names
@@ -272,10 +279,7 @@ class _FastPath:
 
         elif klass not in (_PlainConnection, SSLConnection, UnixDomainSocketConnection):
             return None
-        tls = None
-        if issubclass(klass, SSLConnection):
-            tls = SSLConnection(**{k: v for k, v in kwargs.items() if k.startswith("ssl_")}).ssl_context.get()
-        return cls(kwargs, resolve, tls)
+        return cls(kwargs, resolve, tls_context(klass, kwargs))
 
     async def _open(self) -> tuple[_Pipelined, str]:
         """A new connection, and where it goes (for messages)."""
@@ -389,8 +393,9 @@ class _FailoverWatch:
 
 class RedisConnection:
     """One client's way to Redis: redis-py's ``client`` (Cluster-aware), the pipelined ``fast`` path when
-    there is one (all but a Cluster), and the ``metrics`` every round trip updates. A script runs on one
-    bucket, named by its hash ``tag`` (whose ``:loc`` key routes it on a Cluster); ARGV[1] is the tag."""
+    there is one (all but a Cluster, where the index's lookups have ``shards``), and the ``metrics`` every
+    round trip updates. A script runs on one bucket, named by its hash ``tag`` (whose ``:loc`` key routes
+    it on a Cluster); ARGV[1] is the tag."""
 
     __slots__ = ("client", "cluster", "fast", "metrics", "wait", "watch")
 

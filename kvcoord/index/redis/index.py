@@ -10,7 +10,7 @@ import logging
 import struct
 import time
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aredis
 import redis.exceptions as rexc
@@ -53,6 +53,7 @@ from kvcoord.index.redis.keys import (
 )
 from kvcoord.index.redis.mirror import LookupMirror
 from kvcoord.index.redis.records import RedisEngineRecords, RedisNodeRecords
+from kvcoord.index.redis.shards import REDIRECTS, ShardPaths
 from kvcoord.index.redis.stats import read_stats
 from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
@@ -118,7 +119,9 @@ class RedisIndex:
         Every lookup and write checks it in its own round trip (``IndexReset`` when Redis's differs)."""
         self._writes = WriteQueue(self._conn, self._tags, self._epochs)
         self._names: dict[str, _Names] = {}
-        """Per bucket tag: ``T:name`` as of a ``T:ver`` (the fast lookup path's cache)."""
+        """Per bucket tag: ``T:name`` as of a ``T:ver`` (the lookups' cache)."""
+        self._shards = ShardPaths(client) if isinstance(client, RedisCluster) else None
+        """A Cluster's pipelined connections, one per primary (lookups only); None off a Cluster."""
         self._mirror = LookupMirror(self._conn, self._tags, self._epochs) if mirror else None
         """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
         self.metrics.mirror = self._mirror
@@ -272,11 +275,9 @@ class RedisIndex:
         else:
             buckets = list(range(self.buckets))
         tags = [self._tags[b] for b in buckets]
-        if self._fast is not None:
-            hmgets = [_hmget_command(f"{tag}:inv:{model}".encode(), blob) for tag in tags]
-            res = await self._conn.round_trip(functools.partial(self._read_fast, tags, hmgets))
-        else:
-            res = await self._conn.round_trip(functools.partial(self._read_cluster, tags, model, blob))
+        hmgets = [_hmget_command(f"{tag}:inv:{model}".encode(), blob) for tag in tags]
+        read = self._read_fast if self._fast is not None else self._read_cluster
+        res = await self._conn.round_trip(functools.partial(read, tags, hmgets))
         lost = [tag for k, tag in enumerate(tags) if lua.epoch_changed(res[2 * k])]
         if lost:
             raise lua.index_reset(lost, "lookup")
@@ -318,27 +319,33 @@ class RedisIndex:
                 raise r
         return res
 
-    async def _read_cluster(self, tags: list[str], model: str, blob: bytes, retry: bool = True) -> list[Any]:
-        """:meth:`_read_fast`'s read through redis-py's Cluster client: per bucket a transaction (``MULTI``
-        on the bucket's shard: its keys share one hash tag) with ``NAMES`` and the HMGET, every bucket's
-        at once; the replies are :meth:`_read_fast`'s."""
-        fields = [blob[i : i + 8] for i in range(0, len(blob), 8)]
+    async def _read_cluster(self, tags: list[str], hmgets: list[bytes], retry: bool = True) -> list[Any]:
+        """:meth:`_read_fast`'s read on a Cluster: per bucket one ``MULTI`` (its keys share one slot) on
+        its shard's pipelined connection, every bucket's at once; the replies are :meth:`_read_fast`'s. A
+        redirect or a lost connection refreshes the slots' owners and tries once more."""
+        shards = self._shards
+        assert shards is not None
 
-        async def one(tag: str) -> list[Any]:
+        async def one(tag: str, hm: bytes) -> list[Any]:
             cached = self._names.get(tag)
             ver, epoch = cached.ver if cached is not None else b"-", self._epochs.of(tag)
-            async with self._conn.client.pipeline(transaction=True) as pipe:
-                pipe.execute_command("EVALSHA", lua.NAMES.sha, 1, tag + ":loc", tag, ver, epoch)
-                pipe.execute_command("HMGET", f"{tag}:inv:{model}", *fields)
-                got: list[Any] = await pipe.execute(raise_on_error=False)
-                return got
+            names = _command("EVALSHA", lua.NAMES.sha, 1, tag + ":loc", tag, ver, epoch)
+            replies: list[Any] = await shards.of(tag).call(_MULTI + names + hm + _EXEC, keep=4)
+            return cast(list[Any], replies[3])
 
-        res = [r for pair in await asyncio.gather(*map(one, tags)) for r in pair]
+        try:
+            res = [r for pair in await asyncio.gather(*map(one, tags, hmgets)) for r in pair]
+        except (TimeoutError, rexc.ResponseError, rexc.ConnectionError, OSError) as e:
+            moved = not isinstance(e, rexc.ResponseError) or str(e).startswith(REDIRECTS)
+            if not (retry and moved):
+                raise
+            await shards.refresh()
+            return await self._read_cluster(tags, hmgets, False)
         for r in res:
-            if isinstance(r, Exception):
-                if retry and isinstance(r, rexc.NoScriptError):
+            if isinstance(r, rexc.ResponseError):
+                if retry and str(r).startswith("NOSCRIPT"):
                     await self._conn.client.script_load(lua.NAMES.src)
-                    return await self._read_cluster(tags, model, blob, False)
+                    return await self._read_cluster(tags, hmgets, False)
                 raise r
         return res
 
@@ -489,6 +496,8 @@ class RedisIndex:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._shards is not None:
+            self._shards.close()
         await self._conn.close()
         if self._mirror is not None:
             await self._mirror.reap()
