@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc
 import grpc.aio
 
-from kvcoord.agent.reporter import INGEST_METHOD, Reporter, ReporterOptions
+from kvcoord.agent.link import ReporterOptions
+from kvcoord.agent.reporter import Reporter
+from kvcoord.agent.stream import INGEST_METHOD
 from kvcoord.events import BlockStored
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb

@@ -48,7 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcoord.agent.reporter import Reporter, ReporterOptions
+from kvcoord.agent.link import ReporterOptions
+from kvcoord.agent.reporter import Reporter
 from kvcoord.events import BlockRemoved, BlockStored
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 

@@ -42,7 +42,8 @@ from pathlib import Path
 import xxhash
 
 from kvcoord.events import BlockStored
-from kvcoord.index.memory import Core, MemoryIndex
+from kvcoord.index.memory import MemoryIndex
+from kvcoord.index.table import Core
 from kvcoord.validate import ops_of
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcoord.events import BlockStored, KVEvent
 from kvcoord.hashing import BlockHash64
-from kvcoord.index import Index
+from kvcoord.index.base import Index
 from kvcoord.index.memory import MemoryIndex
-from kvcoord.index.redis import RedisIndex
+from kvcoord.index.redis.index import RedisIndex
 from kvcoord.validate import ops_of
 from tests.redis_servers import redis_cluster, redis_server
 

@@ -29,7 +29,8 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcoord.agent.reporter import Reporter
-from kvcoord.engine.relay import BlockMirror, Relay
+from kvcoord.engine.mirror import BlockMirror
+from kvcoord.engine.relay import Relay
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier, encode_vllm_batch
 from kvcoord.hashing import to_block_hash64

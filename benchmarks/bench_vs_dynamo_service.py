@@ -229,12 +229,14 @@ def count_blocks(events: Sequence[Any]) -> tuple[int, int]:
 
 
 def make_workload(args: argparse.Namespace, profile: Any, rng: random.Random) -> Workload:
+    from kvcoord.agent.kv_cache_manager import KVCacheManager
     from kvcoord.agent.pool import BlockPool
     from kvcoord.events import KVEventBatch
 
     t0 = time.perf_counter()
     n = args.engines
-    pools = [BlockPool(args.engine_blocks, profile) for _ in range(n)]
+    engines = [KVCacheManager(BlockPool(args.engine_blocks, profile)) for _ in range(n)]
+    pools = [kv.pool for kv in engines]
 
     def fresh(k: int) -> list[int]:
         return [rng.randrange(VOCAB) for _ in range(k)]
@@ -260,17 +262,17 @@ def make_workload(args: argparse.Namespace, profile: Any, rng: random.Random) ->
     def finish(e: int, rid: str, tokens: list[int]) -> None:
         out = fresh(rng.randint(1, 512))
         with contextlib.suppress(Exception):  # PoolExhausted: finish without caching the output
-            pools[e].extend(rid, out)
+            engines[e].extend(rid, out)
             tokens = tokens + out
-        pools[e].finish(rid)
+        engines[e].finish(rid)
         convs[e].append(tokens)
         del convs[e][:-16]
         recent.append(tokens)
         del recent[:-400]
 
     for e in range(n):  # hello: one block (+1 token: vLLM recomputes the last one)
-        pools[e].admit("hello", hello[e] + [1])
-        pools[e].finish("hello")
+        engines[e].admit("hello", hello[e] + [1])
+        engines[e].finish("hello")
         emit(e)
     while wl.events < args.events:
         e = rng.randrange(n)
@@ -287,10 +289,10 @@ def make_workload(args: argparse.Namespace, profile: Any, rng: random.Random) ->
             prompt = rng.choices(prefixes, weights)[0] + user
         seq += 1
         rid = f"r{seq}"
-        adm = pools[e].admit(rid, prompt)
+        adm = engines[e].admit(rid, prompt)
         while adm is None and running[e]:
             finish(e, *running[e].pop(0))
-            adm = pools[e].admit(rid, prompt)
+            adm = engines[e].admit(rid, prompt)
         if adm is None:
             continue
         wl.requests += 1
@@ -299,7 +301,7 @@ def make_workload(args: argparse.Namespace, profile: Any, rng: random.Random) ->
         running[e].append((rid, prompt))
         emit(e)
     for e in range(n):  # the sentinel, last: a side has applied everything when it answers for it
-        pools[e].admit("sentinel", sentinel[e] + [1])
+        engines[e].admit("sentinel", sentinel[e] + [1])
         emit(e)
     wl.recent = recent
     wl.cached = [{int(h) for h in p.cached_hashes()} for p in pools]

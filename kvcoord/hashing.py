@@ -39,14 +39,11 @@ import xxhash as _xxhash
 from kvcoord import sglang_hash
 from kvcoord.extra_keys import (
     ExtraKeyStyle,
-    MultiModalItem,
     RequestKeys,
-    block_extra_keys,
     extra_keys_range,
-    published_extra_keys,
 )
 from kvcoord.native import native
-from kvcoord.vllm_hash import HASH_FUNCTIONS, hash_sha256, hash_sha256_cbor, hash_xxhash, hash_xxhash_cbor
+from kvcoord.vllm_hash import HASH_FUNCTIONS
 
 BlockDigest = NewType("BlockDigest", bytes)
 """A full block digest as the engine computes it: 32 bytes (sha256*) or 16 bytes (xxh3-128)."""
@@ -507,32 +504,22 @@ __all__ = [
     "EXTERNAL_FORMS",
     "EXTRA_KEY_STYLES",
     "HASH_ALGOS",
-    "HASH_FUNCTIONS",
     "PROFILE_ALGOS",
     "SGLANG",
     "UINT64_MASK",
     "BlockDigest",
     "BlockHash64",
     "ExternalForm",
-    "ExtraKeyStyle",
     "HashAlgo",
     "HashProfile",
-    "MultiModalItem",
     "RequestBlockHasher",
-    "RequestKeys",
-    "block_extra_keys",
     "block_hashes64",
     "check_algo",
     "coarsen",
     "get_hash_fn",
     "hash_block_tokens",
     "hash_request_tokens",
-    "hash_sha256",
-    "hash_sha256_cbor",
-    "hash_xxhash",
-    "hash_xxhash_cbor",
     "native_keys_plan",
     "parse_release",
-    "published_extra_keys",
     "to_block_hash64",
 ]

@@ -40,11 +40,8 @@ from kvcoord.media import MEDIUM_TIERS, MISFIT_STORES, UNKNOWN_MEDIA, normalize_
 from kvcoord.native import native
 
 __all__ = [
-    "CLEAR",
     "MAX_JSON_DEPTH",
     "NTIERS",
-    "REMOVE",
-    "STORE",
     "Hashes",
     "InvalidEvent",
     "Known",
@@ -67,13 +64,11 @@ __all__ = [
     "op_runs",
     "ops_of",
     "pack_u64",
-    "py_u64_ok",
     "run_key",
     "shown",
     "snapshot_columns",
     "snapshot_per_tier",
     "tier",
-    "u64_ok",
     "unpack_u64",
     "valid_url",
 ]

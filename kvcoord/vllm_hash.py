@@ -1,5 +1,6 @@
-"""vLLM's four reference block-hash functions (vllm/utils/hashing.py), re-exported by :mod:`kvcoord.hashing`:
-each serialises an object (pickle protocol 5 or canonical CBOR) and hashes it (SHA-256 or XXH3-128)."""
+"""vLLM's four reference block-hash functions (vllm/utils/hashing.py), which :mod:`kvcoord.hashing`'s
+profiles pick by name: each serialises an object (pickle protocol 5 or canonical CBOR) and hashes it
+(SHA-256 or XXH3-128)."""
 
 from __future__ import annotations
 

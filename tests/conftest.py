@@ -9,7 +9,7 @@ from types import FrameType
 
 import pytest
 
-from kvcoord.index import Index
+from kvcoord.index.base import Index
 from kvcoord.index.memory import MemoryIndex
 from tests.redis_servers import (
     RedisServer,
@@ -19,7 +19,7 @@ from tests.redis_servers import (
     stop_server,
 )
 
-redis_server, redis_cluster, redis_sentinel = redis_session_fixtures()
+redis_server, redis_cluster, redis_sentinel, redis_tls = redis_session_fixtures()
 
 # Coordinators the tests start serve no HTTP API unless a test asks (--http-listen, or http_listen in its
 # config): the default port is fixed, and tests run next to each other and to whatever else the host runs.
@@ -56,6 +56,7 @@ INDEX_FACTORIES: dict[str, IndexFactory] = {
     "redis-mirror": redis_index_factory("redis_server", "?mirror=1"),
     "redis-cluster-mirror": redis_index_factory("redis_cluster", "?mirror=1"),
     "redis-sentinel": redis_index_factory("redis_sentinel"),
+    "redis-tls": redis_index_factory("redis_tls"),
 }
 
 

@@ -1,5 +1,5 @@
-"""Real ``redis-server`` processes for tests and benchmarks: one standalone server, a 3-shard Cluster, or
-a primary with a replica watched by 3 sentinels (``redis-sentinel``).
+"""Real ``redis-server`` processes for tests and benchmarks: one standalone server (also one that speaks
+TLS), a 3-shard Cluster, or a primary with a replica watched by 3 sentinels (``redis-sentinel``).
 
 Every server runs on a free port in its own temporary directory with persistence off
 (``--save "" --appendonly no``); ``stop()`` kills the processes and removes the directories.
@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import redis
 
-from kvcoord.index import Index
-from tests.procs import free_port, spawn, stop, wait_for_port
+from kvcoord.index.base import Index
+from tests.procs import free_port, make_certs, spawn, stop, wait_for_port
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
@@ -140,6 +140,48 @@ def start_server(*extra: str) -> RedisServer:
 def stop_server(server: RedisServer) -> None:
     server.kill()
     shutil.rmtree(server.dir, ignore_errors=True)
+
+
+@dataclass
+class TlsRedis:
+    """A standalone server that also listens with TLS, client certificates required (``url`` is the TLS
+    one, with the test CA and a client certificate; the plain port stays for the test's own commands)."""
+
+    server: RedisServer
+    tls_port: int
+    certs: dict[str, Path]
+
+    @property
+    def url(self) -> str:
+        c = self.certs
+        return (f"rediss://127.0.0.1:{self.tls_port}/0?ssl_ca_certs={c['ca_crt']}"
+                f"&ssl_certfile={c['client_crt']}&ssl_keyfile={c['client_key']}")
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [self.server]
+
+    def flushall(self) -> None:
+        self.server.flushall()
+
+
+@contextlib.contextmanager
+def redis_tls() -> Iterator[TlsRedis]:
+    certs = make_certs(Path(tempfile.mkdtemp(prefix="kvcoord-redis-tls-")))
+    port = free_port()
+    server = start_server(
+        "--tls-port", str(port),
+        "--tls-cert-file", str(certs["server_crt"]),
+        "--tls-key-file", str(certs["server_key"]),
+        "--tls-ca-cert-file", str(certs["ca_crt"]),
+        "--tls-auth-clients", "yes",
+    )  # fmt: skip
+    try:
+        wait_for_port(port)
+        yield TlsRedis(server, port, certs)
+    finally:
+        stop_server(server)
+        shutil.rmtree(certs["ca_crt"].parent, ignore_errors=True)
 
 
 def start_cluster(shards: int = 3, timeout: float = 30.0, replicas: int = 0) -> RedisCluster:
@@ -351,9 +393,9 @@ def redis_sentinel() -> Iterator[RedisSentinel]:
 # ------------------------------------------------------------------------------- pytest plumbing
 
 
-def redis_session_fixtures() -> tuple[Any, Any, Any]:
-    """The session-scoped ``redis_server``, ``redis_cluster`` and ``redis_sentinel`` fixtures (conftest
-    binds them by name)."""
+def redis_session_fixtures() -> tuple[Any, Any, Any, Any]:
+    """The session-scoped ``redis_server``, ``redis_cluster``, ``redis_sentinel`` and ``redis_tls``
+    fixtures (conftest binds them by name)."""
 
     @pytest.fixture(scope="session", name="redis_server")
     def _redis_server() -> Iterator[RedisServer]:
@@ -370,7 +412,12 @@ def redis_session_fixtures() -> tuple[Any, Any, Any]:
         with redis_sentinel() as rs:
             yield rs
 
-    return _redis_server, _redis_cluster, _redis_sentinel
+    @pytest.fixture(scope="session", name="redis_tls")
+    def _redis_tls() -> Iterator[TlsRedis]:
+        with redis_tls() as tls:
+            yield tls
+
+    return _redis_server, _redis_cluster, _redis_sentinel, _redis_tls
 
 
 def redis_index_factory(fixture: str, query: str = "") -> Callable[[pytest.FixtureRequest], Awaitable[Index]]:
@@ -378,9 +425,9 @@ def redis_index_factory(fixture: str, query: str = "") -> Callable[[pytest.Fixtu
     (``query``: URI options, e.g. ``?mirror=1``)."""
 
     async def make(request: pytest.FixtureRequest) -> Index:
-        from kvcoord.index.redis import RedisIndex
+        from kvcoord.index.redis.index import RedisIndex
 
-        target: RedisServer | RedisCluster | RedisSentinel = request.getfixturevalue(fixture)
+        target: RedisServer | RedisCluster | RedisSentinel | TlsRedis = request.getfixturevalue(fixture)
         target.flushall()
         index = RedisIndex.from_uri(target.url + query, key_prefix="kvtest")
         if "mirror=1" in query:

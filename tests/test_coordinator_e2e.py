@@ -20,7 +20,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvcoord.agent.reporter import Reporter, ReporterOptions
+from kvcoord.agent.link import ReporterOptions
+from kvcoord.agent.reporter import Reporter
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg

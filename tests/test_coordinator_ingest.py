@@ -17,11 +17,12 @@ from typing import Any
 import grpc
 import pytest
 
-from kvcoord.coordinator import CoordinatorServer, load_config
+from kvcoord.coordinator.config import load_config
 from kvcoord.coordinator.outbox import Outbox
+from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import HashProfile
-from kvcoord.index import Index
+from kvcoord.index.base import Index
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
@@ -907,7 +908,7 @@ class LosableIndex(MemoryIndex):
 
     def __init__(self) -> None:
         super().__init__()
-        from kvcoord.index.redis import RedisMetrics
+        from kvcoord.index.redis.client import RedisMetrics
 
         self.remote = self
         self.metrics = RedisMetrics()
@@ -984,7 +985,8 @@ async def test_batch_group_is_handled_batch_by_batch(index: Index) -> None:
 
 
 async def test_reporter_backlog_goes_out_grouped_and_all_applies(index: Index) -> None:
-    from kvcoord.agent.reporter import Reporter, ReporterOptions
+    from kvcoord.agent.link import ReporterOptions
+    from kvcoord.agent.reporter import Reporter
 
     async with serving(index) as c:
         opts = ReporterOptions(max_batch_blocks=2, flush_interval=0.001)
@@ -1145,7 +1147,7 @@ async def test_stats_failure_is_marked_stale() -> None:
 async def test_redis_refresh_uses_cheap_stats_and_stats_rpc_is_exact(redis_server: Any) -> None:
     """Over several buckets the periodic gauges take the per-bucket sum (flagged an upper bound, no
     scan); the Stats RPC answers the exact distinct count."""
-    from kvcoord.index.redis import RedisIndex
+    from kvcoord.index.redis.index import RedisIndex
 
     redis_server.flushall()
     index = RedisIndex.from_uri(redis_server.url + "?buckets=4", key_prefix="kvquick")

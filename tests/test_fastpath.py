@@ -21,18 +21,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcoord.coordinator.auth import Authenticator
-from kvcoord.coordinator.config import ConfigError, load_config
+from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.config_values import ConfigError
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.fastpath import MAX_VIEW_AGE, FastAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpServer, Request, Response, render
 from kvcoord.coordinator.metrics import PyTally
 from kvcoord.coordinator.registry import AnnouncedProfile, NodeRecord
+from kvcoord.events import CLEAR, STORE
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.load import NodeLoad
 from kvcoord.native import native
-from kvcoord.validate import CLEAR, STORE
 
 pytestmark = pytest.mark.skipif(native is None, reason="the native extension is not built")
 

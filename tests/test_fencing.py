@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 import redis
 
-from kvcoord.agent.reporter import Reporter, ReporterOptions
+from kvcoord.agent.link import ReporterOptions
+from kvcoord.agent.reporter import Reporter
 from kvcoord.coordinator.metrics import PyTally
 from kvcoord.coordinator.shared import SharedNode, open_directory
 from kvcoord.events import BlockStored, Tier
@@ -32,7 +33,7 @@ from kvcoord.hashing import BlockHash64, HashProfile, block_hashes64
 from kvcoord.index.base import FencedWrite, IndexReset, fence_token
 from kvcoord.index.instrumented import OPS, InstrumentedIndex
 from kvcoord.index.memory import MemoryIndex
-from kvcoord.index.redis import RedisIndex
+from kvcoord.index.redis.index import RedisIndex
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.validate import ops_of
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port

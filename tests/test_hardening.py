@@ -20,9 +20,10 @@ import aiohttp
 import grpc
 import pytest
 
-from kvcoord.agent.fleet import Fleet
-from kvcoord.coordinator import CoordinatorServer, load_config
-from kvcoord.index import Index
+from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.engine_relays import Fleet
+from kvcoord.coordinator.server import CoordinatorServer
+from kvcoord.index.base import Index
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg

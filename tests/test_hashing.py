@@ -19,18 +19,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcoord import hashing
+from kvcoord.extra_keys import (
+    ExtraKeyStyle,
+    MultiModalItem,
+    RequestKeys,
+    block_extra_keys,
+    published_extra_keys,
+)
 from kvcoord.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HASH_ALGOS,
     HashProfile,
-    MultiModalItem,
     RequestBlockHasher,
-    RequestKeys,
     block_hashes64,
     coarsen,
     hash_block_tokens,
     hash_request_tokens,
-    published_extra_keys,
     to_block_hash64,
 )
 from kvcoord.native import native
@@ -136,7 +140,7 @@ def test_wire_fixture_hash_inputs_reproduce(
         got = hash_request_tokens(profile, inputs["token_ids"], keys, fast=fast)
         assert [d.hex() for d in got] == inputs["all_block_hashes_hex"]
     # the other style gives other hashes whenever the request has extra keys
-    other_style: hashing.ExtraKeyStyle = "untagged" if profile.style == "tagged" else "tagged"
+    other_style: ExtraKeyStyle = "untagged" if profile.style == "tagged" else "tagged"
     other = HashProfile(profile.algo, profile.block_size, profile.seed, other_style)
     if inputs["lora"] or inputs["mm"] or inputs["cache_salt"]:
         assert [d.hex() for d in hash_request_tokens(other, inputs["token_ids"], keys)] != inputs[
@@ -259,20 +263,20 @@ def test_extra_keys_walk_like_vllm() -> None:
         mm_items=(MultiModalItem("a", 2, 20), MultiModalItem("b", 22, 3), MultiModalItem("c", 40, 1)),
         prompt_embeds_digests=(b"0", b"1", b"2", b"3"),
     )
-    untagged = hashing.block_extra_keys(keys, 16, 64)
+    untagged = block_extra_keys(keys, 16, 64)
     assert untagged == [
         ("L", ("a", 2), "s", b"0"),
         ("L", ("a", -14), ("b", 6), b"1"),
         ("L", ("c", 8), b"2"),
         ("L", b"3"),
     ]
-    tagged = hashing.block_extra_keys(keys, 16, 64, style="tagged")
+    tagged = block_extra_keys(keys, 16, 64, style="tagged")
     assert tagged[0] == (("lora", "L", "/p"), ("mm", "a", 2), ("cache_salt", "s"), ("prompt_embeds", b"0"))
     second = tagged[1]
     assert second is not None and second[1][0] is second[2][0]  # one shared "mm" literal (pickle memo)
     assert published_extra_keys(keys, 16, 64) == untagged
-    assert hashing.block_extra_keys(RequestKeys(), 16, 64) == [None] * 4
-    assert hashing.block_extra_keys(RequestKeys(cache_salt=""), 16, 64) == [None] * 4
+    assert block_extra_keys(RequestKeys(), 16, 64) == [None] * 4
+    assert block_extra_keys(RequestKeys(cache_salt=""), 16, 64) == [None] * 4
 
 
 def test_pickle_memo_of_the_shared_mm_tag_changes_the_hash() -> None:

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcoord import hashing, sglang_hash
-from kvcoord.hashing import HashProfile, RequestKeys
+from kvcoord.extra_keys import RequestKeys
+from kvcoord.hashing import HashProfile
 from tests import sglang_ref
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.tokenizers import build_tokenizer

@@ -19,13 +19,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvcoord.agent.fleet import Fleet
 from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.engine_relays import Fleet
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
-from kvcoord.index import Index
+from kvcoord.index.base import Index
 from kvcoord.router.client import AsyncCoordinatorClient
 from tests.procs import free_port, kvcoord_cmd, until_async
 from tests.tokenizers import build_tokenizer

@@ -44,12 +44,13 @@ import msgspec
 import pytest
 import xxhash
 
-from kvcoord.agent.fleet import Fleet
 from kvcoord.coordinator.config import load_config
+from kvcoord.coordinator.engine_relays import Fleet
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from kvcoord.hashing import HashProfile, RequestKeys, block_hashes64
+from kvcoord.extra_keys import RequestKeys
+from kvcoord.hashing import HashProfile, block_hashes64
 from tests.procs import free_port, running, wait_for_port
 
 pytest.importorskip("dynamo._core")  # a guard only: CI installs ai-dynamo-runtime (the ``test`` extra)

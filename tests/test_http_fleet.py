@@ -128,9 +128,10 @@ async def test_in_process_feed_keeps_the_index_equal_to_the_pool() -> None:
     """``kvcoord serve`` relays a registered engine through its in-process feed (no gRPC): the index holds
     exactly the engine's pool, every event is counted as the engine published it (1-block removals merged
     into one op each run still count one each), and a resync request is answered with a snapshot."""
-    from kvcoord.agent.fleet import Fleet
+    from kvcoord.agent.kv_cache_manager import KVCacheManager
     from kvcoord.agent.pool import BlockPool
     from kvcoord.coordinator.config import load_config
+    from kvcoord.coordinator.engine_relays import Fleet
     from kvcoord.coordinator.server import CoordinatorServer
 
     overrides: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "127.0.0.1:0",
@@ -140,6 +141,7 @@ async def test_in_process_feed_keeps_the_index_equal_to_the_pool() -> None:
     endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     pub = ZmqEventPublisher(0, endpoint, replay, bind=True)
     pool = BlockPool(40, PROFILE)
+    engine_cache = KVCacheManager(pool)
     rng = random.Random(7)
     published = {"stored": 0, "removed": 0}
     step = 0
@@ -168,8 +170,8 @@ async def test_in_process_feed_keeps_the_index_equal_to_the_pool() -> None:
             for _ in range(n):
                 step += 1
                 tokens = [rng.randrange(1000) for _ in range(BS * rng.randint(1, 12) + 1)]
-                if pool.admit(f"r{step}", tokens) is not None:
-                    pool.finish(f"r{step}")
+                if engine_cache.admit(f"r{step}", tokens) is not None:
+                    engine_cache.finish(f"r{step}")
                 events = pool.take_events()
                 for ev in events:
                     kind = "stored" if isinstance(ev, BlockStored) else "removed"
@@ -209,10 +211,10 @@ async def test_in_process_feed_replaces_an_overflowing_queue_with_a_snapshot() -
     """Batches that pile up while the index stalls are bounded as a reporter's: past
     ``max_unacked_batches`` the queue is dropped and the mirror's snapshot replaces it, exactly."""
     from kvcoord.agent.link import ReporterOptions
-    from kvcoord.agent.local import LocalFeed
     from kvcoord.coordinator.config import load_config
+    from kvcoord.coordinator.engine_feed import LocalFeed
     from kvcoord.coordinator.server import CoordinatorServer
-    from kvcoord.engine.relay import BlockMirror
+    from kvcoord.engine.mirror import BlockMirror
     from kvcoord.events import BlockRemoved
     from kvcoord.validate import op_runs
 

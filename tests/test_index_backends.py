@@ -14,10 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.hashing import BlockHash64, to_block_hash64
-from kvcoord.index import ApplyResult, Index, InvalidEvent, NodeMatch, SnapshotEntry
-from kvcoord.index.base import fence_token, ping
+from kvcoord.index.base import ApplyResult, Index, NodeMatch, fence_token, ping
 from kvcoord.index.memory import HAVE_C_CORE
-from kvcoord.validate import ops_of, snapshot_columns
+from kvcoord.validate import InvalidEvent, SnapshotEntry, ops_of, snapshot_columns
 from tests.conftest import INDEX_FACTORIES
 
 M = "m"

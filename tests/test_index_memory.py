@@ -15,10 +15,11 @@ from hypothesis import strategies as st
 
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index import Index, InvalidEvent
-from kvcoord.index.memory import HAVE_C_CORE, Core, MemoryIndex
+from kvcoord.index.base import Index
+from kvcoord.index.memory import HAVE_C_CORE, MemoryIndex
+from kvcoord.index.table import Core
 from kvcoord.native import native
-from kvcoord.validate import ops_of, snapshot_columns
+from kvcoord.validate import InvalidEvent, ops_of, snapshot_columns
 
 M = "m"
 CORES = ["c", "python"] if HAVE_C_CORE else ["python"]

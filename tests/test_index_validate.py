@@ -8,16 +8,15 @@ from collections.abc import Callable
 import pytest
 
 from kvcoord import validate
-from kvcoord.engine.relay import BlockMirror
-from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
-from kvcoord.index.base import InvalidEvent
+from kvcoord.engine.mirror import BlockMirror
+from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier, py_u64_ok, u64_ok
 from kvcoord.index.memory import MemoryIndex
-from kvcoord.index.redis import compile_ops
+from kvcoord.index.redis.writes import compile_ops
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import ops_of, snapshot_columns
+from kvcoord.validate import InvalidEvent, ops_of, snapshot_columns
 from kvcoord.wire import event_to_proto, ops_from_proto
 
-U64_CHECKS = [pytest.param(validate.py_u64_ok, id="py"), pytest.param(validate.u64_ok, id="native")]
+U64_CHECKS = [pytest.param(py_u64_ok, id="py"), pytest.param(u64_ok, id="native")]
 
 
 @pytest.mark.parametrize("u64_ok", U64_CHECKS)

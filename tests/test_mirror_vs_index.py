@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvcoord.engine.relay import BlockMirror
+from kvcoord.engine.mirror import BlockMirror
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, Tier
 from kvcoord.index.base import ApplyResult
 from kvcoord.index.memory import HAVE_C_CORE, MemoryIndex

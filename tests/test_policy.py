@@ -8,18 +8,16 @@ from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeMatch
 from kvcoord.load import HASH_MISMATCH, HISTORY_LOST, NodeLoad
-from kvcoord.router.answer import LookupResult
+from kvcoord.router.answer import Candidate, LookupResult
+from kvcoord.router.memory import PlacementMemory, RoutedPrefixMemory
 from kvcoord.router.policy import (
     POLICY_NAMES,
     ApproximatePolicy,
-    Candidate,
     LatencyModel,
     LeastLoadedPolicy,
-    PlacementMemory,
     PrefixAwarePolicy,
     RandomPolicy,
     RoundRobinPolicy,
-    RoutedPrefixMemory,
     RouteRequest,
     candidates_from_matches,
     make_policy,

@@ -1,4 +1,4 @@
-"""BlockPool: vLLM v1 prefix-caching semantics and the exact KV events, block by block.
+"""BlockPool and KVCacheManager: vLLM v1 prefix-caching semantics and the exact KV events, block by block.
 
 The scenarios follow vLLM's tests/v1/core/test_prefix_caching.py (prefill hit/miss, eviction
 order, partial blocks, LoRA / cache_salt separation, reset, events), rewritten for this pool.
@@ -14,9 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvcoord.agent.pool import (
-    Admission,
-    BlockPool,
+from kvcoord.agent.blocks import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     PoolExhausted,
@@ -24,13 +22,15 @@ from kvcoord.agent.pool import (
     get_group_id,
     make_block_hash_with_group_id,
 )
+from kvcoord.agent.kv_cache_manager import KVCacheManager
+from kvcoord.agent.pool import BlockPool
+from kvcoord.agent.requests import Admission
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcoord.extra_keys import MultiModalItem, RequestKeys
 from kvcoord.hashing import (
     BlockDigest,
     BlockHash64,
     HashProfile,
-    MultiModalItem,
-    RequestKeys,
     block_hashes64,
     hash_request_tokens,
     to_block_hash64,
@@ -51,6 +51,10 @@ def h64s(token_ids: Sequence[int], keys: RequestKeys | None = None) -> list[Bloc
 
 def make_pool(num_blocks: int = 10, **kwargs: object) -> BlockPool:
     return BlockPool(num_blocks, PROFILE, **kwargs)  # type: ignore[arg-type]
+
+
+def make_cache(num_blocks: int = 10, **kwargs: object) -> KVCacheManager:
+    return KVCacheManager(make_pool(num_blocks, **kwargs))
 
 
 def queue_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
@@ -94,8 +98,9 @@ def check_invariants(pool: BlockPool) -> None:
     assert pool.null_block.block_hash is None
 
 
-def state(pool: BlockPool) -> object:
+def state(kv: KVCacheManager) -> object:
     """Everything observable, to prove a refused operation changed nothing."""
+    pool = kv.pool
     return (
         queue_ids(pool.free_block_queue),
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
@@ -103,7 +108,7 @@ def state(pool: BlockPool) -> object:
             k: (v.block_id if isinstance(v, KVCacheBlock) else sorted(v))
             for k, v in pool.cached_block_hash_to_block.items()
         },
-        [(rid, tuple(pool.request_block_ids(rid))) for rid in pool.request_ids()],
+        [(rid, tuple(kv.request_block_ids(rid))) for rid in kv.request_ids()],
         pool.take_events(),
     )
 
@@ -122,11 +127,11 @@ def removed_hashes(events: Sequence[KVEvent]) -> list[object]:
 
 
 def admit(
-    pool: BlockPool, rid: str, token_ids: Sequence[int], keys: RequestKeys | None = None, **kw: int
+    kv: KVCacheManager, rid: str, token_ids: Sequence[int], keys: RequestKeys | None = None, **kw: int
 ) -> Admission:
-    adm = pool.admit(rid, token_ids, keys, **kw)
+    adm = kv.admit(rid, token_ids, keys, **kw)
     assert adm is not None
-    check_invariants(pool)
+    check_invariants(kv.pool)
     return adm
 
 
@@ -244,7 +249,8 @@ def test_block_key_packing() -> None:
 
 
 def test_null_block_is_never_free_or_cached() -> None:
-    pool = make_pool(5)
+    kv = make_cache(5)
+    pool = kv.pool
     null = pool.null_block
     assert null.block_id == 0 and null.is_null
     assert pool.num_free_blocks == 4
@@ -260,10 +266,10 @@ def test_null_block_is_never_free_or_cached() -> None:
     assert pool.num_free_blocks == 4
     check_invariants(pool)
     # Admitting everything uses blocks 1..4 only.
-    adm = admit(pool, "r", toks(16))
+    adm = admit(kv, "r", toks(16))
     assert adm.block_ids == (1, 2, 3, 4)
     assert pool.usage == 1.0 and pool.num_free_blocks == 0
-    pool.finish("r")
+    kv.finish("r")
     assert pool.usage == 0.0
     check_invariants(pool)
 
@@ -283,10 +289,11 @@ def test_pool_rejects_bad_construction() -> None:
 
 
 def test_prefill_miss_then_hit_with_exact_events() -> None:
-    pool = make_pool(10)
+    kv = make_cache(10)
+    pool = kv.pool
     common = toks(3 * BS)  # three full blocks
     prompt0 = [*common, 900, 901]  # plus a partial block
-    adm0 = admit(pool, "r0", prompt0)
+    adm0 = admit(kv, "r0", prompt0)
     assert adm0.num_cached_tokens == 0 and adm0.num_cached_blocks == 0
     assert adm0.block_ids == (1, 2, 3, 4) and adm0.num_new_blocks == 4
     hashes = h64s(common)
@@ -309,7 +316,7 @@ def test_prefill_miss_then_hit_with_exact_events() -> None:
 
     # Same three blocks, a different tail that fills a fourth block and starts a fifth.
     tail = [700, 701, 702, 703, 704]
-    adm1 = admit(pool, "r1", common + tail)
+    adm1 = admit(kv, "r1", common + tail)
     assert adm1.num_cached_tokens == 3 * BS
     assert adm1.block_ids == (1, 2, 3, 5, 6)
     assert [pool.blocks[i].ref_cnt for i in (1, 2, 3, 4, 5, 6)] == [2, 2, 2, 1, 1, 1]
@@ -328,42 +335,44 @@ def test_prefill_miss_then_hit_with_exact_events() -> None:
     ]
     # A prompt that diverges inside block 2 hits block 1 only.
     prompt2 = toks(BS) + [555] * (2 * BS)
-    adm2 = admit(pool, "r2", prompt2)
+    adm2 = admit(kv, "r2", prompt2)
     assert adm2.num_cached_tokens == BS and adm2.block_ids[0] == 1
     for rid in ("r0", "r1", "r2"):
-        pool.finish(rid)
+        kv.finish(rid)
     check_invariants(pool)
     assert pool.num_free_blocks == 9
 
 
 def test_partial_blocks_are_not_cached() -> None:
-    pool = make_pool(10)
-    admit(pool, "a", toks(BS + 3))  # one full block, one partial
+    kv = make_cache(10)
+    pool = kv.pool
+    admit(kv, "a", toks(BS + 3))  # one full block, one partial
     events = pool.take_events()
     assert len(events) == 1 and len(stored(events)[0].block_hashes) == 1
     assert pool.num_cached_blocks == 1
-    pool.finish("a")
+    kv.finish("a")
     # The partial block went to the front of the free queue (no hash: reuse it first).
     assert queue_ids(pool.free_block_queue)[0] == 2
     assert queue_ids(pool.free_block_queue)[-1] == 1
     # Same first 6 tokens: only the full block hits.
-    adm = admit(pool, "b", [*toks(BS + 2), 99, 98])
+    adm = admit(kv, "b", [*toks(BS + 2), 99, 98])
     assert adm.num_cached_tokens == BS
     assert adm.block_ids == (1, 2)  # block 2 (fresh, at the front) is reused first
     # A prompt shorter than one block caches nothing and emits nothing.
-    admit(pool, "c", toks(BS - 1))
+    admit(kv, "c", toks(BS - 1))
     assert stored(pool.take_events())[-1].block_hashes == (h64s([*toks(BS + 2), 99, 98])[1],)
     assert pool.take_events() == []
 
 
 def test_full_prompt_hit_recomputes_last_block() -> None:
     """vLLM caps the hit at num_tokens - 1: a fully cached prompt recomputes its last block."""
-    pool = make_pool(10)
+    kv = make_cache(10)
+    pool = kv.pool
     prompt = toks(3 * BS)
-    admit(pool, "a", prompt)
+    admit(kv, "a", prompt)
     hashes = h64s(prompt)
     pool.take_events()
-    adm = admit(pool, "b", prompt)
+    adm = admit(kv, "b", prompt)
     assert adm.num_cached_tokens == 2 * BS
     assert adm.block_ids[:2] == (1, 2) and adm.block_ids[2] == 4
     # The recomputed block is stored again (vLLM does not de-duplicate) under the same hash.
@@ -383,7 +392,7 @@ def test_full_prompt_hit_recomputes_last_block() -> None:
     entry = pool.cached_block_hash_to_block[pool.blocks[3].block_hash or b""]
     assert isinstance(entry, dict) and sorted(entry) == [3, 4]
     # One more token and the whole prompt is a hit.
-    adm = admit(pool, "c", [*prompt, 1])
+    adm = admit(kv, "c", [*prompt, 1])
     assert adm.num_cached_tokens == 3 * BS
     check_invariants(pool)
 
@@ -391,42 +400,44 @@ def test_full_prompt_hit_recomputes_last_block() -> None:
 @pytest.mark.parametrize("mode", ["vllm", "last_copy"])
 def test_duplicate_block_eviction_events(mode: str) -> None:
     """``vllm`` reports each evicted copy; ``last_copy`` only when the hash leaves the pool."""
-    pool = make_pool(6, removal_events=mode)
+    kv = make_cache(6, removal_events=mode)
+    pool = kv.pool
     prompt = toks(2 * BS)
-    admit(pool, "a", prompt)
-    admit(pool, "b", prompt)  # recomputes block 2 into block 3: two copies of hash[1]
-    pool.finish("a")
-    pool.finish("b")
+    admit(kv, "a", prompt)
+    admit(kv, "b", prompt)  # recomputes block 2 into block 3: two copies of hash[1]
+    kv.finish("a")
+    kv.finish("b")
     # Queue: b's tail (3), then b's head (1, shared), a's tail (2) first... check the order:
     # finish(a) frees 2 (cached), 1 stays with b; finish(b) frees 3 then 1.
     assert queue_ids(pool.free_block_queue) == [4, 5, 2, 3, 1]
     pool.take_events()
     hashes = h64s(prompt)
-    admit(pool, "c", toks(3 * BS, start=1000))  # pops 4, 5, 2: evicts one copy of hash[1]
+    admit(kv, "c", toks(3 * BS, start=1000))  # pops 4, 5, 2: evicts one copy of hash[1]
     evicted = removed_hashes(pool.take_events())
     assert evicted == ([hashes[1]] if mode == "vllm" else [])
     assert hashes[1] in pool.cached_hashes()
-    admit(pool, "d", toks(BS, start=2000))  # pops 3: the last copy goes
+    admit(kv, "d", toks(BS, start=2000))  # pops 3: the last copy goes
     assert removed_hashes(pool.take_events()) == [hashes[1]]
     assert hashes[1] not in pool.cached_hashes()
     check_invariants(pool)
 
 
 def test_not_enough_blocks_changes_nothing() -> None:
-    pool = make_pool(6)  # 5 usable blocks
-    admit(pool, "a", toks(3 * BS))  # blocks 1..3
-    pool.finish("a")
+    kv = make_cache(6)  # 5 usable blocks
+    pool = kv.pool
+    admit(kv, "a", toks(3 * BS))  # blocks 1..3
+    kv.finish("a")
     pool.take_events()
-    admit(pool, "hold", toks(BS, start=500))  # takes block 4 (fresh, front of the queue)
+    admit(kv, "hold", toks(BS, start=500))  # takes block 4 (fresh, front of the queue)
     pool.take_events()
-    before = state(pool)
+    before = state(kv)
     # Needs its 3 cached blocks (free, so they count against the free pool) + 2 new = 5 > 4.
-    assert pool.admit("b", toks(3 * BS) + toks(2 * BS, start=100)) is None
-    assert state(pool) == before
+    assert kv.admit("b", toks(3 * BS) + toks(2 * BS, start=100)) is None
+    assert state(kv) == before
     assert pool.take_events() == []
-    assert "b" not in pool
+    assert "b" not in kv
     # One block less fits exactly.
-    adm = admit(pool, "b", toks(3 * BS) + toks(BS, start=100))
+    adm = admit(kv, "b", toks(3 * BS) + toks(BS, start=100))
     assert adm.num_cached_tokens == 3 * BS and pool.num_free_blocks == 0
 
 
@@ -434,23 +445,24 @@ def test_not_enough_blocks_changes_nothing() -> None:
 
 
 def test_eviction_is_lru_and_tail_before_head() -> None:
-    pool = make_pool(10)  # usable blocks 1..9
+    kv = make_cache(10)  # usable blocks 1..9
+    pool = kv.pool
     a = toks(3 * BS + 2)  # blocks 1,2,3 full + 4 partial
     b = toks(3 * BS, start=100)  # blocks 5,6,7
-    admit(pool, "a", a)
-    admit(pool, "b", b)
+    admit(kv, "a", a)
+    admit(kv, "b", b)
     assert queue_ids(pool.free_block_queue) == [8, 9]
-    pool.finish("a")
+    kv.finish("a")
     # a's partial block to the front; its cached blocks to the back, tail first.
     assert queue_ids(pool.free_block_queue) == [4, 8, 9, 3, 2, 1]
-    pool.finish("b")
+    kv.finish("b")
     assert queue_ids(pool.free_block_queue) == [4, 8, 9, 3, 2, 1, 7, 6, 5]
     check_invariants(pool)
     pool.take_events()
     ha, hb = h64s(a), h64s(b)
 
     # Five new blocks: the three never-cached ones, then a's tail (3), then a's middle (2).
-    adm = admit(pool, "c", toks(5 * BS - 1, start=300))
+    adm = admit(kv, "c", toks(5 * BS - 1, start=300))
     assert adm.block_ids == (4, 8, 9, 3, 2)
     events = pool.take_events()
     assert events[:2] == [
@@ -464,43 +476,45 @@ def test_eviction_is_lru_and_tail_before_head() -> None:
     assert pool.cached_hashes() == {ha[0], *hb, *h64s(toks(5 * BS - 1, start=300))}
 
     # b's blocks are touched (off the queue); the one new block is the last free one, a's head.
-    adm = admit(pool, "b2", [*b, 7])
+    adm = admit(kv, "b2", [*b, 7])
     assert adm.block_ids == (5, 6, 7, 1) and adm.num_cached_tokens == 3 * BS
     assert removed_hashes(pool.take_events()) == [ha[0]]
     assert pool.num_free_blocks == 0
-    assert pool.admit("y", toks(BS, start=950)) is None
+    assert kv.admit("y", toks(BS, start=950)) is None
     check_invariants(pool)
 
 
 def test_recently_hit_blocks_move_to_the_back() -> None:
-    pool = make_pool(8)  # usable 1..7
-    admit(pool, "a", toks(2 * BS))  # 1,2
-    admit(pool, "b", toks(2 * BS, start=50))  # 3,4
-    pool.finish("a")
-    pool.finish("b")
+    kv = make_cache(8)  # usable 1..7
+    pool = kv.pool
+    admit(kv, "a", toks(2 * BS))  # 1,2
+    admit(kv, "b", toks(2 * BS, start=50))  # 3,4
+    kv.finish("a")
+    kv.finish("b")
     assert queue_ids(pool.free_block_queue) == [5, 6, 7, 2, 1, 4, 3]
     # Re-use a: its blocks leave the queue and come back behind b's; the fresh block goes first.
-    adm = admit(pool, "a2", [*toks(2 * BS), 1])
+    adm = admit(kv, "a2", [*toks(2 * BS), 1])
     assert adm.block_ids == (1, 2, 5)
     assert queue_ids(pool.free_block_queue) == [6, 7, 4, 3]
-    pool.finish("a2")
+    kv.finish("a2")
     assert queue_ids(pool.free_block_queue) == [5, 6, 7, 4, 3, 2, 1]
     check_invariants(pool)
 
 
 def test_evict_blocks_by_id() -> None:
-    pool = make_pool(8)
+    kv = make_cache(8)
+    pool = kv.pool
     prompt = toks(2 * BS)
-    admit(pool, "a", prompt)
+    admit(kv, "a", prompt)
     pool.take_events()
-    before = state(pool)
+    before = state(kv)
     with pytest.raises(ValueError, match="invalid block id 99"):
         pool.evict_blocks([1, 99])
-    assert state(pool) == before
+    assert state(kv) == before
     pool.evict_blocks([2, 5])  # 5 is not cached: nothing to report
     assert removed_hashes(pool.take_events()) == [h64s(prompt)[1]]
     assert pool.blocks[2].ref_cnt == 1  # still allocated to "a"
-    pool.finish("a")
+    kv.finish("a")
     assert queue_ids(pool.free_block_queue)[0] == 2  # no hash any more: front of the queue
     check_invariants(pool)
 
@@ -509,13 +523,14 @@ def test_evict_blocks_by_id() -> None:
 
 
 def test_extend_caches_blocks_as_they_fill() -> None:
-    pool = make_pool(6)
+    kv = make_cache(6)
+    pool = kv.pool
     prompt = toks(BS + 2)
-    admit(pool, "a", prompt)
+    admit(kv, "a", prompt)
     pool.take_events()
-    assert pool.extend("a", [100]) == 0  # 7 tokens: still two blocks
+    assert kv.extend("a", [100]) == 0  # 7 tokens: still two blocks
     assert pool.take_events() == []
-    assert pool.extend("a", [101, 102]) == 1  # 9 tokens: block 2 full, block 3 started
+    assert kv.extend("a", [101, 102]) == 1  # 9 tokens: block 2 full, block 3 started
     full = h64s([*prompt, 100, 101, 102])
     assert pool.take_events() == [
         BlockStored(
@@ -529,32 +544,33 @@ def test_extend_caches_blocks_as_they_fill() -> None:
             kv_cache_spec_kind="full_attention",
         )
     ]
-    assert pool.request_block_ids("a") == [1, 2, 3]
+    assert kv.request_block_ids("a") == [1, 2, 3]
     check_invariants(pool)
     # Two free blocks left (4, 5); asking for three more is refused whole.
-    before = state(pool)
+    before = state(kv)
     with pytest.raises(PoolExhausted, match="needs 3 more blocks, 2 free"):
-        pool.extend("a", [*toks(3 * BS - 1, start=200), 1])
-    assert state(pool) == before
+        kv.extend("a", [*toks(3 * BS - 1, start=200), 1])
+    assert state(kv) == before
     # A generated sequence is a prefix hit for the next turn.
-    assert pool.extend("a", [103, 104, 105]) == 0
-    pool.finish("a")
-    adm = admit(pool, "b", [*prompt, 100, 101, 102, 103, 104, 105, 106])
+    assert kv.extend("a", [103, 104, 105]) == 0
+    kv.finish("a")
+    adm = admit(kv, "b", [*prompt, 100, 101, 102, 103, 104, 105, 106])
     assert adm.num_cached_tokens == 3 * BS
     with pytest.raises(KeyError):
-        pool.extend("nope", [1])
+        kv.extend("nope", [1])
 
 
 # ------------------------------------------------------------------ extra keys
 
 
 def test_lora_requests_do_not_share_blocks() -> None:
-    pool = make_pool(20)
+    kv = make_cache(20)
+    pool = kv.pool
     prompt = toks(2 * BS)
     alice, bob = RequestKeys(lora_name="alice"), RequestKeys(lora_name="bob")
-    admit(pool, "base", prompt)
-    a1 = admit(pool, "a1", prompt, alice, lora_id=1)
-    b1 = admit(pool, "b1", prompt, bob, lora_id=2)
+    admit(kv, "base", prompt)
+    a1 = admit(kv, "a1", prompt, alice, lora_id=1)
+    b1 = admit(kv, "b1", prompt, bob, lora_id=2)
     assert a1.num_cached_tokens == 0 and b1.num_cached_tokens == 0
     base_h, alice_h, bob_h = h64s(prompt), h64s(prompt, alice), h64s(prompt, bob)
     assert len({*base_h, *alice_h, *bob_h}) == 6
@@ -574,17 +590,18 @@ def test_lora_requests_do_not_share_blocks() -> None:
         kv_cache_spec_kind="full_attention",
     )
     # The same adapter hits its own blocks.
-    a2 = admit(pool, "a2", [*prompt, 1], alice, lora_id=1)
+    a2 = admit(kv, "a2", [*prompt, 1], alice, lora_id=1)
     assert a2.num_cached_tokens == 2 * BS
 
 
 def test_cache_salt_separates_tenants() -> None:
-    pool = make_pool(20)
+    kv = make_cache(20)
+    pool = kv.pool
     prompt = toks(3 * BS)
     t1, t2 = RequestKeys(cache_salt="tenant-1"), RequestKeys(cache_salt="tenant-2")
-    admit(pool, "plain", prompt)
-    admit(pool, "t1", prompt, t1)
-    adm = admit(pool, "t2", prompt, t2)
+    admit(kv, "plain", prompt)
+    admit(kv, "t1", prompt, t1)
+    adm = admit(kv, "t2", prompt, t2)
     assert adm.num_cached_tokens == 0
     plain_h, t1_h, t2_h = h64s(prompt), h64s(prompt, t1), h64s(prompt, t2)
     # The salt is in the first block only, but the chain carries it into every later hash.
@@ -592,17 +609,18 @@ def test_cache_salt_separates_tenants() -> None:
     events = stored(pool.take_events())
     assert events[1].extra_keys == (("tenant-1",), None, None)
     assert events[1].lora_name is None
-    adm = admit(pool, "t1b", [*prompt, 5], t1)
+    adm = admit(kv, "t1b", [*prompt, 5], t1)
     assert adm.num_cached_tokens == 3 * BS
 
 
 def test_multimodal_identifier_is_part_of_the_hash() -> None:
-    pool = make_pool(20)
+    kv = make_cache(20)
+    pool = kv.pool
     prompt = toks(3 * BS)
     img1 = RequestKeys(mm_items=(MultiModalItem("img-1", BS, BS),))
     img2 = RequestKeys(mm_items=(MultiModalItem("img-2", BS, BS),))
-    admit(pool, "i1", prompt, img1)
-    adm = admit(pool, "i2", prompt, img2)
+    admit(kv, "i1", prompt, img1)
+    adm = admit(kv, "i2", prompt, img2)
     # The first block holds no image: shared. The image's block and everything after differ.
     assert adm.num_cached_tokens == BS
     events = stored(pool.take_events())
@@ -615,8 +633,9 @@ def test_tagged_profile_hashes_tagged_but_publishes_untagged() -> None:
     """vLLM >= 0.31 hashes ("lora", name, path) but still publishes the bare LoRA name."""
     profile = HashProfile.for_release("0.31", "sha256_cbor", BS, seed="kvcoord-test")
     keys = RequestKeys(lora_name="alice", lora_path="/adapters/alice")
-    pool = BlockPool(10, profile)
-    adm = pool.admit("a", toks(2 * BS), keys, lora_id=4)
+    kv = KVCacheManager(BlockPool(10, profile))
+    pool = kv.pool
+    adm = kv.admit("a", toks(2 * BS), keys, lora_id=4)
     assert adm is not None
     ev = stored(pool.take_events())[0]
     assert list(ev.block_hashes) == block_hashes64(profile, toks(2 * BS), keys)
@@ -624,38 +643,40 @@ def test_tagged_profile_hashes_tagged_but_publishes_untagged() -> None:
     assert ev.extra_keys == (("alice",), ("alice",))
     assert ev.lora_name == "alice" and ev.lora_id == 4
     # Without the path the tagged hash cannot be computed: refused, nothing changed.
-    before = state(pool)
+    before = state(kv)
     with pytest.raises(ValueError, match="lora_path"):
-        pool.admit("b", toks(2 * BS), RequestKeys(lora_name="alice"))
-    assert state(pool) == before
+        kv.admit("b", toks(2 * BS), RequestKeys(lora_name="alice"))
+    assert state(kv) == before
 
 
 def test_extend_refused_by_the_hasher_changes_nothing() -> None:
     """Prompt-embeds keys need one digest per block; a block without one is refused whole."""
-    pool = make_pool(10)
+    kv = make_cache(10)
+    pool = kv.pool
     keys = RequestKeys(prompt_embeds_digests=(b"\x01" * 32,))
-    admit(pool, "a", toks(BS + 1), keys)
+    admit(kv, "a", toks(BS + 1), keys)
     assert stored(pool.take_events())[0].extra_keys == ((b"\x01" * 32,),)
-    before = state(pool)
+    before = state(kv)
     with pytest.raises(ValueError, match="prompt-embeds digests"):
-        pool.extend("a", toks(BS, start=50))
-    assert state(pool) == before
-    assert pool.extend("a", [1, 2]) == 0  # still inside block 2: nothing to hash
+        kv.extend("a", toks(BS, start=50))
+    assert state(kv) == before
+    assert kv.extend("a", [1, 2]) == 0  # still inside block 2: nothing to hash
 
 
 # ------------------------------------------------------------------ reset
 
 
 def test_reset_prefix_cache() -> None:
-    pool = make_pool(10)
+    kv = make_cache(10)
+    pool = kv.pool
     prompt = toks(2 * BS + 1)
-    admit(pool, "a", prompt)
+    admit(kv, "a", prompt)
     pool.take_events()
-    before = state(pool)
+    before = state(kv)
     assert pool.reset_prefix_cache() is False  # "a" still holds blocks
-    assert state(pool) == before
+    assert state(kv) == before
     assert pool.take_events() == []
-    pool.finish("a")
+    kv.finish("a")
     order = queue_ids(pool.free_block_queue)
     assert pool.reset_prefix_cache() is True
     assert pool.take_events() == [AllBlocksCleared()]
@@ -663,7 +684,7 @@ def test_reset_prefix_cache() -> None:
     assert all(b.block_hash is None for b in pool.blocks)
     assert queue_ids(pool.free_block_queue) == order
     check_invariants(pool)
-    adm = admit(pool, "b", prompt)
+    adm = admit(kv, "b", prompt)
     assert adm.num_cached_tokens == 0
     # Evicting a block whose hash was reset reports nothing.
     assert [type(e) for e in pool.take_events()] == [BlockStored]
@@ -674,32 +695,35 @@ def test_reset_prefix_cache() -> None:
 
 def test_listener_gets_events_instead_of_the_queue() -> None:
     seen: list[KVEvent] = []
-    pool = make_pool(10, listener=seen.append)
-    admit(pool, "a", toks(2 * BS))
-    pool.finish("a")
+    kv = make_cache(10, listener=seen.append)
+    pool = kv.pool
+    admit(kv, "a", toks(2 * BS))
+    kv.finish("a")
     assert pool.reset_prefix_cache()
     assert [type(e) for e in seen] == [BlockStored, AllBlocksCleared]
     assert pool.take_events() == []
 
 
 def test_events_disabled_still_caches() -> None:
-    pool = make_pool(10, enable_events=False)
-    admit(pool, "a", toks(2 * BS), RequestKeys(lora_name="x"))
-    adm = admit(pool, "b", [*toks(2 * BS), 1], RequestKeys(lora_name="x"))
+    kv = make_cache(10, enable_events=False)
+    pool = kv.pool
+    admit(kv, "a", toks(2 * BS), RequestKeys(lora_name="x"))
+    adm = admit(kv, "b", [*toks(2 * BS), 1], RequestKeys(lora_name="x"))
     assert adm.num_cached_tokens == 2 * BS
     assert pool.take_events() == []
 
 
 def test_bytes_hash_form_and_group_fields() -> None:
-    pool = make_pool(10, hash_form="bytes", group_idx=None, kv_cache_spec_kind=None, medium="cpu")
+    kv = make_cache(10, hash_form="bytes", group_idx=None, kv_cache_spec_kind=None, medium="cpu")
+    pool = kv.pool
     prompt = toks(2 * BS)
-    admit(pool, "a", prompt)
+    admit(kv, "a", prompt)
     digests = hash_request_tokens(PROFILE, prompt)
     ev = stored(pool.take_events())[0]
     assert ev.block_hashes == tuple(digests)
     assert all(isinstance(h, bytes) and len(h) == 32 for h in ev.block_hashes)
     assert ev.group_idx is None and ev.kv_cache_spec_kind is None and ev.medium == "cpu"
-    admit(pool, "b", [*prompt, 1, 2, 3, 4, 5])
+    admit(kv, "b", [*prompt, 1, 2, 3, 4, 5])
     ev = stored(pool.take_events())[0]
     assert ev.parent_block_hash == digests[1]
     assert pool.snapshot() == {
@@ -708,8 +732,9 @@ def test_bytes_hash_form_and_group_fields() -> None:
 
 
 def test_group_id_is_part_of_the_key() -> None:
-    pool = make_pool(10, group_idx=3, dp_rank=2)
-    admit(pool, "a", toks(BS))
+    kv = make_cache(10, group_idx=3, dp_rank=2)
+    pool = kv.pool
+    admit(kv, "a", toks(BS))
     [key] = pool.cached_block_hash_to_block
     assert get_group_id(key) == 3
     assert get_block_digest(key) == hash_request_tokens(PROFILE, toks(BS))[0]
@@ -721,35 +746,36 @@ def test_group_id_is_part_of_the_key() -> None:
 
 
 def test_bad_requests_are_refused_whole() -> None:
-    pool = make_pool(10)
-    admit(pool, "a", toks(2 * BS))
+    kv = make_cache(10)
+    pool = kv.pool
+    admit(kv, "a", toks(2 * BS))
     pool.take_events()
-    before = state(pool)
+    before = state(kv)
     with pytest.raises(ValueError, match="already running"):
-        pool.admit("a", toks(BS, start=40))
+        kv.admit("a", toks(BS, start=40))
     with pytest.raises(ValueError, match="at least one token"):
-        pool.admit("b", [])
+        kv.admit("b", [])
     with pytest.raises(ValueError, match="non-negative ints"):
-        pool.admit("b", [*toks(2 * BS, start=40), -1])
+        kv.admit("b", [*toks(2 * BS, start=40), -1])
     with pytest.raises(ValueError, match="non-negative ints"):
-        pool.admit("b", [1, 2, "3"])  # type: ignore[list-item]
+        kv.admit("b", [1, 2, "3"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="non-negative ints"):
-        pool.admit("b", [1, True])
+        kv.admit("b", [1, True])
     with pytest.raises(ValueError, match="not a string"):
-        pool.admit("b", "1234")  # type: ignore[arg-type]
+        kv.admit("b", "1234")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-negative ints"):
-        pool.extend("a", [3, None])  # type: ignore[list-item]
+        kv.extend("a", [3, None])  # type: ignore[list-item]
     with pytest.raises(KeyError):
-        pool.finish("b")
-    assert state(pool) == before
-    pool.finish("a")
-    before = state(pool)
+        kv.finish("b")
+    assert state(kv) == before
+    kv.finish("a")
+    before = state(kv)
     with pytest.raises(RuntimeError, match="double free"):
         pool.free_blocks([pool.blocks[1]])
-    assert state(pool) == before
+    assert state(kv) == before
     with pytest.raises(RuntimeError, match="not in the free queue"):
         pool.free_block_queue.remove(pool.null_block)
-    assert state(pool) == before
+    assert state(kv) == before
 
 
 # ------------------------------------------------------------------ agreement with hashing and real engines
@@ -762,8 +788,9 @@ def test_emitted_hashes_equal_the_hashing_module(algo: str) -> None:
     prompt = [rng.randrange(150_000) for _ in range(16 * 9 + 5)]
     keys = RequestKeys(lora_name="ad", cache_salt="s")
     for k in (None, keys):
-        pool = BlockPool(64, profile)
-        adm = pool.admit("r", prompt, k)
+        kv = KVCacheManager(BlockPool(64, profile))
+        pool = kv.pool
+        adm = kv.admit("r", prompt, k)
         assert adm is not None
         ev = stored(pool.take_events())[0]
         expected = block_hashes64(profile, prompt, k)
@@ -788,8 +815,9 @@ def test_real_engine_events(name: str) -> None:
     keys = RequestKeys(lora_name=lora_name) if isinstance(lora_name, str) else None
     token_ids = fx["token_ids"]
     assert isinstance(token_ids, list)
-    pool = BlockPool(64, profile)
-    adm = pool.admit("fx", token_ids, keys, lora_id=1 if keys else None)
+    kv = KVCacheManager(BlockPool(64, profile))
+    pool = kv.pool
+    adm = kv.admit("fx", token_ids, keys, lora_id=1 if keys else None)
     assert adm is not None
     [ev] = pool.take_events()
     assert isinstance(ev, BlockStored)
@@ -801,7 +829,7 @@ def test_real_engine_events(name: str) -> None:
     if keys is not None:
         assert ev.extra_keys == ((lora_name,),) * len(ev.block_hashes)
     # A second request for the same prompt hits all but the last block.
-    adm2 = pool.admit("fx2", token_ids, keys)
+    adm2 = kv.admit("fx2", token_ids, keys)
     assert adm2 is not None and adm2.num_cached_tokens == (len(token_ids) - 1) // block_size * block_size
 
 
@@ -823,7 +851,8 @@ def _replay(events: Sequence[KVEvent], index: set[int]) -> None:
 @pytest.mark.parametrize("mode", ["vllm", "last_copy"])
 def test_random_workload_keeps_invariants_and_index_agreement(seed: int, mode: str) -> None:
     rng = random.Random(seed)
-    pool = make_pool(40, removal_events=mode)
+    kv = make_cache(40, removal_events=mode)
+    pool = kv.pool
     prefixes = [toks(rng.randrange(1, 6) * BS, start=1000 * i) for i in range(5)]
     index: set[int] = set()
     running: list[str] = []
@@ -832,15 +861,15 @@ def test_random_workload_keeps_invariants_and_index_agreement(seed: int, mode: s
         if op < 0.5 or not running:
             prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 3 * BS))]
             keys = rng.choice([None, None, RequestKeys(lora_name="l"), RequestKeys(cache_salt="s")])
-            if pool.admit(f"r{step}", prompt, keys) is not None:
+            if kv.admit(f"r{step}", prompt, keys) is not None:
                 running.append(f"r{step}")
         elif op < 0.7:
             rid = rng.choice(running)
             with contextlib.suppress(PoolExhausted):
-                pool.extend(rid, [rng.randrange(50) for _ in range(rng.randrange(1, 2 * BS))])
+                kv.extend(rid, [rng.randrange(50) for _ in range(rng.randrange(1, 2 * BS))])
         elif op < 0.98:
             rid = running.pop(rng.randrange(len(running)))
-            pool.finish(rid)
+            kv.finish(rid)
         else:
             ok = pool.reset_prefix_cache()
             assert ok == (not running)
@@ -852,6 +881,6 @@ def test_random_workload_keeps_invariants_and_index_agreement(seed: int, mode: s
         else:
             assert index <= held  # vLLM may report a duplicate's eviction while a copy remains
     for rid in running:
-        pool.finish(rid)
+        kv.finish(rid)
     check_invariants(pool)
     assert pool.num_free_blocks == 39 and pool.usage == 0.0

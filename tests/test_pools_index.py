@@ -10,8 +10,7 @@ from collections.abc import Collection, Sequence
 from kvcoord.coordinator.pools import PoolConfig, Pools, parse_pools
 from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index import Index, NodeMatch
-from kvcoord.index.base import NodeKey
+from kvcoord.index.base import Index, NodeKey, NodeMatch
 from kvcoord.validate import ops_of
 
 M = "m"

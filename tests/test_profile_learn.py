@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcoord.coordinator.config import ConfigError, CoordinatorConfig, ModelConfig, parse_model_spec
+from kvcoord.coordinator.config import CoordinatorConfig, ModelConfig, parse_model_spec
+from kvcoord.coordinator.config_values import ConfigError
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.learn import LEARN_CHAINS, MAX_CHAINS_TRIED, candidates, verifies
 from kvcoord.hashing import DEFAULT_NONE_HASH_SEED, HASH_ALGOS, HashProfile, hash_request_tokens

@@ -28,8 +28,9 @@ import grpc
 import pytest
 
 from kvcoord import validate
+from kvcoord.events import STORE
 from kvcoord.index.base import WriteNotReplicated
-from kvcoord.index.redis import RedisIndex
+from kvcoord.index.redis.index import RedisIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
@@ -92,21 +93,21 @@ async def test_short_wait_is_not_acknowledged_and_reapplies(pair: tuple[RedisSer
     else:
         uri = f"{primary.url}?wait_replicas=1&wait_timeout=0.05"
     ix = RedisIndex.from_uri(uri)
-    batch = [(validate.STORE, 0, HASHES, None, True)]
+    batch = [(STORE, 0, HASHES, None, True)]
     try:
         assert (await ix.apply(MODEL, "n1", 0, batch)).stored == len(HASHES)
         assert ix.metrics.waits >= 1 and ix.metrics.wait_short == 0
         _signal(replica, signal.SIGSTOP)
         with pytest.raises(WriteNotReplicated, match="0 of 1 replicas"):
-            await ix.apply(MODEL, "n1", 0, [(validate.STORE, 0, MORE, None, True)])
+            await ix.apply(MODEL, "n1", 0, [(STORE, 0, MORE, None, True)])
         assert ix.metrics.wait_short == 1
         with pytest.raises(WriteNotReplicated):
             await ix.remove_node("n9")  # the other writes WAIT too
         _signal(replica, signal.SIGCONT)
         _poll(lambda: "state=online" in primary.cli("INFO", "replication"), "the replica back")
         # The caller retries the same batch: applying it again is idempotent.
-        await ix.apply(MODEL, "n1", 0, [(validate.STORE, 0, MORE, None, True)])
-        await ix.apply(MODEL, "n1", 0, [(validate.STORE, 0, MORE, None, True)])
+        await ix.apply(MODEL, "n1", 0, [(STORE, 0, MORE, None, True)])
+        await ix.apply(MODEL, "n1", 0, [(STORE, 0, MORE, None, True)])
         got = await ix.match(MODEL, HASHES + MORE)
         assert [(m.node_id, m.matched_blocks) for m in got] == [("n1", len(HASHES) + len(MORE))]
         assert await ix.export_node(MODEL, "n1", 0) == sorted((h, 0) for h in HASHES + MORE)
@@ -356,7 +357,7 @@ async def test_cluster_wait_goes_to_the_shard_of_the_write(
         owner: dict[str, int] = {}  # node -> index of the shard holding its bucket
         for n in range(40):
             node = f"n{n}"
-            await ix.apply(MODEL, node, 0, [(validate.STORE, 0, HASHES, None, True)])
+            await ix.apply(MODEL, node, 0, [(STORE, 0, HASHES, None, True)])
             tag = ix.tag_of(node)
             owner[node] = next(i for i, s in enumerate(cluster.servers)
                                if s.cli("EXISTS", tag + ":loc").strip() == "1")
@@ -367,12 +368,12 @@ async def test_cluster_wait_goes_to_the_shard_of_the_write(
             paused = next(n for n, i in owner.items() if i == 0)
             other = next(n for n, i in owner.items() if i != 0)
             with pytest.raises(WriteNotReplicated):
-                await ix.apply(MODEL, paused, 0, [(validate.STORE, 0, MORE, None, True)])
-            await ix.apply(MODEL, other, 0, [(validate.STORE, 0, MORE, None, True)])  # its replica confirms
+                await ix.apply(MODEL, paused, 0, [(STORE, 0, MORE, None, True)])
+            await ix.apply(MODEL, other, 0, [(STORE, 0, MORE, None, True)])  # its replica confirms
             assert ix.metrics.wait_short == 1
         finally:
             _signal(replicas[0], signal.SIGCONT)
-        await ix.apply(MODEL, paused, 0, [(validate.STORE, 0, MORE, None, True)])
+        await ix.apply(MODEL, paused, 0, [(STORE, 0, MORE, None, True)])
         got = await ix.match(MODEL, HASHES + MORE, [(paused, 0)])
         assert [m.matched_blocks for m in got] == [len(HASHES) + len(MORE)]
     finally:

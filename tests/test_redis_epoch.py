@@ -1,7 +1,8 @@
 """Lost data noticed in the call itself (issue 29): after a FLUSHALL (or a Redis restarted empty), the next
 lookup raises ``IndexReset`` instead of answering from the emptied keyspace, and the next write is refused
 whole, before anything is written, until the client re-reads the generation. On every lookup path: the
-plain-TCP fast path (one bucket and several), the lookup script (a Redis Cluster; a unix socket), and the
+pipelined fast path (plain TCP with one bucket and several, a unix socket, TLS), a Redis Cluster's
+per-shard transactions, and the
 lookup mirror (which may answer from its copy only while that is provably current).
 """
 
@@ -21,9 +22,9 @@ import redis
 from kvcoord.events import BlockStored
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import IndexReset, NodeMatch
-from kvcoord.index.redis import RedisIndex
+from kvcoord.index.redis.index import RedisIndex
 from kvcoord.validate import ops_of, snapshot_columns
-from tests.redis_servers import RedisCluster, RedisServer, start_server, stop_server
+from tests.redis_servers import RedisCluster, RedisServer, TlsRedis, start_server, stop_server
 
 M = "m"
 
@@ -70,19 +71,22 @@ def unix_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Redi
         stop_server(server)
 
 
-KINDS = ["fast", "fast-4-buckets", "cluster-script", "unix-script", "mirror", "mirror-cluster"]
+KINDS = ["fast", "fast-4-buckets", "unix-fast", "tls-fast", "cluster", "mirror", "mirror-cluster"]
 
 
 @pytest.fixture(params=KINDS)
 def target(request: pytest.FixtureRequest) -> tuple[Target, str]:
     kind: str = request.param
     t: Target
-    if kind.endswith("cluster") or kind == "cluster-script":
+    if kind.endswith("cluster"):
         c: RedisCluster = request.getfixturevalue("redis_cluster")
         t = Target(c.url, c.servers)
-    elif kind == "unix-script":
+    elif kind == "unix-fast":
         server, sock = request.getfixturevalue("unix_server")
         t = Target(f"unix://{sock}", [server])  # unix:///path, as redis-py's docs write it
+    elif kind == "tls-fast":
+        tls: TlsRedis = request.getfixturevalue("redis_tls")
+        t = Target(tls.url, tls.servers)
     else:
         s: RedisServer = request.getfixturevalue("redis_server")
         t = Target(s.url, [s])

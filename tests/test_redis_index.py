@@ -18,11 +18,12 @@ import redis
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index import open_index
-from kvcoord.index.base import IndexReset, InvalidEvent
+from kvcoord.index.base import IndexReset
 from kvcoord.index.memory import MemoryIndex
-from kvcoord.index.redis import IndexUnavailable, RedisIndex
-from kvcoord.validate import ops_of, snapshot_columns
-from tests.redis_servers import RedisCluster, RedisServer
+from kvcoord.index.redis.client import IndexUnavailable
+from kvcoord.index.redis.index import RedisIndex
+from kvcoord.validate import InvalidEvent, ops_of, snapshot_columns
+from tests.redis_servers import RedisCluster, RedisServer, TlsRedis
 
 M = "m"
 T = TypeVar("T")
@@ -84,7 +85,7 @@ async def test_one_spec_opens_the_index_the_directory_and_the_engine_store(redis
     from kvcoord.coordinator.engine_store import open_engine_store
     from kvcoord.coordinator.engines import Engine, Listener
     from kvcoord.coordinator.shared import SharedNode, open_directory
-    from kvcoord.index import parse_index_uri
+    from kvcoord.index.uri import parse_index_uri
 
     redis_server.flushall()
     spec = parse_index_uri(redis_server.url + "?prefix=one", key_prefix="configured")
@@ -280,15 +281,24 @@ async def test_many_nodes_match_like_the_memory_backend(cindex: RedisIndex) -> N
         assert await cindex.match(M, H(*q)) == await mem.match(M, H(*q))
         cands = [(f"node-{i}", r) for i in range(0, 29, 3) for r in range(3)]
         assert await cindex.match(M, H(*q), cands) == await mem.match(M, H(*q), cands)
+    # Many lookups at once: each reads every bucket in a transaction of its own (a connection of its
+    # shard), and all of them answer, none refused for want of connections.
+    queries = [chain[: rng.randrange(1, len(chain))] for _ in range(300)]
+    got = await asyncio.gather(*(cindex.match(M, H(*q)) for q in queries))
+    assert got == [await mem.match(M, H(*q)) for q in queries]
     await mem.close()
 
 
-@pytest.mark.parametrize("buckets", [1, 3])
-async def test_fast_path_walk_matches_the_memory_backend(redis_server: RedisServer, buckets: int) -> None:
-    """Standalone Redis over plain TCP walks client-side (raw HMGET): same answers as the memory walk,
-    with and without candidates, over one bucket and several (one MULTI per bucket, one write)."""
-    redis_server.flushall()
-    idx = RedisIndex.from_uri(f"{redis_server.url}?buckets={buckets}", key_prefix="kvt")
+@pytest.mark.parametrize(("over", "buckets"), [("tcp", 1), ("tcp", 3), ("tls", 1), ("tls", 3)])
+async def test_fast_path_walk_matches_the_memory_backend(
+    request: pytest.FixtureRequest, redis_server: RedisServer, over: str, buckets: int
+) -> None:
+    """Standalone Redis over plain TCP or TLS walks client-side (raw HMGET): same answers as the memory
+    walk, with and without candidates, over one bucket and several (one MULTI per bucket, one write)."""
+    target: RedisServer | TlsRedis = redis_server if over == "tcp" else request.getfixturevalue("redis_tls")
+    target.flushall()
+    sep = "&" if "?" in target.url else "?"
+    idx = RedisIndex.from_uri(f"{target.url}{sep}buckets={buckets}", key_prefix="kvt")
     mem = MemoryIndex()
     try:
         assert idx._fast is not None

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.index.base import IndexReset, NodeMatch
-from kvcoord.index.redis import IndexUnavailable, RedisIndex
+from kvcoord.index.redis.client import IndexUnavailable
+from kvcoord.index.redis.index import RedisIndex
 from kvcoord.native import native
 from kvcoord.validate import ops_of, snapshot_columns
 from tests.redis_servers import RedisCluster, RedisServer

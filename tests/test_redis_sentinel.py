@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcoord.index import open_index, parse_index_uri
-from kvcoord.index.redis import IndexUnavailable, RedisIndex
+from kvcoord.index import open_index
+from kvcoord.index.redis.client import IndexUnavailable
+from kvcoord.index.redis.index import RedisIndex
+from kvcoord.index.uri import parse_index_uri
 from kvcoord.router.client import CoordinatorClient
 from kvcoord.validate import ops_of
 from tests.redis_servers import RedisSentinel, RedisServer, redis_sentinel, start_server, stop_server

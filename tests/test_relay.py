@@ -14,7 +14,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvcoord.engine.relay import REPLAY_ONLY_PROBES_WARN, BlockMirror, Relay
+from kvcoord.engine.mirror import BlockMirror
+from kvcoord.engine.relay import REPLAY_ONLY_PROBES_WARN, Relay
 from kvcoord.engine.zmq_wire import (
     END_SEQ,
     EndpointError,

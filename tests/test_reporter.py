@@ -15,11 +15,9 @@ import grpc
 import grpc.aio
 import pytest
 
-from kvcoord.agent.reporter import (
-    Reporter,
-    ReporterOptions,
-    snapshot_from_mapping,
-)
+from kvcoord.agent.link import ReporterOptions
+from kvcoord.agent.node import snapshot_from_mapping
+from kvcoord.agent.reporter import Reporter
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
@@ -393,7 +391,7 @@ async def test_close_is_prompt(listening: bool) -> None:
 async def test_snapshot_from_a_relay_mirror_takes_its_columns_whole() -> None:
     """A real relay BlockMirror as the snapshot provider: its RankSnapshot's columns go into the chunks
     as they are (uint64 hashes, tier numbers), per rank and chunked, equal to the per-entry path's."""
-    from kvcoord.engine.relay import BlockMirror
+    from kvcoord.engine.mirror import BlockMirror
 
     mirror = BlockMirror()
     digest = BlockStored(block_hashes=(b"\x07" * 32,), parent_block_hash=None, token_ids=(), block_size=16,

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvcoord.agent.reporter import INGEST_METHOD
+from kvcoord.agent.stream import INGEST_METHOD
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port

@@ -313,7 +313,8 @@ async def test_route_keys_its_memories_on_the_coordinators_hashes_and_follows_an
     sends a conversation back to the node without KV events it sent it to before."""
     import grpc
 
-    from kvcoord.coordinator import CoordinatorServer, load_config
+    from kvcoord.coordinator.config import load_config
+    from kvcoord.coordinator.server import CoordinatorServer
     from kvcoord.gateway.route_backends import Backends
     from kvcoord.gateway.route_metrics import RouteMetrics
     from kvcoord.gateway.route_place import Placer

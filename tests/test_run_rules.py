@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvcoord import validate
 from kvcoord.agent.link import run_piece
 from kvcoord.events import (
+    STORE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -24,7 +25,7 @@ from kvcoord.events import (
 )
 from kvcoord.hashing import to_block_hash64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import STORE, InvalidEvent, Op, op_runs, ops_of, pack_u64
+from kvcoord.validate import InvalidEvent, Op, op_runs, ops_of, pack_u64
 from kvcoord.wire import event_to_proto, fill_event, ops_from_proto
 from tests.test_relay import merged_oracle
 

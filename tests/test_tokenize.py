@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvcoord.tokenize import TokenizeError, TokenizerCache, TokenizerSpec, open_tokenizer
+from kvcoord.tokenize import TokenizerCache, TokenizerSpec, open_tokenizer
+from kvcoord.tokenize.base import TokenizeError
 from kvcoord.tokenize.chat import dump_tools, normalize_messages
 from kvcoord.tokenize.local import LocalTokenizer
 from kvcoord.tokenize.remote import RemoteTokenizer, tokenize_url

@@ -18,8 +18,9 @@ from typing import Any
 import aiohttp
 import grpc
 
-from kvcoord.coordinator import CoordinatorServer, load_config
+from kvcoord.coordinator.config import load_config
 from kvcoord.coordinator.registry import NO_KV_EVENTS
+from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.events import BlockStored
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index.memory import MemoryIndex

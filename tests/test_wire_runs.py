@@ -12,10 +12,11 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvcoord.agent.reporter import Reporter, ReporterOptions
+from kvcoord.agent.link import ReporterOptions
+from kvcoord.agent.reporter import Reporter
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent
 from kvcoord.hashing import HashProfile, block_hashes64
-from kvcoord.index import Index
+from kvcoord.index.base import Index
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import op_runs
 from tests.procs import free_port

@@ -9,7 +9,8 @@ with the same blocks would report. The semantics follow ``vllm/v1/core/block_poo
 - free blocks sit in one doubly linked queue in eviction order. Allocation pops the front; a
   popped block that still carries a hash is evicted from the cache (``BlockRemoved``). Freed
   blocks without a hash go to the front (reused first), cached ones to the back (LRU). A
-  request's blocks are freed tail-first, so the tail of a chain is evicted before its head;
+  request's blocks are freed tail-first (``kv_cache_manager.py``), so the tail of a chain is
+  evicted before its head;
 - the hash -> block map is keyed by (block digest, KV-cache group id), packed into bytes as
   vLLM's ``BlockHashWithGroupId`` is. Identical full blocks are not de-duplicated (block ids of
   a running request never change), so one key may map to several blocks;
@@ -29,12 +30,7 @@ from kvcoord.agent.blocks import (
     BlockHashWithGroupId,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
-    PoolExhausted,
-    get_block_digest,
-    get_group_id,
-    make_block_hash_with_group_id,
 )
-from kvcoord.agent.requests import Admission, RunningRequest, checked_tokens
 from kvcoord.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -44,31 +40,18 @@ from kvcoord.events import (
     KVEvent,
     Tier,
 )
+from kvcoord.extra_keys import RequestKeys
 from kvcoord.hashing import (
     UINT64_MASK,
     BlockDigest,
     BlockHash64,
     HashProfile,
     RequestBlockHasher,
-    RequestKeys,
-    published_extra_keys,
     to_block_hash64,
 )
 from kvcoord.media import normalize_medium
 
-__all__ = [
-    "Admission",
-    "BlockHashWithGroupId",
-    "BlockPool",
-    "FreeKVCacheBlockQueue",
-    "HashForm",
-    "KVCacheBlock",
-    "PoolExhausted",
-    "RemovalEvents",
-    "get_block_digest",
-    "get_group_id",
-    "make_block_hash_with_group_id",
-]
+__all__ = ["BlockPool", "HashForm", "RemovalEvents"]
 
 HashForm: TypeAlias = Literal["int", "bytes"]
 """How events carry hashes: uint64 ints (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)
@@ -85,8 +68,8 @@ class BlockPool:
 
     The low-level operations mirror vLLM's ``BlockPool`` (``get_cached_block``, ``touch``,
     ``get_new_blocks``, ``cache_full_blocks``, ``free_blocks``, ``reset_prefix_cache``,
-    ``take_events``); :meth:`admit`, :meth:`extend` and :meth:`finish` drive them per request
-    the way vLLM's ``KVCacheManager`` does, so the pool also works as a whole engine cache.
+    ``take_events``); :class:`~kvcoord.agent.kv_cache_manager.KVCacheManager` drives them per
+    request the way vLLM's ``KVCacheManager`` does.
 
     Events are queued for :meth:`take_events`, or, when ``listener`` is given, handed to it as
     they happen instead (it must not raise). ``enable_events=False`` skips building them at all.
@@ -143,7 +126,6 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self._events: list[KVEvent] = []
-        self._requests: dict[str, RunningRequest] = {}
 
     # ----------------------------------------------------------------- events
 
@@ -410,14 +392,7 @@ class BlockPool:
         """The uint64 hashes of all cached blocks."""
         return {h for h, _ in self.snapshot()[self.dp_rank]}
 
-    # ------------------------------------------------------- request level
-
-    @property
-    def num_running(self) -> int:
-        return len(self._requests)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests
+    # ---------------------------------------------------------- lookups
 
     def hash_prompt(self, token_ids: Sequence[int], keys: RequestKeys | None = None) -> list[BlockDigest]:
         """The digests of the prompt's full blocks under this pool's profile."""
@@ -434,116 +409,3 @@ class BlockPool:
                 break
             n += 1
         return n
-
-    def admit(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        keys: RequestKeys | None = None,
-        *,
-        lora_id: int | None = None,
-    ) -> Admission | None:
-        """Start a request: reuse its cached prefix, allocate the rest, cache its full blocks.
-
-        Emits the ``BlockRemoved`` of any evicted block and one ``BlockStored`` for the newly
-        cached blocks, as vLLM does when it schedules the prefill. Returns None, changing
-        nothing, when the pool cannot hold the prompt now (vLLM would keep it waiting). Raises
-        ``ValueError`` for a duplicate request id or bad tokens, also changing nothing.
-        """
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already running")
-        tokens = checked_tokens(token_ids)
-        if not tokens:
-            raise ValueError("a request needs at least one token")
-        hasher = RequestBlockHasher(self.profile, keys)
-        digests = list(hasher.append(tokens))
-        bs = self.block_size
-        num_tokens = len(tokens)
-        # A full hit still recomputes the last token: vLLM caps the hit at num_tokens - 1.
-        hits = self.find_longest_cache_hit(digests, (num_tokens - 1) // bs)
-        num_blocks = -(-num_tokens // bs)
-        num_new = num_blocks - len(hits)
-        num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-        if num_new + num_evictable_hits > self.free_block_queue.num_free_blocks:
-            return None
-        self.touch(hits)
-        new_blocks = self.get_new_blocks(num_new)
-        req = RunningRequest(request_id, tokens, hasher, keys, lora_id)
-        req.blocks = hits + new_blocks
-        req.digests = digests
-        req.num_cached_blocks = len(hits)
-        self._requests[request_id] = req
-        self._cache_request(req)
-        return Admission(
-            request_id=request_id,
-            num_tokens=num_tokens,
-            num_cached_tokens=len(hits) * bs,
-            block_ids=tuple(b.block_id for b in req.blocks),
-            num_new_blocks=num_new,
-            block_hashes=tuple(map(to_block_hash64, digests)),
-        )
-
-    def extend(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Append generated tokens to a running request; cache the blocks they fill.
-
-        Returns the number of blocks allocated. Raises :class:`PoolExhausted` (nothing changed)
-        when the pool has too few free blocks, ``KeyError`` for an unknown request.
-        """
-        req = self._requests.get(request_id)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not running")
-        tokens = checked_tokens(token_ids)
-        if not tokens:
-            return 0
-        total = len(req.token_ids) + len(tokens)
-        num_new = -(-total // self.block_size) - len(req.blocks)
-        if num_new > self.free_block_queue.num_free_blocks:
-            raise PoolExhausted(
-                f"request {request_id!r} needs {num_new} more blocks, {self.num_free_blocks} free"
-            )
-        new_digests = req.hasher.append(tokens)  # validates and may refuse; nothing changed yet
-        req.token_ids.extend(tokens)
-        req.digests.extend(new_digests)
-        if num_new > 0:
-            req.blocks.extend(self.get_new_blocks(num_new))
-        self._cache_request(req)
-        return max(num_new, 0)
-
-    def _cache_request(self, req: RunningRequest) -> None:
-        num_full = len(req.token_ids) // self.block_size
-        start = req.num_cached_blocks
-        if num_full <= start:
-            return
-        keys = req.keys
-        extra: list[ExtraKeys] | None = None
-        if keys is not None and not keys.empty and self.enable_events:
-            extra = published_extra_keys(keys, self.block_size, num_full * self.block_size)[start:]
-        self.cache_full_blocks(
-            req.blocks,
-            req.digests,
-            start,
-            num_full,
-            req.token_ids,
-            lora_id=req.lora_id,
-            lora_name=keys.lora_name if keys is not None else None,
-            extra_keys=extra,
-        )
-        req.num_cached_blocks = num_full
-
-    def finish(self, request_id: str) -> None:
-        """End a request: free its blocks tail-first, so a chain's tail is evicted before its head.
-
-        Raises ``KeyError`` for an unknown request.
-        """
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not running")
-        self.free_blocks(reversed(req.blocks))
-
-    def request_ids(self) -> list[str]:
-        """The running requests, in admission order."""
-        return list(self._requests)
-
-    def request_block_ids(self, request_id: str) -> list[int]:
-        """A running request's block table."""
-        return [b.block_id for b in self._requests[request_id].blocks]

@@ -32,7 +32,6 @@ from typing import Any
 from kvcoord.agent.link import (
     CoordinatorEndpoint,
     Link,
-    LinkStats,
     Pending,
     ReporterOptions,
     ReporterStats,
@@ -46,33 +45,15 @@ from kvcoord.agent.node import (
     check_node,
     hash_profile_to_proto,
     snapshot_chunks,
-    snapshot_from_mapping,
 )
-from kvcoord.agent.stream import AGENT_VERSION, INGEST_METHOD, PERMANENT, Streams
+from kvcoord.agent.stream import Streams
 from kvcoord.events import CLEAR, REMOVE, STORE
-from kvcoord.load import NodeLoad
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity
 from kvcoord.validate import Op, known_runs, pack_u64
 from kvcoord.wire import Sample, TokenSampler, fill_event
 
-__all__ = [
-    "AGENT_VERSION",
-    "INGEST_METHOD",
-    "PERMANENT",
-    "CoordinatorEndpoint",
-    "LinkStats",
-    "LoadProvider",
-    "NodeLoad",
-    "Reporter",
-    "ReporterOptions",
-    "ReporterStats",
-    "SnapshotProvider",
-    "check_node",
-    "hash_profile_to_proto",
-    "snapshot_chunks",
-    "snapshot_from_mapping",
-]
+__all__ = ["Reporter"]
 
 log = logging.getLogger(__name__)
 

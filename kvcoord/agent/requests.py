@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcoord.agent.blocks import KVCacheBlock
-from kvcoord.hashing import BlockDigest, BlockHash64, RequestBlockHasher, RequestKeys
+from kvcoord.extra_keys import RequestKeys
+from kvcoord.hashing import BlockDigest, BlockHash64, RequestBlockHasher
 
 
 @dataclass(frozen=True, slots=True)

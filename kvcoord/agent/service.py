@@ -2,7 +2,7 @@
 
 One :class:`~kvcoord.engine.relay.Relay` per engine DP rank (vLLM offsets each rank's ports by the rank),
 or one :class:`~kvcoord.engine.grpc_relay.GrpcRelay` for an engine's gRPC stream (its one rank), feeds
-a shared :class:`~kvcoord.engine.relay.BlockMirror` and a :class:`~kvcoord.agent.reporter.Reporter`.
+a shared :class:`~kvcoord.engine.mirror.BlockMirror` and a :class:`~kvcoord.agent.reporter.Reporter`.
 The agent exits 1 when every coordinator refused the node for good (a token not allowed for it, an
 unknown model in strict mode): retrying could not change the answer, so it says why once and stops.
 """
@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from kvcoord.agent.engine_metrics import EngineMetrics
-from kvcoord.agent.reporter import Reporter, ReporterOptions
-from kvcoord.engine.relay import BlockMirror, EventSink, Relay, RelayCore
+from kvcoord.agent.link import ReporterOptions
+from kvcoord.agent.reporter import Reporter
+from kvcoord.engine.mirror import BlockMirror, EventSink
+from kvcoord.engine.relay import Relay, RelayCore
 from kvcoord.engine.zmq_wire import offset_endpoint_port
 from kvcoord.hashing import HashProfile
 from kvcoord.load import NodeLoad

@@ -16,7 +16,7 @@ from importlib import import_module
 from kvcoord import __version__
 from kvcoord.cli.common import LOG_LEVELS, CliError, Parser
 
-__all__ = ["COMMANDS", "CliError", "build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 COMMANDS = ("hash", "serve", "lookup", "stats", "admin", "health", "agent", "sim_engine", "simulate", "route",
             "epp")

@@ -43,6 +43,7 @@ def add(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     """Validate everything, then hash; bad input is a one-line error."""
     from kvcoord import hashing, sglang_hash
+    from kvcoord.extra_keys import MultiModalItem, RequestKeys
 
     algo = hashing.check_algo(args.algo)
     if args.engine_release is not None:
@@ -54,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         profile = hashing.HashProfile(algo, args.block_size, args.hash_seed, args.style or "untagged")
     profile.none_hash()  # a missing seed fails here, before stdin is read
-    keys = hashing.RequestKeys(
+    keys = RequestKeys(
         lora_name=args.lora_name,
         lora_path=args.lora_path,
         cache_salt=args.cache_salt,
-        mm_items=tuple(hashing.MultiModalItem(*item) for item in parse_mm(args.mm)),
+        mm_items=tuple(MultiModalItem(*item) for item in parse_mm(args.mm)),
         prompt_embeds_digests=None if (d := parse_digests(args.prompt_embeds_digests)) is None else tuple(d),
     )
     try:

@@ -116,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcoord.agent.fleet import Fleet
+    from kvcoord.coordinator.engine_relays import Fleet
     from kvcoord.coordinator.server import serve
 
     config = config_from_args(args)

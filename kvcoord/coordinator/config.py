@@ -28,11 +28,13 @@ from kvcoord.coordinator.config_values import (
 )
 from kvcoord.coordinator.pools import PoolConfig, parse_pools
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
-from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, ExtraKeyStyle, HashAlgo, HashProfile
+from kvcoord.extra_keys import ExtraKeyStyle
+from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, HashAlgo, HashProfile
 from kvcoord.index.uri import parse_index_uri
 from kvcoord.media import parse_media
-from kvcoord.tokenize import ChatTemplateContentFormat, MediaRule, TokenizerSpec
-from kvcoord.tokenize.media import DEFAULT_IMAGE_PLACEHOLDER, DEFAULT_IMAGE_TOKENS
+from kvcoord.tokenize import TokenizerSpec
+from kvcoord.tokenize.base import ChatTemplateContentFormat
+from kvcoord.tokenize.media import DEFAULT_IMAGE_PLACEHOLDER, DEFAULT_IMAGE_TOKENS, MediaRule
 
 EXAMPLE_TOML = """\
 listen = "127.0.0.1:50051"          # gRPC HOST:PORT
@@ -271,7 +273,7 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
         raise ConfigError(f"{where}.default_chat_template_kwargs: expected a table")
     source = local("tokenizer")
     if not source.startswith(("http://", "https://")):
-        from kvcoord.tokenize import TokenizeError
+        from kvcoord.tokenize.base import TokenizeError
         from kvcoord.tokenize.local import check_directory
 
         try:

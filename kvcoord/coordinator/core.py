@@ -29,7 +29,8 @@ from kvcoord.coordinator.stats import IndexFigures
 from kvcoord.coordinator.verify import HashVerifier
 from kvcoord.index.base import FencedWrite, Index, fence_token
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.tokenize import TokenizeError, TokenizerCache
+from kvcoord.tokenize import TokenizerCache
+from kvcoord.tokenize.base import TokenizeError
 from kvcoord.validate import shown
 
 log = logging.getLogger("kvcoord.coordinator")

@@ -3,7 +3,7 @@
 A stock vLLM fleet then needs no sidecar. Each registered *instance* (Dynamo's ``instance_id``) is one
 kvcoord node, ``node_id = str(instance_id)``, with one listener (ZMQ endpoint, optional replay endpoint)
 per DP rank. Relaying is the agent's job, done in-process by an :class:`EngineRunner` (the agent's relay,
-feeding this coordinator's ingest session directly: :class:`kvcoord.agent.local.LocalFeed`), so a
+feeding this coordinator's ingest session directly: :class:`kvcoord.coordinator.engine_feed.LocalFeed`), so a
 registered engine gets exactly what an agent gives: gap replay, restart detection, a mirror of its blocks
 and a snapshot whenever the index needs one (also after the coordinator itself restarts: the relay
 replays the engine's buffer from 0).
@@ -180,7 +180,7 @@ class RegistrationError(Exception):
 
 
 class EngineRunner(Protocol):
-    """Relays engines in this process (:class:`kvcoord.agent.fleet.Fleet`)."""
+    """Relays engines in this process (:class:`kvcoord.coordinator.engine_relays.Fleet`)."""
 
     async def start(self, engine: Engine) -> None:
         """Relay ``engine`` (restarting it if it already runs under another definition)."""

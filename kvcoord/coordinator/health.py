@@ -23,7 +23,8 @@ from typing import TypeVar
 
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import NodeRecord
-from kvcoord.index.base import FencedWrite, Index, IndexReset, InvalidEvent, WriteNotReplicated, ping
+from kvcoord.index.base import FencedWrite, Index, IndexReset, WriteNotReplicated, ping
+from kvcoord.validate import InvalidEvent
 
 log = logging.getLogger("kvcoord.coordinator")
 

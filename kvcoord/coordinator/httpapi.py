@@ -57,7 +57,8 @@ from kvcoord.coordinator.lookup import (
 from kvcoord.coordinator.nodeinfo import profile_json
 from kvcoord.coordinator.pools import check_pool_hello
 from kvcoord.events import Tier
-from kvcoord.hashing import UINT64_MASK, BlockHash64, RequestKeys
+from kvcoord.extra_keys import RequestKeys
+from kvcoord.hashing import UINT64_MASK, BlockHash64
 from kvcoord.index.base import run_inline
 from kvcoord.roles import check_role
 from kvcoord.validate import shown

@@ -47,11 +47,12 @@ from kvcoord.coordinator.snapshots import (
 )
 from kvcoord.coordinator.verify import compare_announced
 from kvcoord.events import CLEAR
-from kvcoord.index.base import ApplyResult, InvalidEvent
+from kvcoord.index.base import ApplyResult
 from kvcoord.media import MISFIT_STORES, UNKNOWN_MEDIA
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.roles import check_role
 from kvcoord.validate import (
+    InvalidEvent,
     Op,
     OverLimit,
     check_batch_bounds,
@@ -596,4 +597,4 @@ class IngestSession:
         return [pb.CoordinatorMessage(ack=pb.Ack(epoch=self.epoch, seq=pending.seq))]
 
 
-__all__ = ["IngestAbort", "IngestSession"]
+__all__ = ["IngestSession"]

@@ -28,14 +28,8 @@ from typing import TYPE_CHECKING, cast
 from kvcoord.coordinator.config import env_seed
 from kvcoord.coordinator.registry import CHANGES, AnnouncedProfile, NodeRecord
 from kvcoord.coordinator.verify import recompute_chain
-from kvcoord.hashing import (
-    DEFAULT_NONE_HASH_SEED,
-    HASH_ALGOS,
-    SGLANG,
-    ExtraKeyStyle,
-    HashProfile,
-    parse_release,
-)
+from kvcoord.extra_keys import ExtraKeyStyle
+from kvcoord.hashing import DEFAULT_NONE_HASH_SEED, HASH_ALGOS, SGLANG, HashProfile, parse_release
 from kvcoord.validate import shown
 from kvcoord.wire import Sample
 

@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.pools import POOL_PREFIX, PullHint, pull_hints
-from kvcoord.hashing import BlockHash64, HashProfile, MultiModalItem, RequestKeys, block_hashes64
+from kvcoord.extra_keys import MultiModalItem, RequestKeys
+from kvcoord.hashing import BlockHash64, HashProfile, block_hashes64
 from kvcoord.index.base import IndexReset, NodeKey, NodeMatch
 from kvcoord.load import NodeLoad
-from kvcoord.tokenize import TokenizeError
+from kvcoord.tokenize.base import TokenizeError
 from kvcoord.validate import shown
 
 __all__ = ["INTERNAL", "INVALID", "NOT_FOUND", "NO_PROFILE", "TOKENIZER_DOWN", "UNAVAILABLE", "UNIMPLEMENTED",

@@ -34,8 +34,9 @@ from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials, server_ssl_context
 from kvcoord.coordinator.workers import FeedIndex, LookupWorkers, reserve_port
-from kvcoord.index import Index, open_index, parse_index_uri
-from kvcoord.index.base import ping
+from kvcoord.index import open_index
+from kvcoord.index.base import Index, ping
+from kvcoord.index.uri import parse_index_uri
 from kvcoord.media import configure_media
 from kvcoord.native import native_paths
 from kvcoord.transport import ListenError, check_bindable, split_hostport

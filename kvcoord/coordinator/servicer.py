@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 from kvcoord.coordinator.auth import ROUTER, Authenticator, AuthError, Principal
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import ACTIVE
-from kvcoord.coordinator.ingest import IngestAbort, IngestSession
+from kvcoord.coordinator.ingest import IngestSession
 from kvcoord.coordinator.lookup import (
     INTERNAL,
     INVALID,
@@ -39,7 +39,9 @@ from kvcoord.coordinator.nodeinfo import node_info, remote_node_info, with_model
 from kvcoord.coordinator.outbox import Outbox
 from kvcoord.coordinator.registry import NodeRecord
 from kvcoord.coordinator.reservations import HOLD_SECONDS, take_stream
-from kvcoord.hashing import BlockHash64, MultiModalItem, RequestKeys
+from kvcoord.coordinator.snapshots import IngestAbort
+from kvcoord.extra_keys import MultiModalItem, RequestKeys
+from kvcoord.hashing import BlockHash64
 from kvcoord.load import RESYNCING
 from kvcoord.native import native_paths
 from kvcoord.proto.v2 import kvcoord_pb2 as pb

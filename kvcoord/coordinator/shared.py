@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvcoord.coordinator.registry import ACTIVE, HASH_MISMATCH
+from kvcoord.coordinator.registry import ACTIVE
 from kvcoord.index.base import Index, NodeRecords
-from kvcoord.load import EXACT, NodeLoad
+from kvcoord.load import EXACT, HASH_MISMATCH, NodeLoad
 
 log = logging.getLogger("kvcoord.coordinator.shared")
 

@@ -13,9 +13,8 @@ from kvcoord.coordinator.config import Limits
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.reclaim import release_memory
 from kvcoord.coordinator.registry import NodeRecord
-from kvcoord.index.base import InvalidEvent
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import Hashes, OverLimit, check_node_entries, shown
+from kvcoord.validate import Hashes, InvalidEvent, OverLimit, check_node_entries, shown
 from kvcoord.wire import snapshot_from_proto
 
 log = logging.getLogger("kvcoord.coordinator.ingest")

@@ -10,7 +10,8 @@ from kvcoord import validate
 from kvcoord.events import KVEvent, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import ApplyResult
-from kvcoord.index.table import Core, PyTable, apply_ops, table_type
+from kvcoord.index.rules import apply_ops
+from kvcoord.index.table import Core, PyTable, table_type
 
 __all__ = ["BlockMirror", "EventSink", "RankSnapshot", "Snapshot"]
 

@@ -45,7 +45,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvcoord.engine.mirror import BlockMirror, EventSink, RankSnapshot, Snapshot
+from kvcoord.engine.mirror import BlockMirror, EventSink, Snapshot
 from kvcoord.engine.zmq_wire import (
     FrameError,
     FrameReader,
@@ -59,8 +59,7 @@ from kvcoord.events import AllBlocksCleared, EventDecodeError, decode_vllm_views
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DRAIN_BURST", "REPLAY_ONLY_PROBES_WARN", "BlockMirror", "EventSink", "RankSnapshot", "Relay",
-           "RelayCore", "RelayStats", "Snapshot"]
+__all__ = ["DRAIN_BURST", "REPLAY_ONLY_PROBES_WARN", "Relay", "RelayCore", "RelayStats"]
 
 DRAIN_BURST = 64
 """Frames a relay handles in a row before it lets the event loop run."""

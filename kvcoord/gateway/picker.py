@@ -53,17 +53,7 @@ from .requests import BadRequest
 from .reserve import DEFAULT_TTL, ReserveStream
 from .route_metrics import predicted_tokens
 
-__all__ = [
-    "Allowed",
-    "BadRequest",
-    "EndpointTable",
-    "Pick",
-    "PickFailed",
-    "Picker",
-    "PickerConfig",
-    "endpoint_of_url",
-    "query_of_body",
-]
+__all__ = ["Allowed", "EndpointTable", "Pick", "PickFailed", "Picker", "PickerConfig", "endpoint_of_url"]
 
 log = logging.getLogger("kvcoord.gateway.epp")
 

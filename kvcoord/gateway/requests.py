@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvcoord.extra_keys import MultiModalItem
-from kvcoord.tokenize import Tokenizer
+from kvcoord.tokenize.base import Tokenizer
 from kvcoord.tokenize.media import MediaRule, encode_media_chat, has_media
 from kvcoord.validate import MAX_JSON_DEPTH, json_too_deep
 

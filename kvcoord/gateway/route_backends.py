@@ -23,7 +23,7 @@ from kvcoord.validate import valid_url
 
 from .nodes import InFlight, KnownNode, NodeTable, Prefill
 
-__all__ = ["Backends", "parse_backend", "valid_url"]
+__all__ = ["Backends", "parse_backend"]
 
 log = logging.getLogger("kvcoord.route")
 

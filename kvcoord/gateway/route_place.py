@@ -22,7 +22,8 @@ import grpc
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.router.policy import Decision, LeastLoadedPolicy, Policy, RouteRequest, place
-from kvcoord.tokenize import MediaRule, Tokenizer
+from kvcoord.tokenize.base import Tokenizer
+from kvcoord.tokenize.media import MediaRule
 from kvcoord.transport import TOKENIZER_CAUSE
 
 from .outage import Outages, is_outage

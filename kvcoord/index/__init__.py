@@ -5,34 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcoord.index.base import (
-    ApplyResult,
-    FencedWrite,
-    Index,
-    IndexStats,
-    InvalidEvent,
-    NodeKey,
-    NodeMatch,
-    Op,
-    SnapshotEntry,
-)
+from kvcoord.index.base import ApplyResult, Index
 from kvcoord.index.uri import IndexSpec, parse_index_uri
 
-__all__ = [
-    "ApplyResult",
-    "FencedWrite",
-    "Index",
-    "IndexSpec",
-    "IndexStats",
-    "InvalidEvent",
-    "NodeKey",
-    "NodeMatch",
-    "Op",
-    "SnapshotEntry",
-    "apply_events",
-    "open_index",
-    "parse_index_uri",
-]
+__all__ = ["apply_events", "open_index"]
 
 
 def open_index(uri: str | IndexSpec, *, key_prefix: str = "kvcoord") -> Index:
@@ -44,7 +20,7 @@ def open_index(uri: str | IndexSpec, *, key_prefix: str = "kvcoord") -> Index:
         from kvcoord.index.memory import MemoryIndex
 
         return MemoryIndex()
-    from kvcoord.index.redis import RedisIndex
+    from kvcoord.index.redis.index import RedisIndex
 
     return RedisIndex.from_spec(spec)
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checka
 
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.validate import InvalidEvent, Op, SnapshotEntry
+from kvcoord.validate import Op, SnapshotEntry
 
 __all__ = [
     "ApplyResult",
@@ -30,14 +30,11 @@ __all__ = [
     "Index",
     "IndexReset",
     "IndexStats",
-    "InvalidEvent",
     "NativeView",
     "NodeKey",
     "NodeMatch",
     "NodeRecords",
-    "Op",
     "Remote",
-    "SnapshotEntry",
     "WriteNotReplicated",
     "fence_token",
     "ping",

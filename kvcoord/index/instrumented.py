@@ -24,10 +24,9 @@ from kvcoord.index.base import (
     NodeKey,
     NodeMatch,
     NodeRecords,
-    Op,
     Remote,
-    SnapshotEntry,
 )
+from kvcoord.validate import Op, SnapshotEntry
 
 __all__ = ["OPS", "InstrumentedIndex", "Observer"]
 

@@ -50,7 +50,7 @@ from collections.abc import Collection, Sequence
 from typing import Literal, cast
 
 from kvcoord import validate
-from kvcoord.events import Tier
+from kvcoord.events import REMOVE, STORE, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import (
     ApplyResult,
@@ -62,13 +62,13 @@ from kvcoord.index.base import (
     NodeMatch,
     NodeRecords,
     Remote,
-    SnapshotEntry,
 )
-from kvcoord.index.table import Core, NativeTable, PyTable, apply_ops, table_type
+from kvcoord.index.rules import apply_ops
+from kvcoord.index.table import Core, NativeTable, PyTable, table_type
 from kvcoord.native import native
-from kvcoord.validate import REMOVE, STORE, Op
+from kvcoord.validate import Op, SnapshotEntry
 
-__all__ = ["HAVE_C_CORE", "Core", "IndexImage", "MemoryIndex"]
+__all__ = ["HAVE_C_CORE", "IndexImage", "MemoryIndex"]
 
 IndexImage = tuple[list[tuple[str, int, tuple["array[int]", ...]]], dict[NodeKey, set[int]]]
 """One model of :meth:`MemoryIndex.export_all_sync`: ``(node_id, dp_rank, blocks per tier)`` of each bound

@@ -6,16 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvcoord import validate
+from kvcoord.events import REMOVE, STORE
 from kvcoord.index.base import ApplyResult, NodeKey
+from kvcoord.validate import Op
 
 if TYPE_CHECKING:
     from kvcoord.index.table import PyTable
 
-_STORE, _REMOVE = validate.STORE, validate.REMOVE
 
-
-def apply_ops(mi: PyTable, key: NodeKey, ops: Sequence[validate.Op], res: ApplyResult) -> int:
+def apply_ops(mi: PyTable, key: NodeKey, ops: Sequence[Op], res: ApplyResult) -> int:
     """Apply one location's validated ops to ``mi`` in order, counting into ``res``; returns the hashes
     touched (the sweep budget they earn). The index's rules, stated once (the relay's mirror runs them
     too): stores are idempotent; a store of a group that is not prefix-indexable is only counted, and
@@ -25,7 +24,7 @@ def apply_ops(mi: PyTable, key: NodeKey, ops: Sequence[validate.Op], res: ApplyR
     work = 0
     slot_of, skip = mi.slot_of, mi.skip_groups
     for kind, tier, hashes, group, indexable in ops:
-        if kind == _STORE:
+        if kind == STORE:
             if not indexable:
                 res.skipped_group += len(hashes)
                 if group is not None:
@@ -34,7 +33,7 @@ def apply_ops(mi: PyTable, key: NodeKey, ops: Sequence[validate.Op], res: ApplyR
                 slot = slot_of.get(key)
                 res.stored += mi.store(mi.slot_for_store(key) if slot is None else slot, tier, hashes)
                 work += len(hashes)
-        elif kind == _REMOVE:
+        elif kind == REMOVE:
             if group is not None and skip and group in skip.get(key, ()):
                 res.skipped_group += len(hashes)
                 continue

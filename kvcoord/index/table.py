@@ -17,14 +17,13 @@ from collections.abc import Callable, Collection, Sequence
 from operator import and_, eq, itemgetter, ne, or_
 from typing import Literal, TypeAlias, cast
 
-from kvcoord import validate
 from kvcoord.events import Tier
 from kvcoord.hashing import BlockHash64
-from kvcoord.index.base import NodeKey, NodeMatch, SnapshotEntry
-from kvcoord.index.rules import apply_ops
+from kvcoord.index.base import NodeKey, NodeMatch
 from kvcoord.native import native
+from kvcoord.validate import SnapshotEntry
 
-__all__ = ["Core", "NativeTable", "PyTable", "RawMatch", "apply_ops", "slots_of", "table_type"]
+__all__ = ["Core", "NativeTable", "PyTable", "RawMatch", "slots_of", "table_type"]
 
 _NTIERS = len(Tier)
 
@@ -33,8 +32,6 @@ _Tiers: TypeAlias = tuple[int, int, int]
 
 RawMatch: TypeAlias = tuple[str, int, int, tuple[int, ...]]
 """``(node_id, dp_rank, matched_blocks, tiers)``: a ``NodeMatch`` without the object cost."""
-
-_STORE, _REMOVE, _CLEAR = validate.STORE, validate.REMOVE, validate.CLEAR
 
 Core: TypeAlias = Literal["auto", "c", "python"]
 

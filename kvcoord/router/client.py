@@ -26,14 +26,10 @@ from kvcoord.wire import load_from_proto, load_to_proto, pack_tokens
 
 __all__ = [
     "AsyncCoordinatorClient",
-    "Candidate",
-    "ChannelSecurity",
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorStats",
     "HeartbeatResult",
-    "LookupResult",
-    "NodeLoad",
     "NodeStatus",
 ]
 

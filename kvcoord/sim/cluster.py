@@ -33,7 +33,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvcoord.agent.pool import BlockPool, KVCacheBlock
+from kvcoord.agent.blocks import KVCacheBlock
+from kvcoord.agent.pool import BlockPool
 from kvcoord.events import KVEvent
 from kvcoord.hashing import BlockHash64, HashProfile
 from kvcoord.index.base import Index, NodeKey, NodeMatch, run_inline

@@ -1,6 +1,7 @@
 """The sim-engine: a stand-in vLLM engine for demos, load tests and end-to-end tests.
 
-A real :class:`kvcoord.agent.pool.BlockPool` serves a seeded synthetic workload (prompts that
+A real :class:`kvcoord.agent.pool.BlockPool` (its requests run by
+:class:`kvcoord.agent.kv_cache_manager.KVCacheManager`) serves a seeded synthetic workload (prompts that
 share a few long prefixes, plus unique suffixes and generated tokens) and every engine step's
 KV events leave through :class:`kvcoord.engine.zmq_wire.ZmqEventPublisher`, exactly as vLLM
 publishes them: PUB + ROUTER replay, ``buffer_steps``, DP-rank port offsets. A relay cannot tell
@@ -32,10 +33,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcoord.agent.blocks import PoolExhausted
-from kvcoord.agent.pool import Admission, BlockPool
+from kvcoord.agent.kv_cache_manager import KVCacheManager
+from kvcoord.agent.pool import BlockPool
+from kvcoord.agent.requests import Admission
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import KVEventBatch
-from kvcoord.hashing import HashProfile, RequestKeys, check_algo
+from kvcoord.extra_keys import RequestKeys
+from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.sim.lookups import LookupProbe, open_lookups
 from kvcoord.sim.timing import StepClock, StepCosts
 
@@ -147,11 +151,12 @@ class SimEngine:
     finishing every workload request if need be); the others wait. Not thread-safe: one event loop.
     """
 
-    def __init__(self, pool: BlockPool, publisher: ZmqEventPublisher, workload: PromptSource, *,
+    def __init__(self, cache: KVCacheManager, publisher: ZmqEventPublisher, workload: PromptSource, *,
                  concurrency: int, keys: RequestKeys | None = None,
                  lookups: LookupProbe | None = None, max_num_seqs: int = 256,
                  costs: StepCosts | None = None) -> None:
-        self.pool = pool
+        self.cache = cache
+        self.pool = cache.pool
         self.publisher = publisher
         self.workload = workload
         self.concurrency = concurrency
@@ -191,7 +196,7 @@ class SimEngine:
     @property
     def num_running(self) -> int:
         """Requests holding blocks and computing (prefilling or decoding), as vLLM counts them."""
-        return self.pool.num_running - self.clock.queued
+        return self.cache.num_running - self.clock.queued
 
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -200,12 +205,12 @@ class SimEngine:
         """Admit, finishing workload requests (oldest first) until the prompt fits; None if it cannot.
         The caller publishes (one batch per engine step, as vLLM)."""
         while True:
-            adm = self.pool.admit(rid, prompt, keys)
+            adm = self.cache.admit(rid, prompt, keys)
             if adm is not None:
                 break
             if not self.running:
                 return None
-            self.pool.finish(self.running.popleft())
+            self.cache.finish(self.running.popleft())
         self.prompt_tokens += adm.num_tokens
         self.hit_tokens += adm.num_cached_tokens
         self.last_prompt = prompt
@@ -229,12 +234,12 @@ class SimEngine:
         out = self.workload.output()
         if out:
             try:
-                self.pool.extend(rid, out)
+                self.cache.extend(rid, out)
                 self.generation_tokens += len(out)
             except PoolExhausted:  # the request stops generating, as a preempted one would
                 log.debug("pool full while decoding %s", rid)
         while len(self.running) > self.concurrency:
-            self.pool.finish(self.running.popleft())
+            self.cache.finish(self.running.popleft())
         self.requests_done += 1
         self._publish()
 
@@ -272,7 +277,7 @@ class SimEngine:
             return 0
         self.prompt_tokens -= adm.num_tokens
         self.hit_tokens -= adm.num_cached_tokens
-        self.pool.finish(adm.request_id)
+        self.cache.finish(adm.request_id)
         self._publish()
         return (adm.num_tokens - adm.num_cached_tokens) // self.pool.block_size
 
@@ -281,19 +286,19 @@ class SimEngine:
         of other HTTP requests (the request then stops, as vLLM's would at its length limit)."""
         while True:
             try:
-                self.pool.extend(rid, [token])
+                self.cache.extend(rid, [token])
                 break
             except PoolExhausted:
                 if not self.running:
                     return False
-                self.pool.finish(self.running.popleft())
+                self.cache.finish(self.running.popleft())
         self.generation_tokens += 1
         self._publish()
         return True
 
     def finish(self, rid: str) -> None:
         """End an HTTP request and admit whoever now fits."""
-        self.pool.finish(rid)
+        self.cache.finish(rid)
         self.http_running -= 1
         self.http_done += 1
         self._drain()
@@ -456,8 +461,8 @@ def _build(config: SimEngineConfig) -> SimEngine:
                             suffix_len=config.suffix_len, output_len=config.output_len)
     costs = StepCosts(config.prefill_us_per_token * 1e-6, config.decode_ms_per_token * 1e-3,
                       config.max_batch_tokens)
-    return SimEngine(pool, publisher, workload, concurrency=config.concurrency, keys=keys, lookups=lookups,
-                     max_num_seqs=config.max_num_seqs, costs=costs)
+    return SimEngine(KVCacheManager(pool), publisher, workload, concurrency=config.concurrency, keys=keys,
+                     lookups=lookups, max_num_seqs=config.max_num_seqs, costs=costs)
 
 
 async def _main(engine: SimEngine, config: SimEngineConfig) -> None:

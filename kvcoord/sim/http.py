@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvcoord.hashing import MultiModalItem, RequestKeys
+from kvcoord.extra_keys import MultiModalItem, RequestKeys
 from kvcoord.router.answer import KV_SOURCE_HEADER
 from kvcoord.sim import pd, toktok
 from kvcoord.sim.http_apis import add_api_routes
@@ -48,7 +48,7 @@ from kvcoord.tokenize.media import (
 from kvcoord.transport import ListenError, split_hostport
 
 if TYPE_CHECKING:
-    from kvcoord.agent.pool import Admission
+    from kvcoord.agent.requests import Admission
     from kvcoord.sim.engine import SimEngine
 
 log = logging.getLogger(__name__)

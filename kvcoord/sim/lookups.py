@@ -8,7 +8,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
-from kvcoord.hashing import RequestKeys
+from kvcoord.extra_keys import RequestKeys
 
 if TYPE_CHECKING:
     from kvcoord.router.client import CoordinatorClient

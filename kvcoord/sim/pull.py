@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from kvcoord.hashing import RequestKeys
+from kvcoord.extra_keys import RequestKeys
 
 if TYPE_CHECKING:
     from kvcoord.sim.engine import SimEngine

@@ -21,8 +21,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from kvcoord.agent.link import ReporterOptions
 from kvcoord.agent.pool import BlockPool
-from kvcoord.agent.reporter import Reporter, ReporterOptions
+from kvcoord.agent.reporter import Reporter
 from kvcoord.events import KVEvent, Tier
 from kvcoord.hashing import BlockHash64, HashProfile
 from kvcoord.index.base import NodeMatch

@@ -30,15 +30,7 @@ if TYPE_CHECKING:
     from kvcoord.tokenize.local import LocalTokenizer
     from kvcoord.tokenize.remote import RemoteTokenizer
 
-__all__ = [
-    "ChatTemplateContentFormat",
-    "MediaRule",
-    "TokenizeError",
-    "Tokenizer",
-    "TokenizerCache",
-    "TokenizerSpec",
-    "open_tokenizer",
-]
+__all__ = ["TokenizerCache", "TokenizerSpec", "open_tokenizer"]
 
 
 def _is_url(source: str) -> bool:

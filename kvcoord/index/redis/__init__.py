@@ -22,21 +22,17 @@ script touches one bucket only. A bucket holds whole nodes (all their models and
 ``T:epoch``               str    the bucket's lifetime marker: random, set when missing (``generation``)
 ========================  =====  ====================================================================
 
-A lookup runs one read-only script per bucket that walks the query's hashes through ``T:inv:<model>``,
-keeping the set of locations still in the run, and stops at the first block no live candidate holds.
-Consecutive blocks held by the same locations have byte-identical holder strings (records are kept
-sorted by id, whatever order the stores came in), and Lua interns strings, so a long shared prefix
-costs a slice of an HMGET and one pointer compare per block; the holder list is decoded (and unseen
-ids' liveness fetched with one HMGET) only where it changes.
-
-On plain TCP to a standalone Redis (or to the primary a Sentinel names) the lookup does not run that
-script: per bucket it sends one ``MULTI`` holding a tiny script (``T:name`` only if ``T:ver`` differs
-from the client's cached token) and a raw ``HMGET`` of the whole query, every bucket in one write, one
-round trip, and walks the holder strings in Python by the same rule. Redis's Lua pays ~0.6-1 us per
-block to turn query bytes and reply elements into Lua strings; a raw HMGET costs ~0.2 us per field and
-hiredis parses the reply in C. The price is reading the query's tail past the stop (a few hundred bytes
-at most per block). The ``T:ver`` token is a counter plus the server time, so a Redis restarted empty
-never repeats one.
+A lookup reads, per bucket, one ``MULTI`` holding a tiny script (``T:name`` only if ``T:ver`` differs from the
+client's cached token) and a raw ``HMGET`` of the whole query's hashes in ``T:inv:<model>``, and walks the
+holder strings client-side (``walk``): it keeps the set of locations still in the run and stops at the first
+block no live candidate holds. Consecutive blocks held by the same locations have byte-identical holder
+strings (records are kept sorted by id, whatever order the stores came in), so the holder list is decoded only
+where it changes. A standalone Redis or Sentinel's primary (TCP, TLS or a unix socket) gets every bucket's
+MULTI in one write on the pipelined connection, one round trip; on a Cluster each bucket's MULTI goes to its
+shard's pipelined connection (``shards``), all at once. Walking in Redis's Lua would pay ~0.6-1 us per block
+to turn query bytes and reply elements into Lua strings; a raw HMGET costs ~0.2 us per field and hiredis
+parses the reply in C. The price is reading the query's tail past the stop (a few hundred bytes at most per
+block). The ``T:ver`` token is a counter plus the server time, so a Redis restarted empty never repeats one.
 
 Ingest: ``apply`` validates and packs a batch in Python (consecutive same-tier events merge into one
 op), then queues it on its bucket. One write call per bucket is in flight at a time and takes every
@@ -45,9 +41,11 @@ queue order, so per-node order holds, and a script is atomic, so each batch is a
 costs one HMGET (of the inverted hash: the location's own record there is its tier mask) and two
 HSETs (or HDELs) whatever its size.
 
-On plain TCP to a standalone Redis, scripts go over one pipelined connection of our own (hiredis
-packs commands and parses replies) rather than through redis-py's pool: a PING round trip costs ~20 us
-that way and ~100 us through redis-py on the test VM. TLS, unix sockets and Cluster use redis-py.
+To a standalone Redis or Sentinel's primary (TCP, TLS or a unix socket), scripts go over one pipelined
+connection of our own (hiredis packs commands and parses replies) rather than through redis-py's pool:
+a PING round trip costs ~20 us that way and ~100 us through redis-py on the test VM. On a Cluster,
+lookups use one such connection per primary, found by slot through redis-py's view of the cluster
+(refreshed on a redirect or a lost connection); everything else goes through redis-py.
 
 Following the primary (Sentinel, a DNS name that moves): every connect resolves the primary again (the
 sentinels' answer, or DNS) and the fast path checks ``ROLE``; a ``READONLY`` reply drops every connection
@@ -55,8 +53,8 @@ and fails the call as unavailable, so a demoted node is never written to (``clie
 
 With plain Redis there is one bucket by default
 (``?buckets=1``): one round trip per lookup. On a Cluster the default is 16 buckets, and a lookup sends
-one script per bucket in one pipeline, which redis-py splits per shard and sends to the shards in
-parallel: one round trip per shard, each shard walking only its own nodes. A single hash tag per
+one MULTI per bucket, all at once, each to its bucket's shard: the shards answer in parallel, each
+reading only its own nodes. A single hash tag per
 model would put a whole model on one shard and defeat scale-out; a tag per node would need one script
 per node per lookup. Buckets are the middle ground; ``B`` should be at least a few times the shard
 count, and is fixed for a keyspace (stored in ``{<prefix>}:conf``; a mismatching client is refused).
@@ -90,7 +88,7 @@ issues a new one, fencing the dead owner out for good.
 Lost data (FLUSHALL, a restart without persistence) is noticed in the call that meets it, not by a
 poll: a client accepts each bucket's ``T:epoch`` when it reads the generation (``remote.generation``,
 which sets a fresh marker where it is missing, so the first client to notice sets the new lifetime and
-the others adopt it). The fast lookup's ``NAMES`` (inside its ``MULTI``), the lookup script and every
+the others adopt it). The lookup's ``NAMES`` (inside its ``MULTI``) and every
 write script (write, begin, commit, clear, remove_node, claim, remove_pending: checked in the prelude,
 before fencing) carry the accepted marker and answer -2, having read or written nothing, when the
 bucket's differs or is gone; the client raises :class:`~kvcoord.index.base.IndexReset`. Nothing is
@@ -105,30 +103,11 @@ reports NOT_SERVING). Location ids are 32-bit in holder records.
 
 Modules
 -------
-``keys`` key names and buckets; ``scripts`` the Lua (one ``.lua`` file per script, package data);
-``client`` the connection (:class:`RedisConnection`: round trips, EVALSHA, the plain-TCP fast path,
-metrics); ``walk`` the client-side holder-string walk; ``writes`` batch packing and the per-bucket
-coalescing write queue; ``epochs`` the buckets' accepted lifetime markers (carried by every call);
-``mirror`` the lookup mirror; ``records`` the node directory and engine registrations replicas share
-(the index's ``node_directory`` and ``engine_store``); ``index`` :class:`RedisIndex`. The index and the
-mirror share only the connection, the bucket tags and the accepted markers.
+``keys`` key names and buckets; ``scripts`` the Lua (one ``.lua`` file per script, package data); ``client``
+the connection (:class:`RedisConnection`: round trips, EVALSHA, the pipelined fast path, metrics); ``walk``
+the client-side holder-string walk; ``writes`` batch packing and the per-bucket coalescing write queue;
+``epochs`` the buckets' accepted lifetime markers (carried by every call); ``shards`` a Cluster's per-primary
+lookup connections; ``mirror`` the lookup mirror; ``records`` the node directory and engine registrations
+replicas share (the index's ``node_directory`` and ``engine_store``); ``index`` :class:`RedisIndex`. The index
+and the mirror share only the connection, the bucket tags and the accepted markers.
 """
-
-from __future__ import annotations
-
-from kvcoord.index.redis.client import LATENCY_BUCKETS, IndexUnavailable, RedisConnection, RedisMetrics
-from kvcoord.index.redis.index import RedisIndex
-from kvcoord.index.redis.keys import FEED_MAX_ENTRIES
-from kvcoord.index.redis.mirror import LookupMirror
-from kvcoord.index.redis.writes import compile_ops
-
-__all__ = [
-    "FEED_MAX_ENTRIES",
-    "LATENCY_BUCKETS",
-    "IndexUnavailable",
-    "LookupMirror",
-    "RedisConnection",
-    "RedisIndex",
-    "RedisMetrics",
-    "compile_ops",
-]

@@ -1,7 +1,7 @@
 """How the Redis backend reaches Redis. The index and the lookup mirror both go through
 :class:`RedisConnection` (timed round trips, scripts by EVALSHA), so neither needs the other's internals;
-on plain TCP to a standalone Redis, or to the primary a Sentinel names, it uses a pipelined connection
-of its own (see the package docstring).
+to a standalone Redis, or to the primary a Sentinel names, over TCP, TLS or a unix socket, it uses a
+pipelined connection of its own (see the package docstring).
 
 Following the primary: a connection is only used while its node is the primary. Every (re)connect of the
 fast path resolves the address again (DNS, or the sentinels' ``SENTINEL MASTERS``) and checks ``ROLE``;
@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ import redis.asyncio as aredis
 import redis.exceptions as rexc
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection as _PlainConnection
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 
 from kvcoord.index.base import WriteNotReplicated
@@ -117,7 +119,7 @@ class _Pipelined(asyncio.Protocol):
     """One RESP connection with any number of requests in flight, answered in order (Redis's guarantee).
 
     Why not redis-py for the hot path: its asyncio client takes a pooled connection, builds the command
-    and parses the reply through several layers per call (~100 us here, more than the Lua walk of a
+    and parses the reply through several layers per call (~100 us here, more than the walk of a
     lookup). This sends pre-packed commands (``hiredis.pack_command``) and feeds replies to
     ``hiredis.Reader``; concurrent callers share the socket, so their requests pipeline, and requests
     sent on one connection run in the order sent (the write queue relies on that). A request with no
@@ -203,7 +205,7 @@ Resolver = Callable[[], Awaitable[tuple[str, int]]]
 """Where the primary is now (the sentinels' answer); asked on every connect."""
 
 
-async def _check_role(conn: _Pipelined, host: str, port: int) -> None:
+async def _check_role(conn: _Pipelined, where: str) -> None:
     """:class:`NotPrimary` unless ``ROLE`` says master (a demoted node: a DNS name not yet moved, a stale
     sentinel). A user whose ACL denies ``ROLE`` is not checked: READONLY replies still catch a replica."""
     try:
@@ -213,12 +215,20 @@ async def _check_role(conn: _Pipelined, host: str, port: int) -> None:
             return
         raise
     if role[0] != b"master":
-        raise NotPrimary(f"redis at {host}:{port} is a {role[0].decode()}, not the primary")
+        raise NotPrimary(f"redis at {where} is a {role[0].decode()}, not the primary")
+
+
+def tls_context(klass: type, kwargs: dict[str, Any]) -> ssl.SSLContext | None:
+    """redis-py's own TLS context for a connection of ``klass`` made with ``kwargs`` (None: no TLS)."""
+    if not issubclass(klass, SSLConnection):
+        return None
+    return SSLConnection(**{k: v for k, v in kwargs.items() if k.startswith("ssl_")}).ssl_context.get()
 
 
 class _FastPath:
-    """Lazily (re)connected :class:`_Pipelined` connection to the primary over plain TCP: a standalone
-    Redis (its host name is resolved again on every connect) or the one ``resolve`` names (Sentinel)."""
+    """Lazily (re)connected :class:`_Pipelined` connection to the primary: a standalone Redis over TCP (its
+    host name is resolved again on every connect), TLS or a unix socket, or the primary ``resolve`` names
+    (Sentinel, over TCP or TLS)."""
 
     __slots__ = (
         "_conn",
@@ -227,14 +237,20 @@ class _FastPath:
         "_host",
         "_lock",
         "_password",
+        "_path",
         "_port",
         "_resolve",
+        "_ssl",
         "_timeout",
         "_username",
     )
 
-    def __init__(self, kwargs: dict[str, Any], resolve: Resolver | None = None) -> None:
+    def __init__(self, kwargs: dict[str, Any], resolve: Resolver | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._resolve = resolve
+        self._ssl = tls
+        self._path: str | None = kwargs.get("path") or None
+        """A unix socket's path (None: TCP)."""
         self._host: str = kwargs.get("host", "localhost")
         self._port: int = int(kwargs.get("port", 6379))
         self._db: int = int(kwargs.get("db", 0) or 0)
@@ -247,39 +263,52 @@ class _FastPath:
 
     @classmethod
     def for_client(cls, client: aredis.Redis | RedisCluster) -> _FastPath | None:
-        """Only for plain TCP, standalone or Sentinel (TLS, unix sockets and Cluster keep redis-py)."""
+        """For a standalone Redis or Sentinel's primary, over TCP, TLS or a unix socket (a Cluster keeps
+        redis-py, which follows its slots). TLS takes redis-py's own context from the same options."""
         if isinstance(client, RedisCluster):
             return None
         pool = client.connection_pool
-        if isinstance(pool, SentinelConnectionPool) and pool.connection_class is SentinelManagedConnection:
+        klass, kwargs = pool.connection_class, dict(pool.connection_kwargs)
+        resolve: Resolver | None = None
+        if isinstance(pool, SentinelConnectionPool) and issubclass(klass, SentinelManagedConnection):
             manager, name = pool.sentinel_manager, pool.service_name
 
             async def resolve() -> tuple[str, int]:
                 host, port = await manager.discover_master(name)
                 return str(host), int(port)
 
-            return cls(dict(pool.connection_kwargs), resolve)
-        if pool.connection_class is not _PlainConnection:
+        elif klass not in (_PlainConnection, SSLConnection, UnixDomainSocketConnection):
             return None
-        return cls(dict(pool.connection_kwargs))
+        return cls(kwargs, resolve, tls_context(klass, kwargs))
+
+    async def _open(self) -> tuple[_Pipelined, str]:
+        """A new connection, and where it goes (for messages)."""
+        loop = asyncio.get_running_loop()
+        if self._path is not None:
+            _, conn = await asyncio.wait_for(
+                loop.create_unix_connection(lambda: _Pipelined(self._timeout), self._path),
+                self._connect_timeout,
+            )
+            return conn, self._path
+        host, port = await self._resolve() if self._resolve is not None else (self._host, self._port)
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: _Pipelined(self._timeout), host, port, ssl=self._ssl),
+            self._connect_timeout,
+        )
+        return conn, f"{host}:{port}"
 
     async def _connect(self) -> _Pipelined:
         async with self._lock:
             if self._conn is not None and not self._conn.lost:
                 return self._conn
-            loop = asyncio.get_running_loop()
-            host, port = await self._resolve() if self._resolve is not None else (self._host, self._port)
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Pipelined(self._timeout), host, port),
-                self._connect_timeout,
-            )
+            conn, where = await self._open()
             try:
                 if self._password is not None:
                     auth = (self._username, self._password) if self._username else (self._password,)
                     await conn.request(_command("AUTH", *auth))
                 if self._db:
                     await conn.request(_command("SELECT", self._db))
-                await _check_role(conn, host, port)
+                await _check_role(conn, where)
             except BaseException:
                 conn.close()
                 raise
@@ -363,9 +392,10 @@ class _FailoverWatch:
 
 
 class RedisConnection:
-    """One client's way to Redis: redis-py's ``client`` (Cluster-aware), the plain-TCP ``fast`` path when
-    there is one, and the ``metrics`` every round trip updates. A script runs on one bucket, named by
-    its hash ``tag`` (whose ``:loc`` key routes it on a Cluster); ARGV[1] is always the tag."""
+    """One client's way to Redis: redis-py's ``client`` (Cluster-aware), the pipelined ``fast`` path when
+    there is one (all but a Cluster, where the index's lookups have ``shards``), and the ``metrics`` every
+    round trip updates. A script runs on one bucket, named by its hash ``tag`` (whose ``:loc`` key routes
+    it on a Cluster); ARGV[1] is the tag."""
 
     __slots__ = ("client", "cluster", "fast", "metrics", "wait", "watch")
 

@@ -10,7 +10,7 @@ import logging
 import struct
 import time
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aredis
 import redis.exceptions as rexc
@@ -27,15 +27,12 @@ from kvcoord.index.base import (
     NodeKey,
     NodeMatch,
     NodeRecords,
-    Op,
     Remote,
-    SnapshotEntry,
 )
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import (
     _EXEC,
     _MULTI,
-    LATENCY_BUCKETS,
     RedisConnection,
     RedisMetrics,
     _command,
@@ -50,20 +47,20 @@ from kvcoord.index.redis.keys import (
     _TIER_BITS,
     _loc_name,
     _pack,
-    _parse_loc_name,
     bucket_of,
     bucket_tags,
     conf_key,
 )
 from kvcoord.index.redis.mirror import LookupMirror
 from kvcoord.index.redis.records import RedisEngineRecords, RedisNodeRecords
+from kvcoord.index.redis.shards import REDIRECTS, ShardPaths
 from kvcoord.index.redis.stats import read_stats
 from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
 from kvcoord.index.uri import IndexSpec, parse_index_uri
+from kvcoord.validate import Op, SnapshotEntry
 
-__all__ = ["LATENCY_BUCKETS", "RedisIndex"]
-# LATENCY_BUCKETS is here too: the coordinator's metrics read it from the module defining RedisIndex.
+__all__ = ["RedisIndex"]
 
 log = logging.getLogger("kvcoord.index.redis")  # the backend's one logger, as before it was a package
 
@@ -122,7 +119,9 @@ class RedisIndex:
         Every lookup and write checks it in its own round trip (``IndexReset`` when Redis's differs)."""
         self._writes = WriteQueue(self._conn, self._tags, self._epochs)
         self._names: dict[str, _Names] = {}
-        """Per bucket tag: ``T:name`` as of a ``T:ver`` (the fast lookup path's cache)."""
+        """Per bucket tag: ``T:name`` as of a ``T:ver`` (the lookups' cache)."""
+        self._shards = ShardPaths(client) if isinstance(client, RedisCluster) else None
+        """A Cluster's pipelined connections, one per primary (lookups only); None off a Cluster."""
         self._mirror = LookupMirror(self._conn, self._tags, self._epochs) if mirror else None
         """Lookups from an in-memory copy fed by the buckets' change feeds (``?mirror=1``), or None."""
         self.metrics.mirror = self._mirror
@@ -251,52 +250,21 @@ class RedisIndex:
             blob = _pack(hashes)
         except (OverflowError, TypeError) as e:
             raise ValueError(f"query hashes must be uint64 ints: {e}") from e
-        if self._fast is not None:
-            return await self._match_fast(model, blob, candidates)
-        return await self._match_scripted(model, blob, candidates)
+        return await self._match_walked(model, blob, candidates)
 
-    async def _match_scripted(
+    async def _match_walked(
         self, model: str, blob: bytes, candidates: Collection[NodeKey] | None
     ) -> list[NodeMatch]:
-        """``match`` by the lookup script: one per bucket, in one pipeline (per shard on a Cluster)."""
-        calls: list[tuple[str, list[object]]]
-        if candidates is None:
-            calls = [(tag, [self._epochs.of(tag), model, blob, "0"]) for tag in self._tags]
-        else:
-            per: dict[int, list[object]] = {}
-            for node_id, rank in candidates:
-                b = self.bucket_of(node_id)
-                per.setdefault(b, [self._epochs.of(self._tags[b]), model, blob, "1"]).append(
-                    _loc_name(model, node_id, rank)
-                )
-            if not per:
-                return []
-            calls = [(self._tags[b], a) for b, a in per.items()]
-        res = await self._conn.eval_many(lua.LOOKUP, calls)
-        lost = [tag for (tag, _), flat in zip(calls, res, strict=True) if lua.epoch_changed(flat)]
-        if lost:
-            raise lua.index_reset(lost, "lookup")
-        out: list[NodeMatch] = []
-        for flat in res:
-            for i in range(0, len(flat), 5):
-                _, node_id, rank = _parse_loc_name(flat[i])
-                tiers = (int(flat[i + 2]), int(flat[i + 3]), int(flat[i + 4]))
-                out.append(NodeMatch(node_id, rank, int(flat[i + 1]), tiers))
-        out.sort(key=lambda m: (-m.matched_blocks, m.node_id, m.dp_rank))
-        return out
+        """``match`` by reading, per bucket, ``NAMES`` and a raw HMGET of the whole query's holder strings
+        in one ``MULTI``, and walking them here (:func:`~kvcoord.index.redis.walk._walk`). On the fast path
+        every bucket's MULTI goes in one write, one round trip; on a Cluster each bucket's is a transaction
+        on its shard, all at once (:meth:`_read_cluster`).
 
-    async def _match_fast(
-        self, model: str, blob: bytes, candidates: Collection[NodeKey] | None
-    ) -> list[NodeMatch]:
-        """``match`` on the fast path: per bucket, one MULTI with ``NAMES`` and a raw HMGET of the whole
-        query's holder strings, all buckets in one write and one round trip; the walk runs here.
-
-        Why not the Lua walk: Redis's Lua turns each HMGET reply element into a Lua string and each
+        Why not walk in Lua: Redis's Lua turns each HMGET reply element into a Lua string and each
         query hash into a substring, ~0.6-1 us per block, several times the in-process walk; a raw
-        HMGET costs Redis ~0.1 us per field and hiredis parses the reply in C. The walk itself is the
-        Lua script's (same stop rule, same counts); consecutive blocks held by the same locations have
-        equal holder strings, so it decodes only where they change (``itertools.groupby``). MULTI makes
-        the names and the holders one atomic read, as one script would be.
+        HMGET costs Redis ~0.1 us per field and hiredis parses the reply in C. Consecutive blocks held
+        by the same locations have equal holder strings, so the walk decodes only where they change
+        (``itertools.groupby``). MULTI makes the names and the holders one atomic read.
         """
         want: dict[int, set[bytes]] | None = None
         if candidates is not None:
@@ -308,7 +276,8 @@ class RedisIndex:
             buckets = list(range(self.buckets))
         tags = [self._tags[b] for b in buckets]
         hmgets = [_hmget_command(f"{tag}:inv:{model}".encode(), blob) for tag in tags]
-        res = await self._conn.round_trip(functools.partial(self._read_fast, tags, hmgets))
+        read = self._read_fast if self._fast is not None else self._read_cluster
+        res = await self._conn.round_trip(functools.partial(read, tags, hmgets))
         lost = [tag for k, tag in enumerate(tags) if lua.epoch_changed(res[2 * k])]
         if lost:
             raise lua.index_reset(lost, "lookup")
@@ -347,6 +316,36 @@ class RedisIndex:
                 if retry and str(r).startswith("NOSCRIPT"):
                     await fast.call(_command("SCRIPT", "LOAD", lua.NAMES.src))
                     return await self._read_fast(tags, hmgets, False)
+                raise r
+        return res
+
+    async def _read_cluster(self, tags: list[str], hmgets: list[bytes], retry: bool = True) -> list[Any]:
+        """:meth:`_read_fast`'s read on a Cluster: per bucket one ``MULTI`` (its keys share one slot) on
+        its shard's pipelined connection, every bucket's at once; the replies are :meth:`_read_fast`'s. A
+        redirect or a lost connection refreshes the slots' owners and tries once more."""
+        shards = self._shards
+        assert shards is not None
+
+        async def one(tag: str, hm: bytes) -> list[Any]:
+            cached = self._names.get(tag)
+            ver, epoch = cached.ver if cached is not None else b"-", self._epochs.of(tag)
+            names = _command("EVALSHA", lua.NAMES.sha, 1, tag + ":loc", tag, ver, epoch)
+            replies: list[Any] = await shards.of(tag).call(_MULTI + names + hm + _EXEC, keep=4)
+            return cast(list[Any], replies[3])
+
+        try:
+            res = [r for pair in await asyncio.gather(*map(one, tags, hmgets)) for r in pair]
+        except (TimeoutError, rexc.ResponseError, rexc.ConnectionError, OSError) as e:
+            moved = not isinstance(e, rexc.ResponseError) or str(e).startswith(REDIRECTS)
+            if not (retry and moved):
+                raise
+            await shards.refresh()
+            return await self._read_cluster(tags, hmgets, False)
+        for r in res:
+            if isinstance(r, rexc.ResponseError):
+                if retry and str(r).startswith("NOSCRIPT"):
+                    await self._conn.client.script_load(lua.NAMES.src)
+                    return await self._read_cluster(tags, hmgets, False)
                 raise r
         return res
 
@@ -497,6 +496,8 @@ class RedisIndex:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._shards is not None:
+            self._shards.close()
         await self._conn.close()
         if self._mirror is not None:
             await self._mirror.reap()

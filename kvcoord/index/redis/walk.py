@@ -1,5 +1,6 @@
-"""The lookup walk over holder strings, client-side: the lookup script's rule (the run stops at the
-first block no live candidate holds), as pure functions shared by the fast path and the mirror."""
+"""The lookup walk over holder strings, client-side: the lookup rule (the run stops at the first block no
+live candidate holds), as pure functions shared by lookups from Redis and the mirror (whose C walk,
+``walk.c``, is held to them)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class _Names:
 
 
 def _walk(holders: list[bytes | None], names: _Names, allowed: set[int] | None) -> list[NodeMatch]:
-    """The lookup script's walk over one bucket's holder strings (``None`` = no holder: the walk stops)."""
+    """The lookup walk over one bucket's holder strings (``None`` = no holder: the walk stops)."""
     return _walk_runs(_runs_of(holders), names, allowed)
 
 

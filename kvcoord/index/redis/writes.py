@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TypeAlias
 
-from kvcoord import validate
+from kvcoord.events import REMOVE, STORE
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import IndexUnavailable, RedisConnection
 from kvcoord.index.redis.epochs import BucketEpochs
@@ -40,14 +40,14 @@ def compile_ops(batch: Sequence[Op]) -> tuple[list[tuple[str, bytes]], int]:
             ops.append((op, [blob]))
 
     for kind, tier, hashes, group, indexable in batch:
-        if kind == validate.STORE:
+        if kind == STORE:
             if not indexable:
                 skipped += len(hashes)
                 if group is not None:
                     add(f"G{group}", b"")
             elif hashes:
                 add(f"S{tier}", _pack(hashes))
-        elif kind == validate.REMOVE:
+        elif kind == REMOVE:
             if hashes:
                 add(f"R{tier}" if group is None else f"R{tier}:{group}", _pack(hashes))
         else:

@@ -80,10 +80,6 @@ REMOVE_PENDING = _load("remove_pending.lua")
 """ARGV: tag, location name, node, pending id: abandons a replace_node fill that failed midway."""
 RECLAIM = _load("reclaim.lua")
 """ARGV: tag, count. Reclaims up to ~count entries of the oldest retired location; returns {done, left}."""
-LOOKUP = _load("lookup.lua", prelude=False)
-"""ARGV: tag, the accepted epoch (-2 when it differs), model, packed query hashes, '1' if restricted to
-candidates, then candidate location names. Returns a flat list: location name, run length, GPU, CPU,
-STORAGE blocks of the run, ... (each block counted once, in its fastest tier, as the memory backend does)."""
 STATS = _load("stats.lua")
 """ARGV: tag. Live locations with per-tier entry counts, models' block counts, and the bucket's bytes."""
 NAMES = _load("names.lua", prelude=False)

@@ -1,10 +1,10 @@
 """The agent, run by the coordinator for the engines registered with it (``POST /register``).
 
 Each registered instance gets what ``kvcoord agent`` gives an engine: one :class:`~kvcoord.engine.relay.Relay`
-per listener (DP rank), a shared :class:`~kvcoord.engine.relay.BlockMirror`, and, where an agent has its
-reporter, a :class:`~kvcoord.agent.local.LocalFeed` into this process's ingest session (no protobuf, no
-gRPC). A registered engine and an agent's engine are indexed by the same session code, down to the acks
-and snapshots.
+per listener (DP rank), a shared :class:`~kvcoord.engine.mirror.BlockMirror`, and, where an agent has its
+reporter, a :class:`~kvcoord.coordinator.engine_feed.LocalFeed` into this process's ingest session (no
+protobuf, no gRPC). A registered engine and an agent's engine are indexed by the same session code, down
+to the acks and snapshots.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from kvcoord.agent.engine_metrics import EngineMetrics
-from kvcoord.agent.local import LocalFeed
 from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.engine_feed import LocalFeed
 from kvcoord.coordinator.engines import ACTIVE, CONNECTING, FAILED, UNREACHABLE, Engine
 from kvcoord.engine.grpc_relay import GrpcRelay
-from kvcoord.engine.relay import BlockMirror, Relay, RelayCore
+from kvcoord.engine.mirror import BlockMirror
+from kvcoord.engine.relay import Relay, RelayCore
 from kvcoord.hashing import SGLANG
 from kvcoord.load import NodeLoad
 
-log = logging.getLogger("kvcoord.agent.fleet")
+log = logging.getLogger("kvcoord.coordinator.engine_relays")
 
 __all__ = ["Fleet"]
 

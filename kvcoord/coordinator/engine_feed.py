@@ -20,11 +20,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcoord.agent.link import ReporterOptions
-from kvcoord.agent.reporter import AGENT_VERSION, PERMANENT, SnapshotProvider, check_node, snapshot_chunks
+from kvcoord.agent.node import SnapshotProvider, check_node, snapshot_chunks
+from kvcoord.agent.stream import AGENT_VERSION, PERMANENT
 from kvcoord.coordinator.auth import AGENT, Principal
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.incoming import LocalBatch
-from kvcoord.coordinator.ingest import IngestAbort, IngestSession
+from kvcoord.coordinator.ingest import IngestSession
+from kvcoord.coordinator.snapshots import IngestAbort
 from kvcoord.engine.zmq_wire import Wakeup
 from kvcoord.events import CLEAR, REMOVE, STORE
 from kvcoord.load import NodeLoad
@@ -32,7 +34,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import Op, known_runs
 from kvcoord.wire import Sample, TokenSampler, as_received, load_to_proto
 
-log = logging.getLogger("kvcoord.agent.local")
+log = logging.getLogger("kvcoord.coordinator.engine_feed")
 
 __all__ = ["LocalFeed"]
 
