@@ -44,7 +44,6 @@ from kvcoord.router.policy import (
     place,
 )
 
-from .apis import query_of_body
 from .disagg import PdConfig, pools_of, prefill_remote
 from .flow import NO_ENDPOINTS, SATURATED
 from .nodes import InFlight, NodeTable

@@ -34,7 +34,7 @@ from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import KV_SOURCE_HEADER, Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import Decision, LatencyModel, make_policy
-from kvcoord.tokenize import MediaRule
+from kvcoord.tokenize.media import MediaRule
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 
 from .apis import API, API_PATHS, ENDPOINT_API, as_lookup_body, error_body
