@@ -45,7 +45,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 # (label, substring of a file path); the first that matches names a function's group.
 _GROUPS = (
     ("route: lookup client (kvcoord)", "kvcoord/router/client"),
-    ("route: lookup client (kvcoord)", "kvcoord/router/http_lookup"),
+    ("route: lookup client (kvcoord)", "kvcoord/router/http_"),
     ("route: placement and policy", "kvcoord/router/"),
     ("route: gateway (proxy, SSE, metrics glue)", "kvcoord/gateway/"),
     ("kvcoord other", "kvcoord/"),
@@ -73,7 +73,7 @@ _MODES = (("non-streaming", False, False), ("streaming, 16 chunks", True, False)
 _STARTUP = ("compile", "marshal", "importlib", "exec", "__build_class__", "set_default_verify_paths",
             "posix.stat", "_find_and_load", "get_data", "open_code", "posix.listdir")
 _ENTRY = ("plan", "_forward", "_relay_whole", "_relay_stream", "_proxy", "feed", "lookup", "_attempts",
-          "observe", "inc", "choose")
+          "observe", "inc", "choose", "post", "send")
 
 
 def _group(filename: str, func: str) -> str:
@@ -156,7 +156,7 @@ def _breakdown(path: Path, top: int) -> None:
     rows = [(ct, f"{Path(fn).parent.name}/{Path(fn).name}:{line} {func}")
             for (fn, line, func), (_cc, _nc, _tt, ct, _c) in raw.items()
             if func in _ENTRY and ("kvcoord/gateway" in fn or "kvcoord/router/client" in fn
-                                   or "kvcoord/router/http_lookup" in fn)]
+                                   or "kvcoord/router/http_" in fn)]
     for ct, name in sorted(rows, reverse=True)[:12]:
         print(f"  {name:<60} {ct:7.2f} s  {100 * ct / work:5.1f}%")
     print(f"\ntop {top} functions by self time:")
