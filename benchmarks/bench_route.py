@@ -87,9 +87,10 @@ def _report(label: str, r: dict[str, list[float]], key: str = "") -> None:
 
 
 @contextlib.contextmanager
-def engine_stack(tmp: Path, coordinator: bool) -> Iterator[tuple[str, str]]:
+def engine_stack(tmp: Path, coordinator: bool, http_port: int = 0) -> Iterator[tuple[str, str]]:
     """A sim-engine (no token delay) and, with ``coordinator``, a ``kvcoord serve`` tokenizing through its
-    ``/tokenize`` and an agent relaying its KV events: (engine URL, coordinator address, "" without)."""
+    ``/tokenize`` (its HTTP API on ``http_port``, none for 0) and an agent relaying its KV events:
+    (engine URL, coordinator address, "" without)."""
     http, pub = free_port(), free_port()
     engine = f"http://127.0.0.1:{http}"
     with contextlib.ExitStack() as stack:
@@ -105,7 +106,8 @@ def engine_stack(tmp: Path, coordinator: bool) -> Iterator[tuple[str, str]]:
         stack.enter_context(running(kvcoord_cmd(
             "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "", "--model",
             f"{MODEL},algo=sha256_cbor,block_size=16,seed=0,tokenizer={engine}"),
-            env={"KVCOORD_HTTP_LISTEN": ""}, log=tmp / "serve.log"))
+            env={"KVCOORD_HTTP_LISTEN": f"127.0.0.1:{http_port}" if http_port else ""},
+            log=tmp / "serve.log"))
         wait_for_port(gport, timeout=30)
         stack.enter_context(running(kvcoord_cmd(
             "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", "node", "--model", MODEL,

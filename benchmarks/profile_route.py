@@ -12,7 +12,8 @@ own modules, grpc, aiohttp, prometheus_client, json, asyncio, ...) and whose cum
 for route's entry points. cProfile's own overhead inflates every figure about evenly, so read its shares,
 not its milliseconds.
 
-    .venv/bin/python benchmarks/profile_route.py [--requests 1000] [--top 25] [--keep PROFILE]
+    .venv/bin/python benchmarks/profile_route.py [--requests 1000] [--configs grpc,http,...]
+        [--profile http|grpc|...|none] [--top 25] [--keep PROFILE]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 # (label, substring of a file path); the first that matches names a function's group.
 _GROUPS = (
     ("route: lookup client (kvcoord)", "kvcoord/router/client"),
+    ("route: lookup client (kvcoord)", "kvcoord/router/http_"),
     ("route: placement and policy", "kvcoord/router/"),
     ("route: gateway (proxy, SSE, metrics glue)", "kvcoord/gateway/"),
     ("kvcoord other", "kvcoord/"),
@@ -57,17 +59,21 @@ _GROUPS = (
     ("asyncio event loop", "asyncio/"),
     ("socket/ssl/selectors", "selectors"),
 )
-_CONFIGS = (
-    ("prefix-aware (lookup + reservation), default", ()),
-    ("prefix-aware, --no-reserve", ("--no-reserve",)),
-    ("round-robin, --backend (no lookup)", ("--policy", "round-robin", "--backend", "node=ENGINE")),
-)
+_CONFIGS = {
+    "grpc": ("prefix-aware (lookup + reservation), default", ()),
+    "grpc-no-reserve": ("prefix-aware, --no-reserve", ("--no-reserve",)),
+    "http": ("prefix-aware, lookups over HTTP (--coordinator-http)", ("--coordinator-http", "COORD_HTTP")),
+    "http-no-reserve": ("prefix-aware, over HTTP, --no-reserve", ("--coordinator-http", "COORD_HTTP",
+                                                                  "--no-reserve")),
+    "round-robin": ("round-robin, --backend (no lookup)", ("--policy", "round-robin", "--backend",
+                                                           "node=ENGINE")),
+}
 _MODES = (("non-streaming", False, False), ("streaming, 16 chunks", True, False),
           ("non-streaming, 8k-token prompt", False, True))
 _STARTUP = ("compile", "marshal", "importlib", "exec", "__build_class__", "set_default_verify_paths",
             "posix.stat", "_find_and_load", "get_data", "open_code", "posix.listdir")
 _ENTRY = ("plan", "_forward", "_relay_whole", "_relay_stream", "_proxy", "feed", "lookup", "_attempts",
-          "observe", "inc", "choose")
+          "observe", "inc", "choose", "post", "send")
 
 
 def _group(filename: str, func: str) -> str:
@@ -107,9 +113,12 @@ async def _traffic(route: str, n: int, *, stream: bool, long: bool = False) -> N
 @contextlib.contextmanager
 def _fleet(tmp: Path, profile: Path | None, policy: tuple[str, ...]) -> Iterator[tuple[str, int]]:
     """(route URL, route's pid), with route under cProfile when ``profile`` is given."""
-    rport = free_port()
-    with engine_stack(tmp, coordinator=True) as (engine, coordinator), contextlib.ExitStack() as stack:
-        policy = tuple(a.replace("ENGINE", engine) for a in policy)
+    rport, hport = free_port(), free_port()
+    with engine_stack(tmp, coordinator=True, http_port=hport) as (engine, coordinator), \
+            contextlib.ExitStack() as stack:
+        policy = tuple(a.replace("ENGINE", engine).replace("COORD_HTTP", f"http://127.0.0.1:{hport}")
+                       for a in policy)
+        wait_for_port(hport, timeout=30)
         cmd = route_cmd(rport, "--coordinator", coordinator, "--deadline-ms", "1000", *policy)
         if profile is not None:
             cmd = [cmd[0], "-m", "cProfile", "-o", str(profile), *cmd[1:]]
@@ -146,7 +155,8 @@ def _breakdown(path: Path, top: int) -> None:
     print("\nroute's entry points, cumulative (running time only: an awaiting coroutine is not counted):")
     rows = [(ct, f"{Path(fn).parent.name}/{Path(fn).name}:{line} {func}")
             for (fn, line, func), (_cc, _nc, _tt, ct, _c) in raw.items()
-            if func in _ENTRY and ("kvcoord/gateway" in fn or "kvcoord/router/client" in fn)]
+            if func in _ENTRY and ("kvcoord/gateway" in fn or "kvcoord/router/client" in fn
+                                   or "kvcoord/router/http_" in fn)]
     for ct, name in sorted(rows, reverse=True)[:12]:
         print(f"  {name:<60} {ct:7.2f} s  {100 * ct / work:5.1f}%")
     print(f"\ntop {top} functions by self time:")
@@ -158,16 +168,28 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000, help="requests per mode")
     ap.add_argument("--top", type=int, default=25, help="functions listed by self time")
     ap.add_argument("--keep", default=None, help="copy the cProfile output here (for snakeviz etc.)")
+    ap.add_argument("--configs", default=",".join(_CONFIGS),
+                    help=f"route configurations measured, comma separated (default: {','.join(_CONFIGS)})")
+    ap.add_argument("--profile", default="http", choices=[*_CONFIGS, "none"],
+                    help="the configuration run again under cProfile (default http; none: skip)")
     args = ap.parse_args()
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if unknown := [c for c in configs if c not in _CONFIGS]:
+        ap.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(_CONFIGS)})")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        print(f"kvcoord route's CPU (user + system) per request, {args.requests} requests per mode")
-        for label, policy in _CONFIGS:
+        print(f"kvcoord route's CPU (user + system) per request, {args.requests} requests per mode "
+              f"(load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
+        for label, policy in (_CONFIGS[c] for c in configs):
             plain = _run(tmp, args.requests, None, policy)
             figures = " | ".join(f"{cpu / args.requests * 1e3:6.3f}" for cpu in plain.values())
             print(f"  {label:<44} {figures} ms  ({' | '.join(plain)})")
+        print(f"  (load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())})")
+        if args.profile == "none":
+            return
         prof = tmp / "route.prof"
-        profiled = _run(tmp, args.requests, prof)
+        print(f"under cProfile: {_CONFIGS[args.profile][0]}")
+        profiled = _run(tmp, args.requests, prof, _CONFIGS[args.profile][1])
         for mode, cpu in profiled.items():
             print(f"  {mode:<22} under cProfile {cpu / args.requests * 1e3:6.3f} ms per request")
         for _ in range(50):  # route writes its profile as it exits

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("kvcoord", "kvcoord._native", "kvcoord.native", "kvcoord.proto", "kvcoord.load", "kvcoord.transport"),
-     "leaves: the version, the native switch and extension, generated protobuf, shared load and gRPC types"),
+    (("kvcoord", "kvcoord._native", "kvcoord.native", "kvcoord.proto", "kvcoord.load", "kvcoord.transport",
+      "kvcoord.answer_json"),
+     "leaves: the version, the native switch and extension, generated protobuf, shared load and gRPC types, "
+     "the HTTP lookup answer's JSON shapes"),
     (("kvcoord.hashing", "kvcoord.extra_keys", "kvcoord.sglang_hash", "kvcoord.vllm_hash"),
      "vLLM's and SGLang's block hashes: everything else speaks in them"),
     (("kvcoord.events", "kvcoord.media"),

@@ -41,6 +41,8 @@ class RouteFleet:
     """The node whose /tokenize the coordinator tokenizes with."""
     mport: int = 0
     """The coordinator's /metrics port (0: none)."""
+    hport: int = 0
+    """The coordinator's HTTP API port (0: its default listener)."""
     engines: dict[str, str] = field(default_factory=dict)
     """node -> the engine's URL."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -58,11 +60,18 @@ class RouteFleet:
     def coordinator(self) -> str:
         return f"127.0.0.1:{self.gport}"
 
+    @property
+    def coordinator_http(self) -> str:
+        """The coordinator's HTTP API URL (a fleet started with ``http=True``)."""
+        assert self.hport, "route_fleet(..., http=True)"
+        return f"http://127.0.0.1:{self.hport}"
+
     def serve_cmd(self) -> list[str]:
         spec = f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,tokenizer={self.engines[self.tokenizer]}"
         metrics = f"127.0.0.1:{self.mport}" if self.mport else ""
+        http = ("--http-listen", f"127.0.0.1:{self.hport}") if self.hport else ()
         return kvcoord_cmd("serve", "--listen", self.coordinator, "--metrics-listen", metrics,
-                           "--model", spec)
+                           "--model", spec, *http)
 
     def start_serve(self) -> None:
         """Start the coordinator (again), appending to serve.log; returns once it accepts."""
@@ -99,11 +108,13 @@ def _engine_cmd(http: int, pub: int, extra: Sequence[str]) -> list[str]:
 @contextlib.contextmanager
 def route_fleet(tmp: Path, nodes: Sequence[str], *, tokenizer: str | None = None,
                 engine_args: Sequence[str] = (), node_args: Mapping[str, Sequence[str]] | None = None,
-                metrics: bool = False) -> Iterator[RouteFleet]:
+                metrics: bool = False, http: bool = False) -> Iterator[RouteFleet]:
     """Engines for ``nodes`` (``engine_args`` after ENGINE_DEFAULTS, then ``node_args[node]``), the
-    coordinator (tokenizing through ``tokenizer``, default the first node; /metrics with ``metrics``) and
-    an agent per engine announcing its URL. No router: :meth:`RouteFleet.start_route`."""
-    f = RouteFleet(tmp, free_port(), tokenizer or nodes[0], mport=free_port() if metrics else 0)
+    coordinator (tokenizing through ``tokenizer``, default the first node; /metrics with ``metrics``; its
+    HTTP API on a port of its own with ``http``) and an agent per engine announcing its URL. No router:
+    :meth:`RouteFleet.start_route`."""
+    f = RouteFleet(tmp, free_port(), tokenizer or nodes[0], mport=free_port() if metrics else 0,
+                   hport=free_port() if http else 0)
     with f.stack:
         pubs = {}
         for node in nodes:

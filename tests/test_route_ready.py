@@ -126,17 +126,29 @@ def test_a_fresh_fleets_first_requests_are_prefix_aware_once_route_is_ready(tmp_
     assert f"route: ready (lookups warm for model {MODEL})" in route_log, route_log
 
 
-def test_a_dead_tokenizer_engine_is_tokenize_error_and_the_coordinator_stays_up(tmp_path: Path) -> None:
+def _over_http(over_http: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(serve's, route's)`` extra flags: lookups over the coordinator's HTTP API, or none (gRPC)."""
+    if not over_http:
+        return (), ()
+    hport = free_port()
+    return ("--http-listen", f"127.0.0.1:{hport}"), ("--coordinator-http", f"http://127.0.0.1:{hport}")
+
+
+@pytest.mark.parametrize("over_http", [False, True], ids=["grpc", "http"])
+def test_a_dead_tokenizer_engine_is_tokenize_error_and_the_coordinator_stays_up(tmp_path: Path,
+                                                                                 over_http: bool) -> None:
     """The coordinator tokenizes through one engine's URL (the single point of failure docs/route.md warns
     of); while nothing answers there, text requests go least-loaded as ``tokenize_error``, with
-    ``coordinator_up`` 1 and no coordinator outage; once the engine answers they are prefix-aware again."""
+    ``coordinator_up`` 1 and no coordinator outage; once the engine answers they are prefix-aware again.
+    The same with lookups over the coordinator's HTTP API (``--coordinator-http``)."""
     http, pub, tok_http, tok_pub = free_port(), free_port_pair(), free_port(), free_port_pair()
     gport, rport = free_port(), free_port()
     engine, base = f"http://127.0.0.1:{http}", f"http://127.0.0.1:{rport}"
-    route = _route(gport, rport, "--backend", f"static={engine}", "--deadline-ms", "2000")
+    serve_http, route_http = _over_http(over_http)
+    route = _route(gport, rport, "--backend", f"static={engine}", "--deadline-ms", "2000", *route_http)
     with contextlib.ExitStack() as stack:
         stack.enter_context(running(_engine(http, pub), log=tmp_path / "engine.log"))
-        serve = _serve(gport, f"http://127.0.0.1:{tok_http}")
+        serve = _serve(gport, f"http://127.0.0.1:{tok_http}", *serve_http)
         stack.enter_context(running(serve, log=tmp_path / "serve.log"))
         wait_for_port(gport, timeout=30)
         wait_for_port(http, timeout=30)
@@ -163,15 +175,17 @@ def test_a_dead_tokenizer_engine_is_tokenize_error_and_the_coordinator_stays_up(
     assert "coordinator lookups failing" in text and "answering again" in text, text
 
 
-def test_a_refused_token_makes_route_not_ready_with_the_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize("over_http", [False, True], ids=["grpc", "http"])
+def test_a_refused_token_makes_route_not_ready_with_the_reason(tmp_path: Path, over_http: bool) -> None:
     """``kvcoord route --token wrong`` against a coordinator with tokens: /health answers 503
     ``unauthorized`` naming UNAUTHENTICATED, one ERROR line says so, ``kvcoord_route_ready`` is 0; /live
-    still answers. The right token is ready."""
+    still answers. The right token is ready. The same with lookups over HTTP (a 401 there)."""
     bad, good = free_port(), free_port()
-    tokens = ("--router-token", "rtok", "--agent-token", "atok=node-a")
+    serve_http, route_http = _over_http(over_http)
+    tokens = ("--router-token", "rtok", "--agent-token", "atok=node-a", *serve_http)
     with _fleet(tmp_path, serve_extra=tokens) as (_engine_url, gport), \
-            running(_route(gport, bad, "--token", "wrong"), log=tmp_path / "bad.log"), \
-            running(_route(gport, good, "--token", "rtok"), log=tmp_path / "good.log"):
+            running(_route(gport, bad, "--token", "wrong", *route_http), log=tmp_path / "bad.log"), \
+            running(_route(gport, good, "--token", "rtok", *route_http), log=tmp_path / "good.log"):
         for port in (bad, good):
             wait_for_port(port, timeout=30)
         status, health = _health_when(f"http://127.0.0.1:{bad}", lambda st, h: h["status"] == "unauthorized",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from kvcoord.cli.common import (
     NONNEG_FLOAT,
@@ -55,6 +56,21 @@ _listen.__name__ = "HOST:PORT"
 _backend.__name__ = "NODE=URL"
 
 
+def _http_url(text: str) -> str:
+    url = text.strip() if "://" in text else f"http://{text.strip()}"
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path.strip("/"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not http(s)://HOST:PORT")
+    return url.rstrip("/")
+
+
+_http_url.__name__ = "URL"
+
+
 def add(sub: Subparsers) -> None:
     p = sub.add_parser("route", help="OpenAI-compatible router placing requests by prefix",
                        description="An OpenAI-compatible HTTP proxy in front of the engines: "
@@ -69,6 +85,10 @@ def add(sub: Subparsers) -> None:
                         "URL its agent announced; a node the coordinator does not list is still a candidate)")
     p.add_argument("--model", default=None,
                    help="model of requests that name none")
+    p.add_argument("--coordinator-http", default=None, type=_http_url, metavar="URL",
+                   help="the coordinator's HTTP API (its --http-listen, e.g. http://coord:8090): lookups go "
+                        "there on a kept-alive connection, cheaper than gRPC per request; reservations, "
+                        "ListNodes and queries HTTP cannot say stay on --coordinator (default: all gRPC)")
     p.add_argument("--deadline-ms", type=POSITIVE_FLOAT, default=50.0,
                    help="a lookup slower than this places least-loaded instead (default 50)")
     p.add_argument("--policy", choices=POLICIES, default="prefix-aware",
@@ -131,6 +151,8 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
     if len(backends) != len(args.backend):
         dup = next(n for n, _ in args.backend if [b for b, _ in args.backend].count(n) > 1)
         raise CliError(f"--backend {dup}: given twice")
+    if args.coordinator_http is not None and args.coordinator is None:
+        raise CliError("--coordinator-http needs --coordinator (reservations and ListNodes go over gRPC)")
     if args.coordinator is None and (args.policy == "prefix-aware" or not backends):
         raise CliError("--coordinator is required (only --policy least-loaded|round-robin|random with "
                        "--backend runs without one)")
@@ -148,7 +170,8 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
         raise CliError("--image-placeholder: must not be empty")
     return RouteConfig(media=MediaRule(args.image_placeholder, args.image_tokens),
                        sessions=sessions, api_keys=keys, pd=pd_config(args),
-                       coordinator=args.coordinator, security=security(args), listen=args.listen,
+                       coordinator=args.coordinator, coordinator_http=args.coordinator_http,
+                       security=security(args), listen=args.listen,
                        backends=backends, model=args.model, deadline_ms=args.deadline_ms,
                        policy=args.policy, degraded=args.degraded, latency=cost_model(args),
                        rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,

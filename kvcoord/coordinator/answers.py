@@ -6,56 +6,22 @@ beforehand). Dynamo's ``ScoreResponse`` fields first, then kvcoord's."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
+from kvcoord.answer_json import NodeJson, PullJson, ReservedJson, TiersJson
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.httpd import JSON, Response
 from kvcoord.coordinator.lookup import LiveMatch
 from kvcoord.coordinator.pools import PullHint
+from kvcoord.coordinator.reservations import Reserved
+from kvcoord.index.base import NodeKey
 from kvcoord.load import NodeLoad
 
-__all__ = ["Hit", "lookup_answer", "match_hits", "node_entry", "node_tail", "with_pull"]
+__all__ = ["Hit", "lookup_answer", "match_hits", "node_entry", "node_tail", "with_pull", "with_reserved"]
 
 _encode = msgspec.json.Encoder().encode
-
-
-class _Tiers(msgspec.Struct, omit_defaults=True):
-    GPU: int
-    CPU: int
-    STORAGE: int
-    POOL: int = 0
-    """Blocks past the node's own run that a shared pool it reaches holds (omitted when none)."""
-
-
-class _Pull(msgspec.Struct):
-    """A peer holding a longer prefix (kvcoord.coordinator.pools.PullHint)."""
-
-    node_id: str
-    host_port: str
-    tier: str
-    blocks: int
-
-
-class _Node(msgspec.Struct, omit_defaults=True):
-    """One entry of the answer's ``nodes``: kvcoord's view of a live (node, dp rank), best first."""
-
-    node_id: str
-    dp_rank: int
-    matched_blocks: int
-    tiers: _Tiers
-    load: msgspec.Raw
-    trust: str
-    serving_url: str | None = None
-    trust_cause: str = ""
-    """Why degraded (``hash_mismatch`` or ``history_lost``); omitted when exact."""
-    pool: str = ""
-    """The shared pool ``tiers.POOL`` counts; omitted when none."""
-    pool_tier: str = ""
-    """That pool's tier (its blocks score at its weight); omitted when none."""
-    pull: _Pull | None = None
-    """A peer-pull hint; omitted when no live peer holds a longer prefix."""
 
 
 class _Instance(msgspec.Struct):
@@ -68,7 +34,7 @@ class _Instance(msgspec.Struct):
     disk: int
 
 
-class _Answer(msgspec.Struct):
+class _Answer(msgspec.Struct, omit_defaults=True):
     """The ``/query`` and ``/query_by_hash`` answer: Dynamo's fields first, then kvcoord's."""
 
     scores: dict[str, dict[str, int]]
@@ -79,17 +45,20 @@ class _Answer(msgspec.Struct):
     block_size: int
     num_blocks: int
     num_tokens: int
-    nodes: list[_Node | msgspec.Raw]
-    """:class:`_Node` objects (the general path), or the same entries encoded already (the fast path)."""
+    nodes: list[NodeJson | msgspec.Raw]
+    """:class:`NodeJson` objects (the general path), or the same entries encoded already (the fast path)."""
+    block_hashes: list[int] | None = None
+    """The query's block hashes, when asked for (``want_block_hashes``); omitted otherwise."""
 
 
-Hit = tuple[str, int, int, int, int, int, _Node | msgspec.Raw]
+Hit = tuple[str, int, int, int, int, int, NodeJson | msgspec.Raw]
 """One (node, rank) of a lookup answer, best first: node id, dp rank, matched blocks, blocks per tier (GPU,
 CPU, storage), and its ``nodes`` entry."""
 
 
 def lookup_answer(state: CoordinatorState, model: str, block_size: int, num_blocks: int, num_tokens: int,
-                  hits: Sequence[Hit], query: str, t0: float, path: str) -> Response:
+                  hits: Sequence[Hit], query: str, t0: float, path: str,
+                  block_hashes: list[int] | None = None) -> Response:
     """Dynamo's ``ScoreResponse`` (tokens; ``scores`` GPU only; ``cpu`` and ``disk`` cumulative through the
     faster tiers), then kvcoord's answer; its metrics, ``path`` naming who answered (``fast``, ``handler``).
     The one encoder of a lookup's answer, for both paths."""
@@ -119,7 +88,7 @@ def lookup_answer(state: CoordinatorState, model: str, block_size: int, num_bloc
             inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
     nodes = [h[6] for h in hits]
     resp = Response(200, _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens,
-                                         nodes)), JSON)
+                                         nodes, block_hashes)), JSON)
     metrics = state.metrics
     metrics.lookup_done(query, time.perf_counter() - t0)
     metrics.lookup_answers[path] += 1
@@ -130,7 +99,7 @@ def lookup_answer(state: CoordinatorState, model: str, block_size: int, num_bloc
 
 def node_entry(key: bytes, rank: int, matched: int, gpu: int, cpu: int, sto: int, tail: bytes) -> msgspec.Raw:
     """A ``nodes`` entry from its node id as JSON and its tail (:meth:`HttpApi.node_tail`): as
-    :class:`_Node` encodes."""
+    :class:`NodeJson` encodes."""
     return msgspec.Raw(_NODE_ENTRY % (key, rank, matched, gpu, cpu, sto, tail))
 
 
@@ -155,21 +124,32 @@ def _load_json(load: NodeLoad) -> msgspec.Raw:
 
 
 def node_tail(node_id: str, rank: int, load: NodeLoad, url: str, trust: str, cause: str) -> bytes:
-    """The ``nodes`` entry of a live (node, rank) after its ``tiers``, as :class:`_Node` encodes it: the
+    """The ``nodes`` entry of a live (node, rank) after its ``tiers``, as :class:`NodeJson` encodes it: the
     fast path's views keep it per (node, rank) and complete it with :func:`node_entry`."""
-    entry = _encode(_Node(node_id, rank, 0, _Tiers(0, 0, 0), _load_json(load), trust, url or None, cause))
+    entry = _encode(NodeJson(node_id, rank, 0, TiersJson(0, 0, 0), _load_json(load), trust, url or None,
+                             cause))
     head = bytes(node_entry(_encode(node_id), rank, 0, 0, 0, 0, b""))
     if not entry.startswith(head):
         raise AssertionError("a nodes entry does not start as expected")
     return entry[len(head):]
 
 
-def with_pull(entry: _Node | msgspec.Raw, hint: PullHint) -> _Node | msgspec.Raw:
-    """A fast-path ``nodes`` entry (no pool fields) with its pull hint, as :class:`_Node` encodes it last."""
-    if isinstance(entry, _Node):
-        entry.pull = _Pull(*hint)
+def with_pull(entry: NodeJson | msgspec.Raw, hint: PullHint) -> NodeJson | msgspec.Raw:
+    """A fast-path ``nodes`` entry (no pool fields) with its pull hint, as :class:`NodeJson` encodes it
+    last."""
+    if isinstance(entry, NodeJson):
+        entry.pull = PullJson(*hint)
         return entry
-    return msgspec.Raw(bytes(entry)[:-1] + b',"pull":' + _encode(_Pull(*hint)) + b"}")
+    return msgspec.Raw(bytes(entry)[:-1] + b',"pull":' + _encode(PullJson(*hint)) + b"}")
+
+
+def with_reserved(hits: Sequence[Hit], view: Mapping[NodeKey, Reserved]) -> None:
+    """The general path's hits with the reservations on their (node, rank) (:func:`lookup_view
+    <kvcoord.coordinator.reservations.lookup_view>`)."""
+    for node_id, rank, *_, node in hits:
+        got = view.get((node_id, rank))
+        if got is not None and isinstance(node, NodeJson):
+            node.reserved = ReservedJson(got.blocks, got.requests, got.prefill_tokens)
 
 
 def match_hits(matches: Sequence[LiveMatch], pool_tier: Callable[[str], str]) -> list[Hit]:
@@ -178,7 +158,7 @@ def match_hits(matches: Sequence[LiveMatch], pool_tier: Callable[[str], str]) ->
     hits: list[Hit] = []
     for node_id, rank, matched, t, load, url, trust, cause, pool, pull in matches:
         g, c, d, p = (*t, 0, 0, 0)[:4] if t else (matched, 0, 0, 0)
-        node = _Node(node_id, rank, matched, _Tiers(g, c, d, p), _load_json(load), trust, url or None, cause,
-                     pool, pool_tier(pool) if pool else "", None if pull is None else _Pull(*pull))
+        node = NodeJson(node_id, rank, matched, TiersJson(g, c, d, p), _load_json(load), trust, url or None,
+                     cause, pool, pool_tier(pool) if pool else "", None if pull is None else PullJson(*pull))
         hits.append((node_id, rank, matched, g, c, d + p, node))
     return hits

@@ -27,12 +27,12 @@ import logging
 import time
 from array import array
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, cast
 from urllib.parse import parse_qs
 
 import msgspec
 
-from kvcoord.coordinator.answers import lookup_answer, match_hits
+from kvcoord.coordinator.answers import lookup_answer, match_hits, with_reserved
 from kvcoord.coordinator.auth import ADMIN, AGENT, OPEN, Authenticator, AuthError
 from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.engines import (
@@ -49,6 +49,7 @@ from kvcoord.coordinator.lookup import (
     INVALID,
     NO_PROFILE,
     NOT_FOUND,
+    TOKENIZER_DOWN,
     LiveMatch,
     LookupFailed,
     Lookups,
@@ -56,11 +57,13 @@ from kvcoord.coordinator.lookup import (
 )
 from kvcoord.coordinator.nodeinfo import profile_json
 from kvcoord.coordinator.pools import check_pool_hello
+from kvcoord.coordinator.reservations import lookup_view
 from kvcoord.events import Tier
 from kvcoord.extra_keys import RequestKeys
 from kvcoord.hashing import UINT64_MASK, BlockHash64
 from kvcoord.index.base import run_inline
 from kvcoord.roles import check_role
+from kvcoord.transport import CAUSE_METADATA, TOKENIZER_CAUSE
 from kvcoord.validate import shown
 
 if TYPE_CHECKING:
@@ -94,6 +97,32 @@ class QueryBody(msgspec.Struct):
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_unmatched: bool = False
+    # a router's (as gRPC LookupRequest's; kvcoord route --coordinator-http):
+    want_block_hashes: bool = False
+    router_id: str = ""
+    reserve_id: str = ""
+    """With ``router_id``: the request id this router's reservation of the pick will carry; the lookup holds
+    the query's new prefix for it (:func:`kvcoord.coordinator.reservations.lookup_view`)."""
+    wait_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """How long this lookup may wait for another router's hold on its new prefix (gRPC: the deadline)."""
+
+    def ask(self) -> _Ask | None:
+        """A router's extras, or None for a plain lookup."""
+        if not (self.want_block_hashes or self.router_id):
+            return None
+        return _Ask(self.want_block_hashes, self.router_id, self.reserve_id, self.wait_ms / 1000.0)
+
+
+class _Ask(NamedTuple):
+    """What a router asks of a lookup beyond Dynamo's: the query's block hashes, its hold."""
+
+    want_block_hashes: bool = False
+    router_id: str = ""
+    reserve_id: str = ""
+    wait: float = 0.0
+
+
+_PLAIN = _Ask()
 
 
 class FastQueryBody(QueryBody):
@@ -175,6 +204,15 @@ def _json(status: int, data: object) -> Response:
 
 _LOOKUP_HTTP = {INVALID: 400, NOT_FOUND: 404, NO_PROFILE: 400, "unavailable": 503, "unimplemented": 501,
                 "internal": 500, "tokenizer_down": 503}
+
+
+def _failed(exc: LookupFailed) -> Response:
+    """A failed lookup's answer; a failed tokenizer says so in ``kvcoord-cause`` (gRPC: the trailer), so a
+    router tells it from a coordinator outage."""
+    resp = json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+    if exc.kind == TOKENIZER_DOWN:
+        resp.headers.append((CAUSE_METADATA, TOKENIZER_CAUSE))
+    return resp
 
 
 class HttpApi:
@@ -277,17 +315,18 @@ class HttpApi:
             keys = None
             if body.lora_name or body.cache_salt:
                 keys = RequestKeys(lora_name=body.lora_name or None, cache_salt=body.cache_salt or None)
-            elif self.fast is not None and not body.include_unmatched:
+            elif self._fast(body.include_unmatched) and body.ask() is None:
+                assert self.fast is not None
                 answered = self.fast.tokens(model, tokens, len(tokens), t0)
                 if answered is not None:
                     return answered
             profile, hashes = self.lookups.hash_tokens(model, tokens, keys)
             return self._answer(model, profile.block_size, hashes, len(tokens), body.include_unmatched,
-                                "tokens", t0)
+                                "tokens", t0, body.ask())
         except BadBody as exc:
             return exc.response
         except LookupFailed as exc:
-            return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+            return _failed(exc)
 
     async def _query_text(self, model: str, body: FastQueryBody | QueryBody, t0: float) -> Response:
         """A lookup by ``prompt`` or chat ``messages``: tokenized as the engine does, then by tokens."""
@@ -300,9 +339,9 @@ class HttpApi:
             tokens = array("I", ids)
             profile, hashes = self.lookups.hash_tokens(model, tokens, keys)
             answer = self._answer(model, profile.block_size, hashes, len(tokens), body.include_unmatched,
-                                  "prompt", t0)
+                                  "prompt", t0, body.ask())
         except LookupFailed as exc:
-            return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+            return _failed(exc)
         return answer if isinstance(answer, Response) else await answer
 
     def query_by_hash(self, req: Request) -> Response | Awaitable[Response]:
@@ -331,7 +370,8 @@ class HttpApi:
                                        "already include the intended cache salt")
             model = self._partition(body.model_name, body.routing_group)
             self.lookups.check_blocks(len(hashes), "")
-            if self.fast is not None and not body.include_unmatched and isinstance(hashes, memoryview):
+            if self._fast(body.include_unmatched) and isinstance(hashes, memoryview):
+                assert self.fast is not None
                 answered = self.fast.hashes(model, hashes, t0)
                 if answered is not None:
                     return answered
@@ -340,27 +380,50 @@ class HttpApi:
         except BadBody as exc:
             return exc.response
         except LookupFailed as exc:
-            return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+            return _failed(exc)
+
+    def _fast(self, include_unmatched: bool) -> bool:
+        """Whether a plain lookup may take the fast path (its views know no reservations)."""
+        return self.fast is not None and not include_unmatched and not self.state.reservations.any()
 
     def _answer(self, model: str, block_size: int, hashes: Sequence[BlockHash64], num_tokens: int,
-                include_unmatched: bool, query: str, t0: float) -> Response | Awaitable[Response]:
-        """Match, then answer: at once on an in-process index (no task), else when the backend answers."""
+                include_unmatched: bool, query: str, t0: float,
+                ask: _Ask | None = None) -> Response | Awaitable[Response]:
+        """Match, then answer: at once on an in-process index (no task), else when the backend answers;
+        with the routers' reservations (and this router's hold) when there are any or it asks."""
         coro = self.lookups.match(model, hashes, None, include_unmatched)
+        if ask is not None or self.state.reservations.any():
+            return self._reserving(model, block_size, hashes, num_tokens, coro, query, t0, ask or _PLAIN)
         if self.state.index.inline:
             try:
                 matches = run_inline(coro)
             except LookupFailed as exc:
-                return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+                return _failed(exc)
             return self._scores(model, block_size, len(hashes), num_tokens, matches, query, t0)
 
         async def later() -> Response:
             try:
                 matches = await coro
             except LookupFailed as exc:
-                return json_error(_LOOKUP_HTTP[exc.kind], exc.message)
+                return _failed(exc)
             return self._scores(model, block_size, len(hashes), num_tokens, matches, query, t0)
 
         return later()
+
+    async def _reserving(self, model: str, block_size: int, hashes: Sequence[BlockHash64], num_tokens: int,
+                         coro: Awaitable[list[LiveMatch]], query: str, t0: float, ask: _Ask) -> Response:
+        """The general path's answer with the reservations' view (:func:`lookup_view`), as gRPC's Lookup."""
+        st = self.state
+        try:
+            matches = await coro
+        except LookupFailed as exc:
+            return _failed(exc)
+        hits = match_hits(matches, lambda pool: st.pools.tier(pool).name)
+        start = max((h[2] for h in hits), default=0)
+        with_reserved(hits, await lookup_view(st.reservations, ask.router_id, ask.reserve_id, model, hashes,
+                                              start, ask.wait))
+        return lookup_answer(st, model, block_size, len(hashes), num_tokens, hits, query, t0, "handler",
+                             [int(h) for h in hashes] if ask.want_block_hashes else None)
 
     def _scores(self, model: str, block_size: int, num_blocks: int, num_tokens: int,
                 matches: list[LiveMatch], query: str, t0: float) -> Response:

@@ -40,7 +40,8 @@ from kvcoord.index.base import NodeKey
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import InvalidEvent, unpack_u64
 
-__all__ = ["BLOCK_HOLD", "HOLD_SECONDS", "MAX_TTL", "ReservationCollector", "Reservations", "Reserved"]
+__all__ = ["BLOCK_HOLD", "HOLD_SECONDS", "MAX_TTL", "ReservationCollector", "Reservations", "Reserved",
+           "lookup_view"]
 
 HOLD_SECONDS = 0.25
 """How long a lookup's hold on a new prefix makes another router's lookup of it wait at most."""
@@ -207,6 +208,10 @@ class Reservations:
             out.setdefault(key, Reserved(d))
         return out
 
+    def any(self) -> bool:
+        """Whether any reservation is kept (else every lookup's :meth:`overlay` is empty)."""
+        return bool(self._entries)
+
     def totals(self) -> tuple[int, int, int]:
         """``(running requests, their prefill tokens, reservations holding blocks)`` right now."""
         self._sweep(self.clock(), force=True)
@@ -258,6 +263,16 @@ class Reservations:
         for rid, hold in list(self._holds.items()):
             if hold.expires <= now:
                 self._resolve(rid)
+
+
+async def lookup_view(res: Reservations, router: str, reserve_id: str, model: str,
+                      hashes: Sequence[BlockHash64], start: int, wait: float) -> dict[NodeKey, Reserved]:
+    """A lookup's view of the reservations, for both APIs (gRPC ``Lookup``, HTTP ``/query``): the asking
+    router's hold on its new prefix (from position ``start``, the index's best) once any other hold on it
+    was waited for (at most ``wait`` s, capped at ``HOLD_SECONDS``), then :meth:`Reservations.overlay`."""
+    if router:
+        await res.hold(router, reserve_id, model, hashes, start, min(wait, HOLD_SECONDS))
+    return res.overlay(model, hashes, start, router)
 
 
 LogOnce = Callable[..., None]

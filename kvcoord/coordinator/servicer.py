@@ -38,7 +38,7 @@ from kvcoord.coordinator.lookup import (
 from kvcoord.coordinator.nodeinfo import node_info, remote_node_info, with_model_profile
 from kvcoord.coordinator.outbox import Outbox
 from kvcoord.coordinator.registry import NodeRecord
-from kvcoord.coordinator.reservations import HOLD_SECONDS, take_stream
+from kvcoord.coordinator.reservations import lookup_view, take_stream
 from kvcoord.coordinator.snapshots import IngestAbort
 from kvcoord.extra_keys import MultiModalItem, RequestKeys
 from kvcoord.hashing import BlockHash64
@@ -447,12 +447,9 @@ class CoordinatorServicer:
                         resp: pb.LookupResponse, wait: float) -> None:
         """Other routers' reservations into the answer's nodes, after this router's hold on its new prefix
         (its first block no node holds) waited for theirs (:mod:`kvcoord.coordinator.reservations`)."""
-        res, model = self.state.reservations, request.model
         start = max((n.matched_blocks for n in resp.nodes), default=0)
-        if request.router_id:
-            await res.hold(request.router_id, request.reserve_id, model, hashes, start,
-                           min(wait, HOLD_SECONDS))
-        overlay = res.overlay(model, hashes, start, request.router_id)
+        overlay = await lookup_view(self.state.reservations, request.router_id, request.reserve_id,
+                                    request.model, hashes, start, wait)
         for nm in resp.nodes if overlay else ():
             got = overlay.get((nm.node_id, nm.dp_rank))
             if got is not None:

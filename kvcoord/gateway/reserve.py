@@ -4,7 +4,8 @@ the coordinator (:mod:`kvcoord.coordinator.reservations`), which lookup answers 
 Nothing on the request path waits for it: :meth:`ReserveStream.reserve` and :meth:`ReserveStream.release`
 queue an operation that one writer task sends, so a reservation costs a protobuf message and a queue put
 per request, no round trip. Completions ride with the next reservation (or go after ``RELEASE_LINGER``),
-and what queues during a write goes in one message, so under load a request costs one or two messages.
+a completion within ``FIRST_BYTE_LINGER`` of its first byte replaces it, and what queues during a write
+goes in one message, so a short request costs one message, and under load less.
 
 While the stream is down (coordinator down or restarting), the router works on its own memory (its
 in-flight counts and placement memory), says so once in its log, in ``kvcoord_route_shared_view`` /
@@ -38,7 +39,10 @@ counting as in flight for other routers; its own router still counts it)."""
 _QUEUE = 65_536
 RELEASE_LINGER = 0.02
 """Seconds a completion may wait for a reservation to travel with (a late one only keeps the view
-conservative a little longer); a reservation and a first byte never wait."""
+conservative a little longer); a reservation never waits."""
+FIRST_BYTE_LINGER = 0.002
+"""Seconds a first byte may wait: a completion within them replaces it (it releases the prefill too), so
+a short answer costs one stream message, not two."""
 
 
 def new_router_id() -> str:
@@ -89,14 +93,17 @@ class ReserveStream:
         self._flush()
 
     def release(self, request_id: str, *, first_byte: bool) -> None:
-        """A first byte goes at the end of this loop iteration (the node's queued prefill is load every
-        router weighs); a completion with the next reservation, or after ``RELEASE_LINGER`` s."""
+        """A first byte goes within ``FIRST_BYTE_LINGER`` s (the node's queued prefill is load every router
+        weighs), unless the completion comes first and replaces it; a completion goes with the next
+        reservation, or after ``RELEASE_LINGER`` s."""
         if not self.up:
             return
+        if not first_byte and self._pending:  # the completion releases the prefill too
+            self._pending = [p for p in self._pending if p.request_id != request_id]
         op = pb.ReserveOp(request_id=request_id)
         op.release.first_byte = first_byte
         self._pending.append(op)
-        delay = 0.0 if first_byte else RELEASE_LINGER
+        delay = FIRST_BYTE_LINGER if first_byte else RELEASE_LINGER
         loop = asyncio.get_running_loop()
         due = loop.time() + delay
         if self._timer is None or self._due > due:  # uvloop's timer handles have no when()

@@ -33,6 +33,7 @@ from kvcoord.coordinator.httpd import HttpLimits
 from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import KV_SOURCE_HEADER, Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.router.http_lookup import HttpLookupClient, LookupClient
 from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.tokenize.media import MediaRule
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
@@ -75,6 +76,9 @@ class RouteConfig:
 
     coordinator: str | None
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    coordinator_http: str | None = None
+    """The coordinator's HTTP API (``--http-listen``): lookups go there (:mod:`kvcoord.router.http_lookup`),
+    the rest over gRPC; None: everything over gRPC."""
     listen: str = "127.0.0.1:8000"
     backends: Mapping[str, str] = field(default_factory=dict)
     model: str | None = None
@@ -144,13 +148,17 @@ class RouteServer:
                        if config.coordinator else None)
         self.rpc = (AsyncCoordinatorClient(config.coordinator, security=config.security,
                                            timeout=config.rpc_timeout) if config.coordinator else None)
+        self.lookups: LookupClient | None = self.client
+        if self.client is not None and config.coordinator_http:
+            self.lookups = HttpLookupClient(config.coordinator_http, self.client,
+                                            timeout=config.deadline_ms / 1000.0)
         policy = make_policy(config.policy, config.seed, degraded=config.degraded, latency=config.latency)
-        self.placer = Placer(self.client, self.backends, policy, self.metrics, seed=config.seed)
+        self.placer = Placer(self.lookups, self.backends, policy, self.metrics, seed=config.seed)
         self.placer.media = config.media
         if self.client is not None and policy.uses_index and config.reserve:
             self.placer.reserve = ReserveStream(self.client, log, ttl=config.reserve_ttl,
                                                 on_change=lambda up: self.metrics.shared_view.set(int(up)))
-        self.readiness = Readiness(self.client, self.placer, self._models, timeout=config.rpc_timeout,
+        self.readiness = Readiness(self.lookups, self.placer, self._models, timeout=config.rpc_timeout,
                                    pause=min(1.0, config.refresh_interval))
         latency = getattr(policy, "latency", None)
         self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
@@ -210,7 +218,9 @@ class RouteServer:
         self._tasks.append(asyncio.create_task(self.readiness.run()))
         log.info("route: OpenAI-compatible API on http://%s:%d (coordinator %s, policy %s, %d static "
                  "backends)",
-                 host or "0.0.0.0", self.port, self.config.coordinator or "none", self.config.policy,
+                 host or "0.0.0.0", self.port, self.config.coordinator or "none"
+                 + (f", lookups over {self.config.coordinator_http}" if self.config.coordinator_http else ""),
+                 self.config.policy,
                  len(self.config.backends))
 
     async def close(self) -> None:
@@ -225,6 +235,8 @@ class RouteServer:
             self._runner = None
         if self._session is not None:
             await self._session.close()
+        if isinstance(self.lookups, HttpLookupClient):
+            await self.lookups.close()
         for client in (self.client, self.rpc):
             if client is not None:
                 await client.close()

@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 
 from kvcoord.router.answer import Candidate, LookupResult
-from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
+from kvcoord.router.client import CoordinatorError
+from kvcoord.router.http_lookup import LookupClient
 from kvcoord.router.policy import Decision, LeastLoadedPolicy, Policy, RouteRequest, place
 from kvcoord.tokenize.base import Tokenizer
 from kvcoord.tokenize.media import MediaRule
@@ -87,7 +88,7 @@ class Plan:
 class Placer:
     """Lookup, candidates, choice. ``client`` is None without a coordinator (static backends only)."""
 
-    def __init__(self, client: AsyncCoordinatorClient | None, backends: Backends, policy: Policy,
+    def __init__(self, client: LookupClient | None, backends: Backends, policy: Policy,
                  metrics: RouteMetrics, *, clock: Callable[[], float] = time.monotonic,
                  seed: int | None = None, tokenizer: Tokenizer | None = None) -> None:
         self.client = client

@@ -27,7 +27,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
+from kvcoord.router.client import CoordinatorError
+from kvcoord.router.http_lookup import LookupClient
 from kvcoord.transport import TOKENIZER_CAUSE
 
 from .outage import is_outage
@@ -45,7 +46,7 @@ WARM_QUERIES = ({"prompt": "kvcoord route warm-up"},
 class Readiness:
     """Warm-up and readiness of one router; :meth:`run` until cancelled. Single event loop."""
 
-    def __init__(self, client: AsyncCoordinatorClient | None, placer: Placer,
+    def __init__(self, client: LookupClient | None, placer: Placer,
                  models: Callable[[], Iterable[str]], *, timeout: float, pause: float) -> None:
         self.client = client
         self.placer = placer

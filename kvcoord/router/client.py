@@ -195,6 +195,20 @@ def _set_optional(msg: Any, **fields: object) -> None:
             setattr(msg, name, value)
 
 
+def check_lookup_query(model: str, tokens: object, hashes: object, prompt: object, messages: object,
+                       chat_options: bool) -> None:
+    """``ValueError`` unless a lookup names a model and exactly one of tokens, hashes, prompt or messages,
+    with chat options (tools, template kwargs, generation prompt) for messages only; for both transports
+    (:mod:`kvcoord.router.http_lookup`)."""
+    if not model:
+        raise ValueError("model must be non-empty")
+    given = sum(x is not None for x in (tokens, hashes, prompt, messages))
+    if given != 1:
+        raise ValueError("give exactly one of tokens, hashes, prompt or messages")
+    if chat_options and messages is None:
+        raise ValueError("tools, chat_template_kwargs and add_generation_prompt apply to chat messages only")
+
+
 def build_lookup_request(
     model: str,
     *,
@@ -222,15 +236,8 @@ def build_lookup_request(
     OpenAI server would (``add_special_tokens`` defaults to True for a prompt, False for a chat).
     ``router_id`` / ``reserve_id``: a router that reserves its picks (:class:`ReserveStream
     <kvcoord.gateway.reserve.ReserveStream>`), and the request id its reservation of this pick will carry."""
-    if not model:
-        raise ValueError("model must be non-empty")
-    given = sum(x is not None for x in (tokens, hashes, prompt, messages))
-    if given != 1:
-        raise ValueError("give exactly one of tokens, hashes, prompt or messages")
-    if (tools is not None or chat_template_kwargs is not None or add_generation_prompt is not None) and (
-        messages is None
-    ):
-        raise ValueError("tools, chat_template_kwargs and add_generation_prompt apply to chat messages only")
+    chat_options = tools is not None or chat_template_kwargs is not None or add_generation_prompt is not None
+    check_lookup_query(model, tokens, hashes, prompt, messages, chat_options)
     req = pb.LookupRequest(model=model)
     if prompt is not None or messages is not None:
         if lora_path or mm_items or prompt_embeds_digests:
