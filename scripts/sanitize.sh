@@ -2,7 +2,7 @@
 # The sanitizer step (CI: .ci/run). Builds kvcoord's C extensions with AddressSanitizer and
 # UndefinedBehaviorSanitizer into a scratch copy of the project (the editable build in kvcoord/ is left
 # alone), then runs against that build, under the ASan runtime:
-#   - the native-vs-Python tests: tests/test_hashing.py, tests/test_index_memory.py, tests/test_native.py
+#   - the native-vs-Python tests: tests/test_hashing.py, tests/index/test_index_memory.py, tests/test_native.py
 #     (the defect regressions) and the mirror walk's test_c_mirror_walk_is_the_python_walk;
 #   - a bounded fuzz of every native function fed from the network or Redis (python -m tests.test_native).
 # Any sanitizer report aborts the process, and so fails this script. Needs gcc (or $CC) with libasan and
@@ -83,8 +83,8 @@ EOF
 say "native-vs-Python tests under ASan/UBSan"
 # --capture=sys: a sanitizer writes its report to fd 2, which must reach the log even when it aborts
 "${run[@]}" "$py" -m pytest -q -p no:cacheprovider --capture=sys \
-  tests/test_hashing.py tests/test_index_memory.py tests/test_native.py tests/test_fastpath.py \
-  "tests/test_redis_mirror.py::test_c_mirror_walk_is_the_python_walk"
+  tests/test_hashing.py tests/index/test_index_memory.py tests/test_native.py tests/coordinator/test_fastpath.py \
+  "tests/index/redis/test_redis_mirror.py::test_c_mirror_walk_is_the_python_walk"
 
 say "fuzz (at most ${fuzz_seconds}s / ${fuzz_iterations} rounds)"
 "${run[@]}" "$py" -m tests.test_native --seconds "$fuzz_seconds" --iterations "$fuzz_iterations"

@@ -26,7 +26,7 @@ from kvcoord.events import (
 )
 from kvcoord.media import MediaTally, configure_media, normalize_medium, parse_media
 from tests.procs import FIXTURES
-from tests.test_relay import merged_oracle
+from tests.engine.test_relay import merged_oracle
 
 PUBLISHED: dict[str, dict[str, Tier]] = {
     # project: the medium names its sources publish, and the tier each lands on (docs/semantics.md)

@@ -35,7 +35,7 @@ from kvcoord import sglang_hash
 from kvcoord.index.base import NodeMatch
 from kvcoord.native import native
 from tests.procs import REPO
-from tests.test_fastpath import MALFORMED, fuzz_answer
+from tests.coordinator.test_fastpath import MALFORMED, fuzz_answer
 
 needs_native = pytest.mark.skipif(native is None, reason="native code not built or KVCOORD_NATIVE=0")
 

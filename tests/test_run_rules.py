@@ -27,7 +27,7 @@ from kvcoord.hashing import to_block_hash64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import InvalidEvent, Op, op_runs, ops_of, pack_u64
 from kvcoord.wire import event_to_proto, fill_event, ops_from_proto
-from tests.test_relay import merged_oracle
+from tests.engine.test_relay import merged_oracle
 
 HASH = st.integers(2, 2**64 - 1)
 MEDIA = st.sampled_from([None, "GPU", "cpu", "DISK", "shared_storage", "TAPE", "nvme-of-the-future"])

@@ -10,7 +10,7 @@ the view carries its answer entry already encoded.
 The handler (:class:`kvcoord.coordinator.httpapi.HttpApi`) frames (``httptools``) and decodes (msgspec)
 every request alike, answers errors itself, and asks this path first for a plain lookup. Both paths
 encode with :func:`kvcoord.coordinator.answers.lookup_answer`, and their answers are byte-identical
-(``tests/test_fastpath.py`` compares them over random fleets, queries and changes).
+(``tests/coordinator/test_fastpath.py`` compares them over random fleets, queries and changes).
 
 A view names the registry's change count (:data:`kvcoord.coordinator.registry.CHANGES`), the table's
 layout and a time it is valid until (the first lease that may run out), so a node that stops being live

@@ -27,7 +27,7 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 _FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-# Every label value the coordinator's call sites pass (tests/test_alerts.py checks the sources against
+# Every label value the coordinator's call sites pass (tests/repo/test_alerts.py checks the sources against
 # these). Their series exist at 0 from the start: a counter child born at its first increment has no
 # earlier sample, so rate()/increase() read no increase and an alert on the first event never fires.
 BATCH_OUTCOMES = ("applied", "duplicate", "gap", "awaiting_snapshot", "rejected", "too_large")
