@@ -23,6 +23,7 @@ from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.pools import Pools
 from kvcoord.coordinator.registry import NodeRecord, NodeRegistry
 from kvcoord.coordinator.replicas import Replicas
+from kvcoord.coordinator.reservation_sync import ReservationSync, ReservationSyncCollector
 from kvcoord.coordinator.reservations import ReservationCollector, Reservations
 from kvcoord.coordinator.shared import NodeDirectory
 from kvcoord.coordinator.stats import IndexFigures
@@ -82,6 +83,14 @@ class CoordinatorState:
         """Routers' picks not yet reported by events (:mod:`kvcoord.coordinator.reservations`)."""
         with contextlib.suppress(ValueError):  # Metrics shared with an earlier state: its collector stays
             self.metrics.registry.register(ReservationCollector(self.reservations))
+        feed = index.reservation_feed
+        self.reservation_sync = (None if feed is None else ReservationSync(
+            self.reservations, feed, self.replicas.replica_id, self.log_once))
+        """Replicas on one Redis share their routers' reservations
+        (:mod:`~kvcoord.coordinator.reservation_sync`); None: one process."""
+        if self.reservation_sync is not None:
+            with contextlib.suppress(ValueError):
+                self.metrics.registry.register(ReservationSyncCollector(self.reservation_sync))
         self.tokenizers = TokenizerCache({m.name: m.tokenizer for m in config.models.values() if m.tokenizer})
         """The models' tokenizers (lookups by prompt or chat), each opened on first use."""
 
@@ -181,6 +190,8 @@ class CoordinatorState:
         self._keep(loop.create_task(self._refresh_loop(), name="kvcoord-refresh"))
         if self.replicas.directory is not None:
             self._keep(loop.create_task(self.replicas.loop(), name="kvcoord-directory"))
+        if self.reservation_sync is not None:
+            self._keep(loop.create_task(self.reservation_sync.loop(), name="kvcoord-reservation-sync"))
         if self.tokenizers.models():
             self._keep(loop.create_task(self._warm_tokenizers(), name="kvcoord-tokenizers"))
 

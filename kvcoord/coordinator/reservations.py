@@ -19,8 +19,11 @@ not show) until that reservation arrives, or ``HOLD_SECONDS`` pass; any other lo
 prefix (another router's, or the same router's next request) waits for it, so it sees the pick.
 Uncontested lookups never wait.
 
-Reservations live in this coordinator process only, not in the index: a fleet's routers must share one
-coordinator replica for them (docs/routing.md, "Routers that share one view").
+Reservations live in memory, not in the index. On the Redis backend, replicas share them: each replica
+hands what its routers' streams applied (:attr:`Reservations.outbox`) to
+:mod:`kvcoord.coordinator.reservation_sync`, which publishes it and applies the other replicas' changes
+here, under router names prefixed by their origin replica (docs/routing.md, "Routers that share one view").
+Holds stay per replica.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import InvalidEvent, unpack_u64
 
 __all__ = ["BLOCK_HOLD", "HOLD_SECONDS", "MAX_TTL", "ReservationCollector", "Reservations", "Reserved",
-           "lookup_view"]
+           "apply_op", "lookup_view"]
 
 HOLD_SECONDS = 0.25
 """How long a lookup's hold on a new prefix makes another router's lookup of it wait at most."""
@@ -104,6 +107,9 @@ class Reservations:
         self._holds: dict[Rid, _Hold] = {}
         self._held: dict[tuple[str, BlockHash64], Rid] = {}
         self._next_sweep = 0.0
+        self.outbox: Callable[[str, pb.ReserveOp | None], None] | None = None
+        """Told every operation a router's stream applied here, and ``None`` when its stream ended (the
+        replicas' sync publishes them); None: nobody listens (one process)."""
         self.counts = {"reserved": 0, "released": 0, "expired": 0, "dropped": 0, "rejected": 0,
                        "held": 0, "waited": 0}
 
@@ -294,12 +300,16 @@ async def take_stream(res: Reservations, batches: AsyncIterator[object], log_onc
             router = batch.router_id
             n += len(batch.ops)
             for op in batch.ops:
-                reason = _apply(res, router, op)
+                reason = apply_op(res, router, op)
                 if reason:
                     _refused(res, log_once, reason)
+                elif res.outbox is not None:
+                    res.outbox(router, op)
     finally:
         if router:
             res.drop_router(router)
+            if res.outbox is not None:
+                res.outbox(router, None)
     return n
 
 
@@ -308,7 +318,7 @@ def _refused(res: Reservations, log_once: LogOnce, reason: str) -> None:
     log_once(f"reserve:{reason[:60]}", logging.WARNING, "Reserve: %s (counted, logged once)", reason)
 
 
-def _apply(res: Reservations, router: str, op: pb.ReserveOp) -> str:
+def apply_op(res: Reservations, router: str, op: pb.ReserveOp) -> str:
     """One operation; "" or why it was refused."""
     kind = op.WhichOneof("op")
     if kind == "release":

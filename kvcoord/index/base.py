@@ -35,6 +35,7 @@ __all__ = [
     "NodeMatch",
     "NodeRecords",
     "Remote",
+    "ReservationFeed",
     "WriteNotReplicated",
     "fence_token",
     "ping",
@@ -270,6 +271,21 @@ class EngineRecords(Protocol):
         ...
 
 
+class ReservationFeed(Protocol):
+    """Where coordinator replicas sharing an index exchange their routers' reservation changes (opaque
+    entries, the coordinator's bytes), kept beside the index: its ``reservation_feed``. Methods raise
+    ``ConnectionError`` when the store is down."""
+
+    async def tail(self) -> str:
+        """The position after the newest entry now (a new reader starts there)."""
+        ...
+
+    async def exchange(self, entry: bytes | None, after: str) -> tuple[str, list[bytes]]:
+        """Append ``entry`` (if any), then read the entries after position ``after``, in one round trip:
+        ``(the position after the last one read, the entries)``; this reader's own entry comes back too."""
+        ...
+
+
 @runtime_checkable
 class Index(Protocol):
     """A global block index: eight coroutines, so that remote backends fit the same shape, and the
@@ -290,6 +306,8 @@ class Index(Protocol):
     """Where replicas sharing the index publish their nodes; None when single-process."""
     engine_store: EngineRecords | None
     """Where registrations live when replicas share the index; None: the coordinator keeps its own."""
+    reservation_feed: ReservationFeed | None
+    """Where replicas sharing the index exchange routers' reservations; None when single-process."""
 
     async def apply(self, model: str, node_id: str, dp_rank: int, ops: Sequence[Op]) -> ApplyResult:
         """Apply one node's validated ops in order (:func:`kvcoord.validate.ops_of` of events, or

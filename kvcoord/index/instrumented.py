@@ -25,6 +25,7 @@ from kvcoord.index.base import (
     NodeMatch,
     NodeRecords,
     Remote,
+    ReservationFeed,
 )
 from kvcoord.validate import Op, SnapshotEntry
 
@@ -59,6 +60,7 @@ class InstrumentedIndex:
         self.remote: Remote | None = inner.remote
         self.node_directory: NodeRecords | None = inner.node_directory
         self.engine_store: EngineRecords | None = inner.engine_store
+        self.reservation_feed: ReservationFeed | None = inner.reservation_feed
         self.seconds: dict[str, Observer] = {op: observer() for op in OPS}
         self.errors: dict[str, int] = dict.fromkeys(OPS, 0)
         self.fenced_writes = 0

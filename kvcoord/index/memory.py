@@ -62,6 +62,7 @@ from kvcoord.index.base import (
     NodeMatch,
     NodeRecords,
     Remote,
+    ReservationFeed,
 )
 from kvcoord.index.rules import apply_ops
 from kvcoord.index.table import Core, NativeTable, PyTable, table_type
@@ -89,6 +90,7 @@ class MemoryIndex:
     remote: Remote | None = None
     node_directory: NodeRecords | None = None
     engine_store: EngineRecords | None = None
+    reservation_feed: ReservationFeed | None = None
 
     def __init__(self, *, sweep_chunk: int = 20_000, core: Core = "auto") -> None:
         self._model_type: type[PyTable] = table_type(core)

@@ -72,10 +72,10 @@ async def test_backend_name_and_capabilities(index: Index, index_backend: str) -
     something: fencing and remote on Redis, the native view on the memory index's C core."""
     assert await ping(index) is True
     assert isinstance(index.backend, str) and index.backend
-    names = ("fencing", "native", "remote", "node_directory", "engine_store")
+    names = ("fencing", "native", "remote", "node_directory", "engine_store", "reservation_feed")
     have = {name for name in names if getattr(index, name) is not None}
     if index_backend.startswith("redis"):
-        assert have == {"fencing", "remote", "node_directory", "engine_store"}
+        assert have == {"fencing", "remote", "node_directory", "engine_store", "reservation_feed"}
     else:
         assert have == ({"native"} if index_backend == "memory" and HAVE_C_CORE else set())
     await index.apply(M, "n1", 0, ops_of([stored(1, 2)]))
@@ -103,6 +103,12 @@ async def test_backend_name_and_capabilities(index: Index, index_backend: str) -
         assert await index.engine_store.claim(7, "r1", "{}", 5.0) and not await index.engine_store.claim(
             7, "r2", "{}", 5.0)
         assert await index.engine_store.owners() == {7: ("r1", "{}")}
+    if index.reservation_feed is not None:
+        feed = index.reservation_feed
+        start = await feed.tail()
+        after, got = await feed.exchange(b"one", start)
+        assert got == [b"one"] and after != start
+        assert await feed.exchange(None, after) == (after, []) and await feed.tail() == after
     if index.remote is not None:
         gen = await index.remote.generation()
         assert gen and await index.remote.generation() == gen

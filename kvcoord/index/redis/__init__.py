@@ -107,7 +107,8 @@ Modules
 the connection (:class:`RedisConnection`: round trips, EVALSHA, the pipelined fast path, metrics); ``walk``
 the client-side holder-string walk; ``writes`` batch packing and the per-bucket coalescing write queue;
 ``epochs`` the buckets' accepted lifetime markers (carried by every call); ``shards`` a Cluster's per-primary
-lookup connections; ``mirror`` the lookup mirror; ``records`` the node directory and engine registrations
-replicas share (the index's ``node_directory`` and ``engine_store``); ``index`` :class:`RedisIndex`. The index
+lookup connections; ``mirror`` the lookup mirror; ``records`` the node directory, engine registrations and
+reservation changes replicas share (the index's ``node_directory``, ``engine_store`` and
+``reservation_feed``); ``index`` :class:`RedisIndex`. The index
 and the mirror share only the connection, the bucket tags and the accepted markers.
 """

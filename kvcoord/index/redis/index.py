@@ -28,6 +28,7 @@ from kvcoord.index.base import (
     NodeMatch,
     NodeRecords,
     Remote,
+    ReservationFeed,
 )
 from kvcoord.index.redis import scripts as lua
 from kvcoord.index.redis.client import (
@@ -52,7 +53,7 @@ from kvcoord.index.redis.keys import (
     conf_key,
 )
 from kvcoord.index.redis.mirror import LookupMirror
-from kvcoord.index.redis.records import RedisEngineRecords, RedisNodeRecords
+from kvcoord.index.redis.records import RedisEngineRecords, RedisNodeRecords, RedisReservationFeed
 from kvcoord.index.redis.shards import REDIRECTS, ShardPaths
 from kvcoord.index.redis.stats import read_stats
 from kvcoord.index.redis.walk import _Names, _walk
@@ -95,6 +96,7 @@ class RedisIndex:
         self.native: NativeView | None = None
         self.node_directory: NodeRecords | None = RedisNodeRecords(client, key_prefix)
         self.engine_store: EngineRecords | None = RedisEngineRecords(client, key_prefix)
+        self.reservation_feed: ReservationFeed | None = RedisReservationFeed(client, key_prefix)
         self.key_prefix = key_prefix
         self.buckets = buckets if buckets is not None else (_DEFAULT_CLUSTER_BUCKETS if self._cluster else 1)
         if self.buckets < 1:

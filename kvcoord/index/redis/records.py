@@ -1,9 +1,11 @@
 """What coordinator replicas share beside the index, kept in the index's Redis: the node directory
-(:class:`RedisNodeRecords`) and the engine registrations with their owner records
-(:class:`RedisEngineRecords`). Records are opaque strings here; the coordinator encodes and decodes them
-(``kvcoord.coordinator.shared`` and ``kvcoord.coordinator.engines``). Each store is one or two hashes in
-one hash slot, written by the Lua scripts of this package (``scripts/*.lua``). They share the index's
-client, and close with it."""
+(:class:`RedisNodeRecords`), the engine registrations with their owner records
+(:class:`RedisEngineRecords`), and the stream of routers' reservation changes
+(:class:`RedisReservationFeed`). Records and entries are opaque strings here; the coordinator encodes and
+decodes them (``kvcoord.coordinator.shared``, ``kvcoord.coordinator.engines`` and
+``kvcoord.coordinator.reservation_sync``). Each store is one or two keys in one hash slot; the hashes are
+written by the Lua scripts of this package (``scripts/*.lua``). They share the index's client, and close
+with it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from kvcoord.index.redis.scripts import read_script
 
 log = logging.getLogger("kvcoord.index.redis")
 
-__all__ = ["RedisEngineRecords", "RedisNodeRecords"]
+__all__ = ["RedisEngineRecords", "RedisNodeRecords", "RedisReservationFeed"]
 
 
 class RedisNodeRecords:
@@ -128,3 +130,49 @@ class RedisEngineRecords:
             except (ValueError, KeyError, TypeError):
                 continue
         return out
+
+
+FEED_ENTRIES = 10_000
+"""Entries the reservation stream keeps (``XADD MAXLEN ~``): replicas read it every few ms, so only a
+reader stalled for longer than this many flushes misses entries (their reservations expire on their own)."""
+_READ_COUNT = 1_000
+"""Entries one read takes at most (the rest come at the next)."""
+
+
+class RedisReservationFeed:
+    """Routers' reservation changes exchanged by replicas, as one Redis stream ``{prefix}:reservations``
+    (one key, so one shard on a Cluster): each flush is one pipelined ``XADD`` + ``XREAD`` on the index's
+    client."""
+
+    def __init__(self, client: Any, prefix: str) -> None:
+        self._r = client
+        self.key = f"{{{prefix}}}:reservations"
+
+    async def tail(self) -> str:
+        try:
+            last: list[Any] = await self._r.xrevrange(self.key, count=1)
+        except Exception as exc:
+            raise ConnectionError(f"reservation feed: {exc}") from exc
+        return _text(last[0][0]) if last else "0-0"
+
+    async def exchange(self, entry: bytes | None, after: str) -> tuple[str, list[bytes]]:
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            if entry is not None:
+                pipe.xadd(self.key, {"c": entry}, maxlen=FEED_ENTRIES, approximate=True)
+            pipe.xread({self.key: after}, count=_READ_COUNT)
+            replies = await pipe.execute()
+        except Exception as exc:
+            raise ConnectionError(f"reservation feed: {exc}") from exc
+        out: list[bytes] = []
+        for _key, entries in replies[-1] or []:
+            for entry_id, fields in entries:
+                after = _text(entry_id)
+                raw = fields.get(b"c")
+                if raw is not None:
+                    out.append(raw)
+        return after, out
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw

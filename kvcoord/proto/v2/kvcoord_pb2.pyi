@@ -1756,6 +1756,63 @@ class ReserveBatch(_message.Message):
 Global___ReserveBatch: _TypeAlias = ReserveBatch  # noqa: Y015
 
 @_typing.final
+class ReservationChange(_message.Message):
+    """Coordinator replicas on one Redis share their routers' reservations: each replica appends what its
+    routers reserved, released and dropped to one Redis stream per index ({<prefix>}:reservations), one
+    entry per flush, and applies the other replicas' entries to its own view (not a router API).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTER_ID_FIELD_NUMBER: _builtins.int
+    OP_FIELD_NUMBER: _builtins.int
+    router_id: _builtins.str
+    """the router, as it named itself on its origin replica"""
+    @_builtins.property
+    def op(self) -> Global___ReserveOp:
+        """unset: the router's stream ended (all of its reservations go)"""
+
+    def __init__(
+        self,
+        *,
+        router_id: _builtins.str = ...,
+        op: Global___ReserveOp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["op", b"op", "router_id", b"router_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReservationChange: _TypeAlias = ReservationChange  # noqa: Y015
+
+@_typing.final
+class ReservationChanges(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    """the origin replica; an empty entry is its heartbeat"""
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReservationChange]:
+        """in the order the origin applied them"""
+
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        changes: _abc.Iterable[Global___ReservationChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReservationChanges: _TypeAlias = ReservationChanges  # noqa: Y015
+
+@_typing.final
 class ReserveSummary(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -1,0 +1,202 @@
+"""Routers' reservations shared by two ``kvcoord serve`` replicas on one real ``redis-server``
+(:mod:`kvcoord.coordinator.reservation_sync`): a router's Reserve stream on each replica (played here, as
+``kvcoord route`` writes it), lookups on the other. A reservation made through one replica shows in the
+other's lookup answers, its release clears it there, and a replica killed with SIGKILL has its routers'
+reservations dropped on the survivor long before their ttl. Every wait is a poll."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from kvcoord.agent.reporter import Reporter
+from kvcoord.coordinator.reservation_sync import HEARTBEAT_SECONDS, ORIGIN_SILENT_SECONDS
+from kvcoord.hashing import HashProfile, block_hashes64
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.validate import pack_u64
+from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from tests.procs import until_async as _until
+from tests.redis_servers import redis_server
+
+MODEL = "resrep-model"
+BS = 4
+PROFILE = HashProfile(algo="sha256_cbor", block_size=BS, seed="7")
+TTL = 120.0
+"""Every reservation's ttl here: far longer than any wait, so what clears one is its release or drop."""
+
+
+class Replica:
+    def __init__(self, proc: Any, port: int, mport: int, redis_url: str) -> None:
+        self.proc, self.addr, self.mport, self.redis_url = proc, f"127.0.0.1:{port}", mport, redis_url
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
+    """Replicas A and B on one Redis (the index's default key prefix)."""
+    with redis_server() as redis, contextlib.ExitStack() as stack:
+        out = []
+        for name in ("a", "b"):
+            port, mport = free_port(), free_port()
+            proc = stack.enter_context(running(kvcoord_cmd(
+                "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
+                "--index", f"{redis.url}?timeout=2", "--lease-seconds", "5",
+                "--model", f"{MODEL},algo=sha256_cbor,block_size={BS},seed=7",
+            ), log=tmp_path / f"serve-{name}.log"))
+            wait_for_port(port)
+            out.append(Replica(proc, port, mport, redis.url))
+        yield out[0], out[1]
+
+
+class Stream:
+    """A router's Reserve stream to one replica, fed batch by batch."""
+
+    def __init__(self, client: AsyncCoordinatorClient, router: str) -> None:
+        self.router = router
+        self._q: asyncio.Queue[pb.ReserveBatch | None] = asyncio.Queue()
+        self.call = client.reserve_stream(self._batches())
+
+    async def _batches(self) -> AsyncIterator[pb.ReserveBatch]:
+        while (msg := await self._q.get()) is not None:
+            yield msg
+
+    def reserve(self, request_id: str, node: str, hashes: list[int], prefill: int) -> None:
+        msg = pb.ReserveBatch(router_id=self.router)
+        r = msg.ops.add(request_id=request_id).reserve
+        r.model, r.node_id, r.first_block = MODEL, node, 0
+        r.block_hashes, r.prefill_tokens, r.ttl_seconds = pack_u64(hashes), prefill, TTL
+        self._q.put_nowait(msg)
+
+    def release(self, request_id: str) -> None:
+        msg = pb.ReserveBatch(router_id=self.router)
+        msg.ops.add(request_id=request_id).release.first_byte = False
+        self._q.put_nowait(msg)
+
+    def close(self) -> None:
+        self._q.put_nowait(None)
+        self.call.cancel()
+
+
+def _prompt(seed: int) -> list[int]:
+    return [seed * 1000 + i for i in range(8 * BS)]
+
+
+async def _reserved(c: AsyncCoordinatorClient, tokens: list[int], asker: str) -> tuple[int, int, int]:
+    """``(blocks, requests, prefill tokens)`` reserved on node-r, as a lookup by router ``asker`` sees."""
+    answer = await c.lookup(MODEL, tokens=tokens, include_unmatched=True, router_id=asker)
+    for n in answer.nodes:
+        if n.node_id == "node-r":
+            return n.reserved_blocks, n.reserved.in_flight, n.reserved.prefill_tokens
+    return -1, -1, -1  # node-r not (yet) in this replica's answers
+
+
+async def _sync_counts(mport: int) -> dict[str, float]:
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{mport}/metrics") as resp:
+        text = await resp.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvcoord_reservation_sync_total{"):
+            key, value = line.rsplit(" ", 1)
+            out[key.split('"')[1]] = float(value)
+    return out
+
+
+async def _bad_entries(b: Replica) -> None:
+    """Entries no replica wrote: undecodable, without an origin, and a reservation without its node. B
+    counts each (rejected) and its view stays as it was."""
+    bad = pb.ReservationChanges(replica_id="intruder")
+    bad.changes.add(router_id="r").op.reserve.model = MODEL
+    client = aioredis.from_url(b.redis_url)
+    try:
+        for entry in (b"\xff\xffnot a message", pb.ReservationChanges().SerializeToString(),
+                      bad.SerializeToString()):
+            await client.xadd("{kvcoord}:reservations", {"c": entry})
+    finally:
+        await client.aclose()
+
+    async def counted() -> bool:
+        return (await _sync_counts(b.mport)).get("rejected", 0) == 3
+
+    await _until(counted, "B counting the three bad entries", timeout=30)
+
+
+async def test_reservations_cross_replicas_and_a_killed_replicas_go(
+        replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+    # The engine's stream is on B (so it stays when A is killed); B publishes it to A via the directory.
+    rep = Reporter([b.addr], node_id="node-r", model=MODEL, epoch=1, hash_profile=PROFILE,
+                   snapshot=lambda rank: [])
+    await rep.start()
+    streams: list[Stream] = []
+    try:
+        await rep.wait_connected(10)
+        async with AsyncCoordinatorClient(a.addr) as ca, AsyncCoordinatorClient(b.addr) as cb:
+            p1, p2, p3 = _prompt(1), _prompt(2), _prompt(3)
+
+            async def both_list_node() -> bool:
+                return all([await _reserved(c, p1, "x") != (-1, -1, -1) for c in (ca, cb)])
+
+            await _until(both_list_node, "node-r in both replicas' answers", timeout=30)
+            on_a, on_b = Stream(ca, "router-a"), Stream(cb, "router-b")
+            streams += [on_a, on_b]
+
+            # Through A, seen on B (and on A by another router); then through B, seen on A.
+            on_a.reserve("q1", "node-r", block_hashes64(PROFILE, p1), 32)
+
+            async def seen_b() -> bool:
+                return await _reserved(cb, p1, "router-b") == (8, 1, 32)
+
+            await _until(seen_b, "A's reservation in B's lookups", timeout=30)
+            assert await _reserved(ca, p1, "router-b") == (8, 1, 32)
+            on_b.reserve("q2", "node-r", block_hashes64(PROFILE, p2), 16)
+
+            async def seen_a() -> bool:
+                return await _reserved(ca, p2, "router-x") == (8, 2, 48)  # q1 and q2 both run on node-r
+
+            await _until(seen_a, "B's reservation in A's lookups", timeout=30)
+            await _bad_entries(b)
+
+            # The release on A ends the request on B (its blocks stay routed a little: BLOCK_HOLD).
+            on_a.release("q1")
+
+            async def released_b() -> bool:
+                return await _reserved(cb, p1, "router-x") == (8, 1, 16)  # q2 alone runs now
+
+            await _until(released_b, "A's release applied on B", timeout=30)
+
+            # A reserves again, then is killed: B drops what A's routers held, long before the ttl.
+            on_a.reserve("q3", "node-r", block_hashes64(PROFILE, p3), 64)
+
+            async def seen_q3() -> bool:
+                return await _reserved(cb, p3, "router-x") == (8, 2, 80)
+
+            await _until(seen_q3, "A's second reservation on B", timeout=30)
+            killed = time.monotonic()
+            os.killpg(a.proc.pid, signal.SIGKILL)
+            a.proc.wait(timeout=30)
+
+            async def dropped() -> bool:
+                return await _reserved(cb, p3, "router-x") == (0, 1, 16)  # only B's own q2 is left
+
+            await _until(dropped, "the killed replica's reservations dropped on B",
+                         timeout=ORIGIN_SILENT_SECONDS + 20)
+            took = time.monotonic() - killed
+            # A's last entry (a change or its heartbeat) was at most HEARTBEAT_SECONDS before the kill.
+            assert took >= (ORIGIN_SILENT_SECONDS - HEARTBEAT_SECONDS) * 0.9 and took < TTL
+            counts = await _sync_counts(b.mport)
+            assert counts["published"] >= 1 and counts["applied"] >= 3, counts
+            assert counts["origin_dropped"] >= 1 and counts["rejected"] == 3, counts
+    finally:
+        for s in streams:
+            s.close()
+        await rep.close()
