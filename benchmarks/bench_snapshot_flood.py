@@ -2,7 +2,8 @@
 item 2: "8 concurrent oversized snapshots: RSS stays under the budget, memory returns to within 10% of its
 baseline afterwards, and lookup p99 stays under 20 ms meanwhile").
 
-Timing and RSS targets live here, never in the test suite (``tests/coordinator/test_snapshot_budget.py`` proves the
+Timing and RSS targets live here, never in the test suite (``tests/coordinator/test_snapshot_budget.py``
+proves the
 refusal itself). One run:
 
 - Server: ``kvcoord serve`` (memory index, HTTP API on,
@@ -58,8 +59,8 @@ from kvcoord.agent.link import ReporterOptions  # noqa: E402
 from kvcoord.proto.v2 import kvcoord_pb2 as pb  # noqa: E402
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg  # noqa: E402
 from kvcoord.wire import snapshot_to_proto  # noqa: E402
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port  # noqa: E402
 from tests.coordinator.test_hardening import hello  # noqa: E402
+from tests.procs import free_port, kvcoord_cmd, running, wait_for_port  # noqa: E402
 
 MODEL = "flood-model"
 PREFIXES, PREFIX_BLOCKS = 32, 512

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from kvcoord.events import BlockStored, KVEventBatch, decode_vllm_views
 from kvcoord.native import native
 from kvcoord.validate import py_store_fits
-from tests.procs import until
 from tests.coordinator.test_history_lost import BS, block, tokens
+from tests.procs import until
 from tests.test_media_e2e import media_stack
 
 

@@ -25,8 +25,8 @@ from kvcoord.events import (
     encode_vllm_batch,
 )
 from kvcoord.media import MediaTally, configure_media, normalize_medium, parse_media
-from tests.procs import FIXTURES
 from tests.engine.test_relay import merged_oracle
+from tests.procs import FIXTURES
 
 PUBLISHED: dict[str, dict[str, Tier]] = {
     # project: the medium names its sources publish, and the tier each lands on (docs/semantics.md)

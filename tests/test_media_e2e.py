@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
-from tests.procs import free_port, kvcoord_cmd, running, until
 from tests.coordinator.test_history_lost import BS, MODEL, Stack, block, tokens
+from tests.procs import free_port, kvcoord_cmd, running, until
 
 CONFIG = """\
 [media]
@@ -51,7 +51,8 @@ UNKNOWN = {"TAPE": 2.0, "weird-medium": 1.0}
 
 
 class MediaStack(Stack):
-    """:class:`tests.coordinator.test_history_lost.Stack` with ``kvcoord serve --config`` holding a ``[media]`` table."""
+    """:class:`tests.coordinator.test_history_lost.Stack` with ``kvcoord serve --config`` holding a
+    ``[media]`` table."""
 
     def start_serve(self) -> subprocess.Popen[bytes]:
         config = self.tmp / "kvcoord.toml"

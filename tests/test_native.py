@@ -34,8 +34,8 @@ from kvcoord import native as switch
 from kvcoord import sglang_hash
 from kvcoord.index.base import NodeMatch
 from kvcoord.native import native
-from tests.procs import REPO
 from tests.coordinator.test_fastpath import MALFORMED, fuzz_answer
+from tests.procs import REPO
 
 needs_native = pytest.mark.skipif(native is None, reason="native code not built or KVCOORD_NATIVE=0")
 

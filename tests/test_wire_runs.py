@@ -19,9 +19,18 @@ from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index.base import Index
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import op_runs
-from tests.procs import free_port
-from tests.coordinator.test_coordinator_ingest import MODEL, TIMEOUT, Agent, ack_seq, export, removed, serving, stored
 from tests.agent.test_reporter import Script, batches, scripted_server
+from tests.coordinator.test_coordinator_ingest import (
+    MODEL,
+    TIMEOUT,
+    Agent,
+    ack_seq,
+    export,
+    removed,
+    serving,
+    stored,
+)
+from tests.procs import free_port
 
 PROFILE = HashProfile(algo="sha256_cbor", block_size=4, seed="42")
 """The ingest tests' model profile (``m,algo=sha256_cbor,block_size=4,seed=42``)."""

@@ -1,6 +1,7 @@
 """Bearer-token auth: agent tokens bound to node ids, router tokens that may only query, admin tokens.
 
-What each role may call (docs/operations.md, "TLS and tokens"; ``tests/coordinator/test_roles.py`` checks every
+What each role may call (docs/operations.md, "TLS and tokens"; ``tests/coordinator/test_roles.py`` checks
+every
 cell): every token may query (Lookup, ListNodes, Stats, Ping, and the HTTP lookups, ``/workers``,
 ``/dump``); an agent token may also publish (Ingest, Heartbeat) for the nodes it is bound to; only an
 admin token may DrainNode and RemoveNode, and register engines over HTTP (or an agent token bound to ``"*"``).

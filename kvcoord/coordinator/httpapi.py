@@ -3,7 +3,8 @@ coordinator, so Dynamo's indexer clients can use kvcoord as it is.
 
 Routes, request and answer JSON, status codes and error texts follow Dynamo 1.6.1's indexer
 (``lib/kv-router/src/services/indexer/server.rs``; tested against the real service in
-``tests/coordinator/test_http_dynamo_compat.py``). kvcoord adds fields where it knows more and never changes the
+``tests/coordinator/test_http_dynamo_compat.py``). kvcoord adds fields where it knows more and never changes
+the
 meaning of Dynamo's. The deliberate differences (docs/http-api.md):
 
 - ``/query_by_hash`` takes the *engine's* block hashes (vLLM's ``block_hashes``, as uint64 or as their

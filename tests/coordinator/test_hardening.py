@@ -28,8 +28,8 @@ from kvcoord.index.memory import MemoryIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.validate import check_model, check_node_id, shown
-from tests.procs import free_port, kvcoord_cmd, running, until_async, wait_for_port
 from tests.coordinator.test_coordinator_ingest import MODEL, Agent, Coord, P, removed, serving, stored
+from tests.procs import free_port, kvcoord_cmd, running, until_async, wait_for_port
 
 DEADLINE = 30.0
 """Seconds any one wait may take: only a broken rule should get near it."""

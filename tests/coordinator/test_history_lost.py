@@ -32,13 +32,13 @@ from kvcoord.events import AllBlocksCleared, BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.client import CoordinatorClient, NodeStatus
-from tests.procs import free_port, kvcoord_cmd, running, stop, until, wait_for_port
-from tests.redis_servers import RedisServer
 from tests.coordinator.test_coordinator_ingest import Agent, ack_seq
 from tests.coordinator.test_coordinator_ingest import stored as wire_stored
 from tests.coordinator.test_coordinator_ingest import until as until_async
-from tests.engine.test_relay import DroppingPublisher
 from tests.coordinator.test_trust import HASHES, chain, coordinator
+from tests.engine.test_relay import DroppingPublisher
+from tests.procs import free_port, kvcoord_cmd, running, stop, until, wait_for_port
+from tests.redis_servers import RedisServer
 
 MODEL = "history-model"
 BS = 4

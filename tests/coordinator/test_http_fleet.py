@@ -21,9 +21,9 @@ from typing import Any
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
+from tests.coordinator.test_registered_engines_liveness import http_call
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.redis_servers import redis_server
-from tests.coordinator.test_registered_engines_liveness import http_call
 
 MODEL = "fleet-model"
 BS = 4

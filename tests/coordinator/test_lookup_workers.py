@@ -26,8 +26,18 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.validate import pack_u64
 from kvcoord.wire import events_to_proto
+from tests.coordinator.test_coordinator_e2e import (
+    BS,
+    HASHES,
+    MODEL,
+    TOKENS,
+    N,
+    agent,
+    removed,
+    stored,
+    write_config,
+)
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
-from tests.coordinator.test_coordinator_e2e import BS, HASHES, MODEL, TOKENS, N, agent, removed, stored, write_config
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ from kvcoord.coordinator.reclaim import release_memory
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.wire import snapshot_to_proto
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.coordinator.test_hardening import DEADLINE, eventually, hello, scrape, status
+from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 MODEL = "budget-model"
 CHUNK = 50_000

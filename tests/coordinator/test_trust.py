@@ -1,6 +1,7 @@
 """Per-node trust states (exact, resyncing, degraded, approximate) over a real in-process coordinator.
 
-Each node is driven by a hand-written ingest stream (``tests.coordinator.test_coordinator_ingest.Agent``), and the
+Each node is driven by a hand-written ingest stream (``tests.coordinator.test_coordinator_ingest.Agent``),
+and the
 trust is read back through every surface: gRPC Lookup, ListNodes and Stats, HTTP ``/query``, the
 client's JSON (``kvcoord nodes``, a real subprocess), the ``kvcoord_nodes_by_trust`` gauge, and another
 replica's answers (the shared node directory in Redis).
@@ -28,9 +29,9 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import place
+from tests.coordinator.test_coordinator_ingest import MODEL, Agent, Coord, ack_seq, stored, until, wire_event
 from tests.procs import kvcoord_cmd
 from tests.redis_servers import RedisServer
-from tests.coordinator.test_coordinator_ingest import MODEL, Agent, Coord, ack_seq, stored, until, wire_event
 
 BS = 4
 PROFILE = HashProfile("sha256_cbor", BS, seed="42")

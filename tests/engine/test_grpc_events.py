@@ -39,9 +39,9 @@ from kvcoord.events import (
     to_model,
 )
 from kvcoord.router.client import CoordinatorClient, NodeStatus
+from tests.coordinator.test_history_lost import MODEL, SPEC, block, tokens
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.smg_publisher import Engine, cleared_event, int64, removed_event, stored_event
-from tests.coordinator.test_history_lost import MODEL, SPEC, block, tokens
 
 HOST, DISK = pb.KV_CACHE_TIER_HOST, pb.KV_CACHE_TIER_DISK
 TIER_NAMES = ("GPU", "CPU", "STORAGE")

@@ -28,7 +28,6 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vll
 
 from kvcoord.gateway.grpc_body import generate_query
 from kvcoord.gateway.requests import NotAskable
-from tests.procs import free_port
 from tests.gateway.test_epp import (
     BLOCK,
     DEADLINE,
@@ -52,6 +51,7 @@ from tests.gateway.test_epp import (
     set_headers,
 )
 from tests.gateway.test_epp_flow import _engine, respond
+from tests.procs import free_port
 
 __all__ = ["fleet"]  # the module-scoped fixture, shared by name
 

@@ -32,7 +32,6 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from kvcoord.router.client import CoordinatorClient
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.gateway.test_epp import (
     DEADLINE,
     PROFILE,
@@ -46,6 +45,7 @@ from tests.gateway.test_epp import (
     request_headers,
     set_headers,
 )
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 
 MODEL = "conformance-fake-model"
 BODY = json.dumps({"model": MODEL, "prompt": "Write as if you were a critic: San Francisco"}).encode()

@@ -1,5 +1,6 @@
 """``kvcoord epp``'s flow control, objective and SLO headers and endpoint scores, as llm-d's picker has them,
-played over real gRPC against a real picker, coordinator, sim-engines and agents (``tests/gateway/test_epp.py``'s
+played over real gRPC against a real picker, coordinator, sim-engines and agents
+(``tests/gateway/test_epp.py``'s
 fleet). The overload tests count which request is dispatched after each release, never durations."""
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health_pb2
 
 from kvcoord.gateway.flow import RequestMeta, parse_duration, request_meta
-from tests.procs import free_port
 from tests.gateway.test_epp import (
     DEADLINE,
     MODEL,
@@ -40,6 +40,7 @@ from tests.gateway.test_epp import (
     request_headers,
     set_headers,
 )
+from tests.procs import free_port
 
 __all__ = ["fleet"]  # the module-scoped fixture, shared with tests/gateway/test_epp.py's helpers
 

@@ -1,5 +1,6 @@
 """``kvcoord epp`` with disaggregated pools, as a real process behind the test playing Envoy (the harness
-and fleet of tests/gateway/test_epp.py: node-a holds PROMPT_A, node-b PROMPT_B): the pick is a decode node, and
+and fleet of tests/gateway/test_epp.py: node-a holds PROMPT_A, node-b PROMPT_B): the pick is a decode node,
+and
 llm-d's ``x-prefiller-host-port`` names the prefill endpoint when the decode node lacks more of the prompt
 than ``--max-local-prefill-tokens``."""
 
@@ -11,9 +12,9 @@ import time
 
 import pytest
 
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.gateway.test_epp import MODEL, PROFILE, PROMPT_A, PROMPT_B, Fleet, buffered, chat, epp, set_headers
 from tests.gateway.test_epp import fleet as fleet  # its module-scoped fixture, by name
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 
 
 async def test_decode_pick_and_prefiller_header(fleet: Fleet) -> None:

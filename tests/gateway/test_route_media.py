@@ -24,8 +24,8 @@ import pytest
 
 from kvcoord.sim.http import _chat_prompt
 from kvcoord.tokenize.media import MediaRule, assign_uuids
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.gateway.test_route_apis import _metrics, _until
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 
 pytestmark = pytest.mark.slow
 

@@ -23,8 +23,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
 from tests.gateway.test_route import _metrics, _read_sse
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
 
 pytestmark = pytest.mark.slow
 

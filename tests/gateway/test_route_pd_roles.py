@@ -24,7 +24,6 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.roles import check_role
 from kvcoord.router.client import NodeStatus
-from tests.procs import kvcoord_cmd, stop
 from tests.gateway.test_route_pd import (
     MODEL,
     PREFILL,
@@ -39,6 +38,7 @@ from tests.gateway.test_route_pd import (
     check_placement,
     pd_fleet,
 )
+from tests.procs import kvcoord_cmd, stop
 
 pytestmark = pytest.mark.slow
 

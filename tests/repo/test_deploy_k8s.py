@@ -31,6 +31,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
+from tests.gateway.test_epp import Envoy, health_of, request_body, request_headers, set_headers
 from tests.procs import free_port, kvcoord_cmd, make_certs, running, until, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 from tests.repo.test_deploy import (
@@ -51,7 +52,6 @@ from tests.repo.test_deploy import (
     route_ready,
     total,
 )
-from tests.gateway.test_epp import Envoy, health_of, request_body, request_headers, set_headers
 
 TOKENS = {"agent-token": "agent-t", "router-token": "router-t", "admin-token": "admin-t"}
 """The kvcoord-tokens Secret docs/deploy.md has the operator create (values made up)."""

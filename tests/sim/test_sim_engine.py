@@ -19,8 +19,8 @@ import pytest
 from kvcoord.engine.relay import REPLAY_ONLY_PROBES_WARN, Relay
 from kvcoord.router.client import CoordinatorClient
 from kvcoord.sim.engine import PromptSource
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.engine.test_relay import RecordingSink, wait_for
+from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 
 def _read_state(path: Path) -> dict[str, Any] | None:

@@ -17,7 +17,15 @@ import aiohttp
 import pytest
 
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
-from tests.sim.test_sim_engine_http import MODEL, _agent_cmd, _cli_json, _http_engine, _scrape, _serve_cmd, _until
+from tests.sim.test_sim_engine_http import (
+    MODEL,
+    _agent_cmd,
+    _cli_json,
+    _http_engine,
+    _scrape,
+    _serve_cmd,
+    _until,
+)
 
 PROMPT_LEN = 400
 COST_US = 2000  # 2 ms per uncached token: 0.8 s for a whole 400-token prompt

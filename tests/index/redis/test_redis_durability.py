@@ -33,6 +33,7 @@ from kvcoord.index.base import WriteNotReplicated
 from kvcoord.index.redis.index import RedisIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
+from tests.coordinator.test_coordinator_ingest import MODEL, Agent, ack_seq, stored
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import (
     RedisCluster,
@@ -42,7 +43,6 @@ from tests.redis_servers import (
     stop_cluster,
     stop_server,
 )
-from tests.coordinator.test_coordinator_ingest import MODEL, Agent, ack_seq, stored
 
 HASHES = [101, 102, 103, 104]
 MORE = [201, 202]

@@ -1,7 +1,8 @@
 """Issue 29: Redis failing over the way production does, under load, with two serve replicas (one answering
 from its mirror) and an agent each (see tests/failover_fleet.py for what is judged): a Cluster primary
 killed, Sentinel failing over and demoting the old primary back empty, a FLUSHALL, and a restart without
-persistence (tests/index/redis/test_redis_flush_e2e.py plays the last two with a real agent process and sim-engine).
+persistence (tests/index/redis/test_redis_flush_e2e.py plays the last two with a real agent process and
+sim-engine).
 
 Each scenario asserts: no answer ever called a node ``exact`` without blocks the replica had answered held
 before (data the index lost); at quiet both replicas hold exactly what the agents hold; every outage

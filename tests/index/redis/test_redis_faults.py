@@ -23,9 +23,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcoord.router.client import CoordinatorClient, CoordinatorError
+from tests.engine.test_relay_e2e import MODEL, Checker, Cluster, poll, read_json
 from tests.procs import kvcoord_cmd, wait_for_port
 from tests.redis_servers import RedisServer, start_server, stop_server
-from tests.engine.test_relay_e2e import MODEL, Checker, Cluster, poll, read_json
 
 STEADY = ("--model", MODEL, "--requests", "240", "--rate", "60", "--linger", "--num-blocks", "512",
           "--block-size", "16", "--concurrency", "4", "--prefixes", "4", "--prefix-len", "128",

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from kvcoord.router.client import CoordinatorClient, CoordinatorError
+from tests.engine.test_relay_e2e import MODEL, NODE, Checker, index_diff, poll
+from tests.index.redis.test_redis_faults import STEADY, RedisCluster
 from tests.procs import free_port, kvcoord_cmd, wait_for_port
 from tests.redis_servers import RedisServer, start_server, stop_server
-from tests.index.redis.test_redis_faults import STEADY, RedisCluster
-from tests.engine.test_relay_e2e import MODEL, NODE, Checker, index_diff, poll
 
 REQUESTS = 900
 """About 15 s of load at 60 requests/s: the loss happens while events flow."""

@@ -21,11 +21,11 @@ from kvcoord.index.redis.index import RedisIndex
 from kvcoord.index.uri import parse_index_uri
 from kvcoord.router.client import CoordinatorClient
 from kvcoord.validate import ops_of
-from tests.redis_servers import RedisSentinel, RedisServer, redis_sentinel, start_server, stop_server
-from tests.index.redis.test_redis_faults import RedisCluster as Trio
-from tests.index.redis.test_redis_index import H, M, stored
 from tests.engine.test_relay_e2e import MODEL
 from tests.engine.test_relay_e2e import poll as sync_poll
+from tests.index.redis.test_redis_faults import RedisCluster as Trio
+from tests.index.redis.test_redis_index import H, M, stored
+from tests.redis_servers import RedisSentinel, RedisServer, redis_sentinel, start_server, stop_server
 
 # ------------------------------------------------------------------------------------------- URIs
 
