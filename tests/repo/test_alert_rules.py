@@ -1,11 +1,10 @@
 """The alert rules against synthetic series (``promtool test rules`` on tests/repo/alerts_promtool.yml), and
 every metric kvcoord defines read by a rule or a dashboard panel, or listed with the reason it is not.
 
-Rules whose cause tests/repo/test_alerts.py cannot set off cheaply with real processes (a Redis failover,
-WAITs
-short of replicas, a flushed index, a saturated pool, a key over its quota) are unit-tested here
-instead:
-each has a case that fires it and one that leaves it quiet. tests/repo/test_alerts.py asserts that every rule in
+Rules whose cause tests/repo/test_alerts.py cannot set off cheaply with real processes (a Redis
+failover, WAITs short of replicas, a flushed index, a saturated pool, a key over its quota) are
+unit-tested here instead: each has a case that fires it and one that leaves it quiet.
+tests/repo/test_alerts.py asserts that every rule in
 deploy/prometheus/alerts.yml is caused there or tested here.
 """
 
