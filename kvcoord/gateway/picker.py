@@ -419,11 +419,11 @@ class Picker:
 
 def _within_slo(free: list[_Eligible], request: RouteRequest, policy: Policy,
                 slo: float | None) -> tuple[list[_Eligible], str]:
-    """The candidates predicted to meet a TTFT SLO (the prefix-aware cost is the predicted TTFT), all of
-    them when none does (best effort, as llm-d's latency scorer falls back to negative headroom)."""
+    """The candidates predicted to meet a TTFT SLO (:meth:`PrefixAwarePolicy.ttft`), all of them when none
+    does (best effort, as llm-d's latency scorer falls back to negative headroom)."""
     if slo is None or not isinstance(policy, PrefixAwarePolicy):
         return free, ""
-    meets = [e for e in free if policy.cost(request, e.candidate) <= slo]
+    meets = [e for e in free if policy.ttft(request, e.candidate) <= slo]
     if not meets:
         return free, f"; no endpoint meets the TTFT SLO of {slo * 1000:g} ms (best effort)"
     if len(meets) == len(free):

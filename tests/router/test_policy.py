@@ -72,7 +72,16 @@ def test_prefix_aware_prefers_the_longest_hit_at_equal_load() -> None:
     d = p.choose(req(64 * BS), cands)
     assert d.key == ("n3", 0) and d.matched_blocks == 60
     assert "saves 960/1024 tokens" in d.why
-    assert d.cost == pytest.approx(2 * 4 * BS * 50e-6)
+    assert d.cost == pytest.approx(3 * 4 * BS * 50e-6)  # work_weight 3 x the 4 blocks it lacks
+
+
+def test_ttft_counts_the_own_prefill_once_and_the_cost_work_weight_times() -> None:
+    """The SLO checks the predicted TTFT; placement weighs the request's own prefill 3x (the default)."""
+    p = PrefixAwarePolicy(seed=0)
+    c = Candidate("n", 0, 60, (60, 0, 0), NodeLoad(prefill_tokens=1000))
+    own, queue = 4 * BS * 50e-6, 1000 * 50e-6
+    assert p.ttft(req(64 * BS), c) == pytest.approx(own + queue)
+    assert p.cost(req(64 * BS), c) == pytest.approx(3 * own + queue)
 
 
 def test_tier_weights_rank_gpu_over_cpu_over_storage() -> None:

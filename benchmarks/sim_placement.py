@@ -1,0 +1,153 @@
+"""Audit placements in ``kvcoord simulate``: how often a policy sends a request away from the node holding
+the most of its prompt, why, and what that costs, per policy variant and seed.
+
+Every variant is wrapped so that it also receives the index's matches (the approximate policy ignores
+them, so its decisions are unchanged), and each decision is compared with the best holder *by the index*
+(the truth at routing time). The reason is read from the decision's ``why``: the balance cap, the load
+term (``is busier``), or a placement this router made that events have not reported yet (``in flight``).
+
+    PYTHONPATH=. python benchmarks/sim_placement.py --trace ../shared/traces/mooncake_conversation.jsonl \\
+        --limit 2000 --seeds 0,1,2 prefix-aware prefix-aware:work_weight=2 approximate
+
+A variant is ``policy[:key=value,...]``; keys are :class:`PrefixAwarePolicy` keyword arguments
+(``work_weight``, ``balance_abs``, ``balance_rel``); for ``approximate`` they configure its inner cost model.
+Output: one line per (variant, seed) and the mean per variant. Everything but the wall time is modelled
+and deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvcoord.hashing import HashProfile, check_algo
+from kvcoord.index import open_index
+from kvcoord.router.answer import Candidate
+from kvcoord.router.policy import (
+    ApproximatePolicy,
+    Decision,
+    LatencyModel,
+    Policy,
+    PrefixAwarePolicy,
+    RouteRequest,
+)
+from kvcoord.sim.cluster import ClusterConfig, simulate
+from kvcoord.sim.report import summarize
+from kvcoord.sim.workload import Workload, load_mooncake
+
+
+@dataclass
+class Audit:
+    """Decisions placed below the best holder, by reason, and the held blocks they gave up."""
+
+    requests: int = 0
+    away: Counter[str] = field(default_factory=Counter)
+    blocks_lost: Counter[str] = field(default_factory=Counter)
+
+
+def _reason(why: str) -> str:
+    if "over the balance cap" in why:
+        return "cap"
+    if "is busier" in why:
+        return "load"
+    if "in flight to" in why or "reserved on" in why:
+        return "in-flight"
+    return "memory"  # approximate: its memory believed another node held more
+
+
+class Audited:
+    """A policy that also sees the index's matches, and records how each decision compares."""
+
+    uses_index: ClassVar[bool] = True
+
+    def __init__(self, inner: Policy, audit: Audit) -> None:
+        self.inner, self.audit, self.name = inner, audit, inner.name
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        d = self.inner.choose(request, candidates)
+        top = max(c.matched_blocks for c in candidates)
+        chosen = next(c for c in candidates if c.key == d.key).matched_blocks
+        self.audit.requests += 1
+        if chosen < top:
+            reason = _reason(d.why)
+            self.audit.away[reason] += 1
+            self.audit.blocks_lost[reason] += top - chosen
+        return d
+
+
+def _policy(variant: str, seed: int, latency: LatencyModel) -> Policy:
+    name, _, raw = variant.partition(":")
+    kw: dict[str, Any] = {}
+    for item in filter(None, raw.split(",")):
+        key, _, value = item.partition("=")
+        kw[key] = float(value) if "." in value or key == "work_weight" else int(value)
+    if name == "prefix-aware":
+        return PrefixAwarePolicy(seed, latency=latency, **kw)
+    if name == "approximate":
+        p = ApproximatePolicy(seed, latency=latency)
+        for key, value in kw.items():
+            setattr(p.inner, key, value)
+        return p
+    raise SystemExit(f"unknown policy {name!r} (prefix-aware or approximate)")
+
+
+_SHARED: tuple[Workload, HashProfile, ClusterConfig] | None = None
+
+
+def _run(job: tuple[str, int]) -> dict[str, Any]:
+    assert _SHARED is not None
+    workload, profile, config = _SHARED
+    variant, seed = job
+    audit = Audit()
+    result = simulate(workload, Audited(_policy(variant, seed, config.latency), audit), profile, config,
+                      open_index("memory"))
+    row = summarize(result)
+    out = {"variant": variant, "seed": seed, "hit": row["token_hit_rate"], "p50": row["ttft_p50_s"],
+           "p99": row["ttft_p99_s"], "away": sum(audit.away.values()),
+           "blocks_lost": sum(audit.blocks_lost.values()), "why": dict(audit.away)}
+    print(f"{variant} seed {seed}: hit {out['hit']:.2%}  TTFT p50 {out['p50']:.4f} p99 {out['p99']:.4f}  "
+          f"away from best {out['away']} ({out['why']}), held blocks given up {out['blocks_lost']}",
+          flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--limit", type=int, default=2000)
+    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated policy seeds")
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args()
+    global _SHARED
+    profile = HashProfile(check_algo("xxhash_cbor"), 16, seed="kvcoord-sim")
+    workload = load_mooncake(a.trace, profile, limit=a.limit)
+    mean_out = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
+    config = ClusterConfig(nodes=a.nodes, latency=LatencyModel(mean_output_tokens=mean_out))
+    _SHARED = (workload, profile, config)
+    jobs = [(v, int(s)) for v in a.variants for s in a.seeds.split(",")]
+    with multiprocessing.get_context("fork").Pool(max(1, a.jobs)) as pool:
+        rows = pool.map(_run, jobs, chunksize=1)
+    print("\nvariant | hit (mean) | hit min-max | TTFT p50 (mean) | TTFT p99 (mean) | away from best (sum)"
+          " | held blocks given up (sum)")
+    for v in a.variants:
+        mine = [r for r in rows if r["variant"] == v]
+        hits = [r["hit"] for r in mine]
+
+        def mean(key: str, rows: list[dict[str, Any]] = mine) -> float:
+            return statistics.mean(float(r[key]) for r in rows)
+
+        print(f"{v} | {statistics.mean(hits):.2%} | {min(hits):.2%}-{max(hits):.2%} | {mean('p50'):.4f} | "
+              f"{mean('p99'):.4f} | {sum(r['away'] for r in mine)} | {sum(r['blocks_lost'] for r in mine)}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
