@@ -8,7 +8,7 @@ mapping (re-implemented from vLLM's ``entrypoints/anthropic/serving.py`` and
 The sim-engine renders its prompts through the same functions, so the two cannot drift apart.
 
 Only what changes the prompt is read: ``system``, ``messages`` (text, ``tool_use``, ``tool_result``,
-``thinking`` blocks; ``image`` blocks only for the sim-engine, the router refuses them), ``tools`` for
+``thinking`` blocks; ``image`` blocks for the sim-engine and epp, ``route`` refuses them), ``tools`` for
 Anthropic; ``instructions``, ``input`` (a string or items: messages, ``function_call``,
 ``function_call_output``, ``reasoning``) and function ``tools`` for Responses. Every other field passes
 to the engine untouched. Each API answers errors in its own shape
@@ -149,7 +149,7 @@ def _anthropic_blocks(role: str, blocks: list[Any], out: list[dict[str, Any]],
 def anthropic_messages(body: Mapping[str, Any], images: bool = False) -> dict[str, Any]:
     """An Anthropic Messages body as the chat body vLLM renders (``messages``, ``tools``). Image blocks
     become ``image_url`` parts with ``images`` (the sim-engine, serving them as vLLM does), else are a
-    :class:`BadRequest` (the router: vLLM's conversion carries no uuid, docs/route.md)."""
+    :class:`BadRequest` (``kvcoord route``: vLLM's conversion carries no uuid, docs/route.md)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: a non-empty list is required")
@@ -278,12 +278,14 @@ def generate_prompt(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"prompt": ids}
 
 
-def as_lookup_body(endpoint: str, body: Mapping[str, Any]) -> tuple[Mapping[str, Any], bool]:
+def as_lookup_body(endpoint: str, body: Mapping[str, Any],
+                   images: bool = False) -> tuple[Mapping[str, Any], bool]:
     """``(an OpenAI completions or chat body, chat?)`` standing for ``body`` of ``endpoint``, for
-    :func:`~kvcoord.gateway.requests.body_query`; :class:`BadRequest` when the shape cannot be read."""
+    :func:`~kvcoord.gateway.requests.body_query`; :class:`BadRequest` when the shape cannot be read.
+    ``images``: Anthropic image blocks are read (as :func:`anthropic_messages` says), not refused."""
     salt = {"cache_salt": body["cache_salt"]} if "cache_salt" in body else {}
     if endpoint == "messages":
-        chat = anthropic_messages(body)
+        chat = anthropic_messages(body, images)
         if isinstance(body.get("chat_template_kwargs"), dict):
             chat["chat_template_kwargs"] = body["chat_template_kwargs"]
         return {**chat, **salt}, True
@@ -300,13 +302,15 @@ def query_of_body(body: bytes, complete: bool = True, path: str = "") -> tuple[s
     """``(model, lookup keywords)`` of a raw JSON body that must name its model, sent to ``path``: an
     Anthropic, Responses or generate body as :func:`as_lookup_body` shapes it; a completions or chat body,
     or one to any other path, by whichever of ``prompt`` and ``messages`` it has. ``complete=False``: the
-    proxy sent only part of it (its buffer limit), so a parse failure is 413."""
+    proxy sent only part of it (its buffer limit), so a parse failure is 413. For the picker, which never
+    rewrites a body: Anthropic images are read as chat images are there (the engine keys them by its own
+    digest, so a lookup matches up to an image's first block)."""
     data = json_object(body, complete)
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("request body has no model")
     endpoint = endpoint_of_path(path)
-    shaped, chat = as_lookup_body(endpoint, data) if endpoint else (data, False)
+    shaped, chat = as_lookup_body(endpoint, data, images=True) if endpoint else (data, False)
     return model, body_query(shaped, chat=chat if endpoint in ("messages", "responses", "generate") else None)
 
 

@@ -366,7 +366,15 @@ async def test_messages_and_responses_bodies_are_placed_by_prefix(fleet: Any) ->
                 break
             await asyncio.sleep(0.1)
         assert_pick(resp, "request_body", [b, a])
-        assert int(blocks_of(resp)) > 0
+        held = int(blocks_of(resp))
+        assert held > 0
+        # An image in the new turn (epp rewrites no body, so the engine keys it by its own digest, as a
+        # chat's): placed by the prefix before it, the same conversation's.
+        shot = {"type": "image", "source": {"type": "url", "url": "https://x.test/screen.png"}}
+        turn2["messages"][-1]["content"] = [shot, {"type": "text", "text": "Now rename parse to read_args"}]
+        resp = await exchange(address, "/v1/messages", json.dumps(turn2).encode(), json_ct)
+        assert_pick(resp, "request_body", [b, a])
+        assert 0 < int(blocks_of(resp)) <= held
         # Malformed: the 400 comes in the API's own shape.
         resp = await exchange(address, "/v1/messages", json.dumps({"model": MODEL, "messages": []}).encode(),
                               json_ct)
