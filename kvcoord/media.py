@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from kvcoord.events import Tier
+from kvcoord.events import FULL_ATTENTION_KINDS, Tier
 
 _log = logging.getLogger(__name__)
 
@@ -145,6 +145,11 @@ class MediaTally:
 
 UNKNOWN_MEDIA = MediaTally()
 """This process's tally of unknown media (the coordinator's ``kvcoord_unknown_medium_events_total``)."""
+UNSPECIFIED_KIND = "unspecified"
+"""The ``group_kind`` label of a store that names no ``kv_cache_spec_kind``."""
+INDEXED_GROUP_KINDS = (UNSPECIFIED_KIND, *sorted(FULL_ATTENTION_KINDS))
+"""The group kinds whose stores are indexed: a misfit of theirs is a broken publisher or a block size the
+engine and the model's profile disagree on (alerted), not a sparse group's by-design skip."""
 MISFIT_STORES = MediaTally(skipped=(
     "BlockStored events of group kind %.64r whose token ids are not block_size per block hash are skipped "
     "(not indexed: a sparse group's blocks, or a broken publisher)"))

@@ -36,7 +36,7 @@ from kvcoord.events import (
     u64_ok,
 )
 from kvcoord.hashing import BlockHash64, to_block_hash64
-from kvcoord.media import MEDIUM_TIERS, MISFIT_STORES, UNKNOWN_MEDIA, normalize_medium
+from kvcoord.media import MEDIUM_TIERS, MISFIT_STORES, UNKNOWN_MEDIA, UNSPECIFIED_KIND, normalize_medium
 from kvcoord.native import native
 
 __all__ = [
@@ -493,7 +493,7 @@ def _kept(events: Sequence[Any], skipped: list[int], ops: list[Op], spans: list[
         for i in skipped:
             UNKNOWN_MEDIA.add(events[i].medium)
         for i in misfit:
-            MISFIT_STORES.add(str(events[i].kv_cache_spec_kind or "unspecified"))
+            MISFIT_STORES.add(str(events[i].kv_cache_spec_kind or UNSPECIFIED_KIND))
         gone = set(skipped).union(misfit)
         pos = [i for i in range(len(events)) if i not in gone]
         kept = [events[i] for i in pos]

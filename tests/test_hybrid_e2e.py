@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcoord.events import BlockStored, KVEventBatch, decode_vllm_views
+from kvcoord.media import INDEXED_GROUP_KINDS
 from kvcoord.native import native
 from kvcoord.validate import py_store_fits
 from tests.coordinator.test_history_lost import BS, block, tokens
@@ -58,8 +59,11 @@ def test_deepseek_v4_style_stream_indexes_full_attention_and_skips_misfits(tmp_p
         s.assert_exact(node, len(INDEXED))
 
         def misfits() -> dict[str, float]:
-            return {label: v for (name, label), v in s.scrape().items()
-                    if name == "kvcoord_misfit_stored_events_total"}
+            got = {label: v for (name, label), v in s.scrape().items()
+                   if name == "kvcoord_misfit_stored_events_total"}
+            zeros = {label for label, v in got.items() if not v}  # the indexed kinds, there from the start
+            assert zeros <= set(INDEXED_GROUP_KINDS), got
+            return {label: v for label, v in got.items() if v}
 
         until(lambda: misfits() == MISFITS, "kvcoord_misfit_stored_events_total per group kind", timeout=60)
         s.assert_exact(node, len(INDEXED))  # the misfits refused nothing

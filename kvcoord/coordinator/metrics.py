@@ -16,11 +16,12 @@ from kvcoord import __version__
 from kvcoord.coordinator.engines import RELAY_STATES
 from kvcoord.coordinator.httpd import REFUSALS as HTTP_REFUSALS
 from kvcoord.coordinator.metrics_http import MetricsEndpoint
+from kvcoord.engine.relay import MALFORMED_KINDS
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
 from kvcoord.index.instrumented import OPS, InstrumentedIndex
 from kvcoord.load import TRUSTS
-from kvcoord.media import MISFIT_STORES, UNKNOWN_MEDIA
+from kvcoord.media import INDEXED_GROUP_KINDS, MISFIT_STORES, UNKNOWN_MEDIA
 from kvcoord.native import native, native_paths
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -108,7 +109,8 @@ class UnknownMediaCollector(Collector):
             "kvcoord_misfit_stored_events",
             "BlockStored events skipped (not indexed) because their token count is not block_size times "
             "their hashes (a sparse group of a hybrid model), by kv_cache_spec_kind", labels=["group_kind"])
-        for name, count in sorted(MISFIT_STORES.total.items()):
+        misfits = {kind: 0 for kind in INDEXED_GROUP_KINDS} | MISFIT_STORES.total  # those from 0 (alerted)
+        for name, count in sorted(misfits.items()):
             misfit.add_metric([name], float(count))
         return [skipped, misfit]
 
@@ -330,6 +332,8 @@ class Metrics:
             "kvcoord_relay_malformed", "Frames and batches of engines registered over HTTP that this "
             "replica's relays could not use, by reason (each lost batch marks its rank degraded)", ["reason"],
             registry=r)
+        for reason in MALFORMED_KINDS:  # from 0, so that increase() sees the first one
+            self.relay_malformed.labels(reason)
         self.unknown_pools = Counter(
             "kvcoord_pool_unknown_announcements", "Pool names a node announced (Hello, /register) that no "
             "[pools] entry or pool publisher declared at the time (the node still reaches them)", registry=r)

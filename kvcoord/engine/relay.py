@@ -59,7 +59,16 @@ from kvcoord.events import AllBlocksCleared, EventDecodeError, decode_vllm_views
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DRAIN_BURST", "REPLAY_ONLY_PROBES_WARN", "Relay", "RelayCore", "RelayStats"]
+__all__ = ["DRAIN_BURST", "MALFORMED_KINDS", "REPLAY_ONLY_PROBES_WARN", "Relay", "RelayCore", "RelayStats"]
+
+MALFORMED_KINDS = (
+    "frames", "seq",  # a PUB message that is not [topic, seq, payload] (zmq_wire.FrameError)
+    "truncated", "msgpack", "bad_batch", "bad_event", "unknown_event", "missing_field", "bad_hash",
+    "wrong_type", "bad_value", "event", "block_size",  # a payload that is no batch (events.EventDecodeError)
+    "dp_rank", "protobuf",  # a batch of a rank the stream does not carry; a gRPC message that is no batch
+)
+"""Every reason a relay counts a frame or batch malformed (the ``reason`` label of
+``kvcoord_relay_malformed_total``, whose series exist from the start at 0 so that the first one alerts)."""
 
 DRAIN_BURST = 64
 """Frames a relay handles in a row before it lets the event loop run."""

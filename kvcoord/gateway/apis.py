@@ -8,9 +8,10 @@ mapping (re-implemented from vLLM's ``entrypoints/anthropic/serving.py`` and
 The sim-engine renders its prompts through the same functions, so the two cannot drift apart.
 
 Only what changes the prompt is read: ``system``, ``messages`` (text, ``tool_use``, ``tool_result``,
-``thinking`` blocks), ``tools`` for Anthropic; ``instructions``, ``input`` (a string or items:
-messages, ``function_call``, ``function_call_output``, ``reasoning``) and function ``tools`` for
-Responses. Every other field passes to the engine untouched. Each API answers errors in its own shape
+``thinking`` blocks; ``image`` blocks for the sim-engine and epp, ``route`` refuses them), ``tools`` for
+Anthropic; ``instructions``, ``input`` (a string or items: messages, ``function_call``,
+``function_call_output``, ``reasoning``) and function ``tools`` for Responses. Every other field passes
+to the engine untouched. Each API answers errors in its own shape
 (:func:`error_body`) and reports cached prompt tokens in its own usage fields (:func:`chat_usage`).
 """
 
@@ -72,18 +73,45 @@ def _system_texts(content: object, where: str) -> list[str]:
     return out
 
 
-def _tool_result(block: Mapping[str, Any]) -> dict[str, Any]:
+_NO_IMAGES = ("image blocks are not routed by kvcoord route: vLLM's /v1/messages gives the engine no uuid "
+              "for them (docs/route.md, Multimodal chats); send images as chat image_url parts")
+"""Why an Anthropic image (a message's block, or inside a tool result) is refused."""
+
+
+def _image_part(block: Mapping[str, Any], images: bool) -> dict[str, Any] | None:
+    """An image block as vLLM converts it: a chat ``image_url`` part of the URL alone (a ``base64``
+    source as a data URL); None for one without a source. Refused unless ``images``."""
+    if not images:
+        raise BadRequest(_NO_IMAGES)
+    source = block.get("source")
+    if not isinstance(source, dict) or not source:
+        return None
+    if source.get("type") == "url":
+        url = source.get("url") or ""
+    else:
+        url = f"data:{source.get('media_type') or 'image/jpeg'};base64,{source.get('data') or ''}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _tool_result(block: Mapping[str, Any], out: list[dict[str, Any]], images: bool) -> None:
+    """A user's tool result: a tool message of its text, then (as vLLM does) a user message of its images."""
     content = block.get("content")
+    pictures: list[dict[str, Any]] = []
     if isinstance(content, list):
+        pictures = [p for p in (_image_part(i, images) for i in content
+                                if isinstance(i, dict) and i.get("type") == "image") if p is not None]
         content = "\n".join(str(i.get("text", "")) for i in content
                             if isinstance(i, dict) and i.get("type") == "text")
-    return {"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
-            "content": content if isinstance(content, str) else ""}
+    out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
+                "content": content if isinstance(content, str) else ""})
+    if pictures:
+        out.append({"role": "user", "content": pictures})
 
 
-def _anthropic_blocks(role: str, blocks: list[Any], out: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """One message's blocks as vLLM maps them: text parts, tool calls, reasoning; a user's tool results
-    become tool messages of their own (appended to ``out`` before the message itself)."""
+def _anthropic_blocks(role: str, blocks: list[Any], out: list[dict[str, Any]],
+                      images: bool) -> dict[str, Any] | None:
+    """One message's blocks as vLLM maps them: text and image parts, tool calls, reasoning; a user's tool
+    results become messages of their own (appended to ``out`` before the message itself)."""
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
@@ -94,7 +122,9 @@ def _anthropic_blocks(role: str, blocks: list[Any], out: list[dict[str, Any]]) -
         if kind == "text" and block.get("text"):
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image":
-            raise BadRequest("image blocks are not routed by kvcoord route yet")
+            part = _image_part(block, images)
+            if part is not None:
+                parts.append(part)
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
             reasoning.append(block["thinking"])
         elif kind == "tool_use":
@@ -103,7 +133,7 @@ def _anthropic_blocks(role: str, blocks: list[Any], out: list[dict[str, Any]]) -
                                        "arguments": json.dumps(block.get("input") or {})}})
         elif kind == "tool_result":
             if role == "user":
-                out.append(_tool_result(block))
+                _tool_result(block, out, images)
             else:
                 parts.append({"type": "text", "text": f"Tool result: {block.get('content') or ''}"})
     msg: dict[str, Any] = {"role": role}
@@ -112,12 +142,14 @@ def _anthropic_blocks(role: str, blocks: list[Any], out: list[dict[str, Any]]) -
     if calls:
         msg["tool_calls"] = calls
     if parts:
-        msg["content"] = parts[0]["text"] if len(parts) == 1 else parts
+        msg["content"] = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
     return None if role == "user" and "content" not in msg else msg
 
 
-def anthropic_messages(body: Mapping[str, Any]) -> dict[str, Any]:
-    """An Anthropic Messages body as the chat body vLLM renders (``messages``, ``tools``)."""
+def anthropic_messages(body: Mapping[str, Any], images: bool = False) -> dict[str, Any]:
+    """An Anthropic Messages body as the chat body vLLM renders (``messages``, ``tools``). Image blocks
+    become ``image_url`` parts with ``images`` (the sim-engine, serving them as vLLM does), else are a
+    :class:`BadRequest` (``kvcoord route``: vLLM's conversion carries no uuid, docs/route.md)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: a non-empty list is required")
@@ -137,7 +169,7 @@ def anthropic_messages(body: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
-            msg = _anthropic_blocks(role, content, out)
+            msg = _anthropic_blocks(role, content, out, images)
             if msg is not None:
                 out.append(msg)
         else:
@@ -246,12 +278,14 @@ def generate_prompt(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"prompt": ids}
 
 
-def as_lookup_body(endpoint: str, body: Mapping[str, Any]) -> tuple[Mapping[str, Any], bool]:
+def as_lookup_body(endpoint: str, body: Mapping[str, Any],
+                   images: bool = False) -> tuple[Mapping[str, Any], bool]:
     """``(an OpenAI completions or chat body, chat?)`` standing for ``body`` of ``endpoint``, for
-    :func:`~kvcoord.gateway.requests.body_query`; :class:`BadRequest` when the shape cannot be read."""
+    :func:`~kvcoord.gateway.requests.body_query`; :class:`BadRequest` when the shape cannot be read.
+    ``images``: Anthropic image blocks are read (as :func:`anthropic_messages` says), not refused."""
     salt = {"cache_salt": body["cache_salt"]} if "cache_salt" in body else {}
     if endpoint == "messages":
-        chat = anthropic_messages(body)
+        chat = anthropic_messages(body, images)
         if isinstance(body.get("chat_template_kwargs"), dict):
             chat["chat_template_kwargs"] = body["chat_template_kwargs"]
         return {**chat, **salt}, True
@@ -268,13 +302,15 @@ def query_of_body(body: bytes, complete: bool = True, path: str = "") -> tuple[s
     """``(model, lookup keywords)`` of a raw JSON body that must name its model, sent to ``path``: an
     Anthropic, Responses or generate body as :func:`as_lookup_body` shapes it; a completions or chat body,
     or one to any other path, by whichever of ``prompt`` and ``messages`` it has. ``complete=False``: the
-    proxy sent only part of it (its buffer limit), so a parse failure is 413."""
+    proxy sent only part of it (its buffer limit), so a parse failure is 413. For the picker, which never
+    rewrites a body: Anthropic images are read as chat images are there (the engine keys them by its own
+    digest, so a lookup matches up to an image's first block)."""
     data = json_object(body, complete)
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("request body has no model")
     endpoint = endpoint_of_path(path)
-    shaped, chat = as_lookup_body(endpoint, data) if endpoint else (data, False)
+    shaped, chat = as_lookup_body(endpoint, data, images=True) if endpoint else (data, False)
     return model, body_query(shaped, chat=chat if endpoint in ("messages", "responses", "generate") else None)
 
 

@@ -44,10 +44,17 @@ from kvcoord.gateway import extproc as xp
 from kvcoord.gateway.apis import ENDPOINT_API, endpoint_of_path, query_of_body
 from kvcoord.gateway.disagg import PREFILLER_HEADER
 from kvcoord.gateway.flow import DROPPED_HEADER, Dropped, FlowControl, RequestMeta, request_meta
-from kvcoord.gateway.grpc_body import MODEL_HEADER, GrpcUsage, generate_query, is_grpc, message_ready
+from kvcoord.gateway.grpc_body import (
+    ENCODING_HEADER,
+    MODEL_HEADER,
+    GrpcUsage,
+    is_grpc,
+    message_ready,
+    read_generate,
+)
 from kvcoord.gateway.leader import FileLeader
 from kvcoord.gateway.picker import Allowed, Pick, Picker, PickerConfig, PickFailed
-from kvcoord.gateway.requests import BadRequest, NotAskable
+from kvcoord.gateway.requests import BadRequest
 from kvcoord.gateway.route_metrics import DecisionMetrics
 from kvcoord.gateway.route_sse import ResponseUsage
 from kvcoord.router.answer import KV_SOURCE_HEADER
@@ -163,6 +170,8 @@ class _Stream:
         """A gRPC request (``content-type: application/grpc``): the body is a length-prefixed message."""
         self.model_hint = ""
         """The ``x-gateway-model-name`` request header (gRPC requests name no model in their body)."""
+        self.encoding = ""
+        """The ``grpc-encoding`` request header: how a compressed gRPC message was compressed."""
         """The request's objective, fairness id, queue TTL and TTFT SLO (:mod:`kvcoord.gateway.flow`)."""
 
     def release(self) -> None:
@@ -224,7 +233,7 @@ class _Stream:
         self.subset = _allowed(req, self.epp.config.conformance)
         headers = xp.headers_of(req.request_headers)
         self.path, self.grpc = headers.get(":path", ""), is_grpc(headers)
-        self.model_hint = headers.get(MODEL_HEADER, "")
+        self.model_hint, self.encoding = headers.get(MODEL_HEADER, ""), headers.get(ENCODING_HEADER, "")
         self.meta = request_meta(headers, self.epp.config.objectives)
         for name in self.meta.bad:
             self.epp.metrics.bad_headers.labels(name).inc()
@@ -251,15 +260,21 @@ class _Stream:
             model, query = query_of_body(bytes(self.body), complete, self.path)
             return lambda: picker.pick(model, query, subset, slo)
         named = self.model_hint or self.epp.config.grpc_model or picker.table.only_model()
-        try:
-            query = generate_query(self.path, bytes(self.body), complete)
-        except NotAskable as exc:
-            why = str(exc)
+        cfg = self.epp.config
+        gen = read_generate(self.path, bytes(self.body), complete, self.encoding, cfg.max_body_bytes)
+        ports = cfg.picker.target_ports
+        if gen.dp_rank is not None and ports:  # rank = port: the pinned rank's endpoints only
+            if gen.dp_rank >= len(ports):
+                raise BadRequest(f"data_parallel_rank {gen.dp_rank}: the pool has {len(ports)} target ports "
+                                 f"(ranks 0 to {len(ports) - 1})")
+            subset = Allowed.pinned(subset, gen.dp_rank)
+        asked, why = gen.query, gen.why
+        if asked is None:
             return lambda: picker.pick_unaskable(named, subset, why)
         if named is None:
             why = f"no {MODEL_HEADER} header, no --grpc-model, and not one model listed"
             return lambda: picker.pick_unaskable(None, subset, why)
-        return lambda: picker.pick(named, query, subset, slo)
+        return lambda: picker.pick(named, asked, subset, slo)
 
     async def _pick_body(self, complete: bool) -> Pick | list[Any]:
         started = time.perf_counter()
@@ -314,7 +329,7 @@ class _Stream:
             return
         headers = xp.headers_of(req.response_headers)
         ctype = headers.get("content-type", "")
-        self.usage = (GrpcUsage(self.path) if is_grpc(headers)
+        self.usage = (GrpcUsage(self.path, encoding=headers.get(ENCODING_HEADER, "")) if is_grpc(headers)
                       else ResponseUsage(sse="text/event-stream" in ctype))
 
     def _usage_feed(self, chunk: bytes, end_of_stream: bool) -> None:

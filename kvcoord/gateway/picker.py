@@ -195,14 +195,28 @@ class Allowed:
     """The endpoints a request may go to, and who said so (for the 503's message). An entry ``ip:port``
     allows that endpoint, a bare IP every port of it, as the reference picker matches both the subset hint
     and the conformance suite's ``test-epp-endpoint-selection`` header; an entry that is neither matches
-    nothing."""
+    nothing. ``entries`` None: any endpoint; ``rank``: only that data-parallel rank's (a request pinning
+    its ``data_parallel_rank``, see :meth:`pinned`)."""
 
-    entries: frozenset[str]
+    entries: frozenset[str] | None
     source: str
+    rank: int | None = None
 
-    def allows(self, endpoint: str) -> bool:
+    def allows(self, endpoint: str, rank: int = 0) -> bool:
+        if self.rank is not None and rank != self.rank:
+            return False
+        if self.entries is None:
+            return True
         host = endpoint.rpartition(":")[0]
         return bool({endpoint, host, host.strip("[]")} & self.entries)
+
+    @staticmethod
+    def pinned(allowed: Allowed | None, rank: int) -> Allowed:
+        """``allowed`` (None: any endpoint) narrowed to data-parallel rank ``rank``."""
+        where = f"data_parallel_rank {rank}"
+        if allowed is None:
+            return Allowed(None, where, rank)
+        return Allowed(allowed.entries, f"{allowed.source} and {where}", rank)
 
 
 @dataclass(slots=True)
@@ -251,7 +265,7 @@ class Picker:
                 log.debug("node %s rank %d has no known endpoint (no serving URL, no --backend, no target "
                           "port)", c.node_id, c.dp_rank)
                 continue
-            if allowed is not None and not allowed.allows(endpoint):
+            if allowed is not None and not allowed.allows(endpoint, c.dp_rank):
                 continue
             load = self.in_flight.merged(endpoint, c.load, c.reserved)
             out.append(_Eligible(replace(c, load=load), endpoint))

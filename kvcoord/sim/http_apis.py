@@ -83,7 +83,8 @@ class _Apis:
                 if body.get("stream"):
                     raise _BadRequest("the sim-engine's generate does not stream", param="stream")
             else:
-                chat = anthropic_messages(body) if api == "anthropic" else responses_messages(body)
+                chat = (anthropic_messages(body, images=True) if api == "anthropic"
+                        else responses_messages(body))
                 prompt, items = _chat_prompt(chat, s.media)
                 pseudo = _params_body(body, "max_tokens" if api == "anthropic" else "max_output_tokens")
             params = s._params(pseudo, prompt, chat=False, mm_items=items)

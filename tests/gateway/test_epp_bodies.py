@@ -11,11 +11,13 @@ Envoy over real gRPC against a real ``kvcoord epp`` process, in front of test_ep
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gzip
 import json
 import struct
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -26,8 +28,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as sgl
 from smg_grpc_proto.generated import vllm_engine_pb2 as vll
 
-from kvcoord.gateway.grpc_body import generate_query
-from kvcoord.gateway.requests import NotAskable
+from kvcoord.gateway.grpc_body import Generate, read_generate
+from kvcoord.router.client import CoordinatorClient
 from tests.gateway.test_epp import (
     BLOCK,
     DEADLINE,
@@ -37,6 +39,7 @@ from tests.gateway.test_epp import (
     PROMPT_B,
     Envoy,
     _post,
+    _until,
     _why,
     assert_immediate,
     assert_passthrough,
@@ -51,7 +54,7 @@ from tests.gateway.test_epp import (
     set_headers,
 )
 from tests.gateway.test_epp_flow import _engine, respond
-from tests.procs import free_port
+from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 __all__ = ["fleet"]  # the module-scoped fixture, shared by name
 
@@ -62,10 +65,13 @@ PREDICTED = "kvcoord_epp_predicted_tokens_total"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
-def framed(msg: Any, compressed: bool = False) -> bytes:
-    """One gRPC length-prefixed message, as a gRPC client writes it on the wire."""
+def framed(msg: Any, compressed: bool = False, gzipped: bool = False) -> bytes:
+    """One gRPC length-prefixed message, as a gRPC client writes it on the wire (``gzipped``: compressed
+    as with ``grpc-encoding: gzip``; ``compressed``: the flag set, the bytes left as they are)."""
     data = msg.SerializeToString()
-    return struct.pack(">BI", int(compressed), len(data)) + data
+    if gzipped:
+        data = gzip.compress(data)
+    return struct.pack(">BI", int(compressed or gzipped), len(data)) + data
 
 
 def tokens_of(engine: str, prompt: str) -> list[int]:
@@ -103,11 +109,12 @@ def blocks_of(resp: Any) -> str:
     return why[why.index("(") + 1:why.index(" blocks)")]
 
 
-def assert_grpc_refused(resp: Any, status: int, code: grpc.StatusCode, words: str) -> None:
+def assert_grpc_refused(resp: Any, status: int, code: grpc.StatusCode, words: str,
+                        details: str = "kvcoord_epp_bad_request") -> None:
     """An ImmediateResponse a gRPC client reads: the gRPC status, the message as ``grpc-message``."""
     assert resp.WhichOneof("response") == "immediate_response", resp
     imm = resp.immediate_response
-    assert imm.status.code == status and imm.details == "kvcoord_epp_bad_request"
+    assert imm.status.code == status and imm.details == details
     assert imm.grpc_status.status == code.value[0]
     assert words in imm.body.decode(), imm.body
     assert "content-type" not in {o.header.key for o in imm.headers.set_headers}
@@ -181,7 +188,7 @@ async def test_undecodable_grpc_bodies_get_400_as_bad_json_does(fleet: Any) -> N
     ids_a = tokens_of(a, PROMPT_A)
     good = framed(vllm_generate(ids_a))
     mport = free_port()
-    cases = [(framed(vllm_generate(ids_a), compressed=True), "compressed"),
+    cases = [(framed(vllm_generate(ids_a), compressed=True), "no grpc-encoding header says how"),
              (struct.pack(">BI", 0, 6) + b"\xff" * 6, "is not a vllm.grpc.engine.GenerateRequest"),
              (good[:-10], "cut short"), (b"\x00\x00", "holds no length-prefixed message"),
              (framed(vll.GenerateRequest(request_id="empty")), "neither token ids nor text")]
@@ -202,16 +209,128 @@ async def test_undecodable_grpc_bodies_get_400_as_bad_json_does(fleet: Any) -> N
     assert log.count("answering 400 (bad_request): ") >= 4 and "Traceback" not in log
 
 
-def test_generate_query_reads_vllm_image_hashes() -> None:
+async def test_gzip_compressed_generate_is_decoded_within_a_bound(fleet: Any) -> None:
+    """A message compressed as ``grpc-encoding: gzip`` is decompressed and placed as the plain one is,
+    buffered and split over full-duplex chunks; one that decompresses to more than ``--max-body-bytes``
+    gets 413 (RESOURCE_EXHAUSTED), another encoding or corrupt gzip 400, each counted, the picker going on."""
+    a, b = fleet.endpoints["node-a"], fleet.endpoints["node-b"]
+    ids_b = tokens_of(b, PROMPT_B)
+    body = framed(vllm_generate(ids_b), gzipped=True)
+    gz = {**GRPC, "x-gateway-model-name": MODEL, "grpc-encoding": "gzip"}
+    mport = free_port()
+    with epp(fleet, *ONE_FALLBACK, "--max-body-bytes", "65536", "--metrics-listen", f"127.0.0.1:{mport}",
+             name="epp-gzip") as address:
+        ids_a = tokens_of(a, PROMPT_A)
+        resp = await exchange(address, SGLANG, framed(sglang_generate(ids_a), gzipped=True), gz)
+        assert_pick(resp, "request_body", [a, b])
+        resp = await exchange(address, VLLM, body, gz)
+        assert_pick(resp, "request_body", [b, a])
+        assert blocks_of(resp) == str(len(ids_b) // BLOCK)
+        async with channel(address) as ch:  # full duplex, the compressed message in two chunks
+            envoy = Envoy(ch)
+            await envoy.call.write(request_headers(VLLM, mode=FULL_DUPLEX, response_mode=FULL_DUPLEX,
+                                                   extra=gz))
+            await envoy.call.write(request_body(body[:7], end_of_stream=False))
+            pick, streamed = await envoy.send(request_body(body[7:], end_of_stream=True), answers=2)
+            assert_pick(pick, "request_headers", [b, a])
+            assert_streamed([streamed], body, end_of_stream=True)  # passed on compressed, unchanged
+            await envoy.close()
+        # A bomb: 2 MB of token ids compress to a few kB, under the body limit; decompressed, over it.
+        bomb = framed(vllm_generate([7] * (1 << 20)), gzipped=True)
+        assert len(bomb) < 65536
+        resp = await exchange(address, VLLM, bomb, gz)
+        assert_grpc_refused(resp, 413, grpc.StatusCode.RESOURCE_EXHAUSTED, "decompresses to over 65536 bytes",
+                            "kvcoord_epp_body_too_large")
+        resp = await exchange(address, VLLM, body, {**gz, "grpc-encoding": "snappy"})
+        assert_grpc_refused(resp, 400, grpc.StatusCode.INVALID_ARGUMENT, "decompresses gzip only")
+        corrupt = struct.pack(">BI", 1, 20) + b"\x1f\x8b" + b"\x00" * 18
+        resp = await exchange(address, VLLM, corrupt, gz)
+        assert_grpc_refused(resp, 400, grpc.StatusCode.INVALID_ARGUMENT, "not valid gzip")
+        resp = await exchange(address, VLLM, body, gz)
+        assert_pick(resp, "request_body", [b, a])
+        m = metrics(mport)
+        assert m['kvcoord_epp_requests_total{outcome="picked"}'] == 4
+        assert m['kvcoord_epp_requests_total{outcome="bad_request"}'] == 2
+        assert m['kvcoord_epp_requests_total{outcome="body_too_large"}'] == 1
+
+
+DP_PORTS = (3000, 3002, 3004)
+
+
+@pytest.fixture(scope="module")
+def dp_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[str]]]:
+    """A coordinator and two pods' agents, each pod three data-parallel ranks (no KV events: picks among
+    equals); yields the coordinator and the pods' IPs."""
+    tmp = tmp_path_factory.mktemp("epp-dp")
+    gport = free_port()
+    ips = ["127.0.0.41", "127.0.0.42"]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(kvcoord_cmd(
+            "serve", "--listen", f"127.0.0.1:{gport}",
+            "--model", f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0"),
+            log=tmp / "serve.log"))
+        wait_for_port(gport, timeout=30)
+        for i, ip in enumerate(ips):
+            stack.enter_context(running(kvcoord_cmd(
+                "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", f"pod-{i}", "--model", MODEL,
+                "--no-kv-events", "--dp-ranks", "0,1,2", "--serving-url", f"http://{ip}:3000"),
+                log=tmp / f"agent-{i}.log"))
+        with CoordinatorClient(f"127.0.0.1:{gport}") as client:
+            _until(lambda: sum(len(n.dp_ranks) == 3 and n.state == "active"
+                               for n in client.list_nodes()) == 2, "both pods with three ranks")
+        yield f"127.0.0.1:{gport}", ips
+
+
+async def test_grpc_generate_pinned_rank_goes_to_that_ranks_port(fleet: Any, dp_pool: Any) -> None:
+    """With ``--target-ports`` (rank = port), a ``Generate`` pinning ``data_parallel_rank`` r is placed on
+    a pod's r-th port, within the subset hint when there is one; a rank with no port is a 400."""
+    coordinator, ips = dp_pool
+    ports = ",".join(map(str, DP_PORTS))
+    flags = ("--target-ports", ports, "--grpc-model", MODEL)
+    with epp(fleet, *flags, coordinator=coordinator, name="epp-dp-rank") as address:
+        for rank, port in enumerate(DP_PORTS):
+            for path, msg in ((VLLM, vllm_generate(range(40))), (SGLANG, sglang_generate(range(40)))):
+                msg.data_parallel_rank = rank
+                for _ in range(4):
+                    resp = await exchange(address, path, framed(msg, gzipped=rank == 1),
+                                          {**GRPC, "grpc-encoding": "gzip"} if rank == 1 else GRPC)
+                    endpoint = set_headers(resp.request_body.response)["x-gateway-destination-endpoint"]
+                    assert_pick(resp, "request_body", [endpoint])
+                    ip, _, got = endpoint.rpartition(":")
+                    assert ip in ips and got == str(port), (rank, endpoint)
+        msg = vllm_generate(range(40))
+        msg.data_parallel_rank = 2
+        async with channel(address) as ch:  # the subset hint and the rank: both hold
+            envoy = Envoy(ch)
+            await envoy.send(request_headers(VLLM, subset=[ips[1]], extra=GRPC))
+            [resp] = await envoy.send(request_body(framed(msg)))
+            assert_pick(resp, "request_body", [f"{ips[1]}:3004"])
+            await envoy.close()
+        async with channel(address) as ch:
+            envoy = Envoy(ch)
+            await envoy.send(request_headers(VLLM, subset=[f"{ips[1]}:3000"], extra=GRPC))
+            [resp] = await envoy.send(request_body(framed(msg)))
+            assert_grpc_refused(resp, 503, grpc.StatusCode.UNAVAILABLE, "data_parallel_rank 2",
+                                "kvcoord_epp_no_endpoint")
+            await envoy.close()
+        msg.data_parallel_rank = 3
+        resp = await exchange(address, VLLM, framed(msg), GRPC)
+        assert_grpc_refused(resp, 400, grpc.StatusCode.INVALID_ARGUMENT, "the pool has 3 target ports")
+
+
+def test_read_generate_reads_image_hashes_and_the_pinned_rank() -> None:
     """vLLM's per-image hashes at their placeholders become the lookup's multimodal items, as the engine
-    keys those blocks; a method that is not Generate is not askable."""
+    keys those blocks; a pinned data_parallel_rank is read (gzip-compressed too); a method that is not
+    Generate is not askable."""
     mm = vll.MultimodalInputs(mm_hashes=["h1", "h2"], mm_placeholders=[
         vll.PlaceholderRange(offset=2, length=4), vll.PlaceholderRange(offset=9, length=3)])
     msg = vll.GenerateRequest(tokenized=vll.TokenizedInput(input_ids=range(16)), mm_inputs=mm)
-    assert generate_query(VLLM, framed(msg)) == {"tokens": list(range(16)),
-                                                  "mm_items": [("h1", 2, 4), ("h2", 9, 3)]}
-    with pytest.raises(NotAskable):
-        generate_query("/vllm.grpc.engine.VllmEngine/Embed", framed(msg))
+    query = {"tokens": list(range(16)), "mm_items": [("h1", 2, 4), ("h2", 9, 3)]}
+    assert read_generate(VLLM, framed(msg)) == Generate(query)
+    msg.data_parallel_rank = 0
+    assert read_generate(VLLM, framed(msg, gzipped=True), encoding="gzip") == Generate(query, dp_rank=0)
+    other = read_generate("/vllm.grpc.engine.VllmEngine/Embed", framed(msg))
+    assert other.query is None and "is not a Generate" in other.why
 
 
 # --- Anthropic's /v1/messages and OpenAI's /v1/responses --------------------------------------------
@@ -247,7 +366,15 @@ async def test_messages_and_responses_bodies_are_placed_by_prefix(fleet: Any) ->
                 break
             await asyncio.sleep(0.1)
         assert_pick(resp, "request_body", [b, a])
-        assert int(blocks_of(resp)) > 0
+        held = int(blocks_of(resp))
+        assert held > 0
+        # An image in the new turn (epp rewrites no body, so the engine keys it by its own digest, as a
+        # chat's): placed by the prefix before it, the same conversation's.
+        shot = {"type": "image", "source": {"type": "url", "url": "https://x.test/screen.png"}}
+        turn2["messages"][-1]["content"] = [shot, {"type": "text", "text": "Now rename parse to read_args"}]
+        resp = await exchange(address, "/v1/messages", json.dumps(turn2).encode(), json_ct)
+        assert_pick(resp, "request_body", [b, a])
+        assert 0 < int(blocks_of(resp)) <= held
         # Malformed: the 400 comes in the API's own shape.
         resp = await exchange(address, "/v1/messages", json.dumps({"model": MODEL, "messages": []}).encode(),
                               json_ct)

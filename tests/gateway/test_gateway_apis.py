@@ -3,6 +3,8 @@ and their usage read back as chat's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvcoord.gateway.apis import as_lookup_body, chat_usage, error_body, event_usage
@@ -76,13 +78,18 @@ def test_token_ids() -> None:
     ("messages", {"messages": "hi"}),
     ("messages", {"messages": [{"role": "bot", "content": "x"}]}),
     ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                             "content": [{"type": "image", "source": {
+                                                                 "type": "url", "url": "https://x/y.png"}}]}]}]}),
     ("responses", {"input": 3}),
     ("responses", {"input": "x", "previous_response_id": "resp_1"}),
     ("generate", {"token_ids": [-1]}),
 ])
 def test_unreadable_bodies(endpoint: str, body: dict[str, object]) -> None:
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadRequest) as err:
         as_lookup_body(endpoint, body)
+    if "image" in json.dumps(body):  # an Anthropic image, in a message or a tool result: the reason given
+        assert "no uuid" in str(err.value) and "image_url" in str(err.value)
 
 
 def test_usage_and_errors() -> None:

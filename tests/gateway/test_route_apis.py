@@ -208,6 +208,9 @@ async def test_prefer_if_available(fleet: RouteFleet) -> None:
 @pytest.mark.parametrize(("path", "body", "shape"), [
     ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": "hi"}, "anthropic"),
     ("/v1/messages", b"{not json", "anthropic"),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+        {"type": "text", "text": "What is in this image?"}]}]}, "anthropic"),
     ("/v1/responses", {"model": MODEL, "input": 5}, "openai"),
     ("/inference/v1/generate", {"model": MODEL, "token_ids": ["a"]}, "openai"),
 ])

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvcoord.gateway.apis import chat_usage
 from kvcoord.sim.http import _chat_prompt
 from kvcoord.tokenize.media import MediaRule, assign_uuids
 from tests.gateway.test_route_apis import _metrics, _until
@@ -248,3 +249,47 @@ async def test_malformed_image_parts_are_refused_and_change_nothing(fleet: dict[
     placed = {k: v for k, v in after.items() if k.startswith("kvcoord_route_placements_total")}
     assert placed == {k: v for k, v in before.items() if k.startswith("kvcoord_route_placements_total")}
     assert tokens_after == tokens
+
+
+async def test_anthropic_images_are_served_by_the_engine_and_refused_by_the_router(
+        fleet: dict[str, str]) -> None:
+    """An Anthropic conversation with an image block (``base64``) and a screenshot in a tool result
+    (``url``): the sim-engine's /v1/messages serves it as vLLM does (each image an ``image_url`` part, keyed
+    by the engine's own identifier, so the same conversation again hits past both images); the router
+    refuses it with a one-line 400 in Anthropic's shape naming why (vLLM's conversion carries no uuid),
+    counted, placing nothing."""
+    body = {"model": MODEL, "max_tokens": 2,
+            "system": "You describe the screenshots a coding agent takes, one line each " * 3,
+            "messages": [
+                {"role": "user", "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": _data_url().partition(",")[2]}},
+                    {"type": "text", "text": "what is on the screen"}]},
+                {"role": "assistant",
+                 "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                    {"type": "text", "text": "taken"},
+                    {"type": "image", "source": {"type": "url", "url": "https://x.test/shot.png"}}]}]}]}
+    engine = f"{fleet[NODES[0]]}/v1/messages"
+    bad = 'kvcoord_route_requests_total{endpoint="messages",outcome="bad_request"}'
+    async with aiohttp.ClientSession() as s:
+        usages = []
+        for _ in range(2):
+            async with s.post(engine, json=body) as resp:
+                got = await resp.json()
+                assert resp.status == 200, got
+                usages.append(chat_usage(got["usage"]))
+        first, again = usages
+        assert first is not None and again is not None
+        prompt = first["prompt_tokens"]
+        assert prompt > 2 * IMAGE_TOKENS  # both images' placeholders are in the engine's prompt
+        assert again["prompt_tokens_details"]["cached_tokens"] >= prompt - 2 * BLOCK, usages
+        before, tokens = await _metrics(s, fleet["route"]), await _prompt_tokens(s, fleet)
+        async with s.post(f"{fleet['route']}/v1/messages", json=body) as resp:
+            raw = await resp.read()
+            assert resp.status == 400 and "x-kvcoord-node" not in resp.headers, raw
+        after, tokens_after = await _metrics(s, fleet["route"]), await _prompt_tokens(s, fleet)
+    err = json.loads(raw)
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert "no uuid" in err["error"]["message"] and b"\n" not in raw.strip()
+    assert after[bad] - before.get(bad, 0) == 1 and tokens_after == tokens

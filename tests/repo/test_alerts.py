@@ -48,8 +48,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcoord.coordinator import metrics as kvmetrics
 from kvcoord.coordinator.incoming import KINDS as _BATCH_KINDS
 from kvcoord.coordinator.metrics import Metrics
+from kvcoord.engine.relay import MALFORMED_KINDS
 from kvcoord.events import BlockStored
 from kvcoord.hashing import HashProfile, block_hashes64
+from kvcoord.media import INDEXED_GROUP_KINDS
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
 from kvcoord.validate import pack_u64
@@ -131,6 +133,35 @@ def test_label_sets_are_exactly_what_the_call_sites_pass() -> None:
     assert set(kvmetrics.REJECTED_TYPES) == types
 
 
+def _malformed_literals() -> set[str]:
+    """The reasons the relays count malformed: literal kinds of ``EventDecodeError``/``FrameError`` and of
+    ``_bad_batch`` in kvcoord/events.py and kvcoord/engine, and the ``kind = "..."`` the decoders pick."""
+    out: set[str] = set()
+    for path in [REPO / "kvcoord" / "events.py", *sorted((REPO / "kvcoord" / "engine").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and node.args:
+                name = ast.unparse(node.func)
+                if name in ("EventDecodeError", "FrameError"):
+                    out |= _label_strings(node.args[0])
+                elif name.endswith("._bad_batch") and len(node.args) > 1:
+                    out |= _label_strings(node.args[1])
+            elif (isinstance(node, ast.Assign) and path.name == "events.py"
+                  and [ast.unparse(t) for t in node.targets] == ["kind"]):
+                out |= _label_strings(node.value)
+    return out
+
+
+def test_relay_malformed_reasons_and_alerted_group_kinds_are_complete() -> None:
+    """``relay_malformed_total``'s children at 0 are every reason a relay counts; KvcoordMisfitStores
+    watches exactly the indexed group kinds, whose children are at 0."""
+    assert set(MALFORMED_KINDS) == _malformed_literals()
+    rules = [r for g in yaml.safe_load((DEPLOY_PROMETHEUS / "alerts.yml").read_text())["groups"]
+             for r in g["rules"]]
+    [expr] = [r["expr"] for r in rules if r["alert"] == "KvcoordMisfitStores"]
+    alerted = expr.split('group_kind=~"', 1)[1].split('"', 1)[0].split("|")
+    assert sorted(alerted) == sorted(INDEXED_GROUP_KINDS)
+
+
 def _samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
     for fam in text_string_to_metric_families(generate_latest(m.registry).decode()):
@@ -158,9 +189,15 @@ def test_fresh_metrics_export_every_known_counter_child_at_zero() -> None:
         expected[("kvcoord_hash_verifications_total", (("result", r),))] = 0.0
     for model in ("a", "b"):
         expected[("kvcoord_hash_mismatches_total", (("model", model),))] = 0.0
+    for r in MALFORMED_KINDS:
+        expected[("kvcoord_relay_malformed_total", (("reason", r),))] = 0.0
     for name in {n for n, _ in expected}:
         have = {k: v for k, v in got.items() if k[0] == name}
         assert have == {k: v for k, v in expected.items() if k[0] == name}, name
+    # Misfits are a process-wide tally (earlier tests in this process may have counted some): the indexed
+    # kinds are there, at 0 unless counted.
+    misfit = {k[1][0][1] for k in got if k[0] == "kvcoord_misfit_stored_events_total"}
+    assert set(INDEXED_GROUP_KINDS) <= misfit, misfit
     # The children counted later are the ones created up front (cached), and the Stats totals still count.
     m.hash_mismatch("a")
     m.rejected("block_stored", "invalid_event", 3)
