@@ -19,7 +19,8 @@ from kvcoord.coordinator.reservations import Reserved
 from kvcoord.index.base import NodeKey
 from kvcoord.load import NodeLoad
 
-__all__ = ["Hit", "lookup_answer", "match_hits", "node_entry", "node_tail", "with_pull", "with_reserved"]
+__all__ = ["SIZES", "Hit", "answer_json", "answered", "lookup_answer", "match_hits", "node_entry",
+           "node_tail", "with_pull", "with_reserved"]
 
 _encode = msgspec.json.Encoder().encode
 
@@ -59,9 +60,29 @@ CPU, storage), and its ``nodes`` entry."""
 def lookup_answer(state: CoordinatorState, model: str, block_size: int, num_blocks: int, num_tokens: int,
                   hits: Sequence[Hit], query: str, t0: float, path: str,
                   block_hashes: list[int] | None = None) -> Response:
+    """A lookup's answer (:func:`answer_json`) and its metrics, ``path`` naming who answered (``fast``,
+    ``handler``)."""
+    body, best = answer_json(model, block_size, num_blocks, num_tokens, hits, block_hashes)
+    return answered(state, body, best, num_blocks, query, t0, path)
+
+
+def answered(state: CoordinatorState, body: bytes, best: int, num_blocks: int, query: str, t0: float,
+             path: str) -> Response:
+    """An encoded answer whose best node matched ``best`` blocks of ``num_blocks``, with its metrics."""
+    resp = Response(200, body, JSON)
+    metrics = state.metrics
+    metrics.lookup_done(query, time.perf_counter() - t0)
+    metrics.lookup_answers[path] += 1
+    if num_blocks:
+        metrics.matched_fraction.observe(best / num_blocks)
+    return resp
+
+
+def answer_json(model: str, block_size: int, num_blocks: int, num_tokens: int, hits: Sequence[Hit],
+                block_hashes: list[int] | None = None) -> tuple[bytes, int]:
     """Dynamo's ``ScoreResponse`` (tokens; ``scores`` GPU only; ``cpu`` and ``disk`` cumulative through the
-    faster tiers), then kvcoord's answer; its metrics, ``path`` naming who answered (``fast``, ``handler``).
-    The one encoder of a lookup's answer, for both paths."""
+    faster tiers), then kvcoord's answer, and the most blocks a node matched. The one encoder of a
+    lookup's answer, for both paths."""
     bs = block_size or 1
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, _Instance] = {}
@@ -87,14 +108,13 @@ def lookup_answer(state: CoordinatorState, model: str, block_size: int, num_bloc
             inst.disk = max(inst.disk, disk)
             inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
     nodes = [h[6] for h in hits]
-    resp = Response(200, _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens,
-                                         nodes, block_hashes)), JSON)
-    metrics = state.metrics
-    metrics.lookup_done(query, time.perf_counter() - t0)
-    metrics.lookup_answers[path] += 1
-    if num_blocks:
-        metrics.matched_fraction.observe(best / num_blocks)
-    return resp
+    return _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens, nodes,
+                           block_hashes)), best
+
+
+SIZES = b',"num_blocks":%d,"num_tokens":%d,"nodes":'
+"""The part of an answer between its model and block size and its ``nodes`` (:func:`answer_json`): the
+fast path keeps an answer's bytes around it, per table rows, and writes the query's sizes in."""
 
 
 def node_entry(key: bytes, rank: int, matched: int, gpu: int, cpu: int, sto: int, tail: bytes) -> msgspec.Raw:

@@ -5,7 +5,8 @@ node.
 Why: below a few hundred blocks the lookup itself (hash chain, match) is microseconds; the general path
 around it (liveness per node, an answer object per node) costs as much again. Here the chain is hashed
 in C, the index's C table gives the matched rows packed (``Table.rows``), and each live (node, rank) of
-the view carries its answer entry already encoded.
+the view carries its answer entry already encoded. Prompts share prefixes, so the same rows come back:
+their answer is kept whole (bar the query's sizes) until the view changes.
 
 The handler (:class:`kvcoord.coordinator.httpapi.HttpApi`) frames (``httptools``) and decodes (msgspec)
 every request alike, answers errors itself, and asks this path first for a plain lookup. Both paths
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvcoord.coordinator.answers import Hit, lookup_answer, node_entry, node_tail, with_pull
+from kvcoord.coordinator.answers import SIZES, Hit, answer_json, answered, node_entry, node_tail, with_pull
 from kvcoord.coordinator.httpd import Response
 from kvcoord.coordinator.lookup import LookupFailed
 from kvcoord.coordinator.pools import pull_hints
@@ -55,6 +56,8 @@ _Slot = tuple[str, int, bytes, bytes, str]
 serving URL when it may be a peer-pull source (exact trust; else "")."""
 _HitCache = dict[tuple[int, ...], "tuple[float, Hit, str] | None"]
 _MAX_HITS = 4096
+_MAX_ANSWERS = 1024
+"""Answers kept per view (a few KB each)."""
 
 
 class FastAnswers:
@@ -107,6 +110,23 @@ class FastAnswers:
         packed = kept.table.rows(keys)
         if kept.table.layout() != kept.layout:  # hashing allocated: a collection may have moved a slot
             return None
+        sizes = SIZES % (nblocks, ntokens)
+        known = kept.answers.get((block_size, packed))
+        if known is None:
+            body, best = self._encoded(model, kept, packed, nblocks, ntokens, block_size)
+            at = body.index(sizes)
+            if len(kept.answers) >= _MAX_ANSWERS:
+                kept.answers.clear()
+            kept.answers[block_size, packed] = (body[:at], body[at + len(sizes):], best)
+        else:
+            head, tail, best = known
+            body = b"".join((head, sizes, tail))
+        return answered(self.api.state, body, best, nblocks, query, t0, "fast")
+
+    @staticmethod
+    def _encoded(model: str, kept: _Kept, packed: bytes, nblocks: int, ntokens: int,
+                 block_size: int) -> tuple[bytes, int]:
+        """The answer to the table's ``packed`` rows (:func:`answer_json`), from the view's entries."""
         cache = kept.hits
         if len(cache) > _MAX_HITS:
             cache.clear()
@@ -121,7 +141,7 @@ class FastAnswers:
             pulls = pull_hints([(h[0], h[2], (h[3], h[4], h[5]), src) for _, _, h, src in scored])
             hits = [h if p is None else (*h[:6], with_pull(h[6], p))
                     for h, p in zip(hits, pulls, strict=True)]
-        return lookup_answer(self.api.state, model, block_size, nblocks, ntokens, hits, query, t0, "fast")
+        return answer_json(model, block_size, nblocks, ntokens, hits)
 
     def _fresh(self, model: str) -> _Kept | None:
         """Partition ``model``'s view, up to date; None where the handler's general path must answer."""
@@ -157,6 +177,7 @@ class FastAnswers:
             for slot, rank in kept.by_node.get(node_id, ()):
                 kept.slots[slot] = self._slot(kept, model, node_id, rank, now, now_wall)
                 kept.hits.clear()
+                kept.answers.clear()
         kept.generation = generation
         kept.fresh_until = now if kept.lapsed else kept.valid_until
         return True
@@ -231,8 +252,8 @@ _ROW = struct.Struct("=4I")
 class _Kept:
     """One partition's view: what it was taken at, each slot's entry, and where each node's slots are."""
 
-    __slots__ = ("block_size", "by_node", "chain", "fresh_until", "generation", "hits", "lapsed", "layout",
-                 "members", "slots", "table", "valid_until", "weights")
+    __slots__ = ("answers", "block_size", "by_node", "chain", "fresh_until", "generation", "hits", "lapsed",
+                 "layout", "members", "slots", "table", "valid_until", "weights")
 
     def __init__(self, table: Table, generation: int, valid_until: float, block_size: int,
                  chain: tuple[str, int, bytes, int] | None, weights: tuple[float, float, float]) -> None:
@@ -254,6 +275,10 @@ class _Kept:
         self.hits: _HitCache = {}
         """Table rows seen, as hits (:func:`_hit`): rows repeat, as prompts share prefixes; emptied when a
         slot's entry changes, and when it grows past :data:`_MAX_HITS`."""
+        self.answers: dict[tuple[int, bytes], tuple[bytes, bytes, int]] = {}
+        """(block size, the table's packed rows) -> the answer's bytes before and after its sizes
+        (:data:`SIZES`), and its best match: the answer is theirs alone, as long as :attr:`hits` is kept
+        (emptied with it, and when it grows past :data:`_MAX_ANSWERS`)."""
         self.by_node: dict[str, list[tuple[int, int]]] = {}
         """node id -> its (slot, dp rank)s in the table, as of the layout."""
         self.lapsed: set[str] = set()

@@ -86,12 +86,17 @@ class HeadWatch:
     are counted as received too: httptools holds a header line whole before its callback, so the
     callbacks alone would let one endless line grow without bound."""
 
-    __slots__ = ("_on_timeout", "_timer", "in_head", "limits", "parsed", "received")
+    __slots__ = ("_loop", "_on_timeout", "_since", "_timer", "in_head", "limits", "parsed", "received")
 
     def __init__(self, limits: HttpLimits, on_timeout: Callable[[], None]) -> None:
         self.limits = limits
         self._on_timeout = on_timeout
         self._timer: asyncio.TimerHandle | None = None
+        """Armed while a head may be read; it outlives the heads that end in time (a timer per request
+        costs more than the rest of a small lookup's framing) and, when it fires, looks at :attr:`_since`."""
+        self._since: float | None = None
+        """When the head being read began (loop time), or None between heads."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.in_head = True
         """The next bytes belong to a request's head (between requests too)."""
         self.received = 0
@@ -119,12 +124,17 @@ class HeadWatch:
     def begin(self) -> None:
         """A connection's start or a request's first byte: the head's clock runs (if not already)."""
         self.parsed = 0
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.limits.header_timeout, self._fire)
+        if self._since is None:
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._since = loop.time()
+            if self._timer is None:
+                self._timer = loop.call_later(self.limits.header_timeout, self._fire)
 
     def headers_done(self) -> None:
         self.in_head = False
-        self.stop()
+        self._since = None
 
     def message_done(self) -> None:
         """The request is read: the next bytes start a head (its clock starts with them)."""
@@ -132,12 +142,21 @@ class HeadWatch:
         self.received = 0
 
     def stop(self) -> None:
+        self._since = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _fire(self) -> None:
         self._timer = None
+        if self._since is None:  # no head being read: the next one arms it again
+            return
+        loop = asyncio.get_running_loop()
+        left = self._since + self.limits.header_timeout - loop.time()
+        if left > 0:  # a later head than the one it was armed for
+            self._timer = loop.call_later(left, self._fire)
+            return
+        self._since = None
         self._on_timeout()
 
 
@@ -199,8 +218,11 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.peer = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._url = b""
         self._headers: dict[str, str] = {}
+        self._method = self._path = self._query = ""
+        """The request's, once its head is read."""
         self._head = HeadWatch(server.limits, self._head_timed_out)
         self._active = 0.0
         """When bytes last came in or an answer went out (loop time): one timer per idle period checks
@@ -222,6 +244,7 @@ class _Connection(asyncio.Protocol):
     # --- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
+        self._loop = loop = asyncio.get_running_loop()
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
         limits = self.server.limits
@@ -231,7 +254,6 @@ class _Connection(asyncio.Protocol):
             return
         self.server.connections.add(self)
         self._head.begin()
-        loop = asyncio.get_running_loop()
         self._active = loop.time()
         self._idle = loop.call_later(limits.idle_timeout, self._idle_check)
 
@@ -245,9 +267,9 @@ class _Connection(asyncio.Protocol):
             self._idle.cancel()
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
+        if self._closing or self._loop is None:
             return
-        self._active = asyncio.get_running_loop().time()
+        self._active = self._loop.time()
         if self._head.over(data):
             self.server.refused("header_too_large")
             self._fail(json_error(431, self.server.limits.too_large()))
@@ -309,12 +331,15 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._head.headers_done()
-        path = httptools.parse_url(self._url).path.decode("latin-1", "replace")
+        parsed = httptools.parse_url(self._url)
+        self._path = path = parsed.path.decode("latin-1", "replace")
+        self._query = (parsed.query or b"").decode("latin-1", "replace")
+        self._method = self.parser.get_method().decode("latin-1")
         route = self.server.routes.get(path)
         self._limit = route.body_limit if route is not None else Route({}).body_limit
         # Routing comes before the body (as in axum): an unknown path or method is refused with 404/405,
         # never 413, and without reading a body the client has not sent yet.
-        self._refused = self.server.misrouted(self.parser.get_method().decode("latin-1"), path)
+        self._refused = self.server.misrouted(self._method, path)
         expect = self._headers.get("expect", "").lower() == "100-continue"
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._limit:
@@ -336,11 +361,8 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._between = True
         self._head.message_done()
-        parsed = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        method = self.parser.get_method().decode("latin-1")
-        req = Request(method, parsed.path.decode("latin-1", "replace"),
-                      (parsed.query or b"").decode("latin-1", "replace"), self._headers, body, self.peer)
+        req = Request(self._method, self._path, self._query, self._headers, body, self.peer)
         keep = self.parser.should_keep_alive()
         self._queue.append((req, None, keep))
         if not self._busy:
@@ -390,8 +412,8 @@ class _Connection(asyncio.Protocol):
         self._drain()
 
     def _write(self, resp: Response, keep: bool, *, head: bool = False) -> None:
-        assert self.transport is not None
-        self._active = asyncio.get_running_loop().time()
+        assert self.transport is not None and self._loop is not None
+        self._active = self._loop.time()
         self.transport.write(render(resp, keep, self.server.extra_headers, head=head))
 
     def _fail(self, resp: Response) -> None:
@@ -421,6 +443,8 @@ def render(resp: Response, keep: bool, extra_headers: bytes = b"", *, head: bool
     """An answer's bytes: status line, ``extra_headers`` (whole lines), date, length, type, its own
     headers; without the body when ``head`` (a HEAD request)."""
     status = resp.status
+    if status == 200 and keep and not head and not resp.headers and resp.content_type == JSON:
+        return _OK_JSON % (extra_headers, _date(), len(resp.body), resp.body)  # a lookup's answer
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}".encode(),
              extra_headers + b"date: " + _date(), b"content-length: " + str(len(resp.body)).encode()]
     if resp.content_type is not None:
@@ -432,6 +456,10 @@ def render(resp: Response, keep: bool, extra_headers: bytes = b"", *, head: bool
     lines.append(b"\r\n")
     head_bytes = b"\r\n".join(lines)
     return head_bytes if head or not resp.body else head_bytes + resp.body
+
+
+_OK_JSON = b"HTTP/1.1 200 OK\r\n%bdate: %b\r\ncontent-length: %d\r\ncontent-type: application/json\r\n\r\n%b"
+"""What :func:`render` composes of a kept-alive 200 JSON answer without headers of its own."""
 
 
 def json_error(status: int, message: str) -> Response:

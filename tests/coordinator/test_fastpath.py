@@ -293,6 +293,26 @@ def test_views_follow_every_change() -> None:
     assert b'"node_id":"a"' not in fleet.handler("/query_by_hash", data)
 
 
+def test_an_answer_kept_for_its_rows_says_each_querys_sizes() -> None:
+    """Queries the table gives the same rows for share one kept answer, each with its own sizes; a change
+    of a node's entry drops it."""
+    fleet = Fleet(random.Random(5))
+    rec = fleet.node("a", "m", (0,))
+    ops = [(CLEAR, 0, (), None, True), (STORE, 0, fleet.chains["m"][:8], None, True)]
+    fleet.state.index.apply_sync("m", "a", 0, ops)  # type: ignore[attr-defined]
+    for n in (8, 9, 12, 8):
+        data = json.dumps({"model_name": "m", "token_ids": fleet.tokens[:n * BS + 1]}).encode()
+        assert fleet.answer(raw_request("/query", data)) == fleet.handler("/query", data)
+        data = json.dumps({"model_name": "m", "block_hashes": fleet.chains["m"][:n]}).encode()
+        assert fleet.answer(raw_request("/query_by_hash", data)) == fleet.handler("/query_by_hash", data)
+    kept = fleet.fast._kept["m"]
+    assert len(kept.answers) == 1  # one block size, one set of rows
+    rec.load = NodeLoad(running_requests=5)
+    data = json.dumps({"model_name": "m", "block_hashes": fleet.chains["m"][:8]}).encode()
+    got = fleet.answer(raw_request("/query_by_hash", data))
+    assert got == fleet.handler("/query_by_hash", data) and b'"running_requests":5' in (got or b"")
+
+
 def test_tally_is_its_twin() -> None:
     """kvcoord._native.Tally and PyTally bucket and sum alike (bounds as the metrics use them)."""
     assert native is not None

@@ -8,6 +8,7 @@ import contextlib
 import json
 import select
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,6 +254,28 @@ def test_slow_head_gets_408_with_one_line(kind: str, tmp_path: Path) -> None:
         status, _, body = exchange(s.port, b"GET /health HTTP/1.1\r\nhost: t\r\n")  # never ends
         assert status == 408
         assert "request head not received within 0.5 s" in error_line(kind, body)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_head_has_its_own_clock(kind: str, tmp_path: Path) -> None:
+    """On a kept-alive connection the header timeout runs from each head's first byte, not from an
+    earlier request's: a head begun late and finished within the timeout is answered; one left unfinished
+    is answered 408 no sooner than the timeout after its first byte."""
+    timeout = 2.0
+    with listener(kind, tmp_path, "--http-header-timeout-s", str(timeout)) as s, \
+            socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert read_answer(sock)[0] == 200
+        time.sleep(timeout * 0.75)
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        time.sleep(timeout * 0.5)  # past the first request's clock, within this head's
+        sock.sendall(b"host: t\r\n\r\n")
+        status, _, _, _ = read_answer(sock)
+        assert status == 200
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: t\r\n")  # never ends
+        status, _, body, _ = read_answer(sock)
+        assert status == 408 and time.monotonic() - started >= timeout * 0.9, body
 
 
 @pytest.mark.parametrize("kind", KINDS)
