@@ -60,14 +60,12 @@ from .route_metrics import RouteMetrics, predicted_tokens
 from .route_pd import PdRouter
 from .route_place import Placer, Plan, node_label
 from .route_ready import Readiness
-from .route_sse import SseRelay, error_event
+from .route_sse import ChunkedOut, SseRelay, error_event, relay_events
 from .sessions import SessionConfig, Sessions
 
 __all__ = ["RouteConfig", "RouteServer", "serve_route"]
 
 log = logging.getLogger("kvcoord.route")
-
-_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,39 +510,26 @@ class RouteServer:
         resp = web.StreamResponse(status=upstream.status, headers={
             "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
             "Cache-Control": "no-cache", **route_headers})
+        out = ChunkedOut(request, resp)
         await resp.prepare(request)
         relay = SseRelay(strip_usage=strip_usage)
-        first = True
         attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
-        held = b""  # the events ending in [DONE]: sent with the end of the body, in one write
         try:
-            async for piece in upstream.content.iter_any():
-                if first:
-                    queued.done()
-                    first = False
-                out = relay.feed(piece)
-                if held and out:
-                    await resp.write(held)
-                    held = b""
-                if out.endswith(_DONE):
-                    held = out
-                elif out:
-                    await resp.write(out)
-            held += relay.rest()
+            await relay_events(upstream.content, out, relay, queued.done)
         except ConnectionResetError:  # the client went away: so does the upstream request
             attempt.outcome = "client_gone"
             return resp
         except (TimeoutError, aiohttp.ClientError) as exc:
-            if not held:  # [DONE] already came: the answer is whole, only the connection's end was lost
+            if not out.held:  # [DONE] already came: the answer is whole, only the connection's end was lost
                 attempt.outcome = "midstream_failure"
                 self._fail(node_id, "midstream", f"{type(exc).__name__}: {exc}")
-                held = error_event(f"kvcoord route: backend {node_id} failed mid-stream "
+                out.held = error_event(f"kvcoord route: backend {node_id} failed mid-stream "
                                    f"({type(exc).__name__}); the answer is incomplete")
         attempt.usage = relay.usage
         if plan.judged and upstream.status == 200 and attempt.outcome == "ok":
             self.metrics.achieved(attempt.predicted, relay.usage)
         with contextlib.suppress(ConnectionResetError):
-            await resp.write_eof(held)
+            await resp.write_eof(out.held)
         return resp
 
 

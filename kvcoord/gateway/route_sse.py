@@ -10,13 +10,17 @@ client may then see ``"usage": null`` in each chunk (engines that send it, as Op
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
+
+from aiohttp import StreamReader, web
 
 from .apis import event_usage
 
-__all__ = ["ResponseUsage", "SseRelay", "error_event"]
+__all__ = ["ChunkedOut", "ResponseUsage", "SseRelay", "error_event", "relay_events"]
 
 _SEP = b"\n\n"
+_DONE = b"data: [DONE]\n\n"
 _MAX_PENDING = 1 << 20
 """An "event" this long without a blank line is not SSE: pass it on rather than hold it."""
 
@@ -38,17 +42,21 @@ def _data_of(event: bytes) -> bytes | None:
 class SseRelay:
     """Cuts a byte stream into SSE events; remembers the last ``usage`` object seen."""
 
-    __slots__ = ("_pending", "events", "strip_usage", "usage")
+    __slots__ = ("_pending", "strip_usage", "usage")
 
     def __init__(self, *, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
         self.usage: dict[str, Any] | None = None
-        self.events = 0
         self._pending = b""
 
     def feed(self, piece: bytes) -> bytes:
         """The bytes of ``piece`` that complete events (minus a stripped usage event), to send now."""
-        data = self._pending + piece if self._pending else piece
+        if self._pending:
+            data = self._pending + piece
+        elif piece.endswith(_SEP) and b'"usage":{' not in piece and b'"usage": {' not in piece:
+            return piece  # the common case: whole events, no usage object (one pass each, no copy)
+        else:
+            data = piece
         end = data.rfind(_SEP)
         if end < 0:
             if len(data) > _MAX_PENDING:
@@ -59,14 +67,12 @@ class SseRelay:
         end += len(_SEP)
         ready, self._pending = data[:end], data[end:]
         if b'"usage":{' not in ready and b'"usage": {' not in ready:
-            self.events += ready.count(_SEP)
             return ready
         return self._scan(ready)
 
     def _scan(self, ready: bytes) -> bytes:
         out = []
         for event in ready.split(_SEP)[:-1]:
-            self.events += 1
             data = _data_of(event) if b'"usage"' in event else None
             if data is not None:
                 try:
@@ -85,6 +91,73 @@ class SseRelay:
         """What is left when the stream ends (an unterminated last event)."""
         rest, self._pending = self._pending, b""
         return rest
+
+
+class ChunkedOut:
+    """The client side of a relayed stream: each piece one HTTP chunk written straight on the transport
+    (aiohttp's ``StreamResponse.write`` costs four Python calls a chunk, and this runs once per token).
+    The framing is aiohttp's own (``<hex length>\\r\\n<data>\\r\\n``; :meth:`StreamResponse.write_eof` ends
+    the body as usual); an HTTP/1.0 client, which gets no chunked encoding, goes through ``resp.write``."""
+
+    __slots__ = ("_protocol", "_resp", "_writer", "framed", "held")
+
+    def __init__(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """Call before ``resp.prepare(request)``: it asks for chunked encoding where HTTP/1.1 allows it."""
+        self.framed = request.version >= (1, 1)
+        if self.framed:
+            resp.enable_chunked_encoding()
+        self._protocol = request.protocol
+        self._writer = request.writer
+        self._resp = resp
+        self.held = b""
+        """What :func:`relay_events` holds back for ``write_eof``."""
+
+    def write(self, data: bytes) -> bool:
+        """Sends ``data`` now; True when the client reads slower than the engine writes (the transport
+        holds bytes): then await :meth:`drain`. ``ConnectionResetError`` once the client is gone."""
+        transport = self._protocol.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return transport.get_write_buffer_size() > 0
+
+    async def send(self, data: bytes) -> None:
+        if not self.framed:
+            await self._resp.write(data)
+        elif self.write(data):
+            await self.drain()
+
+    async def drain(self) -> None:
+        """Waits only while the transport is paused (above its high water)."""
+        await self._writer.drain()
+
+
+async def relay_events(source: StreamReader, out: ChunkedOut, relay: SseRelay,
+                       first: Callable[[], None]) -> None:
+    """Passes ``source``'s events to ``out`` as each read brings them (all bytes available at once,
+    usage events stripped by ``relay``), calling ``first`` at the first byte. Leaves in ``out.held``
+    what goes with ``write_eof``: the events ending in ``[DONE]`` (sent with the end of the body, in one
+    write) and an unterminated last event. The upstream's and the client's errors propagate (``out.held``
+    then says whether ``[DONE]`` had come)."""
+    read = source.readany
+    piece = await read()
+    if piece:
+        first()
+    while piece:
+        data = relay.feed(piece)
+        if data:
+            if out.held:
+                await out.send(out.held)
+                out.held = b""
+            if data.endswith(_DONE):
+                out.held = data
+            elif out.framed:
+                if out.write(data):
+                    await out.drain()
+            else:
+                await out.send(data)
+        piece = await read()
+    out.held += relay.rest()
 
 
 class ResponseUsage:
