@@ -204,6 +204,7 @@ def _matched(res: dict[str, Any]) -> int:
     return max((int(n["matched_blocks"]) for n in res["nodes"] if n["node_id"] == "n1"), default=0)
 
 
+@pytest.mark.slow
 def test_sglang_publisher_feeds_lookups_by_tokens_prompt_chat_and_hashes(sgl: Any, tmp_path: Path) -> None:
     """SGLang's event recorder and ZmqEventPublisher (from its wheel) feed `kvcoord agent --signed-hashes`;
     `serve --model m,algo=sglang` then answers lookups by tokens (plain, salted, LoRA), prompt and chat

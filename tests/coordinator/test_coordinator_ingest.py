@@ -218,6 +218,7 @@ async def export(index: Index, node: str = "n1", rank: int = 0, model: str = MOD
 
 
 # --- ordering ---------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_hello_batches_ack_and_lookup(index: Index) -> None:
     async with serving(index) as c:
         a = Agent(c)
@@ -368,6 +369,7 @@ async def test_new_epoch_requires_snapshot_that_replaces_entries(index: Index) -
 
 
 # --- leases -----------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_lease_expiry_hides_node_at_once_and_reclaims(index: Index) -> None:
     async with serving(index, lease_seconds=0.4) as c:
         a = Agent(c)

@@ -194,6 +194,7 @@ BAD_ENDPOINTS = [
 ]
 
 
+@pytest.mark.slow
 def test_register_refuses_bad_endpoint_hosts_and_ports(tmp_path: Path) -> None:
     """Issue 23: ``tcp://`` + 5000 characters + ``:1`` was registered (201). Host and port are checked,
     the replay endpoint's too: 400 with one line, nothing registered."""

@@ -213,6 +213,7 @@ def test_bad_pool_flags_are_one_line(flags: list[str], what: str) -> None:
                                 "--no-kv-events", *flags), what)
 
 
+@pytest.mark.slow
 async def test_route_passes_a_worthwhile_pull_in_llm_ds_header(coordinator: Coordinator,
                                                                tmp_path: Path) -> None:
     """``kvcoord route --pull-us-per-block``: node-b holds the longer prefix but is busy, so node-a is

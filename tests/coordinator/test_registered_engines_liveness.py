@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from kvcoord.router.policy import place
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
@@ -162,6 +164,7 @@ def both_serving(srv: Serve) -> bool:
     return serving(srv, "7") and serving(srv, "8", exact=False)
 
 
+@pytest.mark.slow
 def test_a_killed_engine_leaves_the_answers_and_comes_back_by_itself(tmp_path: Path) -> None:
     sim = new_sim()
     with serve(tmp_path, "a") as srv, contextlib.ExitStack() as stack:
@@ -206,6 +209,7 @@ def test_a_killed_engine_leaves_the_answers_and_comes_back_by_itself(tmp_path: P
             until(lambda: srv.gauge().get("active") == 2, "2 active again", DEADLINE, srv.gauge)
 
 
+@pytest.mark.slow
 def test_a_registration_where_nothing_listens_is_never_active(tmp_path: Path) -> None:
     dead = new_sim()  # free ports: nothing listens on them
     with serve(tmp_path, "a") as srv:
@@ -232,6 +236,7 @@ def test_a_registration_where_nothing_listens_is_never_active(tmp_path: Path) ->
         assert f"tcp://127.0.0.1:{dead.pub}" in why and "nothing answered" in why, why
 
 
+@pytest.mark.slow
 def test_registrations_survive_a_restart_of_serve_with_a_state_dir(tmp_path: Path) -> None:
     sim = new_sim()
     state = tmp_path / "state"

@@ -130,6 +130,7 @@ async def _bad_entries(b: Replica) -> None:
     await _until(counted, "B counting the three bad entries", timeout=30)
 
 
+@pytest.mark.slow
 async def test_reservations_cross_replicas_and_a_killed_replicas_go(
         replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas

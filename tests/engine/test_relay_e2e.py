@@ -215,6 +215,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield Cluster(tmp_path, stack)
 
 
+@pytest.mark.slow
 def test_index_equals_pool_through_gaps_and_restarts(cluster: Cluster) -> None:
     c, checker = cluster, Checker(cluster)
     # The order: engine, then agent (it catches up from replay), then the coordinator.

@@ -668,6 +668,7 @@ def _make_machine(backend: str, request: pytest.FixtureRequest, loop: asyncio.Ab
     return IndexMachine
 
 
+@pytest.mark.slow
 def test_state_machine_against_reference(index_backend: str, request: pytest.FixtureRequest) -> None:
     loop = asyncio.new_event_loop()
     try:

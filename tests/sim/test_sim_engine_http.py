@@ -401,6 +401,7 @@ async def test_an_engine_without_kv_events_is_served_approximate_with_its_load(t
                 assert all(isinstance(r, asyncio.CancelledError) for r in results), results
 
 
+@pytest.mark.slow
 def test_agent_scrape_failures_are_counted_logged_once_and_recover(tmp_path: Path) -> None:
     """No engine on the metrics URL: the agent keeps relaying, says why in its stats file (load unknown,
     zeros), logs the outage once; when the engine comes up, scrapes succeed again."""

@@ -72,6 +72,7 @@ async def test_cached_prefix_shortens_ttft(tmp_path: Path) -> None:
             assert warm < cold - 0.5, (cold, warm)
 
 
+@pytest.mark.slow
 async def test_concurrent_prefills_queue_and_finish_in_order(tmp_path: Path) -> None:
     """Three uncached prompts, each sent once the engine has the previous one: the engine reports the
     later ones waiting, and their first tokens come in arrival order."""

@@ -84,6 +84,7 @@ def pair() -> Iterator[tuple[RedisServer, RedisServer, Path]]:
 # ------------------------------------------------------------------------------ WAIT, the library
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["tcp", "unix"], ids=["fast-path", "redis-py"])
 async def test_short_wait_is_not_acknowledged_and_reapplies(pair: tuple[RedisServer, RedisServer, Path],
                                                             path: str) -> None:
@@ -215,6 +216,7 @@ async def _live_node(s: Serve) -> Agent:
     return agent
 
 
+@pytest.mark.slow
 async def test_short_wait_keeps_the_batch_unacked_until_the_replica_is_back(
         pair: tuple[RedisServer, RedisServer, Path], tmp_path: Path) -> None:
     primary, replica, _ = pair
@@ -349,6 +351,7 @@ def cluster_with_replicas() -> Iterator[tuple[RedisCluster, list[RedisServer]]]:
         stop_cluster(cluster)
 
 
+@pytest.mark.slow
 async def test_cluster_wait_goes_to_the_shard_of_the_write(
         cluster_with_replicas: tuple[RedisCluster, list[RedisServer]]) -> None:
     cluster, replicas = cluster_with_replicas

@@ -109,6 +109,7 @@ def _primaries(cluster: RedisCluster) -> list[RedisServer]:
             and len(line.split()) > 8]  # holds slots
 
 
+@pytest.mark.slow
 async def test_cluster_primary_killed_under_load(tmp_path: Path) -> None:
     cluster = start_cluster(3, replicas=1)
     try:
@@ -131,6 +132,7 @@ class _Alive(RedisCluster):
         super().__init__([s for s in cluster.servers if s is not dead])
 
 
+@pytest.mark.slow
 async def test_sentinel_failover_and_the_old_primary_back_empty_under_load(tmp_path: Path) -> None:
     """Sentinel promotes the replica after a SIGKILL; the old primary comes back empty (a primary for a
     moment) and Sentinel demotes it. Writes WAIT for a replica (``wait_replicas=1``), so none that was

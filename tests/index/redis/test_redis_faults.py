@@ -111,6 +111,7 @@ def _start(c: RedisCluster) -> None:
     poll(lambda: c.batches_sent() > 20, "the agent to stream")
 
 
+@pytest.mark.slow
 def test_redis_killed_and_restarted_empty(cluster: RedisCluster) -> None:
     c, checker = cluster, Checker(cluster)
     _start(c)

@@ -156,6 +156,7 @@ def _window(times: list[float], since: float) -> str:
     return f"{len(after)} answers over {after[-1] - after[0]:.2f}s" if after else "none"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["flushall", "restart-empty"])
 def test_lost_index_is_never_answered_from(two: TwoReplicas, loss: str) -> None:
     c, checker = two, Checker(two)

@@ -158,6 +158,7 @@ async def poll(cond: object, what: str, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("query", ["?timeout=1", "?timeout=1&mirror=1"], ids=["fast-path", "mirror"])
 async def test_sentinel_failover_is_followed_and_the_old_primary_returns_demoted(query: str) -> None:
     """SIGKILL the primary under load: once Sentinel promotes the replica, kvcoord writes and looks up on
@@ -199,6 +200,7 @@ async def test_sentinel_failover_is_followed_and_the_old_primary_returns_demoted
             await idx.close()
 
 
+@pytest.mark.slow
 async def test_a_hung_primary_is_left_when_the_sentinels_announce_the_failover() -> None:
     """SIGSTOP the primary (it hangs rather than dies) with a 30 s socket timeout: the sentinels'
     ``+switch-master`` message makes kvcoord drop its connections and reconnect to the new primary, so
@@ -222,6 +224,7 @@ async def test_a_hung_primary_is_left_when_the_sentinels_announce_the_failover()
             await idx.close()
 
 
+@pytest.mark.slow
 async def test_sentinel_manual_failover_demotes_the_node_kvcoord_is_connected_to() -> None:
     """``SENTINEL FAILOVER``: the primary kvcoord's connections point at becomes a replica while they stay
     open; its READONLY replies make kvcoord drop them and ask the sentinels again."""
@@ -276,6 +279,7 @@ async def test_a_standalone_server_turned_replica_is_refused_until_primary_again
 # ------------------------------------------------------------------------------- kvcoord serve
 
 
+@pytest.mark.slow
 def test_serve_follows_a_sentinel_failover_and_the_old_primary_demoted(tmp_path: Path) -> None:
     """``kvcoord serve --index redis+sentinel://…`` with an engine and its agent streaming: the primary is
     SIGKILLed under load; after the promotion the coordinator is SERVING again and acks the stream by itself,
