@@ -219,12 +219,21 @@ class CoordinatorState:
                 await asyncio.sleep(min(DOWN_PROBE_SECONDS, self.config.stats_interval))
 
     async def stop_background(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(list(self._tasks))
         await self.replicas.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.tokenizers.aclose(), timeout=1.0)
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` and wait for them, cancelling again until each is done: Python 3.11's
+    ``asyncio.wait_for`` can swallow a cancellation that lands as its inner wait completes, and a loop
+    built on it would then run on and hold shutdown forever."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("background task %s ended with %r", task.get_name(), task.exception())
