@@ -15,6 +15,10 @@ from kvcoord.index.base import Index
 
 log = logging.getLogger("kvcoord.coordinator")
 
+CLOCK_MARGIN = 0.25
+"""Seconds past a published deadline before the owner removes the node's entries: readers judge the
+deadline by their own wall clocks, assumed this close to the owner's."""
+
 
 class Leases:
     """Expires nodes whose lease ran out and reclaims the index entries of nodes that left."""
@@ -38,15 +42,20 @@ class Leases:
         self.remove_in_background(node_id)
         self.update_gauges()
 
-    def remove_in_background(self, node_id: str, *, heard: float | None = None) -> None:
+    def remove_in_background(self, node_id: str, *, heard: float | None = None,
+                             not_before: float = 0.0) -> None:
         """Reclaim a node's index entries off the request path; the registry already hides it.
 
         Retried through index outages (entries left behind would outlive the node). With replicas,
         ``heard`` (the expired record's last-heard monotonic time) makes it skip the removal when
         another replica took the node over since: that replica's snapshot must not be wiped.
+        ``not_before`` (wall clock; an expiry passes ``Replicas.served_until``) delays it, plus
+        :data:`CLOCK_MARGIN`, until the other replicas stopped answering the node from this one's record.
         """
 
         async def remove() -> None:
+            if not_before:
+                await asyncio.sleep(max(0.0, not_before + CLOCK_MARGIN - time.time()))
             if heard is not None and await self.replicas.taken_over(node_id, heard):
                 return
             # Under the node's lock, like every index write for it: an apply already waiting on the
@@ -72,7 +81,8 @@ class Leases:
                 time.monotonic() - rec.last_heard,
                 self.registry.lease,
             )
-            self.remove_in_background(rec.node_id, heard=rec.last_heard)
+            self.remove_in_background(rec.node_id, heard=rec.last_heard,
+                                      not_before=self.replicas.served_until(rec.node_id))
         if expired:
             self.update_gauges()
         return expired

@@ -170,15 +170,19 @@ class Lookups:
         """The live nodes holding a leading run of ``hashes``, best first by the tier weights (with
         ``include_unmatched``, then the other live nodes of the model, or of ``candidates``)."""
         st = self.state
-        now, now_wall = time.monotonic(), time.time()
         live_node = st.replicas.live_node
         matches: list[Any] = []
-        if hashes and self.serves(model):
+        walked = bool(hashes) and self.serves(model)
+        if walked:
             pooled = candidates and st.pools.active
             matches = await self._index_match(model, hashes, {*candidates, *st.pools.publisher_keys()}
                                               if pooled and candidates else candidates)
-            if st.pools.active or any(m[0].startswith(POOL_PREFIX) for m in matches):  # (another replica's)
-                matches = await self._pooled(model, hashes, matches, candidates, now, now_wall)
+        # Liveness is judged after the walk: a node live now had not expired when its entries were read,
+        # and an owner removes an expired node's entries only after every replica stopped answering it.
+        now, now_wall = time.monotonic(), time.time()
+        if walked and (st.pools.active or any(m[0].startswith(POOL_PREFIX) for m in matches)):
+            matches = await self._pooled(model, hashes, matches, candidates, now, now_wall)  # (another
+            # replica's pool rows, when this one has none)
         w0, w1, w2 = weights = st.config.tier_weights
         tier_of = st.pools.tier
         scored: list[tuple[float, int, str, int, tuple[int, ...], str, NodeLoad, str, str, str]] = []

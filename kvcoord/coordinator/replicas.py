@@ -57,6 +57,8 @@ class Replicas:
         self._shared_models: dict[str, float] = {}
         """model -> the latest deadline of a served shared record (``has_live`` without a scan)."""
         self._published: dict[str, tuple[object, float]] = {}
+        self._promised: dict[str, float] = {}
+        """node -> the latest deadline this replica ever sent out for it (see :meth:`served_until`)."""
         self._removed: list[SharedNode] = []
         self._reclaim_tried: set[tuple[str, int]] = set()
         """(node, fencing token) of dead owners' nodes this replica tried to reclaim (once each)."""
@@ -89,6 +91,12 @@ class Replicas:
             node = self._record(rec, time.monotonic(), time.time())
             node.state = EXPIRED
             self._removed.append(node)
+
+    def served_until(self, node_id: str) -> float:
+        """Wall-clock time until which other replicas may still answer ``node_id`` as live from a record
+        this replica published (its deadline, with slack; 0.0: never published). The node's entries must
+        stay until then: removed earlier, they would be answered missing from a node called ``exact``."""
+        return self._promised.get(node_id, 0.0)
 
     async def taken_over(self, node_id: str, heard: float) -> bool:
         """Another replica took ``node_id`` over since this one last heard it (monotonic ``heard``):
@@ -127,6 +135,9 @@ class Replicas:
         nodes = self._changed_records()
         if not nodes:
             return
+        for n in nodes:  # before the write: a write that times out may still land
+            if n.state != EXPIRED:
+                self._promised[n.node_id] = max(n.deadline, self._promised.get(n.node_id, 0.0))
         try:
             await self.directory.publish(nodes)
         except Exception:
@@ -135,6 +146,8 @@ class Replicas:
         known = {r.node_id for r in self.registry}
         for node_id in [k for k in self._published if k not in known]:
             del self._published[node_id]
+        for node_id in [k for k in self._promised if k not in known]:
+            del self._promised[node_id]
         for n in nodes:
             self._published[n.node_id] = (_signature(n), n.deadline)
 

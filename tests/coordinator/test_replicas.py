@@ -1,7 +1,8 @@
 """Issue 6 item 2: two ``kvcoord serve`` replicas on one Redis answer lookups identically.
 
 An agent streams to replica A only; lookups (by tokens and by hashes) from A and B must agree, and
-when the agent goes silent the node vanishes from both once its (short) lease expires. Real
+when the agent goes silent the node vanishes from both once its (short) lease expires, never answered
+with its entries half removed. Real
 ``redis-server`` and real ``kvcoord serve`` subprocesses; the agent is the real Reporter over gRPC.
 """
 
@@ -134,11 +135,17 @@ async def test_two_replicas_answer_alike_and_expire_alike(replicas: tuple[str, s
             silent = time.monotonic()
             await rep.close()
 
+            # Until it vanishes, every answer naming it holds all 12 blocks: A removes the entries only
+            # after B, reading A's record, stopped answering the node (the record's deadline has slack).
+            partial: list[tuple[object, ...]] = []
+
             async def gone() -> bool:
-                va, vb = await _answers(a, b, {"hashes": hashes})
+                va, vb = await _answers(a, b, {"hashes": hashes, "include_unmatched": True})
+                partial.extend(row for row in va + vb if row[2] != 12)
                 return va == [] and vb == []
 
             await _until(gone, "the node to vanish from both replicas", timeout=LEASE + 8)
+            assert not partial, f"answered with blocks missing before the node vanished: {partial[:3]}"
             assert [(n.node_id, n.state) for n in await b.list_nodes()] == [("node-r", "expired")]
             # The lease runs from the last heartbeat, which the agent sends every lease/3: it may have
             # been up to LEASE/3 before the agent went silent, so the node may go LEASE*2/3 after.
