@@ -4,9 +4,12 @@ breaches; fail CI on a breach.
 
 The rules: no module over 600 lines, no function over 80, no class with over 25 methods (``def`` and
 ``async def`` in its body), no C function in ``kvcoord/_native/*.c`` over 100 lines (``vendor/`` is not
-ours), no import that points up the layering of docs/architecture.md, argparse only in ``kvcoord/cli/``.
-``LAYERS`` below is the one written source of truth for the layering; a new module fails the check until
-it is placed there. ``PENDING`` lists the size debt still being paid off: it is printed, not failed.
+ours), no import that points up the layering of docs/architecture.md, argparse only in ``kvcoord/cli/``,
+no ``asyncio.wait_for`` in a loop (Python 3.11's loses a cancellation that lands as its inner wait
+completes, so the loop runs on after its task was cancelled: use ``asyncio.timeout`` or
+``kvcoord.waits.wait_event``). ``LAYERS`` below is the one written source of truth for the layering; a
+new module fails the check until it is placed there. ``PENDING`` lists the size debt still being paid
+off: it is printed, not failed.
 
 Run from anywhere: ``python scripts/check_structure.py``. Exit status 0 when everything holds, 1 otherwise.
 The generated ``kvcoord/proto/**`` is not checked.
@@ -22,9 +25,9 @@ from pathlib import Path
 
 LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("kvcoord", "kvcoord._native", "kvcoord.native", "kvcoord.proto", "kvcoord.load", "kvcoord.transport",
-      "kvcoord.answer_json"),
+      "kvcoord.answer_json", "kvcoord.waits"),
      "leaves: the version, the native switch and extension, generated protobuf, shared load and gRPC types, "
-     "the HTTP lookup answer's JSON shapes"),
+     "the HTTP lookup answer's JSON shapes, cancellation-safe waits"),
     (("kvcoord.hashing", "kvcoord.extra_keys", "kvcoord.sglang_hash", "kvcoord.vllm_hash"),
      "vLLM's and SGLang's block hashes: everything else speaks in them"),
     (("kvcoord.events", "kvcoord.media"),
@@ -198,6 +201,31 @@ class _Scan(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def _is_wait_for(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return False
+    owner = node.func.value
+    return node.func.attr == "wait_for" and isinstance(owner, ast.Name) and owner.id == "asyncio"
+
+
+def loop_wait_fors(tree: ast.AST) -> list[int]:
+    """Lines of the ``asyncio.wait_for`` calls a ``while``/``for`` loop repeats: in its body or a
+    ``while`` test, not in a function or class defined there."""
+    lines: set[int] = set()
+    for loop in ast.walk(tree):
+        if not isinstance(loop, (ast.While, ast.For, ast.AsyncFor)):
+            continue
+        stack: list[ast.AST] = [*loop.body, *([loop.test] if isinstance(loop, ast.While) else [])]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if _is_wait_for(node):
+                lines.add(node.lineno)
+            stack.extend(ast.iter_child_nodes(node))
+    return sorted(lines)
+
+
 _C_TOKENS = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S)
 _C_PREPROCESSOR = re.compile(r"(?m)^[ \t]*#(?:[^\n]*\\\n)*[^\n]*")
 _C_NAME = re.compile(r"([A-Za-z_]\w*)\s*\([^;{}]*\)\s*$")
@@ -244,13 +272,14 @@ def scan_c() -> list[Function]:
 
 
 def scan() -> tuple[list[tuple[int, str]], list[Function], list[Import], list[str], list[str], list[Klass]]:
-    """Sizes, functions, kvcoord imports, argparse breaches, names of every checked module, and classes."""
+    """Sizes, functions, kvcoord imports, rule breaches (argparse outside the cli, ``asyncio.wait_for`` in
+    a loop), names of every checked module, and classes."""
     modules: list[str] = []
     sizes: list[tuple[int, str]] = []
     functions: list[Function] = []
     classes: list[Klass] = []
     imports: list[Import] = []
-    argparse_uses: list[str] = []
+    rule_breaches: list[str] = []
     for file in sorted(PACKAGE.rglob("*.py")):
         module = module_name(file)
         if any(_prefix_of(module, excluded) for excluded in EXCLUDED):
@@ -260,18 +289,22 @@ def scan() -> tuple[list[tuple[int, str]], list[Function], list[Import], list[st
         text = file.read_text(encoding="utf-8")
         sizes.append((len(text.splitlines()), rel))
         visitor = _Scan(rel, module, file.name == "__init__.py")
-        visitor.visit(ast.parse(text, filename=rel))
+        tree = ast.parse(text, filename=rel)
+        visitor.visit(tree)
+        rule_breaches.extend(f"{rel}:{line}: asyncio.wait_for in a loop (Python 3.11's can swallow the "
+                             f"loop's cancel: use asyncio.timeout or kvcoord.waits.wait_event)"
+                             for line in loop_wait_fors(tree))
         functions.extend(visitor.functions)
         classes.extend(visitor.classes)
         for line, target, type_checking in visitor.imports:
             if target.split(".")[0] == "argparse" and not _prefix_of(module, ARGPARSE_HOME):
-                argparse_uses.append(f"{rel}:{line}: imports argparse (only {ARGPARSE_HOME} parses)")
+                rule_breaches.append(f"{rel}:{line}: imports argparse (only {ARGPARSE_HOME} parses)")
             if _prefix_of(target, "kvcoord"):
                 imports.append(Import(rel, line, module, target, type_checking))
     sizes.sort(key=lambda s: (-s[0], s[1]))
     functions.sort(key=lambda f: (-f.lines, f.path, f.line))
     classes.sort(key=lambda c: (-c.methods, c.path, c.line))
-    return sizes, functions, imports, argparse_uses, modules, classes
+    return sizes, functions, imports, rule_breaches, modules, classes
 
 
 def layering(imports: list[Import], modules: list[str]) -> list[str]:
@@ -322,7 +355,7 @@ def size_breaches() -> tuple[list[tuple[str, str]], set[str]]:
 
 
 def report() -> int:
-    sizes, functions, imports, argparse_uses, modules, classes = scan()
+    sizes, functions, imports, rule_breaches, modules, classes = scan()
     print(f"== module sizes (lines, largest first; limit {MAX_MODULE_LINES})")
     for lines, rel in sizes:
         key = f"module:{rel}"
@@ -334,7 +367,7 @@ def report() -> int:
          MAX_CLASS_METHODS)
     _top("longest C functions, lines",
          [(f.lines, f"{f.path}:{f.line}  {f.name}", f"c:{f.key}") for f in scan_c()], MAX_C_FUNCTION_LINES)
-    problems = layering(imports, modules) + argparse_uses
+    problems = layering(imports, modules) + rule_breaches
     print(f"\n== layering ({len(imports)} kvcoord imports checked; lowest layer first)")
     for level, (prefixes, reason) in enumerate(LAYERS):
         print(f"{level:6d}  {', '.join(prefixes)}: {reason}")

@@ -16,12 +16,12 @@ A failed scrape is counted and logged once per outage; the last good value stays
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvcoord.load import NodeLoad
+from kvcoord.waits import wait_event
 
 if TYPE_CHECKING:
     import aiohttp
@@ -130,5 +130,4 @@ class EngineMetrics:
         async with aiohttp.ClientSession() as session:
             while not stop.is_set():
                 await self.scrape_once(session)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.interval)
+                await wait_event(stop, self.interval)

@@ -51,6 +51,7 @@ from kvcoord.events import CLEAR, REMOVE, STORE
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.transport import ChannelSecurity
 from kvcoord.validate import Op, known_runs, pack_u64
+from kvcoord.waits import wait_event
 from kvcoord.wire import Sample, TokenSampler, fill_event
 
 __all__ = ["Reporter"]
@@ -239,8 +240,7 @@ class Reporter:
             if left <= 0:
                 raise TimeoutError("coordinators did not ack in time")
             self._ack_event.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ack_event.wait(), min(left, 0.05))
+            await wait_event(self._ack_event, min(left, 0.05))
 
     async def wait_connected(self, timeout: float) -> None:
         """Until every coordinator has welcomed the stream and acked everything (``TimeoutError``)."""

@@ -10,7 +10,6 @@ unknown model in strict mode): retrying could not change the answer, so it says 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from kvcoord.engine.zmq_wire import offset_endpoint_port
 from kvcoord.hashing import HashProfile
 from kvcoord.load import NodeLoad
 from kvcoord.transport import ChannelSecurity
+from kvcoord.waits import wait_event
 
 log = logging.getLogger("kvcoord.agent")
 
@@ -138,8 +138,7 @@ async def _write_stats(path: Path, interval: float, relays: Sequence[RelayCore],
             _write_json(path, agent_status(relays, reporter, scraper))
         except OSError as exc:
             log.warning("cannot write %s: %s", path, exc)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
+        await wait_event(stop, interval)
 
 
 async def _cancel_tasks(tasks: Sequence[asyncio.Task[Any]], timeout: float) -> None:

@@ -147,7 +147,8 @@ class Streams:
                                            response_deserializer=pb.CoordinatorMessage.FromString)
             call = ingest(metadata=link.security.metadata() or None)
             await call.write(self._hello(link))
-            first = await asyncio.wait_for(call.read(), opts.welcome_timeout)
+            async with asyncio.timeout(opts.welcome_timeout):  # not wait_for: see kvcoord.waits
+                first = await call.read()
             if first is grpc.aio.EOF:
                 await self._raise_status(call)
                 raise _StreamClosed("stream closed before Welcome")

@@ -31,6 +31,7 @@ from kvcoord.coordinator.registry import CHANGES
 from kvcoord.engine.zmq_wire import check_endpoint
 from kvcoord.hashing import SGLANG, HashProfile
 from kvcoord.validate import check_model, shown, valid_url
+from kvcoord.waits import wait_event
 
 if TYPE_CHECKING:
     from kvcoord.coordinator.engine_store import EngineStore
@@ -487,9 +488,8 @@ class Engines:
                     log.warning("engine registrations: %s (retrying every %.0f s)", why, CLAIM_SECONDS)
                 failing = why
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                # Jittered, so replicas that start together do not claim in lockstep.
-                await asyncio.wait_for(self._wake.wait(), CLAIM_SECONDS * random.uniform(0.8, 1.0))
+            # Jittered, so replicas that start together do not claim in lockstep.
+            await wait_event(self._wake, CLAIM_SECONDS * random.uniform(0.8, 1.0))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvcoord-engines")
@@ -503,6 +503,7 @@ class Engines:
         await self.runner.close()
         for iid in list(self._running):
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.store.release(iid, self.replica_id), timeout=0.5)
+                async with asyncio.timeout(0.5):
+                    await self.store.release(iid, self.replica_id)
         self._running.clear()
         await self.store.close()

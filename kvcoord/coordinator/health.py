@@ -122,7 +122,8 @@ class IndexHealth:
             if self.up:
                 return True
             try:
-                ok = await asyncio.wait_for(ping(self.index), timeout=2.0)
+                async with asyncio.timeout(2.0):  # not wait_for: the refresh loop runs this (kvcoord.waits)
+                    ok = await ping(self.index)
                 if ok:
                     await self.check_generation()
             except Exception as exc:
@@ -139,7 +140,8 @@ class IndexHealth:
             await self.probe()
             return
         try:
-            up = await asyncio.wait_for(ping(self.index), timeout=timeout)
+            async with asyncio.timeout(timeout):
+                up = await ping(self.index)
         except Exception:
             up = False
         if not up:

@@ -26,7 +26,6 @@ its old stream's end arrives.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -38,6 +37,7 @@ from kvcoord.coordinator.health import LogOnce
 from kvcoord.coordinator.reservations import Reservations, apply_op
 from kvcoord.index.base import ReservationFeed
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.waits import wait_event
 
 __all__ = ["FLUSH_SECONDS", "HEARTBEAT_SECONDS", "ORIGIN_SILENT_SECONDS", "POLL_SECONDS", "ReservationSync",
            "ReservationSyncCollector"]
@@ -162,8 +162,7 @@ class ReservationSync:
         """Flush when changes are queued (at most every :data:`FLUSH_SECONDS`), else every
         :data:`POLL_SECONDS`; a failed round trip is counted, logged once, and retried."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), POLL_SECONDS)
+            await wait_event(self._wake, POLL_SECONDS)
             self._wake.clear()
             started = time.monotonic()
             try:

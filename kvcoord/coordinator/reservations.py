@@ -29,7 +29,6 @@ Holds stay per replica.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -42,6 +41,7 @@ from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import InvalidEvent, unpack_u64
+from kvcoord.waits import wait_event
 
 __all__ = ["BLOCK_HOLD", "HOLD_SECONDS", "MAX_TTL", "ReservationCollector", "Reservations", "Reserved",
            "apply_op", "lookup_view"]
@@ -176,8 +176,7 @@ class Reservations:
         hold = self._holds.get(other) if other is not None else None
         if hold is not None and other != (router, reserve_id) and hold.expires > now and wait > 0:
             self.counts["waited"] += 1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(hold.done.wait(), min(wait, hold.expires - now))
+            await wait_event(hold.done, min(wait, hold.expires - now))
         if router and reserve_id:
             rid = (router, reserve_id)
             self._resolve(rid)

@@ -286,7 +286,8 @@ class CoordinatorServicer:
         and a ``max_streams`` slot forever."""
         timeout = self.state.config.limits.hello_timeout_s
         try:
-            return await asyncio.wait_for(anext(messages), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: shutdown cancels this task (kvcoord.waits)
+                return await anext(messages)
         except StopAsyncIteration:
             return None
         except TimeoutError:

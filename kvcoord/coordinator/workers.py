@@ -281,5 +281,6 @@ class LookupWorkers:
                         proc.kill()
             for p in procs:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(p.wait(), timeout=1.0)
+                    async with asyncio.timeout(1.0):
+                        await p.wait()
             del pending

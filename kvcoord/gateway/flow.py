@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvcoord.waits import wait_event
+
 __all__ = [
     "DROPPED_HEADER",
     "Dropped",
@@ -180,11 +182,9 @@ class FlowControl:
         deadline = time.monotonic() + ttl
         try:
             while True:
-                try:
-                    await asyncio.wait_for(waiter.woken.wait(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
+                if not await wait_event(waiter.woken, max(0.0, deadline - time.monotonic())):
                     raise Dropped(429, "ttl_expired", TTL_EXPIRED,
-                                  f"waited {ttl:g} s in the queue for a free endpoint") from None
+                                  f"waited {ttl:g} s in the queue for a free endpoint")
                 if self.closed:
                     raise Dropped(503, "shutting_down", SHUTTING_DOWN, "the endpoint picker is shutting down")
                 waiter.woken.clear()

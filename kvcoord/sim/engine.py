@@ -42,6 +42,7 @@ from kvcoord.extra_keys import RequestKeys
 from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.sim.lookups import LookupProbe, open_lookups
 from kvcoord.sim.timing import StepClock, StepCosts
+from kvcoord.waits import wait_event
 
 if TYPE_CHECKING:
     from kvcoord.transport import ChannelSecurity
@@ -348,11 +349,6 @@ def write_state(path: Path, state: Any) -> None:
     os.replace(tmp, path)
 
 
-async def _wait(event: asyncio.Event, timeout: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout)
-
-
 class _Driver:
     """The workload loop, its state-file writes and its SIGUSR1 bursts, on the engine's event loop."""
 
@@ -399,7 +395,7 @@ class _Driver:
             next_at += interval
             delay = next_at - time.monotonic()
             if delay > 0:
-                await _wait(self.stop, delay)
+                await wait_event(self.stop, delay)
             else:  # as fast as possible, but HTTP requests and signals still get their turn
                 next_at = time.monotonic()
                 await asyncio.sleep(0)
@@ -426,7 +422,7 @@ class _Driver:
             while not self.stop.is_set() and linger and not (bursts_apply and self.bursts):
                 if not bursts_apply:  # HTTP only, or an endless workload: nothing to add
                     self.bursts = 0
-                await _wait(self.wake, refresh)
+                await wait_event(self.wake, refresh)
                 self.wake.clear()
                 if self.state_file is not None and (self.engine.lookups is not None or config.http_listen):
                     self.write_files(flush=config.http_listen is not None, finished=self._finished())

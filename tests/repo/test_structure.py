@@ -64,3 +64,21 @@ def test_pending_lists_only_what_is_still_over() -> None:
     breaches, keys = cs.size_breaches()
     assert set(cs.PENDING) <= keys  # a paid-off entry fails the check (see test above) until dropped
     assert all(key in cs.PENDING for key, _ in breaches)
+
+
+def test_wait_for_in_a_loop_is_caught() -> None:
+    cs = _load()
+    src = (
+        "async def f(ev):\n"
+        "    await asyncio.wait_for(ev.wait(), 1)\n"  # one-shot: allowed
+        "    while True:\n"
+        "        await asyncio.wait_for(ev.wait(), 1)\n"
+        "    for x in []:\n"
+        "        if x:\n"
+        "            async def g(): await asyncio.wait_for(ev.wait(), 1)\n"  # defined, not repeated
+        "            await asyncio.wait_for(x, 1)\n"
+        "    async for y in z:\n"
+        "        with ctx:\n"
+        "            await asyncio.wait_for(y, 1)\n"
+    )
+    assert cs.loop_wait_fors(ast.parse(src)) == [4, 8, 11]

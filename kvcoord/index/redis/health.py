@@ -35,10 +35,11 @@ class RedisHealth:
         if self.index._conn.watch is not None:
             self.index._conn.watch.start()  # the sentinels' failover announcements, before any round trip
         try:
-            if self.index._cluster:
-                await asyncio.wait_for(self.index._r.ping(target_nodes=RedisCluster.PRIMARIES), 2.0)
-            else:  # ROLE, not PING: a demoted node answers PING but refuses every write
-                await asyncio.wait_for(self._primary(), 2.0)
+            async with asyncio.timeout(2.0):  # not wait_for: the coordinator's refresh loop pings
+                if self.index._cluster:
+                    await self.index._r.ping(target_nodes=RedisCluster.PRIMARIES)
+                else:  # ROLE, not PING: a demoted node answers PING but refuses every write
+                    await self._primary()
         except Exception as e:
             self.metrics.errors += 1
             self.metrics.up = False

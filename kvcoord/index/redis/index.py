@@ -60,6 +60,7 @@ from kvcoord.index.redis.walk import _Names, _walk
 from kvcoord.index.redis.writes import WriteQueue, compile_ops
 from kvcoord.index.uri import IndexSpec, parse_index_uri
 from kvcoord.validate import Op, SnapshotEntry
+from kvcoord.waits import wait_event
 
 __all__ = ["RedisIndex"]
 
@@ -543,5 +544,4 @@ class RedisIndex:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._reclaim_wake.wait(), self._reclaim_interval)
+            await wait_event(self._reclaim_wake, self._reclaim_interval)

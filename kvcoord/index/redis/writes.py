@@ -125,8 +125,9 @@ class WriteQueue:
         """Let each bucket's call in flight finish (1 s at most), then fail every batch still queued."""
         for wtask in self._tasks:
             if wtask is not None and not wtask.done():
-                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
-                    await asyncio.wait_for(asyncio.shield(wtask), 1.0)
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError, Exception):
+                    async with asyncio.timeout(1.0):
+                        await asyncio.shield(wtask)
                 wtask.cancel()
         for q in self._queues:
             while q:
