@@ -14,10 +14,8 @@ router): on how many nodes the new prefix was computed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import os
 import sys
 import tempfile
 import time
@@ -28,62 +26,46 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
-
-MODEL = "sim-model"
-_TICK = os.sysconf("SC_CLK_TCK")
+from benchmarks.common import (
+    MODEL,
+    bench_parser,
+    cpu_seconds,
+    pct,
+    route_cmd,
+    start_agent,
+    start_engine,
+    start_serve,
+    wait_url,
+)
+from tests.procs import free_port, running, wait_for_port
 
 
 def _cpu(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its threads so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return sum(cpu_seconds(pid))
 
 
 @contextlib.contextmanager
 def _fleet(tmp: Path, token_interval: float) -> Iterator[tuple[int, dict[str, list[tuple[str, int]]]]]:
     """(serve pid, {mode: [(route URL, route pid)] * 2})."""
-    gport = free_port()
     with contextlib.ExitStack() as stack:
-        engines = []
-        for i in range(2):
-            http, pub = free_port(), free_port()
-            engine = f"http://127.0.0.1:{http}"
-            stack.enter_context(running(kvcoord_cmd(
-                "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", "--model", MODEL, "--algo",
-                "sha256_cbor", "--hash-seed", "0", "--block-size", "16", "--http-listen", f"127.0.0.1:{http}",
-                "--rate", "0", "--requests", "0", "--token-interval", str(token_interval),
-                "--num-blocks", "65536"),
-                log=tmp / f"engine{i}.log"))
-            engines.append((engine, pub))
+        engines = [start_engine(stack, tmp / f"engine{i}.log", "--token-interval", str(token_interval))
+                   for i in range(2)]
         for engine, _ in engines:
-            wait_for_port(int(engine.rsplit(":", 1)[1]), timeout=30)
-        serve = stack.enter_context(running(kvcoord_cmd(
-            "--log-level", "WARNING", "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "",
-            "--model", f"{MODEL},algo=sha256_cbor,block_size=16,seed=0,tokenizer={engines[0][0]}"),
-            env={"KVCOORD_HTTP_LISTEN": ""}, log=tmp / "serve.log"))
-        wait_for_port(gport, timeout=30)
+            wait_url(engine)
+        coordinator, serve_pid = start_serve(stack, tmp / "serve.log", engines[0][0], quiet=True)
         for i, (engine, pub) in enumerate(engines):
-            stack.enter_context(running(kvcoord_cmd(
-                "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", f"node{i}", "--model", MODEL,
-                "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine),
-                log=tmp / f"agent{i}.log"))
+            start_agent(stack, tmp / f"agent{i}.log", coordinator, f"node{i}", engine, pub)
         routes: dict[str, list[tuple[str, int]]] = {}
         for mode, flags in (("reserve", ()), ("no-reserve", ("--no-reserve",))):
             for i in range(2):
                 port = free_port()
-                proc = stack.enter_context(running(kvcoord_cmd(
-                    "--log-level", "WARNING", "route", "--listen", f"127.0.0.1:{port}", "--model", MODEL,
-                    "--coordinator", f"127.0.0.1:{gport}", "--deadline-ms", "1000", *flags),
+                proc = stack.enter_context(running(route_cmd(
+                    port, "--coordinator", coordinator, "--deadline-ms", "1000", *flags),
                     log=tmp / f"{mode}{i}.log"))
                 wait_for_port(port, timeout=30)
                 routes.setdefault(mode, []).append((f"http://127.0.0.1:{port}", proc.pid))
-        yield serve.pid, routes
+        yield serve_pid, routes
 
 
 async def _lookup_mean(s: aiohttp.ClientSession, base: str) -> float:
@@ -160,19 +142,17 @@ async def _run(n: int, blocks: int, block_run: int, rounds: int, token_interval:
               f"blocks, alternating in blocks of {block_run}")
         for mode in routes:
             xs, (cs, cr) = lat[mode], cpu[mode]
-            print(f"  {mode:<11} request p50 {_pct(xs, 0.5) * 1e3:6.2f} ms p99 "
-                  f"{_pct(xs, 0.99) * 1e3:6.2f} ms | lookup mean {means[mode] * 1e3:5.2f} ms | "
+            print(f"  {mode:<11} request p50 {pct(xs, 0.5) * 1e3:6.2f} ms p99 "
+                  f"{pct(xs, 0.99) * 1e3:6.2f} ms | lookup mean {means[mode] * 1e3:5.2f} ms | "
                   "CPU per request: coordinator "
                   f"{cs / len(xs) * 1e6:6.0f} us, route {cr / len(xs) * 1e6:6.0f} us")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=2000, help="measured requests per mode")
+    ap = bench_parser(__doc__, requests=2000, requests_help="measured requests per mode", token_interval=0.0)
     ap.add_argument("--prompt-blocks", type=int, default=64, help="approximate new blocks per prompt")
     ap.add_argument("--block-run", type=int, default=100, help="requests per mode before switching")
     ap.add_argument("--bursts", type=int, default=50, help="burst rounds per mode (0: none)")
-    ap.add_argument("--token-interval", type=float, default=0.0, help="the sim-engines' seconds per token")
     args = ap.parse_args()
     asyncio.run(_run(args.requests, args.prompt_blocks, args.block_run, args.bursts, args.token_interval))
 

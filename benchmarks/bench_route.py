@@ -15,7 +15,6 @@ own ``kvcoord_route_lookup_seconds``) is reported next to, not inside, the overh
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import statistics
@@ -29,15 +28,19 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from benchmarks.common import (
+    MODEL,
+    bench_parser,
+    pct,
+    route_cmd,
+    start_agent,
+    start_engine,
+    start_serve,
+    wait_url,
+)
+from tests.procs import free_port, running, wait_for_port
 
-MODEL = "sim-model"
 SYSTEM = "You are a helpful assistant who answers every question in a few short words " * 8
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def _one(s: aiohttp.ClientSession, url: str, body: dict[str, Any], stream: bool) -> tuple[float, float]:
@@ -79,7 +82,7 @@ async def _compare(direct: str, routed: str, n: int, *, stream: bool,
 
 def _report(label: str, r: dict[str, list[float]], key: str = "") -> None:
     d, t = r[f"direct{key}"], r[f"route{key}"]
-    d50, t50, d99, t99 = (_pct(d, 0.5), _pct(t, 0.5), _pct(d, 0.99), _pct(t, 0.99))
+    d50, t50, d99, t99 = (pct(d, 0.5), pct(t, 0.5), pct(d, 0.99), pct(t, 0.99))
     print(f"{label:<34} direct p50 {d50 * 1e3:7.3f} ms p99 {d99 * 1e3:7.3f} ms | via route p50 "
           f"{t50 * 1e3:7.3f} ms p99 {t99 * 1e3:7.3f} ms | overhead p50 {(t50 - d50) * 1e3:+.3f} ms "
           f"(paired median {statistics.median(b - a for a, b in zip(d, t, strict=True)) * 1e3:+.3f}) "
@@ -91,34 +94,15 @@ def engine_stack(tmp: Path, coordinator: bool, http_port: int = 0) -> Iterator[t
     """A sim-engine (no token delay) and, with ``coordinator``, a ``kvcoord serve`` tokenizing through its
     ``/tokenize`` (its HTTP API on ``http_port``, none for 0) and an agent relaying its KV events:
     (engine URL, coordinator address, "" without)."""
-    http, pub = free_port(), free_port()
-    engine = f"http://127.0.0.1:{http}"
     with contextlib.ExitStack() as stack:
-        stack.enter_context(running(kvcoord_cmd(
-            "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", "--model", MODEL, "--algo", "sha256_cbor",
-            "--hash-seed", "0", "--block-size", "16", "--http-listen", f"127.0.0.1:{http}", "--rate", "0",
-            "--requests", "0", "--token-interval", "0", "--num-blocks", "65536"), log=tmp / "engine.log"))
-        wait_for_port(http, timeout=30)
+        engine, pub = start_engine(stack, tmp / "engine.log", "--token-interval", "0")
+        wait_url(engine)
         if not coordinator:
             yield engine, ""
             return
-        gport = free_port()
-        stack.enter_context(running(kvcoord_cmd(
-            "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "", "--model",
-            f"{MODEL},algo=sha256_cbor,block_size=16,seed=0,tokenizer={engine}"),
-            env={"KVCOORD_HTTP_LISTEN": f"127.0.0.1:{http_port}" if http_port else ""},
-            log=tmp / "serve.log"))
-        wait_for_port(gport, timeout=30)
-        stack.enter_context(running(kvcoord_cmd(
-            "agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", "node", "--model", MODEL,
-            "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine), log=tmp / "agent.log"))
-        yield engine, f"127.0.0.1:{gport}"
-
-
-def route_cmd(port: int, *args: str) -> list[str]:
-    """``kvcoord route`` on ``port`` for MODEL, logging warnings only."""
-    return kvcoord_cmd("--log-level", "WARNING", "route", "--listen", f"127.0.0.1:{port}", "--model", MODEL,
-                       *args)
+        address, _ = start_serve(stack, tmp / "serve.log", engine, http_port=http_port)
+        start_agent(stack, tmp / "agent.log", address, "node", engine, pub)
+        yield engine, address
 
 
 @contextlib.contextmanager
@@ -153,8 +137,7 @@ async def _lookup_mean(routed: str) -> tuple[float, float, int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=2000, help="measured requests per path and row")
+    ap = bench_parser(__doc__, requests=2000, requests_help="measured requests per path and row")
     ap.add_argument("--lookup", action="store_true", help="also route prefix-aware through serve + agent")
     ap.add_argument("--quick", action="store_true", help="200 requests (a smoke run)")
     args = ap.parse_args()

@@ -13,7 +13,6 @@ request over each of ``--reps`` batches of ``--requests``, after a warm-up.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -26,17 +25,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_route import MODEL, route_cmd  # this directory: the same start-up
-
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu(pid: int) -> tuple[float, float]:
-    """(user, system) seconds of ``pid``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICK, int(fields[12]) / TICK
+from benchmarks.common import MODEL, bench_parser, cpu_seconds, route_cmd, start_engine, wait_url
+from tests.procs import free_port, running, wait_for_port
 
 
 async def _traffic(url: str, n: int, tokens: int, concurrency: int) -> int:
@@ -57,23 +47,18 @@ async def _traffic(url: str, n: int, tokens: int, concurrency: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=200, help="requests per measured batch")
+    ap = bench_parser(__doc__, requests=200, requests_help="requests per measured batch",
+                      token_interval=0.005)
     ap.add_argument("--tokens", type=int, default=370, help="SSE chunks per answer")
     ap.add_argument("--concurrency", type=int, default=16, help="streams in flight")
-    ap.add_argument("--token-interval", type=float, default=0.005, help="engine's seconds per token")
     ap.add_argument("--reps", type=int, default=3, help="measured batches")
     args = ap.parse_args()
-    http, pub, rport = free_port(), free_port(), free_port()
-    engine = f"http://127.0.0.1:{http}"
+    rport = free_port()
     with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
-        stack.enter_context(running(kvcoord_cmd(
-            "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", "--model", MODEL, "--algo", "sha256_cbor",
-            "--hash-seed", "0", "--block-size", "16", "--http-listen", f"127.0.0.1:{http}", "--rate", "0",
-            "--requests", "0", "--token-interval", str(args.token_interval), "--max-num-seqs", "256",
-            "--num-blocks", "65536"), log=tmp / "engine.log"))
-        wait_for_port(http, timeout=30)
+        engine, _ = start_engine(stack, tmp / "engine.log", "--token-interval", str(args.token_interval),
+                                 "--max-num-seqs", "256")
+        wait_url(engine)
         route = stack.enter_context(running(route_cmd(rport, "--policy", "round-robin", "--backend",
                                                       f"node={engine}"), log=tmp / "route.log"))
         wait_for_port(rport, timeout=30)
@@ -83,9 +68,9 @@ def main() -> None:
               f"{args.concurrency} streams at once, {args.requests} requests a batch")
         for _ in range(args.reps):
             load = os.getloadavg()[0]
-            (u0, s0), t0 = _cpu(route.pid), time.monotonic()
+            (u0, s0), t0 = cpu_seconds(route.pid), time.monotonic()
             reads = asyncio.run(_traffic(url, args.requests, args.tokens, args.concurrency))
-            (u1, s1), n = _cpu(route.pid), args.requests
+            (u1, s1), n = cpu_seconds(route.pid), args.requests
             print(f"  {((u1 - u0) + (s1 - s0)) / n * 1e3:6.2f} ms (user {(u1 - u0) / n * 1e3:.2f}, system "
                   f"{(s1 - s0) / n * 1e3:.2f}); client reads per request {reads / n:.0f}; "
                   f"{time.monotonic() - t0:.1f} s; load average {load:.2f}", flush=True)

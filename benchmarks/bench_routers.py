@@ -59,6 +59,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import pct, route_cmd
 from benchmarks.replay_route import (
     BLOCK,
     MODEL,
@@ -67,7 +68,7 @@ from benchmarks.replay_route import (
     trace_requests,
     until_backends,
 )
-from tests.procs import TRACES, free_port, kvcoord_cmd, running, wait_for_port
+from tests.procs import TRACES, free_port, running, wait_for_port
 
 ROUTERS = ("kvcoord", "sglang-router", "smg", "round-robin")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -102,8 +103,7 @@ class Run:
         return sum(self.hit_tokens.values()) / total if total else 0.0
 
     def pct(self, q: float) -> float:
-        xs = sorted(self.ttft)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+        return pct(self.ttft, q) if self.ttft else float("nan")
 
     def balance(self) -> float:
         """The busiest engine's prompt tokens over the mean (1.0: even)."""
@@ -163,19 +163,17 @@ def _fleet(tmp: Path, args: argparse.Namespace, router: str, replicas: int) -> I
             gport, hport, fleet.coordinator_pid = start_serve(stack, tmp, tag, http=True,
                                                               tokenizer=next(iter(urls.values())))
             asyncio.run(_register(_url(hport), engines))
-            cmds = [kvcoord_cmd("--log-level", "WARNING", "route", "--coordinator", f"127.0.0.1:{gport}",
-                                "--listen", f"127.0.0.1:{p}", "--model", MODEL,
-                                "--deadline-ms", str(args.deadline_ms), "--refresh-interval", "0.5",
-                                "--seed", str(args.seed + i),
-                                "--prefill-us-per-token", str(args.prefill_us_per_token),
-                                "--decode-ms-per-token", str(args.decode_ms_per_token),
-                                "--max-running", str(args.max_running),
-                                "--mean-output-tokens", str(args.mean_output_tokens))
+            cmds = [route_cmd(p, "--coordinator", f"127.0.0.1:{gport}",
+                              "--deadline-ms", str(args.deadline_ms), "--refresh-interval", "0.5",
+                              "--seed", str(args.seed + i),
+                              "--prefill-us-per-token", str(args.prefill_us_per_token),
+                              "--decode-ms-per-token", str(args.decode_ms_per_token),
+                              "--max-running", str(args.max_running),
+                              "--mean-output-tokens", str(args.mean_output_tokens))
                     for i, p in enumerate(ports)]
         elif router == "round-robin":
             backends = [a for node, url in urls.items() for a in ("--backend", f"{node}={url}")]
-            cmds = [kvcoord_cmd("--log-level", "WARNING", "route", "--listen", f"127.0.0.1:{p}", "--model",
-                                MODEL, "--policy", "round-robin", *backends) for p in ports]
+            cmds = [route_cmd(p, "--policy", "round-robin", *backends) for p in ports]
         else:
             exe = shutil.which(router) or str(Path(sys.executable).parent / router)
             cmds = [_rust_cmd(exe, p, list(urls.values()), "cache_aware") for p in ports]

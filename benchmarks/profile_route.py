@@ -18,7 +18,6 @@ not its milliseconds.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -36,11 +35,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_route import MODEL, SYSTEM, engine_stack, route_cmd  # this directory: the same start-up
-
+from benchmarks.bench_route import SYSTEM, engine_stack
+from benchmarks.common import MODEL, bench_parser, cpu_seconds, route_cmd
 from tests.procs import free_port, running, wait_for_port
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 # (label, substring of a file path); the first that matches names a function's group.
 _GROUPS = (
@@ -94,8 +91,7 @@ def _group(filename: str, func: str) -> str:
 
 
 def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return sum(cpu_seconds(pid))
 
 
 async def _traffic(route: str, n: int, *, stream: bool, long: bool = False) -> None:
@@ -164,8 +160,7 @@ def _breakdown(path: Path, top: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=1000, help="requests per mode")
+    ap = bench_parser(__doc__, requests=1000, requests_help="requests per mode")
     ap.add_argument("--top", type=int, default=25, help="functions listed by self time")
     ap.add_argument("--keep", default=None, help="copy the cProfile output here (for snakeviz etc.)")
     ap.add_argument("--configs", default=",".join(_CONFIGS),

@@ -7,21 +7,36 @@
 
 Every process is stopped when the ``with`` ends. The coordinator can be stopped and started again
 (``stop(fleet.procs["serve"])``, :meth:`RouteFleet.start_serve`); its log is appended to, not replaced.
+:func:`played_reservation` plays another router's ``Reserve`` stream against the coordinator.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
+from kvcoord.proto.v2 import kvcoord_pb2 as pb
+from kvcoord.router.answer import LookupResult
+from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.validate import pack_u64
+from tests.procs import (
+    free_port,
+    free_port_pair,
+    kvcoord_cmd,
+    running,
+    spawn,
+    stop,
+    until_async,
+    wait_for_port,
+)
 
 MODEL = "sim-model"
 BLOCK = 8
@@ -45,8 +60,10 @@ class RouteFleet:
     """The coordinator's HTTP API port (0: its default listener)."""
     engines: dict[str, str] = field(default_factory=dict)
     """node -> the engine's URL."""
+    pubs: dict[str, int] = field(default_factory=dict)
+    """node -> the engine's ZMQ PUB port (its replay socket on the next one)."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    """node -> its engine, and ``serve``."""
+    """node -> its engine, ``agent-<node>`` -> its agent, and ``serve``."""
     routes: list[str] = field(default_factory=list)
     """The routers' URLs, in the order :meth:`start_route` started them."""
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
@@ -97,6 +114,11 @@ class RouteFleet:
         """The text of ``<name>.log``."""
         return (self.tmp / f"{name}.log").read_text()
 
+    async def coordinator_metrics(self, s: aiohttp.ClientSession, *prefixes: str) -> dict[str, float]:
+        """The coordinator's samples starting with one of ``prefixes`` (a fleet with ``metrics=True``)."""
+        assert self.mport, "route_fleet(..., metrics=True)"
+        return await scrape(s, f"http://127.0.0.1:{self.mport}/metrics", *prefixes)
+
 
 def _engine_cmd(http: int, pub: int, extra: Sequence[str]) -> list[str]:
     return kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
@@ -108,31 +130,71 @@ def _engine_cmd(http: int, pub: int, extra: Sequence[str]) -> list[str]:
 @contextlib.contextmanager
 def route_fleet(tmp: Path, nodes: Sequence[str], *, tokenizer: str | None = None,
                 engine_args: Sequence[str] = (), node_args: Mapping[str, Sequence[str]] | None = None,
+                agent_args: Mapping[str, Sequence[str]] | None = None, agentless: Collection[str] = (),
                 metrics: bool = False, http: bool = False) -> Iterator[RouteFleet]:
     """Engines for ``nodes`` (``engine_args`` after ENGINE_DEFAULTS, then ``node_args[node]``), the
     coordinator (tokenizing through ``tokenizer``, default the first node; /metrics with ``metrics``; its
-    HTTP API on a port of its own with ``http``) and an agent per engine announcing its URL. No router:
+    HTTP API on a port of its own with ``http``) and an agent per engine announcing its URL (with
+    ``agent_args[node]``; none for the ``agentless`` nodes, which a test registers itself). No router:
     :meth:`RouteFleet.start_route`."""
     f = RouteFleet(tmp, free_port(), tokenizer or nodes[0], mport=free_port() if metrics else 0,
                    hport=free_port() if http else 0)
     with f.stack:
-        pubs = {}
         for node in nodes:
-            http, pubs[node] = free_port(), free_port_pair()
+            http, f.pubs[node] = free_port(), free_port_pair()
             f.engines[node] = f"http://127.0.0.1:{http}"
-            cmd = _engine_cmd(http, pubs[node], [*engine_args, *(node_args or {}).get(node, ())])
+            cmd = _engine_cmd(http, f.pubs[node], [*engine_args, *(node_args or {}).get(node, ())])
             f.procs[node] = f.stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
         for node in nodes:
             wait_for_port(int(f.engines[node].rsplit(":", 1)[1]), timeout=60)
         f.start_serve()
         f.stack.callback(lambda: stop(f.procs["serve"]))
-        for node in nodes:
+        for node in (n for n in nodes if n not in agentless):
+            pub = f.pubs[node]
             cmd = kvcoord_cmd("agent", "--coordinator", f.coordinator, "--node-id", node, "--model", MODEL,
-                              "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
-                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
-                              "--serving-url", f.engines[node])
-            f.stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
+                              "--zmq-endpoint", f"tcp://127.0.0.1:{pub}",
+                              "--replay-endpoint", f"tcp://127.0.0.1:{pub + 1}",
+                              "--serving-url", f.engines[node], *(agent_args or {}).get(node, ()))
+            f.procs[f"agent-{node}"] = f.stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
         yield f
+
+
+# --- playing another router ------------------------------------------------------------------------------
+def played_tokens(first: int, blocks: int = 8) -> list[int]:
+    """A prompt of ``blocks`` full blocks no engine has seen, by token ids (``first`` tells prompts apart)."""
+    return [first + (i * 7919) % 30000 for i in range(BLOCK * blocks)]
+
+
+@contextlib.asynccontextmanager
+async def played_reservation(c: AsyncCoordinatorClient, tokens: list[int], *, router_id: str, node: str,
+                             ttl: float) -> AsyncIterator[Sequence[int]]:
+    """Another router's reservation of ``tokens``' blocks on ``node`` for ``ttl`` seconds (one request, its
+    prefill ``len(tokens)``), played as a ``Reserve`` stream that stays open until the ``with`` ends (its
+    end is not a release); yields the blocks' hashes."""
+    hashes = (await c.lookup(MODEL, tokens=tokens, want_block_hashes=True)).block_hashes
+    msg = pb.ReserveBatch(router_id=router_id)
+    r = msg.ops.add(request_id="r1").reserve
+    r.model, r.node_id, r.first_block = MODEL, node, 0
+    r.block_hashes, r.prefill_tokens, r.ttl_seconds = pack_u64(hashes), len(tokens), ttl
+    forever = asyncio.Event()
+
+    async def batches() -> AsyncIterator[pb.ReserveBatch]:
+        yield msg
+        await forever.wait()
+
+    call = c.reserve_stream(batches())
+    try:
+        yield hashes
+    finally:
+        forever.set()
+        call.cancel()
+
+
+def shows_played(answer: LookupResult, node: str, tokens: list[int]) -> bool:
+    """``answer`` shows :func:`played_reservation`'s hold on ``node``: its blocks, a request, its prefill."""
+    n = next(n for n in answer.nodes if n.node_id == node)
+    return (n.reserved_blocks == len(tokens) // BLOCK and n.reserved.in_flight == 1
+            and n.reserved.prefill_tokens == len(tokens))
 
 
 # --- talking to a router ----------------------------------------------------------------------------------
@@ -148,16 +210,54 @@ async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tupl
         return resp.status, resp.headers, await resp.json(content_type=None)
 
 
-async def route_metrics(s: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    """The router's ``kvcoord_route_*`` samples, by their exposition line's name and labels."""
-    async with s.get(f"{base}/metrics") as resp:
+async def scrape(s: aiohttp.ClientSession, url: str, *prefixes: str) -> dict[str, float]:
+    """The Prometheus samples at ``url`` starting with one of ``prefixes``, by their exposition line's name
+    and labels."""
+    async with s.get(url) as resp:
         text = await resp.text()
     out = {}
     for line in text.splitlines():
-        if line.startswith("kvcoord_route_"):
+        if line.startswith(prefixes):
             key, value = line.rsplit(" ", 1)
             out[key] = float(value)
     return out
+
+
+async def route_metrics(s: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """The router's ``kvcoord_route_*`` samples."""
+    return await scrape(s, f"{base}/metrics", "kvcoord_route_")
+
+
+async def outage(s: aiohttp.ClientSession, fleet: RouteFleet,
+                 system: str) -> tuple[list[Any], dict[str, float]]:
+    """Stop the coordinator: three chats (``system``) through the first router are placed without the
+    index, the router says it is degraded and logs the failing lookups once; start it again: placement
+    turns prefix-aware and the router says it is back. The chats' headers and the router's metrics while
+    the coordinator was down."""
+    url = f"{fleet.route}/v1/chat/completions"
+    stop(fleet.procs["serve"])
+    try:
+        headers = []
+        for j in range(3):
+            st, h, b = await post(s, url, chat(system, f"while it is down {j}"))
+            assert st == 200, b
+            assert h["x-kvcoord-prefix-aware"] == "false", h
+            headers.append(h)
+        down = await route_metrics(s, fleet.route)
+        assert down["kvcoord_route_degraded_mode"] == 1 and down["kvcoord_route_coordinator_up"] == 0
+        assert fleet.log("route").count("coordinator lookups failing") == 1
+    finally:
+        fleet.start_serve()
+
+    async def aware() -> bool:
+        st, h, b = await post(s, url, chat(system, "after the restart"))
+        assert st == 200, b
+        return h["x-kvcoord-prefix-aware"] == "true"
+
+    await until_async(aware, "prefix-aware placement after the coordinator restart", timeout=60)
+    back = await route_metrics(s, fleet.route)
+    assert back["kvcoord_route_degraded_mode"] == 0 and back["kvcoord_route_coordinator_up"] == 1
+    return headers, down
 
 
 async def sse_events(resp: aiohttp.ClientResponse, on_event: Callable[[Any], Awaitable[Any]]) -> int:

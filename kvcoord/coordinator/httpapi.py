@@ -216,6 +216,16 @@ def _failed(exc: LookupFailed) -> Response:
     return resp
 
 
+def _registration_failed(exc: BadBody | RegistrationError | ConnectionError) -> Response:
+    """A failed (un)registration's answer: the body's own error, the registry's refusal, or 503 while the
+    registrations' store is unreachable."""
+    if isinstance(exc, BadBody):
+        return exc.response
+    if isinstance(exc, RegistrationError):
+        return json_error(exc.status, exc.message)
+    return json_error(503, f"registrations unavailable: {exc}")
+
+
 class HttpApi:
     """The routes over one coordinator's state."""
 
@@ -448,12 +458,8 @@ class HttpApi:
             await self.engines.register(b.instance_id, b.model_name, b.routing_group, b.block_size, b.dp_rank,
                                         b.endpoint, b.replay_endpoint, b.serving_url, b.metrics_url, b.engine,
                                         b.grpc_endpoint, b.pools, b.pool_publisher, role)
-        except BadBody as exc:
-            return exc.response
-        except RegistrationError as exc:
-            return json_error(exc.status, exc.message)
-        except ConnectionError as exc:
-            return json_error(503, f"registrations unavailable: {exc}")
+        except (BadBody, RegistrationError, ConnectionError) as exc:
+            return _registration_failed(exc)
         return _CREATED
 
     async def unregister(self, req: Request) -> Response:
@@ -463,12 +469,8 @@ class HttpApi:
             b: UnregisterBody = decode_body(req, UnregisterBody)
             check_u64("instance_id", b.instance_id)
             await self.engines.unregister(b.instance_id, b.model_name, b.routing_group, b.dp_rank)
-        except BadBody as exc:
-            return exc.response
-        except RegistrationError as exc:
-            return json_error(exc.status, exc.message)
-        except ConnectionError as exc:
-            return json_error(503, f"registrations unavailable: {exc}")
+        except (BadBody, RegistrationError, ConnectionError) as exc:
+            return _registration_failed(exc)
         return _OK
 
     async def workers(self, req: Request) -> Response:
@@ -484,7 +486,7 @@ class HttpApi:
         try:
             listed = await self.engines.workers()
         except ConnectionError as exc:
-            return json_error(503, f"registrations unavailable: {exc}")
+            return _registration_failed(exc)
         out = []
         for engine, status, relayed_by in listed:
             if (model_name is not None and engine.model_name != model_name) or (

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -323,19 +323,31 @@ class _Replicas:
         return pause
 
 
-class CoordinatorClient:
+_Channel = TypeVar("_Channel", grpc.Channel, grpc.aio.Channel)
+
+
+class _Connected(Generic[_Channel]):
+    """What both clients hold: the replicas, the security, the default timeout, and a channel and a stub
+    per replica (opened by ``open_``)."""
+
+    def __init__(self, address: str | Sequence[str], security: ChannelSecurity | None, timeout: float,
+                 open_: Callable[[str, ChannelSecurity, int], _Channel], max_message_bytes: int) -> None:
+        self._replicas = _Replicas(replica_addresses(address))
+        self.address = ",".join(self._replicas.addresses)
+        self.security = security or ChannelSecurity()
+        self.timeout = timeout
+        self._channels = [open_(a, self.security, max_message_bytes) for a in self._replicas.addresses]
+        self._stubs = [pbg.CoordinatorStub(c) for c in self._channels]
+        self._md = self.security.metadata() or None
+
+
+class CoordinatorClient(_Connected[grpc.Channel]):
     """Blocking client. ``timeout`` (seconds) bounds every call. ``address`` may name several replicas
     (``"h1:p1,h2:p2"`` or a list): reads go to one and move to the next while it is unavailable."""
 
     def __init__(self, address: str | Sequence[str], *, security: ChannelSecurity | None = None,
                  timeout: float = 5.0, max_message_bytes: int = 64 << 20) -> None:
-        self._replicas = _Replicas(replica_addresses(address))
-        self.address = ",".join(self._replicas.addresses)
-        self.security = security or ChannelSecurity()
-        self.timeout = timeout
-        self._channels = [open_channel(a, self.security, max_message_bytes) for a in self._replicas.addresses]
-        self._stubs = [pbg.CoordinatorStub(c) for c in self._channels]
-        self._md = self.security.metadata() or None
+        super().__init__(address, security, timeout, open_channel, max_message_bytes)
 
     def close(self) -> None:
         for channel in self._channels:
@@ -388,19 +400,12 @@ class CoordinatorClient:
         self._call("Ping", pb.PingRequest())
 
 
-class AsyncCoordinatorClient:
+class AsyncCoordinatorClient(_Connected[grpc.aio.Channel]):
     """asyncio client; same methods as :class:`CoordinatorClient`, as coroutines."""
 
     def __init__(self, address: str | Sequence[str], *, security: ChannelSecurity | None = None,
                  timeout: float = 5.0, max_message_bytes: int = 64 << 20) -> None:
-        self._replicas = _Replicas(replica_addresses(address))
-        self.address = ",".join(self._replicas.addresses)
-        self.security = security or ChannelSecurity()
-        self.timeout = timeout
-        self._channels = [open_aio_channel(a, self.security, max_message_bytes)
-                          for a in self._replicas.addresses]
-        self._stubs = [pbg.CoordinatorStub(c) for c in self._channels]
-        self._md = self.security.metadata() or None
+        super().__init__(address, security, timeout, open_aio_channel, max_message_bytes)
 
     async def close(self) -> None:
         for channel in self._channels:

@@ -8,22 +8,31 @@ coordinator degrades placement visibly and it recovers. Every wait is a poll."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from kvcoord.load import NodeLoad
-from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.answer import LookupResult
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.router.http_lookup import HttpLookupClient, http_query
-from kvcoord.validate import pack_u64
-from tests.procs import stop, until_async
-from tests.route_fleet import BLOCK, MODEL, RouteFleet, chat, post, route_fleet, route_metrics
+from tests.procs import until_async
+from tests.route_fleet import (
+    BLOCK,
+    MODEL,
+    RouteFleet,
+    chat,
+    outage,
+    played_reservation,
+    played_tokens,
+    post,
+    route_fleet,
+    route_metrics,
+    shows_played,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,11 +52,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
 
 
 async def _coordinator_metric(s: aiohttp.ClientSession, fleet: RouteFleet, name: str) -> float:
-    async with s.get(f"http://127.0.0.1:{fleet.mport}/metrics") as resp:
-        for line in (await resp.text()).splitlines():
-            if line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return (await fleet.coordinator_metrics(s, name + " ")).get(name, 0.0)
 
 
 _HANDLER = 'kvcoord_lookup_answers_total{path="handler"}'
@@ -96,11 +101,6 @@ async def test_placement_over_http_follows_the_prefix_and_achieved_matches_predi
     assert m["kvcoord_route_coordinator_up"] == 1 and m["kvcoord_route_degraded_mode"] == 0
 
 
-async def _queue(msg: pb.ReserveBatch, forever: asyncio.Event) -> AsyncIterator[pb.ReserveBatch]:
-    yield msg
-    await forever.wait()
-
-
 def _same(a: LookupResult) -> LookupResult:
     """The answer without loads (a heartbeat may land between two lookups)."""
     return dataclasses.replace(a, nodes=[dataclasses.replace(n, load=NodeLoad()) for n in a.nodes])
@@ -113,20 +113,12 @@ async def test_http_and_grpc_answer_the_same_with_reservations_and_block_hashes(
     async with AsyncCoordinatorClient(fleet.coordinator) as c:
         h = HttpLookupClient(fleet.coordinator_http, c, timeout=5.0)
         try:
-            tokens = [2000 + (i * 7919) % 30000 for i in range(BLOCK * 8)]
-            hashes = (await c.lookup(MODEL, tokens=tokens, want_block_hashes=True)).block_hashes
-            msg = pb.ReserveBatch(router_id="played-router")
-            r = msg.ops.add(request_id="r1").reserve
-            r.model, r.node_id, r.first_block = MODEL, "node-b", 0
-            r.block_hashes, r.prefill_tokens, r.ttl_seconds = pack_u64(hashes), len(tokens), 60.0
-            forever = asyncio.Event()
-            call = c.reserve_stream(_queue(msg, forever))
-            try:
+            tokens = played_tokens(2000)
+            async with played_reservation(c, tokens, router_id="played-router", node="node-b",
+                                          ttl=60.0) as hashes:
                 async def reserved() -> bool:
                     a = await h.lookup(MODEL, tokens=tokens, include_unmatched=True, router_id="other")
-                    b = next(n for n in a.nodes if n.node_id == "node-b")
-                    r = b.reserved
-                    return b.reserved_blocks == 8 and r.in_flight == 1 and r.prefill_tokens == 64
+                    return shows_played(a, "node-b", tokens)
 
                 await until_async(reserved, "node-b's reservation in the HTTP answer")
                 chat_query: dict[str, Any] = {"messages": chat(SYSTEMS[0], "same?")["messages"]}
@@ -146,9 +138,6 @@ async def test_http_and_grpc_answer_the_same_with_reservations_and_block_hashes(
                 await h.lookup(MODEL, tokens=[5, *tokens[1:]], include_unmatched=True, router_id="other",
                                reserve_id="q1")
                 assert await _held(fleet) == before + 1
-            finally:
-                forever.set()
-                call.cancel()
             with pytest.raises(CoordinatorError) as refused:
                 await h.lookup("no-such-model", prompt="hello")
             assert refused.value.code.name == "NOT_FOUND", refused.value
@@ -173,25 +162,6 @@ def test_queries_http_cannot_say_go_over_grpc() -> None:
 
 async def test_a_stopped_coordinator_degrades_visibly_and_http_lookups_recover(fleet: RouteFleet) -> None:
     async with aiohttp.ClientSession() as s:
-        url = f"{fleet.route}/v1/chat/completions"
-        stop(fleet.procs["serve"])
-        try:
-            for j in range(3):
-                st, h, b = await post(s, url, chat(SYSTEMS[1], f"while down {j}"))
-                assert st == 200, b
-                assert h["x-kvcoord-prefix-aware"] == "false"
-                assert h["x-kvcoord-reason"].startswith(("coordinator_unavailable; ", "deadline; ")), h
-            m = await route_metrics(s, fleet.route)
-            assert m["kvcoord_route_degraded_mode"] == 1 and m["kvcoord_route_coordinator_up"] == 0
-            assert fleet.log("route").count("coordinator lookups failing") == 1
-        finally:
-            fleet.start_serve()
-
-        async def aware() -> bool:
-            st, h, b = await post(s, url, chat(SYSTEMS[1], "back again"))
-            assert st == 200, b
-            return h["x-kvcoord-prefix-aware"] == "true"
-
-        await until_async(aware, "prefix-aware placement once the coordinator is back", timeout=60)
-        m = await route_metrics(s, fleet.route)
-        assert m["kvcoord_route_degraded_mode"] == 0 and m["kvcoord_route_coordinator_up"] == 1
+        headers, _ = await outage(s, fleet, SYSTEMS[1])
+    for h in headers:
+        assert h["x-kvcoord-reason"].startswith(("coordinator_unavailable; ", "deadline; ")), h

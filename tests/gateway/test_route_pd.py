@@ -8,29 +8,25 @@ from the decode engine; achieved cached tokens match the prediction of the pick 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import subprocess
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.gateway.test_route import _metrics, _read_sse
-from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, spawn, stop, wait_for_port
+from tests.procs import kvcoord_cmd, stop, wait_for_port
+from tests.procs import until_async as _until
+from tests.route_fleet import BLOCK, MODEL, RouteFleet, post, read_sse, route_fleet, route_metrics
+from tests.route_fleet import chat as _chat
 
 pytestmark = pytest.mark.slow
 
-MODEL = "sim-model"
-BLOCK = 8
-PROFILE = ("--algo", "sha256_cbor", "--hash-seed", "0", "--block-size", str(BLOCK))
 PREFILL = ("pre-a", "pre-b")
 DECODE = ("dec-a", "dec-b")
 LOCAL = 40
@@ -43,18 +39,9 @@ REGISTERED = "42"
 """With roles: the second decode engine is registered over HTTP (``/register``), as instance 42."""
 
 
-@dataclass
-class PdFleet:
-    route: str
-    engines: dict[str, str]
-    """Engine base URL by node id."""
-    procs: dict[str, subprocess.Popen[bytes]]
-    """Engines and agents (``agent-<node>``) by name."""
-    prefill: tuple[str, ...] = PREFILL
-    decode: tuple[str, ...] = DECODE
-    coordinator: str = ""
-    http: str = ""
-    """The coordinator's HTTP API (with roles)."""
+def decode_nodes(fleet: RouteFleet) -> tuple[str, ...]:
+    """The decode pool: every engine but the prefill ones."""
+    return tuple(n for n in fleet.engines if n not in PREFILL)
 
 
 def _register(http: str, node: str, pub: int, url: str, role: str) -> tuple[int, str]:
@@ -71,82 +58,40 @@ def _register(http: str, node: str, pub: int, url: str, role: str) -> tuple[int,
 
 
 @contextlib.contextmanager
-def pd_fleet(tmp: Path, *, roles: bool) -> Iterator[PdFleet]:
-    """Two prefill sim-engines and two decode ones, their agents, ``serve`` and ``route``. ``roles`` False:
-    the pools are ``route``'s flags. True: ``route`` has none, and the engines declare their roles (the
-    agents' ``--role``; the second decode engine, node :data:`REGISTERED`, over ``/register``)."""
-    gport, hport, rport = free_port(), free_port(), free_port()
+def pd_fleet(tmp: Path, *, roles: bool) -> Iterator[RouteFleet]:
+    """The route fleet of two prefill sim-engines (``--kv-role kv_producer``) and two decode ones
+    (``kv_consumer``), tokenizing through the first decode one, and its router. ``roles`` False: the pools
+    are ``route``'s flags. True: ``route`` has none, and the engines declare their roles (the agents'
+    ``--role``; the second decode engine, node :data:`REGISTERED`, over the coordinator's ``/register``)."""
     decode = (DECODE[0], REGISTERED) if roles else DECODE
-    fleet = PdFleet(f"http://127.0.0.1:{rport}", {}, {}, PREFILL, decode, f"127.0.0.1:{gport}",
-                    f"http://127.0.0.1:{hport}" if roles else "")
-    with contextlib.ExitStack() as stack:
-        pubs = {}
-        for node in PREFILL + decode:
-            http, pub = free_port(), free_port_pair()
-            pubs[node] = pub
-            fleet.engines[node] = f"http://127.0.0.1:{http}"
-            role = "kv_producer" if node in PREFILL else "kv_consumer"
-            cmd = kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
-                              "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL, *PROFILE,
-                              "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0",
-                              "--token-interval", "0.02", "--num-blocks", "4096", "--kv-role", role)
-            fleet.procs[node] = stack.enter_context(running(cmd, log=tmp / f"{node}.log"))
-        tok = fleet.engines[decode[0]]
-        serve_log = stack.enter_context(open(tmp / "serve.log", "ab"))
-        http_api = ("--http-listen", f"127.0.0.1:{hport}") if roles else ()
-        serve = spawn(kvcoord_cmd("serve", "--listen", fleet.coordinator, "--metrics-listen", "", *http_api,
-                                  "--model", f"{MODEL},algo=sha256_cbor,block_size={BLOCK},seed=0,"
-                                  f"tokenizer={tok}"), stdout=serve_log, stderr=subprocess.STDOUT)
-        stack.callback(lambda: stop(serve))
-        wait_for_port(gport, timeout=30)
-        for node in PREFILL + decode:
-            wait_for_port(int(fleet.engines[node].rsplit(":", 1)[1]), timeout=30)
-            if node == REGISTERED:
-                wait_for_port(hport, timeout=30)
-                status, text = _register(fleet.http, node, pubs[node], fleet.engines[node], "decode")
-                assert status == 201, text
-                continue
-            declared = ("--role", "prefill" if node in PREFILL else "decode") if roles else ()
-            cmd = kvcoord_cmd("agent", "--coordinator", fleet.coordinator, "--node-id", node,
-                              "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{pubs[node]}",
-                              "--replay-endpoint", f"tcp://127.0.0.1:{pubs[node] + 1}",
-                              "--serving-url", fleet.engines[node], *declared)
-            fleet.procs[f"agent-{node}"] = stack.enter_context(running(cmd, log=tmp / f"agent-{node}.log"))
+    kv_role = {**{n: ("--kv-role", "kv_producer") for n in PREFILL},
+               **{n: ("--kv-role", "kv_consumer") for n in decode}}
+    declared = {n: ("--role", "prefill" if n in PREFILL else "decode") for n in PREFILL + decode}
+    with route_fleet(tmp, PREFILL + decode, tokenizer=decode[0], node_args=kv_role,
+                     agent_args=declared if roles else None,
+                     agentless=(REGISTERED,) if roles else (), http=roles) as fleet:
+        if roles:
+            wait_for_port(fleet.hport, timeout=30)
+            status, text = _register(fleet.coordinator_http, REGISTERED, fleet.pubs[REGISTERED],
+                                     fleet.engines[REGISTERED], "decode")
+            assert status == 201, text
         pools = [] if roles else ([a for n in PREFILL for a in ("--prefill-node", n)] +
                                   [a for n in decode for a in ("--decode-node", n)])
-        route = kvcoord_cmd("route", "--coordinator", fleet.coordinator, "--listen", f"127.0.0.1:{rport}",
-                            "--model", MODEL, "--deadline-ms", "2000", "--refresh-interval", "0.5",
-                            "--seed", "7", "--max-local-prefill-tokens", str(LOCAL), *pools)
-        stack.enter_context(running(route, log=tmp / "route.log"))
-        wait_for_port(rport, timeout=30)
+        fleet.start_route("--seed", "7", "--max-local-prefill-tokens", str(LOCAL), *pools)
         yield fleet
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdFleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
     with pd_fleet(tmp_path_factory.mktemp("route-pd"), roles=False) as f:
         yield f
 
 
-async def _until(cond: Callable[[], Awaitable[Any]], what: str, timeout: float = 45.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = await cond()
-        if got:
-            return got
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _chat(system: str, user: str, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "system", "content": system},
-                                         {"role": "user", "content": user}], "max_tokens": 2, **extra}
-
-
 async def _post(s: aiohttp.ClientSession, base: str, body: dict[str, Any]) -> tuple[Any, Any]:
-    async with s.post(f"{base}/v1/chat/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        return resp.headers, await resp.json()
+    """A chat completion through the router at ``base``, which must answer 200: its headers and JSON."""
+    status, headers, answer = await post(s, f"{base}/v1/chat/completions", body)
+    assert status == 200, answer
+    return headers, answer
 
 
 def _long(j: int) -> str:
@@ -162,11 +107,11 @@ def _judged(h: Any, b: Any) -> tuple[int, int]:
 
 
 async def test_prefill_follows_the_prefix_decode_stores_the_transfer_and_then_skips_prefill(
-        fleet: PdFleet) -> None:
+        fleet: RouteFleet) -> None:
     await check_placement(fleet)
 
 
-async def check_placement(fleet: PdFleet) -> None:
+async def check_placement(fleet: RouteFleet) -> None:
     """Prefill lands where the prefix is, the decode engine stores the transfer and then skips prefill,
     and achieved cached tokens match the prediction on at least 95% of the requests."""
     async with aiohttp.ClientSession() as s:
@@ -174,7 +119,7 @@ async def check_placement(fleet: PdFleet) -> None:
         for i, system in enumerate(SYSTEMS):
             h, b = await _post(s, fleet.route, _chat(system, "warm up"))
             assert h["x-kvcoord-pd"].startswith("remote prefill"), h["x-kvcoord-pd"]
-            assert h["x-kvcoord-prefill-node"] in fleet.prefill and h["x-kvcoord-node"] in fleet.decode
+            assert h["x-kvcoord-prefill-node"] in PREFILL and h["x-kvcoord-node"] in decode_nodes(fleet)
             # the decode engine took the transferred prompt: every token but the last one is cached
             assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == b["usage"]["prompt_tokens"] - 1
             holders[i] = h["x-kvcoord-prefill-node"]
@@ -194,13 +139,13 @@ async def check_placement(fleet: PdFleet) -> None:
 
             await _until(prefix_known, f"the index to hold system prompt {i} on a prefill node")
 
-        before = await _metrics(s, fleet.route)
+        before = await route_metrics(s, fleet.route)
         results = []
         for j in range(24):
             i = j % len(SYSTEMS)
             user = _long(j) if j % 2 else f"short question {j}?"
             results.append((i, *await _post(s, fleet.route, _chat(SYSTEMS[i], user))))
-        after = await _metrics(s, fleet.route)
+        after = await route_metrics(s, fleet.route)
     remote = [(i, h) for i, h, _ in results if h["x-kvcoord-pd"].startswith("remote")]
     local = [(i, h) for i, h, _ in results if h["x-kvcoord-pd"].startswith("decode-only")]
     assert len(remote) == 12 and len(local) == 12, [h["x-kvcoord-pd"] for _, h, _ in results]
@@ -208,7 +153,7 @@ async def check_placement(fleet: PdFleet) -> None:
         assert int(h["x-kvcoord-prefill-matched-blocks"]) >= 10, (i, dict(h))
         assert int(h["x-kvcoord-predicted-cached-tokens"]) >= 10 * BLOCK  # the decode pick's own hit
     for _, h in local:
-        assert h["x-kvcoord-node"] in fleet.decode and int(h["x-kvcoord-matched-blocks"]) >= 10
+        assert h["x-kvcoord-node"] in decode_nodes(fleet) and int(h["x-kvcoord-matched-blocks"]) >= 10
     pairs = [_judged(h, b) for _, h, b in results]
     assert sum(p == a for p, a in pairs) >= 0.95 * len(pairs), pairs
     path = 'kvcoord_route_pd_total{path="%s"}'
@@ -220,7 +165,7 @@ async def check_placement(fleet: PdFleet) -> None:
     assert after[count] - before[count] == len(results)  # one judged pick per request
 
 
-async def test_decode_streams_back_after_a_remote_prefill(fleet: PdFleet) -> None:
+async def test_decode_streams_back_after_a_remote_prefill(fleet: RouteFleet) -> None:
     n = 20
     body = _chat(SYSTEMS[0], _long(999), max_tokens=n, stream=True,
                  stream_options={"include_usage": True})
@@ -228,7 +173,7 @@ async def test_decode_streams_back_after_a_remote_prefill(fleet: PdFleet) -> Non
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         assert resp.headers["x-kvcoord-pd"].startswith("remote prefill")
         assert resp.headers["x-kvcoord-node"] in DECODE
-        events, reads = await _read_sse(resp)
+        events, reads = await read_sse(resp)
     assert events[-1] is None
     texts = [ev for ev in events[:-1] if ev["choices"] and ev["choices"][0]["delta"].get("content")]
     assert len(texts) == n and reads > n // 2
@@ -237,7 +182,7 @@ async def test_decode_streams_back_after_a_remote_prefill(fleet: PdFleet) -> Non
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 
 
-async def test_sim_engine_speaks_vllms_kv_transfer_params(fleet: PdFleet) -> None:
+async def test_sim_engine_speaks_vllms_kv_transfer_params(fleet: RouteFleet) -> None:
     """A prefill engine names its blocks; a decode engine refuses to prefill for a remote decode and
     a malformed transfer is a 400."""
     pre, dec = fleet.engines[PREFILL[0]], fleet.engines[DECODE[0]]
@@ -280,20 +225,20 @@ def test_sim_engine_refuses_an_unknown_kv_role() -> None:
     assert out.returncode == 2 and "kv_sometimes" in out.stderr
 
 
-async def test_without_prefill_nodes_the_decode_node_prefills(fleet: PdFleet) -> None:
+async def test_without_prefill_nodes_the_decode_node_prefills(fleet: RouteFleet) -> None:
     """Last (it stops the prefill engines): a prefill node that cannot be reached is left out, and with
     none left the decode node prefills the request itself, judged on its own prediction."""
     for node in PREFILL:
         stop(fleet.procs[node])
     async with aiohttp.ClientSession() as s:
-        before = await _metrics(s, fleet.route)
+        before = await route_metrics(s, fleet.route)
         for j in range(3):
             h, b = await _post(s, fleet.route, _chat(SYSTEMS[j % len(SYSTEMS)], _long(500 + j)))
             assert h["x-kvcoord-pd"] == "decode-only: no prefill node answered"
             assert h["x-kvcoord-node"] in DECODE and "x-kvcoord-prefill-node" not in h
             cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached == int(h["x-kvcoord-predicted-cached-tokens"]) < b["usage"]["prompt_tokens"] - 1
-        after = await _metrics(s, fleet.route)
+        after = await route_metrics(s, fleet.route)
     path = 'kvcoord_route_pd_total{path="prefill_failed"}'
     assert after[path] - before[path] == 3
     assert sum(after.get(f'kvcoord_route_backend_suspect{{node="{n}"}}', 0) for n in PREFILL) == 2

@@ -25,52 +25,52 @@ from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.roles import check_role
 from kvcoord.router.client import NodeStatus
 from tests.gateway.test_route_pd import (
-    MODEL,
     PREFILL,
     REGISTERED,
     SYSTEMS,
-    PdFleet,
-    _chat,
     _long,
     _post,
     _register,
-    _until,
     check_placement,
+    decode_nodes,
     pd_fleet,
 )
 from tests.procs import kvcoord_cmd, stop
+from tests.procs import until_async as _until
+from tests.route_fleet import MODEL, RouteFleet
+from tests.route_fleet import chat as _chat
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdFleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
     with pd_fleet(tmp_path_factory.mktemp("route-pd-roles"), roles=True) as f:
         yield f
 
 
-def _nodes(fleet: PdFleet) -> dict[str, str]:
+def _nodes(fleet: RouteFleet) -> dict[str, str]:
     out = subprocess.run(kvcoord_cmd("nodes", "--coordinator", fleet.coordinator), capture_output=True,
                          text=True, timeout=60, check=True)
     return {n["node_id"]: n["role"] for n in json.loads(out.stdout)["nodes"]}
 
 
-async def test_roles_are_listed_and_route_places_by_them(fleet: PdFleet) -> None:
+async def test_roles_are_listed_and_route_places_by_them(fleet: RouteFleet) -> None:
     async def listed() -> bool:
         return await asyncio.to_thread(_nodes, fleet) == {"pre-a": "prefill", "pre-b": "prefill",
                                                            "dec-a": "decode", REGISTERED: "decode"}
 
     await _until(listed, "ListNodes to show every node's role")
-    with urllib.request.urlopen(f"{fleet.http}/workers", timeout=30) as resp:
+    with urllib.request.urlopen(f"{fleet.coordinator_http}/workers", timeout=30) as resp:
         workers = json.loads(resp.read())
     assert [(w["instance_id"], w.get("role")) for w in workers] == [(int(REGISTERED), "decode")]
     await check_placement(fleet)
 
 
-async def test_bad_roles_are_refused_and_nothing_is_registered(fleet: PdFleet) -> None:
-    status, text = _register(fleet.http, "77", 1, fleet.engines[REGISTERED], "prefiller")
+async def test_bad_roles_are_refused_and_nothing_is_registered(fleet: RouteFleet) -> None:
+    status, text = _register(fleet.coordinator_http, "77", 1, fleet.engines[REGISTERED], "prefiller")
     assert status == 400 and "'prefiller' is not a role (expected prefill, decode, both)" in text, text
-    with urllib.request.urlopen(f"{fleet.http}/workers", timeout=30) as resp:
+    with urllib.request.urlopen(f"{fleet.coordinator_http}/workers", timeout=30) as resp:
         assert [w["instance_id"] for w in json.loads(resp.read())] == [int(REGISTERED)]
     out = subprocess.run(kvcoord_cmd("agent", "--coordinator", fleet.coordinator, "--node-id", "x",
                                      "--model", MODEL, "--no-kv-events", "--role", "decoder"),
@@ -110,7 +110,7 @@ def test_role_names_and_pools_follow_the_node_list() -> None:
     assert pools_of(declared, table.roles(MODEL)) is declared  # flags win
 
 
-async def test_route_follows_the_prefill_nodes_going(fleet: PdFleet) -> None:
+async def test_route_follows_the_prefill_nodes_going(fleet: RouteFleet) -> None:
     """Last: with the prefill nodes' agents gone (their leases run out), no node is prefill and the
     route serves each request on one engine."""
     for node in PREFILL:
@@ -118,6 +118,6 @@ async def test_route_follows_the_prefill_nodes_going(fleet: PdFleet) -> None:
     async with aiohttp.ClientSession() as s:
         async def plain() -> bool:
             h, _ = await _post(s, fleet.route, _chat(SYSTEMS[0], _long(4242)))
-            return "x-kvcoord-pd" not in h and h["x-kvcoord-node"] in fleet.decode
+            return "x-kvcoord-pd" not in h and h["x-kvcoord-node"] in decode_nodes(fleet)
 
         await _until(plain, "route to stop using the prefill pool", timeout=60)

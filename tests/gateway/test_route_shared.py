@@ -13,18 +13,16 @@ import os
 import signal
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 
-from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.client import AsyncCoordinatorClient
-from kvcoord.validate import pack_u64
 from tests.procs import free_port, kvcoord_cmd, running, spawn, stop, wait_for_port
 from tests.procs import until_async as _until
-from tests.route_fleet import BLOCK, MODEL, RouteFleet, route_fleet
+from tests.route_fleet import MODEL, RouteFleet, played_reservation, played_tokens, route_fleet, shows_played
 from tests.route_fleet import chat as _chat
 from tests.route_fleet import post as _post
 
@@ -55,14 +53,7 @@ async def _shared(s: aiohttp.ClientSession, base: str, up: bool) -> bool:
 
 
 async def _coordinator_metrics(s: aiohttp.ClientSession, fleet: RouteFleet) -> dict[str, float]:
-    async with s.get(f"http://127.0.0.1:{fleet.mport}/metrics") as resp:
-        text = await resp.text()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(("kvcoord_reservation", "kvcoord_reserved")):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+    return await fleet.coordinator_metrics(s, "kvcoord_reservation", "kvcoord_reserved")
 
 
 async def _reserved_requests(s: aiohttp.ClientSession, fleet: RouteFleet) -> float:
@@ -132,32 +123,18 @@ async def _zero(s: aiohttp.ClientSession, fleet: RouteFleet) -> bool:
     return await _reserved_requests(s, fleet) == 0
 
 
-async def _queue(*msgs: pb.ReserveBatch, forever: asyncio.Event) -> AsyncIterator[pb.ReserveBatch]:
-    for m in msgs:
-        yield m
-    await forever.wait()
-
-
 async def test_reserved_blocks_count_for_other_routers_and_expire_after_their_ttl(fleet: RouteFleet) -> None:
     """A router's stream (played here) reserves a new prompt on node-b with a 2 s ttl and stays open:
     another router's lookup sees node-b holding it and its load; the router itself only the blocks; then
     the ttl ends it."""
     async with aiohttp.ClientSession() as s, AsyncCoordinatorClient(f"127.0.0.1:{fleet.gport}") as c:
-        tokens = [1000 + (i * 7919) % 30000 for i in range(BLOCK * 8)]
-        hashes = (await c.lookup(MODEL, tokens=tokens, want_block_hashes=True)).block_hashes
-        assert len(hashes) == 8
-        msg = pb.ReserveBatch(router_id="frozen-router")
-        r = msg.ops.add(request_id="r1").reserve
-        r.model, r.node_id, r.first_block = MODEL, "node-b", 0
-        r.block_hashes, r.prefill_tokens, r.ttl_seconds = pack_u64(hashes), len(tokens), 2.0
-        forever = asyncio.Event()
-        call = c.reserve_stream(_queue(msg, forever=forever))
-        try:
+        tokens = played_tokens(1000)
+        async with played_reservation(c, tokens, router_id="frozen-router", node="node-b", ttl=2.0) as hashes:
+            assert len(hashes) == 8
+
             async def reserved() -> bool:
                 answer = await c.lookup(MODEL, tokens=tokens, include_unmatched=True, router_id="other")
-                b = next(n for n in answer.nodes if n.node_id == "node-b")
-                r = b.reserved
-                return b.reserved_blocks == 8 and r.in_flight == 1 and r.prefill_tokens == 64
+                return shows_played(answer, "node-b", tokens)
 
             await _until(reserved, "node-b's reservation in the answer")
             own = await c.lookup(MODEL, tokens=tokens, include_unmatched=True, router_id="frozen-router")
@@ -172,9 +149,6 @@ async def test_reserved_blocks_count_for_other_routers_and_expire_after_their_tt
             await _until(expired, "the reservation's ttl to pass (its stream still open)")
             m = await _coordinator_metrics(s, fleet)
             assert m['kvcoord_reservation_ops_total{op="expired"}'] >= 1
-        finally:
-            forever.set()
-            call.cancel()
 
 
 async def test_a_killed_routers_reservations_vanish(fleet: RouteFleet) -> None:

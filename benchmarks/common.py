@@ -1,0 +1,91 @@
+"""What the benchmarks that run ``kvcoord`` as real processes on this machine share, so a flag of the
+commands they start, or a way of measuring, is changed in one place: the sim-engines' model and hash
+profile, starting a sim-engine, ``kvcoord serve`` and an agent, ``kvcoord route``'s command line, a
+process's CPU seconds from ``/proc``, a percentile, and the command line's common part.
+
+A benchmark puts the repository on ``sys.path`` first, then ``from benchmarks.common import ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from pathlib import Path
+
+from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+
+MODEL = "sim-model"
+SPEC = f"{MODEL},algo=sha256_cbor,block_size=16,seed=0"
+"""The coordinator's ``--model`` for the engines :func:`start_engine` starts (``,tokenizer=URL`` added)."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def bench_parser(doc: str, *, requests: int, requests_help: str,
+                 token_interval: float | None = None) -> argparse.ArgumentParser:
+    """A benchmark's command line: its docstring's first paragraph as the description, ``--requests``
+    and, given a default, the sim-engines' ``--token-interval``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=requests, help=requests_help)
+    if token_interval is not None:
+        ap.add_argument("--token-interval", type=float, default=token_interval,
+                        help="the sim-engines' seconds per token")
+    return ap
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``pid`` and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / _TICK, int(fields[12]) / _TICK
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (the nearest rank at or below)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def start_engine(stack: contextlib.ExitStack, log: Path, *flags: str) -> tuple[str, int]:
+    """A ``kvcoord sim-engine`` (SPEC's profile, 65536 blocks, serving HTTP, publishing KV events on ZMQ;
+    ``flags`` last), stopped with ``stack``: its URL and its PUB port. Not waited for: :func:`wait_url`
+    (several engines start side by side)."""
+    http, pub = free_port(), free_port()
+    stack.enter_context(running(kvcoord_cmd(
+        "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", "--model", MODEL, "--algo", "sha256_cbor",
+        "--hash-seed", "0", "--block-size", "16", "--http-listen", f"127.0.0.1:{http}", "--rate", "0",
+        "--requests", "0", "--num-blocks", "65536", *flags), log=log))
+    return f"http://127.0.0.1:{http}", pub
+
+
+def wait_url(url: str) -> None:
+    """Block until something accepts at ``url``'s port."""
+    wait_for_port(int(url.rsplit(":", 1)[1]), timeout=30)
+
+
+def start_serve(stack: contextlib.ExitStack, log: Path, tokenizer: str, *, http_port: int = 0,
+                quiet: bool = False) -> tuple[str, int]:
+    """``kvcoord serve`` for SPEC tokenizing through ``tokenizer``'s ``/tokenize``, no /metrics, its HTTP
+    API on ``http_port`` (0: none), warnings only with ``quiet``; once it listens: its gRPC address and
+    its pid."""
+    gport = free_port()
+    level = ("--log-level", "WARNING") if quiet else ()
+    proc = stack.enter_context(running(kvcoord_cmd(
+        *level, "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "", "--model",
+        f"{SPEC},tokenizer={tokenizer}"),
+        env={"KVCOORD_HTTP_LISTEN": f"127.0.0.1:{http_port}" if http_port else ""}, log=log))
+    wait_for_port(gport, timeout=30)
+    return f"127.0.0.1:{gport}", proc.pid
+
+
+def start_agent(stack: contextlib.ExitStack, log: Path, coordinator: str, node: str, engine: str,
+                pub: int) -> None:
+    """``kvcoord agent`` relaying the events of the engine at ``engine`` (PUB port ``pub``) as ``node``."""
+    stack.enter_context(running(kvcoord_cmd(
+        "agent", "--coordinator", coordinator, "--node-id", node, "--model", MODEL,
+        "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine), log=log))
+
+
+def route_cmd(port: int, *args: str) -> list[str]:
+    """``kvcoord route`` on ``port`` for MODEL, logging warnings only."""
+    return kvcoord_cmd("--log-level", "WARNING", "route", "--listen", f"127.0.0.1:{port}", "--model", MODEL,
+                       *args)
