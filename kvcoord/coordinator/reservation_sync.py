@@ -25,8 +25,10 @@ its old stream's end arrives.
   much as the stream keeps: ``FEED_ENTRIES``) and replays the entries of the replicas still alive, in
   order, each at the time Redis added it (a stream id carries the server's ms time). So it starts with
   the reservations in force: a release or a stream's end cancels what came before it, ttls run from the
-  reservation, and what was released, ended or expired is not brought back. Reservations older than
-  what the stream keeps are not seen (they end with their requests, or their ttl).
+  reservation, and what was released, ended or expired is not brought back. After an outage, a replica
+  heard from when this one lost Redis is replayed too (the outage may have silenced it as well).
+  Reservations older than what the stream keeps are not seen (they end with their requests, or their
+  ttl).
 - Holds (a lookup waiting for a concurrent reservation of the same new prefix) stay per replica: across
   replicas the window is the feed's lag (a flush plus a poll, a few ms to :data:`POLL_SECONDS`).
 """
@@ -82,6 +84,8 @@ class ReservationSync:
         """The stream position read up to ("": catch up first, see :meth:`_catch_up`)."""
         self._last_write = 0.0
         self._last_ok = time.monotonic()
+        self._lost_at: float | None = None
+        """When this replica last reached Redis before it dropped the others' (the next catch-up's cue)."""
         self._heard: dict[str, float] = {}
         """origin replica -> when its newest entry read was written (monotonic)."""
         self._routers: dict[str, set[str]] = {}
@@ -132,7 +136,9 @@ class ReservationSync:
         keeps) are replayed in order, each at the time Redis added it, so a release or a stream's end
         cancels the reservation before it, a ttl runs from the reservation, and what was released, ended
         or expired stays so. Replicas gone (a ``gone`` entry) or silent by then are skipped; the view of
-        the others is rebuilt from nothing, so no reservation counts twice."""
+        the others is rebuilt from nothing, so no reservation counts twice. After an outage, a replica
+        heard from when this one lost Redis counts as alive (the outage may have silenced it too) and has
+        ``silent_seconds`` from now to be heard again."""
         beat = pb.ReservationChanges(replica_id=self.replica_id).SerializeToString()
         after, entries = await self.feed.history(beat, MAX_TTL)
         now = time.monotonic()
@@ -146,12 +152,18 @@ class ReservationSync:
                 newest.pop(msg.replica_id, None)
             else:
                 newest[msg.replica_id] = at
-        live = {origin for origin, at in newest.items() if now - at < self.silent_seconds}
+        alive_since = now - self.silent_seconds
+        if self._lost_at is not None:
+            alive_since = min(alive_since, self._lost_at - self.silent_seconds)
+        live = {origin for origin, at in newest.items() if at > alive_since}
         for origin in {*self._routers, *self._heard}:
             self._forget(origin)
         replayed = [(at, msg) for at, msg in msgs if msg.replica_id in live]
         for at, msg in replayed:
             self._apply(msg, at)
+        if self._lost_at is not None:
+            self._heard.update(dict.fromkeys(live, now))
+            self._lost_at = None
         self.counts["replayed"] += len(replayed)
         self._after = after
         log.info("reservation feed: caught up on %d entries of %d other live replicas (%d requests in "
@@ -236,8 +248,9 @@ class ReservationSync:
                               "after %gs): %s", self.silent_seconds, exc)
                 now = time.monotonic()
                 self._drop_silent(now)
-                if now - self._last_ok >= self.silent_seconds:
+                if now - self._last_ok >= self.silent_seconds and self._after:
                     self._after = ""  # the entries missed meanwhile are replayed when Redis answers
+                    self._lost_at = self._last_ok
                 await asyncio.sleep(POLL_SECONDS)
             await asyncio.sleep(max(0.0, started + FLUSH_SECONDS - time.monotonic()))
 
