@@ -28,6 +28,9 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="with the memory index, keep engines registered over HTTP (POST /register) in "
                         "DIR/engines.json across restarts (default: not kept; Redis keeps them itself)")
+    p.add_argument("--replica-silent-seconds", type=POSITIVE_FLOAT, default=None, metavar="SECONDS",
+                   help="Redis index: a coordinator replica silent this long has its routers' reservations "
+                        "dropped on the others (default 3, at least 2)")
     p.add_argument("--lookup-workers", type=NONNEG_INT, default=None, metavar="N",
                    help="memory index: N worker processes answer HTTP lookups on --http-listen "
                         "(SO_REUSEPORT), fed by this one, which keeps ingest (default 0: it answers them)")
@@ -83,6 +86,7 @@ CONFIG_FLAGS = (
     "state_dir",
     "strict_models",
     "lookup_workers",
+    "replica_silent_seconds",
     "max_message_bytes",
     "max_events_per_batch",
     "max_query_blocks",

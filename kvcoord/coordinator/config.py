@@ -48,6 +48,8 @@ state_dir = "/var/lib/kvcoord"      # memory index: engines registered over HTTP
                                     # (kept in engines.json there); "" (default): forgotten at exit
 strict_models = false               # true: only the models below may ingest or be queried
 lookup_workers = 0                  # memory index: N more processes answer HTTP lookups on http_listen
+replica_silent_seconds = 3.0        # Redis: a coordinator replica silent this long has its routers'
+                                    # reservations dropped on the others (at least 2)
 
 [tier_weights]                      # orders lookup answers: sum of per-tier matched blocks x weight
 GPU = 1.0
@@ -120,6 +122,7 @@ ENV_VARS: dict[str, str] = {
     "KVCOORD_STATE_DIR": "state_dir",
     "KVCOORD_STRICT_MODELS": "strict_models",
     "KVCOORD_LOOKUP_WORKERS": "lookup_workers",
+    "KVCOORD_REPLICA_SILENT_SECONDS": "replica_silent_seconds",
     "KVCOORD_MAX_MESSAGE_BYTES": "max_message_bytes",
     "KVCOORD_MAX_EVENTS_PER_BATCH": "max_events_per_batch",
     "KVCOORD_MAX_QUERY_BLOCKS": "max_query_blocks",
@@ -210,6 +213,9 @@ class CoordinatorConfig:
     lookup_workers: int = 0
     """Processes that answer the HTTP lookups on ``http_listen`` (memory index), fed by this one
     (:mod:`kvcoord.coordinator.workers`); 0: this process answers them."""
+    replica_silent_seconds: float = 3.0
+    """A replica on the same Redis heard from no reservation feed entry this long (killed, or cut off) has
+    its routers' reservations dropped here (:mod:`kvcoord.coordinator.reservation_sync`)."""
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
     tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS
     media: Mapping[str, Tier] = field(default_factory=dict)
@@ -367,6 +373,11 @@ def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> 
         values[key] = as_bool(where, raw)
     elif key == "lookup_workers":
         values[key] = as_int(where, raw, minimum=0)
+    elif key == "replica_silent_seconds":
+        values[key] = as_float(where, raw)
+        if values[key] < 2:  # an idle replica writes its heartbeat every second
+            raise ConfigError(f"{where}: must be >= 2 (replicas write a heartbeat every second), "
+                              f"got {values[key]:g}")
     else:  # pragma: no cover - guarded by the callers' key lists
         raise ConfigError(f"{where}: unknown key")
 
@@ -383,6 +394,7 @@ _TOP_SCALARS = {
     "strict_models",
     "stats_interval",
     "lookup_workers",
+    "replica_silent_seconds",
 }
 _TOP_TABLES = {"tier_weights", "media", "pools", "limits", "verify", "tls", "auth", "models"}
 _LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}

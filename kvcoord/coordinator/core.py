@@ -85,7 +85,7 @@ class CoordinatorState:
             self.metrics.registry.register(ReservationCollector(self.reservations))
         feed = index.reservation_feed
         self.reservation_sync = (None if feed is None else ReservationSync(
-            self.reservations, feed, self.replicas.replica_id, self.log_once))
+            self.reservations, feed, self.replicas.replica_id, self.log_once, config.replica_silent_seconds))
         """Replicas on one Redis share their routers' reservations
         (:mod:`~kvcoord.coordinator.reservation_sync`); None: one process."""
         if self.reservation_sync is not None:
@@ -220,6 +220,8 @@ class CoordinatorState:
 
     async def stop_background(self) -> None:
         await cancel_all(list(self._tasks))
+        if self.reservation_sync is not None:
+            await self.reservation_sync.close()
         await self.replicas.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.tokenizers.aclose(), timeout=1.0)

@@ -15,10 +15,20 @@ its old stream's end arrives.
 - Expiry needs no message: every replica applies the same ttl (counted from when it applied the
   reservation, so a copy outlives the original by the feed's lag at most).
 - An idle replica writes an empty entry every :data:`HEARTBEAT_SECONDS`; a replica heard from no
-  entry for :data:`ORIGIN_SILENT_SECONDS` (killed, or cut off from Redis) has every reservation it
-  published dropped. A replica that cannot reach Redis drops the others' after the same time.
-- A replica starts reading at the stream's end: reservations made before it started are not seen there
-  (they end with their requests, or their ttl).
+  entry for ``silent_seconds`` (config ``replica_silent_seconds``, default 3: killed, or cut off from
+  Redis) has every reservation it published dropped. A replica that cannot reach Redis drops the
+  others' after the same time.
+- A replica that stops cleanly (SIGTERM) writes a last entry with ``gone`` set (within
+  :data:`FINAL_SECONDS`; Redis may be down): the others drop its routers' reservations at once.
+- A replica catches up before its first round trip, and after Redis was out of its reach for
+  ``silent_seconds`` (it dropped the others' meanwhile): it reads the stream back (the longest ttl, as
+  much as the stream keeps: ``FEED_ENTRIES``) and replays the entries of the replicas still alive, in
+  order, each at the time Redis added it (a stream id carries the server's ms time). So it starts with
+  the reservations in force: a release or a stream's end cancels what came before it, ttls run from the
+  reservation, and what was released, ended or expired is not brought back. After an outage, a replica
+  heard from when this one lost Redis is replayed too (the outage may have silenced it as well).
+  Reservations older than what the stream keeps are not seen (they end with their requests, or their
+  ttl).
 - Holds (a lookup waiting for a concurrent reservation of the same new prefix) stay per replica: across
   replicas the window is the feed's lag (a flush plus a poll, a few ms to :data:`POLL_SECONDS`).
 """
@@ -34,12 +44,12 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvcoord.coordinator.health import LogOnce
-from kvcoord.coordinator.reservations import Reservations, apply_op
+from kvcoord.coordinator.reservations import MAX_TTL, Reservations, apply_op
 from kvcoord.index.base import ReservationFeed
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.waits import wait_event
 
-__all__ = ["FLUSH_SECONDS", "HEARTBEAT_SECONDS", "ORIGIN_SILENT_SECONDS", "POLL_SECONDS", "ReservationSync",
+__all__ = ["FINAL_SECONDS", "FLUSH_SECONDS", "HEARTBEAT_SECONDS", "POLL_SECONDS", "ReservationSync",
            "ReservationSyncCollector"]
 
 FLUSH_SECONDS = 0.005
@@ -48,8 +58,8 @@ POLL_SECONDS = 0.05
 """The longest time between two reads of the other replicas' entries."""
 HEARTBEAT_SECONDS = 1.0
 """An idle replica writes an empty entry this often, so the others know it is alive."""
-ORIGIN_SILENT_SECONDS = 3.0
-"""A replica not heard from for this long has its reservations dropped everywhere else."""
+FINAL_SECONDS = 1.0
+"""The longest a stopping replica tries to write its last entry (Redis may be down)."""
 MAX_PENDING = 10_000
 """Changes kept for the next flush while Redis does not answer (the oldest go first)."""
 
@@ -60,22 +70,28 @@ class ReservationSync:
     """This replica's side of the shared reservations: publishes its routers' changes, applies the others'."""
 
     def __init__(self, reservations: Reservations, feed: ReservationFeed, replica_id: str,
-                 log_once: LogOnce) -> None:
+                 log_once: LogOnce, silent_seconds: float = 3.0) -> None:
         self.reservations = reservations
         self.feed = feed
         self.replica_id = replica_id
         self.log_once = log_once
+        self.silent_seconds = silent_seconds
+        """A replica heard from no entry this long has its reservations dropped here
+        (``replica_silent_seconds``)."""
         self._pending: list[pb.ReservationChange] = []
         self._wake = asyncio.Event()
         self._after = ""
-        """The stream position read up to ("": not known yet)."""
+        """The stream position read up to ("": catch up first, see :meth:`_catch_up`)."""
         self._last_write = 0.0
+        self._last_ok = time.monotonic()
+        self._lost_at: float | None = None
+        """When this replica last reached Redis before it dropped the others' (the next catch-up's cue)."""
         self._heard: dict[str, float] = {}
-        """origin replica -> when an entry of it was last read (monotonic)."""
+        """origin replica -> when its newest entry read was written (monotonic)."""
         self._routers: dict[str, set[str]] = {}
         """origin replica -> the router names its changes were applied under here."""
-        self.counts = {"published": 0, "entries": 0, "applied": 0, "rejected": 0, "origin_dropped": 0,
-                       "errors": 0}
+        self.counts = {"published": 0, "entries": 0, "applied": 0, "replayed": 0, "rejected": 0,
+                       "origin_gone": 0, "origin_dropped": 0, "errors": 0}
         reservations.outbox = self.queue
 
     def queue(self, router: str, op: pb.ReserveOp | None) -> None:
@@ -87,10 +103,11 @@ class ReservationSync:
         self._wake.set()
 
     async def flush(self) -> None:
-        """One round trip: write the queued changes (or a heartbeat when due), read the others' since."""
-        now = time.monotonic()
+        """One round trip (after a catch-up when due): write the queued changes (or a heartbeat when due),
+        read the others' since."""
         if not self._after:
-            self._after = await self.feed.tail()
+            await self._catch_up()
+        now = time.monotonic()
         changes, self._pending = self._pending, []
         entry: bytes | None = None
         if changes or now - self._last_write >= HEARTBEAT_SECONDS:
@@ -108,22 +125,73 @@ class ReservationSync:
             self.counts["published"] += len(changes)
             self.counts["entries"] += 1
         for raw in entries:
-            self._apply_entry(raw)
-        self._drop_silent(time.monotonic())
+            if (got := self._decode(raw)) is not None:
+                self._apply(got, None)
+        self._last_ok = time.monotonic()
+        self._drop_silent(self._last_ok)
 
-    def _apply_entry(self, raw: bytes) -> None:
+    async def _catch_up(self) -> None:
+        """Rebuild the other replicas' live reservations from the stream: at start, and after this replica
+        dropped them while cut off from Redis. The entries of the longest ttl back (as many as the stream
+        keeps) are replayed in order, each at the time Redis added it, so a release or a stream's end
+        cancels the reservation before it, a ttl runs from the reservation, and what was released, ended
+        or expired stays so. Replicas gone (a ``gone`` entry) or silent by then are skipped; the view of
+        the others is rebuilt from nothing, so no reservation counts twice. After an outage, a replica
+        heard from when this one lost Redis counts as alive (the outage may have silenced it too) and has
+        ``silent_seconds`` from now to be heard again."""
+        beat = pb.ReservationChanges(replica_id=self.replica_id).SerializeToString()
+        after, entries = await self.feed.history(beat, MAX_TTL)
+        now = time.monotonic()
+        self._last_write = now
+        self.counts["entries"] += 1
+        msgs = [(now - age, msg) for age, raw in entries
+                if (msg := self._decode(raw)) is not None and msg.replica_id != self.replica_id]
+        newest: dict[str, float] = {}
+        for at, msg in msgs:
+            if msg.gone:
+                newest.pop(msg.replica_id, None)
+            else:
+                newest[msg.replica_id] = at
+        alive_since = now - self.silent_seconds
+        if self._lost_at is not None:
+            alive_since = min(alive_since, self._lost_at - self.silent_seconds)
+        live = {origin for origin, at in newest.items() if at > alive_since}
+        for origin in {*self._routers, *self._heard}:
+            self._forget(origin)
+        replayed = [(at, msg) for at, msg in msgs if msg.replica_id in live]
+        for at, msg in replayed:
+            self._apply(msg, at)
+        if self._lost_at is not None:
+            self._heard.update(dict.fromkeys(live, now))
+            self._lost_at = None
+        self.counts["replayed"] += len(replayed)
+        self._after = after
+        log.info("reservation feed: caught up on %d entries of %d other live replicas (%d requests in "
+                 "flight here now, this replica's routers' too)", len(replayed), len(live),
+                 self.reservations.totals()[0])
+
+    def _decode(self, raw: bytes) -> pb.ReservationChanges | None:
         try:
             msg = pb.ReservationChanges.FromString(raw)
         except DecodeError as exc:
             self._reject(f"an undecodable reservation feed entry ({exc})")
-            return
-        origin = msg.replica_id
-        if not origin:
+            return None
+        if not msg.replica_id:
             self._reject("a reservation feed entry without its replica id")
-            return
+            return None
+        return msg
+
+    def _apply(self, msg: pb.ReservationChanges, at: float | None) -> None:
+        """Another replica's entry, written at ``at`` (None: just now)."""
+        origin = msg.replica_id
         if origin == self.replica_id:
             return
-        self._heard[origin] = time.monotonic()
+        if msg.gone:
+            n = self._forget(origin)
+            self.counts["origin_gone"] += 1
+            log.info("replica %s stopped: its routers' %d reservations dropped here", origin, n)
+            return
+        self._heard[origin] = time.monotonic() if at is None else at
         routers = self._routers.setdefault(origin, set())
         res = self.reservations
         for change in msg.changes:
@@ -136,7 +204,7 @@ class ReservationSync:
                 routers.discard(name)
                 self.counts["applied"] += 1
                 continue
-            reason = apply_op(res, name, change.op)
+            reason = apply_op(res, name, change.op, at)
             if reason:
                 self._reject(reason)
                 continue
@@ -148,19 +216,24 @@ class ReservationSync:
         self.log_once(f"reservation-feed:{reason[:60]}", logging.WARNING,
                       "reservation feed: %s (counted, logged once)", reason)
 
+    def _forget(self, origin: str) -> int:
+        """Every reservation of ``origin``'s routers goes; returns how many."""
+        self._heard.pop(origin, None)
+        return sum(self.reservations.drop_router(name) for name in self._routers.pop(origin, ()))
+
     def _drop_silent(self, now: float) -> None:
         for origin, heard in list(self._heard.items()):
-            if now - heard < ORIGIN_SILENT_SECONDS:
+            if now - heard < self.silent_seconds:
                 continue
-            del self._heard[origin]
-            n = sum(self.reservations.drop_router(name) for name in self._routers.pop(origin, ()))
+            n = self._forget(origin)
             self.counts["origin_dropped"] += n
             log.info("replica %s silent for %.0fs: its routers' %d reservations dropped here", origin,
                      now - heard, n)
 
     async def loop(self) -> None:
         """Flush when changes are queued (at most every :data:`FLUSH_SECONDS`), else every
-        :data:`POLL_SECONDS`; a failed round trip is counted, logged once, and retried."""
+        :data:`POLL_SECONDS`; a failed round trip is counted, logged once, and retried (after a catch-up,
+        once Redis was out of reach for ``silent_seconds``)."""
         while True:
             await wait_event(self._wake, POLL_SECONDS)
             self._wake.clear()
@@ -171,10 +244,30 @@ class ReservationSync:
                 self.counts["errors"] += 1
                 self.log_once("reservation-feed-fail", logging.WARNING,
                               "reservation feed unavailable (other replicas' reservations are dropped "
-                              "after %gs): %s", ORIGIN_SILENT_SECONDS, exc)
-                self._drop_silent(time.monotonic())
+                              "after %gs): %s", self.silent_seconds, exc)
+                now = time.monotonic()
+                self._drop_silent(now)
+                if now - self._last_ok >= self.silent_seconds and self._after:
+                    self._after = ""  # the entries missed meanwhile are replayed when Redis answers
+                    self._lost_at = self._last_ok
                 await asyncio.sleep(POLL_SECONDS)
             await asyncio.sleep(max(0.0, started + FLUSH_SECONDS - time.monotonic()))
+
+    async def close(self) -> None:
+        """This replica stops (its routers' streams ended): its last entry says so (``gone``), and the
+        others drop every reservation it published at once rather than after ``silent_seconds``.
+        Bounded by :data:`FINAL_SECONDS`, as Redis may be down; call it once :meth:`loop` is done."""
+        if not self.counts["entries"]:
+            return  # it never wrote: the others know nothing of it
+        gone = pb.ReservationChanges(replica_id=self.replica_id, gone=True).SerializeToString()
+        try:
+            await asyncio.wait_for(self.feed.append(gone), FINAL_SECONDS)
+        except (TimeoutError, ConnectionError) as exc:
+            log.warning("reservation feed: this replica's last entry was not written (%s); the others drop "
+                        "its routers' reservations after %gs", str(exc) or f"no answer in {FINAL_SECONDS:g}s",
+                        self.silent_seconds)
+            return
+        self.counts["entries"] += 1
 
 
 class ReservationSyncCollector(Collector):
@@ -187,7 +280,9 @@ class ReservationSyncCollector(Collector):
         c = CounterMetricFamily("kvcoord_reservation_sync", "Reservations shared between coordinator "
                                 "replicas (Redis): published (this replica's routers' changes written), "
                                 "entries (stream entries written, heartbeats too), applied (other replicas' "
-                                "changes applied here), rejected (undecodable or refused changes), "
+                                "changes applied here), replayed (other replicas' entries read back at a "
+                                "catch-up), rejected (undecodable or refused changes), origin_gone (stop "
+                                "entries of other replicas: their reservations dropped at once), "
                                 "origin_dropped (reservations of a replica gone silent), errors (failed "
                                 "round trips)", labels=["op"])
         for op, n in self.sync.counts.items():

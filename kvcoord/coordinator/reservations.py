@@ -115,19 +115,24 @@ class Reservations:
 
     # ------------------------------------------------------------------ writes (the Reserve stream)
     def reserve(self, router: str, request_id: str, model: str, key: NodeKey, first: int,
-                hashes: Sequence[BlockHash64], prefill: int, ttl: float) -> str:
-        """Record one pick; "" or the one-line reason it was refused."""
+                hashes: Sequence[BlockHash64], prefill: int, ttl: float, at: float | None = None) -> str:
+        """Record one pick made at ``at`` (this clock; None: now), its ttl counted from then; "" or the
+        one-line reason it was refused. A pick whose ttl has passed already replaces the request's
+        earlier one and is not kept."""
         if not router or not request_id or not model or not key[0]:
             return "a reservation needs router_id, request_id, model and node_id"
         if not 0 < ttl <= MAX_TTL:
             return f"ttl_seconds must be in (0, {MAX_TTL:g}], got {ttl:g}"
         now = self.clock()
+        expires = (now if at is None else min(at, now)) + ttl
         rid = (router, request_id)
         self._drop(rid)
         self._resolve(rid)
+        if expires <= now:
+            return ""
         # Checkpoints only (see STRIDE): block ``first + j`` sits at query position ``first + j``.
         marks = tuple(hashes[(STRIDE - 1 - first) % STRIDE::STRIDE])
-        entry = _Entry(model, key, first, marks, prefill, now + ttl, now + ttl)
+        entry = _Entry(model, key, first, marks, prefill, expires, expires)
         self._entries[rid] = entry
         self._blocks.setdefault(model, {}).update(dict.fromkeys(entry.hashes, rid))
         per = self._load.setdefault((model, key), {}).setdefault(router, [0, 0])
@@ -137,8 +142,9 @@ class Reservations:
         self._sweep(now)
         return ""
 
-    def release(self, router: str, request_id: str, *, first_byte: bool) -> None:
-        """The request's first byte (its prefill is done) or its end; unknown ids are no-ops."""
+    def release(self, router: str, request_id: str, *, first_byte: bool, at: float | None = None) -> None:
+        """The request's first byte (its prefill is done) or its end, at ``at`` (None: now); unknown ids
+        are no-ops."""
         rid = (router, request_id)
         self._resolve(rid)  # a pick that was never made (the router placed otherwise): no more waiting
         entry = self._entries.get(rid)
@@ -149,7 +155,8 @@ class Reservations:
             entry.prefill = 0
             return
         self._unload(rid, entry)
-        entry.blocks_expire = min(entry.expires, self.clock() + BLOCK_HOLD)
+        now = self.clock()
+        entry.blocks_expire = min(entry.expires, (now if at is None else min(at, now)) + BLOCK_HOLD)
         self.counts["released"] += 1
 
     def drop_router(self, router: str) -> int:
@@ -317,11 +324,11 @@ def _refused(res: Reservations, log_once: LogOnce, reason: str) -> None:
     log_once(f"reserve:{reason[:60]}", logging.WARNING, "Reserve: %s (counted, logged once)", reason)
 
 
-def apply_op(res: Reservations, router: str, op: pb.ReserveOp) -> str:
-    """One operation; "" or why it was refused."""
+def apply_op(res: Reservations, router: str, op: pb.ReserveOp, at: float | None = None) -> str:
+    """One operation, made at ``at`` (None: now); "" or why it was refused."""
     kind = op.WhichOneof("op")
     if kind == "release":
-        res.release(router, op.request_id, first_byte=op.release.first_byte)
+        res.release(router, op.request_id, first_byte=op.release.first_byte, at=at)
         return ""
     if kind != "reserve":
         return "a ReserveOp needs reserve or release"
@@ -331,7 +338,7 @@ def apply_op(res: Reservations, router: str, op: pb.ReserveOp) -> str:
     except InvalidEvent as exc:
         return str(exc)
     return res.reserve(router, op.request_id, r.model, (r.node_id, r.dp_rank), r.first_block, hashes,
-                       r.prefill_tokens, r.ttl_seconds)
+                       r.prefill_tokens, r.ttl_seconds, at)
 
 
 class ReservationCollector(Collector):

@@ -276,8 +276,14 @@ class ReservationFeed(Protocol):
     entries, the coordinator's bytes), kept beside the index: its ``reservation_feed``. Methods raise
     ``ConnectionError`` when the store is down."""
 
-    async def tail(self) -> str:
-        """The position after the newest entry now (a new reader starts there)."""
+    async def append(self, entry: bytes) -> str:
+        """Append ``entry`` alone (a stopping replica's last word); its position."""
+        ...
+
+    async def history(self, entry: bytes, seconds: float) -> tuple[str, list[tuple[float, bytes]]]:
+        """Append ``entry``, then read back the entries of the last ``seconds`` up to it, oldest first
+        (the store keeps a bounded number): ``(the position of ``entry``, [(age in seconds by the
+        store's clock, entry)])``; this reader's own entries come back too. A reader starts here."""
         ...
 
     async def exchange(self, entry: bytes | None, after: str) -> tuple[str, list[bytes]]:

@@ -247,6 +247,7 @@ def test_config_file_env_and_flags(tmp_path: Path) -> None:
         ('[[auth.agent_tokens]]\ntoken = "t"\n', "nodes: expected a non-empty list"),
         ('listen = "nope"\n', "expected HOST:PORT"),
         ("strict_models = true\n", "no [models]"),
+        ("replica_silent_seconds = 1.5\n", "replica_silent_seconds: must be >= 2"),
         ("lease = [\n", "config"),
     ],
 )

@@ -2,7 +2,9 @@
 (:mod:`kvcoord.coordinator.reservation_sync`): a router's Reserve stream on each replica (played here, as
 ``kvcoord route`` writes it), lookups on the other. A reservation made through one replica shows in the
 other's lookup answers, its release clears it there, and a replica killed with SIGKILL has its routers'
-reservations dropped on the survivor long before their ttl. Every wait is a poll."""
+reservations dropped on the survivor long before their ttl. A replica started later, or cut off from Redis
+for a while, catches up on the reservations in force, and one stopped with SIGTERM has the other drop its
+routers' at once. Every wait is a poll."""
 
 from __future__ import annotations
 
@@ -13,48 +15,50 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
 from kvcoord.agent.reporter import Reporter
-from kvcoord.coordinator.reservation_sync import HEARTBEAT_SECONDS, ORIGIN_SILENT_SECONDS
+from kvcoord.coordinator.config import CoordinatorConfig
+from kvcoord.coordinator.reservation_sync import HEARTBEAT_SECONDS
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.validate import pack_u64
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.procs import until_async as _until
-from tests.redis_servers import redis_server
+from tests.redis_servers import RedisServer, redis_server
 
 MODEL = "resrep-model"
 BS = 4
 PROFILE = HashProfile(algo="sha256_cbor", block_size=BS, seed="7")
 TTL = 120.0
 """Every reservation's ttl here: far longer than any wait, so what clears one is its release or drop."""
+ORIGIN_SILENT_SECONDS = CoordinatorConfig().replica_silent_seconds
 
 
 class Replica:
-    def __init__(self, proc: Any, port: int, mport: int, redis_url: str) -> None:
-        self.proc, self.addr, self.mport, self.redis_url = proc, f"127.0.0.1:{port}", mport, redis_url
+    """One ``kvcoord serve`` on the test's Redis, started (not yet listening) in ``stack``."""
+
+    def __init__(self, stack: contextlib.ExitStack, redis: RedisServer, log: Path, *flags: str) -> None:
+        self.port, self.mport, self.redis, self.redis_url = free_port(), free_port(), redis, redis.url
+        self.addr = f"127.0.0.1:{self.port}"
+        self.proc = stack.enter_context(running(kvcoord_cmd(
+            "serve", "--listen", self.addr, "--metrics-listen", f"127.0.0.1:{self.mport}",
+            "--index", f"{redis.url}?timeout=2", "--lease-seconds", "5",
+            "--model", f"{MODEL},algo=sha256_cbor,block_size={BS},seed=7", *flags,
+        ), log=log))
 
 
 @pytest.fixture
 def replicas(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
     """Replicas A and B on one Redis (the index's default key prefix)."""
     with redis_server() as redis, contextlib.ExitStack() as stack:
-        out = []
-        for name in ("a", "b"):
-            port, mport = free_port(), free_port()
-            proc = stack.enter_context(running(kvcoord_cmd(
-                "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{mport}",
-                "--index", f"{redis.url}?timeout=2", "--lease-seconds", "5",
-                "--model", f"{MODEL},algo=sha256_cbor,block_size={BS},seed=7",
-            ), log=tmp_path / f"serve-{name}.log"))
-            wait_for_port(port)
-            out.append(Replica(proc, port, mport, redis.url))
+        out = [Replica(stack, redis, tmp_path / f"serve-{name}.log") for name in ("a", "b")]
+        for r in out:
+            wait_for_port(r.port)
         yield out[0], out[1]
 
 
@@ -70,11 +74,11 @@ class Stream:
         while (msg := await self._q.get()) is not None:
             yield msg
 
-    def reserve(self, request_id: str, node: str, hashes: list[int], prefill: int) -> None:
+    def reserve(self, request_id: str, node: str, hashes: list[int], prefill: int, ttl: float = TTL) -> None:
         msg = pb.ReserveBatch(router_id=self.router)
         r = msg.ops.add(request_id=request_id).reserve
         r.model, r.node_id, r.first_block = MODEL, node, 0
-        r.block_hashes, r.prefill_tokens, r.ttl_seconds = pack_u64(hashes), prefill, TTL
+        r.block_hashes, r.prefill_tokens, r.ttl_seconds = pack_u64(hashes), prefill, ttl
         self._q.put_nowait(msg)
 
     def release(self, request_id: str) -> None:
@@ -100,12 +104,13 @@ async def _reserved(c: AsyncCoordinatorClient, tokens: list[int], asker: str) ->
     return -1, -1, -1  # node-r not (yet) in this replica's answers
 
 
-async def _sync_counts(mport: int) -> dict[str, float]:
+async def _sync_counts(mport: int, family: str = "kvcoord_reservation_sync_total") -> dict[str, float]:
+    """A labelled metric family of the replica's ``/metrics``: ``{label value: value}``."""
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{mport}/metrics") as resp:
         text = await resp.text()
     out = {}
     for line in text.splitlines():
-        if line.startswith("kvcoord_reservation_sync_total{"):
+        if line.startswith(family + "{"):
             key, value = line.rsplit(" ", 1)
             out[key.split('"')[1]] = float(value)
     return out
@@ -197,6 +202,158 @@ async def test_reservations_cross_replicas_and_a_killed_replicas_go(
             counts = await _sync_counts(b.mport)
             assert counts["published"] >= 1 and counts["applied"] >= 3, counts
             assert counts["origin_dropped"] >= 1 and counts["rejected"] == 3, counts
+    finally:
+        for s in streams:
+            s.close()
+        await rep.close()
+
+
+SILENT = 600.0
+"""``replica_silent_seconds`` of the catch-up test: longer than every ttl and wait there, so only a stopped
+replica's last entry can drop its routers' reservations on the other in time."""
+
+
+async def _published(r: Replica, changes: int, running_requests: int) -> bool:
+    """Whether ``r`` has written ``changes`` changes to the stream and holds ``running_requests`` now."""
+    if (await _sync_counts(r.mport)).get("published") != changes:
+        return False
+    return (await _sync_counts(r.mport, "kvcoord_reservations")).get("requests") == running_requests
+
+
+async def _ghost_says_gone(b: Replica, cb: AsyncCoordinatorClient) -> None:
+    """Entries of a replica "ghost" written straight to the stream: a reservation, then its ``gone``
+    entry alone (no stream's end), which drops it on B at once."""
+    hello = pb.ReservationChanges(replica_id="ghost")
+    op = hello.changes.add(router_id="router-g").op
+    op.request_id = "q9"
+    r = op.reserve
+    r.model, r.node_id, r.block_hashes = MODEL, "node-r", pack_u64(block_hashes64(PROFILE, _prompt(9)))
+    r.prefill_tokens, r.ttl_seconds = 8, TTL
+    client = aioredis.from_url(b.redis_url)
+    try:
+        await client.xadd("{kvcoord}:reservations", {"c": hello.SerializeToString()})
+
+        async def seen() -> bool:
+            return (await _reserved(cb, _prompt(9), "router-x"))[0] == 8
+
+        await _until(seen, "the ghost's reservation on B", timeout=30)
+        gone = pb.ReservationChanges(replica_id="ghost", gone=True)
+        await client.xadd("{kvcoord}:reservations", {"c": gone.SerializeToString()})
+    finally:
+        await client.aclose()
+
+    async def dropped() -> bool:
+        return (await _reserved(cb, _prompt(9), "router-x"))[0] == 0
+
+    await _until(dropped, "the ghost's reservation dropped on B by its gone entry", timeout=30)
+    assert (await _sync_counts(b.mport))["origin_gone"] == 1
+
+
+@pytest.mark.slow
+async def test_a_starting_replica_catches_up_and_a_stopping_one_tells_the_other(tmp_path: Path) -> None:
+    """B starts after A's router reserved, released, let one expire and ended another router's stream: B's
+    lookups show exactly the reservations in force. Then A gets SIGTERM: B drops them at once (its ``gone``
+    entry), long before their ttl or A's silence could."""
+    with redis_server() as redis, contextlib.ExitStack() as stack:
+        a = Replica(stack, redis, tmp_path / "serve-a.log", "--replica-silent-seconds", str(SILENT))
+        for port in (a.port, a.mport):
+            await asyncio.to_thread(wait_for_port, port)
+        streams: list[Stream] = []
+        rep: Reporter | None = None
+        try:
+            async with AsyncCoordinatorClient(a.addr) as ca:
+                p1, p2, p3, p4 = (_prompt(i) for i in range(1, 5))
+                on_a, router_y = Stream(ca, "router-a"), Stream(ca, "router-y")
+                streams += [on_a, router_y]
+                on_a.reserve("q1", "node-r", block_hashes64(PROFILE, p1), 32)
+                on_a.reserve("q2", "node-r", block_hashes64(PROFILE, p2), 16)
+                on_a.reserve("q3", "node-r", block_hashes64(PROFILE, p3), 64, ttl=1.0)
+                on_a.release("q1")
+                router_y.reserve("q4", "node-r", block_hashes64(PROFILE, p4), 8)
+                await _until(lambda: _published(a, 5, 3), "A publishing its routers' 5 changes", timeout=30)
+                router_y.close()  # its end goes on the stream too; q3's ttl runs out meanwhile
+                await _until(lambda: _published(a, 6, 1), "A's view down to q2", timeout=30)
+
+                b = Replica(stack, redis, tmp_path / "serve-b.log", "--replica-silent-seconds",
+                            str(SILENT))
+                for port in (b.port, b.mport):
+                    await asyncio.to_thread(wait_for_port, port)
+                rep = Reporter([b.addr], node_id="node-r", model=MODEL, epoch=1, hash_profile=PROFILE,
+                               snapshot=lambda rank: [])
+                await rep.start()
+                await rep.wait_connected(10)
+                async with AsyncCoordinatorClient(b.addr) as cb:
+
+                    async def caught_up() -> bool:
+                        return await _reserved(cb, p2, "router-x") == (8, 1, 16)
+
+                    await _until(caught_up, "A's reservation q2 in the lookups of B, started after it",
+                                 timeout=30)
+                    assert await _reserved(cb, p3, "router-x") == (0, 1, 16)  # q3 expired before B began
+                    assert await _reserved(cb, p4, "router-x") == (0, 1, 16)  # router-y's stream ended
+                    assert (await _reserved(cb, p1, "router-x"))[1:] == (1, 16)  # q1 released: no load
+                    counts = await _sync_counts(b.mport)
+                    assert counts["replayed"] >= 1 and counts["origin_gone"] == 0, counts
+                    await _ghost_says_gone(b, cb)
+
+                    # A's stop: its routers' streams end, then its last entry says it is gone.
+                    os.killpg(a.proc.pid, signal.SIGTERM)
+
+                    async def dropped() -> bool:
+                        return (await _reserved(cb, p2, "router-x") == (0, 0, 0)
+                                and (await _sync_counts(b.mport))["origin_gone"] == 2)
+
+                    await _until(dropped, "A's reservations dropped on B, and its last entry read, after its "
+                                 "SIGTERM", timeout=TTL / 4)
+                    assert (await _sync_counts(b.mport))["origin_dropped"] == 0
+                    assert await asyncio.to_thread(a.proc.wait, 30) == 0
+        finally:
+            for s in streams:
+                s.close()
+            if rep is not None:
+                await rep.close()
+
+
+def redis_pid(redis: RedisServer) -> int:
+    assert redis.proc is not None
+    return redis.proc.pid
+
+
+@pytest.mark.slow
+async def test_a_replica_cut_off_from_redis_catches_up_after(replicas: tuple[Replica, Replica]) -> None:
+    """Redis paused (SIGSTOP) past ``replica_silent_seconds``: B drops A's reservation (A is silent to it),
+    and once Redis answers again B replays the stream: the reservation is back, counted once."""
+    a, b = replicas
+    rep = Reporter([b.addr], node_id="node-r", model=MODEL, epoch=1, hash_profile=PROFILE,
+                   snapshot=lambda rank: [])
+    await rep.start()
+    streams: list[Stream] = []
+    try:
+        await rep.wait_connected(10)
+        async with AsyncCoordinatorClient(a.addr) as ca, AsyncCoordinatorClient(b.addr) as cb:
+            p1 = _prompt(1)
+            streams.append(on_a := Stream(ca, "router-a"))
+            on_a.reserve("q1", "node-r", block_hashes64(PROFILE, p1), 32)
+
+            async def seen() -> bool:
+                with contextlib.suppress(CoordinatorError):  # the index is back a little after Redis
+                    return await _reserved(cb, p1, "router-x") == (8, 1, 32)
+                return False
+
+            await _until(seen, "A's reservation in B's lookups", timeout=30)
+            before = await _sync_counts(b.mport)
+            os.kill(redis_pid(a.redis), signal.SIGSTOP)
+            try:
+                async def dropped() -> bool:
+                    counts = await _sync_counts(b.mport)
+                    return counts["origin_dropped"] > before["origin_dropped"]
+
+                await _until(dropped, "B dropping A's reservation while Redis is paused", timeout=60)
+                assert (await _sync_counts(b.mport, "kvcoord_reservations"))["requests"] == 0
+            finally:
+                os.kill(redis_pid(a.redis), signal.SIGCONT)
+            await _until(seen, "A's reservation back in B's lookups, once", timeout=60)
+            assert (await _sync_counts(b.mport))["replayed"] > before["replayed"]
     finally:
         for s in streams:
             s.close()

@@ -56,6 +56,24 @@ def test_the_ttl_and_the_streams_end_drop_everything() -> None:
     assert res.overlay("m", PROMPT, 0, "x") == {} and res.totals() == (0, 0, 0)
 
 
+def test_operations_replayed_at_their_own_time_keep_what_was_in_force() -> None:
+    """A catch-up replays other replicas' operations at the time each was made: the ttl runs from the
+    reservation, a late release's blocks go BLOCK_HOLD after it, and a reservation whose ttl has passed
+    replaces the request's earlier one without being kept."""
+    res, now = _res()
+    assert res.reserve("r1", "a", "m", ("n1", 0), 0, PROMPT, 500, 10.0, at=now[0] - 8) == ""
+    assert res.reserve("r1", "b", "m", ("n2", 0), 0, list(range(200, 208)), 100, 60, at=now[0] - 8) == ""
+    res.release("r1", "b", first_byte=False, at=now[0] - BLOCK_HOLD - 1)  # its blocks' hold is over too
+    assert res.overlay("m", PROMPT, 0, "x") == {("n1", 0): Reserved(16, 1, 500)}
+    now[0] += 2.5
+    assert res.overlay("m", PROMPT, 0, "x") == {} and res.counts["expired"] == 1
+    res.reserve("r1", "c", "m", ("n1", 0), 0, PROMPT, 500, 60)
+    assert res.reserve("r1", "c", "m", ("n1", 0), 0, PROMPT, 500, 5.0, at=now[0] - 6) == ""
+    assert res.overlay("m", PROMPT, 0, "x") == {} and res.totals() == (0, 0, 0)
+    assert res.reserve("r1", "d", "m", ("n1", 0), 0, PROMPT, 500, 5.0, at=now[0] + 9) == ""  # never ahead
+    assert res.totals() == (1, 500, 1) and res._entries[("r1", "d")].expires == now[0] + 5.0
+
+
 def test_bad_operations_are_refused_and_change_nothing() -> None:
     res, _ = _res()
     assert "ttl_seconds" in res.reserve("r1", "a", "m", ("n1", 0), 0, PROMPT, 5, 0.0)

@@ -148,12 +148,35 @@ class RedisReservationFeed:
         self._r = client
         self.key = f"{{{prefix}}}:reservations"
 
-    async def tail(self) -> str:
+    async def append(self, entry: bytes) -> str:
         try:
-            last: list[Any] = await self._r.xrevrange(self.key, count=1)
+            return _text(await self._r.xadd(self.key, {"c": entry}, maxlen=FEED_ENTRIES, approximate=True))
         except Exception as exc:
             raise ConnectionError(f"reservation feed: {exc}") from exc
-        return _text(last[0][0]) if last else "0-0"
+
+    async def history(self, entry: bytes, seconds: float) -> tuple[str, list[tuple[float, bytes]]]:
+        """Append ``entry`` (its id is Redis' time now), then page back (newest first) through the entries
+        of the ``seconds`` before it, at most :data:`FEED_ENTRIES`; each entry's age is the difference of
+        the two ids' milliseconds, so no replica's clock is involved."""
+        now = await self.append(entry)
+        now_ms = _ms(now)
+        low, high = f"{max(0, now_ms - int(seconds * 1000))}-0", now
+        out: list[tuple[float, bytes]] = []
+        try:
+            while len(out) < FEED_ENTRIES:
+                page: list[Any] = await self._r.xrevrange(self.key, max=high, min=low, count=_READ_COUNT)
+                for entry_id, fields in page:
+                    raw = fields.get(b"c")
+                    if raw is not None:
+                        out.append(((now_ms - _ms(_text(entry_id))) / 1000, raw))
+                if len(page) < _READ_COUNT:
+                    break
+                high = "(" + _text(page[-1][0])
+        except Exception as exc:
+            raise ConnectionError(f"reservation feed: {exc}") from exc
+        del out[FEED_ENTRIES:]
+        out.reverse()
+        return now, out
 
     async def exchange(self, entry: bytes | None, after: str) -> tuple[str, list[bytes]]:
         try:
@@ -176,3 +199,8 @@ class RedisReservationFeed:
 
 def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _ms(entry_id: str) -> int:
+    """A stream id's milliseconds (``<ms>-<seq>``): when Redis added the entry, by its clock."""
+    return int(entry_id.split("-", 1)[0])

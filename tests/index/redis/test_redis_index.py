@@ -422,6 +422,28 @@ async def test_concurrent_batches_coalesce_and_apply_like_the_memory_backend(rin
     await mem.close()
 
 
+# ------------------------------------------------------------------------------ reservation feed
+
+
+async def test_reservation_feed_history_pages_back_within_its_window(rindex: RedisIndex,
+                                                                     redis_server: RedisServer) -> None:
+    """A catch-up reads more than one page (1,000 entries a read), oldest first, and leaves out an entry
+    older than its window (written at Redis' 1 ms)."""
+    feed = rindex.reservation_feed
+    assert feed is not None
+    key = "{kvt}:reservations"
+    with redis.Redis(port=redis_server.port) as r:
+        r.xadd(key, {"c": b"ancient"}, id="1-1")
+        pipe = r.pipeline(transaction=False)
+        for i in range(2500):
+            pipe.xadd(key, {"c": str(i).encode()})
+        pipe.execute()
+    _, back = await feed.history(b"last", 3600)
+    assert [raw for _, raw in back] == [str(i).encode() for i in range(2500)] + [b"last"]
+    ages = [age for age, _ in back]
+    assert ages == sorted(ages, reverse=True) and ages[-1] == 0.0 and ages[0] < 3600
+
+
 # ------------------------------------------------------------------------------------- outages
 
 
