@@ -4,8 +4,9 @@ lookup API on the shared port (``SO_REUSEPORT``) from its own copy of the index 
 
 Lookups (``/query``, ``/query_by_hash``) and ``/health`` are answered here, by the same handler and fast
 path as the main process's; the other routes are forwarded to the main process. Every answer names the
-worker in ``x-kvcoord-worker``. It exits when its pipe closes, on SIGTERM or SIGINT, and on a gap in the
-frames' numbers (the main process restarts it from a snapshot).
+worker in ``x-kvcoord-worker``. Its metrics go to the main process over its stdout
+(:mod:`kvcoord.coordinator.worker_metrics`). It exits when its pipe closes, on SIGTERM or SIGINT, and on
+a gap in the frames' numbers (the main process restarts it from a snapshot).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -29,6 +31,7 @@ from kvcoord.coordinator.httpd import HttpLimits, HttpServer, Request, Response,
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import CHANGES, NodeRecord
 from kvcoord.coordinator.tls import server_ssl_context
+from kvcoord.coordinator.worker_metrics import REPORT_EVERY, SAMPLES_EVERY, Report, encode_report
 from kvcoord.coordinator.workers import MAX_LAG
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.media import configure_media
@@ -43,6 +46,8 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host
 """Request headers not forwarded (the client library sets its own)."""
 _SET_HERE = {*_HOP, "date", "server", "content-type", "x-kvcoord-replica", "x-kvcoord-worker"}
 """Answer headers the worker's server writes itself."""
+_REPORTS_BACKLOG = 1 << 20
+"""Bytes of reports queued unread past which a worker skips its next ones."""
 
 
 class WorkerApi(HttpApi):
@@ -110,6 +115,10 @@ class Worker:
         self.api = WorkerApi(self.state, Authenticator(config.auth), f"http://127.0.0.1:{main_port}")
         self.seq = -1
         self.heard_at = 0.0
+        self.frames = 0
+        """Frames applied (the ``Report``'s)."""
+        self.sent = 0.0
+        """The main process's clock when it sent the newest frame applied."""
         self.state.health.up = False
         self.state.health.down_reason = f"{NOT_CURRENT}: no snapshot yet"
 
@@ -117,12 +126,12 @@ class Worker:
         """One frame; False on a gap (the worker must start over)."""
         kind = message[0]
         if kind == "snapshot":
-            _, seq, image, records, extra = message
+            _, seq, sent, image, records, extra = message
             self.index.load_all_sync(image)
             self._records(True, records)
             self._extra(extra)
         elif kind == "delta":
-            _, seq, calls, full, records, heard, extra = message
+            _, seq, sent, calls, full, records, heard, extra = message
             if seq != self.seq + 1:
                 log.error("lookup worker %d: frame %d after %d; starting over", self.number, seq, self.seq)
                 return False
@@ -140,7 +149,8 @@ class Worker:
             self._extra(extra)
         else:
             return True
-        self.seq = seq
+        self.seq, self.sent = seq, sent
+        self.frames += 1
         self.heard_at = time.monotonic()
         self.state.health.up = True
         return True
@@ -196,8 +206,35 @@ async def _watch(worker: Worker) -> None:
         worker.check_current()
 
 
+def _send_report(worker: Worker, reports: asyncio.WriteTransport, samples: bool) -> None:
+    """What this worker counted, to the main process (its totals, and with ``samples`` its lookups');
+    skipped while the main process does not read them (each holds the totals: none is missed)."""
+    if not reports.is_closing() and reports.get_write_buffer_size() < _REPORTS_BACKLOG:
+        counted = worker.state.metrics.sums.own_samples() if samples else None
+        reports.write(encode_report(Report(worker.sent, worker.frames, counted)))
+
+
+async def _report(worker: Worker, reports: asyncio.WriteTransport) -> None:
+    n = 0
+    while not reports.is_closing():  # closed: the main process is gone
+        _send_report(worker, reports, n % SAMPLES_EVERY == 0)
+        n += 1
+        await asyncio.sleep(REPORT_EVERY)
+
+
+async def _report_pipe() -> asyncio.WriteTransport:
+    """The pipe the main process reads reports from: this process's stdout, which is the stderr from here
+    on (a stray print cannot garble a report)."""
+    loop = asyncio.get_running_loop()
+    pipe = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    transport, _ = await loop.connect_write_pipe(asyncio.Protocol, pipe)
+    return transport
+
+
 async def run() -> int:
     loop = asyncio.get_running_loop()
+    reports = await _report_pipe()
     reader = asyncio.StreamReader(limit=1 << 30)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     hello = await _read(reader)
@@ -213,7 +250,8 @@ async def run() -> int:
     limits = HttpLimits(lim.http_header_timeout_s, lim.http_max_header_bytes, lim.http_max_connections,
                         lim.http_idle_timeout_s)
     headers = [("x-kvcoord-replica", worker.state.replicas.replica_id), ("x-kvcoord-worker", str(number))]
-    http = HttpServer(worker.api.routes(), worker.api.authorize, headers, limits=limits)
+    http = HttpServer(worker.api.routes(), worker.api.authorize, headers, limits=limits,
+                      on_refused=worker.state.metrics.http_refused)
     if FastAnswers.available(worker.api):
         worker.api.fast = FastAnswers(worker.api)
     ssl_context = server_ssl_context(config.tls) if config.tls.enabled else None
@@ -223,13 +261,15 @@ async def run() -> int:
             return 3
     await http.start(host, port, ssl_context, reuse_port=True)
     tasks = [loop.create_task(_feed(worker, reader)), loop.create_task(_watch(worker)),
-             loop.create_task(stop.wait())]
+             loop.create_task(stop.wait()), loop.create_task(_report(worker, reports))]
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     code = 0 if tasks[2] in done else 3  # the feed ended: the main process is gone, or a gap
     for task in tasks:
         task.cancel()
     await http.stop(grace=0.2)
     await worker.api.close()
+    _send_report(worker, reports, True)  # what it answered since the last one
+    reports.close()
     return code
 
 

@@ -16,6 +16,7 @@ from kvcoord import __version__
 from kvcoord.coordinator.engines import RELAY_STATES
 from kvcoord.coordinator.httpd import REFUSALS as HTTP_REFUSALS
 from kvcoord.coordinator.metrics_http import MetricsEndpoint
+from kvcoord.coordinator.worker_metrics import ProcessSums
 from kvcoord.engine.relay import MALFORMED_KINDS
 from kvcoord.events import Tier
 from kvcoord.index.base import BackendMetrics, Index, IndexStats
@@ -259,6 +260,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.sums = ProcessSums()
+        """The lookup families, with the lookup workers' counts added (:mod:`.worker_metrics`)."""
         self._declare_ingest(r)
         self._declare_index(r)
         self._declare_histograms(r)
@@ -345,7 +348,7 @@ class Metrics:
         )
         self.http_refusals = Counter(
             "kvcoord_http_refused", "HTTP API clients refused: a head too slow or too large, or past "
-            "max_connections", ["reason"], registry=r,
+            "max_connections", ["reason"], registry=None,
         )
 
     def _declare_histograms(self, r: CollectorRegistry) -> None:
@@ -360,10 +363,10 @@ class Metrics:
             registry=r)
         self.lookup_deadline_exceeded = Counter(
             "kvcoord_lookup_deadline_exceeded", "Lookups answered UNAVAILABLE because the index did not "
-            "answer within lookup_deadline (a stalled or failing-over backend)", registry=r)
+            "answer within lookup_deadline (a stalled or failing-over backend)", registry=None)
         self.lookup_answers = {"fast": 0, "handler": 0}
         """``kvcoord_lookup_answers_total{path}``: HTTP lookups answered by each path."""
-        r.register(LookupCollector(self))
+        self.sums.register(r, LookupCollector(self), self.lookup_deadline_exceeded, self.http_refusals)
         r.register(UnknownMediaCollector())
         self.ingest_lag = Histogram(
             "kvcoord_ingest_lag_seconds",
@@ -424,7 +427,7 @@ class Metrics:
         """``index`` wrapped so that its core calls are timed and counted, exported here with the
         backend's own counters when it keeps them (a remote backend does)."""
         wrapped = InstrumentedIndex(index, lambda: new_tally(_LATENCY_BUCKETS))
-        self.registry.register(IndexCallCollector(wrapped))
+        self.sums.register(self.registry, IndexCallCollector(wrapped))
         if index.remote is not None:
             self.registry.register(IndexBackendCollector(index.remote.metrics, index.backend))
         return wrapped

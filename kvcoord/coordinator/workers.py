@@ -20,7 +20,8 @@ snapshot. Workers bind the HTTP port with ``SO_REUSEPORT`` (the kernel spreads c
 the main process holds the port bound but does not listen on it: it serves the API on a private loopback
 listener, where workers forward the routes that are not lookups (``/register``, ``/workers``, ...).
 A worker exits when its pipe closes (the main process died) and on SIGTERM; a worker that exits is
-restarted (at most once a second) and logged.
+restarted (at most once a second) and logged. Each worker reports its lookup metrics over its stdout
+pipe; the main process's ``/metrics`` adds them to its own (:mod:`kvcoord.coordinator.worker_metrics`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvcoord.coordinator.registry import CHANGES
+from kvcoord.coordinator.worker_metrics import WorkerReports
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import ApplyResult
 from kvcoord.index.memory import MemoryIndex
@@ -141,7 +143,8 @@ class _Worker:
     synced: bool = False
     """It was sent a snapshot and every frame since."""
     started: float = 0.0
-    restarts: int = 0
+    reading: asyncio.Task[None] | None = None
+    """Its metrics reports (:class:`WorkerReports`)."""
 
 
 class LookupWorkers:
@@ -153,6 +156,8 @@ class LookupWorkers:
         self.index = index
         self.engines = engines
         self.workers = [_Worker(n + 1) for n in range(count)]
+        self.reports = WorkerReports(count, state.metrics.sums)
+        state.metrics.registry.register(self.reports)
         self.host, self.port, self.main_port = host, port, main_port
         self.seq = 0
         self._seen = CHANGES.count
@@ -207,7 +212,7 @@ class LookupWorkers:
         heard = {rec.node_id: rec.last_heard for rec in self.state.registry} if tick else None
         self.seq += 1
         extra = self._extra() if tick or full else None  # a registration bumps CHANGES without a node
-        data = frame(("delta", self.seq, calls, full, records, heard, extra))
+        data = frame(("delta", self.seq, time.monotonic(), calls, full, records, heard, extra))
         for w in self.workers:
             if w.synced and w.proc is not None and w.proc.stdin is not None:
                 transport = w.proc.stdin.transport
@@ -228,15 +233,18 @@ class LookupWorkers:
         image = self.index.export_all_sync()
         records = {rec.node_id: rec for rec in self.state.registry}
         self._extras = ()
-        w.proc.stdin.write(frame(("snapshot", self.seq, image, records, self._extra())))
+        w.proc.stdin.write(frame(("snapshot", self.seq, time.monotonic(), image, records, self._extra())))
         w.synced = True
 
     # --- processes ---------------------------------------------------------------------------
     async def _spawn(self, w: _Worker) -> None:
         w.started = time.monotonic()
         w.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvcoord.coordinator.lookup_worker", stdin=asyncio.subprocess.PIPE)
-        assert w.proc.stdin is not None
+            sys.executable, "-m", "kvcoord.coordinator.lookup_worker", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE)
+        assert w.proc.stdin is not None and w.proc.stdout is not None
+        w.reading = asyncio.get_running_loop().create_task(self.reports.read(w.number, w.proc.stdout),
+                                                           name=f"kvcoord-lookup-worker-{w.number}-reports")
         cfg: CoordinatorConfig = self.state.config
         w.proc.stdin.write(frame(("hello", cfg, w.number, self.host, self.port, self.main_port)))
         self._snapshot(w)
@@ -255,7 +263,7 @@ class LookupWorkers:
                 return
             if proc is not None:
                 log.warning("lookup worker %d exited (code %s); restarting it", w.number, proc.returncode)
-            w.restarts += 1
+            self.reports.restarted(w.number)
             w.synced = False
             await self._spawn(w)
             return
@@ -284,3 +292,8 @@ class LookupWorkers:
                     async with asyncio.timeout(1.0):
                         await p.wait()
             del pending
+        reading = [w.reading for w in self.workers if w.reading is not None]
+        if reading:  # their pipes closed with them: the last reports are taken, then the tasks end
+            _, late = await asyncio.wait(reading, timeout=1.0)
+            for task in late:
+                task.cancel()

@@ -46,8 +46,10 @@ BANNER = re.compile(r"lookup workers, pids ([\d,]+); main 127\.0\.0\.1:(\d+)")
 
 
 class Serve:
-    def __init__(self, proc: object, port: int, http: int, main: int, pids: list[int], log: Path) -> None:
+    def __init__(self, proc: object, port: int, http: int, main: int, pids: list[int], log: Path,
+                 metrics: int) -> None:
         self.proc, self.port, self.http, self.main, self.pids, self.log = proc, port, http, main, pids, log
+        self.metrics = metrics
 
     @property
     def address(self) -> str:
@@ -56,9 +58,9 @@ class Serve:
 
 @contextmanager
 def serve(tmp: Path, workers: int = 2, lease: float = 10.0) -> Iterator[Serve]:
-    port, http = free_port(), free_port()
+    port, http, metrics = free_port(), free_port(), free_port()
     cfg = tmp / "kvcoord.toml"
-    write_config(cfg, port, free_port(), f"lookup_workers = {workers}", lease)
+    write_config(cfg, port, metrics, f"lookup_workers = {workers}", lease)
     log = tmp / "serve.log"
     with running(kvcoord_cmd("serve", "--config", str(cfg), "--http-listen", f"127.0.0.1:{http}"),
                  log=log) as proc:
@@ -70,7 +72,7 @@ def serve(tmp: Path, workers: int = 2, lease: float = 10.0) -> Iterator[Serve]:
         answered: set[str] = set()
         until(lambda: answered.update({get_health(http)}) or len(answered - {""}) == workers,
               "every worker to answer", timeout=60)
-        yield Serve(proc, port, http, int(found.group(2)), pids, log)
+        yield Serve(proc, port, http, int(found.group(2)), pids, log, metrics)
 
 
 def get_health(port: int) -> str:

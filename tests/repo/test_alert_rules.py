@@ -96,6 +96,7 @@ UNWATCHED = {
     "kvcoord_index_mirror_feed_entries_total": "mirror=1 only (docs/operations.md, Redis)",
     "kvcoord_index_mirror_lookups_total": "mirror=1 only (docs/operations.md, Redis)",
     "kvcoord_lookup_answers_total": "HTTP fast path against the general one: a tuning figure",
+    "kvcoord_lookup_worker_frames_applied_total": "the lookup workers' progress; their lag is alerted on",
     "kvcoord_pool_unknown_announcements_total": "the node still reaches its pools; logged once per name",
     "kvcoord_redis_wait_seconds_total": "with kvcoord_redis_wait_total, a mean for tuning wait_replicas",
     "kvcoord_reserved_prefill_tokens": "the load reservations stand for, beside kvcoord_reservations",

@@ -35,12 +35,13 @@ import grpc
 import msgspec
 import pytest
 import yaml
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcoord.cli import build_parser
 from kvcoord.coordinator.config import load_config
 from kvcoord.coordinator.server import LIVENESS
+from kvcoord.coordinator.worker_metrics import ProcessSums, WorkerReports
 from kvcoord.events import BlockStored, KVEvent
 from kvcoord.gateway.keys import Keys, Refused, load_keys
 from kvcoord.gateway.route_metrics import RouteMetrics
@@ -985,6 +986,18 @@ def epp_scrape() -> Scrape:
     return parse_exposition(generate_latest(m.registry).decode())
 
 
+def workers_scrape() -> Scrape:
+    """The lookup workers' families of ``kvcoord serve --lookup-workers`` (not the memory-less
+    ``coordinator`` fixture's): the main process's :class:`WorkerReports` of two workers. Their values from
+    live workers are read by tests/coordinator/test_lookup_worker_metrics.py; here, names, types and
+    labels."""
+    registry = CollectorRegistry()
+    reports = WorkerReports(2, ProcessSums())
+    reports.restarted(2)
+    registry.register(reports)
+    return parse_exposition(generate_latest(registry).decode())
+
+
 def parse_exposition(text: str) -> Scrape:
     families: dict[str, str] = {}
     labels: dict[str, set[str]] = {}
@@ -1129,7 +1142,7 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinato
 
 
 def test_every_metric_in_rules_and_dashboards_is_exported(coordinator: Coordinator) -> None:
-    router, epp = route_scrape(), epp_scrape()
+    router, epp, workers = route_scrape(), epp_scrape(), workers_scrape()
     problems = []
     used: set[str] = set()
     for q in queries():
@@ -1138,7 +1151,7 @@ def test_every_metric_in_rules_and_dashboards_is_exported(coordinator: Coordinat
             name, selector = m.group(1), m.group(2) or ""
             used.add(name)
             sc = (router if name.startswith("kvcoord_route_") else epp if name.startswith("kvcoord_epp_")
-                  else coordinator.final)
+                  else workers if name.startswith("kvcoord_lookup_worker_") else coordinator.final)
             family = strip_suffix(name, sc.families)
             if family is None:
                 problems.append(f"{q.where}: {name} is not exported (families: {sorted(sc.families)})")
@@ -1160,7 +1173,8 @@ def test_every_metric_in_rules_and_dashboards_is_exported(coordinator: Coordinat
         for label in q.label_refs - result_labels:
             problems.append(f"{q.where}: reads label {label!r}, which the result does not carry")
     assert not problems, "\n".join(problems)
-    families_used = {strip_suffix(n, {**coordinator.final.families, **router.families, **epp.families})
+    families_used = {strip_suffix(n, {**coordinator.final.families, **router.families, **epp.families,
+                                       **workers.families})
                      for n in used}
     assert len({n for n in families_used if n and n.startswith("kvcoord_route_")}) >= 10, families_used
     assert len(families_used) >= 22, sorted(n for n in families_used if n)
