@@ -95,6 +95,8 @@ UNWATCHED = {
     "kvcoord_index_mirror_loads_total": "mirror=1 only (docs/operations.md, Redis)",
     "kvcoord_index_mirror_feed_entries_total": "mirror=1 only (docs/operations.md, Redis)",
     "kvcoord_index_mirror_lookups_total": "mirror=1 only (docs/operations.md, Redis)",
+    "kvcoord_index_walked_lookups_total": "with kvcoord_index_mirror_lookups_total, which path answered "
+                                          "lookups (failures: kvcoord_index_errors_total)",
     "kvcoord_lookup_answers_total": "HTTP fast path against the general one: a tuning figure",
     "kvcoord_pool_unknown_announcements_total": "the node still reaches its pools; logged once per name",
     "kvcoord_redis_wait_seconds_total": "with kvcoord_redis_wait_total, a mean for tuning wait_replicas",

@@ -66,7 +66,7 @@ def test_sentinel_uris_parse_into_sentinels_master_and_options() -> None:
     ("redis+sentinel://h:1/m?health_check_interval=soon", "health_check_interval must be an integer"),
     ("redis+sentinel://h:1/m?buckets=0", "buckets must be an integer"),
     ("redis://h:1/0?sentinel_password=x", "unknown option 'sentinel_password'"),
-    ("redis+cluster://h:1?ssl=1", "unknown option 'ssl'"),
+    ("redis+cluster://h:1?sentinel_password=x", "unknown option 'sentinel_password'"),
 ])
 def test_bad_sentinel_uris(uri: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
