@@ -19,7 +19,8 @@ from tests.redis_servers import (
     stop_server,
 )
 
-redis_server, redis_cluster, redis_sentinel, redis_tls = redis_session_fixtures()
+(redis_server, redis_cluster, redis_sentinel, redis_tls, redis_cluster_tls,
+ redis_sentinel_tls) = redis_session_fixtures()
 
 # Coordinators the tests start serve no HTTP API unless a test asks (--http-listen, or http_listen in its
 # config): the default port is fixed, and tests run next to each other and to whatever else the host runs.
@@ -57,10 +58,16 @@ INDEX_FACTORIES: dict[str, IndexFactory] = {
     "redis-cluster-mirror": redis_index_factory("redis_cluster", "?mirror=1"),
     "redis-sentinel": redis_index_factory("redis_sentinel"),
     "redis-tls": redis_index_factory("redis_tls"),
+    "redis-cluster-tls": redis_index_factory("redis_cluster_tls"),
 }
 
 
-@pytest.fixture(params=list(INDEX_FACTORIES))
+SUITE_ONLY = ("redis-cluster-tls",)
+"""Backends only the backend suite (``tests/index/test_index_backends.py``) runs, not every test that runs
+per backend: TLS changes how the backend connects, not what the coordinator above it does."""
+
+
+@pytest.fixture(params=[b for b in INDEX_FACTORIES if b not in SUITE_ONLY])
 def index_backend(request: pytest.FixtureRequest) -> str:
     """The backend name under test (for tests that build indexes themselves, e.g. state machines)."""
     return str(request.param)

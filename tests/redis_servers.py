@@ -1,6 +1,10 @@
 """Real ``redis-server`` processes for tests and benchmarks: one standalone server (also one that speaks
 TLS), a 3-shard Cluster, or a primary with a replica watched by 3 sentinels (``redis-sentinel``).
 
+The Cluster and Sentinel starters take ``tls=True``: then every server and sentinel listens with TLS
+only (``--port 0``, client certificates required, replication, the cluster bus and the sentinels' links
+over TLS too), with a test PKI (:func:`~tests.procs.make_certs`) in a temporary directory of its own.
+
 Every server runs on a free port in its own temporary directory with persistence off
 (``--save "" --appendonly no``); ``stop()`` kills the processes and removes the directories.
 The Redis already running on 6379 is never touched.
@@ -32,9 +36,48 @@ REDIS_SENTINEL = shutil.which("redis-sentinel")
 SENTINEL_MASTER = "kvtest"
 
 
-def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
+Certs = dict[str, Path]
+"""A test PKI (:func:`~tests.procs.make_certs`): ``ca_crt``, ``server_crt``, ``client_crt``, keys."""
+
+
+def _tls_cli(certs: Certs | None) -> list[str]:
+    """``redis-cli``'s TLS options with the test client certificate (none without ``certs``)."""
+    if certs is None:
+        return []
+    return ["--tls", "--cacert", str(certs["ca_crt"]), "--cert", str(certs["client_crt"]),
+            "--key", str(certs["client_key"])]
+
+
+def _tls_server(certs: Certs) -> list[tuple[str, str]]:
+    """A server's (or sentinel's) TLS settings: client certificates required, and its own outgoing links
+    (replication, the cluster bus, a sentinel's to the servers and the other sentinels) over TLS with the
+    client certificate (the server one is for serving only)."""
+    return [
+        ("tls-cert-file", str(certs["server_crt"])), ("tls-key-file", str(certs["server_key"])),
+        ("tls-client-cert-file", str(certs["client_crt"])), ("tls-client-key-file", str(certs["client_key"])),
+        ("tls-ca-cert-file", str(certs["ca_crt"])), ("tls-auth-clients", "yes"), ("tls-replication", "yes"),
+    ]  # fmt: skip
+
+
+def tls_query(certs: Certs) -> str:
+    """The index URI options that make redis-py (and the fast path) present the test client certificate."""
+    return (f"ssl_ca_certs={certs['ca_crt']}&ssl_certfile={certs['client_crt']}"
+            f"&ssl_keyfile={certs['client_key']}")
+
+
+def new_certs() -> Certs:
+    """A test PKI in a fresh temporary directory (:func:`remove_certs` removes it)."""
+    return make_certs(Path(tempfile.mkdtemp(prefix="kvcoord-redis-tls-")))
+
+
+def remove_certs(certs: Certs | None) -> None:
+    if certs is not None:
+        shutil.rmtree(certs["ca_crt"].parent, ignore_errors=True)
+
+
+def _cli(port: int, *args: str, timeout: float = 10.0, certs: Certs | None = None) -> str:
     out = subprocess.run(
-        [REDIS_CLI, "-h", "127.0.0.1", "-p", str(port), *args],
+        [REDIS_CLI, "-h", "127.0.0.1", "-p", str(port), *_tls_cli(certs), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -45,21 +88,31 @@ def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
 
 @dataclass
 class RedisServer:
-    """One ``redis-server`` process; ``restart()`` brings it back on the same port (empty, no persistence)."""
+    """One ``redis-server`` process; ``restart()`` brings it back on the same port (empty, no persistence).
+    With ``certs``, ``port`` is a TLS port and the only one (``--port 0``)."""
 
     port: int
     dir: Path
     extra: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
+    certs: Certs | None = None
 
     @property
     def url(self) -> str:
+        if self.certs is not None:
+            return f"rediss://127.0.0.1:{self.port}/0?{tls_query(self.certs)}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        listen = ["--port", str(self.port)]
+        if self.certs is not None:
+            listen = ["--port", "0", "--tls-port", str(self.port),
+                      *(a for k, v in _tls_server(self.certs) for a in (f"--{k}", v))]
+            if "--cluster-enabled" in self.extra:
+                listen += ["--tls-cluster", "yes"]
         cmd = [
             REDIS_SERVER,
-            "--port", str(self.port),
+            *listen,
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "no",
@@ -73,7 +126,7 @@ class RedisServer:
         deadline = time.monotonic() + 15
         while True:
             with contextlib.suppress(subprocess.SubprocessError):
-                if _cli(self.port, "PING", timeout=2).strip() == "PONG":
+                if _cli(self.port, "PING", timeout=2, certs=self.certs).strip() == "PONG":
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"redis-server on {self.port} does not answer PING")
@@ -93,10 +146,14 @@ class RedisServer:
         self.start()
 
     def cli(self, *args: str) -> str:
-        return _cli(self.port, *args)
+        return _cli(self.port, *args, certs=self.certs)
 
     def flushall(self) -> None:
-        with redis.Redis(host="127.0.0.1", port=self.port) as r:
+        c = self.certs
+        tls: dict[str, Any] = {} if c is None else {
+            "ssl": True, "ssl_ca_certs": str(c["ca_crt"]), "ssl_certfile": str(c["client_crt"]),
+            "ssl_keyfile": str(c["client_key"])}
+        with redis.Redis(host="127.0.0.1", port=self.port, **tls) as r:
             r.flushall()
 
     def used_memory(self) -> int:
@@ -109,13 +166,16 @@ class RedisServer:
 
 @dataclass
 class RedisCluster:
-    """A Redis Cluster: its primaries, and one replica per primary when started with ``replicas=1``."""
+    """A Redis Cluster: its primaries, and one replica per primary when started with ``replicas=1``;
+    over TLS only with ``certs``."""
 
     servers: list[RedisServer] = field(default_factory=list)
+    certs: Certs | None = None
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        return url if self.certs is None else f"{url}?ssl=1&{tls_query(self.certs)}"
 
     def flushall(self) -> None:
         for s in self.servers:
@@ -125,10 +185,10 @@ class RedisCluster:
         return sum(s.used_memory() for s in self.servers)
 
 
-def start_server(*extra: str) -> RedisServer:
-    """Start a standalone server on a free port in a fresh temporary directory."""
+def start_server(*extra: str, certs: Certs | None = None) -> RedisServer:
+    """Start a standalone server on a free port in a fresh temporary directory (TLS only with ``certs``)."""
     d = Path(tempfile.mkdtemp(prefix="kvcoord-redis-"))
-    server = RedisServer(port=free_port(), dir=d, extra=extra)
+    server = RedisServer(port=free_port(), dir=d, extra=extra, certs=certs)
     try:
         server.start()
     except BaseException:
@@ -153,9 +213,7 @@ class TlsRedis:
 
     @property
     def url(self) -> str:
-        c = self.certs
-        return (f"rediss://127.0.0.1:{self.tls_port}/0?ssl_ca_certs={c['ca_crt']}"
-                f"&ssl_certfile={c['client_crt']}&ssl_keyfile={c['client_key']}")
+        return f"rediss://127.0.0.1:{self.tls_port}/0?{tls_query(self.certs)}"
 
     @property
     def servers(self) -> list[RedisServer]:
@@ -167,7 +225,7 @@ class TlsRedis:
 
 @contextlib.contextmanager
 def redis_tls() -> Iterator[TlsRedis]:
-    certs = make_certs(Path(tempfile.mkdtemp(prefix="kvcoord-redis-tls-")))
+    certs = new_certs()
     port = free_port()
     server = start_server(
         "--tls-port", str(port),
@@ -181,15 +239,18 @@ def redis_tls() -> Iterator[TlsRedis]:
         yield TlsRedis(server, port, certs)
     finally:
         stop_server(server)
-        shutil.rmtree(certs["ca_crt"].parent, ignore_errors=True)
+        remove_certs(certs)
 
 
-def start_cluster(shards: int = 3, timeout: float = 30.0, replicas: int = 0) -> RedisCluster:
+def start_cluster(shards: int = 3, timeout: float = 30.0, replicas: int = 0,
+                  tls: bool = False) -> RedisCluster:
     """Start ``shards`` cluster-enabled primaries (and ``replicas`` replicas of each), join them
-    (``redis-cli --cluster create``), wait for ok."""
+    (``redis-cli --cluster create``), wait for ok. ``tls``: TLS only (clients, the bus, replication)."""
     cluster = RedisCluster()
     total = shards * (1 + replicas)
     try:
+        if tls:
+            cluster.certs = new_certs()
         for _ in range(total):
             # An explicit bus port: the default (port + 10000) may be past 65535 for a high free port.
             cluster.servers.append(
@@ -197,11 +258,12 @@ def start_cluster(shards: int = 3, timeout: float = 30.0, replicas: int = 0) -> 
                     "--cluster-enabled", "yes",
                     "--cluster-port", str(free_port()),
                     "--cluster-node-timeout", "2000",
+                    certs=cluster.certs,
                 )
             )  # fmt: skip
         subprocess.run(
             [
-                REDIS_CLI, "--cluster", "create",
+                REDIS_CLI, *_tls_cli(cluster.certs), "--cluster", "create",
                 *(f"127.0.0.1:{s.port}" for s in cluster.servers),
                 "--cluster-replicas", str(replicas), "--cluster-yes",
             ],
@@ -235,6 +297,7 @@ def start_cluster(shards: int = 3, timeout: float = 30.0, replicas: int = 0) -> 
 def stop_cluster(cluster: RedisCluster) -> None:
     for s in cluster.servers:
         stop_server(s)
+    remove_certs(cluster.certs)
 
 
 @contextlib.contextmanager
@@ -247,8 +310,8 @@ def redis_server(*extra: str) -> Iterator[RedisServer]:
 
 
 @contextlib.contextmanager
-def redis_cluster(shards: int = 3) -> Iterator[RedisCluster]:
-    cluster = start_cluster(shards)
+def redis_cluster(shards: int = 3, tls: bool = False) -> Iterator[RedisCluster]:
+    cluster = start_cluster(shards, tls=tls)
     try:
         yield cluster
     finally:
@@ -257,16 +320,22 @@ def redis_cluster(shards: int = 3) -> Iterator[RedisCluster]:
 
 @dataclass
 class SentinelProc:
-    """One ``redis-sentinel`` process (its config file is its own: Sentinel rewrites it)."""
+    """One ``redis-sentinel`` process (its config file is its own: Sentinel rewrites it); TLS only with
+    ``certs`` (it then announces its TLS port to the other sentinels)."""
 
     port: int
     dir: Path
     proc: subprocess.Popen[bytes] | None = None
+    certs: Certs | None = None
 
     def start(self, primary_port: int) -> None:
         conf = self.dir / "sentinel.conf"
+        listen = f"port {self.port}\n"
+        if self.certs is not None:
+            listen = f"port 0\ntls-port {self.port}\n" + "".join(
+                f"{k} {v}\n" for k, v in _tls_server(self.certs))
         conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\nlogfile {self.dir / 'sentinel.log'}\n"
+            f"{listen}bind 127.0.0.1\ndir {self.dir}\nlogfile {self.dir / 'sentinel.log'}\n"
             f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary_port} 2\n"
             f"sentinel down-after-milliseconds {SENTINEL_MASTER} 800\n"
             f"sentinel failover-timeout {SENTINEL_MASTER} 4000\n"
@@ -283,27 +352,29 @@ class SentinelProc:
                 os.killpg(proc.pid, signal.SIGKILL)
             stop(proc)
 
-    def cli(self, *args: str) -> str:
-        return _cli(self.port, *args)
+    def cli(self, *args: str, timeout: float = 10.0) -> str:
+        return _cli(self.port, *args, timeout=timeout, certs=self.certs)
 
     def master(self) -> dict[str, str]:
         """``SENTINEL MASTER`` as a dict (``ip``, ``port``, ``flags``, ``num-slaves``, ...)."""
-        lines = _cli(self.port, "SENTINEL", "MASTER", SENTINEL_MASTER, timeout=5).splitlines()
+        lines = self.cli("SENTINEL", "MASTER", SENTINEL_MASTER, timeout=5).splitlines()
         return dict(zip(lines[0::2], lines[1::2], strict=False))
 
 
 @dataclass
 class RedisSentinel:
     """A primary and a replica (``servers``, the primary first at start) and 3 sentinels with a quorum
-    of 2 that fail over in about 2 s (``down-after-milliseconds`` 800)."""
+    of 2 that fail over in about 2 s (``down-after-milliseconds`` 800); every link over TLS with ``certs``."""
 
     servers: list[RedisServer] = field(default_factory=list)
     sentinels: list[SentinelProc] = field(default_factory=list)
+    certs: Certs | None = None
 
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
-        return f"redis+sentinel://{hosts}/{SENTINEL_MASTER}"
+        url = f"redis+sentinel://{hosts}/{SENTINEL_MASTER}"
+        return url if self.certs is None else f"{url}?ssl=1&sentinel_ssl=1&{tls_query(self.certs)}"
 
     def primary_port(self) -> int | None:
         """The primary the sentinels name (the first one that answers), or None."""
@@ -345,17 +416,19 @@ class RedisSentinel:
         return "connected_slaves:1" in info and "state=online" in info
 
 
-def start_sentinel(timeout: float = 60.0) -> RedisSentinel:
-    """A primary, its replica and 3 sentinels, waited for until :meth:`RedisSentinel.settled`."""
+def start_sentinel(timeout: float = 60.0, tls: bool = False) -> RedisSentinel:
+    """A primary, its replica and 3 sentinels, waited for until :meth:`RedisSentinel.settled`
+    (``tls``: every server and sentinel over TLS only)."""
     if REDIS_SENTINEL is None:
         raise FileNotFoundError("redis-sentinel is not installed")
-    rs = RedisSentinel()
+    rs = RedisSentinel(certs=new_certs() if tls else None)
     try:
-        primary = start_server()
+        primary = start_server(certs=rs.certs)
         rs.servers.append(primary)
-        rs.servers.append(start_server("--replicaof", "127.0.0.1", str(primary.port)))
+        rs.servers.append(start_server("--replicaof", "127.0.0.1", str(primary.port), certs=rs.certs))
         for _ in range(3):
-            sp = SentinelProc(port=free_port(), dir=Path(tempfile.mkdtemp(prefix="kvcoord-sentinel-")))
+            sp = SentinelProc(port=free_port(), dir=Path(tempfile.mkdtemp(prefix="kvcoord-sentinel-")),
+                              certs=rs.certs)
             rs.sentinels.append(sp)
             sp.start(primary.port)
         deadline = time.monotonic() + timeout
@@ -375,15 +448,16 @@ def stop_sentinel(rs: RedisSentinel) -> None:
         shutil.rmtree(sp.dir, ignore_errors=True)
     for s in rs.servers:
         stop_server(s)
+    remove_certs(rs.certs)
 
 
 @contextlib.contextmanager
-def redis_sentinel() -> Iterator[RedisSentinel]:
+def redis_sentinel(tls: bool = False) -> Iterator[RedisSentinel]:
     """:func:`start_sentinel`, stopped after; skips when ``redis-sentinel`` is missing, unless
     ``KVCOORD_REQUIRE_SENTINEL`` is set (CI): then the test fails."""
     if REDIS_SENTINEL is None and not os.environ.get("KVCOORD_REQUIRE_SENTINEL"):
         pytest.skip("redis-sentinel is not installed")
-    rs = start_sentinel()
+    rs = start_sentinel(tls=tls)
     try:
         yield rs
     finally:
@@ -393,9 +467,9 @@ def redis_sentinel() -> Iterator[RedisSentinel]:
 # ------------------------------------------------------------------------------- pytest plumbing
 
 
-def redis_session_fixtures() -> tuple[Any, Any, Any, Any]:
-    """The session-scoped ``redis_server``, ``redis_cluster``, ``redis_sentinel`` and ``redis_tls``
-    fixtures (conftest binds them by name)."""
+def redis_session_fixtures() -> tuple[Any, ...]:
+    """The session-scoped ``redis_server``, ``redis_cluster``, ``redis_sentinel``, ``redis_tls``,
+    ``redis_cluster_tls`` and ``redis_sentinel_tls`` fixtures (conftest binds them by name)."""
 
     @pytest.fixture(scope="session", name="redis_server")
     def _redis_server() -> Iterator[RedisServer]:
@@ -417,7 +491,17 @@ def redis_session_fixtures() -> tuple[Any, Any, Any, Any]:
         with redis_tls() as tls:
             yield tls
 
-    return _redis_server, _redis_cluster, _redis_sentinel, _redis_tls
+    @pytest.fixture(scope="session", name="redis_cluster_tls")
+    def _redis_cluster_tls() -> Iterator[RedisCluster]:
+        with redis_cluster(tls=True) as cluster:
+            yield cluster
+
+    @pytest.fixture(scope="session", name="redis_sentinel_tls")
+    def _redis_sentinel_tls() -> Iterator[RedisSentinel]:
+        with redis_sentinel(tls=True) as rs:
+            yield rs
+
+    return _redis_server, _redis_cluster, _redis_sentinel, _redis_tls, _redis_cluster_tls, _redis_sentinel_tls
 
 
 def redis_index_factory(fixture: str, query: str = "") -> Callable[[pytest.FixtureRequest], Awaitable[Index]]:
@@ -429,7 +513,9 @@ def redis_index_factory(fixture: str, query: str = "") -> Callable[[pytest.Fixtu
 
         target: RedisServer | RedisCluster | RedisSentinel | TlsRedis = request.getfixturevalue(fixture)
         target.flushall()
-        index = RedisIndex.from_uri(target.url + query, key_prefix="kvtest")
+        url = target.url  # (a TLS one has options already)
+        index = RedisIndex.from_uri(url + (query.replace("?", "&") if "?" in url else query),
+                                    key_prefix="kvtest")
         if "mirror=1" in query:
             assert await index.mirror_ready(), "the Redis mirror did not load"
         return index

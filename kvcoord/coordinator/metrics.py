@@ -225,6 +225,13 @@ class IndexBackendCollector(Collector):
         )
         reclaimed_nodes.add_metric([self._backend], float(m.reclaimed_nodes))
         out.append(reclaimed_nodes)
+        walked = CounterMetricFamily(
+            "kvcoord_index_walked_lookups",
+            "Lookups read from the backend on its pipelined fast path and walked in process (not the mirror)",
+            labels=["backend"],
+        )
+        walked.add_metric([self._backend], float(m.walked_lookups))
+        out.append(walked)
         waits = CounterMetricFamily("kvcoord_redis_wait", "Index writes followed by WAIT (?wait_replicas)",
                                     labels=["backend"])
         waits.add_metric([self._backend], float(m.waits))

@@ -17,7 +17,9 @@ OPTIONS = ("buckets", "mirror", "prefix", "timeout", "wait_replicas", "wait_time
 """kvcoord's own query options (the rest of the URI is the connection's)."""
 REDIS_OPTIONS = ("client_name", "health_check_interval", "socket_keepalive", "ssl_ca_certs", "ssl_cert_reqs",
                  "ssl_certfile", "ssl_check_hostname", "ssl_keyfile")
-"""redis-py connection options passed through (standalone Redis and Sentinel)."""
+"""redis-py connection options passed through (standalone Redis, Cluster and Sentinel)."""
+CLUSTER_OPTIONS = ("ssl",)
+"""Cluster only: TLS to every node (``ssl=1``; the ``ssl_*`` options need it)."""
 SENTINEL_OPTIONS = ("sentinel_password", "sentinel_ssl", "sentinel_username", "ssl")
 """Sentinel only: the sentinels' own credentials, TLS to the sentinels (``sentinel_ssl=1``) and to the
 data nodes (``ssl=1``); the ``ssl_*`` options apply to both. The data nodes' credentials are the URI's
@@ -39,7 +41,7 @@ class RedisUri:
     """The master name the sentinels monitor (``redis+sentinel://…/<name>``)."""
     db: int = 0
     node_options: tuple[tuple[str, Any], ...] = ()
-    """Sentinel: redis-py keyword arguments of the data-node connections (typed, checked)."""
+    """Cluster and Sentinel: redis-py keyword arguments of the data-node connections (typed, checked)."""
     sentinel_options: tuple[tuple[str, Any], ...] = ()
     """Sentinel: redis-py keyword arguments of the connections to the sentinels."""
     username: str | None = None
@@ -75,7 +77,8 @@ class RedisUri:
         }
         if self.cluster:
             nodes = [ClusterNode(host, port) for host, port in self.cluster_nodes]
-            return RedisCluster(startup_nodes=nodes, username=self.username, password=self.password, **common)
+            return RedisCluster(startup_nodes=nodes, username=self.username, password=self.password, **common,
+                                **dict(self.node_options))
         if self.sentinel:
             # sentinel_kwargs given: redis-py then copies no option of the data nodes to the sentinels.
             to_sentinels = {**common, **dict(self.sentinel_options)}
@@ -139,7 +142,7 @@ def parse_redis_uri(uri: str) -> RedisUri:
         query[name] = value
     cluster = parts.scheme == "redis+cluster"
     sentinel = parts.scheme == "redis+sentinel"
-    allowed = OPTIONS if cluster else OPTIONS + REDIS_OPTIONS + (SENTINEL_OPTIONS if sentinel else ())
+    allowed = OPTIONS + REDIS_OPTIONS + (CLUSTER_OPTIONS if cluster else SENTINEL_OPTIONS if sentinel else ())
     unknown = sorted(set(query) - set(allowed))
     if unknown:
         raise ValueError(f"index URI {uri!r}: unknown option {unknown[0]!r} (allowed: {', '.join(allowed)})")
@@ -167,7 +170,12 @@ def parse_redis_uri(uri: str) -> RedisUri:
                     mirror=mirror == "1", prefix=prefix, timeout=timeout, wait_replicas=wait_replicas,
                     wait_timeout=wait_timeout)
     if cluster:
-        return replace(base, cluster_nodes=_host_ports(uri, parts.netloc, "cluster node"))
+        node = _typed_options(uri, query)
+        tls_options = sorted(k for k in node if k.startswith("ssl_"))
+        if tls_options and not node.get("ssl"):
+            raise ValueError(f"index URI {uri!r}: {tls_options[0]} needs ssl=1")
+        return replace(base, cluster_nodes=_host_ports(uri, parts.netloc, "cluster node"),
+                       node_options=tuple(sorted(node.items())))
     if sentinel:
         return _sentinel_uri(uri, base, parts.netloc, parts.path, query)
     if parts.scheme != "unix" and not parts.hostname:
@@ -216,18 +224,11 @@ def _host_ports(uri: str, netloc: str, what: str) -> tuple[tuple[str, int], ...]
 
 _TYPED: dict[str, Callable[[str], Any]] = {"health_check_interval": int, "socket_keepalive": bool,
                                            "ssl_check_hostname": bool}
-"""Sentinel options that are not strings (redis-py's URL parser types them for ``redis://``)."""
+"""Cluster and Sentinel options that are not strings (redis-py's URL parser types them for ``redis://``)."""
 
 
-def _sentinel_uri(uri: str, base: RedisUri, netloc: str, path: str, query: dict[str, str]) -> RedisUri:
-    """``redis+sentinel://[user:password@]h1:p1,h2:p2/master-name[/db]?…``: the options typed and split
-    between the data nodes' connections and the sentinels'."""
-    sentinels = _host_ports(uri, netloc, "sentinel")
-    name, _, db = path.strip("/").partition("/")
-    if not name:
-        raise ValueError(f"index URI {uri!r}: no master name (want redis+sentinel://host:port/master-name)")
-    if db and not db.isdigit():
-        raise ValueError(f"index URI {uri!r}: db must be an integer >= 0, not {db!r}")
+def _typed_options(uri: str, query: dict[str, str]) -> dict[str, Any]:
+    """A Cluster's or Sentinel's redis-py options from the query, typed (flags are ``0`` or ``1``)."""
     node: dict[str, Any] = {}
     for key, raw in query.items():
         convert = _TYPED.get(key, str)
@@ -239,6 +240,19 @@ def _sentinel_uri(uri: str, base: RedisUri, netloc: str, path: str, query: dict[
             node[key] = raw == "1"
         else:
             node[key] = convert(raw)
+    return node
+
+
+def _sentinel_uri(uri: str, base: RedisUri, netloc: str, path: str, query: dict[str, str]) -> RedisUri:
+    """``redis+sentinel://[user:password@]h1:p1,h2:p2/master-name[/db]?…``: the options typed and split
+    between the data nodes' connections and the sentinels'."""
+    sentinels = _host_ports(uri, netloc, "sentinel")
+    name, _, db = path.strip("/").partition("/")
+    if not name:
+        raise ValueError(f"index URI {uri!r}: no master name (want redis+sentinel://host:port/master-name)")
+    if db and not db.isdigit():
+        raise ValueError(f"index URI {uri!r}: db must be an integer >= 0, not {db!r}")
+    node = _typed_options(uri, query)
     to_sentinels: dict[str, Any] = {k: v for k, v in node.items() if k.startswith("ssl_")}
     for key in ("sentinel_username", "sentinel_password", "sentinel_ssl"):
         if key in node:

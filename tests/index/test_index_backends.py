@@ -28,6 +28,12 @@ def H(*xs: int) -> list[BlockHash64]:
     return [BlockHash64(x) for x in xs]
 
 
+@pytest.fixture(params=list(INDEX_FACTORIES))
+def index_backend(request: pytest.FixtureRequest) -> str:
+    """Every backend, conftest's ``SUITE_ONLY`` ones too (a Redis Cluster over TLS only)."""
+    return str(request.param)
+
+
 def stored(
     *hashes: int | bytes,
     medium: str | None = None,

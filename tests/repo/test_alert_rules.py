@@ -95,6 +95,8 @@ UNWATCHED = {
     "kvcoord_index_mirror_loads_total": "mirror=1 only (docs/operations.md, Redis)",
     "kvcoord_index_mirror_feed_entries_total": "mirror=1 only (docs/operations.md, Redis)",
     "kvcoord_index_mirror_lookups_total": "mirror=1 only (docs/operations.md, Redis)",
+    "kvcoord_index_walked_lookups_total": "with kvcoord_index_mirror_lookups_total, which path answered "
+                                          "lookups (failures: kvcoord_index_errors_total)",
     "kvcoord_lookup_answers_total": "HTTP fast path against the general one: a tuning figure",
     "kvcoord_lookup_worker_frames_applied_total": "the lookup workers' progress; their lag is alerted on",
     "kvcoord_pool_unknown_announcements_total": "the node still reaches its pools; logged once per name",

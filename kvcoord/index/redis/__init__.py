@@ -28,11 +28,12 @@ holder strings client-side (``walk``): it keeps the set of locations still in th
 block no live candidate holds. Consecutive blocks held by the same locations have byte-identical holder
 strings (records are kept sorted by id, whatever order the stores came in), so the holder list is decoded only
 where it changes. A standalone Redis or Sentinel's primary (TCP, TLS or a unix socket) gets every bucket's
-MULTI in one write on the pipelined connection, one round trip; on a Cluster each bucket's MULTI goes to its
-shard's pipelined connection (``shards``), all at once. Walking in Redis's Lua would pay ~0.6-1 us per block
-to turn query bytes and reply elements into Lua strings; a raw HMGET costs ~0.2 us per field and hiredis
-parses the reply in C. The price is reading the query's tail past the stop (a few hundred bytes at most per
-block). The ``T:ver`` token is a counter plus the server time, so a Redis restarted empty never repeats one.
+MULTI in one write on the pipelined connection, one round trip; on a Cluster (TCP or TLS) each bucket's
+MULTI goes to its shard's pipelined connection (``shards``), all at once. Walking in Redis's Lua would pay
+~0.6-1 us per block to turn query bytes and reply elements into Lua strings; a raw HMGET costs ~0.2 us per
+field and hiredis parses the reply in C. The price is reading the query's tail past the stop (a few hundred
+bytes at most per block). The ``T:ver`` token is a counter plus the server time, so a Redis restarted
+empty never repeats one.
 
 Ingest: ``apply`` validates and packs a batch in Python (consecutive same-tier events merge into one
 op), then queues it on its bucket. One write call per bucket is in flight at a time and takes every

@@ -63,6 +63,10 @@ class RedisMetrics:
     not ``master`` on connect): each dropped the connections so that the next one finds the primary."""
     reconnects: int = 0
     """Times a round trip succeeded after Redis had been unreachable."""
+    walked_lookups: int = 0
+    """Lookups read from Redis on the pipelined fast path (hiredis connections of our own: to the primary,
+    or one per Cluster primary; TCP, TLS or a unix socket) and walked here; the mirror's are
+    ``mirror.lookups``. Every lookup not answered by the mirror is one of these, or failed."""
     reclaimed_entries: int = 0
     """(block, location) pairs of retired locations dropped by reclaim (any tiers count once)."""
     reclaimed_nodes: int = 0

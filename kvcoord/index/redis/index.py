@@ -281,6 +281,7 @@ class RedisIndex:
         hmgets = [_hmget_command(f"{tag}:inv:{model}".encode(), blob) for tag in tags]
         read = self._read_fast if self._fast is not None else self._read_cluster
         res = await self._conn.round_trip(functools.partial(read, tags, hmgets))
+        self.metrics.walked_lookups += 1
         lost = [tag for k, tag in enumerate(tags) if lua.epoch_changed(res[2 * k])]
         if lost:
             raise lua.index_reset(lost, "lookup")

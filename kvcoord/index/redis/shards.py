@@ -1,7 +1,8 @@
 """The pipelined fast path on a Redis Cluster: one :class:`~kvcoord.index.redis.client._FastPath` per
 primary, found by slot through redis-py's own view of the cluster, so a lookup sends each bucket's
 ``MULTI`` straight to its shard, every bucket at once. A ``MOVED`` (a failover, a resharding) or a lost
-connection refreshes that view; writes and everything else keep going through redis-py."""
+connection refreshes that view; writes and everything else keep going through redis-py. Over TLS
+(``redis+cluster://…?ssl=1``) each connection takes redis-py's TLS context from the cluster's own options."""
 
 from __future__ import annotations
 

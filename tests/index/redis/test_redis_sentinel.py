@@ -66,7 +66,7 @@ def test_sentinel_uris_parse_into_sentinels_master_and_options() -> None:
     ("redis+sentinel://h:1/m?health_check_interval=soon", "health_check_interval must be an integer"),
     ("redis+sentinel://h:1/m?buckets=0", "buckets must be an integer"),
     ("redis://h:1/0?sentinel_password=x", "unknown option 'sentinel_password'"),
-    ("redis+cluster://h:1?ssl=1", "unknown option 'ssl'"),
+    ("redis+cluster://h:1?sentinel_password=x", "unknown option 'sentinel_password'"),
 ])
 def test_bad_sentinel_uris(uri: str, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
@@ -201,12 +201,14 @@ async def test_sentinel_failover_is_followed_and_the_old_primary_returns_demoted
 
 
 @pytest.mark.slow
-async def test_a_hung_primary_is_left_when_the_sentinels_announce_the_failover() -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+async def test_a_hung_primary_is_left_when_the_sentinels_announce_the_failover(tls: bool) -> None:
     """SIGSTOP the primary (it hangs rather than dies) with a 30 s socket timeout: the sentinels'
     ``+switch-master`` message makes kvcoord drop its connections and reconnect to the new primary, so
-    round trips resume after the promotion instead of waiting out the timeout."""
-    with redis_sentinel() as rs:
-        idx = RedisIndex.from_uri(rs.url + "?timeout=30", key_prefix="kvhung")
+    round trips resume after the promotion instead of waiting out the timeout. With ``tls`` every link
+    is TLS only: the sentinels' messages, their answer naming the new primary, and the fast path to it."""
+    with redis_sentinel(tls=tls) as rs:
+        idx = RedisIndex.from_uri(rs.url + ("&" if tls else "?") + "timeout=30", key_prefix="kvhung")
         try:
             async with looping(idx) as loop:
                 await poll(lambda: len(loop.ok) > 20, "the loop to run")
