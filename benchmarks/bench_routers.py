@@ -59,15 +59,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import pct, route_cmd
-from benchmarks.replay_route import (
-    BLOCK,
-    MODEL,
-    start_engines,
-    start_serve,
-    trace_requests,
-    until_backends,
-)
+from benchmarks.common import MODEL, pct, route_cmd, start_engines, start_serve
+from benchmarks.replay_route import PROFILE, trace_requests, until_backends
 from tests.procs import TRACES, free_port, running, wait_for_port
 
 ROUTERS = ("kvcoord", "sglang-router", "smg", "round-robin")
@@ -155,15 +148,17 @@ def _fleet(tmp: Path, args: argparse.Namespace, router: str, replicas: int) -> I
         engines = start_engines(stack, tmp, tag, args.nodes, args.blocks_per_node,
                                 "--prefill-us-per-token", str(args.prefill_us_per_token),
                                 "--decode-ms-per-token", str(args.decode_ms_per_token),
-                                "--max-num-seqs", str(args.max_running))
-        urls = {node: _url(http) for node, (http, _) in engines.items()}
+                                "--max-num-seqs", str(args.max_running), profile=PROFILE)
+        urls = {node: url for node, (url, _) in engines.items()}
         ports = [free_port() for _ in range(replicas)]
         fleet = Fleet([_url(p) for p in ports], [], urls)
         if router == "kvcoord":
-            gport, hport, fleet.coordinator_pid = start_serve(stack, tmp, tag, http=True,
-                                                              tokenizer=next(iter(urls.values())))
+            hport = free_port()
+            coordinator, fleet.coordinator_pid = start_serve(stack, tmp / f"{tag}-serve.log",
+                                                             next(iter(urls.values())), http_port=hport,
+                                                             profile=PROFILE)
             asyncio.run(_register(_url(hport), engines))
-            cmds = [route_cmd(p, "--coordinator", f"127.0.0.1:{gport}",
+            cmds = [route_cmd(p, "--coordinator", coordinator,
                               "--deadline-ms", str(args.deadline_ms), "--refresh-interval", "0.5",
                               "--seed", str(args.seed + i),
                               "--prefill-us-per-token", str(args.prefill_us_per_token),
@@ -189,13 +184,13 @@ def _fleet(tmp: Path, args: argparse.Namespace, router: str, replicas: int) -> I
         yield fleet
 
 
-async def _register(base: str, engines: dict[str, tuple[int, int]]) -> None:
+async def _register(base: str, engines: dict[str, tuple[str, int]]) -> None:
     """Register every engine with the coordinator's HTTP API (it then relays their events itself)."""
     async with aiohttp.ClientSession() as s:
-        for i, (http, pub) in enumerate(engines.values()):
-            body = {"instance_id": i, "model_name": MODEL, "block_size": BLOCK,
+        for i, (url, pub) in enumerate(engines.values()):
+            body = {"instance_id": i, "model_name": MODEL, "block_size": PROFILE.block_size,
                     "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{pub + 1}",
-                    "serving_url": _url(http), "metrics_url": f"{_url(http)}/metrics"}
+                    "serving_url": url, "metrics_url": f"{url}/metrics"}
             async with s.post(f"{base}/register", json=body) as r:
                 if r.status >= 300:
                     raise RuntimeError(f"register engine {i}: HTTP {r.status}: {await r.text()}")
@@ -387,7 +382,7 @@ def main() -> None:
     reqs: list[Request] = [(at, " ".join(f"w{t}" for t in toks), out) for at, toks, out in tokens]
     args.mean_output_tokens = statistics.fmean(r[2] for r in reqs)
     print(f"{len(reqs)} requests over {reqs[-1][0]:.0f} s, {sum(len(t[1]) for t in tokens):,} prompt "
-          f"tokens; {args.nodes} engines x {args.blocks_per_node} blocks of {BLOCK}, prefill "
+          f"tokens; {args.nodes} engines x {args.blocks_per_node} blocks of {PROFILE.block_size}, prefill "
           f"{args.prefill_us_per_token:g} us/token, decode {args.decode_ms_per_token:g} ms/step; load "
           f"average {os.getloadavg()[0]:.2f}")
     print("| router | replicas | cached share | TTFT p50 / p90 / p99 s | prompt tokens per engine (max/mean) "

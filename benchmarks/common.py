@@ -1,6 +1,6 @@
 """What the benchmarks that run ``kvcoord`` as real processes on this machine share, so a flag of the
 commands they start, or a way of measuring, is changed in one place: the sim-engines' model and hash
-profile, starting a sim-engine, ``kvcoord serve`` and an agent, ``kvcoord route``'s command line, a
+profile, starting sim-engines, ``kvcoord serve`` and an agent, ``kvcoord route``'s command line, a
 process's CPU seconds from ``/proc``, a percentile, and the command line's common part.
 
 A benchmark puts the repository on ``sys.path`` first, then ``from benchmarks.common import ...``.
@@ -13,11 +13,12 @@ import contextlib
 import os
 from pathlib import Path
 
-from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
+from kvcoord.hashing import HashProfile
+from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 
 MODEL = "sim-model"
-SPEC = f"{MODEL},algo=sha256_cbor,block_size=16,seed=0"
-"""The coordinator's ``--model`` for the engines :func:`start_engine` starts (``,tokenizer=URL`` added)."""
+PROFILE = HashProfile("sha256_cbor", 16, seed="0")
+"""The sim-engines' hash profile, unless a benchmark passes its own (``replay_route``'s xxhash)."""
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -45,44 +46,69 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def start_engine(stack: contextlib.ExitStack, log: Path, *flags: str) -> tuple[str, int]:
-    """A ``kvcoord sim-engine`` (SPEC's profile, 65536 blocks, serving HTTP, publishing KV events on ZMQ;
-    ``flags`` last), stopped with ``stack``: its URL and its PUB port. Not waited for: :func:`wait_url`
-    (several engines start side by side)."""
-    http, pub = free_port(), free_port()
+def model_spec(profile: HashProfile = PROFILE, tokenizer: str = "") -> str:
+    """The coordinator's ``--model`` for MODEL's engines hashing with ``profile`` (tokenizing through
+    ``tokenizer``'s ``/tokenize``, given one)."""
+    return (f"{MODEL},algo={profile.algo},block_size={profile.block_size},seed={profile.seed}"
+            + (f",tokenizer={tokenizer}" if tokenizer else ""))
+
+
+def start_engine(stack: contextlib.ExitStack, log: Path, *flags: str, profile: HashProfile = PROFILE,
+                 blocks: int = 65536, replay: bool = False) -> tuple[str, int]:
+    """A ``kvcoord sim-engine`` (``profile``'s hashes, ``blocks`` blocks, serving HTTP, publishing KV events
+    on ZMQ, with ``replay`` a replay socket on the PUB port + 1; ``flags`` last), stopped with ``stack``:
+    its URL and its PUB port. Not waited for: :func:`wait_url` (several engines start side by side)."""
+    http, pub = free_port(), free_port_pair() if replay else free_port()
+    replay_bind = ("--replay-bind", f"tcp://127.0.0.1:{pub + 1}") if replay else ()
     stack.enter_context(running(kvcoord_cmd(
-        "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", "--model", MODEL, "--algo", "sha256_cbor",
-        "--hash-seed", "0", "--block-size", "16", "--http-listen", f"127.0.0.1:{http}", "--rate", "0",
-        "--requests", "0", "--num-blocks", "65536", *flags), log=log))
+        "sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}", *replay_bind, "--model", MODEL,
+        "--algo", profile.algo, "--hash-seed", str(profile.seed), "--block-size", str(profile.block_size),
+        "--http-listen", f"127.0.0.1:{http}", "--rate", "0", "--requests", "0", "--num-blocks", str(blocks),
+        *flags), log=log))
     return f"http://127.0.0.1:{http}", pub
+
+
+def start_engines(stack: contextlib.ExitStack, tmp: Path, tag: str, n: int, blocks: int, *flags: str,
+                  profile: HashProfile = PROFILE) -> dict[str, tuple[str, int]]:
+    """``n`` engines of :func:`start_engine` (``node-0``, ...) with replay sockets, once each answers on
+    HTTP: node -> (URL, PUB port; replay on PUB + 1). Logs go to ``tmp/{tag}-{node}.log``."""
+    engines = {f"node-{i}": start_engine(stack, tmp / f"{tag}-node-{i}.log", *flags, profile=profile,
+                                         blocks=blocks, replay=True) for i in range(n)}
+    for url, _ in engines.values():
+        wait_url(url)
+    return engines
 
 
 def wait_url(url: str) -> None:
     """Block until something accepts at ``url``'s port."""
-    wait_for_port(int(url.rsplit(":", 1)[1]), timeout=30)
+    wait_for_port(int(url.rsplit(":", 1)[1]), timeout=60)
 
 
-def start_serve(stack: contextlib.ExitStack, log: Path, tokenizer: str, *, http_port: int = 0,
-                quiet: bool = False) -> tuple[str, int]:
-    """``kvcoord serve`` for SPEC tokenizing through ``tokenizer``'s ``/tokenize``, no /metrics, its HTTP
-    API on ``http_port`` (0: none), warnings only with ``quiet``; once it listens: its gRPC address and
-    its pid."""
+def start_serve(stack: contextlib.ExitStack, log: Path, tokenizer: str = "", *, http_port: int = 0,
+                quiet: bool = False, profile: HashProfile = PROFILE) -> tuple[str, int]:
+    """``kvcoord serve`` for MODEL's engines hashing with ``profile`` (tokenizing through ``tokenizer``'s
+    ``/tokenize``, given one), no /metrics, its HTTP API on ``http_port`` (0: none), warnings only with
+    ``quiet``; once it listens: its gRPC address and its pid."""
     gport = free_port()
     level = ("--log-level", "WARNING") if quiet else ()
     proc = stack.enter_context(running(kvcoord_cmd(
         *level, "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "", "--model",
-        f"{SPEC},tokenizer={tokenizer}"),
+        model_spec(profile, tokenizer)),
         env={"KVCOORD_HTTP_LISTEN": f"127.0.0.1:{http_port}" if http_port else ""}, log=log))
-    wait_for_port(gport, timeout=30)
+    wait_for_port(gport, timeout=60)
+    if http_port:
+        wait_for_port(http_port, timeout=60)
     return f"127.0.0.1:{gport}", proc.pid
 
 
 def start_agent(stack: contextlib.ExitStack, log: Path, coordinator: str, node: str, engine: str,
-                pub: int) -> None:
-    """``kvcoord agent`` relaying the events of the engine at ``engine`` (PUB port ``pub``) as ``node``."""
+                pub: int, *, replay: bool = False) -> None:
+    """``kvcoord agent`` relaying the events of the engine at ``engine`` (PUB port ``pub``, with ``replay``
+    its replay socket on ``pub + 1``) as ``node``."""
+    replay_endpoint = ("--replay-endpoint", f"tcp://127.0.0.1:{pub + 1}") if replay else ()
     stack.enter_context(running(kvcoord_cmd(
         "agent", "--coordinator", coordinator, "--node-id", node, "--model", MODEL,
-        "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", "--serving-url", engine), log=log))
+        "--zmq-endpoint", f"tcp://127.0.0.1:{pub}", *replay_endpoint, "--serving-url", engine), log=log))
 
 
 def route_cmd(port: int, *args: str) -> list[str]:

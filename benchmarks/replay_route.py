@@ -40,15 +40,14 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import MODEL, route_cmd, start_agent, start_engines, start_serve
 from kvcoord.hashing import HashProfile
 from kvcoord.sim import toktok
 from kvcoord.sim.workload import load_mooncake
-from tests.procs import TRACES, free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
+from tests.procs import TRACES, free_port, kvcoord_cmd, running, wait_for_port
 
-MODEL = "sim-model"
-BLOCK = 16
-ALGO = "xxhash_cbor"
-HASH_SEED = "0"
+PROFILE = HashProfile("xxhash_cbor", 16, seed="0")
+"""The engines' hash profile (the simulator's too)."""
 
 
 @dataclass
@@ -69,46 +68,6 @@ class Replayed:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def _http(port: int) -> str:
-    return f"http://127.0.0.1:{port}"
-
-
-def start_engines(stack: contextlib.ExitStack, tmp: Path, tag: str, n: int, blocks: int,
-                  *flags: str) -> dict[str, tuple[int, int]]:
-    """``n`` sim-engines serving HTTP over one BlockPool of ``blocks`` blocks each, publishing vLLM's KV
-    events on ZMQ with a replay socket (``flags`` added to each): node -> (HTTP port, PUB port; replay on
-    PUB + 1), once each answers on HTTP. Logs go to ``tmp/{tag}-{node}.log``."""
-    engines: dict[str, tuple[int, int]] = {}
-    for i in range(n):
-        node, http, pub = f"node-{i}", free_port(), free_port_pair()
-        engines[node] = (http, pub)
-        cmd = kvcoord_cmd("sim-engine", "--zmq-bind", f"tcp://127.0.0.1:{pub}",
-                          "--replay-bind", f"tcp://127.0.0.1:{pub + 1}", "--model", MODEL,
-                          "--algo", ALGO, "--hash-seed", HASH_SEED, "--block-size", str(BLOCK),
-                          "--num-blocks", str(blocks), "--http-listen", f"127.0.0.1:{http}",
-                          "--rate", "0", "--requests", "0", *flags)
-        stack.enter_context(running(cmd, log=tmp / f"{tag}-{node}.log"))
-    for http, _ in engines.values():
-        wait_for_port(http, timeout=60)
-    return engines
-
-
-def start_serve(stack: contextlib.ExitStack, tmp: Path, tag: str, *, tokenizer: str = "",
-                http: bool = False) -> tuple[int, int, int]:
-    """``kvcoord serve`` with the engines' hash profile (and ``tokenizer``, for text prompts): its gRPC
-    port, its HTTP API's port (``/register``; 0 without ``http``) and its pid, once it listens."""
-    gport, hport = free_port(), free_port() if http else 0
-    spec = f"{MODEL},algo={ALGO},block_size={BLOCK},seed={HASH_SEED}" + (f",tokenizer={tokenizer}"
-                                                                        if tokenizer else "")
-    serve = kvcoord_cmd("serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", "",
-                        "--http-listen", f"127.0.0.1:{hport}" if http else "", "--model", spec)
-    proc = stack.enter_context(running(serve, log=tmp / f"{tag}-serve.log"))
-    wait_for_port(gport, timeout=60)
-    if http:
-        wait_for_port(hport, timeout=60)
-    return gport, hport, proc.pid
-
-
 @contextlib.contextmanager
 def _fleet(tmp: Path, args: argparse.Namespace, policy: str) -> Iterator[str]:
     """Engines, agents, serve and route for one policy; yields route's base URL once it knows every node."""
@@ -116,25 +75,22 @@ def _fleet(tmp: Path, args: argparse.Namespace, policy: str) -> Iterator[str]:
         rport = free_port()
         engines = start_engines(stack, tmp, policy, args.nodes, args.blocks_per_node,
                                 "--token-interval", str(args.token_interval),
-                                "--max-num-seqs", str(args.max_running))
-        gport, _, _ = start_serve(stack, tmp, policy)
-        for node, (http, pub) in engines.items():
-            cmd = kvcoord_cmd("agent", "--coordinator", f"127.0.0.1:{gport}", "--node-id", node,
-                              "--model", MODEL, "--zmq-endpoint", f"tcp://127.0.0.1:{pub}",
-                              "--replay-endpoint", f"tcp://127.0.0.1:{pub + 1}", "--serving-url", _http(http))
-            stack.enter_context(running(cmd, log=tmp / f"{policy}-agent-{node}.log"))
-        route = kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{gport}", "--listen", f"127.0.0.1:{rport}",
-                            "--model", MODEL, "--policy", policy, "--deadline-ms", "2000",
-                            "--refresh-interval", "0.5", "--seed", str(args.seed),
-                            # the simulator's cost model, so both policies weigh load alike
-                            "--prefill-us-per-token", str(args.prefill_us_per_token),
-                            "--decode-ms-per-token", str(args.token_interval * 1e3),
-                            "--max-running", str(args.max_running),
-                            "--mean-output-tokens", str(args.mean_output_tokens))
+                                "--max-num-seqs", str(args.max_running), profile=PROFILE)
+        coordinator, _ = start_serve(stack, tmp / f"{policy}-serve.log", profile=PROFILE)
+        for node, (url, pub) in engines.items():
+            start_agent(stack, tmp / f"{policy}-agent-{node}.log", coordinator, node, url, pub, replay=True)
+        route = route_cmd(rport, "--coordinator", coordinator, "--policy", policy, "--deadline-ms", "2000",
+                          "--refresh-interval", "0.5", "--seed", str(args.seed),
+                          # the simulator's cost model, so both policies weigh load alike
+                          "--prefill-us-per-token", str(args.prefill_us_per_token),
+                          "--decode-ms-per-token", str(args.token_interval * 1e3),
+                          "--max-running", str(args.max_running),
+                          "--mean-output-tokens", str(args.mean_output_tokens))
         stack.enter_context(running(route, log=tmp / f"{policy}-route.log"))
         wait_for_port(rport, timeout=60)
-        asyncio.run(until_backends(_http(rport), args.nodes))
-        yield _http(rport)
+        base = f"http://127.0.0.1:{rport}"
+        asyncio.run(until_backends(base, args.nodes))
+        yield base
 
 
 async def until_backends(base: str, n: int, timeout: float = 60.0) -> None:
@@ -206,8 +162,7 @@ def _simulate(args: argparse.Namespace, policies: list[str], tmp: Path) -> dict[
 
 def trace_requests(trace: Path, limit: int, time_scale: float) -> list[tuple[float, list[int], int]]:
     """(arrival s, token ids, max_tokens) of the first ``limit`` trace requests, arrivals time-scaled."""
-    profile = HashProfile(ALGO, BLOCK, seed=HASH_SEED)  # type: ignore[arg-type]
-    wl = load_mooncake(trace, profile, limit=limit, time_scale=time_scale)
+    wl = load_mooncake(trace, PROFILE, limit=limit, time_scale=time_scale)
     t0 = wl.requests[0].arrival
     return [(r.arrival - t0, [t % toktok.VOCAB for t in r.tokens], max(1, r.output_tokens))
             for r in wl.requests]
@@ -233,7 +188,7 @@ def main() -> None:
     reqs = trace_requests(args.trace, args.requests, args.time_scale)
     args.mean_output_tokens = sum(r[2] for r in reqs) / len(reqs)  # as simulate takes it off the workload
     print(f"{len(reqs)} requests over {reqs[-1][0]:.0f} s, {sum(len(r[1]) for r in reqs):,} prompt tokens; "
-          f"{args.nodes} nodes x {args.blocks_per_node} blocks of {BLOCK}; load average "
+          f"{args.nodes} nodes x {args.blocks_per_node} blocks of {PROFILE.block_size}; load average "
           f"{os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -9,8 +9,6 @@ import os
 import subprocess
 import time
 import types
-import urllib.error
-import urllib.request
 from array import array
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from kvcoord import hashing, sglang_hash
 from kvcoord.extra_keys import RequestKeys
 from kvcoord.hashing import HashProfile
 from tests import sglang_ref
+from tests.http_util import get_text, http_json
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.tokenizers import build_tokenizer
 
@@ -277,11 +276,9 @@ def test_sglang_publisher_feeds_lookups_by_tokens_prompt_chat_and_hashes(sgl: An
 
 
 def _http_query(port: int, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/query", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        out: dict[str, Any] = json.loads(resp.read())
-    return out
+    status, answer = _post(port, "/query", body)
+    assert status == 200, answer
+    return answer
 
 
 def _keys_flags(salt: str | None, lora: tuple[str, str | None] | None) -> list[str]:
@@ -334,13 +331,8 @@ def test_config_file_sglang_model(tmp_path: Path) -> None:
 
 
 def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    status, answer = http_json("POST", f"http://127.0.0.1:{port}{path}", body, timeout=60)
+    return status, dict(answer)
 
 
 def test_sglang_publisher_registered_over_http(sgl: Any, tmp_path: Path) -> None:
@@ -391,8 +383,7 @@ def test_sglang_publisher_registered_over_http(sgl: Any, tmp_path: Path) -> None
                 longer = [*toks, *range(900, 900 + page)]  # one page SGLang does not hold
                 assert held(_lookup(grpc, *_query(longer, salt, lora))) == {"5": len(toks) // page,
                                                                             "6": len(toks) // page}
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=60) as resp:
-                page_text = resp.read().decode()
+            page_text = get_text(f"http://127.0.0.1:{metrics}/metrics", timeout=60)
             assert not [ln for ln in page_text.splitlines()
                         if ln.startswith("kvcoord_relay_malformed_total{") and not ln.endswith(" 0.0")]
             assert "malformed" not in (tmp_path / "serve.log").read_text()
@@ -401,8 +392,9 @@ def test_sglang_publisher_registered_over_http(sgl: Any, tmp_path: Path) -> None
                                                "sglang (its hash profile is algo=sglang), requested=vllm")
             st, err = _post(http, "/register", {"instance_id": 7, **engine, "engine": "trtllm"})
             assert st == 400 and "invalid engine" in err["error"], err
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/workers", timeout=60) as resp:
-                listed = {w["instance_id"]: w["engine"] for w in json.loads(resp.read())}
+            status, workers = http_json("GET", f"http://127.0.0.1:{http}/workers", timeout=60)
+            assert status == 200, workers
+            listed = {w["instance_id"]: w["engine"] for w in workers}
             assert listed == {5: "sglang", 6: "sglang"}
     finally:
         publisher.shutdown()

@@ -13,10 +13,8 @@ once. A bad ``[media]`` entry or ``--media`` flag stops the command with one lin
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import pytest
 
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from tests.coordinator.test_history_lost import BS, MODEL, Stack, block, tokens
+from tests.http_util import get_text, http_json
 from tests.procs import free_port, kvcoord_cmd, running, until
 
 CONFIG = """\
@@ -75,8 +74,7 @@ class MediaStack(Stack):
 
     def scrape(self) -> dict[tuple[str, str], float]:
         """``{(metric, label value): value}`` of the lines with one label."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics")
         out = {}
         for line in text.splitlines():
             if "{" in line and not line.startswith("#"):
@@ -130,11 +128,10 @@ class MediaStack(Stack):
         return out
 
     def http_tiers(self, node: str, i: int) -> dict[str, int]:
-        body = json.dumps({"block_hashes": [block(i)], "model_name": MODEL}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http}/query_by_hash", data=body, method="POST",
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            nodes = json.loads(resp.read())["nodes"]
+        status, answer = http_json("POST", f"http://127.0.0.1:{self.http}/query_by_hash",
+                                   {"block_hashes": [block(i)], "model_name": MODEL})
+        assert status == 200, answer
+        nodes = answer["nodes"]
         return next(n["tiers"] for n in nodes if n["node_id"] == node)
 
 

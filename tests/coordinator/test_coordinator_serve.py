@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.validate import pack_u64
 from kvcoord.wire import pack_tokens
+from tests.http_util import get_text, http_request
 from tests.procs import free_port, kvcoord_cmd, make_certs, running, stop, until, wait_for_port
 
 TIMEOUT = 5.0
@@ -39,8 +39,7 @@ def _serve(
 
 
 def _metrics(mport: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=TIMEOUT) as r:
-        return str(r.read().decode())
+    return get_text(f"http://127.0.0.1:{mport}/metrics", timeout=TIMEOUT)
 
 
 def _ingest_one(stub: pbg.CoordinatorStub, node: str = "n1") -> list[pb.CoordinatorMessage]:
@@ -317,8 +316,7 @@ def test_serve_runs_on_uvloop_only_when_asked(uvloop_env: str, tmp_path: Path) -
     with running(kvcoord_cmd("serve", "--listen", f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{http}",
                              "--metrics-listen", ""), env={"KVCOORD_UVLOOP": uvloop_env}, log=log):
         wait_for_port(http, timeout=30)
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=30) as resp:
-            assert resp.status == 200
+        assert http_request("GET", f"http://127.0.0.1:{http}/health").status == 200
         until(lambda: "event loop:" in log.read_text(), "the start-up line")
     expected = "uvloop" if installed and uvloop_env == "1" else "asyncio"
     assert f"event loop: {expected}" in log.read_text()

@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis.index import RedisIndex
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.validate import ops_of
+from tests.http_util import get_text
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import RedisCluster, RedisServer, redis_server
 
@@ -215,12 +215,8 @@ class Replica:
             os.killpg(self.proc.pid, sig)
 
     async def metric(self, name: str) -> float:
-        def read() -> str:
-            url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return str(resp.read().decode())
-
-        for line in (await asyncio.to_thread(read)).splitlines():
+        text = await asyncio.to_thread(get_text, f"http://127.0.0.1:{self.metrics_port}/metrics", 5)
+        for line in text.splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0

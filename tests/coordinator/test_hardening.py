@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import subprocess
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from kvcoord.validate import check_model, check_node_id, shown
 from tests.coordinator.test_coordinator_ingest import MODEL, Agent, Coord, P, removed, serving, stored
+from tests.http_util import get_text
 from tests.procs import free_port, kvcoord_cmd, running, until_async, wait_for_port
 
 DEADLINE = 30.0
@@ -59,8 +59,7 @@ def hello(node: str = "n1", model: str = MODEL, ranks: tuple[int, ...] = (0,)) -
 
 
 def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=DEADLINE) as r:
-        return str(r.read().decode())
+    return get_text(f"http://127.0.0.1:{port}/metrics", timeout=DEADLINE)
 
 
 # --- streams: Hello timeout and max_streams, through `kvcoord serve`'s flags ----------------------------

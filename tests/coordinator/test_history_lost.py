@@ -16,7 +16,6 @@ import json
 import re
 import subprocess
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +36,7 @@ from tests.coordinator.test_coordinator_ingest import stored as wire_stored
 from tests.coordinator.test_coordinator_ingest import until as until_async
 from tests.coordinator.test_trust import HASHES, chain, coordinator
 from tests.engine.test_relay import DroppingPublisher
+from tests.http_util import get_text, http_json
 from tests.procs import free_port, kvcoord_cmd, running, stop, until, wait_for_port
 from tests.redis_servers import RedisServer
 
@@ -100,13 +100,10 @@ class Stack:
             "--replay-endpoint", f"tcp://127.0.0.1:{self.replay}"), log=self.tmp / "agent.log"))
 
     def register(self, instance_id: int) -> None:
-        body = json.dumps({"instance_id": instance_id, "endpoint": f"tcp://127.0.0.1:{self.pub}",
-                           "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "model_name": MODEL,
-                           "block_size": BS}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http}/register", data=body, method="POST",
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            assert resp.status == 201
+        status, answer = http_json("POST", f"http://127.0.0.1:{self.http}/register", {
+            "instance_id": instance_id, "endpoint": f"tcp://127.0.0.1:{self.pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "model_name": MODEL, "block_size": BS})
+        assert status == 201, answer
 
     def node(self, node: str) -> NodeStatus | None:
         return next((n for n in self.client.list_nodes() if n.node_id == node), None)
@@ -125,8 +122,7 @@ class Stack:
         return out
 
     def trust_gauge(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics")
         out = {}
         for line in text.splitlines():
             if line.startswith("kvcoord_nodes_by_trust{"):
@@ -136,11 +132,10 @@ class Stack:
 
     def http_trust(self, node: str, hashes: list[int]) -> tuple[str, str | None] | None:
         """``(trust, trust_cause)`` of ``node`` in a ``/query_by_hash`` answer (cause None: omitted)."""
-        body = json.dumps({"block_hashes": hashes, "model_name": MODEL}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http}/query_by_hash", data=body, method="POST",
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            nodes = json.loads(resp.read())["nodes"]
+        status, answer = http_json("POST", f"http://127.0.0.1:{self.http}/query_by_hash",
+                                   {"block_hashes": hashes, "model_name": MODEL})
+        assert status == 200, answer
+        nodes = answer["nodes"]
         return next(((n["trust"], n.get("trust_cause")) for n in nodes if n["node_id"] == node), None)
 
 
@@ -363,8 +358,7 @@ def _relay_malformed(s: Stack, stats: Path | None) -> dict[str, float]:
             return {k: float(v) for k, v in json.loads(stats.read_text())["relays"][0]["malformed"].items()}
         except (OSError, ValueError):
             return {}
-    with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = get_text(f"http://127.0.0.1:{s.metrics}/metrics")
     return {line.split('reason="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line.startswith("kvcoord_relay_malformed_total{")}
 
@@ -386,12 +380,10 @@ def test_an_undecodable_batch_marks_the_node_degraded(tmp_path: Path, via: str) 
         xpub.bind(f"tcp://127.0.0.1:{port}")
         stats: Path | None = None
         if via == "register":
-            body = json.dumps({"instance_id": 9, "endpoint": f"tcp://127.0.0.1:{port}", "model_name": MODEL,
-                               "block_size": BS}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{s.http}/register", data=body, method="POST",
-                                         headers={"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                assert resp.status == 201
+            status, answer = http_json("POST", f"http://127.0.0.1:{s.http}/register", {
+                "instance_id": 9, "endpoint": f"tcp://127.0.0.1:{port}", "model_name": MODEL,
+                "block_size": BS})
+            assert status == 201, answer
             relay_log = tmp_path / "serve1.log"
         else:
             stats, relay_log = tmp_path / "stats.json", tmp_path / "agent.log"

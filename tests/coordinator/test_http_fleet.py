@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
-from tests.coordinator.test_registered_engines_liveness import http_call
+from tests.http_util import http_json, http_request
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.redis_servers import redis_server
 
@@ -38,11 +37,10 @@ class Replica:
     proc: subprocess.Popen[bytes]
 
     def replica_id(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/health", timeout=10) as resp:
-            return str(resp.headers["x-kvcoord-replica"])
+        return str(http_request("GET", f"http://127.0.0.1:{self.http}/health").headers["x-kvcoord-replica"])
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        return http_call(self.http, method, path, body)
+        return http_json(method, f"http://127.0.0.1:{self.http}{path}", body)
 
 
 @contextlib.contextmanager

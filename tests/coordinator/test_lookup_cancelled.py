@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from pathlib import Path
 
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
+from tests.http_util import get_text
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 
 TOKENS = 2_000_000
@@ -15,8 +15,7 @@ TOKENS = 2_000_000
 
 
 def _cancelled(mport: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = get_text(f"http://127.0.0.1:{mport}/metrics")
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("kvcoord_lookups_cancelled_total ")]
     assert values, "no kvcoord_lookups_cancelled_total"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.coordinator.test_lookup_workers import QUERIES, Serve, post, serve
+from tests.http_util import get_text
 from tests.procs import until
 
 pytestmark = pytest.mark.slow
@@ -24,8 +24,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def scrape(co: Serve) -> Samples:
     """The main process's ``/metrics``: every sample by name and sorted labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{co.metrics}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    text = get_text(f"http://127.0.0.1:{co.metrics}/metrics")
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -11,8 +11,6 @@ import os
 import re
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +35,7 @@ from tests.coordinator.test_coordinator_e2e import (
     stored,
     write_config,
 )
+from tests.http_util import http_json, http_request
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 
 pytestmark = pytest.mark.slow
@@ -78,21 +77,16 @@ def serve(tmp: Path, workers: int = 2, lease: float = 10.0) -> Iterator[Serve]:
 def get_health(port: int) -> str:
     """The worker that answered ``/health`` ("" when none could)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
-            return r.headers.get("x-kvcoord-worker", "")
-    except (urllib.error.URLError, OSError):
+        reply = http_request("GET", f"http://127.0.0.1:{port}/health")
+    except OSError:
         return ""
+    return reply.headers.get("x-kvcoord-worker", "") if reply.status == 200 else ""
 
 
 def post(port: int, path: str, body: dict[str, object]) -> tuple[int, str, bytes]:
     """One request on a fresh connection: status, the worker that answered ("" for the main), body."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.headers.get("x-kvcoord-worker", ""), r.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers.get("x-kvcoord-worker", ""), exc.read()
+    reply = http_request("POST", f"http://127.0.0.1:{port}{path}", body)
+    return reply.status, reply.headers.get("x-kvcoord-worker", ""), reply.body
 
 
 QUERIES: list[tuple[str, dict[str, object]]] = [
@@ -273,8 +267,7 @@ def test_workers_forward_registrations_and_die_with_a_killed_main_process(tmp_pa
             "instance_id": 7, "model_name": "other", "block_size": 16,
             "endpoint": f"tcp://127.0.0.1:{free_port()}"})
         assert status == 201 and worker in ("1", "2"), body
-        with urllib.request.urlopen(f"http://127.0.0.1:{co.http}/workers", timeout=10) as r:
-            assert [w["instance_id"] for w in json.loads(r.read())] == [7]
+        assert [w["instance_id"] for w in http_json("GET", f"http://127.0.0.1:{co.http}/workers")[1]] == [7]
         # the registered partition is known to every worker: an empty answer, not a 404
         seen: set[str] = set()
         query = {"model_name": "other", "block_hashes": [1]}

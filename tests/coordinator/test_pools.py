@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.media import normalize_medium
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy, place
+from tests.http_util import get_text, http_json, http_request
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import redis_server
 
@@ -53,18 +51,15 @@ class Coordinator:
         self.grpc, self.http, self.metrics = grpc, http, metrics
 
     def query(self, hashes: list[int]) -> dict[str, Any]:
-        body = json.dumps({"model_name": MODEL, "block_hashes": hashes}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http}/query_by_hash", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            out: dict[str, Any] = json.loads(resp.read())
-            return out
+        status, out = http_json("POST", f"http://127.0.0.1:{self.http}/query_by_hash",
+                                {"model_name": MODEL, "block_hashes": hashes})
+        assert status == 200, out
+        return dict(out)
 
     def metric(self, name: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[1])
+        for line in get_text(f"http://127.0.0.1:{self.metrics}/metrics").splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
         return 0.0
 
 
@@ -288,14 +283,8 @@ def test_register_takes_pools_and_refuses_bad_ones(coordinator: Coordinator) -> 
     def register(instance: int = 7, **extra: Any) -> tuple[int, str]:
         body = {"instance_id": instance, "model_name": MODEL, "block_size": BS,
                 "endpoint": f"tcp://127.0.0.1:{free_port()}", **extra}
-        url = f"http://127.0.0.1:{coordinator.http}/register"
-        req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
+        reply = http_request("POST", f"http://127.0.0.1:{coordinator.http}/register", body)
+        return reply.status, reply.text
 
     assert register(pools=[POOL])[0] == 201
     status, text = register(pool_publisher=POOL, pools=[POOL])

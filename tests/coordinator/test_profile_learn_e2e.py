@@ -9,10 +9,10 @@ import contextlib
 import json
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.http_util import get_text, http_json
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 MODEL = "learn-model"
@@ -59,8 +59,7 @@ def _nodes(gport: int) -> dict[str, dict[str, Any]]:
 
 
 def _metrics(mport: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as r:
-        return str(r.read().decode())
+    return get_text(f"http://127.0.0.1:{mport}/metrics")
 
 
 def _serve(gport: int, mport: int, model: str) -> list[str]:
@@ -132,18 +131,17 @@ def test_a_registered_engine_learns_too_and_workers_say_so(tmp_path: Path) -> No
     with contextlib.ExitStack() as stack:
         stack.enter_context(running(serve, log=logs["serve"]))
         wait_for_port(hport, timeout=30)
-        body = json.dumps({"instance_id": 7, "endpoint": f"tcp://127.0.0.1:{pub}", "model_name": MODEL,
-                           "replay_endpoint": f"tcp://127.0.0.1:{replay}", "block_size": 8}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{hport}/register", data=body, method="POST",
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            assert resp.status == 201
+        status, answer = http_json("POST", f"http://127.0.0.1:{hport}/register", {
+            "instance_id": 7, "endpoint": f"tcp://127.0.0.1:{pub}", "model_name": MODEL,
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}", "block_size": 8})
+        assert status == 201, answer
         stack.enter_context(running(_engine(gport, pub, replay, state, "sha256_cbor", "vllm-none-hash", "7"),
                                     log=logs["engine"]))
 
         def workers() -> list[dict[str, Any]]:
-            with urllib.request.urlopen(f"http://127.0.0.1:{hport}/workers", timeout=10) as r:
-                return list(json.loads(r.read()))
+            status, listed = http_json("GET", f"http://127.0.0.1:{hport}/workers")
+            assert status == 200, listed
+            return list(listed)
 
         listed = _poll(lambda: (w := workers()) and w[0]["hash_profile"] is not None and w,
                        "/workers showing the learned profile", logs)

@@ -13,8 +13,6 @@ import json
 import re
 import signal
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ import pytest
 
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from kvcoord.router.policy import place
+from tests.http_util import get_text, http_json
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.redis_servers import redis_server
 
@@ -69,7 +68,7 @@ class Serve:
     proc: subprocess.Popen[bytes]
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        return http_call(self.http, method, path, body)
+        return http_json(method, f"http://127.0.0.1:{self.http}{path}", body)
 
     def workers(self) -> dict[int, dict[str, Any]]:
         status, body = self.call("GET", "/workers")
@@ -98,26 +97,13 @@ class Serve:
 
     def gauge(self) -> dict[str, float]:
         """``kvcoord_registered_engines{state}``."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics")
         return {m[1]: float(m[2]) for m in re.finditer(
             r'^kvcoord_registered_engines\{state="(\w+)"\} (\S+)$', text, re.M)}
 
     def diagnose(self) -> str:
         return (f"answer {self.answer()}\nworkers {self.workers()}\nnodes {self.nodes()}\n"
                 f"--- serve log\n{self.log.read_text()[-3000:]}")
-
-
-def http_call(port: int, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                 headers={"content-type": "application/json"} if data else {})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
 
 
 @contextlib.contextmanager
@@ -141,7 +127,7 @@ def sim_engine(tmp: Path, sim: Sim, name: str) -> Iterator[subprocess.Popen[byte
 
 def store_prompt(sim: Sim) -> None:
     """One completion of TOKENS on the engine: it stores their 8 blocks and publishes them."""
-    status, body = http_call(sim.http, "POST", "/v1/completions",
+    status, body = http_json("POST", f"http://127.0.0.1:{sim.http}/v1/completions",
                              {"model": MODEL, "prompt": TOKENS, "max_tokens": 1})
     assert status == 200, body
 

@@ -9,9 +9,6 @@ ones UNAUTHENTICATED / 401.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvcoord.agent.stream import INGEST_METHOD
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
+from tests.http_util import http_request
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 MODEL = "roles-model"
@@ -140,17 +138,9 @@ HTTP_TABLE: list[tuple[str, str, object, set[str]]] = [  # method, path, body, r
 
 
 def _http(base: str, method: str, path: str, body: object, who: str) -> int:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, method=method,
-                                 headers={"content-type": "application/json"})
     token = TOKENS[who]
-    if token is not None:
-        req.add_header("authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
+    return http_request(method, base + path, body,
+                        headers={} if token is None else {"authorization": f"Bearer {token}"}).status
 
 
 def test_every_role_against_every_http_endpoint(coordinator: tuple[str, str]) -> None:

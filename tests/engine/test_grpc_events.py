@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -40,6 +37,7 @@ from kvcoord.events import (
 )
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from tests.coordinator.test_history_lost import MODEL, SPEC, block, tokens
+from tests.http_util import get_text, http_json, http_request
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.smg_publisher import Engine, cleared_event, int64, removed_event, stored_event
 
@@ -75,13 +73,8 @@ class GrpcStack:
             "--grpc-endpoint", f"127.0.0.1:{self.port}"), log=self.log))
 
     def register(self, body: dict[str, object]) -> tuple[int, str]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http}/register", data=json.dumps(body).encode(),
-                                     method="POST", headers={"content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
+        reply = http_request("POST", f"http://127.0.0.1:{self.http}/register", body)
+        return reply.status, reply.text
 
     def node(self, node: str) -> NodeStatus | None:
         return next((n for n in self.client.list_nodes() if n.node_id == node), None)
@@ -105,8 +98,7 @@ class GrpcStack:
         assert self.client.stats().entries == len(held), what
 
     def malformed_total(self) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics")
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("kvcoord_relay_malformed_total{"))
 
@@ -247,8 +239,9 @@ def test_bad_grpc_registrations_are_refused_with_one_line(tmp_path: Path) -> Non
         status, body = s.register(base)
         assert status == 422 and "missing required field `endpoint`" in body, body
         assert s.register({**base, "grpc_endpoint": f"127.0.0.1:{s.port}"})[0] == 201
-        with urllib.request.urlopen(f"http://127.0.0.1:{s.http}/workers", timeout=10) as resp:
-            (worker,) = json.loads(resp.read())
+        status, workers = http_json("GET", f"http://127.0.0.1:{s.http}/workers")
+        assert status == 200, workers
+        (worker,) = workers
         assert (worker["source"], worker["endpoints"]) == ("grpc", {"0": f"grpc://127.0.0.1:{s.port}"})
 
 

@@ -11,7 +11,6 @@ import json
 import socket
 import subprocess
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcoord.gateway.picker import EndpointTable, endpoint_of_url
 from kvcoord.router.client import CoordinatorClient
+from tests.http_util import get_text, http_json
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, make_certs, running, stop, wait_for_port
 
 MODEL = "sim-model"
@@ -50,12 +50,6 @@ def _until(cond: Callable[[], Any], what: str) -> Any:
             return got
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _post(url: str, body: dict[str, Any]) -> Any:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
 
 
 @dataclass
@@ -97,9 +91,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 "--serving-url", f"http://127.0.0.1:{port}"), log=tmp / f"{node}-agent.log"))
         for node, prompt in (("node-a", PROMPT_A), ("node-b", PROMPT_B)):
             base = f"http://127.0.0.1:{http[node]}/v1"
-            _post(f"{base}/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
-            _post(f"{base}/chat/completions", {"model": MODEL, "max_tokens": 1,
-                                               "messages": [{"role": "user", "content": prompt}]})
+            assert http_json("POST", f"{base}/completions",
+                             {"model": MODEL, "prompt": prompt, "max_tokens": 1})[0] == 200
+            assert http_json("POST", f"{base}/chat/completions", {
+                "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": prompt}]})[0] == 200
         with CoordinatorClient(f"127.0.0.1:{gport}") as client:
             for node, prompt in (("node-a", PROMPT_A), ("node-b", PROMPT_B)):
                 for query in ({"prompt": prompt}, {"messages": [{"role": "user", "content": prompt}]}):
@@ -261,8 +256,7 @@ def health_of(address: str, service: str) -> int:
 
 
 def metrics(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = get_text(f"http://127.0.0.1:{port}/metrics")
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
                                      if line.startswith("kvcoord_epp_"))}
 

@@ -16,7 +16,6 @@ import gzip
 import json
 import struct
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,7 +37,6 @@ from tests.gateway.test_epp import (
     PROMPT_A,
     PROMPT_B,
     Envoy,
-    _post,
     _until,
     _why,
     assert_immediate,
@@ -54,6 +52,7 @@ from tests.gateway.test_epp import (
     set_headers,
 )
 from tests.gateway.test_epp_flow import _engine, respond
+from tests.http_util import http_json
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 
 __all__ = ["fleet"]  # the module-scoped fixture, shared by name
@@ -76,10 +75,9 @@ def framed(msg: Any, compressed: bool = False, gzipped: bool = False) -> bytes:
 
 def tokens_of(engine: str, prompt: str) -> list[int]:
     """The prompt's token ids as the engine tokenizes a completion (vLLM's ``/tokenize``)."""
-    req = urllib.request.Request(f"http://{engine}/tokenize", json.dumps({"model": MODEL, "prompt": prompt})
-                                 .encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return list(json.loads(resp.read())["tokens"])
+    status, answer = http_json("POST", f"http://{engine}/tokenize", {"model": MODEL, "prompt": prompt})
+    assert status == 200, answer
+    return list(answer["tokens"])
 
 
 def vllm_generate(ids: Sequence[int]) -> Any:
@@ -356,7 +354,8 @@ async def test_messages_and_responses_bodies_are_placed_by_prefix(fleet: Any) ->
         # An agent's session: node-b's engine served its first turn through its own /v1/messages; the
         # second turn, with the first's answer and a new question, follows it there.
         system = "You are a coding agent. Tools: read, edit, run. Answer in short steps. " * 8
-        _post(f"http://{b}/v1/messages", messages_body(system, "Open main.py and list its functions"))
+        assert http_json("POST", f"http://{b}/v1/messages",
+                         messages_body(system, "Open main.py and list its functions"))[0] == 200
         turn2 = messages_body(system, "Open main.py and list its functions", "main, parse, run",
                               "Now rename parse to read_args")
         deadline = time.monotonic() + DEADLINE

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from tests.gateway.test_epp import (
     request_headers,
     set_headers,
 )
+from tests.http_util import http_request
 from tests.procs import free_port
 
 __all__ = ["fleet"]  # the module-scoped fixture, shared with tests/gateway/test_epp.py's helpers
@@ -262,10 +262,9 @@ async def _buffered_pick(address: str) -> None:
 
 def _engine(endpoint: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[bytes, str]:
     """The picked engine's real answer to the request (what the data plane would stream back)."""
-    req = urllib.request.Request(f"http://{endpoint}{path}", json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return resp.read(), resp.headers.get("content-type", "")
+    reply = http_request("POST", f"http://{endpoint}{path}", body)
+    assert reply.status == 200, reply.body[:500]
+    return reply.body, reply.headers.get("content-type", "")
 
 
 async def respond(envoy: Envoy, raw: bytes, ctype: str) -> None:

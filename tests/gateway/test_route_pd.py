@@ -9,10 +9,7 @@ from the decode engine; achieved cached tokens match the prediction of the pick 
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.http_util import http_json
 from tests.procs import kvcoord_cmd, stop, wait_for_port
 from tests.procs import until_async as _until
 from tests.route_fleet import BLOCK, MODEL, RouteFleet, post, read_sse, route_fleet, route_metrics
@@ -44,17 +42,11 @@ def decode_nodes(fleet: RouteFleet) -> tuple[str, ...]:
     return tuple(n for n in fleet.engines if n not in PREFILL)
 
 
-def _register(http: str, node: str, pub: int, url: str, role: str) -> tuple[int, str]:
-    body = {"instance_id": int(node), "model_name": MODEL, "block_size": BLOCK, "serving_url": url,
-            "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{pub + 1}",
-            "role": role}
-    req = urllib.request.Request(f"{http}/register", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+def _register(http: str, node: str, pub: int, url: str, role: str) -> tuple[int, Any]:
+    """``POST /register`` of engine ``node`` in ``role``: the status and JSON answer."""
+    return http_json("POST", f"{http}/register", {
+        "instance_id": int(node), "model_name": MODEL, "block_size": BLOCK, "serving_url": url,
+        "endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{pub + 1}", "role": role})
 
 
 @contextlib.contextmanager
@@ -72,9 +64,9 @@ def pd_fleet(tmp: Path, *, roles: bool) -> Iterator[RouteFleet]:
                      agentless=(REGISTERED,) if roles else (), http=roles) as fleet:
         if roles:
             wait_for_port(fleet.hport, timeout=30)
-            status, text = _register(fleet.coordinator_http, REGISTERED, fleet.pubs[REGISTERED],
-                                     fleet.engines[REGISTERED], "decode")
-            assert status == 201, text
+            status, answer = _register(fleet.coordinator_http, REGISTERED, fleet.pubs[REGISTERED],
+                                       fleet.engines[REGISTERED], "decode")
+            assert status == 201, answer
         pools = [] if roles else ([a for n in PREFILL for a in ("--prefill-node", n)] +
                                   [a for n in decode for a in ("--decode-node", n)])
         fleet.start_route("--seed", "7", "--max-local-prefill-tokens", str(LOCAL), *pools)

@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 
 import aiohttp
@@ -35,6 +34,7 @@ from tests.gateway.test_route_pd import (
     decode_nodes,
     pd_fleet,
 )
+from tests.http_util import http_json
 from tests.procs import kvcoord_cmd, stop
 from tests.procs import until_async as _until
 from tests.route_fleet import MODEL, RouteFleet
@@ -61,17 +61,18 @@ async def test_roles_are_listed_and_route_places_by_them(fleet: RouteFleet) -> N
                                                            "dec-a": "decode", REGISTERED: "decode"}
 
     await _until(listed, "ListNodes to show every node's role")
-    with urllib.request.urlopen(f"{fleet.coordinator_http}/workers", timeout=30) as resp:
-        workers = json.loads(resp.read())
+    status, workers = http_json("GET", f"{fleet.coordinator_http}/workers")
+    assert status == 200, workers
     assert [(w["instance_id"], w.get("role")) for w in workers] == [(int(REGISTERED), "decode")]
     await check_placement(fleet)
 
 
 async def test_bad_roles_are_refused_and_nothing_is_registered(fleet: RouteFleet) -> None:
-    status, text = _register(fleet.coordinator_http, "77", 1, fleet.engines[REGISTERED], "prefiller")
-    assert status == 400 and "'prefiller' is not a role (expected prefill, decode, both)" in text, text
-    with urllib.request.urlopen(f"{fleet.coordinator_http}/workers", timeout=30) as resp:
-        assert [w["instance_id"] for w in json.loads(resp.read())] == [int(REGISTERED)]
+    status, answer = _register(fleet.coordinator_http, "77", 1, fleet.engines[REGISTERED], "prefiller")
+    assert status == 400, answer
+    assert "'prefiller' is not a role (expected prefill, decode, both)" in answer["error"], answer
+    status, workers = http_json("GET", f"{fleet.coordinator_http}/workers")
+    assert status == 200 and [w["instance_id"] for w in workers] == [int(REGISTERED)], workers
     out = subprocess.run(kvcoord_cmd("agent", "--coordinator", fleet.coordinator, "--node-id", "x",
                                      "--model", MODEL, "--no-kv-events", "--role", "decoder"),
                          capture_output=True, text=True, timeout=60)

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.http_util import get_text, http_json
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, until, wait_for_port
 
 pytestmark = pytest.mark.slow
@@ -42,24 +43,15 @@ def _route(gport: int, rport: int, *extra: str) -> list[str]:
 
 
 def _get(url: str) -> tuple[int, Any]:
-    import json
-    import urllib.error
-    import urllib.request
-
+    """``GET url``'s status and JSON answer; ``(0, None)`` while nothing listens."""
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        return http_json("GET", url, timeout=10)
     except OSError:
         return 0, None
 
 
 def _metrics(base: str) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = get_text(f"{base}/metrics")
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
                                        if line.startswith("kvcoord_route_"))}
 

@@ -29,9 +29,7 @@ import shutil
 import signal
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -56,6 +54,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
 from kvcoord.validate import pack_u64
 from kvcoord.wire import events_to_proto, pack_tokens
+from tests.http_util import get_text, http_json, http_request
 from tests.procs import FIXTURES, REPO, free_port, kvcoord_cmd, running, stop, until, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 from tests.repo.test_alert_rules import promtool_tested
@@ -225,18 +224,15 @@ class Prometheus:
 
     def get(self, path: str, **params: str) -> Any:
         url = self.base + path + ("?" + urllib.parse.urlencode(params) if params else "")
-        try:
-            with urllib.request.urlopen(url, timeout=30) as resp:
-                body = json.load(resp)
-        except urllib.error.HTTPError as exc:  # a bad query: say which, with Prometheus's reason
-            raise AssertionError(f"{path} {params}: HTTP {exc.code}: {exc.read().decode()[:500]}") from None
+        reply = http_request("GET", url)
+        assert reply.status == 200, f"{path} {params}: HTTP {reply.status}: {reply.text[:500]}"  # a bad query
+        body = reply.json()
         assert body["status"] == "success", body
         return body["data"]
 
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(self.base + "/-/ready", timeout=5) as resp:
-                return bool(resp.status == 200)
+            return http_request("GET", self.base + "/-/ready", timeout=5).status == 200
         except OSError:
             return False
 
@@ -640,18 +636,17 @@ def route_down_active(prom: Prometheus) -> bool:
 def route_backends(address: str) -> dict[str, str]:
     """The router's node -> URL map (its /health), empty while it does not answer."""
     try:
-        with urllib.request.urlopen(f"http://{address}/health", timeout=5) as resp:
-            return dict(json.load(resp).get("backends", {}))
+        status, health = http_json("GET", f"http://{address}/health", timeout=5)
     except OSError:
         return {}
+    return dict(health.get("backends", {})) if status == 200 else {}
 
 
 def route_quality(address: str) -> str:
     """The router's placement and decision-quality counters, for a failure message."""
     try:
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError as exc:
+        text = get_text(f"http://{address}/metrics", timeout=5)
+    except (OSError, AssertionError) as exc:
         return f"router /metrics: {exc}"
     keep = ("_tokens_total", "hit_outcomes_total", "placements_total", "degraded_total", "retries_total")
     return "\n".join(line for line in text.splitlines()

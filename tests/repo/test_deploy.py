@@ -24,8 +24,6 @@ import sys
 import tempfile
 import time
 import tomllib
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +48,7 @@ from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
 from kvcoord.wire import events_to_proto
+from tests.http_util import get_text, http_json, http_request
 from tests.procs import FIXTURES, REPO, free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 
@@ -940,8 +939,7 @@ class Scrape:
 
 
 def scrape(port: int) -> Scrape:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return parse_exposition(resp.read().decode())
+    return parse_exposition(get_text(f"http://127.0.0.1:{port}/metrics", timeout=5))
 
 
 def route_scrape() -> Scrape:
@@ -1442,28 +1440,16 @@ def _loadgen_chat(i: int) -> dict[str, Any]:
                          {"role": "user", "content": f"question {i}"}], "max_tokens": 16}
 
 
-def _get_json(url: str) -> dict[str, Any]:
-    """The JSON body whatever the status: route's /health is 503, with its reason, until it is ready."""
-    try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            return cast(dict[str, Any], json.load(resp))
-    except urllib.error.HTTPError as err:
-        with err:
-            return cast(dict[str, Any], json.load(err))
-
-
 def route_ready(url: str, backends: int) -> bool:
-    """Route's readiness (/health 200, ``status`` ok) with ``backends`` engines' URLs learned."""
-    health = _get_json(f"{url}/health")
+    """Route's readiness (/health 200, ``status`` ok) with ``backends`` engines' URLs learned (its /health
+    is 503, with its reason, until it is ready)."""
+    health = dict(http_json("GET", f"{url}/health")[1])
     return health.get("status") == "ok" and len(health.get("backends", {})) >= backends
 
 
 def _post_json(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str]]:
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        resp.read()
-        return resp.status, dict(resp.headers)
+    reply = http_request("POST", url, body)
+    return reply.status, dict(reply.headers)
 
 
 @pytest.mark.slow
@@ -1512,8 +1498,7 @@ def test_compose_demo_stack_routes_by_prefix_and_shows_hits(tmp_path: Path) -> N
             # while the coordinator's tokenizer connection warms up, may be)
             aware = [h["x-kvcoord-prefix-aware"] == "true" for h in headers]
             assert sum(aware) >= len(headers) / 2, [h["x-kvcoord-reason"] for h in headers]
-            with urllib.request.urlopen(f"{local.route}/metrics", timeout=5) as resp:
-                routed = parse_exposition(resp.read().decode())
+            routed = parse_exposition(get_text(f"{local.route}/metrics", timeout=5))
             outcomes = {o: total(routed, "kvcoord_route_hit_outcomes_total", outcome=o)
                         for o in ("match", "above", "below", "unknown")}
             # The engines served what the index predicted ("above" when an event was still in flight), and

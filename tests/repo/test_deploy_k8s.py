@@ -18,8 +18,6 @@ import json
 import re
 import shutil
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ import yaml
 from grpc_health.v1 import health_pb2
 
 from tests.gateway.test_epp import Envoy, health_of, request_body, request_headers, set_headers
+from tests.http_util import get_text, http_request
 from tests.procs import free_port, kvcoord_cmd, make_certs, running, until, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 from tests.repo.test_deploy import (
@@ -388,8 +387,7 @@ def test_k8s_route_is_prefix_aware_out_of_the_box(tmp_path: Path) -> None:
         ), "lookups with hits", timeout=60)  # fmt: skip
         assert total(sc, "kvcoord_hash_mismatches_total") == 0
         assert total(sc, "kvcoord_events_rejected_total") == 0
-        with urllib.request.urlopen(f"{route_url}/metrics", timeout=5) as resp:
-            routed = parse_exposition(resp.read().decode())
+        routed = parse_exposition(get_text(f"{route_url}/metrics", timeout=5))
         assert total(routed, "kvcoord_route_hit_outcomes_total", outcome="below") == 0
         achieved = total(routed, "kvcoord_route_achieved_tokens_total")
         assert achieved >= 0.5 * total(routed, "kvcoord_route_prompt_tokens_total"), achieved
@@ -471,14 +469,7 @@ KEYS = {"keys": [{"name": "team-a", "key": "sk-team-a-0123", "requests_per_secon
 
 
 def _chat_status(url: str, body: dict[str, Any], key: str | None) -> int:
-    headers = {"content-type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            resp.read()
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
+    return http_request("POST", url, body, headers={"Authorization": f"Bearer {key}"} if key else None).status
 
 
 @pytest.mark.slow

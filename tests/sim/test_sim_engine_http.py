@@ -24,6 +24,7 @@ from kvcoord.load import NodeLoad
 from kvcoord.sim import toktok
 from kvcoord.sim.engine import PromptSource
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
+from tests.route_fleet import post
 from tests.route_fleet import sse_events as _sse_events
 
 MODEL = "sim-model"
@@ -47,11 +48,6 @@ def _http_engine(tmp_path: Path, *extra: str, name: str = "engine") -> Iterator[
     with running(_engine_cmd(http, pub, *flags), log=tmp_path / f"{name}.log") as proc:
         wait_for_port(http, timeout=30)
         yield f"http://127.0.0.1:{http}", pub, proc
-
-
-async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async with session.post(url, json=body) as resp:
-        return resp.status, await resp.json(content_type=None)
 
 
 def _metrics(text: str) -> dict[str, float]:
@@ -79,8 +75,8 @@ async def test_completions_chat_usage_and_metrics(tmp_path: Path) -> None:
         async with aiohttp.ClientSession() as s:
             cached, usages = [], []
             for _ in range(2):
-                status, body = await _post(s, f"{base}/v1/completions",
-                                           {"model": MODEL, "prompt": prompt, "max_tokens": 5})
+                status, _, body = await post(s, f"{base}/v1/completions",
+                                             {"model": MODEL, "prompt": prompt, "max_tokens": 5})
                 assert status == 200, body
                 assert body["object"] == "text_completion" and body["model"] == MODEL
                 assert body["id"].startswith("cmpl-")
@@ -97,8 +93,8 @@ async def test_completions_chat_usage_and_metrics(tmp_path: Path) -> None:
             assert cached == [0, (n - 1) // BLOCK * BLOCK], cached
 
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
-            status, chat = await _post(s, f"{base}/v1/chat/completions",
-                                       {"messages": messages, "max_completion_tokens": 3})
+            status, _, chat = await post(s, f"{base}/v1/chat/completions",
+                                         {"messages": messages, "max_completion_tokens": 3})
             assert status == 200, chat
             assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
             msg = chat["choices"][0]["message"]
@@ -124,13 +120,13 @@ async def test_completions_chat_usage_and_metrics(tmp_path: Path) -> None:
             assert m["vllm:kv_cache_usage_perc"] == 0
 
             # vLLM's error shapes.
-            status, err = await _post(s, f"{base}/v1/completions", {"model": "other", "prompt": "x"})
+            status, _, err = await post(s, f"{base}/v1/completions", {"model": "other", "prompt": "x"})
             assert status == 404 and err["error"]["type"] == "NotFoundError", err
-            status, err = await _post(s, f"{base}/v1/completions", {"prompt": "x", "max_tokens": 10**9})
+            status, _, err = await post(s, f"{base}/v1/completions", {"prompt": "x", "max_tokens": 10**9})
             assert status == 400 and "maximum context length" in err["error"]["message"], err
             async with s.post(f"{base}/v1/chat/completions", data=b"{not json") as resp:
                 assert resp.status == 400
-            status, err = await _post(s, f"{base}/v1/chat/completions", {"messages": "hello"})
+            status, _, err = await post(s, f"{base}/v1/chat/completions", {"messages": "hello"})
             assert status == 400 and err["error"]["code"] == 400, err
 
 
@@ -269,10 +265,10 @@ async def test_tokenize_ids_are_the_ids_the_engine_hashes(tmp_path: Path) -> Non
                   {"prompt": SYSTEM + " once upon a time"})]
         async with aiohttp.ClientSession() as s:
             for path, request, tok_request in cases:
-                status, tok = await _post(s, f"{base}/tokenize", {"model": MODEL, **tok_request})
+                status, _, tok = await post(s, f"{base}/tokenize", {"model": MODEL, **tok_request})
                 assert status == 200, tok
                 assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] > tok["count"]
-                status, body = await _post(s, f"{base}{path}", {"model": MODEL, "max_tokens": 2, **request})
+                status, _, body = await post(s, f"{base}{path}", {"model": MODEL, "max_tokens": 2, **request})
                 assert status == 200 and body["usage"]["prompt_tokens"] == tok["count"], body
                 tokens_file = tmp_path / "tokens.json"
                 tokens_file.write_text(json.dumps(tok["tokens"]))
@@ -288,7 +284,8 @@ async def test_tokenize_ids_are_the_ids_the_engine_hashes(tmp_path: Path) -> Non
                 assert res["num_blocks"] == full and res["nodes"][0]["node_id"] == "node-x"
                 assert res["nodes"][0].get("serving_url") == base
             # A different text misses: the ids really are the prompt's.
-            status, other = await _post(s, f"{base}/tokenize", {"prompt": "completely different words " * 8})
+            status, _, other = await post(s, f"{base}/tokenize",
+                                           {"prompt": "completely different words " * 8})
             f = tmp_path / "other.json"
             f.write_text(json.dumps(other["tokens"]))
             res = _cli_json("lookup", "--coordinator", f"127.0.0.1:{gport}", "--model", MODEL,

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +31,7 @@ from kvcoord.index.redis.index import RedisIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from tests.coordinator.test_coordinator_ingest import MODEL, Agent, ack_seq, stored
+from tests.http_util import get_text, http_json
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import (
     RedisCluster,
@@ -160,21 +158,12 @@ class Serve:
 
     def http(self, method: str, path: str, body: object = None) -> tuple[int, Any, float]:
         """(status, JSON body or None, seconds taken)."""
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
         t0 = time.monotonic()
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                raw, status = r.read(), r.status
-        except urllib.error.HTTPError as exc:
-            raw, status = exc.read(), exc.code
-        took = time.monotonic() - t0
-        return status, json.loads(raw) if raw else None, took
+        status, answer = http_json(method, f"http://127.0.0.1:{self.http_port}{path}", body)
+        return status, answer, time.monotonic() - t0
 
     def metric(self, name: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = get_text(f"http://127.0.0.1:{self.metrics_port}/metrics")
         return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
 

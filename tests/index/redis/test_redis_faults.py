@@ -14,7 +14,6 @@ import contextlib
 import os
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcoord.router.client import CoordinatorClient, CoordinatorError
 from tests.engine.test_relay_e2e import MODEL, Checker, Cluster, poll, read_json
+from tests.http_util import get_text
 from tests.procs import kvcoord_cmd, wait_for_port
 from tests.redis_servers import RedisServer, start_server, stop_server
 
@@ -73,8 +73,7 @@ class RedisCluster(Cluster):
         return links[0]
 
     def scrape(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5) as r:
-            text = r.read().decode()
+        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5)
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

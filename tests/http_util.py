@@ -1,0 +1,59 @@
+"""Blocking HTTP for tests: one request on a fresh connection, its answer whatever the status. An error
+status is an answer a test checks, not an exception; only a failure to connect (OSError) raises."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from email.message import Message
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One HTTP answer: its status, headers (case-insensitive ``get``) and body bytes."""
+
+    status: int
+    headers: Message
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode()
+
+    def json(self) -> Any:
+        """The body as JSON; None when empty."""
+        return json.loads(self.body) if self.body else None
+
+
+def http_request(method: str, url: str, body: Any = None, *, data: bytes | None = None,
+                 headers: Mapping[str, str] | None = None, timeout: float = 30.0) -> Reply:
+    """``method url`` with ``body`` sent as JSON (``content-type: application/json``), or ``data`` as
+    it is, or nothing when both are None."""
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers = {"content-type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Reply(int(resp.status), resp.headers, resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return Reply(exc.code, exc.headers, exc.read())
+
+
+def http_json(method: str, url: str, body: Any = None, *, headers: Mapping[str, str] | None = None,
+              timeout: float = 30.0) -> tuple[int, Any]:
+    """``(status, JSON answer or None when empty)`` of ``method url`` with ``body`` sent as JSON."""
+    reply = http_request(method, url, body, headers=headers, timeout=timeout)
+    return reply.status, reply.json()
+
+
+def get_text(url: str, timeout: float = 30.0) -> str:
+    """The body of ``GET url`` (a ``/metrics`` page), which must answer 200."""
+    reply = http_request("GET", url, timeout=timeout)
+    assert reply.status == 200, f"GET {url}: HTTP {reply.status}: {reply.text[:500]}"
+    return reply.text
