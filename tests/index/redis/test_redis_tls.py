@@ -25,7 +25,7 @@ from kvcoord.index.redis.index import RedisIndex
 from kvcoord.index.uri import parse_index_uri
 from kvcoord.router.client import CoordinatorClient
 from kvcoord.validate import ops_of
-from tests.coordinator.test_registered_engines_liveness import http_call
+from tests.http_util import http_json
 from tests.index.redis.test_redis_index import H, M, stored
 from tests.procs import free_port, kvcoord_cmd, running, until, until_async, wait_for_port
 from tests.redis_servers import RedisCluster, RedisSentinel
@@ -162,7 +162,8 @@ class Serve:
     metrics: int
 
     def query(self, tokens: list[int]) -> list[tuple[Any, ...]]:
-        status, body = http_call(self.http, "POST", "/query", {"token_ids": tokens, "model_name": MODEL})
+        status, body = http_json("POST", f"http://127.0.0.1:{self.http}/query",
+                                 {"token_ids": tokens, "model_name": MODEL})
         assert status == 200, (self.name, body)
         return [(n["node_id"], n["dp_rank"], n["matched_blocks"], n["tiers"]) for n in body["nodes"]]
 
@@ -229,7 +230,7 @@ def test_serve_on_a_tls_cluster_answers_http_and_grpc_like_memory(
         with serves(tmp_path, indexes) as (mem, walk, mirror):
             for s in (mem, walk, mirror):
                 for i, (p, r) in enumerate(ports):
-                    status, body = http_call(s.http, "POST", "/register", {
+                    status, body = http_json("POST", f"http://127.0.0.1:{s.http}/register", {
                         "instance_id": 10 + i, "endpoint": f"tcp://127.0.0.1:{p}",
                         "replay_endpoint": f"tcp://127.0.0.1:{r}", "model_name": MODEL, "block_size": BS})
                     assert status == 201, (s.name, body)
