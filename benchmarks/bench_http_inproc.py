@@ -6,9 +6,10 @@ kernel's and the event loop's share (the socket reads and writes). Reported: CPU
 least of ``--rounds`` rounds. A coordinator state with ``--nodes``
 nodes on one model (sha256_cbor, block size 16), each holding part of one chain on a rank; the cases
 are plain lookups by tokens and by hashes, the request written at once (one ``data_received``) or head
-and body apart (two).
+and body apart (two), and ``GET /health`` (no work: the framing alone). ``--miss``: every answer as if
+its rows were new (the view's encoded answers emptied first).
 
-    python benchmarks/bench_http_inproc.py [--requests 20000] [--profile out.prof]
+    python benchmarks/bench_http_inproc.py [--requests 20000] [--miss] [--profile out.prof]
 """
 
 from __future__ import annotations
@@ -97,14 +98,17 @@ async def _run(args: argparse.Namespace) -> None:
         "hashes512": _request("/query_by_hash", {"model_name": "bench",
                                                  "block_hashes": [h - (1 << 64) if h >> 63 else h
                                                                   for h in chain[:512]]}),
+        "health": (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b""),
     }
     from kvcoord.coordinator.httpd import _Connection
+
+    fast = server.routes["/query"].methods["POST"].__self__.fast  # type: ignore[attr-defined]
 
     prof = cProfile.Profile() if args.profile else None
     for name, (head, body) in cases.items():
         if args.cases and name not in args.cases:
             continue
-        for client in ("once", "split"):
+        for client in ("once", "split") if body else ("once",):
             conn = _Connection(server)
             sink = _Sink()
             conn.connection_made(sink)  # type: ignore[arg-type]
@@ -113,6 +117,10 @@ async def _run(args: argparse.Namespace) -> None:
 
             def one(feed: Any = feed, whole: bytes = whole, client: str = client, head: bytes = head,
                     body: bytes = body) -> None:
+                if args.miss:
+                    for kept in fast._kept.values():
+                        kept.answers.clear()
+                        kept.hits.clear()
                 if client == "once":
                     feed(whole)
                 else:
@@ -136,7 +144,8 @@ async def _run(args: argparse.Namespace) -> None:
             conn.connection_lost(None)
             api = server.routes["/query"].methods["POST"].__self__  # type: ignore[attr-defined]
             paths = api.state.metrics.lookup_answers
-            print(f"{name:10} {client:5} {best / n * 1e6:7.1f} us/request  answers by path {dict(paths)}")
+            print(f"{name:10} {client:5} {best / n * 1e6:7.1f} us/request  answers by path {dict(paths)}",
+                  flush=True)
     if prof is not None:
         prof.dump_stats(args.profile)
 
@@ -147,6 +156,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the least CPU is reported (default 5)")
     ap.add_argument("--nodes", type=int, default=8, help="nodes holding the chain (default 8)")
     ap.add_argument("--cases", type=lambda v: v.split(","), default=None, help="e.g. tokens64,hashes64")
+    ap.add_argument("--miss", action="store_true",
+                    help="every answer a miss (the view's answers and hits emptied before each request)")
     ap.add_argument("--profile", default=None, metavar="PATH", help="cProfile the timed loops into PATH")
     asyncio.run(_run(ap.parse_args()))
 

@@ -46,6 +46,58 @@ digits_value(uint64_t x, int n)
     return ((x & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32;
 }
 
+static const uint64_t POW10[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000};
+
+/* The value of the decimal digits at p (the first one checked already) in *out: the position after
+ * them, or NULL when it is past uint64. Eight bytes at a time while the digits stay within 19 (which
+ * cannot overflow uint64), then one at a time, the 20th checked. */
+static inline const unsigned char *
+parse_digits(const unsigned char *p, const unsigned char *end, uint64_t *out)
+{
+    const unsigned char *digits = p;
+    uint64_t v = 0, x;
+    if (end - p >= 8) {
+        memcpy(&x, p, 8);
+        int k = leading_digits(x);
+        if (k < 8) { /* the common case (token ids): up to 7 digits and the byte after them */
+            *out = digits_value(x, k);
+            return p + k;
+        }
+        v = digits_value(x, 8);
+        p += 8;
+        while (end - p >= 8) {
+            memcpy(&x, p, 8);
+            k = leading_digits(x);
+            if (k == 0 || (p - digits) + k > 19) {
+                break;
+            }
+            v = v * POW10[k] + digits_value(x, k);
+            p += k;
+            if (k < 8) {
+                *out = v;
+                return p;
+            }
+        }
+    }
+    while (p < end && (unsigned)(*p - '0') <= 9 && p - digits < 19) {
+        v = v * 10 + (unsigned)(*p - '0');
+        p++;
+    }
+    if (p < end && (unsigned)(*p - '0') <= 9) {
+        unsigned d = (unsigned)(*p - '0');
+        if (v > (UINT64_MAX - d) / 10) {
+            return NULL; /* past uint64 */
+        }
+        v = v * 10 + d;
+        p++;
+        if (p < end && (unsigned)(*p - '0') <= 9) {
+            return NULL;
+        }
+    }
+    *out = v;
+    return p;
+}
+
 /* Parse the int array starting at *pp ('[') into out (capacity cap values of width 4 or 8). On success
  * returns the count and leaves *pp after ']'; -1 when the input is not a plain int array that fits. */
 static Py_ssize_t
@@ -77,35 +129,10 @@ kvn_json_int_array(const unsigned char **pp, const unsigned char *end, int u32, 
         if (*p == '0' && p + 1 < end && (unsigned)(p[1] - '0') <= 9) {
             return -1; /* leading zero: not JSON */
         }
-        const unsigned char *digits = p;
-        uint64_t v = 0;
-        if (end - p >= 8) { /* eight bytes at once: up to 7 digits and the byte after them */
-            uint64_t x;
-            memcpy(&x, p, 8);
-            int k = leading_digits(x);
-            if (k < 8) {
-                v = digits_value(x, k);
-                p += k;
-                goto digits_done;
-            }
+        uint64_t v;
+        if ((p = parse_digits(p, end, &v)) == NULL) {
+            return -1;
         }
-        /* up to 19 digits cannot overflow uint64; the 20th is checked */
-        while (p < end && (unsigned)(*p - '0') <= 9 && p - digits < 19) {
-            v = v * 10 + (unsigned)(*p - '0');
-            p++;
-        }
-        if (p < end && (unsigned)(*p - '0') <= 9) {
-            unsigned d = (unsigned)(*p - '0');
-            if (v > (UINT64_MAX - d) / 10) {
-                return -1; /* past uint64 */
-            }
-            v = v * 10 + d;
-            p++;
-            if (p < end && (unsigned)(*p - '0') <= 9) {
-                return -1;
-            }
-        }
-    digits_done:
         if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) {
             return -1; /* a float */
         }

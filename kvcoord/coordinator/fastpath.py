@@ -137,7 +137,8 @@ class FastAnswers:
                 scored.append((got[0], len(scored), got[1], got[2]))
         scored.sort()  # the table's order (longest, then node and rank) breaks ties, as the handler's sort
         hits = [hit for _, _, hit, _ in scored]
-        if len(hits) > 1:  # the peer-pull hints, as the handler's (kvcoord.coordinator.pools.pull_hints)
+        # the peer-pull hints, as the handler's (kvcoord.coordinator.pools.pull_hints): none without a source
+        if len(hits) > 1 and any(source for *_, source in scored):
             pulls = pull_hints([(h[0], h[2], (h[3], h[4], h[5]), src) for _, _, h, src in scored])
             hits = [h if p is None else (*h[:6], with_pull(h[6], p))
                     for h, p in zip(hits, pulls, strict=True)]

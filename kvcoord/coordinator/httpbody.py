@@ -32,9 +32,19 @@ class BadBody(Exception):
 
 
 def _check_json(req: Request) -> None:
-    ctype = req.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    header = req.headers.get("content-type", "")
+    if header in _JSON_TYPES:
+        return
+    ctype = header.split(";", 1)[0].strip().lower()
     if not (ctype == "application/json" or (ctype.startswith("application/") and ctype.endswith("+json"))):
         raise BadBody(json_error(415, "Expected request with `Content-Type: application/json`"))
+    if len(_JSON_TYPES) >= 64:
+        _JSON_TYPES.clear()
+    _JSON_TYPES.add(header)
+
+
+_JSON_TYPES: set[str] = set()
+"""``Content-Type`` values seen to be JSON: clients send the same one on every request."""
 
 
 def decode_fast(req: Request, kind: type[Any], key: str, ints: str) -> tuple[Any, memoryview | None] | None:

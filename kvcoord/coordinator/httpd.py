@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from email.utils import formatdate
+from time import monotonic as _monotonic
 from typing import cast
 
 import httptools
@@ -95,7 +96,8 @@ class HeadWatch:
         """Armed while a head may be read; it outlives the heads that end in time (a timer per request
         costs more than the rest of a small lookup's framing) and, when it fires, looks at :attr:`_since`."""
         self._since: float | None = None
-        """When the head being read began (loop time), or None between heads."""
+        """When the head being read began (``time.monotonic``, a C call: the loop's ``time()`` is a Python
+        one, and only differences count), or None between heads."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self.in_head = True
         """The next bytes belong to a request's head (between requests too)."""
@@ -125,11 +127,11 @@ class HeadWatch:
         """A connection's start or a request's first byte: the head's clock runs (if not already)."""
         self.parsed = 0
         if self._since is None:
-            loop = self._loop
-            if loop is None:
-                loop = self._loop = asyncio.get_running_loop()
-            self._since = loop.time()
+            self._since = _monotonic()
             if self._timer is None:
+                loop = self._loop
+                if loop is None:
+                    loop = self._loop = asyncio.get_running_loop()
                 self._timer = loop.call_later(self.limits.header_timeout, self._fire)
 
     def headers_done(self) -> None:
@@ -151,10 +153,9 @@ class HeadWatch:
         self._timer = None
         if self._since is None:  # no head being read: the next one arms it again
             return
-        loop = asyncio.get_running_loop()
-        left = self._since + self.limits.header_timeout - loop.time()
+        left = self._since + self.limits.header_timeout - _monotonic()
         if left > 0:  # a later head than the one it was armed for
-            self._timer = loop.call_later(left, self._fire)
+            self._timer = asyncio.get_running_loop().call_later(left, self._fire)
             return
         self._since = None
         self._on_timeout()
@@ -180,6 +181,7 @@ class Response:
 
 
 Handler = Callable[[Request], "Response | Awaitable[Response]"]
+_BODY_LIMIT = 2 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +189,8 @@ class Route:
     """One path: its handler per method, and the largest body it reads."""
 
     methods: dict[str, Handler]
-    body_limit: int = 2 * 1024 * 1024
+    body_limit: int = _BODY_LIMIT
+    """Bytes (:data:`_BODY_LIMIT` by default; an unknown path has that too)."""
 
     @property
     def allow(self) -> str:
@@ -197,17 +200,43 @@ class Route:
         return ",".join(sorted(names))
 
 
-_date_cache: list[object] = [0, b""]
+_DATES: dict[int, bytes] = {}
 
 
 def _date() -> bytes:
     """The ``Date`` header's value, formatted once per second."""
     now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache[0], _date_cache[1] = now, formatdate(now, usegmt=True).encode()
-    value = _date_cache[1]
-    assert isinstance(value, bytes)
+    value = _DATES.get(now)
+    if value is None:
+        _DATES.clear()
+        value = _DATES[now] = formatdate(now, usegmt=True).encode()
     return value
+
+
+_HEADER_NAMES: dict[bytes, str] = {}  # as received -> lower-cased: clients send the same few names
+_URLS: dict[bytes, tuple[str, str]] = {}  # request targets as received -> (path, query)
+_METHODS: dict[bytes, str] = {}  # the parser's method names (a fixed set)
+_MAX_CACHED = 256
+"""Entries at most in :data:`_HEADER_NAMES` and :data:`_URLS` (emptied when full): a client sending ever
+new names or targets costs only the decoding it saves the others."""
+
+
+def _header_name(raw: bytes) -> str:
+    name = raw.decode("latin-1").lower()
+    if len(_HEADER_NAMES) >= _MAX_CACHED:
+        _HEADER_NAMES.clear()
+    _HEADER_NAMES[raw] = name
+    return name
+
+
+def _target(url: bytes) -> tuple[str, str]:
+    """A request target's path and query (``httptools.parse_url``; an invalid one raises its error)."""
+    parsed = httptools.parse_url(url)
+    got = parsed.path.decode("latin-1", "replace"), (parsed.query or b"").decode("latin-1", "replace")
+    if len(_URLS) >= _MAX_CACHED:
+        _URLS.clear()
+    _URLS[url] = got
+    return got
 
 
 class _Connection(asyncio.Protocol):
@@ -218,22 +247,23 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.peer = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._url = b""
         self._headers: dict[str, str] = {}
         self._method = self._path = self._query = ""
         """The request's, once its head is read."""
         self._head = HeadWatch(server.limits, self._head_timed_out)
         self._active = 0.0
-        """When bytes last came in or an answer went out (loop time): one timer per idle period checks
-        it, instead of a timer per request."""
+        """When bytes last came in or an answer went out (``time.monotonic``): one timer per idle period
+        checks it, instead of a timer per request."""
         self._idle: asyncio.TimerHandle | None = None
         self._body: list[bytes] = []
         self._body_len = 0
         self._limit = 0
         self._rejected: Response | None = None
-        self._refused: Response | None = None
-        self._queue: deque[tuple[Request | None, Response | None, bool]] = deque()
+        self._routed: Handler | Response = Response(404)
+        """The request's handler, or its refusal (404/405), once its head is read."""
+        self._queue: deque[tuple[Request | None, Handler | Response, bool]] = deque()
+        """Requests read, not yet answered, each with its handler or its answer."""
         self._busy = False
         self._closing = False
         self._linger: asyncio.TimerHandle | None = None
@@ -244,7 +274,7 @@ class _Connection(asyncio.Protocol):
     # --- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
-        self._loop = loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "")
         limits = self.server.limits
@@ -254,7 +284,7 @@ class _Connection(asyncio.Protocol):
             return
         self.server.connections.add(self)
         self._head.begin()
-        self._active = loop.time()
+        self._active = _monotonic()
         self._idle = loop.call_later(limits.idle_timeout, self._idle_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -267,9 +297,9 @@ class _Connection(asyncio.Protocol):
             self._idle.cancel()
 
     def data_received(self, data: bytes) -> None:
-        if self._closing or self._loop is None:
+        if self._closing:
             return
-        self._active = self._loop.time()
+        self._active = _monotonic()
         if self._head.over(data):
             self.server.refused("header_too_large")
             self._fail(json_error(431, self.server.limits.too_large()))
@@ -291,13 +321,12 @@ class _Connection(asyncio.Protocol):
         self._idle = None
         if self._closing or self.transport is None:
             return
-        loop = asyncio.get_running_loop()
         idle = self.server.limits.idle_timeout
-        left = idle - (loop.time() - self._active)
+        left = idle - (_monotonic() - self._active)
         if left <= 0 and self._between and not self._busy and not self._queue:
             self._close(linger=False)
             return
-        self._idle = loop.call_later(left if left > 0 else idle, self._idle_check)
+        self._idle = asyncio.get_running_loop().call_later(left if left > 0 else idle, self._idle_check)
 
     def _head_timed_out(self) -> None:
         if self._closing or self.transport is None:
@@ -317,44 +346,50 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._head_grew(len(url))
+        if self._head.grew(len(url)):
+            self._head_too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_grew(len(name) + len(value))
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        if self._head.grew(len(name) + len(value)):
+            self._head_too_large()
+        self._headers[_HEADER_NAMES.get(name) or _header_name(name)] = value.decode("latin-1")
 
-    def _head_grew(self, n: int) -> None:
-        if self._head.grew(n):
-            self.server.refused("header_too_large")
-            self._rejected = json_error(431, self.server.limits.too_large())
-            raise httptools.HttpParserError("request head too large")
+    def _head_too_large(self) -> None:
+        self.server.refused("header_too_large")
+        self._rejected = json_error(431, self.server.limits.too_large())
+        raise httptools.HttpParserError("request head too large")
 
     def on_headers_complete(self) -> None:
         self._head.headers_done()
-        parsed = httptools.parse_url(self._url)
-        self._path = path = parsed.path.decode("latin-1", "replace")
-        self._query = (parsed.query or b"").decode("latin-1", "replace")
-        self._method = self.parser.get_method().decode("latin-1")
-        route = self.server.routes.get(path)
-        self._limit = route.body_limit if route is not None else Route({}).body_limit
+        url = self._url
+        self._path, self._query = _URLS.get(url) or _target(url)
+        raw = self.parser.get_method()
+        method = _METHODS.get(raw)
+        if method is None:
+            method = _METHODS[raw] = raw.decode("latin-1")
+        self._method = method
         # Routing comes before the body (as in axum): an unknown path or method is refused with 404/405,
         # never 413, and without reading a body the client has not sent yet.
-        self._refused = self.server.misrouted(self._method, path)
-        expect = self._headers.get("expect", "").lower() == "100-continue"
-        length = self._headers.get("content-length")
+        self._limit, self._routed = routed = self.server.route(method, self._path)
+        refused = routed[1] if isinstance(routed[1], Response) else None
+        headers = self._headers
+        length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._limit:
-            self._rejected = self._refused or _limit_exceeded()
+            self._rejected = refused or _limit_exceeded()
             raise httptools.HttpParserError("body over the route's limit")
-        if expect and self._refused is not None:
-            self._rejected = self._refused
-            raise httptools.HttpParserError("refused before the body")
-        if expect and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        expect = headers.get("expect")
+        if expect is not None and expect.lower() == "100-continue":
+            if refused is not None:
+                self._rejected = refused
+                raise httptools.HttpParserError("refused before the body")
+            if self.transport is not None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
         if self._body_len > self._limit:
-            self._rejected = self._refused or _limit_exceeded()
+            routed = self._routed
+            self._rejected = routed if isinstance(routed, Response) else _limit_exceeded()
             raise httptools.HttpParserError("body over the route's limit")
         self._body.append(body)
 
@@ -364,35 +399,46 @@ class _Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         req = Request(self._method, self._path, self._query, self._headers, body, self.peer)
         keep = self.parser.should_keep_alive()
-        self._queue.append((req, None, keep))
-        if not self._busy:
-            self._drain()
+        if self._busy or self._queue:
+            self._queue.append((req, self._routed, keep))
+            if not self._busy:
+                self._drain()
+        elif self.transport is not None:  # nothing before it: answered without the queue
+            self._answer(req, self._routed, keep)
 
     # --- dispatch --------------------------------------------------------------------------
     def _drain(self) -> None:
         """Answer queued requests in order; an awaitable answer holds the queue until it is done."""
         while self._queue and self.transport is not None:
-            req, ready, keep = self._queue.popleft()
-            resp = ready
-            if resp is None:
-                assert req is not None
-                try:
-                    result = self.server.dispatch(req)
-                except Exception:
-                    log.exception("HTTP %s %s failed", req.method, req.path)
-                    result = json_error(500, "internal error")
-                if not isinstance(result, Response):
-                    self._busy = True
-                    self.transport.pause_reading()
-                    task = asyncio.ensure_future(result)
-                    self.server.tasks.add(task)
-                    task.add_done_callback(functools.partial(self._finished, req=req, keep=keep))
-                    return
-                resp = result
-            self._write(resp, keep, head=req is not None and req.method == "HEAD")
-            if not keep:
-                self._close()
+            if not self._answer(*self._queue.popleft()):
                 return
+
+    def _answer(self, req: Request | None, routed: Handler | Response, keep: bool) -> bool:
+        """Answer one request (``req`` None: a failed one, ``routed`` its answer); False when the
+        answers after it must wait: its handler's awaitable runs, or the connection closes."""
+        assert self.transport is not None
+        if isinstance(routed, Response):
+            resp = routed  # an answer already: a refusal, a failed request's, an awaited handler's
+        else:
+            assert req is not None
+            try:
+                result = self.server.dispatch(req, routed)
+            except Exception:
+                log.exception("HTTP %s %s failed", req.method, req.path)
+                result = json_error(500, "internal error")
+            if not isinstance(result, Response):
+                self._busy = True
+                self.transport.pause_reading()
+                task = asyncio.ensure_future(result)
+                self.server.tasks.add(task)
+                task.add_done_callback(functools.partial(self._finished, req=req, keep=keep))
+                return False
+            resp = result
+        self._write(resp, keep, head=req is not None and req.method == "HEAD")
+        if not keep:
+            self._close()
+            return False
+        return True
 
     def _finished(self, task: asyncio.Future[Response], *, req: Request, keep: bool) -> None:
         self.server.tasks.discard(task)
@@ -412,8 +458,8 @@ class _Connection(asyncio.Protocol):
         self._drain()
 
     def _write(self, resp: Response, keep: bool, *, head: bool = False) -> None:
-        assert self.transport is not None and self._loop is not None
-        self._active = self._loop.time()
+        assert self.transport is not None
+        self._active = _monotonic()
         self.transport.write(render(resp, keep, self.server.extra_headers, head=head))
 
     def _fail(self, resp: Response) -> None:
@@ -442,11 +488,14 @@ class _Connection(asyncio.Protocol):
 def render(resp: Response, keep: bool, extra_headers: bytes = b"", *, head: bool = False) -> bytes:
     """An answer's bytes: status line, ``extra_headers`` (whole lines), date, length, type, its own
     headers; without the body when ``head`` (a HEAD request)."""
-    status = resp.status
-    if status == 200 and keep and not head and not resp.headers and resp.content_type == JSON:
-        return _OK_JSON % (extra_headers, _date(), len(resp.body), resp.body)  # a lookup's answer
+    status, body = resp.status, resp.body
+    if keep and not resp.headers:
+        if status == 200 and not head and resp.content_type == JSON:
+            return _OK_JSON % (extra_headers, _date(), len(body), body)  # a lookup's answer
+        if resp.content_type is None and status in _STATUS_LINES:  # e.g. /health's
+            return _BARE % (_STATUS_LINES[status], extra_headers, _date(), len(body), b"" if head else body)
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}".encode(),
-             extra_headers + b"date: " + _date(), b"content-length: " + str(len(resp.body)).encode()]
+             extra_headers + b"date: " + _date(), b"content-length: " + str(len(body)).encode()]
     if resp.content_type is not None:
         lines.append(b"content-type: " + resp.content_type.encode())
     for name, value in resp.headers:
@@ -455,11 +504,14 @@ def render(resp: Response, keep: bool, extra_headers: bytes = b"", *, head: bool
         lines.append(b"connection: close")
     lines.append(b"\r\n")
     head_bytes = b"\r\n".join(lines)
-    return head_bytes if head or not resp.body else head_bytes + resp.body
+    return head_bytes if head or not body else head_bytes + body
 
 
 _OK_JSON = b"HTTP/1.1 200 OK\r\n%bdate: %b\r\ncontent-length: %d\r\ncontent-type: application/json\r\n\r\n%b"
 """What :func:`render` composes of a kept-alive 200 JSON answer without headers of its own."""
+_BARE = b"%b\r\n%bdate: %b\r\ncontent-length: %d\r\n\r\n%b"
+"""... and of a kept-alive answer without a content type or headers of its own."""
+_STATUS_LINES = {status: f"HTTP/1.1 {status} {reason}".encode() for status, reason in _REASONS.items()}
 
 
 def json_error(status: int, message: str) -> Response:
@@ -496,27 +548,30 @@ class HttpServer:
         if self._on_refused is not None:
             self._on_refused(reason)
 
-    def misrouted(self, method: str, path: str) -> Response | None:
-        """404 (empty) for an unknown path, 405 with ``Allow`` for another method; None if routed."""
+    def route(self, method: str, path: str) -> tuple[int, Handler | Response]:
+        """Where a request goes, known from its head: the path's body limit, and the method's handler or
+        the refusal (404, empty, for an unknown path; 405 with ``Allow`` for another method)."""
         route = self.routes.get(path)
         if route is None:
-            return Response(404)
-        if (method == "HEAD" and "GET" not in route.methods) or (
-            method != "HEAD" and method not in route.methods
-        ):
-            return Response(405, headers=[("allow", route.allow)])
-        return None
+            return _BODY_LIMIT, Response(404)
+        handler = route.methods.get("GET" if method == "HEAD" else method)
+        if handler is None:
+            return route.body_limit, Response(405, headers=[("allow", route.allow)])
+        return route.body_limit, handler
 
-    def dispatch(self, req: Request) -> Response | Awaitable[Response]:
-        refused = self.misrouted(req.method, req.path)
-        if refused is not None:
-            return refused
-        handler = self.routes[req.path].methods["GET" if req.method == "HEAD" else req.method]
+    def dispatch(self, req: Request,
+                 routed: Handler | Response | None = None) -> Response | Awaitable[Response]:
+        """``req``'s answer: its refusal, the authorizer's, or its handler's (``routed``: :meth:`route`'s,
+        when the connection has it already)."""
+        if routed is None:
+            routed = self.route(req.method, req.path)[1]
+        if isinstance(routed, Response):
+            return routed
         if self.authorize is not None:
             refused = self.authorize(req)
             if refused is not None:
                 return refused
-        return handler(req)
+        return routed(req)
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, *,
                     reuse_port: bool = False) -> int:
