@@ -10,12 +10,19 @@ concurrent requests sharing a new prefix, split across two routers of that mode 
 router): on how many nodes the new prefix was computed.
 
     .venv/bin/python benchmarks/bench_reserve.py [--requests 2000] [--prompt-blocks 64]
+
+``--stream-only N``: the stream alone, no router: one ``ReserveStream`` in this process (uvloop) against a
+``kvcoord serve``, N cycles of a reservation (``--prompt-blocks`` blocks), its first byte 1 ms later and
+its completion, 4 ms apart (two stream messages a cycle), against the same cycles without reservations;
+CPU per cycle of this process and of the coordinator, three rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import random
 import sys
 import tempfile
 import time
@@ -23,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -37,6 +45,8 @@ from benchmarks.common import (
     start_serve,
     wait_url,
 )
+from kvcoord.gateway.reserve import ReserveStream
+from kvcoord.router.client import AsyncCoordinatorClient
 from tests.procs import free_port, running, wait_for_port
 
 
@@ -148,12 +158,56 @@ async def _run(n: int, blocks: int, block_run: int, rounds: int, token_interval:
                   f"{cs / len(xs) * 1e6:6.0f} us, route {cr / len(xs) * 1e6:6.0f} us")
 
 
+async def _cycles(stream: ReserveStream, n: int, blocks: int, on: bool) -> None:
+    for _ in range(n):
+        rid = stream.next_id() if on else ""
+        if rid:
+            stream.reserve(rid, MODEL, ("node0", 0), 0, [random.getrandbits(64) for _ in range(blocks)], 1000)
+        await asyncio.sleep(0.001)
+        if rid:
+            stream.release(rid, first_byte=True)
+            stream.release(rid, first_byte=False)
+        await asyncio.sleep(0.004)
+
+
+async def _stream_only(addr: str, serve_pid: int, n: int, blocks: int) -> None:
+    client = AsyncCoordinatorClient(addr)
+    stream = ReserveStream(client, logging.getLogger("bench_reserve"))
+    task = asyncio.create_task(stream.run())
+    while not stream.up:
+        await asyncio.sleep(0.05)
+    await _cycles(stream, 200, blocks, True)  # warm-up
+    print(f"the Reserve stream alone: {n} cycles (reserve ~{blocks} blocks, first byte, completion) vs "
+          "the same cycles without, CPU per cycle")
+    for _ in range(3):
+        got = {}
+        for on in (True, False):
+            c0, s0 = time.process_time(), _cpu(serve_pid)
+            await _cycles(stream, n, blocks, on)
+            await asyncio.sleep(0.05)
+            got[on] = ((time.process_time() - c0) / n, (_cpu(serve_pid) - s0) / n)
+        (r1, c1), (r0, c0_) = got[True], got[False]
+        print(f"  router {r1 * 1e6:5.0f} - {r0 * 1e6:3.0f} = {(r1 - r0) * 1e6:4.0f} us | coordinator "
+              f"{c1 * 1e6:5.0f} - {c0_ * 1e6:3.0f} = {(c1 - c0_) * 1e6:4.0f} us")
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await client.close()
+
+
 def main() -> None:
     ap = bench_parser(__doc__, requests=2000, requests_help="measured requests per mode", token_interval=0.0)
     ap.add_argument("--prompt-blocks", type=int, default=64, help="approximate new blocks per prompt")
     ap.add_argument("--block-run", type=int, default=100, help="requests per mode before switching")
     ap.add_argument("--bursts", type=int, default=50, help="burst rounds per mode (0: none)")
+    ap.add_argument("--stream-only", type=int, default=0, metavar="N",
+                    help="measure N cycles on the Reserve stream alone (no router), then stop")
     args = ap.parse_args()
+    if args.stream_only:
+        with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as stack:
+            addr, pid = start_serve(stack, Path(d) / "serve.log", "http://127.0.0.1:9", quiet=True)
+            uvloop.run(_stream_only(addr, pid, args.stream_only, args.prompt_blocks))
+        return
     asyncio.run(_run(args.requests, args.prompt_blocks, args.block_run, args.bursts, args.token_interval))
 
 

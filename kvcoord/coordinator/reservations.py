@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -79,7 +79,8 @@ class _Hold:
     router: str
     hash: tuple[str, BlockHash64]
     expires: float
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event | None = None
+    """Made by the first lookup that waits for this hold (most holds are never waited for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,8 @@ class Reservations:
         hold = self._holds.get(other) if other is not None else None
         if hold is not None and other != (router, reserve_id) and hold.expires > now and wait > 0:
             self.counts["waited"] += 1
+            if hold.done is None:
+                hold.done = asyncio.Event()
             await wait_event(hold.done, min(wait, hold.expires - now))
         if router and reserve_id:
             rid = (router, reserve_id)
@@ -234,7 +237,8 @@ class Reservations:
     def _resolve(self, rid: Rid) -> None:
         hold = self._holds.pop(rid, None)
         if hold is not None:
-            hold.done.set()
+            if hold.done is not None:
+                hold.done.set()
             if self._held.get(hold.hash) == rid:
                 del self._held[hold.hash]
 

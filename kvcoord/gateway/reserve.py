@@ -2,10 +2,11 @@
 the coordinator (:mod:`kvcoord.coordinator.reservations`), which lookup answers of other routers carry.
 
 Nothing on the request path waits for it: :meth:`ReserveStream.reserve` and :meth:`ReserveStream.release`
-queue an operation that one writer task sends, so a reservation costs a protobuf message and a queue put
-per request, no round trip. Completions ride with the next reservation (or go after ``RELEASE_LINGER``),
-a completion within ``FIRST_BYTE_LINGER`` of its first byte replaces it, and what queues during a write
-goes in one message, so a short request costs one message, and under load less.
+add an operation in place to the batch one writer task sends next, so a reservation costs a protobuf
+operation per request, no round trip. Completions ride with the next reservation (or go after
+``RELEASE_LINGER``); a completion within ``FIRST_BYTE_LINGER`` of its first byte replaces it (and goes
+when the first byte would have); what queues during a write goes in one message. So a short request
+costs two stream messages at most (its reservation, its release), and under load fewer.
 
 While the stream is down (coordinator down or restarting), the router works on its own memory (its
 in-flight counts and placement memory), says so once in its log, in ``kvcoord_route_shared_view`` /
@@ -36,7 +37,8 @@ __all__ = ["DEFAULT_TTL", "ReserveStream", "new_router_id"]
 DEFAULT_TTL = 600.0
 """Seconds a reservation lives at most when its release never comes (a request longer than this stops
 counting as in flight for other routers; its own router still counts it)."""
-_QUEUE = 65_536
+_MAX_OPS = 65_536
+"""Operations one batch holds at most (the stream is stuck past that: more are dropped, counted)."""
 RELEASE_LINGER = 0.02
 """Seconds a completion may wait for a reservation to travel with (a late one only keeps the view
 conservative a little longer); a reservation never waits."""
@@ -68,13 +70,22 @@ class ReserveStream:
         self.reason = "not connected yet"
         """Why the stream is down (for ``/health``); "" while up."""
         self.dropped = 0
-        """Messages not sent: the stream was down, or its queue full."""
-        self._queue: asyncio.Queue[list[pb.ReserveOp]] = asyncio.Queue(_QUEUE)
-        self._pending: list[pb.ReserveOp] = []
+        """Operations not sent: the stream was down, or the batch full."""
+        self._batch = pb.ReserveBatch(router_id=self.router_id)
+        """What the next write sends: reservations and releases since the last one, built in place (no
+        copies of operations)."""
+        self._first_bytes: dict[str, pb.ReserveOp] = {}
+        """The batch's first-byte releases by request id: a completion turns its own into itself."""
+        self._ready = asyncio.Event()
+        """Set when the batch is due: the writer takes it at once, or after the write in progress."""
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0
+        self._completion_due = 0.0
+        """When the batch's oldest completion must go (0: it has none)."""
         self._ids = itertools.count(1)
         self._announced = False
+        self._streams = 0
+        """Calls opened so far: a writer of an earlier one stops (grpc leaves it waiting)."""
 
     def next_id(self) -> str:
         """A request id for a lookup's hold and its reservation; "" while the stream is down (no hold)."""
@@ -84,57 +95,82 @@ class ReserveStream:
     def reserve(self, request_id: str, model: str, key: NodeKey, first_block: int,
                 hashes: Sequence[BlockHash64], prefill_tokens: int) -> None:
         """Sent at once (other lookups may wait for it), with the releases pending."""
-        op = pb.ReserveOp(request_id=request_id)
+        if not self.up or len(self._batch.ops) >= _MAX_OPS:
+            self.dropped += 1
+            return
+        op = self._batch.ops.add(request_id=request_id)
         r = op.reserve
         r.model, r.node_id, r.dp_rank, r.first_block = model, key[0], key[1], first_block
         r.block_hashes = pack_u64(hashes[first_block:])
         r.prefill_tokens, r.ttl_seconds = max(0, prefill_tokens), self.ttl
-        self._pending.append(op)
         self._flush()
 
     def release(self, request_id: str, *, first_byte: bool) -> None:
         """A first byte goes within ``FIRST_BYTE_LINGER`` s (the node's queued prefill is load every router
         weighs), unless the completion comes first and replaces it; a completion goes with the next
-        reservation, or after ``RELEASE_LINGER`` s."""
+        reservation, or ``RELEASE_LINGER`` s after the oldest one pending."""
         if not self.up:
             return
-        if not first_byte and self._pending:  # the completion releases the prefill too
-            self._pending = [p for p in self._pending if p.request_id != request_id]
-        op = pb.ReserveOp(request_id=request_id)
-        op.release.first_byte = first_byte
-        self._pending.append(op)
-        delay = FIRST_BYTE_LINGER if first_byte else RELEASE_LINGER
+        now = asyncio.get_running_loop().time()
+        if first_byte:
+            if len(self._batch.ops) >= _MAX_OPS:
+                self.dropped += 1
+                return
+            op = self._batch.ops.add(request_id=request_id)
+            op.release.first_byte = True
+            self._first_bytes[request_id] = op
+            self._arm(now + FIRST_BYTE_LINGER)
+            return
+        pending = self._first_bytes.pop(request_id, None)
+        if pending is not None:  # it releases the prefill too: one operation, due as the first byte was
+            pending.release.first_byte = False
+            return
+        if not self._completion_due:
+            self._completion_due = now + RELEASE_LINGER
+        if len(self._batch.ops) >= _MAX_OPS:
+            self.dropped += 1
+            return
+        self._batch.ops.add(request_id=request_id).release.first_byte = False
+        self._arm(self._completion_due)
+
+    def _arm(self, due: float) -> None:
+        """Flush at ``due`` at the latest."""
+        if self._timer is not None:
+            if self._due <= due:
+                return
+            self._timer.cancel()
         loop = asyncio.get_running_loop()
-        due = loop.time() + delay
-        if self._timer is None or self._due > due:  # uvloop's timer handles have no when()
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer, self._due = loop.call_later(delay, self._flush), due
+        self._timer, self._due = loop.call_at(due, self._flush), due  # uvloop's handles have no when()
 
     def _flush(self) -> None:
+        """The batch is due: the writer sends it (what queues before the write goes along)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        ops, self._pending = self._pending, []
-        if not ops:
-            return
-        if not self.up:
-            self.dropped += len(ops)
-            return
-        try:
-            self._queue.put_nowait(ops)
-        except asyncio.QueueFull:
-            self.dropped += len(ops)
+        if self._batch.ops:
+            self._ready.set()
+
+    def _take(self) -> pb.ReserveBatch:
+        batch, self._batch = self._batch, pb.ReserveBatch(router_id=self.router_id)
+        self._first_bytes.clear()
+        self._completion_due = 0.0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._ready.clear()
+        return batch
 
     # ------------------------------------------------------------------ the stream
-    async def _batches(self) -> AsyncIterator[pb.ReserveBatch]:
+    async def _batches(self, stream: int) -> AsyncIterator[pb.ReserveBatch]:
         yield pb.ReserveBatch(router_id=self.router_id)  # names the router at once
         while True:
-            batch = pb.ReserveBatch(router_id=self.router_id)
-            batch.ops.extend(await self._queue.get())
-            while not self._queue.empty():  # what queued during the last write goes in one message
-                batch.ops.extend(self._queue.get_nowait())
-            yield batch
+            await self._ready.wait()
+            if stream != self._streams:  # a failed call's writer: the batch is the next stream's
+                return
+            if self._batch.ops:
+                yield self._take()  # what queued during the last write goes in this one message
+            else:
+                self._ready.clear()
 
     def _set(self, up: bool, reason: str) -> None:
         changed = up != self.up or not self._announced
@@ -148,9 +184,7 @@ class ReserveStream:
         else:
             self.log.warning("reservations: stream to the coordinator down (%s); placing on this router's "
                              "own memory until it is back", reason)
-            while not self._queue.empty():  # the coordinator dropped them with the stream
-                self._queue.get_nowait()
-            self._pending.clear()
+            self._take()  # the coordinator dropped them with the stream
         if self.on_change is not None:
             self.on_change(up)
 
@@ -158,7 +192,8 @@ class ReserveStream:
         """Open the stream, keep it open, reopen it after a failure; a coordinator without ``Reserve``
         (UNIMPLEMENTED) is logged once and never asked again."""
         while True:
-            call = self.client.reserve_stream(self._batches())
+            self._streams += 1
+            call = self.client.reserve_stream(self._batches(self._streams))
             try:
                 await call.wait_for_connection()
                 self._set(True, "")
