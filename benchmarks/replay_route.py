@@ -41,8 +41,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvcoord.hashing import HashProfile
-from kvcoord.sim import toktok
 from kvcoord.sim.workload import load_mooncake
+from kvcoord.tokenize import toktok
 from tests.procs import TRACES, free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 
 MODEL = "sim-model"
