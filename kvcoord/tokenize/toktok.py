@@ -30,6 +30,7 @@ tests only; no real model tokenizes this way.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -37,7 +38,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvcoord.tokenize.base import InvalidChat, Message, TokenizeError, Tool, check_chat_request
+from kvcoord.tokenize.base import INLINE_CHARS, InvalidChat, Message, TokenizeError, Tool, check_chat_request
 
 __all__ = [
     "BOS",
@@ -91,7 +92,26 @@ def word_id(word: str) -> int:
     return NUM_SPECIAL + int.from_bytes(digest, "big") % (VOCAB - NUM_SPECIAL)
 
 
+_ID_CACHE: dict[str, int] = {}
+_ID_CACHE_MAX = 1 << 18
+"""Words seen, with their ids: a hash per word made a 14k-word prompt cost tens of milliseconds, a dict
+lookup per word a few. Emptied when full (a bound on memory for arbitrary text; ids are unchanged)."""
+
+
+def _word_ids(words: list[str]) -> list[int]:
+    ids = []
+    for w in words:
+        i = _ID_CACHE.get(w)
+        if i is None:
+            if len(_ID_CACHE) >= _ID_CACHE_MAX:
+                _ID_CACHE.clear()
+            i = _ID_CACHE[w] = word_id(w)
+        ids.append(i)
+    return ids
+
+
 _WORD_OF_ID = {word_id(w): w for w in WORDS}
+
 
 
 def tokenize(text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -102,7 +122,7 @@ def tokenize(text: str, *, add_special_tokens: bool = True) -> list[int]:
         if special is not None:
             out.append(special)
         else:
-            out.extend(word_id(w) for w in piece.split())
+            out.extend(_word_ids(piece.split()))
     return out
 
 
@@ -194,10 +214,13 @@ class ToyTokenizer:
         return SOURCE
 
     async def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
-        """:func:`tokenize`, as the sim-engine's completions and ``/tokenize`` apply it."""
+        """:func:`tokenize`, as the sim-engine's completions and ``/tokenize`` apply it; a long prompt in a
+        worker thread (as a local Hugging Face tokenizer's), so the event loop keeps serving meanwhile."""
         if not isinstance(prompt, str):
             raise TokenizeError(self._model, "the prompt must be a string", source=SOURCE, bad_request=True)
-        return tokenize(prompt, add_special_tokens=add_special_tokens)
+        if len(prompt) < INLINE_CHARS:
+            return tokenize(prompt, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(tokenize, prompt, add_special_tokens=add_special_tokens)
 
     async def encode_chat(
         self,

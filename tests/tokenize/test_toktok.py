@@ -11,14 +11,14 @@ import aiohttp
 import pytest
 
 from kvcoord.coordinator.config import ConfigError, parse_model_spec
-from kvcoord.tokenize import SIM_SOURCE, TokenizerCache, open_tokenizer
+from kvcoord.tokenize import SIM_SOURCE, TokenizerCache, open_tokenizer, toktok
 from kvcoord.tokenize.base import TokenizeError
 from kvcoord.tokenize.toktok import ToyTokenizer
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 
 MODEL = "sim-model"
 PROMPTS = ["w1 w2 w3", "  spaced\tout\nwords  ", "<s>specials <|im_start|>mid<|im_end|> text", "",
-           "ünïcode ✓"]
+           "ünïcode ✓", " ".join(f"w{i % 500}" for i in range(3000))]  # the last one off the event loop
 CHATS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "hi there"}]},
     {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why"},
@@ -84,3 +84,12 @@ def test_a_model_spec_names_it_without_a_directory(tmp_path: Path, monkeypatch: 
     assert not (tmp_path / SIM_SOURCE).exists()
     with pytest.raises(ConfigError, match="tokenizer"):  # a directory that does not exist still is one
         parse_model_spec(f"{MODEL},algo=sha256_cbor,block_size=16,seed=0,tokenizer=sim:other", None)
+
+
+def test_word_ids_are_the_hash_whatever_the_cache_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Word ids are memoised; a full memo is emptied, and ids stay the hash's."""
+    monkeypatch.setattr(toktok, "_ID_CACHE_MAX", 7)
+    words = [f"x{i % 11}" for i in range(40)]
+    for _ in range(2):
+        assert toktok.tokenize(" ".join(words)) == [toktok.BOS, *map(toktok.word_id, words)]
+        assert len(toktok._ID_CACHE) <= 7
