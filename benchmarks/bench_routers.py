@@ -7,8 +7,12 @@ token, serial per engine, and a decode step shared by the batch, so TTFT depends
 queueing). In front of them, R router replicas, request i going to replica i mod R:
 
 - ``kvcoord``: R ``kvcoord route``s (prefix-aware, sharing their picks as reservations in the one
-  ``kvcoord serve``, which relays the engines registered over its ``/register`` and tokenizes through
-  an engine's ``/tokenize``); route is given the engines' cost model;
+  ``kvcoord serve``, which relays the engines registered over its ``/register`` and tokenizes text
+  prompts); route is given the engines' cost model. ``--tokenizer sim`` (default) has serve tokenize
+  in-process with the engines' own toy tokenizer (``tokenizer=sim:toktok``; checked against an engine's
+  ``/tokenize`` on a trace prompt first, the run stops if the ids differ); ``--tokenizer engine`` has it
+  call engine 0's ``/tokenize`` per lookup, as a deployment without a local tokenizer does; both
+  (``sim,engine``) run each kvcoord configuration twice, one after the other;
 - ``sglang-router``: R ``sglang-router launch --policy cache_aware`` (0.3.2, Rust, a per-router
   approximate radix tree over the prompt text);
 - ``smg``: R ``smg launch --policy cache_aware`` (SGLang's gateway 1.13.0, Rust, the same idea);
@@ -20,7 +24,7 @@ installed is skipped, said so on stderr).
 Traffic: the first K requests of the Mooncake conversation trace at their time-scaled arrivals, streamed
 ``/v1/completions`` with ``max_tokens`` = the trace's output length. The prompt is text, the same for
 every router: each trace token (512 per trace hash id, :func:`kvcoord.sim.workload.load_mooncake`)
-becomes one word, which the engines' toy tokenizer (``kvcoord/sim/toktok.py``) turns into one token, so
+becomes one word, which the engines' toy tokenizer (``kvcoord/tokenize/toktok.py``) turns into one token, so
 which prompts share which prefixes is the trace's. Text is what the Rust routers' trees take.
 
 Figures per run: the cached share of prompt tokens (the engines' own ``vllm:prefix_cache_hits`` over
@@ -34,6 +38,7 @@ achieved cached tokens (where a hit went missing: the index or the policy). The 
 checked at the end against the runs made.
 
     .venv/bin/python benchmarks/bench_routers.py [--requests 600] [--replicas 1,2,4] [--quick]
+        [--tokenizer sim|engine|sim,engine]
 
 Mind the trace's own ceiling: with an unbounded cache, the first 150 / 300 / 600 / 1,000 requests could
 serve 4.6% / 8.1% / 17.2% / 21.6% of their prompt tokens from cache (every earlier block held
@@ -61,9 +66,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import MODEL, pct, route_cmd, start_engines, start_serve
 from benchmarks.replay_route import PROFILE, trace_requests, until_backends
+from kvcoord.tokenize import SIM_SOURCE, open_tokenizer
 from tests.procs import TRACES, free_port, running, wait_for_port
 
 ROUTERS = ("kvcoord", "sglang-router", "smg", "round-robin")
+TOKENIZERS = ("sim", "engine")
+"""Where kvcoord serve tokenizes: in-process with the sim-engines' toy tokenizer, or an engine's /tokenize."""
 _TICK = os.sysconf("SC_CLK_TCK")
 Request = tuple[float, str, int]
 """(arrival s, prompt text, max_tokens)."""
@@ -75,6 +83,8 @@ class Run:
 
     router: str
     replicas: int
+    tokenizer: str = ""
+    """kvcoord only: ``sim`` or ``engine`` (:data:`TOKENIZERS`)."""
     ttft: list[float] = field(default_factory=list)
     errors: int = 0
     prompt_tokens: dict[str, float] = field(default_factory=dict)
@@ -85,6 +95,10 @@ class Run:
     load: float = 0.0
     diagnosis: str = ""
     """kvcoord route's own account of its placements (its metrics, summed over replicas)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.router} ({self.tokenizer} tokenizer)" if self.tokenizer else self.router
 
     @property
     def requests(self) -> int:
@@ -139,11 +153,26 @@ def _rust_cmd(exe: str, port: int, urls: list[str], policy: str) -> list[str]:
             "--policy", policy, "--prometheus-port", str(free_port()), "--log-level", "warn"]
 
 
+async def _same_ids(engine: str, prompt: str) -> None:
+    """Stop the benchmark unless the in-process toy tokenizer gives ``prompt`` the ids the engine's
+    ``/tokenize`` gives it (a lookup on other ids would find nothing)."""
+    local = await open_tokenizer(MODEL, SIM_SOURCE).encode_prompt(prompt)
+    async with aiohttp.ClientSession() as s, s.post(f"{engine}/tokenize",
+                                                     json={"model": MODEL, "prompt": prompt}) as r:
+        remote = (await r.json())["tokens"]
+    if local != remote:
+        at = next((i for i, (a, b) in enumerate(zip(local, remote, strict=False)) if a != b),
+                  min(len(local), len(remote)))
+        sys.exit(f"bench_routers: {SIM_SOURCE} and {engine}/tokenize disagree on a trace prompt "
+                 f"({len(local)} vs {len(remote)} ids, first difference at {at})")
+
+
 @contextlib.contextmanager
-def _fleet(tmp: Path, args: argparse.Namespace, router: str, replicas: int) -> Iterator[Fleet]:
-    """Engines, then ``replicas`` routers of kind ``router`` (and for kvcoord a coordinator with the
+def _fleet(tmp: Path, args: argparse.Namespace, run: Run) -> Iterator[Fleet]:
+    """Engines, then ``run.replicas`` routers of kind ``run.router`` (and for kvcoord a coordinator with the
     engines registered); yields once every router answers a completion."""
-    tag = f"{router}-{replicas}"
+    router, replicas = run.router, run.replicas
+    tag = f"{router}-{run.tokenizer}-{replicas}"
     with contextlib.ExitStack() as stack:
         engines = start_engines(stack, tmp, tag, args.nodes, args.blocks_per_node,
                                 "--prefill-us-per-token", str(args.prefill_us_per_token),
@@ -154,9 +183,12 @@ def _fleet(tmp: Path, args: argparse.Namespace, router: str, replicas: int) -> I
         fleet = Fleet([_url(p) for p in ports], [], urls)
         if router == "kvcoord":
             hport = free_port()
-            coordinator, fleet.coordinator_pid = start_serve(stack, tmp / f"{tag}-serve.log",
-                                                             next(iter(urls.values())), http_port=hport,
-                                                             profile=PROFILE)
+            engine0 = next(iter(urls.values()))
+            if run.tokenizer == "sim":
+                asyncio.run(_same_ids(engine0, args.sample_prompt))
+            coordinator, fleet.coordinator_pid = start_serve(
+                stack, tmp / f"{tag}-serve.log", SIM_SOURCE if run.tokenizer == "sim" else engine0,
+                http_port=hport, profile=PROFILE)
             asyncio.run(_register(_url(hport), engines))
             cmds = [route_cmd(p, "--coordinator", coordinator,
                               "--deadline-ms", str(args.deadline_ms), "--refresh-interval", "0.5",
@@ -290,9 +322,8 @@ async def _replay(run: Run, bases: list[str], reqs: list[Request], limit: int) -
         run.seconds = time.monotonic() - start
 
 
-def _measure(tmp: Path, args: argparse.Namespace, router: str, replicas: int, reqs: list[Request]) -> Run:
-    run = Run(router, replicas)
-    with _fleet(tmp, args, router, replicas) as fleet:
+def _measure(tmp: Path, args: argparse.Namespace, run: Run, reqs: list[Request]) -> Run:
+    with _fleet(tmp, args, run) as fleet:
         before = asyncio.run(_engine_counters(fleet.engines))
         cpu0 = [group_cpu(p) for p in fleet.router_pids]
         coord0 = group_cpu(fleet.coordinator_pid) if fleet.coordinator_pid else 0.0
@@ -301,7 +332,7 @@ def _measure(tmp: Path, args: argparse.Namespace, router: str, replicas: int, re
         run.coordinator_cpu = group_cpu(fleet.coordinator_pid) - coord0 if fleet.coordinator_pid else 0.0
         after = asyncio.run(_engine_counters(fleet.engines))
         run.load = os.getloadavg()[0]
-        if router == "kvcoord":
+        if run.router == "kvcoord":
             run.diagnosis = asyncio.run(_route_diagnosis(fleet.bases))
     for node, (p1, h1) in after.items():
         p0, h0 = before[node]
@@ -313,36 +344,38 @@ def _row(r: Run) -> str:
     n = max(r.requests, 1)
     shares = "/".join(f"{v / max(sum(r.prompt_tokens.values()), 1):.0%}" for v in r.prompt_tokens.values())
     coord = f" + serve {r.coordinator_cpu / n * 1e3:.2f}" if r.router == "kvcoord" else ""
-    return (f"| {r.router} | {r.replicas} | {r.cached_share:.1%} | {r.pct(0.5):.2f} / {r.pct(0.9):.2f} / "
+    return (f"| {r.label} | {r.replicas} | {r.cached_share:.1%} | {r.pct(0.5):.2f} / {r.pct(0.9):.2f} / "
             f"{r.pct(0.99):.2f} | {shares} ({r.balance():.2f}) | {r.router_cpu / n * 1e3:.2f}{coord} | "
             f"{r.errors} | {r.seconds:.0f} | {r.load:.2f} |")
 
 
 def _verdicts(runs: list[Run]) -> list[str]:
-    """The issue's targets, against this run's figures."""
-    by = {(r.router, r.replicas): r for r in runs}
+    """The issue's targets, against this run's figures (per kvcoord tokenizer when both ran)."""
+    by = {(r.router, r.tokenizer, r.replicas): r for r in runs}
     out: list[str] = []
-    k1 = by.get(("kvcoord", 1))
-    approx = [by[(name, 1)] for name in ("sglang-router", "smg") if (name, 1) in by]
-    if k1 and approx:
-        best = max(approx, key=lambda r: r.cached_share)
-        ok_hit = k1.cached_share >= best.cached_share
-        ratios = [k1.pct(q) / best.pct(q) for q in (0.5, 0.9, 0.99)]
-        out.append(f"1 router: cached share {k1.cached_share:.1%} vs {best.router}'s "
-                   f"{best.cached_share:.1%}: {'met' if ok_hit else 'not met'}; TTFT p50/p90/p99 "
-                   f"{' / '.join(f'{x:.2f}x' for x in ratios)} its (target <= 0.9x): "
-                   f"{'met' if all(x <= 0.9 for x in ratios) else 'not met'}")
-        rust = min(approx, key=lambda r: r.router_cpu)
-        cpu = k1.router_cpu / max(k1.requests, 1) / (rust.router_cpu / max(rust.requests, 1) or float("nan"))
-        out.append(f"route CPU per request {cpu:.2f}x {rust.router}'s (target <= 1.5x): "
-                   f"{'met' if cpu <= 1.5 else 'not met'} (serve's own CPU apart)")
-    for n in (2, 4):
-        kn = by.get(("kvcoord", n))
-        if k1 and kn:
-            rel = (kn.cached_share - k1.cached_share) / k1.cached_share if k1.cached_share else float("nan")
-            ok = "met" if abs(rel) <= 0.03 else "not met"
-            out.append(f"{n} routers: cached share {kn.cached_share:.1%}, {rel:+.1%} of the 1-router "
-                       f"{k1.cached_share:.1%} (target within 3%): {ok}")
+    approx = [by[(name, "", 1)] for name in ("sglang-router", "smg") if (name, "", 1) in by]
+    for tok in dict.fromkeys(r.tokenizer for r in runs if r.router == "kvcoord"):
+        k1 = by.get(("kvcoord", tok, 1))
+        if k1 and approx:
+            best = max(approx, key=lambda r: r.cached_share)
+            ok_hit = k1.cached_share >= best.cached_share
+            ratios = [k1.pct(q) / best.pct(q) for q in (0.5, 0.9, 0.99)]
+            out.append(f"{k1.label}, 1 router: cached share {k1.cached_share:.1%} vs {best.router}'s "
+                       f"{best.cached_share:.1%}: {'met' if ok_hit else 'not met'}; TTFT p50/p90/p99 "
+                       f"{' / '.join(f'{x:.2f}x' for x in ratios)} its (target <= 0.9x): "
+                       f"{'met' if all(x <= 0.9 for x in ratios) else 'not met'}")
+            rust = min(approx, key=lambda r: r.router_cpu)
+            cpu = (k1.router_cpu / max(k1.requests, 1)
+                   / (rust.router_cpu / max(rust.requests, 1) or float("nan")))
+            out.append(f"{k1.label}: route CPU per request {cpu:.2f}x {rust.router}'s (target <= 1.5x): "
+                       f"{'met' if cpu <= 1.5 else 'not met'} (serve's own CPU apart)")
+        for n in (2, 4):
+            kn = by.get(("kvcoord", tok, n))
+            if k1 and kn:
+                rel = (kn.cached_share / k1.cached_share - 1) if k1.cached_share else float("nan")
+                ok = "met" if abs(rel) <= 0.03 else "not met"
+                out.append(f"{kn.label}, {n} routers: cached share {kn.cached_share:.1%}, {rel:+.1%} of the "
+                           f"1-router {k1.cached_share:.1%} (target within 3%): {ok}")
     return out
 
 
@@ -364,6 +397,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="300 requests, 60,000 blocks a node (their working set over 4 engines; a short "
                     "run: --requests and --blocks-per-node then ignored)")
+    ap.add_argument("--tokenizer", default="sim",
+                    help="where kvcoord serve tokenizes, comma-separated for several kvcoord runs: sim "
+                    "(in-process, the engines' toy tokenizer) or engine (engine 0's /tokenize)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:
@@ -377,10 +413,14 @@ def main() -> None:
             print(f"{name} is not installed (pip install sglang-router==0.3.2 smg==1.13.0): skipped",
                   file=sys.stderr)
             routers.remove(name)
+    tokenizers = [t.strip() for t in args.tokenizer.split(",") if t.strip()]
+    if not tokenizers or any(t not in TOKENIZERS for t in tokenizers):
+        sys.exit(f"bench_routers: --tokenizer takes {' or '.join(TOKENIZERS)}, comma-separated")
     replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
     tokens = trace_requests(args.trace, args.requests, args.time_scale)
     reqs: list[Request] = [(at, " ".join(f"w{t}" for t in toks), out) for at, toks, out in tokens]
     args.mean_output_tokens = statistics.fmean(r[2] for r in reqs)
+    args.sample_prompt = reqs[0][1]
     print(f"{len(reqs)} requests over {reqs[-1][0]:.0f} s, {sum(len(t[1]) for t in tokens):,} prompt "
           f"tokens; {args.nodes} engines x {args.blocks_per_node} blocks of {PROFILE.block_size}, prefill "
           f"{args.prefill_us_per_token:g} us/token, decode {args.decode_ms_per_token:g} ms/step; load "
@@ -392,10 +432,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for n in replicas:  # every router with one replica first: the targets' baseline
             for router in routers:
-                runs.append(_measure(Path(d), args, router, n, reqs))
-                print(_row(runs[-1]), flush=True)
-                if runs[-1].diagnosis:
-                    print(f"  kvcoord x{n}: {runs[-1].diagnosis}", file=sys.stderr, flush=True)
+                for tok in tokenizers if router == "kvcoord" else [""]:
+                    runs.append(_measure(Path(d), args, Run(router, n, tok), reqs))
+                    print(_row(runs[-1]), flush=True)
+                    if runs[-1].diagnosis:
+                        print(f"  {runs[-1].label} x{n}: {runs[-1].diagnosis}", file=sys.stderr,
+                              flush=True)
     for line in _verdicts(runs):
         print(line)
 

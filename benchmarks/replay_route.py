@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import MODEL, route_cmd, start_agent, start_engines, start_serve
 from kvcoord.hashing import HashProfile
-from kvcoord.sim import toktok
 from kvcoord.sim.workload import load_mooncake
+from kvcoord.tokenize import toktok
 from tests.procs import TRACES, free_port, kvcoord_cmd, running, wait_for_port
 
 PROFILE = HashProfile("xxhash_cbor", 16, seed="0")

@@ -106,7 +106,8 @@ def add(sub: Subparsers) -> None:
                    help="backends tried per request before answering 503 (default 3)")
     p.add_argument("--tokenizer", default=None, metavar="DIR|URL",
                    help="tokenize here instead of in the coordinator: a Hugging Face tokenizer directory "
-                        "or an engine URL (its /tokenize); lookups then go by token ids and the policy "
+                        "or an engine URL (its /tokenize; sim:toktok: sim-engines' toy tokenizer, for "
+                        "simulation and tests); lookups then go by token ids and the policy "
                         "remembers prefixes routed but not yet reported, so a burst sharing a new prefix "
                         "stays together")
     p.add_argument("--image-tokens", type=POSITIVE_INT, default=DEFAULT_IMAGE_TOKENS, metavar="N",

@@ -102,8 +102,8 @@ def _add_http(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group(
         "OpenAI-compatible HTTP",
         "vLLM's API on the same pool: /v1/completions, /v1/chat/completions (streaming), /tokenize (the "
-        "toy tokenizer of kvcoord.sim.toktok), /v1/models, /health, /metrics (vLLM's names). The engine then "
-        "stays up until SIGTERM.")
+        "toy tokenizer of kvcoord.tokenize.toktok; serve and route open it in-process as sim:toktok), "
+        "/v1/models, /health, /metrics (vLLM's names). The engine then stays up until SIGTERM.")
     h.add_argument("--http-listen", default=None, type=LISTEN, metavar="HOST:PORT",
                    help="serve HTTP here, e.g. 127.0.0.1:8000 (default: off)")
     h.add_argument("--token-interval", type=NONNEG_FLOAT, default=0.002,

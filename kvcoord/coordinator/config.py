@@ -32,7 +32,7 @@ from kvcoord.extra_keys import ExtraKeyStyle
 from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, HashAlgo, HashProfile
 from kvcoord.index.uri import parse_index_uri
 from kvcoord.media import parse_media
-from kvcoord.tokenize import TokenizerSpec
+from kvcoord.tokenize import TokenizerSpec, is_local_directory
 from kvcoord.tokenize.base import ChatTemplateContentFormat
 from kvcoord.tokenize.media import DEFAULT_IMAGE_PLACEHOLDER, DEFAULT_IMAGE_TOKENS, MediaRule
 
@@ -253,7 +253,8 @@ _CONTENT_FORMATS = ("auto", "string", "openai")
 def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: str | None,
                 base: Path | None = None) -> ModelConfig:
     """A ``[models."NAME"]`` table (or ``--model`` spec): the hash profile, and the tokenizer if named (a
-    local directory, relative to ``base``, or an engine's ``http(s)://`` URL whose ``/tokenize`` is used)."""
+    local directory, relative to ``base``, an engine's ``http(s)://`` URL whose ``/tokenize`` is used, or
+    ``sim:toktok``, the sim-engine's toy tokenizer)."""
     hints = {k: v for k, v in table.items() if k not in _TOKENIZER_KEYS}
     profile = build_profile(where, hints, default_seed) if "algo" in hints else None
     seed = default_seed if profile is not None else learn_seed(where, hints, default_seed)
@@ -265,7 +266,7 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
 
     def local(key: str) -> str:
         value = as_str(f"{where}.{key}", table[key])
-        if value.startswith(("http://", "https://")) or base is None:
+        if not is_local_directory(value) or base is None:
             return value
         return str(base / value)
 
@@ -278,7 +279,7 @@ def build_model(where: str, name: str, table: Mapping[str, Any], default_seed: s
     if not isinstance(kwargs, dict):
         raise ConfigError(f"{where}.default_chat_template_kwargs: expected a table")
     source = local("tokenizer")
-    if not source.startswith(("http://", "https://")):
+    if is_local_directory(source):
         from kvcoord.tokenize.base import TokenizeError
         from kvcoord.tokenize.local import check_directory
 

@@ -7,7 +7,7 @@ Anthropic's ``/v1/messages``, OpenAI's ``/v1/responses`` and vLLM's ``/inference
 with vLLM's names and labels. Field
 names follow vLLM's ``vllm/entrypoints/openai`` protocol; ``usage.prompt_tokens_details.cached_tokens``
 (which vLLM reports with ``--enable-prompt-tokens-details``) is always there and is what the pool
-served from its cache. Text becomes tokens with :mod:`kvcoord.sim.toktok`.
+served from its cache. Text becomes tokens with :mod:`kvcoord.tokenize.toktok`.
 
 Deliberate differences from vLLM: one choice per request (``n`` and batched prompts are refused);
 generation always runs to ``max_tokens`` (no EOS, ``stop`` is ignored) and defaults to the engine's
@@ -33,9 +33,10 @@ from prometheus_client.registry import Collector
 
 from kvcoord.extra_keys import MultiModalItem, RequestKeys
 from kvcoord.router.answer import KV_SOURCE_HEADER
-from kvcoord.sim import pd, toktok
+from kvcoord.sim import pd
 from kvcoord.sim.http_apis import add_api_routes
 from kvcoord.sim.pull import PEER_PATH, PeerPuller, peer_handler
+from kvcoord.tokenize import toktok
 from kvcoord.tokenize.base import InvalidChat
 from kvcoord.tokenize.media import (
     DEFAULT_IMAGE_TOKENS,

@@ -2,7 +2,7 @@
 shaped like vLLM's.
 
 Prompts are rendered with :mod:`kvcoord.gateway.apis` (vLLM's mapping onto the chat template, the one
-the router uses to look prefixes up) and the toy template of :mod:`kvcoord.sim.toktok`. Usage carries
+the router uses to look prefixes up) and the toy template of :mod:`kvcoord.tokenize.toktok`. Usage carries
 what the pool served from its cache: Anthropic's ``cache_read_input_tokens`` (``input_tokens`` is the
 rest, as Anthropic counts), Responses' ``input_tokens_details.cached_tokens``. Streams use each API's
 event names (``event:`` lines, as vLLM writes them). ``generate`` answers vLLM's ``GenerateResponse``
@@ -22,7 +22,7 @@ from aiohttp import web
 from kvcoord.extra_keys import MultiModalItem
 from kvcoord.gateway.apis import anthropic_messages, error_body, generate_prompt, responses_messages
 from kvcoord.gateway.requests import BadRequest
-from kvcoord.sim import toktok
+from kvcoord.tokenize import toktok
 
 if TYPE_CHECKING:
     from kvcoord.sim.http import SimHttpServer, _Generation

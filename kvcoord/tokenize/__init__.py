@@ -9,6 +9,9 @@ defaults (True for completions, False for chats). Two sources per model:
 * an engine's ``http(s)://`` base URL (:class:`~kvcoord.tokenize.remote.RemoteTokenizer`, through vLLM's
   ``/tokenize``).
 
+For simulation and tests, the source ``sim:toktok`` opens the sim-engine's toy tokenizer in-process
+(:class:`~kvcoord.tokenize.toktok.ToyTokenizer`): the ids its ``/tokenize`` answers, without the round trip.
+
 :func:`open_tokenizer` opens one; :class:`TokenizerCache` keeps one per model, loaded on first use.
 Every failure is a one-line :class:`TokenizeError` naming the model: a lookup never degrades to zero blocks.
 """
@@ -25,16 +28,23 @@ from typing import TYPE_CHECKING, Any
 from kvcoord.extra_keys import MultiModalItem
 from kvcoord.tokenize.base import ChatTemplateContentFormat, Message, TokenizeError, Tokenizer, Tool
 from kvcoord.tokenize.media import MediaRule, encode_media_chat, has_media
+from kvcoord.tokenize.toktok import SOURCE as SIM_SOURCE
+from kvcoord.tokenize.toktok import ToyTokenizer
 
 if TYPE_CHECKING:
     from kvcoord.tokenize.local import LocalTokenizer
     from kvcoord.tokenize.remote import RemoteTokenizer
 
-__all__ = ["TokenizerCache", "TokenizerSpec", "open_tokenizer"]
+__all__ = ["SIM_SOURCE", "TokenizerCache", "TokenizerSpec", "is_local_directory", "open_tokenizer"]
 
 
 def _is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
+
+
+def is_local_directory(source: str) -> bool:
+    """Whether ``source`` names a tokenizer directory (not an engine URL, not the sim-engine's toy one)."""
+    return not _is_url(source) and source != SIM_SOURCE
 
 
 def open_tokenizer(
@@ -46,7 +56,8 @@ def open_tokenizer(
     chat_template_content_format: ChatTemplateContentFormat = "auto",
     default_chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> Tokenizer:
-    """Open the tokenizer of ``model``: ``source`` is a local tokenizer directory or an engine's base URL.
+    """Open the tokenizer of ``model``: ``source`` is a local tokenizer directory, an engine's base URL, or
+    ``sim:toktok`` (the sim-engine's toy tokenizer, in-process; simulation and tests only).
 
     A directory is loaded now (seconds: run it off the event loop); a URL opens lazily on the first call
     and ``timeout`` bounds each request. The chat options mirror the engine's ``--chat-template``,
@@ -55,11 +66,13 @@ def open_tokenizer(
     """
     if not model:
         raise ValueError("model must be a non-empty name")
-    if _is_url(source):
+    if not is_local_directory(source):
         local_only = (chat_template, chat_template_content_format != "auto", default_chat_template_kwargs)
         if any(local_only):
             raise TokenizeError(model, "chat template options apply to a local tokenizer directory only; "
                                 "the engine applies its own", source=source)
+        if source == SIM_SOURCE:
+            return ToyTokenizer(model)
         from kvcoord.tokenize.remote import RemoteTokenizer
 
         remote: RemoteTokenizer = RemoteTokenizer(model, source, timeout=timeout)

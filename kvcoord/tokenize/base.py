@@ -12,12 +12,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeAlias
 
 __all__ = [
+    "INLINE_CHARS",
     "ChatTemplateContentFormat",
     "InvalidChat",
     "TokenizeError",
     "Tokenizer",
     "check_chat_request",
 ]
+
+INLINE_CHARS = 2048
+"""Prompts shorter than this are encoded on the caller's thread (well under a millisecond); longer ones in a
+worker thread, so the event loop keeps serving meanwhile."""
 
 ChatTemplateContentFormat: TypeAlias = Literal["auto", "string", "openai"]
 """vLLM's ``--chat-template-content-format``: how message content reaches the template."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcoord.tokenize.base import (
+    INLINE_CHARS,
     ChatTemplateContentFormat,
     InvalidChat,
     Message,
@@ -128,9 +129,6 @@ def _error_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-INLINE_CHARS = 2048
-"""Prompts shorter than this are encoded on the caller's thread (well under a millisecond); longer ones in a
-worker thread."""
 
 def check_directory(model: str, directory: str | os.PathLike[str]) -> None:
     """Raise :class:`TokenizeError` unless ``directory`` looks like a tokenizer directory: the cheap part

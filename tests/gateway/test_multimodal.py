@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from kvcoord.extra_keys import MultiModalItem, RequestKeys, block_extra_keys
 from kvcoord.hashing import HashProfile, hash_request_tokens
-from kvcoord.sim import toktok
 from kvcoord.sim.http import _BadRequest, _chat_prompt
+from kvcoord.tokenize import toktok
 from kvcoord.tokenize.base import InvalidChat, TokenizeError
 from kvcoord.tokenize.media import (
     MediaRule,

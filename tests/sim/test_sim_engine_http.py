@@ -21,8 +21,8 @@ import pytest
 
 from kvcoord.agent.engine_metrics import parse_engine_load
 from kvcoord.load import NodeLoad
-from kvcoord.sim import toktok
 from kvcoord.sim.engine import PromptSource
+from kvcoord.tokenize import toktok
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.route_fleet import post
 from tests.route_fleet import sse_events as _sse_events

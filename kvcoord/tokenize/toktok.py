@@ -21,25 +21,35 @@ Rules (stable across releases: changing them changes every hash a sim-engine pub
   by :mod:`kvcoord.tokenize.media` (an ``<image>`` per image, then the text), by the HTTP server.
 - **Generated text** is drawn from :data:`WORDS`, one word per token, so what the engine generates
   re-tokenizes to the same ids.
+
+:class:`ToyTokenizer` is the same tokenizer behind the :class:`~kvcoord.tokenize.base.Tokenizer` protocol,
+opened by the tokenizer source :data:`SOURCE` (``tokenizer=sim:toktok``): a coordinator or router in front
+of sim-engines then tokenizes in-process, without a ``/tokenize`` round trip. It is for simulation and
+tests only; no real model tokenizes this way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from kvcoord.tokenize.base import INLINE_CHARS, InvalidChat, Message, TokenizeError, Tool, check_chat_request
 
 __all__ = [
     "BOS",
     "IMAGE",
     "NUM_SPECIAL",
+    "SOURCE",
     "SPECIAL_TOKENS",
     "VOCAB",
     "WORDS",
     "ChatTemplateError",
+    "ToyTokenizer",
     "detokenize",
     "generate",
     "render_chat",
@@ -48,6 +58,8 @@ __all__ = [
     "word_id",
 ]
 
+SOURCE = "sim:toktok"
+"""The tokenizer source (a model's ``tokenizer=``, route's ``--tokenizer``) opening :class:`ToyTokenizer`."""
 VOCAB = 32_000
 """Token ids are in ``0 .. VOCAB - 1``."""
 NUM_SPECIAL = 8
@@ -80,7 +92,26 @@ def word_id(word: str) -> int:
     return NUM_SPECIAL + int.from_bytes(digest, "big") % (VOCAB - NUM_SPECIAL)
 
 
+_ID_CACHE: dict[str, int] = {}
+_ID_CACHE_MAX = 1 << 18
+"""Words seen, with their ids: a hash per word made a 14k-word prompt cost tens of milliseconds, a dict
+lookup per word a few. Emptied when full (a bound on memory for arbitrary text; ids are unchanged)."""
+
+
+def _word_ids(words: list[str]) -> list[int]:
+    ids = []
+    for w in words:
+        i = _ID_CACHE.get(w)
+        if i is None:
+            if len(_ID_CACHE) >= _ID_CACHE_MAX:
+                _ID_CACHE.clear()
+            i = _ID_CACHE[w] = word_id(w)
+        ids.append(i)
+    return ids
+
+
 _WORD_OF_ID = {word_id(w): w for w in WORDS}
+
 
 
 def tokenize(text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -91,7 +122,7 @@ def tokenize(text: str, *, add_special_tokens: bool = True) -> list[int]:
         if special is not None:
             out.append(special)
         else:
-            out.extend(word_id(w) for w in piece.split())
+            out.extend(_word_ids(piece.split()))
     return out
 
 
@@ -165,3 +196,56 @@ def tokenize_chat(messages: Any, *, add_generation_prompt: bool = True, continue
     text = render_chat(messages, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools)
     return tokenize(text, add_special_tokens=add_special_tokens)
+
+
+class ToyTokenizer:
+    """This module's tokenizer and template behind the Tokenizer protocol: the ids a sim-engine's
+    ``/tokenize`` answers, computed in-process (simulation and tests only)."""
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    @property
+    def source(self) -> str:
+        return SOURCE
+
+    async def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        """:func:`tokenize`, as the sim-engine's completions and ``/tokenize`` apply it; a long prompt in a
+        worker thread (as a local Hugging Face tokenizer's), so the event loop keeps serving meanwhile."""
+        if not isinstance(prompt, str):
+            raise TokenizeError(self._model, "the prompt must be a string", source=SOURCE, bad_request=True)
+        if len(prompt) < INLINE_CHARS:
+            return tokenize(prompt, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(tokenize, prompt, add_special_tokens=add_special_tokens)
+
+    async def encode_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Tool] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """:func:`tokenize_chat` after the checks every tokenizer applies; the toy template takes no
+        ``chat_template_kwargs`` (the sim-engine ignores them too)."""
+        try:
+            checked = check_chat_request(messages, tools, add_generation_prompt, continue_final_message,
+                                         chat_template_kwargs)
+            return tokenize_chat(checked, tools=list(tools) if tools is not None else None,
+                                 add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message,
+                                 add_special_tokens=add_special_tokens)
+        except (InvalidChat, ChatTemplateError) as exc:
+            raise TokenizeError(self._model, str(exc), source=SOURCE, bad_request=True) from None
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+    def __repr__(self) -> str:
+        return f"ToyTokenizer(model={self._model!r})"
