@@ -85,6 +85,21 @@ def sample(page: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in page.items() if n == name and labels.items() <= dict(ls).items())
 
 
+def flat(page: Samples, *prefixes: str) -> dict[str, float]:
+    """The samples keyed as exposition lines write them, labels sorted: ``name{a="x",b="y"}``, or ``name``
+    without labels; only the keys starting with one of ``prefixes`` (all when none)."""
+    keys = ((_line_key(n, ls), v) for (n, ls), v in page.items())
+    return {k: v for k, v in keys if not prefixes or k.startswith(prefixes)}
+
+
+def _line_key(name: str, labels: Labels) -> str:
+    if not labels:
+        return name
+    def escape(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return name + "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels) + "}"
+
+
 def by_label(page: Samples, name: str, label: str) -> dict[str, float]:
     """``name``'s samples by the value of ``label`` (summed over its other labels)."""
     out: dict[str, float] = {}
