@@ -27,6 +27,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.answer import LookupResult
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.validate import pack_u64
+from tests.http_util import flat, parse_samples
 from tests.procs import (
     free_port,
     free_port_pair,
@@ -214,13 +215,8 @@ async def scrape(s: aiohttp.ClientSession, url: str, *prefixes: str) -> dict[str
     """The Prometheus samples at ``url`` starting with one of ``prefixes``, by their exposition line's name
     and labels."""
     async with s.get(url) as resp:
-        text = await resp.text()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(prefixes):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+        assert resp.status == 200, f"GET {url}: HTTP {resp.status}"
+        return flat(parse_samples(await resp.text()), *prefixes)
 
 
 async def route_metrics(s: aiohttp.ClientSession, base: str) -> dict[str, float]:

@@ -23,6 +23,7 @@ from kvcoord.media import INDEXED_GROUP_KINDS
 from kvcoord.native import native
 from kvcoord.validate import py_store_fits
 from tests.coordinator.test_history_lost import BS, block, tokens
+from tests.http_util import by_label
 from tests.procs import until
 from tests.test_media_e2e import media_stack
 
@@ -59,8 +60,7 @@ def test_deepseek_v4_style_stream_indexes_full_attention_and_skips_misfits(tmp_p
         s.assert_exact(node, len(INDEXED))
 
         def misfits() -> dict[str, float]:
-            got = {label: v for (name, label), v in s.scrape().items()
-                   if name == "kvcoord_misfit_stored_events_total"}
+            got = by_label(s.scrape(), "kvcoord_misfit_stored_events_total", "group_kind")
             zeros = {label for label, v in got.items() if not v}  # the indexed kinds, there from the start
             assert zeros <= set(INDEXED_GROUP_KINDS), got
             return {label: v for label, v in got.items() if v}

@@ -22,7 +22,7 @@ import pytest
 
 from kvcoord.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from tests.coordinator.test_history_lost import BS, MODEL, Stack, block, tokens
-from tests.http_util import get_text, http_json
+from tests.http_util import Samples, by_label, http_json, metrics, sample
 from tests.procs import free_port, kvcoord_cmd, running, until
 
 CONFIG = """\
@@ -72,16 +72,8 @@ class MediaStack(Stack):
             return False
         return True
 
-    def scrape(self) -> dict[tuple[str, str], float]:
-        """``{(metric, label value): value}`` of the lines with one label."""
-        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics")
-        out = {}
-        for line in text.splitlines():
-            if "{" in line and not line.startswith("#"):
-                name, rest = line.split("{", 1)
-                labels, value = rest.rsplit(" ", 1)
-                out[(name, labels.split('"')[1] if '"' in labels else "")] = float(value)
-        return out
+    def scrape(self) -> Samples:
+        return metrics(f"http://127.0.0.1:{self.metrics}/metrics")
 
     def relay(self, via: str, *agent_args: str) -> tuple[str, Path]:
         """Relay the engine's events through ``kvcoord agent`` (node ``node-a``, with ``agent_args``) or,
@@ -112,11 +104,10 @@ class MediaStack(Stack):
         assert self.client.stats().entries == entries
         scraped = self.scrape()
         for bad in ("kvcoord_relay_malformed_total", "kvcoord_events_rejected_total"):
-            assert not any(name == bad and v for (name, _), v in scraped.items()), bad
+            assert not sample(scraped, bad), bad
 
     def unknown_media(self) -> dict[str, float]:
-        return {label: v for (name, label), v in self.scrape().items()
-                if name == "kvcoord_unknown_medium_events_total"}
+        return by_label(self.scrape(), "kvcoord_unknown_medium_events_total", "medium")
 
     def tiers(self, node: str) -> dict[int, str]:
         """Block -> the tier a gRPC lookup of it answers for ``node``, for every block published."""

@@ -35,7 +35,7 @@ from kvcoord.index.memory import MemoryIndex
 from kvcoord.index.redis.index import RedisIndex
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.validate import ops_of
-from tests.http_util import get_text
+from tests.http_util import metrics, sample
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import RedisCluster, RedisServer, redis_server
 
@@ -215,11 +215,8 @@ class Replica:
             os.killpg(self.proc.pid, sig)
 
     async def metric(self, name: str) -> float:
-        text = await asyncio.to_thread(get_text, f"http://127.0.0.1:{self.metrics_port}/metrics", 5)
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        page = await asyncio.to_thread(metrics, f"http://127.0.0.1:{self.metrics_port}/metrics", 5)
+        return sample(page, name)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from tests.coordinator.test_coordinator_ingest import stored as wire_stored
 from tests.coordinator.test_coordinator_ingest import until as until_async
 from tests.coordinator.test_trust import HASHES, chain, coordinator
 from tests.engine.test_relay import DroppingPublisher
-from tests.http_util import get_text, http_json
+from tests.http_util import by_label, http_json, metrics
 from tests.procs import free_port, kvcoord_cmd, running, stop, until, wait_for_port
 from tests.redis_servers import RedisServer
 
@@ -122,13 +122,8 @@ class Stack:
         return out
 
     def trust_gauge(self) -> dict[str, float]:
-        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics")
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("kvcoord_nodes_by_trust{"):
-                labels, value = line.rsplit(" ", 1)
-                out[labels.split('trust="', 1)[1].split('"', 1)[0]] = float(value)
-        return out
+        page = metrics(f"http://127.0.0.1:{self.metrics}/metrics")
+        return by_label(page, "kvcoord_nodes_by_trust", "trust")
 
     def http_trust(self, node: str, hashes: list[int]) -> tuple[str, str | None] | None:
         """``(trust, trust_cause)`` of ``node`` in a ``/query_by_hash`` answer (cause None: omitted)."""
@@ -358,9 +353,8 @@ def _relay_malformed(s: Stack, stats: Path | None) -> dict[str, float]:
             return {k: float(v) for k, v in json.loads(stats.read_text())["relays"][0]["malformed"].items()}
         except (OSError, ValueError):
             return {}
-    text = get_text(f"http://127.0.0.1:{s.metrics}/metrics")
-    return {line.split('reason="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith("kvcoord_relay_malformed_total{")}
+    page = metrics(f"http://127.0.0.1:{s.metrics}/metrics")
+    return by_label(page, "kvcoord_relay_malformed_total", "reason")
 
 
 @pytest.mark.parametrize("via", ["register", "agent"])

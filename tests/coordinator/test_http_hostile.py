@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.http_util import parse_samples
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, until, wait_for_port
 
 MODEL = "m"
@@ -52,10 +53,10 @@ METRICS = b"GET /metrics HTTP/1.1\r\nhost: t\r\n\r\n"
 
 def metric_value(text: bytes, name: str, reason: str) -> float:
     """The value of ``name_total{reason=...}`` in a Prometheus exposition."""
-    prefix = f'{name}_total{{reason="{reason}"}} '
-    line = next((ln for ln in text.decode().splitlines() if ln.startswith(prefix)), None)
-    assert line is not None, f"no {prefix!r} in the metrics"
-    return float(line.rsplit(" ", 1)[1])
+    key = (f"{name}_total", (("reason", reason),))
+    page = parse_samples(text.decode())
+    assert key in page, f"no {key} in the metrics"
+    return page[key]
 
 
 @contextlib.contextmanager

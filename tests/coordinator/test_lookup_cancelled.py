@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
-from tests.http_util import get_text
+from tests.http_util import metrics
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 
 TOKENS = 2_000_000
@@ -15,11 +15,9 @@ TOKENS = 2_000_000
 
 
 def _cancelled(mport: int) -> float:
-    text = get_text(f"http://127.0.0.1:{mport}/metrics")
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("kvcoord_lookups_cancelled_total ")]
-    assert values, "no kvcoord_lookups_cancelled_total"
-    return values[0]
+    page = metrics(f"http://127.0.0.1:{mport}/metrics")
+    assert ("kvcoord_lookups_cancelled_total", ()) in page, "no kvcoord_lookups_cancelled_total"
+    return page[("kvcoord_lookups_cancelled_total", ())]
 
 
 def test_abandoned_lookups_are_counted_not_logged_as_errors(tmp_path: Path) -> None:

@@ -11,27 +11,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.coordinator.test_lookup_workers import QUERIES, Serve, post, serve
-from tests.http_util import get_text
+from tests.http_util import Samples, metrics, sample
 from tests.procs import until
 
 pytestmark = pytest.mark.slow
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
 
 def scrape(co: Serve) -> Samples:
-    """The main process's ``/metrics``: every sample by name and sorted labels."""
-    text = get_text(f"http://127.0.0.1:{co.metrics}/metrics")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples carrying ``labels``."""
-    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+    """The main process's ``/metrics``."""
+    return metrics(f"http://127.0.0.1:{co.metrics}/metrics")
 
 
 def lookups(co: Serve, count: int) -> dict[str, int]:
@@ -59,8 +49,8 @@ def watch(co: Serve, floor: Callable[[Samples], None]) -> Callable[[], Samples]:
 def test_workers_lookups_are_counted_in_the_main_scrape_through_a_restart(tmp_path: Path) -> None:
     with serve(tmp_path) as co:
         before = scrape(co)
-        assert total(before, "kvcoord_lookup_answers_total") == 0
-        assert total(before, "kvcoord_lookup_worker_restarts_total") == 0
+        assert sample(before, "kvcoord_lookup_answers_total") == 0
+        assert sample(before, "kvcoord_lookup_worker_restarts_total") == 0
         sent = lookups(co, 40)
         assert sent.get("1") and sent.get("2"), sent  # both workers answered some (fresh connections)
         highest: dict[str, float] = {}
@@ -68,32 +58,33 @@ def test_workers_lookups_are_counted_in_the_main_scrape_through_a_restart(tmp_pa
         def monotonic(samples: Samples) -> None:
             for name in ("kvcoord_lookup_answers_total", "kvcoord_lookup_latency_seconds_count",
                          "kvcoord_lookup_worker_frames_applied_total"):
-                now = total(samples, name)
+                now = sample(samples, name)
                 assert now >= highest.get(name, 0.0), (name, now, highest)
                 highest[name] = now
 
         scraped = watch(co, monotonic)
-        samples = until(lambda: (got := scraped()) and total(got, "kvcoord_lookup_answers_total") >= 40
+        samples = until(lambda: (got := scraped()) and sample(got, "kvcoord_lookup_answers_total") >= 40
                         and got, "the workers to report their lookups", diagnose=lambda: sent)
-        assert total(samples, "kvcoord_lookup_answers_total") == 40
+        assert sample(samples, "kvcoord_lookup_answers_total") == 40
         by_query = {"tokens": sent["/query"], "hashes": sent["/query_by_hash"]}
         for query, n in by_query.items():
-            assert total(samples, "kvcoord_lookup_latency_seconds_count", query=query) == n
-            assert total(samples, "kvcoord_lookup_latency_seconds_bucket", query=query, le="+Inf") == n
-        assert total(samples, "kvcoord_lookup_matched_fraction_count") == 40
+            assert sample(samples, "kvcoord_lookup_latency_seconds_count", query=query) == n
+            assert sample(samples, "kvcoord_lookup_latency_seconds_bucket", query=query, le="+Inf") == n
+        assert sample(samples, "kvcoord_lookup_matched_fraction_count") == 40
         for worker in ("1", "2"):
-            assert total(samples, "kvcoord_lookup_worker_frames_applied_total", worker=worker) > 0
+            assert sample(samples, "kvcoord_lookup_worker_frames_applied_total", worker=worker) > 0
             assert ("kvcoord_lookup_worker_lag_seconds", (("worker", worker),)) in samples
 
         os.kill(co.pids[0], signal.SIGKILL)
-        until(lambda: total(scraped(), "kvcoord_lookup_worker_restarts_total", worker="1") == 1,
+        until(lambda: sample(scraped(), "kvcoord_lookup_worker_restarts_total", worker="1") == 1,
               "worker 1's restart in the scrape", diagnose=co.log.read_text)
-        assert total(scrape(co), "kvcoord_lookup_worker_restarts_total", worker="2") == 0
+        assert sample(scrape(co), "kvcoord_lookup_worker_restarts_total", worker="2") == 0
         answered: dict[str, int] = {}
         until(lambda: [answered.__setitem__(k, answered.get(k, 0) + v) for k, v in lookups(co, 4).items()]
               and answered.get("1") and answered.get("2"), "both workers to answer again")
         more = answered["1"] + answered["2"]
-        samples = until(lambda: (got := scraped()) and total(got, "kvcoord_lookup_answers_total") >= 40 + more
-                        and got, "the restarted worker's lookups on top of its predecessor's")
-        assert total(samples, "kvcoord_lookup_answers_total") == 40 + more
-        assert total(samples, "kvcoord_lookup_latency_seconds_count") == 40 + more
+        samples = until(lambda: (got := scraped())
+                        and sample(got, "kvcoord_lookup_answers_total") >= 40 + more and got,
+                        "the restarted worker's lookups on top of its predecessor's")
+        assert sample(samples, "kvcoord_lookup_answers_total") == 40 + more
+        assert sample(samples, "kvcoord_lookup_latency_seconds_count") == 40 + more

@@ -28,7 +28,7 @@ from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.media import normalize_medium
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy, place
-from tests.http_util import get_text, http_json, http_request
+from tests.http_util import http_json, http_request, metrics, sample
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import redis_server
 
@@ -57,10 +57,7 @@ class Coordinator:
         return dict(out)
 
     def metric(self, name: str) -> float:
-        for line in get_text(f"http://127.0.0.1:{self.metrics}/metrics").splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return 0.0
+        return sample(metrics(f"http://127.0.0.1:{self.metrics}/metrics"), name)
 
 
 @pytest.fixture(params=["memory", "redis"])

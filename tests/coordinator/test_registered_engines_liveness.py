@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import pytest
 
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from kvcoord.router.policy import place
-from tests.http_util import get_text, http_json
+from tests.http_util import by_label, http_json, metrics
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.redis_servers import redis_server
 
@@ -97,9 +96,8 @@ class Serve:
 
     def gauge(self) -> dict[str, float]:
         """``kvcoord_registered_engines{state}``."""
-        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics")
-        return {m[1]: float(m[2]) for m in re.finditer(
-            r'^kvcoord_registered_engines\{state="(\w+)"\} (\S+)$', text, re.M)}
+        page = metrics(f"http://127.0.0.1:{self.metrics}/metrics")
+        return by_label(page, "kvcoord_registered_engines", "state")
 
     def diagnose(self) -> str:
         return (f"answer {self.answer()}\nworkers {self.workers()}\nnodes {self.nodes()}\n"

@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
@@ -27,6 +26,7 @@ from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from kvcoord.validate import pack_u64
+from tests.http_util import by_label, metrics
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.procs import until_async as _until
 from tests.redis_servers import RedisServer, redis_server
@@ -104,16 +104,11 @@ async def _reserved(c: AsyncCoordinatorClient, tokens: list[int], asker: str) ->
     return -1, -1, -1  # node-r not (yet) in this replica's answers
 
 
-async def _sync_counts(mport: int, family: str = "kvcoord_reservation_sync_total") -> dict[str, float]:
+async def _sync_counts(mport: int, family: str = "kvcoord_reservation_sync_total",
+                       label: str = "op") -> dict[str, float]:
     """A labelled metric family of the replica's ``/metrics``: ``{label value: value}``."""
-    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{mport}/metrics") as resp:
-        text = await resp.text()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(family + "{"):
-            key, value = line.rsplit(" ", 1)
-            out[key.split('"')[1]] = float(value)
-    return out
+    page = await asyncio.to_thread(metrics, f"http://127.0.0.1:{mport}/metrics")
+    return by_label(page, family, label)
 
 
 async def _bad_entries(b: Replica) -> None:
@@ -217,7 +212,7 @@ async def _published(r: Replica, changes: int, running_requests: int) -> bool:
     """Whether ``r`` has written ``changes`` changes to the stream and holds ``running_requests`` now."""
     if (await _sync_counts(r.mport)).get("published") != changes:
         return False
-    return (await _sync_counts(r.mport, "kvcoord_reservations")).get("requests") == running_requests
+    return (await _sync_counts(r.mport, "kvcoord_reservations", "kind")).get("requests") == running_requests
 
 
 async def _ghost_says_gone(b: Replica, cb: AsyncCoordinatorClient) -> None:
@@ -349,7 +344,7 @@ async def test_a_replica_cut_off_from_redis_catches_up_after(replicas: tuple[Rep
                     return counts["origin_dropped"] > before["origin_dropped"]
 
                 await _until(dropped, "B dropping A's reservation while Redis is paused", timeout=60)
-                assert (await _sync_counts(b.mport, "kvcoord_reservations"))["requests"] == 0
+                assert (await _sync_counts(b.mport, "kvcoord_reservations", "kind"))["requests"] == 0
             finally:
                 os.kill(redis_pid(a.redis), signal.SIGCONT)
             await _until(seen, "A's reservation back in B's lookups, once", timeout=60)

@@ -10,20 +10,16 @@ import time
 
 import pytest
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.worker_metrics import Report, WorkerReports, encode_report
 from kvcoord.index.memory import MemoryIndex
+from tests.http_util import Samples, parse_samples
 from tests.procs import until_async
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def samples(m: Metrics) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(generate_latest(m.registry).decode())
-            for s in family.samples}
+    return parse_samples(generate_latest(m.registry).decode())
 
 
 def answers(m: Metrics, path: str) -> float:

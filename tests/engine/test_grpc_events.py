@@ -37,7 +37,7 @@ from kvcoord.events import (
 )
 from kvcoord.router.client import CoordinatorClient, NodeStatus
 from tests.coordinator.test_history_lost import MODEL, SPEC, block, tokens
-from tests.http_util import get_text, http_json, http_request
+from tests.http_util import http_json, http_request, metrics, sample
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 from tests.smg_publisher import Engine, cleared_event, int64, removed_event, stored_event
 
@@ -98,9 +98,7 @@ class GrpcStack:
         assert self.client.stats().entries == len(held), what
 
     def malformed_total(self) -> float:
-        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics")
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("kvcoord_relay_malformed_total{"))
+        return sample(metrics(f"http://127.0.0.1:{self.metrics}/metrics"), "kvcoord_relay_malformed_total")
 
 
 @contextlib.contextmanager

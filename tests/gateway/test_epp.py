@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcoord.gateway.picker import EndpointTable, endpoint_of_url
 from kvcoord.router.client import CoordinatorClient
-from tests.http_util import get_text, http_json
+from tests.http_util import flat, http_json, metrics
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, make_certs, running, stop, wait_for_port
 
 MODEL = "sim-model"
@@ -255,10 +255,8 @@ def health_of(address: str, service: str) -> int:
                                                         timeout=10).status)
 
 
-def metrics(port: int) -> dict[str, float]:
-    text = get_text(f"http://127.0.0.1:{port}/metrics")
-    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
-                                     if line.startswith("kvcoord_epp_"))}
+def epp_metrics(port: int) -> dict[str, float]:
+    return flat(metrics(f"http://127.0.0.1:{port}/metrics"), "kvcoord_epp_")
 
 
 # --- the tests --------------------------------------------------------------------------------------
@@ -298,7 +296,7 @@ async def test_buffered_pick_goes_to_the_prefix_holder(fleet: Fleet) -> None:
                                                                                       end_of_stream=True)))
             assert_passthrough(fifth, "response_body")
             await envoy.close()
-        m = metrics(mport)
+        m = epp_metrics(mport)
         assert m['kvcoord_epp_requests_total{outcome="picked"}'] == 5
         assert m[f'kvcoord_epp_served_total{{endpoint="{b}"}}'] == 1
         assert m["kvcoord_epp_open_streams"] == 0 and m["kvcoord_epp_pick_seconds_count"] == 5

@@ -32,9 +32,9 @@ from tests.gateway.test_epp import (
     channel,
     chat,
     epp,
+    epp_metrics,
     fleet,
     health_of,
-    metrics,
     request_body,
     request_headers,
     set_headers,
@@ -56,7 +56,7 @@ async def _eventually(cond: Callable[[], Awaitable[bool]], what: str) -> None:
 
 def _queued(port: int) -> Callable[[], Awaitable[float]]:
     async def get() -> float:
-        return (await asyncio.to_thread(metrics, port)).get("kvcoord_epp_flow_queued", -1.0)
+        return (await asyncio.to_thread(epp_metrics, port)).get("kvcoord_epp_flow_queued", -1.0)
     return get
 
 
@@ -166,7 +166,7 @@ async def test_queue_ttl_full_queue_and_bad_headers(fleet: Fleet) -> None:
             [resp] = await full.send(request_body(chat(PROMPT_A)))
             assert_immediate(resp, 429, "kvcoord_epp_shed", "--max-queued")
             assert await _drain(holder, tasks) == ["waiting"]
-            got = await asyncio.to_thread(metrics, mport)
+            got = await asyncio.to_thread(epp_metrics, mport)
     assert got['kvcoord_epp_bad_headers_total{header="x-llm-d-inference-ttl"}'] == 1
     assert got['kvcoord_epp_bad_headers_total{header="x-llm-d-slo-ttft-ms"}'] == 1
     assert got['kvcoord_epp_requests_total{outcome="ttl_expired"}'] == 1
@@ -296,7 +296,7 @@ async def test_decision_metrics_from_the_response(fleet: Fleet) -> None:
                 raw, ctype = await asyncio.to_thread(_engine, picked, body)
                 await respond(envoy, raw, ctype)
                 await envoy.close()
-        got = await asyncio.to_thread(metrics, mport)
+        got = await asyncio.to_thread(epp_metrics, mport)
     assert got['kvcoord_epp_hit_outcomes_total{outcome="match"}'] == 2, got
     assert got["kvcoord_epp_achieved_tokens_total"] == got["kvcoord_epp_predicted_tokens_total"] > 0
 

@@ -169,24 +169,16 @@ def test_sim_engine_uses_a_given_uuid_and_otherwise_its_own_identifier() -> None
     assert own.startswith("sim-") and own != routed["uuid"]  # as vLLM's own digest, not the router's
 
 
-class _ToyTokenizer:
-    """The sim-engine's toy tokenizer behind the Tokenizer protocol (what its /tokenize answers)."""
-
-    model, source = "toy", "toktok"
+class _RecordingToyTokenizer(toktok.ToyTokenizer):
+    """The sim-engine's toy tokenizer (what its /tokenize answers), recording the prompts it encodes."""
 
     def __init__(self) -> None:
+        super().__init__("toy")
         self.prompts: list[str] = []
 
     async def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         self.prompts.append(prompt)
-        return toktok.tokenize(prompt, add_special_tokens=add_special_tokens)
-
-    async def encode_chat(self, messages: Any, **chat: Any) -> list[int]:
-        chat.pop("chat_template_kwargs", None)
-        return toktok.tokenize_chat(messages, **chat)
-
-    async def aclose(self) -> None:
-        pass
+        return await super().encode_prompt(prompt, add_special_tokens=add_special_tokens)
 
 
 @settings(max_examples=40, deadline=None)
@@ -194,7 +186,7 @@ class _ToyTokenizer:
 async def test_a_router_renders_what_the_engine_renders(chat: tuple[list[dict[str, Any]], int, int]) -> None:
     messages, tokens, _ = chat
     rule = MediaRule("<image>", tokens)
-    tok = _ToyTokenizer()
+    tok = _RecordingToyTokenizer()
     got = await encode_media_chat(tok, messages, rule, tools=None, add_generation_prompt=True,
                                   continue_final_message=False, add_special_tokens=False)
     assert got == _chat_prompt({"messages": messages}, rule)
@@ -206,5 +198,5 @@ async def test_a_router_renders_what_the_engine_renders(chat: tuple[list[dict[st
 async def test_a_placeholder_that_is_not_one_token_is_a_bad_request() -> None:
     msgs = [{"role": "user", "content": [_image(DATA_URL)]}]
     with pytest.raises(TokenizeError, match="is 2 tokens, not one") as err:
-        await encode_media_chat(_ToyTokenizer(), msgs, MediaRule("two words"))
+        await encode_media_chat(_RecordingToyTokenizer(), msgs, MediaRule("two words"))
     assert err.value.bad_request

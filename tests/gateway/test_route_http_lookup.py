@@ -52,7 +52,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouteFleet]:
 
 
 async def _coordinator_metric(s: aiohttp.ClientSession, fleet: RouteFleet, name: str) -> float:
-    return (await fleet.coordinator_metrics(s, name + " ")).get(name, 0.0)
+    return (await fleet.coordinator_metrics(s, name)).get(name, 0.0)
 
 
 _HANDLER = 'kvcoord_lookup_answers_total{path="handler"}'

@@ -26,6 +26,7 @@ from kvcoord.gateway.apis import chat_usage
 from kvcoord.sim.http import _chat_prompt
 from kvcoord.tokenize.media import MediaRule, assign_uuids
 from tests.gateway.test_route_apis import _metrics, _until
+from tests.http_util import parse_samples, sample
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 
 pytestmark = pytest.mark.slow
@@ -219,8 +220,7 @@ async def _prompt_tokens(s: aiohttp.ClientSession, urls: dict[str, str]) -> floa
     for node in NODES:
         async with s.get(f"{urls[node]}/metrics") as resp:
             text = await resp.text()
-        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                     if line.startswith("vllm:prompt_tokens_total"))
+        total += sample(parse_samples(text), "vllm:prompt_tokens_total")
     return total
 
 

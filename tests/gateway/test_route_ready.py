@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.http_util import get_text, http_json
+from tests.http_util import flat, http_json, metrics
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, until, wait_for_port
 
 pytestmark = pytest.mark.slow
@@ -51,9 +51,7 @@ def _get(url: str) -> tuple[int, Any]:
 
 
 def _metrics(base: str) -> dict[str, float]:
-    text = get_text(f"{base}/metrics")
-    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
-                                       if line.startswith("kvcoord_route_"))}
+    return flat(metrics(f"{base}/metrics"), "kvcoord_route_")
 
 
 def _health_when(base: str, cond: Any, what: str) -> tuple[int, Any]:

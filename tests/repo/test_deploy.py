@@ -48,7 +48,7 @@ from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pb_grpc
 from kvcoord.wire import events_to_proto
-from tests.http_util import get_text, http_json, http_request
+from tests.http_util import Samples, get_text, http_json, http_request, sample
 from tests.procs import FIXTURES, REPO, free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import REDIS_SERVER, redis_server
 
@@ -935,7 +935,7 @@ class Scrape:
     """family name -> type, as the exposition declares them."""
     labels: dict[str, set[str]]
     """sample name -> label names seen on it."""
-    values: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+    values: Samples
 
 
 def scrape(port: int) -> Scrape:
@@ -999,7 +999,7 @@ def workers_scrape() -> Scrape:
 def parse_exposition(text: str) -> Scrape:
     families: dict[str, str] = {}
     labels: dict[str, set[str]] = {}
-    values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    values: Samples = {}
     for fam in text_string_to_metric_families(text):
         families[fam.name] = fam.type
         for s in fam.samples:
@@ -1009,7 +1009,7 @@ def parse_exposition(text: str) -> Scrape:
 
 
 def total(sc: Scrape, name: str, **match: str) -> float:
-    return sum(v for (n, lb), v in sc.values.items() if n == name and match.items() <= dict(lb).items())
+    return sample(sc.values, name, **match)
 
 
 MODEL = "Qwen/Qwen3-0.6B"

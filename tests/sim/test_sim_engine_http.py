@@ -23,6 +23,7 @@ from kvcoord.agent.engine_metrics import parse_engine_load
 from kvcoord.load import NodeLoad
 from kvcoord.sim.engine import PromptSource
 from kvcoord.tokenize import toktok
+from tests.http_util import parse_samples
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.route_fleet import post
 from tests.route_fleet import sse_events as _sse_events
@@ -53,12 +54,10 @@ def _http_engine(tmp_path: Path, *extra: str, name: str = "engine") -> Iterator[
 def _metrics(text: str) -> dict[str, float]:
     """``name{labels}`` → value for the vllm: samples (labels checked to be vLLM's)."""
     out = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:"):
-            key, value = line.rsplit(" ", 1)
-            name, labels = key.split("{", 1)
-            assert f'model_name="{MODEL}"' in labels and 'engine="0"' in labels, line
-            out[name] = float(value)
+    for (name, labels), value in parse_samples(text).items():
+        if name.startswith("vllm:"):
+            assert {("model_name", MODEL), ("engine", "0")} <= set(labels), (name, labels)
+            out[name] = value
     return out
 
 

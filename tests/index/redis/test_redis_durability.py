@@ -31,7 +31,7 @@ from kvcoord.index.redis.index import RedisIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
 from tests.coordinator.test_coordinator_ingest import MODEL, Agent, ack_seq, stored
-from tests.http_util import get_text, http_json
+from tests.http_util import http_json, metrics, sample
 from tests.procs import free_port, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import (
     RedisCluster,
@@ -163,9 +163,7 @@ class Serve:
         return status, answer, time.monotonic() - t0
 
     def metric(self, name: str) -> float:
-        text = get_text(f"http://127.0.0.1:{self.metrics_port}/metrics")
-        return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-                   if line.startswith(name + "{") or line.startswith(name + " "))
+        return sample(metrics(f"http://127.0.0.1:{self.metrics_port}/metrics"), name)
 
     async def lookup(self) -> tuple[pb.LookupResponse | grpc.aio.AioRpcError, float]:
         req = pb.LookupRequest(model=MODEL, hashes=pb.HashQuery(block_hashes=validate.pack_u64(HASHES)))

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvcoord.router.client import CoordinatorClient, CoordinatorError
 from tests.engine.test_relay_e2e import MODEL, Checker, Cluster, poll, read_json
-from tests.http_util import get_text
+from tests.http_util import flat, metrics
 from tests.procs import kvcoord_cmd, wait_for_port
 from tests.redis_servers import RedisServer, start_server, stop_server
 
@@ -73,13 +73,7 @@ class RedisCluster(Cluster):
         return links[0]
 
     def scrape(self) -> dict[str, float]:
-        text = get_text(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5)
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return flat(metrics(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5))
 
     def last_seq(self) -> int:
         ag = read_json(self.agent_stats)

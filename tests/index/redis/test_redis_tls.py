@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from kvcoord.index.redis.index import RedisIndex
 from kvcoord.index.uri import parse_index_uri
 from kvcoord.router.client import CoordinatorClient
 from kvcoord.validate import ops_of
-from tests.http_util import http_json
+from tests.http_util import http_json, metrics, sample
 from tests.index.redis.test_redis_index import H, M, stored
 from tests.procs import free_port, kvcoord_cmd, running, until, until_async, wait_for_port
 from tests.redis_servers import RedisCluster, RedisSentinel
@@ -173,12 +172,10 @@ class Serve:
         return [(n.node_id, n.dp_rank, n.matched_blocks, n.tiers) for n in res.nodes]
 
     def metric(self, name: str) -> float:
-        """The first sample whose line starts with ``name`` (labels included); AssertionError if none."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith(name):
-                    return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{self.name} exports no {name}")
+        """The sum of ``name``'s samples; AssertionError if there is none."""
+        page = metrics(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10)
+        assert any(n == name for n, _ in page), f"{self.name} exports no {name}"
+        return sample(page, name)
 
 
 @contextlib.contextmanager
