@@ -45,8 +45,8 @@ from tests.gateway.test_epp import (
     assert_streamed,
     channel,
     epp,
+    epp_metrics,
     fleet,
-    metrics,
     request_body,
     request_headers,
     set_headers,
@@ -146,7 +146,7 @@ async def test_grpc_generate_is_placed_by_its_token_ids(fleet: Any) -> None:
         assert sorted(picked) == sorted([a, b])
         assert_pick(resp, "request_body", picked, prefix_aware=False)
         assert "is not a Generate" in _why(resp)
-        m = metrics(mport)
+        m = epp_metrics(mport)
         assert m['kvcoord_epp_requests_total{outcome="picked"}'] == 5
         assert m['kvcoord_epp_requests_total{outcome="degraded"}'] == 1
     with epp(fleet, "--grpc-model", MODEL, name="epp-grpc-model") as address:
@@ -201,7 +201,7 @@ async def test_undecodable_grpc_bodies_get_400_as_bad_json_does(fleet: Any) -> N
         assert cases[4][1] in _why(resp)
         resp = await exchange(address, VLLM, good, headers)
         assert_pick(resp, "request_body", [a])
-        m = metrics(mport)
+        m = epp_metrics(mport)
         assert m['kvcoord_epp_requests_total{outcome="bad_request"}'] == 4
     log = (fleet.tmp / "epp.log").read_text()
     assert log.count("answering 400 (bad_request): ") >= 4 and "Traceback" not in log
@@ -246,7 +246,7 @@ async def test_gzip_compressed_generate_is_decoded_within_a_bound(fleet: Any) ->
         assert_grpc_refused(resp, 400, grpc.StatusCode.INVALID_ARGUMENT, "not valid gzip")
         resp = await exchange(address, VLLM, body, gz)
         assert_pick(resp, "request_body", [b, a])
-        m = metrics(mport)
+        m = epp_metrics(mport)
         assert m['kvcoord_epp_requests_total{outcome="picked"}'] == 4
         assert m['kvcoord_epp_requests_total{outcome="bad_request"}'] == 2
         assert m['kvcoord_epp_requests_total{outcome="body_too_large"}'] == 1
@@ -407,7 +407,7 @@ async def test_decision_metrics_of_messages_and_responses(fleet: Any) -> None:
                     raw, ctype = await asyncio.to_thread(_engine, picked, req, path)
                     await respond(envoy, raw, ctype)
                     await envoy.close()
-        got = await asyncio.to_thread(metrics, mport)
+        got = await asyncio.to_thread(epp_metrics, mport)
     assert got['kvcoord_epp_hit_outcomes_total{outcome="match"}'] == 4, got
     assert got["kvcoord_epp_achieved_tokens_total"] == got["kvcoord_epp_predicted_tokens_total"] > 0
 
@@ -425,12 +425,13 @@ async def test_decision_metrics_of_grpc_responses(fleet: Any) -> None:
             for path, ids, engine in ((VLLM, tokens_of(a, PROMPT_A), vll),
                                       (SGLANG, tokens_of(b, PROMPT_B), sgl)):
                 msg = vllm_generate(ids) if engine is vll else sglang_generate(ids)
-                before = (await asyncio.to_thread(metrics, mport)).get(PREDICTED, 0)
+                before = (await asyncio.to_thread(epp_metrics, mport)).get(PREDICTED, 0)
                 envoy = Envoy(ch)
                 await envoy.send(request_headers(path, extra={**GRPC, "x-gateway-model-name": MODEL}))
                 [resp] = await envoy.send(request_body(framed(msg)))
                 assert_pick(resp, "request_body", [a if engine is vll else b])
-                predicted = int((await asyncio.to_thread(metrics, mport))[PREDICTED] - before)  # at the pick
+                # at the pick
+                predicted = int((await asyncio.to_thread(epp_metrics, mport))[PREDICTED] - before)
                 assert predicted == len(ids) // BLOCK * BLOCK
                 await envoy.send(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=grpc_ct)))
                 if engine is vll:  # a stream: every chunk carries the usage, the last counts
@@ -450,6 +451,6 @@ async def test_decision_metrics_of_grpc_responses(fleet: Any) -> None:
                     trailers=status)))
                 assert done == ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
                 await envoy.close()
-        got = await asyncio.to_thread(metrics, mport)
+        got = await asyncio.to_thread(epp_metrics, mport)
     assert got['kvcoord_epp_hit_outcomes_total{outcome="match"}'] == 2, got
     assert got["kvcoord_epp_achieved_tokens_total"] == got["kvcoord_epp_predicted_tokens_total"] > 0

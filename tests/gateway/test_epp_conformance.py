@@ -40,7 +40,7 @@ from tests.gateway.test_epp import (
     assert_immediate,
     assert_passthrough,
     channel,
-    metrics,
+    epp_metrics,
     request_body,
     request_headers,
     set_headers,
@@ -365,7 +365,7 @@ async def test_selection_header_bad_input(pools: Pools) -> None:
         assert picked(pick) == f"{ips[2]}:{ECHO_PORT}"
         pick, _ = await gateway_request(address, f" {ips[0]} ,")  # entries are trimmed; an empty one is inert
         assert picked(pick) == f"{ips[0]}:{ECHO_PORT}"
-        m = metrics(mport)
+        m = epp_metrics(mport)
         assert m['kvcoord_epp_requests_total{outcome="no_endpoint"}'] == 5
         assert m['kvcoord_epp_requests_total{outcome="picked"}'] == 3
     log = (pools.tmp / "epp-bad.log").read_text()
