@@ -88,9 +88,9 @@ async def test_short_wait_is_not_acknowledged_and_reapplies(pair: tuple[RedisSer
                                                             path: str) -> None:
     primary, replica, sock = pair
     if path == "unix":  # redis-py's pipeline (as TLS and Cluster): the WAIT rides with the script
-        uri = f"unix://localhost{sock}?wait_replicas=1&wait_timeout=0.05"
+        uri = f"unix://localhost{sock}?wait_replicas=1&wait_timeout=1"
     else:
-        uri = f"{primary.url}?wait_replicas=1&wait_timeout=0.05"
+        uri = f"{primary.url}?wait_replicas=1&wait_timeout=1"
     ix = RedisIndex.from_uri(uri)
     batch = [(STORE, 0, HASHES, None, True)]
     try:
@@ -207,7 +207,7 @@ async def _live_node(s: Serve) -> Agent:
 async def test_short_wait_keeps_the_batch_unacked_until_the_replica_is_back(
         pair: tuple[RedisServer, RedisServer, Path], tmp_path: Path) -> None:
     primary, replica, _ = pair
-    async with serve(tmp_path, f"{primary.url}?timeout=2&wait_replicas=1&wait_timeout=0.05") as s:
+    async with serve(tmp_path, f"{primary.url}?timeout=2&wait_replicas=1&wait_timeout=1") as s:
         agent = await _live_node(s)
         assert s.metric("kvcoord_redis_wait_total") >= 1
         assert s.metric("kvcoord_redis_wait_short_total") == 0
@@ -342,7 +342,7 @@ def cluster_with_replicas() -> Iterator[tuple[RedisCluster, list[RedisServer]]]:
 async def test_cluster_wait_goes_to_the_shard_of_the_write(
         cluster_with_replicas: tuple[RedisCluster, list[RedisServer]]) -> None:
     cluster, replicas = cluster_with_replicas
-    ix = RedisIndex.from_uri(f"{cluster.url}?wait_replicas=1&wait_timeout=0.05")
+    ix = RedisIndex.from_uri(f"{cluster.url}?wait_replicas=1&wait_timeout=1")
     try:
         owner: dict[str, int] = {}  # node -> index of the shard holding its bucket
         for n in range(40):
