@@ -130,17 +130,27 @@ async def _bad_entries(b: Replica) -> None:
     await _until(counted, "B counting the three bad entries", timeout=30)
 
 
+async def _node_on(addr: str) -> Reporter:
+    """node-r, an engine with nothing cached, streaming to the replica at ``addr``, connected."""
+    rep = Reporter([addr], node_id="node-r", model=MODEL, epoch=1, hash_profile=PROFILE,
+                   snapshot=lambda rank: [])
+    await rep.start()
+    try:
+        await rep.wait_connected(10)
+    except BaseException:
+        await rep.close()
+        raise
+    return rep
+
+
 @pytest.mark.slow
 async def test_reservations_cross_replicas_and_a_killed_replicas_go(
         replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
     # The engine's stream is on B (so it stays when A is killed); B publishes it to A via the directory.
-    rep = Reporter([b.addr], node_id="node-r", model=MODEL, epoch=1, hash_profile=PROFILE,
-                   snapshot=lambda rank: [])
-    await rep.start()
+    rep = await _node_on(b.addr)
     streams: list[Stream] = []
     try:
-        await rep.wait_connected(10)
         async with AsyncCoordinatorClient(a.addr) as ca, AsyncCoordinatorClient(b.addr) as cb:
             p1, p2, p3 = _prompt(1), _prompt(2), _prompt(3)
 
@@ -273,10 +283,7 @@ async def test_a_starting_replica_catches_up_and_a_stopping_one_tells_the_other(
                             str(SILENT))
                 for port in (b.port, b.mport):
                     await asyncio.to_thread(wait_for_port, port)
-                rep = Reporter([b.addr], node_id="node-r", model=MODEL, epoch=1, hash_profile=PROFILE,
-                               snapshot=lambda rank: [])
-                await rep.start()
-                await rep.wait_connected(10)
+                rep = await _node_on(b.addr)
                 async with AsyncCoordinatorClient(b.addr) as cb:
 
                     async def caught_up() -> bool:
@@ -319,12 +326,9 @@ async def test_a_replica_cut_off_from_redis_catches_up_after(replicas: tuple[Rep
     """Redis paused (SIGSTOP) past ``replica_silent_seconds``: B drops A's reservation (A is silent to it),
     and once Redis answers again B replays the stream: the reservation is back, counted once."""
     a, b = replicas
-    rep = Reporter([b.addr], node_id="node-r", model=MODEL, epoch=1, hash_profile=PROFILE,
-                   snapshot=lambda rank: [])
-    await rep.start()
+    rep = await _node_on(b.addr)
     streams: list[Stream] = []
     try:
-        await rep.wait_connected(10)
         async with AsyncCoordinatorClient(a.addr) as ca, AsyncCoordinatorClient(b.addr) as cb:
             p1 = _prompt(1)
             streams.append(on_a := Stream(ca, "router-a"))
