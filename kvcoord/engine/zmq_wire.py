@@ -201,6 +201,7 @@ class ZmqEventPublisher:
             verb = "bind" if binds or where != self.endpoint else "connect"
             raise _endpoint_error(verb, where, exc) from None
         self._next_seq = 0
+        self._queued = 0
         self._stop_at: float | None = None
         self._running = True
         self._thread = threading.Thread(target=self._loop, daemon=True, name="zmq-publisher")
@@ -211,6 +212,12 @@ class ZmqEventPublisher:
         """The sequence number the next sent batch will carry."""
         return self._next_seq
 
+    @property
+    def queued_seq(self) -> int:
+        """The sequence number after the last queued batch: a subscriber that expects it has every batch
+        published so far, sent or not yet (``next_seq`` lags while the thread sends)."""
+        return self._queued
+
     def publish(self, batch: KVEventBatch) -> None:
         """Queue a batch; a batch without a DP rank gets the publisher's (as vLLM does)."""
         if not self._running:
@@ -218,6 +225,7 @@ class ZmqEventPublisher:
         if batch.data_parallel_rank is None:
             batch = msgspec.structs.replace(batch, data_parallel_rank=self._dp_rank)
         self._queue.put(batch)
+        self._queued += 1
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every queued batch has been sent; False on timeout."""

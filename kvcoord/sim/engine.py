@@ -327,7 +327,7 @@ class SimEngine:
         snap = self.pool.snapshot()
         out = {
             "blocks": {str(dp): [[int(h), int(t)] for h, t in entries] for dp, entries in snap.items()},
-            "next_seq": self.publisher.next_seq,
+            "next_seq": self.publisher.queued_seq,  # the blocks listed are in the batches before it
             "pid": os.getpid(),
             "requests_done": self.requests_done,
             "prompt_tokens": self.prompt_tokens,
@@ -371,8 +371,10 @@ class _Driver:
         self.wake.set()
 
     def write_files(self, *, flush: bool, finished: bool = False) -> None:
-        """State and prompt files. ``flush`` first waits (bounded) for queued batches to leave, so the
-        state's ``next_seq`` covers the blocks it lists; the loop is blocked that long, on purpose."""
+        """State and prompt files. ``flush`` first waits (bounded) for queued batches to leave, so a reader
+        that queries the coordinator next finds them; the loop is blocked that long, on purpose. The
+        state's ``next_seq`` counts queued batches, so it covers the blocks it lists even when the wait
+        ran out."""
         engine = self.engine
         if flush and (self.state_file is not None or self.prompt_file is not None):
             engine.publisher.flush(1.0)
