@@ -57,8 +57,15 @@ async def test_sim_engine_stream_mirrors_pool(tmp_path: Path, dp_rank: int, form
                 st = _read_state(state)
                 return st is not None and bool(st.get("finished")) and relay.expected_seq == st["next_seq"]
 
-            await wait_for(lambda: finished() or proc.poll() is not None,
-                           "engine finished and relay caught up", timeout=30)
+            try:
+                await wait_for(lambda: finished() or proc.poll() is not None,
+                               "engine finished and relay caught up", timeout=30)
+            except AssertionError as exc:  # say where each side stood (this wait timed out twice in CI)
+                st = _read_state(state) or {}
+                raise AssertionError(
+                    f"{exc}: relay expected_seq {relay.expected_seq}, stats {relay.stats}; engine state "
+                    f"finished={st.get('finished')} next_seq={st.get('next_seq')}\n"
+                    f"{(tmp_path / 'engine.log').read_text()[-3000:]}") from None
             assert proc.poll() is None, (tmp_path / "engine.log").read_text()
             st = _read_state(state)
             assert st is not None
