@@ -214,8 +214,7 @@ class ZmqEventPublisher:
 
     @property
     def queued_seq(self) -> int:
-        """The sequence number after the last queued batch: a subscriber that expects it has every batch
-        published so far, sent or not yet (``next_seq`` lags while the thread sends)."""
+        """The sequence number after the last queued batch (``next_seq`` lags it while the thread sends)."""
         return self._queued
 
     def publish(self, batch: KVEventBatch) -> None:
