@@ -25,9 +25,9 @@ from pathlib import Path
 
 LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("kvcoord", "kvcoord._native", "kvcoord.native", "kvcoord.proto", "kvcoord.load", "kvcoord.transport",
-      "kvcoord.answer_json", "kvcoord.waits"),
+      "kvcoord.answer_json", "kvcoord.waits", "kvcoord.eventloop"),
      "leaves: the version, the native switch and extension, generated protobuf, shared load and gRPC types, "
-     "the HTTP lookup answer's JSON shapes, cancellation-safe waits"),
+     "the HTTP lookup answer's JSON shapes, cancellation-safe waits, the servers' event loop"),
     (("kvcoord.hashing", "kvcoord.extra_keys", "kvcoord.sglang_hash", "kvcoord.vllm_hash"),
      "vLLM's and SGLang's block hashes: everything else speaks in them"),
     (("kvcoord.events", "kvcoord.media"),

@@ -382,25 +382,6 @@ def rpc_failed(command: str, exc: Exception) -> int:
     return 1
 
 
-UVLOOP_ENV = "KVCOORD_UVLOOP"
-
-
-def use_uvloop(default: bool) -> bool:
-    """Run the event loop on uvloop where it is installed (the ``uvloop`` extra): its transports cost an
-    HTTP request fewer microseconds than asyncio's. ``KVCOORD_UVLOOP`` (``1``/``0``) overrides ``default``
-    (``kvcoord route``: on; ``kvcoord serve``: off, its gRPC, Redis and ZMQ clients are run on asyncio's
-    loop in CI). True if uvloop runs."""
-    value = os.environ.get(UVLOOP_ENV, "").strip().lower()
-    if not (value not in ("0", "off", "no", "false") if value else default):
-        return False
-    try:
-        import uvloop
-    except ImportError:  # optional
-        return False
-    uvloop.install()
-    return True
-
-
 def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """``asyncio.run(main(stop))`` with ``stop`` set on SIGTERM or SIGINT: a server's graceful stop."""
     import asyncio

@@ -23,8 +23,8 @@ from kvcoord.cli.common import (
     pd_config,
     run_until_signalled,
     security,
-    use_uvloop,
 )
+from kvcoord.eventloop import use_uvloop
 from kvcoord.gateway import POLICIES
 from kvcoord.tokenize.media import DEFAULT_IMAGE_PLACEHOLDER, DEFAULT_IMAGE_TOKENS
 
@@ -188,6 +188,6 @@ def run(args: argparse.Namespace) -> int:
     from kvcoord.gateway.route import serve_route
 
     config = route_config(args)
-    use_uvloop(default=True)
+    use_uvloop()
     run_until_signalled(lambda stop: serve_route(config, stop))
     return 0

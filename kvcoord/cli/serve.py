@@ -6,7 +6,8 @@ import argparse
 import asyncio
 from typing import TYPE_CHECKING
 
-from kvcoord.cli.common import NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT, Subparsers, use_uvloop
+from kvcoord.cli.common import NONNEG_INT, POSITIVE_FLOAT, POSITIVE_INT, Subparsers
+from kvcoord.eventloop import use_uvloop
 
 if TYPE_CHECKING:
     from kvcoord.coordinator.config import CoordinatorConfig
@@ -124,6 +125,6 @@ def run(args: argparse.Namespace) -> int:
     from kvcoord.coordinator.server import serve
 
     config = config_from_args(args)
-    use_uvloop(default=False)
+    use_uvloop()
     asyncio.run(serve(config, runner_factory=Fleet))
     return 0

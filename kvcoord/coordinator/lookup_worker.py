@@ -33,6 +33,7 @@ from kvcoord.coordinator.registry import CHANGES, NodeRecord
 from kvcoord.coordinator.tls import server_ssl_context
 from kvcoord.coordinator.worker_metrics import REPORT_EVERY, SAMPLES_EVERY, Report, encode_report
 from kvcoord.coordinator.workers import MAX_LAG
+from kvcoord.eventloop import use_uvloop
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.media import configure_media
 
@@ -275,6 +276,7 @@ async def run() -> int:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    use_uvloop()  # as its main process (KVCOORD_UVLOOP is inherited)
     with contextlib.suppress(KeyboardInterrupt):
         sys.exit(asyncio.run(run()))
 

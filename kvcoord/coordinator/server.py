@@ -34,6 +34,7 @@ from kvcoord.coordinator.servicer import SERVICE, CoordinatorServicer
 from kvcoord.coordinator.shared import open_directory
 from kvcoord.coordinator.tls import server_credentials, server_ssl_context
 from kvcoord.coordinator.workers import FeedIndex, LookupWorkers, reserve_port
+from kvcoord.eventloop import loop_name
 from kvcoord.index import open_index
 from kvcoord.index.base import Index, ping
 from kvcoord.index.uri import parse_index_uri
@@ -253,11 +254,6 @@ class CoordinatorServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
-
-
-def loop_name() -> str:
-    """The running event loop: ``uvloop`` (see ``kvcoord.cli.common.use_uvloop``) or ``asyncio``."""
-    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
 
 
 async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None = None) -> None:
