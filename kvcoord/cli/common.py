@@ -111,7 +111,16 @@ def _hostports(text: str) -> str:
     return ",".join(parts)
 
 
+def _listen(text: str) -> str:
+    """A listen address, ``HOST:PORT`` (port 0: any free port)."""
+    from kvcoord.transport import split_hostport
+
+    split_hostport(text)
+    return text.strip()
+
+
 HOSTPORT = _type("HOST:PORT", _hostport)
+LISTEN = _type("HOST:PORT", _listen)
 HOSTPORTS = _type("HOST:PORT[,HOST:PORT...]", _hostports)
 POSITIVE_FLOAT = _type("number", _number(float, 0.0, strict=True))
 NONNEG_FLOAT = _type("number", _number(float, 0.0, strict=False))
@@ -304,6 +313,15 @@ def add_hash_seed(p: argparse.ArgumentParser | argparse._ArgumentGroup, *aliases
     p.add_argument("--hash-seed", *aliases, dest="hash_seed", default=default, metavar="SEED",
                    help="the engines' NONE_HASH seed, i.e. their PYTHONHASHSEED "
                         + ("(default: $PYTHONHASHSEED)" if default is None else f"(default {default!r})"))
+
+
+def add_block_hashing(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, algo_flag: str,
+                      algo_default: str, seed_default: str | None) -> None:
+    """How simulated engines hash their blocks: ``--block-size``, the algorithm (``algo_flag``:
+    ``sim-engine``'s ``--algo``, ``simulate``'s ``--hash-algo``) and ``--hash-seed``, taken alike by both."""
+    p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
+    p.add_argument(algo_flag, default=algo_default, help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
+    add_hash_seed(p, default=seed_default)
 
 
 def parse_uint64_list(text: str, what: str, *, signed_too: bool = False) -> list[int]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from kvcoord.cli.common import (
+    LISTEN,
     NONNEG_FLOAT,
     NONNEG_INT,
     POSITIVE_FLOAT,
@@ -32,17 +33,6 @@ if TYPE_CHECKING:
     from kvcoord.gateway.route import RouteConfig
 
 
-def _listen(text: str) -> str:
-    """A listen address, ``HOST:PORT`` (port 0: any free port)."""
-    from kvcoord.transport import split_hostport
-
-    try:
-        split_hostport(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text.strip()
-
-
 def _backend(text: str) -> tuple[str, str]:
     from kvcoord.gateway.route_backends import parse_backend
 
@@ -52,7 +42,6 @@ def _backend(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-_listen.__name__ = "HOST:PORT"
 _backend.__name__ = "NODE=URL"
 
 
@@ -78,7 +67,7 @@ def add(sub: Subparsers) -> None:
                        "Each request is looked up (the coordinator tokenizes it as the engine will) and "
                        "placed by the prefix-aware policy; x-kvcoord-* response headers say where and why.")
     add_connection(p, required=False, timeout=5.0)
-    p.add_argument("--listen", default="127.0.0.1:8000", type=_listen, metavar="HOST:PORT",
+    p.add_argument("--listen", default="127.0.0.1:8000", type=LISTEN, metavar="HOST:PORT",
                    help="where to serve the OpenAI API (default 127.0.0.1:8000)")
     p.add_argument("--backend", action="append", default=[], type=_backend, metavar="NODE=URL",
                    help="a node's engine URL, e.g. node-a=http://10.0.0.5:8000 (repeatable; overrides the "

@@ -121,10 +121,9 @@ def config_from_args(args: argparse.Namespace) -> CoordinatorConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcoord.coordinator.engine_relays import Fleet
     from kvcoord.coordinator.server import serve
 
     config = config_from_args(args)
     use_uvloop()
-    asyncio.run(serve(config, runner_factory=Fleet))
+    asyncio.run(serve(config, relay_engines=True))
     return 0

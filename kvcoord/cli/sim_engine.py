@@ -7,27 +7,17 @@ import dataclasses
 
 from kvcoord.cli.common import (
     HOSTPORT,
+    LISTEN,
     NONNEG_FLOAT,
     NONNEG_INT,
     POSITIVE_FLOAT,
     POSITIVE_INT,
     ZMQ_ENDPOINT,
     Subparsers,
-    add_hash_seed,
+    add_block_hashing,
     add_tls_client,
     security,
 )
-
-
-def LISTEN(text: str) -> str:
-    """A listen address, ``HOST:PORT`` (port 0: any free port)."""
-    from kvcoord.transport import split_hostport
-
-    try:
-        split_hostport(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text.strip()
 
 
 def add(sub: Subparsers) -> None:
@@ -39,10 +29,8 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--topic", default="", help="ZMQ topic of the published KV events")
     p.add_argument("--model", default="sim-model", help="model name served and published")
     p.add_argument("--dp-rank", type=NONNEG_INT, default=0, help="data-parallel rank of this engine")
-    p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=POSITIVE_INT, default=2048, help="KV cache size in blocks")
-    p.add_argument("--algo", default="sha256_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
-    add_hash_seed(p)
+    add_block_hashing(p, algo_flag="--algo", algo_default="sha256_cbor", seed_default=None)
     p.add_argument("--hash-form", choices=["int", "bytes"], default="int", help="how events carry hashes")
     p.add_argument("--medium", default="GPU", help="storage medium named in the events (GPU, CPU, ...)")
     p.add_argument("--seed", type=int, default=0, help="workload RNG seed")

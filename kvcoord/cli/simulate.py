@@ -11,9 +11,9 @@ from kvcoord.cli.common import (
     POSITIVE_FLOAT,
     POSITIVE_INT,
     Subparsers,
+    add_block_hashing,
     add_connection,
     add_cost_model,
-    add_hash_seed,
     security,
 )
 
@@ -73,9 +73,7 @@ def add(sub: Subparsers) -> None:
     d.add_argument("--max-local-prefill-tokens", type=NONNEG_INT, default=1000, metavar="N",
                    help="the decode node prefills alone when it lacks at most N prompt tokens (Dynamo's "
                         "max_local_prefill_length; default 1000)")
-    c.add_argument("--block-size", type=POSITIVE_INT, default=16, help="tokens per KV block")
-    c.add_argument("--hash-algo", default="xxhash_cbor", help="sha256 | sha256_cbor | xxhash | xxhash_cbor")
-    add_hash_seed(c, default="kvcoord-sim")
+    add_block_hashing(c, algo_flag="--hash-algo", algo_default="xxhash_cbor", seed_default="kvcoord-sim")
     c.add_argument("--index", default="memory", help="index backend URI (default: in-process memory)")
     r = p.add_argument_group(
         "against a running coordinator",

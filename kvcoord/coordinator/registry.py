@@ -14,8 +14,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvcoord.load import APPROXIMATE, DEGRADED, EXACT, HISTORY_LOST, RESYNCING, TRUSTS, NodeLoad
-from kvcoord.load import HASH_MISMATCH as HASH_MISMATCH  # also a node state (STATES)
+from kvcoord.load import (
+    APPROXIMATE,
+    DEGRADED,
+    EXACT,
+    HASH_MISMATCH,
+    HISTORY_LOST,
+    RESYNCING,
+    TRUSTS,
+    NodeLoad,
+)
 
 ACTIVE = "active"
 DRAINING = "draining"

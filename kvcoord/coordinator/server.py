@@ -13,7 +13,6 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable
 from types import TracebackType
 
 import grpc
@@ -23,8 +22,9 @@ from grpc_reflection.v1alpha import reflection
 from kvcoord.coordinator.auth import Authenticator
 from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.core import CoordinatorState
+from kvcoord.coordinator.engine_relays import Fleet
 from kvcoord.coordinator.engine_store import open_engine_store
-from kvcoord.coordinator.engines import EngineRunner, Engines
+from kvcoord.coordinator.engines import Engines
 from kvcoord.coordinator.fastpath import FastAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpLimits, HttpServer
@@ -44,9 +44,6 @@ from kvcoord.transport import ListenError, check_bindable, split_hostport
 
 log = logging.getLogger("kvcoord.coordinator")
 
-RunnerFactory = Callable[[CoordinatorState], EngineRunner]
-"""Builds the relays of registered engines, which feed the coordinator's ingest in-process."""
-
 LIVENESS = "kvcoord.liveness"
 """Health service name that is SERVING while the process runs, whatever the index does: the liveness
 probe's. ``""`` and ``kvcoord.v2.Coordinator`` follow the index (readiness): a Redis outage must take
@@ -58,11 +55,12 @@ class CoordinatorServer:
 
     def __init__(
         self, config: CoordinatorConfig, index: Index | None = None, *, close_index: bool | None = None,
-        runner_factory: RunnerFactory | None = None,
+        relay_engines: bool = False,
     ) -> None:
         self.config = config
-        self._runner_factory = runner_factory
-        """Relays engines registered over HTTP (``kvcoord serve`` passes the agent's); None: ``/register``
+        self._relay_engines = relay_engines
+        """Relay engines registered over HTTP in this process (a
+        :class:`~kvcoord.coordinator.engine_relays.Fleet`, as ``kvcoord serve`` does); False: ``/register``
         answers 501."""
         self.engines: Engines | None = None
         self._http: HttpServer | None = None
@@ -124,11 +122,10 @@ class CoordinatorServer:
             except OSError as exc:
                 await self.stop()
                 raise ListenError(f"cannot listen on {cfg.metrics_listen}: {exc.strerror or exc}") from None
-        if self._runner_factory is not None:
+        if self._relay_engines:
             # The store first: a state_dir that cannot be used refuses the start before any relay exists.
             store = open_engine_store(index, state_dir=cfg.state_dir)
-            runner = self._runner_factory(state)
-            self.engines = Engines(store, runner, state.replicas.replica_id, self.config.profile,
+            self.engines = Engines(store, Fleet(state), state.replicas.replica_id, self.config.profile,
                                    state.leases.drop, max_engines=cfg.limits.max_streams,
                                    on_states=state.metrics.set_registered_engines)
             state.relayed_nodes = self.engines.relayed_nodes
@@ -256,14 +253,14 @@ class CoordinatorServer:
         await self.stop()
 
 
-async def serve(config: CoordinatorConfig, runner_factory: RunnerFactory | None = None) -> None:
+async def serve(config: CoordinatorConfig, *, relay_engines: bool = False) -> None:
     """Run until SIGTERM or SIGINT, then stop within about a second."""
     limit_arenas()  # before gRPC starts its threads
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before listening, so an early signal still stops cleanly
         loop.add_signal_handler(sig, stop.set)
-    server = CoordinatorServer(config, runner_factory=runner_factory)
+    server = CoordinatorServer(config, relay_engines=relay_engines)
     try:
         await server.start()
     except BaseException:

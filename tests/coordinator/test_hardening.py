@@ -20,7 +20,6 @@ import grpc
 import pytest
 
 from kvcoord.coordinator.config import load_config
-from kvcoord.coordinator.engine_relays import Fleet
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.index.base import Index
 from kvcoord.index.memory import MemoryIndex
@@ -121,7 +120,7 @@ async def test_a_feed_refused_for_good_frees_its_stream_slot() -> None:
     ov: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "",
                           "strict_models": True, "models": [f"{MODEL},algo=sha256_cbor,block_size=16,seed=0"]}
     server = CoordinatorServer(load_config(None, env={}, overrides=ov), index=MemoryIndex(),
-                               runner_factory=Fleet)
+                               relay_engines=True)
     await server.start()
     try:
         state, engines = server.state, server.engines
@@ -293,7 +292,7 @@ async def test_confusable_node_ids_and_models_are_refused_on_hello() -> None:
 async def test_http_register_refuses_bad_model_names() -> None:
     ov = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "127.0.0.1:0",
           "models": [f"{MODEL},algo=sha256_cbor,block_size=4,seed=42"]}
-    server = CoordinatorServer(load_config(None, env={}, overrides=ov), runner_factory=Fleet)
+    server = CoordinatorServer(load_config(None, env={}, overrides=ov), relay_engines=True)
     await server.start()
     try:
         base = f"http://127.0.0.1:{server.http_port}"

@@ -20,7 +20,6 @@ import aiohttp
 import pytest
 
 from kvcoord.coordinator.config import load_config
-from kvcoord.coordinator.engine_relays import Fleet
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEventBatch
@@ -57,7 +56,7 @@ async def api(index: Index | None = None, **overrides: Any) -> AsyncIterator[Api
     ov: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "127.0.0.1:0",
                           "models": [f"{MODEL},algo=sha256_cbor,block_size={BS},seed=42"], **overrides}
     cfg = load_config(None, env={}, overrides=ov)
-    server = CoordinatorServer(cfg, index=index, runner_factory=Fleet)
+    server = CoordinatorServer(cfg, index=index, relay_engines=True)
     await server.start()
     try:
         async with aiohttp.ClientSession() as session:

@@ -45,7 +45,6 @@ import pytest
 import xxhash
 
 from kvcoord.coordinator.config import load_config
-from kvcoord.coordinator.engine_relays import Fleet
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
@@ -199,7 +198,7 @@ async def services(tmp_path: Path) -> AsyncIterator[Pair]:
             "listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "127.0.0.1:0",
             "models": [f"{MODEL},algo=sha256_cbor,block_size={BS},seed=42",
                        f"{MODEL}@{GROUP},algo=sha256_cbor,block_size={BS},seed=42"]}
-        server = CoordinatorServer(load_config(None, env={}, overrides=overrides), runner_factory=Fleet)
+        server = CoordinatorServer(load_config(None, env={}, overrides=overrides), relay_engines=True)
         await server.start()
         try:
             await asyncio.to_thread(wait_for_port, port, "127.0.0.1", DEADLINE)

@@ -132,12 +132,11 @@ async def test_in_process_feed_keeps_the_index_equal_to_the_pool() -> None:
     from kvcoord.agent.kv_cache_manager import KVCacheManager
     from kvcoord.agent.pool import BlockPool
     from kvcoord.coordinator.config import load_config
-    from kvcoord.coordinator.engine_relays import Fleet
     from kvcoord.coordinator.server import CoordinatorServer
 
     overrides: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "127.0.0.1:0",
                                  "models": [f"{MODEL},algo=sha256_cbor,block_size={BS},seed=42"]}
-    server = CoordinatorServer(load_config(None, env={}, overrides=overrides), runner_factory=Fleet)
+    server = CoordinatorServer(load_config(None, env={}, overrides=overrides), relay_engines=True)
     await server.start()
     endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     pub = ZmqEventPublisher(0, endpoint, replay, bind=True)

@@ -10,7 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvcoord.coordinator.config import ConfigError, parse_model_spec
+from kvcoord.coordinator.config import parse_model_spec
+from kvcoord.coordinator.config_values import ConfigError
 from kvcoord.tokenize import SIM_SOURCE, TokenizerCache, open_tokenizer, toktok
 from kvcoord.tokenize.base import TokenizeError
 from kvcoord.tokenize.toktok import ToyTokenizer
