@@ -174,6 +174,10 @@ class HeartbeatResult:
     known: bool
     """False: the coordinator no longer knows the node; it must reconnect with Hello and a snapshot."""
 
+    @classmethod
+    def from_proto(cls, m: pb.HeartbeatResponse) -> HeartbeatResult:
+        return cls(m.lease_seconds, m.known)
+
 
 # --- requests --------------------------------------------------------------------------------
 class _MMItem(Protocol):
@@ -284,7 +288,59 @@ def build_lookup_request(
     return req
 
 
-# --- clients ---------------------------------------------------------------------------------
+# --- calls: each RPC's request and answer, once for both clients -----------------------------
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Rpc(Generic[_T]):
+    """One call as both clients make it: the method, its request, and how its answer becomes the result."""
+
+    name: str
+    request: Any
+    decode: Callable[[Any], _T]
+
+
+def _nothing(_resp: object) -> None:
+    """The result of a call whose success is its answer."""
+
+
+def _same(resp: pb.LookupResponse) -> pb.LookupResponse:
+    """``lookup_raw``'s result: the answer as it came."""
+    return resp
+
+
+def _lookup(model: str, query: dict[str, Any]) -> _Rpc[LookupResult]:
+    return _Rpc("Lookup", build_lookup_request(model, **query), lookup_result)
+
+
+def _stats() -> _Rpc[CoordinatorStats]:
+    return _Rpc("Stats", pb.StatsRequest(), CoordinatorStats.from_proto)
+
+
+def _list_nodes(model: str) -> _Rpc[list[NodeStatus]]:
+    return _Rpc("ListNodes", pb.ListNodesRequest(model=model),
+                lambda resp: [NodeStatus.from_proto(n) for n in resp.nodes])
+
+
+def _heartbeat(node_id: str, epoch: int, load: NodeLoad | None) -> _Rpc[HeartbeatResult]:
+    req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=load_to_proto(load or NodeLoad()))
+    return _Rpc("Heartbeat", req, HeartbeatResult.from_proto)
+
+
+def _drain(node_id: str, undrain: bool) -> _Rpc[None]:
+    return _Rpc("DrainNode", pb.DrainNodeRequest(node_id=node_id, undrain=undrain), _nothing)
+
+
+def _remove(node_id: str) -> _Rpc[None]:
+    return _Rpc("RemoveNode", pb.RemoveNodeRequest(node_id=node_id), _nothing)
+
+
+def _ping() -> _Rpc[None]:
+    return _Rpc("Ping", pb.PingRequest(), _nothing)
+
+
+# --- retries: which replica, how often, until when -------------------------------------------
 IDEMPOTENT = frozenset({"Lookup", "Stats", "ListNodes", "Ping"})
 """The calls a client may repeat on another replica: they only read."""
 RETRY_PAUSE = 0.05
@@ -300,29 +356,44 @@ def replica_addresses(address: str | Sequence[str]) -> list[str]:
     return out
 
 
-class _Replicas:
-    """Which replica a client asks: the last one that answered, then the others in turn. An idempotent
-    call that finds its replica UNAVAILABLE (refused, reset, restarting) is repeated on the next one until
-    the call's deadline; other errors, and every error of a call that writes, are the answer."""
+class _Attempts:
+    """One call's attempts, the retry policy of both clients' loops. A client asks the replica that last
+    answered; each attempt gets what is left of the call's deadline; an idempotent call that finds its
+    replica UNAVAILABLE (refused, reset, restarting) is repeated on the next one until that deadline,
+    pausing ``RETRY_PAUSE`` after each round over all of them; other errors, and every error of a call
+    that writes, are the answer."""
 
-    __slots__ = ("addresses", "current")
+    __slots__ = ("_client", "_name", "_tried", "deadline")
 
-    def __init__(self, addresses: list[str]) -> None:
-        self.addresses = addresses
-        self.current = 0
+    def __init__(self, client: _Connected[Any], name: str, timeout: float) -> None:
+        self._client = client
+        self._name = name
+        self._tried = 0
+        self.deadline = time.monotonic() + timeout
 
-    def retry(self, name: str, exc: Any, tried: int, deadline: float) -> float | None:
-        """After a failure on ``current``: the pause before the next attempt (there moves ``current``), or
-        None to raise."""
-        if name not in IDEMPOTENT or len(self.addresses) < 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
-            return None
-        pause = 0.0 if tried % len(self.addresses) else RETRY_PAUSE
-        if time.monotonic() + pause >= deadline:
-            return None
-        self.current = (self.current + 1) % len(self.addresses)
+    def method(self) -> Any:
+        """The stub's method on the replica to ask now."""
+        return getattr(self._client._stubs[self._client._current], self._name)
+
+    def time_left(self) -> float:
+        return max(0.001, self.deadline - time.monotonic())
+
+    def pause_after(self, exc: Any) -> float:
+        """After a failed attempt: the pause before the next (which goes to the next replica), or
+        :class:`CoordinatorError` raised: the call's answer."""
+        self._tried += 1
+        client = self._client
+        count = len(client._stubs)
+        if self._name not in IDEMPOTENT or count < 2 or exc.code() != grpc.StatusCode.UNAVAILABLE:
+            raise CoordinatorError.from_rpc(exc) from None
+        pause = 0.0 if self._tried % count else RETRY_PAUSE
+        if time.monotonic() + pause >= self.deadline:
+            raise CoordinatorError.from_rpc(exc) from None
+        client._current = (client._current + 1) % count
         return pause
 
 
+# --- clients: thin transports that run the calls above -----------------------------------------
 _Channel = TypeVar("_Channel", grpc.Channel, grpc.aio.Channel)
 
 
@@ -332,13 +403,19 @@ class _Connected(Generic[_Channel]):
 
     def __init__(self, address: str | Sequence[str], security: ChannelSecurity | None, timeout: float,
                  open_: Callable[[str, ChannelSecurity, int], _Channel], max_message_bytes: int) -> None:
-        self._replicas = _Replicas(replica_addresses(address))
-        self.address = ",".join(self._replicas.addresses)
+        addresses = replica_addresses(address)
+        self.address = ",".join(addresses)
         self.security = security or ChannelSecurity()
         self.timeout = timeout
-        self._channels = [open_(a, self.security, max_message_bytes) for a in self._replicas.addresses]
+        self._channels = [open_(a, self.security, max_message_bytes) for a in addresses]
         self._stubs = [pbg.CoordinatorStub(c) for c in self._channels]
+        self._current = 0
+        """The replica asked first: the last one that answered."""
         self._md = self.security.metadata() or None
+
+    def _attempts(self, rpc: _Rpc[Any], timeout: float | None) -> _Attempts:
+        """``timeout`` (seconds) overrides the client's for this call."""
+        return _Attempts(self, rpc.name, self.timeout if timeout is None else timeout)
 
 
 class CoordinatorClient(_Connected[grpc.Channel]):
@@ -359,45 +436,38 @@ class CoordinatorClient(_Connected[grpc.Channel]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, name: str, request: Any) -> Any:
-        deadline = time.monotonic() + self.timeout
-        tried = 0
+    def _run(self, rpc: _Rpc[_T]) -> _T:
+        attempts = self._attempts(rpc, None)
         while True:
-            method = getattr(self._stubs[self._replicas.current], name)
             try:
-                return method(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._md)
+                resp = attempts.method()(rpc.request, timeout=attempts.time_left(), metadata=self._md)
             except grpc.RpcError as exc:
-                tried += 1
-                pause = self._replicas.retry(name, exc, tried, deadline)
-                if pause is None:
-                    raise CoordinatorError.from_rpc(exc) from None
-                time.sleep(pause)
+                time.sleep(attempts.pause_after(exc))
+            else:
+                return rpc.decode(resp)
 
     def lookup(self, model: str, **query: Any) -> LookupResult:
         """See :func:`build_lookup_request` for the query keywords (tokens= or hashes=, keys, candidates)."""
-        return lookup_result(self._call("Lookup", build_lookup_request(model, **query)))
+        return self._run(_lookup(model, query))
 
     def stats(self) -> CoordinatorStats:
-        return CoordinatorStats.from_proto(self._call("Stats", pb.StatsRequest()))
+        return self._run(_stats())
 
     def list_nodes(self, model: str = "") -> list[NodeStatus]:
-        resp = self._call("ListNodes", pb.ListNodesRequest(model=model))
-        return [NodeStatus.from_proto(n) for n in resp.nodes]
+        return self._run(_list_nodes(model))
 
     def heartbeat(self, node_id: str, epoch: int, load: NodeLoad | None = None) -> HeartbeatResult:
-        req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=load_to_proto(load or NodeLoad()))
-        resp = self._call("Heartbeat", req)
-        return HeartbeatResult(resp.lease_seconds, resp.known)
+        return self._run(_heartbeat(node_id, epoch, load))
 
     def drain(self, node_id: str, *, undrain: bool = False) -> None:
         """Leave ``node_id`` out of lookups (``undrain=True``: serve it again)."""
-        self._call("DrainNode", pb.DrainNodeRequest(node_id=node_id, undrain=undrain))
+        self._run(_drain(node_id, undrain))
 
     def remove(self, node_id: str) -> None:
-        self._call("RemoveNode", pb.RemoveNodeRequest(node_id=node_id))
+        self._run(_remove(node_id))
 
     def ping(self) -> None:
-        self._call("Ping", pb.PingRequest())
+        self._run(_ping())
 
 
 class AsyncCoordinatorClient(_Connected[grpc.aio.Channel]):
@@ -417,53 +487,43 @@ class AsyncCoordinatorClient(_Connected[grpc.aio.Channel]):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        tried = 0
+    async def _run(self, rpc: _Rpc[_T], timeout: float | None = None) -> _T:
+        attempts = self._attempts(rpc, timeout)
         while True:
-            method = getattr(self._stubs[self._replicas.current], name)
             try:
-                return await method(request, timeout=max(0.001, deadline - time.monotonic()),
-                                    metadata=self._md)
+                resp = await attempts.method()(rpc.request, timeout=attempts.time_left(), metadata=self._md)
             except grpc.aio.AioRpcError as exc:
-                tried += 1
-                pause = self._replicas.retry(name, exc, tried, deadline)
-                if pause is None:
-                    raise CoordinatorError.from_rpc(exc) from None
-                await asyncio.sleep(pause)
+                await asyncio.sleep(attempts.pause_after(exc))
+            else:
+                return rpc.decode(resp)
 
     async def lookup(self, model: str, *, timeout: float | None = None, **query: Any) -> LookupResult:
         """``timeout`` (seconds) overrides the client's for this call."""
-        resp = await self._call("Lookup", build_lookup_request(model, **query), timeout)
-        return lookup_result(resp)
+        return await self._run(_lookup(model, query), timeout)
 
     async def lookup_raw(self, request: pb.LookupRequest) -> pb.LookupResponse:
         """A prebuilt request, without result conversion (for hot paths and benchmarks)."""
-        resp: pb.LookupResponse = await self._call("Lookup", request)
-        return resp
+        return await self._run(_Rpc("Lookup", request, _same))
 
     def reserve_stream(self, batches: AsyncIterator[pb.ReserveBatch]) -> Any:
         """Open a ``Reserve`` stream to the replica lookups go to now (the call, to await its end)."""
-        return self._stubs[self._replicas.current].Reserve(batches, metadata=self._md)
+        return self._stubs[self._current].Reserve(batches, metadata=self._md)
 
     async def stats(self) -> CoordinatorStats:
-        return CoordinatorStats.from_proto(await self._call("Stats", pb.StatsRequest()))
+        return await self._run(_stats())
 
     async def list_nodes(self, model: str = "") -> list[NodeStatus]:
-        resp = await self._call("ListNodes", pb.ListNodesRequest(model=model))
-        return [NodeStatus.from_proto(n) for n in resp.nodes]
+        return await self._run(_list_nodes(model))
 
     async def heartbeat(self, node_id: str, epoch: int, load: NodeLoad | None = None) -> HeartbeatResult:
-        req = pb.HeartbeatRequest(node_id=node_id, epoch=epoch, load=load_to_proto(load or NodeLoad()))
-        resp = await self._call("Heartbeat", req)
-        return HeartbeatResult(resp.lease_seconds, resp.known)
+        return await self._run(_heartbeat(node_id, epoch, load))
 
     async def drain(self, node_id: str, *, undrain: bool = False) -> None:
         """Leave ``node_id`` out of lookups (``undrain=True``: serve it again)."""
-        await self._call("DrainNode", pb.DrainNodeRequest(node_id=node_id, undrain=undrain))
+        await self._run(_drain(node_id, undrain))
 
     async def remove(self, node_id: str) -> None:
-        await self._call("RemoveNode", pb.RemoveNodeRequest(node_id=node_id))
+        await self._run(_remove(node_id))
 
     async def ping(self, *, timeout: float | None = None) -> None:
-        await self._call("Ping", pb.PingRequest(), timeout)
+        await self._run(_ping(), timeout)

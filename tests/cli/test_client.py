@@ -1,4 +1,4 @@
-"""The router client: local validation of queries, and the blocking client against an in-process server."""
+"""The router client: local validation of queries, and both clients against an in-process server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ from kvcoord.coordinator.config import CoordinatorConfig
 from kvcoord.coordinator.server import CoordinatorServer
 from kvcoord.events import BlockStored, Tier
 from kvcoord.load import NodeLoad
-from kvcoord.router.client import CoordinatorClient, CoordinatorError, build_lookup_request
+from kvcoord.router.answer import LookupResult
+from kvcoord.router.client import (
+    AsyncCoordinatorClient,
+    CoordinatorClient,
+    CoordinatorError,
+    HeartbeatResult,
+    NodeStatus,
+    build_lookup_request,
+)
 from kvcoord.router.policy import LeastLoadedPolicy, place
 from kvcoord.wire import unpack_tokens
 from tests.procs import free_port
@@ -119,3 +127,46 @@ async def test_place_takes_the_clients_answer() -> None:
         finally:
             for rep in reps:
                 await rep.close()
+
+
+async def test_both_clients_answer_alike_and_pass_a_dead_replica() -> None:
+    """Both clients run the same calls under the same retry policy. Told a dead address first: a write
+    fails there UNAVAILABLE and is not repeated; a read moves to the live replica, and every later call
+    goes there."""
+    cfg = CoordinatorConfig(listen=f"127.0.0.1:{free_port()}", metrics_listen="", http_listen="")
+    async with CoordinatorServer(cfg) as server:
+        rep = Reporter([server.address], node_id="n1", model="m", epoch=2, snapshot=lambda rank: [])
+        await rep.start()
+        try:
+            await rep.wait_connected(10)
+            rep.submit(0, [BlockStored(block_hashes=(7, 8), parent_block_hash=None, token_ids=(),
+                                       block_size=4)])
+            await rep.wait_acked(10)
+            addresses = [f"127.0.0.1:{free_port()}", server.address]
+
+            def summary(answer: LookupResult, nodes: list[NodeStatus], beat: HeartbeatResult) -> object:
+                return ([(n.node_id, n.matched_blocks, n.tier_counts()) for n in answer.nodes],
+                        [(n.node_id, n.epoch, n.state) for n in nodes], beat.known)
+
+            def sync_part() -> object:
+                with CoordinatorClient(addresses, timeout=10) as c:
+                    with pytest.raises(CoordinatorError) as err:
+                        c.drain("n1")
+                    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+                    answer = c.lookup("m", hashes=[7, 8, 9])
+                    c.ping()
+                    return summary(answer, c.list_nodes(), c.heartbeat("n1", 2))
+
+            got_sync = await asyncio.to_thread(sync_part)
+            async with AsyncCoordinatorClient(addresses, timeout=10) as ac:
+                with pytest.raises(CoordinatorError) as err:
+                    await ac.remove("n1")
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE
+                answer = await ac.lookup("m", hashes=[7, 8, 9], timeout=10)
+                await ac.ping(timeout=10)
+                raw = await ac.lookup_raw(build_lookup_request("m", hashes=[7, 8, 9]))
+                got_async = summary(answer, await ac.list_nodes(), await ac.heartbeat("n1", 2))
+            assert got_sync == got_async == ([("n1", 2, (2, 0, 0))], [("n1", 2, "active")], True)
+            assert [(n.node_id, n.matched_blocks) for n in raw.nodes] == [("n1", 2)]
+        finally:
+            await rep.close()
