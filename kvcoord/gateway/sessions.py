@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import Candidate
-from kvcoord.router.policy import Decision, PrefixAwarePolicy, _with_reserved
+from kvcoord.router.policy import Decision, PrefixAwarePolicy, reserved_as_held
 
 from .route_backends import Backends
 from .route_place import Plan, node_label
@@ -105,11 +105,11 @@ class Sessions:
         left = plan.remaining(backends)
         if key is None or not left:
             return None
-        held, _ = _with_reserved(left)
+        held, _ = reserved_as_held(left)
         mine = next((c for c in held if c.key == key), None)
         if mine is None:
             return None
-        cap = policy.balance_rel * min(c.load.in_flight for c in held) + policy.balance_abs
+        cap = policy.balance_cap(held)
         if mine.load.in_flight > cap:
             return None
         r = plan.request

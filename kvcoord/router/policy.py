@@ -21,14 +21,14 @@ seed makes the same decisions every run.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey, NodeMatch
-from kvcoord.load import APPROXIMATE, DEGRADED, EXACT, HISTORY_LOST, NodeLoad
+from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.memory import PlacementMemory, RoutedPrefixMemory
 
@@ -183,53 +183,68 @@ def _name(c: Candidate) -> str:
     return c.node_id if c.dp_rank == 0 else f"{c.node_id}/{c.dp_rank}"
 
 
-class RoundRobinPolicy:
-    """Cycles through candidates in ``(node_id, dp_rank)`` order; ignores cache and load."""
+def _in_key_order(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """By ``(node_id, dp_rank)``: what seeded picks index, so they ignore the answer's order."""
+    return sorted(candidates, key=lambda c: c.key)
 
+
+def _held_on_gpu(c: Candidate, blocks: int) -> Candidate:
+    """``c`` holding ``blocks`` leading blocks, all on GPU: how blocks a router believes are there (routed
+    there, reserved, remembered) count, whatever the index reported."""
+    return replace(c, matched_blocks=blocks, tiers=(blocks,))
+
+
+class _Seeded:
+    """A policy's own seedable ``random.Random``, so that a fixed seed makes the same decisions every run."""
+
+    name: str
     uses_index: ClassVar[bool] = False
 
     def __init__(self, seed: int | None = None) -> None:
-        self.name = "round-robin"
         self.rng = random.Random(seed)
+
+    def _pick(self, ties: Sequence[Candidate]) -> Candidate:
+        """One of ``ties`` (in key order) at random; the source is drawn from only when there is a choice."""
+        return ties[self.rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+
+
+class RoundRobinPolicy(_Seeded):
+    """Cycles through candidates in ``(node_id, dp_rank)`` order; ignores cache and load."""
+
+    name = "round-robin"
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__(seed)
         self._next = 0
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _require(candidates)
-        ordered = sorted(candidates, key=lambda c: c.key)
-        c = ordered[self._next % len(ordered)]
+        c = _in_key_order(candidates)[self._next % len(candidates)]
         self._next += 1
         return Decision(c.node_id, c.dp_rank, f"round-robin: turn {self._next - 1} -> {_name(c)}")
 
 
-class RandomPolicy:
-    """Uniformly random candidate from the seeded source."""
+class RandomPolicy(_Seeded):
+    """Uniformly random candidate from the seeded source (drawn from even for a single candidate)."""
 
-    uses_index: ClassVar[bool] = False
-
-    def __init__(self, seed: int | None = None) -> None:
-        self.name = "random"
-        self.rng = random.Random(seed)
+    name = "random"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _require(candidates)
-        c = sorted(candidates, key=lambda c: c.key)[self.rng.randrange(len(candidates))]
+        c = _in_key_order(candidates)[self.rng.randrange(len(candidates))]
         return Decision(c.node_id, c.dp_rank, f"random: {_name(c)} of {len(candidates)}")
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(_Seeded):
     """Fewest requests in flight (running + waiting); ties broken at random so no node is favoured."""
 
-    uses_index: ClassVar[bool] = False
-
-    def __init__(self, seed: int | None = None) -> None:
-        self.name = "least-loaded"
-        self.rng = random.Random(seed)
+    name = "least-loaded"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _require(candidates)
         low = min(c.load.in_flight for c in candidates)
-        ties = sorted((c for c in candidates if c.load.in_flight == low), key=lambda c: c.key)
-        c = ties[self.rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+        ties = _in_key_order(c for c in candidates if c.load.in_flight == low)
+        c = self._pick(ties)
         return Decision(
             c.node_id,
             c.dp_rank,
@@ -249,7 +264,7 @@ def _suspect(c: Candidate) -> bool:
     return c.trust == DEGRADED and c.trust_cause != HISTORY_LOST
 
 
-class PrefixAwarePolicy:
+class PrefixAwarePolicy(_Seeded):
     """Minimise expected time to first token, without hot-spotting a shared prefix.
 
     For a prompt of ``T`` tokens in blocks of ``B`` tokens, candidate ``n`` holding ``g_n``, ``c_n``,
@@ -313,6 +328,7 @@ class PrefixAwarePolicy:
     mixes engines with and without KV events still keeps conversations where their prefixes are.
     """
 
+    name = "prefix-aware"
     uses_index: ClassVar[bool] = True
 
     def __init__(
@@ -329,6 +345,7 @@ class PrefixAwarePolicy:
         degraded: str = "discount",
         degraded_weight: float = DEGRADED_WEIGHT,
         approximate_ttl: float = 120.0,
+        routed_only: bool = False,
     ) -> None:
         if degraded not in DEGRADED_MODES:
             raise ValueError(f"degraded must be one of {', '.join(DEGRADED_MODES)}, got {degraded!r}")
@@ -342,8 +359,7 @@ class PrefixAwarePolicy:
             raise ValueError(f"tier weights must be three numbers in [0, 1], got {tier_weights}")
         if balance_abs < 0 or balance_rel < 1.0:
             raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
-        self.name = "prefix-aware"
-        self.rng = random.Random(seed)
+        super().__init__(seed)
         self.latency = latency or LatencyModel()
         self.tier_weights = tier_weights
         self.balance_abs = balance_abs
@@ -354,7 +370,11 @@ class PrefixAwarePolicy:
         self.degraded_weight = {"discount": degraded_weight, "ignore": 0.0, "trust": 1.0}[degraded]
         """What a degraded candidate's matched blocks count for."""
         self.routed = RoutedPrefixMemory(approximate_ttl)
-        """What this router sent to approximate nodes (written only when one is chosen)."""
+        """What this router sent to approximate nodes (every node, ``routed_only``), written when one is
+        chosen."""
+        self.routed_only = routed_only
+        """Every node's matches are what :attr:`routed` says (the index's are ignored): the cost model of
+        :class:`ApproximatePolicy`, whose ``why`` it writes."""
 
     def saved_tokens(self, request: RouteRequest, c: Candidate) -> float:
         g, cpu, sto = c.tier_counts()
@@ -380,18 +400,24 @@ class PrefixAwarePolicy:
         left = request.num_tokens - self.saved_tokens(request, c)
         return self.latency.prefill_s_per_token * left + self.latency.queue_seconds(c.load)
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        _require(candidates)
+    def balance_cap(self, candidates: Sequence[Candidate]) -> float:
+        """The most requests in flight an eligible node may have (guard 1 in the class docstring)."""
+        return self.balance_rel * min(c.load.in_flight for c in candidates) + self.balance_abs
+
+    def _counted(self, request: RouteRequest,
+                 candidates: Sequence[Candidate]) -> tuple[Sequence[Candidate], str]:
+        """``candidates`` holding what this policy counts them as holding, and the ``why`` notes on it:
+        degraded nodes per ``degraded``, approximate nodes (every node, ``routed_only``) what this router
+        routed them, and placements not reported yet (reserved, or this router's own in flight) on GPU."""
         if self.degraded == "ignore":
             # Held nothing, as far as this decision (and its explanation) goes.
             candidates = [replace(c, matched_blocks=0, tiers=()) if _suspect(c) else c
                           for c in candidates]
-        guessed = [c.key for c in candidates if c.trust == APPROXIMATE]
+        guessed = [c.key for c in candidates if self.routed_only or c.trust == APPROXIMATE]
         if guessed:
             believed = self.routed.match(request.block_hashes, request.now, guessed)
-            candidates = [replace(c, matched_blocks=believed[c.key], tiers=(believed[c.key],))
-                          if c.key in believed else c for c in candidates]
-        candidates, inflight = _with_reserved(candidates)
+            candidates = [_held_on_gpu(c, believed[c.key]) if c.key in believed else c for c in candidates]
+        candidates, notes = reserved_as_held(candidates)
         recalled = self.memory.recall(request.block_hashes)
         if (
             recalled is not None
@@ -400,40 +426,42 @@ class PrefixAwarePolicy:
         ):
             # Routed there, not reported yet: count it as held (on GPU) on that node.
             age = request.now - recalled.placed_at
-            candidates = [
-                replace(c, matched_blocks=recalled.depth, tiers=(recalled.depth,))
-                if c.key == recalled.key
-                else c
-                for c in candidates
-            ]
-            inflight += f"; {recalled.depth} blocks in flight to {recalled.key[0]} (routed {age:.2f} s ago)"
-        low = min(c.load.in_flight for c in candidates)
-        cap = self.balance_rel * low + self.balance_abs
+            candidates = [_held_on_gpu(c, recalled.depth) if c.key == recalled.key else c for c in candidates]
+            notes += f"; {recalled.depth} blocks in flight to {recalled.key[0]} (routed {age:.2f} s ago)"
+        return candidates, notes
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        _require(candidates)
+        candidates, notes = self._counted(request, candidates)
+        cap = self.balance_cap(candidates)
         eligible = [c for c in candidates if c.load.in_flight <= cap]
         scored = sorted(((self.cost(request, c), c.key, c) for c in eligible), key=lambda t: (t[0], t[1]))
         best_cost = scored[0][0]
         ties = [c for cost, _, c in scored if cost <= best_cost * (1 + 1e-9) + 1e-12]
-        chosen = ties[self.rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
+        chosen = self._pick(ties)
         saved = self.saved_tokens(request, chosen)
         queue = self.latency.queue_seconds(chosen.load)
+        label = f"approximate (routed-prefix memory, ttl {self.routed.ttl:g}s)" if self.routed_only \
+            else "prefix-aware"
         why = (
-            f"prefix-aware: {_name(chosen)} saves {saved:.0f}/{request.num_tokens} tokens "
+            f"{label}: {_name(chosen)} saves {saved:.0f}/{request.num_tokens} tokens "
             f"({chosen.matched_blocks} blocks), cost {best_cost * 1e3:.1f} ms = prefill "
             f"{(best_cost - queue) * 1e3:.1f} + queue {queue * 1e3:.1f}"
         )
-        why += inflight
+        why += notes
         if _suspect(chosen) and self.degraded != "ignore":
             why += (f"; {_name(chosen)} is degraded (its hashes failed verification), its blocks counted "
                     f"at {self.degraded_weight:g}")
         elif chosen.trust == DEGRADED and chosen.trust_cause == HISTORY_LOST:
             why += (f"; {_name(chosen)} is degraded (lost history: some blocks missing), its matches are "
                     "real and counted in full")
-        elif chosen.trust == APPROXIMATE:
+        elif chosen.trust == APPROXIMATE and not self.routed_only:
             why += f"; {_name(chosen)} publishes no KV events: its blocks are what this router sent it"
+        if self.routed_only or chosen.trust == APPROXIMATE:
             self.routed.record(chosen.key, request.block_hashes, request.now)
         if len(ties) > 1:
             why += f"; {len(ties)} tied, picked at random"
-        top = max(sorted(candidates, key=lambda c: c.key), key=lambda c: c.matched_blocks)
+        top = max(_in_key_order(candidates), key=lambda c: c.matched_blocks)
         if top.matched_blocks > chosen.matched_blocks:
             if top.load.in_flight > cap:
                 why += (
@@ -455,15 +483,16 @@ class PrefixAwarePolicy:
         return Decision(chosen.node_id, chosen.dp_rank, why, chosen.matched_blocks, best_cost, pull, pulled)
 
 
-def _with_reserved(candidates: Sequence[Candidate]) -> tuple[Sequence[Candidate], str]:
-    """Blocks routers reserved on a node (routed there, not reported by its events yet) count as held
-    there (on GPU), like this router's own in-flight placements; the ``why`` note names the deepest."""
+def reserved_as_held(candidates: Sequence[Candidate]) -> tuple[Sequence[Candidate], str]:
+    """``candidates`` with the blocks routers reserved on each (routed there, not reported by its events
+    yet) counted as held there (on GPU), like this router's own in-flight placements, and the ``why`` note
+    that names the deepest ("" when none counts)."""
     if not any(c.reserved_blocks > c.matched_blocks for c in candidates):
         return candidates, ""
     top = max((c for c in candidates if c.reserved_blocks > c.matched_blocks),
               key=lambda c: (c.reserved_blocks, c.key))
-    out = [replace(c, matched_blocks=c.reserved_blocks, tiers=(c.reserved_blocks,))
-           if c.reserved_blocks > c.matched_blocks else c for c in candidates]
+    out = [_held_on_gpu(c, c.reserved_blocks) if c.reserved_blocks > c.matched_blocks else c
+           for c in candidates]
     return out, f"; {top.reserved_blocks} blocks reserved on {_name(top)} (routed, not reported yet)"
 
 
@@ -474,9 +503,9 @@ DEGRADED_MODES: tuple[str, ...] = ("discount", "ignore", "trust")
 class ApproximatePolicy:
     """Prefix-aware cost over the router's own routing memory instead of the index (no KV events).
 
-    The matches in the candidates are ignored; each candidate's match is replaced by what
-    :class:`RoutedPrefixMemory` says this router sent there within ``ttl``, counted as GPU blocks.
-    The decision is then recorded in that memory.
+    The matches in the candidates are ignored; each candidate's match is what
+    :class:`RoutedPrefixMemory` says this router sent there within ``ttl``, counted as GPU blocks, and
+    the decision is recorded in that memory: a :class:`PrefixAwarePolicy` with ``routed_only``.
     """
 
     uses_index: ClassVar[bool] = False
@@ -499,23 +528,15 @@ class ApproximatePolicy:
             balance_abs=balance_abs,
             balance_rel=balance_rel,
             affinity_entries=0,  # its routed-prefix memory already is a placement memory
+            approximate_ttl=ttl,
+            routed_only=True,
         )
         self.rng = self.inner.rng
-        self.memory = RoutedPrefixMemory(ttl)
+        self.memory = self.inner.routed
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        _require(candidates)
-        believed = self.memory.match(request.block_hashes, request.now, [c.key for c in candidates])
-        guessed = [  # every match is this memory's: an approximate node needs no second guess
-            replace(c, matched_blocks=believed[c.key], tiers=(believed[c.key],),
-                    trust=EXACT if c.trust == APPROXIMATE else c.trust)
-            for c in candidates
-        ]
-        d = self.inner.choose(request, guessed)
-        self.memory.record(d.key, request.block_hashes, request.now)
-        label = f"approximate (routed-prefix memory, ttl {self.memory.ttl:g}s):"
-        why = d.why.replace("prefix-aware:", label, 1)
-        return Decision(d.node_id, d.dp_rank, why, d.matched_blocks, d.cost)
+        # The decision names no peer to pull from (its why may: the hint is the index's), as it always did.
+        return replace(self.inner.choose(request, candidates), pull="", pull_blocks=0)
 
 
 POLICY_NAMES: tuple[str, ...] = ("prefix-aware", "approximate", "least-loaded", "round-robin", "random")
