@@ -23,10 +23,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from kvcoord.extra_keys import MultiModalItem
-from kvcoord.tokenize.base import ChatTemplateContentFormat, Message, TokenizeError, Tokenizer, Tool
+from kvcoord.tokenize.base import ChatOptions, ChatTemplateContentFormat, Message, TokenizeError, Tokenizer
 from kvcoord.tokenize.media import MediaRule, encode_media_chat, has_media
 from kvcoord.tokenize.toktok import SOURCE as SIM_SOURCE
 from kvcoord.tokenize.toktok import ToyTokenizer
@@ -196,22 +196,11 @@ class TokenizerCache:
         return await tok.encode_prompt(prompt, add_special_tokens=add_special_tokens)
 
     async def encode_chat(
-        self,
-        model: str,
-        messages: Sequence[Message],
-        *,
-        tools: Sequence[Tool] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        add_special_tokens: bool = False,
+        self, model: str, messages: Sequence[Message], **chat: Unpack[ChatOptions]
     ) -> list[int]:
-        """:meth:`Tokenizer.encode_chat` of ``model``'s tokenizer."""
+        """:meth:`Tokenizer.encode_chat` of ``model``'s tokenizer (its defaults for what ``chat`` omits)."""
         tok = await self.aget(model)
-        return await tok.encode_chat(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-            add_special_tokens=add_special_tokens)
+        return await tok.encode_chat(messages, **chat)
 
     async def encode_chat_items(
         self, model: str, messages: Sequence[Message], **chat: Any

@@ -8,16 +8,20 @@ and for those inputs the engine's block keys also carry multimodal hashes.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, TypedDict
 
 __all__ = [
     "INLINE_CHARS",
+    "ChatOptions",
     "ChatTemplateContentFormat",
     "InvalidChat",
+    "NamedTokenizer",
     "TokenizeError",
     "Tokenizer",
     "check_chat_request",
+    "encode_by_size",
 ]
 
 INLINE_CHARS = 2048
@@ -39,6 +43,16 @@ MEDIA_PART_KEYS = frozenset({
     "image_url", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio", "audio_embeds",
     "video_url", "video_embeds", "prompt_embeds", "file",
 })
+
+
+class ChatOptions(TypedDict, total=False):
+    """:meth:`Tokenizer.encode_chat`'s keywords, for callers passing them on (its defaults hold)."""
+
+    tools: Sequence[Tool] | None
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: Mapping[str, Any] | None
+    add_special_tokens: bool
 
 
 class TokenizeError(ValueError):
@@ -96,6 +110,43 @@ class Tokenizer(Protocol):
     async def aclose(self) -> None:
         """Release connections (the engine path); a no-op for a local tokenizer."""
         ...
+
+
+class NamedTokenizer:
+    """What every tokenizer here shares: its model and source, and the one-line errors that name them
+    (``error_source``, when given, is what errors name instead of ``source``: the engine path's URL)."""
+
+    def __init__(self, model: str, source: str, *, error_source: str | None = None) -> None:
+        self._model = model
+        self._source = source
+        self._error_source = source if error_source is None else error_source
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def _error(self, reason: str, *, bad_request: bool = False) -> TokenizeError:
+        return TokenizeError(self._model, reason, source=self._error_source, bad_request=bad_request)
+
+    def _check_prompt(self, prompt: object) -> None:
+        if not isinstance(prompt, str):
+            raise self._error("the prompt must be a string", bad_request=True)
+
+
+class _TextEncoder(Protocol):
+    def __call__(self, text: str, /, *, add_special_tokens: bool) -> list[int]: ...
+
+
+async def encode_by_size(encode: _TextEncoder, prompt: str, add_special_tokens: bool) -> list[int]:
+    """``encode(prompt)`` on the caller's thread when it is short (under :data:`INLINE_CHARS` characters),
+    else in a worker thread: the one rule for the tokenizers that encode in-process."""
+    if len(prompt) < INLINE_CHARS:
+        return encode(prompt, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(encode, prompt, add_special_tokens=add_special_tokens)
 
 
 def _check_parts(where: str, content: object) -> None:

@@ -10,8 +10,9 @@ The ids depend on the transformers release, so the ``tokenize`` extra pins the f
 vLLM renders with another code path (mistral_common, Harmony, its own DeepSeek/Kimi/… renderers, a
 multimodal processor's template) are refused rather than approximated.
 
-The work is synchronous and CPU-bound (a ~2k-token chat takes a few ms): the async methods run it inline;
-callers with very long prompts may run :meth:`LocalTokenizer.encode_chat_sync` in a thread instead.
+The work is synchronous and CPU-bound (a ~2k-token chat takes a few ms): the async methods run it in a
+worker thread (a short prompt inline: :func:`~kvcoord.tokenize.base.encode_by_size`); the ``_sync`` twins
+are for callers already off the event loop.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvcoord.tokenize.base import (
-    INLINE_CHARS,
     ChatTemplateContentFormat,
     InvalidChat,
     Message,
+    NamedTokenizer,
     TokenizeError,
     Tool,
     check_chat_request,
+    encode_by_size,
 )
 from kvcoord.tokenize.chat import consolidate_developer, dump_tools, normalize_messages
 
@@ -142,7 +144,7 @@ def check_directory(model: str, directory: str | os.PathLike[str]) -> None:
         raise TokenizeError(model, "no tokenizer.json or tokenizer_config.json in it", source=str(path))
 
 
-class LocalTokenizer:
+class LocalTokenizer(NamedTokenizer):
     """A Hugging Face tokenizer directory on this machine, producing vLLM 0.33's token ids.
 
     ``chat_template``, ``chat_template_content_format`` and ``default_chat_template_kwargs`` mirror the
@@ -161,8 +163,7 @@ class LocalTokenizer:
         chat_template_content_format: ChatTemplateContentFormat = "auto",
         default_chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        self._model = model
-        self._source = source
+        super().__init__(model, source)
         self._hf = hf_tokenizer
         self._chat_template = chat_template
         self._content_format: ChatTemplateContentFormat = chat_template_content_format
@@ -217,20 +218,9 @@ class LocalTokenizer:
                    default_chat_template_kwargs=default_chat_template_kwargs)
 
     @property
-    def model(self) -> str:
-        return self._model
-
-    @property
-    def source(self) -> str:
-        return self._source
-
-    @property
     def hf_tokenizer(self) -> PreTrainedTokenizerBase:
         """The transformers tokenizer behind this one (for inspection; do not call it concurrently)."""
         return self._hf
-
-    def _error(self, reason: str, *, bad_request: bool) -> TokenizeError:
-        return TokenizeError(self._model, reason, source=self._source, bad_request=bad_request)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -242,8 +232,7 @@ class LocalTokenizer:
 
     def encode_prompt_sync(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         """``/v1/completions``, string prompt: ``tok(prompt, add_special_tokens=...)`` (default True)."""
-        if not isinstance(prompt, str):
-            raise self._error("the prompt must be a string", bad_request=True)
+        self._check_prompt(prompt)
         return self._encode(prompt, add_special_tokens)
 
     def _template_call(
@@ -308,6 +297,19 @@ class LocalTokenizer:
             return [i for i in out if isinstance(i, int)]
         raise self._error(f"the chat template returned a {type(out).__name__}", bad_request=False)
 
+    def _render(
+        self, messages: Sequence[Message], tools: Sequence[Tool] | None, add_generation_prompt: bool,
+        continue_final_message: bool, chat_template_kwargs: Mapping[str, Any] | None, *, ids: bool,
+    ) -> str | list[int]:
+        """The chat rendered (as ids only where ``ids`` and the request's kwargs ask transformers to
+        encode), a chat vLLM refuses as a bad request."""
+        try:
+            conversation, call = self._template_call(messages, tools, add_generation_prompt,
+                                                     continue_final_message, chat_template_kwargs)
+        except InvalidChat as exc:
+            raise self._error(str(exc), bad_request=True) from exc
+        return self._apply(conversation, call if ids else {**call, "tokenize": False})
+
     def render_chat(
         self,
         messages: Sequence[Message],
@@ -318,12 +320,8 @@ class LocalTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text vLLM renders for this chat (before encoding)."""
-        try:
-            conversation, call = self._template_call(messages, tools, add_generation_prompt,
-                                                     continue_final_message, chat_template_kwargs)
-        except InvalidChat as exc:
-            raise self._error(str(exc), bad_request=True) from exc
-        out = self._apply(conversation, {**call, "tokenize": False})
+        out = self._render(messages, tools, add_generation_prompt, continue_final_message,
+                           chat_template_kwargs, ids=False)
         assert isinstance(out, str)
         return out
 
@@ -338,20 +336,14 @@ class LocalTokenizer:
         add_special_tokens: bool = False,
     ) -> list[int]:
         """``/v1/chat/completions``: the rendered text encoded with ``add_special_tokens`` (default False)."""
-        try:
-            conversation, call = self._template_call(messages, tools, add_generation_prompt,
-                                                     continue_final_message, chat_template_kwargs)
-        except InvalidChat as exc:
-            raise self._error(str(exc), bad_request=True) from exc
-        out = self._apply(conversation, call)
+        out = self._render(messages, tools, add_generation_prompt, continue_final_message,
+                           chat_template_kwargs, ids=True)
         return out if isinstance(out, list) else self._encode(out, add_special_tokens)
 
     async def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         """:meth:`encode_prompt_sync`; a long prompt (milliseconds of encoding) in a worker thread, so the
         event loop keeps serving lookups meanwhile."""
-        if len(prompt) < INLINE_CHARS:
-            return self.encode_prompt_sync(prompt, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.encode_prompt_sync, prompt, add_special_tokens=add_special_tokens)
+        return await encode_by_size(self.encode_prompt_sync, prompt, add_special_tokens)
 
     async def encode_chat(
         self,

@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvcoord.tokenize.base import InvalidChat, Message, TokenizeError, Tool, check_chat_request
+from kvcoord.tokenize.base import InvalidChat, Message, NamedTokenizer, Tool, check_chat_request
 
 if TYPE_CHECKING:
     import aiohttp
@@ -54,33 +54,21 @@ def _engine_message(body: str) -> str:
     return text[:_MAX_ERROR_CHARS] + ("…" if len(text) > _MAX_ERROR_CHARS else "") or "(empty body)"
 
 
-class RemoteTokenizer:
+class RemoteTokenizer(NamedTokenizer):
     """Tokenizes through an engine's OpenAI server: one aiohttp session per event loop, reused by calls."""
 
     def __init__(self, model: str, base_url: str, *, timeout: float = 5.0) -> None:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
-        self._model = model
-        self._base_url = base_url
         self._url = tokenize_url(base_url)
+        super().__init__(model, base_url, error_source=self._url)
         self._timeout = timeout
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
-    def model(self) -> str:
-        return self._model
-
-    @property
-    def source(self) -> str:
-        return self._base_url
-
-    @property
     def url(self) -> str:
         return self._url
-
-    def _error(self, reason: str, *, bad_request: bool = False) -> TokenizeError:
-        return TokenizeError(self._model, reason, source=self._url, bad_request=bad_request)
 
     def _client(self) -> aiohttp.ClientSession:
         import aiohttp
@@ -124,8 +112,7 @@ class RemoteTokenizer:
 
     async def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         """``TokenizeCompletionRequest``: the engine's ``tok(prompt, add_special_tokens=...)``."""
-        if not isinstance(prompt, str):
-            raise self._error("the prompt must be a string", bad_request=True)
+        self._check_prompt(prompt)
         return await self._tokenize({"model": self._model, "prompt": prompt,
                                      "add_special_tokens": add_special_tokens})
 

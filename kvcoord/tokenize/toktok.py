@@ -30,7 +30,6 @@ tests only; no real model tokenizes this way.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import random
@@ -38,7 +37,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvcoord.tokenize.base import INLINE_CHARS, InvalidChat, Message, TokenizeError, Tool, check_chat_request
+from kvcoord.tokenize.base import (
+    InvalidChat,
+    Message,
+    NamedTokenizer,
+    Tool,
+    check_chat_request,
+    encode_by_size,
+)
 
 __all__ = [
     "BOS",
@@ -198,29 +204,18 @@ def tokenize_chat(messages: Any, *, add_generation_prompt: bool = True, continue
     return tokenize(text, add_special_tokens=add_special_tokens)
 
 
-class ToyTokenizer:
+class ToyTokenizer(NamedTokenizer):
     """This module's tokenizer and template behind the Tokenizer protocol: the ids a sim-engine's
     ``/tokenize`` answers, computed in-process (simulation and tests only)."""
 
     def __init__(self, model: str) -> None:
-        self._model = model
-
-    @property
-    def model(self) -> str:
-        return self._model
-
-    @property
-    def source(self) -> str:
-        return SOURCE
+        super().__init__(model, SOURCE)
 
     async def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         """:func:`tokenize`, as the sim-engine's completions and ``/tokenize`` apply it; a long prompt in a
         worker thread (as a local Hugging Face tokenizer's), so the event loop keeps serving meanwhile."""
-        if not isinstance(prompt, str):
-            raise TokenizeError(self._model, "the prompt must be a string", source=SOURCE, bad_request=True)
-        if len(prompt) < INLINE_CHARS:
-            return tokenize(prompt, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(tokenize, prompt, add_special_tokens=add_special_tokens)
+        self._check_prompt(prompt)
+        return await encode_by_size(tokenize, prompt, add_special_tokens)
 
     async def encode_chat(
         self,
@@ -242,7 +237,7 @@ class ToyTokenizer:
                                  continue_final_message=continue_final_message,
                                  add_special_tokens=add_special_tokens)
         except (InvalidChat, ChatTemplateError) as exc:
-            raise TokenizeError(self._model, str(exc), source=SOURCE, bad_request=True) from None
+            raise self._error(str(exc), bad_request=True) from None
 
     async def aclose(self) -> None:
         """Nothing to release."""
