@@ -477,7 +477,8 @@ class PrefixAwarePolicy(_Seeded):
                 )
         own = self.latency.prefill_s_per_token * (request.num_tokens - saved)
         self.memory.record(request.block_hashes, chosen.key, request.now, request.now + queue + own)
-        pull, pulled = self.latency.pull(request, chosen)
+        # A peer pull is the index's hint: a router placing on its own memory names none.
+        pull, pulled = ("", 0) if self.routed_only else self.latency.pull(request, chosen)
         if pull:
             why += f"; pull {pulled} blocks from {chosen.pull.node_id if chosen.pull else pull} ({pull})"
         return Decision(chosen.node_id, chosen.dp_rank, why, chosen.matched_blocks, best_cost, pull, pulled)
@@ -535,8 +536,7 @@ class ApproximatePolicy:
         self.memory = self.inner.routed
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        # The decision names no peer to pull from (its why may: the hint is the index's), as it always did.
-        return replace(self.inner.choose(request, candidates), pull="", pull_blocks=0)
+        return self.inner.choose(request, candidates)
 
 
 POLICY_NAMES: tuple[str, ...] = ("prefix-aware", "approximate", "least-loaded", "round-robin", "random")

@@ -27,7 +27,7 @@ from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.media import normalize_medium
 from kvcoord.router.client import AsyncCoordinatorClient
-from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy, place
+from kvcoord.router.policy import ApproximatePolicy, LatencyModel, PrefixAwarePolicy, place
 from tests.http_util import http_json, http_request, metrics, sample
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import redis_server
@@ -162,6 +162,10 @@ async def test_pool_credits_reaching_nodes_and_hints_peers(coordinator: Coordina
         assert (decision.pull, decision.pull_blocks) == ("127.0.0.1:9002", 4)
         dear = PrefixAwarePolicy(latency=LatencyModel(pull_s_per_block=1.0))
         assert place(type(other)(other.model, other.block_size, other.num_blocks, [a]), dear).pull == ""
+        # A router placing on its own memory names no pull, in its decision or its reason.
+        guess = place(type(other)(other.model, other.block_size, other.num_blocks, [a]),
+                      ApproximatePolicy(latency=LatencyModel(pull_s_per_block=1e-6)))
+        assert (guess.pull, guess.pull_blocks) == ("", 0) and "pull" not in guess.why
 
         # The HTTP answer says the same (the general path answers while pools are known).
         http = {n["node_id"]: n for n in coordinator.query(ph)["nodes"]}
