@@ -93,7 +93,7 @@ class ReservationSync:
         self._lost_at: float | None = None
         """When this replica last reached Redis before it dropped the others' (the next catch-up's cue)."""
         self._heard: dict[str, float] = {}
-        """origin replica -> when its newest entry read was written (monotonic)."""
+        """origin replica -> when its newest entry read was added (this clock)."""
         self._routers: dict[str, set[str]] = {}
         """origin replica -> the router names its changes were applied under here."""
         self._local: set[str] = set()
@@ -336,9 +336,9 @@ class ReservationSyncCollector(Collector):
                                 "changes applied here), replayed (other replicas' entries read back at a "
                                 "catch-up), rejected (undecodable or refused changes), origin_gone (stop "
                                 "entries of other replicas: their reservations dropped at once), "
-                                "origin_dropped (reservations of a replica gone silent), republished (this "
-                                "replica's routers' live reservations written again, as the others may have "
-                                "dropped them), errors (failed round trips)", labels=["op"])
+                                "origin_dropped (reservations of a replica gone silent), republished "
+                                "(changes of this replica's routers' live reservations written again, as the "
+                                "others may have dropped them), errors (failed round trips)", labels=["op"])
         for op, n in self.sync.counts.items():
             c.add_metric([op], n)
         return [c]
