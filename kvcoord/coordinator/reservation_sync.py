@@ -12,12 +12,18 @@ its old stream's end arrives.
 
 - A flush runs as soon as changes are queued (at most every :data:`FLUSH_SECONDS`, so a busy replica
   coalesces many changes into one entry), and at least every :data:`POLL_SECONDS` to read the others.
-- Expiry needs no message: every replica applies the same ttl (counted from when it applied the
-  reservation, so a copy outlives the original by the feed's lag at most).
+- Expiry needs no message: every replica applies the same ttl, counted from when Redis added the entry
+  (its id's ms, mapped onto this clock by the ids of this replica's own entries), in normal running as
+  at a catch-up: a copy expires when the original does, later only by the time its change took to be
+  written, never by the feed's read lag.
 - An idle replica writes an empty entry every :data:`HEARTBEAT_SECONDS`; a replica heard from no
   entry for ``silent_seconds`` (config ``replica_silent_seconds``, default 3: killed, or cut off from
   Redis) has every reservation it published dropped. A replica that cannot reach Redis drops the
   others' after the same time.
+- A replica that may have been dropped so (its round trip failed, or its entries came
+  ``silent_seconds`` apart, less a margin) writes its routers' reservations in force again, in an entry
+  marked ``replace``, with their remaining ttls: readers drop what they held of it and apply those, so
+  they are seen again after a lone outage, and what was released or ended meanwhile is not brought back.
 - A replica that stops cleanly (SIGTERM) writes a last entry with ``gone`` set (within
   :data:`FINAL_SECONDS`; Redis may be down): the others drop its routers' reservations at once.
 - A replica catches up before its first round trip, and after Redis was out of its reach for
@@ -87,11 +93,18 @@ class ReservationSync:
         self._lost_at: float | None = None
         """When this replica last reached Redis before it dropped the others' (the next catch-up's cue)."""
         self._heard: dict[str, float] = {}
-        """origin replica -> when its newest entry read was written (monotonic)."""
+        """origin replica -> when its newest entry read was added (this clock)."""
         self._routers: dict[str, set[str]] = {}
         """origin replica -> the router names its changes were applied under here."""
+        self._local: set[str] = set()
+        """This replica's routers (their streams are here, not ended)."""
+        self._republish = False
+        """The others may have dropped this replica's reservations: the next entry has them all again."""
+        self._offset: float | None = None
+        """This clock minus the feed's, as of this replica's last entry (taken when its round trip came
+        back, so an entry's time maps here no earlier than it was added); None before any."""
         self.counts = {"published": 0, "entries": 0, "applied": 0, "replayed": 0, "rejected": 0,
-                       "origin_gone": 0, "origin_dropped": 0, "errors": 0}
+                       "origin_gone": 0, "origin_dropped": 0, "republished": 0, "errors": 0}
         reservations.outbox = self.queue
 
     def queue(self, router: str, op: pb.ReserveOp | None) -> None:
@@ -99,36 +112,70 @@ class ReservationSync:
         change = pb.ReservationChange(router_id=router)
         if op is not None:
             change.op.CopyFrom(op)
+            self._local.add(router)
+        else:
+            self._local.discard(router)
         self._pending.append(change)
         self._wake.set()
 
     async def flush(self) -> None:
-        """One round trip (after a catch-up when due): write the queued changes (or a heartbeat when due),
-        read the others' since."""
+        """One round trip (after a catch-up when due): write the queued changes (or a heartbeat when due;
+        or, when the others may have dropped this replica's reservations, all of them again), read the
+        others' since."""
         if not self._after:
             await self._catch_up()
         now = time.monotonic()
-        changes, self._pending = self._pending, []
+        republish = self._republish
+        if republish:  # the live reservations supersede every change queued
+            self._pending = []
+            changes = [pb.ReservationChange(router_id=router, op=op)
+                       for router, op in self.reservations.live_ops(self._local)]
+        else:
+            changes, self._pending = self._pending, []
         entry: bytes | None = None
-        if changes or now - self._last_write >= HEARTBEAT_SECONDS:
-            msg = pb.ReservationChanges(replica_id=self.replica_id)
+        if republish or changes or now - self._last_write >= HEARTBEAT_SECONDS:
+            msg = pb.ReservationChanges(replica_id=self.replica_id, replace=republish)
             msg.changes.extend(changes)
             entry = msg.SerializeToString()
         try:
-            self._after, entries = await self.feed.exchange(entry, self._after)
+            self._after, added, entries = await self.feed.exchange(entry, self._after)
         except BaseException:
-            self._pending[:0] = changes  # written at the next flush, in order
-            del self._pending[:-MAX_PENDING]
+            if not republish:
+                self._pending[:0] = changes  # written at the next flush, in order
+                del self._pending[:-MAX_PENDING]
             raise
+        back = time.monotonic()
         if entry is not None:
-            self._last_write = now
-            self.counts["published"] += len(changes)
-            self.counts["entries"] += 1
-        for raw in entries:
+            self._wrote(now, republish, len(changes))
+        if added is not None:
+            self._offset = back - added
+        for when, raw in entries:
             if (got := self._decode(raw)) is not None:
-                self._apply(got, None)
-        self._last_ok = time.monotonic()
-        self._drop_silent(self._last_ok)
+                self._apply(got, self._here(when, back))
+        self._last_ok = back
+        self._drop_silent(back)
+
+    def _here(self, when: float, now: float) -> float | None:
+        """An entry's time (the feed's clock) on this clock, never ahead of ``now``; None: unknown yet
+        (applied as of now)."""
+        return None if self._offset is None else min(now, when + self._offset)
+
+    def _wrote(self, started: float, republished: bool, changes: int) -> None:
+        """An entry was written (its round trip ``started`` then). One that came ``silent_seconds`` (less
+        a margin) after the one before may have come after the others dropped this replica's
+        reservations (this replica stalled, or its writes were slow): the next entry has them again."""
+        if republished:
+            self._republish = False
+            self.counts["republished"] += changes
+            log.info("reservation feed: this replica's routers' live reservations written again (%d "
+                     "changes), as the other replicas may have dropped them", changes)
+        elif self.counts["entries"] and (time.monotonic() - self._last_write
+                                         >= self.silent_seconds - HEARTBEAT_SECONDS / 2):
+            self._republish = True
+            self._wake.set()
+        self._last_write = started
+        self.counts["published"] += changes
+        self.counts["entries"] += 1
 
     async def _catch_up(self) -> None:
         """Rebuild the other replicas' live reservations from the stream: at start, and after this replica
@@ -140,11 +187,11 @@ class ReservationSync:
         heard from when this one lost Redis counts as alive (the outage may have silenced it too) and has
         ``silent_seconds`` from now to be heard again."""
         beat = pb.ReservationChanges(replica_id=self.replica_id).SerializeToString()
-        after, entries = await self.feed.history(beat, MAX_TTL)
+        after, added, entries = await self.feed.history(beat, MAX_TTL)
         now = time.monotonic()
-        self._last_write = now
+        self._last_write, self._offset = now, now - added
         self.counts["entries"] += 1
-        msgs = [(now - age, msg) for age, raw in entries
+        msgs = [(min(now, when + self._offset), msg) for when, raw in entries
                 if (msg := self._decode(raw)) is not None and msg.replica_id != self.replica_id]
         newest: dict[str, float] = {}
         for at, msg in msgs:
@@ -182,7 +229,8 @@ class ReservationSync:
         return msg
 
     def _apply(self, msg: pb.ReservationChanges, at: float | None) -> None:
-        """Another replica's entry, written at ``at`` (None: just now)."""
+        """Another replica's entry, added at ``at`` (None: just now); a ``replace`` entry supersedes all
+        of that replica's before it."""
         origin = msg.replica_id
         if origin == self.replica_id:
             return
@@ -191,6 +239,10 @@ class ReservationSync:
             self.counts["origin_gone"] += 1
             log.info("replica %s stopped: its routers' %d reservations dropped here", origin, n)
             return
+        if msg.replace:  # all its routers' reservations follow: none kept from before
+            n = self._forget(origin)
+            log.info("replica %s wrote its routers' live reservations again (%d changes; %d of its "
+                     "reservations were here)", origin, len(msg.changes), n)
         self._heard[origin] = time.monotonic() if at is None else at
         routers = self._routers.setdefault(origin, set())
         res = self.reservations
@@ -242,6 +294,7 @@ class ReservationSync:
                 await self.flush()
             except Exception as exc:
                 self.counts["errors"] += 1
+                self._republish = True  # an outage may silence this replica to the others
                 self.log_once("reservation-feed-fail", logging.WARNING,
                               "reservation feed unavailable (other replicas' reservations are dropped "
                               "after %gs): %s", self.silent_seconds, exc)
@@ -283,8 +336,9 @@ class ReservationSyncCollector(Collector):
                                 "changes applied here), replayed (other replicas' entries read back at a "
                                 "catch-up), rejected (undecodable or refused changes), origin_gone (stop "
                                 "entries of other replicas: their reservations dropped at once), "
-                                "origin_dropped (reservations of a replica gone silent), errors (failed "
-                                "round trips)", labels=["op"])
+                                "origin_dropped (reservations of a replica gone silent), republished "
+                                "(changes of this replica's routers' live reservations written again, as the "
+                                "others may have dropped them), errors (failed round trips)", labels=["op"])
         for op, n in self.sync.counts.items():
             c.add_metric([op], n)
         return [c]

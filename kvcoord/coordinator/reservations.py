@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,7 +40,7 @@ from prometheus_client.registry import Collector
 from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import NodeKey
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
-from kvcoord.validate import InvalidEvent, unpack_u64
+from kvcoord.validate import InvalidEvent, pack_u64, unpack_u64
 from kvcoord.waits import wait_event
 
 __all__ = ["BLOCK_HOLD", "HOLD_SECONDS", "MAX_TTL", "ReservationCollector", "Reservations", "Reserved",
@@ -169,6 +169,33 @@ class Reservations:
             self._resolve(rid)
         self.counts["dropped"] += len(mine)
         return len(mine)
+
+    def live_ops(self, routers: Collection[str]) -> list[tuple[str, pb.ReserveOp]]:
+        """``(router, op)`` that rebuild ``routers``' reservations in force now, each with its remaining
+        ttl (so it expires where this one does, counted from when the ops are applied) and its prefill
+        still to come: a replica republishes its routers' when the others may have dropped them. A
+        completed request's is its blocks' hold (the rest of it as a ttl, then its end); what was
+        released past that, or expired, is not in them."""
+        now = self.clock()
+        self._sweep(now, force=True)
+        out: list[tuple[str, pb.ReserveOp]] = []
+        for (router, request_id), e in self._entries.items():
+            left = (e.expires if e.running else e.blocks_expire) - now
+            if router not in routers or left <= 0:
+                continue
+            op = pb.ReserveOp(request_id=request_id)
+            r = op.reserve
+            r.model, r.node_id, r.dp_rank, r.prefill_tokens, r.ttl_seconds = (e.model, e.key[0], e.key[1],
+                                                                               e.prefill, left)
+            # Only the checkpoints are kept: each at its position again (the first one's), 0 between.
+            r.first_block = e.first + (STRIDE - 1 - e.first) % STRIDE
+            spread = [0] * (STRIDE * (len(e.hashes) - 1) + 1) if e.hashes else []
+            spread[::STRIDE] = e.hashes
+            r.block_hashes = pack_u64(spread)
+            out.append((router, op))
+            if not e.running:
+                out.append((router, pb.ReserveOp(request_id=request_id, release=pb.Release())))
+        return out
 
     # ------------------------------------------------------------------ reads (lookups)
     async def hold(self, router: str, reserve_id: str, model: str, hashes: Sequence[BlockHash64], start: int,

@@ -282,15 +282,18 @@ class ReservationFeed(Protocol):
         """Append ``entry`` alone (a stopping replica's last word); its position."""
         ...
 
-    async def history(self, entry: bytes, seconds: float) -> tuple[str, list[tuple[float, bytes]]]:
+    async def history(self, entry: bytes, seconds: float) -> tuple[str, float, list[tuple[float, bytes]]]:
         """Append ``entry``, then read back the entries of the last ``seconds`` up to it, oldest first
-        (the store keeps a bounded number): ``(the position of ``entry``, [(age in seconds by the
-        store's clock, entry)])``; this reader's own entries come back too. A reader starts here."""
+        (the store keeps a bounded number): ``(the position of ``entry``, when it was added, [(when
+        added, entry)])``, times in seconds by the store's clock; this reader's own entries come back
+        too. A reader starts here."""
         ...
 
-    async def exchange(self, entry: bytes | None, after: str) -> tuple[str, list[bytes]]:
+    async def exchange(self, entry: bytes | None,
+                       after: str) -> tuple[str, float | None, list[tuple[float, bytes]]]:
         """Append ``entry`` (if any), then read the entries after position ``after``, in one round trip:
-        ``(the position after the last one read, the entries)``; this reader's own entry comes back too."""
+        ``(the position after the last one read, when ``entry`` was added (None: no entry), [(when added,
+        entry)])``, times as :meth:`history`'s; this reader's own entry comes back too."""
         ...
 
 

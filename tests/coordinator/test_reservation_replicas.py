@@ -4,7 +4,8 @@
 other's lookup answers, its release clears it there, and a replica killed with SIGKILL has its routers'
 reservations dropped on the survivor long before their ttl. A replica started later, or cut off from Redis
 for a while, catches up on the reservations in force, and one stopped with SIGTERM has the other drop its
-routers' at once. Every wait is a poll."""
+routers' at once. A replica cut off from Redis alone (a TCP proxy between it and Redis) has its routers'
+reservations dropped by the other, and written again when it reconnects. Every wait is a poll."""
 
 from __future__ import annotations
 
@@ -42,12 +43,15 @@ ORIGIN_SILENT_SECONDS = CoordinatorConfig().replica_silent_seconds
 class Replica:
     """One ``kvcoord serve`` on the test's Redis, started (not yet listening) in ``stack``."""
 
-    def __init__(self, stack: contextlib.ExitStack, redis: RedisServer, log: Path, *flags: str) -> None:
-        self.port, self.mport, self.redis, self.redis_url = free_port(), free_port(), redis, redis.url
+    def __init__(self, stack: contextlib.ExitStack, redis: RedisServer, log: Path, *flags: str,
+                 redis_url: str | None = None) -> None:
+        """``redis_url``: where this replica reaches ``redis`` (default: its own URL)."""
+        self.port, self.mport, self.redis = free_port(), free_port(), redis
+        self.redis_url = redis.url if redis_url is None else redis_url
         self.addr = f"127.0.0.1:{self.port}"
         self.proc = stack.enter_context(running(kvcoord_cmd(
             "serve", "--listen", self.addr, "--metrics-listen", f"127.0.0.1:{self.mport}",
-            "--index", f"{redis.url}?timeout=2", "--lease-seconds", "5",
+            "--index", f"{self.redis_url}?timeout=2", "--lease-seconds", "5",
             "--model", f"{MODEL},algo=sha256_cbor,block_size={BS},seed=7", *flags,
         ), log=log))
 
@@ -353,6 +357,130 @@ async def test_a_replica_cut_off_from_redis_catches_up_after(replicas: tuple[Rep
                 os.kill(redis_pid(a.redis), signal.SIGCONT)
             await _until(seen, "A's reservation back in B's lookups, once", timeout=60)
             assert (await _sync_counts(b.mport))["replayed"] > before["replayed"]
+    finally:
+        for s in streams:
+            s.close()
+        await rep.close()
+
+
+class CutProxy:
+    """A TCP proxy from one replica to Redis, in the test's event loop: :meth:`cut` resets every
+    connection through it and refuses new ones until :meth:`restore`, so that replica alone loses Redis."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.cut_off = False
+        self._transports: set[asyncio.WriteTransport] = set()
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> CutProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut_off:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        pair = (writer.transport, up_writer.transport)
+        self._transports.update(pair)
+        try:
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            for t in pair:
+                self._transports.discard(t)
+                t.abort()
+
+    def cut(self) -> None:
+        self.cut_off = True
+        for t in list(self._transports):
+            t.abort()
+
+    def restore(self) -> None:
+        self.cut_off = False
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.transport.abort()
+
+
+@pytest.mark.slow
+async def test_a_replica_cut_off_alone_writes_its_reservations_again(tmp_path: Path) -> None:
+    """A loses Redis alone (its proxy cut) past ``replica_silent_seconds``: B drops A's routers'
+    reservations. Meanwhile A's router releases one and reserves another. Once A reaches Redis again it
+    writes its routers' live reservations again: B sees the one kept and the new one, each once, and not
+    the one released."""
+    with redis_server() as redis:
+        async with CutProxy(redis.port) as proxy:
+            with contextlib.ExitStack() as stack:
+                a = Replica(stack, redis, tmp_path / "serve-a.log",
+                            redis_url=f"redis://127.0.0.1:{proxy.port}/0")
+                b = Replica(stack, redis, tmp_path / "serve-b.log")
+                for port in (a.port, a.mport, b.port, b.mport):
+                    await asyncio.to_thread(wait_for_port, port)
+                await _cut_off_alone(a, b, proxy)
+
+
+async def _cut_off_alone(a: Replica, b: Replica, proxy: CutProxy) -> None:
+    rep = await _node_on(b.addr)
+    streams: list[Stream] = []
+    try:
+        async with AsyncCoordinatorClient(a.addr) as ca, AsyncCoordinatorClient(b.addr) as cb:
+            p1, p2, p3 = _prompt(1), _prompt(2), _prompt(3)
+            streams.append(on_a := Stream(ca, "router-a"))
+            on_a.reserve("q1", "node-r", block_hashes64(PROFILE, p1), 32)
+            on_a.reserve("q2", "node-r", block_hashes64(PROFILE, p2), 16)
+
+            async def seen() -> bool:
+                return await _reserved(cb, p1, "router-x") == (8, 2, 48)
+
+            await _until(seen, "A's two reservations in B's lookups", timeout=30)
+            proxy.cut()
+
+            async def dropped() -> bool:
+                return await _reserved(cb, p1, "router-x") == (0, 0, 0)
+
+            await _until(dropped, "B dropping A's reservations while A is cut off from Redis",
+                         timeout=ORIGIN_SILENT_SECONDS + 30)
+            assert (await _sync_counts(b.mport))["origin_dropped"] >= 2
+            on_a.release("q2")  # during the outage: not to be brought back
+            on_a.reserve("q3", "node-r", block_hashes64(PROFILE, p3), 8)
+
+            async def applied_on_a() -> bool:
+                kinds = await _sync_counts(a.mport, "kvcoord_reservations", "kind")
+                return kinds.get("requests") == 2 and (await _sync_counts(a.mport))["errors"] > 0
+
+            await _until(applied_on_a, "A applying its router's release and reservation", timeout=30)
+            proxy.restore()
+
+            async def back() -> bool:
+                return await _reserved(cb, p1, "router-x") == (8, 2, 40)  # q1 and q3 run: 32 + 8
+
+            await _until(back, "A's live reservations in B's lookups again", timeout=60)
+            assert await _reserved(cb, p3, "router-x") == (8, 2, 40)
+            assert (await _reserved(cb, p2, "router-x"))[1:] == (2, 40)  # q2 released: no load
+
+            async def q2_blocks_gone() -> bool:  # its blocks' hold (BLOCK_HOLD) ends, as on A
+                return await _reserved(cb, p2, "router-x") == (0, 2, 40)
+
+            await _until(q2_blocks_gone, "q2's blocks no longer reserved on B", timeout=30)
+            assert (await _sync_counts(b.mport, "kvcoord_reservations", "kind"))["requests"] == 2
+            assert (await _sync_counts(a.mport))["republished"] >= 2
     finally:
         for s in streams:
             s.close()

@@ -7,7 +7,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from kvcoord.coordinator.reservations import BLOCK_HOLD, HOLD_SECONDS, Reservations, Reserved, take_stream
+from kvcoord.coordinator.reservations import (
+    BLOCK_HOLD,
+    HOLD_SECONDS,
+    Reservations,
+    Reserved,
+    apply_op,
+    take_stream,
+)
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import pack_u64
 
@@ -72,6 +79,43 @@ def test_operations_replayed_at_their_own_time_keep_what_was_in_force() -> None:
     assert res.overlay("m", PROMPT, 0, "x") == {} and res.totals() == (0, 0, 0)
     assert res.reserve("r1", "d", "m", ("n1", 0), 0, PROMPT, 500, 5.0, at=now[0] + 9) == ""  # never ahead
     assert res.totals() == (1, 500, 1) and res._entries[("r1", "d")].expires == now[0] + 5.0
+
+
+def test_live_ops_rebuild_a_routers_reservations_in_force_elsewhere() -> None:
+    """What a replica writes again when the others may have dropped its routers' reservations: applied
+    to another view later, they give the same lookups, with the same deadlines (the remaining ttl, the
+    rest of a completed request's blocks' hold), and none of what was released past its hold, expired, or
+    is another router's."""
+    res, now = _res()
+    res.reserve("r1", "a", "m", ("n1", 1), 0, PROMPT, 500, 10.0)
+    res.reserve("r1", "b", "m", ("n2", 0), 2, list(range(702, 712)), 300, 60)  # from query position 2
+    res.release("r1", "b", first_byte=True)
+    res.reserve("r1", "c", "m", ("n3", 0), 0, list(range(300, 316)), 50, 60)
+    res.reserve("r1", "d", "m", ("n3", 0), 0, list(range(400, 416)), 50, 60)
+    res.reserve("r1", "e", "m", ("n3", 0), 0, list(range(500, 503)), 50, 1.0)  # no checkpoint; expires
+    res.reserve("r2", "f", "m", ("n1", 1), 0, list(range(600, 616)), 70, 60)  # another router's
+    res.release("r1", "c", first_byte=False)
+    now[0] += BLOCK_HOLD + 0.5
+    res.release("r1", "d", first_byte=False)
+    ops = res.live_ops({"r1"})
+    assert [(r, op.request_id, op.WhichOneof("op")) for r, op in ops] == [
+        ("r1", "a", "reserve"), ("r1", "b", "reserve"), ("r1", "d", "reserve"), ("r1", "d", "release")]
+    other, later = _res()
+    later[0] = now[0] + 1.0
+    for router, op in ops:
+        assert apply_op(other, f"x/{router}", op) == ""
+    for view in (res, other):
+        # r2's is the asker's own load on the first view: the same load as the other's
+        assert view.overlay("m", PROMPT, 0, "r2") == {("n1", 1): Reserved(16, 1, 500),
+                                                      ("n2", 0): Reserved(0, 1, 0)}
+        assert view.overlay("m", list(range(700, 712)), 0, "r2")[("n2", 0)] == Reserved(12, 1, 0)
+        assert view.overlay("m", list(range(300, 316)), 0, "r2") == {("n1", 1): Reserved(0, 1, 500),
+                                                                      ("n2", 0): Reserved(0, 1, 0)}
+        assert view.overlay("m", list(range(400, 416)), 0, "r2")[("n3", 0)] == Reserved(16)
+    res_a, other_a = res._entries[("r1", "a")], other._entries[("x/r1", "a")]
+    assert other_a.expires == res_a.expires + 1.0  # 7 s left, from when the other applied them
+    assert other._entries[("x/r1", "d")].blocks_expire == res._entries[("r1", "d")].blocks_expire + 1.0
+    assert res.live_ops({"r9"}) == []
 
 
 def test_bad_operations_are_refused_and_change_nothing() -> None:

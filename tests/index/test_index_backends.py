@@ -111,16 +111,18 @@ async def test_backend_name_and_capabilities(index: Index, index_backend: str) -
         assert await index.engine_store.owners() == {7: ("r1", "{}")}
     if index.reservation_feed is not None:
         feed = index.reservation_feed
-        start, back = await feed.history(b"one", 60)
-        assert back == [(0.0, b"one")]
-        after, got = await feed.exchange(b"two", start)
-        assert got == [b"two"] and after != start
-        assert await feed.exchange(None, after) == (after, [])
+        start, added, back = await feed.history(b"one", 60)
+        assert back == [(added, b"one")]
+        after, wrote, got = await feed.exchange(b"two", start)
+        assert got == [(wrote, b"two")] and after != start and wrote is not None and wrote >= added
+        assert await feed.exchange(None, after) == (after, None, [])
         last = await feed.append(b"three")
-        assert await feed.exchange(None, after) == (last, [b"three"])
-        _, back = await feed.history(b"four", 60)
+        after, wrote, got = await feed.exchange(None, after)
+        assert (after, wrote, [raw for _, raw in got]) == (last, None, [b"three"])
+        _, added, back = await feed.history(b"four", 60)
         assert [raw for _, raw in back] == [b"one", b"two", b"three", b"four"]
-        assert all(age >= 0 for age, _ in back) and back[-1][0] == 0.0
+        times = [when for when, _ in back]
+        assert times == sorted(times) and times[-1] == added  # Redis' clock, in seconds
     if index.remote is not None:
         gen = await index.remote.generation()
         assert gen and await index.remote.generation() == gen

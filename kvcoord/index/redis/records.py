@@ -154,10 +154,10 @@ class RedisReservationFeed:
         except Exception as exc:
             raise ConnectionError(f"reservation feed: {exc}") from exc
 
-    async def history(self, entry: bytes, seconds: float) -> tuple[str, list[tuple[float, bytes]]]:
+    async def history(self, entry: bytes, seconds: float) -> tuple[str, float, list[tuple[float, bytes]]]:
         """Append ``entry`` (its id is Redis' time now), then page back (newest first) through the entries
-        of the ``seconds`` before it, at most :data:`FEED_ENTRIES`; each entry's age is the difference of
-        the two ids' milliseconds, so no replica's clock is involved."""
+        of the ``seconds`` before it, at most :data:`FEED_ENTRIES`; every time is an id's milliseconds
+        (Redis' clock, so no replica's is involved)."""
         now = await self.append(entry)
         now_ms = _ms(now)
         low, high = f"{max(0, now_ms - int(seconds * 1000))}-0", now
@@ -168,7 +168,7 @@ class RedisReservationFeed:
                 for entry_id, fields in page:
                     raw = fields.get(b"c")
                     if raw is not None:
-                        out.append(((now_ms - _ms(_text(entry_id))) / 1000, raw))
+                        out.append((_ms(_text(entry_id)) / 1000, raw))
                 if len(page) < _READ_COUNT:
                     break
                 high = "(" + _text(page[-1][0])
@@ -176,9 +176,10 @@ class RedisReservationFeed:
             raise ConnectionError(f"reservation feed: {exc}") from exc
         del out[FEED_ENTRIES:]
         out.reverse()
-        return now, out
+        return now, now_ms / 1000, out
 
-    async def exchange(self, entry: bytes | None, after: str) -> tuple[str, list[bytes]]:
+    async def exchange(self, entry: bytes | None,
+                       after: str) -> tuple[str, float | None, list[tuple[float, bytes]]]:
         try:
             pipe = self._r.pipeline(transaction=False)
             if entry is not None:
@@ -187,14 +188,14 @@ class RedisReservationFeed:
             replies = await pipe.execute()
         except Exception as exc:
             raise ConnectionError(f"reservation feed: {exc}") from exc
-        out: list[bytes] = []
+        out: list[tuple[float, bytes]] = []
         for _key, entries in replies[-1] or []:
             for entry_id, fields in entries:
                 after = _text(entry_id)
                 raw = fields.get(b"c")
                 if raw is not None:
-                    out.append(raw)
-        return after, out
+                    out.append((_ms(after) / 1000, raw))
+        return after, None if entry is None else _ms(_text(replies[0])) / 1000, out
 
 
 def _text(raw: bytes | str) -> str:

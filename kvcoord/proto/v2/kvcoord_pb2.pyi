@@ -1761,7 +1761,8 @@ class ReservationChange(_message.Message):
     routers reserved, released and dropped to one Redis stream per index ({<prefix>}:reservations), one
     entry per flush, and applies the other replicas' entries to its own view (not a router API). A
     replica that starts reads the stream back to rebuild the others' live reservations; one that stops
-    writes a last entry with gone set.
+    writes a last entry with gone set; one the others may have dropped (cut off from Redis, or stalled)
+    writes its routers' live reservations again, with replace set.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1795,10 +1796,13 @@ class ReservationChanges(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
     GONE_FIELD_NUMBER: _builtins.int
+    REPLACE_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     """the origin replica; an empty entry is its heartbeat"""
     gone: _builtins.bool
     """the origin stopped: every reservation it published goes"""
+    replace: _builtins.bool
+    """changes are every reservation the origin's routers hold now"""
     @_builtins.property
     def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReservationChange]:
         """in the order the origin applied them"""
@@ -1809,10 +1813,11 @@ class ReservationChanges(_message.Message):
         replica_id: _builtins.str = ...,
         changes: _abc.Iterable[Global___ReservationChange] | None = ...,
         gone: _builtins.bool = ...,
+        replace: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "gone", b"gone", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "gone", b"gone", "replace", b"replace", "replica_id", b"replica_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
