@@ -26,11 +26,22 @@ from __future__ import annotations
 import struct
 import time
 from array import array
-from typing import TYPE_CHECKING
+from operator import itemgetter
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
-from kvcoord.coordinator.answers import SIZES, Hit, answer_json, answered, node_entry, node_tail, with_pull
+from kvcoord.coordinator.answers import (
+    SIZES,
+    Hit,
+    answer_parts,
+    answered,
+    entry_template,
+    hit_parts,
+    hit_templates,
+    node_tail,
+    with_pull,
+)
 from kvcoord.coordinator.httpd import Response
 from kvcoord.coordinator.lookup import LookupFailed
 from kvcoord.coordinator.pools import pull_hints
@@ -51,10 +62,14 @@ _encode = msgspec.json.Encoder().encode
 _CBOR_NULL = b"\xf6"
 """The CBOR tail of a block without extra keys."""
 
-_Slot = tuple[str, int, bytes, bytes, str]
-"""A live (node, rank) of a view: node id, dp rank, the node id as JSON, its answer entry's tail, and its
-serving URL when it may be a peer-pull source (exact trust; else "")."""
-_HitCache = dict[tuple[int, ...], "tuple[float, Hit, str] | None"]
+_Slot = tuple[str, int, bytes, tuple[bytes, bytes], str]
+"""A live (node, rank) of a view: node id, dp rank, its answer entry's template
+(:func:`~kvcoord.coordinator.answers.entry_template`), its ``scores`` and ``instances`` templates
+(:func:`~kvcoord.coordinator.answers.hit_templates`), and its serving URL when it may be a peer-pull source
+(exact trust; else "")."""
+_Scored = tuple[float, Hit, str]
+"""A table row as an answer's hit (:func:`_hit`)."""
+_HitCache = dict[tuple[int, ...], "_Scored | tuple[()]"]
 _MAX_HITS = 4096
 _MAX_ANSWERS = 1024
 """Answers kept per view (a few KB each)."""
@@ -110,39 +125,35 @@ class FastAnswers:
         packed = kept.table.rows(keys)
         if kept.table.layout() != kept.layout:  # hashing allocated: a collection may have moved a slot
             return None
-        sizes = SIZES % (nblocks, ntokens)
         known = kept.answers.get((block_size, packed))
         if known is None:
-            body, best = self._encoded(model, kept, packed, nblocks, ntokens, block_size)
-            at = body.index(sizes)
             if len(kept.answers) >= _MAX_ANSWERS:
                 kept.answers.clear()
-            kept.answers[block_size, packed] = (body[:at], body[at + len(sizes):], best)
-        else:
-            head, tail, best = known
-            body = b"".join((head, sizes, tail))
+            known = kept.answers[block_size, packed] = self._encoded(model, kept, packed, block_size)
+        head, tail, best = known
+        body = b"".join((head, SIZES % (nblocks, ntokens), tail))
         return answered(self.api.state, body, best, nblocks, query, t0, "fast")
 
     @staticmethod
-    def _encoded(model: str, kept: _Kept, packed: bytes, nblocks: int, ntokens: int,
-                 block_size: int) -> tuple[bytes, int]:
-        """The answer to the table's ``packed`` rows (:func:`answer_json`), from the view's entries."""
-        cache = kept.hits
-        if len(cache) > _MAX_HITS:
-            cache.clear()
-        scored: list[tuple[float, int, Hit, str]] = []
-        for row in _ROW.iter_unpack(packed):
-            got = cache[row] if row in cache else cache.setdefault(row, _hit(kept, *row))
-            if got is not None:
-                scored.append((got[0], len(scored), got[1], got[2]))
-        scored.sort()  # the table's order (longest, then node and rank) breaks ties, as the handler's sort
-        hits = [hit for _, _, hit, _ in scored]
+    def _encoded(model: str, kept: _Kept, packed: bytes, block_size: int) -> tuple[bytes, bytes, int]:
+        """The answer to the table's ``packed`` rows (:func:`answer_parts`), from the view's entries."""
+        cache = kept.hits.get(block_size)
+        if cache is None or len(cache) > _MAX_HITS:
+            cache = kept.hits[block_size] = {}
+        rows = list(_ROW.iter_unpack(packed))
+        seen = list(map(cache.get, rows))  # None where not seen yet
+        if None in seen:
+            seen = [cache.setdefault(row, _hit(kept, block_size, *row)) if got is None else got
+                    for row, got in zip(rows, seen, strict=True)]
+        scored = cast("list[_Scored]", list(filter(None, seen)))  # () where the view does not report the slot
+        scored.sort(key=_SORT_KEY)  # stable: the table's order (longest, then node and rank) breaks ties,
+        hits = list(map(_HIT_OF, scored))  # as the handler's sort
         # the peer-pull hints, as the handler's (kvcoord.coordinator.pools.pull_hints): none without a source
-        if len(hits) > 1 and any(source for *_, source in scored):
-            pulls = pull_hints([(h[0], h[2], (h[3], h[4], h[5]), src) for _, _, h, src in scored])
-            hits = [h if p is None else (*h[:6], with_pull(h[6], p))
+        if len(hits) > 1 and any(map(_SOURCE_OF, scored)):
+            pulls = pull_hints([(h[0], h[2], (h[3], h[4], h[5]), src) for _, h, src in scored])
+            hits = [h if p is None else (*h[:6], with_pull(h[6], p), h[7], h[8])
                     for h, p in zip(hits, pulls, strict=True)]
-        return answer_json(model, block_size, nblocks, ntokens, hits)
+        return answer_parts(model, block_size, hits)
 
     def _fresh(self, model: str) -> _Kept | None:
         """Partition ``model``'s view, up to date; None where the handler's general path must answer."""
@@ -198,8 +209,9 @@ class FastAnswers:
         if info is None:
             return None
         load, url, trust, cause = info
-        return (node_id, rank, _encode(node_id), node_tail(node_id, rank, load, url, trust, cause),
-                url if trust == "exact" else "")
+        key = _encode(node_id)
+        return (node_id, rank, entry_template(key, rank, node_tail(node_id, rank, load, url, trust, cause)),
+                hit_templates(key, rank), url if trust == "exact" else "")
 
     def _build(self, model: str, now: float) -> bool:
         """A fresh view of partition ``model``; False (and none kept) where the handler must answer."""
@@ -233,19 +245,21 @@ class FastAnswers:
         return True
 
 
-def _hit(kept: _Kept, slot: int, matched: int, cpu: int, sto: int) -> tuple[float, Hit, str] | None:
+def _hit(kept: _Kept, block_size: int, slot: int, matched: int, cpu: int, sto: int) -> _Scored | tuple[()]:
     """A table row as an answer's hit, with its sort key (minus its weighted score) and its pull-source
-    URL; None unless the view reports its slot."""
+    URL; () unless the view reports its slot."""
     entry = kept.slots[slot] if slot < len(kept.slots) else None
     if entry is None or not matched:
-        return None
-    node_id, rank, key, tail, source = entry
+        return ()
+    node_id, rank, template, dynamo, source = entry
     gpu = matched - cpu - sto
     w0, w1, w2 = kept.weights
+    score, instance = hit_parts(dynamo, matched, gpu, cpu, block_size)
     return -(gpu * w0 + cpu * w1 + sto * w2), (node_id, rank, matched, gpu, cpu, sto,
-                                                 node_entry(key, rank, matched, gpu, cpu, sto, tail)), source
+                                                 template % (matched, gpu, cpu, sto), score, instance), source
 
 
+_SORT_KEY, _HIT_OF, _SOURCE_OF = itemgetter(0), itemgetter(1), itemgetter(2)
 _ROW = struct.Struct("=4I")
 """A row of ``Table.rows``: slot, matched blocks, of which on CPU, on storage."""
 
@@ -273,13 +287,14 @@ class _Kept:
         is lapsed (asked again at every lookup)."""
         self.slots: list[_Slot | None] = []
         """Per table slot, its entry while lookups may report it."""
-        self.hits: _HitCache = {}
-        """Table rows seen, as hits (:func:`_hit`): rows repeat, as prompts share prefixes; emptied when a
-        slot's entry changes, and when it grows past :data:`_MAX_HITS`."""
+        self.hits: dict[int, _HitCache] = {}
+        """Per block size, table rows seen, as hits (:func:`_hit`, their counts in that size's tokens):
+        rows repeat, as prompts share prefixes; emptied when a slot's entry changes, and when it grows
+        past :data:`_MAX_HITS`."""
         self.answers: dict[tuple[int, bytes], tuple[bytes, bytes, int]] = {}
         """(block size, the table's packed rows) -> the answer's bytes before and after its sizes
-        (:data:`SIZES`), and its best match: the answer is theirs alone, as long as :attr:`hits` is kept
-        (emptied with it, and when it grows past :data:`_MAX_ANSWERS`)."""
+        (:data:`SIZES`, :func:`answer_parts`), and its best match: the answer is theirs alone, as long as
+        :attr:`hits` is kept (emptied with it, and when it grows past :data:`_MAX_ANSWERS`)."""
         self.by_node: dict[str, list[tuple[int, int]]] = {}
         """node id -> its (slot, dp rank)s in the table, as of the layout."""
         self.lapsed: set[str] = set()
