@@ -6,14 +6,15 @@ beforehand). Dynamo's ``ScoreResponse`` fields first, then kvcoord's.
 Why fragments: an answer is a handful of per-(node, rank) parts (its ``scores`` and ``instances`` entries
 and its ``nodes`` entry) around a fixed frame. Building dicts and Structs per hit for one msgspec encode
 cost ~1 µs a hit, as much as the lookup; here each part is made once from a template that holds every
-string already encoded by msgspec (:func:`hit_templates`, :func:`entry_template`), only integers are
-formatted in, and the fast path keeps the parts of the rows it has seen."""
+string already encoded by msgspec (:func:`hit_templates`), only integers are formatted in
+(:func:`fast_hit`), and the fast path keeps the parts of the rows it has seen."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
+from typing import cast
 
 import msgspec
 
@@ -26,14 +27,14 @@ from kvcoord.coordinator.reservations import Reserved
 from kvcoord.index.base import NodeKey
 from kvcoord.load import NodeLoad
 
-__all__ = ["SIZES", "Hit", "answer_json", "answer_parts", "answered", "entry_template", "hit_parts",
-           "hit_templates", "lookup_answer", "match_hits", "node_tail", "with_pull", "with_reserved"]
+__all__ = ["SIZES", "Hit", "answer_json", "answered", "fast_hit", "hit_templates", "lookup_answer",
+           "match_hits", "with_pull", "with_reserved"]
 
 _encode = msgspec.json.Encoder().encode
 
 
 class _Instance(msgspec.Struct):
-    """Dynamo's per-instance entry of ``instances`` (tokens), for a node answered on several ranks."""
+    """Dynamo's per-instance entry of ``instances`` (tokens)."""
 
     longest_matched: int
     gpu: int
@@ -42,19 +43,37 @@ class _Instance(msgspec.Struct):
     disk: int
 
 
-Hit = tuple[str, int, int, int, int, int, "NodeJson | bytes", bytes, bytes]
+class _Answer(msgspec.Struct, omit_defaults=True):
+    """The ``/query`` and ``/query_by_hash`` answer: Dynamo's fields first, then kvcoord's."""
+
+    scores: dict[str, dict[str, int]]
+    frequencies: tuple[int, ...]
+    """Always empty: Dynamo's indexer service answers no frequencies either."""
+    instances: dict[str, _Instance]
+    model: str
+    block_size: int
+    num_blocks: int
+    num_tokens: int
+    nodes: list[NodeJson | bytes | msgspec.Raw]
+    """:class:`NodeJson` objects (the general path), or the same entries encoded already (the fast path),
+    as :class:`msgspec.Raw` (never bytes: those encode as base64)."""
+    block_hashes: list[int] | None = None
+    """The query's block hashes, when asked for (``want_block_hashes``); omitted otherwise."""
+
+
+Hit = tuple[str, int, int, int, int, int, "NodeJson | bytes", "tuple[bytes, bytes] | None"]
 """One (node, rank) of a lookup answer, best first: node id, dp rank, matched blocks, blocks per tier (GPU,
 CPU, storage), its ``nodes`` entry (a :class:`NodeJson`, or encoded already), and its ``scores`` and
-``instances`` entries as this rank alone makes them (:func:`hit_parts`; ``b""`` for no score)."""
+``instances`` entries as this rank alone makes them (the fast path's, :func:`fast_hit`, kept per table
+row), or None (the general path's: made from the counts)."""
 
 SIZES = b',"num_blocks":%d,"num_tokens":%d,"nodes":'
-"""The part of an answer between its model and block size and its ``nodes`` (:func:`answer_parts`): the
+"""The part of an answer between its model and block size and its ``nodes`` (:func:`answer_json`): the
 fast path keeps an answer's bytes around it, per table rows, and writes the query's sizes in."""
 
-_MATCHED, _NODE = itemgetter(2), itemgetter(6)
-_HEAD = b'{"scores":{%b},"frequencies":[],"instances":{%b},"model":%b,"block_size":%d'
-"""Dynamo's ``ScoreResponse`` (``frequencies`` always empty, as Dynamo's indexer service answers), then
-kvcoord's ``model`` and ``block_size``; :data:`SIZES` and the ``nodes`` follow."""
+_NODE_ID, _MATCHED, _NODE, _PARTS = itemgetter(0), itemgetter(2), itemgetter(6), itemgetter(7)
+_JOINED = b'{"scores":{%b},"frequencies":[],"instances":{%b},"model":%b,"block_size":%d' + SIZES + b"[%b]}"
+"""The answer as :class:`_Answer` encodes it without block hashes, from its parts (:func:`_joined`)."""
 _SCORE = b'%b:{"%d":%%d}'
 _INSTANCE = b'%b:{"longest_matched":%%d,"gpu":%%d,"dp":{"%d":%%d},"cpu":%%d,"disk":%%d}'
 _ENTRY = b'{"node_id":%b,"dp_rank":%d,"matched_blocks":%%d,"tiers":{"GPU":%%d,"CPU":%%d,"STORAGE":%%d}%b'
@@ -88,53 +107,54 @@ def answered(state: CoordinatorState, body: bytes, best: int, num_blocks: int, q
 
 def answer_json(model: str, block_size: int, num_blocks: int, num_tokens: int, hits: Sequence[Hit],
                 block_hashes: list[int] | None = None) -> tuple[bytes, int]:
-    """A lookup's whole answer (:func:`answer_parts` around the query's sizes) and the most blocks a node
-    matched."""
-    head, tail, best = answer_parts(model, block_size, hits, block_hashes)
-    return b"".join((head, SIZES % (num_blocks, num_tokens), tail)), best
-
-
-def answer_parts(model: str, block_size: int, hits: Sequence[Hit],
-                 block_hashes: list[int] | None = None) -> tuple[bytes, bytes, int]:
     """Dynamo's ``ScoreResponse`` (tokens; ``scores`` GPU only; ``cpu`` and ``disk`` cumulative through the
-    faster tiers), then kvcoord's answer: its bytes before :data:`SIZES` and after, and the most blocks a
-    node matched. The one encoder of a lookup's answer, for both paths."""
+    faster tiers), then kvcoord's answer, and the most blocks a node matched. The one encoder of a lookup's
+    answer, for both paths: joined from the hits' own parts where they have them (:func:`_joined`), else
+    encoded whole from their counts (:func:`_counted`, the definition; ``tests/coordinator/test_answers.py``
+    holds the first to it)."""
+    joined = _joined(model, block_size, num_blocks, num_tokens, hits) if block_hashes is None else None
+    return joined or _counted(model, block_size, num_blocks, num_tokens, hits, block_hashes)
+
+
+def _joined(model: str, block_size: int, num_blocks: int, num_tokens: int,
+            hits: Sequence[Hit]) -> tuple[bytes, int] | None:
+    """The answer joined from its hits' parts, where every hit is matched, has its ``scores`` and
+    ``instances`` parts and its ``nodes`` entry encoded (:func:`fast_hit`), and no node answers on two ranks
+    (Dynamo merges those): the fast path's, mostly. None otherwise."""
+    if not hits or hits[0][7] is None:  # the general path's
+        return None
+    parts = list(map(_PARTS, hits))
+    if None in parts or 0 in map(_MATCHED, hits) or len(set(map(_NODE_ID, hits))) < len(hits):
+        return None
     nodes = list(map(_NODE, hits))
-    try:
-        nodes_json = b",".join(nodes)
-    except TypeError:  # the general path's entries, not encoded yet
-        nodes_json = b",".join([node if type(node) is bytes else _encode(node) for node in nodes])
-    if 0 in map(_MATCHED, hits):  # unmatched rows (include_unmatched) have a nodes entry only
-        hits = [hit for hit in hits if hit[2]]
-    scores_json, instances_json, best = _dynamo(block_size, hits)
-    head = _HEAD % (scores_json, instances_json, _encode(model), block_size)
-    if block_hashes is None:
-        return head, b"[%b]}" % nodes_json, best
-    return head, b'[%b],"block_hashes":%b}' % (nodes_json, _encode(block_hashes)), best
+    if NodeJson in map(type, nodes):
+        return None
+    scores, instances = zip(*cast("list[tuple[bytes, bytes]]", parts), strict=True)
+    return _JOINED % (b",".join(filter(None, scores)), b",".join(instances), _encode(model), block_size,
+                      num_blocks, num_tokens, b",".join(cast("list[bytes]", nodes))), max(map(_MATCHED, hits))
 
 
-def _dynamo(block_size: int, hits: Sequence[Hit]) -> tuple[bytes, bytes, int]:
-    """``scores`` and ``instances`` (each without its braces) of matched ``hits``, and the most blocks a
-    node matched: each rank's own entries (:func:`hit_parts`), unless a node answers on several."""
-    if not hits:
-        return b"", b"", 0
-    node_ids, _, matched, _, _, _, _, scores, instances = zip(*hits, strict=True)
-    if len(set(node_ids)) < len(node_ids):
-        return (*_merged(block_size, hits), max(matched))
-    return b",".join(filter(None, scores)), b",".join(instances), max(matched)
-
-
-def _merged(block_size: int, hits: Sequence[Hit]) -> tuple[bytes, bytes]:
-    """``scores`` and ``instances`` (each without its braces) of matched ``hits`` where a node answers on
-    several ranks: the node's ranks in ``scores`` and ``dp``, and its best of each count, as Dynamo's
+def _counted(model: str, block_size: int, num_blocks: int, num_tokens: int, hits: Sequence[Hit],
+             block_hashes: list[int] | None) -> tuple[bytes, int]:
+    """The answer (:func:`answer_json`) encoded whole from its hits' counts: a node answering on several
+    ranks has them all in its ``scores`` and ``dp``, and its best of each count, as Dynamo's
     ``ScoreResponse``."""
     bs = block_size or 1
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, _Instance] = {}
-    for node_id, rank, matched, g, c, _, _, _, _ in hits:
+    best = 0
+    for node_id, rank, matched, g, c, _, _, _ in hits:
+        if not matched:
+            continue
+        if matched > best:
+            best = matched
         gpu, cpu, disk, dp = g * bs, (g + c) * bs, matched * bs, str(rank)
         if gpu:
-            scores.setdefault(node_id, {})[dp] = gpu
+            by_rank = scores.get(node_id)
+            if by_rank is None:
+                scores[node_id] = {dp: gpu}
+            else:
+                by_rank[dp] = gpu
         inst = instances.get(node_id)
         if inst is None:
             instances[node_id] = _Instance(max(gpu, cpu, disk), gpu, {dp: gpu}, cpu, disk)
@@ -143,31 +163,11 @@ def _merged(block_size: int, hits: Sequence[Hit]) -> tuple[bytes, bytes]:
             inst.gpu, inst.cpu = max(inst.gpu, gpu), max(inst.cpu, cpu)
             inst.disk = max(inst.disk, disk)
             inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
-    return _encode(scores)[1:-1], _encode(instances)[1:-1]
-
-
-def hit_templates(key: bytes, rank: int) -> tuple[bytes, bytes]:
-    """A (node, rank)'s ``scores`` and ``instances`` entries with their counts left to fill in
-    (:func:`hit_parts`), from its node id as JSON: the fast path's views keep them per (node, rank)."""
-    literal = _literal(key)
-    return _SCORE % (literal, rank), _INSTANCE % (literal, rank)
-
-
-def hit_parts(templates: tuple[bytes, bytes], matched: int, g: int, c: int,
-              block_size: int) -> tuple[bytes, bytes]:
-    """A (node, rank)'s ``scores`` entry (``b""`` without blocks on GPU) and ``instances`` entry, in tokens:
-    ``cpu`` and ``disk`` cumulative through the faster tiers."""
-    bs = block_size or 1
-    gpu, cpu, disk = g * bs, (g + c) * bs, matched * bs
-    score, instance = templates
-    return (score % gpu if gpu else b""), instance % (max(gpu, cpu, disk), gpu, gpu, cpu, disk)
-
-
-def entry_template(key: bytes, rank: int, tail: bytes) -> bytes:
-    """A (node, rank)'s ``nodes`` entry with its matched blocks and tiers left to fill in (``% (matched,
-    gpu, cpu, storage)``), from its node id as JSON and its tail (:func:`node_tail`): as :class:`NodeJson`
-    encodes it."""
-    return _ENTRY % (_literal(key), rank, _literal(tail))
+    nodes: list[NodeJson | bytes | msgspec.Raw] = list(map(_NODE, hits))
+    if bytes in map(type, nodes):  # the fast path's entries, encoded already
+        nodes = [msgspec.Raw(node) if isinstance(node, bytes) else node for node in nodes]
+    return _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens, nodes,
+                           block_hashes)), best
 
 
 _LOAD_JSON: dict[int, tuple[NodeLoad, msgspec.Raw]] = {}
@@ -187,15 +187,30 @@ def _load_json(load: NodeLoad) -> msgspec.Raw:
     return raw
 
 
-def node_tail(node_id: str, rank: int, load: NodeLoad, url: str, trust: str, cause: str) -> bytes:
-    """The ``nodes`` entry of a live (node, rank) after its ``tiers``, as :class:`NodeJson` encodes it: the
-    fast path's views keep it per (node, rank) in their :func:`entry_template`."""
+def hit_templates(node_id: str, rank: int, load: NodeLoad, url: str, trust: str,
+                  cause: str) -> tuple[bytes, bytes, bytes]:
+    """A live (node, rank)'s ``nodes``, ``scores`` and ``instances`` entries with their counts left to
+    fill in (:func:`fast_hit`), as :class:`NodeJson` and :func:`_counted` encode them: the fast path's views
+    keep them per (node, rank)."""
     entry = _encode(NodeJson(node_id, rank, 0, TiersJson(0, 0, 0), _load_json(load), trust, url or None,
                              cause))
-    head = entry_template(_encode(node_id), rank, b"") % (0, 0, 0, 0)
+    key = _literal(_encode(node_id))
+    head = _ENTRY % (key, rank, b"") % (0, 0, 0, 0)
     if not entry.startswith(head):
         raise AssertionError("a nodes entry does not start as expected")
-    return entry[len(head):]
+    return _ENTRY % (key, rank, _literal(entry[len(head):])), _SCORE % (key, rank), _INSTANCE % (key, rank)
+
+
+def fast_hit(node_id: str, rank: int, templates: tuple[bytes, bytes, bytes], matched: int, gpu: int,
+             cpu: int, sto: int, block_size: int) -> Hit:
+    """A (node, rank)'s hit from its :func:`hit_templates` and its blocks in all and per tier (not negative,
+    as the table's: the longest run is the disk one), its Dynamo counts in tokens: ``cpu`` and ``disk``
+    cumulative through the faster tiers."""
+    entry, score, instance = templates
+    bs = block_size or 1
+    g, c, d = gpu * bs, (gpu + cpu) * bs, matched * bs
+    return (node_id, rank, matched, gpu, cpu, sto, entry % (matched, gpu, cpu, sto),
+            (score % g if g else b"", instance % (d, g, g, c, d)))
 
 
 def with_pull(entry: NodeJson | bytes, hint: PullHint) -> NodeJson | bytes:
@@ -210,13 +225,13 @@ def with_pull(entry: NodeJson | bytes, hint: PullHint) -> NodeJson | bytes:
 def with_reserved(hits: Sequence[Hit], view: Mapping[NodeKey, Reserved]) -> None:
     """The general path's hits with the reservations on their (node, rank) (:func:`lookup_view
     <kvcoord.coordinator.reservations.lookup_view>`)."""
-    for node_id, rank, _, _, _, _, node, _, _ in hits:
+    for node_id, rank, _, _, _, _, node, _ in hits:
         got = view.get((node_id, rank))
         if got is not None and isinstance(node, NodeJson):
             node.reserved = ReservedJson(got.blocks, got.requests, got.prefill_tokens)
 
 
-def match_hits(matches: Sequence[LiveMatch], pool_tier: Callable[[str], str], block_size: int) -> list[Hit]:
+def match_hits(matches: Sequence[LiveMatch], pool_tier: Callable[[str], str]) -> list[Hit]:
     """The general path's live matches as hits (no tiers: all on GPU); a pool's blocks count as storage in
     Dynamo's fields."""
     hits: list[Hit] = []
@@ -225,6 +240,5 @@ def match_hits(matches: Sequence[LiveMatch], pool_tier: Callable[[str], str], bl
         node = NodeJson(node_id, rank, matched, TiersJson(g, c, d, p), _load_json(load), trust, url or None,
                         cause, pool, pool_tier(pool) if pool else "",
                         None if pull is None else PullJson(*pull))
-        score, instance = hit_parts(hit_templates(_encode(node_id), rank), matched, g, c, block_size)
-        hits.append((node_id, rank, matched, g, c, d + p, node, score, instance))
+        hits.append((node_id, rank, matched, g, c, d + p, node, None))
     return hits

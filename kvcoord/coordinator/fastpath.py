@@ -29,17 +29,13 @@ from array import array
 from operator import itemgetter
 from typing import TYPE_CHECKING, cast
 
-import msgspec
-
 from kvcoord.coordinator.answers import (
     SIZES,
     Hit,
-    answer_parts,
+    answer_json,
     answered,
-    entry_template,
-    hit_parts,
+    fast_hit,
     hit_templates,
-    node_tail,
     with_pull,
 )
 from kvcoord.coordinator.httpd import Response
@@ -58,13 +54,11 @@ __all__ = ["MAX_VIEW_AGE", "FastAnswers"]
 MAX_VIEW_AGE = 0.25
 """Seconds a view is trusted at most, even with nothing seen to change (a backstop, not the rule)."""
 
-_encode = msgspec.json.Encoder().encode
 _CBOR_NULL = b"\xf6"
 """The CBOR tail of a block without extra keys."""
 
-_Slot = tuple[str, int, bytes, tuple[bytes, bytes], str]
-"""A live (node, rank) of a view: node id, dp rank, its answer entry's template
-(:func:`~kvcoord.coordinator.answers.entry_template`), its ``scores`` and ``instances`` templates
+_Slot = tuple[str, int, tuple[bytes, bytes, bytes], str]
+"""A live (node, rank) of a view: node id, dp rank, its answer entries' templates
 (:func:`~kvcoord.coordinator.answers.hit_templates`), and its serving URL when it may be a peer-pull source
 (exact trust; else "")."""
 _Scored = tuple[float, Hit, str]
@@ -125,18 +119,23 @@ class FastAnswers:
         packed = kept.table.rows(keys)
         if kept.table.layout() != kept.layout:  # hashing allocated: a collection may have moved a slot
             return None
+        sizes = SIZES % (nblocks, ntokens)
         known = kept.answers.get((block_size, packed))
         if known is None:
+            body, best = self._encoded(model, kept, packed, nblocks, ntokens, block_size)
+            at = body.index(sizes)
             if len(kept.answers) >= _MAX_ANSWERS:
                 kept.answers.clear()
-            known = kept.answers[block_size, packed] = self._encoded(model, kept, packed, block_size)
-        head, tail, best = known
-        body = b"".join((head, SIZES % (nblocks, ntokens), tail))
+            kept.answers[block_size, packed] = (body[:at], body[at + len(sizes):], best)
+        else:
+            head, tail, best = known
+            body = b"".join((head, sizes, tail))
         return answered(self.api.state, body, best, nblocks, query, t0, "fast")
 
     @staticmethod
-    def _encoded(model: str, kept: _Kept, packed: bytes, block_size: int) -> tuple[bytes, bytes, int]:
-        """The answer to the table's ``packed`` rows (:func:`answer_parts`), from the view's entries."""
+    def _encoded(model: str, kept: _Kept, packed: bytes, nblocks: int, ntokens: int,
+                 block_size: int) -> tuple[bytes, int]:
+        """The answer to the table's ``packed`` rows (:func:`answer_json`), from the view's entries."""
         cache = kept.hits.get(block_size)
         if cache is None or len(cache) > _MAX_HITS:
             cache = kept.hits[block_size] = {}
@@ -151,9 +150,9 @@ class FastAnswers:
         # the peer-pull hints, as the handler's (kvcoord.coordinator.pools.pull_hints): none without a source
         if len(hits) > 1 and any(map(_SOURCE_OF, scored)):
             pulls = pull_hints([(h[0], h[2], (h[3], h[4], h[5]), src) for _, h, src in scored])
-            hits = [h if p is None else (*h[:6], with_pull(h[6], p), h[7], h[8])
+            hits = [h if p is None else (*h[:6], with_pull(h[6], p), h[7])
                     for h, p in zip(hits, pulls, strict=True)]
-        return answer_parts(model, block_size, hits)
+        return answer_json(model, block_size, nblocks, ntokens, hits)
 
     def _fresh(self, model: str) -> _Kept | None:
         """Partition ``model``'s view, up to date; None where the handler's general path must answer."""
@@ -209,9 +208,8 @@ class FastAnswers:
         if info is None:
             return None
         load, url, trust, cause = info
-        key = _encode(node_id)
-        return (node_id, rank, entry_template(key, rank, node_tail(node_id, rank, load, url, trust, cause)),
-                hit_templates(key, rank), url if trust == "exact" else "")
+        return (node_id, rank, hit_templates(node_id, rank, load, url, trust, cause),
+                url if trust == "exact" else "")
 
     def _build(self, model: str, now: float) -> bool:
         """A fresh view of partition ``model``; False (and none kept) where the handler must answer."""
@@ -251,12 +249,11 @@ def _hit(kept: _Kept, block_size: int, slot: int, matched: int, cpu: int, sto: i
     entry = kept.slots[slot] if slot < len(kept.slots) else None
     if entry is None or not matched:
         return ()
-    node_id, rank, template, dynamo, source = entry
+    node_id, rank, templates, source = entry
     gpu = matched - cpu - sto
     w0, w1, w2 = kept.weights
-    score, instance = hit_parts(dynamo, matched, gpu, cpu, block_size)
-    return -(gpu * w0 + cpu * w1 + sto * w2), (node_id, rank, matched, gpu, cpu, sto,
-                                                 template % (matched, gpu, cpu, sto), score, instance), source
+    hit = fast_hit(node_id, rank, templates, matched, gpu, cpu, sto, block_size)
+    return -(gpu * w0 + cpu * w1 + sto * w2), hit, source
 
 
 _SORT_KEY, _HIT_OF, _SOURCE_OF = itemgetter(0), itemgetter(1), itemgetter(2)
@@ -293,7 +290,7 @@ class _Kept:
         past :data:`_MAX_HITS`."""
         self.answers: dict[tuple[int, bytes], tuple[bytes, bytes, int]] = {}
         """(block size, the table's packed rows) -> the answer's bytes before and after its sizes
-        (:data:`SIZES`, :func:`answer_parts`), and its best match: the answer is theirs alone, as long as
+        (:data:`SIZES`), and its best match: the answer is theirs alone, as long as
         :attr:`hits` is kept (emptied with it, and when it grows past :data:`_MAX_ANSWERS`)."""
         self.by_node: dict[str, list[tuple[int, int]]] = {}
         """node id -> its (slot, dp rank)s in the table, as of the layout."""

@@ -429,7 +429,7 @@ class HttpApi:
             matches = await coro
         except LookupFailed as exc:
             return _failed(exc)
-        hits = match_hits(matches, lambda pool: st.pools.tier(pool).name, block_size)
+        hits = match_hits(matches, lambda pool: st.pools.tier(pool).name)
         start = max((h[2] for h in hits), default=0)
         with_reserved(hits, await lookup_view(st.reservations, ask.router_id, ask.reserve_id, model, hashes,
                                               start, ask.wait))
@@ -440,7 +440,7 @@ class HttpApi:
                 matches: list[LiveMatch], query: str, t0: float) -> Response:
         """The general path's answer."""
         st = self.state
-        hits = match_hits(matches, lambda pool: st.pools.tier(pool).name, block_size)
+        hits = match_hits(matches, lambda pool: st.pools.tier(pool).name)
         return lookup_answer(st, model, block_size, num_blocks, num_tokens, hits, query, t0, "handler")
 
     # --- registration ----------------------------------------------------------------------

@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 from kvcoord.answer_json import NodeJson, ReservedJson, TiersJson
 from kvcoord.coordinator.answers import (
     Hit,
+    _joined,
     answer_json,
-    entry_template,
-    hit_parts,
+    fast_hit,
     hit_templates,
-    node_tail,
     with_pull,
 )
 from kvcoord.coordinator.pools import PullHint
@@ -89,20 +88,18 @@ def _hit(row: tuple[str, int, int, int, int, str, str, bool, bool], block_size: 
     matched = g + c + s
     load = NodeLoad(g % 7, c % 5, 0.25)
     cause = "" if trust == "exact" else "history_lost"
-    key = _encode(node_id)
-    template = entry_template(key, rank, node_tail(node_id, rank, load, url, trust, cause))
-    encoded = template % (matched, g, c, s)
-    node: NodeJson | bytes = encoded
+    templates = hit_templates(node_id, rank, load, url, trust, cause)
+    hit = fast_hit(node_id, rank, templates, matched, g, c, s, block_size)
     if not fast:
         node = NodeJson(node_id, rank, matched, TiersJson(g, c, s), msgspec.Raw(_encode(load.to_json())),
                         trust, url or None, cause, reserved=ReservedJson(1, 2, 3) if reserved else None)
-        assert reserved or _encode(node) == encoded  # the fast path's template encodes as NodeJson does
+        assert reserved or _encode(node) == hit[6]  # the fast path's template encodes as NodeJson does
+        hit = (*hit[:6], node, None)
     if pulled:
-        pulled_json = with_pull(node, PullHint("peer%d", "10.0.0.9:80", "CPU", 7))
-        assert isinstance(pulled_json, bytes) == fast
-        node = pulled_json
-    score, instance = hit_parts(hit_templates(key, rank), matched, g, c, block_size)
-    return node_id, rank, matched, g, c, s, node, score, instance
+        entry = with_pull(hit[6], PullHint("peer%d", "10.0.0.9:80", "CPU", 7))
+        assert isinstance(entry, bytes) == fast
+        hit = (*hit[:6], entry, hit[7])
+    return hit
 
 
 @settings(max_examples=400, deadline=None)
@@ -115,3 +112,11 @@ def test_answer_equals_its_reference(rows: list[tuple[str, int, int, int, int, s
     hits = [_hit(row, block_size, fast) for row in rows]
     expected = reference(model, block_size, num_blocks, num_tokens, hits, block_hashes)
     assert answer_json(model, block_size, num_blocks, num_tokens, hits, block_hashes) == expected
+
+
+def test_a_fast_answer_is_joined_from_its_parts() -> None:
+    """The fast path's common answer (one rank a node, all matched) is joined, not encoded from counts."""
+    hits = [_hit((node_id, i % 2, 10 + i, i, 1, URLS[i % 3], "exact", i == 3, False), 16, True)
+            for i, node_id in enumerate(NODE_IDS)]
+    joined = _joined("m", 16, 5, 80, hits)
+    assert joined is not None and joined == reference("m", 16, 5, 80, hits, None)
