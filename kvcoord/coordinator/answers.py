@@ -3,11 +3,13 @@
 the fast path (:mod:`kvcoord.coordinator.fastpath`, from the table's packed rows and entries encoded
 beforehand). Dynamo's ``ScoreResponse`` fields first, then kvcoord's.
 
-Why fragments: an answer is a handful of per-(node, rank) parts (its ``scores`` and ``instances`` entries
-and its ``nodes`` entry) around a fixed frame. Building dicts and Structs per hit for one msgspec encode
-cost ~1 µs a hit, as much as the lookup; here each part is made once from a template that holds every
-string already encoded by msgspec (:func:`hit_templates`), only integers are formatted in
-(:func:`fast_hit`), and the fast path keeps the parts of the rows it has seen."""
+Why parts: an answer is a handful of per-(node, rank) parts (its ``scores`` and ``instances`` entries and
+its ``nodes`` entry) around a fixed frame. Building dicts and Structs per hit for one msgspec encode costs
+~1 µs a hit, more than the fast path's lookup; there each part is formatted once per table row from a
+template holding every string encoded by msgspec already (:func:`hit_templates`, :func:`fast_hit`), the
+rows' parts are kept, and an answer is joined from them (:func:`_joined`). The general path, whose answer
+objects change after they are made (pull hints, reservations), encodes its answer whole
+(:func:`_counted`): the definition, which ``tests/coordinator/test_answers.py`` holds the join to."""
 
 from __future__ import annotations
 
@@ -54,9 +56,8 @@ class _Answer(msgspec.Struct, omit_defaults=True):
     block_size: int
     num_blocks: int
     num_tokens: int
-    nodes: list[NodeJson | bytes | msgspec.Raw]
-    """:class:`NodeJson` objects (the general path), or the same entries encoded already (the fast path),
-    as :class:`msgspec.Raw` (never bytes: those encode as base64)."""
+    nodes: list[NodeJson | msgspec.Raw]
+    """:class:`NodeJson` objects (the general path), or the same entries encoded already (the fast path)."""
     block_hashes: list[int] | None = None
     """The query's block hashes, when asked for (``want_block_hashes``); omitted otherwise."""
 
@@ -163,9 +164,10 @@ def _counted(model: str, block_size: int, num_blocks: int, num_tokens: int, hits
             inst.gpu, inst.cpu = max(inst.gpu, gpu), max(inst.cpu, cpu)
             inst.disk = max(inst.disk, disk)
             inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
-    nodes: list[NodeJson | bytes | msgspec.Raw] = list(map(_NODE, hits))
-    if bytes in map(type, nodes):  # the fast path's entries, encoded already
-        nodes = [msgspec.Raw(node) if isinstance(node, bytes) else node for node in nodes]
+    entries: list[NodeJson | bytes] = list(map(_NODE, hits))
+    nodes = cast("list[NodeJson | msgspec.Raw]", entries)
+    if bytes in map(type, entries):  # the fast path's entries, encoded already
+        nodes = [msgspec.Raw(entry) if isinstance(entry, bytes) else entry for entry in entries]
     return _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens, nodes,
                            block_hashes)), best
 

@@ -5,12 +5,14 @@ node.
 Why: below a few hundred blocks the lookup itself (hash chain, match) is microseconds; the general path
 around it (liveness per node, an answer object per node) costs as much again. Here the chain is hashed
 in C, the index's C table gives the matched rows packed (``Table.rows``), and each live (node, rank) of
-the view carries its answer entry already encoded. Prompts share prefixes, so the same rows come back:
-their answer is kept whole (bar the query's sizes) until the view changes.
+the view carries its parts of an answer as templates, every string in them encoded already
+(:func:`~kvcoord.coordinator.answers.hit_templates`); a table row's parts are formatted once, and an answer
+is joined from its rows'. Prompts share prefixes, so the same rows come back: their answer is kept whole
+(bar the query's sizes) until the view changes.
 
 The handler (:class:`kvcoord.coordinator.httpapi.HttpApi`) frames (``httptools``) and decodes (msgspec)
 every request alike, answers errors itself, and asks this path first for a plain lookup. Both paths
-encode with :func:`kvcoord.coordinator.answers.lookup_answer`, and their answers are byte-identical
+encode with :func:`kvcoord.coordinator.answers.answer_json`, and their answers are byte-identical
 (``tests/coordinator/test_fastpath.py`` compares them over random fleets, queries and changes).
 
 A view names the registry's change count (:data:`kvcoord.coordinator.registry.CHANGES`), the table's
@@ -290,8 +292,8 @@ class _Kept:
         past :data:`_MAX_HITS`."""
         self.answers: dict[tuple[int, bytes], tuple[bytes, bytes, int]] = {}
         """(block size, the table's packed rows) -> the answer's bytes before and after its sizes
-        (:data:`SIZES`), and its best match: the answer is theirs alone, as long as
-        :attr:`hits` is kept (emptied with it, and when it grows past :data:`_MAX_ANSWERS`)."""
+        (:data:`SIZES`), and its best match: the answer is theirs alone, as long as :attr:`hits` is kept
+        (emptied with it, and when it grows past :data:`_MAX_ANSWERS`)."""
         self.by_node: dict[str, list[tuple[int, int]]] = {}
         """node id -> its (slot, dp rank)s in the table, as of the layout."""
         self.lapsed: set[str] = set()
