@@ -7,9 +7,11 @@ least of ``--rounds`` rounds. A coordinator state with ``--nodes``
 nodes on one model (sha256_cbor, block size 16), each holding part of one chain on a rank; the cases
 are plain lookups by tokens and by hashes, the request written at once (one ``data_received``) or head
 and body apart (two), and ``GET /health`` (no work: the framing alone). ``--miss``: every answer as if
-its rows were new (the view's encoded answers emptied first).
+its rows were new (the view's encoded answers and rows emptied first); ``--miss answers``: as if the
+query's rows had been seen in other answers (only the encoded answers emptied: a new prompt whose nodes
+match as some earlier prompt's did).
 
-    python benchmarks/bench_http_inproc.py [--requests 20000] [--miss] [--profile out.prof]
+    python benchmarks/bench_http_inproc.py [--requests 20000] [--miss [rows|answers]] [--profile out.prof]
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ async def _run(args: argparse.Namespace) -> None:
                 if args.miss:
                     for kept in fast._kept.values():
                         kept.answers.clear()
-                        kept.hits.clear()
+                        if args.miss == "rows":
+                            kept.hits.clear()
                 if client == "once":
                     feed(whole)
                 else:
@@ -156,8 +159,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the least CPU is reported (default 5)")
     ap.add_argument("--nodes", type=int, default=8, help="nodes holding the chain (default 8)")
     ap.add_argument("--cases", type=lambda v: v.split(","), default=None, help="e.g. tokens64,hashes64")
-    ap.add_argument("--miss", action="store_true",
-                    help="every answer a miss (the view's answers and hits emptied before each request)")
+    ap.add_argument("--miss", nargs="?", const="rows", choices=("rows", "answers"), default=None,
+                    help="every answer a miss: the view's answers and rows emptied before each request "
+                         "(rows, the default), or its answers alone (answers)")
     ap.add_argument("--profile", default=None, metavar="PATH", help="cProfile the timed loops into PATH")
     asyncio.run(_run(ap.parse_args()))
 

@@ -1,12 +1,22 @@
 """The HTTP API's lookup answer, encoded once for both of its paths: the handler's general path
 (:class:`kvcoord.coordinator.httpapi.HttpApi`, from :class:`~kvcoord.coordinator.lookup.LiveMatch` rows) and
 the fast path (:mod:`kvcoord.coordinator.fastpath`, from the table's packed rows and entries encoded
-beforehand). Dynamo's ``ScoreResponse`` fields first, then kvcoord's."""
+beforehand). Dynamo's ``ScoreResponse`` fields first, then kvcoord's.
+
+Why parts: an answer is a handful of per-(node, rank) parts (its ``scores`` and ``instances`` entries and
+its ``nodes`` entry) around a fixed frame. Building dicts and Structs per hit for one msgspec encode costs
+~1 µs a hit, more than the fast path's lookup; there each part is formatted once per table row from a
+template holding every string encoded by msgspec already (:func:`hit_templates`, :func:`fast_hit`), the
+rows' parts are kept, and an answer is joined from them (:func:`_joined`). The general path, whose answer
+objects change after they are made (pull hints, reservations), encodes its answer whole
+(:func:`_counted`): the definition, which ``tests/coordinator/test_answers.py`` holds the join to."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from operator import itemgetter
+from typing import cast
 
 import msgspec
 
@@ -19,8 +29,8 @@ from kvcoord.coordinator.reservations import Reserved
 from kvcoord.index.base import NodeKey
 from kvcoord.load import NodeLoad
 
-__all__ = ["SIZES", "Hit", "answer_json", "answered", "lookup_answer", "match_hits", "node_entry",
-           "node_tail", "with_pull", "with_reserved"]
+__all__ = ["SIZES", "Hit", "answer_json", "answered", "fast_hit", "hit_templates", "lookup_answer",
+           "match_hits", "with_pull", "with_reserved"]
 
 _encode = msgspec.json.Encoder().encode
 
@@ -52,9 +62,27 @@ class _Answer(msgspec.Struct, omit_defaults=True):
     """The query's block hashes, when asked for (``want_block_hashes``); omitted otherwise."""
 
 
-Hit = tuple[str, int, int, int, int, int, NodeJson | msgspec.Raw]
+Hit = tuple[str, int, int, int, int, int, "NodeJson | bytes", "tuple[bytes, bytes] | None"]
 """One (node, rank) of a lookup answer, best first: node id, dp rank, matched blocks, blocks per tier (GPU,
-CPU, storage), and its ``nodes`` entry."""
+CPU, storage), its ``nodes`` entry (a :class:`NodeJson`, or encoded already), and its ``scores`` and
+``instances`` entries as this rank alone makes them (the fast path's, :func:`fast_hit`, kept per table
+row), or None (the general path's: made from the counts)."""
+
+SIZES = b',"num_blocks":%d,"num_tokens":%d,"nodes":'
+"""The part of an answer between its model and block size and its ``nodes`` (:func:`answer_json`): the
+fast path keeps an answer's bytes around it, per table rows, and writes the query's sizes in."""
+
+_NODE_ID, _MATCHED, _NODE, _PARTS = itemgetter(0), itemgetter(2), itemgetter(6), itemgetter(7)
+_JOINED = b'{"scores":{%b},"frequencies":[],"instances":{%b},"model":%b,"block_size":%d' + SIZES + b"[%b]}"
+"""The answer as :class:`_Answer` encodes it without block hashes, from its parts (:func:`_joined`)."""
+_SCORE = b'%b:{"%d":%%d}'
+_INSTANCE = b'%b:{"longest_matched":%%d,"gpu":%%d,"dp":{"%d":%%d},"cpu":%%d,"disk":%%d}'
+_ENTRY = b'{"node_id":%b,"dp_rank":%d,"matched_blocks":%%d,"tiers":{"GPU":%%d,"CPU":%%d,"STORAGE":%%d}%b'
+
+
+def _literal(data: bytes) -> bytes:
+    """``data`` as a %-format's literal text."""
+    return data.replace(b"%", b"%%")
 
 
 def lookup_answer(state: CoordinatorState, model: str, block_size: int, num_blocks: int, num_tokens: int,
@@ -81,13 +109,42 @@ def answered(state: CoordinatorState, body: bytes, best: int, num_blocks: int, q
 def answer_json(model: str, block_size: int, num_blocks: int, num_tokens: int, hits: Sequence[Hit],
                 block_hashes: list[int] | None = None) -> tuple[bytes, int]:
     """Dynamo's ``ScoreResponse`` (tokens; ``scores`` GPU only; ``cpu`` and ``disk`` cumulative through the
-    faster tiers), then kvcoord's answer, and the most blocks a node matched. The one encoder of a
-    lookup's answer, for both paths."""
+    faster tiers), then kvcoord's answer, and the most blocks a node matched. The one encoder of a lookup's
+    answer, for both paths: joined from the hits' own parts where they have them (:func:`_joined`), else
+    encoded whole from their counts (:func:`_counted`, the definition; ``tests/coordinator/test_answers.py``
+    holds the first to it)."""
+    joined = _joined(model, block_size, num_blocks, num_tokens, hits) if block_hashes is None else None
+    return joined or _counted(model, block_size, num_blocks, num_tokens, hits, block_hashes)
+
+
+def _joined(model: str, block_size: int, num_blocks: int, num_tokens: int,
+            hits: Sequence[Hit]) -> tuple[bytes, int] | None:
+    """The answer joined from its hits' parts, where every hit is matched, has its ``scores`` and
+    ``instances`` parts and its ``nodes`` entry encoded (:func:`fast_hit`), and no node answers on two ranks
+    (Dynamo merges those): the fast path's, mostly. None otherwise."""
+    if not hits or hits[0][7] is None:  # the general path's
+        return None
+    parts = list(map(_PARTS, hits))
+    if None in parts or 0 in map(_MATCHED, hits) or len(set(map(_NODE_ID, hits))) < len(hits):
+        return None
+    nodes = list(map(_NODE, hits))
+    if NodeJson in map(type, nodes):
+        return None
+    scores, instances = zip(*cast("list[tuple[bytes, bytes]]", parts), strict=True)
+    return _JOINED % (b",".join(filter(None, scores)), b",".join(instances), _encode(model), block_size,
+                      num_blocks, num_tokens, b",".join(cast("list[bytes]", nodes))), max(map(_MATCHED, hits))
+
+
+def _counted(model: str, block_size: int, num_blocks: int, num_tokens: int, hits: Sequence[Hit],
+             block_hashes: list[int] | None) -> tuple[bytes, int]:
+    """The answer (:func:`answer_json`) encoded whole from its hits' counts: a node answering on several
+    ranks has them all in its ``scores`` and ``dp``, and its best of each count, as Dynamo's
+    ``ScoreResponse``."""
     bs = block_size or 1
     scores: dict[str, dict[str, int]] = {}
     instances: dict[str, _Instance] = {}
     best = 0
-    for node_id, rank, matched, g, c, _, _ in hits:
+    for node_id, rank, matched, g, c, _, _, _ in hits:
         if not matched:
             continue
         if matched > best:
@@ -107,23 +164,12 @@ def answer_json(model: str, block_size: int, num_blocks: int, num_tokens: int, h
             inst.gpu, inst.cpu = max(inst.gpu, gpu), max(inst.cpu, cpu)
             inst.disk = max(inst.disk, disk)
             inst.longest_matched = max(inst.longest_matched, gpu, cpu, disk)
-    nodes = [h[6] for h in hits]
+    entries: list[NodeJson | bytes] = list(map(_NODE, hits))
+    nodes = cast("list[NodeJson | msgspec.Raw]", entries)
+    if bytes in map(type, entries):  # the fast path's entries, encoded already
+        nodes = [msgspec.Raw(entry) if isinstance(entry, bytes) else entry for entry in entries]
     return _encode(_Answer(scores, (), instances, model, block_size, num_blocks, num_tokens, nodes,
                            block_hashes)), best
-
-
-SIZES = b',"num_blocks":%d,"num_tokens":%d,"nodes":'
-"""The part of an answer between its model and block size and its ``nodes`` (:func:`answer_json`): the
-fast path keeps an answer's bytes around it, per table rows, and writes the query's sizes in."""
-
-
-def node_entry(key: bytes, rank: int, matched: int, gpu: int, cpu: int, sto: int, tail: bytes) -> msgspec.Raw:
-    """A ``nodes`` entry from its node id as JSON and its tail (:meth:`HttpApi.node_tail`): as
-    :class:`NodeJson` encodes."""
-    return msgspec.Raw(_NODE_ENTRY % (key, rank, matched, gpu, cpu, sto, tail))
-
-
-_NODE_ENTRY = b'{"node_id":%b,"dp_rank":%d,"matched_blocks":%d,"tiers":{"GPU":%d,"CPU":%d,"STORAGE":%d}%b'
 
 
 _LOAD_JSON: dict[int, tuple[NodeLoad, msgspec.Raw]] = {}
@@ -143,30 +189,45 @@ def _load_json(load: NodeLoad) -> msgspec.Raw:
     return raw
 
 
-def node_tail(node_id: str, rank: int, load: NodeLoad, url: str, trust: str, cause: str) -> bytes:
-    """The ``nodes`` entry of a live (node, rank) after its ``tiers``, as :class:`NodeJson` encodes it: the
-    fast path's views keep it per (node, rank) and complete it with :func:`node_entry`."""
+def hit_templates(node_id: str, rank: int, load: NodeLoad, url: str, trust: str,
+                  cause: str) -> tuple[bytes, bytes, bytes]:
+    """A live (node, rank)'s ``nodes``, ``scores`` and ``instances`` entries with their counts left to
+    fill in (:func:`fast_hit`), as :class:`NodeJson` and :func:`_counted` encode them: the fast path's views
+    keep them per (node, rank)."""
     entry = _encode(NodeJson(node_id, rank, 0, TiersJson(0, 0, 0), _load_json(load), trust, url or None,
                              cause))
-    head = bytes(node_entry(_encode(node_id), rank, 0, 0, 0, 0, b""))
+    key = _literal(_encode(node_id))
+    head = _ENTRY % (key, rank, b"") % (0, 0, 0, 0)
     if not entry.startswith(head):
         raise AssertionError("a nodes entry does not start as expected")
-    return entry[len(head):]
+    return _ENTRY % (key, rank, _literal(entry[len(head):])), _SCORE % (key, rank), _INSTANCE % (key, rank)
 
 
-def with_pull(entry: NodeJson | msgspec.Raw, hint: PullHint) -> NodeJson | msgspec.Raw:
+def fast_hit(node_id: str, rank: int, templates: tuple[bytes, bytes, bytes], matched: int, gpu: int,
+             cpu: int, sto: int, block_size: int) -> Hit:
+    """A (node, rank)'s hit from its :func:`hit_templates` and its blocks in all and per tier (not negative,
+    as the table's: the longest run is the disk one), its Dynamo counts in tokens: ``cpu`` and ``disk``
+    cumulative through the faster tiers."""
+    entry, score, instance = templates
+    bs = block_size or 1
+    g, c, d = gpu * bs, (gpu + cpu) * bs, matched * bs
+    return (node_id, rank, matched, gpu, cpu, sto, entry % (matched, gpu, cpu, sto),
+            (score % g if g else b"", instance % (d, g, g, c, d)))
+
+
+def with_pull(entry: NodeJson | bytes, hint: PullHint) -> NodeJson | bytes:
     """A fast-path ``nodes`` entry (no pool fields) with its pull hint, as :class:`NodeJson` encodes it
     last."""
     if isinstance(entry, NodeJson):
         entry.pull = PullJson(*hint)
         return entry
-    return msgspec.Raw(bytes(entry)[:-1] + b',"pull":' + _encode(PullJson(*hint)) + b"}")
+    return b'%b,"pull":%b}' % (entry[:-1], _encode(PullJson(*hint)))
 
 
 def with_reserved(hits: Sequence[Hit], view: Mapping[NodeKey, Reserved]) -> None:
     """The general path's hits with the reservations on their (node, rank) (:func:`lookup_view
     <kvcoord.coordinator.reservations.lookup_view>`)."""
-    for node_id, rank, *_, node in hits:
+    for node_id, rank, _, _, _, _, node, _ in hits:
         got = view.get((node_id, rank))
         if got is not None and isinstance(node, NodeJson):
             node.reserved = ReservedJson(got.blocks, got.requests, got.prefill_tokens)
@@ -179,6 +240,7 @@ def match_hits(matches: Sequence[LiveMatch], pool_tier: Callable[[str], str]) ->
     for node_id, rank, matched, t, load, url, trust, cause, pool, pull in matches:
         g, c, d, p = (*t, 0, 0, 0)[:4] if t else (matched, 0, 0, 0)
         node = NodeJson(node_id, rank, matched, TiersJson(g, c, d, p), _load_json(load), trust, url or None,
-                     cause, pool, pool_tier(pool) if pool else "", None if pull is None else PullJson(*pull))
-        hits.append((node_id, rank, matched, g, c, d + p, node))
+                        cause, pool, pool_tier(pool) if pool else "",
+                        None if pull is None else PullJson(*pull))
+        hits.append((node_id, rank, matched, g, c, d + p, node, None))
     return hits

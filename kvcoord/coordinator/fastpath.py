@@ -5,12 +5,14 @@ node.
 Why: below a few hundred blocks the lookup itself (hash chain, match) is microseconds; the general path
 around it (liveness per node, an answer object per node) costs as much again. Here the chain is hashed
 in C, the index's C table gives the matched rows packed (``Table.rows``), and each live (node, rank) of
-the view carries its answer entry already encoded. Prompts share prefixes, so the same rows come back:
-their answer is kept whole (bar the query's sizes) until the view changes.
+the view carries its parts of an answer as templates, every string in them encoded already
+(:func:`~kvcoord.coordinator.answers.hit_templates`); a table row's parts are formatted once, and an answer
+is joined from its rows'. Prompts share prefixes, so the same rows come back: their answer is kept whole
+(bar the query's sizes) until the view changes.
 
 The handler (:class:`kvcoord.coordinator.httpapi.HttpApi`) frames (``httptools``) and decodes (msgspec)
 every request alike, answers errors itself, and asks this path first for a plain lookup. Both paths
-encode with :func:`kvcoord.coordinator.answers.lookup_answer`, and their answers are byte-identical
+encode with :func:`kvcoord.coordinator.answers.answer_json`, and their answers are byte-identical
 (``tests/coordinator/test_fastpath.py`` compares them over random fleets, queries and changes).
 
 A view names the registry's change count (:data:`kvcoord.coordinator.registry.CHANGES`), the table's
@@ -26,11 +28,18 @@ from __future__ import annotations
 import struct
 import time
 from array import array
-from typing import TYPE_CHECKING
+from operator import itemgetter
+from typing import TYPE_CHECKING, cast
 
-import msgspec
-
-from kvcoord.coordinator.answers import SIZES, Hit, answer_json, answered, node_entry, node_tail, with_pull
+from kvcoord.coordinator.answers import (
+    SIZES,
+    Hit,
+    answer_json,
+    answered,
+    fast_hit,
+    hit_templates,
+    with_pull,
+)
 from kvcoord.coordinator.httpd import Response
 from kvcoord.coordinator.lookup import LookupFailed
 from kvcoord.coordinator.pools import pull_hints
@@ -47,14 +56,16 @@ __all__ = ["MAX_VIEW_AGE", "FastAnswers"]
 MAX_VIEW_AGE = 0.25
 """Seconds a view is trusted at most, even with nothing seen to change (a backstop, not the rule)."""
 
-_encode = msgspec.json.Encoder().encode
 _CBOR_NULL = b"\xf6"
 """The CBOR tail of a block without extra keys."""
 
-_Slot = tuple[str, int, bytes, bytes, str]
-"""A live (node, rank) of a view: node id, dp rank, the node id as JSON, its answer entry's tail, and its
-serving URL when it may be a peer-pull source (exact trust; else "")."""
-_HitCache = dict[tuple[int, ...], "tuple[float, Hit, str] | None"]
+_Slot = tuple[str, int, tuple[bytes, bytes, bytes], str]
+"""A live (node, rank) of a view: node id, dp rank, its answer entries' templates
+(:func:`~kvcoord.coordinator.answers.hit_templates`), and its serving URL when it may be a peer-pull source
+(exact trust; else "")."""
+_Scored = tuple[float, Hit, str]
+"""A table row as an answer's hit (:func:`_hit`)."""
+_HitCache = dict[tuple[int, ...], "_Scored | tuple[()]"]
 _MAX_HITS = 4096
 _MAX_ANSWERS = 1024
 """Answers kept per view (a few KB each)."""
@@ -127,20 +138,21 @@ class FastAnswers:
     def _encoded(model: str, kept: _Kept, packed: bytes, nblocks: int, ntokens: int,
                  block_size: int) -> tuple[bytes, int]:
         """The answer to the table's ``packed`` rows (:func:`answer_json`), from the view's entries."""
-        cache = kept.hits
-        if len(cache) > _MAX_HITS:
-            cache.clear()
-        scored: list[tuple[float, int, Hit, str]] = []
-        for row in _ROW.iter_unpack(packed):
-            got = cache[row] if row in cache else cache.setdefault(row, _hit(kept, *row))
-            if got is not None:
-                scored.append((got[0], len(scored), got[1], got[2]))
-        scored.sort()  # the table's order (longest, then node and rank) breaks ties, as the handler's sort
-        hits = [hit for _, _, hit, _ in scored]
+        cache = kept.hits.get(block_size)
+        if cache is None or len(cache) > _MAX_HITS:
+            cache = kept.hits[block_size] = {}
+        rows = list(_ROW.iter_unpack(packed))
+        seen = list(map(cache.get, rows))  # None where not seen yet
+        if None in seen:
+            seen = [cache.setdefault(row, _hit(kept, block_size, *row)) if got is None else got
+                    for row, got in zip(rows, seen, strict=True)]
+        scored = cast("list[_Scored]", list(filter(None, seen)))  # () where the view does not report the slot
+        scored.sort(key=_SORT_KEY)  # stable: the table's order (longest, then node and rank) breaks ties,
+        hits = list(map(_HIT_OF, scored))  # as the handler's sort
         # the peer-pull hints, as the handler's (kvcoord.coordinator.pools.pull_hints): none without a source
-        if len(hits) > 1 and any(source for *_, source in scored):
-            pulls = pull_hints([(h[0], h[2], (h[3], h[4], h[5]), src) for _, _, h, src in scored])
-            hits = [h if p is None else (*h[:6], with_pull(h[6], p))
+        if len(hits) > 1 and any(map(_SOURCE_OF, scored)):
+            pulls = pull_hints([(h[0], h[2], (h[3], h[4], h[5]), src) for _, h, src in scored])
+            hits = [h if p is None else (*h[:6], with_pull(h[6], p), h[7])
                     for h, p in zip(hits, pulls, strict=True)]
         return answer_json(model, block_size, nblocks, ntokens, hits)
 
@@ -198,7 +210,7 @@ class FastAnswers:
         if info is None:
             return None
         load, url, trust, cause = info
-        return (node_id, rank, _encode(node_id), node_tail(node_id, rank, load, url, trust, cause),
+        return (node_id, rank, hit_templates(node_id, rank, load, url, trust, cause),
                 url if trust == "exact" else "")
 
     def _build(self, model: str, now: float) -> bool:
@@ -233,19 +245,20 @@ class FastAnswers:
         return True
 
 
-def _hit(kept: _Kept, slot: int, matched: int, cpu: int, sto: int) -> tuple[float, Hit, str] | None:
+def _hit(kept: _Kept, block_size: int, slot: int, matched: int, cpu: int, sto: int) -> _Scored | tuple[()]:
     """A table row as an answer's hit, with its sort key (minus its weighted score) and its pull-source
-    URL; None unless the view reports its slot."""
+    URL; () unless the view reports its slot."""
     entry = kept.slots[slot] if slot < len(kept.slots) else None
     if entry is None or not matched:
-        return None
-    node_id, rank, key, tail, source = entry
+        return ()
+    node_id, rank, templates, source = entry
     gpu = matched - cpu - sto
     w0, w1, w2 = kept.weights
-    return -(gpu * w0 + cpu * w1 + sto * w2), (node_id, rank, matched, gpu, cpu, sto,
-                                                 node_entry(key, rank, matched, gpu, cpu, sto, tail)), source
+    hit = fast_hit(node_id, rank, templates, matched, gpu, cpu, sto, block_size)
+    return -(gpu * w0 + cpu * w1 + sto * w2), hit, source
 
 
+_SORT_KEY, _HIT_OF, _SOURCE_OF = itemgetter(0), itemgetter(1), itemgetter(2)
 _ROW = struct.Struct("=4I")
 """A row of ``Table.rows``: slot, matched blocks, of which on CPU, on storage."""
 
@@ -273,9 +286,10 @@ class _Kept:
         is lapsed (asked again at every lookup)."""
         self.slots: list[_Slot | None] = []
         """Per table slot, its entry while lookups may report it."""
-        self.hits: _HitCache = {}
-        """Table rows seen, as hits (:func:`_hit`): rows repeat, as prompts share prefixes; emptied when a
-        slot's entry changes, and when it grows past :data:`_MAX_HITS`."""
+        self.hits: dict[int, _HitCache] = {}
+        """Per block size, table rows seen, as hits (:func:`_hit`, their counts in that size's tokens):
+        rows repeat, as prompts share prefixes; emptied when a slot's entry changes, and when it grows
+        past :data:`_MAX_HITS`."""
         self.answers: dict[tuple[int, bytes], tuple[bytes, bytes, int]] = {}
         """(block size, the table's packed rows) -> the answer's bytes before and after its sizes
         (:data:`SIZES`), and its best match: the answer is theirs alone, as long as :attr:`hits` is kept
