@@ -69,6 +69,7 @@ from kvcoord.validate import shown
 
 if TYPE_CHECKING:
     from kvcoord.coordinator.fastpath import FastAnswers
+    from kvcoord.coordinator.metrics import Metrics
 
 log = logging.getLogger("kvcoord.http")
 
@@ -207,9 +208,10 @@ _LOOKUP_HTTP = {INVALID: 400, NOT_FOUND: 404, NO_PROFILE: 400, "unavailable": 50
                 "internal": 500, "tokenizer_down": 503}
 
 
-def _failed(exc: LookupFailed) -> Response:
-    """A failed lookup's answer; a failed tokenizer says so in ``kvcoord-cause`` (gRPC: the trailer), so a
-    router tells it from a coordinator outage."""
+def _failed(exc: LookupFailed, metrics: Metrics) -> Response:
+    """A failed lookup's answer, counted; a failed tokenizer says so in ``kvcoord-cause`` (gRPC: the
+    trailer), so a router tells it from a coordinator outage."""
+    metrics.lookup_errors[exc.kind] = metrics.lookup_errors.get(exc.kind, 0) + 1
     resp = json_error(_LOOKUP_HTTP[exc.kind], exc.message)
     if exc.kind == TOKENIZER_DOWN:
         resp.headers.append((CAUSE_METADATA, TOKENIZER_CAUSE))
@@ -337,7 +339,7 @@ class HttpApi:
         except BadBody as exc:
             return exc.response
         except LookupFailed as exc:
-            return _failed(exc)
+            return _failed(exc, self.state.metrics)
 
     async def _query_text(self, model: str, body: FastQueryBody | QueryBody, t0: float) -> Response:
         """A lookup by ``prompt`` or chat ``messages``: tokenized as the engine does, then by tokens."""
@@ -352,7 +354,7 @@ class HttpApi:
             answer = self._answer(model, profile.block_size, hashes, len(tokens), body.include_unmatched,
                                   "prompt", t0, body.ask())
         except LookupFailed as exc:
-            return _failed(exc)
+            return _failed(exc, self.state.metrics)
         return answer if isinstance(answer, Response) else await answer
 
     def query_by_hash(self, req: Request) -> Response | Awaitable[Response]:
@@ -391,7 +393,7 @@ class HttpApi:
         except BadBody as exc:
             return exc.response
         except LookupFailed as exc:
-            return _failed(exc)
+            return _failed(exc, self.state.metrics)
 
     def _fast(self, include_unmatched: bool) -> bool:
         """Whether a plain lookup may take the fast path (its views know no reservations)."""
@@ -409,14 +411,14 @@ class HttpApi:
             try:
                 matches = run_inline(coro)
             except LookupFailed as exc:
-                return _failed(exc)
+                return _failed(exc, self.state.metrics)
             return self._scores(model, block_size, len(hashes), num_tokens, matches, query, t0)
 
         async def later() -> Response:
             try:
                 matches = await coro
             except LookupFailed as exc:
-                return _failed(exc)
+                return _failed(exc, self.state.metrics)
             return self._scores(model, block_size, len(hashes), num_tokens, matches, query, t0)
 
         return later()
@@ -428,7 +430,7 @@ class HttpApi:
         try:
             matches = await coro
         except LookupFailed as exc:
-            return _failed(exc)
+            return _failed(exc, self.state.metrics)
         hits = match_hits(matches, lambda pool: st.pools.tier(pool).name)
         start = max((h[2] for h in hits), default=0)
         with_reserved(hits, await lookup_view(st.reservations, ask.router_id, ask.reserve_id, model, hashes,

@@ -21,8 +21,8 @@ from kvcoord.load import NodeLoad
 from kvcoord.tokenize.base import TokenizeError
 from kvcoord.validate import shown
 
-__all__ = ["INTERNAL", "INVALID", "NOT_FOUND", "NO_PROFILE", "TOKENIZER_DOWN", "UNAVAILABLE", "UNIMPLEMENTED",
-           "LiveMatch", "LookupFailed", "Lookups"]
+__all__ = ["INTERNAL", "INVALID", "KINDS", "NOT_FOUND", "NO_PROFILE", "TOKENIZER_DOWN", "UNAVAILABLE",
+           "UNIMPLEMENTED", "LiveMatch", "LookupFailed", "Lookups"]
 
 INVALID = "invalid"
 NOT_FOUND = "not_found"
@@ -32,6 +32,8 @@ UNIMPLEMENTED = "unimplemented"
 INTERNAL = "internal"
 TOKENIZER_DOWN = "tokenizer_down"
 """The model's tokenizer is broken or unreachable (its engine down): the lookup cannot be answered."""
+KINDS = (INVALID, NOT_FOUND, NO_PROFILE, UNAVAILABLE, UNIMPLEMENTED, INTERNAL, TOKENIZER_DOWN)
+"""Every kind of :class:`LookupFailed` (``kvcoord_lookup_errors_total{kind}``)."""
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -90,6 +92,8 @@ class Lookups:
 
     def __init__(self, state: CoordinatorState) -> None:
         self.state = state
+        for kind in KINDS:  # kvcoord_lookup_errors_total's series exist from the start, at 0
+            state.metrics.lookup_errors.setdefault(kind, 0)
 
     def profile(self, model: str) -> HashProfile | None:
         """The model's hash profile; None when it has none (hash queries still work). Raises

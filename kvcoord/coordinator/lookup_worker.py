@@ -28,6 +28,7 @@ from kvcoord.coordinator.core import CoordinatorState
 from kvcoord.coordinator.fastpath import FastAnswers
 from kvcoord.coordinator.httpapi import HttpApi
 from kvcoord.coordinator.httpd import HttpLimits, HttpServer, Request, Response, Route, json_error
+from kvcoord.coordinator.lookup import UNAVAILABLE
 from kvcoord.coordinator.metrics import Metrics
 from kvcoord.coordinator.registry import CHANGES, NodeRecord
 from kvcoord.coordinator.tls import server_ssl_context
@@ -71,11 +72,17 @@ class WorkerApi(HttpApi):
 
     def query(self, req: Request) -> Response | Awaitable[Response]:
         down = self.lookups.index_down()
-        return json_error(503, down) if down is not None else super().query(req)
+        return super().query(req) if down is None else self._not_current(down)
 
     def query_by_hash(self, req: Request) -> Response | Awaitable[Response]:
         down = self.lookups.index_down()
-        return json_error(503, down) if down is not None else super().query_by_hash(req)
+        return super().query_by_hash(req) if down is None else self._not_current(down)
+
+    def _not_current(self, down: str) -> Response:
+        """503 while this worker's copy is not current (counted: the main process sums the workers')."""
+        errors = self.state.metrics.lookup_errors
+        errors[UNAVAILABLE] = errors.get(UNAVAILABLE, 0) + 1
+        return json_error(503, down)
 
     def routes(self) -> dict[str, Route]:
         routes = super().routes()

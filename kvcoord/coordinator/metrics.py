@@ -136,11 +136,18 @@ class LookupCollector(Collector):
             "(the general path)", labels=["path"])
         for path, count in sorted(m.lookup_answers.items()):
             answers.add_metric([path], float(count))
+        errors = CounterMetricFamily(
+            "kvcoord_lookup_errors",
+            "Lookups answered with an error (HTTP 4xx/5xx, a gRPC status), by kind: invalid, not_found, "
+            "no_profile, unavailable (the index down; on a lookup worker, its copy not current), "
+            "tokenizer_down, unimplemented, internal", labels=["kind"])
+        for kind, count in sorted(m.lookup_errors.items()):
+            errors.add_metric([kind], float(count))
         matched = HistogramMetricFamily("kvcoord_lookup_matched_fraction",
                                         "Best node's matched blocks / query blocks")
         counts, total = m.matched_fraction.counts()
         matched.add_metric([], _histogram_buckets(_FRACTION_BUCKETS, counts), sum_value=total)
-        return [latency, answers, matched]
+        return [latency, answers, errors, matched]
 
 
 class IndexCallCollector(Collector):
@@ -373,6 +380,8 @@ class Metrics:
             "answer within lookup_deadline (a stalled or failing-over backend)", registry=None)
         self.lookup_answers = {"fast": 0, "handler": 0}
         """``kvcoord_lookup_answers_total{path}``: HTTP lookups answered by each path."""
+        self.lookup_errors: dict[str, int] = {}
+        """``kvcoord_lookup_errors_total{kind}``: lookups (HTTP and gRPC) answered with an error."""
         self.sums.register(r, LookupCollector(self), self.lookup_deadline_exceeded, self.http_refusals)
         r.register(UnknownMediaCollector())
         self.ingest_lag = Histogram(

@@ -25,7 +25,7 @@ from kvcoord.engine.zmq_wire import ZmqEventPublisher
 from kvcoord.events import BlockRemoved, BlockStored, KVEventBatch
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index.base import Index
-from kvcoord.router.client import AsyncCoordinatorClient
+from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError
 from tests.procs import free_port, kvcoord_cmd, until_async
 from tests.tokenizers import build_tokenizer
 
@@ -241,6 +241,21 @@ async def test_bad_requests_get_one_line_errors(path: str, body: Any, status: in
         assert st == status and error in answer["error"] and "\n" not in answer["error"], answer
         assert await a.call("GET", "/workers") == (200, [])
         assert a.server.state is not None and await a.server.state.index.stats() == before
+
+
+async def test_failed_lookups_are_counted_by_kind() -> None:
+    """Every lookup answered with an error, over HTTP or gRPC, counts in kvcoord_lookup_errors_total{kind}."""
+    async with api() as a:
+        assert a.server.state is not None
+        metric = a.server.state.metrics.registry.get_sample_value
+        assert (await a.call("POST", "/query", {"token_ids": [1], "model_name": "nope"}))[0] == 404
+        too_many = {"block_hashes": list(range(9000)), "model_name": MODEL}
+        assert (await a.call("POST", "/query_by_hash", too_many))[0] == 400
+        async with AsyncCoordinatorClient(f"127.0.0.1:{a.server.port}") as client:
+            with pytest.raises(CoordinatorError):
+                await client.lookup(MODEL, hashes=list(range(9000)))
+        assert metric("kvcoord_lookup_errors_total", {"kind": "not_found"}) == 1
+        assert metric("kvcoord_lookup_errors_total", {"kind": "invalid"}) == 2
 
 
 async def test_http_protocol_errors() -> None:

@@ -35,7 +35,7 @@ from tests.coordinator.test_coordinator_e2e import (
     stored,
     write_config,
 )
-from tests.http_util import http_json, http_request
+from tests.http_util import http_json, http_request, metrics, sample
 from tests.procs import free_port, kvcoord_cmd, running, until, wait_for_port
 
 pytestmark = pytest.mark.slow
@@ -251,6 +251,9 @@ def test_a_killed_worker_is_restarted_and_sigterm_stops_all(tmp_path: Path) -> N
         finally:
             os.kill(co.proc.pid, signal.SIGCONT)  # type: ignore[attr-defined]
         until(lambda: post(co.http, *QUERIES[0])[0] == 200, "answers again once fed")
+        # ... and each refusal is counted, summed into the main process's /metrics from the workers' reports
+        until(lambda: sample(metrics(f"http://127.0.0.1:{co.metrics}/metrics"), "kvcoord_lookup_errors_total",
+                             kind="unavailable") >= 2, "the workers' 503s in kvcoord_lookup_errors_total")
         t0 = time.monotonic()
         os.kill(co.proc.pid, signal.SIGTERM)  # type: ignore[attr-defined]
         co.proc.wait(timeout=10)  # type: ignore[attr-defined]
