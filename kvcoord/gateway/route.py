@@ -162,11 +162,11 @@ class RouteServer:
         latency = getattr(policy, "latency", None)
         self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
         """How long a placed prompt counts as queued prefill at most (see :class:`Prefill`)."""
-        self.pd = PdRouter(config.pd, self.placer, self.backends, self.metrics,
+        self.upstreams = HttpPools(connect_timeout=config.connect_timeout)
+        """The engines' connections requests are forwarded on (aiohttp's client: probes and /v1/models)."""
+        self.pd = PdRouter(config.pd, self.placer, self.backends, self.metrics, upstreams=self.upstreams,
                            max_attempts=config.max_attempts, fail=self._fail)
         self._session: aiohttp.ClientSession | None = None
-        self.upstreams = HttpPools(connect_timeout=config.connect_timeout)
-        """The engines' connections requests are forwarded on (aiohttp's client: probes, /v1/models, P/D)."""
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
@@ -194,7 +194,6 @@ class RouteServer:
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                               timeout=aiohttp.ClientTimeout(total=None,
                                                                             connect=self.config.connect_timeout))
-        self.pd.session = self._session
         host, port = split_hostport(self.config.listen)
         head = self.config.limits.max_header_bytes  # one line or field may be the whole head
         runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False,
