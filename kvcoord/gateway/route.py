@@ -34,6 +34,7 @@ from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import KV_SOURCE_HEADER, Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.http_lookup import HttpLookupClient, LookupClient
+from kvcoord.router.http_pool import HttpConn, HttpPools
 from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.tokenize.media import MediaRule
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
@@ -161,7 +162,9 @@ class RouteServer:
         latency = getattr(policy, "latency", None)
         self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
         """How long a placed prompt counts as queued prefill at most (see :class:`Prefill`)."""
-        self.pd = PdRouter(config.pd, self.placer, self.backends, self.metrics,
+        self.upstreams = HttpPools(connect_timeout=config.connect_timeout)
+        """The engines' connections requests are forwarded on (aiohttp's client: probes and /v1/models)."""
+        self.pd = PdRouter(config.pd, self.placer, self.backends, self.metrics, upstreams=self.upstreams,
                            max_attempts=config.max_attempts, fail=self._fail)
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -191,7 +194,6 @@ class RouteServer:
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                               timeout=aiohttp.ClientTimeout(total=None,
                                                                             connect=self.config.connect_timeout))
-        self.pd.session = self._session
         host, port = split_hostport(self.config.listen)
         head = self.config.limits.max_header_bytes  # one line or field may be the whole head
         runner = web.AppRunner(self.app(), shutdown_timeout=1.0, access_log=None, handle_signals=False,
@@ -233,6 +235,7 @@ class RouteServer:
             self._runner = None
         if self._session is not None:
             await self._session.close()
+        self.upstreams.close()
         if isinstance(self.lookups, HttpLookupClient):
             await self.lookups.close()
         for client in (self.client, self.rpc):
@@ -441,7 +444,6 @@ class RouteServer:
                        headers: dict[str, str], payload: bytes, strip_usage: bool,
                        attempts: int) -> web.StreamResponse | None:
         """Send to the chosen node; None means "try the next one" (nothing reached the client yet)."""
-        assert self._session is not None
         key, node_id = attempt.decision.key, attempt.decision.node_id
         # Prefill this adds to the node's queue, as the policy saw it (its memory of in-flight placements
         # included); ``predicted`` stays the index's view, which is what the quality metrics judge.
@@ -458,34 +460,37 @@ class RouteServer:
         self.metrics.placements.labels(node_label(key), str(plan.prefix_aware).lower()).inc()
         try:
             try:
-                upstream = await self._session.post(attempt.chosen.serving_url + path, data=payload,
-                                                    headers=send)
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                upstream = await self.upstreams.request(attempt.chosen.serving_url, path, payload, send)
+            except (TimeoutError, OSError) as exc:
                 self._fail(node_id, "connect", f"{type(exc).__name__}: {exc}")
                 self.metrics.retries.labels("connect").inc()
                 return None
-            async with upstream:
+            try:
                 if upstream.status >= 500:
-                    await upstream.read()
+                    with contextlib.suppress(TimeoutError, OSError):
+                        await upstream.read()
                     self._fail(node_id, "status_5xx", f"HTTP {upstream.status}")
                     self.metrics.retries.labels("status_5xx").inc()
                     return None
                 self.metrics.first_byte_seconds.observe(time.perf_counter() - plan.started)
                 route_headers = self._route_headers(plan, attempt, attempts)
-                if upstream.content_type == "text/event-stream":
+                ctype = upstream.headers.get("content-type", "")
+                if ctype.partition(";")[0].strip().lower() == "text/event-stream":
                     return await self._relay_stream(request, plan, attempt, upstream, route_headers,
                                                     strip_usage, queued)
                 return await self._relay_whole(plan, attempt, upstream, route_headers, queued)
+            finally:
+                upstream.release()  # kept alive when its answer ended, else closed (the engine sees it end)
         finally:
             queued.done()  # a failed attempt's prompt is not queued there any more either
             self.backends.end(key)
 
-    async def _relay_whole(self, plan: Plan, attempt: _Attempt, upstream: aiohttp.ClientResponse,
+    async def _relay_whole(self, plan: Plan, attempt: _Attempt, upstream: HttpConn,
                            route_headers: dict[str, str],
                            queued: Prefill[NodeKey]) -> web.StreamResponse | None:
         try:
             data = await upstream.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, OSError) as exc:
             self._fail(attempt.decision.node_id, "connect", f"{type(exc).__name__}: {exc}")
             self.metrics.retries.labels("connect").inc()
             return None
@@ -499,27 +504,27 @@ class RouteServer:
             attempt.usage = usage if isinstance(usage, dict) else None
             if plan.judged:
                 self.metrics.achieved(attempt.predicted, attempt.usage)
-        ctype = upstream.headers.get("Content-Type", "application/json")
+        ctype = upstream.headers.get("content-type", "application/json")
         return web.Response(body=data, status=upstream.status,
                             headers={"Content-Type": ctype, **route_headers})
 
     async def _relay_stream(self, request: web.Request, plan: Plan, attempt: _Attempt,
-                            upstream: aiohttp.ClientResponse, route_headers: dict[str, str],
+                            upstream: HttpConn, route_headers: dict[str, str],
                             strip_usage: bool, queued: Prefill[NodeKey]) -> web.StreamResponse:
         node_id = attempt.decision.node_id
         resp = web.StreamResponse(status=upstream.status, headers={
-            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+            "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
             "Cache-Control": "no-cache", **route_headers})
         out = ChunkedOut(request, resp)
         await resp.prepare(request)
         relay = SseRelay(strip_usage=strip_usage)
         attempt.outcome = "ok" if upstream.status < 400 else "upstream_error"
         try:
-            await relay_events(upstream.content, out, relay, queued.done)
+            await relay_events(upstream, out, relay, queued.done)
         except ConnectionResetError:  # the client went away: so does the upstream request
             attempt.outcome = "client_gone"
             return resp
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, OSError) as exc:  # the engine's connection failed (ConnectionError)
             if not out.held:  # [DONE] already came: the answer is whole, only the connection's end was lost
                 attempt.outcome = "midstream_failure"
                 self._fail(node_id, "midstream", f"{type(exc).__name__}: {exc}")

@@ -23,7 +23,7 @@ __all__ = ["Client", "covered", "encoded", "header_safe", "if_available", "upstr
 
 _HOP = frozenset({"host", "content-length", "content-type", "connection", "keep-alive", "transfer-encoding",
                   "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
-                  KV_SOURCE_HEADER})
+                  "expect", KV_SOURCE_HEADER})
 """Request headers not forwarded: hop-by-hop ones, and those the router sets itself."""
 _KEY_HEADERS = frozenset({"authorization", "x-api-key"})
 def if_available(request: web.Request) -> bool:

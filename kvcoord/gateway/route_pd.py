@@ -27,8 +27,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
 from aiohttp import web
+
+from kvcoord.router.http_pool import HttpPools
 
 from .disagg import PdConfig, pools_of, prefill_remote
 from .route_backends import Backends
@@ -55,7 +56,7 @@ class PdRouter:
     """Picks the decode node, decides on a remote prefill, and runs it."""
 
     def __init__(self, config: PdConfig, placer: Placer, backends: Backends, metrics: RouteMetrics,
-                 *, max_attempts: int, fail: Callable[[str, str, str], None]) -> None:
+                 *, upstreams: HttpPools, max_attempts: int, fail: Callable[[str, str, str], None]) -> None:
         self.config = config
         """The flags' pools (empty: by roles) and threshold."""
         self.placer = placer
@@ -64,7 +65,8 @@ class PdRouter:
         self.max_attempts = max_attempts
         self.fail = fail
         """The router's "leave this node out" (node, kind, detail)."""
-        self.session: aiohttp.ClientSession | None = None
+        self.upstreams = upstreams
+        """The engines' connections (the router's)."""
 
     def pools(self, model: str) -> PdConfig | None:
         """The pools of ``model``'s requests now; None: one engine per request."""
@@ -122,7 +124,6 @@ class PdRouter:
         picked = self.placer.choose(plan)
         if picked is None:
             return None
-        assert self.session is not None
         decision, chosen = picked
         r = plan.request
         predicted = predicted_tokens(chosen.matched_blocks, r.block_size, r.num_tokens)
@@ -130,11 +131,12 @@ class PdRouter:
         self.metrics.prefill_placements.labels(node_label(decision.key)).inc()
         t0 = time.perf_counter()
         try:
-            async with self.session.post(chosen.serving_url + path, data=json.dumps(sent).encode(),
-                                         headers=headers) as resp:
-                data = await resp.read()
-                status = resp.status
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            conn = await self.upstreams.request(chosen.serving_url, path, json.dumps(sent).encode(), headers)
+            try:
+                data, status = await conn.read(), conn.status
+            finally:
+                conn.release()
+        except (TimeoutError, OSError) as exc:
             self.fail(decision.node_id, "connect", f"{type(exc).__name__}: {exc}")
             self.metrics.retries.labels("connect").inc()
             return None

@@ -13,7 +13,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import StreamReader, web
+from aiohttp import web
+
+from kvcoord.router.http_pool import HttpConn
 
 from .apis import event_usage
 
@@ -95,11 +97,13 @@ class SseRelay:
 
 class ChunkedOut:
     """The client side of a relayed stream: each piece one HTTP chunk written straight on the transport
-    (aiohttp's ``StreamResponse.write`` costs four Python calls a chunk, and this runs once per token).
-    The framing is aiohttp's own (``<hex length>\\r\\n<data>\\r\\n``; :meth:`StreamResponse.write_eof` ends
-    the body as usual); an HTTP/1.0 client, which gets no chunked encoding, goes through ``resp.write``."""
+    (aiohttp's ``StreamResponse.write`` costs four Python calls a chunk, and this runs once per token,
+    from the upstream connection's ``data_received``: it cannot await). The framing is aiohttp's own
+    (``<hex length>\\r\\n<data>\\r\\n``; :meth:`StreamResponse.write_eof` ends the body as usual); an
+    HTTP/1.0 client, which gets no chunked encoding, gets the bytes as they are (what aiohttp's writer
+    sends it: the body ends with the connection)."""
 
-    __slots__ = ("_protocol", "_resp", "_writer", "framed", "held")
+    __slots__ = ("_protocol", "_writer", "framed", "held")
 
     def __init__(self, request: web.Request, resp: web.StreamResponse) -> None:
         """Call before ``resp.prepare(request)``: it asks for chunked encoding where HTTP/1.1 allows it."""
@@ -108,55 +112,51 @@ class ChunkedOut:
             resp.enable_chunked_encoding()
         self._protocol = request.protocol
         self._writer = request.writer
-        self._resp = resp
         self.held = b""
         """What :func:`relay_events` holds back for ``write_eof``."""
 
     def write(self, data: bytes) -> bool:
-        """Sends ``data`` now; True when the client reads slower than the engine writes (the transport
-        holds bytes): then await :meth:`drain`. ``ConnectionResetError`` once the client is gone."""
-        transport = self._protocol.transport
+        """Sends ``data`` now; True when the client reads slower than the engine writes (the transport is
+        above its high-water mark): then :meth:`drain`. ``ConnectionResetError`` once the client is gone."""
+        protocol = self._protocol
+        transport = protocol.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        return transport.get_write_buffer_size() > 0
-
-    async def send(self, data: bytes) -> None:
-        if not self.framed:
-            await self._resp.write(data)
-        elif self.write(data):
-            await self.drain()
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.framed else data)
+        return protocol.writing_paused
 
     async def drain(self) -> None:
         """Waits only while the transport is paused (above its high water)."""
         await self._writer.drain()
 
 
-async def relay_events(source: StreamReader, out: ChunkedOut, relay: SseRelay,
+async def relay_events(source: HttpConn, out: ChunkedOut, relay: SseRelay,
                        first: Callable[[], None]) -> None:
-    """Passes ``source``'s events to ``out`` as each read brings them (all bytes available at once,
-    usage events stripped by ``relay``), calling ``first`` at the first byte. Leaves in ``out.held``
-    what goes with ``write_eof``: the events ending in ``[DONE]`` (sent with the end of the body, in one
-    write) and an unterminated last event. The upstream's and the client's errors propagate (``out.held``
-    then says whether ``[DONE]`` had come)."""
-    read = source.readany
-    piece = await read()
-    if piece:
-        first()
-    while piece:
+    """Passes ``source``'s events to ``out`` as each read brings them (all bytes of one read at once,
+    usage events stripped by ``relay``, from the connection's ``data_received``; the upstream stops
+    reading while the client's transport is full), calling ``first`` at the first byte. Leaves in
+    ``out.held`` what goes with ``write_eof``: the events ending in ``[DONE]`` (sent with the end of the
+    body, in one write) and an unterminated last event. The upstream's and the client's errors propagate
+    (``out.held`` then says whether ``[DONE]`` had come)."""
+    started = False
+
+    def sink(piece: bytes) -> bool:
+        nonlocal started
+        if not started:
+            started = True
+            first()
         data = relay.feed(piece)
-        if data:
-            if out.held:
-                await out.send(out.held)
-                out.held = b""
-            if data.endswith(_DONE):
-                out.held = data
-            elif out.framed:
-                if out.write(data):
-                    await out.drain()
-            else:
-                await out.send(data)
-        piece = await read()
+        if not data:
+            return False
+        if out.held:
+            held, out.held = out.held, b""
+            out.write(held)
+        if data.endswith(_DONE):
+            out.held = data
+            return False
+        return out.write(data)
+
+    await source.pipe(sink, out.drain)
     out.held += relay.rest()
 
 

@@ -1,41 +1,60 @@
 """A small HTTP/1.1 client for one server: kept-alive connections, one request at a time on each, framed
 by ``httptools`` (llhttp, the coordinator's own parser). What :mod:`kvcoord.router.http_lookup` posts its
-lookups on.
+lookups on, and what ``kvcoord route`` forwards requests to the engines on (:meth:`HttpPool.request`: the
+answer's head first, then its body whole or passed on piece by piece from ``data_received``).
 
 Why not aiohttp's client: a lookup is one small POST and one JSON answer, and aiohttp's client machinery
 (request and response objects, header multidicts, stream readers, timers) costs a router more CPU per call
-than the lookup's own work. Here a call is one write of a prebuilt head and the body, and the answer's
-bytes joined once.
+than the lookup's own work. Here a call is one write of a head and the body, and the answer's bytes joined
+once. A streamed answer (an engine's SSE, ~370 reads a request) goes from the parser's callback straight
+to the caller's sink: no stream reader, no future and no task wake-up per read; the connection stops
+reading while the sink's client is slow (:meth:`HttpConn.pipe`).
 
-A kept-alive connection the server closed meanwhile (its idle timeout) fails the call that finds it dead
-before any answer byte: that call is sent once more on a new connection.
+A kept-alive connection the server closed meanwhile fails the call that finds it dead before any answer
+byte: that call is sent once more on a new connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import cast
+from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["HttpPool", "HttpReply"]
+__all__ = ["HttpConn", "HttpPool", "HttpPools", "HttpReply", "Sink"]
 
 HttpReply = tuple[int, bytes, dict[str, str]]
 """Status, body, and the headers asked for (lower-case names)."""
+Sink = Callable[[bytes], bool]
+"""Takes each piece of a body as it arrives; True asks the connection to stop reading until resumed."""
+
+_SENT, _HEAD, _END = 0, 1, 2
+"""How far an answer has come."""
+_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 
 
-class _Conn(asyncio.Protocol):
-    """One connection: a request written, its answer parsed; reusable when the server keeps it alive."""
+class HttpConn(asyncio.Protocol):
+    """One connection: a request written, its answer parsed; reusable when the server keeps it alive.
+    After :meth:`HttpPool.request` returned it: ``status`` and ``headers`` (the ones asked for), then
+    :meth:`read` or :meth:`pipe` the body, then :meth:`release`."""
 
-    def __init__(self, wanted: frozenset[bytes]) -> None:
-        self.wanted = wanted
+    def __init__(self, pool: HttpPool) -> None:
+        self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.waiter: asyncio.Future[HttpReply] | None = None
-        self.body: list[bytes] = []
+        self.waiter: asyncio.Future[None] | None = None
+        self.status = 0
         self.headers: dict[str, str] = {}
+        self.body: list[bytes] = []
+        self.sink: Sink | None = None
+        self.phase = _END
+        self.until = _END
+        self.paused = False
+        self.framed = False
+        self.error: BaseException | None = None
         self.closed = False
         self.keep_alive = True
         self.got_bytes = False
@@ -50,44 +69,118 @@ class _Conn(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(ConnectionError(f"a malformed HTTP answer: {exc}"))
+            return
+        if self.sink is not None and self.body:
+            self._flush()  # whatever this read brought, as one piece
+        if self.waiter is not None and (self.phase >= self.until or self.paused or self.error is not None):
+            self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._fail(ConnectionError(f"connection closed{f': {exc}' if exc else ''}"))
+        if self.phase == _HEAD and not self.framed and not self.keep_alive:
+            self.on_message_complete()  # a body that ends with the connection (no length, not chunked)
+            if self.sink is not None and self.body:
+                self._flush()
+        if self.phase != _END:
+            self._fail(ConnectionError(f"connection closed{f': {exc}' if exc else ''}"))
+        self._wake()
 
     # --- httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        if name in self.wanted:
+        if name in _FRAMING:
+            self.framed = True
+        if name in self.pool.wanted:
             self.headers[name.decode()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self.phase = _HEAD
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
-        waiter, self.waiter = self.waiter, None
-        reply = (self.parser.get_status_code(), b"".join(self.body), self.headers)
-        self.body, self.headers = [], {}
-        if waiter is not None and not waiter.done():
-            waiter.set_result(reply)
+        self.phase = _END
 
     # ---
-    def send(self, head: bytes, body: bytes) -> asyncio.Future[HttpReply]:
-        if self.transport is None or self.waiter is not None or self.closed:
+    def send(self, head: bytes, body: bytes) -> None:
+        if self.transport is None or self.phase != _END or self.closed:
             raise ConnectionError("the connection is not ready for a request")
-        self.got_bytes = False
-        self.waiter = asyncio.get_running_loop().create_future()
+        self.got_bytes = self.framed = self.paused = False
+        self.phase, self.status, self.headers, self.body, self.sink, self.error = _SENT, 0, {}, [], None, None
         self.transport.writelines((head, body))
-        return self.waiter
 
-    def _fail(self, exc: Exception) -> None:
-        self.closed = True
-        waiter, self.waiter = self.waiter, None
+    async def wait(self, phase: int) -> None:
+        """Until the answer reached ``phase`` (or, piped, the sink asked for a pause); raises what ended
+        the exchange first (the connection's loss, a malformed answer, the sink's exception)."""
+        while self.error is None and self.phase < phase and not self.paused:
+            self.until = phase
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        if self.error is not None:
+            raise self.error
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        await self.wait(_END)
+        body, self.body = b"".join(self.body), []
+        return body
+
+    async def pipe(self, sink: Sink, drain: Callable[[], Awaitable[None]]) -> None:
+        """Passes the body to ``sink`` as each read brings it (from ``data_received``: no task runs per
+        piece) until it ends. When ``sink`` returns True the connection stops reading; it reads again once
+        ``drain()`` returned. ``sink``'s exceptions end the exchange (the connection is closed: the server
+        sees the request end) and are raised here."""
+        self.sink = sink
+        if self.body:
+            self._flush()
+        while True:
+            await self.wait(_END)
+            if not self.paused:
+                return
+            await drain()
+            self.paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+
+    def release(self) -> None:
+        """Back to the pool when the answer ended and the server keeps the connection; else closed."""
+        self.sink = None
+        if self.phase == _END and self.keep_alive and not self.closed and self.error is None:
+            self.pool.idle(self)
+        else:
+            self.close()
+
+    def _flush(self) -> None:
+        body, sink = self.body, self.sink
+        assert sink is not None
+        piece = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        try:
+            pause = sink(piece)
+        except Exception as exc:  # raised to the one awaiting the exchange
+            self._fail(exc)
+            return
+        if pause and not self.paused and self.phase != _END and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
         if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-        if self.transport is not None:
-            self.transport.close()
+            waiter.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.close()
+        self._wake()
 
     def close(self) -> None:
         self.closed = True
@@ -96,33 +189,62 @@ class _Conn(asyncio.Protocol):
 
 
 class HttpPool:
-    """Kept-alive connections to ``host:port`` (TLS with ``ssl_context``); :meth:`post` one body at a time
-    per connection, as many connections as calls run at once. ``headers`` go with every request;
-    ``wanted`` names the answer headers :meth:`post` returns."""
+    """Kept-alive connections to ``host:port`` (TLS with ``ssl_context``): one request at a time per
+    connection, as many connections as calls run at once. ``headers`` go with every :meth:`post`;
+    ``wanted`` names the answer headers returned. ``connect_timeout`` bounds a new connection (TLS
+    handshake included)."""
 
     def __init__(self, host: str, port: int, *, headers: Mapping[str, str] = {},
                  ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
-                 wanted: frozenset[str] = frozenset(), max_idle: int = 64) -> None:
+                 wanted: frozenset[str] = frozenset(), max_idle: int = 64,
+                 connect_timeout: float | None = None) -> None:
         self.host, self.port = host, port
         self.ssl = ssl_context
         self.server_hostname = server_hostname if ssl_context is not None else None
-        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self._head = f"HTTP/1.1\r\nHost: {authority}\r\n{extra}Content-Length: ".encode()
-        self._wanted = frozenset(w.lower().encode() for w in wanted)
-        self._idle: list[_Conn] = []
+        self.authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.wanted = frozenset(w.lower().encode() for w in wanted)
+        self._idle: list[HttpConn] = []
         self.max_idle = max_idle
+        self.connect_timeout = connect_timeout
 
-    async def _connect(self) -> _Conn:
+    def head(self, method: str, path: str, length: int, headers: Mapping[str, str] | None = None) -> bytes:
+        """A request's head: ``headers`` (else the pool's), then the body's length. ``ValueError`` when a
+        header or the path would break the head's lines."""
+        if headers is None:
+            extra = self._extra
+        else:
+            extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            if extra.count("\n") != len(headers) or extra.count("\r") != len(headers):
+                raise ValueError("a header holds a line break")
+        if " " in path or "\n" in path or "\r" in path:
+            raise ValueError(f"{path!r}: not a request path")
+        return (f"{method} {path} HTTP/1.1\r\nHost: {self.authority}\r\n{extra}"
+                f"Content-Length: {length}\r\n\r\n").encode()
+
+    async def _connect(self) -> HttpConn:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: _Conn(self._wanted), self.host, self.port,
-                                               ssl=self.ssl, server_hostname=self.server_hostname)
+        async with asyncio.timeout(self.connect_timeout):
+            _, conn = await loop.create_connection(lambda: HttpConn(self), self.host, self.port, ssl=self.ssl,
+                                                   server_hostname=self.server_hostname)
         return conn
 
     async def post(self, path: str, body: bytes) -> HttpReply:
         """POST ``body`` to ``path``: ``(status, body, wanted headers)``. ``ConnectionError`` / ``OSError``
         when the server cannot be reached or drops the connection; cancelling closes the connection."""
-        head = b"POST " + path.encode() + b" " + self._head + str(len(body)).encode() + b"\r\n\r\n"
+        conn = await self.request("POST", path, body)
+        try:
+            data = await conn.read()
+        finally:
+            conn.release()
+        return conn.status, data, conn.headers
+
+    async def request(self, method: str, path: str, body: bytes,
+                      headers: Mapping[str, str] | None = None) -> HttpConn:
+        """Sends a request (``headers``, else the pool's) and returns its connection once the answer's head
+        has come: read its body, then :meth:`HttpConn.release` it. ``OSError`` (``ConnectionError``) or
+        ``TimeoutError`` (connecting) when the server cannot be reached or drops the connection first."""
+        head = self.head(method, path, len(body), headers)
         while self._idle:
             conn = self._idle.pop()
             if conn.closed:
@@ -135,19 +257,62 @@ class HttpPool:
             # a kept-alive connection the server closed meanwhile: once more, on a new one
         return await self._exchange(await self._connect(), head, body)
 
-    async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> HttpReply:
+    @staticmethod
+    async def _exchange(conn: HttpConn, head: bytes, body: bytes) -> HttpConn:
         try:
-            reply = await conn.send(head, body)
+            conn.send(head, body)
+            await conn.wait(_HEAD)
         except BaseException:
             conn.close()
             raise
-        if conn.keep_alive and not conn.closed and len(self._idle) < self.max_idle:
+        return conn
+
+    def idle(self, conn: HttpConn) -> None:
+        """Keeps ``conn`` for the next request (closed ones are dropped when the list is full)."""
+        if len(self._idle) >= self.max_idle:
+            self._idle = [c for c in self._idle if not c.closed]
+        if len(self._idle) < self.max_idle:
             self._idle.append(conn)
         else:
             conn.close()
-        return reply
 
     def close(self) -> None:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
+
+
+class HttpPools:
+    """An :class:`HttpPool` per server URL (``http(s)://HOST:PORT[/base]``), made at its first request:
+    what ``kvcoord route`` forwards to the engines on. Answers' ``content-type`` is kept."""
+
+    def __init__(self, *, connect_timeout: float | None = None, max_idle: int = 256) -> None:
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self._pools: dict[str, tuple[HttpPool, str]] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    def _pool(self, url: str) -> tuple[HttpPool, str]:
+        got = self._pools.get(url)
+        if got is None:
+            parts = urlsplit(url)
+            tls = parts.scheme == "https"
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConnectionError(f"{url!r}: not an http(s)://HOST:PORT URL")
+            if tls and self._tls is None:
+                self._tls = ssl.create_default_context()
+            pool = HttpPool(parts.hostname, parts.port or (443 if tls else 80), ssl_context=self._tls if tls
+                            else None, wanted=frozenset({"content-type"}), max_idle=self.max_idle,
+                            connect_timeout=self.connect_timeout)
+            got = self._pools[url] = (pool, parts.path.rstrip("/"))
+        return got
+
+    async def request(self, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> HttpConn:
+        """POSTs ``body`` to ``url`` + ``path``: :meth:`HttpPool.request`."""
+        pool, base = self._pool(url)
+        return await pool.request("POST", base + path, body, headers)
+
+    def close(self) -> None:
+        for pool, _ in self._pools.values():
+            pool.close()
+        self._pools.clear()

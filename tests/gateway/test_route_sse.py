@@ -1,7 +1,9 @@
-"""Route's SSE pass-through (:func:`~kvcoord.gateway.route_sse.relay_events` writing HTTP chunks itself
-through :class:`~kvcoord.gateway.route_sse.ChunkedOut`) over real sockets: an upstream aiohttp server
-streaming events in uneven pieces, a relay server in between, and clients speaking HTTP/1.1 (chunked),
-HTTP/1.0 (no chunked encoding: the body ends with the connection), reading slowly, or leaving mid-stream."""
+"""Route's SSE pass-through (:func:`~kvcoord.gateway.route_sse.relay_events` feeding the upstream
+connection's reads, :class:`~kvcoord.router.http_pool.HttpPool`'s, straight into HTTP chunks written by
+:class:`~kvcoord.gateway.route_sse.ChunkedOut`) over real sockets: an upstream aiohttp server streaming
+events in uneven pieces, a relay server in between (its upstream connections kept alive), and clients
+speaking HTTP/1.1 (chunked), HTTP/1.0 (no chunked encoding: the body ends with the connection), reading
+slowly, or leaving mid-stream (which ends the upstream request)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from kvcoord.gateway.route_sse import ChunkedOut, SseRelay, relay_events
+from kvcoord.router.http_pool import HttpPool
 
 EVENTS = [b'data: {"choices":[{"text":"t%d"}],"usage":null}\n\n' % i for i in range(200)]
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":200}}\n\n'
@@ -30,6 +33,8 @@ class Relay:
     url: str
     outcomes: list[str] = field(default_factory=list)
     usage: list[object] = field(default_factory=list)
+    firsts: list[bool] = field(default_factory=list)
+    upstream_closed: list[bool] = field(default_factory=list)
 
 
 async def _upstream(request: web.Request) -> web.StreamResponse:
@@ -60,24 +65,30 @@ async def _serve(path: str, handler: Callable[[web.Request], Awaitable[web.Strea
 @pytest.fixture
 async def relay() -> AsyncIterator[Relay]:
     up_runner, up_port = await _serve("/stream", _upstream)
-    session = aiohttp.ClientSession(auto_decompress=False)
+    pool = HttpPool("127.0.0.1", up_port, wanted=frozenset({"content-type"}))
     state = Relay("")
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        async with session.get(f"http://127.0.0.1:{up_port}/stream", params=request.query) as upstream:
+        query = "?big=1" if request.query.get("big") == "1" else ""
+        upstream = await pool.request("GET", f"/stream{query}", b"")
+        try:
+            assert upstream.status == 200 and upstream.headers["content-type"] == "text/event-stream"
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             out = ChunkedOut(request, resp)
             await resp.prepare(request)
             sse = SseRelay(strip_usage=True)
             try:
-                await relay_events(upstream.content, out, sse, lambda: None)
+                await relay_events(upstream, out, sse, lambda: state.firsts.append(True))
             except ConnectionResetError:
                 state.outcomes.append("client_gone")
+                state.upstream_closed.append(upstream.closed)
                 return resp
             state.outcomes.append("ok")
             state.usage.append(sse.usage)
             await resp.write_eof(out.held)
             return resp
+        finally:
+            upstream.release()
 
     runner, port = await _serve("/relay", handler)
     state.url = f"http://127.0.0.1:{port}/relay"
@@ -85,7 +96,7 @@ async def relay() -> AsyncIterator[Relay]:
         yield state
     finally:
         await runner.cleanup()
-        await session.close()
+        pool.close()
         await up_runner.cleanup()
 
 
@@ -119,7 +130,7 @@ async def test_http11_gets_the_events_chunked_with_usage_stripped(relay: Relay) 
     head, body = raw.split(b"\r\n\r\n", 1)
     assert b"transfer-encoding: chunked" in head.lower()
     assert _dechunk(body) == EXPECTED
-    assert relay.outcomes == ["ok", "ok"]
+    assert relay.outcomes == ["ok", "ok"] and relay.firsts == [True, True]
     assert relay.usage[0] == {"prompt_tokens": 9, "completion_tokens": 200}
 
 
@@ -158,3 +169,4 @@ async def test_a_client_leaving_mid_stream_ends_the_relay(relay: Relay) -> None:
             break
         await asyncio.sleep(0.05)
     assert relay.outcomes == ["client_gone"]
+    assert relay.upstream_closed == [True]  # the engine sees the request end

@@ -1,0 +1,113 @@
+"""The small HTTP/1.1 client (:mod:`kvcoord.router.http_pool`) against raw servers on real sockets: what
+``kvcoord route`` relies on when it forwards to engines on it (kept-alive reuse and a stale connection's
+retry, bodies framed every way, an answer cut short, a paused pipe)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from kvcoord.router.http_pool import HttpPool, HttpPools
+
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Start = Callable[[Answer], Awaitable[int]]
+
+
+async def _head(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+    return head
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Start]:
+    servers: list[asyncio.Server] = []
+
+    async def start(answer: Answer) -> int:
+        srv = await asyncio.start_server(answer, "127.0.0.1", 0)
+        servers.append(srv)
+        return int(srv.sockets[0].getsockname()[1])
+
+    yield start
+    for srv in servers:
+        srv.close()
+
+
+async def test_kept_alive_connections_are_reused_and_a_stale_one_is_retried(server: Start) -> None:
+    """Each connection answers one request and drops the next unanswered (a server whose idle timeout
+    raced it): that call, dead before any byte, goes again on a new connection."""
+    connections = dropped = 0
+
+    async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections, dropped
+        connections += 1
+        head = await _head(reader)
+        assert head.startswith(b"POST /base/v1/x HTTP/1.1\r\n") and b"\r\nx-hop: 1\r\n" in head
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok")
+        await _head(reader)
+        dropped += 1
+        writer.close()
+
+    port = await server(once)
+    pools = HttpPools(connect_timeout=2.0)
+    try:
+        async with asyncio.timeout(10):
+            for _ in range(3):
+                conn = await pools.request(f"http://127.0.0.1:{port}/base/", "/v1/x", b"{}", {"x-hop": "1"})
+                assert (conn.status, conn.headers) == (200, {"content-type": "text/plain"})
+                assert await conn.read() == b"ok"
+                conn.release()
+        assert (connections, dropped) == (3, 2)
+    finally:
+        pools.close()
+
+
+async def test_bodies_chunked_or_ended_by_the_close_are_read_whole(server: Start) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await _head(reader)
+        if b" /chunked " in head:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+            await writer.drain()
+            writer.close()
+
+    port = await server(answer)
+    for path, body in (("/chunked", b"abcde"), ("/close", b"until the end")):
+        pool = HttpPool("127.0.0.1", port)
+        async with asyncio.timeout(10):
+            assert await pool.post(path, b"") == (200, body, {})
+        pool.close()
+
+
+async def test_an_answer_cut_short_fails_and_a_paused_pipe_reads_on_after_drain(server: Start) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(4):
+            writer.write(b"2\r\n%02d\r\n" % i)
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.close()  # no last chunk: the answer is incomplete
+
+    pool = HttpPool("127.0.0.1", await server(answer))
+    conn = await pool.request("POST", "/", b"")
+    got: list[bytes] = []
+    drains = 0
+
+    async def drain() -> None:
+        nonlocal drains
+        drains += 1
+        await asyncio.sleep(0.05)
+
+    with pytest.raises(ConnectionError):
+        async with asyncio.timeout(10):
+            await conn.pipe(lambda piece: got.append(piece) or True, drain)  # type: ignore[func-returns-value]
+    conn.release()
+    assert b"".join(got) == b"00010203" and drains >= 1 and conn.closed
+    pool.close()
