@@ -220,7 +220,7 @@ class ToyTokenizer(NamedTokenizer):
         worker thread would run it no sooner than the event loop, only later. A ~100 KB prompt (~14k
         words) takes ~3 ms of work; handed to a worker thread in a busy ``kvcoord serve`` it took ~20 ms
         of wall time, waiting for the GIL and for the loop to take its result back
-        (benchmarks/README.md, "Serve's lookup of a long text prompt")."""
+        (benchmarks/README.md, "Serve's lookup of a long text prompt: where its time goes")."""
         self._check_prompt(prompt)
         return tokenize(prompt, add_special_tokens=add_special_tokens)
 
