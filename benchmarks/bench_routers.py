@@ -32,10 +32,10 @@ Figures per run: the cached share of prompt tokens (the engines' own ``vllm:pref
 SSE chunk), per-engine balance (each engine's share of the prompt tokens; max / mean), and CPU per
 request of the router processes (``/proc``, every process in each router's process group, over the
 replay), with the coordinator's own CPU (ingest, tokenization round trips, lookups, reservations) apart.
-For kvcoord, route's own metrics follow on stderr: its mean lookup time, placements on a node holding less
-than the best one, placements without the index, and the best node's, the chosen node's predicted and the
-achieved cached tokens (where a hit went missing: the index or the policy). The issue's targets are
-checked at the end against the runs made.
+For kvcoord, route's own metrics follow on stderr: its mean lookup time (and the part of it serve's handler
+took, from serve's ``/metrics``), placements on a node holding less than the best one, placements without
+the index, and the best node's, the chosen node's predicted and the achieved cached tokens (where a hit
+went missing: the index or the policy). The issue's targets are checked at the end against the runs made.
 
     .venv/bin/python benchmarks/bench_routers.py [--requests 600] [--replicas 1,2,4] [--quick]
         [--tokenizer sim|engine|sim,engine]
