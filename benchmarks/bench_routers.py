@@ -32,10 +32,10 @@ Figures per run: the cached share of prompt tokens (the engines' own ``vllm:pref
 SSE chunk), per-engine balance (each engine's share of the prompt tokens; max / mean), and CPU per
 request of the router processes (``/proc``, every process in each router's process group, over the
 replay), with the coordinator's own CPU (ingest, tokenization round trips, lookups, reservations) apart.
-For kvcoord, route's own metrics follow on stderr: its mean lookup time, placements on a node holding less
-than the best one, placements without the index, and the best node's, the chosen node's predicted and the
-achieved cached tokens (where a hit went missing: the index or the policy). The issue's targets are
-checked at the end against the runs made.
+For kvcoord, route's own metrics follow on stderr: its mean lookup time (and the part of it serve's handler
+took, from serve's ``/metrics``), placements on a node holding less than the best one, placements without
+the index, and the best node's, the chosen node's predicted and the achieved cached tokens (where a hit
+went missing: the index or the policy). The issue's targets are checked at the end against the runs made.
 
     .venv/bin/python benchmarks/bench_routers.py [--requests 600] [--replicas 1,2,4] [--quick]
         [--tokenizer sim|engine|sim,engine]
@@ -142,6 +142,8 @@ class Fleet:
     router_pids: list[int]
     engines: dict[str, str]
     coordinator_pid: int = 0
+    coordinator_metrics: str = ""
+    """The coordinator's ``/metrics`` URL (its lookups' own handling time)."""
 
 
 def _url(port: int) -> str:
@@ -186,9 +188,11 @@ def _fleet(tmp: Path, args: argparse.Namespace, run: Run) -> Iterator[Fleet]:
             engine0 = next(iter(urls.values()))
             if run.tokenizer == "sim":
                 asyncio.run(_same_ids(engine0, args.sample_prompt))
+            mport = free_port()
+            fleet.coordinator_metrics = f"{_url(mport)}/metrics"
             coordinator, fleet.coordinator_pid = start_serve(
                 stack, tmp / f"{tag}-serve.log", SIM_SOURCE if run.tokenizer == "sim" else engine0,
-                http_port=hport, profile=PROFILE)
+                http_port=hport, profile=PROFILE, metrics_port=mport)
             asyncio.run(_register(_url(hport), engines))
             cmds = [route_cmd(p, "--coordinator", coordinator,
                               "--deadline-ms", str(args.deadline_ms), "--refresh-interval", "0.5",
@@ -258,18 +262,23 @@ async def _engine_counters(engines: dict[str, str]) -> dict[str, tuple[float, fl
     return out
 
 
-_DIAG = ("kvcoord_route_below_best_total", "kvcoord_route_degraded_total", "kvcoord_route_best_tokens_total",
+_SERVE_LOOKUP = "kvcoord_lookup_latency_seconds"
+_PROMPT = '{query="prompt"}'
+_DIAG = (_SERVE_LOOKUP + "_sum" + _PROMPT, _SERVE_LOOKUP + "_count" + _PROMPT,
+         "kvcoord_route_below_best_total", "kvcoord_route_degraded_total", "kvcoord_route_best_tokens_total",
          "kvcoord_route_predicted_tokens_total", "kvcoord_route_achieved_tokens_total",
          "kvcoord_route_lookup_seconds_sum", "kvcoord_route_lookup_seconds_count")
 
 
-async def _route_diagnosis(bases: list[str]) -> str:
+async def _route_diagnosis(bases: list[str], coordinator_metrics: str) -> str:
     """Summed over route replicas: placements on a node holding less than the best, placements without the
     index (by reason), the best node's, the chosen node's predicted and the achieved hit tokens, and the
-    lookup's mean time (the coordinator's tokenization included), which a request waits before its engine."""
+    lookup's mean time (the coordinator's tokenization included), which a request waits before its engine,
+    with the part the coordinator's handler took (``kvcoord_lookup_latency_seconds``: the rest is the
+    transport, route's loop and lookups queued behind others)."""
     vals: dict[str, float] = {}
     async with aiohttp.ClientSession() as s:
-        for base in bases:
+        for base in [*bases, coordinator_metrics.removesuffix("/metrics")]:
             async with s.get(f"{base}/metrics") as r:
                 for line in (await r.text()).splitlines():
                     if line.startswith(_DIAG):
@@ -279,7 +288,9 @@ async def _route_diagnosis(bases: list[str]) -> str:
                 if k.startswith("kvcoord_route_degraded_total") and v}
     count = vals.get("kvcoord_route_lookup_seconds_count", 0.0)
     lookup = vals.get("kvcoord_route_lookup_seconds_sum", 0.0) / max(count, 1)
-    return (f"lookup mean {lookup * 1e3:.1f} ms; "
+    handled = (vals.get(_SERVE_LOOKUP + "_sum" + _PROMPT, 0.0)
+               / max(vals.get(_SERVE_LOOKUP + "_count" + _PROMPT, 0.0), 1))
+    return (f"lookup mean {lookup * 1e3:.1f} ms (serve's handler {handled * 1e3:.1f} ms); "
             f"below the best holder {vals.get('kvcoord_route_below_best_total', 0):.0f}, without the index "
             f"{degraded or 0}; hit tokens: best node {vals.get('kvcoord_route_best_tokens_total', 0):,.0f}, "
             f"chosen (predicted) {vals.get('kvcoord_route_predicted_tokens_total', 0):,.0f}, achieved "
@@ -333,7 +344,7 @@ def _measure(tmp: Path, args: argparse.Namespace, run: Run, reqs: list[Request])
         after = asyncio.run(_engine_counters(fleet.engines))
         run.load = os.getloadavg()[0]
         if run.router == "kvcoord":
-            run.diagnosis = asyncio.run(_route_diagnosis(fleet.bases))
+            run.diagnosis = asyncio.run(_route_diagnosis(fleet.bases, fleet.coordinator_metrics))
     for node, (p1, h1) in after.items():
         p0, h0 = before[node]
         run.prompt_tokens[node], run.hit_tokens[node] = p1 - p0, h1 - h0

@@ -143,7 +143,9 @@ class _TextEncoder(Protocol):
 
 async def encode_by_size(encode: _TextEncoder, prompt: str, add_special_tokens: bool) -> list[int]:
     """``encode(prompt)`` on the caller's thread when it is short (under :data:`INLINE_CHARS` characters),
-    else in a worker thread: the one rule for the tokenizers that encode in-process."""
+    else in a worker thread: the rule for a local Hugging Face tokenizer, whose encoding runs in native
+    code (the toy tokenizer, pure Python holding the GIL, gains nothing from a thread and encodes on the
+    caller's thread)."""
     if len(prompt) < INLINE_CHARS:
         return encode(prompt, add_special_tokens=add_special_tokens)
     return await asyncio.to_thread(encode, prompt, add_special_tokens=add_special_tokens)

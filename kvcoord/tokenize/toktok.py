@@ -43,7 +43,6 @@ from kvcoord.tokenize.base import (
     NamedTokenizer,
     Tool,
     check_chat_request,
-    encode_by_size,
 )
 
 __all__ = [
@@ -105,6 +104,10 @@ lookup per word a few. Emptied when full (a bound on memory for arbitrary text; 
 
 
 def _word_ids(words: list[str]) -> list[int]:
+    try:  # every word seen before (the usual case): one C-level pass
+        return list(map(_ID_CACHE.__getitem__, words))
+    except KeyError:
+        pass
     ids = []
     for w in words:
         i = _ID_CACHE.get(w)
@@ -212,10 +215,14 @@ class ToyTokenizer(NamedTokenizer):
         super().__init__(model, SOURCE)
 
     async def encode_prompt(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
-        """:func:`tokenize`, as the sim-engine's completions and ``/tokenize`` apply it; a long prompt in a
-        worker thread (as a local Hugging Face tokenizer's), so the event loop keeps serving meanwhile."""
+        """:func:`tokenize`, as the sim-engine's completions and ``/tokenize`` apply it, on the caller's
+        thread whatever the prompt's length (as :meth:`encode_chat`): this is Python holding the GIL, so a
+        worker thread would run it no sooner than the event loop, only later. A ~100 KB prompt (~14k
+        words) takes ~3 ms of work; handed to a worker thread in a busy ``kvcoord serve`` it took ~20 ms
+        of wall time, waiting for the GIL and for the loop to take its result back
+        (benchmarks/README.md, "Serve's lookup of a long text prompt: where its time goes")."""
         self._check_prompt(prompt)
-        return await encode_by_size(tokenize, prompt, add_special_tokens)
+        return tokenize(prompt, add_special_tokens=add_special_tokens)
 
     async def encode_chat(
         self,
