@@ -207,6 +207,8 @@ class HttpPool:
         self._idle: list[HttpConn] = []
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
+        self.closed = False
+        """Closed: a connection handed back (a request in flight at the close) is closed, not kept."""
 
     def head(self, method: str, path: str, length: int, headers: Mapping[str, str] | None = None) -> bytes:
         """A request's head: ``headers`` (else the pool's), then the body's length. ``ValueError`` when a
@@ -269,6 +271,9 @@ class HttpPool:
 
     def idle(self, conn: HttpConn) -> None:
         """Keeps ``conn`` for the next request (closed ones are dropped when the list is full)."""
+        if self.closed:
+            conn.close()
+            return
         if len(self._idle) >= self.max_idle:
             self._idle = [c for c in self._idle if not c.closed]
         if len(self._idle) < self.max_idle:
@@ -277,6 +282,7 @@ class HttpPool:
             conn.close()
 
     def close(self) -> None:
+        self.closed = True
         for conn in self._idle:
             conn.close()
         self._idle.clear()
@@ -284,21 +290,29 @@ class HttpPool:
 
 class HttpPools:
     """An :class:`HttpPool` per server URL (``http(s)://HOST:PORT[/base]``), made at its first request:
-    what ``kvcoord route`` forwards to the engines on. Answers' ``content-type`` is kept."""
+    what ``kvcoord route`` forwards to the engines on. Answers' ``content-type`` is kept. At most
+    ``max_pools`` are kept, the least recently asked closed first: engines come and go (a pod's new
+    address is a new URL), and a pool of one that left must not live as long as the router."""
 
-    def __init__(self, *, connect_timeout: float | None = None, max_idle: int = 256) -> None:
+    def __init__(self, *, connect_timeout: float | None = None, max_idle: int = 256,
+                 max_pools: int = 1024) -> None:
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
+        self.max_pools = max_pools
         self._pools: dict[str, tuple[HttpPool, str]] = {}
         self._tls: ssl.SSLContext | None = None
 
     def _pool(self, url: str) -> tuple[HttpPool, str]:
-        got = self._pools.get(url)
-        if got is None:
+        got = self._pools.pop(url, None)
+        if got is not None:
+            self._pools[url] = got  # the most recently asked last
+        else:
             parts = urlsplit(url)
             tls = parts.scheme == "https"
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ConnectionError(f"{url!r}: not an http(s)://HOST:PORT URL")
+            while len(self._pools) >= self.max_pools:
+                self._pools.pop(next(iter(self._pools)))[0].close()
             if tls and self._tls is None:
                 self._tls = ssl.create_default_context()
             pool = HttpPool(parts.hostname, parts.port or (443 if tls else 80), ssl_context=self._tls if tls

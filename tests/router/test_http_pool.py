@@ -111,3 +111,49 @@ async def test_an_answer_cut_short_fails_and_a_paused_pipe_reads_on_after_drain(
     conn.release()
     assert b"".join(got) == b"00010203" and drains >= 1 and conn.closed
     pool.close()
+
+
+async def test_pools_of_engines_not_asked_lately_are_closed(server: Start) -> None:
+    """Past ``max_pools`` URLs the least recently asked pool goes and its kept connection is closed; the
+    others' stay open and are reused."""
+    opened: dict[int, int] = {}
+    ended: dict[int, int] = {}
+
+    def keep_alive(port_of: list[int]) -> Answer:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            port = port_of[0]
+            opened[port] = opened.get(port, 0) + 1
+            try:
+                while True:
+                    await _head(reader)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                ended[port] = ended.get(port, 0) + 1
+        return answer
+
+    ports: list[int] = []
+    for _ in range(3):
+        cell: list[int] = []
+        cell.append(await server(keep_alive(cell)))
+        ports.append(cell[0])
+    pools = HttpPools(connect_timeout=2.0, max_pools=2)
+
+    async def ask(port: int) -> None:
+        conn = await pools.request(f"http://127.0.0.1:{port}", "/x", b"", {})
+        assert await conn.read() == b"ok"
+        conn.release()
+
+    try:
+        async with asyncio.timeout(10):
+            await ask(ports[0])
+            await ask(ports[1])
+            await ask(ports[0])  # ports[0] is now the most recently asked
+            await ask(ports[2])  # ports[1]'s pool goes, its connection closed
+            while ended.get(ports[1]) != 1:
+                await asyncio.sleep(0.01)
+            await ask(ports[0])
+            await ask(ports[2])
+            assert opened == {ports[0]: 1, ports[1]: 1, ports[2]: 1}  # the kept ones were reused
+            assert ports[0] not in ended and ports[2] not in ended
+    finally:
+        pools.close()
