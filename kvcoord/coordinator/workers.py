@@ -258,10 +258,14 @@ class LookupWorkers:
 
     async def _look_after(self, w: _Worker) -> None:
         proc = w.proc
-        if proc is None or proc.returncode is not None:
+        # Its reports pipe closed is its exit too: uvloop sometimes sets no returncode for a killed child.
+        if proc is None or proc.returncode is not None or (w.reading is not None and w.reading.done()):
             if time.monotonic() - w.started < RESTART_EVERY or self._stopping:
                 return
             if proc is not None:
+                if proc.returncode is None:  # gone, or as good as gone: make sure
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
                 log.warning("lookup worker %d exited (code %s); restarting it", w.number, proc.returncode)
             self.reports.restarted(w.number)
             w.synced = False
