@@ -147,6 +147,33 @@ class _Worker:
     """Its metrics reports (:class:`WorkerReports`)."""
 
 
+def _exited(w: _Worker) -> bool:
+    """``w``'s process exited, or its reports pipe closed (the same: uvloop sometimes sets no returncode
+    for a killed child)."""
+    assert w.proc is not None
+    return w.proc.returncode is not None or (w.reading is not None and w.reading.done())
+
+
+async def _exit(w: _Worker) -> None:
+    """Until :func:`_exited` holds for ``w``."""
+    assert w.proc is not None
+    waiting = asyncio.ensure_future(w.proc.wait())
+    try:
+        await asyncio.wait({waiting} | ({w.reading} if w.reading is not None else set()),
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+
+
+async def _all_exit(workers: list[_Worker], timeout: float) -> list[_Worker]:
+    """Wait up to ``timeout`` for every one of ``workers`` to exit; those that did not."""
+    waits = [asyncio.ensure_future(_exit(w)) for w in workers]
+    _, pending = await asyncio.wait(waits, timeout=timeout)
+    for task in pending:
+        task.cancel()
+    return [w for w in workers if not _exited(w)]
+
+
 class LookupWorkers:
     """The main process's side: spawns the workers, feeds them, restarts them, stops them."""
 
@@ -258,8 +285,7 @@ class LookupWorkers:
 
     async def _look_after(self, w: _Worker) -> None:
         proc = w.proc
-        # Its reports pipe closed is its exit too: uvloop sometimes sets no returncode for a killed child.
-        if proc is None or proc.returncode is not None or (w.reading is not None and w.reading.done()):
+        if proc is None or _exited(w):
             if time.monotonic() - w.started < RESTART_EVERY or self._stopping:
                 return
             if proc is not None:
@@ -281,21 +307,18 @@ class LookupWorkers:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
-        for proc in procs:
+        live = [w for w in self.workers if w.proc is not None and not _exited(w)]
+        for w in live:
+            assert w.proc is not None
             with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        if procs:
-            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout)
-            for proc in procs:
-                if proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-            for p in procs:
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(1.0):
-                        await p.wait()
-            del pending
+                w.proc.terminate()
+        left = await _all_exit(live, timeout) if live else []
+        for w in left:
+            assert w.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+        if left:
+            await _all_exit(left, 1.0)
         reading = [w.reading for w in self.workers if w.reading is not None]
         if reading:  # their pipes closed with them: the last reports are taken, then the tasks end
             _, late = await asyncio.wait(reading, timeout=1.0)
