@@ -11,8 +11,9 @@ queueing). In front of them, R router replicas, request i going to replica i mod
   prompts); route is given the engines' cost model. ``--tokenizer sim`` (default) has serve tokenize
   in-process with the engines' own toy tokenizer (``tokenizer=sim:toktok``; checked against an engine's
   ``/tokenize`` on a trace prompt first, the run stops if the ids differ); ``--tokenizer engine`` has it
-  call engine 0's ``/tokenize`` per lookup, as a deployment without a local tokenizer does; both
-  (``sim,engine``) run each kvcoord configuration twice, one after the other;
+  call engine 0's ``/tokenize`` per lookup, as a deployment without a local tokenizer does; ``--tokenizer
+  route`` has each route tokenize itself (``--tokenizer sim:toktok``) and look up by token ids; several
+  (``sim,engine``) run each kvcoord configuration once per tokenizer, one after the other;
 - ``sglang-router``: R ``sglang-router launch --policy cache_aware`` (0.3.2, Rust, a per-router
   approximate radix tree over the prompt text);
 - ``smg``: R ``smg launch --policy cache_aware`` (SGLang's gateway 1.13.0, Rust, the same idea);
@@ -38,7 +39,11 @@ the index, and the best node's, the chosen node's predicted and the achieved cac
 went missing: the index or the policy). The issue's targets are checked at the end against the runs made.
 
     .venv/bin/python benchmarks/bench_routers.py [--requests 600] [--replicas 1,2,4] [--quick]
-        [--tokenizer sim|engine|sim,engine]
+        [--tokenizer sim|engine|sim,engine] [--lookup grpc|http] [--lookup-workers N] [--work-weight K]
+
+``--lookup http`` has route ask serve's HTTP API (``--coordinator-http``) instead of gRPC, answered by
+``--lookup-workers`` worker processes too when given; ``--work-weight``
+is route's (its cost model's ``k``; default route's own).
 
 Mind the trace's own ceiling: with an unbounded cache, the first 150 / 300 / 600 / 1,000 requests could
 serve 4.6% / 8.1% / 17.2% / 21.6% of their prompt tokens from cache (every earlier block held
@@ -70,7 +75,7 @@ from kvcoord.tokenize import SIM_SOURCE, open_tokenizer
 from tests.procs import TRACES, free_port, running, wait_for_port
 
 ROUTERS = ("kvcoord", "sglang-router", "smg", "round-robin")
-TOKENIZERS = ("sim", "engine")
+TOKENIZERS = ("sim", "engine", "route")
 """Where kvcoord serve tokenizes: in-process with the sim-engines' toy tokenizer, or an engine's /tokenize."""
 _TICK = os.sysconf("SC_CLK_TCK")
 Request = tuple[float, str, int]
@@ -84,7 +89,7 @@ class Run:
     router: str
     replicas: int
     tokenizer: str = ""
-    """kvcoord only: ``sim`` or ``engine`` (:data:`TOKENIZERS`)."""
+    """kvcoord only: ``sim``, ``engine`` or ``route`` (:data:`TOKENIZERS`)."""
     ttft: list[float] = field(default_factory=list)
     errors: int = 0
     prompt_tokens: dict[str, float] = field(default_factory=dict)
@@ -186,15 +191,18 @@ def _fleet(tmp: Path, args: argparse.Namespace, run: Run) -> Iterator[Fleet]:
         if router == "kvcoord":
             hport = free_port()
             engine0 = next(iter(urls.values()))
-            if run.tokenizer == "sim":
+            if run.tokenizer in ("sim", "route"):
                 asyncio.run(_same_ids(engine0, args.sample_prompt))
             mport = free_port()
             fleet.coordinator_metrics = f"{_url(mport)}/metrics"
             coordinator, fleet.coordinator_pid = start_serve(
-                stack, tmp / f"{tag}-serve.log", SIM_SOURCE if run.tokenizer == "sim" else engine0,
-                http_port=hport, profile=PROFILE, metrics_port=mport)
+                stack, tmp / f"{tag}-serve.log", engine0 if run.tokenizer == "engine" else SIM_SOURCE,
+                http_port=hport, profile=PROFILE, metrics_port=mport, workers=args.lookup_workers)
             asyncio.run(_register(_url(hport), engines))
-            cmds = [route_cmd(p, "--coordinator", coordinator,
+            over_http = ("--coordinator-http", _url(hport)) if args.lookup == "http" else ()
+            weight = ("--work-weight", str(args.work_weight)) if args.work_weight else ()
+            own = ("--tokenizer", SIM_SOURCE) if run.tokenizer == "route" else ()
+            cmds = [route_cmd(p, "--coordinator", coordinator, *over_http, *weight, *own,
                               "--deadline-ms", str(args.deadline_ms), "--refresh-interval", "0.5",
                               "--seed", str(args.seed + i),
                               "--prefill-us-per-token", str(args.prefill_us_per_token),
@@ -408,9 +416,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="300 requests, 60,000 blocks a node (their working set over 4 engines; a short "
                     "run: --requests and --blocks-per-node then ignored)")
+    ap.add_argument("--lookup", choices=("grpc", "http"), default="grpc",
+                    help="how kvcoord route asks serve: gRPC Lookup, or its HTTP API (--coordinator-http)")
+    ap.add_argument("--lookup-workers", type=int, default=0,
+                    help="kvcoord serve's --lookup-workers (they answer its HTTP API: with --lookup http)")
+    ap.add_argument("--work-weight", type=float, default=None,
+                    help="kvcoord route's --work-weight (default: route's own)")
     ap.add_argument("--tokenizer", default="sim",
-                    help="where kvcoord serve tokenizes, comma-separated for several kvcoord runs: sim "
-                    "(in-process, the engines' toy tokenizer) or engine (engine 0's /tokenize)")
+                    help="where kvcoord tokenizes, comma-separated for several kvcoord runs: sim (serve, "
+                    "in-process, the engines' toy tokenizer), engine (serve, via engine 0's /tokenize) or "
+                    "route (each route itself, the toy tokenizer; lookups by token ids)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.quick:

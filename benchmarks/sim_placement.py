@@ -11,6 +11,9 @@ term (``is busier``), or a placement this router made that events have not repor
 
 A variant is ``policy[:key=value,...]``; keys are :class:`PrefixAwarePolicy` keyword arguments
 (``work_weight``, ``balance_abs``, ``balance_rel``); for ``approximate`` they configure its inner cost model.
+``--nodes``, ``--blocks-per-node``, ``--time-scale``, ``--prefill-us-per-token`` and ``--decode-ms-per-token``
+shape the fleet (default: ``kvcoord simulate``'s; ``benchmarks/bench_routers.py``'s is ``--nodes 4
+--blocks-per-node 50000 --time-scale 0.5 --prefill-us-per-token 20 --decode-ms-per-token 10``).
 Output: one line per (variant, seed) and the mean per variant. Everything but the wall time is modelled
 and deterministic.
 """
@@ -23,7 +26,7 @@ import statistics
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from kvcoord.hashing import HashProfile, check_algo
@@ -87,6 +90,8 @@ def _policy(variant: str, seed: int, latency: LatencyModel) -> Policy:
     for item in filter(None, raw.split(",")):
         key, _, value = item.partition("=")
         kw[key] = float(value) if "." in value or key == "work_weight" else int(value)
+    if "work_weight" in kw:  # the cost model's, not the policy's
+        latency = replace(latency, work_weight=kw.pop("work_weight"))
     if name == "prefix-aware":
         return PrefixAwarePolicy(seed, latency=latency, **kw)
     if name == "approximate":
@@ -125,12 +130,19 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated policy seeds")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--blocks-per-node", type=int, default=ClusterConfig().blocks_per_node)
+    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply the trace's inter-arrival times")
+    model = LatencyModel().flags()
+    ap.add_argument("--prefill-us-per-token", type=float, default=model["prefill_us_per_token"])
+    ap.add_argument("--decode-ms-per-token", type=float, default=model["decode_ms_per_token"])
     a = ap.parse_args()
     global _SHARED
     profile = HashProfile(check_algo("xxhash_cbor"), 16, seed="kvcoord-sim")
-    workload = load_mooncake(a.trace, profile, limit=a.limit)
+    workload = load_mooncake(a.trace, profile, limit=a.limit, time_scale=a.time_scale)
     mean_out = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
-    config = ClusterConfig(nodes=a.nodes, latency=LatencyModel(mean_output_tokens=mean_out))
+    latency = LatencyModel(prefill_s_per_token=a.prefill_us_per_token / 1e6,
+                           decode_s_per_token=a.decode_ms_per_token / 1e3, mean_output_tokens=mean_out)
+    config = ClusterConfig(nodes=a.nodes, blocks_per_node=a.blocks_per_node, latency=latency)
     _SHARED = (workload, profile, config)
     jobs = [(v, int(s)) for v in a.variants for s in a.seeds.split(",")]
     with multiprocessing.get_context("fork").Pool(max(1, a.jobs)) as pool:

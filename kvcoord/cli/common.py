@@ -126,6 +126,7 @@ POSITIVE_FLOAT = _type("number", _number(float, 0.0, strict=True))
 NONNEG_FLOAT = _type("number", _number(float, 0.0, strict=False))
 POSITIVE_INT = _type("integer", _number(int, 0, strict=True))
 NONNEG_INT = _type("integer", _number(int, 0, strict=False))
+AT_LEAST_ONE = _type("number", _number(float, 1.0, strict=False))
 
 
 def _zmq_endpoint(text: str) -> str:
@@ -191,6 +192,10 @@ def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean
     p.add_argument("--decode-ms-per-token", type=POSITIVE_FLOAT, default=d["decode_ms_per_token"],
                    help=f"decode time per output token, in milliseconds (default "
                         f"{d['decode_ms_per_token']:g})")
+    p.add_argument("--work-weight", type=AT_LEAST_ONE, default=d["work_weight"], metavar="K",
+                   help="times a placement counts the prefill it causes against a shorter queue elsewhere "
+                        "(>= 1; higher keeps prompts on the node holding their prefix longer; default "
+                        f"{d['work_weight']:g})")
     if mean_output:
         p.add_argument("--mean-output-tokens", type=NONNEG_FLOAT, default=d["mean_output_tokens"],
                        help="expected output length of a running request, for the wait-for-a-slot "
@@ -211,7 +216,8 @@ def cost_model(args: argparse.Namespace, mean_output_tokens: float | None = None
     return LatencyModel.from_flags(prefill_us_per_token=args.prefill_us_per_token,
                                    decode_ms_per_token=args.decode_ms_per_token,
                                    max_running=args.max_running, mean_output_tokens=mean,
-                                   pull_us_per_block=getattr(args, "pull_us_per_block", None))
+                                   pull_us_per_block=getattr(args, "pull_us_per_block", None),
+                                   work_weight=args.work_weight)
 
 
 def add_degraded(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

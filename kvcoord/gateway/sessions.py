@@ -114,7 +114,7 @@ class Sessions:
             return None
         r = plan.request
         best = min(policy.cost(r, c) for c in held if c.load.in_flight <= cap)
-        bonus = policy.work_weight * policy.latency.prefill_s_per_token * self.config.bonus_tokens
+        bonus = policy.latency.work_weight * policy.latency.prefill_s_per_token * self.config.bonus_tokens
         extra = policy.cost(r, mine) - best
         if extra > bonus:
             return None

@@ -32,6 +32,9 @@ from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.memory import PlacementMemory, RoutedPrefixMemory
 
+DEFAULT_WORK_WEIGHT = 4.0
+"""How many times a placement's cost counts the prefill it causes (:class:`PrefixAwarePolicy`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
@@ -89,22 +92,27 @@ class LatencyModel:
     """Expected decode length of a running request, for the wait-for-a-slot estimate."""
     pull_s_per_block: float | None = None
     """Seconds to pull one block from a peer (transfer, not prefill); None: no peer-pull hints."""
+    work_weight: float = DEFAULT_WORK_WEIGHT
+    """How many times :class:`PrefixAwarePolicy` counts the prefill a request causes (its ``k``); the
+    policy's weight, not hardware: the simulator's clock ignores it."""
 
     @classmethod
     def from_flags(cls, *, prefill_us_per_token: float, decode_ms_per_token: float, max_running: int,
-                   mean_output_tokens: float, pull_us_per_block: float | None = None) -> LatencyModel:
+                   mean_output_tokens: float, pull_us_per_block: float | None = None,
+                   work_weight: float = DEFAULT_WORK_WEIGHT) -> LatencyModel:
         """From the units the command-line flags use (µs and ms), as ``simulate``, ``route`` and ``epp``
         take them."""
         return cls(prefill_s_per_token=prefill_us_per_token / 1e6,
                    decode_s_per_token=decode_ms_per_token / 1e3, max_running=max_running,
                    mean_output_tokens=mean_output_tokens,
-                   pull_s_per_block=None if pull_us_per_block is None else pull_us_per_block / 1e6)
+                   pull_s_per_block=None if pull_us_per_block is None else pull_us_per_block / 1e6,
+                   work_weight=work_weight)
 
     def flags(self) -> dict[str, float]:
         """The model in the flags' units (the inverse of :meth:`from_flags`)."""
         out = {"max_running": self.max_running, "prefill_us_per_token": self.prefill_s_per_token * 1e6,
                "decode_ms_per_token": self.decode_s_per_token * 1e3,
-               "mean_output_tokens": self.mean_output_tokens}
+               "mean_output_tokens": self.mean_output_tokens, "work_weight": self.work_weight}
         if self.pull_s_per_block is not None:
             out["pull_us_per_block"] = self.pull_s_per_block * 1e6
         return out
@@ -130,6 +138,8 @@ class LatencyModel:
             raise ValueError("mean_output_tokens must be >= 0")
         if self.pull_s_per_block is not None and self.pull_s_per_block < 0:
             raise ValueError("pull_s_per_block must be >= 0")
+        if self.work_weight < 1.0:
+            raise ValueError("work_weight must be >= 1")
 
     def queue_seconds(self, load: NodeLoad) -> float:
         """Expected wait before a new request's prefill can start on a node with ``load``.
@@ -278,16 +288,18 @@ class PrefixAwarePolicy(_Seeded):
     with tier weights ``w`` (default 1.0 / 0.8 / 0.5: the fraction of a block's prefill a hit saves),
     ``t_p``/``t_d`` the prefill/decode seconds per token, ``out`` the expected output length and
     ``R`` the node's max running requests (:class:`LatencyModel`). Cache benefit and load are both
-    in seconds. ``k`` (``work_weight``, default 3) counts the prefill a request causes three times:
-    once for its own TTFT, once for the delay that work adds to the requests queued behind it on that
-    node, and once for the cache it costs: every recomputed block is written again and evicts another
-    prefix's block on that node, a hit some later request loses. With ``k = 1`` the policy is greedy
-    per request and gives up a hit as soon as the holder is marginally busier, which recomputes (and
+    in seconds. ``k`` (``work_weight``, default 4, ``--work-weight``) counts the prefill a request causes
+    more than once: once for its own TTFT, once for the delay that work adds to the requests queued behind
+    it on that node, and again for the cache it costs: every recomputed block is written again and evicts
+    another prefix's block on that node, a hit some later request loses. With ``k = 1`` the policy is
+    greedy per request and gives up a hit as soon as the holder is marginally busier, which recomputes (and
     duplicates) prefixes and lowers the fleet's hit rate. On the Mooncake conversation trace every
     request placed away from the node holding the most was the load term's choice (never the balance
-    cap); ``k = 3`` sends 15-17% fewer requests away and gives up 36-39% fewer held blocks than ``k = 2``,
-    for a higher and steadier hit rate, a lower TTFT p99 and a p50 within 0.5%
-    (docs/simulate.md, "Placement: why the index lost to a tree").
+    cap). ``k = 3`` beat ``k = 2`` on an 8-node simulated fleet; on the 4 engines of the real-HTTP router
+    benchmark, with bursts of ~9 arrivals, ``k = 3`` still sent prompts of ~300 held blocks away and
+    lost ~1 point of hit rate to SGLang's trees; ``k = 4`` keeps them (+0.4 points simulated, +0.9 over
+    real HTTP) with the 8-node fleet's hit rate unchanged (14.88% against 14.92%, within its seeds' spread)
+    (docs/simulate.md, "Placement: why the index lost to a tree", and its sequel).
 
     Hot-spotting guards (a system prompt every request shares is cached on every node that served
     it, so ties are common and the load term decides them; these handle the rest):
@@ -339,7 +351,6 @@ class PrefixAwarePolicy(_Seeded):
         tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS,
         balance_abs: int = 8,
         balance_rel: float = 1.5,
-        work_weight: float = 3.0,
         affinity_entries: int = 65_536,
         affinity_stride: int = 32,
         degraded: str = "discount",
@@ -353,8 +364,6 @@ class PrefixAwarePolicy(_Seeded):
             raise ValueError(f"degraded_weight must be in [0, 1], got {degraded_weight}")
         if affinity_entries < 0 or affinity_stride < 1:
             raise ValueError("affinity_entries must be >= 0 and affinity_stride >= 1")
-        if work_weight < 1.0:
-            raise ValueError("work_weight must be >= 1")
         if any(not 0.0 <= w <= 1.0 for w in tier_weights) or len(tier_weights) != 3:
             raise ValueError(f"tier weights must be three numbers in [0, 1], got {tier_weights}")
         if balance_abs < 0 or balance_rel < 1.0:
@@ -364,7 +373,6 @@ class PrefixAwarePolicy(_Seeded):
         self.tier_weights = tier_weights
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
-        self.work_weight = work_weight
         self.memory = PlacementMemory(affinity_entries, affinity_stride)
         self.degraded = degraded
         self.degraded_weight = {"discount": degraded_weight, "ignore": 0.0, "trust": 1.0}[degraded]
@@ -391,7 +399,7 @@ class PrefixAwarePolicy(_Seeded):
         """The placement cost of ``c`` in seconds (the formula in the class docstring): the predicted TTFT
         with the request's own prefill counted ``work_weight`` times."""
         left = request.num_tokens - self.saved_tokens(request, c)
-        own = self.work_weight * self.latency.prefill_s_per_token * left
+        own = self.latency.work_weight * self.latency.prefill_s_per_token * left
         return own + self.latency.queue_seconds(c.load)
 
     def ttft(self, request: RouteRequest, c: Candidate) -> float:

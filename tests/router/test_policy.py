@@ -11,6 +11,7 @@ from kvcoord.load import HASH_MISMATCH, HISTORY_LOST, NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.memory import PlacementMemory, RoutedPrefixMemory
 from kvcoord.router.policy import (
+    DEFAULT_WORK_WEIGHT,
     POLICY_NAMES,
     ApproximatePolicy,
     LatencyModel,
@@ -72,16 +73,16 @@ def test_prefix_aware_prefers_the_longest_hit_at_equal_load() -> None:
     d = p.choose(req(64 * BS), cands)
     assert d.key == ("n3", 0) and d.matched_blocks == 60
     assert "saves 960/1024 tokens" in d.why
-    assert d.cost == pytest.approx(3 * 4 * BS * 50e-6)  # work_weight 3 x the 4 blocks it lacks
+    assert d.cost == pytest.approx(DEFAULT_WORK_WEIGHT * 4 * BS * 50e-6)  # k x the 4 blocks it lacks
 
 
 def test_ttft_counts_the_own_prefill_once_and_the_cost_work_weight_times() -> None:
-    """The SLO checks the predicted TTFT; placement weighs the request's own prefill 3x (the default)."""
+    """The SLO checks the predicted TTFT; placement weighs the request's own prefill ``work_weight`` times."""
     p = PrefixAwarePolicy(seed=0)
     c = Candidate("n", 0, 60, (60, 0, 0), NodeLoad(prefill_tokens=1000))
     own, queue = 4 * BS * 50e-6, 1000 * 50e-6
     assert p.ttft(req(64 * BS), c) == pytest.approx(own + queue)
-    assert p.cost(req(64 * BS), c) == pytest.approx(3 * own + queue)
+    assert p.cost(req(64 * BS), c) == pytest.approx(DEFAULT_WORK_WEIGHT * own + queue)
 
 
 def test_tier_weights_rank_gpu_over_cpu_over_storage() -> None:
@@ -101,9 +102,9 @@ def test_tier_weights_rank_gpu_over_cpu_over_storage() -> None:
 def test_load_outweighs_a_small_hit_in_the_same_unit() -> None:
     lat = LatencyModel(prefill_s_per_token=1e-4)
     p = PrefixAwarePolicy(seed=0, latency=lat)
-    holder = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running_requests=1, prefill_tokens=500))
+    holder = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running_requests=1, prefill_tokens=600))
     idle = Candidate("idle", 0, 0, (), NodeLoad())
-    # The hit saves 128 tokens of prefill but 500 tokens are queued ahead of it.
+    # The hit saves 128 tokens of prefill (counted k = 4 times: 512) but 600 tokens are queued ahead of it.
     d = p.choose(req(1024), [holder, idle])
     assert d.node_id == "idle" and "replicating" in d.why and "busier" in d.why
     holder_light = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running_requests=1, prefill_tokens=100))
