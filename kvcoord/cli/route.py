@@ -91,6 +91,10 @@ def add(sub: Subparsers) -> None:
                    help="seconds between ListNodes calls that learn serving URLs and loads (default 2)")
     p.add_argument("--connect-timeout", type=POSITIVE_FLOAT, default=2.0,
                    help="seconds to connect to a backend before trying the next (default 2)")
+    p.add_argument("--read-timeout", type=NONNEG_FLOAT, default=300.0, metavar="SECONDS",
+                   help="an engine that sends no answer byte for this long (stopped mid-answer, or hung) "
+                        "fails the attempt: a stream ends with an error event, an unanswered request goes "
+                        "to the next node (default 300, Envoy's stream idle timeout; 0: none)")
     p.add_argument("--max-attempts", type=POSITIVE_INT, default=3,
                    help="backends tried per request before answering 503 (default 3)")
     p.add_argument("--tokenizer", default=None, metavar="DIR|URL",
@@ -165,7 +169,8 @@ def route_config(args: argparse.Namespace) -> RouteConfig:
                        backends=backends, model=args.model, deadline_ms=args.deadline_ms,
                        policy=args.policy, degraded=args.degraded, latency=cost_model(args),
                        rpc_timeout=args.timeout, refresh_interval=args.refresh_interval,
-                       connect_timeout=args.connect_timeout, max_attempts=args.max_attempts, seed=args.seed,
+                       connect_timeout=args.connect_timeout, read_timeout=args.read_timeout or None,
+                       max_attempts=args.max_attempts, seed=args.seed,
                        tokenizer=args.tokenizer, reserve=args.reserve, reserve_ttl=args.reserve_ttl,
                        limits=HttpLimits(args.http_header_timeout_s,
                                                                    args.http_max_header_bytes,

@@ -92,6 +92,10 @@ class RouteConfig:
     refresh_interval: float = 2.0
     """Seconds between ListNodes calls (serving URLs, loads, which nodes are live)."""
     connect_timeout: float = 2.0
+    read_timeout: float | None = 300.0
+    """Seconds an engine may owe answer bytes and send none (stopped mid-answer, or hung before its head)
+    before the attempt fails: a stream ends with an error event, an unanswered request goes to the next
+    node (None: no bound; 300 s is Envoy's ``stream_idle_timeout``)."""
     health_interval: float = 0.5
     """Seconds between ``/health`` probes of a node left out after a failure."""
     max_attempts: int = 3
@@ -162,7 +166,7 @@ class RouteServer:
         latency = getattr(policy, "latency", None)
         self._prefill_s_per_token = latency.prefill_s_per_token if isinstance(latency, LatencyModel) else 0.0
         """How long a placed prompt counts as queued prefill at most (see :class:`Prefill`)."""
-        self.upstreams = HttpPools(connect_timeout=config.connect_timeout)
+        self.upstreams = HttpPools(connect_timeout=config.connect_timeout, read_timeout=config.read_timeout)
         """The engines' connections requests are forwarded on (aiohttp's client: probes and /v1/models)."""
         self.pd = PdRouter(config.pd, self.placer, self.backends, self.metrics, upstreams=self.upstreams,
                            max_attempts=config.max_attempts, fail=self._fail)

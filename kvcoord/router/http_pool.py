@@ -11,13 +11,16 @@ to the caller's sink: no stream reader, no future and no task wake-up per read; 
 reading while the sink's client is slow (:meth:`HttpConn.pipe`).
 
 A kept-alive connection the server closed meanwhile fails the call that finds it dead before any answer
-byte: that call is sent once more on a new connection.
+byte: that call is sent once more on a new connection. With a ``read_timeout``, an answer that brings no byte
+for that long (a server that stopped mid-answer, or never answered) fails with ``TimeoutError`` and its
+connection is closed; a pipe paused for its slow client is not counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import cast
 from urllib.parse import urlsplit
@@ -58,6 +61,9 @@ class HttpConn(asyncio.Protocol):
         self.closed = False
         self.keep_alive = True
         self.got_bytes = False
+        self.last_read = 0.0
+        """When the request was sent or the answer's last bytes came (``time.monotonic``)."""
+        self.idle_timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -65,6 +71,7 @@ class HttpConn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self.last_read = time.monotonic()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -111,6 +118,7 @@ class HttpConn(asyncio.Protocol):
             raise ConnectionError("the connection is not ready for a request")
         self.got_bytes = self.framed = self.paused = False
         self.phase, self.status, self.headers, self.body, self.sink, self.error = _SENT, 0, {}, [], None, None
+        self.last_read = time.monotonic()
         self.transport.writelines((head, body))
 
     async def wait(self, phase: int) -> None:
@@ -118,13 +126,35 @@ class HttpConn(asyncio.Protocol):
         the exchange first (the connection's loss, a malformed answer, the sink's exception)."""
         while self.error is None and self.phase < phase and not self.paused:
             self.until = phase
-            self.waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self.waiter = loop.create_future()
+            if self.pool.read_timeout is not None:
+                self._arm(loop)
             try:
                 await self.waiter
             finally:
                 self.waiter = None
+                if self.idle_timer is not None:
+                    self.idle_timer.cancel()
+                    self.idle_timer = None
         if self.error is not None:
             raise self.error
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        timeout = self.pool.read_timeout
+        assert timeout is not None
+        self.idle_timer = loop.call_at(loop.time() + max(0.0, self.last_read + timeout - time.monotonic()),
+                                       self._idle_check, loop)
+
+    def _idle_check(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A waiting answer's timer: fails it when no byte came for ``read_timeout``, else re-arms."""
+        timeout = self.pool.read_timeout
+        assert timeout is not None
+        if time.monotonic() - self.last_read >= timeout:
+            self.idle_timer = None
+            self._fail(TimeoutError(f"no answer bytes for {timeout:g} s"))
+        else:
+            self._arm(loop)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -146,6 +176,7 @@ class HttpConn(asyncio.Protocol):
                 return
             await drain()
             self.paused = False
+            self.last_read = time.monotonic()  # the pause was the client's: the server's clock starts again
             if self.transport is not None and not self.closed:
                 self.transport.resume_reading()
 
@@ -192,12 +223,12 @@ class HttpPool:
     """Kept-alive connections to ``host:port`` (TLS with ``ssl_context``): one request at a time per
     connection, as many connections as calls run at once. ``headers`` go with every :meth:`post`;
     ``wanted`` names the answer headers returned. ``connect_timeout`` bounds a new connection (TLS
-    handshake included)."""
+    handshake included); ``read_timeout`` the silence of a server that owes answer bytes (None: no bound)."""
 
     def __init__(self, host: str, port: int, *, headers: Mapping[str, str] = {},
                  ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
                  wanted: frozenset[str] = frozenset(), max_idle: int = 64,
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, read_timeout: float | None = None) -> None:
         self.host, self.port = host, port
         self.ssl = ssl_context
         self.server_hostname = server_hostname if ssl_context is not None else None
@@ -207,6 +238,7 @@ class HttpPool:
         self._idle: list[HttpConn] = []
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
         self.closed = False
         """Closed: a connection handed back (a request in flight at the close) is closed, not kept."""
 
@@ -294,9 +326,9 @@ class HttpPools:
     ``max_pools`` are kept, the least recently asked closed first: engines come and go (a pod's new
     address is a new URL), and a pool of one that left must not live as long as the router."""
 
-    def __init__(self, *, connect_timeout: float | None = None, max_idle: int = 256,
-                 max_pools: int = 1024) -> None:
-        self.connect_timeout = connect_timeout
+    def __init__(self, *, connect_timeout: float | None = None, read_timeout: float | None = None,
+                 max_idle: int = 256, max_pools: int = 1024) -> None:
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.max_idle = max_idle
         self.max_pools = max_pools
         self._pools: dict[str, tuple[HttpPool, str]] = {}
@@ -317,7 +349,7 @@ class HttpPools:
                 self._tls = ssl.create_default_context()
             pool = HttpPool(parts.hostname, parts.port or (443 if tls else 80), ssl_context=self._tls if tls
                             else None, wanted=frozenset({"content-type"}), max_idle=self.max_idle,
-                            connect_timeout=self.connect_timeout)
+                            connect_timeout=self.connect_timeout, read_timeout=self.read_timeout)
             got = self._pools[url] = (pool, parts.path.rstrip("/"))
         return got
 

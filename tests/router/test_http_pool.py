@@ -157,3 +157,45 @@ async def test_pools_of_engines_not_asked_lately_are_closed(server: Start) -> No
             assert ports[0] not in ended and ports[2] not in ended
     finally:
         pools.close()
+
+
+async def test_a_server_silent_past_the_read_timeout_fails_the_answer(server: Start) -> None:
+    """A server that stops mid-answer (or never answers) fails the call with TimeoutError and its connection
+    is closed; a pipe paused for its slow client longer than the timeout is not counted against the server
+    (asyncio runs a read that is due before a timer that is due, so the resumed read comes first)."""
+    stop = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await _head(reader)
+        if b" /silent " in head:
+            await stop.wait()  # never a byte
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n")
+        await writer.drain()
+        if b" /stalls " in head:
+            await stop.wait()  # stops mid-answer
+            return
+        writer.write(b"1\r\nc\r\n" * 6 + b"0\r\n\r\n")  # the rest at once: only the client is slow
+
+    pool = HttpPool("127.0.0.1", await server(answer), read_timeout=0.2)
+    try:
+        async with asyncio.timeout(30):
+            with pytest.raises(TimeoutError, match=r"no answer bytes for 0\.2 s"):
+                await pool.request("POST", "/silent", b"")
+            conn = await pool.request("POST", "/stalls", b"")
+            with pytest.raises(TimeoutError):
+                await conn.pipe(lambda piece: False, asyncio.sleep)
+            conn.release()
+            assert conn.closed
+            conn = await pool.request("POST", "/flows", b"")
+            got: list[bytes] = []
+
+            async def slow_client() -> None:
+                await asyncio.sleep(0.5)  # longer than the timeout: the client's pause, not the server's
+
+            await conn.pipe(lambda piece: got.append(piece) or True, slow_client)  # type: ignore[func-returns-value]
+            conn.release()
+            assert b"".join(got) == b"abcccccc"
+    finally:
+        stop.set()
+        pool.close()
