@@ -430,6 +430,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.blocks_per_node = 300, 60_000
+    if args.lookup_workers and args.lookup != "http":
+        sys.exit("bench_routers: --lookup-workers answer serve's HTTP API: give --lookup http too")
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [r for r in routers if r not in ROUTERS]
     if bad:

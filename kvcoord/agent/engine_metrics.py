@@ -34,20 +34,20 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _LOAD_PREFIXES = (RUNNING, WAITING, *KV_USAGE)
+_LOAD_NAMES = frozenset(_LOAD_PREFIXES)
 
 
 def parse_engine_load(text: str, model: str) -> NodeLoad:
     """The node's load from a Prometheus text page; ``ValueError`` when it holds no vLLM load gauge."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = {RUNNING, WAITING, *KV_USAGE}
     # Only the load gauges' sample lines reach the parser, whose cost is per line: a vLLM page holds
     # hundreds more (histograms), and even the sim-engine's 21 lines took ~1 ms a scrape (~0.5 ms so).
     text = "\n".join(line for line in text.splitlines() if line.startswith(_LOAD_PREFIXES))
     samples: list[tuple[str, dict[str, str], float]] = []
     try:
         for family in text_string_to_metric_families(text):
-            samples.extend((s.name, s.labels, s.value) for s in family.samples if s.name in wanted)
+            samples.extend((s.name, s.labels, s.value) for s in family.samples if s.name in _LOAD_NAMES)
     except Exception as exc:  # the parser raises ValueError mostly, but not only
         raise ValueError(f"not Prometheus text: {exc}") from None
     if not any(name == RUNNING for name, _, _ in samples):

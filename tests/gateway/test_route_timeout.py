@@ -4,6 +4,7 @@ holding its client for good (the stream ends with an error event, the attempt an
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 
 import aiohttp
@@ -55,8 +56,6 @@ async def test_an_engine_silent_mid_stream_is_cut_off_after_the_read_timeout(tmp
 
 @pytest.mark.parametrize("value", ["-1", "x"])
 def test_a_bad_read_timeout_is_one_line(value: str) -> None:
-    import subprocess
-
     out = subprocess.run(kvcoord_cmd("route", "--backend", "a=http://h:1", "--policy", "round-robin",
                                      "--read-timeout", value), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
