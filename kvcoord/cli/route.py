@@ -93,8 +93,8 @@ def add(sub: Subparsers) -> None:
                    help="seconds to connect to a backend before trying the next (default 2)")
     p.add_argument("--read-timeout", type=NONNEG_FLOAT, default=300.0, metavar="SECONDS",
                    help="an engine that sends no answer byte for this long (stopped mid-answer, or hung) "
-                        "fails the attempt: a stream ends with an error event, an unanswered request goes "
-                        "to the next node (default 300, Envoy's stream idle timeout; 0: none)")
+                        "fails the attempt: a stream ends with an error event, an unanswered request gets "
+                        "504, not sent elsewhere (default 300, Envoy's stream idle timeout; 0: none)")
     p.add_argument("--max-attempts", type=POSITIVE_INT, default=3,
                    help="backends tried per request before answering 503 (default 3)")
     p.add_argument("--tokenizer", default=None, metavar="DIR|URL",

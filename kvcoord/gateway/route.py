@@ -34,7 +34,7 @@ from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import KV_SOURCE_HEADER, Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.http_lookup import HttpLookupClient, LookupClient
-from kvcoord.router.http_pool import HttpConn, HttpPools
+from kvcoord.router.http_pool import HttpConn, HttpPools, ReadTimeout
 from kvcoord.router.policy import Decision, LatencyModel, make_policy
 from kvcoord.tokenize.media import MediaRule
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
@@ -94,8 +94,9 @@ class RouteConfig:
     connect_timeout: float = 2.0
     read_timeout: float | None = 300.0
     """Seconds an engine may owe answer bytes and send none (stopped mid-answer, or hung before its head)
-    before the attempt fails: a stream ends with an error event, an unanswered request goes to the next
-    node (None: no bound; 300 s is Envoy's ``stream_idle_timeout``)."""
+    before the attempt fails: a stream ends with an error event, an unanswered request is answered 504
+    and not sent elsewhere (the engine may still run it) (None: no bound; 300 s is Envoy's
+    ``stream_idle_timeout``)."""
     health_interval: float = 0.5
     """Seconds between ``/health`` probes of a node left out after a failure."""
     max_attempts: int = 3
@@ -413,7 +414,16 @@ class RouteServer:
                 blocks = attempt.chosen.matched_blocks
                 attempt.predicted = predicted_tokens(blocks, r.block_size, r.num_tokens)
             self.metrics.overhead_seconds.observe(time.perf_counter() - t0 - plan.lookup_seconds)
-            resp = await self._forward(request, plan, attempt, path, headers, payload, strip_usage, attempts)
+            try:
+                resp = await self._forward(request, plan, attempt, path, headers, payload, strip_usage,
+                                           attempts)
+            except ReadTimeout as exc:  # it has the request and may still be at it: not sent again
+                node = attempt.decision.node_id
+                self._fail(node, "timeout", str(exc))
+                self.metrics.requests.labels(endpoint, "upstream_timeout").inc()
+                return _openai_error(504, f"kvcoord route: backend {node} took the request and sent no "
+                                     f"answer ({exc}); not sent elsewhere, as it may still be running there",
+                                     "GatewayTimeoutError", api=ENDPOINT_API[endpoint])
             if resp is not None:
                 self.metrics.requests.labels(endpoint, attempt.outcome).inc()
                 if attempt.outcome == "ok":
@@ -465,6 +475,8 @@ class RouteServer:
         try:
             try:
                 upstream = await self.upstreams.request(attempt.chosen.serving_url, path, payload, send)
+            except ReadTimeout:
+                raise
             except (TimeoutError, OSError) as exc:
                 self._fail(node_id, "connect", f"{type(exc).__name__}: {exc}")
                 self.metrics.retries.labels("connect").inc()
@@ -494,6 +506,8 @@ class RouteServer:
                            queued: Prefill[NodeKey]) -> web.StreamResponse | None:
         try:
             data = await upstream.read()
+        except ReadTimeout:
+            raise
         except (TimeoutError, OSError) as exc:
             self._fail(attempt.decision.node_id, "connect", f"{type(exc).__name__}: {exc}")
             self.metrics.retries.labels("connect").inc()

@@ -105,15 +105,16 @@ class RouteMetrics(DecisionMetrics):
         super().__init__(r, "kvcoord_route")
         self.requests = Counter("kvcoord_route_requests", "Requests answered, by endpoint and outcome "
                                 "(ok, upstream_error = the engine's own 4xx/5xx, midstream_failure, "
-                                "no_backend, bad_request, client_gone, not_cached = 412 for "
-                                "Prefer: if-available).",
+                                "upstream_timeout, no_backend, bad_request, client_gone, not_cached = 412 "
+                                "for Prefer: if-available).",
                                 ["endpoint", "outcome"], registry=r)
         self.placements = Counter("kvcoord_route_placements", "Placements per node, prefix-aware or not.",
                                   ["node", "prefix_aware"], registry=r)
         self.retries = Counter("kvcoord_route_retries", "Requests re-sent to the next-best node before the "
                                "first byte, by cause (connect, status_5xx).", ["reason"], registry=r)
         self.backend_failures = Counter("kvcoord_route_backend_failures", "Backend failures by node and kind "
-                                        "(connect, status_5xx, midstream).", ["node", "kind"], registry=r)
+                                        "(connect, status_5xx, midstream, timeout).", ["node", "kind"],
+                                        registry=r)
         self.suspect = Gauge("kvcoord_route_backend_suspect", "1 while a node is left out after a failure "
                              "(until its /health answers).", ["node"], registry=r)
         self.in_flight = Gauge("kvcoord_route_in_flight", "Requests this router has in flight, per node.",

@@ -12,7 +12,7 @@ reading while the sink's client is slow (:meth:`HttpConn.pipe`).
 
 A kept-alive connection the server closed meanwhile fails the call that finds it dead before any answer
 byte: that call is sent once more on a new connection. With a ``read_timeout``, an answer that brings no byte
-for that long (a server that stopped mid-answer, or never answered) fails with ``TimeoutError`` and its
+for that long (a server that stopped mid-answer, or never answered) fails with :class:`ReadTimeout` and its
 connection is closed; a pipe paused for its slow client is not counted.
 """
 
@@ -27,12 +27,19 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["HttpConn", "HttpPool", "HttpPools", "HttpReply", "Sink"]
+__all__ = ["HttpConn", "HttpPool", "HttpPools", "HttpReply", "ReadTimeout", "Sink"]
 
 HttpReply = tuple[int, bytes, dict[str, str]]
 """Status, body, and the headers asked for (lower-case names)."""
 Sink = Callable[[bytes], bool]
 """Takes each piece of a body as it arrives; True asks the connection to stop reading until resumed."""
+
+
+
+class ReadTimeout(TimeoutError):
+    """The server took the request, then sent no answer byte for the pool's ``read_timeout``: it may still
+    be working on it, so the request is not one to send again elsewhere."""
+
 
 _SENT, _HEAD, _END = 0, 1, 2
 """How far an answer has come."""
@@ -152,7 +159,7 @@ class HttpConn(asyncio.Protocol):
         assert timeout is not None
         if time.monotonic() - self.last_read >= timeout:
             self.idle_timer = None
-            self._fail(TimeoutError(f"no answer bytes for {timeout:g} s"))
+            self._fail(ReadTimeout(f"no answer bytes for {timeout:g} s"))
         else:
             self._arm(loop)
 
