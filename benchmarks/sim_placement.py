@@ -11,6 +11,8 @@ term (``is busier``), or a placement this router made that events have not repor
 
 A variant is ``policy[:key=value,...]``; keys are :class:`PrefixAwarePolicy` keyword arguments
 (``work_weight``, ``balance_abs``, ``balance_rel``); for ``approximate`` they configure its inner cost model.
+``sglang-tree`` is SGLang's cache-aware router's rule (:class:`SglangTree`, keys ``threshold``, ``abs_gap``,
+``rel``, ``exact``, ``miss_load``), the tree ``benchmarks/bench_routers.py`` runs for real.
 ``--nodes``, ``--blocks-per-node``, ``--time-scale``, ``--prefill-us-per-token`` and ``--decode-ms-per-token``
 shape the fleet (default: ``kvcoord simulate``'s; ``benchmarks/bench_routers.py``'s is ``--nodes 4
 --blocks-per-node 50000 --time-scale 0.5 --prefill-us-per-token 20 --decode-ms-per-token 10``).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import random
 import statistics
 import sys
 from collections import Counter
@@ -31,6 +34,7 @@ from typing import Any, ClassVar
 
 from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.index import open_index
+from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import Candidate
 from kvcoord.router.policy import (
     ApproximatePolicy,
@@ -55,6 +59,8 @@ class Audit:
 
 
 def _reason(why: str) -> str:
+    if why.startswith("sglang-tree: "):
+        return why.removeprefix("sglang-tree: ")
     if "over the balance cap" in why:
         return "cap"
     if "is busier" in why:
@@ -84,6 +90,54 @@ class Audited:
         return d
 
 
+class SglangTree:
+    """SGLang's ``cache_aware`` rule, as ``sglang-router`` 0.3.2 runs it with its defaults, at block
+    granularity: when loads are balanced, the node whose tree matches the most of the prompt if that covers
+    more than ``threshold`` of it, else the node with the smallest tree (fewest distinct blocks sent
+    there); when imbalanced (max - min in flight > ``abs_gap`` and max > ``rel`` x min), the least loaded.
+    The tree is what it routed where, never forgotten within a run (its 120 s sweeps cut to 2^26
+    characters). For taking the rule apart: ``exact=1`` matches on the index instead of the tree,
+    ``miss_load=1`` sends a miss to the least loaded node instead of the smallest tree."""
+
+    uses_index: ClassVar[bool] = False
+
+    def __init__(self, seed: int, threshold: float = 0.3, abs_gap: int = 64, rel: float = 1.5,
+                 exact: int = 0, miss_load: int = 0) -> None:
+        self.name, self.rng = "sglang-tree", random.Random(seed)
+        self.threshold, self.abs_gap, self.rel = threshold, abs_gap, rel
+        self.exact, self.miss_load = bool(exact), bool(miss_load)
+        self.trees: dict[NodeKey, set[int]] = {}
+
+    def _depth(self, request: RouteRequest, c: Candidate) -> int:
+        if self.exact:
+            return c.matched_blocks
+        tree, n = self.trees.get(c.key, set()), 0
+        for h in request.block_hashes:
+            if h not in tree:
+                break
+            n += 1
+        return n
+
+    def _least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
+        return min(candidates, key=lambda c: (c.load.in_flight, self.rng.random()))
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        loads = [c.load.in_flight for c in candidates]
+        depth = {c.key: self._depth(request, c) for c in candidates}
+        best = max(candidates, key=lambda c: (depth[c.key], self.rng.random()))
+        if max(loads) - min(loads) > self.abs_gap and max(loads) > self.rel * min(loads):
+            chosen, why = self._least_loaded(candidates), "imbalanced"
+        elif depth[best.key] > self.threshold * max(1, len(request.block_hashes)):
+            chosen, why = best, "tree match"
+        elif self.miss_load:
+            chosen, why = self._least_loaded(candidates), "miss to the least loaded"
+        else:
+            chosen = min(candidates, key=lambda c: (len(self.trees.get(c.key, ())), self.rng.random()))
+            why = "smallest tree"
+        self.trees.setdefault(chosen.key, set()).update(request.block_hashes)
+        return Decision(chosen.node_id, chosen.dp_rank, f"sglang-tree: {why}", chosen.matched_blocks)
+
+
 def _policy(variant: str, seed: int, latency: LatencyModel) -> Policy:
     name, _, raw = variant.partition(":")
     kw: dict[str, Any] = {}
@@ -99,7 +153,9 @@ def _policy(variant: str, seed: int, latency: LatencyModel) -> Policy:
         for key, value in kw.items():
             setattr(p.inner, key, value)
         return p
-    raise SystemExit(f"unknown policy {name!r} (prefix-aware or approximate)")
+    if name == "sglang-tree":
+        return SglangTree(seed, **kw)
+    raise SystemExit(f"unknown policy {name!r} (prefix-aware, approximate or sglang-tree)")
 
 
 _SHARED: tuple[Workload, HashProfile, ClusterConfig] | None = None

@@ -211,7 +211,7 @@ _LOOKUP_HTTP = {INVALID: 400, NOT_FOUND: 404, NO_PROFILE: 400, "unavailable": 50
 def _failed(exc: LookupFailed, metrics: Metrics) -> Response:
     """A failed lookup's answer, counted; a failed tokenizer says so in ``kvcoord-cause`` (gRPC: the
     trailer), so a router tells it from a coordinator outage."""
-    metrics.lookup_errors[exc.kind] = metrics.lookup_errors.get(exc.kind, 0) + 1
+    metrics.lookup_errors[exc.kind] += 1
     resp = json_error(_LOOKUP_HTTP[exc.kind], exc.message)
     if exc.kind == TOKENIZER_DOWN:
         resp.headers.append((CAUSE_METADATA, TOKENIZER_CAUSE))

@@ -80,8 +80,7 @@ class WorkerApi(HttpApi):
 
     def _not_current(self, down: str) -> Response:
         """503 while this worker's copy is not current (counted: the main process sums the workers')."""
-        errors = self.state.metrics.lookup_errors
-        errors[UNAVAILABLE] = errors.get(UNAVAILABLE, 0) + 1
+        self.state.metrics.lookup_errors[UNAVAILABLE] += 1
         return json_error(503, down)
 
     def routes(self) -> dict[str, Route]:

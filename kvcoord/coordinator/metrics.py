@@ -380,7 +380,7 @@ class Metrics:
             "answer within lookup_deadline (a stalled or failing-over backend)", registry=None)
         self.lookup_answers = {"fast": 0, "handler": 0}
         """``kvcoord_lookup_answers_total{path}``: HTTP lookups answered by each path."""
-        self.lookup_errors: dict[str, int] = {}
+        self.lookup_errors: PyCounter[str] = PyCounter()
         """``kvcoord_lookup_errors_total{kind}``: lookups (HTTP and gRPC) answered with an error."""
         self.sums.register(r, LookupCollector(self), self.lookup_deadline_exceeded, self.http_refusals)
         r.register(UnknownMediaCollector())

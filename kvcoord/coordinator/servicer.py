@@ -358,8 +358,7 @@ class CoordinatorServicer:
             return await self._answer(request, 0.0 if remaining is None else max(0.0, remaining - 0.01))
         except LookupFailed as exc:
             self._unless_abandoned(context)
-            errors = self.state.metrics.lookup_errors
-            errors[exc.kind] = errors.get(exc.kind, 0) + 1
+            self.state.metrics.lookup_errors[exc.kind] += 1
             cause = ((CAUSE_METADATA, TOKENIZER_CAUSE),) if exc.kind == TOKENIZER_DOWN else ()
             await context.abort(_LOOKUP_STATUS[exc.kind], exc.message, trailing_metadata=cause)
             raise  # unreachable: abort raises

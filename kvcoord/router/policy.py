@@ -299,7 +299,9 @@ class PrefixAwarePolicy(_Seeded):
     benchmark, with bursts of ~9 arrivals, ``k = 3`` still sent prompts of ~300 held blocks away and
     lost ~1 point of hit rate to SGLang's trees; ``k = 4`` keeps them (+0.4 points simulated, +0.9 over
     real HTTP) with the 8-node fleet's hit rate unchanged (14.88% against 14.92%, within its seeds' spread)
-    (docs/simulate.md, "Placement: why the index lost to a tree", and its sequel).
+    (docs/simulate.md, "Placement: why the index lost to a tree", and its sequel). A larger ``k`` trades
+    more TTFT for hits and past ~24 collapses a busy fleet's hit rate (docs/simulate.md, "SGLang's tree,
+    simulated").
 
     Hot-spotting guards (a system prompt every request shares is cached on every node that served
     it, so ties are common and the load term decides them; these handle the rest):
