@@ -10,7 +10,8 @@ term (``is busier``), or a placement this router made that events have not repor
         --limit 2000 --seeds 0,1,2 prefix-aware prefix-aware:work_weight=2 approximate
 
 A variant is ``policy[:key=value,...]``; keys are :class:`PrefixAwarePolicy` keyword arguments
-(``work_weight``, ``balance_abs``, ``balance_rel``); for ``approximate`` they configure its inner cost model.
+(``balance_abs``, ``balance_rel``) or its cost model's (``work_weight``, ``cache_threshold``); for
+``approximate`` they configure its inner cost model.
 ``sglang-tree`` is SGLang's cache-aware router's rule (:class:`SglangTree`, keys ``threshold``, ``abs_gap``,
 ``rel``, ``exact``, ``miss_load``), the tree ``benchmarks/bench_routers.py`` runs for real.
 ``--nodes``, ``--blocks-per-node``, ``--time-scale``, ``--prefill-us-per-token`` and ``--decode-ms-per-token``
@@ -138,14 +139,18 @@ class SglangTree:
         return Decision(chosen.node_id, chosen.dp_rank, f"sglang-tree: {why}", chosen.matched_blocks)
 
 
+_COST_MODEL = ("work_weight", "cache_threshold")
+"""Variant keys that set the :class:`LatencyModel`, not the policy."""
+
+
 def _policy(variant: str, seed: int, latency: LatencyModel) -> Policy:
     name, _, raw = variant.partition(":")
     kw: dict[str, Any] = {}
     for item in filter(None, raw.split(",")):
         key, _, value = item.partition("=")
-        kw[key] = float(value) if "." in value or key == "work_weight" else int(value)
-    if "work_weight" in kw:  # the cost model's, not the policy's
-        latency = replace(latency, work_weight=kw.pop("work_weight"))
+        kw[key] = float(value) if "." in value or key in _COST_MODEL else int(value)
+    # the cost model's, not the policy's
+    latency = replace(latency, **{key: kw.pop(key) for key in _COST_MODEL if key in kw})
     if name == "prefix-aware":
         return PrefixAwarePolicy(seed, latency=latency, **kw)
     if name == "approximate":

@@ -129,6 +129,16 @@ NONNEG_INT = _type("integer", _number(int, 0, strict=False))
 AT_LEAST_ONE = _type("number", _number(float, 1.0, strict=False))
 
 
+def _fraction(text: str) -> float:
+    value: float = _number(float, 0.0, strict=False)(text)
+    if value > 1.0:
+        raise ValueError(f"{text} must be <= 1")
+    return value
+
+
+FRACTION = _type("number in [0, 1]", _fraction)
+
+
 def _zmq_endpoint(text: str) -> str:
     """A ZMQ endpoint vLLM would accept: ``tcp://HOST:PORT`` (``*`` binds every interface), ``ipc://PATH``
     or ``inproc://NAME``."""
@@ -196,6 +206,10 @@ def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean
                    help="times a placement counts the prefill it causes against a shorter queue elsewhere "
                         "(>= 1; higher keeps prompts on the node holding their prefix longer; default "
                         f"{d['work_weight']:g})")
+    p.add_argument("--cache-threshold", type=FRACTION, default=d["cache_threshold"], metavar="SHARE",
+                   help="share of the prompt some node must hold for --work-weight to apply; below it a "
+                        "request is a miss, placed for its own TTFT, so new conversations spread on load "
+                        f"(0-1; default {d['cache_threshold']:g})")
     if mean_output:
         p.add_argument("--mean-output-tokens", type=NONNEG_FLOAT, default=d["mean_output_tokens"],
                        help="expected output length of a running request, for the wait-for-a-slot "
@@ -217,7 +231,7 @@ def cost_model(args: argparse.Namespace, mean_output_tokens: float | None = None
                                    decode_ms_per_token=args.decode_ms_per_token,
                                    max_running=args.max_running, mean_output_tokens=mean,
                                    pull_us_per_block=getattr(args, "pull_us_per_block", None),
-                                   work_weight=args.work_weight)
+                                   work_weight=args.work_weight, cache_threshold=args.cache_threshold)
 
 
 def add_degraded(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

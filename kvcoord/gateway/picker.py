@@ -288,7 +288,8 @@ class Picker:
         """The pick, then up to ``fallbacks`` other endpoints, cheapest first."""
         policy = self.policy
         if isinstance(policy, PrefixAwarePolicy):
-            rest = sorted(rest, key=lambda e: (policy.cost(request, e.candidate), e.candidate.key))
+            k = policy.weight(request, [e.candidate for e in (*rest, chosen)])
+            rest = sorted(rest, key=lambda e: (policy.cost(request, e.candidate, k), e.candidate.key))
         else:
             rest = sorted(rest, key=lambda e: (-e.candidate.matched_blocks, e.candidate.load.in_flight,
                                                e.candidate.key))
@@ -449,7 +450,8 @@ def _scores(free: list[_Eligible], request: RouteRequest, policy: Policy) -> dic
     """Per endpoint, in [0, 1]: the cheapest predicted TTFT over this one's (prefix-aware), else
     ``1 / (1 + in flight)``; an endpoint with several ranks keeps its best."""
     if isinstance(policy, PrefixAwarePolicy):
-        costs = {id(e): policy.cost(request, e.candidate) for e in free}
+        k = policy.weight(request, [e.candidate for e in free])
+        costs = {id(e): policy.cost(request, e.candidate, k) for e in free}
         best = min(costs.values(), default=0.0)
         raw = {id(e): (best / c if c > 0 else 1.0) for e, c in ((e, costs[id(e)]) for e in free)}
     else:

@@ -113,9 +113,10 @@ class Sessions:
         if mine.load.in_flight > cap:
             return None
         r = plan.request
-        best = min(policy.cost(r, c) for c in held if c.load.in_flight <= cap)
-        bonus = policy.latency.work_weight * policy.latency.prefill_s_per_token * self.config.bonus_tokens
-        extra = policy.cost(r, mine) - best
+        k = policy.weight(r, held)
+        best = min(policy.cost(r, c, k) for c in held if c.load.in_flight <= cap)
+        bonus = k * policy.latency.prefill_s_per_token * self.config.bonus_tokens
+        extra = policy.cost(r, mine, k) - best
         if extra > bonus:
             return None
         decision = policy.choose(r, [next(c for c in left if c.key == key)])

@@ -8,14 +8,12 @@ holds (per tier, from the coordinator's lookup) and its current load. It returns
 Policies:
 
 - :class:`PrefixAwarePolicy`: minimises the expected time to first token (formula in its docstring),
-  with a load-imbalance cap so that a prefix every request shares (a system prompt) cannot pull the
-  whole fleet onto the node that first cached it.
+  with a load-imbalance cap so that a shared prefix cannot pull the whole fleet onto one node.
 - :class:`ApproximatePolicy`: the same cost over the router's own memory of what it routed where
   (a TTL'd prefix map), for fleets whose engines publish no KV events.
 - Baselines: :class:`RoundRobinPolicy`, :class:`LeastLoadedPolicy`, :class:`RandomPolicy`.
 
-Every policy owns a seedable ``random.Random`` (used for tie-breaks), so a simulation with a fixed
-seed makes the same decisions every run.
+Every policy owns a seedable ``random.Random`` (tie-breaks): a fixed seed, the same decisions every run.
 """
 
 from __future__ import annotations
@@ -32,8 +30,10 @@ from kvcoord.load import APPROXIMATE, DEGRADED, HISTORY_LOST, NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.memory import PlacementMemory, RoutedPrefixMemory
 
-DEFAULT_WORK_WEIGHT = 4.0
+DEFAULT_WORK_WEIGHT = 12.0
 """How many times a placement's cost counts the prefill it causes (:class:`PrefixAwarePolicy`)."""
+DEFAULT_CACHE_THRESHOLD = 0.1
+"""The share of a prompt some node must hold for ``work_weight`` to apply (:class:`PrefixAwarePolicy`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,26 +93,29 @@ class LatencyModel:
     pull_s_per_block: float | None = None
     """Seconds to pull one block from a peer (transfer, not prefill); None: no peer-pull hints."""
     work_weight: float = DEFAULT_WORK_WEIGHT
-    """How many times :class:`PrefixAwarePolicy` counts the prefill a request causes (its ``k``); the
-    policy's weight, not hardware: the simulator's clock ignores it."""
+    """The policy's (the simulator's clock ignores it): times it counts a request's prefill (its ``k``)."""
+    cache_threshold: float = DEFAULT_CACHE_THRESHOLD
+    """The policy's: below this share of the prompt held anywhere, a miss (its prefill counted once)."""
 
     @classmethod
     def from_flags(cls, *, prefill_us_per_token: float, decode_ms_per_token: float, max_running: int,
                    mean_output_tokens: float, pull_us_per_block: float | None = None,
-                   work_weight: float = DEFAULT_WORK_WEIGHT) -> LatencyModel:
+                   work_weight: float = DEFAULT_WORK_WEIGHT,
+                   cache_threshold: float = DEFAULT_CACHE_THRESHOLD) -> LatencyModel:
         """From the units the command-line flags use (µs and ms), as ``simulate``, ``route`` and ``epp``
         take them."""
         return cls(prefill_s_per_token=prefill_us_per_token / 1e6,
                    decode_s_per_token=decode_ms_per_token / 1e3, max_running=max_running,
                    mean_output_tokens=mean_output_tokens,
                    pull_s_per_block=None if pull_us_per_block is None else pull_us_per_block / 1e6,
-                   work_weight=work_weight)
+                   work_weight=work_weight, cache_threshold=cache_threshold)
 
     def flags(self) -> dict[str, float]:
         """The model in the flags' units (the inverse of :meth:`from_flags`)."""
         out = {"max_running": self.max_running, "prefill_us_per_token": self.prefill_s_per_token * 1e6,
                "decode_ms_per_token": self.decode_s_per_token * 1e3,
-               "mean_output_tokens": self.mean_output_tokens, "work_weight": self.work_weight}
+               "mean_output_tokens": self.mean_output_tokens, "work_weight": self.work_weight,
+               "cache_threshold": self.cache_threshold}
         if self.pull_s_per_block is not None:
             out["pull_us_per_block"] = self.pull_s_per_block * 1e6
         return out
@@ -140,6 +143,8 @@ class LatencyModel:
             raise ValueError("pull_s_per_block must be >= 0")
         if self.work_weight < 1.0:
             raise ValueError("work_weight must be >= 1")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError("cache_threshold must be in [0, 1]")
 
     def queue_seconds(self, load: NodeLoad) -> float:
         """Expected wait before a new request's prefill can start on a node with ``load``.
@@ -288,23 +293,18 @@ class PrefixAwarePolicy(_Seeded):
     with tier weights ``w`` (default 1.0 / 0.8 / 0.5: the fraction of a block's prefill a hit saves),
     ``t_p``/``t_d`` the prefill/decode seconds per token, ``out`` the expected output length and
     ``R`` the node's max running requests (:class:`LatencyModel`). Cache benefit and load are both
-    in seconds. ``k`` (``work_weight``, default 4, ``--work-weight``) counts the prefill a request causes
-    more than once: once for its own TTFT, once for the delay that work adds to the requests queued behind
-    it on that node, and again for the cache it costs: every recomputed block is written again and evicts
-    another prefix's block on that node, a hit some later request loses. With ``k = 1`` the policy is
-    greedy per request and gives up a hit as soon as the holder is marginally busier, which recomputes (and
-    duplicates) prefixes and lowers the fleet's hit rate. On the Mooncake conversation trace every
-    request placed away from the node holding the most was the load term's choice (never the balance
-    cap). ``k = 3`` beat ``k = 2`` on an 8-node simulated fleet; on the 4 engines of the real-HTTP router
-    benchmark, with bursts of ~9 arrivals, ``k = 3`` still sent prompts of ~300 held blocks away and
-    lost ~1 point of hit rate to SGLang's trees; ``k = 4`` keeps them (+0.4 points simulated, +0.9 over
-    real HTTP) with the 8-node fleet's hit rate unchanged (14.88% against 14.92%, within its seeds' spread)
-    (docs/simulate.md, "Placement: why the index lost to a tree", and its sequel). A larger ``k`` trades
-    more TTFT for hits and past ~24 collapses a busy fleet's hit rate (docs/simulate.md, "SGLang's tree,
-    simulated").
+    in seconds. ``k`` (``work_weight``, default 12) counts the prefill a request causes more than once: for
+    its own TTFT, for the delay it adds to the requests queued behind it, and for the cache it costs (each
+    recomputed block evicts a block a later request would hit). At ``k = 1`` the policy gives up a hit as
+    soon as the holder is marginally busier, duplicating prefixes and lowering the fleet's hit rate.
+    **A miss** (no candidate saves ``cache_threshold``, default 10%, of the prompt) has ``k = 1``: else a
+    sliver of a shared prefix pulls new conversations onto one node, whose cache then churns fastest (a busy
+    simulated fleet: 15.0% hit rate at ``k = 12``, 12.4% at 50 without this, 14.9-15.1% at 12-100 with
+    it). ``k = 12`` reaches SGLang's tree's hit rate in the router benchmark's fleet (12.59% against
+    12.66%; ``k = 4``: 12.36%) at 0.7-0.9x its TTFT (docs/simulate.md, "SGLang's tree, simulated").
 
-    Hot-spotting guards (a system prompt every request shares is cached on every node that served
-    it, so ties are common and the load term decides them; these handle the rest):
+    Hot-spotting guards (ties are common, e.g. a system prompt every node holds; the load term decides
+    them; these handle the rest):
 
     1. **Balance cap** (like SGLang's cache-aware router thresholds): a node whose in-flight count
        exceeds ``balance_rel * min + balance_abs`` (min over candidates) is not eligible, whatever it
@@ -322,10 +322,8 @@ class PrefixAwarePolicy(_Seeded):
     prefix does not scatter and recompute it everywhere. It is consulted only when it remembers a
     longer prefix than the index shows on any node (a system prompt every node holds never pins
     anything) and the balance cap applies to it like to any hit. After the horizon the index is
-    authoritative: a prefix it no longer shows was evicted, and there is no "session affinity"
-    bonus for the node that evicted it. Measured on the Mooncake conversation trace (5 seeds), such
-    stickiness lowered the hit rate by 0.2 points: a node that evicted a session is the node whose
-    cache churns fastest, the worst place to rebuild it.
+    authoritative: no "session affinity" bonus for a node that evicted the prefix (-0.2 points on the
+    Mooncake trace: the node that evicted a session is the one whose cache churns fastest).
 
     **Other routers' placements** (and this one's, at block granularity) come with the lookup answer as
     ``reserved_blocks`` (docs/routing.md, "Routers that share one view") and count as held the same way.
@@ -397,12 +395,19 @@ class PrefixAwarePolicy(_Seeded):
             held *= self.degraded_weight
         return min(float(request.num_tokens), request.block_size * held)
 
-    def cost(self, request: RouteRequest, c: Candidate) -> float:
+    def cost(self, request: RouteRequest, c: Candidate, weight: float) -> float:
         """The placement cost of ``c`` in seconds (the formula in the class docstring): the predicted TTFT
-        with the request's own prefill counted ``work_weight`` times."""
+        with the request's own prefill counted ``weight`` times (:meth:`weight`)."""
         left = request.num_tokens - self.saved_tokens(request, c)
-        own = self.latency.work_weight * self.latency.prefill_s_per_token * left
-        return own + self.latency.queue_seconds(c.load)
+        return weight * self.latency.prefill_s_per_token * left + self.latency.queue_seconds(c.load)
+
+    def weight(self, request: RouteRequest, counted: Sequence[Candidate]) -> float:
+        """The request's ``k``: ``work_weight`` when one of ``counted`` (:meth:`counted`'s, in
+        :meth:`choose`) saves at least ``cache_threshold`` of the prompt, else 1 (a miss, placed for its own
+        TTFT)."""
+        lat = self.latency
+        top = max((self.saved_tokens(request, c) for c in counted), default=0.0)
+        return lat.work_weight if top >= lat.cache_threshold * request.num_tokens else 1.0
 
     def ttft(self, request: RouteRequest, c: Candidate) -> float:
         """Predicted time to first token on ``c`` in seconds: the queue ahead plus the prefill of what ``c``
@@ -414,8 +419,8 @@ class PrefixAwarePolicy(_Seeded):
         """The most requests in flight an eligible node may have (guard 1 in the class docstring)."""
         return self.balance_rel * min(c.load.in_flight for c in candidates) + self.balance_abs
 
-    def _counted(self, request: RouteRequest,
-                 candidates: Sequence[Candidate]) -> tuple[Sequence[Candidate], str]:
+    def counted(self, request: RouteRequest,
+                candidates: Sequence[Candidate]) -> tuple[Sequence[Candidate], str]:
         """``candidates`` holding what this policy counts them as holding, and the ``why`` notes on it:
         degraded nodes per ``degraded``, approximate nodes (every node, ``routed_only``) what this router
         routed them, and placements not reported yet (reserved, or this router's own in flight) on GPU."""
@@ -442,10 +447,11 @@ class PrefixAwarePolicy(_Seeded):
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         _require(candidates)
-        candidates, notes = self._counted(request, candidates)
+        candidates, notes = self.counted(request, candidates)
         cap = self.balance_cap(candidates)
+        k = self.weight(request, candidates)
         eligible = [c for c in candidates if c.load.in_flight <= cap]
-        scored = sorted(((self.cost(request, c), c.key, c) for c in eligible), key=lambda t: (t[0], t[1]))
+        scored = sorted(((self.cost(request, c, k), c.key, c) for c in eligible), key=lambda t: (t[0], t[1]))
         best_cost = scored[0][0]
         ties = [c for cost, _, c in scored if cost <= best_cost * (1 + 1e-9) + 1e-12]
         chosen = self._pick(ties)
@@ -459,6 +465,9 @@ class PrefixAwarePolicy(_Seeded):
             f"{(best_cost - queue) * 1e3:.1f} + queue {queue * 1e3:.1f}"
         )
         why += notes
+        if k < self.latency.work_weight:
+            why += (f"; a miss (no node holds {self.latency.cache_threshold:.0%} of the prompt): placed for "
+                    "its own TTFT")
         if _suspect(chosen) and self.degraded != "ignore":
             why += (f"; {_name(chosen)} is degraded (its hashes failed verification), its blocks counted "
                     f"at {self.degraded_weight:g}")
@@ -483,7 +492,7 @@ class PrefixAwarePolicy(_Seeded):
                           if _suspect(top) and self.degraded_weight < 1 else "is busier")
                 why += (
                     f"; replicating: best holder {_name(top)} ({top.matched_blocks} blocks) {busier} "
-                    f"(cost {self.cost(request, top) * 1e3:.1f} ms)"
+                    f"(cost {self.cost(request, top, k) * 1e3:.1f} ms)"
                 )
         own = self.latency.prefill_s_per_token * (request.num_tokens - saved)
         self.memory.record(request.block_hashes, chosen.key, request.now, request.now + queue + own)

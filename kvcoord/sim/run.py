@@ -59,6 +59,7 @@ class SimulateConfig:
     prefill_us_per_token: float = _CLUSTER.latency.flags()["prefill_us_per_token"]
     decode_ms_per_token: float = _CLUSTER.latency.flags()["decode_ms_per_token"]
     work_weight: float = _CLUSTER.latency.work_weight
+    cache_threshold: float = _CLUSTER.latency.cache_threshold
     block_size: int = 16
     hash_algo: str = "xxhash_cbor"
     hash_seed: str = "kvcoord-sim"
@@ -171,7 +172,7 @@ def _cluster(args: SimulateConfig, workload: Workload) -> ClusterConfig:
                                       decode_ms_per_token=args.decode_ms_per_token,
                                       max_running=args.max_running, mean_output_tokens=mean_out,
                                       pull_us_per_block=args.pull_us_per_block,
-                                      work_weight=args.work_weight)
+                                      work_weight=args.work_weight, cache_threshold=args.cache_threshold)
     if args.pool_nodes > args.nodes:
         raise ValueError(f"--pool-nodes {args.pool_nodes} is more than --nodes {args.nodes}")
     tiers = TierConfig(cpu_blocks=args.cpu_blocks_per_node, cpu_reload_s=args.cpu_reload_us_per_block / 1e6,

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvcoord.router.policy import DEFAULT_WORK_WEIGHT
+from kvcoord.router.policy import DEFAULT_CACHE_THRESHOLD, DEFAULT_WORK_WEIGHT
 from tests.procs import free_port, kvcoord_cmd, running, until_async, wait_for_port
 from tests.route_fleet import (
     BLOCK,
@@ -231,6 +231,8 @@ async def test_coordinator_outage_degrades_visibly_and_recovers(fleet: RouteFlee
     (["--coordinator", "127.0.0.1:1", "--prefill-us-per-token", "0"], "must be > 0"),
     (["--coordinator", "127.0.0.1:1", "--max-running", "x"], "--max-running"),
     (["--coordinator", "127.0.0.1:1", "--work-weight", "0.5"], "must be >= 1"),
+    (["--coordinator", "127.0.0.1:1", "--cache-threshold", "1.5"], "must be <= 1"),
+    (["--coordinator", "127.0.0.1:1", "--cache-threshold", "half"], "is not a number"),
 ])
 def test_cli_mistakes_are_one_line(args: list[str], message: str) -> None:
     out = subprocess.run(kvcoord_cmd("route", *args), capture_output=True, text=True, timeout=60)
@@ -246,11 +248,12 @@ async def test_degraded_flag_reaches_the_policy(fleet: RouteFleet, tmp_path: Pat
     cmd = kvcoord_cmd("route", "--coordinator", f"127.0.0.1:{fleet.gport}", "--listen", f"127.0.0.1:{port}",
                       "--model", MODEL, "--degraded", "ignore", "--prefill-us-per-token", "1",
                       "--decode-ms-per-token", "20", "--max-running", "8", "--mean-output-tokens", "100",
-                      "--work-weight", "7.5")
+                      "--work-weight", "7.5", "--cache-threshold", "0.25")
     given = {"max_running": 8, "prefill_us_per_token": 1.0, "decode_ms_per_token": 20.0,
-             "mean_output_tokens": 100.0, "work_weight": 7.5}
+             "mean_output_tokens": 100.0, "work_weight": 7.5, "cache_threshold": 0.25}
     defaults = {"max_running": 32, "prefill_us_per_token": 50.0, "decode_ms_per_token": 15.0,
-                "mean_output_tokens": 350.0, "work_weight": DEFAULT_WORK_WEIGHT}
+                "mean_output_tokens": 350.0, "work_weight": DEFAULT_WORK_WEIGHT,
+                "cache_threshold": DEFAULT_CACHE_THRESHOLD}
     with running(cmd, log=tmp_path / "route-ignore.log"):
         await asyncio.to_thread(wait_for_port, port, "127.0.0.1", 30)
         async with aiohttp.ClientSession() as s:

@@ -82,7 +82,8 @@ def test_ttft_counts_the_own_prefill_once_and_the_cost_work_weight_times() -> No
     c = Candidate("n", 0, 60, (60, 0, 0), NodeLoad(prefill_tokens=1000))
     own, queue = 4 * BS * 50e-6, 1000 * 50e-6
     assert p.ttft(req(64 * BS), c) == pytest.approx(own + queue)
-    assert p.cost(req(64 * BS), c) == pytest.approx(DEFAULT_WORK_WEIGHT * own + queue)
+    assert p.weight(req(64 * BS), [c]) == DEFAULT_WORK_WEIGHT
+    assert p.cost(req(64 * BS), c, DEFAULT_WORK_WEIGHT) == pytest.approx(DEFAULT_WORK_WEIGHT * own + queue)
 
 
 def test_tier_weights_rank_gpu_over_cpu_over_storage() -> None:
@@ -102,13 +103,41 @@ def test_tier_weights_rank_gpu_over_cpu_over_storage() -> None:
 def test_load_outweighs_a_small_hit_in_the_same_unit() -> None:
     lat = LatencyModel(prefill_s_per_token=1e-4)
     p = PrefixAwarePolicy(seed=0, latency=lat)
-    holder = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running_requests=1, prefill_tokens=600))
+    holder = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running_requests=1, prefill_tokens=2000))
     idle = Candidate("idle", 0, 0, (), NodeLoad())
-    # The hit saves 128 tokens of prefill (counted k = 4 times: 512) but 600 tokens are queued ahead of it.
+    # The hit saves 128 tokens of prefill (counted k = 12 times: 1536) but 2000 tokens are queued ahead of it.
+    assert DEFAULT_WORK_WEIGHT == 12
     d = p.choose(req(1024), [holder, idle])
     assert d.node_id == "idle" and "replicating" in d.why and "busier" in d.why
     holder_light = Candidate("holder", 0, 8, (8, 0, 0), NodeLoad(running_requests=1, prefill_tokens=100))
     assert p.choose(req(1024), [holder_light, idle]).node_id == "holder"
+
+
+def test_a_miss_is_placed_for_its_own_ttft() -> None:
+    """Below ``cache_threshold`` of the prompt held anywhere, the request's prefill counts once: a node
+    holding a sliver of it (a shared system prompt) does not pull new conversations onto its queue."""
+    holder = Candidate("holder", 0, 1, (1, 0, 0), NodeLoad(running_requests=1, prefill_tokens=100))
+    idle = Candidate("idle", 0, 0, (), NodeLoad())
+    r = req(1024)  # the holder has 16 of 1024 tokens (1.6%): 16 x 12 = 192 > 100 queued, 16 x 1 < 100
+    p = PrefixAwarePolicy(seed=0, latency=LatencyModel(prefill_s_per_token=1e-4))
+    assert p.weight(r, [holder, idle]) == 1.0
+    d = p.choose(r, [holder, idle])
+    assert d.node_id == "idle" and "a miss (no node holds 10% of the prompt)" in d.why
+    # Threshold 0: every request weighs its prefill work_weight times, and the sliver wins.
+    flat = PrefixAwarePolicy(seed=0, latency=LatencyModel(prefill_s_per_token=1e-4, cache_threshold=0.0))
+    assert flat.weight(r, [holder, idle]) == DEFAULT_WORK_WEIGHT
+    d = flat.choose(r, [holder, idle])
+    assert d.node_id == "holder" and "a miss" not in d.why
+    # Past the threshold (7 blocks: 112 of 1024 tokens, >= 102.4) it is a hit again.
+    seven = Candidate("holder", 0, 7, (7, 0, 0), NodeLoad(running_requests=1, prefill_tokens=1000))
+    assert p.weight(r, [seven, idle]) == DEFAULT_WORK_WEIGHT
+    assert p.choose(r, [seven, idle]).node_id == "holder"  # 112 x 12 = 1344 > 1000 queued
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.1, float("nan")])
+def test_cache_threshold_out_of_range_is_refused(threshold: float) -> None:
+    with pytest.raises(ValueError, match="cache_threshold must be in"):
+        LatencyModel(cache_threshold=threshold)
 
 
 def test_balance_cap_excludes_an_overloaded_holder_whatever_it_holds() -> None:
