@@ -40,10 +40,11 @@ went missing: the index or the policy). The issue's targets are checked at the e
 
     .venv/bin/python benchmarks/bench_routers.py [--requests 600] [--replicas 1,2,4] [--quick]
         [--tokenizer sim|engine|sim,engine] [--lookup grpc|http] [--lookup-workers N] [--work-weight K]
+        [--cache-threshold SHARE]
 
 ``--lookup http`` has route ask serve's HTTP API (``--coordinator-http``) instead of gRPC, answered by
-``--lookup-workers`` worker processes too when given; ``--work-weight``
-is route's (its cost model's ``k``; default route's own).
+``--lookup-workers`` worker processes too when given; ``--work-weight`` and ``--cache-threshold``
+are route's (its cost model; default route's own).
 
 Mind the trace's own ceiling: with an unbounded cache, the first 150 / 300 / 600 / 1,000 requests could
 serve 4.6% / 8.1% / 17.2% / 21.6% of their prompt tokens from cache (every earlier block held
@@ -200,7 +201,9 @@ def _fleet(tmp: Path, args: argparse.Namespace, run: Run) -> Iterator[Fleet]:
                 http_port=hport, profile=PROFILE, metrics_port=mport, workers=args.lookup_workers)
             asyncio.run(_register(_url(hport), engines))
             over_http = ("--coordinator-http", _url(hport)) if args.lookup == "http" else ()
-            weight = ("--work-weight", str(args.work_weight)) if args.work_weight else ()
+            weight: tuple[str, ...] = ("--work-weight", str(args.work_weight)) if args.work_weight else ()
+            if args.cache_threshold is not None:
+                weight += ("--cache-threshold", str(args.cache_threshold))
             own = ("--tokenizer", SIM_SOURCE) if run.tokenizer == "route" else ()
             cmds = [route_cmd(p, "--coordinator", coordinator, *over_http, *weight, *own,
                               "--deadline-ms", str(args.deadline_ms), "--refresh-interval", "0.5",
@@ -422,6 +425,8 @@ def main() -> None:
                     help="kvcoord serve's --lookup-workers (they answer its HTTP API: with --lookup http)")
     ap.add_argument("--work-weight", type=float, default=None,
                     help="kvcoord route's --work-weight (default: route's own)")
+    ap.add_argument("--cache-threshold", type=float, default=None,
+                    help="kvcoord route's --cache-threshold (default: route's own)")
     ap.add_argument("--tokenizer", default="sim",
                     help="where kvcoord tokenizes, comma-separated for several kvcoord runs: sim (serve, "
                     "in-process, the engines' toy tokenizer), engine (serve, via engine 0's /tokenize) or "
