@@ -18,6 +18,18 @@ from kvcoord.cli.common import (
 )
 
 
+def _flush(text: str) -> tuple[float, int]:
+    """``SECONDS:NODE`` of ``--flush-at``."""
+    at, sep, node = text.partition(":")
+    try:
+        when, which = float(at), int(node)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not SECONDS:NODE (e.g. 40:0)") from None
+    if not sep or not when >= 0 or which < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not SECONDS:NODE with SECONDS >= 0 and NODE >= 0")
+    return when, which
+
+
 def add(sub: Subparsers) -> None:
     p = sub.add_parser(
         "simulate",
@@ -47,6 +59,9 @@ def add(sub: Subparsers) -> None:
     c.add_argument("--blocks-per-node", type=POSITIVE_INT, default=25_000,
                    help="KV blocks per node (default 25000)")
     add_cost_model(c, mean_output=False, pull=True)
+    c.add_argument("--flush-at", type=_flush, action="append", default=[], metavar="SECONDS:NODE",
+                   help="empty node NODE's (0-based) GPU prefix cache at SECONDS of the replay, as a restart "
+                        "or a cache reset does; the index sees it, a router's memory does not (repeatable)")
     t = p.add_argument_group(
         "caches past the GPU (docs/simulate.md)",
         "A CPU tier per node (evicted GPU blocks move there), a shared pool (stored blocks are written "

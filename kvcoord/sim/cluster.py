@@ -68,12 +68,20 @@ class ClusterConfig:
     """The CPU tiers, shared pool and peer pulls (:mod:`kvcoord.sim.tiers`); none by default."""
     pd: PdSimConfig = field(default_factory=PdSimConfig)
     """Disaggregated prefill and decode pools (:mod:`kvcoord.sim.disagg`); off by default."""
+    flushes: tuple[tuple[float, int], ...] = ()
+    """``(seconds, node index)``: that node's GPU prefix cache is emptied then (every block's hash dropped,
+    with its ``BlockRemoved``, as a restart or a cache reset loses it; its requests run on). The index sees
+    it; a router's memory of what it sent there does not."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError("nodes must be >= 1")
         if self.blocks_per_node < 2:
             raise ValueError("blocks per node must be >= 2")
+        for at, node in self.flushes:
+            if not 0 <= node < self.nodes or not at >= 0:
+                raise ValueError(f"a flush at {at:g} s of node {node}: the time must be >= 0 and the node "
+                                 f"in 0..{self.nodes - 1}")
 
 
 class SimBackend:
@@ -363,6 +371,10 @@ class _Run:
         node.change_in_system(now, -1)
         self.try_start(node, now)
 
+    def flush(self, node: _Node) -> None:
+        """Empty ``node``'s GPU prefix cache (:attr:`ClusterConfig.flushes`)."""
+        node.pool.evict_blocks(b.block_id for b in node.pool.blocks if b.block_hash is not None)
+
     def finish_until(self, until: float, now: float) -> float:
         """Complete every request done by ``until``; the time of the last one (``now`` if none)."""
         heap, nodes = self.heap, self.nodes
@@ -457,9 +469,14 @@ def _simulate(
     by_id = {nd.node_id: nd for nd in nodes}
     now = 0.0
     total = len(workload.requests)
+    flushes = sorted(config.flushes, reverse=True)
     for routed, req in enumerate(workload.requests):
         if progress is not None and routed % PROGRESS_EVERY == 0:
             progress(routed, total)
+        while flushes and flushes[-1][0] <= req.arrival:
+            at, ni = flushes.pop()
+            run.finish_until(at, now)
+            run.flush(nodes[ni])
         run.finish_until(req.arrival, now)
         now = req.arrival
         run.prompt_total += req.num_tokens

@@ -25,6 +25,8 @@ from kvcoord.sim.tiers import TierConfig
 from kvcoord.sim.workload import SyntheticSpec, Workload, load_mooncake, synthetic
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from kvcoord.transport import ChannelSecurity
 
 PROGRESS_SECONDS = 5.0
@@ -60,6 +62,7 @@ class SimulateConfig:
     decode_ms_per_token: float = _CLUSTER.latency.flags()["decode_ms_per_token"]
     work_weight: float = _CLUSTER.latency.work_weight
     cache_threshold: float = _CLUSTER.latency.cache_threshold
+    flush_at: Sequence[tuple[float, int]] = ()
     block_size: int = 16
     hash_algo: str = "xxhash_cbor"
     hash_seed: str = "kvcoord-sim"
@@ -182,7 +185,7 @@ def _cluster(args: SimulateConfig, workload: Workload) -> ClusterConfig:
     pd = PdSimConfig(args.prefill_nodes, args.kv_transfer_us_per_block / 1e6, args.max_local_prefill_tokens)
     pools(pd, [str(i) for i in range(args.nodes)])  # ValueError now, not after the workload's replay
     return ClusterConfig(nodes=args.nodes, blocks_per_node=args.blocks_per_node, latency=latency, tiers=tiers,
-                         pd=pd)
+                         pd=pd, flushes=tuple(args.flush_at))
 
 
 def _run_jobs(args: SimulateConfig, names: list[str], workload: Workload, profile: HashProfile,

@@ -105,6 +105,27 @@ def test_bad_trace_line_is_reported_with_its_number(tmp_path: Path) -> None:
         load_mooncake(short, PROFILE)
 
 
+def test_a_flush_empties_a_node_cache_and_costs_hits() -> None:
+    """A flush drops every cached block of its node (their ``BlockRemoved`` reach the index): at time 0
+    it changes nothing, mid-run on every node it costs hits, and every token is still accounted."""
+    w = synthetic(SPEC, PROFILE, seed=1)
+    mid = w.requests[len(w.requests) // 2].arrival
+
+    def run(*flushes: tuple[float, int]) -> dict[str, object]:
+        config = ClusterConfig(nodes=4, blocks_per_node=600, latency=LatencyModel(max_running=4),
+                               flushes=flushes)
+        r = simulate(w, make_policy("prefix-aware", 1), PROFILE, config, MemoryIndex())
+        assert r.prompt_tokens == r.hit_tokens + r.prefill_tokens
+        return summarize(r)
+
+    plain = run()
+    assert deterministic_view([run((0.0, 0), (0.0, 3))]) == deterministic_view([plain])
+    flushed = run(*((mid, n) for n in range(4)))
+    assert float(str(flushed["token_hit_rate"])) < float(str(plain["token_hit_rate"]))
+    with pytest.raises(ValueError, match=r"node in 0\.\.3"):
+        ClusterConfig(nodes=4, flushes=((1.0, 4),))
+
+
 def test_prompt_larger_than_a_node_is_refused_before_simulating() -> None:
     w = synthetic(SPEC, PROFILE, seed=1)
     with pytest.raises(ValueError, match="blocks-per-node"):
@@ -125,6 +146,17 @@ def test_cli_runs_on_a_trace_subset_and_prints_json(tiny_trace: Path, tmp_path: 
     assert report["workload"]["requests"] == 30 and report["cluster"]["nodes"] == 3
     assert "| policy" in proc.stderr
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(("flush", "message"), [
+    ("40", "is not SECONDS:NODE"), ("x:0", "is not SECONDS:NODE"), ("-1:0", "SECONDS >= 0"),
+    ("5:9", "a flush at 5 s of node 9: the time must be >= 0 and the node in 0..1"),
+])
+def test_cli_bad_flush_exits_with_one_line(flush: str, message: str) -> None:
+    proc = subprocess.run(kvcoord_cmd("simulate", "--limit", "5", "--nodes", "2", f"--flush-at={flush}"),
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
 
 
 def test_cli_bad_input_exits_with_one_line() -> None:
