@@ -13,7 +13,9 @@ A variant is ``policy[:key=value,...]``; keys are :class:`PrefixAwarePolicy` key
 (``balance_abs``, ``balance_rel``) or its cost model's (``work_weight``, ``cache_threshold``); for
 ``approximate`` they configure its inner cost model.
 ``sglang-tree`` is SGLang's cache-aware router's rule (:class:`SglangTree`, keys ``threshold``, ``abs_gap``,
-``rel``, ``exact``, ``miss_load``), the tree ``benchmarks/bench_routers.py`` runs for real.
+``rel``, ``exact``, ``miss_load``), the tree ``benchmarks/bench_routers.py`` runs for real. ``routers=N``
+splits the requests over N routers in turn, each with its own state (``shared=0``: prefix-aware's routers do
+not share their placements, as ``route --no-reserve``).
 ``--nodes``, ``--blocks-per-node``, ``--time-scale``, ``--prefill-us-per-token`` and ``--decode-ms-per-token``
 shape the fleet (default: ``kvcoord simulate``'s; ``benchmarks/bench_routers.py``'s is ``--nodes 4
 --blocks-per-node 50000 --time-scale 0.5 --prefill-us-per-token 20 --decode-ms-per-token 10``).
@@ -31,7 +33,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.index import open_index
@@ -143,12 +145,37 @@ _COST_MODEL = ("work_weight", "cache_threshold")
 """Variant keys that set the :class:`LatencyModel`, not the policy."""
 
 
+class Replicas:
+    """Requests split over several routers in turn, each placing on its own state: a tree its own tree,
+    prefix-aware its own in-flight memory unless ``shared`` (kvcoord's routers share their placements
+    through the coordinator's reservations; here, one memory)."""
+
+    uses_index: ClassVar[bool] = True
+
+    def __init__(self, routers: list[Policy], shared: bool) -> None:
+        self.routers, self.turn, self.name = routers, 0, routers[0].name
+        if shared:
+            for r in routers:
+                if isinstance(r, PrefixAwarePolicy):
+                    r.memory = cast(PrefixAwarePolicy, routers[0]).memory
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        router = self.routers[self.turn % len(self.routers)]
+        self.turn += 1
+        return router.choose(request, candidates)
+
+
 def _policy(variant: str, seed: int, latency: LatencyModel) -> Policy:
     name, _, raw = variant.partition(":")
     kw: dict[str, Any] = {}
     for item in filter(None, raw.split(",")):
         key, _, value = item.partition("=")
         kw[key] = float(value) if "." in value or key in _COST_MODEL else int(value)
+    routers, shared = kw.pop("routers", 1), bool(kw.pop("shared", 1))
+    if routers > 1:
+        inner = ",".join(f"{k}={v}" for k, v in kw.items())
+        one = f"{name}:{inner}" if inner else name
+        return Replicas([_policy(one, seed * 1000 + i, latency) for i in range(routers)], shared)
     # the cost model's, not the policy's
     latency = replace(latency, **{key: kw.pop(key) for key in _COST_MODEL if key in kw})
     if name == "prefix-aware":
