@@ -137,13 +137,14 @@ def test_cli_runs_on_a_trace_subset_and_prints_json(tiny_trace: Path, tmp_path: 
     png = tmp_path / "sim.png"
     proc = subprocess.run(
         kvcoord_cmd("simulate", "--trace", str(tiny_trace), "--limit", "30", "--nodes", "3",
-                    "--blocks-per-node", "12000", "--json", "-", "--plot", str(png)),
+                    "--blocks-per-node", "12000", "--flush-at", "0.5:2", "--json", "-", "--plot", str(png)),
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert [row["policy"] for row in report["policies"]] == list(POLICY_NAMES)
     assert report["workload"]["requests"] == 30 and report["cluster"]["nodes"] == 3
+    assert report["cluster"]["work_weight"] == 12 and report["cluster"]["flush_at"] == [[0.5, 2]]
     assert "| policy" in proc.stderr
     assert png.stat().st_size > 1000
 
