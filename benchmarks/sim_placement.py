@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, cast
 
+from kvcoord.cli.simulate import parse_flush
 from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.index import open_index
 from kvcoord.index.base import NodeKey
@@ -223,7 +224,7 @@ def main() -> None:
     model = LatencyModel().flags()
     ap.add_argument("--prefill-us-per-token", type=float, default=model["prefill_us_per_token"])
     ap.add_argument("--decode-ms-per-token", type=float, default=model["decode_ms_per_token"])
-    ap.add_argument("--flush-at", action="append", default=[], metavar="SECONDS:NODE",
+    ap.add_argument("--flush-at", type=parse_flush, action="append", default=[], metavar="SECONDS:NODE",
                     help="empty a node's GPU prefix cache then (kvcoord simulate's flag; repeatable)")
     a = ap.parse_args()
     global _SHARED
@@ -232,8 +233,8 @@ def main() -> None:
     mean_out = sum(r.output_tokens for r in workload.requests) / len(workload.requests)
     latency = LatencyModel(prefill_s_per_token=a.prefill_us_per_token / 1e6,
                            decode_s_per_token=a.decode_ms_per_token / 1e3, mean_output_tokens=mean_out)
-    flushes = tuple((float(at), int(node)) for at, _, node in (f.partition(":") for f in a.flush_at))
-    config = ClusterConfig(nodes=a.nodes, blocks_per_node=a.blocks_per_node, latency=latency, flushes=flushes)
+    config = ClusterConfig(nodes=a.nodes, blocks_per_node=a.blocks_per_node, latency=latency,
+                           flushes=tuple(a.flush_at))
     _SHARED = (workload, profile, config)
     jobs = [(v, int(s)) for v in a.variants for s in a.seeds.split(",")]
     with multiprocessing.get_context("fork").Pool(max(1, a.jobs)) as pool:

@@ -18,8 +18,8 @@ from kvcoord.cli.common import (
 )
 
 
-def _flush(text: str) -> tuple[float, int]:
-    """``SECONDS:NODE`` of ``--flush-at``."""
+def parse_flush(text: str) -> tuple[float, int]:
+    """``SECONDS:NODE`` of ``--flush-at`` (``benchmarks/sim_placement.py`` takes the same flag)."""
     at, sep, node = text.partition(":")
     try:
         when, which = float(at), int(node)
@@ -59,9 +59,10 @@ def add(sub: Subparsers) -> None:
     c.add_argument("--blocks-per-node", type=POSITIVE_INT, default=25_000,
                    help="KV blocks per node (default 25000)")
     add_cost_model(c, mean_output=False, pull=True)
-    c.add_argument("--flush-at", type=_flush, action="append", default=[], metavar="SECONDS:NODE",
-                   help="empty node NODE's (0-based) GPU prefix cache at SECONDS of the replay, as a restart "
-                        "or a cache reset does; the index sees it, a router's memory does not (repeatable)")
+    c.add_argument("--flush-at", type=parse_flush, action="append", default=[], metavar="SECONDS:NODE",
+                   help="empty node NODE's (0-based) GPU prefix cache at SECONDS of the replay, as a cache "
+                        "reset or a restart does (a CPU tier takes the blocks); the index sees it, a "
+                        "router's memory does not (repeatable)")
     t = p.add_argument_group(
         "caches past the GPU (docs/simulate.md)",
         "A CPU tier per node (evicted GPU blocks move there), a shared pool (stored blocks are written "

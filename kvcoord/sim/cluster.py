@@ -70,8 +70,8 @@ class ClusterConfig:
     """Disaggregated prefill and decode pools (:mod:`kvcoord.sim.disagg`); off by default."""
     flushes: tuple[tuple[float, int], ...] = ()
     """``(seconds, node index)``: that node's GPU prefix cache is emptied then (every block's hash dropped,
-    with its ``BlockRemoved``, as a restart or a cache reset loses it; its requests run on). The index sees
-    it; a router's memory of what it sent there does not."""
+    with its ``BlockRemoved``, as a cache reset or a restart loses it; its requests run on; a CPU tier takes
+    the blocks, as on any GPU eviction). The index sees it; a router's memory of what it sent does not."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
