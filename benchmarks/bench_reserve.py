@@ -9,7 +9,11 @@ every reservation carries blocks and every lookup walks them. Then ``--bursts`` 
 concurrent requests sharing a new prefix, split across two routers of that mode (or all sent to one
 router): on how many nodes the new prefix was computed.
 
-    .venv/bin/python benchmarks/bench_reserve.py [--requests 2000] [--prompt-blocks 64]
+``--replicas``: two ``kvcoord serve`` replicas on one ``redis-server`` (the Redis index), each router of a
+pair on its own replica, so a burst split across the pair is split across the replicas too (their holds
+claimed in Redis, their reservations shared by its stream).
+
+    .venv/bin/python benchmarks/bench_reserve.py [--requests 2000] [--prompt-blocks 64] [--replicas]
 
 ``--stream-only N``: the stream alone, no router: one ``ReserveStream`` in this process (uvloop) against a
 ``kvcoord serve``, N cycles of a reservation (``--prompt-blocks`` blocks), its first byte 1 ms later and
@@ -48,6 +52,7 @@ from benchmarks.common import (
 from kvcoord.gateway.reserve import ReserveStream
 from kvcoord.router.client import AsyncCoordinatorClient
 from tests.procs import free_port, running, wait_for_port
+from tests.redis_servers import redis_server
 
 
 def _cpu(pid: int) -> float:
@@ -56,26 +61,30 @@ def _cpu(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _fleet(tmp: Path, token_interval: float) -> Iterator[tuple[int, dict[str, list[tuple[str, int]]]]]:
-    """(serve pid, {mode: [(route URL, route pid)] * 2})."""
+def _fleet(tmp: Path, token_interval: float,
+           replicas: bool) -> Iterator[tuple[int, dict[str, list[tuple[str, int]]]]]:
+    """(the first serve's pid, {mode: [(route URL, route pid)] * 2}); with ``replicas`` two serves on one
+    Redis, the i-th router of each pair on the i-th."""
     with contextlib.ExitStack() as stack:
         engines = [start_engine(stack, tmp / f"engine{i}.log", "--token-interval", str(token_interval))
                    for i in range(2)]
         for engine, _ in engines:
             wait_url(engine)
-        coordinator, serve_pid = start_serve(stack, tmp / "serve.log", engines[0][0], quiet=True)
+        index = stack.enter_context(redis_server()).url if replicas else ""
+        serves = [start_serve(stack, tmp / f"serve{i}.log", engines[0][0], quiet=True, index=index)
+                  for i in range(2 if replicas else 1)]
         for i, (engine, pub) in enumerate(engines):
-            start_agent(stack, tmp / f"agent{i}.log", coordinator, f"node{i}", engine, pub)
+            start_agent(stack, tmp / f"agent{i}.log", serves[0][0], f"node{i}", engine, pub)
         routes: dict[str, list[tuple[str, int]]] = {}
         for mode, flags in (("reserve", ()), ("no-reserve", ("--no-reserve",))):
             for i in range(2):
                 port = free_port()
                 proc = stack.enter_context(running(route_cmd(
-                    port, "--coordinator", coordinator, "--deadline-ms", "1000", *flags),
+                    port, "--coordinator", serves[i % len(serves)][0], "--deadline-ms", "1000", *flags),
                     log=tmp / f"{mode}{i}.log"))
                 wait_for_port(port, timeout=30)
                 routes.setdefault(mode, []).append((f"http://127.0.0.1:{port}", proc.pid))
-        yield serve_pid, routes
+        yield serves[0][1], routes
 
 
 async def _lookup_mean(s: aiohttp.ClientSession, base: str) -> float:
@@ -113,8 +122,10 @@ async def _bursts(s: aiohttp.ClientSession, routes: dict[str, list[tuple[str, in
               f"{sum(xs) / len(xs):.2f} nodes per new prefix")
 
 
-async def _run(n: int, blocks: int, block_run: int, rounds: int, token_interval: float) -> None:
-    with tempfile.TemporaryDirectory() as tmpdir, _fleet(Path(tmpdir), token_interval) as (serve_pid, fleet):
+async def _run(n: int, blocks: int, block_run: int, rounds: int, token_interval: float,
+               replicas: bool) -> None:
+    with (tempfile.TemporaryDirectory() as tmpdir,
+          _fleet(Path(tmpdir), token_interval, replicas) as (serve_pid, fleet)):
         routes = {m: pair[0] for m, pair in fleet.items()}
         system = "You are a helpful assistant. " * 40
         lat: dict[str, list[float]] = {m: [] for m in routes}
@@ -200,6 +211,8 @@ def main() -> None:
     ap.add_argument("--prompt-blocks", type=int, default=64, help="approximate new blocks per prompt")
     ap.add_argument("--block-run", type=int, default=100, help="requests per mode before switching")
     ap.add_argument("--bursts", type=int, default=50, help="burst rounds per mode (0: none)")
+    ap.add_argument("--replicas", action="store_true",
+                    help="two serve replicas on one redis-server, each router of a pair on its own")
     ap.add_argument("--stream-only", type=int, default=0, metavar="N",
                     help="measure N cycles on the Reserve stream alone (no router), then stop")
     args = ap.parse_args()
@@ -208,7 +221,8 @@ def main() -> None:
             addr, pid = start_serve(stack, Path(d) / "serve.log", "http://127.0.0.1:9", quiet=True)
             uvloop.run(_stream_only(addr, pid, args.stream_only, args.prompt_blocks))
         return
-    asyncio.run(_run(args.requests, args.prompt_blocks, args.block_run, args.bursts, args.token_interval))
+    asyncio.run(_run(args.requests, args.prompt_blocks, args.block_run, args.bursts, args.token_interval,
+                     args.replicas))
 
 
 if __name__ == "__main__":

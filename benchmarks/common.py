@@ -86,17 +86,19 @@ def wait_url(url: str) -> None:
 
 def start_serve(stack: contextlib.ExitStack, log: Path, tokenizer: str = "", *, http_port: int = 0,
                 quiet: bool = False, profile: HashProfile = PROFILE,
-                metrics_port: int = 0, workers: int = 0) -> tuple[str, int]:
+                metrics_port: int = 0, workers: int = 0, index: str = "") -> tuple[str, int]:
     """``kvcoord serve`` for MODEL's engines hashing with ``profile`` (tokenizing through ``tokenizer``'s
     ``/tokenize``, given one), its /metrics on ``metrics_port`` (0: none), its HTTP API on ``http_port``
-    (0: none) answered by ``workers`` lookup workers too (``--lookup-workers``), warnings only with
-    ``quiet``; once it listens: its gRPC address and its pid."""
+    (0: none) answered by ``workers`` lookup workers too (``--lookup-workers``), on ``index`` (its
+    ``--index``; "": the memory index), warnings only with ``quiet``; once it listens: its gRPC address
+    and its pid."""
     gport = free_port()
     level = ("--log-level", "WARNING") if quiet else ()
     metrics = f"127.0.0.1:{metrics_port}" if metrics_port else ""
     proc = stack.enter_context(running(kvcoord_cmd(
         *level, "serve", "--listen", f"127.0.0.1:{gport}", "--metrics-listen", metrics, "--model",
-        model_spec(profile, tokenizer), *(("--lookup-workers", str(workers)) if workers else ())),
+        model_spec(profile, tokenizer), *(("--lookup-workers", str(workers)) if workers else ()),
+        *(("--index", index) if index else ())),
         env={"KVCOORD_HTTP_LISTEN": f"127.0.0.1:{http_port}" if http_port else ""}, log=log))
     wait_for_port(gport, timeout=60)
     if http_port:

@@ -32,6 +32,9 @@ def add(sub: Subparsers) -> None:
     p.add_argument("--replica-silent-seconds", type=POSITIVE_FLOAT, default=None, metavar="SECONDS",
                    help="Redis index: a coordinator replica silent this long has its routers' reservations "
                         "dropped on the others (default 3, at least 2)")
+    p.add_argument("--reservation-hold-seconds", type=POSITIVE_FLOAT, default=None, metavar="SECONDS",
+                   help="a router's lookup holds its new prefix this long for its pick; another router's "
+                        "lookup of it, on any replica, waits at most that to see the pick (default 0.25)")
     p.add_argument("--lookup-workers", type=NONNEG_INT, default=None, metavar="N",
                    help="memory index: N worker processes answer HTTP lookups on --http-listen "
                         "(SO_REUSEPORT), fed by this one, which keeps ingest (default 0: it answers them)")
@@ -88,6 +91,7 @@ CONFIG_FLAGS = (
     "strict_models",
     "lookup_workers",
     "replica_silent_seconds",
+    "reservation_hold_seconds",
     "max_message_bytes",
     "max_events_per_batch",
     "max_query_blocks",

@@ -27,6 +27,7 @@ from kvcoord.coordinator.config_values import (
     learn_seed,
 )
 from kvcoord.coordinator.pools import PoolConfig, parse_pools
+from kvcoord.coordinator.reservations import HOLD_SECONDS
 from kvcoord.events import DEFAULT_TIER_WEIGHTS, Tier
 from kvcoord.extra_keys import ExtraKeyStyle
 from kvcoord.hashing import EXTRA_KEY_STYLES, PROFILE_ALGOS, HashAlgo, HashProfile
@@ -50,6 +51,8 @@ strict_models = false               # true: only the models below may ingest or 
 lookup_workers = 0                  # memory index: N more processes answer HTTP lookups on http_listen
 replica_silent_seconds = 3.0        # Redis: a coordinator replica silent this long has its routers'
                                     # reservations dropped on the others (at least 2)
+reservation_hold_seconds = 0.25     # a router's lookup holds its new prefix this long for its pick; other
+                                    # lookups of it (on any replica) wait at most that for the pick
 
 [tier_weights]                      # orders lookup answers: sum of per-tier matched blocks x weight
 GPU = 1.0
@@ -123,6 +126,7 @@ ENV_VARS: dict[str, str] = {
     "KVCOORD_STRICT_MODELS": "strict_models",
     "KVCOORD_LOOKUP_WORKERS": "lookup_workers",
     "KVCOORD_REPLICA_SILENT_SECONDS": "replica_silent_seconds",
+    "KVCOORD_RESERVATION_HOLD_SECONDS": "reservation_hold_seconds",
     "KVCOORD_MAX_MESSAGE_BYTES": "max_message_bytes",
     "KVCOORD_MAX_EVENTS_PER_BATCH": "max_events_per_batch",
     "KVCOORD_MAX_QUERY_BLOCKS": "max_query_blocks",
@@ -216,6 +220,9 @@ class CoordinatorConfig:
     replica_silent_seconds: float = 3.0
     """A replica on the same Redis heard from no reservation feed entry this long (killed, or cut off) has
     its routers' reservations dropped here (:mod:`kvcoord.coordinator.reservation_sync`)."""
+    reservation_hold_seconds: float = HOLD_SECONDS
+    """How long a router's lookup holds its new prefix for the pick it will reserve: another router's
+    lookup of the same prefix, here or on another replica, waits at most that long to see the pick."""
     models: Mapping[str, ModelConfig] = field(default_factory=dict)
     tier_weights: tuple[float, float, float] = DEFAULT_TIER_WEIGHTS
     media: Mapping[str, Tier] = field(default_factory=dict)
@@ -379,6 +386,10 @@ def _apply_scalar(values: dict[str, Any], key: str, raw: object, where: str) -> 
         if values[key] < 2:  # an idle replica writes its heartbeat every second
             raise ConfigError(f"{where}: must be >= 2 (replicas write a heartbeat every second), "
                               f"got {values[key]:g}")
+    elif key == "reservation_hold_seconds":
+        values[key] = as_float(where, raw)
+        if not 0 < values[key] <= 60:
+            raise ConfigError(f"{where}: must be in (0, 60], got {values[key]:g}")
     else:  # pragma: no cover - guarded by the callers' key lists
         raise ConfigError(f"{where}: unknown key")
 
@@ -396,6 +407,7 @@ _TOP_SCALARS = {
     "stats_interval",
     "lookup_workers",
     "replica_silent_seconds",
+    "reservation_hold_seconds",
 }
 _TOP_TABLES = {"tier_weights", "media", "pools", "limits", "verify", "tls", "auth", "models"}
 _LIMIT_KEYS = {f.name for f in dataclasses.fields(Limits)}

@@ -79,7 +79,7 @@ class CoordinatorState:
                                  lambda: self.health.generation, self.pools)
         self.leases = Leases(index, self.registry, self.metrics, self.health, self.replicas, self._keep,
                              self.update_node_gauges)
-        self.reservations = Reservations()
+        self.reservations = Reservations(hold_seconds=config.reservation_hold_seconds)
         """Routers' picks not yet reported by events (:mod:`kvcoord.coordinator.reservations`)."""
         with contextlib.suppress(ValueError):  # Metrics shared with an earlier state: its collector stays
             self.metrics.registry.register(ReservationCollector(self.reservations))

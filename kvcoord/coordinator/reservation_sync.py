@@ -35,8 +35,11 @@ its old stream's end arrives.
   heard from when this one lost Redis is replayed too (the outage may have silenced it as well).
   Reservations older than what the stream keeps are not seen (they end with their requests, or their
   ttl).
-- Holds (a lookup waiting for a concurrent reservation of the same new prefix) stay per replica: across
-  replicas the window is the feed's lag (a flush plus a poll, a few ms to :data:`POLL_SECONDS`).
+- Holds (a lookup waiting for a concurrent reservation of the same new prefix) are claimed across the
+  replicas (:meth:`ReservationSync.claim`: one ``SET NX`` round trip per lookup that holds, only while
+  another replica is live and Redis answered within :data:`CLAIM_FRESH_SECONDS`); a lookup that finds
+  another replica's router holding it waits for that pick to come by the feed, which is read every
+  :data:`FLUSH_SECONDS` meanwhile.
 """
 
 from __future__ import annotations
@@ -51,12 +54,13 @@ from prometheus_client.registry import Collector
 
 from kvcoord.coordinator.health import LogOnce
 from kvcoord.coordinator.reservations import MAX_TTL, Reservations, apply_op
+from kvcoord.hashing import BlockHash64
 from kvcoord.index.base import ReservationFeed
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.waits import wait_event
 
-__all__ = ["FINAL_SECONDS", "FLUSH_SECONDS", "HEARTBEAT_SECONDS", "POLL_SECONDS", "ReservationSync",
-           "ReservationSyncCollector"]
+__all__ = ["CLAIM_FRESH_SECONDS", "FINAL_SECONDS", "FLUSH_SECONDS", "HEARTBEAT_SECONDS", "POLL_SECONDS",
+           "ReservationSync", "ReservationSyncCollector"]
 
 FLUSH_SECONDS = 0.005
 """The least time between two flushes (changes queued meanwhile go in one entry)."""
@@ -68,6 +72,9 @@ FINAL_SECONDS = 1.0
 """The longest a stopping replica tries to write its last entry (Redis may be down)."""
 MAX_PENDING = 10_000
 """Changes kept for the next flush while Redis does not answer (the oldest go first)."""
+CLAIM_FRESH_SECONDS = 1.0
+"""Lookups claim their holds across replicas only while Redis answered the feed this recently: in an
+outage they keep to this replica's holds rather than wait on Redis."""
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -103,9 +110,42 @@ class ReservationSync:
         self._offset: float | None = None
         """This clock minus the feed's, as of this replica's last entry (taken when its round trip came
         back, so an entry's time maps here no earlier than it was added); None before any."""
+        self._eager_until = 0.0
+        """Until then the feed is read every :data:`FLUSH_SECONDS`: a lookup waits for another replica's
+        router's pick."""
         self.counts = {"published": 0, "entries": 0, "applied": 0, "replayed": 0, "rejected": 0,
-                       "origin_gone": 0, "origin_dropped": 0, "republished": 0, "errors": 0}
+                       "origin_gone": 0, "origin_dropped": 0, "republished": 0, "errors": 0,
+                       "claims": 0, "contested": 0, "claim_errors": 0}
         reservations.outbox = self.queue
+        reservations.claim = self.claim
+
+    async def claim(self, model: str, block: BlockHash64, rid: tuple[str, str],
+                    seconds: float) -> tuple[str, str] | None:
+        """Claim a lookup's new prefix (its first new block) for request ``rid`` across the replicas:
+        None when it is this request's (or no other replica is live, or Redis is out of reach), else the
+        request another replica's router holds it for, named as its changes are applied here."""
+        if not self._heard or time.monotonic() - self._last_ok > CLAIM_FRESH_SECONDS:
+            return None
+        mine = f"{self.replica_id}/{rid[0]}\0{rid[1]}".encode()
+        try:
+            async with asyncio.timeout(seconds):
+                got = await self.feed.claim(f"{model}:{block:x}", mine, seconds)
+        except (ConnectionError, TimeoutError) as exc:
+            self.counts["claim_errors"] += 1
+            self.log_once("reservation-claim-fail", logging.WARNING, "reservation feed: a lookup's hold was "
+                          "not claimed across replicas (%s); it holds on this replica only",
+                          str(exc) or f"no answer in {seconds:g}s")
+            return None
+        self.counts["claims"] += 1
+        if got is None:
+            return None
+        name, sep, request_id = got.decode(errors="replace").partition("\0")
+        if not sep or name.startswith(f"{self.replica_id}/"):
+            return None  # this replica's own: its local hold is the word on it
+        self.counts["contested"] += 1
+        self._eager_until = time.monotonic() + seconds
+        self._wake.set()
+        return name, request_id
 
     def queue(self, router: str, op: pb.ReserveOp | None) -> None:
         """One change a router's stream applied here (``op`` None: its stream ended), for the next flush."""
@@ -287,7 +327,8 @@ class ReservationSync:
         :data:`POLL_SECONDS`; a failed round trip is counted, logged once, and retried (after a catch-up,
         once Redis was out of reach for ``silent_seconds``)."""
         while True:
-            await wait_event(self._wake, POLL_SECONDS)
+            eager = time.monotonic() < self._eager_until
+            await wait_event(self._wake, FLUSH_SECONDS if eager else POLL_SECONDS)
             self._wake.clear()
             started = time.monotonic()
             try:
@@ -338,7 +379,10 @@ class ReservationSyncCollector(Collector):
                                 "entries of other replicas: their reservations dropped at once), "
                                 "origin_dropped (reservations of a replica gone silent), republished "
                                 "(changes of this replica's routers' live reservations written again, as the "
-                                "others may have dropped them), errors (failed round trips)", labels=["op"])
+                                "others may have dropped them), errors (failed round trips), claims "
+                                "(lookups' holds claimed across replicas), contested (claims another "
+                                "replica's router held: the lookup waited for its pick), claim_errors "
+                                "(claims Redis did not answer: held on this replica only)", labels=["op"])
         for op, n in self.sync.counts.items():
             c.add_metric([op], n)
         return [c]

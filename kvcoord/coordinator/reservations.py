@@ -23,7 +23,8 @@ Reservations live in memory, not in the index. On the Redis backend, replicas sh
 hands what its routers' streams applied (:attr:`Reservations.outbox`) to
 :mod:`kvcoord.coordinator.reservation_sync`, which publishes it and applies the other replicas' changes
 here, under router names prefixed by their origin replica (docs/routing.md, "Routers that share one view").
-Holds stay per replica.
+A hold is claimed across the replicas too (one Redis round trip for the lookup, only while another replica
+is live), so a lookup on one replica waits for a pick made through another.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -96,8 +97,14 @@ class Reserved:
 class Reservations:
     """Every router's reservations on this coordinator. One event loop: no locks."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 hold_seconds: float = HOLD_SECONDS) -> None:
         self.clock = clock
+        self.hold_seconds = hold_seconds
+        """How long a lookup's hold on a new prefix lasts, and so the longest another lookup waits on it."""
+        self.claim: Callable[[str, BlockHash64, Rid, float], Awaitable[Rid | None]] | None = None
+        """Claims a new prefix for a lookup across replicas (the replicas' sync): None when this lookup
+        holds it, else the holding request as this replica names it; None: one process."""
         self._entries: dict[Rid, _Entry] = {}
         self._blocks: dict[str, dict[BlockHash64, Rid]] = {}
         """``model -> {block hash -> the latest reservation routing it}``: one holder per block (the
@@ -202,24 +209,44 @@ class Reservations:
                    wait: float) -> None:
         """Before answering a lookup: wait (at most ``wait`` s) for another request's hold on this query's
         first new block (``hashes[start]``), then hold it for this request's pick when ``reserve_id``
-        names one."""
+        names one. With replicas, a hold no lookup here had is also claimed across them (:attr:`claim`),
+        once taken here (so this replica's next lookups of it wait for this one, not for Redis); when
+        another replica's router has it, this lookup waits until that reservation or release comes by
+        the feed (a release for a pick never reserved, sent before this wait began, is not seen: the
+        wait then runs its course)."""
         if start >= len(hashes):
             return
         h = (model, hashes[start])
-        now = self.clock()
+        rid = (router, reserve_id)
         other = self._held.get(h)
         hold = self._holds.get(other) if other is not None else None
-        if hold is not None and other != (router, reserve_id) and hold.expires > now and wait > 0:
-            self.counts["waited"] += 1
-            if hold.done is None:
-                hold.done = asyncio.Event()
-            await wait_event(hold.done, min(wait, hold.expires - now))
-        if router and reserve_id:
-            rid = (router, reserve_id)
-            self._resolve(rid)
-            self._holds[rid] = _Hold(router, h, self.clock() + HOLD_SECONDS)
-            self._held[h] = rid
-            self.counts["held"] += 1
+        fresh = hold is None or hold.expires <= self.clock()
+        if not fresh and other != rid:
+            await self._wait(hold, wait)
+        if not (router and reserve_id):
+            return
+        self._resolve(rid)
+        self._holds[rid] = _Hold(router, h, self.clock() + self.hold_seconds)
+        self._held[h] = rid  # before any round trip: this replica's next lookups of it wait for this one
+        self.counts["held"] += 1
+        if fresh and self.claim is not None:
+            other = await self.claim(model, hashes[start], rid, self.hold_seconds)
+            if other is not None and other != rid and other not in self._entries:
+                # Another replica's router holds it: its reservation (or release) arrives by the feed.
+                hold = self._holds.get(other)
+                if hold is None:
+                    hold = self._holds[other] = _Hold(other[0], h, self.clock() + self.hold_seconds)
+                await self._wait(hold, wait)
+
+    async def _wait(self, hold: _Hold | None, wait: float) -> None:
+        """Until ``hold`` ends (its request's reservation or release), expires, or ``wait`` s pass."""
+        now = self.clock()
+        if hold is None or hold.expires <= now or wait <= 0:
+            return
+        self.counts["waited"] += 1
+        if hold.done is None:
+            hold.done = asyncio.Event()
+        await wait_event(hold.done, min(wait, hold.expires - now))
 
     def overlay(self, model: str, hashes: Sequence[BlockHash64], start: int,
                 asker: str) -> dict[NodeKey, Reserved]:
@@ -312,9 +339,9 @@ async def lookup_view(res: Reservations, router: str, reserve_id: str, model: st
                       hashes: Sequence[BlockHash64], start: int, wait: float) -> dict[NodeKey, Reserved]:
     """A lookup's view of the reservations, for both APIs (gRPC ``Lookup``, HTTP ``/query``): the asking
     router's hold on its new prefix (from position ``start``, the index's best) once any other hold on it
-    was waited for (at most ``wait`` s, capped at ``HOLD_SECONDS``), then :meth:`Reservations.overlay`."""
+    was waited for (at most ``wait`` s, capped at its ``hold_seconds``), then :meth:`Reservations.overlay`."""
     if router:
-        await res.hold(router, reserve_id, model, hashes, start, min(wait, HOLD_SECONDS))
+        await res.hold(router, reserve_id, model, hashes, start, min(wait, res.hold_seconds))
     return res.overlay(model, hashes, start, router)
 
 

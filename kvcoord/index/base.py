@@ -296,6 +296,11 @@ class ReservationFeed(Protocol):
         entry)])``, times as :meth:`history`'s; this reader's own entry comes back too."""
         ...
 
+    async def claim(self, name: str, holder: bytes, seconds: float) -> bytes | None:
+        """Claim ``name`` for ``holder`` for ``seconds`` unless another holder has it, in one round trip:
+        None when claimed, else whoever holds it (a lookup's hold on a new prefix, across replicas)."""
+        ...
+
 
 @runtime_checkable
 class Index(Protocol):

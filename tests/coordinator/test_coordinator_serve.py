@@ -247,6 +247,7 @@ def test_config_file_env_and_flags(tmp_path: Path) -> None:
         ('listen = "nope"\n', "expected HOST:PORT"),
         ("strict_models = true\n", "no [models]"),
         ("replica_silent_seconds = 1.5\n", "replica_silent_seconds: must be >= 2"),
+        ("reservation_hold_seconds = 61\n", "reservation_hold_seconds: must be in (0, 60]"),
         ("lease = [\n", "config"),
     ],
 )

@@ -217,6 +217,65 @@ async def test_reservations_cross_replicas_and_a_killed_replicas_go(
         await rep.close()
 
 
+HOLD = 50.0
+"""``--reservation-hold-seconds`` of the hold test: longer than any wait there, so only the pick (or its
+release) coming by the feed ends the other replica's wait."""
+
+
+@pytest.mark.slow
+async def test_a_lookup_on_one_replica_waits_for_the_pick_of_a_new_prefix_held_through_the_other(
+        tmp_path: Path) -> None:
+    """Router X looks a new prompt up on A (its lookup holds the prompt's new prefix, claimed in Redis);
+    router Y's lookup of the same prompt on B then waits until X's reservation of its pick, made on A,
+    reaches B by the feed, and answers with it: two routers on two replicas do not send one new prefix to
+    two nodes at once."""
+    with redis_server() as redis, contextlib.ExitStack() as stack:
+        a, b = (Replica(stack, redis, tmp_path / f"serve-{n}.log", "--reservation-hold-seconds", str(HOLD))
+                for n in ("a", "b"))
+        for port in (a.port, a.mport, b.port, b.mport):
+            await asyncio.to_thread(wait_for_port, port)
+        rep = await _node_on(b.addr)
+        streams: list[Stream] = []
+        try:
+            async with AsyncCoordinatorClient(a.addr) as ca, AsyncCoordinatorClient(b.addr) as cb:
+                prompt = _prompt(5)
+
+                async def heard(c: AsyncCoordinatorClient, r: Replica, probe: list[int]) -> bool:
+                    """A lookup that holds (a probe prompt) claims across replicas once ``r`` heard of
+                    the other replica; node-r is in its answers."""
+                    if await _reserved(c, probe, "router-p") == (-1, -1, -1):
+                        return False
+                    await c.lookup(MODEL, tokens=probe, router_id="router-p", reserve_id=f"p{probe[0]}")
+                    return (await _sync_counts(r.mport)).get("claims", 0) >= 1
+
+                for c, r, i in ((ca, a, 6), (cb, b, 7)):
+                    await _until(lambda c=c, r=r, i=i: heard(c, r, _prompt(i)),
+                                 "each replica hearing of the other", timeout=30)
+                await ca.lookup(MODEL, tokens=prompt, include_unmatched=True, router_id="router-x",
+                                reserve_id="q1")
+                waiting = asyncio.create_task(cb.lookup(
+                    MODEL, tokens=prompt, include_unmatched=True, router_id="router-y", reserve_id="q2",
+                    timeout=HOLD))
+
+                async def contested() -> bool:
+                    return (await _sync_counts(b.mport)).get("contested", 0) >= 1
+
+                await _until(contested, "B's lookup finding router-x holding the prefix", timeout=30)
+                assert not waiting.done()  # nothing has reserved the prefix: it waits (HOLD is far off)
+                on_a = Stream(ca, "router-x")
+                streams.append(on_a)
+                on_a.reserve("q1", "node-r", block_hashes64(PROFILE, prompt), 32)
+                answer = await asyncio.wait_for(waiting, HOLD / 2)
+                row = next(n for n in answer.nodes if n.node_id == "node-r")
+                got = (row.reserved_blocks, row.reserved.in_flight, row.reserved.prefill_tokens)
+                assert got == (8, 1, 32)
+                assert (await _sync_counts(a.mport)).get("contested", 0) == 0
+        finally:
+            for st in streams:
+                st.close()
+            await rep.close()
+
+
 SILENT = 600.0
 """``replica_silent_seconds`` of the catch-up test: longer than every ttl and wait there, so only a stopped
 replica's last entry can drop its routers' reservations on the other in time."""

@@ -1,7 +1,8 @@
 """Two replicas' reservation sync (:mod:`kvcoord.coordinator.reservation_sync`) in one process, on a real
 ``redis-server``'s stream, each round trip driven by the test: a copy's ttl counts from when Redis added
-its entry, however late the other replica reads it. The real-process tests are in
-test_reservation_replicas.py."""
+its entry, however late the other replica reads it; a lookup's hold on a new prefix is claimed across the
+replicas, and a lookup on the other waits for that pick (or its release) to come by the feed. The
+real-process tests are in test_reservation_replicas.py."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvcoord.coordinator.reservation_sync import ReservationSync
-from kvcoord.coordinator.reservations import Reservations, apply_op
+from kvcoord.coordinator.reservations import Reservations, Reserved, apply_op
 from kvcoord.index.redis.index import RedisIndex
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import pack_u64
+from tests.procs import until_async
 from tests.redis_servers import RedisServer
 
 TTL = 60.0
@@ -37,13 +39,20 @@ async def syncs(redis_server: RedisServer) -> AsyncIterator[tuple[ReservationSyn
         await index.close()
 
 
-def _reserve(sync: ReservationSync, request_id: str, hashes: list[int]) -> None:
+def _reserve(sync: ReservationSync, request_id: str, hashes: list[int], router: str = "r") -> None:
     """A router's pick on ``sync``'s replica, as its Reserve stream applies and queues it."""
     op = pb.ReserveOp(request_id=request_id)
     r = op.reserve
     r.model, r.node_id, r.block_hashes, r.prefill_tokens, r.ttl_seconds = "m", "n1", pack_u64(hashes), 9, TTL
-    assert apply_op(sync.reservations, "r", op) == ""
-    sync.queue("r", op)
+    assert apply_op(sync.reservations, router, op) == ""
+    sync.queue(router, op)
+
+
+def _release(sync: ReservationSync, request_id: str, router: str) -> None:
+    """A router's release of a pick it never reserved (it placed otherwise), as its stream queues it."""
+    op = pb.ReserveOp(request_id=request_id, release=pb.Release())
+    assert apply_op(sync.reservations, router, op) == ""
+    sync.queue(router, op)
 
 
 async def test_a_copy_expires_with_its_original_however_late_it_is_read(
@@ -62,3 +71,53 @@ async def test_a_copy_expires_with_its_original_however_late_it_is_read(
     assert original - 0.002 <= copy < read + TTL
     assert read - written >= 0.5
 
+
+
+async def test_a_hold_is_claimed_across_replicas_and_the_others_lookup_waits_for_its_pick(
+        syncs: tuple[ReservationSync, ReservationSync]) -> None:
+    a, b = syncs
+    for s in (a, b):
+        s.reservations.hold_seconds = 60.0  # no wait here ends by time: only the feed's changes end them
+    alone = list(range(300, 316))
+    await a.reservations.hold("r1", "q0", "m", alone, 0, 60.0)
+    assert a.counts["claims"] == 0  # A has heard of no other replica yet: no round trip
+    await a.flush()  # A reads B's first entry
+    for prompt, pick in ((list(range(200, 216)), True), (list(range(400, 416)), False)):
+        await a.reservations.hold("r1", f"q{pick}", "m", prompt, 0, 60.0)  # A's router looked it up
+        waiting = asyncio.create_task(b.reservations.hold("r2", "x", "m", prompt, 0, 60.0))
+
+        async def contested(n: int = 1 + (not pick)) -> bool:
+            return b.counts["contested"] == n
+
+        await until_async(contested, "B's lookup finding A's router holding the prefix", timeout=30)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # it waits for A's router: only B's next read can end that
+        if pick:
+            _reserve(a, "qTrue", prompt, router="r1")
+        else:
+            _release(a, "qFalse", router="r1")
+        await a.flush()
+        await b.flush()
+        await asyncio.wait_for(waiting, 30)
+        seen = b.reservations.overlay("m", prompt, 0, "r2")
+        # the pick's blocks and load; after the release, only the first round's request as load
+        assert seen == {("n1", 0): Reserved(16 if pick else 0, 1, 9)}
+    assert a.counts["claims"] == 2 and a.counts["contested"] == 0
+    assert b.counts["claims"] == 2 and b.reservations.counts["waited"] == 2
+
+
+async def test_concurrent_lookups_on_one_replica_wait_for_the_first_not_for_redis(
+        syncs: tuple[ReservationSync, ReservationSync]) -> None:
+    """A burst of one new prefix on one replica: the first lookup holds it before its claim's round trip,
+    so the others wait for its pick here (one claim, no second holder)."""
+    a, _ = syncs
+    await a.flush()  # A reads B's first entry: claims go to Redis
+    a.reservations.hold_seconds = 60.0
+    prompt = list(range(500, 516))
+    burst = [asyncio.create_task(a.reservations.hold(f"r{i}", "q", "m", prompt, 0, 60.0)) for i in range(3)]
+    await asyncio.wait(burst[:1])
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in burst[1:])  # waiting for r0's pick
+    _reserve(a, "q", prompt, router="r0")
+    await asyncio.wait_for(asyncio.gather(*burst), 30)
+    assert a.counts["claims"] == 1 and a.reservations.counts["waited"] == 2

@@ -123,6 +123,9 @@ async def test_backend_name_and_capabilities(index: Index, index_backend: str) -
         assert [raw for _, raw in back] == [b"one", b"two", b"three", b"four"]
         times = [when for when, _ in back]
         assert times == sorted(times) and times[-1] == added  # Redis' clock, in seconds
+        assert await feed.claim("m:1f", b"a/r\0q1", 30.0) is None  # claimed
+        assert await feed.claim("m:1f", b"b/r\0q2", 30.0) == b"a/r\0q1"  # held by the first
+        assert await feed.claim("m:1e", b"b/r\0q2", 30.0) is None  # another prefix
     if index.remote is not None:
         gen = await index.remote.generation()
         assert gen and await index.remote.generation() == gen

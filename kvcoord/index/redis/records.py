@@ -142,11 +142,12 @@ _READ_COUNT = 1_000
 class RedisReservationFeed:
     """Routers' reservation changes exchanged by replicas, as one Redis stream ``{prefix}:reservations``
     (one key, so one shard on a Cluster): each flush is one pipelined ``XADD`` + ``XREAD`` on the index's
-    client."""
+    client. Lookups' holds on new prefixes are keys ``{prefix}:hold:<model>:<block hash>`` that expire."""
 
     def __init__(self, client: Any, prefix: str) -> None:
         self._r = client
         self.key = f"{{{prefix}}}:reservations"
+        self.hold_prefix = f"{{{prefix}}}:hold:"
 
     async def append(self, entry: bytes) -> str:
         try:
@@ -196,6 +197,19 @@ class RedisReservationFeed:
                 if raw is not None:
                     out.append((_ms(after) / 1000, raw))
         return after, None if entry is None else _ms(_text(replies[0])) / 1000, out
+
+    async def claim(self, name: str, holder: bytes, seconds: float) -> bytes | None:
+        """``SET NX PX`` then ``GET`` of ``{prefix}:hold:<name>``, pipelined (any Redis version; the key
+        shares the stream's slot). A claim that lapsed between the two is nobody's: None."""
+        key = self.hold_prefix + name
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            pipe.set(key, holder, nx=True, px=max(1, int(seconds * 1000)))
+            pipe.get(key)
+            claimed, now = await pipe.execute()
+        except Exception as exc:
+            raise ConnectionError(f"reservation feed: {exc}") from exc
+        return None if claimed or now is None else bytes(now)
 
 
 def _text(raw: bytes | str) -> str:
