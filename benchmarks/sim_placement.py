@@ -15,7 +15,11 @@ A variant is ``policy[:key=value,...]``; keys are :class:`PrefixAwarePolicy` key
 ``sglang-tree`` is SGLang's cache-aware router's rule (:class:`SglangTree`, keys ``threshold``, ``abs_gap``,
 ``rel``, ``exact``, ``miss_load``), the tree ``benchmarks/bench_routers.py`` runs for real. ``routers=N``
 splits the requests over N routers in turn, each with its own state (``shared=0``: prefix-aware's routers do
-not share their placements, as ``route --no-reserve``).
+not share their placements, as ``route --no-reserve``; ``lag=S``: a router does not see the other routers'
+picks of the last S seconds in the loads, as when their reservations reach the coordinator after its
+lookup was answered; its own it counts itself; ``fill=1``: those picks, unplaced, are each added where the
+queue is shortest). ``prefix-aware:temperature=T`` samples a node by ``exp(-cost / T)`` (Dynamo's router
+temperature) instead of taking the cheapest.
 ``--nodes``, ``--blocks-per-node``, ``--time-scale``, ``--prefill-us-per-token`` and ``--decode-ms-per-token``
 shape the fleet (default: ``kvcoord simulate``'s; ``benchmarks/bench_routers.py``'s is ``--nodes 4
 --blocks-per-node 50000 --time-scale 0.5 --prefill-us-per-token 20 --decode-ms-per-token 10``).
@@ -26,11 +30,12 @@ and deterministic.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import random
 import statistics
 import sys
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, cast
@@ -39,6 +44,7 @@ from kvcoord.cli.simulate import parse_flush
 from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.index import open_index
 from kvcoord.index.base import NodeKey
+from kvcoord.load import NodeLoad
 from kvcoord.router.answer import Candidate
 from kvcoord.router.policy import (
     ApproximatePolicy,
@@ -142,6 +148,19 @@ class SglangTree:
         return Decision(chosen.node_id, chosen.dp_rank, f"sglang-tree: {why}", chosen.matched_blocks)
 
 
+class Tempered(PrefixAwarePolicy):
+    """Prefix-aware placement sampling a node with probability ~ exp(-cost / ``temperature``) (Dynamo's
+    router temperature) rather than taking the cheapest: Gumbel noise on each cost, then the minimum."""
+
+    def __init__(self, seed: int, temperature: float, **kw: Any) -> None:
+        super().__init__(seed, **kw)
+        self.temperature, self.noise = temperature, random.Random(seed + 7)
+
+    def cost(self, request: RouteRequest, c: Candidate, weight: float) -> float:
+        u = max(self.noise.random(), 1e-300)  # the noise >= -37 T: 40 T more keeps every cost positive
+        return super().cost(request, c, weight) + self.temperature * (40 + math.log(-math.log(u) or 1e-300))
+
+
 _COST_MODEL = ("work_weight", "cache_threshold")
 """Variant keys that set the :class:`LatencyModel`, not the policy."""
 
@@ -149,21 +168,65 @@ _COST_MODEL = ("work_weight", "cache_threshold")
 class Replicas:
     """Requests split over several routers in turn, each placing on its own state: a tree its own tree,
     prefix-aware its own in-flight memory unless ``shared`` (kvcoord's routers share their placements
-    through the coordinator's reservations; here, one memory)."""
+    through the coordinator's reservations; here, one memory). With ``lag`` a router's loads leave out
+    the other routers' picks of the last ``lag`` seconds (a request and its uncached prompt each)."""
 
     uses_index: ClassVar[bool] = True
 
-    def __init__(self, routers: list[Policy], shared: bool) -> None:
-        self.routers, self.turn, self.name = routers, 0, routers[0].name
+    def __init__(self, routers: list[Policy], shared: bool, lag: float = 0.0, fill: bool = False) -> None:
+        self.routers, self.turn, self.name, self.lag, self.fill = routers, 0, routers[0].name, lag, fill
+        self.picks: deque[tuple[float, int, NodeKey, int]] = deque()
+        """``(when, router, node, uncached tokens)`` of the last ``lag`` seconds' picks."""
         if shared:
             for r in routers:
                 if isinstance(r, PrefixAwarePolicy):
                     r.memory = cast(PrefixAwarePolicy, routers[0]).memory
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        router = self.routers[self.turn % len(self.routers)]
+        me = self.turn % len(self.routers)
         self.turn += 1
-        return router.choose(request, candidates)
+        if self.lag > 0:
+            while self.picks and self.picks[0][0] <= request.now - self.lag:
+                self.picks.popleft()
+            unseen: dict[NodeKey, list[int]] = {}
+            pending: list[int] = []
+            for _, who, key, tokens in self.picks:
+                if who != me:
+                    got = unseen.setdefault(key, [0, 0])
+                    got[0] += 1
+                    got[1] += tokens
+                    pending.append(tokens)
+            candidates = [c if c.key not in unseen else replace(c, load=_less(c.load, *unseen[c.key]))
+                          for c in candidates]
+            if self.fill and pending:
+                candidates = _water_fill(candidates, pending, self.routers[me])
+        d = self.routers[me].choose(request, candidates)
+        if self.lag > 0:
+            held = next(c.matched_blocks for c in candidates if c.key == (d.node_id, d.dp_rank))
+            uncached = max(0, request.num_tokens - held * request.block_size)
+            self.picks.append((request.now, me, (d.node_id, d.dp_rank), uncached))
+        return d
+
+
+def _water_fill(candidates: list[Candidate], pending: list[int], router: Policy) -> list[Candidate]:
+    """The other routers' picks this router does not see (only how many, and their prompts' uncached
+    tokens, as the coordinator's holds would tell), each added where the queue is shortest then."""
+    latency = cast(PrefixAwarePolicy, router).latency
+    out = {c.key: c for c in candidates}
+    for tokens in pending:
+        c = min(out.values(), key=lambda c: (latency.queue_seconds(c.load), c.key))
+        load = c.load
+        out[c.key] = replace(c, load=replace(load, waiting_requests=load.waiting_requests + 1,
+                                             prefill_tokens=load.prefill_tokens + tokens))
+    return [out[c.key] for c in candidates]
+
+
+def _less(load: NodeLoad, requests: int, tokens: int) -> NodeLoad:
+    """``load`` without ``requests`` requests (waiting first) and ``tokens`` prefill tokens."""
+    waiting = max(0, load.waiting_requests - requests)
+    running = max(0, load.running_requests - (requests - (load.waiting_requests - waiting)))
+    return replace(load, waiting_requests=waiting, running_requests=running,
+                   prefill_tokens=max(0, load.prefill_tokens - tokens))
 
 
 def _policy(variant: str, seed: int, latency: LatencyModel) -> Policy:
@@ -172,14 +235,17 @@ def _policy(variant: str, seed: int, latency: LatencyModel) -> Policy:
     for item in filter(None, raw.split(",")):
         key, _, value = item.partition("=")
         kw[key] = float(value) if "." in value or key in _COST_MODEL else int(value)
-    routers, shared = kw.pop("routers", 1), bool(kw.pop("shared", 1))
+    routers, shared, lag = kw.pop("routers", 1), bool(kw.pop("shared", 1)), float(kw.pop("lag", 0.0))
+    fill = bool(kw.pop("fill", 0))
     if routers > 1:
         inner = ",".join(f"{k}={v}" for k, v in kw.items())
         one = f"{name}:{inner}" if inner else name
-        return Replicas([_policy(one, seed * 1000 + i, latency) for i in range(routers)], shared)
+        return Replicas([_policy(one, seed * 1000 + i, latency) for i in range(routers)], shared, lag, fill)
     # the cost model's, not the policy's
     latency = replace(latency, **{key: kw.pop(key) for key in _COST_MODEL if key in kw})
     if name == "prefix-aware":
+        if "temperature" in kw:
+            return Tempered(seed, float(kw.pop("temperature")), latency=latency, **kw)
         return PrefixAwarePolicy(seed, latency=latency, **kw)
     if name == "approximate":
         p = ApproximatePolicy(seed, latency=latency)
