@@ -37,7 +37,7 @@ its old stream's end arrives.
   ttl).
 - Holds (a lookup waiting for a concurrent reservation of the same new prefix) are claimed across the
   replicas (:meth:`ReservationSync.claim`: one ``SET NX`` round trip per lookup that holds, only while
-  another replica is live and Redis answered within :data:`CLAIM_FRESH_SECONDS`); a lookup that finds
+  another replica is live and the last round trip to Redis succeeded); a lookup that finds
   another replica's router holding it waits for that pick to come by the feed, which is read every
   :data:`FLUSH_SECONDS` meanwhile.
 """
@@ -59,8 +59,8 @@ from kvcoord.index.base import ReservationFeed
 from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.waits import wait_event
 
-__all__ = ["CLAIM_FRESH_SECONDS", "FINAL_SECONDS", "FLUSH_SECONDS", "HEARTBEAT_SECONDS", "POLL_SECONDS",
-           "ReservationSync", "ReservationSyncCollector"]
+__all__ = ["FINAL_SECONDS", "FLUSH_SECONDS", "HEARTBEAT_SECONDS", "POLL_SECONDS", "ReservationSync",
+           "ReservationSyncCollector"]
 
 FLUSH_SECONDS = 0.005
 """The least time between two flushes (changes queued meanwhile go in one entry)."""
@@ -72,9 +72,6 @@ FINAL_SECONDS = 1.0
 """The longest a stopping replica tries to write its last entry (Redis may be down)."""
 MAX_PENDING = 10_000
 """Changes kept for the next flush while Redis does not answer (the oldest go first)."""
-CLAIM_FRESH_SECONDS = 1.0
-"""Lookups claim their holds across replicas only while Redis answered the feed this recently: in an
-outage they keep to this replica's holds rather than wait on Redis."""
 
 log = logging.getLogger("kvcoord.coordinator")
 
@@ -110,6 +107,9 @@ class ReservationSync:
         self._offset: float | None = None
         """This clock minus the feed's, as of this replica's last entry (taken when its round trip came
         back, so an entry's time maps here no earlier than it was added); None before any."""
+        self._reachable = True
+        """The last round trip to Redis (a flush or a claim) succeeded: lookups claim their holds there (in
+        an outage they keep to this replica's holds rather than wait on Redis)."""
         self._eager_until = 0.0
         """Until then the feed is read every :data:`FLUSH_SECONDS`: a lookup waits for another replica's
         router's pick."""
@@ -124,13 +124,14 @@ class ReservationSync:
         """Claim a lookup's new prefix (its first new block) for request ``rid`` across the replicas:
         None when it is this request's (or no other replica is live, or Redis is out of reach), else the
         request another replica's router holds it for, named as its changes are applied here."""
-        if not self._heard or time.monotonic() - self._last_ok > CLAIM_FRESH_SECONDS:
+        if not self._heard or not self._reachable:
             return None
         mine = f"{self.replica_id}/{rid[0]}\0{rid[1]}".encode()
         try:
             async with asyncio.timeout(seconds):
                 got = await self.feed.claim(f"{model}:{block:x}", mine, seconds)
         except (ConnectionError, TimeoutError) as exc:
+            self._reachable = False  # until a flush gets through
             self.counts["claim_errors"] += 1
             self.log_once("reservation-claim-fail", logging.WARNING, "reservation feed: a lookup's hold was "
                           "not claimed across replicas (%s); it holds on this replica only",
@@ -192,7 +193,7 @@ class ReservationSync:
         for when, raw in entries:
             if (got := self._decode(raw)) is not None:
                 self._apply(got, self._here(when, back))
-        self._last_ok = back
+        self._last_ok, self._reachable = back, True
         self._drop_silent(back)
 
     def _here(self, when: float, now: float) -> float | None:
@@ -335,6 +336,7 @@ class ReservationSync:
                 await self.flush()
             except Exception as exc:
                 self.counts["errors"] += 1
+                self._reachable = False
                 self._republish = True  # an outage may silence this replica to the others
                 self.log_once("reservation-feed-fail", logging.WARNING,
                               "reservation feed unavailable (other replicas' reservations are dropped "

@@ -240,17 +240,20 @@ async def test_a_lookup_on_one_replica_waits_for_the_pick_of_a_new_prefix_held_t
             async with AsyncCoordinatorClient(a.addr) as ca, AsyncCoordinatorClient(b.addr) as cb:
                 prompt = _prompt(5)
 
-                async def heard(c: AsyncCoordinatorClient, r: Replica, probe: list[int]) -> bool:
-                    """A lookup that holds (a probe prompt) claims across replicas once ``r`` heard of
-                    the other replica; node-r is in its answers."""
+                probes = iter(range(100, 10_000))
+
+                async def heard(c: AsyncCoordinatorClient, r: Replica) -> bool:
+                    """A lookup that holds (a new probe prompt each time) claims across replicas once
+                    ``r`` heard of the other replica; node-r is in its answers."""
+                    probe = _prompt(next(probes))
                     if await _reserved(c, probe, "router-p") == (-1, -1, -1):
                         return False
                     await c.lookup(MODEL, tokens=probe, router_id="router-p", reserve_id=f"p{probe[0]}")
                     return (await _sync_counts(r.mport)).get("claims", 0) >= 1
 
-                for c, r, i in ((ca, a, 6), (cb, b, 7)):
-                    await _until(lambda c=c, r=r, i=i: heard(c, r, _prompt(i)),
-                                 "each replica hearing of the other", timeout=30)
+                for c, r in ((ca, a), (cb, b)):
+                    await _until(lambda c=c, r=r: heard(c, r), "each replica hearing of the other",
+                                 timeout=30)
                 await ca.lookup(MODEL, tokens=prompt, include_unmatched=True, router_id="router-x",
                                 reserve_id="q1")
                 waiting = asyncio.create_task(cb.lookup(

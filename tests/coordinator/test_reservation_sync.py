@@ -7,6 +7,8 @@ real-process tests are in test_reservation_replicas.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 
@@ -19,6 +21,7 @@ from kvcoord.proto.v2 import kvcoord_pb2 as pb
 from kvcoord.validate import pack_u64
 from tests.procs import until_async
 from tests.redis_servers import RedisServer
+from tests.redis_servers import redis_server as own_redis_server
 
 TTL = 60.0
 
@@ -121,3 +124,35 @@ async def test_concurrent_lookups_on_one_replica_wait_for_the_first_not_for_redi
     _reserve(a, "q", prompt, router="r0")
     await asyncio.wait_for(asyncio.gather(*burst), 30)
     assert a.counts["claims"] == 1 and a.reservations.counts["waited"] == 2
+
+
+async def test_a_claim_redis_does_not_answer_is_counted_and_later_lookups_hold_here() -> None:
+    """Redis paused: the claim gets no answer within the hold's time, is counted and logged once, and the
+    lookup holds on this replica; later lookups make no round trip until a flush gets through again."""
+    with own_redis_server() as server:
+        assert server.proc is not None
+        index = RedisIndex.from_uri(server.url + "?timeout=5", key_prefix="kvclaim")
+        feed = index.reservation_feed
+        assert feed is not None
+        logged: list[str] = []
+
+        def log_once(key: str, level: int, msg: str, *args: object) -> None:
+            logged.append(msg % args)
+
+        a, b = (ReservationSync(Reservations(hold_seconds=0.3), feed, name, log_once) for name in ("a", "b"))
+        try:
+            for s in (a, b, a):
+                await s.flush()  # each has heard of the other
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                await a.reservations.hold("r1", "q1", "m", list(range(600, 616)), 0, 0.3)
+                await a.reservations.hold("r1", "q2", "m", list(range(700, 716)), 0, 0.3)
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert (a.counts["claims"], a.counts["claim_errors"], a.reservations.counts["held"]) == (0, 1, 2)
+            assert len(logged) == 1 and "not claimed across replicas" in logged[0]
+            await a.flush()
+            await a.reservations.hold("r1", "q3", "m", list(range(800, 816)), 0, 0.3)
+            assert (a.counts["claims"], a.counts["claim_errors"]) == (1, 1)
+        finally:
+            await index.close()
