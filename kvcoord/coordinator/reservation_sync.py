@@ -383,7 +383,8 @@ class ReservationSyncCollector(Collector):
                                 "(changes of this replica's routers' live reservations written again, as the "
                                 "others may have dropped them), errors (failed round trips), claims "
                                 "(lookups' holds claimed across replicas), contested (claims another "
-                                "replica's router held: the lookup waited for its pick), claim_errors "
+                                "replica's router held: the lookup waited for its pick unless it was here "
+                                "already), claim_errors "
                                 "(claims Redis did not answer: held on this replica only)", labels=["op"])
         for op, n in self.sync.counts.items():
             c.add_metric([op], n)

@@ -105,6 +105,8 @@ class Reservations:
         self.claim: Callable[[str, BlockHash64, Rid, float], Awaitable[Rid | None]] | None = None
         """Claims a new prefix for a lookup across replicas (the replicas' sync): None when this lookup
         holds it, else the holding request as this replica names it; None: one process."""
+        self._claims: set[asyncio.Future[Rid | None]] = set()
+        """Claims under way (kept referenced until done)."""
         self._entries: dict[Rid, _Entry] = {}
         self._blocks: dict[str, dict[BlockHash64, Rid]] = {}
         """``model -> {block hash -> the latest reservation routing it}``: one holder per block (the
@@ -230,13 +232,38 @@ class Reservations:
         self._held[h] = rid  # before any round trip: this replica's next lookups of it wait for this one
         self.counts["held"] += 1
         if fresh and self.claim is not None:
-            other = await self.claim(model, hashes[start], rid, self.hold_seconds)
-            if other is not None and other != rid and other not in self._entries:
-                # Another replica's router holds it: its reservation (or release) arrives by the feed.
-                hold = self._holds.get(other)
-                if hold is None:
-                    hold = self._holds[other] = _Hold(other[0], h, self.clock() + self.hold_seconds)
-                await self._wait(hold, wait)
+            await self._claim_and_wait(self.claim(model, hashes[start], rid, self.hold_seconds), rid, h,
+                                       wait)
+
+    async def _claim_and_wait(self, claim: Awaitable[Rid | None], rid: Rid, h: tuple[str, BlockHash64],
+                              wait: float) -> None:
+        """The claim runs to its end (bounded by the hold's time; it holds the prefix on the other replicas
+        even when this lookup may not wait for it, then as a task of its own); within ``wait`` s in all,
+        its answer is waited for and then, when another replica's router holds the prefix, that router's
+        reservation (or release) by the feed. This lookup's own hold then runs from when it answers."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait
+        if wait >= self.hold_seconds:  # the usual case: the claim's own bound is within the lookup's
+            other = await claim
+        else:
+            task = asyncio.ensure_future(claim)
+            self._claims.add(task)
+            task.add_done_callback(self._claims.discard)
+            if wait <= 0:
+                return
+            try:
+                other = await asyncio.wait_for(asyncio.shield(task), wait)
+            except TimeoutError:
+                return
+        if other is None or other == rid or other in self._entries:
+            return
+        hold = self._holds.get(other)
+        if hold is None:
+            hold = self._holds[other] = _Hold(other[0], h, self.clock() + self.hold_seconds)
+        await self._wait(hold, end - loop.time())
+        mine = self._holds.get(rid)
+        if mine is not None:
+            mine.expires = self.clock() + self.hold_seconds
 
     async def _wait(self, hold: _Hold | None, wait: float) -> None:
         """Until ``hold`` ends (its request's reservation or release), expires, or ``wait`` s pass."""

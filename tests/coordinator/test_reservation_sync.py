@@ -24,6 +24,8 @@ from tests.redis_servers import RedisServer
 from tests.redis_servers import redis_server as own_redis_server
 
 TTL = 60.0
+SILENT = 600.0
+"""``silent_seconds`` here: no replica loop writes heartbeats, so a stalled test must not drop the other."""
 
 
 @pytest.fixture
@@ -33,7 +35,7 @@ async def syncs(redis_server: RedisServer) -> AsyncIterator[tuple[ReservationSyn
     index = RedisIndex.from_uri(redis_server.url, key_prefix="kvsync")
     feed = index.reservation_feed
     assert feed is not None
-    out = tuple(ReservationSync(Reservations(), feed, name, lambda *a: None) for name in ("a", "b"))
+    out = tuple(ReservationSync(Reservations(), feed, name, lambda *a: None, SILENT) for name in ("a", "b"))
     try:
         for s in out:
             await s.flush()
@@ -131,7 +133,7 @@ async def test_a_claim_redis_does_not_answer_is_counted_and_later_lookups_hold_h
     lookup holds on this replica; later lookups make no round trip until a flush gets through again."""
     with own_redis_server() as server:
         assert server.proc is not None
-        index = RedisIndex.from_uri(server.url + "?timeout=5", key_prefix="kvclaim")
+        index = RedisIndex.from_uri(server.url + "?timeout=60", key_prefix="kvclaim")
         feed = index.reservation_feed
         assert feed is not None
         logged: list[str] = []
@@ -139,20 +141,37 @@ async def test_a_claim_redis_does_not_answer_is_counted_and_later_lookups_hold_h
         def log_once(key: str, level: int, msg: str, *args: object) -> None:
             logged.append(msg % args)
 
-        a, b = (ReservationSync(Reservations(hold_seconds=0.3), feed, name, log_once) for name in ("a", "b"))
+        a, b = (ReservationSync(Reservations(hold_seconds=0.3), feed, name, log_once, SILENT)
+                for name in ("a", "b"))
         try:
             for s in (a, b, a):
                 await s.flush()  # each has heard of the other
             os.kill(server.proc.pid, signal.SIGSTOP)
             try:
-                await a.reservations.hold("r1", "q1", "m", list(range(600, 616)), 0, 0.3)
-                await a.reservations.hold("r1", "q2", "m", list(range(700, 716)), 0, 0.3)
+                # the lookup may wait longer than the claim's own bound (the hold's time): it sees it fail
+                await a.reservations.hold("r1", "q1", "m", list(range(600, 616)), 0, 30.0)
+                await a.reservations.hold("r1", "q2", "m", list(range(700, 716)), 0, 30.0)
             finally:
                 os.kill(server.proc.pid, signal.SIGCONT)
             assert (a.counts["claims"], a.counts["claim_errors"], a.reservations.counts["held"]) == (0, 1, 2)
             assert len(logged) == 1 and "not claimed across replicas" in logged[0]
             await a.flush()
-            await a.reservations.hold("r1", "q3", "m", list(range(800, 816)), 0, 0.3)
+            await a.reservations.hold("r1", "q3", "m", list(range(800, 816)), 0, 30.0)
             assert (a.counts["claims"], a.counts["claim_errors"]) == (1, 1)
+            # A lookup waits no longer than it may, however long the claim takes; the claim goes on.
+            a.reservations.hold_seconds = 60.0
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.wait_for(a.reservations.hold("r1", "q4", "m", list(range(900, 916)), 0, 0.05),
+                                       30)
+                await asyncio.wait_for(a.reservations.hold("r1", "q5", "m", list(range(950, 966)), 0, 0.0),
+                                       30)
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+
+            async def claimed() -> bool:
+                return a.counts["claims"] == 3
+
+            await until_async(claimed, "both claims answered once Redis is back", timeout=30)
         finally:
             await index.close()
