@@ -120,11 +120,12 @@ class ReservationSync:
         reservations.claim = self.claim
 
     async def claim(self, model: str, block: BlockHash64, rid: tuple[str, str],
-                    seconds: float) -> tuple[str, str] | None:
+                    seconds: float) -> tuple[tuple[str, str], float] | None:
         """Claim a lookup's new prefix (its first new block) for request ``rid`` across the replicas:
-        None when it is this request's (or no other replica is live, or Redis is out of reach), else the
-        request another replica's router holds it for, named as its changes are applied here."""
-        if not self._heard or not self._reachable:
+        None when it is this request's (or no other replica is live, Redis is out of reach, or the
+        holder's pick already came by the feed), else the request another replica's router holds it
+        for, named as its changes are applied here, and the seconds its claim has left."""
+        if not self._heard or not self._reachable or "\0" in rid[0]:
             return None
         mine = f"{self.replica_id}/{rid[0]}\0{rid[1]}".encode()
         try:
@@ -140,13 +141,13 @@ class ReservationSync:
         self.counts["claims"] += 1
         if got is None:
             return None
-        name, sep, request_id = got.decode(errors="replace").partition("\0")
-        if not sep or name.startswith(f"{self.replica_id}/"):
-            return None  # this replica's own: its local hold is the word on it
+        name, sep, request_id = got[0].decode(errors="replace").partition("\0")
+        if not sep or name.startswith(f"{self.replica_id}/") or self.reservations.settled((name, request_id)):
+            return None  # this replica's own (its local hold is the word on it), or its pick is in
         self.counts["contested"] += 1
-        self._eager_until = time.monotonic() + seconds
+        self._eager_until = time.monotonic() + min(seconds, got[1])
         self._wake.set()
-        return name, request_id
+        return (name, request_id), got[1]
 
     def queue(self, router: str, op: pb.ReserveOp | None) -> None:
         """One change a router's stream applied here (``op`` None: its stream ended), for the next flush."""
@@ -383,8 +384,8 @@ class ReservationSyncCollector(Collector):
                                 "(changes of this replica's routers' live reservations written again, as the "
                                 "others may have dropped them), errors (failed round trips), claims "
                                 "(lookups' holds claimed across replicas), contested (claims another "
-                                "replica's router held: the lookup waited for its pick unless it was here "
-                                "already), claim_errors "
+                                "replica's router held, its pick not here yet: the lookup waited for it), "
+                                "claim_errors "
                                 "(claims Redis did not answer: held on this replica only)", labels=["op"])
         for op, n in self.sync.counts.items():
             c.add_metric([op], n)

@@ -61,6 +61,8 @@ and memory per request."""
 
 Rid = tuple[str, str]
 """``(router_id, request_id)``."""
+Claim = Callable[[str, BlockHash64, Rid, float], Awaitable[tuple[Rid, float] | None]]
+"""``(model, first new block, request, seconds) -> None`` when claimed, else ``(holder, seconds left)``."""
 
 
 @dataclass(slots=True)
@@ -102,11 +104,16 @@ class Reservations:
         self.clock = clock
         self.hold_seconds = hold_seconds
         """How long a lookup's hold on a new prefix lasts, and so the longest another lookup waits on it."""
-        self.claim: Callable[[str, BlockHash64, Rid, float], Awaitable[Rid | None]] | None = None
+        self.claim: Claim | None = None
         """Claims a new prefix for a lookup across replicas (the replicas' sync): None when this lookup
-        holds it, else the holding request as this replica names it; None: one process."""
-        self._claims: set[asyncio.Future[Rid | None]] = set()
+        holds it, else the holding request as this replica names it and the seconds its claim has left;
+        None: one process."""
+        self._claims: set[asyncio.Future[tuple[Rid, float] | None]] = set()
         """Claims under way (kept referenced until done)."""
+        self._settled: dict[Rid, float] = {}
+        """With replicas: requests whose pick came (reserved or released) -> until when that still
+        answers a claim on their prefix (its hold's time: a claim key outlives neither). A pick that
+        came before a lookup found its claim, or whose entry is gone, is not waited for."""
         self._entries: dict[Rid, _Entry] = {}
         self._blocks: dict[str, dict[BlockHash64, Rid]] = {}
         """``model -> {block hash -> the latest reservation routing it}``: one holder per block (the
@@ -138,6 +145,7 @@ class Reservations:
         rid = (router, request_id)
         self._drop(rid)
         self._resolve(rid)
+        self._settle(rid, now)
         if expires <= now:
             return ""
         # Checkpoints only (see STRIDE): block ``first + j`` sits at query position ``first + j``.
@@ -157,6 +165,7 @@ class Reservations:
         are no-ops."""
         rid = (router, request_id)
         self._resolve(rid)  # a pick that was never made (the router placed otherwise): no more waiting
+        self._settle(rid, self.clock())
         entry = self._entries.get(rid)
         if entry is None or not entry.running:
             return
@@ -213,9 +222,8 @@ class Reservations:
         first new block (``hashes[start]``), then hold it for this request's pick when ``reserve_id``
         names one. With replicas, a hold no lookup here had is also claimed across them (:attr:`claim`),
         once taken here (so this replica's next lookups of it wait for this one, not for Redis); when
-        another replica's router has it, this lookup waits until that reservation or release comes by
-        the feed (a release for a pick never reserved, sent before this wait began, is not seen: the
-        wait then runs its course)."""
+        another replica's router has it and its pick has not come yet (:meth:`settled`), this lookup
+        waits until that reservation or release comes by the feed, or the claim lapses."""
         if start >= len(hashes):
             return
         h = (model, hashes[start])
@@ -235,8 +243,8 @@ class Reservations:
             await self._claim_and_wait(self.claim(model, hashes[start], rid, self.hold_seconds), rid, h,
                                        wait)
 
-    async def _claim_and_wait(self, claim: Awaitable[Rid | None], rid: Rid, h: tuple[str, BlockHash64],
-                              wait: float) -> None:
+    async def _claim_and_wait(self, claim: Awaitable[tuple[Rid, float] | None], rid: Rid,
+                              h: tuple[str, BlockHash64], wait: float) -> None:
         """The claim runs to its end (bounded by the hold's time; it holds the prefix on the other replicas
         even when this lookup may not wait for it, then as a task of its own); within ``wait`` s in all,
         its answer is waited for and then, when another replica's router holds the prefix, that router's
@@ -244,7 +252,7 @@ class Reservations:
         loop = asyncio.get_running_loop()
         end = loop.time() + wait
         if wait >= self.hold_seconds:  # the usual case: the claim's own bound is within the lookup's
-            other = await claim
+            got = await claim
         else:
             task = asyncio.ensure_future(claim)
             self._claims.add(task)
@@ -252,14 +260,15 @@ class Reservations:
             if wait <= 0:
                 return
             try:
-                other = await asyncio.wait_for(asyncio.shield(task), wait)
+                got = await asyncio.wait_for(asyncio.shield(task), wait)
             except TimeoutError:
                 return
-        if other is None or other == rid or other in self._entries:
+        if got is None or got[0] == rid or self.settled(got[0]):
             return
+        other, left = got
         hold = self._holds.get(other)
-        if hold is None:
-            hold = self._holds[other] = _Hold(other[0], h, self.clock() + self.hold_seconds)
+        if hold is None:  # lasts as long as the claim key: the other replica's hold
+            hold = self._holds[other] = _Hold(other[0], h, self.clock() + left)
         await self._wait(hold, end - loop.time())
         mine = self._holds.get(rid)
         if mine is not None:
@@ -304,6 +313,11 @@ class Reservations:
             out.setdefault(key, Reserved(d))
         return out
 
+    def settled(self, rid: Rid) -> bool:
+        """Whether request ``rid``'s pick came (reserved, or released unmade) within its hold's time, or
+        its reservation is kept: a claim on its prefix need not be waited for."""
+        return rid in self._entries or rid in self._settled
+
     def any(self) -> bool:
         """Whether any reservation is kept (else every lookup's :meth:`overlay` is empty)."""
         return bool(self._entries)
@@ -315,6 +329,11 @@ class Reservations:
         return len(running), sum(e.prefill for e in running), len(self._entries)
 
     # ------------------------------------------------------------------ upkeep
+    def _settle(self, rid: Rid, now: float) -> None:
+        if self.claim is None:
+            return
+        self._settled.pop(rid, None)  # to the end: the dict stays in order of expiry (_sweep trims it)
+        self._settled[rid] = now + self.hold_seconds
     def _resolve(self, rid: Rid) -> None:
         hold = self._holds.pop(rid, None)
         if hold is not None:
@@ -360,6 +379,11 @@ class Reservations:
         for rid, hold in list(self._holds.items()):
             if hold.expires <= now:
                 self._resolve(rid)
+        while self._settled:
+            rid, until = next(iter(self._settled.items()))
+            if until > now:
+                break
+            del self._settled[rid]
 
 
 async def lookup_view(res: Reservations, router: str, reserve_id: str, model: str,

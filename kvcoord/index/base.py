@@ -296,9 +296,10 @@ class ReservationFeed(Protocol):
         entry)])``, times as :meth:`history`'s; this reader's own entry comes back too."""
         ...
 
-    async def claim(self, name: str, holder: bytes, seconds: float) -> bytes | None:
+    async def claim(self, name: str, holder: bytes, seconds: float) -> tuple[bytes, float] | None:
         """Claim ``name`` for ``holder`` for ``seconds`` unless another holder has it, in one round trip:
-        None when claimed, else whoever holds it (a lookup's hold on a new prefix, across replicas)."""
+        None when claimed, else whoever holds it and for how many seconds more (a lookup's hold on a new
+        prefix, across replicas)."""
         ...
 
 

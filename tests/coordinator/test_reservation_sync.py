@@ -54,7 +54,8 @@ def _reserve(sync: ReservationSync, request_id: str, hashes: list[int], router: 
 
 
 def _release(sync: ReservationSync, request_id: str, router: str) -> None:
-    """A router's release of a pick it never reserved (it placed otherwise), as its stream queues it."""
+    """A router's release of a pick at its end (or of one it never made: it placed otherwise), as its
+    stream queues it."""
     op = pb.ReserveOp(request_id=request_id, release=pb.Release())
     assert apply_op(sync.reservations, router, op) == ""
     sync.queue(router, op)
@@ -109,6 +110,32 @@ async def test_a_hold_is_claimed_across_replicas_and_the_others_lookup_waits_for
         assert seen == {("n1", 0): Reserved(16 if pick else 0, 1, 9)}
     assert a.counts["claims"] == 2 and a.counts["contested"] == 0
     assert b.counts["claims"] == 2 and b.reservations.counts["waited"] == 2
+
+
+async def test_a_pick_that_came_before_the_claim_was_found_is_not_waited_for(
+        syncs: tuple[ReservationSync, ReservationSync]) -> None:
+    """The claim key lives its whole hold (60 s here), but the holder's answer is already in: a release of
+    a pick never made, and a reservation completed and gone past its blocks' hold. B's lookups find the
+    claims and do not wait (30 s bounds them; they would wait 60)."""
+    a, b = syncs
+    shift = [0.0]
+    b.reservations.clock = lambda: time.monotonic() + shift[0]
+    for s in (a, b):
+        s.reservations.hold_seconds = 60.0
+    await a.flush()  # A reads B's first entry: claims go to Redis
+    placed_elsewhere, done = list(range(1000, 1016)), list(range(1100, 1116))
+    await a.reservations.hold("r1", "q1", "m", placed_elsewhere, 0, 60.0)
+    await a.reservations.hold("r1", "q2", "m", done, 0, 60.0)
+    _release(a, "q1", router="r1")
+    _reserve(a, "q2", done, router="r1")
+    _release(a, "q2", router="r1")
+    await a.flush()
+    await b.flush()
+    shift[0] = 10.0  # past the blocks' hold (BLOCK_HOLD): B drops q2's entry
+    assert b.reservations.totals() == (0, 0, 0)
+    for prompt in (placed_elsewhere, done):
+        await asyncio.wait_for(b.reservations.hold("r2", "x", "m", prompt, 0, 60.0), 30)
+    assert b.counts["claims"] == 2 and b.counts["contested"] == 0 and b.reservations.counts["waited"] == 0
 
 
 async def test_concurrent_lookups_on_one_replica_wait_for_the_first_not_for_redis(

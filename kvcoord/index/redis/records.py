@@ -198,18 +198,21 @@ class RedisReservationFeed:
                     out.append((_ms(after) / 1000, raw))
         return after, None if entry is None else _ms(_text(replies[0])) / 1000, out
 
-    async def claim(self, name: str, holder: bytes, seconds: float) -> bytes | None:
-        """``SET NX PX`` then ``GET`` of ``{prefix}:hold:<name>``, pipelined (any Redis version; the key
-        shares the stream's slot). A claim that lapsed between the two is nobody's: None."""
+    async def claim(self, name: str, holder: bytes, seconds: float) -> tuple[bytes, float] | None:
+        """``SET NX PX``, ``GET`` and ``PTTL`` of ``{prefix}:hold:<name>``, pipelined (any Redis version;
+        the key shares the stream's slot). A claim that lapsed between them is nobody's: None."""
         key = self.hold_prefix + name
         try:
             pipe = self._r.pipeline(transaction=False)
             pipe.set(key, holder, nx=True, px=max(1, int(seconds * 1000)))
             pipe.get(key)
-            claimed, now = await pipe.execute()
+            pipe.pttl(key)
+            claimed, now, left_ms = await pipe.execute()
         except Exception as exc:
             raise ConnectionError(f"reservation feed: {exc}") from exc
-        return None if claimed or now is None else bytes(now)
+        if claimed or now is None or left_ms <= 0:
+            return None
+        return bytes(now), left_ms / 1000
 
 
 def _text(raw: bytes | str) -> str:
