@@ -46,14 +46,8 @@ from kvcoord.index import open_index
 from kvcoord.index.base import NodeKey
 from kvcoord.load import NodeLoad
 from kvcoord.router.answer import Candidate
-from kvcoord.router.policy import (
-    ApproximatePolicy,
-    Decision,
-    LatencyModel,
-    Policy,
-    PrefixAwarePolicy,
-    RouteRequest,
-)
+from kvcoord.router.placement import Decision, LatencyModel, RouteRequest
+from kvcoord.router.policy import ApproximatePolicy, Policy, PrefixAwarePolicy
 from kvcoord.sim.cluster import ClusterConfig, simulate
 from kvcoord.sim.report import summarize
 from kvcoord.sim.workload import Workload, load_mooncake

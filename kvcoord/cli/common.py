@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from kvcoord.gateway.disagg import PdConfig
-    from kvcoord.router.policy import LatencyModel
+    from kvcoord.router.placement import LatencyModel
     from kvcoord.transport import ChannelSecurity
 
 TOKEN_ENV = "KVCOORD_TOKEN"
@@ -186,12 +186,12 @@ def add_connection(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, toke
 
 def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean_output: bool,
                    pull: bool = False) -> None:
-    """The latency model's flags (:class:`kvcoord.router.policy.LatencyModel`, whose defaults they show):
+    """The latency model's flags (:class:`kvcoord.router.placement.LatencyModel`, whose defaults they show):
     the simulator's hardware and the cost the prefix-aware policy weighs load with, named alike in
     ``simulate``, ``route`` and ``epp`` so that a router can be run with the model a simulation assumed.
     ``mean_output``: the command takes the mean output length as a flag (the simulator reads it off its
     workload). ``pull``: the peer-pull transfer cost too (``route`` and ``epp`` pass hints on)."""
-    from kvcoord.router.policy import LatencyModel
+    from kvcoord.router.placement import LatencyModel
 
     d = LatencyModel().flags()
     p.add_argument("--max-running", type=POSITIVE_INT, default=int(d["max_running"]),
@@ -224,7 +224,7 @@ def add_cost_model(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, mean
 def cost_model(args: argparse.Namespace, mean_output_tokens: float | None = None) -> LatencyModel:
     """The :class:`LatencyModel` of :func:`add_cost_model`'s flags (``mean_output_tokens`` wins over the
     flag)."""
-    from kvcoord.router.policy import LatencyModel
+    from kvcoord.router.placement import LatencyModel
 
     mean = mean_output_tokens if mean_output_tokens is not None else args.mean_output_tokens
     return LatencyModel.from_flags(prefill_us_per_token=args.prefill_us_per_token,

@@ -33,16 +33,8 @@ from urllib.parse import urlsplit
 from kvcoord.load import NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.client import AsyncCoordinatorClient, CoordinatorError, NodeStatus
-from kvcoord.router.policy import (
-    Decision,
-    LatencyModel,
-    LeastLoadedPolicy,
-    Policy,
-    PrefixAwarePolicy,
-    RouteRequest,
-    make_policy,
-    place,
-)
+from kvcoord.router.placement import Decision, LatencyModel, RouteRequest
+from kvcoord.router.policy import LeastLoadedPolicy, Policy, PrefixAwarePolicy, make_policy, place
 
 from .disagg import PdConfig, pools_of, prefill_remote
 from .flow import NO_ENDPOINTS, SATURATED

@@ -35,7 +35,8 @@ from kvcoord.router.answer import KV_SOURCE_HEADER, Candidate
 from kvcoord.router.client import AsyncCoordinatorClient
 from kvcoord.router.http_lookup import HttpLookupClient, LookupClient
 from kvcoord.router.http_pool import HttpConn, HttpPools, ReadTimeout
-from kvcoord.router.policy import Decision, LatencyModel, make_policy
+from kvcoord.router.placement import Decision, LatencyModel
+from kvcoord.router.policy import make_policy
 from kvcoord.tokenize.media import MediaRule
 from kvcoord.transport import ChannelSecurity, ListenError, split_hostport
 

@@ -22,7 +22,8 @@ import grpc
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.client import CoordinatorError
 from kvcoord.router.http_lookup import LookupClient
-from kvcoord.router.policy import Decision, LeastLoadedPolicy, Policy, RouteRequest, place
+from kvcoord.router.placement import Decision, RouteRequest
+from kvcoord.router.policy import LeastLoadedPolicy, Policy, place
 from kvcoord.tokenize.base import Tokenizer
 from kvcoord.tokenize.media import MediaRule
 from kvcoord.transport import TOKENIZER_CAUSE

@@ -31,7 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvcoord.index.base import NodeKey
 from kvcoord.router.answer import Candidate
-from kvcoord.router.policy import Decision, PrefixAwarePolicy, reserved_as_held
+from kvcoord.router.placement import Decision
+from kvcoord.router.policy import PrefixAwarePolicy, reserved_as_held
 
 from .route_backends import Backends
 from .route_place import Plan, node_label

@@ -1,7 +1,7 @@
 """A simulated cluster: N nodes, each a real :class:`~kvcoord.agent.pool.BlockPool`, whose KV events
 feed a real index, and a router that places every request with a :class:`~kvcoord.router.policy.Policy`.
 
-Cost model (per node; :class:`~kvcoord.router.policy.LatencyModel` holds the numbers):
+Cost model (per node; :class:`~kvcoord.router.placement.LatencyModel` holds the numbers):
 
 - at most ``max_running`` requests run at once; the rest wait in a FIFO queue. A request is admitted
   when a slot is free *and* its pool can hold its prompt (the queue head blocks the rest, as in vLLM);
@@ -39,12 +39,8 @@ from kvcoord.events import KVEvent
 from kvcoord.hashing import BlockHash64, HashProfile
 from kvcoord.index.base import Index, NodeKey, NodeMatch, run_inline
 from kvcoord.load import NodeLoad
-from kvcoord.router.policy import (
-    LatencyModel,
-    Policy,
-    RouteRequest,
-    candidates_from_matches,
-)
+from kvcoord.router.placement import LatencyModel, RouteRequest
+from kvcoord.router.policy import Policy, candidates_from_matches
 from kvcoord.sim.disagg import PdSimConfig, place, pools
 from kvcoord.sim.tiers import TierConfig, Tiers
 from kvcoord.sim.workload import SimRequest, Workload

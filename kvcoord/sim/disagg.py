@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from kvcoord.gateway.disagg import DEFAULT_MAX_LOCAL_PREFILL, PdConfig, prefill_remote
 from kvcoord.gateway.route_metrics import predicted_tokens
 from kvcoord.router.answer import Candidate
-from kvcoord.router.policy import Decision, Policy, RouteRequest
+from kvcoord.router.placement import Decision, RouteRequest
+from kvcoord.router.policy import Policy
 
 __all__ = ["PdSimConfig", "place", "pools"]
 

@@ -17,7 +17,8 @@ from kvcoord.gateway.disagg import DEFAULT_MAX_LOCAL_PREFILL
 from kvcoord.hashing import HashProfile, check_algo
 from kvcoord.index import open_index
 from kvcoord.index.base import Index
-from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
+from kvcoord.router.placement import LatencyModel
+from kvcoord.router.policy import POLICY_NAMES, make_policy
 from kvcoord.sim.cluster import ClusterConfig, SimBackend, simulate
 from kvcoord.sim.disagg import PdSimConfig, pools
 from kvcoord.sim.report import average_seeds, breakdown, check_plotting, plot, summarize, table

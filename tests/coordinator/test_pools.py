@@ -27,7 +27,8 @@ from kvcoord.events import BlockStored, Tier
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.media import normalize_medium
 from kvcoord.router.client import AsyncCoordinatorClient
-from kvcoord.router.policy import ApproximatePolicy, LatencyModel, PrefixAwarePolicy, place
+from kvcoord.router.placement import LatencyModel
+from kvcoord.router.policy import ApproximatePolicy, PrefixAwarePolicy, place
 from tests.http_util import http_json, http_request, metrics, sample
 from tests.procs import free_port, free_port_pair, kvcoord_cmd, running, wait_for_port
 from tests.redis_servers import redis_server

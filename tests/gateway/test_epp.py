@@ -639,7 +639,8 @@ async def test_degraded_flag_reaches_the_policy(flags: tuple[str, ...], want: st
     from kvcoord.cli import build_parser
     from kvcoord.cli.epp import epp_config
     from kvcoord.gateway.epp import EppServer
-    from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy
+    from kvcoord.router.placement import LatencyModel
+    from kvcoord.router.policy import PrefixAwarePolicy
 
     for policy, reads in (("prefix-aware", True), ("least-loaded", False)):
         args = build_parser().parse_args(["epp", "--coordinator", "127.0.0.1:1", "--policy", policy, *flags])
@@ -659,7 +660,8 @@ async def test_cost_model_flags_reach_the_policy() -> None:
     from kvcoord.cli import build_parser
     from kvcoord.cli.epp import epp_config
     from kvcoord.gateway.epp import EppServer
-    from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy
+    from kvcoord.router.placement import LatencyModel
+    from kvcoord.router.policy import PrefixAwarePolicy
 
     args = build_parser().parse_args(["epp", "--coordinator", "127.0.0.1:1", "--prefill-us-per-token", "2.5",
                                       "--decode-ms-per-token", "10", "--max-running", "4",

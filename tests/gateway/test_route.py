@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvcoord.router.policy import DEFAULT_CACHE_THRESHOLD, DEFAULT_WORK_WEIGHT
+from kvcoord.router.placement import DEFAULT_CACHE_THRESHOLD, DEFAULT_WORK_WEIGHT
 from tests.procs import free_port, kvcoord_cmd, running, until_async, wait_for_port
 from tests.route_fleet import (
     BLOCK,
@@ -311,7 +311,8 @@ async def test_route_keys_its_memories_on_the_coordinators_hashes_and_follows_an
     from kvcoord.proto.v2 import kvcoord_pb2 as pb
     from kvcoord.proto.v2 import kvcoord_pb2_grpc as pbg
     from kvcoord.router.client import AsyncCoordinatorClient
-    from kvcoord.router.policy import LatencyModel, PrefixAwarePolicy
+    from kvcoord.router.placement import LatencyModel
+    from kvcoord.router.policy import PrefixAwarePolicy
     from tests.coordinator.test_coordinator_ingest import Agent, Coord
 
     ov = {"listen": "127.0.0.1:0", "metrics_listen": "", "http_listen": "",

@@ -11,7 +11,8 @@ from kvcoord.gateway.route_place import Plan
 from kvcoord.gateway.sessions import SessionConfig, Sessions
 from kvcoord.load import NodeLoad
 from kvcoord.router.answer import Candidate
-from kvcoord.router.policy import PrefixAwarePolicy, RouteRequest
+from kvcoord.router.placement import RouteRequest
+from kvcoord.router.policy import PrefixAwarePolicy
 
 BLOCK = 16
 

@@ -10,16 +10,14 @@ from kvcoord.index.base import NodeMatch
 from kvcoord.load import HASH_MISMATCH, HISTORY_LOST, NodeLoad
 from kvcoord.router.answer import Candidate, LookupResult
 from kvcoord.router.memory import PlacementMemory, RoutedPrefixMemory
+from kvcoord.router.placement import DEFAULT_WORK_WEIGHT, LatencyModel, RouteRequest
 from kvcoord.router.policy import (
-    DEFAULT_WORK_WEIGHT,
     POLICY_NAMES,
     ApproximatePolicy,
-    LatencyModel,
     LeastLoadedPolicy,
     PrefixAwarePolicy,
     RandomPolicy,
     RoundRobinPolicy,
-    RouteRequest,
     candidates_from_matches,
     make_policy,
     place,

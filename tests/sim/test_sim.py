@@ -11,7 +11,8 @@ import pytest
 from kvcoord.hashing import HashProfile, block_hashes64, hash_request_tokens
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.router.client import CoordinatorClient
-from kvcoord.router.policy import POLICY_NAMES, LatencyModel, make_policy
+from kvcoord.router.placement import LatencyModel
+from kvcoord.router.policy import POLICY_NAMES, make_policy
 from kvcoord.sim.cluster import ClusterConfig, PolicyResult, simulate
 from kvcoord.sim.remote import CoordinatorBackend, run_tag
 from kvcoord.sim.report import average_seeds, deterministic_view, summarize, table

@@ -11,7 +11,8 @@ import pytest
 
 from kvcoord.hashing import HashProfile
 from kvcoord.index.memory import MemoryIndex
-from kvcoord.router.policy import LatencyModel, make_policy
+from kvcoord.router.placement import LatencyModel
+from kvcoord.router.policy import make_policy
 from kvcoord.sim.cluster import ClusterConfig, PolicyResult, simulate
 from kvcoord.sim.disagg import PdSimConfig
 from kvcoord.sim.workload import SyntheticSpec, synthetic

@@ -12,7 +12,8 @@ from kvcoord.agent.pool import BlockPool
 from kvcoord.hashing import HashProfile
 from kvcoord.index.memory import MemoryIndex
 from kvcoord.load import NodeLoad
-from kvcoord.router.policy import LatencyModel, make_policy
+from kvcoord.router.placement import LatencyModel
+from kvcoord.router.policy import make_policy
 from kvcoord.sim.cluster import ClusterConfig, IndexAdapter, PolicyResult, simulate
 from kvcoord.sim.tiers import TierConfig, Tiers
 from kvcoord.sim.workload import SyntheticSpec, synthetic
