@@ -9,9 +9,11 @@ are plain lookups by tokens and by hashes, the request written at once (one ``da
 and body apart (two), and ``GET /health`` (no work: the framing alone). ``--miss``: every answer as if
 its rows were new (the view's encoded answers and rows emptied first); ``--miss answers``: as if the
 query's rows had been seen in other answers (only the encoded answers emptied: a new prompt whose nodes
-match as some earlier prompt's did).
+match as some earlier prompt's did). ``--churn K``: before each request, K nodes report a new load (as
+heartbeats of a busy fleet do), in turn over the holders and ``--others`` nodes that hold nothing.
 
-    python benchmarks/bench_http_inproc.py [--requests 20000] [--miss [rows|answers]] [--profile out.prof]
+    python benchmarks/bench_http_inproc.py [--requests 20000] [--miss [rows|answers]] [--churn K
+        [--others M]] [--profile out.prof]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvcoord.coordinator.httpd import HttpServer
 from kvcoord.events import STORE
 from kvcoord.hashing import HashProfile, block_hashes64
 from kvcoord.index.memory import MemoryIndex
+from kvcoord.load import NodeLoad
 
 BS = 16
 
@@ -61,7 +64,7 @@ class _Sink:
     def close(self) -> None: ...
 
 
-def _fleet(nodes: int) -> tuple[HttpServer, list[int]]:
+def _fleet(nodes: int, others: int = 0) -> tuple[HttpServer, list[int]]:
     cfg = load_config(None, env={}, overrides={"listen": "127.0.0.1:0", "metrics_listen": "",
                                                "http_listen": "",
                                                "models": [f"bench,algo=sha256_cbor,block_size={BS},seed=42"],
@@ -78,6 +81,9 @@ def _fleet(nodes: int) -> tuple[HttpServer, list[int]]:
         upto = rng.randrange(len(chain) // 4, len(chain) + 1)
         ops = [(STORE, 0, chain[:upto], None, True)]
         state.index.apply_sync("bench", str(i + 1), 0, ops)  # type: ignore[attr-defined]
+    for i in range(nodes, nodes + others):
+        state.registry.hello(str(i + 1), "bench", (0,), 1, index_ok=True)[0].resyncing = False
+        state.index.apply_sync("bench", str(i + 1), 0, [(STORE, 0, [i], None, True)])  # type: ignore[attr-defined]
     return HttpServer(api.routes(), api.authorize, [("x-kvcoord-replica", "r1")]), tokens
 
 
@@ -89,7 +95,9 @@ def _request(path: str, body: dict[str, Any]) -> tuple[bytes, bytes]:
 
 
 async def _run(args: argparse.Namespace) -> None:
-    server, tokens = _fleet(args.nodes)
+    server, tokens = _fleet(args.nodes, args.others)
+    recs = list(server.routes["/query"].methods["POST"].__self__.state.registry)  # type: ignore[attr-defined]
+    turn = [0]
     chain = block_hashes64(HashProfile(algo="sha256_cbor", block_size=BS, seed="42"), tokens)
     cases = {
         "tokens64": _request("/query", {"model_name": "bench", "token_ids": tokens[:64 * BS]}),
@@ -119,6 +127,9 @@ async def _run(args: argparse.Namespace) -> None:
 
             def one(feed: Any = feed, whole: bytes = whole, client: str = client, head: bytes = head,
                     body: bytes = body) -> None:
+                for _ in range(args.churn):
+                    turn[0] += 1
+                    recs[turn[0] % len(recs)].load = NodeLoad(running_requests=turn[0])
                 if args.miss:
                     for kept in fast._kept.values():
                         kept.answers.clear()
@@ -162,6 +173,10 @@ def main() -> None:
     ap.add_argument("--miss", nargs="?", const="rows", choices=("rows", "answers"), default=None,
                     help="every answer a miss: the view's answers and rows emptied before each request "
                          "(rows, the default), or its answers alone (answers)")
+    ap.add_argument("--churn", type=int, default=0, metavar="K",
+                    help="nodes reporting a new load before each request (default 0)")
+    ap.add_argument("--others", type=int, default=0, metavar="M",
+                    help="nodes holding none of the chain, beside --nodes (default 0)")
     ap.add_argument("--profile", default=None, metavar="PATH", help="cProfile the timed loops into PATH")
     asyncio.run(_run(ap.parse_args()))
 

@@ -8,7 +8,8 @@ in C, the index's C table gives the matched rows packed (``Table.rows``), and ea
 the view carries its parts of an answer as templates, every string in them encoded already
 (:func:`~kvcoord.coordinator.answers.hit_templates`); a table row's parts are formatted once, and an answer
 is joined from its rows'. Prompts share prefixes, so the same rows come back: their answer is kept whole
-(bar the query's sizes) until the view changes.
+(bar the query's sizes) while the slots it names stay as they were. A node's change (a new load, every
+heartbeat on a busy fleet) drops only its own rows and the answers naming it.
 
 The handler (:class:`kvcoord.coordinator.httpapi.HttpApi`) frames (``httptools``) and decodes (msgspec)
 every request alike, answers errors itself, and asks this path first for a plain lookup. Both paths
@@ -124,28 +125,38 @@ class FastAnswers:
         sizes = SIZES % (nblocks, ntokens)
         known = kept.answers.get((block_size, packed))
         if known is None:
-            body, best = self._encoded(model, kept, packed, nblocks, ntokens, block_size)
+            rows = list(_ROW.iter_unpack(packed))
+            body, best = self._encoded(model, kept, rows, nblocks, ntokens, block_size)
             at = body.index(sizes)
             if len(kept.answers) >= _MAX_ANSWERS:
                 kept.answers.clear()
-            kept.answers[block_size, packed] = (body[:at], body[at + len(sizes):], best)
+                kept.answers_of.clear()
+            key = (block_size, packed)
+            slots = tuple({row[0] for row in rows})  # every slot decides it, reported or not
+            kept.answers[key] = (body[:at], body[at + len(sizes):], best, slots)
+            for slot in slots:
+                kept.answers_of.setdefault(slot, set()).add(key)
         else:
-            head, tail, best = known
+            head, tail, best, _ = known
             body = b"".join((head, sizes, tail))
         return answered(self.api.state, body, best, nblocks, query, t0, "fast")
 
     @staticmethod
-    def _encoded(model: str, kept: _Kept, packed: bytes, nblocks: int, ntokens: int,
+    def _encoded(model: str, kept: _Kept, rows: list[tuple[int, ...]], nblocks: int, ntokens: int,
                  block_size: int) -> tuple[bytes, int]:
-        """The answer to the table's ``packed`` rows (:func:`answer_json`), from the view's entries."""
+        """The answer to the table's ``rows`` (:func:`answer_json`), from the view's entries."""
         cache = kept.hits.get(block_size)
         if cache is None or len(cache) > _MAX_HITS:
+            if cache is not None:  # every size's rows go: rows_of then names only rows kept
+                kept.hits.clear()
+                kept.rows_of.clear()
             cache = kept.hits[block_size] = {}
-        rows = list(_ROW.iter_unpack(packed))
         seen = list(map(cache.get, rows))  # None where not seen yet
         if None in seen:
-            seen = [cache.setdefault(row, _hit(kept, block_size, *row)) if got is None else got
-                    for row, got in zip(rows, seen, strict=True)]
+            for i, row in enumerate(rows):
+                if seen[i] is None:
+                    seen[i] = cache[row] = _hit(kept, block_size, *row)
+                    kept.rows_of.setdefault(row[0], []).append((block_size, row))
         scored = cast("list[_Scored]", list(filter(None, seen)))  # () where the view does not report the slot
         scored.sort(key=_SORT_KEY)  # stable: the table's order (longest, then node and rank) breaks ties,
         hits = list(map(_HIT_OF, scored))  # as the handler's sort
@@ -188,9 +199,10 @@ class FastAnswers:
             elif node_id in kept.members:  # a node left the partition, which may be unknown now
                 return self._build(model, now)
             for slot, rank in kept.by_node.get(node_id, ()):
-                kept.slots[slot] = self._slot(kept, model, node_id, rank, now, now_wall)
-                kept.hits.clear()
-                kept.answers.clear()
+                entry = self._slot(kept, model, node_id, rank, now, now_wall)
+                if entry != kept.slots[slot]:  # its rows and the answers naming it go; the rest stay
+                    kept.slots[slot] = entry
+                    kept.forget(slot)
         kept.generation = generation
         kept.fresh_until = now if kept.lapsed else kept.valid_until
         return True
@@ -266,8 +278,8 @@ _ROW = struct.Struct("=4I")
 class _Kept:
     """One partition's view: what it was taken at, each slot's entry, and where each node's slots are."""
 
-    __slots__ = ("answers", "block_size", "by_node", "chain", "fresh_until", "generation", "hits", "lapsed",
-                 "layout", "members", "slots", "table", "valid_until", "weights")
+    __slots__ = ("answers", "answers_of", "block_size", "by_node", "chain", "fresh_until", "generation",
+                 "hits", "lapsed", "layout", "members", "rows_of", "slots", "table", "valid_until", "weights")
 
     def __init__(self, table: Table, generation: int, valid_until: float, block_size: int,
                  chain: tuple[str, int, bytes, int] | None, weights: tuple[float, float, float]) -> None:
@@ -288,15 +300,28 @@ class _Kept:
         """Per table slot, its entry while lookups may report it."""
         self.hits: dict[int, _HitCache] = {}
         """Per block size, table rows seen, as hits (:func:`_hit`, their counts in that size's tokens):
-        rows repeat, as prompts share prefixes; emptied when a slot's entry changes, and when it grows
-        past :data:`_MAX_HITS`."""
-        self.answers: dict[tuple[int, bytes], tuple[bytes, bytes, int]] = {}
+        rows repeat, as prompts share prefixes. A slot's rows go when its entry changes (:meth:`forget`);
+        all go when one size's grow past :data:`_MAX_HITS`."""
+        self.rows_of: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        """slot -> its rows in :attr:`hits`, as (block size, row)."""
+        self.answers: dict[tuple[int, bytes], tuple[bytes, bytes, int, tuple[int, ...]]] = {}
         """(block size, the table's packed rows) -> the answer's bytes before and after its sizes
-        (:data:`SIZES`), and its best match: the answer is theirs alone, as long as :attr:`hits` is kept
-        (emptied with it, and when it grows past :data:`_MAX_ANSWERS`)."""
+        (:data:`SIZES`), its best match and the slots its rows name: the answer is theirs alone while
+        those slots' entries stay (:meth:`forget`); all go when they grow past :data:`_MAX_ANSWERS`."""
+        self.answers_of: dict[int, set[tuple[int, bytes]]] = {}
+        """slot -> the keys of the answers kept whose rows name it."""
         self.by_node: dict[str, list[tuple[int, int]]] = {}
         """node id -> its (slot, dp rank)s in the table, as of the layout."""
         self.lapsed: set[str] = set()
         """Nodes past their lease, not yet expired: their slots are looked at again at every lookup."""
         self.members: set[str] = set()
         """The nodes whose records are of this partition (the last one leaving may make it unknown)."""
+
+    def forget(self, slot: int) -> None:
+        """Slot ``slot``'s entry changed: its rows' hits and every answer naming it are stale."""
+        for size, row in self.rows_of.pop(slot, ()):
+            self.hits.get(size, {}).pop(row, None)
+        for key in self.answers_of.pop(slot, ()):
+            known = self.answers.pop(key, None)
+            for other in known[3] if known is not None else ():
+                self.answers_of.get(other, set()).discard(key)  # so each slot names only answers kept

@@ -313,6 +313,41 @@ def test_an_answer_kept_for_its_rows_says_each_querys_sizes() -> None:
     assert got == fleet.handler("/query_by_hash", data) and b'"running_requests":5' in (got or b"")
 
 
+def test_a_nodes_change_drops_only_its_rows_and_the_answers_naming_it() -> None:
+    """A new load (every heartbeat of a busy engine) must not empty the view's kept rows and answers: the
+    other nodes' stay, and every answer is still the general path's."""
+    fleet = Fleet(random.Random(6))
+    chain = fleet.chains["m"]
+    a, b = fleet.node("a", "m", (0,)), fleet.node("b", "m", (0,))
+    for node, upto in (("a", 8), ("b", 4)):
+        ops = [(CLEAR, 0, (), None, True), (STORE, 0, chain[:upto], None, True)]
+        fleet.state.index.apply_sync("m", node, 0, ops)  # type: ignore[attr-defined]
+    # a's own tail (only a holds blocks 4-7) and the shared head (both hold blocks 0-3)
+    only_a = json.dumps({"model_name": "m", "block_hashes": chain[4:8]}).encode()
+    both = json.dumps({"model_name": "m", "block_hashes": chain[:8]}).encode()
+
+    def answers_agree() -> None:
+        for data in (only_a, both):
+            assert fleet.answer(raw_request("/query_by_hash", data)) == fleet.handler("/query_by_hash", data)
+
+    answers_agree()
+    kept = fleet.fast._kept["m"]
+    assert len(kept.answers) == 2
+    slot_a, slot_b = (kept.by_node[n][0][0] for n in ("a", "b"))
+    b.load = NodeLoad(running_requests=9)
+    answers_agree()  # brings the view up to date: b's rows and the answer naming b go, then come back
+    assert len(kept.answers) == 2 and kept is fleet.fast._kept["m"]
+    assert b'"running_requests":9' in (fleet.answer(raw_request("/query_by_hash", both)) or b"")
+    rows_a = list(kept.rows_of[slot_a])
+    b.load = NodeLoad(running_requests=10)
+    fleet.answer(raw_request("/query_by_hash", only_a))
+    assert kept.rows_of[slot_a] == rows_a and slot_b not in kept.rows_of  # a's rows kept, b's gone
+    assert [slots for *_, slots in kept.answers.values()] == [(slot_a,)]  # only the answer naming a
+    a.load = NodeLoad(running_requests=3)
+    answers_agree()
+    assert all(kept.answers_of[s] <= kept.answers.keys() for s in kept.answers_of)
+
+
 def test_tally_is_its_twin() -> None:
     """kvcoord._native.Tally and PyTally bucket and sum alike (bounds as the metrics use them)."""
     assert native is not None
