@@ -145,7 +145,8 @@ class ReservationSync:
         if not sep or name.startswith(f"{self.replica_id}/") or self.reservations.settled((name, request_id)):
             return None  # this replica's own (its local hold is the word on it), or its pick is in
         self.counts["contested"] += 1
-        self._eager_until = time.monotonic() + min(seconds, got[1])
+        # never earlier than it was: an earlier lookup may still wait on another replica's pick
+        self._eager_until = max(self._eager_until, time.monotonic() + min(seconds, got[1]))
         self._wake.set()
         return (name, request_id), got[1]
 

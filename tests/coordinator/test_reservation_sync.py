@@ -138,6 +138,34 @@ async def test_a_pick_that_came_before_the_claim_was_found_is_not_waited_for(
     assert b.counts["claims"] == 2 and b.counts["contested"] == 0 and b.reservations.counts["waited"] == 0
 
 
+async def test_a_claim_near_its_end_does_not_slow_the_reads_an_earlier_wait_needs(
+        syncs: tuple[ReservationSync, ReservationSync]) -> None:
+    """B's first lookup waits on A's 60 s claim; its second finds a claim with 5 s left. The feed must still
+    be read at the waiting pace for the first (until the later of the two), not drop to the idle poll."""
+    a, b = syncs
+    for s in (a, b):
+        s.reservations.hold_seconds = 60.0
+    await a.flush()
+    first, second = list(range(1200, 1216)), list(range(1300, 1316))
+    await a.reservations.hold("r1", "q1", "m", first, 0, 60.0)
+    assert b.feed.claim is not None and await b.feed.claim(f"m:{second[0]:x}", b"a/r1\0q2", 5.0) is None
+    waits = [asyncio.create_task(b.reservations.hold("r0", "x", "m", first, 0, 60.0))]
+
+    async def contested(n: int) -> bool:
+        return b.counts["contested"] == n
+
+    await until_async(lambda: contested(1), "B's first lookup finding A's claim", timeout=30)
+    eager = b._eager_until
+    waits.append(asyncio.create_task(b.reservations.hold("r9", "x", "m", second, 0, 60.0)))
+    await until_async(lambda: contested(2), "B's second lookup finding the short claim", timeout=30)
+    assert b._eager_until >= eager
+    for request_id in ("q1", "q2"):
+        _release(a, request_id, router="r1")
+    await a.flush()
+    await b.flush()
+    await asyncio.wait_for(asyncio.gather(*waits), 30)
+
+
 async def test_concurrent_lookups_on_one_replica_wait_for_the_first_not_for_redis(
         syncs: tuple[ReservationSync, ReservationSync]) -> None:
     """A burst of one new prefix on one replica: the first lookup holds it before its claim's round trip,
