@@ -694,6 +694,7 @@ def test_every_alert_fires_and_every_panel_shows_data(tmp_path: Path) -> None:
         "KvcoordLeasesExpiring": ("traffic", {"instance": lease_inst}),
         "KvcoordEventsRejected": ("traffic", {"reason": "unknown_dp_rank"}),
         "KvcoordIndexBackendDown": ("redis_down", {"instance": main_inst, "backend": "redis"}),
+        "KvcoordReservationFeedFailing": ("redis_down", {"instance": main_inst}),
         "KvcoordCoordinatorDown": ("coordinator_down", {"instance": main_inst, "job": job}),
         "KvcoordRouteAchievedBelowPredicted": ("traffic", {"instance": route_inst, "job": route_job}),
         "KvcoordRouteDegraded": ("coordinator_down", {"instance": route_inst, "job": route_job}),
