@@ -330,10 +330,12 @@ class Reservations:
 
     # ------------------------------------------------------------------ upkeep
     def _settle(self, rid: Rid, now: float) -> None:
+        """``rid``'s pick came (with replicas only: a claim on its prefix is then not waited for)."""
         if self.claim is None:
             return
         self._settled.pop(rid, None)  # to the end: the dict stays in order of expiry (_sweep trims it)
         self._settled[rid] = now + self.hold_seconds
+
     def _resolve(self, rid: Rid) -> None:
         hold = self._holds.pop(rid, None)
         if hold is not None:

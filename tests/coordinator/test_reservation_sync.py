@@ -92,11 +92,10 @@ async def test_a_hold_is_claimed_across_replicas_and_the_others_lookup_waits_for
         await a.reservations.hold("r1", f"q{pick}", "m", prompt, 0, 60.0)  # A's router looked it up
         waiting = asyncio.create_task(b.reservations.hold("r2", "x", "m", prompt, 0, 60.0))
 
-        async def contested(n: int = 1 + (not pick)) -> bool:
-            return b.counts["contested"] == n
+        async def waits(n: int = 1 + (not pick)) -> bool:
+            return b.counts["contested"] == n and b.reservations.counts["waited"] == n
 
-        await until_async(contested, "B's lookup finding A's router holding the prefix", timeout=30)
-        await asyncio.sleep(0.05)
+        await until_async(waits, "B's lookup waiting on A's router's claim", timeout=30)
         assert not waiting.done()  # it waits for A's router: only B's next read can end that
         if pick:
             _reserve(a, "qTrue", prompt, router="r1")
@@ -176,7 +175,11 @@ async def test_concurrent_lookups_on_one_replica_wait_for_the_first_not_for_redi
     prompt = list(range(500, 516))
     burst = [asyncio.create_task(a.reservations.hold(f"r{i}", "q", "m", prompt, 0, 60.0)) for i in range(3)]
     await asyncio.wait(burst[:1])
-    await asyncio.sleep(0.05)
+
+    async def both_wait() -> bool:
+        return a.reservations.counts["waited"] == 2
+
+    await until_async(both_wait, "the burst's other lookups waiting on r0's hold", timeout=30)
     assert not any(t.done() for t in burst[1:])  # waiting for r0's pick
     _reserve(a, "q", prompt, router="r0")
     await asyncio.wait_for(asyncio.gather(*burst), 30)
